@@ -1,0 +1,40 @@
+"""mlxinfer: on-device LLM inference on Apple's MLX.
+
+Public API::
+
+    model, tokenizer = mlxinfer.load("path/or/org-repo")   # None: the default model
+    text = mlxinfer.generate(model, tokenizer, "Hello", max_tokens=64)
+    for r in mlxinfer.stream_generate(model, tokenizer, "Hello"):
+        print(r.text, end="")
+    mlxinfer.convert("hf-dir-or-repo", "out-dir", quantize=True)
+
+Importing this package has no side effects: the heavy modules (and MLX) load
+on first use of an attribute.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load": "loader",
+    "generate": "generate",
+    "stream_generate": "generate",
+    "GenerationResult": "generate",
+    "GenerationStats": "generate",
+    "convert": "convert",
+    "make_sampler": "sampling",
+    "make_logits_processors": "sampling",
+    "PromptCache": "prompt_cache",
+    "ChatSession": "chat",
+    "Tokenizer": "tokenizer",
+    "MlxInferError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'mlxinfer' has no attribute '{name}'")

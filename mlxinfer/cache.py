@@ -1,0 +1,310 @@
+"""KV caches: one object per layer, all behind the :class:`Cache` protocol.
+
+The arrays live in unified memory, so on a Mac the GPU writes them in place
+and the CPU can read them without a copy. Kinds:
+
+- :class:`KVCache` — the standard cache, preallocated in steps of ``step``
+  tokens and written in place.
+- :class:`RotatingKVCache` — keeps at most ``max_size`` tokens (sliding-window
+  attention, or ``--max-kv-size`` with ``keep`` leading "sink" tokens).
+- :class:`QuantizedKVCache` — keys and values stored 8- or 4-bit (``--kv-bits``);
+  attention over it goes through ``mx.quantized_matmul``.
+
+Each cache also builds the attention mask for the queries about to be added
+(``make_mask``), because only the cache knows which positions it holds. A batched
+or paged cache will add its own kinds behind the same protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+Mask = None | str | mx.array
+
+
+@runtime_checkable
+class Cache(Protocol):
+    offset: int  # tokens seen so far == position of the next token
+    quantized: bool  # True: update_and_fetch returns (packed, scales, biases) triples
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]: ...
+    def make_mask(self, n_queries: int) -> Mask: ...
+    def is_trimmable(self) -> bool: ...
+    def trim(self, n: int) -> int: ...
+    @property
+    def state(self) -> list[mx.array]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+def _grow(buf: mx.array | None, used: int, needed: int, step: int, like: mx.array) -> mx.array:
+    """Return ``buf`` with room for ``needed`` tokens along axis 2, in ``step`` chunks."""
+    if buf is not None and needed <= buf.shape[2]:
+        return buf
+    B, H, _, D = like.shape
+    extra = ((needed - used + step - 1) // step) * step
+    fresh = mx.zeros((B, H, extra, D), like.dtype)
+    if buf is None:
+        return fresh
+    return mx.concatenate([buf[..., :used, :], fresh], axis=2)
+
+
+class KVCache:
+    """Standard cache: (B, n_kv_heads, capacity, head_dim) buffers written in place."""
+
+    quantized = False
+    step = 256  # tokens added per growth; large enough that growth is rare
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev, L = self.offset, keys.shape[2]
+        self.keys = _grow(self.keys, prev, prev + L, self.step, keys)
+        self.values = _grow(self.values, prev, prev + L, self.step, values)
+        self.offset = prev + L
+        self.keys[..., prev:self.offset, :] = keys
+        self.values[..., prev:self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def make_mask(self, n_queries: int) -> Mask:
+        # One query sees every cached key; several need the causal mask, which
+        # sdpa aligns lower-right (last query ↔ last key), i.e. after `offset`.
+        return None if n_queries == 1 else "causal"
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens (the buffer is kept and overwritten later)."""
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        if self.keys is None:
+            return []
+        return [self.keys[..., : self.offset, :], self.values[..., : self.offset, :]]
+
+    @state.setter
+    def state(self, arrays: list[mx.array]) -> None:
+        self.keys, self.values = arrays
+        self.offset = self.keys.shape[2]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {}
+
+    @meta_state.setter
+    def meta_state(self, meta: dict[str, str]) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cached tokens: 2 × kv_heads × head_dim × tokens × itemsize (× batch)."""
+        if self.keys is None:
+            return 0
+        B, H, _, Dk = self.keys.shape
+        Dv = self.values.shape[-1]
+        return B * H * self.offset * (Dk + Dv) * self.keys.itemsize
+
+
+class RotatingKVCache:
+    """Keeps the first ``keep`` tokens and the last ``max_size - keep`` tokens.
+
+    With ``keep=0`` this is exactly sliding-window attention over ``max_size``
+    tokens: the query at position i sees keys j with ``i - j < max_size``.
+    """
+
+    quantized = False
+    step = 256
+
+    def __init__(self, max_size: int, keep: int = 0) -> None:
+        if max_size <= keep:
+            raise ValueError(f"max_size ({max_size}) must exceed keep ({keep})")
+        self.max_size, self.keep = max_size, keep
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self._size = 0  # valid entries in the buffers
+        self._idx = 0  # next ring write position once the buffer is full
+
+    def _in_order(self, buf: mx.array) -> mx.array:
+        """Entries sorted by position: the ring's oldest entry sits at ``_idx``."""
+        buf = buf[..., : self._size, :]
+        if self._size < self.max_size or self._idx in (self.keep, self.max_size):
+            return buf
+        k, i = self.keep, self._idx
+        return mx.concatenate([buf[..., :k, :], buf[..., i:, :], buf[..., k:i, :]], axis=2)
+
+    def _positions(self) -> list[int]:
+        """Positions of the cached entries, in temporal order."""
+        if self.offset == self._size:
+            return list(range(self.offset))
+        tail = self._size - self.keep
+        return list(range(self.keep)) + list(range(self.offset - tail, self.offset))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        L = keys.shape[2]
+        if L == 1 and self.keys is not None:
+            return self._update_one(keys, values)
+        # Several tokens: attend over everything cached plus the new tokens (the
+        # mask limits the window), then store only what the next step needs.
+        if self.keys is None:
+            full_k, full_v = keys, values
+        else:
+            full_k = mx.concatenate([self._in_order(self.keys), keys], axis=2)
+            full_v = mx.concatenate([self._in_order(self.values), values], axis=2)
+        n = full_k.shape[2]
+        if n > self.max_size:
+            tail = self.max_size - self.keep
+            store_k = mx.concatenate([full_k[..., : self.keep, :], full_k[..., n - tail :, :]], axis=2)
+            store_v = mx.concatenate([full_v[..., : self.keep, :], full_v[..., n - tail :, :]], axis=2)
+        else:
+            store_k, store_v = full_k, full_v
+        self.keys, self.values = store_k, store_v
+        self._size = self._idx = store_k.shape[2]
+        self.offset += L
+        return full_k, full_v
+
+    def _update_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._size < self.max_size:
+            cap = min(self.max_size, self._size + self.step)
+            if self.keys.shape[2] < self._size + 1:
+                self.keys = _grow(self.keys, self._size, cap, cap - self._size, keys)
+                self.values = _grow(self.values, self._size, cap, cap - self._size, values)
+            self.keys[..., self._size : self._size + 1, :] = keys
+            self.values[..., self._size : self._size + 1, :] = values
+            self._size += 1
+            self._idx = self._size
+        else:
+            if self._idx >= self.max_size:
+                self._idx = self.keep  # wrap around, never overwriting the kept tokens
+            self.keys[..., self._idx : self._idx + 1, :] = keys
+            self.values[..., self._idx : self._idx + 1, :] = values
+            self._idx += 1
+        self.offset += 1
+        # A single query may see every stored entry, so their order is irrelevant.
+        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+
+    def make_mask(self, n_queries: int) -> Mask:
+        if n_queries == 1:
+            return None
+        window = self.max_size - self.keep
+        k_pos = mx.array(self._positions() + list(range(self.offset, self.offset + n_queries)))
+        q_pos = mx.arange(self.offset, self.offset + n_queries)[:, None]
+        visible = (k_pos[None] <= q_pos) & ((q_pos - k_pos[None] < window) | (k_pos[None] < self.keep))
+        return visible  # (n_queries, cached + n_queries) boolean
+
+    def is_trimmable(self) -> bool:
+        return self.offset == self._size  # nothing evicted yet
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            return 0
+        n = min(self.offset, n)
+        self.offset -= n
+        self._size = self._idx = self.offset
+        return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        if self.keys is None:
+            return []
+        return [self._in_order(self.keys), self._in_order(self.values)]
+
+    @state.setter
+    def state(self, arrays: list[mx.array]) -> None:
+        self.keys, self.values = arrays
+        self._size = self._idx = self.keys.shape[2]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {"max_size": str(self.max_size), "keep": str(self.keep), "offset": str(self.offset)}
+
+    @meta_state.setter
+    def meta_state(self, meta: dict[str, str]) -> None:
+        self.max_size, self.keep, self.offset = int(meta["max_size"]), int(meta["keep"]), int(meta["offset"])
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H, _, Dk = self.keys.shape
+        return B * H * self._size * (Dk + self.values.shape[-1]) * self.keys.itemsize
+
+
+class QuantizedKVCache:
+    """Keys and values stored as affine ``bits``-bit groups of ``group_size``."""
+
+    quantized = True
+    step = 256
+
+    def __init__(self, group_size: int = 64, bits: int = 8) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"kv bits must be 4 or 8, got {bits}")
+        self.group_size, self.bits = group_size, bits
+        self.keys: list[mx.array] | None = None  # [packed, scales, biases]
+        self.values: list[mx.array] | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list[mx.array], list[mx.array]]:
+        prev, L = self.offset, keys.shape[2]
+        new_k = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        new_v = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        if self.keys is None:
+            self.keys = [None] * 3
+            self.values = [None] * 3
+        for bufs, new in ((self.keys, new_k), (self.values, new_v)):
+            for i in range(3):
+                bufs[i] = _grow(bufs[i], prev, prev + L, self.step, new[i])
+                bufs[i][..., prev : prev + L, :] = new[i]
+        self.offset = prev + L
+        return ([a[..., : self.offset, :] for a in self.keys], [a[..., : self.offset, :] for a in self.values])
+
+    make_mask = KVCache.make_mask
+    is_trimmable = KVCache.is_trimmable
+    trim = KVCache.trim
+
+    @property
+    def state(self) -> list[mx.array]:
+        if self.keys is None:
+            return []
+        return [a[..., : self.offset, :] for a in self.keys + self.values]
+
+    @state.setter
+    def state(self, arrays: list[mx.array]) -> None:
+        self.keys, self.values = list(arrays[:3]), list(arrays[3:])
+        self.offset = self.keys[0].shape[2]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {"group_size": str(self.group_size), "bits": str(self.bits)}
+
+    @meta_state.setter
+    def meta_state(self, meta: dict[str, str]) -> None:
+        self.group_size, self.bits = int(meta["group_size"]), int(meta["bits"])
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        per_token = sum(a.nbytes // a.shape[2] for a in self.keys + self.values)
+        return per_token * self.offset
+
+
+_KINDS = {cls.__name__: cls for cls in (KVCache, RotatingKVCache, QuantizedKVCache)}
+
+
+def cache_nbytes(cache: list[Cache]) -> int:
+    return sum(c.nbytes for c in cache)
+
+
+def trim_cache(cache: list[Cache], n: int) -> int:
+    """Drop the last ``n`` tokens from every layer (speculative rewind, chat edits)."""
+    return min((c.trim(n) for c in cache), default=0)

@@ -1,0 +1,38 @@
+"""A multi-turn chat that keeps its history and reuses the KV cache across turns."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from .generate import GenerationResult, stream_generate
+from .prompt_cache import PromptCache
+
+
+class ChatSession:
+    """Keeps messages and a :class:`PromptCache`; each turn feeds only new tokens.
+
+    Args:
+        system: optional system message.
+        **options: ``stream_generate`` options used for every turn.
+    """
+
+    def __init__(self, model, tokenizer, *, system: str | None = None, max_kv_size: int | None = None,
+                 kv_bits: int | None = None, **options: Any):
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
+
+    def send(self, text: str) -> Iterator[GenerationResult]:
+        """Add a user turn and stream the reply; the reply joins the history when done."""
+        self.messages.append({"role": "user", "content": text})
+        reply = []
+        try:
+            for r in stream_generate(self.model, self.tokenizer, self.messages,
+                                     prompt_cache=self.prompt_cache, **self.options):
+                reply.append(r.text)
+                yield r
+        finally:
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def reset(self) -> None:
+        self.messages = [m for m in self.messages if m["role"] == "system"]

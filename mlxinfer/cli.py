@@ -1,0 +1,154 @@
+"""The ``mlxinfer`` command: a thin shell over the Python API.
+
+Each option maps one-to-one onto a keyword argument of ``stream_generate``,
+``ChatSession`` or ``convert``. Generated text goes to stdout, everything
+else (progress, stats, errors) to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from .blas import preload_openblas
+from .errors import MlxInferError
+
+
+def _errors_to_click(fn):
+    """Bad input → ``Error: <one line>`` on stderr and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (MlxInferError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+def _log(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def generation_options(fn):
+    options = [
+        click.option("--model", "-m", default=None, help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]"),
+        click.option("--max-tokens", "-n", default=256, show_default=True, help="Most tokens to generate."),
+        click.option("--temp", "temperature", default=0.0, show_default=True, help="Sampling temperature (0 = greedy)."),
+        click.option("--top-p", default=1.0, show_default=True),
+        click.option("--top-k", default=0, show_default=True, help="0 = off."),
+        click.option("--min-p", default=0.0, show_default=True),
+        click.option("--repetition-penalty", default=None, type=float),
+        click.option("--seed", default=None, type=int),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--max-kv-size", default=None, type=int, help="Keep at most this many tokens in the KV cache."),
+        click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV cache."),
+        click.option("--truncate-prompt", is_flag=True, help="Left-truncate a prompt longer than the context."),
+        click.option("--verbose", "-v", is_flag=True, help="Print the request timeline to stderr."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load(model: str | None, verbose: bool):
+    from .loader import load
+
+    if verbose:
+        from .blas import blas_in_use
+
+        _log(f"BLAS: {blas_in_use()}")
+    return load(model, log=_log)
+
+
+@click.group()
+@click.version_option(package_name="mlxinfer")
+def cli():
+    """On-device LLM inference on MLX."""
+
+
+@cli.command()
+@generation_options
+@click.option("--prompt", "-p", default=None, help="Prompt text; read from stdin when omitted.")
+@click.option("--system", default=None, help="System message (chat template only).")
+@click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
+@_errors_to_click
+def generate(model, prompt, system, no_chat_template, kv_bits, verbose, **options):
+    """Generate a completion and stream it to stdout."""
+    from .generate import stream_generate
+
+    if prompt is None:
+        prompt = sys.stdin.read()
+    llm, tokenizer = _load(model, verbose)
+    use_template = not no_chat_template and tokenizer.has_chat_template
+    if use_template:
+        prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    result = None
+    for result in stream_generate(llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options):
+        click.echo(result.text, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    if verbose and result is not None:
+        _log(result.stats.table())
+
+
+@cli.command()
+@generation_options
+@click.option("--system", default=None, help="System message.")
+@_errors_to_click
+def chat(model, system, kv_bits, verbose, max_kv_size, **options):
+    """Interactive chat; keeps history and reuses the KV cache across turns.
+
+    Type /reset to clear the history, /exit (or Ctrl-D) to quit.
+    """
+    from .chat import ChatSession
+
+    llm, tokenizer = _load(model, verbose)
+    if not tokenizer.has_chat_template:
+        raise click.ClickException("this model has no chat template; use `mlxinfer generate --no-chat-template`")
+    session = ChatSession(llm, tokenizer, system=system, max_kv_size=max_kv_size,
+                          kv_bits=int(kv_bits) if kv_bits else None, **options)
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            session.reset()
+            continue
+        result = None
+        for result in session.send(line):
+            click.echo(result.text, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        if verbose and result is not None:
+            _log(result.stats.table())
+
+
+@cli.command()
+@click.argument("src")
+@click.option("--output", "-o", "dst", required=True, help="Output directory (must not exist or be empty).")
+@click.option("--quantize", "-q", is_flag=True, help="Quantize Linear/Embedding weights.")
+@click.option("--bits", default=4, show_default=True, type=click.Choice(["2", "3", "4", "5", "6", "8"]))
+@click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
+@click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]),
+              help="Float dtype of the output [default: the checkpoint's].")
+@_errors_to_click
+def convert(src, dst, quantize, bits, group_size, dtype):
+    """Convert a Hugging Face checkpoint (directory or repo id) or a GGUF file."""
+    from .convert import convert as run_convert
+
+    report = run_convert(src, dst, quantize=quantize, bits=int(bits), group_size=int(group_size),
+                         dtype=dtype, progress=True, log=_log)
+    _log(f"wrote {report['path']}: {report['parameters'] / 1e6:.1f}M parameters, "
+         f"{report['bits_per_weight']:.2f} bits per weight, {report['bytes'] / 2**20:.1f} MiB on disk")
+
+
+def main() -> None:
+    preload_openblas()  # before anything imports mlx
+    cli()

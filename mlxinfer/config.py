@@ -1,0 +1,72 @@
+"""Read a checkpoint's config.json into one normalised dict.
+
+Transformers 4 writes RoPE settings as ``rope_theta`` + ``rope_scaling``;
+transformers 5 writes a single ``rope_parameters`` dict (``rope_type``,
+``rope_theta`` and the scaling fields). Both become ``rope_theta`` (float)
+and ``rope_scaling`` (dict with ``rope_type``, or None) here, so model modules
+read one form.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+ROPE_DEFAULT_THETA = 10000.0
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """Load ``model_dir/config.json`` and normalise it (see module doc)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing config.json (expected a model directory with config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(config).__name__}")
+    return normalize_rope(config, source=str(path))
+
+
+def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """Fold ``rope_parameters`` (transformers 5) into ``rope_theta``/``rope_scaling``."""
+    config = dict(config)
+    params = config.pop("rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" not in params and params:
+        # Per-layer-type parameters (e.g. gemma3: full_attention / sliding_attention)
+        # are kept for the family module that knows the layer types.
+        config["rope_parameters_by_layer_type"] = params
+        params = None
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(f"{source}: key 'rope_parameters' must be an object, found {params!r}")
+        config.setdefault("rope_theta", params.get("rope_theta", ROPE_DEFAULT_THETA))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        config["rope_scaling"] = scaling if _rope_type(scaling) != "default" else None
+        if "partial_rotary_factor" in params:
+            config.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
+    scaling = config.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise ConfigError(f"{source}: key 'rope_scaling' must be an object or null, found {scaling!r}")
+        scaling = dict(scaling)
+        scaling["rope_type"] = _rope_type(scaling)
+        scaling.pop("type", None)
+        config["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+    config["rope_theta"] = float(config.get("rope_theta", ROPE_DEFAULT_THETA))
+    return config
+
+
+def _rope_type(scaling: dict[str, Any]) -> str:
+    return scaling.get("rope_type", scaling.get("type", "default")) or "default"
+
+
+def require(config: dict[str, Any], keys: list[str], source: str = "config.json") -> None:
+    """Raise a ConfigError naming the first required key that is absent."""
+    for key in keys:
+        if key not in config or config[key] is None:
+            raise ConfigError(f"{source}: missing required key '{key}' for model_type '{config.get('model_type')}'")

@@ -1,0 +1,140 @@
+"""Hugging Face checkpoint (or GGUF file) → mlxinfer model directory.
+
+``read → sanitize → (quantize) → write``. The output is written into a
+temporary directory beside the destination and renamed only when complete, so
+a failed conversion leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .config import read_config
+from .errors import ConfigError
+from .loader import load_weights_into, read_weights, resolve_model_path, weight_files
+from .models import build_model, get_family
+from .quant import bits_per_weight, quantize_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+SHARD_BYTES = 2 << 30  # 2 GiB per safetensors shard
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = False, bits: int = 4,
+            group_size: int = 64, dtype: str | None = None, progress: bool = False,
+            log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Convert ``src`` (HF directory, Hub repo id or ``.gguf`` file) into ``dst``.
+
+    Args:
+        quantize: store Linear/Embedding weights as affine ``bits``-bit groups.
+        dtype: float16, bfloat16 or float32 for the float weights; default: the
+            checkpoint's own dtype (``torch_dtype`` / ``dtype``), else float16.
+        progress: show a progress bar on stderr while reading weights.
+    Returns:
+        A report: parameters, bits per weight, bytes on disk, output path.
+    """
+    dst = Path(dst).expanduser()
+    if dst.exists() and any(dst.iterdir()):
+        raise ConfigError(f"{dst}: output directory already exists and is not empty")
+    if str(src).endswith(".gguf"):
+        from .gguf import import_gguf
+
+        if quantize or dtype:
+            raise ConfigError(f"{src}: GGUF import keeps the file's own quantization; "
+                              "drop -q/--bits/--dtype")
+        return import_gguf(Path(src), dst, progress=progress)
+    src_dir = resolve_model_path(src)
+    config = read_config(src_dir)
+    source = src_dir / "config.json"
+    family = get_family(config, str(source))
+    model = build_model(config, str(source))
+    target = _target_dtype(config, dtype, source)
+
+    files = weight_files(src_dir)
+    bar = _progress_bar(len(files), "reading weights", progress)
+    weights = read_weights(src_dir, on_file=lambda _: bar.update(1))
+    bar.close()
+    weights = family.Model.sanitize(weights, model.args)
+    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    load_weights_into(model, weights, src_dir)
+    out_config = {k: v for k, v in config.items() if k != "quantization_config"}
+    out_config["torch_dtype"] = _dtype_name(target)
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    if quantize:
+        out_config["quantization"] = quantize_model(model, bits=bits, group_size=group_size)
+    params = dict(tree_flatten(model.parameters()))
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    try:
+        _write_weights(tmp, params, progress)
+        (tmp / "config.json").write_text(json.dumps(out_config, indent=2, default=str))
+        for name in TOKENIZER_FILES:
+            if (src_dir / name).is_file():
+                shutil.copy2(src_dir / name, tmp / name)
+        from .tokenizer import Tokenizer
+
+        Tokenizer.from_dir(tmp)  # fails with a clear TokenizerError if none was copied
+        if dst.exists():
+            dst.rmdir()
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
+    return {"path": str(dst), "parameters": n_params,
+            "bits_per_weight": bits_per_weight(model), "bytes": n_bytes}
+
+
+def _target_dtype(config: dict, dtype: str | None, source: Path) -> mx.Dtype:
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ConfigError(f"--dtype: expected one of {', '.join(DTYPES)}, found '{dtype}'")
+        return DTYPES[dtype]
+    name = config.get("torch_dtype") or config.get("dtype") or "float16"
+    return DTYPES.get(str(name).replace("torch.", ""), mx.float16)
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def _write_weights(out: Path, params: dict[str, mx.array], progress: bool) -> None:
+    shards: list[dict[str, mx.array]] = [{}]
+    size = 0
+    for k, v in params.items():
+        if size and size + v.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += v.nbytes
+    bar = _progress_bar(len(shards), "writing weights", progress)
+    if len(shards) == 1:
+        mx.save_safetensors(str(out / "model.safetensors"), shards[0], metadata={"format": "mlx"})
+        bar.update(1)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+            weight_map.update({k: name for k in shard})
+            bar.update(1)
+        index = {"metadata": {"total_size": sum(v.nbytes for v in params.values())}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    bar.close()
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="file", disable=not enabled, leave=False)

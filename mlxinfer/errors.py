@@ -1,0 +1,26 @@
+"""Errors a user can act on.
+
+Every error mlxinfer raises for bad input is a :class:`MlxInferError` whose
+message is one line naming the file, key or field, and the expected and found
+values. The CLI prints it as ``error: <message>`` and exits non-zero.
+"""
+
+
+class MlxInferError(Exception):
+    """Base class: a one-line, user-facing message."""
+
+
+class ConfigError(MlxInferError):
+    """config.json is missing, unreadable, or lacks / mistypes a key."""
+
+
+class WeightsError(MlxInferError):
+    """Weight files are missing, truncated, unsafe (pickle) or mis-shaped."""
+
+
+class TokenizerError(MlxInferError):
+    """No usable tokenizer files, or a chat template that fails to render."""
+
+
+class PromptTooLongError(MlxInferError):
+    """The prompt does not fit in the model's context."""

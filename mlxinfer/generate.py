@@ -1,0 +1,228 @@
+"""The token loop and the streaming layer.
+
+``generate_step`` is the engine: chunked prefill, then a decode loop that
+builds step n+1's graph and starts it (``mx.async_eval``) before handing step
+n's token to the caller. ``stream_generate`` wraps it with the tokenizer:
+prompt cleaning, context checks, the UTF-8-safe detokenizer, stop strings and
+the per-request timeline. ``generate`` just joins the stream.
+
+Thread safety: a model and tokenizer may be shared by threads that each run
+their own ``stream_generate`` with their own cache, but MLX evaluates on one
+stream per device, so concurrent requests serialise on it; a ``PromptCache``
+must not be shared between concurrent requests. Stats use MLX's process-wide
+peak-memory counter, which concurrent requests also share.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+
+from .prompt_cache import PromptCache
+from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from .stop import StopMatcher
+from .text import clean_prompt, fit_context
+
+DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
+
+
+def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | None = None,
+                  max_tokens: int = 256, sampler: Sampler | None = None,
+                  logits_processors: Sequence[LogitsProcessor] = (),
+                  prefill_step_size: int = DEFAULT_PREFILL_STEP) -> Iterator[tuple[int, mx.array]]:
+    """Yield ``(token, logprobs)`` for up to ``max_tokens`` new tokens.
+
+    ``prompt_cache`` (reused when given) ends holding exactly the tokens fed
+    to the model, whether the loop ran out or the caller stopped early.
+    """
+    sampler = sampler or make_sampler(0.0)
+    pc = prompt_cache if prompt_cache is not None else PromptCache(model.make_cache())
+    ids = list(prompt)
+    todo = pc.reuse(ids)
+    fed = pc.tokens
+    history = mx.array(ids, dtype=mx.int32)
+    cache = pc.cache
+
+    # Prefill all but the last prompt token in chunks. Only the caches are
+    # evaluated, so the LM head of these chunks is never computed (lazy graph).
+    y = mx.array(todo, dtype=mx.int32)
+    while y.size > 1:
+        n = min(prefill_step_size, y.size - 1)
+        model(y[None, :n], cache)
+        # Materialise this chunk's cache writes before building the next chunk,
+        # so the graph (and its memory) stays one chunk deep.
+        mx.eval([c.state for c in cache])
+        fed.extend(todo[:n])
+        todo, y = todo[n:], y[n:]
+
+    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        nonlocal history
+        logits = model(tokens[None], cache)[:, -1, :]  # (1, V): only the last position
+        for process in logits_processors:
+            logits = process(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)
+        if logits_processors:
+            history = mx.concatenate([history, token])
+        return token, logprobs[0]
+
+    try:
+        token, logprobs = step(y)
+        fed.extend(todo)
+        n = 0
+        while n < max_tokens:
+            if n + 1 < max_tokens:
+                next_token, next_logprobs = step(token)
+                # Start computing step n+1 now; the host waits on step n below
+                # (`.item()`) while the device already works on n+1.
+                mx.async_eval(next_token, next_logprobs)
+            t = token.item()
+            if n + 1 < max_tokens:
+                fed.append(t)
+            yield t, logprobs
+            token, logprobs = (next_token, next_logprobs) if n + 1 < max_tokens else (None, None)
+            n += 1
+    finally:
+        pc.tokens = fed
+
+
+@dataclass
+class GenerationStats:
+    """One request's timeline: tokenize → prefill → first token → decode."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    tokenize_ms: float = 0.0
+    prefill_tps: float = 0.0
+    time_to_first_token_s: float = 0.0
+    decode_tps: float = 0.0
+    peak_memory_gb: float = 0.0
+
+    def table(self) -> str:
+        rows = [("prompt tokens", f"{self.prompt_tokens}"), ("tokenize", f"{self.tokenize_ms:.1f} ms"),
+                ("prefill", f"{self.prefill_tps:.1f} tok/s"),
+                ("time to first token", f"{self.time_to_first_token_s * 1000:.1f} ms"),
+                ("generated tokens", f"{self.generation_tokens}"), ("decode", f"{self.decode_tps:.1f} tok/s"),
+                ("peak memory", f"{self.peak_memory_gb:.3f} GB")]
+        return "\n".join(f"{k:<20} {v:>14}" for k, v in rows)
+
+
+@dataclass
+class GenerationResult:
+    """One generated token and the text it completes."""
+
+    text: str  # new text segment: may be "" (a partial character or a held-back stop prefix)
+    token: int
+    logprobs: mx.array | None = None  # (V,) log-probs the token was drawn from (before filtering)
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
+    from_draft: bool = False  # speculative decoding: proposed by the draft and accepted
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def prepare_prompt(tokenizer, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *,
+                   chat_template: bool = True) -> list[int]:
+    """Token ids for a prompt given as text, ids, or chat messages.
+
+    Text and message contents are cleaned first; messages go through the
+    tokenizer's chat template (which supplies BOS itself when the model wants one).
+    """
+    if isinstance(prompt, str):
+        text = clean_prompt(prompt)
+        if chat_template and tokenizer.has_chat_template:
+            messages = [{"role": "user", "content": text}]
+            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return tokenizer.encode(text)
+    items = list(prompt)
+    if items and isinstance(items[0], dict):
+        messages = [{**m, "content": clean_prompt(m["content"])} if isinstance(m.get("content"), str) else m
+                    for m in items]
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    return [int(t) for t in items]
+
+
+def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *,
+                    max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    min_p: float = 0.0, repetition_penalty: float | None = None,
+                    repetition_context_size: int | None = None, seed: int | None = None,
+                    stop: Sequence[str] = (), chat_template: bool = False, truncate_prompt: bool = False,
+                    prompt_cache: PromptCache | None = None, max_kv_size: int | None = None,
+                    kv_bits: int | None = None, prefill_step_size: int = DEFAULT_PREFILL_STEP,
+                    ) -> Iterator[GenerationResult]:
+    """Stream a completion, one result per generated token.
+
+    Args:
+        prompt: text, token ids, or a list of chat messages (``{"role", "content"}``).
+        chat_template: wrap a text prompt as one user message in the model's template.
+        temperature, top_p, top_k, min_p, seed: sampling (temperature 0 is greedy).
+        repetition_penalty, repetition_context_size: transformers' repetition penalty.
+        stop: strings that end generation; they never appear in the output.
+        truncate_prompt: left-truncate a prompt longer than the context instead of raising.
+        prompt_cache: reuse (and update) caches across calls, e.g. chat turns.
+        max_kv_size, kv_bits: bound the cache (rotating) or quantize it.
+    Yields:
+        GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
+    """
+    t0 = time.perf_counter()
+    ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template)
+    context = model.args.max_position_embeddings
+    ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
+    max_tokens = min(max_tokens, context - len(ids))
+    stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000)
+    sampler = make_sampler(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    processors = make_logits_processors(repetition_penalty=repetition_penalty,
+                                        repetition_context_size=repetition_context_size)
+    if prompt_cache is None:
+        prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
+    detok = tokenizer.detokenizer()
+    stops = StopMatcher(stop)
+    eos = tokenizer.eos_token_ids
+    mx.reset_peak_memory()
+    t_prefill = time.perf_counter()
+    t_first = t_prefill
+    n = 0
+    steps = generate_step(ids, model, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler,
+                          logits_processors=processors, prefill_step_size=prefill_step_size)
+    try:
+        for token, logprobs in steps:
+            n += 1
+            if n == 1:
+                t_first = time.perf_counter()
+                stats.prefill_tps = len(ids) / max(t_first - t_prefill, 1e-9)
+                stats.time_to_first_token_s = t_first - t0
+            finish = None
+            if token in eos:
+                text, finish = detok.finalize(), "stop"
+            else:
+                text = detok.add_token(token)
+                if n == max_tokens:
+                    text, finish = text + detok.finalize(), "length"
+            text, hit = stops.push(text)
+            if hit:
+                finish = "stop"
+            elif finish is not None:
+                text += stops.flush()
+            stats.generation_tokens = n
+            if finish is not None:
+                _finish_stats(stats, n, t_first)
+            yield GenerationResult(text, token, logprobs, finish, stats=stats)
+            if finish is not None:
+                return
+        if n == 0:  # max_tokens == 0, or no room left in the context
+            _finish_stats(stats, 0, t_first)
+            yield GenerationResult("", -1, None, "length", stats=stats)
+    finally:
+        steps.close()
+
+
+def _finish_stats(stats: GenerationStats, n: int, t_first: float) -> None:
+    elapsed = time.perf_counter() - t_first
+    stats.decode_tps = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+
+def generate(model, tokenizer, prompt, **kwargs) -> str:
+    """Generate and return the whole completion; takes ``stream_generate``'s options."""
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))

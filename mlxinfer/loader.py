@@ -1,0 +1,152 @@
+"""Find a model, read its config and weights, build the model and tokenizer.
+
+Weights are read only from safetensors files (never pickle). Every file is
+checked before MLX maps it: a header that does not parse, or data shorter than
+the header promises (a truncated download), is a one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import read_config
+from .errors import ConfigError, WeightsError
+from .models import build_model, get_family
+from .quant import apply_quantization
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.tiktoken", "*.txt"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model_path(path_or_repo: str | os.PathLike, *, revision: str | None = None) -> Path:
+    """A local directory as is; otherwise a Hub repo id, fetched into the HF cache.
+
+    ``HF_HUB_OFFLINE=1`` makes the Hub lookup use only the local cache.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        return path
+    name = str(path_or_repo)
+    if not _REPO_ID.match(name):
+        raise ConfigError(f"{name}: no such file or directory, and not a Hub repo id (expected 'org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError:
+        raise ConfigError(f"{name}: not in the local Hugging Face cache and the Hub cannot be reached "
+                          "(offline); download it first or pass a local directory") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ConfigError(f"{name}: Hub download failed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise WeightsError unless ``path`` is a complete safetensors file."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes but the file has {size}")
+            header = json.loads(f.read(n))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{path}: not a valid safetensors file ({e})") from None
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise WeightsError(f"{path}: truncated (expected {8 + n + end} bytes, found {size})")
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, following an index when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: bad index ({type(e).__name__}: {e})") from None
+        files = [model_dir / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise WeightsError(f"{index}: lists shard '{f.name}', which is missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise WeightsError(f"{model_dir}: only pickle weights ({', '.join(pickles)}); mlxinfer never "
+                               "unpickles (it can run code) — save the checkpoint as safetensors")
+        raise WeightsError(f"{model_dir}: no *.safetensors weight files")
+    return files
+
+
+def read_weights(model_dir: Path, on_file: Callable[[Path], None] | None = None) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    for f in weight_files(model_dir):
+        check_safetensors(f)
+        weights.update(mx.load(str(f)))
+        if on_file is not None:
+            on_file(f)
+    return weights
+
+
+def load_weights_into(model: nn.Module, weights: dict[str, mx.array], source: Path) -> None:
+    """Load with a clear error for any unexpected, missing or mis-shaped key."""
+    params = dict(tree_flatten(model.parameters()))
+    for key, value in weights.items():
+        if key not in params:
+            raise WeightsError(f"{source}: unexpected weight '{key}' for this model_type")
+        if value.shape != params[key].shape:
+            raise WeightsError(f"{source}: weight '{key}' has shape {tuple(value.shape)}, "
+                               f"expected {tuple(params[key].shape)}")
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise WeightsError(f"{source}: missing weight '{missing[0]}'" +
+                           (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    model.load_weights(list(weights.items()), strict=True)
+
+
+def load_model(model_dir: Path, *, dtype: mx.Dtype | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the model in ``model_dir`` and load its weights (lazily mapped)."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    source = str(model_dir / "config.json")
+    model = build_model(config, source)
+    weights = read_weights(model_dir)
+    weights = get_family(config, source).Model.sanitize(weights, model.args)
+    if "quantization" in config:
+        apply_quantization(model, config["quantization"], weights)
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    load_weights_into(model, weights, model_dir)
+    model.eval()
+    return model, config
+
+
+def load(path_or_repo: str | os.PathLike | None = None, *, dtype: mx.Dtype | None = None,
+         log: Callable[[str], None] | None = None):
+    """Load a model directory, a Hub repo id, or (``None``) the default model.
+
+    Returns ``(model, tokenizer)``. ``log`` receives progress messages (the
+    library itself never prints).
+    """
+    from .tokenizer import Tokenizer
+
+    if path_or_repo is None:
+        from .default_model import default_model_path
+
+        model_dir = default_model_path(log=log)
+    else:
+        model_dir = resolve_model_path(path_or_repo)
+    model, _ = load_model(model_dir, dtype=dtype)
+    return model, Tokenizer.from_dir(model_dir)

@@ -1,0 +1,32 @@
+"""Model families, keyed by the HF ``model_type`` in config.json."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from ..errors import ConfigError
+
+# model_type -> module in this package. Aliases differ only in config.
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+}
+
+
+def get_family(config: dict[str, Any], source: str = "config.json"):
+    """Return the family module for ``config['model_type']``."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ConfigError(f"{source}: missing required key 'model_type'")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{source}: unknown model_type '{model_type}' "
+                          f"(supported: {', '.join(sorted(FAMILIES))})")
+    return import_module(f".{FAMILIES[model_type]}", __name__)
+
+
+def build_model(config: dict[str, Any], source: str = "config.json"):
+    """Instantiate the (unloaded) model a config describes."""
+    family = get_family(config, source)
+    args = family.ModelArgs.from_dict(config)
+    return family.Model(args)

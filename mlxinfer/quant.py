@@ -1,0 +1,77 @@
+"""Weight quantization: a transform on the model plus a record in config.json.
+
+``quantize_model`` turns Linear/Embedding layers into their affine-quantized
+forms (``bits``-bit integers, one scale and bias per ``group_size`` inputs) and
+returns the record to store under ``config["quantization"]``. Loading reads
+that record back through ``apply_quantization`` before the weights go in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _quantizable(module: nn.Module, group_size: int) -> bool:
+    return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
+
+
+def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 64) -> dict[str, Any]:
+    """Quantize ``model`` in place; returns the config.json record.
+
+    Layers whose input width is not a multiple of ``group_size`` stay in float
+    and are listed in the record as ``{path: False}``.
+    """
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"--bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"--group-size must be 32, 64 or 128, got {group_size}")
+    record: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    skipped = []
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        if not hasattr(module, "to_quantized"):
+            return False
+        if not _quantizable(module, group_size):
+            skipped.append(path)
+            return False
+        return True
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    record.update({path: False for path in skipped})
+    return record
+
+
+def apply_quantization(model: nn.Module, record: dict[str, Any], weights: dict[str, mx.array]) -> None:
+    """Re-create the quantized layers that ``weights`` hold (those with ``.scales``).
+
+    A per-layer entry ``{path: {"bits": b, "group_size": g}}`` overrides the
+    defaults for that layer (GGUF imports mix types).
+    """
+    default = {"group_size": record.get("group_size", 64), "bits": record.get("bits", 4)}
+
+    def predicate(path: str, module: nn.Module):
+        if f"{path}.scales" not in weights:
+            return False
+        entry = record.get(path)
+        return {**default, **entry} if isinstance(entry, dict) else default
+
+    nn.quantize(model, group_size=default["group_size"], bits=default["bits"], class_predicate=predicate)
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    """Stored bits per original weight element (packed ints + scales + biases)."""
+    total_bits, n_weights = 0, 0
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            n_weights += module.weight.size * 32 // module.bits
+            total_bits += sum(a.nbytes * 8 for _, a in tree_flatten(module.parameters()))
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            n_weights += module.weight.size
+            total_bits += module.weight.nbytes * 8
+    return total_bits / max(n_weights, 1)

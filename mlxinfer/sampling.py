@@ -1,0 +1,98 @@
+"""Samplers and logits processors: plain functions built once per request.
+
+The filters follow transformers' warpers, applied in this order: temperature,
+top-k, top-p, min-p. ``filtered_logprobs`` returns the distribution a sampler
+draws from, so tests (and speculative decoding, which needs the target's and
+the draft's exact distributions) can use it directly.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable
+
+import mlx.core as mx
+
+Sampler = Callable[[mx.array], mx.array]  # (B, V) log-probs -> (B,) token ids
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (tokens so far, (B, V) logits) -> logits
+
+NEG_INF = float("-inf")
+
+
+def filtered_logprobs(logprobs: mx.array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0) -> mx.array:
+    """Normalised log-probs after temperature, top-k, top-p and min-p (B, V)."""
+    x = logprobs / temperature if temperature not in (0.0, 1.0) else logprobs
+    if 0 < top_k < x.shape[-1]:
+        # Keep the k largest: everything below the k-th largest value is dropped.
+        kth = mx.sort(x, axis=-1)[..., -top_k][..., None]
+        x = mx.where(x < kth, NEG_INF, x)
+    if top_p < 1.0:
+        # Keep the smallest set of most-likely tokens whose mass reaches top_p:
+        # a token stays if the mass strictly before it (descending) is < top_p.
+        order = mx.argsort(-x, axis=-1)
+        sorted_x = mx.take_along_axis(x, order, axis=-1)
+        p = mx.softmax(sorted_x, axis=-1, precise=True)
+        mass_before = mx.cumsum(p, axis=-1) - p
+        keep_sorted = mass_before < top_p
+        keep = mx.put_along_axis(mx.zeros(x.shape, mx.bool_), order, keep_sorted, axis=-1)
+        x = mx.where(keep, x, NEG_INF)
+    if min_p > 0.0:
+        # Drop tokens less likely than min_p × the most likely one.
+        threshold = mx.max(x, axis=-1, keepdims=True) + mx.log(mx.array(min_p, x.dtype))
+        x = mx.where(x < threshold, NEG_INF, x)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int | None = None) -> Sampler:
+    """Greedy when ``temperature == 0``; otherwise draws from ``filtered_logprobs``.
+
+    The random key lives in the returned closure, so two samplers with the same
+    seed give the same tokens and no global RNG state is touched.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0.0 <= min_p < 1.0:
+        raise ValueError(f"min_p must be in [0, 1), got {min_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if temperature == 0:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    state = {"key": mx.random.key(secrets.randbits(63) if seed is None else seed)}
+
+    def sample(logprobs: mx.array) -> mx.array:
+        state["key"], sub = mx.random.split(state["key"])
+        dist = filtered_logprobs(logprobs, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        return mx.random.categorical(dist, axis=-1, key=sub)
+
+    return sample
+
+
+def make_repetition_penalty(penalty: float, context_size: int | None = None) -> LogitsProcessor:
+    """transformers' rule: a seen token's logit is divided by ``penalty`` if
+    positive, multiplied if negative. ``context_size`` limits "seen" to the last
+    tokens (None: the whole sequence)."""
+    if penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        if tokens.size == 0:
+            return logits
+        seen = tokens if context_size is None else tokens[-context_size:]
+        picked = logits[:, seen]
+        picked = mx.where(picked < 0, picked * penalty, picked / penalty)
+        logits[:, seen] = picked
+        return logits
+
+    return process
+
+
+def make_logits_processors(*, repetition_penalty: float | None = None,
+                           repetition_context_size: int | None = None) -> list[LogitsProcessor]:
+    processors: list[LogitsProcessor] = []
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        processors.append(make_repetition_penalty(repetition_penalty, repetition_context_size))
+    return processors

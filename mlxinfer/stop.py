@@ -1,0 +1,42 @@
+"""Stop strings over a text stream, without leaking a partial match.
+
+Text that could still be the start of a stop string is held back until the
+next segment decides it; once a stop string appears, only the text before it
+is released.
+"""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str] | tuple[str, ...]):
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add a segment; returns (text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        buf = self._pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return buf[: min(hits)], True
+        hold = self._longest_prefix_suffix(buf)
+        self._pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        """Release held-back text at the end of the stream (no stop came)."""
+        text, self._pending = self._pending, ""
+        return text
+
+    def _longest_prefix_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that begins some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,33 @@
+"""Shared fixtures. OpenBLAS is preloaded before anything imports mlx (speed only)."""
+
+from mlxinfer.blas import preload_openblas
+
+preload_openblas()
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir():
+    """The real SmolLM2-135M-Instruct as a transformers-5 checkpoint (f32), built from the GGUF."""
+    from fixtures import smollm2_hf_dir as build
+
+    return build()
+
+
+@pytest.fixture(scope="session")
+def smollm2_mlx_dir():
+    """Our own import of the SmolLM2 GGUF (4-bit, group 32)."""
+    from fixtures import smollm2_mlx_dir as build
+
+    return build()
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_dir(smollm2_hf_dir, tmp_path_factory):
+    """The HF reference checkpoint converted by `mlxinfer.convert` at float32."""
+    from mlxinfer.convert import convert
+
+    out = tmp_path_factory.mktemp("smollm2") / "f32"
+    convert(smollm2_hf_dir, out, dtype="float32")
+    return out

@@ -1,0 +1,64 @@
+"""Tiny random transformers checkpoints: the reference for logit parity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def make_tiny(path: Path, model_type: str = "llama", *, config_form: str = "v5", seed: int = 0,
+              **overrides) -> tuple[Path, torch.nn.Module]:
+    """Save a random ``model_type`` checkpoint to ``path``; returns (path, torch model).
+
+    ``config_form="v4"`` rewrites config.json the way transformers 4 wrote it
+    (``rope_theta`` + ``rope_scaling``) instead of transformers 5's ``rope_parameters``.
+    """
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    # Random init has tiny weights; widen them so logits differ meaningfully.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    if config_form == "v4":
+        cfg_path = Path(path) / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        params = cfg.pop("rope_parameters", None) or {}
+        cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+        kind = params.pop("rope_type", "default")
+        cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **params}
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+    return Path(path), model
+
+
+def torch_logits(model: torch.nn.Module, ids: list[int]):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def torch_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def torch_logits_chunked(model: torch.nn.Module, chunks: list[list[int]]):
+    """transformers' own cached forward, fed chunk by chunk."""
+    cache = transformers.DynamicCache()
+    outs = []
+    with torch.no_grad():
+        for chunk in chunks:
+            out = model(torch.tensor([chunk]), cache=cache, use_cache=True)
+            outs.append(out.logits[0].numpy())
+    import numpy as np
+
+    return np.concatenate(outs)
