@@ -59,11 +59,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
     family = get_family(config, str(source))
     model = build_model(config, str(source))
     target = _target_dtype(config, dtype, source)
+    from .tokenizer import Tokenizer
+
+    Tokenizer.from_dir(src_dir)  # a missing or broken tokenizer fails before any work
 
     files = weight_files(src_dir)
-    bar = _progress_bar(len(files), "reading weights", progress)
-    weights = read_weights(src_dir, on_file=lambda _: bar.update(1))
-    bar.close()
+    with _progress_bar(len(files), "reading weights", progress) as bar:
+        weights = read_weights(src_dir, on_file=lambda _: bar.update(1))
     weights = family.Model.sanitize(weights, model.args)
     weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     load_weights_into(model, weights, src_dir)
@@ -82,9 +84,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
         for name in TOKENIZER_FILES:
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, tmp / name)
-        from .tokenizer import Tokenizer
-
-        Tokenizer.from_dir(tmp)  # fails with a clear TokenizerError if none was copied
         if dst.exists():
             dst.rmdir()
         tmp.rename(dst)

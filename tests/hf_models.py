@@ -62,3 +62,27 @@ def torch_logits_chunked(model: torch.nn.Module, chunks: list[list[int]]):
     import numpy as np
 
     return np.concatenate(outs)
+
+
+CORPUS = ["Hello world, the quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+          "def f(x):\n    return x * 2\n", "naïve café — 東京 🙂 12345"] * 20
+
+
+def add_tokenizer(path: Path, vocab_size: int = 320) -> Path:
+    """Write a small byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) into ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                          "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(Path(path) / "tokenizer.json"))
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "bos_token": None, "chat_template": chatml,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return Path(path)

@@ -1,0 +1,58 @@
+"""Prompt cleaning, context fitting and stop strings."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+from mlxinfer.errors import PromptTooLongError
+from mlxinfer.stop import StopMatcher
+from mlxinfer.text import clean_prompt, fit_context
+
+
+def test_clean_prompt_normalises_newlines_and_drops_controls():
+    assert clean_prompt("a\r\nb\rc\x00d\x1b[0m\te\u200bf") == "a\nb\ncd[0m\te\u200bf"
+
+
+def test_fit_context_refuses_with_numbers():
+    with pytest.raises(PromptTooLongError, match="prompt: 10 tokens, but the model's context is 8"):
+        fit_context(list(range(10)), 8, 4, truncate=False)
+
+
+def test_fit_context_left_truncates():
+    assert fit_context(list(range(10)), 8, 3, truncate=True) == list(range(5, 10))
+    assert fit_context([1, 2], 8, 3, truncate=False) == [1, 2]
+
+
+def run(stops, pieces):
+    m = StopMatcher(stops)
+    out, hit = [], False
+    for p in pieces:
+        text, hit = m.push(p)
+        out.append(text)
+        if hit:
+            break
+    if not hit:
+        out.append(m.flush())
+    return out, hit
+
+
+def test_stop_string_split_across_segments_never_leaks():
+    out, hit = run(["</s>"], ["Hello <", "/", "s> more"])
+    assert hit and "".join(out) == "Hello " and out[0] == "Hello "
+
+
+def test_false_alarm_prefix_is_released():
+    out, hit = run(["STOP"], ["a ST", "ART b"])
+    assert not hit and "".join(out) == "a START b"
+
+
+@given(st.text(alphabet="abS T", max_size=30), st.lists(st.integers(1, 5), max_size=10))
+def test_stream_output_is_text_before_first_stop(text, cuts):
+    pieces, i = [], 0
+    for c in cuts:
+        pieces.append(text[i:i + c])
+        i += c
+    pieces.append(text[i:])
+    out, hit = run(["ST", "bb"], pieces)
+    idx = [j for j in (text.find("ST"), text.find("bb")) if j >= 0]
+    expected = text[: min(idx)] if idx else text
+    assert "".join(out) == expected and hit == bool(idx)
