@@ -18,11 +18,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "load": "loader",
-    "generate": "generate",
-    "stream_generate": "generate",
-    "GenerationResult": "generate",
-    "GenerationStats": "generate",
-    "convert": "convert",
+    "generate": "generation",
+    "stream_generate": "generation",
+    "GenerationResult": "generation",
+    "GenerationStats": "generation",
+    "convert": "conversion",
     "make_sampler": "sampling",
     "make_logits_processors": "sampling",
     "PromptCache": "prompt_cache",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .generate import GenerationResult, stream_generate
+from .generation import GenerationResult, stream_generate
 from .prompt_cache import PromptCache
 
 

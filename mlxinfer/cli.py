@@ -78,7 +78,7 @@ def cli():
 @_errors_to_click
 def generate(model, prompt, system, no_chat_template, kv_bits, verbose, **options):
     """Generate a completion and stream it to stdout."""
-    from .generate import stream_generate
+    from .generation import stream_generate
 
     if prompt is None:
         prompt = sys.stdin.read()
@@ -141,7 +141,7 @@ def chat(model, system, kv_bits, verbose, max_kv_size, **options):
 @_errors_to_click
 def convert(src, dst, quantize, bits, group_size, dtype):
     """Convert a Hugging Face checkpoint (directory or repo id) or a GGUF file."""
-    from .convert import convert as run_convert
+    from .conversion import convert as run_convert
 
     report = run_convert(src, dst, quantize=quantize, bits=int(bits), group_size=int(group_size),
                          dtype=dtype, progress=True, log=_log)

@@ -6,7 +6,7 @@ import pytest
 
 from hf_models import make_tiny, torch_logits
 from mlxinfer.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_nbytes
-from mlxinfer.generate import generate_step
+from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
 from mlxinfer.prompt_cache import PromptCache
 

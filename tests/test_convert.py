@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from hf_models import add_tokenizer, make_tiny, torch_logits
 from mlxinfer.cli import cli
-from mlxinfer.convert import convert
+from mlxinfer.conversion import convert
 from mlxinfer.errors import ConfigError, TokenizerError, WeightsError
 from mlxinfer.loader import load_model
 

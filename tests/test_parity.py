@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hf_models import make_tiny, torch_greedy, torch_logits, torch_logits_chunked
-from mlxinfer.generate import generate_step
+from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
 
 TOL = 1e-3

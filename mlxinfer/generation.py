@@ -94,6 +94,7 @@ class GenerationStats:
     """One request's timeline: tokenize → prefill → first token → decode."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a reused PromptCache
     generation_tokens: int = 0
     tokenize_ms: float = 0.0
     prefill_tps: float = 0.0
@@ -102,7 +103,7 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
 
     def table(self) -> str:
-        rows = [("prompt tokens", f"{self.prompt_tokens}"), ("tokenize", f"{self.tokenize_ms:.1f} ms"),
+        rows = [("prompt tokens", f"{self.prompt_tokens} ({self.cached_tokens} cached)"), ("tokenize", f"{self.tokenize_ms:.1f} ms"),
                 ("prefill", f"{self.prefill_tps:.1f} tok/s"),
                 ("time to first token", f"{self.time_to_first_token_s * 1000:.1f} ms"),
                 ("generated tokens", f"{self.generation_tokens}"), ("decode", f"{self.decode_tps:.1f} tok/s"),
@@ -176,6 +177,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
                                         repetition_context_size=repetition_context_size)
     if prompt_cache is None:
         prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
+    stats.cached_tokens = len(ids) - len(prompt_cache.reuse(ids))
     detok = tokenizer.detokenizer()
     stops = StopMatcher(stop)
     eos = tokenizer.eos_token_ids

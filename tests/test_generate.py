@@ -1,0 +1,144 @@
+"""The streaming generator and the CLI on a tiny model with a real tokenizer."""
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+from hf_models import add_tokenizer, make_tiny, torch_greedy
+from mlxinfer import generate, load, stream_generate
+from mlxinfer.chat import ChatSession
+from mlxinfer.cli import cli
+from mlxinfer.errors import PromptTooLongError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, torch_model = make_tiny(tmp_path_factory.mktemp("gen") / "tiny", vocab_size=320,
+                                  max_position_embeddings=64)
+    add_tokenizer(path)
+    model, tokenizer = load(path)
+    return path, model, tokenizer, torch_model
+
+
+def test_stream_matches_transformers_greedy_and_decode(tiny):
+    _, model, tok, torch_model = tiny
+    ids = tok.encode("Hello world, the quick")
+    results = list(stream_generate(model, tok, "Hello world, the quick", max_tokens=20))
+    tokens = [r.token for r in results]
+    assert tokens == torch_greedy(torch_model, ids, 20)[: len(tokens)]
+    assert "".join(r.text for r in results) == tok.decode([t for t in tokens if t not in tok.eos_token_ids])
+    assert results[-1].finish_reason in ("stop", "length")
+    assert all(r.finish_reason is None for r in results[:-1])
+
+
+def test_generate_equals_joined_stream(tiny):
+    _, model, tok, _ = tiny
+    assert generate(model, tok, "Paris is", max_tokens=12) == "".join(
+        r.text for r in stream_generate(model, tok, "Paris is", max_tokens=12))
+
+
+def test_max_tokens_is_exact_and_stats_filled(tiny):
+    _, model, tok, _ = tiny
+    # Ban EOS via a huge negative bias is not available, so pick max_tokens small enough.
+    results = list(stream_generate(model, tok, [5, 6, 7], max_tokens=5))
+    assert len(results) <= 5
+    last = results[-1]
+    assert last.stats.prompt_tokens == 3 and last.stats.generation_tokens == len(results)
+    assert last.stats.prefill_tps > 0 and last.stats.time_to_first_token_s > 0
+    assert last.stats.peak_memory_gb > 0
+    if last.finish_reason == "length":
+        assert len(results) == 5
+
+
+def test_eos_stops_generation(tiny):
+    _, model, tok, torch_model = tiny
+    ids = [5, 6, 7]
+    ref = torch_greedy(torch_model, ids, 30)
+    eos = ref[3]  # pretend the 4th greedy token is EOS
+    tok_eos = tok.eos_token_ids
+    try:
+        tok.eos_token_ids = frozenset({eos})
+        results = list(stream_generate(model, tok, ids, max_tokens=30))
+    finally:
+        tok.eos_token_ids = tok_eos
+    assert [r.token for r in results] == ref[: ref.index(eos) + 1]
+    assert results[-1].finish_reason == "stop"
+    # The EOS token adds no text; what was held back (a partial character) is flushed.
+    assert "".join(r.text for r in results) == tok.decode([r.token for r in results[:-1]])
+
+
+def test_stop_string_ends_stream_without_leaking(tiny):
+    _, model, tok, torch_model = tiny
+    full = "".join(r.text for r in stream_generate(model, tok, [5, 6, 7], max_tokens=30))
+    if len(full) < 6:
+        pytest.skip(f"tiny model's greedy text too short to cut: {full!r}")
+    stop = full[3:6]
+    cut = full[: full.find(stop)]
+    results = list(stream_generate(model, tok, [5, 6, 7], max_tokens=30, stop=[stop]))
+    assert "".join(r.text for r in results) == cut
+    assert results[-1].finish_reason == "stop"
+
+
+def test_prompt_longer_than_context(tiny):
+    _, model, tok, _ = tiny
+    with pytest.raises(PromptTooLongError, match="prompt: 80 tokens, but the model's context is 64"):
+        list(stream_generate(model, tok, list(range(80)), max_tokens=4))
+    results = list(stream_generate(model, tok, list(range(80)), max_tokens=4, truncate_prompt=True))
+    assert results[-1].stats.prompt_tokens == 60
+
+
+def test_context_bounds_max_tokens(tiny):
+    _, model, tok, _ = tiny
+    results = list(stream_generate(model, tok, list(range(1, 62)), max_tokens=50))
+    assert len(results) <= 3
+
+
+def test_chat_session_reuses_cache(tiny):
+    _, model, tok, _ = tiny
+    chat = ChatSession(model, tok, max_tokens=8)
+    first = "".join(r.text for r in chat.send("Hello"))
+    first_prompt = tok.encode(tok.apply_chat_template(chat.messages[:1]), add_special_tokens=False)
+    second = list(chat.send("Paris"))
+    assert chat.messages[1] == {"role": "assistant", "content": first}
+    # At least the whole first-turn prompt came from the cache.
+    assert second[-1].stats.cached_tokens >= len(first_prompt)
+    # And the reply equals a fresh, uncached run of the same conversation.
+    fresh = [r.token for r in stream_generate(model, tok, chat.messages[:3], max_tokens=8)]
+    assert [r.token for r in second] == fresh
+
+
+def test_cli_generate_streams_only_text(tiny):
+    path, model, tok, _ = tiny
+    expected = generate(model, tok, [{"role": "user", "content": "Hello"}], max_tokens=10)
+    result = CliRunner().invoke(cli, ["generate", "-m", str(path), "-p", "Hello", "-n", "10"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == expected + "\n"
+
+
+def test_cli_generate_raw_and_stdin_and_verbose(tiny):
+    path, model, tok, _ = tiny
+    expected = generate(model, tok, "Paris is", max_tokens=6)
+    result = CliRunner().invoke(
+        cli, ["generate", "-m", str(path), "--no-chat-template", "-n", "6", "-v"], input="Paris is")
+    assert result.exit_code == 0
+    assert result.stdout == expected + "\n"
+    assert "decode" in result.stderr and "time to first token" in result.stderr
+
+
+def test_cli_prompt_too_long_exits_nonzero(tiny):
+    path, *_ = tiny
+    result = CliRunner().invoke(
+        cli, ["generate", "-m", str(path), "--no-chat-template", "-p", "hello " * 100])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: prompt: ") and result.stdout == ""
+
+
+def test_cli_chat_keeps_history(tiny):
+    path, model, tok, _ = tiny
+    result = CliRunner().invoke(cli, ["chat", "-m", str(path), "-n", "5"],
+                                                input="Hello\nParis\n/exit\n")
+    assert result.exit_code == 0, result.stderr
+    chat = ChatSession(model, tok, max_tokens=5)
+    a = "".join(r.text for r in chat.send("Hello"))
+    b = "".join(r.text for r in chat.send("Paris"))
+    assert result.stdout == f">> {a}\n>> {b}\n>> "
