@@ -26,7 +26,7 @@ def smollm2_mlx_dir():
 @pytest.fixture(scope="session")
 def smollm2_f32_dir(smollm2_hf_dir, tmp_path_factory):
     """The HF reference checkpoint converted by `mlxinfer.convert` at float32."""
-    from mlxinfer.convert import convert
+    from mlxinfer.conversion import convert
 
     out = tmp_path_factory.mktemp("smollm2") / "f32"
     convert(smollm2_hf_dir, out, dtype="float32")
