@@ -1,0 +1,5 @@
+"""``python -m mlxinfer`` runs the CLI."""
+
+from .cli import main
+
+main()
