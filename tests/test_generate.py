@@ -1,6 +1,5 @@
 """The streaming generator and the CLI on a tiny model with a real tokenizer."""
 
-import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
