@@ -141,3 +141,18 @@ def test_cli_chat_keeps_history(tiny):
     a = "".join(r.text for r in chat.send("Hello"))
     b = "".join(r.text for r in chat.send("Paris"))
     assert result.stdout == f">> {a}\n>> {b}\n>> "
+
+
+def test_app_example_runs_and_stops_early(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path, _ = make_tiny(tmp_path / "tiny", vocab_size=320, max_position_embeddings=512)
+    add_tokenizer(path)
+    spec = importlib.util.spec_from_file_location(
+        "embed_in_app", Path(__file__).parent.parent / "examples" / "embed_in_app.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(str(path))
+    out = capsys.readouterr().out
+    assert out.count("[") >= 2 and ("[stopped]" in out or "[length]" in out or "[stop]" in out)
