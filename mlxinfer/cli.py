@@ -64,6 +64,17 @@ def _load(model: str | None, verbose: bool):
     return load(model, log=_log)
 
 
+def _print_stream(results, verbose: bool) -> None:
+    """Text to stdout as it comes; with --verbose, the timeline to stderr at the end."""
+    result = None
+    for result in results:
+        click.echo(result.text, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    if verbose and result is not None:
+        _log(result.stats.table())
+
+
 @click.group()
 @click.version_option(package_name="mlxinfer")
 def cli():
@@ -86,13 +97,8 @@ def generate(model, prompt, system, no_chat_template, kv_bits, verbose, **option
     use_template = not no_chat_template and tokenizer.has_chat_template
     if use_template:
         prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    result = None
-    for result in stream_generate(llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options):
-        click.echo(result.text, nl=False)
-        sys.stdout.flush()
-    click.echo()
-    if verbose and result is not None:
-        _log(result.stats.table())
+    _print_stream(stream_generate(llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options),
+                  verbose)
 
 
 @cli.command()
@@ -121,13 +127,7 @@ def chat(model, system, kv_bits, verbose, max_kv_size, **options):
         if line.strip() == "/reset":
             session.reset()
             continue
-        result = None
-        for result in session.send(line):
-            click.echo(result.text, nl=False)
-            sys.stdout.flush()
-        click.echo()
-        if verbose and result is not None:
-            _log(result.stats.table())
+        _print_stream(session.send(line), verbose)
 
 
 @cli.command()
