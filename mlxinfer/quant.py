@@ -34,10 +34,14 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 64) -> 
     record: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     skipped = []
 
+    # A family may keep some layers in float (routers, tiny projections) by
+    # defining `quant_predicate(path, module) -> bool` on its Model.
+    family_rule = getattr(model, "quant_predicate", None)
+
     def predicate(path: str, module: nn.Module) -> bool:
         if not hasattr(module, "to_quantized"):
             return False
-        if not _quantizable(module, group_size):
+        if not _quantizable(module, group_size) or (family_rule is not None and not family_rule(path, module)):
             skipped.append(path)
             return False
         return True
