@@ -298,7 +298,19 @@ class QuantizedKVCache:
         return per_token * self.offset
 
 
-_KINDS = {cls.__name__: cls for cls in (KVCache, RotatingKVCache, QuantizedKVCache)}
+class LatentKVCache(KVCache):
+    """Multi-head latent attention's cache (DeepSeek-V2/V3): per token and layer, the
+    compressed latent (``kv_lora_rank`` values, after ``kv_a_layernorm``) and the one RoPE
+    key shared by all heads (``qk_rope_head_dim``) — not per-head keys and values.
+
+    It stores them as a single-"head" key/value pair, (B, 1, T, kv_lora_rank) and
+    (B, 1, T, qk_rope_head_dim), so ``nbytes`` is
+    (kv_lora_rank + qk_rope_head_dim) × tokens × itemsize (× batch); models/mla.py says
+    how attention reads it.
+    """
+
+
+_KINDS = {cls.__name__: cls for cls in (KVCache, RotatingKVCache, QuantizedKVCache, LatentKVCache)}
 
 
 def cache_nbytes(cache: list[Cache]) -> int:

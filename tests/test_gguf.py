@@ -10,6 +10,7 @@ Two kinds of evidence:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -191,13 +192,26 @@ def test_tiny_tokenizer_keeps_specials_whole_and_adds_bos_flag(tiny):
 
     _, _, model_dir, _ = tiny
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    ids = tok.encode("<|im_start|>the the<|im_end|>").ids
+    ids = tok.encode("<|im_start|>the the<|im_end|>", add_special_tokens=False).ids
     assert [TOKENS[i] for i in ids] == ["<|im_start|>", "t", "he", "Ġthe", "<|im_end|>"]
     assert tok.decode(ids, skip_special_tokens=True) == "the the"
     tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert tok_config["add_bos_token"] is True
     assert (tok_config["bos_token"], tok_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
     assert tok_config["chat_template"] == "{{ messages[0]['content'] }}"
+
+
+def test_tiny_tokenizer_adds_bos_like_transformers(tiny):
+    """add_bos_token in the file: transformers' tokenizer for it puts BOS first, and so do we."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    src, _, model_dir, _ = tiny
+    ours = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ref = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    for text in ["the the", "<|im_start|>the<|im_end|>", ""]:
+        assert ours.encode(text).ids == ref(text).input_ids, text
+    assert ours.encode("the").ids[0] == 1
 
 
 def test_report_counts_parameters_and_bytes(tiny):
@@ -237,17 +251,17 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    q6k = np.zeros((2, 210), np.uint8)  # two Q6_K blocks of 256 weights
-    write_tiny_gguf(tmp_path / "k.gguf", extra_tensors=[("blk.0.extra.weight", q6k, T.Q6_K)])
-    with pytest.raises(WeightsError, match="tensor blk.0.extra.weight has unsupported type Q6_K"):
+    q2k = np.zeros((2, 84), np.uint8)  # two Q2_K blocks of 256 weights (Q6_K is supported since)
+    write_tiny_gguf(tmp_path / "k.gguf", extra_tensors=[("blk.0.extra.weight", q2k, T.Q2_K)])
+    with pytest.raises(WeightsError, match="tensor blk.0.extra.weight has unsupported type Q2_K"):
         import_gguf(tmp_path / "k.gguf", tmp_path / "out")
     assert leftovers(tmp_path, "out") == []
 
 
-def test_sentencepiece_vocabulary_is_refused(tmp_path):
-    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer_model="llama")
-    with pytest.raises(TokenizerError, match="tokenizer.ggml.model is 'llama'"):
-        import_gguf(tmp_path / "spm.gguf", tmp_path / "out")
+def test_unknown_vocabulary_is_refused(tmp_path):
+    write_tiny_gguf(tmp_path / "t5.gguf", tokenizer_model="t5")  # (SentencePiece, "llama", is supported since)
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.model is 't5'; supported: 'gpt2'"):
+        import_gguf(tmp_path / "t5.gguf", tmp_path / "out")
     assert leftovers(tmp_path, "out") == []
 
 
@@ -405,3 +419,346 @@ def test_real_import_is_loadable_by_transformers_tokenizer(smollm2):
     a = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert a == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert ours(a).input_ids == ref(a).input_ids
+
+
+# ---------------------------------------------------------------------------
+# SentencePiece ("llama") vocabularies and the gemma3 architecture, on tiny synthetic files
+# checked against transformers' own reading of the same file.
+
+MULTILINGUAL = [
+    "Hello world, the quick brown fox jumps over the lazy dog.",
+    "  two leading spaces, trailing   ",
+    "tabs\tand\t\tnew\nlines\n\n\n  indented",
+    "Numbers: 0 7 42 1234567 3.14159",
+    "Café, naïve, résumé, über, straße — Ἀθῆναι. Добрый день, как дела?",
+    "日本語のテキストです。中文文本测试，你好世界。한국어 텍스트입니다.",
+    "مرحبا بالعالم. नमस्ते दुनिया. שלום עולם. emoji 😀🎉👍 🚀 👨‍👩‍👧 🇯🇵",
+    "<s> special </s> in text <unk>",
+    "",
+    " ",
+]
+
+
+def sentencepiece_vocab(directory):
+    """(tokens, scores, types) of a small Llama-2 style SentencePiece model, as llama.cpp writes them."""
+    import sentencepiece
+
+    from tokenizer_fixtures import build_sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(build_sentencepiece(directory) / "tokenizer.model"))
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    return [sp.id_to_piece(i) for i in range(n)], [sp.get_score(i) for i in range(n)], types
+
+
+def add_sentencepiece(w, vocab):
+    tokens, scores, types = vocab
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
+@pytest.fixture(scope="module")
+def spm_vocab(tmp_path_factory):
+    return sentencepiece_vocab(tmp_path_factory.mktemp("spm"))
+
+
+def finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_vocabulary_encodes_like_transformers(spm_vocab, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(N_HEADS)
+    add_sentencepiece(w, spm_vocab)
+    w.add_tensor("token_embd.weight", np.zeros((len(spm_vocab[0]), HIDDEN), np.float32))
+    finish(w)
+    import_gguf(tmp_path / "spm.gguf", tmp_path / "out")
+
+    ours = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in MULTILINGUAL:
+        ids = ours.encode(text).ids
+        assert ids == ref(text).input_ids, text
+        assert ids[0] == 1  # BOS: llama.cpp's default for SentencePiece files
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+    assert ours.get_vocab() == ref.get_vocab()
+    assert any(t.startswith("<0x") for t in ours.get_vocab())  # byte fallback pieces
+
+
+# Gemma 3: a tiny model. head_dim 256 because transformers' GGUF loader leaves
+# query_pre_attn_scalar at its default 256, while llama.cpp (and we) scale by head_dim;
+# every released Gemma 3 but the 27B has head_dim 256, where the two agree.
+G3 = dict(n_layers=6, hidden=64, heads=2, kv=1, head_dim=256, ffn=128)
+G3_TYPES = [T.Q8_0, T.Q5_0, T.Q4_1, T.F16, T.Q5_1, T.Q4_0, T.F32]
+
+
+def write_gemma3_gguf(path, vocab, *, sliding_window=4) -> dict[str, tuple[np.ndarray, int]]:
+    """A gemma3 GGUF as llama.cpp writes one (norms stored as 1 + w); returns {name: (data, type)}."""
+    rng = np.random.default_rng(0)
+    hidden, heads, kv, head_dim, ffn = G3["hidden"], G3["heads"], G3["kv"], G3["head_dim"], G3["ffn"]
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(G3["n_layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
+    add_sentencepiece(w, vocab)
+    w.add_add_bos_token(True)
+    stored = {}
+
+    def matrix(name, shape, ggml_type):
+        x = (rng.standard_normal(shape) * 0.08).astype(np.float32)
+        data = x if ggml_type == T.F32 else quantize(x, ggml_type)
+        w.add_tensor(name, data, raw_dtype=None if ggml_type == T.F32 else ggml_type)
+        stored[name] = (data, ggml_type)
+
+    def norm(name, n):
+        x = (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
+        w.add_tensor(name, x)
+        stored[name] = (x, T.F32)
+
+    matrix("token_embd.weight", (len(vocab[0]), hidden), T.Q8_0)
+    norm("output_norm.weight", hidden)
+    for i in range(G3["n_layers"]):
+        shapes = [("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv * head_dim, hidden)),
+                  ("attn_v", (kv * head_dim, hidden)), ("attn_output", (hidden, heads * head_dim)),
+                  ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]
+        for j, (name, shape) in enumerate(shapes):
+            matrix(f"blk.{i}.{name}.weight", shape, G3_TYPES[(i + j) % len(G3_TYPES)])
+        for name, n in [("attn_norm", hidden), ("attn_q_norm", head_dim), ("attn_k_norm", head_dim),
+                        ("post_attention_norm", hidden), ("ffn_norm", hidden), ("post_ffw_norm", hidden)]:
+            norm(f"blk.{i}.{name}.weight", n)
+    finish(w)
+    return stored
+
+
+@pytest.fixture(scope="module")
+def gemma3_tiny(spm_vocab, tmp_path_factory):
+    """(our import, transformers' model and tokenizer from the same file)"""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("g3")
+    write_gemma3_gguf(root / "g3.gguf", spm_vocab)
+    import_gguf(root / "g3.gguf", root / "ours")
+    ref = AutoModelForCausalLM.from_pretrained(str(root), gguf_file="g3.gguf", dtype=torch.float32).eval()
+    return root / "ours", ref, AutoTokenizer.from_pretrained(str(root), gguf_file="g3.gguf")
+
+
+def test_gemma3_weights_equal_transformers_reading(gemma3_tiny):
+    """Names mapped onto gemma3_text, norms stored as 1 + w brought back to w, every type exact."""
+    ours_dir, ref, _ = gemma3_tiny
+    ours = mx.load(str(ours_dir / "model.safetensors"))
+    quant = json.loads((ours_dir / "config.json").read_text())["quantization"]
+    state = {k: v.numpy() for k, v in ref.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert {f"{k.rsplit('.', 1)[0]}.weight" for k in ours} == set(state)
+    for key, value in state.items():
+        np.testing.assert_array_equal(dequantized(ours, key.rsplit(".", 1)[0], quant), value, key)
+
+
+def test_gemma3_config_matches_transformers(gemma3_tiny):
+    ours_dir, ref, _ = gemma3_tiny
+    ours = json.loads((ours_dir / "config.json").read_text())
+    hf = ref.config.to_dict()
+    for key in ["model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sliding_window",
+                "layer_types", "rope_parameters", "query_pre_attn_scalar", "hidden_activation",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id"]:
+        assert ours[key] == hf[key], key
+    assert np.float32(ours["rms_norm_eps"]) == np.float32(hf["rms_norm_eps"])
+
+
+def test_gemma3_tokenizer_and_logits_match_transformers(gemma3_tiny):
+    import torch
+
+    from mlxinfer.loader import load
+
+    ours_dir, ref, ref_tok = gemma3_tiny
+    model, tok = load(ours_dir, dtype=mx.float32)
+    for text in MULTILINGUAL:
+        assert tok.encode(text) == ref_tok(text).input_ids, text
+    ids = tok.encode(MULTILINGUAL[4])  # 30+ tokens: past the sliding window of 4
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(np.array(model(mx.array([ids]))[0]) - expected).max() <= 1e-3
+
+
+def test_gemma3_without_a_chat_template_gets_gemmas_turn_format(gemma3_tiny):
+    from mlxinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(gemma3_tiny[0])
+    prompt = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": "Hello!"},
+                                      {"role": "user", "content": "Bye"}], add_generation_prompt=True)
+    assert prompt == ("<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!"
+                      "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_gemma3_missing_metadata_is_a_one_line_error(spm_vocab, tmp_path):
+    write_gemma3_gguf(tmp_path / "g.gguf", spm_vocab, sliding_window=None)
+    with pytest.raises(WeightsError, match="GGUF metadata lacks gemma3.attention.sliding_window") as e:
+        import_gguf(tmp_path / "g.gguf", tmp_path / "out")
+    assert "\n" not in str(e.value)
+    assert leftovers(tmp_path, "out") == []
+
+
+# ---------------------------------------------------------------------------
+# the real Gemma-3-270M Q4_K_M file (base model, not instruction-tuned)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """(gguf path, our import) -- cached on disk."""
+    from fixtures import gemma3_gguf_path, gemma3_mlx_dir
+
+    return gemma3_gguf_path(), gemma3_mlx_dir()
+
+
+@pytest.mark.real
+def test_real_gemma3_weights_vs_gguf_reference(gemma3):
+    """Exact types bit-identical; K-quant decoding bit-identical and the stored loss as reported."""
+    import mlxinfer.gguf_quants as gq
+
+    gguf_path, mlx_dir = gemma3
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    ours = mx.load(str(mlx_dir / "model.safetensors"))
+    quant = json.loads((mlx_dir / "config.json").read_text())["quantization"]
+    cases = {
+        "token_embd.weight": ("model.embed_tokens", "Q8_0"),
+        "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj", "Q5_0"),
+        "blk.7.ffn_up.weight": ("model.layers.7.mlp.up_proj", "Q5_0"),
+        "blk.4.attn_v.weight": ("model.layers.4.self_attn.v_proj", "Q8_0"),
+        "blk.5.attn_output.weight": ("model.layers.5.self_attn.o_proj", "Q4_K"),
+        "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj", "Q6_K"),
+        "blk.2.ffn_down.weight": ("model.layers.2.mlp.down_proj", "Q4_K"),
+    }
+    for name, (module, type_name) in cases.items():
+        t = tensors[name]
+        assert t.tensor_type.name == type_name
+        ref = dequantize(t.data, t.tensor_type)
+        if type_name in ("Q4_K", "Q6_K"):  # our decoder on real blocks
+            raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+            np.testing.assert_array_equal(gq.dequantize(raw, type_name, ref.shape), ref)
+        if name == "token_embd.weight":  # 168M weights: compare a slice of rows
+            ref = ref[:4096]
+            stored = np.array(mx.dequantize(ours[f"{module}.weight"][:4096],
+                                            ours[f"{module}.scales"][:4096].astype(mx.float32),
+                                            ours[f"{module}.biases"][:4096].astype(mx.float32),
+                                            group_size=32, bits=8))
+        else:
+            stored = dequantized(ours, module, quant)
+        if type_name in ("Q4_K", "Q6_K"):
+            rel_rmse = np.sqrt(np.mean((stored - ref) ** 2) / np.mean(ref.astype(np.float64) ** 2))
+            assert rel_rmse < (1e-3 if type_name == "Q4_K" else 1e-2), name
+        else:
+            np.testing.assert_array_equal(stored, ref, err_msg=name)
+    for name in ("blk.4.attn_norm.weight", "blk.4.attn_q_norm.weight", "blk.9.post_ffw_norm.weight",
+                 "output_norm.weight"):
+        module = hf_gemma_norm(name)
+        np.testing.assert_array_equal(np.array(ours[f"{module}.weight"]), tensors[name].data - np.float32(1))
+
+
+def hf_gemma_norm(name: str) -> str:
+    from mlxinfer.gguf_arch import hf_module
+
+    return hf_module("gemma3", Path("x"), name)[0]
+
+
+@pytest.mark.real
+def test_real_gemma3_config_and_kquant_formats(gemma3):
+    _, mlx_dir = gemma3
+    config = json.loads((mlx_dir / "config.json").read_text())
+    expected = {
+        "model_type": "gemma3_text", "hidden_size": 640, "num_hidden_layers": 18, "intermediate_size": 2048,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+        "sliding_window": 512, "query_pre_attn_scalar": 256, "tie_word_embeddings": True,
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "max_position_embeddings": 32768,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    }
+    assert {k: config.get(k) for k in expected} == expected
+    assert config["layer_types"].count("full_attention") == 3 and config["layer_types"][5] == "full_attention"
+    q = config["quantization"]
+    assert (q["bits"], q["group_size"]) == (5, 32)  # Q5_0, the file's most common type
+    assert q["model.embed_tokens"]["bits"] == 8  # Q8_0
+    assert q["model.layers.0.self_attn.o_proj"]["bits"] == 4  # Q4_K, codes kept
+    assert q["model.layers.0.mlp.down_proj"]["bits"] == 8  # Q6_K -> 8-bit
+
+
+@pytest.mark.real
+def test_real_gemma3_tokenizer_encodes_like_transformers(gemma3):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from fixtures import gemma3_hf_tokenizer_dir
+
+    _, mlx_dir = gemma3
+    ours = Tokenizer.from_file(str(mlx_dir / "tokenizer.json"))
+    ref = AutoTokenizer.from_pretrained(str(gemma3_hf_tokenizer_dir()))
+    texts = MULTILINGUAL + [
+        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+        "<bos><eos><pad><mask>[multimodal] <unused0>",
+        "▁ literal, \u00a0nbsp, \u200b zero-width, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \U0001F9EC",
+    ]
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == ref(text).input_ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids), text
+    assert ours.get_vocab() == ref.get_vocab()
+    ours_added = {(t.content, t.special) for t in ours.get_added_tokens_decoder().values()}
+    assert ours_added == {(t.content, t.special) for t in ref.backend_tokenizer.get_added_tokens_decoder().values()}
+
+
+GEMMA3_PROMPTS = {
+    "qa": "Question: What is the capital of France?\nAnswer:",
+    "story": "Once upon a time",
+}
+
+
+@pytest.mark.real
+def test_real_gemma3_greedy_output_matches_transformers(gemma3):
+    """16 greedy tokens, plain completion and through the chat template, as transformers
+    generates them from the same GGUF. (This is the base model: asked in chat form it echoes
+    the question; completion prompts are where it is coherent.)"""
+    import mlxinfer
+    from fixtures import gemma3_reference
+    from mlxinfer.generation import generate_step
+
+    _, mlx_dir = gemma3
+    # float32 activations: on the CPU, MLX's float16 kernels are ~50x slower, and Gemma's
+    # activations overflow float16 anyway; the float16 scales widen exactly.
+    model, tok = mlxinfer.load(mlx_dir, dtype=mx.float32)
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True)
+    assert chat == "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+    prompts = {name: tok.encode(text) for name, text in GEMMA3_PROMPTS.items()}
+    prompts["chat"] = tok.encode(chat, add_special_tokens=False)
+    reference = gemma3_reference(prompts, 16)
+    for name, ids in prompts.items():
+        ours = [t for t, _ in generate_step(ids, model, max_tokens=16)]
+        assert ours[: len(reference[name])] == reference[name], (name, tok.decode(ours))
+    answer = mlxinfer.generate(model, tok, GEMMA3_PROMPTS["qa"], max_tokens=4, chat_template=False)
+    assert answer.strip().startswith("Paris")

@@ -41,7 +41,7 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     spec = dict(CASES[request.param])
-    path, torch_model = make_tiny(tmp_path_factory.mktemp(request.param), **spec)
+    path, torch_model = make_tiny(tmp_path_factory.mktemp(request.param), perturb_vectors=True, **spec)
     model, _ = load_model(path)
     return request.param, model, torch_model
 

@@ -11,6 +11,19 @@ from ..errors import ConfigError
 FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen2",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3_text",
+    "phi3": "phi3",
+    "gpt2": "gpt2",
+    "bloom": "bloom",
+    "xglm": "xglm",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v2",
 }
 
 

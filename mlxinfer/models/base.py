@@ -11,12 +11,15 @@ A model's whole contract is::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
 from ..config import require
+from ..errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -99,3 +102,174 @@ def _quantized_attention(q, k, v, *, scale, mask, group_size, bits) -> mx.array:
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, n_q, L, -1)
+
+
+# --- Building blocks for the families beyond Llama ----------------------------------------------
+
+# HF activation names (``hidden_act`` / ``hidden_activation`` / ``activation_function``).
+# The "new"/"tanh"/"fast" GELUs are one formula: 0.5x(1 + tanh(√(2/π)(x + 0.044715x³))).
+ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "silu": nn.silu,
+    "swish": nn.silu,
+    "relu": nn.relu,
+    "gelu": nn.gelu,  # exact (erf)
+    "gelu_new": nn.gelu_approx,
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "gelu_fast": nn.gelu_approx,
+}
+
+
+def activation(name: str, source: str = "config.json") -> Callable[[mx.array], mx.array]:
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"{source}: unsupported activation '{name}' (expected one of {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with a GELU."""
+
+    def __init__(self, dim: int, hidden: int, act: Callable[[mx.array], mx.array], bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act = act
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def softcap_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask,
+                      softcap: float) -> mx.array:
+    """Attention whose logits are squashed to (-softcap, softcap) by ``softcap * tanh(s / softcap)``.
+
+    The fused kernel cannot cap logits, so this one spells attention out:
+    (B, n_heads, L, D) queries over (B, n_kv_heads, T, D) keys, query groups
+    sharing a kv head without copying it.
+    """
+    B, n_q, L, D = q.shape
+    n_kv, T = k.shape[1], k.shape[2]
+    reps = n_q // n_kv
+    q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D)
+    scores = q @ k[:, :, None].swapaxes(-1, -2)  # (B, n_kv, reps, L, T)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):  # "causal", aligned lower-right like sdpa's
+        mask = mx.arange(T)[None] <= mx.arange(T - L, T)[:, None]
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        else:
+            scores = scores + mask
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ v[:, :, None]).reshape(B, n_q, L, -1)  # (B, n_heads, L, Dv)
+
+
+class RopeAttention(nn.Module):
+    """Grouped-query attention with RoPE under HF's names (``q_proj k_proj v_proj o_proj``).
+
+    The options cover the Llama-like families: biases on q/k/v and on o
+    (Qwen2 has the first only), one fused ``qkv_proj`` (Phi-3), a per-head norm
+    on queries and keys before RoPE (``q_norm``/``k_norm``: Qwen3, Gemma 3), and
+    tanh soft-capping of the logits (Gemma 2). ``rope`` is built by the family,
+    so layers may differ in it (Gemma 3's local and global bases).
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope: nn.Module,
+                 scale: float | None = None, qkv_bias: bool = False, o_bias: bool = False,
+                 fused_qkv: bool = False, qk_norm: Callable[[int], nn.Module] | None = None,
+                 softcap: float | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
+        self.fused_qkv = fused_qkv
+        if fused_qkv:  # rows: [q heads | k heads | v heads]
+            self.qkv_proj = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=qkv_bias)
+        else:
+            self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+            self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+            self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=o_bias)
+        self.has_qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            self.q_norm, self.k_norm = qk_norm(head_dim), qk_norm(head_dim)
+        self.rope = rope
+
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        B, L, _ = x.shape
+        if self.fused_qkv:
+            q_end = self.n_heads * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # (B, L, n * head_dim) -> (B, L, n, head_dim); norms act per head, then -> (B, n, L, head_dim)
+        q = q.reshape(B, L, self.n_heads, self.head_dim)
+        k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        if self.softcap is not None:
+            out = softcap_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
+        else:
+            out = attention(q, k, v, scale=self.scale, mask=mask, cache=cache)  # (B, n_heads, L, head_dim)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+# Per-layer attention kinds, as transformers 5 writes them in config.json's ``layer_types``.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+def check_layer_types(layer_types: list[str], n_layers: int, source: str = "config.json") -> list[str]:
+    if len(layer_types) != n_layers or not set(layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ConfigError(f"{source}: 'layer_types' must list {n_layers} entries of '{FULL_ATTENTION}' or "
+                          f"'{SLIDING_ATTENTION}', found {layer_types!r}")
+    return list(layer_types)
+
+
+def make_typed_caches(layer_types: list[str], sliding_window: int | None, *, max_kv_size: int | None = None,
+                      kv_bits: int | None = None, kv_group_size: int = 64) -> list[Cache]:
+    """Caches for a decoder whose layers mix sliding-window and full attention.
+
+    Sliding layers always get a rotating cache of their window (float: it is
+    small); full layers get what the user's flags choose (see make_layer_caches).
+    """
+    n_full = sum(t != SLIDING_ATTENTION or sliding_window is None for t in layer_types)
+    full = iter(make_layer_caches(n_full, max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size))
+    return [RotatingKVCache(sliding_window) if t == SLIDING_ATTENTION and sliding_window is not None else next(full)
+            for t in layer_types]
+
+
+def typed_masks(layer_types: list[str], cache: list[Cache] | None, n_queries: int,
+                sliding_window: int | None) -> dict[str, Mask]:
+    """One mask per attention kind, from the first layer of that kind (its cache knows the positions)."""
+    masks: dict[str, Mask] = {}
+    for i, kind in enumerate(layer_types):
+        if kind in masks:
+            continue
+        if cache is None:
+            window = sliding_window if kind == SLIDING_ATTENTION else None
+            masks[kind] = causal_mask(n_queries, window=window)
+        else:
+            masks[kind] = cache[i].make_mask(n_queries)
+    return masks
+
+
+def scaled_embedding(h: mx.array, scale: float) -> mx.array:
+    """Multiply embeddings by ``scale`` rounded to their dtype first, as transformers does
+    (Gemma's sqrt(3072) = 55.43 becomes 55.5 in bfloat16)."""
+    return h * mx.array(scale, dtype=h.dtype)
+
+
+def alibi_slopes(n_heads: int) -> mx.array:
+    """ALiBi's per-head slopes: a geometric series 2^(-8/n), interleaved for non-powers of two."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = [2 ** (-(8.0 / closest) * i) for i in range(1, closest + 1)]
+    if closest != n_heads:
+        extra = [2 ** (-(8.0 / (2 * closest)) * i) for i in range(1, 2 * closest + 1, 2)]
+        slopes += extra[: n_heads - closest]
+    return mx.array(slopes, dtype=mx.float32)

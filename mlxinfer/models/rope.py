@@ -11,6 +11,9 @@ variants differ only in the per-pair frequencies they feed it:
 - yarn:    per-frequency blend of interpolation and extrapolation, plus an
   attention factor that scales cos and sin (applied here to the input, which
   is the same thing since RoPE is linear).
+- longrope (Phi-3's "su"): each pair's period is stretched by its own factor,
+  from ``short_factor`` while the sequence fits ``original_max_position_embeddings``
+  and ``long_factor`` beyond, plus an attention factor on the rotated features.
 
 ``mx.fast.rope`` takes ``freqs`` as the inverse of ``inv_freq`` (periods / 2π).
 """
@@ -77,8 +80,10 @@ def make_rope(dims: int, base: float, scaling: dict[str, Any] | None, max_positi
     if kind == "yarn":
         inv_freq, attention_factor = _yarn_inv_freq(dims, base, scaling, max_position_embeddings)
         return RoPE(dims, base, traditional=traditional, inv_freq=inv_freq, input_scale=attention_factor)
+    if kind in ("longrope", "su"):
+        return LongRoPE(dims, base, scaling, max_position_embeddings, traditional=traditional)
     raise ConfigError(f"config.json: unsupported rope_scaling type '{kind}' "
-                      "(expected one of default, linear, dynamic, llama3, yarn)")
+                      "(expected one of default, linear, dynamic, llama3, yarn, longrope)")
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, s: dict[str, Any]) -> np.ndarray:
@@ -125,3 +130,45 @@ def _yarn_inv_freq(dims: int, base: float, s: dict[str, Any], max_pos: int) -> t
     extrapolate = 1 - ramp  # 1 where the pair keeps its original frequency
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv_freq, float(attention_factor)
+
+
+class LongRoPE(nn.Module):
+    """LongRoPE: per-pair frequency factors, short or long by the sequence length.
+
+    Like transformers, the choice is made per forward pass from the last
+    position it reaches (``offset + L``), so keys cached while the sequence was
+    short keep their short-factor rotation. ``dims`` may be less than the head
+    size (partial rotary); the attention factor scales only the rotated part.
+    """
+
+    def __init__(self, dims: int, base: float, s: dict[str, Any], max_position_embeddings: int,
+                 traditional: bool = False):
+        super().__init__()
+        for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+            if s.get(key) is None:
+                raise ConfigError(f"config.json: rope_scaling type 'longrope' needs key '{key}'")
+        if len(s["short_factor"]) != dims // 2 or len(s["long_factor"]) != dims // 2:
+            raise ConfigError(f"config.json: rope_scaling 'short_factor'/'long_factor' must have {dims // 2} "
+                              f"entries, found {len(s['short_factor'])}/{len(s['long_factor'])}")
+        self.dims, self.traditional = dims, traditional
+        self.original_max = s["original_max_position_embeddings"]
+        factor = s.get("factor") or max_position_embeddings / self.original_max
+        attention_factor = s.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(self.original_max))
+        self.attention_factor = float(attention_factor)
+        periods = base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)  # 1 / inv_freq
+        # Underscores keep the tables out of the parameter tree.
+        self._short = mx.array(np.asarray(s["short_factor"]) * periods, dtype=mx.float32)
+        self._long = mx.array(np.asarray(s["long_factor"]) * periods, dtype=mx.float32)
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        freqs = self._long if offset + x.shape[-2] > self.original_max else self._short
+        out = mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset,
+                           freqs=freqs)
+        if self.attention_factor == 1.0:
+            return out
+        if self.dims == x.shape[-1]:
+            return out * self.attention_factor
+        rotated, passed = out[..., : self.dims], out[..., self.dims :]
+        return mx.concatenate([rotated * self.attention_factor, passed], axis=-1)

@@ -1,0 +1,131 @@
+"""The Gemma family (first generation); its pieces serve gemma2 and gemma3_text too.
+
+Llama's pre-norm decoder with four differences:
+
+- RMSNorm weights are stored as offsets from 1: ``x / rms(x) * (1 + w)``;
+- the MLP is GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``;
+- embeddings are multiplied by ``sqrt(hidden_size)``, rounded to the
+  embedding dtype first as transformers does;
+- the LM head is the embedding (``tie_word_embeddings``, true for every release).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import Cache
+from ..errors import ConfigError
+from .base import BaseArgs, GatedMLP, RopeAttention, activation, causal_mask, make_layer_caches, scaled_embedding
+from .rope import make_rope
+
+
+@dataclasses.dataclass
+class ModelArgs(BaseArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    head_dim: int = 256
+    num_key_value_heads: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    hidden_act: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+    use_bidirectional_attention: bool | None = None
+
+    def __post_init__(self):
+        if self.use_bidirectional_attention:
+            raise ConfigError("config.json: 'use_bidirectional_attention' is true (an embedding model such as "
+                              "EmbeddingGemma); only causal text generation is supported")
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        # Early Gemma configs say "gelu" but mean the tanh approximation (transformers remaps it too).
+        self.activation = "gelu_pytorch_tanh" if self.hidden_act == "gelu" else self.hidden_act
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * (1 + w)``, computed in float32 and cast back, as transformers does.
+
+    (1 + w) is formed in float32: in bfloat16 it would round w to steps of 1/128.
+    """
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, 1.0 + self.weight.astype(mx.float32), self.eps).astype(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                       args.head_dim, rope=rope, qkv_bias=args.attention_bias,
+                                       o_bias=args.attention_bias)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.activation))
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = scaled_embedding(self.embed_tokens(inputs), math.sqrt(self.args.hidden_size))  # (B, L, hidden)
+        L = inputs.shape[1]
+        mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
+        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
+            h = layer(h, mask, c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = GemmaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)  # (B, L, vocab)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
+                   kv_group_size: int = 64) -> list[Cache]:
+        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
+                                 kv_group_size=kv_group_size)
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights

@@ -1,0 +1,143 @@
+"""Gemma 2: Gemma's pieces in a block with four norms, soft-capping and local/global layers.
+
+- Each block norms the attention and MLP outputs as well as their inputs
+  (``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+  ``post_feedforward_layernorm``).
+- Attention logits are capped by ``c * tanh(s / c)`` (``attn_logit_softcapping``),
+  and so are the final logits (``final_logit_softcapping``).
+- Queries are scaled by ``query_pre_attn_scalar ** -0.5``, not ``head_dim ** -0.5``.
+- Layers alternate sliding-window (local) and full (global) attention, as
+  ``layer_types`` says (default: local on even layers). Local layers keep a
+  rotating cache of ``sliding_window`` tokens; each kind gets its own mask.
+
+gemma3_text reuses this module with a per-head q/k norm and a RoPE per layer kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import Cache
+from .base import (FULL_ATTENTION, SLIDING_ATTENTION, GatedMLP, RopeAttention, activation, check_layer_types,
+                   make_typed_caches, scaled_embedding, typed_masks)
+from .gemma import ModelArgs as GemmaArgs
+from .gemma import RMSNorm
+from .rope import make_rope
+
+# Keys whose explicit null in config.json means "off", not "use the default".
+NULLABLE = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
+
+
+@dataclasses.dataclass
+class ModelArgs(GemmaArgs):
+    hidden_activation: str = "gelu_pytorch_tanh"
+    query_pre_attn_scalar: float = 256
+    sliding_window: int | None = 4096
+    layer_types: list[str] | None = None
+    attn_logit_softcapping: float | None = 50.0
+    final_logit_softcapping: float | None = 30.0
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
+        args = super().from_dict(config)
+        for key in NULLABLE:
+            if key in config and config[key] is None:
+                setattr(args, key, None)
+        args.__post_init__()
+        return args
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.activation = self.hidden_activation  # Gemma 2 and 3 read hidden_activation, unremapped
+        if self.layer_types is None:
+            self.layer_types = self.default_layer_types()
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
+        if self.sliding_window is None:
+            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
+        self.qk_norm = False
+
+    def default_layer_types(self) -> list[str]:
+        return [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(self.num_hidden_layers)]
+
+    def rope_parameters(self, kind: str) -> tuple[float, dict[str, Any] | None]:
+        """(base, rope_scaling) for the layers of one kind; Gemma 2 uses one RoPE for all."""
+        return self.rope_theta, self.rope_scaling
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, kind: str):
+        super().__init__()
+        base, scaling = args.rope_parameters(kind)
+        rope = make_rope(args.head_dim, base, scaling, args.max_position_embeddings)
+        qk_norm = (lambda dim: RMSNorm(dim, eps=args.rms_norm_eps)) if args.qk_norm else None
+        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                       args.head_dim, rope=rope, scale=args.query_pre_attn_scalar**-0.5,
+                                       qkv_bias=args.attention_bias, o_bias=args.attention_bias,
+                                       qk_norm=qk_norm, softcap=args.attn_logit_softcapping)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.activation))
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, kind) for kind in args.layer_types]
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = scaled_embedding(self.embed_tokens(inputs), math.sqrt(self.args.hidden_size))  # (B, L, hidden)
+        kinds = self.args.layer_types
+        masks = typed_masks(kinds, cache, inputs.shape[1], self.args.sliding_window)
+        for layer, kind, c in zip(self.layers, kinds, cache or [None] * len(self.layers)):
+            h = layer(h, masks[kind], c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Gemma2Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)  # (B, L, vocab)
+        cap = self.args.final_logit_softcapping
+        return logits if cap is None else mx.tanh(logits / cap) * cap
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
+                   kv_group_size: int = 64) -> list[Cache]:
+        if kv_bits is not None and self.args.attn_logit_softcapping is not None:
+            raise ValueError("--kv-bits is not supported with attention soft-capping (Gemma 2)")
+        return make_typed_caches(self.args.layer_types, self.args.sliding_window, max_kv_size=max_kv_size,
+                                 kv_bits=kv_bits, kv_group_size=kv_group_size)
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
+        if args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights

@@ -1,0 +1,134 @@
+"""Mixtral: Mistral's decoder with a routed mixture of SwiGLU experts in place of the MLP.
+
+Block: RMSNorm → GQA attention with RoPE (optionally sliding-window) → residual →
+RMSNorm → sparse MoE → residual. The router takes the softmax over all
+``num_local_experts``, keeps the top ``num_experts_per_tok`` and renormalises
+them to sum 1; the token's output is the weighted sum of those experts.
+
+Checkpoints name the MoE ``block_sparse_moe`` with per-expert ``w1`` (gate),
+``w3`` (up) and ``w2`` (down); transformers 5 renames it ``mlp`` and fuses the
+experts. ``sanitize`` does the same (see moe.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import Cache
+from .base import BaseArgs, RopeAttention, activation, causal_mask, make_layer_caches
+from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
+from .rope import make_rope
+
+EXPERT_NAMES = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+@dataclasses.dataclass
+class ModelArgs(BaseArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    rms_norm_eps: float = 1e-5
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1e6
+    rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.gate = Gate(args.hidden_size, args.num_local_experts)
+        self.experts = SwitchGLU(args.hidden_size, args.intermediate_size, args.num_local_experts,
+                                 activation(args.hidden_act))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weights, idx = softmax_top_k(self.gate(x), self.top_k, normalize=True)  # (B, L, k) each
+        return combine(self.experts(x, idx), weights)  # (B, L, hidden)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                       args.head_dim, rope=rope)
+        self.mlp = SparseMoE(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MixtralModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)  # (B, L, hidden)
+        L = inputs.shape[1]
+        if cache is None:
+            cache = [None] * len(self.layers)
+            mask = causal_mask(L, window=self.args.sliding_window)
+        else:
+            mask = cache[0].make_mask(L)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = MixtralModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)  # (B, L, vocab)
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
+                   kv_group_size: int = 64) -> list[Cache]:
+        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
+                                 kv_group_size=kv_group_size, sliding_window=self.args.sliding_window)
+
+    quant_predicate = staticmethod(keep_routers_float)
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+        weights = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in weights.items()
+                   if "rotary_emb.inv_freq" not in k}
+        if args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return stack_experts(weights, EXPERT_NAMES)

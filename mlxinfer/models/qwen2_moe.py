@@ -1,0 +1,156 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention with routed experts plus a shared expert.
+
+Block: RMSNorm → GQA attention with RoPE and q/k/v biases → residual → RMSNorm →
+MoE → residual. The MoE takes the softmax over ``num_experts`` router logits,
+keeps the top ``num_experts_per_tok`` (renormalised only when
+``norm_topk_prob``), and adds a shared SwiGLU expert on every token, scaled by
+``sigmoid(shared_expert_gate(x))``. Layers listed in ``mlp_only_layers``, or
+not on the ``decoder_sparse_step`` stride, have a dense MLP instead.
+
+Per-expert checkpoint weights are stacked by ``sanitize`` (see moe.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import Cache
+from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RopeAttention, activation,
+                   check_layer_types, make_typed_caches, typed_masks)
+from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
+from .rope import make_rope
+
+EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+@dataclasses.dataclass
+class ModelArgs(BaseArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"
+    qkv_bias: bool = True
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
+    tie_word_embeddings: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    layer_types: list[str] | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.hidden_size // self.num_attention_heads
+        if not self.use_sliding_window:
+            self.sliding_window = None
+        if self.layer_types is None:  # configs older than transformers 5: its rule (odd-numbered early layers)
+            self.layer_types = [SLIDING_ATTENTION if self.sliding_window and (i + 1) % 2 and i < self.max_window_layers
+                                else FULL_ATTENTION for i in range(self.num_hidden_layers)]
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
+        if SLIDING_ATTENTION not in self.layer_types:
+            self.sliding_window = None
+
+    def is_sparse(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
+        act = activation(args.hidden_act)
+        self.gate = Gate(args.hidden_size, args.num_experts)
+        self.experts = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts, act)
+        self.shared_expert = GatedMLP(args.hidden_size, args.shared_expert_intermediate_size, act)
+        self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weights, idx = softmax_top_k(self.gate(x), self.top_k, normalize=self.norm_topk_prob)  # (B, L, k)
+        routed = combine(self.experts(x, idx), weights)  # (B, L, hidden)
+        return routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                       args.head_dim, rope=rope, qkv_bias=args.qkv_bias)
+        if args.is_sparse(layer):
+            self.mlp = SparseMoE(args)
+        else:
+            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen2MoeModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)  # (B, L, hidden)
+        kinds = self.args.layer_types
+        masks = typed_masks(kinds, cache, inputs.shape[1], self.args.sliding_window)
+        for layer, kind, c in zip(self.layers, kinds, cache or [None] * len(self.layers)):
+            h = layer(h, masks[kind], c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Qwen2MoeModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)  # (B, L, vocab)
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
+                   kv_group_size: int = 64) -> list[Cache]:
+        return make_typed_caches(self.args.layer_types, self.args.sliding_window, max_kv_size=max_kv_size,
+                                 kv_bits=kv_bits, kv_group_size=kv_group_size)
+
+    quant_predicate = staticmethod(keep_routers_float)
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return stack_experts(weights, EXPERT_NAMES)
