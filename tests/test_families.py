@@ -239,3 +239,13 @@ def test_gemma_embedding_scale_is_rounded_to_the_weight_dtype_first():
     # transformers casts sqrt(3072) = 55.43 to the weights' dtype: 55.5 in bfloat16
     assert scaled_embedding(mx.ones((1,), mx.bfloat16), 3072**0.5).item() == 55.5
     assert abs(scaled_embedding(mx.ones((1,)), 3072**0.5).item() - 3072**0.5) < 1e-5
+
+
+def test_gemma_float16_residual_add_clips_instead_of_overflowing():
+    from mlxinfer.models.gemma2 import residual_add
+
+    big = mx.array([60000.0, -60000.0, 1.5], dtype=mx.float16)
+    out = residual_add(big, big)
+    assert out.dtype == mx.float16
+    assert np.array(out.astype(mx.float32)).tolist() == [65504.0, -65504.0, 3.0]
+    assert np.isinf(np.array((big + big).astype(mx.float32))[0])  # what a plain add does

@@ -86,8 +86,20 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = residual_add(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)))
+        return residual_add(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+
+
+def residual_add(x: mx.array, y: mx.array) -> mx.array:
+    """``x + y``; in float16, added in float32 and clipped to float16's range.
+
+    Gemma's residual stream outgrows float16 (it was trained in bfloat16): a
+    plain float16 add overflows to inf and the next norm turns it into NaN.
+    """
+    if x.dtype != mx.float16:
+        return x + y
+    limit = float(mx.finfo(mx.float16).max)
+    return mx.clip(x.astype(mx.float32) + y.astype(mx.float32), -limit, limit).astype(mx.float16)
 
 
 class Gemma2Model(nn.Module):
