@@ -72,6 +72,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
     load_weights_into(model, weights, src_dir)
     out_config = {k: v for k, v in config.items() if k != "quantization_config"}
     out_config["torch_dtype"] = _dtype_name(target)
+    if "dtype" in out_config:  # transformers 5's name for the same field
+        out_config["dtype"] = _dtype_name(target)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     if quantize:
         out_config["quantization"] = quantize_model(model, bits=bits, group_size=group_size)
