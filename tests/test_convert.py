@@ -141,3 +141,18 @@ def test_existing_output_is_refused(hf_dir, tmp_path):
     with pytest.raises(ConfigError, match="already exists"):
         convert(src, tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_cpu_prefill_path_equals_quantized_kernel():
+    from mlxinfer.quant import CPUQuantizedLinear, use_cpu_prefill_path
+
+    layer = nn.QuantizedLinear(128, 96, bias=True, group_size=64, bits=4)
+    layer.update({"bias": mx.random.normal((96,), key=mx.random.key(1))})
+    x = mx.random.normal((2, 40, 128), key=mx.random.key(2))  # 80 rows: the dequantize + matmul path
+    ref = layer(x)  # MLX's quantized_matmul
+    holder = nn.Sequential(layer)
+    assert use_cpu_prefill_path(holder) == (1 if mx.default_device().type == mx.DeviceType.cpu else 0)
+    if isinstance(layer, CPUQuantizedLinear):
+        assert np.abs(np.array(layer(x)) - np.array(ref)).max() < 1e-4
+        one_row = x[:, :1]
+        assert mx.array_equal(layer(one_row), nn.QuantizedLinear.__call__(layer, one_row))
