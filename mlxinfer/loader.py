@@ -116,8 +116,25 @@ def load_weights_into(model: nn.Module, weights: dict[str, mx.array], source: Pa
     model.load_weights(list(weights.items()), strict=True)
 
 
-def load_model(model_dir: Path, *, dtype: mx.Dtype | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """Build the model in ``model_dir`` and load its weights (lazily mapped)."""
+def default_dtype() -> mx.Dtype | None:
+    """The float dtype to compute in when the caller names none.
+
+    On the CPU backend float32: MLX's float16/bfloat16 CPU kernels (dense and
+    quantized) are many times slower than float32, and float16 overflows on
+    some families. For quantized weights only scales, biases and norms widen.
+    Elsewhere (Metal) None: the checkpoint's own dtypes.
+    """
+    return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
+
+
+def load_model(model_dir: Path, *, dtype: mx.Dtype | None | str = "auto") -> tuple[nn.Module, dict[str, Any]]:
+    """Build the model in ``model_dir`` and load its weights (lazily mapped).
+
+    ``dtype``: cast float weights to it; None keeps the stored dtypes; "auto"
+    is :func:`default_dtype`.
+    """
+    if isinstance(dtype, str):
+        dtype = default_dtype()
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     source = str(model_dir / "config.json")
@@ -134,11 +151,13 @@ def load_model(model_dir: Path, *, dtype: mx.Dtype | None = None) -> tuple[nn.Mo
     return model, config
 
 
-def load(path_or_repo: str | os.PathLike | None = None, *, dtype: mx.Dtype | None = None,
+def load(path_or_repo: str | os.PathLike | None = None, *, dtype: mx.Dtype | None | str = "auto",
          log: Callable[[str], None] | None = None):
     """Load a model directory, a Hub repo id, or (``None``) the default model.
 
-    Returns ``(model, tokenizer)``. ``log`` receives progress messages (the
+    Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on
+    the CPU backend and in the stored dtypes on Metal; None keeps the stored
+    dtypes; or an ``mx`` float dtype. ``log`` receives progress messages (the
     library itself never prints).
     """
     from .tokenizer import Tokenizer

@@ -774,7 +774,7 @@ def test_real_gemma3_runs_in_float16_as_stored(gemma3):
 
     _, mlx_dir = gemma3
     ids = mx.array([OurTokenizer.from_dir(mlx_dir).encode("The capital of France is")])
-    f16, _ = load_model(mlx_dir)
+    f16, _ = load_model(mlx_dir, dtype=None)  # as stored
     f32, _ = load_model(mlx_dir, dtype=mx.float32)
     h16 = np.array(f16.model(ids).astype(mx.float32))
     h32 = np.array(f32.model(ids))

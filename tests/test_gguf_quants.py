@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -240,7 +241,7 @@ def test_imported_kquant_model_runs(kquant_model):
 
     root, _, _, _ = kquant_model
     model, _ = load_model(root / "model", dtype=mx.float32)
-    assert type(model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     assert model.layers[0].self_attn.k_proj.bits == 5 and model.layers[0].mlp.down_proj.bits == 8
     logits = model(mx.array([[3, 40, 41, 200]]))
     assert logits.shape == (1, 4, VOCAB) and np.isfinite(np.array(logits)).all()
