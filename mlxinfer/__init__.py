@@ -7,6 +7,7 @@ Public API::
     for r in mlxinfer.stream_generate(model, tokenizer, "Hello"):
         print(r.text, end="")
     mlxinfer.convert("hf-dir-or-repo", "out-dir", quantize=True)
+    stream_generate(..., draft=mlxinfer.PromptLookup())     # speculative decoding
 
 Importing this package has no side effects: the heavy modules (and MLX) load
 on first use of an attribute.
@@ -26,6 +27,9 @@ _EXPORTS = {
     "make_sampler": "sampling",
     "make_logits_processors": "sampling",
     "PromptCache": "prompt_cache",
+    "DraftModel": "drafts",
+    "PromptLookup": "drafts",
+    "SelfDraft": "drafts",
     "ChatSession": "chat",
     "Tokenizer": "tokenizer",
     "MlxInferError": "errors",

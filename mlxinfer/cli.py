@@ -81,19 +81,57 @@ def cli():
     """On-device LLM inference on MLX."""
 
 
+def speculative_options(fn):
+    options = [
+        click.option("--draft-model", default=None, help="Speculative decoding with this draft model "
+                     "(directory or Hub repo id; same tokenizer as the model)."),
+        click.option("--prompt-lookup", is_flag=True, help="Speculative decoding, drafting by copying from "
+                     "the prompt and the output so far (no second model)."),
+        click.option("--self-draft-layers", default=None, type=int, help="Speculative decoding, drafting with "
+                     "the model's own first N layers (no second model)."),
+        click.option("--num-draft", default=None, type=int, help="Tokens drafted per step [default: adapts "
+                     "to the acceptance rate]."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers: int | None):
+    """The draft source the speculative flags ask for (at most one), or None."""
+    from .drafts import DraftModel, PromptLookup, SelfDraft
+
+    chosen = [flag for flag, on in (("--draft-model", draft_model is not None), ("--prompt-lookup", prompt_lookup),
+                                    ("--self-draft-layers", self_draft_layers is not None)) if on]
+    if len(chosen) > 1:
+        raise click.UsageError(f"choose one draft source, got {' and '.join(chosen)}")
+    if draft_model is not None:
+        from .loader import load
+
+        return DraftModel(*load(draft_model, log=_log))
+    if prompt_lookup:
+        return PromptLookup()
+    if self_draft_layers is not None:
+        return SelfDraft(self_draft_layers)
+    return None
+
+
 @cli.command()
 @generation_options
+@speculative_options
 @click.option("--prompt", "-p", default=None, help="Prompt text; read from stdin when omitted.")
 @click.option("--system", default=None, help="System message (chat template only).")
 @click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
 @_errors_to_click
-def generate(model, prompt, system, no_chat_template, kv_bits, verbose, **options):
+def generate(model, prompt, system, no_chat_template, kv_bits, verbose, draft_model, prompt_lookup,
+             self_draft_layers, **options):
     """Generate a completion and stream it to stdout."""
     from .generation import stream_generate
 
     if prompt is None:
         prompt = sys.stdin.read()
     llm, tokenizer = _load(model, verbose)
+    options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     use_template = not no_chat_template and tokenizer.has_chat_template
     if use_template:
         prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -133,7 +171,8 @@ def chat(model, system, kv_bits, verbose, max_kv_size, **options):
 @cli.command()
 @click.argument("src")
 @click.option("--output", "-o", "dst", required=True, help="Output directory (must not exist or be empty).")
-@click.option("--quantize", "-q", is_flag=True, help="Quantize Linear/Embedding weights.")
+@click.option("--quantize", "-q", is_flag=True,
+              help="Quantize Linear/Embedding weights (GGUF: re-quantize K-quant tensors to --bits/--group-size).")
 @click.option("--bits", default=4, show_default=True, type=click.Choice(["2", "3", "4", "5", "6", "8"]))
 @click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
 @click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]),

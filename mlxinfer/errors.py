@@ -24,3 +24,8 @@ class TokenizerError(MlxInferError):
 
 class PromptTooLongError(MlxInferError):
     """The prompt does not fit in the model's context."""
+
+
+class DraftError(MlxInferError):
+    """A speculative-decoding draft that cannot serve this target: another
+    vocabulary, too many layers, or a KV cache that cannot be rewound."""

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from .prompt_cache import PromptCache
+from .prompt_cache import DEFAULT_PREFILL_STEP, PromptCache
 from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from .speculative import speculative_generate_step
 from .stop import StopMatcher
 from .text import clean_prompt, fit_context
 
-DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
+if TYPE_CHECKING:
+    from .drafts import Draft
+
 
 
 def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | None = None,
@@ -41,22 +44,17 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
     sampler = sampler or make_sampler(0.0)
     pc = prompt_cache if prompt_cache is not None else PromptCache(model.make_cache())
     ids = list(prompt)
+    if not ids:
+        raise ValueError("prompt: empty (expected at least one token)")
     todo = pc.reuse(ids)
-    fed = pc.tokens
     history = mx.array(ids, dtype=mx.int32)
     cache = pc.cache
 
-    # Prefill all but the last prompt token in chunks. Only the caches are
-    # evaluated, so the LM head of these chunks is never computed (lazy graph).
+    # Prefill all but the last prompt token; the last one starts decoding.
+    pc.prefill(model, todo[:-1], prefill_step_size)
+    todo = todo[-1:]
+    fed = pc.tokens
     y = mx.array(todo, dtype=mx.int32)
-    while y.size > 1:
-        n = min(prefill_step_size, y.size - 1)
-        model(y[None, :n], cache)
-        # Materialise this chunk's cache writes before building the next chunk,
-        # so the graph (and its memory) stays one chunk deep.
-        mx.eval([c.state for c in cache])
-        fed.extend(todo[:n])
-        todo, y = todo[n:], y[n:]
 
     def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
         nonlocal history
@@ -71,6 +69,9 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
 
     try:
         token, logprobs = step(y)
+        # Start the first token now: otherwise it is only computed inside the
+        # next step's async_eval, and `.item()` below waits for both.
+        mx.async_eval(token, logprobs)
         fed.extend(todo)
         n = 0
         while n < max_tokens:
@@ -101,6 +102,19 @@ class GenerationStats:
     time_to_first_token_s: float = 0.0
     decode_tps: float = 0.0
     peak_memory_gb: float = 0.0
+    # speculative decoding (zero without a draft)
+    draft_tokens: int = 0  # proposed by the draft
+    accepted_tokens: int = 0  # of those, accepted by the target
+    speculative_steps: int = 0  # target forward passes while decoding
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Generated tokens per target forward pass (1.0 for plain decoding)."""
+        return self.generation_tokens / self.speculative_steps if self.speculative_steps else 0.0
 
     def table(self) -> str:
         rows = [("prompt tokens", f"{self.prompt_tokens} ({self.cached_tokens} cached)"), ("tokenize", f"{self.tokenize_ms:.1f} ms"),
@@ -108,6 +122,9 @@ class GenerationStats:
                 ("time to first token", f"{self.time_to_first_token_s * 1000:.1f} ms"),
                 ("generated tokens", f"{self.generation_tokens}"), ("decode", f"{self.decode_tps:.1f} tok/s"),
                 ("peak memory", f"{self.peak_memory_gb:.3f} GB")]
+        if self.speculative_steps:
+            accepted = f"{self.accepted_tokens}/{self.draft_tokens} ({self.acceptance_rate:.0%})"
+            rows[-1:-1] = [("draft accepted", accepted), ("tokens per step", f"{self.tokens_per_step:.2f}")]
         return "\n".join(f"{k:<20} {v:>14}" for k, v in rows)
 
 
@@ -151,6 +168,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
                     stop: Sequence[str] = (), chat_template: bool = False, truncate_prompt: bool = False,
                     prompt_cache: PromptCache | None = None, max_kv_size: int | None = None,
                     kv_bits: int | None = None, prefill_step_size: int = DEFAULT_PREFILL_STEP,
+                    draft: Draft | None = None, num_draft: int | None = None,
                     ) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
 
@@ -163,6 +181,9 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
         truncate_prompt: left-truncate a prompt longer than the context instead of raising.
         prompt_cache: reuse (and update) caches across calls, e.g. chat turns.
         max_kv_size, kv_bits: bound the cache (rotating) or quantize it.
+        draft: speculative decoding with this draft source (``DraftModel``,
+            ``PromptLookup``, ``SelfDraft``): same output, fewer target passes.
+        num_draft: tokens drafted per step; None adapts it to the acceptance rate.
     Yields:
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
@@ -185,10 +206,17 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
     t_prefill = time.perf_counter()
     t_first = t_prefill
     n = 0
-    steps = generate_step(ids, model, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler,
-                          logits_processors=processors, prefill_step_size=prefill_step_size)
+    if draft is None:
+        steps = generate_step(ids, model, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler,
+                              logits_processors=processors, prefill_step_size=prefill_step_size)
+        tokens = ((t, lp, False) for t, lp in steps)
+    else:
+        draft.check(model, tokenizer)
+        steps = tokens = speculative_generate_step(
+            ids, model, draft, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler,
+            logits_processors=processors, prefill_step_size=prefill_step_size, num_draft=num_draft, stats=stats)
     try:
-        for token, logprobs in steps:
+        for token, logprobs, from_draft in tokens:
             n += 1
             if n == 1:
                 t_first = time.perf_counter()
@@ -209,7 +237,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
             stats.generation_tokens = n
             if finish is not None:
                 _finish_stats(stats, n, t_first)
-            yield GenerationResult(text, token, logprobs, finish, stats=stats)
+            yield GenerationResult(text, token, logprobs, finish, from_draft, stats=stats)
             if finish is not None:
                 return
         if n == 0:  # max_tokens == 0, or no room left in the context

@@ -15,6 +15,9 @@ from .cache import _KINDS, Cache, QuantizedKVCache, RotatingKVCache, trim_cache
 from .errors import WeightsError
 
 
+DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
+
+
 class PromptCache:
     """Per-layer caches and the token ids they were filled with."""
 
@@ -40,6 +43,32 @@ class PromptCache:
             n = 0
         self.tokens = self.tokens[:n]
         return prompt[n:]
+
+    def rewind(self, n: int) -> None:
+        """Keep only the first ``n`` tokens (speculative decoding drops rejected drafts).
+
+        Each layer is trimmed to ``n`` on its own, since layers may hold
+        different counts mid-step (a self-draft writes only the first layers).
+        """
+        for c in self.cache:
+            held = c.offset
+            if held > n and c.trim(held - n) != held - n:
+                raise ValueError(f"cannot rewind a {type(c).__name__} holding {held} tokens to {n}")
+        self.tokens = self.tokens[:n]
+
+    def prefill(self, model, ids: list[int], step: int = DEFAULT_PREFILL_STEP) -> None:
+        """Feed ``ids`` in chunks of ``step``, computing only the caches.
+
+        Only the cache states are evaluated, so the LM head of these chunks is
+        never computed (the lazy graph drops it).
+        """
+        y = mx.array(ids, dtype=mx.int32)
+        for start in range(0, len(ids), step):
+            model(y[None, start:start + step], self.cache)
+            # Materialise this chunk's cache writes before building the next chunk,
+            # so the graph (and its memory) stays one chunk deep.
+            mx.eval([c.state for c in self.cache])
+            self.tokens.extend(ids[start:start + step])
 
     @property
     def nbytes(self) -> int:

@@ -9,6 +9,7 @@ the draft's exact distributions) can use it directly.
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -44,12 +45,37 @@ def filtered_logprobs(logprobs: mx.array, *, temperature: float = 1.0, top_k: in
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """A sampler's settings, kept on it as ``sampler.params``.
+
+    Speculative decoding reads them to build the exact distribution the plain
+    sampler would draw from (for the target and the draft alike).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def filter(self, logprobs: mx.array) -> mx.array:
+        """The (B, V) log-probs a sampler with these settings draws from."""
+        return filtered_logprobs(logprobs, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                 min_p=self.min_p)
+
+
 def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  seed: int | None = None) -> Sampler:
     """Greedy when ``temperature == 0``; otherwise draws from ``filtered_logprobs``.
 
     The random key lives in the returned closure, so two samplers with the same
-    seed give the same tokens and no global RNG state is touched.
+    seed give the same tokens and no global RNG state is touched. The settings
+    are kept as ``sampler.params`` (a :class:`SamplingParams`).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -59,15 +85,20 @@ def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0
         raise ValueError(f"min_p must be in [0, 1), got {min_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
+    params = SamplingParams(temperature, top_k, top_p, min_p, seed)
     if temperature == 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+        def argmax(logprobs: mx.array) -> mx.array:
+            return mx.argmax(logprobs, axis=-1)
+
+        argmax.params = params
+        return argmax
     state = {"key": mx.random.key(secrets.randbits(63) if seed is None else seed)}
 
     def sample(logprobs: mx.array) -> mx.array:
         state["key"], sub = mx.random.split(state["key"])
-        dist = filtered_logprobs(logprobs, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        return mx.random.categorical(dist, axis=-1, key=sub)
+        return mx.random.categorical(params.filter(logprobs), axis=-1, key=sub)
 
+    sample.params = params
     return sample
 
 

@@ -1,0 +1,257 @@
+"""Draft sources for speculative decoding: a second model, prompt lookup, self-drafting.
+
+A draft source (:class:`DraftModel`, :class:`PromptLookup`, :class:`SelfDraft`)
+holds request-independent settings; ``start`` makes the per-request
+:class:`Drafter` that proposes tokens for ``speculative_generate_step`` to verify.
+
+- ``DraftModel``: a second, cheaper model with the same vocabulary and its own cache.
+- ``PromptLookup``: no model. Finds the latest earlier occurrence of the last few
+  tokens in the prompt and the text so far and proposes what followed it
+  (pays off when the output copies the input: edits, rewrites, extraction).
+- ``SelfDraft``: the target's own first N blocks, then its final norm and LM
+  head. No second model: the weights are the target's, and so are the KV
+  caches of those N layers (drafted entries are dropped and the verification
+  pass writes them again).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import Cache, RotatingKVCache
+from .errors import DraftError
+from .prompt_cache import PromptCache
+
+# (1, V) draft logits -> (token (1,) int32, log-probs it was drawn from (1, V), or None when greedy)
+DraftSampler = Callable[[mx.array], tuple[mx.array, "mx.array | None"]]
+
+_NO_TOKENS = mx.array([], dtype=mx.int32)
+
+
+class Drafter(Protocol):
+    """One request's drafting state."""
+
+    def propose(self, history: list[int], k: int, sample: DraftSampler) -> tuple[mx.array, mx.array | None]:
+        """Up to ``k`` tokens to follow ``history`` (whose last token is in no cache yet).
+
+        Returns the tokens (m,) int32 and the (m, V) log-probs each was drawn
+        from, or None for a deterministic draft (a point mass on each token).
+        Draft models call ``sample`` once per token: it applies the request's
+        logits processors and sampling settings, exactly as for the target.
+        """
+        ...
+
+    def rewind(self, kept: list[int]) -> None:
+        """The target's cache now holds ``kept``: keep only a prefix of it in the draft's cache."""
+        ...
+
+
+class Draft:
+    """Base of the draft sources."""
+
+    def check(self, model, tokenizer) -> None:
+        """Raise :class:`DraftError` if this draft cannot serve ``model`` with ``tokenizer``."""
+
+    def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
+        """Begin a request: ``cache`` is the target's, holding all of ``prompt`` but its last token."""
+        raise NotImplementedError
+
+
+# --- A second model ------------------------------------------------------------------------------
+
+
+class DraftModel(Draft):
+    """Draft with a second model that shares the target's vocabulary.
+
+    Args:
+        model: the draft model (several times cheaper than the target to pay off).
+        tokenizer: its tokenizer; when given, ``stream_generate`` checks that it
+            equals the target's, token by token.
+        prompt_cache: reuse the draft's cache across requests (chat turns), like
+            the target's ``prompt_cache``; one request at a time.
+    """
+
+    def __init__(self, model, tokenizer=None, *, prompt_cache: PromptCache | None = None):
+        self.model, self.tokenizer, self.prompt_cache = model, tokenizer, prompt_cache
+
+    def check(self, model, tokenizer) -> None:
+        if self.tokenizer is not None and tokenizer is not None:
+            check_vocabulary(tokenizer, self.tokenizer)
+
+    def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
+        pc = self.prompt_cache if self.prompt_cache is not None else PromptCache(self.model.make_cache())
+        if any(isinstance(c, RotatingKVCache) for c in pc.cache):
+            raise DraftError(f"draft model {_name(self.tokenizer)}: its rotating (sliding-window) KV cache "
+                             "cannot be rewound; speculative decoding needs one that can")
+        todo = pc.reuse(prompt)
+        pc.prefill(self.model, todo[:-1])
+        return _ModelDrafter(self.model, pc, width=model.args.vocab_size)
+
+
+class _ModelDrafter:
+    """Drafts k tokens with a model that keeps its own cache (``pc.tokens`` ⊑ history)."""
+
+    def __init__(self, model, pc: PromptCache, width: int):
+        self.model, self.pc, self.width = model, pc, width
+        self._fed: list[int] = []  # fed by the last propose, beyond pc.tokens
+        self._drafts: list[mx.array] = []  # drafted tokens also fed (all but the last)
+
+    def propose(self, history: list[int], k: int, sample: DraftSampler) -> tuple[mx.array, mx.array | None]:
+        self._fed = history[len(self.pc.tokens):]  # at least the last token
+        x = mx.array(self._fed, dtype=mx.int32)
+        tokens, dists = [], []
+        for _ in range(k):
+            logits = self.model(x[None], self.pc.cache)[0, -1:]  # (1, V_draft): last position only
+            token, dist = sample(_fit_width(logits, self.width))
+            tokens.append(token)
+            dists.append(dist)
+            x = token
+        self._drafts = tokens[:-1]
+        return mx.concatenate(tokens), (mx.concatenate(dists) if dists[0] is not None else None)
+
+    def rewind(self, kept: list[int]) -> None:
+        held = self.pc.tokens + self._fed + [t.item() for t in self._drafts]  # drafts: evaluated by now
+        self.pc.tokens, self._fed, self._drafts = held, [], []
+        n = 0
+        for a, b in zip(held, kept):
+            if a != b:
+                break
+            n += 1
+        self.pc.rewind(n)
+
+
+def _fit_width(logits: mx.array, width: int) -> mx.array:
+    """Draft logits over the target's vocabulary width (padded embeddings differ per model size)."""
+    V = logits.shape[-1]
+    if V > width:
+        return logits[:, :width]
+    if V < width:
+        return mx.concatenate([logits, mx.full((logits.shape[0], width - V), -mx.inf, logits.dtype)], axis=-1)
+    return logits
+
+
+def check_vocabulary(target_tokenizer, draft_tokenizer) -> None:
+    """Raise :class:`DraftError` unless both tokenizers map every id to the same token."""
+    t, d = target_tokenizer, draft_tokenizer
+    why = None
+    if t.vocab_size != d.vocab_size:
+        why = f"{d.vocab_size} tokens vs the target's {t.vocab_size}"
+    else:
+        for i in range(t.vocab_size):
+            a, b = d.id_to_token(i), t.id_to_token(i)
+            if a != b:
+                why = f"token {i} is {a!r} in the draft, {b!r} in the target"
+                break
+    if why is not None:
+        raise DraftError(f"draft model {_name(d)} and target {_name(t)} have different vocabularies ({why}); "
+                         "speculative decoding needs the same tokenizer")
+
+
+def _name(tokenizer) -> str:
+    return str(getattr(tokenizer, "path", None) or "(unnamed)")
+
+
+# --- Prompt lookup -------------------------------------------------------------------------------
+
+
+class PromptLookup(Draft):
+    """Draft by copying: match the last ``max_ngram`` … ``min_ngram`` tokens earlier in the
+    prompt or output and propose the tokens that followed the latest match."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
+        return _LookupDrafter(self.max_ngram, self.min_ngram)
+
+
+class _LookupDrafter:
+    def __init__(self, max_ngram: int, min_ngram: int):
+        # n -> {n-gram: position right after its latest occurrence}; history only
+        # grows (rejected drafts never enter it), so the index grows incrementally.
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(max_ngram, min_ngram - 1, -1)}
+        self.indexed = 1  # continuation positions < indexed are in the index
+
+    def propose(self, history: list[int], k: int, sample: DraftSampler) -> tuple[mx.array, None]:
+        T = len(history)
+        for j in range(self.indexed, T):  # j: a position whose token continues the n-grams before it
+            for n, table in self.index.items():
+                if j >= n:
+                    table[tuple(history[j - n:j])] = j
+        self.indexed = T
+        for n, table in self.index.items():  # longest n-gram first
+            j = table.get(tuple(history[T - n:])) if T >= n else None
+            if j is not None:
+                return mx.array(history[j:j + k], dtype=mx.int32), None
+        return _NO_TOKENS, None
+
+    def rewind(self, kept: list[int]) -> None:
+        pass  # no cache
+
+
+# --- Self-drafting -------------------------------------------------------------------------------
+
+
+class SelfDraft(Draft):
+    """Draft with the target's first ``layers`` blocks, its final norm and its LM head."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+
+    def check(self, model, tokenizer) -> None:
+        n = len(model.layers)
+        if not 1 <= self.layers < n:
+            raise DraftError(f"self-draft layers must be between 1 and {n - 1} for this {n}-layer model, "
+                             f"got {self.layers}")
+
+    def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
+        self.check(model, None)
+        return _SelfDrafter(_first_blocks(model, self.layers), cache, self.layers)
+
+
+def _first_blocks(model, n: int):
+    """A view of ``model`` that runs only its first ``n`` blocks, then its own final norm
+    and head: shallow copies of the model and of the module holding the blocks, with
+    that list cut. The weights are shared; the family's own forward pass runs."""
+    blocks = model.layers
+    for name, inner in model.items():  # the child module that holds the blocks (model.model, model.transformer…)
+        if isinstance(inner, nn.Module):
+            for attr, value in inner.items():
+                if value is blocks:
+                    inner = copy.copy(inner)
+                    setattr(inner, attr, blocks[:n])
+                    view = copy.copy(model)
+                    setattr(view, name, inner)
+                    return view
+    raise DraftError(f"self-drafting: cannot find the list of blocks in {type(model).__module__}")
+
+
+class _SelfDrafter:
+    def __init__(self, view, cache: list[Cache], n: int):
+        # The view runs with the target's whole cache list (masks may come from any
+        # layer's cache); only the first n caches are written, and they are shared.
+        self.view, self.cache, self.n = view, cache, n
+
+    def propose(self, history: list[int], k: int, sample: DraftSampler) -> tuple[mx.array, mx.array | None]:
+        # The shared layers hold all of history but its last token, like the target's.
+        x = mx.array(history[-1:], dtype=mx.int32)
+        tokens, dists = [], []
+        for _ in range(k):
+            token, dist = sample(self.view(x[None], self.cache)[0, -1:])  # (1, V): one token at a time
+            tokens.append(token)
+            dists.append(dist)
+            x = token
+        # Drop the k entries drafting wrote (history's last token, then k-1 drafts):
+        # the verification pass writes those positions again, for every layer.
+        for c in self.cache[: self.n]:
+            c.trim(k)
+        return mx.concatenate(tokens), (mx.concatenate(dists) if dists[0] is not None else None)
+
+    def rewind(self, kept: list[int]) -> None:
+        pass  # its cache is the target's, which the runner rewinds

@@ -1,0 +1,249 @@
+"""Speculative decoding: draft, verify, rewind.
+
+A sibling of ``generation.generate_step`` with the same outputs plus a flag
+saying which tokens came from the draft. Each step:
+
+1. the draft proposes up to k tokens after the last token y (``drafts.py``:
+   a second model, prompt lookup, or the target's own first layers);
+2. the target runs once over [y, d1 … dk] and so scores k+1 positions;
+3. the acceptance rule keeps a prefix d1 … da and adds one token of the
+   target's own (a correction at a+1, or a bonus token when all k passed);
+4. both caches are trimmed back to the tokens kept.
+
+Greedy output is token-identical to plain greedy decoding, and sampled output
+has exactly the target's distribution (the draft only changes the speed): the
+target and the draft draw from the same processed distribution the plain
+sampler uses (logits processors, temperature, top-k, top-p, min-p).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import mlx.core as mx
+
+from .cache import Cache, RotatingKVCache
+from .errors import DraftError
+from .prompt_cache import DEFAULT_PREFILL_STEP, PromptCache
+from .sampling import LogitsProcessor, Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from .drafts import Draft, DraftSampler
+    from .generation import GenerationStats
+
+MAX_DRAFT = 16  # adaptive k's ceiling: verifying more positions stops being free even on a GPU
+# Weight of the newest step in the acceptance-rate estimate: acceptance comes in bursts (prompt
+# lookup copies a line verbatim, then misses at the edit), so the estimate follows the last few steps.
+_ADAPT_WEIGHT = 0.5
+
+
+def speculative_generate_step(prompt: Sequence[int], model, draft: Draft, *,
+                              prompt_cache: PromptCache | None = None, max_tokens: int = 256,
+                              sampler: Sampler | None = None, logits_processors: Sequence[LogitsProcessor] = (),
+                              prefill_step_size: int = DEFAULT_PREFILL_STEP, num_draft: int | None = None,
+                              stats: GenerationStats | None = None) -> Iterator[tuple[int, mx.array, bool]]:
+    """Yield ``(token, logprobs, from_draft)`` for up to ``max_tokens`` new tokens.
+
+    Args:
+        draft: a draft source (``DraftModel``, ``PromptLookup``, ``SelfDraft``).
+        sampler: from ``make_sampler``; its ``params`` define the distribution
+            both models draw from (greedy when None).
+        num_draft: draft exactly this many tokens per step; None adapts k to
+            the acceptance rate (1 … ``MAX_DRAFT``).
+        stats: when given, its ``draft_tokens``, ``accepted_tokens`` and
+            ``speculative_steps`` are counted up.
+    Yields:
+        As ``generate_step`` (the token and the (V,) log-probs it was drawn
+        from, after logits processors, before filtering), plus whether the
+        token was proposed by the draft and accepted.
+
+    ``prompt_cache`` (reused when given) ends holding exactly the tokens fed
+    to the model, whether the loop ran out or the caller stopped early.
+    """
+    params = _sampling_params(sampler)
+    if num_draft is not None and num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    pc = prompt_cache if prompt_cache is not None else PromptCache(model.make_cache())
+    ids = list(prompt)
+    _require_rewindable(pc.cache, len(ids) + max_tokens)
+    todo = pc.reuse(ids)
+    pc.prefill(model, todo[:-1], prefill_step_size)
+    drafter = draft.start(model, pc.cache, ids)
+    key = mx.random.key(secrets.randbits(63) if params.seed is None else params.seed)
+    k_policy = _DraftLength(num_draft)
+    history = list(ids)  # every token so far; the last one is in no cache yet
+    n = 0
+    try:
+        while n < max_tokens:
+            k = min(k_policy.k, max_tokens - n - 1)  # a step emits up to k+1 tokens
+            key, draft_key, accept_key = mx.random.split(key, 3)
+            seen = mx.array(history, dtype=mx.int32) if logits_processors else None
+            if k > 0:
+                drafts, q = drafter.propose(history, k, _draft_sampler(params, logits_processors, seen, draft_key))
+            else:
+                drafts, q = mx.array([], dtype=mx.int32), None
+            m = drafts.shape[0]
+            logprobs = _verify(model, pc.cache, history[-1], drafts, logits_processors, seen)  # (m+1, V)
+            accepted, token = _accept(logprobs, drafts, q, params, accept_key)
+            # The one sync per step: the host needs the accepted count and the
+            # tokens to know what to feed next.
+            mx.eval(accepted, token, drafts, logprobs)
+            a = accepted.item()
+            emitted = drafts[:a].tolist() + [token.item()]
+            pc.tokens = history + emitted[:-1]  # y and the accepted drafts are in the cache
+            pc.rewind(len(pc.tokens))  # drop the m - a rejected drafts
+            history += emitted
+            drafter.rewind(pc.tokens)
+            k_policy.update(a, m)
+            if stats is not None:
+                stats.draft_tokens += m
+                stats.accepted_tokens += a
+                stats.speculative_steps += 1
+            for j, t in enumerate(emitted):
+                n += 1
+                yield t, logprobs[j], j < a
+    finally:
+        # Keep at most the tokens the caller received (plain decoding's rule).
+        pc.rewind(min(len(pc.tokens), len(ids) + n))
+        drafter.rewind(pc.tokens)
+
+
+def _verify(model, cache: list[Cache], y: int, drafts: mx.array, processors: Sequence[LogitsProcessor],
+            seen: mx.array | None) -> mx.array:
+    """The target's log-probs at the k+1 positions after y, d1 … dk: (k+1, V)."""
+    inputs = mx.concatenate([mx.array([y], dtype=mx.int32), drafts])  # (k+1,)
+    logits = model(inputs[None], cache)[0]  # (k+1, V)
+    if processors:
+        # Row i continues history + d1 … di, exactly as plain decoding would see it.
+        rows = []
+        for i in range(logits.shape[0]):
+            row, tokens = logits[i:i + 1], mx.concatenate([seen, drafts[:i]])
+            for process in processors:
+                row = process(tokens, row)
+            rows.append(row)
+        logits = mx.concatenate(rows)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _accept(logprobs: mx.array, drafts: mx.array, q: mx.array | None, params: SamplingParams,
+            key: mx.array) -> tuple[mx.array, mx.array]:
+    """How many drafts to keep, and the target's token after them (both lazy scalars).
+
+    ``logprobs``: the target's (k+1, V); ``q``: the (k, V) log-probs the drafts
+    were drawn from, or None for a point-mass draft (prompt lookup, greedy).
+    """
+    k = drafts.shape[0]
+    if params.greedy:
+        # Greedy: the target's choice at each position is its argmax. Keep the
+        # longest prefix of drafts equal to it; the first position that differs
+        # (or position k+1 when none does) contributes the target's argmax.
+        best = mx.argmax(logprobs, axis=-1).astype(mx.int32)  # (k+1,)
+        a = mx.sum(mx.cumprod((drafts == best[:k]).astype(mx.int32)))
+        return a, best[a]
+    # Sampling (Leviathan et al. 2023; Chen et al. 2023). With p the target's
+    # and q the draft's processed distribution at position i and d ~ q the draft:
+    #   accept d with probability min(1, p(d) / q(d));
+    #   on rejection, draw from max(0, p - q) / Σ max(0, p - q) and stop.
+    # Then P(emit x) = min(p(x), q(x)) + (1 - Σ min(p, q)) · max(0, p(x) - q(x)) / Σ max(0, p - q)
+    #               = min(p, q)(x) + max(0, p(x) - q(x)) = p(x): exactly the target's.
+    # A deterministic draft is q = point mass on d: accept with probability p(d),
+    # else draw from p with d removed. When all k pass, the extra (bonus) token
+    # is drawn from the target's p at position k+1 (q = 0 there).
+    p = mx.exp(params.filter(logprobs.astype(mx.float32)))  # (k+1, V)
+    V = p.shape[-1]
+    q = mx.exp(q.astype(mx.float32)) if q is not None else (mx.arange(V)[None] == drafts[:, None]).astype(mx.float32)
+    u_key, r_key = mx.random.split(key)
+    p_d = mx.take_along_axis(p[:k], drafts[:, None], axis=-1)[:, 0]  # (k,)
+    q_d = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]  # (k,)
+    ok = _accepts(p_d, q_d, mx.random.uniform(shape=(k,), key=u_key))
+    a = mx.sum(mx.cumprod(ok.astype(mx.int32)))
+    q_next = mx.concatenate([q, mx.zeros((1, V), mx.float32)])[a]  # (V,)
+    r = _residual(p[a], q_next)
+    return a, mx.random.categorical(mx.log(r), key=r_key).astype(mx.int32)
+
+
+def _accepts(p_d: mx.array, q_d: mx.array, u: mx.array) -> mx.array:
+    """u < p(d) / q(d) with u ~ U[0, 1): probability min(1, p(d) / q(d)) (q(d) > 0: d was drawn from q)."""
+    return u * q_d < p_d
+
+
+def _residual(p: mx.array, q: mx.array) -> mx.array:
+    """max(0, p - q), unnormalised (categorical normalises). Falls back to p in
+    the measure-zero case that nothing is left (p == q and yet rejected)."""
+    r = mx.maximum(p - q, 0.0)
+    return mx.where(mx.sum(r) > 0, r, p)
+
+
+def _draft_sampler(params: SamplingParams, processors: Sequence[LogitsProcessor], seen: mx.array | None,
+                   key: mx.array) -> DraftSampler:
+    """Draw draft tokens from the processed distribution the target uses (one step's worth)."""
+    drafted: list[mx.array] = []
+
+    def sample(logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        nonlocal key
+        if processors:
+            tokens = mx.concatenate([seen, *drafted])
+            for process in processors:
+                logits = process(tokens, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, V)
+        if params.greedy:
+            token, dist = mx.argmax(logprobs, axis=-1).astype(mx.int32), None
+        else:
+            key, sub = mx.random.split(key)
+            dist = params.filter(logprobs.astype(mx.float32))
+            token = mx.random.categorical(dist, axis=-1, key=sub).astype(mx.int32)
+        drafted.append(token)
+        return token, dist
+
+    return sample
+
+
+class _DraftLength:
+    """How many tokens to draft next.
+
+    Fixed when ``num_draft`` is given. Otherwise k follows the acceptance rate
+    α: a moving average over steps of each step's accepted / (accept and
+    reject decisions). If each draft passes with probability α, a step with
+    drafts that never run out emits 1 / (1 - α) tokens on average, so that is
+    what we draft (between 1 and MAX_DRAFT).
+    """
+
+    def __init__(self, fixed: int | None):
+        self.fixed = fixed
+        self.alpha = 0.75  # prior: k = 4
+
+    @property
+    def k(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if self.alpha >= 1 - 1 / MAX_DRAFT:
+            return MAX_DRAFT
+        return max(1, round(1 / (1 - self.alpha)))
+
+    def update(self, accepted: int, proposed: int) -> None:
+        if proposed:
+            rate = accepted / (accepted + (accepted < proposed))  # 1.0 when every draft passed
+            self.alpha += _ADAPT_WEIGHT * (rate - self.alpha)
+
+
+def _sampling_params(sampler: Sampler | None) -> SamplingParams:
+    if sampler is None:
+        return SamplingParams()
+    params = getattr(sampler, "params", None)
+    if not isinstance(params, SamplingParams):
+        raise ValueError("speculative decoding needs a sampler from make_sampler: its settings define the "
+                         "distribution both models draw from")
+    return params
+
+
+def _require_rewindable(cache: list[Cache], needed: int) -> None:
+    """Refuse caches that could not drop rejected drafts during this request."""
+    for c in cache:
+        if isinstance(c, RotatingKVCache) and c.max_size < needed:
+            raise DraftError(f"speculative decoding rewinds the KV cache, but this rotating cache "
+                             f"(--max-kv-size or sliding window) keeps {c.max_size} tokens and the request "
+                             f"may hold {needed}; drop --max-kv-size or the draft")
+        if not c.is_trimmable():
+            raise DraftError(f"speculative decoding rewinds the KV cache, but this {type(c).__name__} "
+                             "cannot be trimmed")
