@@ -100,11 +100,16 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Embedding → blocks → final norm. A family whose blocks differ (e.g. MoE
+    MLPs) subclasses this and sets ``Block``."""
+
+    Block = TransformerBlock
+
+    def __init__(self, args):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [self.Block(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
@@ -121,10 +126,14 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The causal LM: ``Inner`` (a :class:`LlamaModel`) plus a tied or separate head."""
+
+    Inner = LlamaModel
+
+    def __init__(self, args):
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args)
+        self.model = self.Inner(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

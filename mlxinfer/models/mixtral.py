@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, RopeAttention, activation, causal_mask, make_layer_caches
+from . import llama
+from .base import BaseArgs, RopeAttention, activation
 from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
 from .rope import make_rope
 
@@ -79,56 +80,16 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class MixtralModel(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.embed_tokens(inputs)  # (B, L, hidden)
-        L = inputs.shape[1]
-        if cache is None:
-            cache = [None] * len(self.layers)
-            mask = causal_mask(L, window=self.args.sliding_window)
-        else:
-            mask = cache[0].make_mask(L)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
+class MixtralModel(llama.LlamaModel):
+    Block = TransformerBlock
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = MixtralModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                 kv_group_size=kv_group_size, sliding_window=self.args.sliding_window)
+class Model(llama.Model):
+    Inner = MixtralModel
 
     quant_predicate = staticmethod(keep_routers_float)
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        weights = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in weights.items()
-                   if "rotary_emb.inv_freq" not in k}
-        if args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return stack_experts(weights, EXPERT_NAMES)
+        weights = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in weights.items()}
+        return stack_experts(llama.Model.sanitize(weights, args), EXPERT_NAMES)
