@@ -65,7 +65,7 @@ class ModelArgs(BaseArgs):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):  # index used by MoE subclasses
         super().__init__()
         rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
         qk_norm = (lambda dim: nn.RMSNorm(dim, eps=args.rms_norm_eps)) if args.qk_norm else None
@@ -82,11 +82,15 @@ class TransformerBlock(nn.Module):
 
 
 class Qwen2Model(nn.Module):
+    """Embedding → blocks (each on its layer type's mask) → norm; subclasses set ``Block``."""
+
+    Block = TransformerBlock
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [self.Block(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
@@ -99,10 +103,12 @@ class Qwen2Model(nn.Module):
 
 
 class Model(nn.Module):
+    Inner = Qwen2Model
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Qwen2Model(args)
+        self.model = self.Inner(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

@@ -19,8 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
+from . import qwen2
 from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RopeAttention, activation,
-                   check_layer_types, make_typed_caches, typed_masks)
+                   check_layer_types)
 from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
 from .rope import make_rope
 
@@ -106,51 +107,15 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen2MoeModel(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.embed_tokens(inputs)  # (B, L, hidden)
-        kinds = self.args.layer_types
-        masks = typed_masks(kinds, cache, inputs.shape[1], self.args.sliding_window)
-        for layer, kind, c in zip(self.layers, kinds, cache or [None] * len(self.layers)):
-            h = layer(h, masks[kind], c)
-        return self.norm(h)
+class Qwen2MoeModel(qwen2.Qwen2Model):
+    Block = TransformerBlock
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Qwen2MoeModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_typed_caches(self.args.layer_types, self.args.sliding_window, max_kv_size=max_kv_size,
-                                 kv_bits=kv_bits, kv_group_size=kv_group_size)
+class Model(qwen2.Model):
+    Inner = Qwen2MoeModel
 
     quant_predicate = staticmethod(keep_routers_float)
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return stack_experts(weights, EXPERT_NAMES)
+        return stack_experts(qwen2.Model.sanitize(weights, args), EXPERT_NAMES)
