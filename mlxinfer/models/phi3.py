@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, RopeAttention, activation, causal_mask, make_layer_caches
+from . import llama
+from .base import BaseArgs, RopeAttention, activation
 from .rope import make_rope
 
 
@@ -80,45 +81,12 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Phi3Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.embed_tokens(inputs)  # (B, L, hidden)
-        L = inputs.shape[1]
-        mask = causal_mask(L, window=self.args.sliding_window) if cache is None else cache[0].make_mask(L)
-        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
-            h = layer(h, mask, c)
-        return self.norm(h)
+class Phi3Model(llama.LlamaModel):
+    Block = DecoderLayer
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Phi3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
-
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                 kv_group_size=kv_group_size, sliding_window=self.args.sliding_window)
+class Model(llama.Model):
+    Inner = Phi3Model
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
