@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
+from . import llama
 from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RopeAttention, activation,
                    check_layer_types, make_typed_caches, typed_masks)
 from .rope import make_rope
@@ -102,34 +103,12 @@ class Qwen2Model(nn.Module):
         return self.norm(h)
 
 
-class Model(nn.Module):
+class Model(llama.Model):
+    """Llama's LM shell; caches follow each layer's type (sliding or full)."""
+
     Inner = Qwen2Model
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = self.Inner(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
 
     def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
                    kv_group_size: int = 64) -> list[Cache]:
         return make_typed_caches(self.args.layer_types, self.args.sliding_window, max_kv_size=max_kv_size,
                                  kv_bits=kv_bits, kv_group_size=kv_group_size)
-
-    @staticmethod
-    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
