@@ -11,6 +11,7 @@ import pytest
 from hf_models import make_tiny, torch_greedy, torch_logits, torch_logits_chunked
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
+from mlxinfer.models import cpu_ops
 
 TOL = 1e-3
 IDS = [3, 17, 99, 5, 240, 8, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255, 4, 60, 91, 101]
@@ -38,8 +39,17 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module", params=["cpu-ops", "mx.fast"])
+def ops_path(request):
+    """Both kernel paths: the CPU backend's own ops, and mx.fast (Metal's path, here its reference graph)."""
+    saved = cpu_ops.OVERRIDE
+    cpu_ops.OVERRIDE = request.param == "cpu-ops"
+    yield request.param
+    cpu_ops.OVERRIDE = saved
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, ops_path):
     spec = dict(CASES[request.param])
     path, torch_model = make_tiny(tmp_path_factory.mktemp(request.param), perturb_vectors=True, **spec)
     model, _ = load_model(path)

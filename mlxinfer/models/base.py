@@ -20,6 +20,8 @@ import mlx.nn as nn
 from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
 from ..config import require
 from ..errors import ConfigError
+from . import cpu_ops
+from .cpu_ops import use_cpu_ops
 
 
 @dataclasses.dataclass
@@ -102,6 +104,32 @@ def _quantized_attention(q, k, v, *, scale, mask, group_size, bits) -> mx.array:
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, n_q, L, -1)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``mx.fast.rms_norm`` (one Metal kernel), or its compiled CPU version (see ``cpu_ops``)."""
+    if use_cpu_ops():
+        return cpu_ops.rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (same parameters and names) that takes the CPU path on MLX's CPU backend."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self.eps)
+
+
+def lm_head(h: mx.array, head: nn.Module) -> mx.array:
+    """Logits from the last hidden states through ``head``: an ``nn.Embedding`` (tied) or a Linear.
+
+    Float weights on the CPU backend go through ``cpu_ops.project`` (blocked
+    one-row products); quantized heads and other backends use the layer itself.
+    """
+    if use_cpu_ops() and "scales" not in head and head["weight"].dtype in (mx.float32, mx.float16, mx.bfloat16):
+        logits = cpu_ops.project(h, head["weight"])
+        return logits + head["bias"] if "bias" in head else logits
+    return head.as_linear(h) if hasattr(head, "as_linear") else head(h)  # an embedding (tied) or a Linear
 
 
 # --- Building blocks for the families beyond Llama ----------------------------------------------

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, alibi_slopes, attention, make_layer_caches
+from .base import BaseArgs, alibi_slopes, attention, lm_head, make_layer_caches
 
 
 @dataclasses.dataclass
@@ -133,8 +133,8 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.transformer(inputs, cache)
         if self.args.tie_word_embeddings:
-            return self.transformer.word_embeddings.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
+            return lm_head(h, self.transformer.word_embeddings)
+        return lm_head(h, self.lm_head)  # (B, L, vocab)
 
     @property
     def layers(self) -> list[Block]:

@@ -30,7 +30,7 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from ..errors import ConfigError, WeightsError
-from .base import BaseArgs, GatedMLP, activation, causal_mask
+from .base import BaseArgs, GatedMLP, RMSNorm, activation, causal_mask, lm_head
 from .mla import MultiHeadLatentAttention, make_latent_caches, split_kv_b_proj
 from .moe import (Gate, SwitchGLU, combine, deepseek_v2_route, deepseek_v3_route, keep_routers_float,
                   stack_experts)
@@ -140,8 +140,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act),
                                 bias=args.mlp_bias)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
@@ -153,7 +153,7 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
@@ -175,8 +175,8 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
+            return lm_head(h, self.model.embed_tokens)
+        return lm_head(h, self.lm_head)  # (B, L, vocab)
 
     @property
     def layers(self) -> list[DecoderLayer]:

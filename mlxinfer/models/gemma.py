@@ -20,7 +20,8 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from ..errors import ConfigError
-from .base import BaseArgs, GatedMLP, RopeAttention, activation, causal_mask, make_layer_caches, scaled_embedding
+from .base import (BaseArgs, GatedMLP, RopeAttention, activation, causal_mask, lm_head, make_layer_caches,
+                   rms_norm, scaled_embedding)
 from .rope import make_rope
 
 
@@ -64,7 +65,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, 1.0 + self.weight.astype(mx.float32), self.eps).astype(x.dtype)
+        return rms_norm(x, 1.0 + self.weight.astype(mx.float32), self.eps).astype(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -111,8 +112,8 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
+            return lm_head(h, self.model.embed_tokens)
+        return lm_head(h, self.lm_head)  # (B, L, vocab)
 
     @property
     def layers(self) -> list[DecoderLayer]:

@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from .base import (FULL_ATTENTION, SLIDING_ATTENTION, GatedMLP, RopeAttention, activation, check_layer_types,
-                   make_typed_caches, scaled_embedding, typed_masks)
+                   lm_head, make_typed_caches, scaled_embedding, typed_masks)
 from .gemma import ModelArgs as GemmaArgs
 from .gemma import RMSNorm
 from .rope import make_rope
@@ -130,9 +130,9 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
+            logits = lm_head(h, self.model.embed_tokens)
         else:
-            logits = self.lm_head(h)  # (B, L, vocab)
+            logits = lm_head(h, self.lm_head)  # (B, L, vocab)
         cap = self.args.final_logit_softcapping
         return logits if cap is None else mx.tanh(logits / cap) * cap
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, activation, attention, causal_mask, make_layer_caches
+from .base import BaseArgs, activation, attention, causal_mask, lm_head, make_layer_caches
 
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
@@ -115,7 +115,7 @@ class Model(nn.Module):
         self.transformer = GPT2Model(args)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        return self.transformer.wte.as_linear(self.transformer(inputs, cache))  # (B, L, vocab)
+        return lm_head(self.transformer(inputs, cache), self.transformer.wte)  # (B, L, vocab)
 
     @property
     def layers(self) -> list[Block]:

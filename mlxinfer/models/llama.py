@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, attention, causal_mask, make_layer_caches
+from .base import BaseArgs, RMSNorm, attention, causal_mask, lm_head, make_layer_caches
 from .rope import make_rope
 
 
@@ -91,8 +91,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [self.Block(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
@@ -140,8 +140,8 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
+            return lm_head(h, self.model.embed_tokens)
+        return lm_head(h, self.lm_head)  # (B, L, vocab)
 
     @property
     def layers(self) -> list[TransformerBlock]:

@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import llama
-from .base import BaseArgs, RopeAttention, activation
+from .base import BaseArgs, RMSNorm, RopeAttention, activation
 from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
 from .rope import make_rope
 
@@ -72,8 +72,8 @@ class TransformerBlock(nn.Module):
         self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
                                        args.head_dim, rope=rope)
         self.mlp = SparseMoE(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)

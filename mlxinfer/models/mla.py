@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache, LatentKVCache, Mask, RotatingKVCache
+from .base import RMSNorm
 
 
 class PerHeadLinear(nn.Module):
@@ -102,10 +103,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(dim, n_heads * qk_head_dim, bias=False)
         else:  # queries through their own low-rank bottleneck (V2, V3; not V2-Lite)
             self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=bias)
-            self.q_a_layernorm = nn.RMSNorm(q_lora_rank, eps=1e-6)  # HF's default eps, not rms_norm_eps
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=1e-6)  # HF's default eps, not rms_norm_eps
             self.q_b_proj = nn.Linear(q_lora_rank, n_heads * qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = nn.RMSNorm(kv_lora_rank, eps=1e-6)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=1e-6)
         self.k_b_proj = PerHeadLinear(n_heads, kv_lora_rank, qk_nope_head_dim)
         self.v_b_proj = PerHeadLinear(n_heads, kv_lora_rank, v_head_dim)
         self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=bias)

@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import llama
-from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RopeAttention, activation,
+from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RMSNorm, RopeAttention, activation,
                    check_layer_types, make_typed_caches, typed_masks)
 from .rope import make_rope
 
@@ -69,13 +69,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int = 0):  # index used by MoE subclasses
         super().__init__()
         rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        qk_norm = (lambda dim: nn.RMSNorm(dim, eps=args.rms_norm_eps)) if args.qk_norm else None
+        qk_norm = (lambda dim: RMSNorm(dim, eps=args.rms_norm_eps)) if args.qk_norm else None
         self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
                                        args.head_dim, rope=rope, qkv_bias=args.qkv_bias, o_bias=args.o_bias,
                                        qk_norm=qk_norm)
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
@@ -92,7 +92,7 @@ class Qwen2Model(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [self.Block(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)

@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import qwen2
-from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RopeAttention, activation,
+from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RMSNorm, RopeAttention, activation,
                    check_layer_types)
 from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
 from .rope import make_rope
@@ -99,8 +99,8 @@ class TransformerBlock(nn.Module):
             self.mlp = SparseMoE(args)
         else:
             self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)

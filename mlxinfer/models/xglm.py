@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import Cache
-from .base import BaseArgs, activation, attention, causal_mask, make_layer_caches
+from .base import BaseArgs, activation, attention, causal_mask, lm_head, make_layer_caches
 
 POSITION_OFFSET = 2  # fairseq's padding offset, as transformers implements it
 
@@ -127,8 +127,8 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)  # (B, L, vocab)
+            return lm_head(h, self.model.embed_tokens)
+        return lm_head(h, self.lm_head)  # (B, L, vocab)
 
     @property
     def layers(self) -> list[DecoderLayer]:
