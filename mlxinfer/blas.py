@@ -48,6 +48,15 @@ def preload_openblas() -> str | None:
     return None
 
 
+def preloaded_blas() -> str | None:
+    """The path of the BLAS library :func:`preload_openblas` loaded, or None.
+
+    A child process (``mlxinfer bench --compare``) gets it as ``LD_PRELOAD``
+    so that it runs on the same BLAS.
+    """
+    return _loaded
+
+
 def blas_in_use() -> str:
     """A one-line description of the BLAS MLX's CPU matmuls run on."""
     if sys.platform == "darwin":
