@@ -61,11 +61,21 @@ class KVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        self.reserved = 0  # capacity to allocate at the next growth (see reserve)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make the next growth room for ``n_tokens`` at once (a prompt about to be prefilled).
+
+        Growing chunk by chunk copies the whole cache at every chunk and
+        briefly holds two copies of it.
+        """
+        self.reserved = max(self.reserved, n_tokens)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, L = self.offset, keys.shape[2]
-        self.keys = _grow(self.keys, prev, prev + L, self.step, keys)
-        self.values = _grow(self.values, prev, prev + L, self.step, values)
+        needed = prev + L if self.keys is not None and prev + L <= self.keys.shape[2] else max(prev + L, self.reserved)
+        self.keys = _grow(self.keys, prev, needed, self.step, keys)
+        self.values = _grow(self.values, prev, needed, self.step, values)
         self.offset = prev + L
         self.keys[..., prev:self.offset, :] = keys
         self.values[..., prev:self.offset, :] = values
@@ -252,6 +262,7 @@ class QuantizedKVCache:
         self.keys: list[mx.array] | None = None  # [packed, scales, biases]
         self.values: list[mx.array] | None = None
         self.offset = 0
+        self.reserved = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list[mx.array], list[mx.array]]:
         prev, L = self.offset, keys.shape[2]
@@ -260,9 +271,11 @@ class QuantizedKVCache:
         if self.keys is None:
             self.keys = [None] * 3
             self.values = [None] * 3
+        fits = self.keys[0] is not None and prev + L <= self.keys[0].shape[2]
+        needed = prev + L if fits else max(prev + L, self.reserved)
         for bufs, new in ((self.keys, new_k), (self.values, new_v)):
             for i in range(3):
-                bufs[i] = _grow(bufs[i], prev, prev + L, self.step, new[i])
+                bufs[i] = _grow(bufs[i], prev, needed, self.step, new[i])
                 bufs[i][..., prev : prev + L, :] = new[i]
         self.offset = prev + L
         return ([a[..., : self.offset, :] for a in self.keys], [a[..., : self.offset, :] for a in self.values])
@@ -270,6 +283,7 @@ class QuantizedKVCache:
     make_mask = KVCache.make_mask
     is_trimmable = KVCache.is_trimmable
     trim = KVCache.trim
+    reserve = KVCache.reserve
 
     @property
     def state(self) -> list[mx.array]:

@@ -63,6 +63,9 @@ class PromptCache:
         never computed (the lazy graph drops it).
         """
         y = mx.array(ids, dtype=mx.int32)
+        for c in self.cache:  # room for the whole prompt and the token after it, allocated once
+            if hasattr(c, "reserve"):
+                c.reserve(c.offset + len(ids) + 1)
         for start in range(0, len(ids), step):
             model(y[None, start:start + step], self.cache)
             # Materialise this chunk's cache writes before building the next chunk,

@@ -144,3 +144,30 @@ def test_save_and_load_round_trip(tiny, tmp_path, kind):
     a = [t for t, _ in generate_step(IDS + [7], model, prompt_cache=pc, max_tokens=4)]
     b = [t for t, _ in generate_step(IDS + [7], model, prompt_cache=loaded, max_tokens=4)]
     assert a == b
+
+
+def test_prefill_allocates_the_whole_prompt_once():
+    """A reserved cache grows once for the whole prompt instead of once per prefill chunk."""
+    from mlxinfer.cache import KVCache
+    from mlxinfer.prompt_cache import PromptCache
+
+    class Recorder:  # a one-layer "model" that only writes its cache
+        def __call__(self, tokens, cache):
+            x = mx.zeros((1, 2, tokens.shape[1], 8))
+            cache[0].update_and_fetch(x, x)
+            return x
+
+    grown = []
+    cache = KVCache()
+    original = cache.update_and_fetch
+
+    def spy(k, v):
+        before = None if cache.keys is None else cache.keys.shape[2]
+        out = original(k, v)
+        if cache.keys.shape[2] != before:
+            grown.append(cache.keys.shape[2])
+        return out
+
+    cache.update_and_fetch = spy
+    PromptCache([cache]).prefill(Recorder(), list(range(1000)), step=128)
+    assert grown == [1024]  # 1000 prompt tokens + the next one, rounded up to the 256-token step

@@ -83,3 +83,46 @@ def test_blocked_projection_equals_matmul(rows):
     out = np.array(cpu_ops.project(mx.array(x), mx.array(w)))
     assert out.shape == (1, rows, vocab)
     assert np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max() <= 1e-4
+
+
+def attention_reference(q, k, v, scale, allowed):
+    """Softmax attention by definition in float64; ``allowed`` (L, T) booleans; kv heads shared by query groups."""
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    reps = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, reps, axis=1), np.repeat(v, reps, axis=1)
+    s = np.where(allowed, q @ k.swapaxes(-1, -2) * scale, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("L,T", [(1, 40), (7, 7), (300, 300), (200, 520)])
+@pytest.mark.parametrize("mask_kind", ["causal", "window", "additive", None])
+def test_attention_matches_definition(L, T, mask_kind, monkeypatch):
+    monkeypatch.setattr(cpu_ops, "SCORE_BUDGET", 6 * 64 * T)  # blocks of 64 queries: several blocks when L > 64
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 6, L, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, T, 16)).astype(np.float32) for _ in range(2))
+    pos_q, pos_k = np.arange(T - L, T)[:, None], np.arange(T)[None]
+    allowed = pos_k <= pos_q if mask_kind else np.ones((L, T), bool)
+    mask = mask_kind
+    if mask_kind == "window":
+        allowed = allowed & (pos_q - pos_k < 5)
+        mask = mx.array(allowed)
+    elif mask_kind == "additive":
+        mask = mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32))
+    out = np.array(cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=mask))
+    assert np.abs(out - attention_reference(q, k, v, 0.25, allowed)).max() <= 1e-5
+
+
+def test_exp_matches_float64_and_masks_to_zero():
+    x = np.linspace(-87, 88, 100_001).astype(np.float32)
+    got = np.array(cpu_ops.exp(mx.array(x)))
+    assert np.max(np.abs(got / np.exp(x.astype(np.float64)) - 1)) <= 2e-7
+    assert np.array(cpu_ops.exp(mx.array([-np.inf, -1e4], dtype=mx.float32))).tolist() == [0.0, 0.0]
+
+
+def test_swiglu_matches_definition():
+    g = np.linspace(-30, 30, 1001).astype(np.float32)
+    u = np.cos(g).astype(np.float32)
+    ref = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
+    assert np.abs(np.array(cpu_ops.swiglu(mx.array(g), mx.array(u))) - ref).max() <= 1e-5

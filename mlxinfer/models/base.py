@@ -82,6 +82,8 @@ def attention(q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: C
     if cache is not None and cache.quantized:
         return _quantized_attention(q, k, v, scale=scale, mask=mask,
                                     group_size=cache.group_size, bits=cache.bits)
+    if use_cpu_ops():
+        return cpu_ops.attention(q, k, v, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -164,6 +166,8 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.act is nn.silu and use_cpu_ops():
+            return self.down_proj(cpu_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -12,7 +12,13 @@ Here, instead:
 - RoPE's cos/sin table for the positions being processed is built once per
   forward pass and shared by every layer (:func:`rope_table`), and applying it
   is one compiled elementwise kernel (:func:`apply_rope`);
-- RMSNorm is compiled, so its elementwise ops fuse around the reduction.
+- RMSNorm is compiled, so its elementwise ops fuse around the reduction;
+- ``mx.exp`` is scalar code on the CPU (~13 ns per float32 on the machines we
+  measured), and exponentials dominate prefill: the attention softmax and
+  SiLU's sigmoid. :func:`exp` computes it in one compiled elementwise kernel
+  (Cody–Waite range reduction and a degree-7 polynomial: relative error
+  ≤ 1.2e-7, below MLX's own ~4e-6) in about half the time, and
+  :func:`attention` and :func:`swiglu` use it.
 
 The models call :func:`use_cpu_ops` to choose; on Metal (or any GPU backend)
 they keep ``mx.fast``. Both paths are exercised by the parity tests, which
@@ -115,3 +121,100 @@ def project(x: mx.array, weight: mx.array) -> mx.array:
     if n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > 16:
         return x @ weight.T
     return mx.concatenate([x @ weight[i : i + HEAD_CHUNK].T for i in range(0, n, HEAD_CHUNK)], axis=-1)
+
+
+# exp(x) = 2^n · e^r with n = round(x / ln 2), r = x − n·ln 2 (ln 2 split in two so that n·LN2_HI is exact).
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693145751953125
+_LN2_LO = 1.428606765330187e-06
+_EXP_MIN, _EXP_MAX = -87.0, 88.0  # e^x stays a normal float32; below the range the result is 0
+
+
+@mx.compile  # traced per shape: the bit view (View) has no shapeless form
+def exp(x: mx.array) -> mx.array:
+    """``mx.exp`` for float32 in one vectorisable kernel; ``exp(-inf) == 0`` (masked attention logits)."""
+    xc = mx.clip(x, _EXP_MIN, _EXP_MAX)
+    n = mx.round(xc * _LOG2E)
+    r = xc - n * _LN2_HI - n * _LN2_LO  # |r| <= ln(2) / 2
+    p = 1.0 + r * (1.0 + r * (1 / 2 + r * (1 / 6 + r * (1 / 24 + r * (1 / 120 + r * (1 / 720 + r / 5040))))))
+    two_n = mx.view((n.astype(mx.int32) + 127) << 23, mx.float32)  # 2^n from its exponent bits
+    return mx.where(x < _EXP_MIN, 0.0, p * two_n)
+
+
+@mx.compile
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis, in float32."""
+    x = x.astype(mx.float32)
+    e = exp(x - mx.max(x, axis=-1, keepdims=True))
+    return e / mx.sum(e, axis=-1, keepdims=True)
+
+
+@mx.compile
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` = gate · up / (1 + e^(−gate))."""
+    g = gate.astype(mx.float32)
+    return (g * up / (1.0 + exp(-g))).astype(gate.dtype)
+
+
+_MASKS: dict[tuple[int, int], mx.array] = {}
+
+
+def _causal(n_queries: int, n_keys: int) -> mx.array:
+    """Boolean (L, T) mask, query i seeing keys up to T − L + i (aligned lower-right, like sdpa)."""
+    mask = _MASKS.get((n_queries, n_keys))
+    if mask is None:
+        if len(_MASKS) >= _MAX_TABLES:
+            _MASKS.clear()
+        mask = _MASKS[(n_queries, n_keys)] = (
+            mx.arange(n_keys)[None] <= mx.arange(n_keys - n_queries, n_keys)[:, None])
+    return mask
+
+
+QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
+SCORE_BUDGET = 1 << 19  # most attention scores per block; the softmax holds a few buffers of this size
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` semantics for (B, heads, L, D) inputs.
+
+    Query heads share a kv head through a reshape (no copies of K/V); the
+    softmax uses :func:`exp`. ``mask``: None, "causal", a boolean array
+    (True = attend) or an additive one, (..., L, T).
+
+    Long query runs are cut into blocks (at most ``QUERY_BLOCK`` queries and
+    ``SCORE_BUDGET`` scores), each against only the keys it can see: under a
+    causal mask that skips the masked upper triangle (~40% of a 512-token
+    prefill's scores), and the softmax's buffers stay one block in size
+    however long the context.
+    """
+    L, T = q.shape[2], k.shape[2]
+    rows = max(16, min(QUERY_BLOCK, SCORE_BUDGET // (q.shape[1] * T)))
+    if L <= rows:
+        return _attend(q, k, v, scale, mask)
+    causal = isinstance(mask, str)
+    blocks = []
+    for start in range(0, L, rows):
+        stop = min(start + rows, L)
+        visible = T - L + stop if causal else T  # the block's last query sees keys up to here
+        block_mask = mask if causal or mask is None else mask[..., start:stop, :visible]
+        q_block = q[:, :, start:stop]
+        if blocks:  # one block after the other, so that only one block's buffers are alive
+            q_block = mx.depends(q_block, blocks[-1])
+        blocks.append(_attend(q_block, k[:, :, :visible], v[:, :, :visible], scale, block_mask))
+    return mx.concatenate(blocks, axis=2)
+
+
+def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    B, n_q, L, D = q.shape
+    n_kv, T = k.shape[1], k.shape[2]
+    q = (q * scale).reshape(B, n_kv, n_q // n_kv, L, D)
+    scores = q @ k[:, :, None].swapaxes(-1, -2)  # (B, n_kv, reps, L, T)
+    if isinstance(mask, str):
+        mask = _causal(L, T)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, -mx.inf)
+        else:
+            scores = scores + mask
+    probs = softmax(scores).astype(v.dtype)
+    return (probs @ v[:, :, None]).reshape(B, n_q, L, -1)

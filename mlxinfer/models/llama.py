@@ -15,6 +15,8 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from .base import BaseArgs, RMSNorm, attention, causal_mask, lm_head, make_layer_caches
+from . import cpu_ops
+from .cpu_ops import use_cpu_ops
 from .rope import make_rope
 
 
@@ -83,6 +85,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if use_cpu_ops():
+            return self.down_proj(cpu_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
