@@ -48,6 +48,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from .blas import blas_in_use, preloaded_blas
+from .device import wired_limit
 from .errors import MlxInferError
 
 ENGINES = ("mlxinfer", "mlx-lm")
@@ -117,11 +118,12 @@ def time_run(model: nn.Module, ids: list[int], max_tokens: int, kv_bits: int | N
     count, t_first, t_last = 0, 0.0, 0.0
     t0 = time.perf_counter()
     pc = PromptCache(model.make_cache(kv_bits=kv_bits))
-    for _token, _logprobs in generate_step(ids, model, prompt_cache=pc, max_tokens=max_tokens):
-        t_last = time.perf_counter()  # the token is a Python int: its step has finished
-        if count == 0:
-            t_first = t_last
-        count += 1
+    with wired_limit():  # as stream_generate runs it (Metal only)
+        for _token, _logprobs in generate_step(ids, model, prompt_cache=pc, max_tokens=max_tokens):
+            t_last = time.perf_counter()  # the token is a Python int: its step has finished
+            if count == 0:
+                t_first = t_last
+            count += 1
     mx.synchronize()
     if count != max_tokens:
         raise RuntimeError(f"expected {max_tokens} tokens, got {count}")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
+from .device import wired_limit
 from .prompt_cache import DEFAULT_PREFILL_STEP, PromptCache
 from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from .speculative import speculative_generate_step
@@ -61,8 +62,10 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
         logits = model(tokens[None], cache)[:, -1, :]  # (1, V): only the last position
         for process in logits_processors:
             logits = process(history, logits)
+        # Samplers are shift-invariant, so they take the logits as they are; the
+        # normalised log-probs are only computed if the caller reads them.
+        token = sampler(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = sampler(logprobs)
         if logits_processors:
             history = mx.concatenate([history, token])
         return token, logprobs[0]
@@ -71,7 +74,7 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
         token, logprobs = step(y)
         # Start the first token now: otherwise it is only computed inside the
         # next step's async_eval, and `.item()` below waits for both.
-        mx.async_eval(token, logprobs)
+        mx.async_eval(token)
         fed.extend(todo)
         n = 0
         while n < max_tokens:
@@ -79,7 +82,7 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
                 next_token, next_logprobs = step(token)
                 # Start computing step n+1 now; the host waits on step n below
                 # (`.item()`) while the device already works on n+1.
-                mx.async_eval(next_token, next_logprobs)
+                mx.async_eval(next_token)
             t = token.item()
             if n + 1 < max_tokens:
                 fed.append(t)
@@ -215,36 +218,37 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
         steps = tokens = speculative_generate_step(
             ids, model, draft, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler,
             logits_processors=processors, prefill_step_size=prefill_step_size, num_draft=num_draft, stats=stats)
-    try:
-        for token, logprobs, from_draft in tokens:
-            n += 1
-            if n == 1:
-                t_first = time.perf_counter()
-                stats.prefill_tps = len(ids) / max(t_first - t_prefill, 1e-9)
-                stats.time_to_first_token_s = t_first - t0
-            finish = None
-            if token in eos:
-                text, finish = detok.finalize(), "stop"
-            else:
-                text = detok.add_token(token)
-                if n == max_tokens:
-                    text, finish = text + detok.finalize(), "length"
-            text, hit = stops.push(text)
-            if hit:
-                finish = "stop"
-            elif finish is not None:
-                text += stops.flush()
-            stats.generation_tokens = n
-            if finish is not None:
-                _finish_stats(stats, n, t_first)
-            yield GenerationResult(text, token, logprobs, finish, from_draft, stats=stats)
-            if finish is not None:
-                return
-        if n == 0:  # max_tokens == 0, or no room left in the context
-            _finish_stats(stats, 0, t_first)
-            yield GenerationResult("", -1, None, "length", stats=stats)
-    finally:
-        steps.close()
+    with wired_limit():  # Metal: keep the weights resident for the run (no-op elsewhere)
+        try:
+            for token, logprobs, from_draft in tokens:
+                n += 1
+                if n == 1:
+                    t_first = time.perf_counter()
+                    stats.prefill_tps = len(ids) / max(t_first - t_prefill, 1e-9)
+                    stats.time_to_first_token_s = t_first - t0
+                finish = None
+                if token in eos:
+                    text, finish = detok.finalize(), "stop"
+                else:
+                    text = detok.add_token(token)
+                    if n == max_tokens:
+                        text, finish = text + detok.finalize(), "length"
+                text, hit = stops.push(text)
+                if hit:
+                    finish = "stop"
+                elif finish is not None:
+                    text += stops.flush()
+                stats.generation_tokens = n
+                if finish is not None:
+                    _finish_stats(stats, n, t_first)
+                yield GenerationResult(text, token, logprobs, finish, from_draft, stats=stats)
+                if finish is not None:
+                    return
+            if n == 0:  # max_tokens == 0, or no room left in the context
+                _finish_stats(stats, 0, t_first)
+                yield GenerationResult("", -1, None, "length", stats=stats)
+        finally:
+            steps.close()
 
 
 def _finish_stats(stats: GenerationStats, n: int, t_first: float) -> None:

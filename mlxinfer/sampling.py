@@ -14,7 +14,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-Sampler = Callable[[mx.array], mx.array]  # (B, V) log-probs -> (B,) token ids
+Sampler = Callable[[mx.array], mx.array]  # (B, V) log-probs, normalised or not (logits) -> (B,) token ids
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (tokens so far, (B, V) logits) -> logits
 
 NEG_INF = float("-inf")

@@ -156,3 +156,33 @@ def test_app_example_runs_and_stops_early(tmp_path, capsys):
     example.main(str(path))
     out = capsys.readouterr().out
     assert out.count("[") >= 2 and ("[stopped]" in out or "[length]" in out or "[stop]" in out)
+
+
+def test_metal_wires_memory_for_the_run_and_restores_it(tiny, monkeypatch):
+    """On Metal the run raises the wired limit to the recommended working set, then restores it."""
+    import mlx.core as mx
+
+    _, model, tok, _ = tiny
+    calls, during = [], []
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 12345})
+
+    def set_wired_limit(limit):
+        calls.append(limit)
+        return 7  # the limit that was in force before
+
+    monkeypatch.setattr(mx, "set_wired_limit", set_wired_limit)
+    for _ in stream_generate(model, tok, "Paris is", max_tokens=3):
+        during.append(list(calls))
+    assert during[0] == [12345]
+    assert calls == [12345, 7]
+
+
+def test_cpu_backend_leaves_the_wired_limit_alone(tiny, monkeypatch):
+    import mlx.core as mx
+
+    _, model, tok, _ = tiny
+    calls = []
+    monkeypatch.setattr(mx, "set_wired_limit", lambda limit: calls.append(limit) or 0)
+    list(stream_generate(model, tok, "Paris is", max_tokens=3))
+    assert calls == []

@@ -32,6 +32,7 @@ import os
 from functools import partial
 
 import mlx.core as mx
+import mlx.nn as nn
 
 # MLXINFER_CPU_OPS=0 keeps mx.fast everywhere (to compare the two paths); =1 forces these ops.
 OVERRIDE: bool | None = {"0": False, "1": True}.get(os.environ.get("MLXINFER_CPU_OPS", ""))
@@ -149,9 +150,18 @@ def softmax(x: mx.array) -> mx.array:
     return e / mx.sum(e, axis=-1, keepdims=True)
 
 
-@mx.compile
+SMALL = 1 << 16  # below this many elements (decode steps) MLX's own ops are cheaper: fewer kernels
+
+
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` = gate · up / (1 + e^(−gate))."""
+    if gate.size < SMALL:
+        return nn.silu(gate) * up
+    return _swiglu(gate, up)
+
+
+@mx.compile
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     g = gate.astype(mx.float32)
     return (g * up / (1.0 + exp(-g))).astype(gate.dtype)
 
@@ -216,5 +226,5 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
             scores = mx.where(mask, scores, -mx.inf)
         else:
             scores = scores + mask
-    probs = softmax(scores).astype(v.dtype)
+    probs = (softmax(scores) if scores.size >= SMALL else mx.softmax(scores, axis=-1, precise=True)).astype(v.dtype)
     return (probs @ v[:, :, None]).reshape(B, n_q, L, -1)
