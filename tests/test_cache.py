@@ -80,12 +80,12 @@ def test_max_kv_size_bounds_memory(tiny):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("mask", [None, "causal"])
-def test_quantized_attention_equals_attention_on_dequantized_kv(bits, mask):
+@pytest.mark.parametrize("mask,queries", [(None, 1), ("causal", 3), ("causal", 20)])  # 20: a prefill chunk
+def test_quantized_attention_equals_attention_on_dequantized_kv(bits, mask, queries):
     from mlxinfer.models.base import _quantized_attention
 
     q, k, v = (mx.random.normal((1, n, L, 64), key=mx.random.key(i)) for i, (n, L) in
-               enumerate([(4, 3 if mask else 1), (2, 7), (2, 7)]))
+               enumerate([(4, queries), (2, 27), (2, 27)]))
     kq, vq = mx.quantize(k, group_size=64, bits=bits), mx.quantize(v, group_size=64, bits=bits)
     deq = [mx.dequantize(*t, group_size=64, bits=bits) for t in (kq, vq)]
     ref = mx.fast.scaled_dot_product_attention(q, *deq, scale=0.125, mask=mask)

@@ -89,6 +89,11 @@ def attention(q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: C
 
 def _quantized_attention(q, k, v, *, scale, mask, group_size, bits) -> mx.array:
     B, n_q, L, D = q.shape
+    if use_cpu_ops() and L >= cpu_ops.DEQUANTIZED_ATTENTION_ROWS:
+        # MLX's CPU quantized matmul is a scalar loop: for a prefill chunk it is far
+        # cheaper to dequantize this layer's keys and values once (a transient copy).
+        k, v = (mx.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
+        return cpu_ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
     n_kv, T = k[0].shape[1], k[0].shape[2]
     reps = n_q // n_kv
     q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D): query groups share a kv head

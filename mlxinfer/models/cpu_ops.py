@@ -180,6 +180,7 @@ def _causal(n_queries: int, n_keys: int) -> mx.array:
     return mask
 
 
+DEQUANTIZED_ATTENTION_ROWS = 16  # queries from which a quantized KV cache is dequantized for attention
 QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
 SCORE_BUDGET = 1 << 19  # most attention scores per block; the softmax holds a few buffers of this size
 
