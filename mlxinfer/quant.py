@@ -14,6 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .models import cpu_ops
+
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
 
@@ -81,10 +83,18 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] < self.MIN_ROWS:
-            return super().__call__(x)
+            return self._few_rows(x)
         w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
                           bits=self.bits, mode=self.mode)
         y = x @ w.T
+        return y + self["bias"] if "bias" in self else y
+
+    def _few_rows(self, x: mx.array) -> mx.array:
+        """Decode: the quantized kernel, its output rows split over two CPU threads."""
+        if self["weight"].shape[0] < 2 * 64:
+            return super().__call__(x)
+        y = cpu_ops.parallel_quantized_matmul(x, cpu_ops.row_halves(self), group_size=self.group_size,
+                                              bits=self.bits, mode=self.mode)
         return y + self["bias"] if "bias" in self else y
 
 

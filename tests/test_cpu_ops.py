@@ -4,6 +4,7 @@ Model-level parity with transformers on both paths is in test_parity.py.
 """
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -126,3 +127,31 @@ def test_swiglu_matches_definition():
     u = np.cos(g).astype(np.float32)
     ref = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
     assert np.abs(np.array(cpu_ops.swiglu(mx.array(g), mx.array(u))) - ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("L,T", [(1, 30), (90, 90)])
+def test_attention_with_a_per_head_additive_mask(L, T, monkeypatch):
+    """ALiBi: an (n_heads, L, T) bias, one per query head, grouped like the queries."""
+    monkeypatch.setattr(cpu_ops, "SCORE_BUDGET", 6 * 32 * T)  # several query blocks for L = 90
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 6, L, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 3, T, 16)).astype(np.float32) for _ in range(2))
+    bias = (rng.standard_normal((6, 1, T)) * np.ones((1, L, 1))).astype(np.float32)
+    allowed = np.arange(T)[None] <= np.arange(T - L, T)[:, None]
+    mask = np.where(allowed, bias, -np.inf).astype(np.float32)
+    out = np.array(cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=mx.array(mask)))
+    qf, kf, vf = (a.astype(np.float64) for a in (q, k, v))
+    kf, vf = np.repeat(kf, 2, axis=1), np.repeat(vf, 2, axis=1)
+    s = qf @ kf.swapaxes(-1, -2) * 0.25 + mask
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = (p / p.sum(-1, keepdims=True)) @ vf
+    assert np.abs(out - ref).max() <= 1e-5
+
+
+def test_parallel_quantized_matmul_equals_one_kernel():
+    from mlxinfer.quant import CPUQuantizedLinear
+
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 384, bias=True), 64, 4)
+    ref = nn.QuantizedLinear.__call__(layer, x := mx.random.normal((1, 3, 128), key=mx.random.key(5)))
+    layer.__class__ = CPUQuantizedLinear  # three rows: the two-thread decode path
+    assert np.abs(np.array(layer(x)) - np.array(ref)).max() <= 1e-5

@@ -136,6 +136,10 @@ def lm_head(h: mx.array, head: nn.Module) -> mx.array:
     if use_cpu_ops() and "scales" not in head and head["weight"].dtype in (mx.float32, mx.float16, mx.bfloat16):
         logits = cpu_ops.project(h, head["weight"])
         return logits + head["bias"] if "bias" in head else logits
+    if use_cpu_ops() and "scales" in head and h.size // h.shape[-1] <= 16 and head["weight"].shape[0] >= 128:
+        logits = cpu_ops.parallel_quantized_matmul(h, cpu_ops.row_halves(head), group_size=head.group_size,
+                                                   bits=head.bits, mode=getattr(head, "mode", "affine"))
+        return logits + head["bias"] if "bias" in head else logits
     return head.as_linear(h) if hasattr(head, "as_linear") else head(h)  # an embedding (tied) or a Linear
 
 

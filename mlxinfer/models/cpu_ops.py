@@ -218,10 +218,18 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> m
 def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
     B, n_q, L, D = q.shape
     n_kv, T = k.shape[1], k.shape[2]
+    if L == 1 and mask is None:
+        # Decode: the query heads sharing a kv head become the rows of one product
+        # per kv head (half the time of one-row products per query head at 2k context).
+        scores = (q * scale).reshape(B, n_kv, n_q // n_kv, D) @ k.swapaxes(-1, -2)
+        probs = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype)
+        return (probs @ v).reshape(B, n_q, 1, -1)
     q = (q * scale).reshape(B, n_kv, n_q // n_kv, L, D)
     scores = q @ k[:, :, None].swapaxes(-1, -2)  # (B, n_kv, reps, L, T)
     if isinstance(mask, str):
         mask = _causal(L, T)
+    elif mask is not None and mask.ndim >= 3 and mask.shape[-3] == n_q > 1:  # per query head (ALiBi)
+        mask = mask.reshape(*mask.shape[:-3], n_kv, n_q // n_kv, L, T)
     if mask is not None:
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, -mx.inf)
@@ -229,3 +237,39 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
             scores = scores + mask
     probs = (softmax(scores) if scores.size >= SMALL else mx.softmax(scores, axis=-1, precise=True)).astype(v.dtype)
     return (probs @ v[:, :, None]).reshape(B, n_q, L, -1)
+
+
+_STREAMS: list[mx.Stream] = []
+
+
+def _worker_streams() -> list[mx.Stream]:
+    """Two CPU streams; MLX runs each on its own thread."""
+    if not _STREAMS:
+        _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(2))
+    return _STREAMS
+
+
+def row_halves(layer: nn.Module) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+    """A quantized layer's ``(weight, scales[, biases])`` cut into first and second half of rows.
+
+    The halves are views (no copy), kept on the layer until its weights are replaced.
+    """
+    parts = (layer["weight"], layer["scales"]) + ((layer["biases"],) if layer.get("biases") is not None else ())
+    key = [id(p) for p in parts]
+    cached = layer.__dict__.get("_row_halves")
+    if cached is None or cached[0] != key:
+        half = parts[0].shape[0] // 2
+        cached = layer.__dict__["_row_halves"] = (key, (tuple(a[:half] for a in parts), tuple(a[half:] for a in parts)))
+    return cached[1]
+
+
+def parallel_quantized_matmul(x: mx.array, halves, *, group_size: int, bits: int, mode: str = "affine") -> mx.array:
+    """``x @ W.T`` for a quantized ``W`` given as its two row halves ``(weight, scales[, biases])``.
+
+    MLX's CPU quantized matmul runs on one thread; the two halves run on two
+    streams, so on two threads (measured 1.9× on SmolLM2's 4-bit layers). Used
+    for few-row inputs (decode); prefill dequantizes instead (``quant``).
+    """
+    outs = [mx.quantized_matmul(x, *part, transpose=True, group_size=group_size, bits=bits, mode=mode, stream=s)
+            for part, s in zip(halves, _worker_streams())]
+    return mx.concatenate(outs, axis=-1)
