@@ -248,3 +248,17 @@ def test_mlxinfer_never_imports_mlx_lm():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] == "mlx_lm" for n in names), path
+
+
+def test_written_files_get_ordinary_permissions(tmp_path):
+    import os
+    import stat
+
+    from mlxinfer.bench_report import write_json
+
+    umask = os.umask(0o022)
+    try:
+        out = write_json({"x": 1}, tmp_path / "out.json")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
