@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from .config import read_config
 from .errors import ConfigError, WeightsError
 from .models import build_model, get_family
-from .quant import apply_quantization, use_cpu_prefill_path
+from .quant import apply_quantization, use_cpu_layers
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.tiktoken", "*.txt"]
@@ -146,7 +146,7 @@ def load_model(model_dir: Path, *, dtype: mx.Dtype | None | str = "auto") -> tup
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     load_weights_into(model, weights, model_dir)
-    use_cpu_prefill_path(model)
+    use_cpu_layers(model)
     model.eval()
     return model, config
 

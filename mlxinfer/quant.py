@@ -98,8 +98,9 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
-def use_cpu_prefill_path(model: nn.Module) -> int:
-    """On the CPU backend, switch quantized Linear layers to :class:`CPUQuantizedLinear`.
+def use_cpu_layers(model: nn.Module) -> int:
+    """On the CPU backend, switch quantized Linear layers to :class:`CPUQuantizedLinear`
+    and large float ones to ``cpu_ops.CPULinear``.
 
     Same parameters and outputs (up to float rounding); returns how many layers switched.
     """
@@ -109,6 +110,9 @@ def use_cpu_prefill_path(model: nn.Module) -> int:
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear:
             module.__class__ = CPUQuantizedLinear  # same fields; only __call__ differs
+            n += 1
+        elif type(module) is nn.Linear and module.weight.size >= cpu_ops.CPULinear.MIN_SIZE:
+            module.__class__ = cpu_ops.CPULinear
             n += 1
     return n
 
