@@ -143,6 +143,46 @@ def lm_head(h: mx.array, head: nn.Module) -> mx.array:
     return head.as_linear(h) if hasattr(head, "as_linear") else head(h)  # an embedding (tied) or a Linear
 
 
+class CausalLM(nn.Module):
+    """The shell every decoder family shares: ``Inner`` (embedding → blocks → final norm, with
+    ``embed_tokens`` and ``layers``) plus a head tied to the embedding or a separate ``lm_head``.
+
+    A family sets ``Inner`` and overrides ``make_cache`` or ``sanitize`` where it differs.
+    """
+
+    Inner: type[nn.Module]
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.model = self.Inner(args)
+        if not args.tie_word_embeddings:
+            hidden = self.model.embed_tokens.weight.shape[-1]
+            self.lm_head = nn.Linear(hidden, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = self.model(inputs, cache)
+        return lm_head(h, self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head)  # (B, L, V)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
+                   kv_group_size: int = 64) -> list[Cache]:
+        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
+                                 kv_group_size=kv_group_size,
+                                 sliding_window=getattr(self.args, "sliding_window", None))
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array], args) -> dict[str, mx.array]:
+        # Precomputed RoPE tables are buffers, not weights; a tied head is the embedding.
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
+
+
 # --- Building blocks for the families beyond Llama ----------------------------------------------
 
 # HF activation names (``hidden_act`` / ``hidden_activation`` / ``activation_function``).

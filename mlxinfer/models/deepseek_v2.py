@@ -30,10 +30,17 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from ..errors import ConfigError, WeightsError
-from .base import BaseArgs, GatedMLP, RMSNorm, activation, causal_mask, lm_head
+from .base import BaseArgs, CausalLM, GatedMLP, RMSNorm, activation, causal_mask
 from .mla import MultiHeadLatentAttention, make_latent_caches, split_kv_b_proj
-from .moe import (Gate, SwitchGLU, combine, deepseek_v2_route, deepseek_v3_route, keep_routers_float,
-                  stack_experts)
+from .moe import (
+    Gate,
+    SwitchGLU,
+    combine,
+    deepseek_v2_route,
+    deepseek_v3_route,
+    keep_routers_float,
+    stack_experts,
+)
 from .rope import make_rope
 
 EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -164,23 +171,8 @@ class DeepseekModel(nn.Module):
         return self.norm(h)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = DeepseekModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return lm_head(h, self.model.embed_tokens)
-        return lm_head(h, self.lm_head)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
+class Model(CausalLM):
+    Inner = DeepseekModel
 
     def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
                    kv_group_size: int = 64) -> list[Cache]:

@@ -20,8 +20,16 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from ..errors import ConfigError
-from .base import (BaseArgs, GatedMLP, RopeAttention, activation, causal_mask, lm_head, make_layer_caches,
-                   rms_norm, scaled_embedding)
+from .base import (
+    BaseArgs,
+    CausalLM,
+    GatedMLP,
+    RopeAttention,
+    activation,
+    causal_mask,
+    rms_norm,
+    scaled_embedding,
+)
 from .rope import make_rope
 
 
@@ -101,32 +109,5 @@ class GemmaModel(nn.Module):
         return self.norm(h)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = GemmaModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return lm_head(h, self.model.embed_tokens)
-        return lm_head(h, self.lm_head)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
-
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                 kv_group_size=kv_group_size)
-
-    @staticmethod
-    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
+class Model(CausalLM):
+    Inner = GemmaModel

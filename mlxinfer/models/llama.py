@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, RMSNorm, attention, causal_mask, lm_head, make_layer_caches
 from . import cpu_ops
+from .base import BaseArgs, CausalLM, RMSNorm, attention, causal_mask
 from .cpu_ops import use_cpu_ops
 from .rope import make_rope
 
@@ -129,37 +129,7 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """The causal LM: ``Inner`` (a :class:`LlamaModel`) plus a tied or separate head."""
 
     Inner = LlamaModel
-
-    def __init__(self, args):
-        super().__init__()
-        self.args = args
-        self.model = self.Inner(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return lm_head(h, self.model.embed_tokens)
-        return lm_head(h, self.lm_head)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                 kv_group_size=kv_group_size, sliding_window=self.args.sliding_window)
-
-    @staticmethod
-    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        # Precomputed RoPE tables are buffers, not weights; a tied head is the embedding.
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights

@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import Cache
-from .base import BaseArgs, activation, attention, causal_mask, lm_head, make_layer_caches
+from .base import BaseArgs, CausalLM, activation, attention, causal_mask
 
 POSITION_OFFSET = 2  # fairseq's padding offset, as transformers implements it
 
@@ -116,33 +116,11 @@ class XGLMModel(nn.Module):
         return self.layer_norm(h)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = XGLMModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return lm_head(h, self.model.embed_tokens)
-        return lm_head(h, self.lm_head)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
-
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                 kv_group_size=kv_group_size)
+class Model(CausalLM):
+    Inner = XGLMModel
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
         # The sinusoidal table is a buffer some checkpoints still carry.
         weights = {k: v for k, v in weights.items() if "embed_positions" not in k}
-        if args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
+        return CausalLM.sanitize(weights, args)
