@@ -254,11 +254,11 @@ def _worker_streams() -> list[mx.Stream]:
 
 
 def row_halves(layer: nn.Module) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
-    """A quantized layer's ``(weight, scales[, biases])`` cut into first and second half of rows.
+    """A layer's ``(weight[, scales, biases])`` cut into first and second half of rows.
 
     The halves are views (no copy), kept on the layer until its weights are replaced.
     """
-    parts = (layer["weight"], layer["scales"]) + ((layer["biases"],) if layer.get("biases") is not None else ())
+    parts = tuple(layer[k] for k in ("weight", "scales", "biases") if layer.get(k) is not None)
     key = [id(p) for p in parts]
     cached = layer.__dict__.get("_row_halves")
     if cached is None or cached[0] != key:
@@ -294,16 +294,6 @@ class CPULinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] > self.MAX_ROWS:
             return super().__call__(x)
-        halves = _float_halves(self)
-        outs = [mx.matmul(x, w.T, stream=s) for w, s in zip(halves, _worker_streams())]
+        outs = [mx.matmul(x, w.T, stream=s) for (w,), s in zip(row_halves(self), _worker_streams())]
         y = mx.concatenate(outs, axis=-1)
         return y + self["bias"] if "bias" in self else y
-
-
-def _float_halves(layer: nn.Module) -> tuple[mx.array, mx.array]:
-    w = layer["weight"]
-    cached = layer.__dict__.get("_weight_halves")
-    if cached is None or cached[0] != id(w):
-        half = w.shape[0] // 2
-        cached = layer.__dict__["_weight_halves"] = (id(w), (w[:half], w[half:]))
-    return cached[1]
