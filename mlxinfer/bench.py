@@ -23,7 +23,8 @@ with a fresh cache. One warm-up run per prompt length, then ``reps`` timed runs.
 mlx-lm is never imported: ``--compare mlx-lm`` runs ``python -m
 mlx_lm.benchmark`` in a child process (on the same BLAS, via ``LD_PRELOAD``)
 and parses its ``Trial`` lines. Each engine keeps its own defaults, e.g. its
-prefill chunk (mlxinfer 512 tokens, mlx-lm's benchmark 2048).
+prefill chunk (mlxinfer 512 tokens, mlx-lm's benchmark 2048), unless
+``--prefill-step-size`` sets one for both.
 """
 
 from __future__ import annotations
@@ -104,14 +105,15 @@ class Run:
     peak_memory_gb: float
 
 
-def time_run(model: nn.Module, ids: list[int], max_tokens: int, kv_bits: int | None) -> tuple[Run, int, int]:
+def time_run(model: nn.Module, ids: list[int], max_tokens: int, kv_bits: int | None,
+             prefill_step: int | None = None) -> tuple[Run, int, int]:
     """One greedy generation of exactly ``max_tokens`` tokens with a fresh cache.
 
     Returns ``(run, cache bytes, cached tokens)`` as the cache ends (it holds
     the prompt and all generated tokens but the last).
     """
     from .generation import generate_step
-    from .prompt_cache import PromptCache
+    from .prompt_cache import DEFAULT_PREFILL_STEP, PromptCache
 
     mx.synchronize()
     mx.reset_peak_memory()
@@ -119,7 +121,8 @@ def time_run(model: nn.Module, ids: list[int], max_tokens: int, kv_bits: int | N
     t0 = time.perf_counter()
     pc = PromptCache(model.make_cache(kv_bits=kv_bits))
     with wired_limit():  # as stream_generate runs it (Metal only)
-        for _token, _logprobs in generate_step(ids, model, prompt_cache=pc, max_tokens=max_tokens):
+        for _token, _logprobs in generate_step(ids, model, prompt_cache=pc, max_tokens=max_tokens,
+                                               prefill_step_size=prefill_step or DEFAULT_PREFILL_STEP):
             t_last = time.perf_counter()  # the token is a Python int: its step has finished
             if count == 0:
                 t_first = t_last
@@ -173,9 +176,11 @@ def parse_trials(output: str) -> list[dict[str, float]]:
     return trials
 
 
-def mlx_lm_command(model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int) -> list[str]:
+def mlx_lm_command(model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int,
+                   prefill_step: int | None = None) -> list[str]:
+    step = ["--prefill-step-size", str(prefill_step)] if prefill_step else []
     return [sys.executable, "-m", "mlx_lm.benchmark", "--model", str(model_dir), "-p", str(prompt_tokens),
-            "-g", str(max_tokens), "-n", str(reps)]
+            "-g", str(max_tokens), "-n", str(reps), *step]
 
 
 def child_env() -> dict[str, str]:
@@ -187,9 +192,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_mlx_lm(model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int) -> list[Run]:
+def run_mlx_lm(model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int,
+               prefill_step: int | None = None) -> list[Run]:
     """mlx-lm's own benchmark (its own warm-up, then ``reps`` trials) in a child process."""
-    proc = subprocess.run(mlx_lm_command(model_dir, prompt_tokens, max_tokens, reps), env=child_env(),
+    proc = subprocess.run(mlx_lm_command(model_dir, prompt_tokens, max_tokens, reps, prefill_step), env=child_env(),
                           check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         tail = " | ".join(line.strip() for line in proc.stdout.strip().splitlines()[-5:])
@@ -324,8 +330,8 @@ def comparison_notes(model: nn.Module, model_dir: Path, kv_bits: int | None) -> 
 # ---------------------------------------------------------------- the benchmark
 
 def run_benchmark(model: nn.Module, model_dir: Path, prompt_lengths: list[int], *, max_tokens: int = 128,
-                  reps: int = 3, kv_bits: int | None = None, compare: str | None = None,
-                  bandwidth: tuple[float, str] | None = None, log: Log | None = None) -> dict:
+                  reps: int = 3, kv_bits: int | None = None, prefill_step: int | None = None,
+                  compare: str | None = None, bandwidth: tuple[float, str] | None = None, log: Log | None = None) -> dict:
     """Measure ``model`` at each prompt length; with ``compare="mlx-lm"`` mlx-lm too, alternating.
 
     Args:
@@ -335,6 +341,7 @@ def run_benchmark(model: nn.Module, model_dir: Path, prompt_lengths: list[int], 
         max_tokens: tokens generated per run (at least 2: decode speed needs two).
         reps: timed runs per prompt length and engine, after one warm-up.
         kv_bits: quantize mlxinfer's KV cache (4 or 8).
+        prefill_step: prompt tokens per prefill chunk for both engines (None: each its own default).
         compare: ``"mlx-lm"`` or None.
         bandwidth: ``(GB/s, description)``; default :func:`measure_bandwidth`.
         log: progress messages.
@@ -347,6 +354,8 @@ def run_benchmark(model: nn.Module, model_dir: Path, prompt_lengths: list[int], 
         raise ValueError(f"max_tokens: expected at least 2 (decode speed needs two tokens), found {max_tokens}")
     if reps < 1:
         raise ValueError(f"reps: expected at least 1, found {reps}")
+    if prefill_step is not None and prefill_step < 1:
+        raise ValueError(f"prefill_step: expected at least 1, found {prefill_step}")
     if compare not in (None, "mlx-lm"):
         raise ValueError(f"compare: expected 'mlx-lm' or None, found {compare!r}")
     if compare:
@@ -362,17 +371,17 @@ def run_benchmark(model: nn.Module, model_dir: Path, prompt_lengths: list[int], 
     for p in prompt_lengths:
         ids = prompt_ids(p, model.args.vocab_size)
         log(f"p={p}: mlxinfer warm-up")
-        _, cache_bytes, cached = time_run(model, ids, max_tokens, kv_bits)
+        _, cache_bytes, cached = time_run(model, ids, max_tokens, kv_bits, prefill_step)
         runs = []
         for rep in range(reps):
-            run, _, _ = time_run(model, ids, max_tokens, kv_bits)
+            run, _, _ = time_run(model, ids, max_tokens, kv_bits, prefill_step)
             runs.append(run)
             log(f"p={p}: mlxinfer {rep + 1}/{reps}  prefill {run.prefill_tps:.1f} tok/s  "
                 f"decode {run.decode_tps:.1f} tok/s  peak {run.peak_memory_gb * 1000:.0f} MB")
         entry = {"prompt_tokens": p, "engines": {"mlxinfer": summarize(runs)}}
         if compare:
             log(f"p={p}: mlx-lm (python -m mlx_lm.benchmark, warm-up + {reps} trial{'s' * (reps > 1)}) …")
-            theirs = run_mlx_lm(model_dir, p, max_tokens, reps)
+            theirs = run_mlx_lm(model_dir, p, max_tokens, reps, prefill_step)
             entry["engines"]["mlx-lm"] = summarize(theirs)
             ours_m, theirs_m = (entry["engines"][e]["median"] for e in ENGINES)
             entry["ratios"] = {m: ours_m[m] / theirs_m[m] if theirs_m[m] else float("nan") for m in METRICS}
@@ -381,6 +390,6 @@ def run_benchmark(model: nn.Module, model_dir: Path, prompt_lengths: list[int], 
         results.append(entry)
     return {"environment": environment(compare), "model": str(model_dir),
             "settings": {"prompt_tokens": list(prompt_lengths), "max_tokens": max_tokens, "reps": reps,
-                         "kv_bits": kv_bits, "compare": compare},
+                         "kv_bits": kv_bits, "prefill_step": prefill_step, "compare": compare},
             "bandwidth": {"gb_per_s": bandwidth[0], "probe": bandwidth[1]},
             "notes": notes, "results": results}

@@ -43,6 +43,7 @@ def tables(result: dict) -> str:
     """The results as markdown: per engine and prompt length, then ratios, then the decode roofline."""
     env, s = result["environment"], result["settings"]
     kv = f", {s['kv_bits']}-bit KV cache" if s["kv_bits"] else ""
+    kv += f", prefill chunks of {s['prefill_step']} tokens" if s.get("prefill_step") else ""
     runs = f"{s['reps']} run{'s' * (s['reps'] > 1)}"
     caption = (f"{result['model']} — MLX {env['mlx']} on {env['device']}, {env['blas']}; {s['max_tokens']} "
                f"generated tokens{kv}, greedy; median (min–max) of {runs} after a warm-up; "

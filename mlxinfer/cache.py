@@ -40,7 +40,8 @@ class Cache(Protocol):
 
 
 def _grow(buf: mx.array | None, used: int, needed: int, step: int, like: mx.array) -> mx.array:
-    """Return ``buf`` with room for ``needed`` tokens along axis 2, in ``step`` chunks."""
+    """Return ``buf`` with room for ``needed`` tokens along axis 2, in ``step`` chunks
+    (``step=1``: exactly)."""
     if buf is not None and needed <= buf.shape[2]:
         return buf
     B, H, _, D = like.shape
@@ -71,11 +72,20 @@ class KVCache:
         """
         self.reserved = max(self.reserved, n_tokens)
 
+    def _growth(self, needed: int, buf: mx.array | None) -> tuple[int, int]:
+        """``(capacity, step)`` for holding ``needed`` tokens: the reservation exactly
+        while it covers them, else growth in ``step`` chunks."""
+        if buf is not None and needed <= buf.shape[2]:
+            return needed, self.step
+        if needed <= self.reserved:
+            return self.reserved, 1
+        return needed, self.step
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, L = self.offset, keys.shape[2]
-        needed = prev + L if self.keys is not None and prev + L <= self.keys.shape[2] else max(prev + L, self.reserved)
-        self.keys = _grow(self.keys, prev, needed, self.step, keys)
-        self.values = _grow(self.values, prev, needed, self.step, values)
+        needed, step = self._growth(prev + L, self.keys)
+        self.keys = _grow(self.keys, prev, needed, step, keys)
+        self.values = _grow(self.values, prev, needed, step, values)
         self.offset = prev + L
         self.keys[..., prev:self.offset, :] = keys
         self.values[..., prev:self.offset, :] = values
@@ -271,11 +281,10 @@ class QuantizedKVCache:
         if self.keys is None:
             self.keys = [None] * 3
             self.values = [None] * 3
-        fits = self.keys[0] is not None and prev + L <= self.keys[0].shape[2]
-        needed = prev + L if fits else max(prev + L, self.reserved)
+        needed, step = self._growth(prev + L, self.keys[0])
         for bufs, new in ((self.keys, new_k), (self.values, new_v)):
             for i in range(3):
-                bufs[i] = _grow(bufs[i], prev, needed, self.step, new[i])
+                bufs[i] = _grow(bufs[i], prev, needed, step, new[i])
                 bufs[i][..., prev : prev + L, :] = new[i]
         self.offset = prev + L
         return ([a[..., : self.offset, :] for a in self.keys], [a[..., : self.offset, :] for a in self.values])
@@ -284,6 +293,7 @@ class QuantizedKVCache:
     is_trimmable = KVCache.is_trimmable
     trim = KVCache.trim
     reserve = KVCache.reserve
+    _growth = KVCache._growth
 
     @property
     def state(self) -> list[mx.array]:

@@ -47,6 +47,8 @@ def generation_options(fn):
         click.option("--max-kv-size", default=None, type=int, help="Keep at most this many tokens in the KV cache."),
         click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV cache."),
         click.option("--truncate-prompt", is_flag=True, help="Left-truncate a prompt longer than the context."),
+        click.option("--prefill-step-size", default=None, type=click.IntRange(1),
+                     help="Prompt tokens per prefill chunk; smaller lowers peak memory [default: 512]."),
         click.option("--verbose", "-v", is_flag=True, help="Print the request timeline to stderr."),
     ]
     for option in reversed(options):
@@ -197,6 +199,9 @@ def convert(src, dst, quantize, bits, group_size, dtype):
 @click.option("--reps", default="3", show_default=True, metavar="R",
               help="Timed runs per prompt length, after one warm-up.")
 @click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize mlxinfer's KV cache.")
+@click.option("--prefill-step-size", default=None, type=click.IntRange(1),
+              help="Prompt tokens per prefill chunk, for both engines [default: each engine's own: "
+                   "mlxinfer 512, mlx-lm 2048].")
 @click.option("--compare", default=None, type=click.Choice(["mlx-lm"]),
               help="Also run mlx-lm's own benchmark (a child process) and print mlxinfer / mlx-lm.")
 @click.option("--plot", default=None, metavar="PATH",
@@ -204,7 +209,7 @@ def convert(src, dst, quantize, bits, group_size, dtype):
 @click.option("--json", "json_path", default=None, metavar="PATH",
               help="Write every run, medians, ratios and the roofline.")
 @_errors_to_click
-def bench(model, prompt_tokens, max_tokens, reps, kv_bits, compare, plot, json_path):
+def bench(model, prompt_tokens, max_tokens, reps, kv_bits, prefill_step_size, compare, plot, json_path):
     """Benchmark prefill, decode, TTFT and peak memory per prompt length.
 
     Progress goes to stderr, the tables alone to stdout.
@@ -228,7 +233,8 @@ def bench(model, prompt_tokens, max_tokens, reps, kv_bits, compare, plot, json_p
     model_dir = default_model_path(log=_log) if model is None else resolve_model_path(model)
     llm, _ = _load(str(model_dir), verbose=True)
     result = b.run_benchmark(llm, model_dir, lengths, max_tokens=max_tokens, reps=reps,
-                             kv_bits=int(kv_bits) if kv_bits else None, compare=compare, log=_log)
+                             kv_bits=int(kv_bits) if kv_bits else None, prefill_step=prefill_step_size,
+                             compare=compare, log=_log)
     click.echo(report.tables(result))
     if json_path:
         _log(f"wrote {report.write_json(result, json_path)}")

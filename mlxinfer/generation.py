@@ -52,7 +52,7 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
     cache = pc.cache
 
     # Prefill all but the last prompt token; the last one starts decoding.
-    pc.prefill(model, todo[:-1], prefill_step_size)
+    pc.prefill(model, todo[:-1], prefill_step_size, then=max_tokens)
     todo = todo[-1:]
     fed = pc.tokens
     y = mx.array(todo, dtype=mx.int32)
@@ -170,7 +170,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
                     repetition_context_size: int | None = None, seed: int | None = None,
                     stop: Sequence[str] = (), chat_template: bool = False, truncate_prompt: bool = False,
                     prompt_cache: PromptCache | None = None, max_kv_size: int | None = None,
-                    kv_bits: int | None = None, prefill_step_size: int = DEFAULT_PREFILL_STEP,
+                    kv_bits: int | None = None, prefill_step_size: int | None = None,
                     draft: Draft | None = None, num_draft: int | None = None,
                     ) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
@@ -184,6 +184,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
         truncate_prompt: left-truncate a prompt longer than the context instead of raising.
         prompt_cache: reuse (and update) caches across calls, e.g. chat turns.
         max_kv_size, kv_bits: bound the cache (rotating) or quantize it.
+        prefill_step_size: prompt tokens per prefill chunk (None: ``DEFAULT_PREFILL_STEP``).
         draft: speculative decoding with this draft source (``DraftModel``,
             ``PromptLookup``, ``SelfDraft``): same output, fewer target passes.
         num_draft: tokens drafted per step; None adapts it to the acceptance rate.
@@ -191,6 +192,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
     t0 = time.perf_counter()
+    prefill_step_size = prefill_step_size or DEFAULT_PREFILL_STEP
     ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template)
     context = model.args.max_position_embeddings
     ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)

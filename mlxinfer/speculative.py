@@ -68,7 +68,8 @@ def speculative_generate_step(prompt: Sequence[int], model, draft: Draft, *,
     ids = list(prompt)
     _require_rewindable(pc.cache, len(ids) + max_tokens)
     todo = pc.reuse(ids)
-    pc.prefill(model, todo[:-1], prefill_step_size)
+    # Room for every token and the longest draft verified past the last one.
+    pc.prefill(model, todo[:-1], prefill_step_size, then=max_tokens + max(num_draft or 0, MAX_DRAFT))
     drafter = draft.start(model, pc.cache, ids)
     key = mx.random.key(secrets.randbits(63) if params.seed is None else params.seed)
     k_policy = _DraftLength(num_draft)

@@ -56,7 +56,7 @@ def test_json_has_environment_settings_and_every_run(compared, model_dir):
         data["environment"])
     assert data["model"] == str(model_dir)
     assert data["settings"] == {"prompt_tokens": list(P), "max_tokens": N, "reps": REPS, "kv_bits": None,
-                                "compare": "mlx-lm"}
+                                "prefill_step": None, "compare": "mlx-lm"}
     assert [e["prompt_tokens"] for e in data["results"]] == list(P)
     for entry in data["results"]:
         assert set(entry["engines"]) == {"mlxinfer", "mlx-lm"}
@@ -141,6 +141,26 @@ def test_kv_bits_quantizes_our_cache(model_dir, tmp_path):
     float_kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * r["mean_context"] * 4
     assert 0 < r["kv_bytes"] < float_kv / 2  # 8-bit codes plus a scale and bias per group
     assert data["settings"]["kv_bits"] == 8 and "mlx-lm" not in data["results"][0]["engines"]
+
+
+def test_prefill_step_size_reaches_both_engines(model_dir, tmp_path, monkeypatch):
+    from mlxinfer.prompt_cache import PromptCache
+
+    steps = []
+    original = PromptCache.prefill
+
+    def spy(self, model, ids, step=512, **kw):
+        steps.append(step)
+        return original(self, model, ids, step, **kw)
+
+    monkeypatch.setattr(PromptCache, "prefill", spy)
+    out = tmp_path / "s.json"
+    result = CliRunner().invoke(cli, ["bench", "-m", str(model_dir), "-p", "8", "-n", "2", "--reps", "1",
+                                      "--prefill-step-size", "3", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert steps and set(steps) == {3}
+    assert json.loads(out.read_text())["settings"]["prefill_step"] == 3
+    assert b.mlx_lm_command(Path("/m"), 64, 8, 3, 256)[-2:] == ["--prefill-step-size", "256"]
 
 
 def test_kv_bits_with_compare_notes_mlx_lms_float_cache(model_dir):

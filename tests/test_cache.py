@@ -149,7 +149,7 @@ def test_save_and_load_round_trip(tiny, tmp_path, kind):
 def test_prefill_allocates_the_whole_prompt_once():
     """A reserved cache grows once for the whole prompt instead of once per prefill chunk."""
     from mlxinfer.cache import KVCache
-    from mlxinfer.prompt_cache import PromptCache
+    from mlxinfer.prompt_cache import MAX_RESERVED_DECODE, PromptCache
 
     class Recorder:  # a one-layer "model" that only writes its cache
         def __call__(self, tokens, cache):
@@ -170,4 +170,20 @@ def test_prefill_allocates_the_whole_prompt_once():
 
     cache.update_and_fetch = spy
     PromptCache([cache]).prefill(Recorder(), list(range(1000)), step=128)
-    assert grown == [1024]  # 1000 prompt tokens + the next one, rounded up to the 256-token step
+    assert grown == [1001]  # exactly the 1000 prompt tokens + the next one
+
+    # With the decode length known, the room covers it exactly; past it, growth is in 256-token steps.
+    grown.clear()
+    cache.keys = cache.values = None
+    cache.offset = cache.reserved = 0
+    PromptCache([cache]).prefill(Recorder(), list(range(1000)), step=128, then=50)
+    for _ in range(51):
+        Recorder()(mx.zeros((1, 1)), [cache])
+    assert grown == [1050, 1050 + 256]
+
+    # A huge max_tokens does not allocate its whole length up front.
+    grown.clear()
+    cache.keys = cache.values = None
+    cache.offset = cache.reserved = 0
+    PromptCache([cache]).prefill(Recorder(), list(range(1000)), step=128, then=10**9)
+    assert grown == [1000 + MAX_RESERVED_DECODE]

@@ -118,8 +118,20 @@ def test_attention_matches_definition(L, T, mask_kind, monkeypatch):
 def test_exp_matches_float64_and_masks_to_zero():
     x = np.linspace(-87, 88, 100_001).astype(np.float32)
     got = np.array(cpu_ops.exp(mx.array(x)))
-    assert np.max(np.abs(got / np.exp(x.astype(np.float64)) - 1)) <= 2e-7
-    assert np.array(cpu_ops.exp(mx.array([-np.inf, -1e4], dtype=mx.float32))).tolist() == [0.0, 0.0]
+    assert np.max(np.abs(got / np.exp(x.astype(np.float64)) - 1)) <= 1.5e-7
+    edges = np.array(cpu_ops.exp(mx.array([-np.inf, -1e4, 89.0, 1e30, np.inf, np.nan], dtype=mx.float32)))
+    assert edges[:2].tolist() == [0.0, 0.0]  # masked logits
+    assert np.isposinf(edges[2:5]).all() and np.isnan(edges[5])
+
+
+def test_softmax_matches_definition():
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((3, 4, 700)) * 8).astype(np.float32)
+    x[0, 0, :650] = -np.inf  # a mostly masked row
+    ref = np.exp(x - x.max(-1, keepdims=True)).astype(np.float64)
+    ref /= ref.sum(-1, keepdims=True)
+    got = np.array(cpu_ops.softmax(mx.array(x)))
+    assert np.abs(got - ref).max() <= 1e-6 and (got[0, 0, :650] == 0).all()
 
 
 def test_swiglu_matches_definition():
@@ -155,3 +167,26 @@ def test_parallel_quantized_matmul_equals_one_kernel():
     ref = nn.QuantizedLinear.__call__(layer, x := mx.random.normal((1, 3, 128), key=mx.random.key(5)))
     layer.__class__ = CPUQuantizedLinear  # three rows: the two-thread decode path
     assert np.abs(np.array(layer(x)) - np.array(ref)).max() <= 1e-5
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_dequantize_equals_mlx(bits, group_size):
+    """The one-kernel dequantization (2, 4, 8 bits) and its fallback (3, 6) against ``mx.dequantize``."""
+    from mlxinfer.quant import dequantize
+
+    w = mx.random.normal((2, 96, 256), key=mx.random.key(bits * group_size))
+    parts = mx.quantize(w, group_size=group_size, bits=bits)
+    got = dequantize(*parts, group_size=group_size, bits=bits)
+    assert got.shape == w.shape and got.dtype == w.dtype
+    assert mx.array_equal(got, mx.dequantize(*parts, group_size=group_size, bits=bits)).item()
+
+
+def test_quantized_prefill_path_equals_the_quantized_kernel():
+    from mlxinfer.quant import CPUQuantizedLinear
+
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 384, bias=True), 64, 4)
+    x = mx.random.normal((1, 80, 128), key=mx.random.key(6))  # many rows: dequantize + matmul
+    ref = nn.QuantizedLinear.__call__(layer, x)
+    layer.__class__ = CPUQuantizedLinear
+    assert np.abs(np.array(layer(x)) - np.array(ref)).max() <= 1e-4

@@ -124,6 +124,25 @@ def test_cli_generate_raw_and_stdin_and_verbose(tiny):
     assert "decode" in result.stderr and "time to first token" in result.stderr
 
 
+def test_cli_prefill_step_size_chunks_the_prompt_with_the_same_output(tiny, monkeypatch):
+    from mlxinfer.prompt_cache import PromptCache
+
+    path, model, tok, _ = tiny
+    expected = generate(model, tok, "Paris is the capital of", max_tokens=6)
+    calls = []
+    original = PromptCache.prefill
+    monkeypatch.setattr(PromptCache, "prefill",
+                        lambda self, m, ids, step=512, **kw: calls.append((len(ids), step)) or original(
+                            self, m, ids, step, **kw))
+    result = CliRunner().invoke(cli, ["generate", "-m", str(path), "--no-chat-template", "-n", "6",
+                                      "--prefill-step-size", "2", "-p", "Paris is the capital of"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == expected + "\n"
+    assert calls and calls[0][1] == 2 and calls[0][0] > 2  # several chunks
+    bad = CliRunner().invoke(cli, ["generate", "-m", str(path), "--prefill-step-size", "0", "-p", "x"])
+    assert bad.exit_code == 2 and "--prefill-step-size" in bad.stderr
+
+
 def test_cli_prompt_too_long_exits_nonzero(tiny):
     path, *_ = tiny
     result = CliRunner().invoke(
