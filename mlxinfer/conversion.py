@@ -82,6 +82,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the model is an ordinary directory
         _write_weights(tmp, params, progress)
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, default=str))
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from .cache import _KINDS, Cache, QuantizedKVCache, RotatingKVCache, trim_cache
 from .errors import WeightsError
+from .quant import evaluate_each_product
 
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
@@ -71,12 +72,13 @@ class PromptCache:
         for c in self.cache:
             if hasattr(c, "reserve"):
                 c.reserve(c.offset + room)
-        for start in range(0, len(ids), step):
-            model(y[None, start:start + step], self.cache)
-            # Materialise this chunk's cache writes before building the next chunk,
-            # so the graph (and its memory) stays one chunk deep.
-            mx.eval([c.state for c in self.cache])
-            self.tokens.extend(ids[start:start + step])
+        with evaluate_each_product():  # CPU backend, quantized layers: one dequantized matrix alive at a time
+            for start in range(0, len(ids), step):
+                model(y[None, start:start + step], self.cache)
+                # Materialise this chunk's cache writes before building the next chunk,
+                # so the graph (and its memory) stays one chunk deep.
+                mx.eval([c.state for c in self.cache])
+                self.tokens.extend(ids[start:start + step])
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,8 @@ that record back through ``apply_quantization`` before the weights go in.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -97,6 +98,29 @@ def _unpack(packed: mx.array, shifts: mx.array, scales: mx.array, biases: mx.arr
     return q.astype(scales.dtype) * scales + biases
 
 
+_evaluating_products = 0  # > 0 inside evaluate_each_product()
+
+
+@contextmanager
+def evaluate_each_product() -> Iterator[None]:
+    """Within the block, :class:`CPUQuantizedLinear` evaluates each many-row product as it is built.
+
+    ``PromptCache.prefill`` runs in it. MLX allocates an op's result when it
+    schedules the op, up to ten ops ahead of the CPU thread computing them, so
+    a layer's dequantized matrices (3.5 MB each for SmolLM2's MLP in float32;
+    180 MB for a 7B model's) would otherwise be alive several at once. With one
+    product at a time, a 4-bit 512-token prefill holds 16 MB less at the same
+    speed (10% slower at 2,048 tokens). Outside the block the layer stays lazy,
+    so it can still be traced (``mx.compile``).
+    """
+    global _evaluating_products
+    _evaluating_products += 1
+    try:
+        yield
+    finally:
+        _evaluating_products -= 1
+
+
 class CPUQuantizedLinear(nn.QuantizedLinear):
     """CPU backend only: many-row inputs (prefill) dequantize the weight and use BLAS.
 
@@ -116,7 +140,10 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
         w, scales = mx.depends([self["weight"], self["scales"]], [x])
         y = x @ dequantize(w, scales, self.get("biases"), group_size=self.group_size, bits=self.bits,
                            mode=self.mode).T
-        return y + self["bias"] if "bias" in self else y
+        y = y + self["bias"] if "bias" in self else y
+        if _evaluating_products:
+            mx.eval(y)
+        return y
 
     def _few_rows(self, x: mx.array) -> mx.array:
         """Decode: the quantized kernel, its output rows split over two CPU threads."""

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import shutil
 
 import mlx.core as mx
@@ -132,6 +133,9 @@ def test_cli_convert_reports_size(hf_dir, tmp_path):
     result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "q"), "-q", "--group-size", "32"])
     assert result.exit_code == 0, result.output
     assert "bits per weight" in result.output and "MiB on disk" in result.output
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "q").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
 
 
 def test_existing_output_is_refused(hf_dir, tmp_path):

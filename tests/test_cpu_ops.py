@@ -182,11 +182,17 @@ def test_dequantize_equals_mlx(bits, group_size):
     assert mx.array_equal(got, mx.dequantize(*parts, group_size=group_size, bits=bits)).item()
 
 
-def test_quantized_prefill_path_equals_the_quantized_kernel():
-    from mlxinfer.quant import CPUQuantizedLinear
 
-    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 384, bias=True), 64, 4)
-    x = mx.random.normal((1, 80, 128), key=mx.random.key(6))  # many rows: dequantize + matmul
-    ref = nn.QuantizedLinear.__call__(layer, x)
+def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
+    from mlxinfer.quant import CPUQuantizedLinear, evaluate_each_product
+
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 96, bias=True), 64, 4)
+    x = mx.random.normal((1, 40, 128), key=mx.random.key(7))  # many rows: dequantize + matmul
+    ref = np.array(nn.QuantizedLinear.__call__(layer, x))
     layer.__class__ = CPUQuantizedLinear
-    assert np.abs(np.array(layer(x)) - np.array(ref)).max() <= 1e-4
+    traced = mx.compile(lambda a: layer(a))  # lazy outside prefill: traceable
+    assert np.abs(np.array(traced(x)) - ref).max() <= 1e-4
+    with evaluate_each_product():
+        assert np.abs(np.array(layer(x)) - ref).max() <= 1e-4
+        with pytest.raises(ValueError, match="eval"):  # the product is evaluated as it is built
+            mx.compile(lambda a: layer(a) * 2)(x)

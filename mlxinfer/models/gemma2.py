@@ -23,8 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import (FULL_ATTENTION, SLIDING_ATTENTION, GatedMLP, RopeAttention, activation, check_layer_types,
-                   lm_head, make_typed_caches, scaled_embedding, typed_masks)
+from .base import (FULL_ATTENTION, SLIDING_ATTENTION, CausalLM, GatedMLP, RopeAttention, activation,
+                   check_layer_types, make_typed_caches, scaled_embedding, typed_masks)
 from .gemma import ModelArgs as GemmaArgs
 from .gemma import RMSNorm
 from .rope import make_rope
@@ -119,26 +119,13 @@ class Gemma2Model(nn.Module):
         return self.norm(h)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Gemma2Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+class Model(CausalLM):
+    Inner = Gemma2Model
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            logits = lm_head(h, self.model.embed_tokens)
-        else:
-            logits = lm_head(h, self.lm_head)  # (B, L, vocab)
+        logits = super().__call__(inputs, cache)
         cap = self.args.final_logit_softcapping
         return logits if cap is None else mx.tanh(logits / cap) * cap
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
 
     def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
                    kv_group_size: int = 64) -> list[Cache]:
@@ -149,7 +136,4 @@ class Model(nn.Module):
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
-        if args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
+        return CausalLM.sanitize({k: v for k, v in weights.items() if "rotary_emb" not in k}, args)
