@@ -143,9 +143,10 @@ def generate(model, prompt, system, no_chat_template, kv_bits, verbose, draft_mo
 
 @cli.command()
 @generation_options
+@speculative_options
 @click.option("--system", default=None, help="System message.")
 @_errors_to_click
-def chat(model, system, kv_bits, verbose, max_kv_size, **options):
+def chat(model, system, kv_bits, verbose, max_kv_size, draft_model, prompt_lookup, self_draft_layers, **options):
     """Interactive chat; keeps history and reuses the KV cache across turns.
 
     Type /reset to clear the history, /exit (or Ctrl-D) to quit.
@@ -153,6 +154,7 @@ def chat(model, system, kv_bits, verbose, max_kv_size, **options):
     from .chat import ChatSession
 
     llm, tokenizer = _load(model, verbose)
+    options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     if not tokenizer.has_chat_template:
         raise click.ClickException("this model has no chat template; use `mlxinfer generate --no-chat-template`")
     session = ChatSession(llm, tokenizer, system=system, max_kv_size=max_kv_size,

@@ -162,6 +162,19 @@ def test_cli_chat_keeps_history(tiny):
     assert result.stdout == f">> {a}\n>> {b}\n>> "
 
 
+@pytest.mark.parametrize("flag", [["--prompt-lookup"], ["--self-draft-layers", "1"]])
+def test_cli_chat_speculative_flags_keep_the_greedy_replies(tiny, flag):
+    """Speculative decoding changes how tokens are found, not which: the replies equal plain greedy chat."""
+    path, model, tok, _ = tiny
+    result = CliRunner().invoke(cli, ["chat", "-m", str(path), "-n", "6", *flag],
+                                input="Hello\nParis\n/exit\n")
+    assert result.exit_code == 0, result.stderr
+    chat = ChatSession(model, tok, max_tokens=6)
+    a = "".join(r.text for r in chat.send("Hello"))
+    b = "".join(r.text for r in chat.send("Paris"))
+    assert result.stdout == f">> {a}\n>> {b}\n>> "
+
+
 def test_app_example_runs_and_stops_early(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
