@@ -196,3 +196,13 @@ def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
         assert np.abs(np.array(layer(x)) - ref).max() <= 1e-4
         with pytest.raises(ValueError, match="eval"):  # the product is evaluated as it is built
             mx.compile(lambda a: layer(a) * 2)(x)
+
+
+def test_attention_in_float16_matches_definition():
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 4, 64, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 2, 600, 16)).astype(np.float16) for _ in range(2))
+    allowed = np.arange(600)[None] <= np.arange(600 - 64, 600)[:, None]
+    out = cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask="causal")
+    assert out.dtype == mx.float16
+    assert np.abs(np.array(out.astype(mx.float32)) - attention_reference(q, k, v, 0.25, allowed)).max() <= 2e-3

@@ -306,8 +306,8 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
         out = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype) @ v
     else:
         # Normalise after the product: (e @ v) / Σe divides L·D values instead of L·T.
-        e, total = exp_and_sum(scores)
-        out = (e.astype(v.dtype) @ v) / total.astype(v.dtype)
+        e, total = exp_and_sum(scores)  # total can pass float16's range at 64k keys: divide in float32
+        out = ((e.astype(v.dtype) @ v) / total).astype(v.dtype)
     return out.reshape(B, n_q, L, D)
 
 
