@@ -20,6 +20,7 @@ import mlx.nn as nn
 from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
 from ..config import require
 from ..errors import ConfigError
+from ..quant import dequantize
 from . import cpu_ops
 from .cpu_ops import use_cpu_ops
 
@@ -92,7 +93,7 @@ def _quantized_attention(q, k, v, *, scale, mask, group_size, bits) -> mx.array:
     if use_cpu_ops() and L >= cpu_ops.DEQUANTIZED_ATTENTION_ROWS:
         # MLX's CPU quantized matmul is a scalar loop: for a prefill chunk it is far
         # cheaper to dequantize this layer's keys and values once (a transient copy).
-        k, v = (mx.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
+        k, v = (dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
         return cpu_ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
     n_kv, T = k[0].shape[1], k[0].shape[2]
     reps = n_q // n_kv
