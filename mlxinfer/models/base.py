@@ -145,29 +145,41 @@ def lm_head(h: mx.array, head: nn.Module) -> mx.array:
 
 
 class CausalLM(nn.Module):
-    """The shell every decoder family shares: ``Inner`` (embedding → blocks → final norm, with
-    ``embed_tokens`` and ``layers``) plus a head tied to the embedding or a separate ``lm_head``.
+    """The shell every decoder family shares: ``Inner`` (embedding → blocks → final norm) plus a
+    head tied to the embedding or a separate ``lm_head``.
 
-    A family sets ``Inner`` and overrides ``make_cache`` or ``sanitize`` where it differs.
+    A family sets ``Inner`` and overrides ``make_cache`` or ``sanitize`` where it differs. The
+    attribute names follow the checkpoints' weight names: ``model.embed_tokens`` and
+    ``model.layers`` by default, ``transformer.wte`` and ``transformer.h`` for GPT-2, say.
     """
 
     Inner: type[nn.Module]
+    inner_name, embed_name, layers_name = "model", "embed_tokens", "layers"
 
     def __init__(self, args):
         super().__init__()
         self.args = args
-        self.model = self.Inner(args)
-        if not args.tie_word_embeddings:
-            hidden = self.model.embed_tokens.weight.shape[-1]
+        setattr(self, self.inner_name, self.Inner(args))
+        if not self.tied:
+            hidden = self.embedding.weight.shape[-1]
             self.lm_head = nn.Linear(hidden, args.vocab_size, bias=False)
 
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head is the token embedding."""
+        return self.args.tie_word_embeddings
+
+    @property
+    def embedding(self) -> nn.Module:
+        return self[self.inner_name][self.embed_name]
+
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.model(inputs, cache)
-        return lm_head(h, self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head)  # (B, L, V)
+        h = self[self.inner_name](inputs, cache)
+        return lm_head(h, self.embedding if self.tied else self.lm_head)  # (B, L, V)
 
     @property
     def layers(self) -> list[nn.Module]:
-        return self.model.layers
+        return self[self.inner_name][self.layers_name]
 
     def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
                    kv_group_size: int = 64) -> list[Cache]:

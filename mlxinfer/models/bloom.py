@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, alibi_slopes, attention, lm_head, make_layer_caches
+from .base import BaseArgs, CausalLM, alibi_slopes, attention, make_layer_caches
 
 
 @dataclasses.dataclass
@@ -122,23 +122,9 @@ class BloomModel(nn.Module):
         return self.ln_f(h)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.transformer = BloomModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.transformer(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return lm_head(h, self.transformer.word_embeddings)
-        return lm_head(h, self.lm_head)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[Block]:
-        return self.transformer.h
+class Model(CausalLM):
+    Inner = BloomModel
+    inner_name, embed_name, layers_name = "transformer", "word_embeddings", "h"
 
     def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
                    kv_group_size: int = 64) -> list[Cache]:

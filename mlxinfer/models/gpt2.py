@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, activation, attention, causal_mask, lm_head, make_layer_caches
+from .base import BaseArgs, CausalLM, activation, attention, causal_mask
 
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
@@ -108,23 +108,10 @@ class GPT2Model(nn.Module):
         return self.ln_f(h)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.transformer = GPT2Model(args)
-
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        return lm_head(self.transformer(inputs, cache), self.transformer.wte)  # (B, L, vocab)
-
-    @property
-    def layers(self) -> list[Block]:
-        return self.transformer.h
-
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                 kv_group_size=kv_group_size)
+class Model(CausalLM):
+    Inner = GPT2Model
+    inner_name, embed_name, layers_name = "transformer", "wte", "h"
+    tied = True  # GPT-2's head is always the token embedding (checkpoints carry no flag for it)
 
     def quant_predicate(self, path: str, module: nn.Module) -> bool:
         # The position table is small and is added to every token: keep it exact.
