@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .atomic import writing_dir
 from .config import read_config
 from .errors import ConfigError
 from .loader import load_weights_into, read_weights, resolve_model_path, weight_files
@@ -79,23 +79,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
         out_config["quantization"] = quantize_model(model, bits=bits, group_size=group_size)
     params = dict(tree_flatten(model.parameters()))
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the model is an ordinary directory
+    with writing_dir(dst) as tmp:
         _write_weights(tmp, params, progress)
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, default=str))
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, tmp / name)
-        if dst.exists():
-            dst.rmdir()
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
     return {"path": str(dst), "parameters": n_params,
             "bits_per_weight": bits_per_weight(model), "bytes": n_bytes}

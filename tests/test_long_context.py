@@ -5,17 +5,14 @@ same code runs on a tiny random llama with a short prompt, and its numbers are
 checked against what they must be by construction.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from fixtures import load_script
 from hf_models import CORPUS, add_tokenizer, make_tiny
 
 from mlxinfer.conversion import convert
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench_long_context.py"
 # head_dim 64 (one quantization group of 64 per head), 1 KV head, 2 layers
 TINY = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256,
         "vocab_size": 320, "tie_word_embeddings": True}
@@ -24,11 +21,7 @@ PROMPT, NEW = 200, 6
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("bench_long_context", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/bench_long_context.py")
 
 
 @pytest.fixture(scope="module")

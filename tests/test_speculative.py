@@ -421,14 +421,10 @@ def test_real_model_greedy_is_token_identical(smollm2, smollm2_mlx_dir, source):
 
 
 def test_speculative_example_runs(tiny, capsys):
-    import importlib.util
-    from pathlib import Path
+    from fixtures import load_script
 
     path, _, _ = tiny
-    spec = importlib.util.spec_from_file_location(
-        "speculative_example", Path(__file__).parent.parent / "examples" / "speculative.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/speculative.py")
     example.main(str(path), str(path), max_tokens=24)  # asserts that every run prints the plain text
     err = capsys.readouterr().err
     assert "[prompt lookup]" in err and "[draft model]" in err and "of drafts accepted" in err
