@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .cache import _KINDS, Cache, QuantizedKVCache, RotatingKVCache, trim_cache
 from .errors import WeightsError
-from .quant import evaluate_each_product
+from .quant import stepwise_prefill
 
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
@@ -72,7 +72,7 @@ class PromptCache:
         for c in self.cache:
             if hasattr(c, "reserve"):
                 c.reserve(c.offset + room)
-        with evaluate_each_product():  # CPU backend, quantized layers: one dequantized matrix alive at a time
+        with stepwise_prefill(model):  # CPU backend, quantized model: one step's buffers alive at a time
             for start in range(0, len(ids), step):
                 model(y[None, start:start + step], self.cache)
                 # Materialise this chunk's cache writes before building the next chunk,

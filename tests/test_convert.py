@@ -17,6 +17,7 @@ from mlxinfer.cli import cli
 from mlxinfer.conversion import convert
 from mlxinfer.errors import ConfigError, TokenizerError, WeightsError
 from mlxinfer.loader import load_model
+from mlxinfer.prompt_cache import PromptCache
 
 IDS = [5, 17, 99, 3, 240, 8, 61, 130, 2, 77, 19, 200]
 
@@ -53,15 +54,42 @@ def test_quantized_conversion_records_and_reloads(hf_dir, tmp_path, bits, group,
     out = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
     assert np.isfinite(out).all()
     if dtype == "float32":
-        # Reference: transformers with each weight replaced by its dequantized value.
-        ref_model = copy.deepcopy(torch_model)
-        state = ref_model.state_dict()
-        for path, module in model.named_modules():
-            if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                w = mx.dequantize(module.weight, module.scales, module.biases, group_size=group, bits=bits)
-                state[f"{path}.weight"] = torch.from_numpy(np.array(w))
-        ref_model.load_state_dict(state)
-        assert np.abs(out - torch_logits(ref_model, IDS)).max() <= 1e-3
+        assert np.abs(out - torch_logits(dequantized_reference(torch_model, model), IDS)).max() <= 1e-3
+
+
+def dequantized_reference(torch_model, model):
+    """The transformers model with each weight replaced by ``model``'s dequantized value of it."""
+    ref_model = copy.deepcopy(torch_model)
+    state = ref_model.state_dict()
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
+                              bits=module.bits)
+            state[f"{path}.weight"] = torch.from_numpy(np.array(w))
+    ref_model.load_state_dict(state)
+    return ref_model
+
+
+def test_long_quantized_prefill_runs_stepwise_and_matches_transformers(tmp_path, monkeypatch):
+    """A 4-bit prefill long enough for the stepwise path (attention block by block, MLP slice by slice)."""
+    from mlxinfer import quant
+
+    src, torch_model = make_tiny(tmp_path / "hf", vocab_size=320, intermediate_size=quant.MLP_SLICE + 128,
+                                 max_position_embeddings=512)
+    add_tokenizer(src)
+    convert(src, tmp_path / "q", quantize=True, bits=4, group_size=64, dtype="float32")
+    model, _ = load_model(tmp_path / "q")
+    sliced, calls = quant.sliced_mlp, []
+    monkeypatch.setattr(quant, "sliced_mlp", lambda *args: calls.append(args) or sliced(*args))
+    ids = [(7 + 37 * i) % 320 for i in range(300)]
+    cache = PromptCache(model.make_cache())
+    cache.prefill(model, ids[:-1])
+    out = np.array(model(mx.array([ids[-1:]]), cache.cache)[0, -1])
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    assert len(calls) == (len(model.layers) if on_cpu else 0)  # one sliced MLP per layer on the CPU backend
+    assert not quant.stepwise()  # only inside the prefill
+    ref = torch_logits(dequantized_reference(torch_model, model), ids)[-1]
+    assert np.abs(out - ref).max() <= 1e-3
 
 
 def test_sharded_checkpoint_is_read(hf_dir, tmp_path):

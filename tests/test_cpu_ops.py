@@ -98,7 +98,8 @@ def attention_reference(q, k, v, scale, allowed):
 
 @pytest.mark.parametrize("L,T", [(1, 40), (7, 7), (300, 300), (200, 520)])
 @pytest.mark.parametrize("mask_kind", ["causal", "window", "additive", None])
-def test_attention_matches_definition(L, T, mask_kind, monkeypatch):
+@pytest.mark.parametrize("evaluate_blocks", [False, True])  # True in a stepwise (quantized) prefill
+def test_attention_matches_definition(L, T, mask_kind, evaluate_blocks, monkeypatch):
     monkeypatch.setattr(cpu_ops, "SCORE_BUDGET", 6 * 64 * T)  # blocks of 64 queries: several blocks when L > 64
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 6, L, 16)).astype(np.float32)
@@ -111,7 +112,8 @@ def test_attention_matches_definition(L, T, mask_kind, monkeypatch):
         mask = mx.array(allowed)
     elif mask_kind == "additive":
         mask = mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32))
-    out = np.array(cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=mask))
+    out = np.array(cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=mask,
+                                     evaluate_blocks=evaluate_blocks))
     assert np.abs(out - attention_reference(q, k, v, 0.25, allowed)).max() <= 1e-5
 
 
@@ -184,18 +186,50 @@ def test_dequantize_equals_mlx(bits, group_size):
 
 
 def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
-    from mlxinfer.quant import CPUQuantizedLinear, evaluate_each_product
+    from mlxinfer.quant import CPUQuantizedLinear, stepwise, stepwise_prefill
 
     layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 96, bias=True), 64, 4)
     x = mx.random.normal((1, 40, 128), key=mx.random.key(7))  # many rows: dequantize + matmul
     ref = np.array(nn.QuantizedLinear.__call__(layer, x))
+    with stepwise_prefill(nn.Sequential(layer)):
+        assert not stepwise()  # MLX's own quantized layer: nothing to do stepwise
     layer.__class__ = CPUQuantizedLinear
     traced = mx.compile(lambda a: layer(a))  # lazy outside prefill: traceable
     assert np.abs(np.array(traced(x)) - ref).max() <= 1e-4
-    with evaluate_each_product():
+    with stepwise_prefill(nn.Sequential(layer)):
+        assert stepwise()
         assert np.abs(np.array(layer(x)) - ref).max() <= 1e-4
         with pytest.raises(ValueError, match="eval"):  # the product is evaluated as it is built
             mx.compile(lambda a: layer(a) * 2)(x)
+    assert not stepwise()
+    with stepwise_prefill(nn.Sequential(nn.Linear(128, 96))):
+        assert not stepwise()  # float models are left lazy
+
+
+@pytest.mark.parametrize("bits,group_size,bias", [(4, 64, False), (4, 32, True), (8, 128, False), (6, 64, True)])
+def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
+    """The stepwise MLP, slice by slice of hidden units, against MLX's quantized layers and silu."""
+    from mlxinfer import quant
+    from mlxinfer.models.base import GatedMLP
+
+    dim, hidden, rows = 128, quant.MLP_SLICE + 256, quant.MLP_SLICE_ROWS + 4  # a full slice and a partial one
+    mlp = GatedMLP(dim, hidden, nn.silu, bias=bias)
+    if bias:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            layer = getattr(mlp, name)
+            layer.bias = mx.random.normal(layer.bias.shape, key=mx.random.key(len(name)))
+    nn.quantize(mlp, group_size=group_size, bits=bits)
+    x = mx.random.normal((1, rows, dim), key=mx.random.key(bits))
+
+    def whole(layer, a):
+        return nn.QuantizedLinear.__call__(layer, a)  # MLX's quantized matmul, not ours
+    ref = whole(mlp.down_proj, nn.silu(whole(mlp.gate_proj, x)) * whole(mlp.up_proj, x))
+    assert quant.use_cpu_layers(mlp) == (3 if mx.default_device().type == mx.DeviceType.cpu else 0)
+    with quant.stepwise_prefill(mlp):
+        assert quant.slices_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj) == quant.stepwise()
+        assert not quant.slices_mlp(x[:, :quant.MLP_SLICE_ROWS - 1], mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        out = mlp(x)
+    assert np.abs(np.array(out) - np.array(ref)).max() <= 1e-4 * np.abs(np.array(ref)).max()
 
 
 def test_attention_in_float16_matches_definition():

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import quant
 from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
 from ..config import require
 from ..errors import ConfigError
-from ..quant import dequantize
 from . import cpu_ops
 from .cpu_ops import use_cpu_ops
 
@@ -84,7 +84,7 @@ def attention(q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: C
         return _quantized_attention(q, k, v, scale=scale, mask=mask,
                                     group_size=cache.group_size, bits=cache.bits)
     if use_cpu_ops():
-        return cpu_ops.attention(q, k, v, scale=scale, mask=mask)
+        return cpu_ops.attention(q, k, v, scale=scale, mask=mask, evaluate_blocks=quant.stepwise())
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -93,8 +93,9 @@ def _quantized_attention(q, k, v, *, scale, mask, group_size, bits) -> mx.array:
     if use_cpu_ops() and L >= cpu_ops.DEQUANTIZED_ATTENTION_ROWS:
         # MLX's CPU quantized matmul is a scalar loop: for a prefill chunk it is far
         # cheaper to dequantize this layer's keys and values once (a transient copy).
-        k, v = (dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
-        return cpu_ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
+        k, v = (quant.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
+        return cpu_ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask,
+                                 evaluate_blocks=quant.stepwise())
     n_kv, T = k[0].shape[1], k[0].shape[2]
     reps = n_q // n_kv
     q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D): query groups share a kv head
@@ -228,9 +229,15 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def __call__(self, x: mx.array) -> mx.array:
+        if quant.slices_mlp(x, self.gate_proj, self.up_proj, self.down_proj):
+            return quant.sliced_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.combine)
+        return self.down_proj(self.combine(self.gate_proj(x), self.up_proj(x)))
+
+    def combine(self, gate: mx.array, up: mx.array) -> mx.array:
+        """act(gate) * up, with the CPU backend's SwiGLU kernel for silu."""
         if self.act is nn.silu and use_cpu_ops():
-            return self.down_proj(cpu_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return cpu_ops.swiglu(gate, up)
+        return self.act(gate) * up
 
 
 def softcap_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask,

@@ -249,7 +249,7 @@ QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
 SCORE_BUDGET = 1 << 19  # most attention scores per block; the softmax holds a few buffers of this size
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> mx.array:
+def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask, evaluate_blocks: bool = False) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` semantics for (B, heads, L, D) inputs.
 
     Query heads share a kv head through a reshape (no copies of K/V); the
@@ -260,7 +260,9 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> m
     ``SCORE_BUDGET`` scores), each against only the keys it can see: under a
     causal mask that skips the masked upper triangle (~40% of a 512-token
     prefill's scores), and the softmax's buffers stay one block in size
-    however long the context.
+    however long the context. ``evaluate_blocks`` evaluates each block as it
+    is built (a stepwise prefill, see ``quant.stepwise_prefill``); otherwise
+    MLX may allocate the next blocks' buffers before this one is done.
     """
     L, T = q.shape[2], k.shape[2]
     rows = max(16, min(QUERY_BLOCK, SCORE_BUDGET // (q.shape[1] * T)))
@@ -276,6 +278,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> m
         if blocks:  # one block after the other, so that only one block's buffers are alive
             q_block = mx.depends(q_block, blocks[-1])
         blocks.append(_attend(q_block, k[:, :, :visible], v[:, :, :visible], scale, block_mask))
+        if evaluate_blocks:
+            mx.eval(blocks[-1])
     return mx.concatenate(blocks, axis=2)
 
 

@@ -14,9 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from . import cpu_ops
-from .base import BaseArgs, CausalLM, RMSNorm, attention, causal_mask
-from .cpu_ops import use_cpu_ops
+from .base import BaseArgs, CausalLM, GatedMLP, RMSNorm, attention, causal_mask
 from .rope import make_rope
 
 
@@ -74,27 +72,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim, hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if use_cpu_ops():
-            return self.down_proj(cpu_ops.swiglu(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, nn.silu, bias=args.mlp_bias)  # SwiGLU
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
