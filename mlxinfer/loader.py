@@ -21,7 +21,8 @@ from mlx.utils import tree_flatten
 from .config import read_config
 from .errors import ConfigError, WeightsError
 from .models import build_model, get_family
-from .quant import apply_quantization, use_cpu_layers
+from .models.cpu_quant import use_cpu_layers
+from .quant import apply_quantization
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.tiktoken", "*.txt"]

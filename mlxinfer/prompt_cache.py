@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .cache import _KINDS, Cache, QuantizedKVCache, RotatingKVCache, trim_cache
 from .errors import WeightsError
-from .quant import stepwise_prefill
+from .models.cpu_quant import stepwise_prefill
 
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory

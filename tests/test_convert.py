@@ -72,7 +72,7 @@ def dequantized_reference(torch_model, model):
 
 def test_long_quantized_prefill_runs_stepwise_and_matches_transformers(tmp_path, monkeypatch):
     """A 4-bit prefill long enough for the stepwise path (attention block by block, MLP slice by slice)."""
-    from mlxinfer import quant
+    from mlxinfer.models import cpu_quant as quant
 
     src, torch_model = make_tiny(tmp_path / "hf", vocab_size=320, intermediate_size=quant.MLP_SLICE + 128,
                                  max_position_embeddings=512)
@@ -176,7 +176,7 @@ def test_existing_output_is_refused(hf_dir, tmp_path):
 
 
 def test_cpu_prefill_path_equals_quantized_kernel():
-    from mlxinfer.quant import CPUQuantizedLinear, use_cpu_layers
+    from mlxinfer.models.cpu_quant import CPUQuantizedLinear, use_cpu_layers
 
     layer = nn.QuantizedLinear(128, 96, bias=True, group_size=64, bits=4)
     layer.update({"bias": mx.random.normal((96,), key=mx.random.key(1))})
@@ -192,7 +192,7 @@ def test_cpu_prefill_path_equals_quantized_kernel():
 
 def test_cpu_float_linear_split_over_two_streams_equals_one_product():
     from mlxinfer.models.cpu_ops import CPULinear
-    from mlxinfer.quant import use_cpu_layers
+    from mlxinfer.models.cpu_quant import use_cpu_layers
 
     big = nn.Linear(512, CPULinear.MIN_SIZE // 512, bias=True)  # just large enough to switch
     small = nn.Linear(64, 64)

@@ -163,7 +163,7 @@ def test_attention_with_a_per_head_additive_mask(L, T, monkeypatch):
 
 
 def test_parallel_quantized_matmul_equals_one_kernel():
-    from mlxinfer.quant import CPUQuantizedLinear
+    from mlxinfer.models.cpu_quant import CPUQuantizedLinear
 
     layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 384, bias=True), 64, 4)
     ref = nn.QuantizedLinear.__call__(layer, x := mx.random.normal((1, 3, 128), key=mx.random.key(5)))
@@ -175,7 +175,7 @@ def test_parallel_quantized_matmul_equals_one_kernel():
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_dequantize_equals_mlx(bits, group_size):
     """The one-kernel dequantization (2, 4, 8 bits) and its fallback (3, 6) against ``mx.dequantize``."""
-    from mlxinfer.quant import dequantize
+    from mlxinfer.models.cpu_quant import dequantize
 
     w = mx.random.normal((2, 96, 256), key=mx.random.key(bits * group_size))
     parts = mx.quantize(w, group_size=group_size, bits=bits)
@@ -186,7 +186,7 @@ def test_dequantize_equals_mlx(bits, group_size):
 
 
 def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
-    from mlxinfer.quant import CPUQuantizedLinear, stepwise, stepwise_prefill
+    from mlxinfer.models.cpu_quant import CPUQuantizedLinear, stepwise, stepwise_prefill
 
     layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 96, bias=True), 64, 4)
     x = mx.random.normal((1, 40, 128), key=mx.random.key(7))  # many rows: dequantize + matmul
@@ -209,7 +209,7 @@ def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
 @pytest.mark.parametrize("bits,group_size,bias", [(4, 64, False), (4, 32, True), (8, 128, False), (6, 64, True)])
 def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
     """The stepwise MLP, slice by slice of hidden units, against MLX's quantized layers and silu."""
-    from mlxinfer import quant
+    from mlxinfer.models import cpu_quant as quant
     from mlxinfer.models.base import GatedMLP
 
     dim, hidden, rows = 128, quant.MLP_SLICE + 256, quant.MLP_SLICE_ROWS + 4  # a full slice and a partial one

@@ -17,11 +17,10 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import quant
 from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
 from ..config import require
 from ..errors import ConfigError
-from . import cpu_ops
+from . import cpu_ops, cpu_quant
 from .cpu_ops import use_cpu_ops
 
 
@@ -84,7 +83,7 @@ def attention(q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: C
         return _quantized_attention(q, k, v, scale=scale, mask=mask,
                                     group_size=cache.group_size, bits=cache.bits)
     if use_cpu_ops():
-        return cpu_ops.attention(q, k, v, scale=scale, mask=mask, evaluate_blocks=quant.stepwise())
+        return cpu_ops.attention(q, k, v, scale=scale, mask=mask, evaluate_blocks=cpu_quant.stepwise())
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -93,9 +92,9 @@ def _quantized_attention(q, k, v, *, scale, mask, group_size, bits) -> mx.array:
     if use_cpu_ops() and L >= cpu_ops.DEQUANTIZED_ATTENTION_ROWS:
         # MLX's CPU quantized matmul is a scalar loop: for a prefill chunk it is far
         # cheaper to dequantize this layer's keys and values once (a transient copy).
-        k, v = (quant.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
+        k, v = (cpu_quant.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
         return cpu_ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask,
-                                 evaluate_blocks=quant.stepwise())
+                                 evaluate_blocks=cpu_quant.stepwise())
     n_kv, T = k[0].shape[1], k[0].shape[2]
     reps = n_q // n_kv
     q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D): query groups share a kv head
@@ -229,8 +228,8 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def __call__(self, x: mx.array) -> mx.array:
-        if quant.slices_mlp(x, self.gate_proj, self.up_proj, self.down_proj):
-            return quant.sliced_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.combine)
+        if cpu_quant.slices_mlp(x, self.gate_proj, self.up_proj, self.down_proj):
+            return cpu_quant.sliced_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.combine)
         return self.down_proj(self.combine(self.gate_proj(x), self.up_proj(x)))
 
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:

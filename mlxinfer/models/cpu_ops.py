@@ -261,7 +261,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask, eval
     causal mask that skips the masked upper triangle (~40% of a 512-token
     prefill's scores), and the softmax's buffers stay one block in size
     however long the context. ``evaluate_blocks`` evaluates each block as it
-    is built (a stepwise prefill, see ``quant.stepwise_prefill``); otherwise
+    is built (a stepwise prefill, see ``cpu_quant.stepwise_prefill``); otherwise
     MLX may allocate the next blocks' buffers before this one is done.
     """
     L, T = q.shape[2], k.shape[2]
@@ -344,7 +344,7 @@ def parallel_quantized_matmul(x: mx.array, halves, *, group_size: int, bits: int
 
     MLX's CPU quantized matmul runs on one thread; the two halves run on two
     streams, so on two threads (measured 1.9× on SmolLM2's 4-bit layers). Used
-    for few-row inputs (decode); prefill dequantizes instead (``quant``).
+    for few-row inputs (decode); prefill dequantizes instead (``cpu_quant``).
     """
     outs = [mx.quantized_matmul(x, *part, transpose=True, group_size=group_size, bits=bits, mode=mode, stream=s)
             for part, s in zip(halves, _worker_streams())]
