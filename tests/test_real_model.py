@@ -126,6 +126,23 @@ def test_4bit_answers_paris_with_bounded_perplexity(ours, smollm2_hf_dir, smollm
     assert results["GGUF import"] <= 1.01 * f32  # same dequantized weights as the reference
 
 
+def test_long_4bit_prompt_is_prefilled_stepwise_and_matches_transformers(smollm2_mlx_dir, reference, monkeypatch):
+    """A 405-token prompt on the 4-bit GGUF import: on the CPU backend its prefill takes the stepwise path
+    (attention block by block, MLP slice by slice), and greedy decoding still follows the float32 reference."""
+    from mlxinfer.models import cpu_quant
+
+    messages = [{"role": "user", "content": " ".join([TEXT] * 7) + " Who designed the tower, and when was it built?"}]
+    ids = hf_ids(reference[1], messages)
+    ref = hf_greedy(reference[0], ids, 24)
+    model, tok = load(smollm2_mlx_dir)
+    sliced, calls = cpu_quant.sliced_mlp, []
+    monkeypatch.setattr(cpu_quant, "sliced_mlp", lambda *args: calls.append(args) or sliced(*args))
+    results = list(stream_generate(model, tok, messages, max_tokens=24))
+    assert len(ids) >= cpu_quant.MLP_SLICE_ROWS
+    assert len(calls) == (len(model.layers) if mx.default_device().type == mx.DeviceType.cpu else 0)
+    assert [r.token for r in results] == ref
+
+
 def test_default_model_from_console_script(tmp_path):
     from fixtures import smollm2_gguf_path
 
