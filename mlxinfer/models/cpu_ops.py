@@ -278,7 +278,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask, eval
         if blocks:  # one block after the other, so that only one block's buffers are alive
             q_block = mx.depends(q_block, blocks[-1])
         blocks.append(_attend(q_block, k[:, :, :visible], v[:, :, :visible], scale, block_mask))
-        if evaluate_blocks:
+        if evaluate_blocks:  # stepwise prefill: this block's buffers are freed before the next one's exist
             mx.eval(blocks[-1])
     return mx.concatenate(blocks, axis=2)
 

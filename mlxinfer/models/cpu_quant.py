@@ -108,7 +108,7 @@ def sliced_mlp(x: mx.array, gate: nn.Module, up: nn.Module, down: nn.Module,
         g = _evaluated(x @ _rows(gate, start, stop).T, gate, start, stop)
         u = _evaluated(x @ _rows(up, start, stop).T, up, start, stop)
         a = combine(g, u)
-        mx.eval(a)
+        mx.eval(a)  # each step evaluated, so that MLX cannot allocate the next ones ahead of it
         del g, u
         part = a @ _columns(down, start, stop).T
         out = part if out is None else out + part
