@@ -3,6 +3,8 @@
 Model-level parity with transformers on both paths is in test_parity.py.
 """
 
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -198,6 +200,11 @@ def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
     assert np.abs(np.array(traced(x)) - ref).max() <= 1e-4
     with stepwise_prefill(nn.Sequential(layer)):
         assert stepwise()
+        elsewhere = []  # another thread (another request) is not in this prefill
+        thread = threading.Thread(target=lambda: elsewhere.append(stepwise()))
+        thread.start()
+        thread.join()
+        assert elsewhere == [False]
         assert np.abs(np.array(layer(x)) - ref).max() <= 1e-4
         with pytest.raises(ValueError, match="eval"):  # the product is evaluated as it is built
             mx.compile(lambda a: layer(a) * 2)(x)

@@ -12,6 +12,7 @@ the fast path and none of this is used.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -47,7 +48,8 @@ def _unpack(packed: mx.array, shifts: mx.array, scales: mx.array, biases: mx.arr
     return q.astype(scales.dtype) * scales + biases
 
 
-_stepwise = 0  # > 0 inside stepwise_prefill() for a quantized model
+# Per thread (and task): one request's prefill must not make another's forward pass stepwise.
+_stepwise: ContextVar[bool] = ContextVar("mlxinfer_stepwise_prefill", default=False)
 
 
 @contextmanager
@@ -65,18 +67,17 @@ def stepwise_prefill(model: nn.Module) -> Iterator[None]:
     are (their weights are not a transient). Outside the block every layer
     stays lazy, so it can still be traced (``mx.compile``).
     """
-    global _stepwise
     quantized = isinstance(model, nn.Module) and any(isinstance(m, CPUQuantizedLinear) for m in model.modules())
-    _stepwise += quantized
+    token = _stepwise.set(quantized or _stepwise.get())
     try:
         yield
     finally:
-        _stepwise -= quantized
+        _stepwise.reset(token)
 
 
 def stepwise() -> bool:
     """True inside :func:`stepwise_prefill` for a quantized model."""
-    return _stepwise > 0
+    return _stepwise.get()
 
 
 MLP_SLICE = 512  # hidden units per slice of a stepwise gated MLP
@@ -85,7 +86,7 @@ MLP_SLICE_ROWS = 256  # fewest rows (tokens) for which slicing pays: at 128 it c
 
 def slices_mlp(x: mx.array, gate: nn.Module, up: nn.Module, down: nn.Module) -> bool:
     """Whether :func:`sliced_mlp` applies: a stepwise prefill of enough rows through quantized layers."""
-    return (_stepwise > 0 and x.size // x.shape[-1] >= MLP_SLICE_ROWS
+    return (_stepwise.get() and x.size // x.shape[-1] >= MLP_SLICE_ROWS
             and all(isinstance(layer, CPUQuantizedLinear) and MLP_SLICE % max(layer.group_size, 32) == 0
                     for layer in (gate, up, down)))
 
@@ -160,7 +161,7 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
         y = x @ dequantize(w, scales, self.get("biases"), group_size=self.group_size, bits=self.bits,
                            mode=self.mode).T
         y = y + self["bias"] if "bias" in self else y
-        if _stepwise:
+        if _stepwise.get():
             mx.eval(y)
         return y
 
