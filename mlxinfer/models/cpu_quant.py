@@ -106,12 +106,12 @@ def sliced_mlp(x: mx.array, gate: nn.Module, up: nn.Module, down: nn.Module,
     out = None
     for start in range(0, hidden, MLP_SLICE):
         stop = min(start + MLP_SLICE, hidden)
-        g = _evaluated(x @ _rows(gate, start, stop).T, gate, start, stop)
-        u = _evaluated(x @ _rows(up, start, stop).T, up, start, stop)
+        g = _evaluated(x @ _dequantized(gate, rows=slice(start, stop)).T, gate, start, stop)
+        u = _evaluated(x @ _dequantized(up, rows=slice(start, stop)).T, up, start, stop)
         a = combine(g, u)
         mx.eval(a)  # each step evaluated, so that MLX cannot allocate the next ones ahead of it
         del g, u
-        part = a @ _columns(down, start, stop).T
+        part = a @ _dequantized(down, columns=slice(start, stop)).T
         out = part if out is None else out + part
         mx.eval(out)
     return out + down["bias"] if "bias" in down else out
@@ -123,21 +123,22 @@ def _evaluated(y: mx.array, layer: nn.Module, start: int, stop: int) -> mx.array
     return y
 
 
-def _rows(layer: nn.Module, start: int, stop: int) -> mx.array:
-    """Output rows ``start:stop`` of a quantized layer's weight, dequantized."""
-    biases = layer.get("biases")
-    return dequantize(layer["weight"][start:stop], layer["scales"][start:stop],
-                      None if biases is None else biases[start:stop],
-                      group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+def _dequantized(layer: nn.Module, rows: slice = slice(None), columns: slice = slice(None), *,
+                 after: mx.array | None = None) -> mx.array:
+    """A quantized layer's weight, or a block of it (column bounds on group bounds), dequantized.
 
-
-def _columns(layer: nn.Module, start: int, stop: int) -> mx.array:
-    """Input columns ``start:stop`` of a quantized layer's weight, dequantized (both ends on group bounds)."""
-    words = slice(start * layer.bits // 32, stop * layer.bits // 32)
-    groups = slice(start // layer.group_size, stop // layer.group_size)
+    ``after``: not before that array is computed (MLX's breadth-first schedule would
+    otherwise dequantize later layers' weights, which depend on nothing, ahead of time).
+    """
+    words = groups = columns
+    if columns != slice(None):  # packed words and scale groups of those input columns
+        words = slice(columns.start * layer.bits // 32, columns.stop * layer.bits // 32)
+        groups = slice(columns.start // layer.group_size, columns.stop // layer.group_size)
+    w, scales = layer["weight"][rows, words], layer["scales"][rows, groups]
+    if after is not None:
+        w, scales = mx.depends([w, scales], [after])
     biases = layer.get("biases")
-    return dequantize(layer["weight"][:, words], layer["scales"][:, groups],
-                      None if biases is None else biases[:, groups],
+    return dequantize(w, scales, None if biases is None else biases[rows, groups],
                       group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
 
 
@@ -155,11 +156,7 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] < self.MIN_ROWS:
             return self._few_rows(x)
-        # Dequantized only once x is ready: MLX's breadth-first schedule would
-        # otherwise dequantize later layers' weights (they depend on nothing) ahead of time.
-        w, scales = mx.depends([self["weight"], self["scales"]], [x])
-        y = x @ dequantize(w, scales, self.get("biases"), group_size=self.group_size, bits=self.bits,
-                           mode=self.mode).T
+        y = x @ _dequantized(self, after=x).T
         y = y + self["bias"] if "bias" in self else y
         if _stepwise.get():
             mx.eval(y)
