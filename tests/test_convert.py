@@ -191,7 +191,7 @@ def test_cpu_prefill_path_equals_quantized_kernel():
 
 
 def test_cpu_float_linear_split_over_two_streams_equals_one_product():
-    from mlxinfer.models.cpu_ops import CPULinear
+    from mlxinfer.models.cpu_parallel import CPULinear
     from mlxinfer.models.cpu_quant import use_cpu_layers
 
     big = nn.Linear(512, CPULinear.MIN_SIZE // 512, bias=True)  # just large enough to switch

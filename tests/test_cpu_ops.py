@@ -77,17 +77,6 @@ def test_rms_norm_matches_definition():
     assert np.abs(out - np.array(mx.fast.rms_norm(mx.array(x), mx.array(w), eps))).max() <= 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 4, 40])
-def test_blocked_projection_equals_matmul(rows):
-    rng = np.random.default_rng(2)
-    vocab = 5 * cpu_ops.HEAD_CHUNK + 17  # a ragged last block
-    w = rng.standard_normal((vocab, 32)).astype(np.float32)
-    x = rng.standard_normal((1, rows, 32)).astype(np.float32)
-    out = np.array(cpu_ops.project(mx.array(x), mx.array(w)))
-    assert out.shape == (1, rows, vocab)
-    assert np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max() <= 1e-4
-
-
 def attention_reference(q, k, v, scale, allowed):
     """Softmax attention by definition in float64; ``allowed`` (L, T) booleans; kv heads shared by query groups."""
     q, k, v = (a.astype(np.float64) for a in (q, k, v))
@@ -162,15 +151,6 @@ def test_attention_with_a_per_head_additive_mask(L, T, monkeypatch):
     p = np.exp(s - s.max(-1, keepdims=True))
     ref = (p / p.sum(-1, keepdims=True)) @ vf
     assert np.abs(out - ref).max() <= 1e-5
-
-
-def test_parallel_quantized_matmul_equals_one_kernel():
-    from mlxinfer.models.cpu_quant import CPUQuantizedLinear
-
-    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 384, bias=True), 64, 4)
-    ref = nn.QuantizedLinear.__call__(layer, x := mx.random.normal((1, 3, 128), key=mx.random.key(5)))
-    layer.__class__ = CPUQuantizedLinear  # three rows: the two-thread decode path
-    assert np.abs(np.array(layer(x)) - np.array(ref)).max() <= 1e-5
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])

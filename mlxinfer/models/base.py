@@ -20,7 +20,7 @@ import mlx.nn as nn
 from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
 from ..config import require
 from ..errors import ConfigError
-from . import cpu_ops, cpu_quant
+from . import cpu_ops, cpu_parallel, cpu_quant
 from .cpu_ops import use_cpu_ops
 
 
@@ -131,16 +131,14 @@ class RMSNorm(nn.RMSNorm):
 def lm_head(h: mx.array, head: nn.Module) -> mx.array:
     """Logits from the last hidden states through ``head``: an ``nn.Embedding`` (tied) or a Linear.
 
-    Float weights on the CPU backend go through ``cpu_ops.project`` (blocked
+    Float weights on the CPU backend go through ``cpu_parallel.project`` (blocked
     one-row products); quantized heads and other backends use the layer itself.
     """
     if use_cpu_ops() and "scales" not in head and head["weight"].dtype in (mx.float32, mx.float16, mx.bfloat16):
-        logits = cpu_ops.project(h, head["weight"])
+        logits = cpu_parallel.project(h, head["weight"])
         return logits + head["bias"] if "bias" in head else logits
     if use_cpu_ops() and "scales" in head and h.size // h.shape[-1] <= 16 and head["weight"].shape[0] >= 128:
-        logits = cpu_ops.parallel_quantized_matmul(h, cpu_ops.row_halves(head), group_size=head.group_size,
-                                                   bits=head.bits, mode=getattr(head, "mode", "affine"))
-        return logits + head["bias"] if "bias" in head else logits
+        return cpu_parallel.quantized_product(h, head)
     return head.as_linear(h) if hasattr(head, "as_linear") else head(h)  # an embedding (tied) or a Linear
 
 

@@ -107,27 +107,6 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return _rms_norm(x, weight, eps)
 
 
-HEAD_CHUNK = 1024  # rows of the output projection per matmul (see project)
-
-
-def project(x: mx.array, weight: mx.array) -> mx.array:
-    """``x @ weight.T`` for a few rows of ``x`` against a tall ``weight`` (the LM head).
-
-    OpenBLAS's sgemm packs its whole right-hand operand on every call, which
-    for a one-row product costs more than the product: SmolLM2's 49,152 × 576
-    head ran at ~8 GB/s in one call and ~13 GB/s in blocks of 1,024 rows that
-    stay in cache while packed; alternating the blocks over two CPU streams
-    (two threads) took it from 9.4 to 6.0 ms.
-    """
-    n = weight.shape[0]
-    if n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > 16:
-        return x @ weight.T
-    streams = _worker_streams()
-    blocks = [mx.matmul(x, weight[i : i + HEAD_CHUNK].T, stream=streams[(i // HEAD_CHUNK) % 2])
-              for i in range(0, n, HEAD_CHUNK)]
-    return mx.concatenate(blocks, axis=-1)
-
-
 # exp(d) = 2^n · e^r with n = round(d / ln 2), r = d − n·ln 2 (ln 2 split in two so that n·LN2_HI is exact).
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125
@@ -313,59 +292,3 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
         e, total = exp_and_sum(scores)  # total can pass float16's range at 64k keys: divide in float32
         out = ((e.astype(v.dtype) @ v) / total).astype(v.dtype)
     return out.reshape(B, n_q, L, D)
-
-
-_STREAMS: list[mx.Stream] = []
-
-
-def _worker_streams() -> list[mx.Stream]:
-    """Two CPU streams; MLX runs each on its own thread."""
-    if not _STREAMS:
-        _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(2))
-    return _STREAMS
-
-
-def row_halves(layer: nn.Module) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
-    """A layer's ``(weight[, scales, biases])`` cut into first and second half of rows.
-
-    The halves are views (no copy), kept on the layer until its weights are replaced.
-    """
-    parts = tuple(layer[k] for k in ("weight", "scales", "biases") if layer.get(k) is not None)
-    key = [id(p) for p in parts]
-    cached = layer.__dict__.get("_row_halves")
-    if cached is None or cached[0] != key:
-        half = parts[0].shape[0] // 2
-        cached = layer.__dict__["_row_halves"] = (key, (tuple(a[:half] for a in parts), tuple(a[half:] for a in parts)))
-    return cached[1]
-
-
-def parallel_quantized_matmul(x: mx.array, halves, *, group_size: int, bits: int, mode: str = "affine") -> mx.array:
-    """``x @ W.T`` for a quantized ``W`` given as its two row halves ``(weight, scales[, biases])``.
-
-    MLX's CPU quantized matmul runs on one thread; the two halves run on two
-    streams, so on two threads (measured 1.9× on SmolLM2's 4-bit layers). Used
-    for few-row inputs (decode); prefill dequantizes instead (``cpu_quant``).
-    """
-    outs = [mx.quantized_matmul(x, *part, transpose=True, group_size=group_size, bits=bits, mode=mode, stream=s)
-            for part, s in zip(halves, _worker_streams())]
-    return mx.concatenate(outs, axis=-1)
-
-
-class CPULinear(nn.Linear):
-    """``nn.Linear`` whose few-row products (decode) are split by output rows over two CPU streams.
-
-    For one row OpenBLAS threads a large sgemm poorly: SmolLM2's 1,536 × 576
-    gate projection took 318 µs in one call and 126 µs as two half calls on two
-    streams. Small matrices lose to the extra kernel (576 × 576: 0.82×), so
-    only layers of at least ``MIN_SIZE`` weights switch (see ``use_cpu_layers``).
-    """
-
-    MIN_SIZE = 1 << 19
-    MAX_ROWS = 16
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if x.size // x.shape[-1] > self.MAX_ROWS:
-            return super().__call__(x)
-        outs = [mx.matmul(x, w.T, stream=s) for (w,), s in zip(row_halves(self), _worker_streams())]
-        y = mx.concatenate(outs, axis=-1)
-        return y + self["bias"] if "bias" in self else y

@@ -1,0 +1,149 @@
+"""Decode's one-row products on two CPU threads (MLX's CPU backend only).
+
+A decode step multiplies one row by every weight matrix of the model. On
+MLX's CPU backend those products use one thread each: the quantized kernel
+is single-threaded, and OpenBLAS threads a one-row sgemm poorly. MLX runs
+each stream on its own thread, so the products here are spread over two
+worker streams (:func:`worker_streams`):
+
+- a large matrix is cut into two blocks of output rows, one per stream, and
+  the two results are concatenated (:class:`CPULinear`, :func:`quantized_product`,
+  :func:`project` for the LM head);
+- quantized sibling layers that read the same input (q/k/v, gate/up:
+  :data:`SIBLINGS`) run whole, side by side, one stream each
+  (:func:`plan_siblings`): no cut, no concatenation. Each cut costs a second
+  kernel call and a concatenation, which in SmolLM2-135M's 4-bit decode was
+  worth more than the work it balanced (decode 6% faster than cutting each).
+  Float siblings are left alone: OpenBLAS threads their products itself.
+
+On Metal none of this is used: one kernel uses the whole GPU.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+Part = tuple[int, int, int]  # (worker stream, first output row, end row) of one layer's product
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one module with one input
+
+# Siblings run whole unless that leaves one stream this many more weights than the other;
+# then the heaviest layer is cut to even the load. In SmolLM2-135M's 4-bit decode a cut cost
+# ~0.2 ms (a second kernel and a concatenation), what its scalar kernel needs for ~250k weights:
+# q (332k weights) beside k + v (221k) ran 6% faster whole than with q cut to balance them.
+SPLIT_WORTH = 1 << 19
+
+_STREAMS: list[mx.Stream] = []
+
+
+def worker_streams() -> list[mx.Stream]:
+    """Two CPU streams; MLX runs each on its own thread."""
+    if not _STREAMS:
+        _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(2))
+    return _STREAMS
+
+
+def halves(rows: int) -> tuple[Part, Part]:
+    return (0, 0, rows // 2), (1, rows // 2, rows)
+
+
+def decode_parts(layer: nn.Module) -> tuple[Part, ...]:
+    """The parts of ``layer``'s few-row product: its plan from :func:`plan_siblings`, else two halves."""
+    return layer.__dict__.get("_decode_parts") or halves(layer["weight"].shape[0])
+
+
+def row_block(layer: nn.Module, start: int, stop: int) -> tuple[mx.array, ...]:
+    """Rows ``start:stop`` of a layer's ``(weight[, scales, biases])``: views (no copy), kept on the
+    layer until its weights are replaced."""
+    params = tuple(layer[k] for k in ("weight", "scales", "biases") if layer.get(k) is not None)
+    key = tuple(id(p) for p in params)
+    blocks = layer.__dict__.get("_row_blocks")
+    if blocks is None or blocks[0] != key:
+        blocks = layer.__dict__["_row_blocks"] = (key, {})
+    block = blocks[1].get((start, stop))
+    if block is None:
+        block = blocks[1][(start, stop)] = tuple(p[start:stop] for p in params)
+    return block
+
+
+def _joined(outs: list[mx.array], layer: nn.Module) -> mx.array:
+    y = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
+    return y + layer["bias"] if "bias" in layer else y
+
+
+def quantized_product(x: mx.array, layer: nn.Module) -> mx.array:
+    """``layer(x)`` for a quantized layer (or a quantized embedding used as the LM head), by parts.
+
+    MLX's CPU quantized matmul is a scalar loop on one thread; by parts it runs
+    on two (one 4-bit SmolLM2 layer cut in half: 1.55–1.9× as fast).
+    """
+    streams = worker_streams()
+    outs = [mx.quantized_matmul(x, *row_block(layer, start, stop), transpose=True, group_size=layer.group_size,
+                                bits=layer.bits, mode=getattr(layer, "mode", "affine"), stream=streams[s])
+            for s, start, stop in decode_parts(layer)]
+    return _joined(outs, layer)
+
+
+class CPULinear(nn.Linear):
+    """``nn.Linear`` whose few-row products (decode) run on the worker streams, by parts.
+
+    For one row OpenBLAS threads a large sgemm poorly: SmolLM2's 1,536 × 576
+    gate projection took 318 µs in one call and 126 µs as two half calls on two
+    streams. Small matrices lose to the cut (576 × 576: 0.82×), so only layers
+    of at least ``MIN_SIZE`` weights switch (see ``cpu_quant.use_cpu_layers``).
+    """
+
+    MIN_SIZE = 1 << 19
+    MAX_ROWS = 16
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.size // x.shape[-1] > self.MAX_ROWS:
+            return super().__call__(x)
+        streams = worker_streams()
+        return _joined([mx.matmul(x, row_block(self, start, stop)[0].T, stream=streams[s])
+                        for s, start, stop in decode_parts(self)], self)
+
+
+def plan_siblings(layers: list[nn.Module], in_features: int) -> None:
+    """Give sibling layers (one input, one width ``in_features``) their decode parts.
+
+    Largest first, each layer goes whole to the stream with fewer weights so
+    far. If one stream then holds more than ``SPLIT_WORTH`` weights over the
+    other, the largest layer on it is cut so that both hold the same.
+    """
+    rows = [layer["weight"].shape[0] for layer in layers]
+    load, stream_of = [0, 0], {}
+    for i in sorted(range(len(layers)), key=lambda i: -rows[i]):
+        s = stream_of[i] = load.index(min(load))
+        load[s] += rows[i]
+    heavy = load.index(max(load))
+    excess = (load[heavy] - load[1 - heavy]) // 2  # rows to move so that both streams hold the same
+    cut = max((i for i in stream_of if stream_of[i] == heavy), key=lambda i: rows[i])
+    for i, layer in enumerate(layers):
+        if i == cut and 2 * excess * in_features > SPLIT_WORTH:
+            parts = ((heavy, 0, rows[i] - excess), (1 - heavy, rows[i] - excess, rows[i]))
+        else:
+            parts = ((stream_of[i], 0, rows[i]),)
+        layer.__dict__["_decode_parts"] = parts
+
+
+HEAD_CHUNK = 1024  # rows of the output projection per matmul (see project)
+
+
+def project(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T`` for a few rows of ``x`` against a tall ``weight`` (the LM head).
+
+    OpenBLAS's sgemm packs its whole right-hand operand on every call, which
+    for a one-row product costs more than the product: SmolLM2's 49,152 × 576
+    head ran at ~8 GB/s in one call and ~13 GB/s in blocks of 1,024 rows that
+    stay in cache while packed; alternating the blocks over two CPU streams
+    (two threads) took it from 9.4 to 6.0 ms.
+    """
+    n = weight.shape[0]
+    if n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > 16:
+        return x @ weight.T
+    streams = worker_streams()
+    blocks = [mx.matmul(x, weight[i : i + HEAD_CHUNK].T, stream=streams[(i // HEAD_CHUNK) % 2])
+              for i in range(0, n, HEAD_CHUNK)]
+    return mx.concatenate(blocks, axis=-1)

@@ -1,0 +1,110 @@
+"""Decode's products by parts on two CPU streams, against one product (MLX's own layers, numpy)."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxinfer.models import cpu_parallel
+from mlxinfer.models.base import GatedMLP
+from mlxinfer.models.cpu_quant import CPUQuantizedLinear, use_cpu_layers
+
+on_cpu = pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
+                            reason="the CPU layers are used only on MLX's CPU backend")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 40])
+def test_blocked_projection_equals_matmul(rows):
+    rng = np.random.default_rng(2)
+    vocab = 5 * cpu_parallel.HEAD_CHUNK + 17  # a ragged last block
+    w = rng.standard_normal((vocab, 32)).astype(np.float32)
+    x = rng.standard_normal((1, rows, 32)).astype(np.float32)
+    out = np.array(cpu_parallel.project(mx.array(x), mx.array(w)))
+    assert out.shape == (1, rows, vocab)
+    assert np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)).max() <= 1e-4
+
+
+def loads(layers, width):
+    """Weights per stream under the layers' plans, after checking each plan covers its rows once."""
+    per_stream = [0, 0]
+    for layer in layers:
+        parts = cpu_parallel.decode_parts(layer)
+        assert parts[0][1] == 0 and parts[-1][2] == layer["weight"].shape[0]
+        assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))  # contiguous, no overlap
+        for stream, start, stop in parts:
+            per_stream[stream] += (stop - start) * width
+    return per_stream
+
+
+def test_equal_siblings_run_whole_side_by_side():
+    gate, up = nn.Linear(576, 1536), nn.Linear(576, 1536)
+    cpu_parallel.plan_siblings([gate, up], 576)
+    assert {cpu_parallel.decode_parts(gate), cpu_parallel.decode_parts(up)} == {((0, 0, 1536),), ((1, 0, 1536),)}
+
+
+def test_small_imbalance_is_left_uncut():
+    # SmolLM2's q/k/v: q (332k weights) on one stream, k + v (221k) on the other; the 110k
+    # difference is below SPLIT_WORTH, so nothing is cut.
+    q, k, v = nn.Linear(576, 576), nn.Linear(576, 192), nn.Linear(576, 192)
+    cpu_parallel.plan_siblings([q, k, v], 576)
+    assert sorted(loads([q, k, v], 576)) == [2 * 192 * 576, 576 * 576]
+    assert cpu_parallel.decode_parts(k)[0][0] == cpu_parallel.decode_parts(v)[0][0] != cpu_parallel.decode_parts(q)[0][0]
+
+
+def test_large_imbalance_cuts_one_layer_to_balance():
+    # Three equal 1,024 × 1,024 layers (multi-head attention): whole, one stream gets two of them,
+    # 1M weights more than the other; one layer is cut at 512 rows and both streams hold 1.5M.
+    layers = [nn.Linear(1024, 1024) for _ in range(3)]
+    cpu_parallel.plan_siblings(layers, 1024)
+    assert loads(layers, 1024) == [1536 * 1024, 1536 * 1024]
+    assert sorted(len(cpu_parallel.decode_parts(layer)) for layer in layers) == [1, 1, 2]
+
+
+def quantized(dim_in, dim_out, key, bias=False):
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(dim_in, dim_out, bias=bias), 64, 4)
+    if bias:
+        layer.bias = mx.random.normal((dim_out,), key=mx.random.key(key))
+    return layer
+
+
+@on_cpu
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shapes", [[(128, 96), (128, 32), (128, 32)], [(256, 256)] * 3])
+def test_quantized_siblings_by_parts_equal_mlx_layers(rows, shapes):
+    """Whole side by side, and (three 256 × 256 layers, 65k weights over on one stream) cut to balance."""
+    layers = [quantized(i, o, key=n, bias=n == 1) for n, (i, o) in enumerate(shapes)]
+    x = mx.random.normal((1, rows, shapes[0][0]), key=mx.random.key(9))
+    refs = [nn.QuantizedLinear.__call__(layer, x) for layer in layers]  # MLX's one kernel each
+    old, cpu_parallel.SPLIT_WORTH = cpu_parallel.SPLIT_WORTH, 1 << 15
+    try:
+        for layer in layers:
+            layer.__class__ = CPUQuantizedLinear
+        cpu_parallel.plan_siblings(layers, shapes[0][0])
+    finally:
+        cpu_parallel.SPLIT_WORTH = old
+    assert any(len(cpu_parallel.decode_parts(layer)) == 2 for layer in layers) == (shapes[0] == (256, 256))
+    for layer, ref in zip(layers, refs):
+        assert mx.array_equal(layer(x), ref)  # the same kernel on the same rows: bit for bit
+
+
+@on_cpu
+def test_use_cpu_layers_plans_quantized_siblings_only():
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+    mlp = GatedMLP(64, 4096, nn.silu)  # 262k weights each
+    nn.quantize(mlp, group_size=64, bits=4)
+    assert use_cpu_layers(nn.Sequential(attn, mlp)) == 3
+    assert all(type(getattr(attn, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj"))  # float: left alone
+    assert {cpu_parallel.decode_parts(mlp.gate_proj), cpu_parallel.decode_parts(mlp.up_proj)} == {
+        ((0, 0, 4096),), ((1, 0, 4096),)}
+    assert "_decode_parts" not in mlp.down_proj.__dict__  # no siblings: cut in halves
+    assert cpu_parallel.decode_parts(mlp.down_proj) == ((0, 0, 32), (1, 32, 64))
+
+
+@on_cpu
+def test_quantized_product_equals_one_kernel():
+    layer = quantized(128, 384, key=5, bias=True)
+    ref = nn.QuantizedLinear.__call__(layer, x := mx.random.normal((1, 3, 128), key=mx.random.key(5)))
+    layer.__class__ = CPUQuantizedLinear  # three rows: the two-thread decode path, in halves
+    assert cpu_parallel.decode_parts(layer) == ((0, 0, 192), (1, 192, 384))
+    assert mx.array_equal(layer(x), ref)
