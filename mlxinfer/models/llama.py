@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, CausalLM, GatedMLP, RMSNorm, attention, causal_mask
+from .base import BaseArgs, CausalLM, GatedMLP, RMSNorm, RopeAttention, causal_mask
 from .rope import make_rope
 
 
@@ -45,37 +45,14 @@ class ModelArgs(BaseArgs):
             self.sliding_window = None  # llama configs may carry the key, unused by HF
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        self.scale = self.head_dim**-0.5
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
-        self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_scaling,
-                              args.max_position_embeddings, traditional=args.rope_traditional)
-
-    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
-        B, L, _ = x.shape
-        # (B, L, n_heads * head_dim) -> (B, n_heads, L, head_dim)
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = attention(q, k, v, scale=self.scale, mask=mask, cache=cache)  # (B, n_heads, L, head_dim)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.self_attn = Attention(args)
+        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
+                         traditional=args.rope_traditional)
+        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                       args.head_dim, rope=rope, qkv_bias=args.attention_bias,
+                                       o_bias=args.attention_bias)
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, nn.silu, bias=args.mlp_bias)  # SwiGLU
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
