@@ -87,7 +87,7 @@ def attention_reference(q, k, v, scale, allowed):
     return (p / p.sum(-1, keepdims=True)) @ v
 
 
-@pytest.mark.parametrize("L,T", [(1, 40), (7, 7), (300, 300), (200, 520)])
+@pytest.mark.parametrize("L,T", [(1, 40), (1, cpu_ops.DECODE_LONG_KEYS + 64), (7, 7), (300, 300), (200, 520)])
 @pytest.mark.parametrize("mask_kind", ["causal", "window", "additive", None])
 @pytest.mark.parametrize("evaluate_blocks", [False, True])  # True in a stepwise (quantized) prefill
 def test_attention_matches_definition(L, T, mask_kind, evaluate_blocks, monkeypatch):
@@ -217,6 +217,16 @@ def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
         assert not quant.slices_mlp(x[:, :quant.MLP_SLICE_ROWS - 1], mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         out = mlp(x)
     assert np.abs(np.array(out) - np.array(ref)).max() <= 1e-4 * np.abs(np.array(ref)).max()
+
+
+def test_long_decode_attention_in_float16_matches_definition():
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 4, 1, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 2, cpu_ops.DECODE_LONG_KEYS + 88, 16)).astype(np.float16) for _ in range(2))
+    out = cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=None)
+    assert out.dtype == mx.float16
+    ref = attention_reference(q, k, v, 0.25, np.ones((1, k.shape[2]), bool))
+    assert np.abs(np.array(out.astype(mx.float32)) - ref).max() <= 2e-3
 
 
 def test_attention_in_float16_matches_definition():

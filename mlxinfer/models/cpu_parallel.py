@@ -28,10 +28,11 @@ Part = tuple[int, int, int]  # (worker stream, first output row, end row) of one
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one module with one input
 
-# Siblings run whole unless that leaves one stream this many more weights than the other;
-# then the heaviest layer is cut to even the load. In SmolLM2-135M's 4-bit decode a cut cost
-# ~0.2 ms (a second kernel and a concatenation), what its scalar kernel needs for ~250k weights:
-# q (332k weights) beside k + v (221k) ran 6% faster whole than with q cut to balance them.
+# Siblings run whole unless one stream then holds more than this many weights over the other;
+# then the largest layer on it is cut, moving half the difference. In SmolLM2-135M's 4-bit
+# decode a cut cost ~0.2 ms (a second kernel and a concatenation), about what the scalar kernel
+# takes for the ~260k weights (half of this) such a cut would move: q (332k weights) beside
+# k + v (221k) decoded 6% faster whole than with q cut to balance them.
 SPLIT_WORTH = 1 << 19
 
 _STREAMS: list[mx.Stream] = []
