@@ -227,7 +227,7 @@ DEQUANTIZED_ATTENTION_ROWS = 16  # queries from which a quantized KV cache is de
 QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
 # Decode attention over at least this many keys takes the long-context form (see _attend). It has
 # more ops; alternated in one process, SmolLM2 f32 decoded 6% slower with it at a 512-token prompt,
-# 2% slower at 1,024, 5.5% faster at 2,048 and 9% faster at 4,000.
+# 2% slower at 1,024, 5.5% faster at 2,048, 9% at 4,000 and 13% at 8,000.
 DECODE_LONG_KEYS = 1536
 SCORE_BUDGET = 1 << 19  # most attention scores per block; the softmax holds a few buffers of this size
 
