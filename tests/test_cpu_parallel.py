@@ -70,18 +70,15 @@ def quantized(dim_in, dim_out, key, bias=False):
 @on_cpu
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shapes", [[(128, 96), (128, 32), (128, 32)], [(256, 256)] * 3])
-def test_quantized_siblings_by_parts_equal_mlx_layers(rows, shapes):
+def test_quantized_siblings_by_parts_equal_mlx_layers(rows, shapes, monkeypatch):
     """Whole side by side, and (three 256 × 256 layers, 65k weights over on one stream) cut to balance."""
     layers = [quantized(i, o, key=n, bias=n == 1) for n, (i, o) in enumerate(shapes)]
     x = mx.random.normal((1, rows, shapes[0][0]), key=mx.random.key(9))
     refs = [nn.QuantizedLinear.__call__(layer, x) for layer in layers]  # MLX's one kernel each
-    old, cpu_parallel.SPLIT_WORTH = cpu_parallel.SPLIT_WORTH, 1 << 15
-    try:
-        for layer in layers:
-            layer.__class__ = CPUQuantizedLinear
-        cpu_parallel.plan_siblings(layers, shapes[0][0])
-    finally:
-        cpu_parallel.SPLIT_WORTH = old
+    monkeypatch.setattr(cpu_parallel, "SPLIT_WORTH", 1 << 15)
+    for layer in layers:
+        layer.__class__ = CPUQuantizedLinear
+    cpu_parallel.plan_siblings(layers, shapes[0][0])
     assert any(len(cpu_parallel.decode_parts(layer)) == 2 for layer in layers) == (shapes[0] == (256, 256))
     for layer, ref in zip(layers, refs):
         assert mx.array_equal(layer(x), ref)  # the same kernel on the same rows: bit for bit
@@ -108,3 +105,16 @@ def test_quantized_product_equals_one_kernel():
     layer.__class__ = CPUQuantizedLinear  # three rows: the two-thread decode path, in halves
     assert cpu_parallel.decode_parts(layer) == ((0, 0, 192), (1, 192, 384))
     assert mx.array_equal(layer(x), ref)
+
+
+@on_cpu
+def test_siblings_in_a_non_affine_mode_are_planned_and_exact():
+    mlp = GatedMLP(64, 256, nn.silu)
+    nn.quantize(mlp, group_size=32, bits=4, mode="mxfp4")  # no biases: scales only
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(11))
+    refs = [nn.QuantizedLinear.__call__(layer, x) for layer in (mlp.gate_proj, mlp.up_proj)]
+    use_cpu_layers(mlp)
+    assert {cpu_parallel.decode_parts(mlp.gate_proj), cpu_parallel.decode_parts(mlp.up_proj)} == {
+        ((0, 0, 256),), ((1, 0, 256),)}
+    for layer, ref in zip((mlp.gate_proj, mlp.up_proj), refs):
+        assert mx.array_equal(layer(x), ref)

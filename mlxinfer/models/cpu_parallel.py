@@ -46,6 +46,7 @@ def worker_streams() -> list[mx.Stream]:
 
 
 def halves(rows: int) -> tuple[Part, Part]:
+    """The default plan: first half of the rows on stream 0, second half on stream 1."""
     return (0, 0, rows // 2), (1, rows // 2, rows)
 
 

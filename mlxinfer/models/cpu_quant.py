@@ -191,7 +191,7 @@ def use_cpu_layers(model: nn.Module) -> int:
     for _, module in model.named_modules():
         for names in cpu_parallel.SIBLINGS:
             layers = [module.get(name) for name in names]
-            if all(type(layer) is CPUQuantizedLinear and layer.mode == "affine" for layer in layers):
+            if all(type(layer) is CPUQuantizedLinear for layer in layers):
                 widths = {layer["scales"].shape[-1] * layer.group_size for layer in layers}
                 if len(widths) == 1:
                     cpu_parallel.plan_siblings(layers, widths.pop())
