@@ -118,3 +118,43 @@ def test_siblings_in_a_non_affine_mode_are_planned_and_exact():
         ((0, 0, 256),), ((1, 0, 256),)}
     for layer, ref in zip((mlp.gate_proj, mlp.up_proj), refs):
         assert mx.array_equal(layer(x), ref)
+
+
+def gated_mlp_float64(mlp, x):
+    """down(silu(gate x) · up x) in float64 numpy, from the layers' weights before any CPU switch."""
+    w = {name: np.array(getattr(mlp, name).weight, dtype=np.float64) for name in cpu_parallel.GATED_MLP}
+    b = {name: (np.array(getattr(mlp, name).bias, dtype=np.float64) if "bias" in getattr(mlp, name) else 0.0)
+         for name in cpu_parallel.GATED_MLP}
+    x = np.array(x, dtype=np.float64)
+    g, u = x @ w["gate_proj"].T + b["gate_proj"], x @ w["up_proj"].T + b["up_proj"]
+    return (g / (1 + np.exp(-g)) * u) @ w["down_proj"].T + b["down_proj"]
+
+
+@on_cpu
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float_gated_mlp_in_halves_equals_float64(rows, bias, monkeypatch):
+    """Few rows: two half MLPs on the two streams, summed; many rows (prefill): the transposed down
+    projection in one product. Both against the float64 definition."""
+    monkeypatch.setattr(cpu_parallel.CPULinear, "MIN_SIZE", 1 << 12)
+    mlp = GatedMLP(64, 200, nn.silu, bias=bias)  # 12.8k weights per layer; 100 hidden units per half
+    if bias:
+        for name in cpu_parallel.GATED_MLP:
+            getattr(mlp, name).bias = mx.random.normal(getattr(mlp, name).bias.shape, key=mx.random.key(3))
+    x = mx.random.normal((1, rows, 64), key=mx.random.key(4))
+    ref = gated_mlp_float64(mlp, x)
+    use_cpu_layers(mlp)
+    assert isinstance(mlp.down_proj, cpu_parallel.TransposedLinear)
+    assert mlp.down_proj.weight_t.shape == (200, 64) and "weight" not in mlp.down_proj
+    assert cpu_parallel.runs_in_halves(x, mlp.down_proj) == (rows <= cpu_parallel.CPULinear.MAX_ROWS)
+    assert np.abs(np.array(mlp(x)) - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+@on_cpu
+def test_small_or_quantized_gated_mlps_keep_their_down_projection():
+    small = GatedMLP(64, 200, nn.silu)  # 12.8k weights: below CPULinear.MIN_SIZE
+    quantized_mlp = GatedMLP(64, 8192, nn.silu)
+    nn.quantize(quantized_mlp, group_size=64, bits=4)
+    use_cpu_layers(nn.Sequential(small, quantized_mlp))
+    assert type(small.down_proj) is nn.Linear
+    assert type(quantized_mlp.down_proj) is CPUQuantizedLinear

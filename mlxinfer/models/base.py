@@ -228,6 +228,8 @@ class GatedMLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if cpu_quant.slices_mlp(x, self.gate_proj, self.up_proj, self.down_proj):
             return cpu_quant.sliced_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.combine)
+        if cpu_parallel.runs_in_halves(x, self.down_proj):
+            return cpu_parallel.mlp_in_halves(x, self.gate_proj, self.up_proj, self.down_proj, self.combine)
         return self.down_proj(self.combine(self.gate_proj(x), self.up_proj(x)))
 
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:

@@ -15,11 +15,18 @@ worker streams (:func:`worker_streams`):
   kernel call and a concatenation, which in SmolLM2-135M's 4-bit decode was
   worth more than the work it balanced (decode 6% faster than cutting each).
   Float siblings are left alone: OpenBLAS threads their products itself.
+- a float gated MLP runs as two half MLPs, one per stream, over halves of
+  its hidden units (:func:`mlp_in_halves`): gate and up by rows, down by
+  columns, which it holds transposed (:class:`TransposedLinear`) so that each
+  half is one contiguous block. The two streams meet once, in the sum of the
+  halves, instead of once per projection.
 
 On Metal none of this is used: one kernel uses the whole GPU.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,17 +62,19 @@ def decode_parts(layer: nn.Module) -> tuple[Part, ...]:
     return layer.__dict__.get("_decode_parts") or halves(layer["weight"].shape[0])
 
 
-def row_block(layer: nn.Module, start: int, stop: int) -> tuple[mx.array, ...]:
-    """Rows ``start:stop`` of a layer's ``(weight[, scales, biases])``: views (no copy), kept on the
-    layer until its weights are replaced."""
-    params = tuple(layer[k] for k in ("weight", "scales", "biases") if layer.get(k) is not None)
+def row_block(layer: nn.Module, start: int, stop: int,
+              names: tuple[str, ...] = ("weight", "scales", "biases")) -> tuple[mx.array, ...]:
+    """Rows ``start:stop`` of those of a layer's parameters ``names`` it has: views (no copy),
+    kept on the layer until its parameters are replaced (a slice built per call would be one
+    more op in every decode step)."""
+    params = tuple(layer[k] for k in names if layer.get(k) is not None)
     key = tuple(id(p) for p in params)
     blocks = layer.__dict__.get("_row_blocks")
     if blocks is None or blocks[0] != key:
         blocks = layer.__dict__["_row_blocks"] = (key, {})
-    block = blocks[1].get((start, stop))
+    block = blocks[1].get((start, stop, names))
     if block is None:
-        block = blocks[1][(start, stop)] = tuple(p[start:stop] for p in params)
+        block = blocks[1][(start, stop, names)] = tuple(p[start:stop] for p in params)
     return block
 
 
@@ -105,6 +114,75 @@ class CPULinear(nn.Linear):
         streams = worker_streams()
         return _joined([mx.matmul(x, row_block(self, start, stop)[0].T, stream=streams[s])
                         for s, start, stop in decode_parts(self)], self)
+
+
+class TransposedLinear(nn.Module):
+    """A float ``nn.Linear`` that holds its weight transposed: ``weight_t`` is (in, out).
+
+    Rows ``a:b`` of ``weight_t`` are the weight's input columns ``a:b``, one
+    contiguous block, which MLX's matmul reads in place (a column block of an
+    (out, in) weight is strided: MLX would copy it on every call). For many
+    rows the product is one BLAS call, as for ``nn.Linear``.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = mx.contiguous(linear.weight.T)
+        mx.eval(self.weight_t)  # now, so that the (out, in) copy is freed layer by layer
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = x @ self.weight_t
+        return y + self.bias if "bias" in self else y
+
+
+GATED_MLP = ("gate_proj", "up_proj", "down_proj")  # a gated MLP's layers: down(act(gate(x)) * up(x))
+
+
+def split_gated_mlp(mlp: nn.Module) -> bool:
+    """Prepare a float gated MLP for :func:`mlp_in_halves` (its ``down_proj`` becomes a
+    :class:`TransposedLinear`); False, and nothing changed, if it is not one or is small."""
+    gate, up, down = (mlp.get(name) for name in GATED_MLP)
+    if not all(type(layer) in (nn.Linear, CPULinear) for layer in (gate, up, down)):
+        return False
+    if gate.weight.size < CPULinear.MIN_SIZE:
+        return False
+    mlp.down_proj = TransposedLinear(down)
+    return True
+
+
+def runs_in_halves(x: mx.array, down: nn.Module) -> bool:
+    """Whether a gated MLP with this ``down`` projection runs :func:`mlp_in_halves` for ``x``."""
+    return isinstance(down, TransposedLinear) and x.size // x.shape[-1] <= CPULinear.MAX_ROWS
+
+
+def mlp_in_halves(x: mx.array, gate: nn.Module, up: nn.Module, down: TransposedLinear,
+                  combine: Callable[[mx.array, mx.array], mx.array]) -> mx.array:
+    """``down(combine(gate(x), up(x)))`` for a few rows, as two half MLPs side by side.
+
+    Hidden units are independent until ``down`` sums over them: the worker
+    stream ``s`` computes half ``s`` of them (rows of ``gate`` and ``up``,
+    rows of ``down.weight_t``) and its partial product with ``down``; the
+    halves meet once, in their sum. SmolLM2-135M's f32 decode took 9–12% less
+    time per step than with each projection cut in two and joined (5% at a
+    2,048-token context), alternated in one process.
+    """
+    hidden = down.weight_t.shape[0]
+    parts = []
+    for stream, (start, stop) in zip(worker_streams(), ((0, hidden // 2), (hidden // 2, hidden))):
+        with mx.stream(stream):
+            g, u = (_rows_of(x, layer, start, stop) for layer in (gate, up))
+            parts.append(combine(g, u) @ row_block(down, start, stop, ("weight_t",))[0])
+    y = parts[0] + parts[1]
+    return y + down.bias if "bias" in down else y
+
+
+def _rows_of(x: mx.array, layer: nn.Module, start: int, stop: int) -> mx.array:
+    """Outputs ``start:stop`` of a float Linear."""
+    block = row_block(layer, start, stop, ("weight", "bias"))
+    y = x @ block[0].T
+    return y + block[1] if len(block) > 1 else y
 
 
 def plan_siblings(layers: list[nn.Module], in_features: int) -> None:

@@ -171,8 +171,9 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
 
 def use_cpu_layers(model: nn.Module) -> int:
     """On the CPU backend, switch quantized Linear layers to :class:`CPUQuantizedLinear` and
-    large float ones to ``cpu_parallel.CPULinear``, and plan how quantized siblings share the
-    two threads (``cpu_parallel.plan_siblings``).
+    large float ones to ``cpu_parallel.CPULinear``, hold the down projection of large float
+    gated MLPs transposed (``cpu_parallel.split_gated_mlp``), and plan how quantized siblings
+    share the two threads (``cpu_parallel.plan_siblings``).
 
     Same parameters and outputs (up to float rounding); returns how many layers switched.
     Float siblings are not planned: OpenBLAS threads their products itself, and SmolLM2's
@@ -181,6 +182,8 @@ def use_cpu_layers(model: nn.Module) -> int:
     if mx.default_device().type != mx.DeviceType.cpu:
         return 0
     n = 0
+    for _, module in model.named_modules():
+        n += cpu_parallel.split_gated_mlp(module)
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear:
             module.__class__ = CPUQuantizedLinear  # same fields; only __call__ differs
