@@ -175,7 +175,9 @@ def use_cpu_layers(model: nn.Module) -> int:
     gated MLPs transposed (``cpu_parallel.split_gated_mlp``), and plan how quantized siblings
     share the two threads (``cpu_parallel.plan_siblings``).
 
-    Same parameters and outputs (up to float rounding); returns how many layers switched.
+    Same outputs (up to float rounding) and parameters, except that a split MLP's down
+    projection holds its weight as ``weight_t`` (in, out); returns how many layers switched.
+    Only the loaded model is switched: conversion writes the checkpoint's own layout.
     Float siblings are not planned: OpenBLAS threads their products itself, and SmolLM2's
     float32 q/k/v side by side on the two streams decoded 5% slower than one after the other.
     """
