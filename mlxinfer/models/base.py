@@ -135,9 +135,10 @@ def lm_head(h: mx.array, head: nn.Module) -> mx.array:
     one-row products); quantized heads and other backends use the layer itself.
     """
     if use_cpu_ops() and "scales" not in head and head["weight"].dtype in (mx.float32, mx.float16, mx.bfloat16):
-        logits = cpu_parallel.project(h, head["weight"])
+        logits = cpu_parallel.project(h, head)
         return logits + head["bias"] if "bias" in head else logits
-    if use_cpu_ops() and "scales" in head and h.size // h.shape[-1] <= 16 and head["weight"].shape[0] >= 128:
+    if (use_cpu_ops() and "scales" in head and h.size // h.shape[-1] <= cpu_parallel.CPULinear.MAX_ROWS
+            and head["weight"].shape[0] >= 128):
         return cpu_parallel.quantized_product(h, head)
     return head.as_linear(h) if hasattr(head, "as_linear") else head(h)  # an embedding (tied) or a Linear
 

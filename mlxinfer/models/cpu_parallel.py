@@ -128,7 +128,7 @@ class TransposedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight_t = mx.contiguous(linear.weight.T)
-        mx.eval(self.weight_t)  # now, so that the (out, in) copy is freed layer by layer
+        mx.eval(self.weight_t)  # now: left lazy, it would keep the (out, in) original alive until first use
         if "bias" in linear:
             self.bias = linear.bias
 
@@ -211,8 +211,9 @@ def plan_siblings(layers: list[nn.Module], in_features: int) -> None:
 HEAD_CHUNK = 1024  # rows of the output projection per matmul (see project)
 
 
-def project(x: mx.array, weight: mx.array) -> mx.array:
-    """``x @ weight.T`` for a few rows of ``x`` against a tall ``weight`` (the LM head).
+def project(x: mx.array, head: nn.Module) -> mx.array:
+    """``x @ head.weight.T`` for a few rows of ``x`` against a tall float ``weight`` (the LM head:
+    a Linear or the tied embedding; its bias is the caller's).
 
     OpenBLAS's sgemm packs its whole right-hand operand on every call, which
     for a one-row product costs more than the product: SmolLM2's 49,152 × 576
@@ -220,10 +221,10 @@ def project(x: mx.array, weight: mx.array) -> mx.array:
     stay in cache while packed; alternating the blocks over two CPU streams
     (two threads) took it from 9.4 to 6.0 ms.
     """
-    n = weight.shape[0]
-    if n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > 16:
-        return x @ weight.T
+    n = head["weight"].shape[0]
+    if n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > CPULinear.MAX_ROWS:
+        return x @ head["weight"].T
     streams = worker_streams()
-    blocks = [mx.matmul(x, weight[i : i + HEAD_CHUNK].T, stream=streams[(i // HEAD_CHUNK) % 2])
-              for i in range(0, n, HEAD_CHUNK)]
+    blocks = [mx.matmul(x, row_block(head, i, i + HEAD_CHUNK, ("weight",))[0].T,
+                        stream=streams[(i // HEAD_CHUNK) % 2]) for i in range(0, n, HEAD_CHUNK)]
     return mx.concatenate(blocks, axis=-1)
