@@ -7,10 +7,10 @@ prompt cleaning, context checks, the UTF-8-safe detokenizer, stop strings and
 the per-request timeline. ``generate`` just joins the stream.
 
 Thread safety: a model and tokenizer may be shared by threads that each run
-their own ``stream_generate`` with their own cache, but MLX evaluates on one
-stream per device, so concurrent requests serialise on it; a ``PromptCache``
-must not be shared between concurrent requests. Stats use MLX's process-wide
-peak-memory counter, which concurrent requests also share.
+their own ``stream_generate`` with their own cache, one after another or at
+the same time; each runs on its thread's own MLX streams (threads.py). A
+``PromptCache`` must not be shared between concurrent requests. Stats use
+MLX's process-wide peak-memory counter, which concurrent requests also share.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sam
 from .speculative import speculative_generate_step
 from .stop import StopMatcher
 from .text import clean_prompt, fit_context
+from .threads import release_at_thread_exit
 
 if TYPE_CHECKING:
     from .drafts import Draft
@@ -42,6 +43,7 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
     ``prompt_cache`` (reused when given) ends holding exactly the tokens fed
     to the model, whether the loop ran out or the caller stopped early.
     """
+    release_at_thread_exit()
     sampler = sampler or make_sampler(0.0)
     pc = prompt_cache if prompt_cache is not None else PromptCache(model.make_cache())
     ids = list(prompt)
@@ -70,11 +72,13 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
             history = mx.concatenate([history, token])
         return token, logprobs[0]
 
+    started: list[mx.array] = []  # the steps handed to mx.async_eval, newest last
     try:
         token, logprobs = step(y)
         # Start the first token now: otherwise it is only computed inside the
         # next step's async_eval, and `.item()` below waits for both.
         mx.async_eval(token)
+        started.append(token)
         fed.extend(todo)
         n = 0
         while n < max_tokens:
@@ -83,6 +87,7 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
                 # Start computing step n+1 now; the host waits on step n below
                 # (`.item()`) while the device already works on n+1.
                 mx.async_eval(next_token)
+                started[:] = [next_token]
             t = token.item()
             if n + 1 < max_tokens:
                 fed.append(t)
@@ -91,6 +96,14 @@ def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | N
             n += 1
     finally:
         pc.tokens = fed
+        # A caller that stops early (EOS, a stop string, break, an exception) leaves
+        # step n+1 running on MLX's threads. Wait for it, so that no work of this
+        # request outlives it: the next request, another thread or process exit
+        # would otherwise meet it half done. At exit that hangs OpenBLAS 0.3.21:
+        # its shutdown (gotoblas_quit, in _dl_fini) tells each worker to quit and
+        # joins it, and a worker still inside a BLAS call overwrites that order
+        # when the call ends, then sleeps forever (docs/blas.md).
+        mx.eval(started)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .errors import ConfigError, WeightsError
 from .models import build_model, get_family
 from .models.cpu_quant import use_cpu_layers
 from .quant import apply_quantization
+from .threads import release_at_thread_exit
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.tiktoken", "*.txt"]
@@ -129,11 +130,12 @@ def default_dtype() -> mx.Dtype | None:
 
 
 def load_model(model_dir: Path, *, dtype: mx.Dtype | None | str = "auto") -> tuple[nn.Module, dict[str, Any]]:
-    """Build the model in ``model_dir`` and load its weights (lazily mapped).
+    """Build the model in ``model_dir`` and load its weights (evaluated: see :func:`materialize`).
 
     ``dtype``: cast float weights to it; None keeps the stored dtypes; "auto"
     is :func:`default_dtype`.
     """
+    release_at_thread_exit()
     if isinstance(dtype, str):
         dtype = default_dtype()
     model_dir = Path(model_dir)
@@ -149,7 +151,18 @@ def load_model(model_dir: Path, *, dtype: mx.Dtype | None | str = "auto") -> tup
     load_weights_into(model, weights, model_dir)
     use_cpu_layers(model)
     model.eval()
+    materialize(model)
     return model, config
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds: weights and the private ones (RoPE frequencies, …).
+
+    MLX 0.32 ties an array that is not yet evaluated to the stream, and so the
+    thread, that built it: a model left lazy could only generate on the thread
+    that loaded it. Evaluated, it can be shared by any thread.
+    """
+    mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])  # a Module is a dict
 
 
 def load(path_or_repo: str | os.PathLike | None = None, *, dtype: mx.Dtype | None | str = "auto",

@@ -27,6 +27,7 @@ from .cache import Cache, RotatingKVCache
 from .errors import DraftError
 from .prompt_cache import DEFAULT_PREFILL_STEP, PromptCache
 from .sampling import LogitsProcessor, Sampler, SamplingParams
+from .threads import release_at_thread_exit
 
 if TYPE_CHECKING:
     from .drafts import Draft, DraftSampler
@@ -61,6 +62,7 @@ def speculative_generate_step(prompt: Sequence[int], model, draft: Draft, *,
     ``prompt_cache`` (reused when given) ends holding exactly the tokens fed
     to the model, whether the loop ran out or the caller stopped early.
     """
+    release_at_thread_exit()
     params = _sampling_params(sampler)
     if num_draft is not None and num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")

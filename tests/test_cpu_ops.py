@@ -52,18 +52,27 @@ def test_rope_table_path_matches_definition(traditional, dims, head_dim, offset)
     assert np.abs(fast - ref).max() <= 2 * tol  # the two paths agree with the definition, so each other
 
 
-def test_rope_tables_are_shared_between_layers():
-    cpu_ops._TABLES.clear()
+def test_rope_tables_are_shared_between_layers_of_one_thread():
+    tables = cpu_ops._thread_cache("tables")
+    tables.clear()
     ropes = [make_rope(64, 10000.0, None, 2048) for _ in range(4)]  # one per layer
-    x = mx.zeros((1, 2, 1, 64))
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 2, 1, 64)).astype(np.float32))
     saved = cpu_ops.OVERRIDE
     try:
         cpu_ops.OVERRIDE = True
         for rope in ropes:
             rope(x, offset=7)
+        assert len(tables) == 1
+        # Another thread builds its own: a lazy table belongs to the thread (stream) that built it.
+        other = []
+        thread = threading.Thread(target=lambda: other.append((np.array(ropes[0](x, offset=7)),
+                                                                len(cpu_ops._thread_cache("tables")))))
+        thread.start()
+        thread.join()
     finally:
         cpu_ops.OVERRIDE = saved
-    assert len(cpu_ops._TABLES) == 1
+    assert len(tables) == 1 and other[0][1] == 1
+    assert np.array_equal(other[0][0], np.array(ropes[0](x, offset=7)))
 
 
 def test_rms_norm_matches_definition():

@@ -154,3 +154,45 @@ def test_default_model_from_console_script(tmp_path):
     assert "Paris" in out.stdout
     assert "SmolLM2-135M-Instruct" in out.stderr  # said where the default model came from
     assert (tmp_path / "cache" / "models").is_dir()
+
+
+def _on_threads(fn, n: int, *, concurrent: bool) -> list:
+    """``fn()`` on ``n`` new threads, one after another or all at once; their results (or errors)."""
+    import threading
+
+    results: list = [None] * n
+
+    def run(i):
+        try:
+            results[i] = fn()
+        except BaseException as e:  # reported by the test, not lost in the thread
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+        if not concurrent:
+            t.join()
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive(), "a generation thread did not finish within 300 s"
+    return results
+
+
+@pytest.mark.parametrize("weights", ["f32", "4-bit"])
+def test_generation_on_other_threads_matches_transformers(weights, smollm2_f32_dir, smollm2_mlx_dir, reference):
+    """A model loaded on the main thread generates on other threads, one after another and at the
+    same time, with the main thread's tokens; in f32 they are transformers' greedy tokens (MLX 0.32
+    ties a stream, and an array not yet evaluated, to the thread that made it)."""
+    model, tok = load(smollm2_f32_dir if weights == "f32" else smollm2_mlx_dir)
+    ids = hf_ids(reference[1], QUESTION)
+
+    def tokens():
+        return [r.token for r in stream_generate(model, tok, ids, max_tokens=12)]
+
+    before = _on_threads(tokens, 2, concurrent=False)  # first: nothing ran on the main thread yet
+    main = tokens()
+    if weights == "f32":
+        assert main == hf_greedy(reference[0], ids, 12)
+    assert before == [main, main]
+    assert _on_threads(tokens, 2, concurrent=True) == [main, main]

@@ -29,6 +29,7 @@ run on the CPU where ``mx.fast`` still works (through the reference graph);
 from __future__ import annotations
 
 import os
+import threading
 from functools import partial
 
 import mlx.core as mx
@@ -37,11 +38,22 @@ import mlx.nn as nn
 # MLXINFER_CPU_OPS=0 keeps mx.fast everywhere (to compare the two paths); =1 forces these ops.
 OVERRIDE: bool | None = {"0": False, "1": True}.get(os.environ.get("MLXINFER_CPU_OPS", ""))
 
-# (key) -> (cos, sin): the tables of the forward pass in progress. One RoPE
-# configuration asks for the same positions once per layer; the next forward
-# pass moves the offset, so only the newest few entries are ever reused.
-_TABLES: dict[tuple, tuple[mx.array, mx.array]] = {}
+# Per thread, (key) -> (cos, sin): the tables of the forward pass in progress. One RoPE
+# configuration asks for the same positions once per layer; the next forward pass moves
+# the offset, so only the newest few entries are ever reused. Per thread because a table
+# is built lazily (evaluating it would stall the graph being built for the next decode
+# step behind the step in flight), and MLX ties a lazy array to the thread that built it.
+_PER_THREAD = threading.local()
 _MAX_TABLES = 8
+
+
+def _thread_cache(name: str) -> dict:
+    """This thread's dict ``name`` (rope tables, masks)."""
+    cache = getattr(_PER_THREAD, name, None)
+    if cache is None:
+        cache = {}
+        setattr(_PER_THREAD, name, cache)
+    return cache
 
 
 def use_cpu_ops() -> bool:
@@ -57,14 +69,15 @@ def rope_table(inv_freq: mx.array, key: tuple, offset: int, length: int, scale: 
     are fixed per RoPE configuration).
     """
     full_key = (key, offset, length, scale)
-    table = _TABLES.get(full_key)
+    tables = _thread_cache("tables")
+    table = tables.get(full_key)
     if table is None:
         positions = mx.arange(offset, offset + length, dtype=mx.float32) * scale
         angles = positions[:, None] * inv_freq[None, :]
         table = (mx.cos(angles), mx.sin(angles))
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.clear()
-        _TABLES[full_key] = table
+        if len(tables) >= _MAX_TABLES:
+            tables.clear()
+        tables[full_key] = table
     return table
 
 
@@ -209,16 +222,14 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return _swiglu_from(gate, up, _exp_negated(g, bits, mx.view(bits, mx.float32)))
 
 
-_MASKS: dict[tuple[int, int], mx.array] = {}
-
-
 def _causal(n_queries: int, n_keys: int) -> mx.array:
     """Boolean (L, T) mask, query i seeing keys up to T − L + i (aligned lower-right, like sdpa)."""
-    mask = _MASKS.get((n_queries, n_keys))
+    masks = _thread_cache("masks")
+    mask = masks.get((n_queries, n_keys))
     if mask is None:
-        if len(_MASKS) >= _MAX_TABLES:
-            _MASKS.clear()
-        mask = _MASKS[(n_queries, n_keys)] = (
+        if len(masks) >= _MAX_TABLES:
+            masks.clear()
+        mask = masks[(n_queries, n_keys)] = (
             mx.arange(n_keys)[None] <= mx.arange(n_keys - n_queries, n_keys)[:, None])
     return mask
 

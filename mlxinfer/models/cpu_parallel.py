@@ -42,13 +42,13 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers 
 # k + v (221k) decoded 6% faster whole than with q cut to balance them.
 SPLIT_WORTH = 1 << 19
 
-_STREAMS: list[mx.Stream] = []
+# Thread-local: MLX 0.32 ties a stream made by mx.new_stream to the thread that made it, and
+# generation runs on whichever thread calls it (an app's worker, a server's engine thread).
+_STREAMS = (mx.new_thread_local_stream(mx.cpu), mx.new_thread_local_stream(mx.cpu))
 
 
-def worker_streams() -> list[mx.Stream]:
-    """Two CPU streams; MLX runs each on its own thread."""
-    if not _STREAMS:
-        _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(2))
+def worker_streams() -> tuple[mx.ThreadLocalStream, ...]:
+    """Two CPU streams, each a stream of its own in every thread; MLX runs each on its own thread."""
     return _STREAMS
 
 
@@ -74,7 +74,11 @@ def row_block(layer: nn.Module, start: int, stop: int,
         blocks = layer.__dict__["_row_blocks"] = (key, {})
     block = blocks[1].get((start, stop, names))
     if block is None:
-        block = blocks[1][(start, stop, names)] = tuple(p[start:stop] for p in params)
+        block = tuple(p[start:stop] for p in params)
+        # Evaluated now (views: no copy). Left lazy, a block would belong to this thread's
+        # stream, and a request on another thread that found it here could not evaluate it.
+        mx.eval(block)
+        blocks[1][(start, stop, names)] = block
     return block
 
 
