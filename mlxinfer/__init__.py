@@ -9,11 +9,17 @@ Public API::
     mlxinfer.convert("hf-dir-or-repo", "out-dir", quantize=True)
     stream_generate(..., draft=mlxinfer.PromptLookup())     # speculative decoding
 
-Importing this package has no side effects: the heavy modules (and MLX) load
-on first use of an attribute.
+Importing this package loads nothing heavy: the modules (and MLX) load on first
+use of an attribute. On Linux it does one thing first: it loads a fast BLAS for
+MLX's CPU backend when one is installed, which only works before MLX is imported
+(blas.py; docs/blas.md).
 """
 
 from importlib import import_module
+
+from .blas import preload_openblas
+
+preload_openblas()
 
 __version__ = "0.1.0"
 

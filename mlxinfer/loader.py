@@ -11,6 +11,7 @@ import json
 import os
 import re
 import struct
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -174,8 +175,14 @@ def load(path_or_repo: str | os.PathLike | None = None, *, dtype: mx.Dtype | Non
     dtypes; or an ``mx`` float dtype. ``log`` receives progress messages (the
     library itself never prints).
     """
+    from .blas import late_warning
     from .tokenizer import Tokenizer
 
+    if warning := late_warning():
+        if log is not None:
+            log(f"warning: {warning}")
+        else:
+            warnings.warn(warning, RuntimeWarning, stacklevel=2)
     if path_or_repo is None:
         from .default_model import default_model_path
 
