@@ -115,6 +115,42 @@ def load_chat_templates(path: Path, tokenizer_config: Mapping[str, Any]) -> dict
     return {}
 
 
+# Chat formats a user may ask for by name (``--chat-template gemma``) when a checkpoint carries
+# none: a base model, or a GGUF whose file has no ``tokenizer.chat_template``. Never applied
+# unasked: a model not trained on a format continues it as text.
+NAMED_TEMPLATES = {
+    # Gemma's turn format: a system message is folded into the first user turn; the
+    # assistant's role is "model".
+    "gemma": (
+        "{{ bos_token }}"
+        "{% if messages[0]['role'] == 'system' %}"
+        "{% set prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+        "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+        "{% for m in turns %}"
+        "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+        "{{ ((prefix if loop.first else '') + m['content']) | trim }}{{ '<end_of_turn>\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
+    # ChatML (Qwen, SmolLM, Hermes …), with no default system message.
+    "chatml": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+}
+
+
+def named_chat_template(name_or_path: str) -> ChatTemplate:
+    """A chat template by name (:data:`NAMED_TEMPLATES`) or from a Jinja file."""
+    if name_or_path in NAMED_TEMPLATES:
+        return ChatTemplate(NAMED_TEMPLATES[name_or_path], f"the named template {name_or_path!r}")
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return ChatTemplate(_read_text(path), str(path))
+    raise TokenizerError(f"chat template {name_or_path!r}: expected one of {', '.join(sorted(NAMED_TEMPLATES))} "
+                         "or a Jinja file, found neither")
+
+
 def select_chat_template(templates: Mapping[str, ChatTemplate], *, use_tools: bool) -> ChatTemplate:
     """transformers' choice among named templates: ``tool_use`` when tools are given, else ``default``."""
     if use_tools and "tool_use" in templates:

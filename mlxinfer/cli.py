@@ -118,23 +118,42 @@ def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers:
     return None
 
 
+CHAT_TEMPLATE_HELP = ("Chat format: a known one by name (gemma, chatml) or a Jinja file "
+                      "[default: the checkpoint's own].")
+
+
 @cli.command()
 @generation_options
 @speculative_options
 @click.option("--prompt", "-p", default=None, help="Prompt text; read from stdin when omitted.")
 @click.option("--system", default=None, help="System message (chat template only).")
+@click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
 @click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
 @_errors_to_click
-def generate(model, prompt, system, no_chat_template, kv_bits, verbose, draft_model, prompt_lookup,
-             self_draft_layers, **options):
-    """Generate a completion and stream it to stdout."""
+def generate(model, prompt, system, chat_template, no_chat_template, kv_bits, verbose, draft_model,
+             prompt_lookup, self_draft_layers, **options):
+    """Generate a completion and stream it to stdout.
+
+    The prompt goes through the model's chat template when it has one; a
+    model without one (a base model) gets the prompt as raw text.
+    """
     from .generation import stream_generate
 
+    if chat_template and no_chat_template:
+        raise click.UsageError("choose --chat-template or --no-chat-template, not both")
     if prompt is None:
         prompt = sys.stdin.read()
     llm, tokenizer = _load(model, verbose)
+    if chat_template:
+        tokenizer.set_chat_template(chat_template)
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     use_template = not no_chat_template and tokenizer.has_chat_template
+    if system and not use_template:
+        raise click.UsageError("--system needs a chat template" + (
+            "" if no_chat_template else f": {tokenizer.path} has none (name one with --chat-template)"))
+    if not use_template and not no_chat_template and verbose:
+        _log(f"{tokenizer.path}: no chat template, so the prompt goes to the model as raw text "
+             "(--chat-template NAME to use a known format)")
     if use_template:
         prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     _print_stream(stream_generate(llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options),
@@ -145,8 +164,10 @@ def generate(model, prompt, system, no_chat_template, kv_bits, verbose, draft_mo
 @generation_options
 @speculative_options
 @click.option("--system", default=None, help="System message.")
+@click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
 @_errors_to_click
-def chat(model, system, kv_bits, verbose, max_kv_size, draft_model, prompt_lookup, self_draft_layers, **options):
+def chat(model, system, chat_template, kv_bits, verbose, max_kv_size, draft_model, prompt_lookup,
+         self_draft_layers, **options):
     """Interactive chat; keeps history and reuses the KV cache across turns.
 
     Type /reset to clear the history, /exit (or Ctrl-D) to quit.
@@ -154,9 +175,12 @@ def chat(model, system, kv_bits, verbose, max_kv_size, draft_model, prompt_looku
     from .chat import ChatSession
 
     llm, tokenizer = _load(model, verbose)
+    if chat_template:
+        tokenizer.set_chat_template(chat_template)
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     if not tokenizer.has_chat_template:
-        raise click.ClickException("this model has no chat template; use `mlxinfer generate --no-chat-template`")
+        raise click.ClickException(f"{tokenizer.path}: no chat template (a base model?); name a known format "
+                                   "with --chat-template, or complete raw text with `mlxinfer generate`")
     session = ChatSession(llm, tokenizer, system=system, max_kv_size=max_kv_size,
                           kv_bits=int(kv_bits) if kv_bits else None, **options)
     while True:
@@ -176,11 +200,13 @@ def chat(model, system, kv_bits, verbose, max_kv_size, draft_model, prompt_looku
 @click.argument("src")
 @click.option("--output", "-o", "dst", required=True, help="Output directory (must not exist or be empty).")
 @click.option("--quantize", "-q", is_flag=True,
-              help="Quantize Linear/Embedding weights (GGUF: re-quantize K-quant tensors to --bits/--group-size).")
+              help="Quantize Linear/Embedding weights (GGUF without --dtype: re-quantize only its K-quant "
+                   "tensors to --bits/--group-size).")
 @click.option("--bits", default=4, show_default=True, type=click.Choice(["2", "3", "4", "5", "6", "8"]))
 @click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
 @click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]),
-              help="Float dtype of the output [default: the checkpoint's].")
+              help="Float dtype of the output; a GGUF is dequantized to it [default: the checkpoint's; "
+                   "a GGUF keeps its own types].")
 @_errors_to_click
 def convert(src, dst, quantize, bits, group_size, dtype):
     """Convert a Hugging Face checkpoint (directory or repo id) or a GGUF file."""

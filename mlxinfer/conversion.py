@@ -49,10 +49,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
     if str(src).endswith(".gguf"):
         from .gguf import import_gguf
 
-        if dtype:
-            raise ConfigError(f"{src}: GGUF import keeps the file's own types; drop --dtype")
-        # -q re-quantizes the K-quant tensors to --bits/--group-size; exact types are kept as they are.
-        return import_gguf(Path(src), dst, requantize=(bits, group_size) if quantize else None,
+        # Without --dtype the file's own types are kept, and -q re-quantizes only its K-quant tensors;
+        # with --dtype every tensor is dequantized to it, and -q quantizes as for a HF checkpoint.
+        return import_gguf(Path(src), dst, requantize=(bits, group_size) if quantize else None, dtype=dtype,
                            progress=progress, log=log)
     src_dir = resolve_model_path(src)
     config = read_config(src_dir)

@@ -48,6 +48,7 @@ from .atomic import writing_dir
 from .errors import MlxInferError, WeightsError
 from .gguf_arch import (SUPPORTED, fix_float, hf_module, make_config, needs_float_fix, permuted_heads,
                         unpermute_rows)
+from .gguf_float import DTYPES, write_float
 from .gguf_vocab import build_tokenizer
 
 # ---------------------------------------------------------------------------
@@ -217,8 +218,8 @@ def _convert_tensor(buf, t: GGUFTensor, requantize):
 # The import
 
 
-def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = None, progress: bool = False,
-                log: Callable[[str], None] | None = None) -> dict:
+def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = None, dtype: str | None = None,
+                progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Convert a GGUF file into a model directory at ``dst``.
 
     Args:
@@ -227,6 +228,9 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
         temporary sibling and renamed into place, so a failure leaves nothing behind.
       requantize: ``(bits, group_size)`` for every K-quant tensor; default: keep Q4_K/Q5_K
         codes, Q6_K -> 8-bit group 32 (see the module doc). Exact types are never re-rounded.
+      dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``: every tensor dequantized to that
+        dtype instead (gguf_float.py); ``requantize`` then quantizes the float weights as
+        ``convert -q`` quantizes a Hugging Face checkpoint.
       progress: show a tqdm bar over tensors (on stderr).
       log: receives one summary line about K-quant losses.
 
@@ -234,7 +238,9 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
       ``{"path", "parameters", "n_params", "bits_per_weight", "bytes", "quantization", "kquant_loss"}``:
       parameter count (dequantized), stored weight bits per parameter, total bytes written,
       the config.json record, and ``{module: {"type", "bits", "group_size", "codes_kept",
-      "max_abs", "rel_rmse"}}`` per K-quant tensor.
+      "max_abs", "rel_rmse"}}`` per K-quant tensor. With ``dtype``, ``"loss"`` instead of
+      ``"kquant_loss"``: ``{tensor: {"type", "dtype", ["bits", "group_size"], "max_abs",
+      "rel_rmse"}}`` per tensor stored differently from the file.
 
     Raises:
       WeightsError: not GGUF, truncated, unsupported architecture or tensor type.
@@ -243,6 +249,8 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
     src, dst = Path(src), Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise MlxInferError(f"{dst}: destination already exists and is not empty")
+    if dtype is not None and dtype not in DTYPES:
+        raise MlxInferError(f"dtype: expected one of {', '.join(DTYPES)}, found '{dtype}'")
     if requantize is not None:
         bits, group = requantize
         if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
@@ -269,18 +277,39 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
             names = {n: hf_module(arch, src, n) for n in tensors}
 
             with writing_dir(dst) as tmp:
-                report = _write(tmp, buf, tensors, names, arch, config, requantize, progress)
+                if dtype is None:
+                    report = _write(tmp, buf, tensors, names, arch, config, requantize, progress)
+                else:
+                    report = _write_float(tmp, buf, tensors, names, arch, config, dtype, requantize, progress)
                 _write_tokenizer(tmp, tok_json, tok_config, config)
         finally:
             buf.close()
     report["bytes"] = sum(p.stat().st_size for p in dst.iterdir())
     report["path"] = str(dst)
-    if log is not None and report["kquant_loss"]:
+    if log is not None and report.get("kquant_loss"):
         worst = max(report["kquant_loss"].items(), key=lambda kv: kv[1]["rel_rmse"])
         log(f"{len(report['kquant_loss'])} K-quant tensors stored as affine groups; largest relative RMS "
             f"error {worst[1]['rel_rmse']:.2e} ({worst[0]}, {worst[1]['type']} -> {worst[1]['bits']}-bit "
             f"group {worst[1]['group_size']})")
+    if log is not None and report.get("loss"):
+        worst = max(report["loss"].items(), key=lambda kv: kv[1]["rel_rmse"])
+        form = f"{worst[1]['bits']}-bit group {worst[1]['group_size']}" if "bits" in worst[1] else dtype
+        log(f"{len(report['loss'])} tensors dequantized to {dtype}" + (" and re-quantized" if requantize else "")
+            + f"; largest relative RMS error {worst[1]['rel_rmse']:.2e} ({worst[0]}, {worst[1]['type']} -> {form})")
     return report
+
+
+def _write_float(tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, dtype: str,
+                 quantize: tuple[int, int] | None, progress: bool) -> dict:
+    """model.safetensors and config.json with every tensor dequantized to ``dtype``; the report."""
+    weights, losses = write_float(buf, tensors, names, arch, config, dtype=dtype, quantize=quantize,
+                                  progress=progress, raw=_raw)
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _write_json(tmp / "config.json", config)
+    n_params = sum(int(np.prod(t.shape)) for t in tensors.values())
+    n_bits = sum(a.nbytes * 8 for a in weights.values())
+    return {"n_params": n_params, "parameters": n_params, "bits_per_weight": round(n_bits / n_params, 3),
+            "quantization": config.get("quantization"), "loss": losses}
 
 
 def _write(tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, requantize, progress: bool) -> dict:

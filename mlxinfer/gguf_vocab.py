@@ -17,7 +17,8 @@ Control tokens (type 3) become special added tokens, user-defined ones (type 4)
 ordinary added tokens; BOS/EOS are added by the post-processor as
 ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say (SentencePiece files
 that do not say add BOS, like llama.cpp). The chat template is carried over;
-a Gemma file without one gets Gemma's turn format (as llama.cpp falls back to).
+a file without one (a base model) gets none: its prompts go to the model as
+they are, unless the user names a format (``--chat-template gemma``).
 """
 
 from __future__ import annotations
@@ -47,21 +48,6 @@ def _byte_alphabet() -> dict[int, str]:
 _GPT2_PRE = (None, "gpt-2", "smollm")
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 CONTROL, USER_DEFINED = 3, 4
-
-# Gemma's turn format, for Gemma files that carry no template: a system message is
-# folded into the first user turn; the assistant's role is "model".
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if messages[0]['role'] == 'system' %}"
-    "{% set prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
-    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
-    "{% for m in turns %}"
-    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
-    "{{ ((prefix if loop.first else '') + m['content']) | trim }}{{ '<end_of_turn>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
-
 
 def build_tokenizer(path: Path, md: dict) -> tuple[str, dict]:
     """(tokenizer.json text, tokenizer_config dict) for the file's vocabulary."""
@@ -95,10 +81,8 @@ def build_tokenizer(path: Path, md: dict) -> tuple[str, dict]:
         _sentencepiece_specials(tok, md, tokens, config, gemma=arch in _GEMMA_ARCHS)
     if kind == "llama" or config["add_bos_token"] or config["add_eos_token"]:
         _bos_eos_post_processor(tok, config)
-    if "tokenizer.chat_template" in md:
+    if "tokenizer.chat_template" in md:  # a file without one (a base model) gets none
         config["chat_template"] = md["tokenizer.chat_template"]
-    elif arch in _GEMMA_ARCHS:
-        config["chat_template"] = GEMMA_CHAT_TEMPLATE
     return tok.to_str(), config
 
 

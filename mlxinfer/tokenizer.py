@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .chat_template import ChatTemplate, load_chat_templates, select_chat_template
+from .chat_template import ChatTemplate, load_chat_templates, named_chat_template, select_chat_template
 from .detokenizer import StreamingDetokenizer
 from .errors import TokenizerError
 from .sentencepiece_backend import SentencePieceBackend
@@ -181,6 +181,11 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
+
+    def set_chat_template(self, name_or_path: str) -> None:
+        """Use this chat template instead of the checkpoint's (if any): a known format by name
+        (``"gemma"``, ``"chatml"``) or a Jinja file."""
+        self._chat_templates = {"default": named_chat_template(name_or_path)}
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any

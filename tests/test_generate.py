@@ -144,6 +144,36 @@ def test_cli_prefill_step_size_chunks_the_prompt_with_the_same_output(tiny, monk
     assert bad.exit_code == 2 and "--prefill-step-size" in bad.stderr
 
 
+def test_cli_model_without_chat_template_gets_the_raw_prompt_or_a_named_format(tiny, tmp_path):
+    """A checkpoint with no chat template (a base model) gets the prompt as raw text; a format is
+    applied only when named (--chat-template), and --system without one is refused."""
+    import json
+    import shutil
+
+    path, model, tok, _ = tiny
+    base = tmp_path / "base"
+    shutil.copytree(path, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    del config["chat_template"]  # the tiny tokenizer's is ChatML
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    run = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "Hello", "-n", "6", "-v"])
+    assert run.exit_code == 0, run.stderr
+    assert run.stdout == generate(model, tok, "Hello", max_tokens=6) + "\n"
+    assert "no chat template, so the prompt goes to the model as raw text" in run.stderr
+    named = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "Hello", "-n", "6", "--chat-template", "chatml"])
+    assert named.exit_code == 0, named.stderr
+    assert named.stdout == generate(model, tok, [{"role": "user", "content": "Hello"}], max_tokens=6) + "\n"
+    system = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "Hello", "--system", "Be brief."])
+    assert system.exit_code == 2 and "--system needs a chat template" in system.stderr
+    both = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "x", "--chat-template", "chatml",
+                                    "--no-chat-template"])
+    assert both.exit_code == 2 and "not both" in both.stderr
+    unknown = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "x", "--chat-template", "nope"])
+    assert unknown.exit_code == 1 and "expected one of chatml, gemma or a Jinja file" in unknown.stderr
+    chat = CliRunner().invoke(cli, ["chat", "-m", str(base)], input="Hi\n")
+    assert chat.exit_code == 1 and "--chat-template" in chat.stderr
+
+
 def test_cli_prompt_too_long_exits_nonzero(tiny):
     path, *_ = tiny
     result = CliRunner().invoke(

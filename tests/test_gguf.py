@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from mlxinfer.errors import MlxInferError, TokenizerError, WeightsError  # noqa: E402
+from mlxinfer.conversion import convert  # noqa: E402
 from mlxinfer.gguf import import_gguf  # noqa: E402
 
 # ---------------------------------------------------------------------------
@@ -185,6 +186,59 @@ def test_mixed_types_are_recorded_per_module(tiny):
     assert config["tie_word_embeddings"] is False and "lm_head.weight" in weights
     assert config["rope_theta"] == 500000.0 and config["rms_norm_eps"] == 1e-6
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 32)
+
+
+def _file_values(stored, name):
+    """The file's values of a tiny tensor as transformers' gguf reader gives them, in HF row order."""
+    data, ggml_type = stored[name]
+    ref = dequantize(data, ggml_type).astype(np.float32)
+    if name == "blk.0.attn_q":
+        return hf_order(ref, N_HEADS)
+    return hf_order(ref, N_KV) if name == "blk.0.attn_k" else ref
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_dtype_import_dequantizes_every_tensor(tiny, tmp_path, dtype):
+    """``convert x.gguf --dtype D``: every tensor, whatever its type, is the file's value rounded to D
+    (float32: exactly the file's), and the report says how far each is from the file."""
+    gguf_path, stored, _, _ = tiny
+    report = convert(gguf_path, tmp_path / "out", dtype=dtype)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == dtype and "quantization" not in config
+    weights = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    target = getattr(mx, dtype)
+    for module, (name, _) in TINY_TYPES.items():
+        ref = _file_values(stored, name)
+        w = weights[f"{module}.weight"]
+        rounded = np.array(mx.array(ref).astype(target).astype(mx.float32))
+        assert w.dtype == target, module
+        np.testing.assert_array_equal(np.array(w.astype(mx.float32)), rounded, module)
+        loss = report["loss"][f"{module}.weight"]
+        assert loss["dtype"] == dtype and loss["max_abs"] == np.abs(rounded - ref).max(), (module, loss)
+        assert loss["max_abs"] == 0 or dtype != "float32"
+    assert len(report["loss"]) == len(TINY_TYPES) + (3 if dtype != "float32" else 0)  # + the f32 norms
+
+
+def test_dtype_import_with_q_quantizes_like_a_hf_checkpoint(tiny, tmp_path):
+    """``--dtype float32 -q``: the file's float values quantized as ``convert -q`` quantizes a
+    Hugging Face checkpoint: the same record, and each weight exactly ``mx.quantize`` of its value."""
+    from mlxinfer.loader import load_model
+    from mlxinfer.quant import quantize_model
+
+    gguf_path, stored, _, _ = tiny
+    report = convert(gguf_path, tmp_path / "q", dtype="float32", quantize=True, bits=4, group_size=32)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    plain, _ = load_model(convert(gguf_path, tmp_path / "f32", dtype="float32")["path"], dtype=None)
+    assert config["quantization"] == quantize_model(plain, bits=4, group_size=32)
+    weights = mx.load(str(tmp_path / "q" / "model.safetensors"))
+    for module, (name, _) in TINY_TYPES.items():
+        expected = mx.quantize(mx.array(_file_values(stored, name)), group_size=32, bits=4)
+        for key, value in zip(("weight", "scales", "biases"), expected):
+            np.testing.assert_array_equal(np.array(weights[f"{module}.{key}"]), np.array(value), f"{module}.{key}")
+        assert report["loss"][f"{module}.weight"]["bits"] == 4
+    model, _ = load_model(tmp_path / "q", dtype=None)
+    ids = mx.array([[1, 5, 9, 3, 7]])
+    np.testing.assert_allclose(np.array(model(ids)), np.array(plain(ids)), atol=1e-4)  # plain: quantized above
 
 
 def test_tiny_tokenizer_keeps_specials_whole_and_adds_bos_flag(tiny):
@@ -605,10 +659,20 @@ def test_gemma3_tokenizer_and_logits_match_transformers(gemma3_tiny):
     assert np.abs(np.array(model(mx.array([ids]))[0]) - expected).max() <= 1e-3
 
 
-def test_gemma3_without_a_chat_template_gets_gemmas_turn_format(gemma3_tiny):
+def test_gemma3_without_a_chat_template_gets_none_unless_named(gemma3_tiny):
+    """A GGUF with no tokenizer.chat_template (a base model) gets no chat template; asked for
+    by name, Gemma's turn format renders as transformers' Gemma 3 template does."""
+    from mlxinfer.errors import TokenizerError
     from mlxinfer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(gemma3_tiny[0])
+    assert not tok.has_chat_template
+    assert "chat_template" not in json.loads((gemma3_tiny[0] / "tokenizer_config.json").read_text())
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    with pytest.raises(TokenizerError, match="expected one of chatml, gemma or a Jinja file"):
+        tok.set_chat_template("gemmma")
+    tok.set_chat_template("gemma")
     prompt = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
                                       {"role": "user", "content": "Hi"},
                                       {"role": "assistant", "content": "Hello!"},
@@ -751,6 +815,8 @@ def test_real_gemma3_greedy_output_matches_transformers(gemma3):
     # float32 activations: on the CPU, MLX's float16 kernels are ~50x slower, and Gemma's
     # activations overflow float16 anyway; the float16 scales widen exactly.
     model, tok = mlxinfer.load(mlx_dir, dtype=mx.float32)
+    assert not tok.has_chat_template  # a base model: the file carries none
+    tok.set_chat_template("gemma")
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True)
     assert chat == "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
@@ -783,3 +849,51 @@ def test_real_gemma3_runs_in_float16_as_stored(gemma3):
     # hidden state picks the next token, stays close (float16 rounding over 18 layers).
     last16, last32 = h16[0, -1], h32[0, -1]
     assert np.linalg.norm(last16 - last32) / np.linalg.norm(last32) < 0.15  # measured: 0.09
+
+
+TRANSLATE = "Translate to French: good morning, my friend."
+
+
+@pytest.mark.real
+def test_real_gemma3_base_model_gets_the_raw_prompt_from_the_cli(gemma3):
+    """The base model's file has no chat template, so `mlxinfer generate` with default flags sends
+    the raw prompt: its output is transformers' greedy continuation of that prompt (it once got
+    Gemma's turn format and answered "… mendatang …")."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from fixtures import gemma3_hf_tokenizer_dir, gemma3_reference
+    from mlxinfer.tokenizer import Tokenizer as OurTokenizer
+
+    _, mlx_dir = gemma3
+    ids = OurTokenizer.from_dir(mlx_dir).encode(TRANSLATE)
+    reference = gemma3_reference({"translate": ids}, 16)["translate"]
+    expected = AutoTokenizer.from_pretrained(str(gemma3_hf_tokenizer_dir())).decode(reference,
+                                                                                   skip_special_tokens=True)
+    out = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", "-m", str(mlx_dir), "-p", TRANSLATE,
+                          "-n", "16", "-v"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected + "\n"
+    assert "no chat template, so the prompt goes to the model as raw text" in out.stderr
+
+
+@pytest.mark.real
+def test_real_gemma3_float32_import_matches_transformers(gemma3, tmp_path):
+    """`convert gemma-3-270m-q4_k_m.gguf --dtype float32`: every tensor (Q5_0, Q8_0, Q4_K, Q6_K)
+    dequantized exactly, so greedy decoding of raw prompts is transformers' on the same GGUF."""
+    import mlxinfer
+    from fixtures import gemma3_reference
+    from mlxinfer.generation import generate_step
+
+    gguf_path, _ = gemma3
+    report = convert(gguf_path, tmp_path / "f32", dtype="float32")
+    assert {v["type"] for v in report["loss"].values()} >= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert max(v["max_abs"] for v in report["loss"].values()) == 0
+    model, tok = mlxinfer.load(tmp_path / "f32")
+    prompts = {name: tok.encode(text) for name, text in {**GEMMA3_PROMPTS, "translate": TRANSLATE}.items()}
+    reference = gemma3_reference(prompts, 16)
+    for name, ids in prompts.items():
+        ours = [t for t, _ in generate_step(ids, model, max_tokens=16)]
+        assert ours[: len(reference[name])] == reference[name], (name, tok.decode(ours))

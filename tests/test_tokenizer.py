@@ -280,6 +280,22 @@ def test_chat_template_matches_transformers(dirs, tmp_path, template, base):
             assert rendered == expected
 
 
+@pytest.mark.parametrize("name", ["gemma", "chatml"])
+def test_named_chat_template_renders_like_transformers(dirs, tmp_path, name):
+    """``set_chat_template(name)`` (``--chat-template``) on a tokenizer with none, and the same
+    template read from a Jinja file, render as transformers renders that template."""
+    from mlxinfer.chat_template import NAMED_TEMPLATES
+
+    reference = transformers.AutoTokenizer.from_pretrained(
+        str(_with_template(dirs["spm"], tmp_path / "model", NAMED_TEMPLATES[name])))
+    for source in (name, str(tmp_path / "model" / "chat_template.jinja")):
+        tokenizer = Tokenizer.from_dir(dirs["spm"])
+        tokenizer.set_chat_template(source)
+        for messages in CONVERSATIONS:
+            expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert tokenizer.apply_chat_template(messages) == expected
+
+
 def test_chat_template_kwargs_and_tools_match_transformers(dirs, tmp_path):
     directory = _with_template(dirs["bpe_bos"], tmp_path / "model", LLAMA3_TEMPLATE)
     tokenizer = Tokenizer.from_dir(directory)

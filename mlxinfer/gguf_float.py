@@ -1,0 +1,68 @@
+"""GGUF import to a float dtype: every tensor dequantized, optionally re-quantized.
+
+``mlxinfer convert model.gguf -o out --dtype float32`` asks for the file's
+weights as plain floats: each tensor, whatever its type, is dequantized to
+float32 exactly as ``gguf.quants.dequantize`` does, then stored in the dtype
+asked for. With ``-q`` the float weights are then quantized as a Hugging Face
+checkpoint would be (``quant.quantize_model``'s layers and record, ``bits`` and
+``group_size``). The report gives, per tensor stored differently from the
+file, how far the stored weights are from the file's (max |error| and relative
+RMS error): zero for float32, float rounding for float16/bfloat16, the new grid
+for ``-q``. One tensor is in float32 at a time.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from . import gguf_quants as gq
+from .gguf_arch import fix_float, permuted_heads, unpermute_rows
+from .models import build_model
+from .quant import quantize_model
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def quantized_modules(config: dict, bits: int, group_size: int) -> tuple[dict, set[str]]:
+    """The ``quantization`` record and module paths that ``quantize_model`` gives this
+    architecture (found on a model whose weights are never computed)."""
+    model = build_model(config, "config.json")
+    record = quantize_model(model, bits=bits, group_size=group_size)
+    return record, {path for path, m in model.named_modules() if "scales" in m}
+
+
+def write_float(buf, tensors: dict, names: dict, arch: str, config: dict, *, dtype: str,
+                quantize: tuple[int, int] | None, progress: bool, raw) -> tuple[dict, dict]:
+    """The weights in ``dtype`` (``quantize``: affine ``(bits, group_size)`` where
+    ``quantize_model`` would quantize), and the per-tensor loss; ``config`` gets the
+    dtype and quantization record. ``raw(buf, t)`` reads a tensor's bytes."""
+    target = DTYPES[dtype]
+    record, to_quantize = quantized_modules(config, *quantize) if quantize else (None, set())
+    weights, losses = {}, {}
+    for name, t in tqdm(tensors.items(), desc="import", unit="tensor", disable=not progress):
+        module, kind = names[name]
+        ref = fix_float(arch, module, kind, gq.dequantize(raw(buf, t), t.type_name, t.shape))
+        heads = permuted_heads(arch, module, config)
+        if heads:
+            ref = unpermute_rows(ref, heads)
+        w = mx.array(np.ascontiguousarray(ref)).astype(target)
+        if kind == "weight" and module in to_quantize:
+            bits, group_size = quantize
+            q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+            stored = mx.dequantize(q, scales, biases, group_size=group_size, bits=bits)
+            new = {f"{module}.weight": q, f"{module}.scales": scales, f"{module}.biases": biases}
+            entry = {"bits": bits, "group_size": group_size}
+        else:
+            stored, entry = w, {}
+            new = {f"{module}.{kind}": w}
+        mx.eval(list(new.values()))
+        weights.update(new)
+        if t.type_name != "F32" or target != mx.float32 or entry:
+            loss = gq.loss(ref, np.array(stored.astype(mx.float32)))
+            losses[f"{module}.{kind}"] = {"type": t.type_name, "dtype": dtype, **entry, **loss}
+    config["torch_dtype"] = dtype
+    if record is not None:
+        config["quantization"] = record
+    return weights, losses
