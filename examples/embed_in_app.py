@@ -21,9 +21,13 @@ import mlxinfer  # noqa: E402
 class Assistant:
     def __init__(self, model: str | None = None):
         self.model, self.tokenizer = mlxinfer.load(model, log=lambda m: print(m, file=sys.stderr))
-        self.chat = mlxinfer.ChatSession(self.model, self.tokenizer, system="Answer briefly.", max_tokens=128)
+        self.chat = mlxinfer.ChatSession(
+            self.model, self.tokenizer, system="Answer briefly.", max_tokens=128
+        )
 
-    def ask(self, question: str, on_text: Callable[[str], None], should_stop: Callable[[], bool]) -> str:
+    def ask(
+        self, question: str, on_text: Callable[[str], None], should_stop: Callable[[], bool]
+    ) -> str:
         """Stream the answer to ``on_text``; returns why it finished."""
         for r in self.chat.send(question):
             on_text(r.text)

@@ -19,7 +19,9 @@ def writing_dir(dst: Path) -> Iterator[Path]:
     would stick to the result).
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"  # same filesystem: rename is atomic
+    tmp = (
+        dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"
+    )  # same filesystem: rename is atomic
     tmp.mkdir()
     try:
         yield tmp

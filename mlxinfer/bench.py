@@ -63,6 +63,7 @@ class BenchError(MlxInferError):
 
 # ---------------------------------------------------------------- input
 
+
 def parse_lengths(text: str, option: str = "-p/--prompt-tokens") -> list[int]:
     """``"128,512"`` -> ``[128, 512]``; ValueError naming ``option`` otherwise."""
     items = [t.strip() for t in str(text).split(",")]
@@ -95,6 +96,7 @@ def prompt_ids(n: int, vocab_size: int, seed: int = 0) -> list[int]:
 
 # ---------------------------------------------------------------- mlxinfer runs
 
+
 @dataclass
 class Run:
     """One timed generation (either engine)."""
@@ -105,8 +107,13 @@ class Run:
     peak_memory_gb: float
 
 
-def time_run(model: nn.Module, ids: list[int], max_tokens: int, kv_bits: int | None,
-             prefill_step: int | None = None) -> tuple[Run, int, int]:
+def time_run(
+    model: nn.Module,
+    ids: list[int],
+    max_tokens: int,
+    kv_bits: int | None,
+    prefill_step: int | None = None,
+) -> tuple[Run, int, int]:
     """One greedy generation of exactly ``max_tokens`` tokens with a fresh cache.
 
     Returns ``(run, cache bytes, cached tokens)`` as the cache ends (it holds
@@ -121,8 +128,13 @@ def time_run(model: nn.Module, ids: list[int], max_tokens: int, kv_bits: int | N
     t0 = time.perf_counter()
     pc = PromptCache(model.make_cache(kv_bits=kv_bits))
     with wired_limit():  # as stream_generate runs it (Metal only)
-        for _token, _logprobs in generate_step(ids, model, prompt_cache=pc, max_tokens=max_tokens,
-                                               prefill_step_size=prefill_step or DEFAULT_PREFILL_STEP):
+        for _token, _logprobs in generate_step(
+            ids,
+            model,
+            prompt_cache=pc,
+            max_tokens=max_tokens,
+            prefill_step_size=prefill_step or DEFAULT_PREFILL_STEP,
+        ):
             t_last = time.perf_counter()  # the token is a Python int: its step has finished
             if count == 0:
                 t_first = t_last
@@ -132,19 +144,27 @@ def time_run(model: nn.Module, ids: list[int], max_tokens: int, kv_bits: int | N
         raise RuntimeError(f"expected {max_tokens} tokens, got {count}")
     ttft = t_first - t0
     decode = count / (t_last - t_first) if t_last > t_first else float("nan")
-    run = Run(ttft_s=ttft, prefill_tps=len(ids) / ttft, decode_tps=decode, peak_memory_gb=mx.get_peak_memory() / 1e9)
+    run = Run(
+        ttft_s=ttft,
+        prefill_tps=len(ids) / ttft,
+        decode_tps=decode,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+    )
     return run, pc.nbytes, len(pc.tokens)
 
 
 def summarize(runs: list[Run]) -> dict:
     """``{"runs": [...], "median": {metric: v}, "spread": {metric: [min, max]}}``."""
     rows = [asdict(r) for r in runs]
-    return {"runs": rows,
-            "median": {m: statistics.median(r[m] for r in rows) for m in METRICS},
-            "spread": {m: [min(r[m] for r in rows), max(r[m] for r in rows)] for m in METRICS}}
+    return {
+        "runs": rows,
+        "median": {m: statistics.median(r[m] for r in rows) for m in METRICS},
+        "spread": {m: [min(r[m] for r in rows), max(r[m] for r in rows)] for m in METRICS},
+    }
 
 
 # ---------------------------------------------------------------- mlx-lm (child process)
+
 
 def require_mlx_lm() -> None:
     """Raise unless mlx-lm can be run; looked up without importing it."""
@@ -171,16 +191,33 @@ def parse_trials(output: str) -> list[dict[str, float]]:
         if {"prompt_tps", "generation_tps", "peak_memory"} <= trial.keys():
             trials.append(trial)
     if not trials:
-        tail = " | ".join(line.strip() for line in output.strip().splitlines()[-5:]) or "(no output)"
-        raise BenchError(f"mlx_lm.benchmark printed no 'Trial N: prompt_tps=…' lines; its output ended: {tail}")
+        tail = (
+            " | ".join(line.strip() for line in output.strip().splitlines()[-5:]) or "(no output)"
+        )
+        raise BenchError(
+            f"mlx_lm.benchmark printed no 'Trial N: prompt_tps=…' lines; its output ended: {tail}"
+        )
     return trials
 
 
-def mlx_lm_command(model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int,
-                   prefill_step: int | None = None) -> list[str]:
+def mlx_lm_command(
+    model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int, prefill_step: int | None = None
+) -> list[str]:
     step = ["--prefill-step-size", str(prefill_step)] if prefill_step else []
-    return [sys.executable, "-m", "mlx_lm.benchmark", "--model", str(model_dir), "-p", str(prompt_tokens),
-            "-g", str(max_tokens), "-n", str(reps), *step]
+    return [
+        sys.executable,
+        "-m",
+        "mlx_lm.benchmark",
+        "--model",
+        str(model_dir),
+        "-p",
+        str(prompt_tokens),
+        "-g",
+        str(max_tokens),
+        "-n",
+        str(reps),
+        *step,
+    ]
 
 
 def child_env() -> dict[str, str]:
@@ -192,23 +229,37 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_mlx_lm(model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int,
-               prefill_step: int | None = None) -> list[Run]:
+def run_mlx_lm(
+    model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int, prefill_step: int | None = None
+) -> list[Run]:
     """mlx-lm's own benchmark (its own warm-up, then ``reps`` trials) in a child process."""
-    proc = subprocess.run(mlx_lm_command(model_dir, prompt_tokens, max_tokens, reps, prefill_step), env=child_env(),
-                          check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(
+        mlx_lm_command(model_dir, prompt_tokens, max_tokens, reps, prefill_step),
+        env=child_env(),
+        check=False,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if proc.returncode != 0:
         tail = " | ".join(line.strip() for line in proc.stdout.strip().splitlines()[-5:])
         raise BenchError(f"mlx_lm.benchmark exited with code {proc.returncode}: {tail}")
     runs = []
     for t in parse_trials(proc.stdout):
         ttft = prompt_tokens / t["prompt_tps"] if t["prompt_tps"] > 0 else float("nan")
-        runs.append(Run(ttft_s=ttft, prefill_tps=t["prompt_tps"], decode_tps=t["generation_tps"],
-                        peak_memory_gb=t["peak_memory"]))
+        runs.append(
+            Run(
+                ttft_s=ttft,
+                prefill_tps=t["prompt_tps"],
+                decode_tps=t["generation_tps"],
+                peak_memory_gb=t["peak_memory"],
+            )
+        )
     return runs
 
 
 # ---------------------------------------------------------------- roofline
+
 
 def weight_bytes_per_token(model: nn.Module) -> int:
     """Parameter bytes one decode step reads, as loaded.
@@ -226,13 +277,22 @@ def weight_bytes_per_token(model: nn.Module) -> int:
         rows = module.weight.shape[0]
         if tied and rows == model.args.vocab_size:
             continue
-        table = sum(v.nbytes for _, v in tree_flatten(module.parameters()))  # weight (+ scales, biases)
+        table = sum(
+            v.nbytes for _, v in tree_flatten(module.parameters())
+        )  # weight (+ scales, biases)
         total -= table - table // rows
     return total
 
 
-def roofline(weight_bytes: int, cache_bytes: int, cached_tokens: int, prompt_tokens: int, max_tokens: int,
-             bandwidth_gb_s: float, decode_tps: float) -> dict:
+def roofline(
+    weight_bytes: int,
+    cache_bytes: int,
+    cached_tokens: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    bandwidth_gb_s: float,
+    decode_tps: float,
+) -> dict:
     """The bandwidth-bound decode limit: each step reads the weights and the KV cache once.
 
     Decode steps 1..n−1 attend over p+1..p+n−1 tokens: on average p + n/2.
@@ -243,9 +303,16 @@ def roofline(weight_bytes: int, cache_bytes: int, cached_tokens: int, prompt_tok
     kv = cache_bytes / cached_tokens * context if cached_tokens else 0.0
     per_token = weight_bytes + kv
     limit = bandwidth_gb_s * 1e9 / per_token
-    return {"mean_context": context, "weight_bytes": weight_bytes, "kv_bytes": kv, "bytes_per_token": per_token,
-            "bandwidth_gb_s": bandwidth_gb_s, "limit_tps": limit, "decode_tps": decode_tps,
-            "fraction": decode_tps / limit}
+    return {
+        "mean_context": context,
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv,
+        "bytes_per_token": per_token,
+        "bandwidth_gb_s": bandwidth_gb_s,
+        "limit_tps": limit,
+        "decode_tps": decode_tps,
+        "fraction": decode_tps / limit,
+    }
 
 
 def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[float, str]:
@@ -285,13 +352,20 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[floa
 
 # ---------------------------------------------------------------- environment and notes
 
+
 def environment(compare: str | None) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    env = {"platform": platform.platform(), "python": platform.python_version(), "mlx": mx.__version__,
-           "device": mx.default_device().type.name, "blas": blas_in_use(), "cpus": os.cpu_count(),
-           # other work on the machine skews every number; the ratios less so
-           "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    env = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "device": mx.default_device().type.name,
+        "blas": blas_in_use(),
+        "cpus": os.cpu_count(),
+        # other work on the machine skews every number; the ratios less so
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
     if compare == "mlx-lm":
         try:
             env["mlx_lm"] = version("mlx-lm")
@@ -317,21 +391,38 @@ def comparison_notes(model: nn.Module, model_dir: Path, kv_bits: int | None) -> 
     """What differs between the engines beyond the code under test."""
     notes = []
     if kv_bits:
-        notes.append(f"mlxinfer's KV cache was quantized to {kv_bits} bits; mlx-lm's benchmark has no "
-                     "KV-quantization flag, so mlx-lm ran with its float cache.")
-    ours = {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+        notes.append(
+            f"mlxinfer's KV cache was quantized to {kv_bits} bits; mlx-lm's benchmark has no "
+            "KV-quantization flag, so mlx-lm ran with its float cache."
+        )
+    ours = {
+        v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)
+    }
     half = stored_half_dtypes(model_dir)
     if half and ours == {mx.float32}:
-        notes.append(f"the checkpoint stores {', '.join(sorted(half))} floats: mlxinfer computes in float32 on "
-                     "MLX's CPU backend, mlx-lm in the stored dtype.")
+        notes.append(
+            f"the checkpoint stores {', '.join(sorted(half))} floats: mlxinfer computes in float32 on "
+            "MLX's CPU backend, mlx-lm in the stored dtype."
+        )
     return notes
 
 
 # ---------------------------------------------------------------- the benchmark
 
-def run_benchmark(model: nn.Module, model_dir: Path, prompt_lengths: list[int], *, max_tokens: int = 128,
-                  reps: int = 3, kv_bits: int | None = None, prefill_step: int | None = None,
-                  compare: str | None = None, bandwidth: tuple[float, str] | None = None, log: Log | None = None) -> dict:
+
+def run_benchmark(
+    model: nn.Module,
+    model_dir: Path,
+    prompt_lengths: list[int],
+    *,
+    max_tokens: int = 128,
+    reps: int = 3,
+    kv_bits: int | None = None,
+    prefill_step: int | None = None,
+    compare: str | None = None,
+    bandwidth: tuple[float, str] | None = None,
+    log: Log | None = None,
+) -> dict:
     """Measure ``model`` at each prompt length; with ``compare="mlx-lm"`` mlx-lm too, alternating.
 
     Args:
@@ -351,7 +442,9 @@ def run_benchmark(model: nn.Module, model_dir: Path, prompt_lengths: list[int], 
     if not prompt_lengths or min(prompt_lengths) < 1:
         raise ValueError(f"prompt lengths: expected positive integers, found {prompt_lengths}")
     if max_tokens < 2:
-        raise ValueError(f"max_tokens: expected at least 2 (decode speed needs two tokens), found {max_tokens}")
+        raise ValueError(
+            f"max_tokens: expected at least 2 (decode speed needs two tokens), found {max_tokens}"
+        )
     if reps < 1:
         raise ValueError(f"reps: expected at least 1, found {reps}")
     if prefill_step is not None and prefill_step < 1:
@@ -376,20 +469,43 @@ def run_benchmark(model: nn.Module, model_dir: Path, prompt_lengths: list[int], 
         for rep in range(reps):
             run, _, _ = time_run(model, ids, max_tokens, kv_bits, prefill_step)
             runs.append(run)
-            log(f"p={p}: mlxinfer {rep + 1}/{reps}  prefill {run.prefill_tps:.1f} tok/s  "
-                f"decode {run.decode_tps:.1f} tok/s  peak {run.peak_memory_gb * 1000:.0f} MB")
+            log(
+                f"p={p}: mlxinfer {rep + 1}/{reps}  prefill {run.prefill_tps:.1f} tok/s  "
+                f"decode {run.decode_tps:.1f} tok/s  peak {run.peak_memory_gb * 1000:.0f} MB"
+            )
         entry = {"prompt_tokens": p, "engines": {"mlxinfer": summarize(runs)}}
         if compare:
-            log(f"p={p}: mlx-lm (python -m mlx_lm.benchmark, warm-up + {reps} trial{'s' * (reps > 1)}) …")
+            log(
+                f"p={p}: mlx-lm (python -m mlx_lm.benchmark, warm-up + {reps} trial{'s' * (reps > 1)}) …"
+            )
             theirs = run_mlx_lm(model_dir, p, max_tokens, reps, prefill_step)
             entry["engines"]["mlx-lm"] = summarize(theirs)
             ours_m, theirs_m = (entry["engines"][e]["median"] for e in ENGINES)
-            entry["ratios"] = {m: ours_m[m] / theirs_m[m] if theirs_m[m] else float("nan") for m in METRICS}
-        entry["roofline"] = roofline(weights, cache_bytes, cached, p, max_tokens, bandwidth[0],
-                                     entry["engines"]["mlxinfer"]["median"]["decode_tps"])
+            entry["ratios"] = {
+                m: ours_m[m] / theirs_m[m] if theirs_m[m] else float("nan") for m in METRICS
+            }
+        entry["roofline"] = roofline(
+            weights,
+            cache_bytes,
+            cached,
+            p,
+            max_tokens,
+            bandwidth[0],
+            entry["engines"]["mlxinfer"]["median"]["decode_tps"],
+        )
         results.append(entry)
-    return {"environment": environment(compare), "model": str(model_dir),
-            "settings": {"prompt_tokens": list(prompt_lengths), "max_tokens": max_tokens, "reps": reps,
-                         "kv_bits": kv_bits, "prefill_step": prefill_step, "compare": compare},
-            "bandwidth": {"gb_per_s": bandwidth[0], "probe": bandwidth[1]},
-            "notes": notes, "results": results}
+    return {
+        "environment": environment(compare),
+        "model": str(model_dir),
+        "settings": {
+            "prompt_tokens": list(prompt_lengths),
+            "max_tokens": max_tokens,
+            "reps": reps,
+            "kv_bits": kv_bits,
+            "prefill_step": prefill_step,
+            "compare": compare,
+        },
+        "bandwidth": {"gb_per_s": bandwidth[0], "probe": bandwidth[1]},
+        "notes": notes,
+        "results": results,
+    }

@@ -45,35 +45,57 @@ def tables(result: dict) -> str:
     kv = f", {s['kv_bits']}-bit KV cache" if s["kv_bits"] else ""
     kv += f", prefill chunks of {s['prefill_step']} tokens" if s.get("prefill_step") else ""
     runs = f"{s['reps']} run{'s' * (s['reps'] > 1)}"
-    caption = (f"{result['model']} — MLX {env['mlx']} on {env['device']}, {env['blas']}; {s['max_tokens']} "
-               f"generated tokens{kv}, greedy; median (min–max) of {runs} after a warm-up; "
-               f"{env['cpus']} CPUs, 1-min load average {env['load_average_1min'] or 0:.1f}")
-    lines = [caption,
-             "",
-             "| engine | prompt | " + " | ".join(c[0] for c in COLUMNS.values()) + " |",
-             "|---|---:|" + "---:|" * len(COLUMNS)]
+    caption = (
+        f"{result['model']} — MLX {env['mlx']} on {env['device']}, {env['blas']}; {s['max_tokens']} "
+        f"generated tokens{kv}, greedy; median (min–max) of {runs} after a warm-up; "
+        f"{env['cpus']} CPUs, 1-min load average {env['load_average_1min'] or 0:.1f}"
+    )
+    lines = [
+        caption,
+        "",
+        "| engine | prompt | " + " | ".join(c[0] for c in COLUMNS.values()) + " |",
+        "|---|---:|" + "---:|" * len(COLUMNS),
+    ]
     for entry in result["results"]:
         for engine, summary in entry["engines"].items():
-            lines.append(f"| {engine} | {entry['prompt_tokens']} | "
-                         + " | ".join(_cell(summary, m) for m in COLUMNS) + " |")
+            lines.append(
+                f"| {engine} | {entry['prompt_tokens']} | "
+                + " | ".join(_cell(summary, m) for m in COLUMNS)
+                + " |"
+            )
     if s["compare"]:
-        lines += ["", f"mlxinfer / {s['compare']} (medians):", "",
-                  "| prompt | " + " | ".join(c[0] for c in COLUMNS.values()) + " |",
-                  "|---:|" + "---:|" * len(COLUMNS)]
+        lines += [
+            "",
+            f"mlxinfer / {s['compare']} (medians):",
+            "",
+            "| prompt | " + " | ".join(c[0] for c in COLUMNS.values()) + " |",
+            "|---:|" + "---:|" * len(COLUMNS),
+        ]
         for entry in result["results"]:
-            lines.append(f"| {entry['prompt_tokens']} | "
-                         + " | ".join(f"{entry['ratios'][m]:.2f}×" for m in COLUMNS) + " |")
+            lines.append(
+                f"| {entry['prompt_tokens']} | "
+                + " | ".join(f"{entry['ratios'][m]:.2f}×" for m in COLUMNS)
+                + " |"
+            )
     bw = result["bandwidth"]
-    caption = (f"decode roofline (mlxinfer): memory bandwidth {bw['gb_per_s']:.1f} GB/s ({bw['probe']}); "
-               "bytes per token = weights read + KV cache at the mean decode context")
-    lines += ["", caption, "",
-              "| prompt | mean context | weights | KV cache | bytes/token | limit tok/s | decode tok/s | reached |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    caption = (
+        f"decode roofline (mlxinfer): memory bandwidth {bw['gb_per_s']:.1f} GB/s ({bw['probe']}); "
+        "bytes per token = weights read + KV cache at the mean decode context"
+    )
+    lines += [
+        "",
+        caption,
+        "",
+        "| prompt | mean context | weights | KV cache | bytes/token | limit tok/s | decode tok/s | reached |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for entry in result["results"]:
         r = entry["roofline"]
-        lines.append(f"| {entry['prompt_tokens']} | {r['mean_context']:g} | {_size(r['weight_bytes'])} | "
-                     f"{_size(r['kv_bytes'])} | {_size(r['bytes_per_token'])} | {r['limit_tps']:.1f} | "
-                     f"{r['decode_tps']:.1f} | {r['fraction']:.0%} |")
+        lines.append(
+            f"| {entry['prompt_tokens']} | {r['mean_context']:g} | {_size(r['weight_bytes'])} | "
+            f"{_size(r['kv_bytes'])} | {_size(r['bytes_per_token'])} | {r['limit_tps']:.1f} | "
+            f"{r['decode_tps']:.1f} | {r['fraction']:.0%} |"
+        )
     if result["notes"]:
         lines += [""] + [f"Note: {note}" for note in result["notes"]]
     return "\n".join(lines)
@@ -137,7 +159,10 @@ def write_plot(result: dict, path: str | os.PathLike) -> Path:
             hi = [e["engines"][engine]["spread"][metric][1] - y for y, e in zip(ys, entries)]
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=engine)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(result["settings"]["prompt_tokens"], [str(x) for x in result["settings"]["prompt_tokens"]])
+        ax.set_xticks(
+            result["settings"]["prompt_tokens"],
+            [str(x) for x in result["settings"]["prompt_tokens"]],
+        )
         ax.minorticks_off()
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("tok/s")

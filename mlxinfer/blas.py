@@ -34,7 +34,9 @@ CANDIDATES = (
 MKL_CANDIDATES = ("libmkl_rt.so.3", "libmkl_rt.so.2")
 
 _loaded: str | None = None  # the library loaded into this process, if any
-_too_late: str | None = None  # a fast BLAS there was, but MLX had been imported before it could load
+_too_late: str | None = (
+    None  # a fast BLAS there was, but MLX had been imported before it could load
+)
 _warned = False
 
 
@@ -67,8 +69,11 @@ def preload_openblas() -> str | None:
     global _loaded, _too_late
     if _loaded or not sys.platform.startswith("linux"):
         return _loaded
-    preloaded = [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
-                 if "openblas" in os.path.basename(p) or "libmkl_rt" in os.path.basename(p)]
+    preloaded = [
+        p
+        for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+        if "openblas" in os.path.basename(p) or "libmkl_rt" in os.path.basename(p)
+    ]
     if preloaded:  # loaded by the dynamic linker before anything else: MLX binds to it
         _loaded = preloaded[0]
         return _loaded
@@ -99,9 +104,11 @@ def late_warning() -> str | None:
     if path is None:
         return None
     _warned = True
-    return (f"MLX was imported before mlxinfer, so its CPU matmuls run on the reference BLAS (prefill ~5x "
-            f"slower) although {path} is installed: import mlxinfer before mlx, or start Python with "
-            f"LD_PRELOAD={path}")
+    return (
+        f"MLX was imported before mlxinfer, so its CPU matmuls run on the reference BLAS (prefill ~5x "
+        f"slower) although {path} is installed: import mlxinfer before mlx, or start Python with "
+        f"LD_PRELOAD={path}"
+    )
 
 
 def preloaded_blas() -> str | None:

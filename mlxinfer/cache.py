@@ -87,8 +87,8 @@ class KVCache:
         self.keys = _grow(self.keys, prev, needed, step, keys)
         self.values = _grow(self.values, prev, needed, step, values)
         self.offset = prev + L
-        self.keys[..., prev:self.offset, :] = keys
-        self.values[..., prev:self.offset, :] = values
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     def make_mask(self, n_queries: int) -> Mask:
@@ -183,8 +183,12 @@ class RotatingKVCache:
         n = full_k.shape[2]
         if n > self.max_size:
             tail = self.max_size - self.keep
-            store_k = mx.concatenate([full_k[..., : self.keep, :], full_k[..., n - tail :, :]], axis=2)
-            store_v = mx.concatenate([full_v[..., : self.keep, :], full_v[..., n - tail :, :]], axis=2)
+            store_k = mx.concatenate(
+                [full_k[..., : self.keep, :], full_k[..., n - tail :, :]], axis=2
+            )
+            store_v = mx.concatenate(
+                [full_v[..., : self.keep, :], full_v[..., n - tail :, :]], axis=2
+            )
         else:
             store_k, store_v = full_k, full_v
         self.keys, self.values = store_k, store_v
@@ -218,7 +222,9 @@ class RotatingKVCache:
         window = self.max_size - self.keep
         k_pos = mx.array(self._positions() + list(range(self.offset, self.offset + n_queries)))
         q_pos = mx.arange(self.offset, self.offset + n_queries)[:, None]
-        visible = (k_pos[None] <= q_pos) & ((q_pos - k_pos[None] < window) | (k_pos[None] < self.keep))
+        visible = (k_pos[None] <= q_pos) & (
+            (q_pos - k_pos[None] < window) | (k_pos[None] < self.keep)
+        )
         return visible  # (n_queries, cached + n_queries) boolean
 
     def is_trimmable(self) -> bool:
@@ -249,7 +255,11 @@ class RotatingKVCache:
 
     @meta_state.setter
     def meta_state(self, meta: dict[str, str]) -> None:
-        self.max_size, self.keep, self.offset = int(meta["max_size"]), int(meta["keep"]), int(meta["offset"])
+        self.max_size, self.keep, self.offset = (
+            int(meta["max_size"]),
+            int(meta["keep"]),
+            int(meta["offset"]),
+        )
 
     @property
     def nbytes(self) -> int:
@@ -274,7 +284,9 @@ class QuantizedKVCache:
         self.offset = 0
         self.reserved = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list[mx.array], list[mx.array]]:
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array
+    ) -> tuple[list[mx.array], list[mx.array]]:
         prev, L = self.offset, keys.shape[2]
         new_k = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         new_v = mx.quantize(values, group_size=self.group_size, bits=self.bits)
@@ -287,7 +299,10 @@ class QuantizedKVCache:
                 bufs[i] = _grow(bufs[i], prev, needed, step, new[i])
                 bufs[i][..., prev : prev + L, :] = new[i]
         self.offset = prev + L
-        return ([a[..., : self.offset, :] for a in self.keys], [a[..., : self.offset, :] for a in self.values])
+        return (
+            [a[..., : self.offset, :] for a in self.keys],
+            [a[..., : self.offset, :] for a in self.values],
+        )
 
     make_mask = KVCache.make_mask
     is_trimmable = KVCache.is_trimmable

@@ -16,10 +16,20 @@ class ChatSession:
         **options: ``stream_generate`` options used for every turn.
     """
 
-    def __init__(self, model, tokenizer, *, system: str | None = None, max_kv_size: int | None = None,
-                 kv_bits: int | None = None, **options: Any):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        system: str | None = None,
+        max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+        **options: Any,
+    ):
         self.model, self.tokenizer, self.options = model, tokenizer, options
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.messages: list[dict[str, str]] = (
+            [{"role": "system", "content": system}] if system else []
+        )
         self.prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
 
     def send(self, text: str) -> Iterator[GenerationResult]:
@@ -27,8 +37,13 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         reply = []
         try:
-            for r in stream_generate(self.model, self.tokenizer, self.messages,
-                                     prompt_cache=self.prompt_cache, **self.options):
+            for r in stream_generate(
+                self.model,
+                self.tokenizer,
+                self.messages,
+                prompt_cache=self.prompt_cache,
+                **self.options,
+            ):
                 reply.append(r.text)
                 yield r
         finally:

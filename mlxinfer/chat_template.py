@@ -56,7 +56,9 @@ class ChatTemplate:
     ) -> str:
         """Render ``messages``; ``variables`` (special tokens, tools, user kwargs) are template globals."""
         if not messages:
-            raise TokenizerError(f"chat template {self.origin}: messages is empty, expected at least one message")
+            raise TokenizerError(
+                f"chat template {self.origin}: messages is empty, expected at least one message"
+            )
         chat = []
         for index, message in enumerate(messages):
             if not isinstance(message, Mapping):
@@ -69,7 +71,9 @@ class ChatTemplate:
         try:
             # Everything the template sees is rebuilt from plain JSON-like values (see _plain).
             return self._template().render(
-                _plain(context), messages=_plain(chat), add_generation_prompt=bool(add_generation_prompt)
+                _plain(context),
+                messages=_plain(chat),
+                add_generation_prompt=bool(add_generation_prompt),
             )
         except TokenizerError:
             raise
@@ -107,11 +111,15 @@ def load_chat_templates(path: Path, tokenizer_config: Mapping[str, Any]) -> dict
         except json.JSONDecodeError as exc:
             raise TokenizerError(f"{json_file}: not valid JSON ({exc})") from exc
         if not isinstance(data, dict) or "chat_template" not in data:
-            raise TokenizerError(f"{json_file}: expected an object with key 'chat_template', found {_kind(data)}")
+            raise TokenizerError(
+                f"{json_file}: expected an object with key 'chat_template', found {_kind(data)}"
+            )
         return _templates_from_value(data["chat_template"], json_file)
 
     if tokenizer_config.get("chat_template") is not None:
-        return _templates_from_value(tokenizer_config["chat_template"], path / "tokenizer_config.json")
+        return _templates_from_value(
+            tokenizer_config["chat_template"], path / "tokenizer_config.json"
+        )
     return {}
 
 
@@ -147,8 +155,10 @@ def named_chat_template(name_or_path: str) -> ChatTemplate:
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return ChatTemplate(_read_text(path), str(path))
-    raise TokenizerError(f"chat template {name_or_path!r}: expected one of {', '.join(sorted(NAMED_TEMPLATES))} "
-                         "or a Jinja file, found neither")
+    raise TokenizerError(
+        f"chat template {name_or_path!r}: expected one of {', '.join(sorted(NAMED_TEMPLATES))} "
+        "or a Jinja file, found neither"
+    )
 
 
 def select_chat_template(templates: Mapping[str, ChatTemplate], *, use_tools: bool) -> ChatTemplate:
@@ -159,7 +169,9 @@ def select_chat_template(templates: Mapping[str, ChatTemplate], *, use_tools: bo
         return templates["default"]
     if len(templates) == 1:
         return next(iter(templates.values()))
-    raise TokenizerError(f"chat templates: expected one named 'default', found only {sorted(templates)}")
+    raise TokenizerError(
+        f"chat templates: expected one named 'default', found only {sorted(templates)}"
+    )
 
 
 def _templates_from_value(value: Any, file: Path) -> dict[str, ChatTemplate]:
@@ -169,14 +181,19 @@ def _templates_from_value(value: Any, file: Path) -> dict[str, ChatTemplate]:
     if isinstance(value, list):
         templates = {}
         for index, entry in enumerate(value):
-            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                    and isinstance(entry.get("template"), str)):
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
                 raise TokenizerError(
                     f"{key}[{index}]: expected an object with string 'name' and 'template', found {_kind(entry)}"
                 )
             templates[entry["name"]] = ChatTemplate(entry["template"], f"{key}[{entry['name']!r}]")
         return templates
-    raise TokenizerError(f"{key}: expected a string or a list of named templates, found {_kind(value)}")
+    raise TokenizerError(
+        f"{key}: expected a string or a list of named templates, found {_kind(value)}"
+    )
 
 
 # --- the sandboxed environment --------------------------------------------------------------------
@@ -198,7 +215,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
 def _make_environment() -> ImmutableSandboxedEnvironment:
     # trim_blocks / lstrip_blocks and these globals are what Hub templates are written against.
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols])
+    env = _Sandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -215,11 +234,18 @@ def _raise_exception(message: Any) -> None:
     raise _TemplateRaised(str(message))
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson HTML-escapes (<, >, &, ') and returns Markup; templates
     # written for transformers expect plain json.dumps with non-ASCII kept.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:

@@ -35,20 +35,48 @@ def _log(message: str) -> None:
 
 def generation_options(fn):
     options = [
-        click.option("--model", "-m", default=None, help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]"),
-        click.option("--max-tokens", "-n", default=256, show_default=True, help="Most tokens to generate."),
-        click.option("--temp", "temperature", default=0.0, show_default=True, help="Sampling temperature (0 = greedy)."),
+        click.option(
+            "--model",
+            "-m",
+            default=None,
+            help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]",
+        ),
+        click.option(
+            "--max-tokens", "-n", default=256, show_default=True, help="Most tokens to generate."
+        ),
+        click.option(
+            "--temp",
+            "temperature",
+            default=0.0,
+            show_default=True,
+            help="Sampling temperature (0 = greedy).",
+        ),
         click.option("--top-p", default=1.0, show_default=True),
         click.option("--top-k", default=0, show_default=True, help="0 = off."),
         click.option("--min-p", default=0.0, show_default=True),
         click.option("--repetition-penalty", default=None, type=float),
         click.option("--seed", default=None, type=int),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--max-kv-size", default=None, type=int, help="Keep at most this many tokens in the KV cache."),
-        click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV cache."),
-        click.option("--truncate-prompt", is_flag=True, help="Left-truncate a prompt longer than the context."),
-        click.option("--prefill-step-size", default=None, type=click.IntRange(1),
-                     help="Prompt tokens per prefill chunk; smaller lowers peak memory [default: 512]."),
+        click.option(
+            "--max-kv-size",
+            default=None,
+            type=int,
+            help="Keep at most this many tokens in the KV cache.",
+        ),
+        click.option(
+            "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV cache."
+        ),
+        click.option(
+            "--truncate-prompt",
+            is_flag=True,
+            help="Left-truncate a prompt longer than the context.",
+        ),
+        click.option(
+            "--prefill-step-size",
+            default=None,
+            type=click.IntRange(1),
+            help="Prompt tokens per prefill chunk; smaller lowers peak memory [default: 512].",
+        ),
         click.option("--verbose", "-v", is_flag=True, help="Print the request timeline to stderr."),
     ]
     for option in reversed(options):
@@ -85,14 +113,31 @@ def cli():
 
 def speculative_options(fn):
     options = [
-        click.option("--draft-model", default=None, help="Speculative decoding with this draft model "
-                     "(directory or Hub repo id; same tokenizer as the model)."),
-        click.option("--prompt-lookup", is_flag=True, help="Speculative decoding, drafting by copying from "
-                     "the prompt and the output so far (no second model)."),
-        click.option("--self-draft-layers", default=None, type=int, help="Speculative decoding, drafting with "
-                     "the model's own first N layers (no second model)."),
-        click.option("--num-draft", default=None, type=int, help="Tokens drafted per step [default: adapts "
-                     "to the acceptance rate]."),
+        click.option(
+            "--draft-model",
+            default=None,
+            help="Speculative decoding with this draft model "
+            "(directory or Hub repo id; same tokenizer as the model).",
+        ),
+        click.option(
+            "--prompt-lookup",
+            is_flag=True,
+            help="Speculative decoding, drafting by copying from "
+            "the prompt and the output so far (no second model).",
+        ),
+        click.option(
+            "--self-draft-layers",
+            default=None,
+            type=int,
+            help="Speculative decoding, drafting with "
+            "the model's own first N layers (no second model).",
+        ),
+        click.option(
+            "--num-draft",
+            default=None,
+            type=int,
+            help="Tokens drafted per step [default: adapts to the acceptance rate].",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -103,8 +148,15 @@ def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers:
     """The draft source the speculative flags ask for (at most one), or None."""
     from .drafts import DraftModel, PromptLookup, SelfDraft
 
-    chosen = [flag for flag, on in (("--draft-model", draft_model is not None), ("--prompt-lookup", prompt_lookup),
-                                    ("--self-draft-layers", self_draft_layers is not None)) if on]
+    chosen = [
+        flag
+        for flag, on in (
+            ("--draft-model", draft_model is not None),
+            ("--prompt-lookup", prompt_lookup),
+            ("--self-draft-layers", self_draft_layers is not None),
+        )
+        if on
+    ]
     if len(chosen) > 1:
         raise click.UsageError(f"choose one draft source, got {' and '.join(chosen)}")
     if draft_model is not None:
@@ -118,8 +170,10 @@ def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers:
     return None
 
 
-CHAT_TEMPLATE_HELP = ("Chat format: a known one by name (gemma, chatml) or a Jinja file "
-                      "[default: the checkpoint's own].")
+CHAT_TEMPLATE_HELP = (
+    "Chat format: a known one by name (gemma, chatml) or a Jinja file "
+    "[default: the checkpoint's own]."
+)
 
 
 @cli.command()
@@ -130,8 +184,19 @@ CHAT_TEMPLATE_HELP = ("Chat format: a known one by name (gemma, chatml) or a Jin
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
 @click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
 @_errors_to_click
-def generate(model, prompt, system, chat_template, no_chat_template, kv_bits, verbose, draft_model,
-             prompt_lookup, self_draft_layers, **options):
+def generate(
+    model,
+    prompt,
+    system,
+    chat_template,
+    no_chat_template,
+    kv_bits,
+    verbose,
+    draft_model,
+    prompt_lookup,
+    self_draft_layers,
+    **options,
+):
     """Generate a completion and stream it to stdout.
 
     The prompt goes through the model's chat template when it has one; a
@@ -149,15 +214,29 @@ def generate(model, prompt, system, chat_template, no_chat_template, kv_bits, ve
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     use_template = not no_chat_template and tokenizer.has_chat_template
     if system and not use_template:
-        raise click.UsageError("--system needs a chat template" + (
-            "" if no_chat_template else f": {tokenizer.path} has none (name one with --chat-template)"))
+        raise click.UsageError(
+            "--system needs a chat template"
+            + (
+                ""
+                if no_chat_template
+                else f": {tokenizer.path} has none (name one with --chat-template)"
+            )
+        )
     if not use_template and not no_chat_template and verbose:
-        _log(f"{tokenizer.path}: no chat template, so the prompt goes to the model as raw text "
-             "(--chat-template NAME to use a known format)")
+        _log(
+            f"{tokenizer.path}: no chat template, so the prompt goes to the model as raw text "
+            "(--chat-template NAME to use a known format)"
+        )
     if use_template:
-        prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    _print_stream(stream_generate(llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options),
-                  verbose)
+        prompt = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+    _print_stream(
+        stream_generate(
+            llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options
+        ),
+        verbose,
+    )
 
 
 @cli.command()
@@ -166,8 +245,18 @@ def generate(model, prompt, system, chat_template, no_chat_template, kv_bits, ve
 @click.option("--system", default=None, help="System message.")
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
 @_errors_to_click
-def chat(model, system, chat_template, kv_bits, verbose, max_kv_size, draft_model, prompt_lookup,
-         self_draft_layers, **options):
+def chat(
+    model,
+    system,
+    chat_template,
+    kv_bits,
+    verbose,
+    max_kv_size,
+    draft_model,
+    prompt_lookup,
+    self_draft_layers,
+    **options,
+):
     """Interactive chat; keeps history and reuses the KV cache across turns.
 
     Type /reset to clear the history, /exit (or Ctrl-D) to quit.
@@ -179,10 +268,18 @@ def chat(model, system, chat_template, kv_bits, verbose, max_kv_size, draft_mode
         tokenizer.set_chat_template(chat_template)
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     if not tokenizer.has_chat_template:
-        raise click.ClickException(f"{tokenizer.path}: no chat template (a base model?); name a known format "
-                                   "with --chat-template, or complete raw text with `mlxinfer generate`")
-    session = ChatSession(llm, tokenizer, system=system, max_kv_size=max_kv_size,
-                          kv_bits=int(kv_bits) if kv_bits else None, **options)
+        raise click.ClickException(
+            f"{tokenizer.path}: no chat template (a base model?); name a known format "
+            "with --chat-template, or complete raw text with `mlxinfer generate`"
+        )
+    session = ChatSession(
+        llm,
+        tokenizer,
+        system=system,
+        max_kv_size=max_kv_size,
+        kv_bits=int(kv_bits) if kv_bits else None,
+        **options,
+    )
     while True:
         try:
             line = input(">> ")
@@ -198,46 +295,111 @@ def chat(model, system, chat_template, kv_bits, verbose, max_kv_size, draft_mode
 
 @cli.command()
 @click.argument("src")
-@click.option("--output", "-o", "dst", required=True, help="Output directory (must not exist or be empty).")
-@click.option("--quantize", "-q", is_flag=True,
-              help="Quantize Linear/Embedding weights (GGUF without --dtype: re-quantize only its K-quant "
-                   "tensors to --bits/--group-size).")
-@click.option("--bits", default=4, show_default=True, type=click.Choice(["2", "3", "4", "5", "6", "8"]))
+@click.option(
+    "--output", "-o", "dst", required=True, help="Output directory (must not exist or be empty)."
+)
+@click.option(
+    "--quantize",
+    "-q",
+    is_flag=True,
+    help="Quantize Linear/Embedding weights (GGUF without --dtype: re-quantize only its K-quant "
+    "tensors to --bits/--group-size).",
+)
+@click.option(
+    "--bits", default=4, show_default=True, type=click.Choice(["2", "3", "4", "5", "6", "8"])
+)
 @click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
-@click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]),
-              help="Float dtype of the output; a GGUF is dequantized to it [default: the checkpoint's; "
-                   "a GGUF keeps its own types].")
+@click.option(
+    "--dtype",
+    default=None,
+    type=click.Choice(["float16", "bfloat16", "float32"]),
+    help="Float dtype of the output; a GGUF is dequantized to it [default: the checkpoint's; "
+    "a GGUF keeps its own types].",
+)
 @_errors_to_click
 def convert(src, dst, quantize, bits, group_size, dtype):
     """Convert a Hugging Face checkpoint (directory or repo id) or a GGUF file."""
     from .conversion import convert as run_convert
 
-    report = run_convert(src, dst, quantize=quantize, bits=int(bits), group_size=int(group_size),
-                         dtype=dtype, progress=True, log=_log)
-    _log(f"wrote {report['path']}: {report['parameters'] / 1e6:.1f}M parameters, "
-         f"{report['bits_per_weight']:.2f} bits per weight, {report['bytes'] / 2**20:.1f} MiB on disk")
+    report = run_convert(
+        src,
+        dst,
+        quantize=quantize,
+        bits=int(bits),
+        group_size=int(group_size),
+        dtype=dtype,
+        progress=True,
+        log=_log,
+    )
+    _log(
+        f"wrote {report['path']}: {report['parameters'] / 1e6:.1f}M parameters, "
+        f"{report['bits_per_weight']:.2f} bits per weight, {report['bytes'] / 2**20:.1f} MiB on disk"
+    )
 
 
 @cli.command()
-@click.option("--model", "-m", default=None, help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]")
-@click.option("--prompt-tokens", "-p", default="128,512,2048", show_default=True, metavar="P[,P...]",
-              help="Prompt lengths, comma-separated (seeded random token ids).")
-@click.option("--max-tokens", "-n", default="128", show_default=True, metavar="N",
-              help="Tokens generated per run (at least 2).")
-@click.option("--reps", default="3", show_default=True, metavar="R",
-              help="Timed runs per prompt length, after one warm-up.")
-@click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize mlxinfer's KV cache.")
-@click.option("--prefill-step-size", default=None, type=click.IntRange(1),
-              help="Prompt tokens per prefill chunk, for both engines [default: each engine's own: "
-                   "mlxinfer 512, mlx-lm 2048].")
-@click.option("--compare", default=None, type=click.Choice(["mlx-lm"]),
-              help="Also run mlx-lm's own benchmark (a child process) and print mlxinfer / mlx-lm.")
-@click.option("--plot", default=None, metavar="PATH",
-              help="Write prefill and decode tok/s against prompt length (PNG).")
-@click.option("--json", "json_path", default=None, metavar="PATH",
-              help="Write every run, medians, ratios and the roofline.")
+@click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]",
+)
+@click.option(
+    "--prompt-tokens",
+    "-p",
+    default="128,512,2048",
+    show_default=True,
+    metavar="P[,P...]",
+    help="Prompt lengths, comma-separated (seeded random token ids).",
+)
+@click.option(
+    "--max-tokens",
+    "-n",
+    default="128",
+    show_default=True,
+    metavar="N",
+    help="Tokens generated per run (at least 2).",
+)
+@click.option(
+    "--reps",
+    default="3",
+    show_default=True,
+    metavar="R",
+    help="Timed runs per prompt length, after one warm-up.",
+)
+@click.option(
+    "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize mlxinfer's KV cache."
+)
+@click.option(
+    "--prefill-step-size",
+    default=None,
+    type=click.IntRange(1),
+    help="Prompt tokens per prefill chunk, for both engines [default: each engine's own: "
+    "mlxinfer 512, mlx-lm 2048].",
+)
+@click.option(
+    "--compare",
+    default=None,
+    type=click.Choice(["mlx-lm"]),
+    help="Also run mlx-lm's own benchmark (a child process) and print mlxinfer / mlx-lm.",
+)
+@click.option(
+    "--plot",
+    default=None,
+    metavar="PATH",
+    help="Write prefill and decode tok/s against prompt length (PNG).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    metavar="PATH",
+    help="Write every run, medians, ratios and the roofline.",
+)
 @_errors_to_click
-def bench(model, prompt_tokens, max_tokens, reps, kv_bits, prefill_step_size, compare, plot, json_path):
+def bench(
+    model, prompt_tokens, max_tokens, reps, kv_bits, prefill_step_size, compare, plot, json_path
+):
     """Benchmark prefill, decode, TTFT and peak memory per prompt length.
 
     Progress goes to stderr, the tables alone to stdout.
@@ -260,9 +422,17 @@ def bench(model, prompt_tokens, max_tokens, reps, kv_bits, prefill_step_size, co
         json_path = report.check_writable(json_path, "--json")
     model_dir = default_model_path(log=_log) if model is None else resolve_model_path(model)
     llm, _ = _load(str(model_dir), verbose=True)
-    result = b.run_benchmark(llm, model_dir, lengths, max_tokens=max_tokens, reps=reps,
-                             kv_bits=int(kv_bits) if kv_bits else None, prefill_step=prefill_step_size,
-                             compare=compare, log=_log)
+    result = b.run_benchmark(
+        llm,
+        model_dir,
+        lengths,
+        max_tokens=max_tokens,
+        reps=reps,
+        kv_bits=int(kv_bits) if kv_bits else None,
+        prefill_step=prefill_step_size,
+        compare=compare,
+        log=_log,
+    )
     click.echo(report.tables(result))
     if json_path:
         _log(f"wrote {report.write_json(result, json_path)}")

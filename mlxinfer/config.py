@@ -22,7 +22,9 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     """Load ``model_dir/config.json`` and normalise it (see module doc)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{path}: missing config.json (expected a model directory with config.json)")
+        raise ConfigError(
+            f"{path}: missing config.json (expected a model directory with config.json)"
+        )
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -43,7 +45,9 @@ def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[
         params = None
     if params is not None:
         if not isinstance(params, dict):
-            raise ConfigError(f"{source}: key 'rope_parameters' must be an object, found {params!r}")
+            raise ConfigError(
+                f"{source}: key 'rope_parameters' must be an object, found {params!r}"
+            )
         config.setdefault("rope_theta", params.get("rope_theta", ROPE_DEFAULT_THETA))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         config["rope_scaling"] = scaling if _rope_type(scaling) != "default" else None
@@ -52,7 +56,9 @@ def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[
     scaling = config.get("rope_scaling")
     if scaling is not None:
         if not isinstance(scaling, dict):
-            raise ConfigError(f"{source}: key 'rope_scaling' must be an object or null, found {scaling!r}")
+            raise ConfigError(
+                f"{source}: key 'rope_scaling' must be an object or null, found {scaling!r}"
+            )
         scaling = dict(scaling)
         scaling["rope_type"] = _rope_type(scaling)
         scaling.pop("type", None)
@@ -69,4 +75,6 @@ def require(config: dict[str, Any], keys: list[str], source: str = "config.json"
     """Raise a ConfigError naming the first required key that is absent."""
     for key in keys:
         if key not in config or config[key] is None:
-            raise ConfigError(f"{source}: missing required key '{key}' for model_type '{config.get('model_type')}'")
+            raise ConfigError(
+                f"{source}: missing required key '{key}' for model_type '{config.get('model_type')}'"
+            )

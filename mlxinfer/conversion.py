@@ -23,16 +23,34 @@ from .loader import load_weights_into, read_weights, resolve_model_path, weight_
 from .models import build_model, get_family
 from .quant import bits_per_weight, quantize_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json", "tiktoken.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "tiktoken.model",
+)
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 SHARD_BYTES = 2 << 30  # 2 GiB per safetensors shard
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = False, bits: int = 4,
-            group_size: int = 64, dtype: str | None = None, progress: bool = False,
-            log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    quantize: bool = False,
+    bits: int = 4,
+    group_size: int = 64,
+    dtype: str | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Convert ``src`` (HF directory, Hub repo id or ``.gguf`` file) into ``dst``.
 
     Args:
@@ -51,8 +69,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
 
         # Without --dtype the file's own types are kept, and -q re-quantizes only its K-quant tensors;
         # with --dtype every tensor is dequantized to it, and -q quantizes as for a HF checkpoint.
-        return import_gguf(Path(src), dst, requantize=(bits, group_size) if quantize else None, dtype=dtype,
-                           progress=progress, log=log)
+        return import_gguf(
+            Path(src),
+            dst,
+            requantize=(bits, group_size) if quantize else None,
+            dtype=dtype,
+            progress=progress,
+            log=log,
+        )
     src_dir = resolve_model_path(src)
     config = read_config(src_dir)
     source = src_dir / "config.json"
@@ -67,7 +91,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
     with _progress_bar(len(files), "reading weights", progress) as bar:
         weights = read_weights(src_dir, on_file=lambda _: bar.update(1))
     weights = family.Model.sanitize(weights, model.args)
-    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    weights = {
+        k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
     load_weights_into(model, weights, src_dir)
     out_config = {k: v for k, v in config.items() if k != "quantization_config"}
     out_config["torch_dtype"] = _dtype_name(target)
@@ -85,8 +112,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quantize: bool = 
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, tmp / name)
     n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
-    return {"path": str(dst), "parameters": n_params,
-            "bits_per_weight": bits_per_weight(model), "bytes": n_bytes}
+    return {
+        "path": str(dst),
+        "parameters": n_params,
+        "bits_per_weight": bits_per_weight(model),
+        "bytes": n_bytes,
+    }
 
 
 def _target_dtype(config: dict, dtype: str | None, source: Path) -> mx.Dtype:
@@ -122,7 +153,10 @@ def _write_weights(out: Path, params: dict[str, mx.array], progress: bool) -> No
             mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
             weight_map.update({k: name for k in shard})
             bar.update(1)
-        index = {"metadata": {"total_size": sum(v.nbytes for v in params.values())}, "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": sum(v.nbytes for v in params.values())},
+            "weight_map": weight_map,
+        }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     bar.close()
 

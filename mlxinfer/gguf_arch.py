@@ -26,7 +26,11 @@ SUPPORTED = ("llama", "gemma3")
 
 _TOP = {
     "llama": {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
-    "gemma3": {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    "gemma3": {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    },
 }
 _ATTN_MLP = {
     "attn_q": "self_attn.q_proj",
@@ -77,8 +81,10 @@ def permuted_heads(arch: str, module: str, config: dict) -> int | None:
     """How many heads llama.cpp interleaved this tensor's rows by (None: not permuted)."""
     if arch != "llama":
         return None
-    return {"self_attn.q_proj": config["num_attention_heads"],
-            "self_attn.k_proj": config["num_key_value_heads"]}.get(module.split(".", 3)[-1])
+    return {
+        "self_attn.q_proj": config["num_attention_heads"],
+        "self_attn.k_proj": config["num_key_value_heads"],
+    }.get(module.split(".", 3)[-1])
 
 
 def unpermute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
@@ -120,7 +126,9 @@ def _rope_scaling(m: _Meta) -> dict | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(m.get("rope.scaling.factor"))}
-    raise WeightsError(f"{m.path}: {m.arch}.rope.scaling.type={kind!r} not supported (expected none or linear)")
+    raise WeightsError(
+        f"{m.path}: {m.arch}.rope.scaling.type={kind!r} not supported (expected none or linear)"
+    )
 
 
 def _token_ids(md: dict, config: dict) -> None:
@@ -135,7 +143,9 @@ def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
     m = _Meta(path, md, arch)
     experts = int(m.get("expert_count", 0))
     if experts:
-        raise WeightsError(f"{path}: {arch}.expert_count={experts}: mixture-of-experts GGUF not supported")
+        raise WeightsError(
+            f"{path}: {arch}.expert_count={experts}: mixture-of-experts GGUF not supported"
+        )
     hidden = m.need("embedding_length")
     n_heads = m.need("attention.head_count")
     head_dim = int(m.get("attention.key_length", hidden // n_heads))
@@ -147,7 +157,9 @@ def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(m.get("attention.head_count_kv", n_heads)),
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(m.get("attention.layer_norm_rms_epsilon", 1e-5 if arch == "llama" else 1e-6)),
+        "rms_norm_eps": _f32(
+            m.get("attention.layer_norm_rms_epsilon", 1e-5 if arch == "llama" else 1e-6)
+        ),
         "vocab_size": vocab,
         "max_position_embeddings": m.need("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -157,15 +169,25 @@ def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
     if arch == "llama":
         rope_dims = int(m.get("rope.dimension_count", head_dim))
         if rope_dims != head_dim:
-            raise WeightsError(f"{path}: llama.rope.dimension_count={rope_dims}, expected head_dim={head_dim}")
-        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config, "hidden_act": "silu",
-                  "mlp_bias": False, "rope_theta": rope_theta}
+            raise WeightsError(
+                f"{path}: llama.rope.dimension_count={rope_dims}, expected head_dim={head_dim}"
+            )
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **config,
+            "hidden_act": "silu",
+            "mlp_bias": False,
+            "rope_theta": rope_theta,
+        }
         scaling = _rope_scaling(m)
         if scaling:
             config["rope_scaling"] = {"type": "linear", "factor": scaling["factor"]}
     elif arch == "gemma3":
         n_layers = config["num_hidden_layers"]
-        pattern = int(m.get("attention.sliding_window_pattern", 6))  # llama.cpp's hard-coded default
+        pattern = int(
+            m.get("attention.sliding_window_pattern", 6)
+        )  # llama.cpp's hard-coded default
         global_rope = {"rope_type": "default", "rope_theta": rope_theta}
         scaling = _rope_scaling(m)
         if scaling:
@@ -176,10 +198,14 @@ def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
             **config,
             "hidden_activation": "gelu_pytorch_tanh",
             "sliding_window": m.need("attention.sliding_window"),
-            "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                            for i in range(n_layers)],
-            "rope_parameters": {"full_attention": global_rope,
-                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            "layer_types": [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(n_layers)
+            ],
+            "rope_parameters": {
+                "full_attention": global_rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
             "query_pre_attn_scalar": hidden // n_heads if n_layers == 62 else head_dim,
             "attn_logit_softcapping": None,
             "final_logit_softcapping": None,

@@ -33,8 +33,18 @@ def quantized_modules(config: dict, bits: int, group_size: int) -> tuple[dict, s
     return record, {path for path, m in model.named_modules() if "scales" in m}
 
 
-def write_float(buf, tensors: dict, names: dict, arch: str, config: dict, *, dtype: str,
-                quantize: tuple[int, int] | None, progress: bool, raw) -> tuple[dict, dict]:
+def write_float(
+    buf,
+    tensors: dict,
+    names: dict,
+    arch: str,
+    config: dict,
+    *,
+    dtype: str,
+    quantize: tuple[int, int] | None,
+    progress: bool,
+    raw,
+) -> tuple[dict, dict]:
     """The weights in ``dtype`` (``quantize``: affine ``(bits, group_size)`` where
     ``quantize_model`` would quantize), and the per-tensor loss; ``config`` gets the
     dtype and quantization record. ``raw(buf, t)`` reads a tensor's bytes."""

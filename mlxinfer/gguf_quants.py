@@ -66,9 +66,27 @@ TYPES = {
 }
 # ...and the names of the others, for error messages only.
 OTHER_TYPE_NAMES = {
-    9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
-    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-    29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    24: "I8",
+    25: "I16",
+    26: "I32",
+    27: "I64",
+    28: "F64",
+    29: "IQ1_M",
+    34: "TQ1_0",
+    35: "TQ2_0",
+    39: "MXFP4",
 }
 FLOATS = ("F32", "F16", "BF16")
 EXACT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -123,7 +141,9 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     out = np.empty((rows, cols * bits // 32), np.uint32)
     step = max(1, (1 << 22) // cols)  # rows per chunk: bounds the 8x bit-array expansion
     for r in range(0, rows, step):
-        bit_array = np.unpackbits(codes[r : r + step, :, None], axis=-1, bitorder="little")[..., :bits]
+        bit_array = np.unpackbits(codes[r : r + step, :, None], axis=-1, bitorder="little")[
+            ..., :bits
+        ]
         packed = np.packbits(bit_array.reshape(bit_array.shape[0], -1), axis=-1, bitorder="little")
         out[r : r + step] = packed.view("<u4")
     return out
@@ -157,7 +177,9 @@ def to_affine(raw: np.ndarray, name: str, rows: int, cols: int) -> Affine:
     blocks = raw.reshape(-1, TYPES_BY_NAME[name].nbytes)  # (rows * cols/32, block bytes)
     q, scale, bias = _exact_groups(blocks, name)
     bits = EXACT_BITS[name]
-    return Affine(pack(q.reshape(rows, cols), bits), scale.reshape(rows, -1), bias.reshape(rows, -1), bits)
+    return Affine(
+        pack(q.reshape(rows, cols), bits), scale.reshape(rows, -1), bias.reshape(rows, -1), bits
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +204,9 @@ def _kquant_groups(blocks: np.ndarray, name: str):
     x = scale * q - offset, computed in float32 exactly as ggml does."""
     d, dmin = _f16(blocks, 0).astype(np.float32), _f16(blocks, 2).astype(np.float32)
     sc, m = _kquant_scales(blocks[:, 4:16])
-    qs = blocks[:, -128:].reshape(-1, 4, 32)  # 4 chunks of 32 bytes, each 2 groups (low, high nibbles)
+    qs = blocks[:, -128:].reshape(
+        -1, 4, 32
+    )  # 4 chunks of 32 bytes, each 2 groups (low, high nibbles)
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
     if name == "Q5_K":
         qh = blocks[:, 16:48]  # bit g of byte i: high bit of weight i in group g
@@ -219,8 +243,12 @@ def kquant_to_affine(raw: np.ndarray, name: str, rows: int, cols: int) -> Affine
     blocks = raw.reshape(-1, TYPES_BY_NAME[name].nbytes)
     q, scale, offset = _kquant_groups(blocks, name)
     bits = KQUANT_CODE_BITS[name]
-    return Affine(pack(q.reshape(rows, cols), bits), scale.astype(np.float16).reshape(rows, -1),
-                  (-offset).astype(np.float16).reshape(rows, -1), bits)
+    return Affine(
+        pack(q.reshape(rows, cols), bits),
+        scale.astype(np.float16).reshape(rows, -1),
+        (-offset).astype(np.float16).reshape(rows, -1),
+        bits,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -239,7 +267,10 @@ def dequantize(raw: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray
     if name in EXACT:
         q, scale, bias = _exact_groups(blocks, name)
         if name in ("Q4_1", "Q5_1"):  # x = d*q + m
-            x = scale.astype(np.float32)[:, None] * q.astype(np.float32) + bias.astype(np.float32)[:, None]
+            x = (
+                scale.astype(np.float32)[:, None] * q.astype(np.float32)
+                + bias.astype(np.float32)[:, None]
+            )
         else:  # x = d * (signed q), as ggml writes it
             offset = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}[name]
             x = scale.astype(np.float32)[:, None] * (q.astype(np.float32) - offset)
@@ -254,14 +285,21 @@ def dequantize(raw: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray
 
 def requantize(w: np.ndarray, bits: int, group_size: int) -> Affine:
     """Float weights -> MLX affine (float16 scales), rounding each weight to the new grid."""
-    packed, scales, biases = mx.quantize(mx.array(w, dtype=mx.float16), group_size=group_size, bits=bits)
+    packed, scales, biases = mx.quantize(
+        mx.array(w, dtype=mx.float16), group_size=group_size, bits=bits
+    )
     return Affine(np.array(packed), np.array(scales), np.array(biases), bits, group_size)
 
 
 def affine_values(a: Affine) -> np.ndarray:
     """What MLX computes from an :class:`Affine`, in float32 (scales and biases widened first)."""
-    w = mx.dequantize(mx.array(a.weight), mx.array(a.scales.astype(np.float32)),
-                      mx.array(a.biases.astype(np.float32)), group_size=a.group_size, bits=a.bits)
+    w = mx.dequantize(
+        mx.array(a.weight),
+        mx.array(a.scales.astype(np.float32)),
+        mx.array(a.biases.astype(np.float32)),
+        group_size=a.group_size,
+        bits=a.bits,
+    )
     return np.array(w)
 
 

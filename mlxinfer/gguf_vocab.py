@@ -32,7 +32,11 @@ from .errors import TokenizerError
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character map: printable bytes map to themselves, the rest to 256+."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -49,6 +53,7 @@ _GPT2_PRE = (None, "gpt-2", "smollm")
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 CONTROL, USER_DEFINED = 3, 4
 
+
 def build_tokenizer(path: Path, md: dict) -> tuple[str, dict]:
     """(tokenizer.json text, tokenizer_config dict) for the file's vocabulary."""
     kind = md.get("tokenizer.ggml.model")
@@ -57,8 +62,10 @@ def build_tokenizer(path: Path, md: dict) -> tuple[str, dict]:
     elif kind == "llama":
         tok, add_bos_default = _sentencepiece(path, md), True
     else:
-        raise TokenizerError(f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE), "
-                             "'llama' (SentencePiece)")
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE), "
+            "'llama' (SentencePiece)"
+        )
     tokens = md["tokenizer.ggml.tokens"]
 
     def token(key):
@@ -107,7 +114,9 @@ def _byte_level(path: Path, md: dict):
     alphabet = set(spelling.values())
     vocab = {}
     for i, tok in enumerate(tokens):
-        vocab[tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))] = i
+        vocab[
+            tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
+        ] = i
     merges = []
     for m in md.get("tokenizer.ggml.merges", []):
         pair = m.split(" ")
@@ -144,7 +153,11 @@ def sentencepiece_merges(tokens: list[str], priority: dict[str, float]) -> list[
     vocab = {t: i for i, t in enumerate(tokens)}
     candidates = []
     for token, score in priority.items():
-        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits = [
+            (token[:i], token[i:])
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
         splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
         candidates.extend((left, right, score) for left, right in splits)
     candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
@@ -169,15 +182,27 @@ def _sentencepiece(path: Path, md: dict):
     merges = sentencepiece_merges(tokens, priority)
 
     if gemma:
-        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, unk_token="<unk>", byte_fallback=True))
+        tok = Tokenizer(
+            models.BPE(vocab, merges, fuse_unk=True, unk_token="<unk>", byte_fallback=True)
+        )
         tok.normalizer = normalizers.Replace(" ", "▁")
         tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
     else:  # Llama-2 style: a "▁" before the first word only, stripped again when decoding
         tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first", split=False
+        )
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
     return tok
 
 
@@ -186,13 +211,17 @@ def _sentencepiece_specials(tok, md: dict, tokens: list[str], config: dict, gemm
 
     types = _types(md, len(tokens))
     vocab = tok.get_vocab()
-    named = [config[k] for k in ("pad_token", "eos_token", "bos_token", "unk_token") if config.get(k)]
+    named = [
+        config[k] for k in ("pad_token", "eos_token", "bos_token", "unk_token") if config.get(k)
+    ]
     if gemma and "<mask>" in vocab:
         named.append("<mask>")  # GemmaTokenizer's mask token
     control = [t for t, ty in zip(tokens, types) if ty == CONTROL]
     specials = list(dict.fromkeys(named + control))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    user = [t for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab and t not in specials]
+    user = [
+        t for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab and t not in specials
+    ]
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
 
@@ -207,5 +236,6 @@ def _bos_eos_post_processor(tok, config: dict) -> None:
     single = " ".join([f"{bos}:0"] * bool(bos) + ["$A:0"] + [f"{eos}:0"] * bool(eos))
     pair = single + " " + " ".join([f"{bos}:1"] * bool(bos) + ["$B:1"] + [f"{eos}:1"] * bool(eos))
     specials_ids = [(t, vocab[t]) for t in dict.fromkeys(x for x in (bos, eos) if x)]
-    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials_ids)
-
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials_ids
+    )

@@ -41,17 +41,23 @@ def resolve_model_path(path_or_repo: str | os.PathLike, *, revision: str | None 
         return path
     name = str(path_or_repo)
     if not _REPO_ID.match(name):
-        raise ConfigError(f"{name}: no such file or directory, and not a Hub repo id (expected 'org/name')")
+        raise ConfigError(
+            f"{name}: no such file or directory, and not a Hub repo id (expected 'org/name')"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS))
     except LocalEntryNotFoundError:
-        raise ConfigError(f"{name}: not in the local Hugging Face cache and the Hub cannot be reached "
-                          "(offline); download it first or pass a local directory") from None
+        raise ConfigError(
+            f"{name}: not in the local Hugging Face cache and the Hub cannot be reached "
+            "(offline); download it first or pass a local directory"
+        ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise ConfigError(f"{name}: Hub download failed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ConfigError(
+            f"{name}: Hub download failed ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from None
 
 
 def check_safetensors(path: Path) -> None:
@@ -87,13 +93,17 @@ def weight_files(model_dir: Path) -> list[Path]:
     if not files:
         pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
-            raise WeightsError(f"{model_dir}: only pickle weights ({', '.join(pickles)}); mlxinfer never "
-                               "unpickles (it can run code) — save the checkpoint as safetensors")
+            raise WeightsError(
+                f"{model_dir}: only pickle weights ({', '.join(pickles)}); mlxinfer never "
+                "unpickles (it can run code) — save the checkpoint as safetensors"
+            )
         raise WeightsError(f"{model_dir}: no *.safetensors weight files")
     return files
 
 
-def read_weights(model_dir: Path, on_file: Callable[[Path], None] | None = None) -> dict[str, mx.array]:
+def read_weights(
+    model_dir: Path, on_file: Callable[[Path], None] | None = None
+) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     for f in weight_files(model_dir):
         check_safetensors(f)
@@ -110,12 +120,16 @@ def load_weights_into(model: nn.Module, weights: dict[str, mx.array], source: Pa
         if key not in params:
             raise WeightsError(f"{source}: unexpected weight '{key}' for this model_type")
         if value.shape != params[key].shape:
-            raise WeightsError(f"{source}: weight '{key}' has shape {tuple(value.shape)}, "
-                               f"expected {tuple(params[key].shape)}")
+            raise WeightsError(
+                f"{source}: weight '{key}' has shape {tuple(value.shape)}, "
+                f"expected {tuple(params[key].shape)}"
+            )
     missing = sorted(set(params) - set(weights))
     if missing:
-        raise WeightsError(f"{source}: missing weight '{missing[0]}'" +
-                           (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise WeightsError(
+            f"{source}: missing weight '{missing[0]}'"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     model.load_weights(list(weights.items()), strict=True)
 
 
@@ -130,7 +144,9 @@ def default_dtype() -> mx.Dtype | None:
     return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
 
 
-def load_model(model_dir: Path, *, dtype: mx.Dtype | None | str = "auto") -> tuple[nn.Module, dict[str, Any]]:
+def load_model(
+    model_dir: Path, *, dtype: mx.Dtype | None | str = "auto"
+) -> tuple[nn.Module, dict[str, Any]]:
     """Build the model in ``model_dir`` and load its weights (evaluated: see :func:`materialize`).
 
     ``dtype``: cast float weights to it; None keeps the stored dtypes; "auto"
@@ -148,7 +164,10 @@ def load_model(model_dir: Path, *, dtype: mx.Dtype | None | str = "auto") -> tup
     if "quantization" in config:
         apply_quantization(model, config["quantization"], weights)
     if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
     load_weights_into(model, weights, model_dir)
     use_cpu_layers(model)
     model.eval()
@@ -166,8 +185,12 @@ def materialize(model: nn.Module) -> None:
     mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])  # a Module is a dict
 
 
-def load(path_or_repo: str | os.PathLike | None = None, *, dtype: mx.Dtype | None | str = "auto",
-         log: Callable[[str], None] | None = None):
+def load(
+    path_or_repo: str | os.PathLike | None = None,
+    *,
+    dtype: mx.Dtype | None | str = "auto",
+    log: Callable[[str], None] | None = None,
+):
     """Load a model directory, a Hub repo id, or (``None``) the default model.
 
     Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on

@@ -15,9 +15,10 @@ from .cache import _KINDS, Cache, QuantizedKVCache, RotatingKVCache, trim_cache
 from .errors import WeightsError
 from .models.cpu_quant import stepwise_prefill
 
-
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
-MAX_RESERVED_DECODE = 2048  # most tokens after the prompt given room up front; past it the cache grows in steps
+MAX_RESERVED_DECODE = (
+    2048  # most tokens after the prompt given room up front; past it the cache grows in steps
+)
 
 
 class PromptCache:
@@ -39,7 +40,9 @@ class PromptCache:
             n += 1
         n = min(n, len(prompt) - 1)
         drop = len(self.tokens) - n
-        if drop and (not all(c.is_trimmable() for c in self.cache) or trim_cache(self.cache, drop) != drop):
+        if drop and (
+            not all(c.is_trimmable() for c in self.cache) or trim_cache(self.cache, drop) != drop
+        ):
             # Cannot rewind (e.g. a rotating cache that already evicted): start over.
             self.cache = [_fresh(c) for c in self.cache]
             n = 0
@@ -58,7 +61,9 @@ class PromptCache:
                 raise ValueError(f"cannot rewind a {type(c).__name__} holding {held} tokens to {n}")
         self.tokens = self.tokens[:n]
 
-    def prefill(self, model, ids: list[int], step: int = DEFAULT_PREFILL_STEP, *, then: int = 1) -> None:
+    def prefill(
+        self, model, ids: list[int], step: int = DEFAULT_PREFILL_STEP, *, then: int = 1
+    ) -> None:
         """Feed ``ids`` in chunks of ``step``, computing only the caches.
 
         Only the cache states are evaluated, so the LM head of these chunks is
@@ -72,13 +77,15 @@ class PromptCache:
         for c in self.cache:
             if hasattr(c, "reserve"):
                 c.reserve(c.offset + room)
-        with stepwise_prefill(model):  # CPU backend, quantized model: one step's buffers alive at a time
+        with stepwise_prefill(
+            model
+        ):  # CPU backend, quantized model: one step's buffers alive at a time
             for start in range(0, len(ids), step):
-                model(y[None, start:start + step], self.cache)
+                model(y[None, start : start + step], self.cache)
                 # Materialise this chunk's cache writes before building the next chunk,
                 # so the graph (and its memory) stays one chunk deep.
                 mx.eval([c.state for c in self.cache])
-                self.tokens.extend(ids[start:start + step])
+                self.tokens.extend(ids[start : start + step])
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +132,11 @@ def load_cache(path: Path) -> tuple[list[Cache], dict[str, str]]:
     cache: list[Cache] = []
     for i, kind in enumerate(meta["kinds"].split(",")):
         layer_meta = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith(f"{i}.")}
-        c = RotatingKVCache(int(layer_meta["max_size"])) if kind == "RotatingKVCache" else _KINDS[kind]()
+        c = (
+            RotatingKVCache(int(layer_meta["max_size"]))
+            if kind == "RotatingKVCache"
+            else _KINDS[kind]()
+        )
         if layer_meta:
             c.meta_state = layer_meta
         state = [arrays[f"{i}.{j}"] for j in range(6) if f"{i}.{j}" in arrays]

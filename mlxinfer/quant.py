@@ -41,7 +41,9 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 64) -> 
     def predicate(path: str, module: nn.Module) -> bool:
         if not hasattr(module, "to_quantized"):
             return False
-        if not _quantizable(module, group_size) or (family_rule is not None and not family_rule(path, module)):
+        if not _quantizable(module, group_size) or (
+            family_rule is not None and not family_rule(path, module)
+        ):
             skipped.append(path)
             return False
         return True
@@ -51,7 +53,9 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 64) -> 
     return record
 
 
-def apply_quantization(model: nn.Module, record: dict[str, Any], weights: dict[str, mx.array]) -> None:
+def apply_quantization(
+    model: nn.Module, record: dict[str, Any], weights: dict[str, mx.array]
+) -> None:
     """Re-create the quantized layers that ``weights`` hold (those with ``.scales``).
 
     A per-layer entry ``{path: {"bits": b, "group_size": g}}`` overrides the
@@ -65,13 +69,15 @@ def apply_quantization(model: nn.Module, record: dict[str, Any], weights: dict[s
         entry = record.get(path)
         return {**default, **entry} if isinstance(entry, dict) else default
 
-    nn.quantize(model, group_size=default["group_size"], bits=default["bits"], class_predicate=predicate)
+    nn.quantize(
+        model, group_size=default["group_size"], bits=default["bits"], class_predicate=predicate
+    )
 
 
 def bits_per_weight(model: nn.Module) -> float:
     """Stored bits per original weight element (packed ints + scales + biases)."""
     total_bits, n_weights = 0, 0
-    for path, module in model.named_modules():
+    for module in model.modules():
         # Any quantized layer (Linear, Embedding, stacked experts...) holds packed weight + scales.
         if "scales" in module and hasattr(module, "bits"):
             n_weights += module.weight.size * 32 // module.bits

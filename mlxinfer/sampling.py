@@ -14,14 +14,24 @@ from typing import Callable
 
 import mlx.core as mx
 
-Sampler = Callable[[mx.array], mx.array]  # (B, V) log-probs, normalised or not (logits) -> (B,) token ids
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (tokens so far, (B, V) logits) -> logits
+Sampler = Callable[
+    [mx.array], mx.array
+]  # (B, V) log-probs, normalised or not (logits) -> (B,) token ids
+LogitsProcessor = Callable[
+    [mx.array, mx.array], mx.array
+]  # (tokens so far, (B, V) logits) -> logits
 
 NEG_INF = float("-inf")
 
 
-def filtered_logprobs(logprobs: mx.array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                      min_p: float = 0.0) -> mx.array:
+def filtered_logprobs(
+    logprobs: mx.array,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> mx.array:
     """Normalised log-probs after temperature, top-k, top-p and min-p (B, V)."""
     x = logprobs / temperature if temperature not in (0.0, 1.0) else logprobs
     if 0 < top_k < x.shape[-1]:
@@ -65,12 +75,23 @@ class SamplingParams:
 
     def filter(self, logprobs: mx.array) -> mx.array:
         """The (B, V) log-probs a sampler with these settings draws from."""
-        return filtered_logprobs(logprobs, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                 min_p=self.min_p)
+        return filtered_logprobs(
+            logprobs,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+        )
 
 
-def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                 seed: int | None = None) -> Sampler:
+def make_sampler(
+    temperature: float = 0.0,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+) -> Sampler:
     """Greedy when ``temperature == 0``; otherwise draws from ``filtered_logprobs``.
 
     The random key lives in the returned closure, so two samplers with the same
@@ -87,6 +108,7 @@ def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     params = SamplingParams(temperature, top_k, top_p, min_p, seed)
     if temperature == 0:
+
         def argmax(logprobs: mx.array) -> mx.array:
             return mx.argmax(logprobs, axis=-1)
 
@@ -121,8 +143,9 @@ def make_repetition_penalty(penalty: float, context_size: int | None = None) -> 
     return process
 
 
-def make_logits_processors(*, repetition_penalty: float | None = None,
-                           repetition_context_size: int | None = None) -> list[LogitsProcessor]:
+def make_logits_processors(
+    *, repetition_penalty: float | None = None, repetition_context_size: int | None = None
+) -> list[LogitsProcessor]:
     processors: list[LogitsProcessor] = []
     if repetition_penalty is not None and repetition_penalty != 1.0:
         processors.append(make_repetition_penalty(repetition_penalty, repetition_context_size))

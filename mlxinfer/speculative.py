@@ -39,11 +39,19 @@ MAX_DRAFT = 16  # adaptive k's ceiling: verifying more positions stops being fre
 _ADAPT_WEIGHT = 0.5
 
 
-def speculative_generate_step(prompt: Sequence[int], model, draft: Draft, *,
-                              prompt_cache: PromptCache | None = None, max_tokens: int = 256,
-                              sampler: Sampler | None = None, logits_processors: Sequence[LogitsProcessor] = (),
-                              prefill_step_size: int = DEFAULT_PREFILL_STEP, num_draft: int | None = None,
-                              stats: GenerationStats | None = None) -> Iterator[tuple[int, mx.array, bool]]:
+def speculative_generate_step(
+    prompt: Sequence[int],
+    model,
+    draft: Draft,
+    *,
+    prompt_cache: PromptCache | None = None,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] = (),
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    num_draft: int | None = None,
+    stats: GenerationStats | None = None,
+) -> Iterator[tuple[int, mx.array, bool]]:
     """Yield ``(token, logprobs, from_draft)`` for up to ``max_tokens`` new tokens.
 
     Args:
@@ -71,7 +79,9 @@ def speculative_generate_step(prompt: Sequence[int], model, draft: Draft, *,
     _require_rewindable(pc.cache, len(ids) + max_tokens)
     todo = pc.reuse(ids)
     # Room for every token and the longest draft verified past the last one.
-    pc.prefill(model, todo[:-1], prefill_step_size, then=max_tokens + max(num_draft or 0, MAX_DRAFT))
+    pc.prefill(
+        model, todo[:-1], prefill_step_size, then=max_tokens + max(num_draft or 0, MAX_DRAFT)
+    )
     drafter = draft.start(model, pc.cache, ids)
     key = mx.random.key(secrets.randbits(63) if params.seed is None else params.seed)
     k_policy = _DraftLength(num_draft)
@@ -83,11 +93,15 @@ def speculative_generate_step(prompt: Sequence[int], model, draft: Draft, *,
             key, draft_key, accept_key = mx.random.split(key, 3)
             seen = mx.array(history, dtype=mx.int32) if logits_processors else None
             if k > 0:
-                drafts, q = drafter.propose(history, k, _draft_sampler(params, logits_processors, seen, draft_key))
+                drafts, q = drafter.propose(
+                    history, k, _draft_sampler(params, logits_processors, seen, draft_key)
+                )
             else:
                 drafts, q = mx.array([], dtype=mx.int32), None
             m = drafts.shape[0]
-            logprobs = _verify(model, pc.cache, history[-1], drafts, logits_processors, seen)  # (m+1, V)
+            logprobs = _verify(
+                model, pc.cache, history[-1], drafts, logits_processors, seen
+            )  # (m+1, V)
             accepted, token = _accept(logprobs, drafts, q, params, accept_key)
             # The one sync per step: the host needs the accepted count and the
             # tokens to know what to feed next.
@@ -112,8 +126,14 @@ def speculative_generate_step(prompt: Sequence[int], model, draft: Draft, *,
         drafter.rewind(pc.tokens)
 
 
-def _verify(model, cache: list[Cache], y: int, drafts: mx.array, processors: Sequence[LogitsProcessor],
-            seen: mx.array | None) -> mx.array:
+def _verify(
+    model,
+    cache: list[Cache],
+    y: int,
+    drafts: mx.array,
+    processors: Sequence[LogitsProcessor],
+    seen: mx.array | None,
+) -> mx.array:
     """The target's log-probs at the k+1 positions after y, d1 … dk: (k+1, V)."""
     inputs = mx.concatenate([mx.array([y], dtype=mx.int32), drafts])  # (k+1,)
     logits = model(inputs[None], cache)[0]  # (k+1, V)
@@ -121,7 +141,7 @@ def _verify(model, cache: list[Cache], y: int, drafts: mx.array, processors: Seq
         # Row i continues history + d1 … di, exactly as plain decoding would see it.
         rows = []
         for i in range(logits.shape[0]):
-            row, tokens = logits[i:i + 1], mx.concatenate([seen, drafts[:i]])
+            row, tokens = logits[i : i + 1], mx.concatenate([seen, drafts[:i]])
             for process in processors:
                 row = process(tokens, row)
             rows.append(row)
@@ -129,8 +149,9 @@ def _verify(model, cache: list[Cache], y: int, drafts: mx.array, processors: Seq
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def _accept(logprobs: mx.array, drafts: mx.array, q: mx.array | None, params: SamplingParams,
-            key: mx.array) -> tuple[mx.array, mx.array]:
+def _accept(
+    logprobs: mx.array, drafts: mx.array, q: mx.array | None, params: SamplingParams, key: mx.array
+) -> tuple[mx.array, mx.array]:
     """How many drafts to keep, and the target's token after them (both lazy scalars).
 
     ``logprobs``: the target's (k+1, V); ``q``: the (k, V) log-probs the drafts
@@ -155,7 +176,11 @@ def _accept(logprobs: mx.array, drafts: mx.array, q: mx.array | None, params: Sa
     # is drawn from the target's p at position k+1 (q = 0 there).
     p = mx.exp(params.filter(logprobs.astype(mx.float32)))  # (k+1, V)
     V = p.shape[-1]
-    q = mx.exp(q.astype(mx.float32)) if q is not None else (mx.arange(V)[None] == drafts[:, None]).astype(mx.float32)
+    q = (
+        mx.exp(q.astype(mx.float32))
+        if q is not None
+        else (mx.arange(V)[None] == drafts[:, None]).astype(mx.float32)
+    )
     u_key, r_key = mx.random.split(key)
     p_d = mx.take_along_axis(p[:k], drafts[:, None], axis=-1)[:, 0]  # (k,)
     q_d = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]  # (k,)
@@ -178,8 +203,12 @@ def _residual(p: mx.array, q: mx.array) -> mx.array:
     return mx.where(mx.sum(r) > 0, r, p)
 
 
-def _draft_sampler(params: SamplingParams, processors: Sequence[LogitsProcessor], seen: mx.array | None,
-                   key: mx.array) -> DraftSampler:
+def _draft_sampler(
+    params: SamplingParams,
+    processors: Sequence[LogitsProcessor],
+    seen: mx.array | None,
+    key: mx.array,
+) -> DraftSampler:
     """Draw draft tokens from the processed distribution the target uses (one step's worth)."""
     drafted: list[mx.array] = []
 
@@ -235,8 +264,10 @@ def _sampling_params(sampler: Sampler | None) -> SamplingParams:
         return SamplingParams()
     params = getattr(sampler, "params", None)
     if not isinstance(params, SamplingParams):
-        raise ValueError("speculative decoding needs a sampler from make_sampler: its settings define the "
-                         "distribution both models draw from")
+        raise ValueError(
+            "speculative decoding needs a sampler from make_sampler: its settings define the "
+            "distribution both models draw from"
+        )
     return params
 
 
@@ -244,9 +275,13 @@ def _require_rewindable(cache: list[Cache], needed: int) -> None:
     """Refuse caches that could not drop rejected drafts during this request."""
     for c in cache:
         if isinstance(c, RotatingKVCache) and c.max_size < needed:
-            raise DraftError(f"speculative decoding rewinds the KV cache, but this rotating cache "
-                             f"(--max-kv-size or sliding window) keeps {c.max_size} tokens and the request "
-                             f"may hold {needed}; drop --max-kv-size or the draft")
+            raise DraftError(
+                f"speculative decoding rewinds the KV cache, but this rotating cache "
+                f"(--max-kv-size or sliding window) keeps {c.max_size} tokens and the request "
+                f"may hold {needed}; drop --max-kv-size or the draft"
+            )
         if not c.is_trimmable():
-            raise DraftError(f"speculative decoding rewinds the KV cache, but this {type(c).__name__} "
-                             "cannot be trimmed")
+            raise DraftError(
+                f"speculative decoding rewinds the KV cache, but this {type(c).__name__} "
+                "cannot be trimmed"
+            )

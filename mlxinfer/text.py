@@ -22,7 +22,9 @@ def fit_context(ids: list[int], context: int, max_tokens: int, *, truncate: bool
     if len(ids) < context:
         return ids
     if not truncate:
-        raise PromptTooLongError(f"prompt: {len(ids)} tokens, but the model's context is {context} tokens "
-                                 "(max_position_embeddings); shorten it or left-truncate (--truncate-prompt)")
+        raise PromptTooLongError(
+            f"prompt: {len(ids)} tokens, but the model's context is {context} tokens "
+            "(max_position_embeddings); shorten it or left-truncate (--truncate-prompt)"
+        )
     keep = context - max(1, min(max_tokens, context // 2))
     return ids[-keep:]

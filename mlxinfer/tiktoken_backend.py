@@ -35,8 +35,10 @@ from pathlib import Path
 from .errors import TokenizerError
 
 # Llama 3's (= cl100k_base's) pre-tokenizer split pattern.
-DEFAULT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+DEFAULT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LINE = re.compile(rb"^[A-Za-z0-9+/]+={0,2} [0-9]+\r?$")
 
 
@@ -75,7 +77,9 @@ def read_ranks(file: Path) -> dict[bytes, int]:
                 raise ValueError("expected '<base64 token> <rank>'")
             token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
         except (ValueError, binascii.Error) as exc:
-            raise TokenizerError(f"{file}: line {number} is not '<base64 token> <rank>' ({exc})") from None
+            raise TokenizerError(
+                f"{file}: line {number} is not '<base64 token> <rank>' ({exc})"
+            ) from None
         if token in ranks:
             raise TokenizerError(f"{file}: line {number} repeats token {token!r}")
         ranks[token] = rank
@@ -83,14 +87,20 @@ def read_ranks(file: Path) -> dict[bytes, int]:
         raise TokenizerError(f"{file}: empty tiktoken vocabulary")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise TokenizerError(f"{file}: byte-level vocabulary lacks {len(missing)} single bytes "
-                             f"(first: 0x{missing[0]:02X}); every byte needs a token")
+        raise TokenizerError(
+            f"{file}: byte-level vocabulary lacks {len(missing)} single bytes "
+            f"(first: 0x{missing[0]:02X}); every byte needs a token"
+        )
     return ranks
 
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (printable Latin-1 bytes map to themselves)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, shifted = {}, 0
     for b in range(256):
         if b in keep:
@@ -131,13 +141,18 @@ class TiktokenBackend:
         ranks = read_ranks(file)
         pattern = pattern or DEFAULT_PATTERN
         if not isinstance(pattern, str):
-            raise TokenizerError(f"{file.parent / 'tokenizer_config.json'}: 'pat_str' should be a string, "
-                                 f"found {pattern!r}")
+            raise TokenizerError(
+                f"{file.parent / 'tokenizer_config.json'}: 'pat_str' should be a string, "
+                f"found {pattern!r}"
+            )
         try:
-            self._encoding = tiktoken.Encoding(file.name, pat_str=pattern, mergeable_ranks=ranks,
-                                               special_tokens={})
+            self._encoding = tiktoken.Encoding(
+                file.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={}
+            )
         except ValueError as exc:  # a pattern tiktoken's regex engine rejects
-            raise TokenizerError(f"{file}: cannot build the tokenizer ({' '.join(str(exc).split())})") from exc
+            raise TokenizerError(
+                f"{file}: cannot build the tokenizer ({' '.join(str(exc).split())})"
+            ) from exc
         self._ranks = ranks
         self._bytes: dict[int, bytes] = {rank: token for token, rank in ranks.items()}
         self._added: dict[int, str] = {}
@@ -155,7 +170,9 @@ class TiktokenBackend:
 
         self.vocab_size = max([*self._bytes, *self._added]) + 1
         self.special_ids = frozenset(special_ids)
-        self.byte_fallback_ids: frozenset[int] = frozenset()  # byte-level: decoding is prefix-stable
+        self.byte_fallback_ids: frozenset[int] = (
+            frozenset()
+        )  # byte-level: decoding is prefix-stable
         ordered = sorted(self._splits, key=len, reverse=True)  # longest first
         self._split_re = re.compile("|".join(map(re.escape, ordered))) if ordered else None
         bos = self._splits.get(special_tokens.get("bos_token", ""))
@@ -167,7 +184,9 @@ class TiktokenBackend:
         try:
             text.encode("utf-8")  # tiktoken would quietly replace a lone surrogate
         except UnicodeEncodeError:
-            raise TypeError("text is not valid UTF-8") from None  # Tokenizer.encode names the character
+            raise TypeError(
+                "text is not valid UTF-8"
+            ) from None  # Tokenizer.encode names the character
         ids = list(self._prefix) if add_special_tokens else []
         position = 0
         if self._split_re is not None:

@@ -23,7 +23,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .chat_template import ChatTemplate, load_chat_templates, named_chat_template, select_chat_template
+from .chat_template import (
+    ChatTemplate,
+    load_chat_templates,
+    named_chat_template,
+    select_chat_template,
+)
 from .detokenizer import StreamingDetokenizer
 from .errors import TokenizerError
 from .sentencepiece_backend import SentencePieceBackend
@@ -31,7 +36,15 @@ from .tiktoken_backend import TiktokenBackend, find_tiktoken_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "*.tiktoken")
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
-_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_NAMED_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class Tokenizer:
@@ -79,7 +92,9 @@ class Tokenizer:
         path = Path(path)
         if not path.is_dir():
             found = "a file" if path.exists() else "nothing"
-            raise TokenizerError(f"{path}: expected a checkpoint directory with tokenizer files, found {found}")
+            raise TokenizerError(
+                f"{path}: expected a checkpoint directory with tokenizer files, found {found}"
+            )
         config = _read_json(path / "tokenizer_config.json")
         special_tokens = _named_special_tokens(path, config)
 
@@ -107,13 +122,17 @@ class Tokenizer:
                 if piece is not None:
                     special_tokens.setdefault(key, piece)
         else:
-            raise TokenizerError(f"{path}: no tokenizer found, looked for {', '.join(TOKENIZER_FILES)}")
+            raise TokenizerError(
+                f"{path}: no tokenizer found, looked for {', '.join(TOKENIZER_FILES)}"
+            )
 
         eos_token_ids = set()
         if (eos_id := _lookup(backend, special_tokens.get("eos_token"))) is not None:
             eos_token_ids.add(eos_id)
         for file in (path / "generation_config.json", path / "config.json"):
-            eos_token_ids.update(_token_ids(_read_json(file).get("eos_token_id"), file, "eos_token_id"))
+            eos_token_ids.update(
+                _token_ids(_read_json(file).get("eos_token_id"), file, "eos_token_id")
+            )
 
         return cls(
             backend,
@@ -208,9 +227,13 @@ class Tokenizer:
                 f"{self.path}: no chat template, looked for chat_template.jinja, chat_template.json "
                 "and tokenizer_config.json['chat_template']"
             )
-        template = select_chat_template(self._chat_templates, use_tools=kwargs.get("tools") is not None)
+        template = select_chat_template(
+            self._chat_templates, use_tools=kwargs.get("tools") is not None
+        )
         return template.render(
-            messages, add_generation_prompt=add_generation_prompt, variables={**self.special_tokens, **kwargs}
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            variables={**self.special_tokens, **kwargs},
         )
 
 
@@ -269,7 +292,9 @@ class _TokenizersBackend:
 def _has_byte_fallback(decoder: Any) -> bool:
     """Whether a serialized `tokenizers` decoder (possibly a Sequence) contains ByteFallback."""
     if isinstance(decoder, dict):
-        return decoder.get("type") == "ByteFallback" or any(map(_has_byte_fallback, decoder.values()))
+        return decoder.get("type") == "ByteFallback" or any(
+            map(_has_byte_fallback, decoder.values())
+        )
     if isinstance(decoder, list):
         return any(map(_has_byte_fallback, decoder))
     return False
@@ -299,7 +324,9 @@ def _named_special_tokens(path: Path, config: dict[str, Any]) -> dict[str, str]:
     """
     sources = [(path / "tokenizer_config.json", config)]
     if "added_tokens_decoder" not in config:
-        sources.append((path / "special_tokens_map.json", _read_json(path / "special_tokens_map.json")))
+        sources.append(
+            (path / "special_tokens_map.json", _read_json(path / "special_tokens_map.json"))
+        )
     tokens = {}
     for file, data in sources:
         for key in _NAMED_TOKENS:
@@ -308,11 +335,15 @@ def _named_special_tokens(path: Path, config: dict[str, Any]) -> dict[str, str]:
     return tokens
 
 
-def _added_tokens(path: Path, config: dict[str, Any], special_tokens: dict[str, str]) -> dict[int, tuple[str, bool]]:
+def _added_tokens(
+    path: Path, config: dict[str, Any], special_tokens: dict[str, str]
+) -> dict[int, tuple[str, bool]]:
     """id -> (content, special) from tokenizer_config.json's added_tokens_decoder, or legacy added_tokens.json."""
     added = {}
     for key, entry in (config.get("added_tokens_decoder") or {}).items():
-        content = _token_content(entry, path / "tokenizer_config.json", f"added_tokens_decoder.{key}")
+        content = _token_content(
+            entry, path / "tokenizer_config.json", f"added_tokens_decoder.{key}"
+        )
         if content is None or not str(key).isdigit():
             raise TokenizerError(
                 f"{path / 'tokenizer_config.json'}: 'added_tokens_decoder' should map integer ids to tokens, "
@@ -332,7 +363,9 @@ def _added_tokens(path: Path, config: dict[str, Any], special_tokens: dict[str, 
 def _flag(path: Path, config: dict[str, Any], key: str) -> bool:
     value = config.get(key, False)  # transformers 5 defaults both to False
     if not isinstance(value, bool):
-        raise TokenizerError(f"{path / 'tokenizer_config.json'}: '{key}' should be true or false, found {value!r}")
+        raise TokenizerError(
+            f"{path / 'tokenizer_config.json'}: '{key}' should be true or false, found {value!r}"
+        )
     return value
 
 
@@ -342,7 +375,9 @@ def _token_content(value: Any, file: Path, key: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise TokenizerError(f"{file}: '{key}' should be a string or an object with 'content', found {value!r}")
+    raise TokenizerError(
+        f"{file}: '{key}' should be a string or an object with 'content', found {value!r}"
+    )
 
 
 def _token_ids(value: Any, file: Path, key: str) -> list[int]:
@@ -351,7 +386,9 @@ def _token_ids(value: Any, file: Path, key: str) -> list[int]:
         return []
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         return list(value)
     raise TokenizerError(f"{file}: '{key}' should be an int or a list of ints, found {value!r}")
 

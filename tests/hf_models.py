@@ -8,12 +8,27 @@ from pathlib import Path
 import torch
 import transformers
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 
 
-def make_tiny(path: Path, model_type: str = "llama", *, config_form: str = "v5", seed: int = 0,
-              perturb_vectors: bool = False, **overrides) -> tuple[Path, torch.nn.Module]:
+def make_tiny(
+    path: Path,
+    model_type: str = "llama",
+    *,
+    config_form: str = "v5",
+    seed: int = 0,
+    perturb_vectors: bool = False,
+    **overrides,
+) -> tuple[Path, torch.nn.Module]:
     """Save a random ``model_type`` checkpoint to ``path``; returns (path, torch model).
 
     ``config_form="v4"`` rewrites config.json the way transformers 4 wrote it
@@ -77,8 +92,12 @@ def torch_logits_chunked(model: torch.nn.Module, chunks: list[list[int]]):
     return np.concatenate(outs)
 
 
-CORPUS = ["Hello world, the quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
-          "def f(x):\n    return x * 2\n", "naïve café — 東京 🙂 12345"] * 20
+CORPUS = [
+    "Hello world, the quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France.",
+    "def f(x):\n    return x * 2\n",
+    "naïve café — 東京 🙂 12345",
+] * 20
 
 
 def add_tokenizer(path: Path, vocab_size: int = 320) -> Path:
@@ -88,14 +107,26 @@ def add_tokenizer(path: Path, vocab_size: int = 320) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                          "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(Path(path) / "tokenizer.json"))
-    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (Path(path) / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "bos_token": None, "chat_template": chatml,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    chatml = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (Path(path) / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "chat_template": chatml,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     return Path(path)

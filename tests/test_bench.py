@@ -31,8 +31,14 @@ def model_dir(tmp_path_factory):
     head_dim 64: the quantized KV cache groups 64 values.
     """
     root = tmp_path_factory.mktemp("bench")
-    path, _ = make_tiny(root / "hf", vocab_size=320, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
-                        tie_word_embeddings=False)
+    path, _ = make_tiny(
+        root / "hf",
+        vocab_size=320,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
     add_tokenizer(path)
     convert(path, root / "mlx", dtype="float32")
     return root / "mlx"
@@ -43,8 +49,23 @@ def compared(model_dir, tmp_path_factory):
     """One full run: two prompt lengths, mlx-lm alongside, JSON and plot."""
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the bench and test extras)")
     out = tmp_path_factory.mktemp("out")
-    args = ["bench", "-m", str(model_dir), "-p", ",".join(map(str, P)), "-n", str(N), "--reps", str(REPS),
-            "--compare", "mlx-lm", "--json", str(out / "b.json"), "--plot", str(out / "b.png")]
+    args = [
+        "bench",
+        "-m",
+        str(model_dir),
+        "-p",
+        ",".join(map(str, P)),
+        "-n",
+        str(N),
+        "--reps",
+        str(REPS),
+        "--compare",
+        "mlx-lm",
+        "--json",
+        str(out / "b.json"),
+        "--plot",
+        str(out / "b.png"),
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     return result, json.loads((out / "b.json").read_text()), out
@@ -52,11 +73,25 @@ def compared(model_dir, tmp_path_factory):
 
 def test_json_has_environment_settings_and_every_run(compared, model_dir):
     _, data, _ = compared
-    assert {"platform", "python", "mlx", "device", "blas", "cpus", "load_average_1min", "mlx_lm"} <= set(
-        data["environment"])
+    assert {
+        "platform",
+        "python",
+        "mlx",
+        "device",
+        "blas",
+        "cpus",
+        "load_average_1min",
+        "mlx_lm",
+    } <= set(data["environment"])
     assert data["model"] == str(model_dir)
-    assert data["settings"] == {"prompt_tokens": list(P), "max_tokens": N, "reps": REPS, "kv_bits": None,
-                                "prefill_step": None, "compare": "mlx-lm"}
+    assert data["settings"] == {
+        "prompt_tokens": list(P),
+        "max_tokens": N,
+        "reps": REPS,
+        "kv_bits": None,
+        "prefill_step": None,
+        "compare": "mlx-lm",
+    }
     assert [e["prompt_tokens"] for e in data["results"]] == list(P)
     for entry in data["results"]:
         assert set(entry["engines"]) == {"mlxinfer", "mlx-lm"}
@@ -90,7 +125,11 @@ def _safetensors_data_bytes(path: Path) -> int:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    return sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+    return sum(
+        t["data_offsets"][1] - t["data_offsets"][0]
+        for k, t in header.items()
+        if k != "__metadata__"
+    )
 
 
 def test_roofline_bytes_per_token_from_the_checkpoint(compared, model_dir):
@@ -131,14 +170,32 @@ def test_stdout_is_the_tables_and_the_plot_a_png(compared):
 
 def test_kv_bits_quantizes_our_cache(model_dir, tmp_path):
     out = tmp_path / "kv.json"
-    result = CliRunner().invoke(cli, ["bench", "-m", str(model_dir), "-p", "8", "-n", "4", "--reps", "1",
-                                      "--kv-bits", "8", "--json", str(out)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "-m",
+            str(model_dir),
+            "-p",
+            "8",
+            "-n",
+            "4",
+            "--reps",
+            "1",
+            "--kv-bits",
+            "8",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     r = data["results"][0]["roofline"]
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    float_kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * r["mean_context"] * 4
+    float_kv = (
+        2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * r["mean_context"] * 4
+    )
     assert 0 < r["kv_bytes"] < float_kv / 2  # 8-bit codes plus a scale and bias per group
     assert data["settings"]["kv_bits"] == 8 and "mlx-lm" not in data["results"][0]["engines"]
 
@@ -155,8 +212,24 @@ def test_prefill_step_size_reaches_both_engines(model_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(PromptCache, "prefill", spy)
     out = tmp_path / "s.json"
-    result = CliRunner().invoke(cli, ["bench", "-m", str(model_dir), "-p", "8", "-n", "2", "--reps", "1",
-                                      "--prefill-step-size", "3", "--json", str(out)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "-m",
+            str(model_dir),
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "--reps",
+            "1",
+            "--prefill-step-size",
+            "3",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert steps and set(steps) == {3}
     assert json.loads(out.read_text())["settings"]["prefill_step"] == 3
@@ -169,9 +242,16 @@ def test_kv_bits_with_compare_notes_mlx_lms_float_cache(model_dir):
     model, _ = load(model_dir)
     notes = b.comparison_notes(model, model_dir, 4)
     assert any("float cache" in n for n in notes)
-    table = bench_report.tables({"environment": b.environment(None), "model": "m", "notes": notes,
-                                 "settings": {"max_tokens": 4, "reps": 1, "kv_bits": 4, "compare": None},
-                                 "bandwidth": {"gb_per_s": 1.0, "probe": "x"}, "results": []})
+    table = bench_report.tables(
+        {
+            "environment": b.environment(None),
+            "model": "m",
+            "notes": notes,
+            "settings": {"max_tokens": 4, "reps": 1, "kv_bits": 4, "compare": None},
+            "bandwidth": {"gb_per_s": 1.0, "probe": "x"},
+            "results": [],
+        }
+    )
     assert "mlx-lm ran with its float cache" in table
 
 
@@ -199,8 +279,14 @@ Averages: prompt_tps=126.728, generation_tps=17.945, peak_memory=0.613
 
 def test_parse_trials_reads_each_trial_line():
     assert b.parse_trials(TRIALS) == [
-        {"prompt_tps": 123.456, "generation_tps": 17.890, "peak_memory": 0.612, "total_time": 9.876},
-        {"prompt_tps": 130.0, "generation_tps": 18.0, "peak_memory": 0.613, "total_time": 9.5}]
+        {
+            "prompt_tps": 123.456,
+            "generation_tps": 17.890,
+            "peak_memory": 0.612,
+            "total_time": 9.876,
+        },
+        {"prompt_tps": 130.0, "generation_tps": 18.0, "peak_memory": 0.613, "total_time": 9.5},
+    ]
 
 
 def test_parse_trials_without_trials_quotes_the_output_tail():
@@ -216,22 +302,27 @@ def test_child_gets_our_blas_preloaded(monkeypatch):
     assert cmd[1:] == ["-m", "mlx_lm.benchmark", "--model", "/m", "-p", "64", "-g", "8", "-n", "3"]
 
 
-@pytest.mark.parametrize("args, option, found", [
-    (["-p", "12,abc"], "-p/--prompt-tokens", "12,abc"),
-    (["-p", "0"], "-p/--prompt-tokens", "0"),
-    (["-p", ""], "-p/--prompt-tokens", ""),
-    (["-n", "1"], "-n/--max-tokens", "1"),
-    (["-n", "x"], "-n/--max-tokens", "x"),
-    (["--reps", "0"], "--reps", "0"),
-    (["--compare", "llama.cpp"], "--compare", "llama.cpp"),
-])
+@pytest.mark.parametrize(
+    "args, option, found",
+    [
+        (["-p", "12,abc"], "-p/--prompt-tokens", "12,abc"),
+        (["-p", "0"], "-p/--prompt-tokens", "0"),
+        (["-p", ""], "-p/--prompt-tokens", ""),
+        (["-n", "1"], "-n/--max-tokens", "1"),
+        (["-n", "x"], "-n/--max-tokens", "x"),
+        (["--reps", "0"], "--reps", "0"),
+        (["--compare", "llama.cpp"], "--compare", "llama.cpp"),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_option(args, option, found):
     result = CliRunner().invoke(cli, ["bench", "-m", "/nonexistent", *args])
     assert result.exit_code in (1, 2)  # click's own Choice check is a usage error (2)
     if option != "--compare":
         assert result.exit_code == 1
         lines = result.output.strip().splitlines()
-        assert len(lines) == 1 and option in lines[0] and f"found '{found}'" in lines[0], result.output
+        assert len(lines) == 1 and option in lines[0] and f"found '{found}'" in lines[0], (
+            result.output
+        )
     else:
         assert "llama.cpp" in result.output and "mlx-lm" in result.output
 
@@ -240,18 +331,25 @@ def test_missing_mlx_lm_or_matplotlib_fails_before_measuring(monkeypatch, tmp_pa
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("mlx_lm", "matplotlib") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("mlx_lm", "matplotlib") else real(name, *a),
+    )
     result = CliRunner().invoke(cli, ["bench", "-m", "/nonexistent", "--compare", "mlx-lm"])
     assert result.exit_code == 1
     assert "--compare mlx-lm: mlx-lm is not installed (pip install mlx-lm)" in result.output
-    result = CliRunner().invoke(cli, ["bench", "-m", "/nonexistent", "--plot", str(tmp_path / "x.png")])
+    result = CliRunner().invoke(
+        cli, ["bench", "-m", "/nonexistent", "--plot", str(tmp_path / "x.png")]
+    )
     assert result.exit_code == 1
     assert "--plot needs matplotlib: pip install 'mlxinfer[bench]'" in result.output
 
 
 def test_output_into_a_missing_directory_is_an_error(tmp_path):
-    result = CliRunner().invoke(cli, ["bench", "-m", "/nonexistent", "--json", str(tmp_path / "no" / "b.json")])
+    result = CliRunner().invoke(
+        cli, ["bench", "-m", "/nonexistent", "--json", str(tmp_path / "no" / "b.json")]
+    )
     assert result.exit_code == 1 and "--json" in result.output and "does not exist" in result.output
 
 
@@ -265,8 +363,13 @@ def test_mlxinfer_never_imports_mlx_lm():
     root = Path(b.__file__).parent
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n.split(".")[0] == "mlx_lm" for n in names), path
 
 

@@ -6,10 +6,11 @@ A smoke test on a tiny random llama with tiny sizes; no timing is asserted.
 import math
 
 import pytest
-
 from fixtures import load_script
 from hf_models import add_tokenizer, make_tiny
+
 from mlxinfer.conversion import convert
+
 
 @pytest.fixture(scope="module")
 def bench():
@@ -18,7 +19,9 @@ def bench():
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    path, _ = make_tiny(tmp_path_factory.mktemp("bench") / "tiny", vocab_size=320, tie_word_embeddings=True)
+    path, _ = make_tiny(
+        tmp_path_factory.mktemp("bench") / "tiny", vocab_size=320, tie_word_embeddings=True
+    )
     return add_tokenizer(path)
 
 
@@ -42,13 +45,38 @@ def test_measure_reports_both_engines_and_ratios_of_medians(bench, hf_dir, tmp_p
 
 
 def test_markdown_table_has_a_row_per_model_and_metric(bench):
-    median = {"prefill_tps": 100.0, "decode_tps": 20.0, "ttft_s": 0.5, "peak_memory_gb": 0.25, "rss_gb": 1.0}
-    result = {"prompt_tokens": 8, "max_tokens": 4, "reps": 2, "same_tokens": True,
-              "engines": {"mlxinfer": {"median": median}, "mlx-lm": {"median": {**median, "decode_tps": 10.0}}},
-              "ratios": {m: 2.0 if m == "decode_tps" else 1.0 for m in bench.METRICS}}
-    env = {"mlx_lm": "x", "mlx": "y", "device": "cpu", "blas": "z", "cpus": 2, "load_average_1min": 0.5}
+    median = {
+        "prefill_tps": 100.0,
+        "decode_tps": 20.0,
+        "ttft_s": 0.5,
+        "peak_memory_gb": 0.25,
+        "rss_gb": 1.0,
+    }
+    result = {
+        "prompt_tokens": 8,
+        "max_tokens": 4,
+        "reps": 2,
+        "same_tokens": True,
+        "engines": {
+            "mlxinfer": {"median": median},
+            "mlx-lm": {"median": {**median, "decode_tps": 10.0}},
+        },
+        "ratios": {m: 2.0 if m == "decode_tps" else 1.0 for m in bench.METRICS},
+    }
+    env = {
+        "mlx_lm": "x",
+        "mlx": "y",
+        "device": "cpu",
+        "blas": "z",
+        "cpus": 2,
+        "load_average_1min": 0.5,
+    }
     table = bench.markdown_table({"f32": result, "4bit": result}, env)
-    rows = [line for line in table.splitlines() if line.startswith("| f32 ") or line.startswith("| 4bit ")]
+    rows = [
+        line
+        for line in table.splitlines()
+        if line.startswith("| f32 ") or line.startswith("| 4bit ")
+    ]
     assert len(rows) == 2 * len(bench.METRICS)
     assert "| f32 | decode ↑ | 20.0 tok/s | 10.0 tok/s | 2.00× |" in rows
 

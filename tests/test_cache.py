@@ -3,8 +3,8 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from hf_models import make_tiny, torch_logits
+
 from mlxinfer.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_nbytes
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
@@ -16,8 +16,12 @@ IDS = [5, 17, 99, 3, 240, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     # head_dim 64 so 64-wide quantization groups fit the quantized cache.
-    path, torch_model = make_tiny(tmp_path_factory.mktemp("tiny"), hidden_size=128, num_attention_heads=2,
-                                  num_key_value_heads=1)
+    path, torch_model = make_tiny(
+        tmp_path_factory.mktemp("tiny"),
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model, _ = load_model(path)
     return model, torch_model
 
@@ -80,12 +84,16 @@ def test_max_kv_size_bounds_memory(tiny):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("mask,queries", [(None, 1), ("causal", 3), ("causal", 20)])  # 20: a prefill chunk
+@pytest.mark.parametrize(
+    "mask,queries", [(None, 1), ("causal", 3), ("causal", 20)]
+)  # 20: a prefill chunk
 def test_quantized_attention_equals_attention_on_dequantized_kv(bits, mask, queries):
     from mlxinfer.models.base import _quantized_attention
 
-    q, k, v = (mx.random.normal((1, n, L, 64), key=mx.random.key(i)) for i, (n, L) in
-               enumerate([(4, queries), (2, 27), (2, 27)]))
+    q, k, v = (
+        mx.random.normal((1, n, L, 64), key=mx.random.key(i))
+        for i, (n, L) in enumerate([(4, queries), (2, 27), (2, 27)])
+    )
     kq, vq = mx.quantize(k, group_size=64, bits=bits), mx.quantize(v, group_size=64, bits=bits)
     deq = [mx.dequantize(*t, group_size=64, bits=bits) for t in (kq, vq)]
     ref = mx.fast.scaled_dot_product_attention(q, *deq, scale=0.125, mask=mask)
@@ -93,14 +101,18 @@ def test_quantized_attention_equals_attention_on_dequantized_kv(bits, mask, quer
     assert np.abs(np.array(out) - np.array(ref)).max() < 1e-4
 
 
-@pytest.mark.parametrize("bits,tol", [(8, 0.01), (4, 0.25)])  # 4-bit groups of 64 are coarse; exactness is checked above
+@pytest.mark.parametrize(
+    "bits,tol", [(8, 0.01), (4, 0.25)]
+)  # 4-bit groups of 64 are coarse; exactness is checked above
 def test_quantized_cache_close_to_float(tiny, bits, tol):
     model, _ = tiny
     ref = np.array(model(mx.array([IDS]))[0])
     cache = model.make_cache(kv_bits=bits)
     assert isinstance(cache[0], QuantizedKVCache)
-    out = np.concatenate([np.array(model(mx.array([c]), cache)[0]) for c in (IDS[:12], IDS[12:15])] +
-                         [np.array(model(mx.array([[t]]), cache)[0]) for t in IDS[15:]])
+    out = np.concatenate(
+        [np.array(model(mx.array([c]), cache)[0]) for c in (IDS[:12], IDS[12:15])]
+        + [np.array(model(mx.array([[t]]), cache)[0]) for t in IDS[15:]]
+    )
     err = np.abs(out - ref).max() / np.ptp(ref)
     assert 0 < err < tol  # quantization changes the numbers, but only a little
     float_bytes = 2 * 2 * 64 * len(IDS) * 4

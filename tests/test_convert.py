@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-
 from hf_models import add_tokenizer, make_tiny, torch_logits
+
 from mlxinfer.cli import cli
 from mlxinfer.conversion import convert
 from mlxinfer.errors import ConfigError, TokenizerError, WeightsError
@@ -39,9 +39,14 @@ def test_f32_conversion_keeps_logits_and_copies_tokenizer(hf_dir, tmp_path):
     assert np.abs(out - torch_logits(torch_model, IDS)).max() <= 1e-3
 
 
-@pytest.mark.parametrize("bits,group,dtype,bpw", [(4, 64, "float16", 4 + 2 * 16 / 64),
-                                                   (4, 32, "float32", 4 + 2 * 32 / 32),
-                                                   (8, 64, "float32", 8 + 2 * 32 / 64)])
+@pytest.mark.parametrize(
+    "bits,group,dtype,bpw",
+    [
+        (4, 64, "float16", 4 + 2 * 16 / 64),
+        (4, 32, "float32", 4 + 2 * 32 / 32),
+        (8, 64, "float32", 8 + 2 * 32 / 64),
+    ],
+)
 def test_quantized_conversion_records_and_reloads(hf_dir, tmp_path, bits, group, dtype, bpw):
     src, torch_model = hf_dir
     report = convert(src, tmp_path / "q", quantize=True, bits=bits, group_size=group, dtype=dtype)
@@ -54,7 +59,9 @@ def test_quantized_conversion_records_and_reloads(hf_dir, tmp_path, bits, group,
     out = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
     assert np.isfinite(out).all()
     if dtype == "float32":
-        assert np.abs(out - torch_logits(dequantized_reference(torch_model, model), IDS)).max() <= 1e-3
+        assert (
+            np.abs(out - torch_logits(dequantized_reference(torch_model, model), IDS)).max() <= 1e-3
+        )
 
 
 def dequantized_reference(torch_model, model):
@@ -63,8 +70,13 @@ def dequantized_reference(torch_model, model):
     state = ref_model.state_dict()
     for path, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
-                              bits=module.bits)
+            w = mx.dequantize(
+                module.weight,
+                module.scales,
+                module.biases,
+                group_size=module.group_size,
+                bits=module.bits,
+            )
             state[f"{path}.weight"] = torch.from_numpy(np.array(w))
     ref_model.load_state_dict(state)
     return ref_model
@@ -74,8 +86,12 @@ def test_long_quantized_prefill_runs_stepwise_and_matches_transformers(tmp_path,
     """A 4-bit prefill long enough for the stepwise path (attention block by block, MLP slice by slice)."""
     from mlxinfer.models import cpu_quant as quant
 
-    src, torch_model = make_tiny(tmp_path / "hf", vocab_size=320, intermediate_size=quant.MLP_SLICE + 128,
-                                 max_position_embeddings=512)
+    src, torch_model = make_tiny(
+        tmp_path / "hf",
+        vocab_size=320,
+        intermediate_size=quant.MLP_SLICE + 128,
+        max_position_embeddings=512,
+    )
     add_tokenizer(src)
     convert(src, tmp_path / "q", quantize=True, bits=4, group_size=64, dtype="float32")
     model, _ = load_model(tmp_path / "q")
@@ -86,7 +102,9 @@ def test_long_quantized_prefill_runs_stepwise_and_matches_transformers(tmp_path,
     cache.prefill(model, ids[:-1])
     out = np.array(model(mx.array([ids[-1:]]), cache.cache)[0, -1])
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    assert len(calls) == (len(model.layers) if on_cpu else 0)  # one sliced MLP per layer on the CPU backend
+    assert len(calls) == (
+        len(model.layers) if on_cpu else 0
+    )  # one sliced MLP per layer on the CPU backend
     assert not quant.stepwise()  # only inside the prefill
     ref = torch_logits(dequantized_reference(torch_model, model), ids)[-1]
     assert np.abs(out - ref).max() <= 1e-3
@@ -101,7 +119,9 @@ def test_sharded_checkpoint_is_read(hf_dir, tmp_path):
         shutil.copy(src / f, sharded / f)
     convert(sharded, tmp_path / "out", dtype="float32")
     model, _ = load_model(tmp_path / "out")
-    assert np.abs(np.array(model(mx.array([IDS]))[0]) - torch_logits(torch_model, IDS)).max() <= 1e-3
+    assert (
+        np.abs(np.array(model(mx.array([IDS]))[0]) - torch_logits(torch_model, IDS)).max() <= 1e-3
+    )
 
 
 def broken(hf_dir, tmp_path, how):
@@ -134,8 +154,11 @@ BAD = {
     "unknown model_type": (ConfigError, "unknown model_type 'transformer9000'"),
     "missing key": (ConfigError, "missing required key 'hidden_size'"),
     "truncated": (WeightsError, r"model.safetensors: (truncated|not a valid)"),
-    "shape mismatch": (WeightsError, r"weight 'model.layers.\d.mlp.\w+_proj.weight' has shape \(\d+, \d+\), "
-                                     r"expected \(\d+, \d+\)"),
+    "shape mismatch": (
+        WeightsError,
+        r"weight 'model.layers.\d.mlp.\w+_proj.weight' has shape \(\d+, \d+\), "
+        r"expected \(\d+, \d+\)",
+    ),
     "missing tokenizer": (TokenizerError, "bad: no tokenizer found"),
     "pickle only": (WeightsError, "only pickle weights \\(pytorch_model.bin\\)"),
 }
@@ -158,7 +181,9 @@ def test_bad_input_is_one_line_error_and_leaves_nothing(hf_dir, tmp_path, how):
 
 def test_cli_convert_reports_size(hf_dir, tmp_path):
     src, _ = hf_dir
-    result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "q"), "-q", "--group-size", "32"])
+    result = CliRunner().invoke(
+        cli, ["convert", str(src), "-o", str(tmp_path / "q"), "-q", "--group-size", "32"]
+    )
     assert result.exit_code == 0, result.output
     assert "bits per weight" in result.output and "MiB on disk" in result.output
     umask = os.umask(0)
@@ -180,7 +205,9 @@ def test_cpu_prefill_path_equals_quantized_kernel():
 
     layer = nn.QuantizedLinear(128, 96, bias=True, group_size=64, bits=4)
     layer.update({"bias": mx.random.normal((96,), key=mx.random.key(1))})
-    x = mx.random.normal((2, 40, 128), key=mx.random.key(2))  # 80 rows: the dequantize + matmul path
+    x = mx.random.normal(
+        (2, 40, 128), key=mx.random.key(2)
+    )  # 80 rows: the dequantize + matmul path
     ref = layer(x)  # MLX's quantized_matmul
     holder = nn.Sequential(layer)
     assert use_cpu_layers(holder) == (1 if mx.default_device().type == mx.DeviceType.cpu else 0)

@@ -14,7 +14,9 @@ from mlxinfer.models import cpu_ops
 from mlxinfer.models.rope import make_rope
 
 
-def rope_reference(x: np.ndarray, offset: int, inv_freq: np.ndarray, dims: int, traditional: bool) -> np.ndarray:
+def rope_reference(
+    x: np.ndarray, offset: int, inv_freq: np.ndarray, dims: int, traditional: bool
+) -> np.ndarray:
     """RoPE by its definition, in float64: pair i of position p turns by p·inv_freq[i]."""
     x = x.astype(np.float64)
     L, half = x.shape[-2], dims // 2
@@ -49,7 +51,9 @@ def test_rope_table_path_matches_definition(traditional, dims, head_dim, offset)
     # float32 angles p·inv_freq lose ~p·2^-24 rad: the bound grows with the position
     tol = 1e-5 + 4e-7 * (offset + 5)
     assert np.abs(ours - ref).max() <= tol
-    assert np.abs(fast - ref).max() <= 2 * tol  # the two paths agree with the definition, so each other
+    assert (
+        np.abs(fast - ref).max() <= 2 * tol
+    )  # the two paths agree with the definition, so each other
 
 
 def test_rope_tables_are_shared_between_layers_of_one_thread():
@@ -65,8 +69,11 @@ def test_rope_tables_are_shared_between_layers_of_one_thread():
         assert len(tables) == 1
         # Another thread builds its own: a lazy table belongs to the thread (stream) that built it.
         other = []
-        thread = threading.Thread(target=lambda: other.append((np.array(ropes[0](x, offset=7)),
-                                                                len(cpu_ops._thread_cache("tables")))))
+        thread = threading.Thread(
+            target=lambda: other.append(
+                (np.array(ropes[0](x, offset=7)), len(cpu_ops._thread_cache("tables")))
+            )
+        )
         thread.start()
         thread.join()
     finally:
@@ -96,11 +103,15 @@ def attention_reference(q, k, v, scale, allowed):
     return (p / p.sum(-1, keepdims=True)) @ v
 
 
-@pytest.mark.parametrize("L,T", [(1, 40), (1, cpu_ops.DECODE_LONG_KEYS + 64), (7, 7), (300, 300), (200, 520)])
+@pytest.mark.parametrize(
+    "L,T", [(1, 40), (1, cpu_ops.DECODE_LONG_KEYS + 64), (7, 7), (300, 300), (200, 520)]
+)
 @pytest.mark.parametrize("mask_kind", ["causal", "window", "additive", None])
 @pytest.mark.parametrize("evaluate_blocks", [False, True])  # True in a stepwise (quantized) prefill
 def test_attention_matches_definition(L, T, mask_kind, evaluate_blocks, monkeypatch):
-    monkeypatch.setattr(cpu_ops, "SCORE_BUDGET", 6 * 64 * T)  # blocks of 64 queries: several blocks when L > 64
+    monkeypatch.setattr(
+        cpu_ops, "SCORE_BUDGET", 6 * 64 * T
+    )  # blocks of 64 queries: several blocks when L > 64
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 6, L, 16)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, T, 16)).astype(np.float32) for _ in range(2))
@@ -112,8 +123,16 @@ def test_attention_matches_definition(L, T, mask_kind, evaluate_blocks, monkeypa
         mask = mx.array(allowed)
     elif mask_kind == "additive":
         mask = mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32))
-    out = np.array(cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=mask,
-                                     evaluate_blocks=evaluate_blocks))
+    out = np.array(
+        cpu_ops.attention(
+            mx.array(q),
+            mx.array(k),
+            mx.array(v),
+            scale=0.25,
+            mask=mask,
+            evaluate_blocks=evaluate_blocks,
+        )
+    )
     assert np.abs(out - attention_reference(q, k, v, 0.25, allowed)).max() <= 1e-5
 
 
@@ -121,7 +140,9 @@ def test_exp_matches_float64_and_masks_to_zero():
     x = np.linspace(-87, 88, 100_001).astype(np.float32)
     got = np.array(cpu_ops.exp(mx.array(x)))
     assert np.max(np.abs(got / np.exp(x.astype(np.float64)) - 1)) <= 1.5e-7
-    edges = np.array(cpu_ops.exp(mx.array([-np.inf, -1e4, 89.0, 1e30, np.inf, np.nan], dtype=mx.float32)))
+    edges = np.array(
+        cpu_ops.exp(mx.array([-np.inf, -1e4, 89.0, 1e30, np.inf, np.nan], dtype=mx.float32))
+    )
     assert edges[:2].tolist() == [0.0, 0.0]  # masked logits
     assert np.isposinf(edges[2:5]).all() and np.isnan(edges[5])
 
@@ -153,7 +174,9 @@ def test_attention_with_a_per_head_additive_mask(L, T, monkeypatch):
     bias = (rng.standard_normal((6, 1, T)) * np.ones((1, L, 1))).astype(np.float32)
     allowed = np.arange(T)[None] <= np.arange(T - L, T)[:, None]
     mask = np.where(allowed, bias, -np.inf).astype(np.float32)
-    out = np.array(cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=mx.array(mask)))
+    out = np.array(
+        cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=mx.array(mask))
+    )
     qf, kf, vf = (a.astype(np.float64) for a in (q, k, v))
     kf, vf = np.repeat(kf, 2, axis=1), np.repeat(vf, 2, axis=1)
     s = qf @ kf.swapaxes(-1, -2) * 0.25 + mask
@@ -173,7 +196,6 @@ def test_dequantize_equals_mlx(bits, group_size):
     got = dequantize(*parts, group_size=group_size, bits=bits)
     assert got.shape == w.shape and got.dtype == w.dtype
     assert mx.array_equal(got, mx.dequantize(*parts, group_size=group_size, bits=bits)).item()
-
 
 
 def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
@@ -202,13 +224,19 @@ def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
         assert not stepwise()  # float models are left lazy
 
 
-@pytest.mark.parametrize("bits,group_size,bias", [(4, 64, False), (4, 32, True), (8, 128, False), (6, 64, True)])
+@pytest.mark.parametrize(
+    "bits,group_size,bias", [(4, 64, False), (4, 32, True), (8, 128, False), (6, 64, True)]
+)
 def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
     """The stepwise MLP, slice by slice of hidden units, against MLX's quantized layers and silu."""
     from mlxinfer.models import cpu_quant as quant
     from mlxinfer.models.base import GatedMLP
 
-    dim, hidden, rows = 128, quant.MLP_SLICE + 256, quant.MLP_SLICE_ROWS + 4  # a full slice and a partial one
+    dim, hidden, rows = (
+        128,
+        quant.MLP_SLICE + 256,
+        quant.MLP_SLICE_ROWS + 4,
+    )  # a full slice and a partial one
     mlp = GatedMLP(dim, hidden, nn.silu, bias=bias)
     if bias:
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -219,11 +247,14 @@ def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
 
     def whole(layer, a):
         return nn.QuantizedLinear.__call__(layer, a)  # MLX's quantized matmul, not ours
+
     ref = whole(mlp.down_proj, nn.silu(whole(mlp.gate_proj, x)) * whole(mlp.up_proj, x))
     assert quant.use_cpu_layers(mlp) == (3 if mx.default_device().type == mx.DeviceType.cpu else 0)
     with quant.stepwise_prefill(mlp):
         assert quant.slices_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj) == quant.stepwise()
-        assert not quant.slices_mlp(x[:, :quant.MLP_SLICE_ROWS - 1], mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        assert not quant.slices_mlp(
+            x[:, : quant.MLP_SLICE_ROWS - 1], mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        )
         out = mlp(x)
     assert np.abs(np.array(out) - np.array(ref)).max() <= 1e-4 * np.abs(np.array(ref)).max()
 
@@ -231,7 +262,10 @@ def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
 def test_long_decode_attention_in_float16_matches_definition():
     rng = np.random.default_rng(9)
     q = rng.standard_normal((1, 4, 1, 16)).astype(np.float16)
-    k, v = (rng.standard_normal((1, 2, cpu_ops.DECODE_LONG_KEYS + 88, 16)).astype(np.float16) for _ in range(2))
+    k, v = (
+        rng.standard_normal((1, 2, cpu_ops.DECODE_LONG_KEYS + 88, 16)).astype(np.float16)
+        for _ in range(2)
+    )
     out = cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=None)
     assert out.dtype == mx.float16
     ref = attention_reference(q, k, v, 0.25, np.ones((1, k.shape[2]), bool))
@@ -245,4 +279,7 @@ def test_attention_in_float16_matches_definition():
     allowed = np.arange(600)[None] <= np.arange(600 - 64, 600)[:, None]
     out = cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask="causal")
     assert out.dtype == mx.float16
-    assert np.abs(np.array(out.astype(mx.float32)) - attention_reference(q, k, v, 0.25, allowed)).max() <= 2e-3
+    assert (
+        np.abs(np.array(out.astype(mx.float32)) - attention_reference(q, k, v, 0.25, allowed)).max()
+        <= 2e-3
+    )

@@ -9,8 +9,10 @@ from mlxinfer.models import cpu_parallel
 from mlxinfer.models.base import GatedMLP
 from mlxinfer.models.cpu_quant import CPUQuantizedLinear, use_cpu_layers
 
-on_cpu = pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
-                            reason="the CPU layers are used only on MLX's CPU backend")
+on_cpu = pytest.mark.skipif(
+    mx.default_device().type != mx.DeviceType.cpu,
+    reason="the CPU layers are used only on MLX's CPU backend",
+)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 40])
@@ -41,7 +43,10 @@ def loads(layers, width):
 def test_equal_siblings_run_whole_side_by_side():
     gate, up = nn.Linear(576, 1536), nn.Linear(576, 1536)
     cpu_parallel.plan_siblings([gate, up], 576)
-    assert {cpu_parallel.decode_parts(gate), cpu_parallel.decode_parts(up)} == {((0, 0, 1536),), ((1, 0, 1536),)}
+    assert {cpu_parallel.decode_parts(gate), cpu_parallel.decode_parts(up)} == {
+        ((0, 0, 1536),),
+        ((1, 0, 1536),),
+    }
 
 
 def test_small_imbalance_is_left_uncut():
@@ -50,7 +55,11 @@ def test_small_imbalance_is_left_uncut():
     q, k, v = nn.Linear(576, 576), nn.Linear(576, 192), nn.Linear(576, 192)
     cpu_parallel.plan_siblings([q, k, v], 576)
     assert sorted(loads([q, k, v], 576)) == [2 * 192 * 576, 576 * 576]
-    assert cpu_parallel.decode_parts(k)[0][0] == cpu_parallel.decode_parts(v)[0][0] != cpu_parallel.decode_parts(q)[0][0]
+    assert (
+        cpu_parallel.decode_parts(k)[0][0]
+        == cpu_parallel.decode_parts(v)[0][0]
+        != cpu_parallel.decode_parts(q)[0][0]
+    )
 
 
 def test_large_imbalance_cuts_one_layer_to_balance():
@@ -81,7 +90,9 @@ def test_quantized_siblings_by_parts_equal_mlx_layers(rows, shapes, monkeypatch)
     for layer in layers:
         layer.__class__ = CPUQuantizedLinear
     cpu_parallel.plan_siblings(layers, shapes[0][0])
-    assert any(len(cpu_parallel.decode_parts(layer)) == 2 for layer in layers) == (shapes[0] == (256, 256))
+    assert any(len(cpu_parallel.decode_parts(layer)) == 2 for layer in layers) == (
+        shapes[0] == (256, 256)
+    )
     for layer, ref in zip(layers, refs):
         assert mx.array_equal(layer(x), ref)  # the same kernel on the same rows: bit for bit
 
@@ -93,9 +104,13 @@ def test_use_cpu_layers_plans_quantized_siblings_only():
     mlp = GatedMLP(64, 4096, nn.silu)  # 262k weights each
     nn.quantize(mlp, group_size=64, bits=4)
     assert use_cpu_layers(nn.Sequential(attn, mlp)) == 3
-    assert all(type(getattr(attn, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj"))  # float: left alone
+    assert all(
+        type(getattr(attn, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj")
+    )  # float: left alone
     assert {cpu_parallel.decode_parts(mlp.gate_proj), cpu_parallel.decode_parts(mlp.up_proj)} == {
-        ((0, 0, 4096),), ((1, 0, 4096),)}
+        ((0, 0, 4096),),
+        ((1, 0, 4096),),
+    }
     assert "_decode_parts" not in mlp.down_proj.__dict__  # no siblings: cut in halves
     assert cpu_parallel.decode_parts(mlp.down_proj) == ((0, 0, 32), (1, 32, 64))
 
@@ -103,7 +118,9 @@ def test_use_cpu_layers_plans_quantized_siblings_only():
 @on_cpu
 def test_quantized_product_equals_one_kernel():
     layer = quantized(128, 384, key=5, bias=True)
-    ref = nn.QuantizedLinear.__call__(layer, x := mx.random.normal((1, 3, 128), key=mx.random.key(5)))
+    ref = nn.QuantizedLinear.__call__(
+        layer, x := mx.random.normal((1, 3, 128), key=mx.random.key(5))
+    )
     layer.__class__ = CPUQuantizedLinear  # three rows: the two-thread decode path, in halves
     assert cpu_parallel.decode_parts(layer) == ((0, 0, 192), (1, 192, 384))
     assert mx.array_equal(layer(x), ref)
@@ -117,16 +134,27 @@ def test_siblings_in_a_non_affine_mode_are_planned_and_exact():
     refs = [nn.QuantizedLinear.__call__(layer, x) for layer in (mlp.gate_proj, mlp.up_proj)]
     use_cpu_layers(mlp)
     assert {cpu_parallel.decode_parts(mlp.gate_proj), cpu_parallel.decode_parts(mlp.up_proj)} == {
-        ((0, 0, 256),), ((1, 0, 256),)}
+        ((0, 0, 256),),
+        ((1, 0, 256),),
+    }
     for layer, ref in zip((mlp.gate_proj, mlp.up_proj), refs):
         assert mx.array_equal(layer(x), ref)
 
 
 def gated_mlp_float64(mlp, x):
     """down(silu(gate x) · up x) in float64 numpy, from the layers' weights before any CPU switch."""
-    w = {name: np.array(getattr(mlp, name).weight, dtype=np.float64) for name in cpu_parallel.GATED_MLP}
-    b = {name: (np.array(getattr(mlp, name).bias, dtype=np.float64) if "bias" in getattr(mlp, name) else 0.0)
-         for name in cpu_parallel.GATED_MLP}
+    w = {
+        name: np.array(getattr(mlp, name).weight, dtype=np.float64)
+        for name in cpu_parallel.GATED_MLP
+    }
+    b = {
+        name: (
+            np.array(getattr(mlp, name).bias, dtype=np.float64)
+            if "bias" in getattr(mlp, name)
+            else 0.0
+        )
+        for name in cpu_parallel.GATED_MLP
+    }
     x = np.array(x, dtype=np.float64)
     g, u = x @ w["gate_proj"].T + b["gate_proj"], x @ w["up_proj"].T + b["up_proj"]
     return (g / (1 + np.exp(-g)) * u) @ w["down_proj"].T + b["down_proj"]
@@ -139,16 +167,22 @@ def test_float_gated_mlp_in_halves_equals_float64(rows, bias, monkeypatch):
     """Few rows: two half MLPs on the two streams, summed; many rows (prefill): the transposed down
     projection in one product. Both against the float64 definition."""
     monkeypatch.setattr(cpu_parallel.CPULinear, "MIN_SIZE", 1 << 12)
-    mlp = GatedMLP(64, 200, nn.silu, bias=bias)  # 12.8k weights per layer; 100 hidden units per half
+    mlp = GatedMLP(
+        64, 200, nn.silu, bias=bias
+    )  # 12.8k weights per layer; 100 hidden units per half
     if bias:
         for name in cpu_parallel.GATED_MLP:
-            getattr(mlp, name).bias = mx.random.normal(getattr(mlp, name).bias.shape, key=mx.random.key(3))
+            getattr(mlp, name).bias = mx.random.normal(
+                getattr(mlp, name).bias.shape, key=mx.random.key(3)
+            )
     x = mx.random.normal((1, rows, 64), key=mx.random.key(4))
     ref = gated_mlp_float64(mlp, x)
     use_cpu_layers(mlp)
     assert isinstance(mlp.down_proj, cpu_parallel.TransposedLinear)
     assert mlp.down_proj.weight_t.shape == (200, 64) and "weight" not in mlp.down_proj
-    assert cpu_parallel.runs_in_halves(x, mlp.down_proj) == (rows <= cpu_parallel.CPULinear.MAX_ROWS)
+    assert cpu_parallel.runs_in_halves(x, mlp.down_proj) == (
+        rows <= cpu_parallel.CPULinear.MAX_ROWS
+    )
     assert np.abs(np.array(mlp(x)) - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
 
 

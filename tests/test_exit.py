@@ -16,18 +16,24 @@ import pytest
 pytestmark = pytest.mark.real
 
 # 111 tokens in SmolLM2's chat template; the answer ends with EOS well before 96 tokens.
-SPELLING = ("Fix the spelling in this text and reply with the corrected text only: Yesterday I went too the "
-            "libary to borow a book abuot the histroy of Frence. The libarian was very helpfull and showed me "
-            "were the books on Europian histroy were kept. I found a grate book with lots of pictchers and "
-            "mapps. I am going to reed it this weekend and then write a reveiw for my freinds.")
+SPELLING = (
+    "Fix the spelling in this text and reply with the corrected text only: Yesterday I went too the "
+    "libary to borow a book abuot the histroy of Frence. The libarian was very helpfull and showed me "
+    "were the books on Europian histroy were kept. I found a grate book with lots of pictchers and "
+    "mapps. I am going to reed it this weekend and then write a reveiw for my freinds."
+)
 TIMEOUT = 90  # a run takes a few seconds; a hang never ends
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            args, capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"did not exit within {TIMEOUT} s (output: {e.stdout!r}): {' '.join(args[:6])} …")
+        pytest.fail(
+            f"did not exit within {TIMEOUT} s (output: {e.stdout!r}): {' '.join(args[:6])} …"
+        )
 
 
 @pytest.mark.parametrize("stop", [[], ["--stop", " went"]], ids=["eos", "stop-string"])
@@ -36,8 +42,23 @@ def test_cli_exits_after_generation_ends_early(smollm2_f32_dir, stop):
     a hang shows as a failure here, never as a stuck suite."""
     runs = 2 if not stop else 8  # an EOS run decodes ~70 tokens; a stop-string run a handful
     for _ in range(runs):
-        out = _run([sys.executable, "-m", "mlxinfer", "generate", "-m", str(smollm2_f32_dir), "-p", SPELLING,
-                    "-n", "96", "--temp", "0", *stop])
+        out = _run(
+            [
+                sys.executable,
+                "-m",
+                "mlxinfer",
+                "generate",
+                "-m",
+                str(smollm2_f32_dir),
+                "-p",
+                SPELLING,
+                "-n",
+                "96",
+                "--temp",
+                "0",
+                *stop,
+            ]
+        )
         assert out.returncode == 0, out.stderr
         assert "Yesterday I" in out.stdout
         if stop:

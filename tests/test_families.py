@@ -13,8 +13,8 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from hf_models import add_tokenizer, make_tiny, torch_greedy, torch_logits, torch_logits_chunked
+
 from mlxinfer.conversion import convert
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
@@ -27,37 +27,79 @@ CASES = {
     "qwen2": dict(model_type="qwen2"),
     "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
     # transformers: layers i >= max_window_layers slide when use_sliding_window
-    "qwen2-sliding": dict(model_type="qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=6,
-                          max_window_layers=1),
+    "qwen2-sliding": dict(
+        model_type="qwen2",
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+    ),
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "qwen3-bias-headdim32": dict(model_type="qwen3", head_dim=32, attention_bias=True),
     "gemma": dict(model_type="gemma", head_dim=16),
-    "gemma-mqa-gelu": dict(model_type="gemma", head_dim=32, num_key_value_heads=1, hidden_act="gelu"),
+    "gemma-mqa-gelu": dict(
+        model_type="gemma", head_dim=32, num_key_value_heads=1, hidden_act="gelu"
+    ),
     # small caps so that tanh really bends the logits
-    "gemma2": dict(model_type="gemma2", head_dim=16, num_hidden_layers=3, sliding_window=6,
-                   query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=3.0),
+    "gemma2": dict(
+        model_type="gemma2",
+        head_dim=16,
+        num_hidden_layers=3,
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=3.0,
+    ),
     "gemma2-defaults": dict(model_type="gemma2", head_dim=16, sliding_window=8),
-    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, num_hidden_layers=6, sliding_window=6,
-                        query_pre_attn_scalar=16, rope_parameters={
-                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-    "gemma3_text-softcap": dict(model_type="gemma3_text", head_dim=16, num_hidden_layers=3, sliding_window=5,
-                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                attn_logit_softcapping=2.0, final_logit_softcapping=4.0),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        head_dim=16,
+        num_hidden_layers=6,
+        sliding_window=6,
+        query_pre_attn_scalar=16,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
+    "gemma3_text-softcap": dict(
+        model_type="gemma3_text",
+        head_dim=16,
+        num_hidden_layers=3,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=4.0,
+    ),
     "phi3": dict(model_type="phi3", pad_token_id=0, eos_token_id=2),
     "phi3-window": dict(model_type="phi3", pad_token_id=0, eos_token_id=2, sliding_window=7),
     "phi3-longrope-partial": dict(
-        model_type="phi3", pad_token_id=0, eos_token_id=2, partial_rotary_factor=0.5, max_position_embeddings=64,
-        original_max_position_embeddings=16, rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
-            "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.5, 3.0, 3.5],
-            "partial_rotary_factor": 0.5}),
+        model_type="phi3",
+        pad_token_id=0,
+        eos_token_id=2,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16,
+            "short_factor": [1.0, 1.1, 1.2, 1.3],
+            "long_factor": [2.0, 2.5, 3.0, 3.5],
+            "partial_rotary_factor": 0.5,
+        },
+    ),
     "gpt2": dict(model_type="gpt2"),
-    "gpt2-layer-scaled-relu": dict(model_type="gpt2", scale_attn_by_inverse_layer_idx=True, n_inner=96,
-                                   activation_function="relu"),
+    "gpt2-layer-scaled-relu": dict(
+        model_type="gpt2",
+        scale_attn_by_inverse_layer_idx=True,
+        n_inner=96,
+        activation_function="relu",
+    ),
     "bloom": dict(model_type="bloom"),
-    "bloom-6heads-postln": dict(model_type="bloom", hidden_size=48, n_head=6,
-                                apply_residual_connection_post_layernorm=True),
+    "bloom-6heads-postln": dict(
+        model_type="bloom", hidden_size=48, n_head=6, apply_residual_connection_post_layernorm=True
+    ),
     "xglm": dict(model_type="xglm", ffn_dim=128),
 }
 
@@ -80,11 +122,15 @@ def _gemma3_v4(cfg):
 
 
 # config.json rewritten after saving, to the older forms the same weights were published with
-CASES.update({
-    "qwen2-sliding-v4": dict(CASES["qwen2-sliding"], config_form="v4", rewrite=_drop_layer_types),
-    "gemma2-v4": dict(CASES["gemma2"], config_form="v4", rewrite=_drop_layer_types),
-    "gemma3_text-v4": dict(CASES["gemma3_text"], rewrite=_gemma3_v4),
-})
+CASES.update(
+    {
+        "qwen2-sliding-v4": dict(
+            CASES["qwen2-sliding"], config_form="v4", rewrite=_drop_layer_types
+        ),
+        "gemma2-v4": dict(CASES["gemma2"], config_form="v4", rewrite=_drop_layer_types),
+        "gemma3_text-v4": dict(CASES["gemma3_text"], rewrite=_gemma3_v4),
+    }
+)
 # LongRoPE switches factors once a pass reaches original_max_position_embeddings, so a
 # full pass differs from prefill + decode there (as in transformers' forward). transformers'
 # generate() also drops its cache when the sequence first crosses the switch and recomputes
@@ -97,7 +143,9 @@ LENGTH_DEPENDENT = {"phi3-longrope-partial"}
 def pair(request, tmp_path_factory):
     spec = dict(CASES[request.param])
     rewrite = spec.pop("rewrite", None)
-    path, torch_model = make_tiny(tmp_path_factory.mktemp(request.param), perturb_vectors=True, **spec)
+    path, torch_model = make_tiny(
+        tmp_path_factory.mktemp(request.param), perturb_vectors=True, **spec
+    )
     if rewrite is not None:
         config = path / "config.json"
         config.write_text(json.dumps(rewrite(json.loads(config.read_text()))))
@@ -165,7 +213,10 @@ def test_float16_weights_stay_close_to_float32(pair):
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    spec = {**CASES["gemma3_text"], "head_dim": 32}  # quantized caches need groups of 32 along head_dim
+    spec = {
+        **CASES["gemma3_text"],
+        "head_dim": 32,
+    }  # quantized caches need groups of 32 along head_dim
     path, torch_model = make_tiny(tmp_path_factory.mktemp("gemma3"), perturb_vectors=True, **spec)
     return load_model(path)[0], torch_model
 
@@ -175,8 +226,11 @@ def test_local_layers_rotate_and_global_layers_follow_the_flags(gemma3):
 
     model, torch_model = gemma3
     kinds = model.args.layer_types
-    choices = [({}, KVCache), ({"kv_bits": 8, "kv_group_size": 32}, QuantizedKVCache),
-               ({"max_kv_size": 64}, RotatingKVCache)]
+    choices = [
+        ({}, KVCache),
+        ({"kv_bits": 8, "kv_group_size": 32}, QuantizedKVCache),
+        ({"max_kv_size": 64}, RotatingKVCache),
+    ]
     for flags, full_kind in choices:
         cache = model.make_cache(**flags)
         for kind, c in zip(kinds, cache):
@@ -201,11 +255,25 @@ def test_unsupported_cache_choices_are_clear_errors(tmp_path):
 def test_qwen2_window_counts_only_with_use_sliding_window():
     from mlxinfer.models import build_model
 
-    config = dict(model_type="qwen2", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
-                  num_attention_heads=4, vocab_size=256, sliding_window=131072, max_window_layers=1)
-    assert build_model({**config, "use_sliding_window": False}).args.layer_types == ["full_attention"] * 3
+    config = dict(
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        vocab_size=256,
+        sliding_window=131072,
+        max_window_layers=1,
+    )
+    assert (
+        build_model({**config, "use_sliding_window": False}).args.layer_types
+        == ["full_attention"] * 3
+    )
     assert build_model({**config, "use_sliding_window": True}).args.layer_types == [
-        "full_attention", "sliding_attention", "sliding_attention"]
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+    ]
 
 
 def test_generate_runs_end_to_end_on_every_family(pair):

@@ -2,9 +2,9 @@
 
 import pytest
 from click.testing import CliRunner
-
 from fixtures import load_script
 from hf_models import add_tokenizer, make_tiny, torch_greedy
+
 from mlxinfer import generate, load, stream_generate
 from mlxinfer.chat import ChatSession
 from mlxinfer.cli import cli
@@ -13,8 +13,9 @@ from mlxinfer.errors import PromptTooLongError
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path, torch_model = make_tiny(tmp_path_factory.mktemp("gen") / "tiny", vocab_size=320,
-                                  max_position_embeddings=64)
+    path, torch_model = make_tiny(
+        tmp_path_factory.mktemp("gen") / "tiny", vocab_size=320, max_position_embeddings=64
+    )
     add_tokenizer(path)
     model, tokenizer = load(path)
     return path, model, tokenizer, torch_model
@@ -26,7 +27,9 @@ def test_stream_matches_transformers_greedy_and_decode(tiny):
     results = list(stream_generate(model, tok, "Hello world, the quick", max_tokens=20))
     tokens = [r.token for r in results]
     assert tokens == torch_greedy(torch_model, ids, 20)[: len(tokens)]
-    assert "".join(r.text for r in results) == tok.decode([t for t in tokens if t not in tok.eos_token_ids])
+    assert "".join(r.text for r in results) == tok.decode(
+        [t for t in tokens if t not in tok.eos_token_ids]
+    )
     assert results[-1].finish_reason in ("stop", "length")
     assert all(r.finish_reason is None for r in results[:-1])
 
@@ -34,7 +37,8 @@ def test_stream_matches_transformers_greedy_and_decode(tiny):
 def test_generate_equals_joined_stream(tiny):
     _, model, tok, _ = tiny
     assert generate(model, tok, "Paris is", max_tokens=12) == "".join(
-        r.text for r in stream_generate(model, tok, "Paris is", max_tokens=12))
+        r.text for r in stream_generate(model, tok, "Paris is", max_tokens=12)
+    )
 
 
 def test_max_tokens_is_exact_and_stats_filled(tiny):
@@ -81,7 +85,9 @@ def test_stop_string_ends_stream_without_leaking(tiny):
 
 def test_prompt_longer_than_context(tiny):
     _, model, tok, _ = tiny
-    with pytest.raises(PromptTooLongError, match="prompt: 80 tokens, but the model's context is 64"):
+    with pytest.raises(
+        PromptTooLongError, match="prompt: 80 tokens, but the model's context is 64"
+    ):
         list(stream_generate(model, tok, list(range(80)), max_tokens=4))
     results = list(stream_generate(model, tok, list(range(80)), max_tokens=4, truncate_prompt=True))
     assert results[-1].stats.prompt_tokens == 60
@@ -119,7 +125,8 @@ def test_cli_generate_raw_and_stdin_and_verbose(tiny):
     path, model, tok, _ = tiny
     expected = generate(model, tok, "Paris is", max_tokens=6)
     result = CliRunner().invoke(
-        cli, ["generate", "-m", str(path), "--no-chat-template", "-n", "6", "-v"], input="Paris is")
+        cli, ["generate", "-m", str(path), "--no-chat-template", "-n", "6", "-v"], input="Paris is"
+    )
     assert result.exit_code == 0
     assert result.stdout == expected + "\n"
     assert "decode" in result.stderr and "time to first token" in result.stderr
@@ -132,15 +139,34 @@ def test_cli_prefill_step_size_chunks_the_prompt_with_the_same_output(tiny, monk
     expected = generate(model, tok, "Paris is the capital of", max_tokens=6)
     calls = []
     original = PromptCache.prefill
-    monkeypatch.setattr(PromptCache, "prefill",
-                        lambda self, m, ids, step=512, **kw: calls.append((len(ids), step)) or original(
-                            self, m, ids, step, **kw))
-    result = CliRunner().invoke(cli, ["generate", "-m", str(path), "--no-chat-template", "-n", "6",
-                                      "--prefill-step-size", "2", "-p", "Paris is the capital of"])
+    monkeypatch.setattr(
+        PromptCache,
+        "prefill",
+        lambda self, m, ids, step=512, **kw: (
+            calls.append((len(ids), step)) or original(self, m, ids, step, **kw)
+        ),
+    )
+    result = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "-m",
+            str(path),
+            "--no-chat-template",
+            "-n",
+            "6",
+            "--prefill-step-size",
+            "2",
+            "-p",
+            "Paris is the capital of",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stdout == expected + "\n"
     assert calls and calls[0][1] == 2 and calls[0][0] > 2  # several chunks
-    bad = CliRunner().invoke(cli, ["generate", "-m", str(path), "--prefill-step-size", "0", "-p", "x"])
+    bad = CliRunner().invoke(
+        cli, ["generate", "-m", str(path), "--prefill-step-size", "0", "-p", "x"]
+    )
     assert bad.exit_code == 2 and "--prefill-step-size" in bad.stderr
 
 
@@ -160,16 +186,29 @@ def test_cli_model_without_chat_template_gets_the_raw_prompt_or_a_named_format(t
     assert run.exit_code == 0, run.stderr
     assert run.stdout == generate(model, tok, "Hello", max_tokens=6) + "\n"
     assert "no chat template, so the prompt goes to the model as raw text" in run.stderr
-    named = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "Hello", "-n", "6", "--chat-template", "chatml"])
+    named = CliRunner().invoke(
+        cli, ["generate", "-m", str(base), "-p", "Hello", "-n", "6", "--chat-template", "chatml"]
+    )
     assert named.exit_code == 0, named.stderr
-    assert named.stdout == generate(model, tok, [{"role": "user", "content": "Hello"}], max_tokens=6) + "\n"
-    system = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "Hello", "--system", "Be brief."])
+    assert (
+        named.stdout
+        == generate(model, tok, [{"role": "user", "content": "Hello"}], max_tokens=6) + "\n"
+    )
+    system = CliRunner().invoke(
+        cli, ["generate", "-m", str(base), "-p", "Hello", "--system", "Be brief."]
+    )
     assert system.exit_code == 2 and "--system needs a chat template" in system.stderr
-    both = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "x", "--chat-template", "chatml",
-                                    "--no-chat-template"])
+    both = CliRunner().invoke(
+        cli,
+        ["generate", "-m", str(base), "-p", "x", "--chat-template", "chatml", "--no-chat-template"],
+    )
     assert both.exit_code == 2 and "not both" in both.stderr
-    unknown = CliRunner().invoke(cli, ["generate", "-m", str(base), "-p", "x", "--chat-template", "nope"])
-    assert unknown.exit_code == 1 and "expected one of chatml, gemma or a Jinja file" in unknown.stderr
+    unknown = CliRunner().invoke(
+        cli, ["generate", "-m", str(base), "-p", "x", "--chat-template", "nope"]
+    )
+    assert (
+        unknown.exit_code == 1 and "expected one of chatml, gemma or a Jinja file" in unknown.stderr
+    )
     chat = CliRunner().invoke(cli, ["chat", "-m", str(base)], input="Hi\n")
     assert chat.exit_code == 1 and "--chat-template" in chat.stderr
 
@@ -177,7 +216,8 @@ def test_cli_model_without_chat_template_gets_the_raw_prompt_or_a_named_format(t
 def test_cli_prompt_too_long_exits_nonzero(tiny):
     path, *_ = tiny
     result = CliRunner().invoke(
-        cli, ["generate", "-m", str(path), "--no-chat-template", "-p", "hello " * 100])
+        cli, ["generate", "-m", str(path), "--no-chat-template", "-p", "hello " * 100]
+    )
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: prompt: ") and result.stdout == ""
 
@@ -186,8 +226,9 @@ def test_cli_prompt_too_long_exits_nonzero(tiny):
 def test_cli_chat_keeps_history(tiny, flag):
     """Each turn equals the API's chat; speculative flags change how tokens are found, not which."""
     path, model, tok, _ = tiny
-    result = CliRunner().invoke(cli, ["chat", "-m", str(path), "-n", "6", *flag],
-                                input="Hello\nParis\n/exit\n")
+    result = CliRunner().invoke(
+        cli, ["chat", "-m", str(path), "-n", "6", *flag], input="Hello\nParis\n/exit\n"
+    )
     assert result.exit_code == 0, result.stderr
     chat = ChatSession(model, tok, max_tokens=6)
     a = "".join(r.text for r in chat.send("Hello"))

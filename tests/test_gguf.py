@@ -20,8 +20,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from mlxinfer.errors import MlxInferError, TokenizerError, WeightsError  # noqa: E402
 from mlxinfer.conversion import convert  # noqa: E402
+from mlxinfer.errors import MlxInferError, TokenizerError, WeightsError  # noqa: E402
 from mlxinfer.gguf import import_gguf  # noqa: E402
 
 # ---------------------------------------------------------------------------
@@ -30,12 +30,20 @@ from mlxinfer.gguf import import_gguf  # noqa: E402
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to HF q/k rows (interleaves each head's RoPE halves)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def hf_order(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama_cpp_permute."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def dequantized(weights: dict, module: str, quant: dict | None) -> np.ndarray:
@@ -91,7 +99,9 @@ TINY_SHAPES = {
 }
 
 
-def write_tiny_gguf(path, *, arch="llama", extra_tensors=(), tokenizer_model="gpt2") -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path, *, arch="llama", extra_tensors=(), tokenizer_model="gpt2"
+) -> dict[str, np.ndarray]:
     """Write a one-layer model; returns {GGUF tensor name: raw stored array} for reference checks."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
@@ -185,7 +195,11 @@ def test_mixed_types_are_recorded_per_module(tiny):
     assert weights["model.norm.weight"].dtype == mx.float32
     assert config["tie_word_embeddings"] is False and "lm_head.weight" in weights
     assert config["rope_theta"] == 500000.0 and config["rms_norm_eps"] == 1e-6
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 32)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        2,
+        1,
+        32,
+    )
 
 
 def _file_values(stored, name):
@@ -214,9 +228,14 @@ def test_dtype_import_dequantizes_every_tensor(tiny, tmp_path, dtype):
         assert w.dtype == target, module
         np.testing.assert_array_equal(np.array(w.astype(mx.float32)), rounded, module)
         loss = report["loss"][f"{module}.weight"]
-        assert loss["dtype"] == dtype and loss["max_abs"] == np.abs(rounded - ref).max(), (module, loss)
+        assert loss["dtype"] == dtype and loss["max_abs"] == np.abs(rounded - ref).max(), (
+            module,
+            loss,
+        )
         assert loss["max_abs"] == 0 or dtype != "float32"
-    assert len(report["loss"]) == len(TINY_TYPES) + (3 if dtype != "float32" else 0)  # + the f32 norms
+    assert len(report["loss"]) == len(TINY_TYPES) + (
+        3 if dtype != "float32" else 0
+    )  # + the f32 norms
 
 
 def test_dtype_import_with_q_quantizes_like_a_hf_checkpoint(tiny, tmp_path):
@@ -226,7 +245,9 @@ def test_dtype_import_with_q_quantizes_like_a_hf_checkpoint(tiny, tmp_path):
     from mlxinfer.quant import quantize_model
 
     gguf_path, stored, _, _ = tiny
-    report = convert(gguf_path, tmp_path / "q", dtype="float32", quantize=True, bits=4, group_size=32)
+    report = convert(
+        gguf_path, tmp_path / "q", dtype="float32", quantize=True, bits=4, group_size=32
+    )
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     plain, _ = load_model(convert(gguf_path, tmp_path / "f32", dtype="float32")["path"], dtype=None)
     assert config["quantization"] == quantize_model(plain, bits=4, group_size=32)
@@ -234,11 +255,15 @@ def test_dtype_import_with_q_quantizes_like_a_hf_checkpoint(tiny, tmp_path):
     for module, (name, _) in TINY_TYPES.items():
         expected = mx.quantize(mx.array(_file_values(stored, name)), group_size=32, bits=4)
         for key, value in zip(("weight", "scales", "biases"), expected):
-            np.testing.assert_array_equal(np.array(weights[f"{module}.{key}"]), np.array(value), f"{module}.{key}")
+            np.testing.assert_array_equal(
+                np.array(weights[f"{module}.{key}"]), np.array(value), f"{module}.{key}"
+            )
         assert report["loss"][f"{module}.weight"]["bits"] == 4
     model, _ = load_model(tmp_path / "q", dtype=None)
     ids = mx.array([[1, 5, 9, 3, 7]])
-    np.testing.assert_allclose(np.array(model(ids)), np.array(plain(ids)), atol=1e-4)  # plain: quantized above
+    np.testing.assert_allclose(
+        np.array(model(ids)), np.array(plain(ids)), atol=1e-4
+    )  # plain: quantized above
 
 
 def test_tiny_tokenizer_keeps_specials_whole_and_adds_bos_flag(tiny):
@@ -283,7 +308,11 @@ def test_report_counts_parameters_and_bytes(tiny):
 def test_truncated_file_raises_and_leaves_nothing(tiny, tmp_path):
     src, _, _, _ = tiny
     data = src.read_bytes()
-    for cut, words in [(len(data) - 100, "truncated GGUF: tensor"), (300, "truncated GGUF header"), (2, "magic")]:
+    for cut, words in [
+        (len(data) - 100, "truncated GGUF: tensor"),
+        (300, "truncated GGUF header"),
+        (2, "magic"),
+    ]:
         bad = tmp_path / "cut.gguf"
         bad.write_bytes(data[:cut])
         with pytest.raises(WeightsError, match=words) as e:
@@ -313,7 +342,9 @@ def test_unsupported_tensor_type(tmp_path):
 
 
 def test_unknown_vocabulary_is_refused(tmp_path):
-    write_tiny_gguf(tmp_path / "t5.gguf", tokenizer_model="t5")  # (SentencePiece, "llama", is supported since)
+    write_tiny_gguf(
+        tmp_path / "t5.gguf", tokenizer_model="t5"
+    )  # (SentencePiece, "llama", is supported since)
     with pytest.raises(TokenizerError, match="tokenizer.ggml.model is 't5'; supported: 'gpt2'"):
         import_gguf(tmp_path / "t5.gguf", tmp_path / "out")
     assert leftovers(tmp_path, "out") == []
@@ -351,7 +382,11 @@ def test_real_weights_bit_exact_vs_gguf_reference(smollm2):
         ("blk.4.ffn_up.weight", "model.layers.4.mlp.up_proj", None),  # Q4_1
         ("blk.29.attn_output.weight", "model.layers.29.self_attn.o_proj", None),  # Q4_1
         ("token_embd.weight", "model.embed_tokens", None),  # Q8_0
-        ("blk.11.attn_q.weight", "model.layers.11.self_attn.q_proj", 9),  # Q4_1, permuted by 9 heads
+        (
+            "blk.11.attn_q.weight",
+            "model.layers.11.self_attn.q_proj",
+            9,
+        ),  # Q4_1, permuted by 9 heads
         ("blk.11.attn_k.weight", "model.layers.11.self_attn.k_proj", 3),  # ... by 3 kv heads
     ]
     for name, module, n_heads in cases:
@@ -382,7 +417,9 @@ def test_real_weights_equal_transformers_checkpoint(smollm2):
         "model.layers.3.input_layernorm",
         "model.norm",
     ]:
-        np.testing.assert_array_equal(dequantized(ours, module, quant), np.array(hf[f"{module}.weight"]), module)
+        np.testing.assert_array_equal(
+            dequantized(ours, module, quant), np.array(hf[f"{module}.weight"]), module
+        )
 
 
 @pytest.mark.real
@@ -413,9 +450,13 @@ def test_real_config_matches_metadata_and_transformers(smollm2):
         "mode": "affine",
         "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"},  # the file's Q8_0
     }
-    hf.setdefault("rope_theta", hf.get("rope_parameters", {}).get("rope_theta"))  # moved in transformers 5
+    hf.setdefault(
+        "rope_theta", hf.get("rope_parameters", {}).get("rope_theta")
+    )  # moved in transformers 5
     for key, value in expected.items():
-        if isinstance(value, float):  # transformers keeps eps as the float32 it read: 9.999999747e-06
+        if isinstance(
+            value, float
+        ):  # transformers keeps eps as the float32 it read: 9.999999747e-06
             assert np.float32(hf[key]) == np.float32(value), key
         else:
             assert hf[key] == value, key
@@ -452,7 +493,9 @@ def test_real_tokenizer_encodes_like_transformers(smollm2):
         assert ours.decode(ids, skip_special_tokens=False) == text
     assert ours.get_vocab() == ref.get_vocab()
     special = {t.content for t in ours.get_added_tokens_decoder().values() if t.special}
-    assert special == {t.content for t in ref.backend_tokenizer.get_added_tokens_decoder().values() if t.special}
+    assert special == {
+        t.content for t in ref.backend_tokenizer.get_added_tokens_decoder().values() if t.special
+    }
     assert len(special) == 17
 
     tok_config = json.loads((mlx_dir / "tokenizer_config.json").read_text())
@@ -496,12 +539,16 @@ MULTILINGUAL = [
 def sentencepiece_vocab(directory):
     """(tokens, scores, types) of a small Llama-2 style SentencePiece model, as llama.cpp writes them."""
     import sentencepiece
-
     from tokenizer_fixtures import build_sentencepiece
 
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(build_sentencepiece(directory) / "tokenizer.model"))
+    sp = sentencepiece.SentencePieceProcessor(
+        model_file=str(build_sentencepiece(directory) / "tokenizer.model")
+    )
     n = sp.get_piece_size()
-    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    types = [
+        2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+        for i in range(n)
+    ]
     return [sp.id_to_piece(i) for i in range(n)], [sp.get_score(i) for i in range(n)], types
 
 
@@ -549,7 +596,9 @@ def test_sentencepiece_vocabulary_encodes_like_transformers(spm_vocab, tmp_path)
         ids = ours.encode(text).ids
         assert ids == ref(text).input_ids, text
         assert ids[0] == 1  # BOS: llama.cpp's default for SentencePiece files
-        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
+            ids, skip_special_tokens=True
+        ), text
     assert ours.get_vocab() == ref.get_vocab()
     assert any(t.startswith("<0x") for t in ours.get_vocab())  # byte fallback pieces
 
@@ -564,7 +613,13 @@ G3_TYPES = [T.Q8_0, T.Q5_0, T.Q4_1, T.F16, T.Q5_1, T.Q4_0, T.F32]
 def write_gemma3_gguf(path, vocab, *, sliding_window=4) -> dict[str, tuple[np.ndarray, int]]:
     """A gemma3 GGUF as llama.cpp writes one (norms stored as 1 + w); returns {name: (data, type)}."""
     rng = np.random.default_rng(0)
-    hidden, heads, kv, head_dim, ffn = G3["hidden"], G3["heads"], G3["kv"], G3["head_dim"], G3["ffn"]
+    hidden, heads, kv, head_dim, ffn = (
+        G3["hidden"],
+        G3["heads"],
+        G3["kv"],
+        G3["head_dim"],
+        G3["ffn"],
+    )
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_block_count(G3["n_layers"])
     w.add_context_length(256)
@@ -596,13 +651,25 @@ def write_gemma3_gguf(path, vocab, *, sliding_window=4) -> dict[str, tuple[np.nd
     matrix("token_embd.weight", (len(vocab[0]), hidden), T.Q8_0)
     norm("output_norm.weight", hidden)
     for i in range(G3["n_layers"]):
-        shapes = [("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv * head_dim, hidden)),
-                  ("attn_v", (kv * head_dim, hidden)), ("attn_output", (hidden, heads * head_dim)),
-                  ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]
+        shapes = [
+            ("attn_q", (heads * head_dim, hidden)),
+            ("attn_k", (kv * head_dim, hidden)),
+            ("attn_v", (kv * head_dim, hidden)),
+            ("attn_output", (hidden, heads * head_dim)),
+            ("ffn_gate", (ffn, hidden)),
+            ("ffn_up", (ffn, hidden)),
+            ("ffn_down", (hidden, ffn)),
+        ]
         for j, (name, shape) in enumerate(shapes):
             matrix(f"blk.{i}.{name}.weight", shape, G3_TYPES[(i + j) % len(G3_TYPES)])
-        for name, n in [("attn_norm", hidden), ("attn_q_norm", head_dim), ("attn_k_norm", head_dim),
-                        ("post_attention_norm", hidden), ("ffn_norm", hidden), ("post_ffw_norm", hidden)]:
+        for name, n in [
+            ("attn_norm", hidden),
+            ("attn_q_norm", head_dim),
+            ("attn_k_norm", head_dim),
+            ("post_attention_norm", hidden),
+            ("ffn_norm", hidden),
+            ("post_ffw_norm", hidden),
+        ]:
             norm(f"blk.{i}.{name}.weight", n)
     finish(w)
     return stored
@@ -617,7 +684,9 @@ def gemma3_tiny(spm_vocab, tmp_path_factory):
     root = tmp_path_factory.mktemp("g3")
     write_gemma3_gguf(root / "g3.gguf", spm_vocab)
     import_gguf(root / "g3.gguf", root / "ours")
-    ref = AutoModelForCausalLM.from_pretrained(str(root), gguf_file="g3.gguf", dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(root), gguf_file="g3.gguf", dtype=torch.float32
+    ).eval()
     return root / "ours", ref, AutoTokenizer.from_pretrained(str(root), gguf_file="g3.gguf")
 
 
@@ -636,10 +705,25 @@ def test_gemma3_config_matches_transformers(gemma3_tiny):
     ours_dir, ref, _ = gemma3_tiny
     ours = json.loads((ours_dir / "config.json").read_text())
     hf = ref.config.to_dict()
-    for key in ["model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sliding_window",
-                "layer_types", "rope_parameters", "query_pre_attn_scalar", "hidden_activation",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id"]:
+    for key in [
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "sliding_window",
+        "layer_types",
+        "rope_parameters",
+        "query_pre_attn_scalar",
+        "hidden_activation",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ]:
         assert ours[key] == hf[key], key
     assert np.float32(ours["rms_norm_eps"]) == np.float32(hf["rms_norm_eps"])
 
@@ -673,17 +757,26 @@ def test_gemma3_without_a_chat_template_gets_none_unless_named(gemma3_tiny):
     with pytest.raises(TokenizerError, match="expected one of chatml, gemma or a Jinja file"):
         tok.set_chat_template("gemmma")
     tok.set_chat_template("gemma")
-    prompt = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                      {"role": "user", "content": "Hi"},
-                                      {"role": "assistant", "content": "Hello!"},
-                                      {"role": "user", "content": "Bye"}], add_generation_prompt=True)
-    assert prompt == ("<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!"
-                      "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    prompt = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"},
+        ],
+        add_generation_prompt=True,
+    )
+    assert prompt == (
+        "<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!"
+        "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )
 
 
 def test_gemma3_missing_metadata_is_a_one_line_error(spm_vocab, tmp_path):
     write_gemma3_gguf(tmp_path / "g.gguf", spm_vocab, sliding_window=None)
-    with pytest.raises(WeightsError, match="GGUF metadata lacks gemma3.attention.sliding_window") as e:
+    with pytest.raises(
+        WeightsError, match="GGUF metadata lacks gemma3.attention.sliding_window"
+    ) as e:
         import_gguf(tmp_path / "g.gguf", tmp_path / "out")
     assert "\n" not in str(e.value)
     assert leftovers(tmp_path, "out") == []
@@ -728,10 +821,15 @@ def test_real_gemma3_weights_vs_gguf_reference(gemma3):
             np.testing.assert_array_equal(gq.dequantize(raw, type_name, ref.shape), ref)
         if name == "token_embd.weight":  # 168M weights: compare a slice of rows
             ref = ref[:4096]
-            stored = np.array(mx.dequantize(ours[f"{module}.weight"][:4096],
-                                            ours[f"{module}.scales"][:4096].astype(mx.float32),
-                                            ours[f"{module}.biases"][:4096].astype(mx.float32),
-                                            group_size=32, bits=8))
+            stored = np.array(
+                mx.dequantize(
+                    ours[f"{module}.weight"][:4096],
+                    ours[f"{module}.scales"][:4096].astype(mx.float32),
+                    ours[f"{module}.biases"][:4096].astype(mx.float32),
+                    group_size=32,
+                    bits=8,
+                )
+            )
         else:
             stored = dequantized(ours, module, quant)
         if type_name in ("Q4_K", "Q6_K"):
@@ -739,10 +837,16 @@ def test_real_gemma3_weights_vs_gguf_reference(gemma3):
             assert rel_rmse < (1e-3 if type_name == "Q4_K" else 1e-2), name
         else:
             np.testing.assert_array_equal(stored, ref, err_msg=name)
-    for name in ("blk.4.attn_norm.weight", "blk.4.attn_q_norm.weight", "blk.9.post_ffw_norm.weight",
-                 "output_norm.weight"):
+    for name in (
+        "blk.4.attn_norm.weight",
+        "blk.4.attn_q_norm.weight",
+        "blk.9.post_ffw_norm.weight",
+        "output_norm.weight",
+    ):
         module = hf_gemma_norm(name)
-        np.testing.assert_array_equal(np.array(ours[f"{module}.weight"]), tensors[name].data - np.float32(1))
+        np.testing.assert_array_equal(
+            np.array(ours[f"{module}.weight"]), tensors[name].data - np.float32(1)
+        )
 
 
 def hf_gemma_norm(name: str) -> str:
@@ -756,15 +860,31 @@ def test_real_gemma3_config_and_kquant_formats(gemma3):
     _, mlx_dir = gemma3
     config = json.loads((mlx_dir / "config.json").read_text())
     expected = {
-        "model_type": "gemma3_text", "hidden_size": 640, "num_hidden_layers": 18, "intermediate_size": 2048,
-        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
-        "sliding_window": 512, "query_pre_attn_scalar": 256, "tie_word_embeddings": True,
-        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "max_position_embeddings": 32768,
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "model_type": "gemma3_text",
+        "hidden_size": 640,
+        "num_hidden_layers": 18,
+        "intermediate_size": 2048,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 256,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
     }
     assert {k: config.get(k) for k in expected} == expected
-    assert config["layer_types"].count("full_attention") == 3 and config["layer_types"][5] == "full_attention"
+    assert (
+        config["layer_types"].count("full_attention") == 3
+        and config["layer_types"][5] == "full_attention"
+    )
     q = config["quantization"]
     assert (q["bits"], q["group_size"]) == (5, 32)  # Q5_0, the file's most common type
     assert q["model.embed_tokens"]["bits"] == 8  # Q8_0
@@ -774,10 +894,9 @@ def test_real_gemma3_config_and_kquant_formats(gemma3):
 
 @pytest.mark.real
 def test_real_gemma3_tokenizer_encodes_like_transformers(gemma3):
+    from fixtures import gemma3_hf_tokenizer_dir
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
-
-    from fixtures import gemma3_hf_tokenizer_dir
 
     _, mlx_dir = gemma3
     ours = Tokenizer.from_file(str(mlx_dir / "tokenizer.json"))
@@ -785,7 +904,7 @@ def test_real_gemma3_tokenizer_encodes_like_transformers(gemma3):
     texts = MULTILINGUAL + [
         "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
         "<bos><eos><pad><mask>[multimodal] <unused0>",
-        "▁ literal, \u00a0nbsp, \u200b zero-width, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \U0001F9EC",
+        "▁ literal, \u00a0nbsp, \u200b zero-width, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \U0001f9ec",
     ]
     for text in texts:
         ids = ours.encode(text).ids
@@ -793,7 +912,9 @@ def test_real_gemma3_tokenizer_encodes_like_transformers(gemma3):
         assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids), text
     assert ours.get_vocab() == ref.get_vocab()
     ours_added = {(t.content, t.special) for t in ours.get_added_tokens_decoder().values()}
-    assert ours_added == {(t.content, t.special) for t in ref.backend_tokenizer.get_added_tokens_decoder().values()}
+    assert ours_added == {
+        (t.content, t.special) for t in ref.backend_tokenizer.get_added_tokens_decoder().values()
+    }
 
 
 GEMMA3_PROMPTS = {
@@ -807,8 +928,9 @@ def test_real_gemma3_greedy_output_matches_transformers(gemma3):
     """16 greedy tokens, plain completion and through the chat template, as transformers
     generates them from the same GGUF. (This is the base model: asked in chat form it echoes
     the question; completion prompts are where it is coherent.)"""
-    import mlxinfer
     from fixtures import gemma3_reference
+
+    import mlxinfer
     from mlxinfer.generation import generate_step
 
     _, mlx_dir = gemma3
@@ -817,9 +939,13 @@ def test_real_gemma3_greedy_output_matches_transformers(gemma3):
     model, tok = mlxinfer.load(mlx_dir, dtype=mx.float32)
     assert not tok.has_chat_template  # a base model: the file carries none
     tok.set_chat_template("gemma")
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True)
-    assert chat == "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
+    assert (
+        chat
+        == "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+    )
     prompts = {name: tok.encode(text) for name, text in GEMMA3_PROMPTS.items()}
     prompts["chat"] = tok.encode(chat, add_special_tokens=False)
     reference = gemma3_reference(prompts, 16)
@@ -862,18 +988,35 @@ def test_real_gemma3_base_model_gets_the_raw_prompt_from_the_cli(gemma3):
     import subprocess
     import sys
 
+    from fixtures import gemma3_hf_tokenizer_dir, gemma3_reference
     from transformers import AutoTokenizer
 
-    from fixtures import gemma3_hf_tokenizer_dir, gemma3_reference
     from mlxinfer.tokenizer import Tokenizer as OurTokenizer
 
     _, mlx_dir = gemma3
     ids = OurTokenizer.from_dir(mlx_dir).encode(TRANSLATE)
     reference = gemma3_reference({"translate": ids}, 16)["translate"]
-    expected = AutoTokenizer.from_pretrained(str(gemma3_hf_tokenizer_dir())).decode(reference,
-                                                                                   skip_special_tokens=True)
-    out = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", "-m", str(mlx_dir), "-p", TRANSLATE,
-                          "-n", "16", "-v"], capture_output=True, text=True, timeout=300)
+    expected = AutoTokenizer.from_pretrained(str(gemma3_hf_tokenizer_dir())).decode(
+        reference, skip_special_tokens=True
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxinfer",
+            "generate",
+            "-m",
+            str(mlx_dir),
+            "-p",
+            TRANSLATE,
+            "-n",
+            "16",
+            "-v",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected + "\n"
     assert "no chat template, so the prompt goes to the model as raw text" in out.stderr
@@ -883,8 +1026,9 @@ def test_real_gemma3_base_model_gets_the_raw_prompt_from_the_cli(gemma3):
 def test_real_gemma3_float32_import_matches_transformers(gemma3, tmp_path):
     """`convert gemma-3-270m-q4_k_m.gguf --dtype float32`: every tensor (Q5_0, Q8_0, Q4_K, Q6_K)
     dequantized exactly, so greedy decoding of raw prompts is transformers' on the same GGUF."""
-    import mlxinfer
     from fixtures import gemma3_reference
+
+    import mlxinfer
     from mlxinfer.generation import generate_step
 
     gguf_path, _ = gemma3
@@ -892,7 +1036,9 @@ def test_real_gemma3_float32_import_matches_transformers(gemma3, tmp_path):
     assert {v["type"] for v in report["loss"].values()} >= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
     assert max(v["max_abs"] for v in report["loss"].values()) == 0
     model, tok = mlxinfer.load(tmp_path / "f32")
-    prompts = {name: tok.encode(text) for name, text in {**GEMMA3_PROMPTS, "translate": TRANSLATE}.items()}
+    prompts = {
+        name: tok.encode(text) for name, text in {**GEMMA3_PROMPTS, "translate": TRANSLATE}.items()
+    }
     reference = gemma3_reference(prompts, 16)
     for name, ids in prompts.items():
         ours = [t for t, _ in generate_step(ids, model, max_tokens=16)]

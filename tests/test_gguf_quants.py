@@ -24,18 +24,20 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
+from test_gguf import byte_alphabet, dequantized, hf_order, llama_cpp_permute  # noqa: E402
 
 import mlxinfer.gguf_quants as gq  # noqa: E402
 from mlxinfer.conversion import convert  # noqa: E402
 from mlxinfer.errors import WeightsError  # noqa: E402
 from mlxinfer.gguf import import_gguf  # noqa: E402
-from test_gguf import byte_alphabet, dequantized, hf_order, llama_cpp_permute  # noqa: E402
 
 EXACT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 
 
-def kquant_blocks(name: str, rows: int, cols: int, seed: int = 0, power_of_two_scales: bool = False) -> np.ndarray:
+def kquant_blocks(
+    name: str, rows: int, cols: int, seed: int = 0, power_of_two_scales: bool = False
+) -> np.ndarray:
     """Random K-quant blocks for a (rows, cols) matrix, as (rows, bytes per row) uint8.
 
     Codes and sub-block scales are random bytes; the float16 super-scales are set to
@@ -51,7 +53,7 @@ def kquant_blocks(name: str, rows: int, cols: int, seed: int = 0, power_of_two_s
             return np.float16(2.0 ** -rng.integers(8, 12, n))
         return np.float16(rng.uniform(2e-4, 2e-3, n))
 
-    for start in ((0, 2) if name in ("Q4_K", "Q5_K") else (208,)):
+    for start in (0, 2) if name in ("Q4_K", "Q5_K") else (208,):
         blocks[:, start : start + 2] = scales().view(np.uint8).reshape(n, 2)
     return blocks.reshape(rows, -1)
 
@@ -92,7 +94,9 @@ def test_pack_is_mlx_bit_order(bits):
     codes = np.random.default_rng(bits).integers(0, 2**bits, size=(3, 128))
     packed = mx.array(gq.pack(codes, bits))
     ones, zeros = mx.ones((3, 4)), mx.zeros((3, 4))
-    np.testing.assert_array_equal(np.array(mx.dequantize(packed, ones, zeros, group_size=32, bits=bits)), codes)
+    np.testing.assert_array_equal(
+        np.array(mx.dequantize(packed, ones, zeros, group_size=32, bits=bits)), codes
+    )
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
@@ -165,7 +169,9 @@ def write_kquant_gguf(path) -> dict[str, np.ndarray]:
         if type_name in KQUANTS:
             data = kquant_blocks(type_name, rows, cols, seed=rows + cols + len(name))
         else:
-            data = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.02, T[type_name])
+            data = quantize(
+                rng.standard_normal((rows, cols)).astype(np.float32) * 0.02, T[type_name]
+            )
         w.add_tensor(f"{name}.weight", data, raw_dtype=T[type_name])
         ref = dequantize(data, T[type_name]).astype(np.float32)
         heads = {"blk.0.attn_q": N_HEADS, "blk.0.attn_k": N_KV}.get(name)
@@ -212,7 +218,9 @@ def test_exact_types_beside_kquants_stay_bit_identical(kquant_model):
     quant = json.loads((root / "model" / "config.json").read_text())["quantization"]
     for name, type_name in KQ_TYPES.items():
         if type_name in EXACT:
-            np.testing.assert_array_equal(dequantized(weights, MODULES[name], quant), reference[name], name)
+            np.testing.assert_array_equal(
+                dequantized(weights, MODULES[name], quant), reference[name], name
+            )
 
 
 def test_kquant_loss_is_reported_and_true(kquant_model):
@@ -220,7 +228,9 @@ def test_kquant_loss_is_reported_and_true(kquant_model):
     weights = mx.load(str(root / "model" / "model.safetensors"))
     quant = json.loads((root / "model" / "config.json").read_text())["quantization"]
     losses = report["kquant_loss"]
-    assert sorted(losses) == sorted(f"{MODULES[n]}.weight" for n, t in KQ_TYPES.items() if t in KQUANTS)
+    assert sorted(losses) == sorted(
+        f"{MODULES[n]}.weight" for n, t in KQ_TYPES.items() if t in KQUANTS
+    )
     for name, type_name in KQ_TYPES.items():
         if type_name not in KQUANTS:
             continue
@@ -229,7 +239,9 @@ def test_kquant_loss_is_reported_and_true(kquant_model):
         err = stored.astype(np.float64) - reference[name]
         assert loss["type"] == type_name and loss["codes_kept"] == (type_name != "Q6_K")
         assert loss["max_abs"] == pytest.approx(np.abs(err).max(), rel=1e-6)
-        assert loss["rel_rmse"] == pytest.approx(np.sqrt((err**2).mean() / (reference[name] ** 2).mean()), rel=1e-4)
+        assert loss["rel_rmse"] == pytest.approx(
+            np.sqrt((err**2).mean() / (reference[name] ** 2).mean()), rel=1e-4
+        )
         # Kept codes lose only float16 rounding of scale and bias; 8-bit re-quantization a
         # small fraction of Q6_K's own step.
         assert loss["rel_rmse"] < (2e-3 if loss["codes_kept"] else 1e-2), (name, loss)
@@ -261,8 +273,12 @@ def test_requantize_option_applies_to_kquants_only(kquant_model, tmp_path):
             assert (entry["bits"], entry["group_size"]) == (gq.EXACT_BITS[type_name], 32), name
     weights = mx.load(str(tmp_path / "g64" / "model.safetensors"))
     q = dequantized(weights, "model.layers.0.self_attn.q_proj", quant)
-    err = np.sqrt(np.mean((q - reference["blk.0.attn_q"]) ** 2) / np.mean(reference["blk.0.attn_q"] ** 2))
-    assert err == pytest.approx(report["kquant_loss"]["model.layers.0.self_attn.q_proj.weight"]["rel_rmse"], rel=1e-4)
+    err = np.sqrt(
+        np.mean((q - reference["blk.0.attn_q"]) ** 2) / np.mean(reference["blk.0.attn_q"] ** 2)
+    )
+    assert err == pytest.approx(
+        report["kquant_loss"]["model.layers.0.self_attn.q_proj.weight"]["rel_rmse"], rel=1e-4
+    )
 
 
 def test_requantize_rejects_unsupported_format(kquant_model, tmp_path):
@@ -275,19 +291,24 @@ def test_requantize_rejects_unsupported_format(kquant_model, tmp_path):
 # types we do not read
 
 
-@pytest.mark.parametrize("ggml_type,name", [(T.Q2_K, "Q2_K"), (T.Q3_K, "Q3_K"), (T.IQ4_NL, "IQ4_NL"),
-                                            (T.Q8_1, "Q8_1")])
+@pytest.mark.parametrize(
+    "ggml_type,name", [(T.Q2_K, "Q2_K"), (T.Q3_K, "Q3_K"), (T.IQ4_NL, "IQ4_NL"), (T.Q8_1, "Q8_1")]
+)
 def test_unsupported_type_is_a_one_line_error_naming_it(tmp_path, ggml_type, name):
     from gguf.constants import GGML_QUANT_SIZES
 
     block, nbytes = GGML_QUANT_SIZES[ggml_type]
     w = gguf.GGUFWriter(str(tmp_path / "u.gguf"), "llama")
-    w.add_tensor("token_embd.weight", np.zeros((2, 256 // block * nbytes), np.uint8), raw_dtype=ggml_type)
+    w.add_tensor(
+        "token_embd.weight", np.zeros((2, 256 // block * nbytes), np.uint8), raw_dtype=ggml_type
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(WeightsError, match=f"tensor token_embd.weight has unsupported type {name} ") as e:
+    with pytest.raises(
+        WeightsError, match=f"tensor token_embd.weight has unsupported type {name} "
+    ) as e:
         import_gguf(tmp_path / "u.gguf", tmp_path / "out")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
@@ -307,6 +328,8 @@ def test_mlx_runs_5_bit_linear_and_embedding_on_this_backend():
     x = mx.random.normal((2, 64), key=mx.random.key(0))
     dense = mx.dequantize(linear.weight, linear.scales, linear.biases, group_size=32, bits=5)
     np.testing.assert_allclose(np.array(linear(x)), np.array(x @ dense.T + linear.bias), atol=1e-5)
-    table = mx.dequantize(embedding.weight, embedding.scales, embedding.biases, group_size=32, bits=5)
+    table = mx.dequantize(
+        embedding.weight, embedding.scales, embedding.biases, group_size=32, bits=5
+    )
     ids = mx.array([[1, 5, 99]])
     np.testing.assert_array_equal(np.array(embedding(ids)), np.array(table[ids]))

@@ -3,8 +3,8 @@
 import shutil
 
 import pytest
-
 from hf_models import add_tokenizer, make_tiny
+
 from mlxinfer import load
 from mlxinfer.errors import ConfigError
 from mlxinfer.loader import resolve_model_path

@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-
 from hf_models import add_tokenizer, make_tiny, torch_greedy, torch_logits, torch_logits_chunked
+
 from mlxinfer.cache import LatentKVCache, RotatingKVCache, cache_nbytes
 from mlxinfer.conversion import convert
 from mlxinfer.generation import generate_step
@@ -30,35 +30,95 @@ from mlxinfer.quant import quantize_model
 TOL = 1e-3
 IDS = [3, 17, 99, 5, 240, 8, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255, 4, 60, 91, 101]
 
-MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, num_key_value_heads=4,
-           moe_intermediate_size=32, n_routed_experts=8)
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
-        "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+MLA = dict(
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=24,
+    num_key_value_heads=4,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 CASES = {
     "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2),
-    "mixtral-window6": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, sliding_window=6),
-    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64),
-    "qwen2_moe-norm-dense0": dict(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=3,
-                                  moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                                  norm_topk_prob=True, mlp_only_layers=[0]),
-    "deepseek_v2-lite": dict(model_type="deepseek_v2", **MLA, q_lora_rank=None, num_experts_per_tok=2,
-                             first_k_dense_replace=1, n_shared_experts=2),
-    "deepseek_v2-grouped-yarn": dict(model_type="deepseek_v2", **MLA, q_lora_rank=24, num_experts_per_tok=3,
-                                     topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                                     routed_scaling_factor=1.5, n_shared_experts=1, rope_parameters=YARN),
-    "deepseek_v3": dict(model_type="deepseek_v3", **MLA, q_lora_rank=48, num_experts_per_tok=2,
-                        first_k_dense_replace=1, n_group=4, topk_group=2),
-    "deepseek_v3-yarn-rotate-half": dict(model_type="deepseek_v3", **MLA, q_lora_rank=48, num_experts_per_tok=2,
-                                         n_group=2, topk_group=1, rope_interleave=False, norm_topk_prob=False,
-                                         rope_parameters={**YARN, "factor": 8.0, "mscale_all_dim": 1.0}),
+    "mixtral-window6": dict(
+        model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, sliding_window=6
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+    "qwen2_moe-norm-dense0": dict(
+        model_type="qwen2_moe",
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
+    "deepseek_v2-lite": dict(
+        model_type="deepseek_v2",
+        **MLA,
+        q_lora_rank=None,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+    ),
+    "deepseek_v2-grouped-yarn": dict(
+        model_type="deepseek_v2",
+        **MLA,
+        q_lora_rank=24,
+        num_experts_per_tok=3,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        n_shared_experts=1,
+        rope_parameters=YARN,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        **MLA,
+        q_lora_rank=48,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+    ),
+    "deepseek_v3-yarn-rotate-half": dict(
+        model_type="deepseek_v3",
+        **MLA,
+        q_lora_rank=48,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        rope_interleave=False,
+        norm_topk_prob=False,
+        rope_parameters={**YARN, "factor": 8.0, "mscale_all_dim": 1.0},
+    ),
 }
 
 
 def make_tiny_moe(path, **spec):
     """make_tiny, plus noise on every 1-D parameter and buffer (norms, DeepSeek-V3's
     e_score_correction_bias) so that none sits at its neutral 0 or 1."""
-    path, model = make_tiny(path, eos_token_id=None, **spec)  # no EOS: transformers' min_new_tokens would mask it
+    path, model = make_tiny(
+        path, eos_token_id=None, **spec
+    )  # no EOS: transformers' min_new_tokens would mask it
     torch.manual_seed(1)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -70,7 +130,9 @@ def make_tiny_moe(path, **spec):
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
-    path, torch_model = make_tiny_moe(tmp_path_factory.mktemp(request.param), **CASES[request.param])
+    path, torch_model = make_tiny_moe(
+        tmp_path_factory.mktemp(request.param), **CASES[request.param]
+    )
     model, _ = load_model(path)
     return model, torch_model
 
@@ -103,8 +165,12 @@ def test_greedy_tokens_identical(pair):
 
 ROUTERS = {
     "mixtral": ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"],
-    "qwen2_moe": ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
-                  "model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"],
+    "qwen2_moe": [
+        "model.layers.0.mlp.gate",
+        "model.layers.0.mlp.shared_expert_gate",
+        "model.layers.1.mlp.gate",
+        "model.layers.1.mlp.shared_expert_gate",
+    ],
     "deepseek_v3": ["model.layers.1.mlp.gate"],  # layer 0 is dense
 }
 
@@ -120,7 +186,12 @@ def test_4bit_conversion_runs_with_routers_in_float(name, tmp_path):
     add_tokenizer(src)
     report = convert(src, tmp_path / "q4", quantize=True, bits=4, group_size=32)
     record = json.loads((tmp_path / "q4" / "config.json").read_text())["quantization"]
-    assert record == {"group_size": 32, "bits": 4, "mode": "affine", **{r: False for r in ROUTERS[name]}}
+    assert record == {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "affine",
+        **{r: False for r in ROUTERS[name]},
+    }
     assert report["bits_per_weight"] < 7  # 4 bits + float32 scale and bias per 32
 
     model, _ = load_model(tmp_path / "q4")
@@ -130,7 +201,9 @@ def test_4bit_conversion_runs_with_routers_in_float(name, tmp_path):
     logits = np.array(model(mx.array([IDS]))[0])
     ref = torch_logits(torch_model, IDS)
     assert np.isfinite(logits).all()
-    assert np.corrcoef(logits.ravel(), ref.ravel())[0, 1] > 0.8  # 4-bit random weights: close, not equal
+    assert (
+        np.corrcoef(logits.ravel(), ref.ravel())[0, 1] > 0.8
+    )  # 4-bit random weights: close, not equal
     assert len([t for t, _ in generate_step(IDS[:4], model, max_tokens=8)]) == 8
 
 
@@ -139,9 +212,17 @@ def test_4bit_conversion_runs_with_routers_in_float(name, tmp_path):
 
 
 def many_experts_model(n_experts: int = 64):
-    config = dict(model_type="mixtral", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, num_local_experts=n_experts,
-                  num_experts_per_tok=2)
+    config = dict(
+        model_type="mixtral",
+        hidden_size=256,
+        num_hidden_layers=2,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_local_experts=n_experts,
+        num_experts_per_tok=2,
+    )
     model = build_model(config)
     quantize_model(model, bits=4, group_size=64)
     mx.eval(model.parameters())
@@ -170,7 +251,10 @@ def test_4bit_experts_are_gathered_by_index_never_dequantized(monkeypatch):
     assert [idx for _, idx in gathered] == [(3, 2)] * 4 + [(1, 2)] * 4
     assert all(w[0] == 64 for w, _ in gathered)
     # The only dequantize is the embedding's rows for the looked-up tokens.
-    assert dequantized == [(1, 3, 256 * 4 // 32), (1, 1, 256 * 4 // 32)]  # (B, tokens, packed hidden)
+    assert dequantized == [
+        (1, 3, 256 * 4 // 32),
+        (1, 1, 256 * 4 // 32),
+    ]  # (B, tokens, packed hidden)
 
 
 def test_4bit_decode_step_allocates_far_less_than_one_layers_experts():
@@ -206,7 +290,12 @@ def test_mla_cache_holds_latent_and_rope_key_per_token(deepseek):
     assert [c.nbytes for c in cache] == [per_layer] * a.num_hidden_layers
     assert cache_nbytes(cache) == cache_bytes_per_token(a, itemsize)["latent"] * 11
     latent, rope_key = cache[0].state
-    assert latent.shape == (1, 1, 11, a.kv_lora_rank) and rope_key.shape == (1, 1, 11, a.qk_rope_head_dim)
+    assert latent.shape == (1, 1, 11, a.kv_lora_rank) and rope_key.shape == (
+        1,
+        1,
+        11,
+        a.qk_rope_head_dim,
+    )
     # What full K/V caching would take for the same model: n_heads × (qk + v) per layer.
     mha = cache_bytes_per_token(a, itemsize)["mha"]
     assert mha == a.num_hidden_layers * 4 * (16 + 8 + 24) * itemsize
@@ -231,7 +320,11 @@ def test_mla_decode_attends_over_the_latent_without_expanding_keys(deepseek, mon
     model(mx.array([IDS[:6]]), cache)
     x = mx.random.normal((1, 1, model.args.hidden_size), key=mx.random.key(0))
     latent, rope_key = cache[0].state
-    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).reshape(1, 1, 4, -1).transpose(0, 2, 1, 3)
+    q = (
+        attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        .reshape(1, 1, 4, -1)
+        .transpose(0, 2, 1, 3)
+    )
     q_nope, q_pe = mx.split(q, [attn.nope_dim], axis=-1)
     absorbed = attn._absorbed(q_nope, q_pe, latent, rope_key, None)
     expanded = attn._expanded(q_nope, q_pe, latent, rope_key, None)
@@ -240,8 +333,11 @@ def test_mla_decode_attends_over_the_latent_without_expanding_keys(deepseek, mon
 
     seen = []
     monkeypatch.setattr(cls, "_expanded", lambda self, *a: seen.append("expanded"))
-    monkeypatch.setattr(cls, "_absorbed", lambda self, q_nope, *a: seen.append("absorbed") or mx.zeros(
-        (*q_nope.shape[:-1], 24)))
+    monkeypatch.setattr(
+        cls,
+        "_absorbed",
+        lambda self, q_nope, *a: seen.append("absorbed") or mx.zeros((*q_nope.shape[:-1], 24)),
+    )
     model(mx.array([[7]]), cache)
     assert set(seen) == {"absorbed"}
 
@@ -250,9 +346,13 @@ def test_mla_bounded_cache_and_refused_kv_bits(deepseek):
     model, torch_model = deepseek
     cache = model.make_cache(max_kv_size=64)
     assert all(isinstance(c, RotatingKVCache) for c in cache)
-    out = np.concatenate([np.array(model(mx.array([c]), cache)[0]) for c in (IDS[:8], IDS[8:9], IDS[9:10])])
+    out = np.concatenate(
+        [np.array(model(mx.array([c]), cache)[0]) for c in (IDS[:8], IDS[8:9], IDS[9:10])]
+    )
     assert np.abs(out - torch_logits(torch_model, IDS[:10])).max() <= TOL
-    with pytest.raises(ValueError, match="kv-bits is not supported with multi-head latent attention"):
+    with pytest.raises(
+        ValueError, match="kv-bits is not supported with multi-head latent attention"
+    ):
         model.make_cache(kv_bits=8)
 
 

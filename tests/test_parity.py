@@ -7,8 +7,8 @@ without the KV cache; greedy tokens identical; both config.json forms.
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from hf_models import make_tiny, torch_greedy, torch_logits, torch_logits_chunked
+
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
 from mlxinfer.models import cpu_ops
@@ -19,23 +19,51 @@ IDS = [3, 17, 99, 5, 240, 8, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 
 CASES = {
     "llama-v5": dict(model_type="llama"),
     "llama-v4": dict(model_type="llama", config_form="v4"),
-    "llama-mha-bias-tied": dict(model_type="llama", num_key_value_heads=4, attention_bias=True,
-                                mlp_bias=True, tie_word_embeddings=True),
+    "llama-mha-bias-tied": dict(
+        model_type="llama",
+        num_key_value_heads=4,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    ),
     "llama-mqa-head_dim": dict(model_type="llama", num_key_value_heads=1, head_dim=32),
     "mistral-v5": dict(model_type="mistral", sliding_window=None),
     "mistral-v4": dict(model_type="mistral", config_form="v4", sliding_window=None),
     "mistral-window8": dict(model_type="mistral", sliding_window=8),
-    "rope-linear": dict(model_type="llama", rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                              "rope_theta": 500.0}),
-    "rope-linear-v4": dict(model_type="llama", config_form="v4",
-                           rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
-    "rope-dynamic": dict(model_type="llama", max_position_embeddings=16,
-                         rope_parameters={"rope_type": "dynamic", "factor": 3.0, "rope_theta": 10000.0}),
-    "rope-llama3": dict(model_type="llama", rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32, "rope_theta": 500000.0}),
-    "rope-yarn": dict(model_type="llama", rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}),
+    "rope-linear": dict(
+        model_type="llama",
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+    ),
+    "rope-linear-v4": dict(
+        model_type="llama",
+        config_form="v4",
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+    ),
+    "rope-dynamic": dict(
+        model_type="llama",
+        max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "factor": 3.0, "rope_theta": 10000.0},
+    ),
+    "rope-llama3": dict(
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 500000.0,
+        },
+    ),
+    "rope-yarn": dict(
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        },
+    ),
 }
 
 
@@ -51,7 +79,9 @@ def ops_path(request):
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory, ops_path):
     spec = dict(CASES[request.param])
-    path, torch_model = make_tiny(tmp_path_factory.mktemp(request.param), perturb_vectors=True, **spec)
+    path, torch_model = make_tiny(
+        tmp_path_factory.mktemp(request.param), perturb_vectors=True, **spec
+    )
     model, _ = load_model(path)
     return request.param, model, torch_model
 

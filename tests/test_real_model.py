@@ -20,10 +20,14 @@ from mlxinfer.conversion import convert
 pytestmark = pytest.mark.real
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-CHAT = [{"role": "system", "content": "You are a concise assistant."},
-        {"role": "user", "content": "Write a haiku about the sea, then explain it in two sentences."}]
-TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
-        "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
+CHAT = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "Write a haiku about the sea, then explain it in two sentences."},
+]
+TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+    "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889."
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,9 @@ def reference(smollm2_hf_dir):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_hf_dir, dtype=torch.float32
+    ).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_hf_dir)
     return model, tokenizer
 
@@ -42,8 +48,9 @@ def ours(smollm2_f32_dir):
 
 
 def hf_ids(tokenizer, messages):
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def hf_greedy(model, ids, n):
@@ -51,7 +58,7 @@ def hf_greedy(model, ids, n):
 
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def test_config_uses_transformers5_rope_parameters(smollm2_hf_dir):
@@ -92,9 +99,23 @@ def test_greedy_48_tokens_match_transformers(ours, reference):
 
 def test_console_script_matches_transformers(smollm2_f32_dir, reference):
     ref = hf_greedy(reference[0], hf_ids(reference[1], QUESTION), 48)
-    out = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", "--model", str(smollm2_f32_dir),
-                          "-p", QUESTION[0]["content"], "--max-tokens", "48"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxinfer",
+            "generate",
+            "--model",
+            str(smollm2_f32_dir),
+            "-p",
+            QUESTION[0]["content"],
+            "--max-tokens",
+            "48",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == reference[1].decode(ref, skip_special_tokens=True) + "\n"
 
@@ -107,31 +128,44 @@ def perplexity(model, tok, text):
     return float(mx.exp(nll))
 
 
-def test_4bit_answers_paris_with_bounded_perplexity(ours, smollm2_hf_dir, smollm2_mlx_dir, tmp_path,
-                                                    record_property):
+def test_4bit_answers_paris_with_bounded_perplexity(
+    ours, smollm2_hf_dir, smollm2_mlx_dir, tmp_path, record_property
+):
     f32 = perplexity(*ours, TEXT)
     # The reference weights sit on GGUF Q4_1's 4-bit grid of 32-value groups,
     # so a group-32 re-quantization loses little; group 64 would re-round them.
     convert(smollm2_hf_dir, tmp_path / "q4", quantize=True, bits=4, group_size=32, dtype="float32")
     results = {}
-    for name, path in (("convert -q --group-size 32", tmp_path / "q4"), ("GGUF import", smollm2_mlx_dir)):
+    for name, path in (
+        ("convert -q --group-size 32", tmp_path / "q4"),
+        ("GGUF import", smollm2_mlx_dir),
+    ):
         model, tok = load(path)
         results[name] = perplexity(model, tok, TEXT)
         answer = generate(model, tok, QUESTION, max_tokens=16)
         assert "Paris" in answer, (name, answer)
     record_property("perplexity", {"float32": f32, **results})
-    print(f"\nperplexity: float32 {f32:.3f}, " + ", ".join(f"{k} {v:.3f}" for k, v in results.items()))
+    print(
+        f"\nperplexity: float32 {f32:.3f}, " + ", ".join(f"{k} {v:.3f}" for k, v in results.items())
+    )
     # Stated bound: plain round-to-nearest affine 4-bit stays within 30% of float32 perplexity.
     assert results["convert -q --group-size 32"] <= 1.30 * f32
     assert results["GGUF import"] <= 1.01 * f32  # same dequantized weights as the reference
 
 
-def test_long_4bit_prompt_is_prefilled_stepwise_and_matches_transformers(smollm2_mlx_dir, reference, monkeypatch):
+def test_long_4bit_prompt_is_prefilled_stepwise_and_matches_transformers(
+    smollm2_mlx_dir, reference, monkeypatch
+):
     """A 405-token prompt on the 4-bit GGUF import: on the CPU backend its prefill takes the stepwise path
     (attention block by block, MLP slice by slice), and greedy decoding still follows the float32 reference."""
     from mlxinfer.models import cpu_quant
 
-    messages = [{"role": "user", "content": " ".join([TEXT] * 7) + " Who designed the tower, and when was it built?"}]
+    messages = [
+        {
+            "role": "user",
+            "content": " ".join([TEXT] * 7) + " Who designed the tower, and when was it built?",
+        }
+    ]
     ids = hf_ids(reference[1], messages)
     ref = hf_greedy(reference[0], ids, 24)
     model, tok = load(smollm2_mlx_dir)
@@ -146,10 +180,18 @@ def test_long_4bit_prompt_is_prefilled_stepwise_and_matches_transformers(smollm2
 def test_default_model_from_console_script(tmp_path):
     from fixtures import smollm2_gguf_path
 
-    env = {**os.environ, "MLXINFER_CACHE": str(tmp_path / "cache"),
-           "MLXINFER_SMOLLM2_WHEEL": str(smollm2_gguf_path())}
-    out = subprocess.run(["mlxinfer", "generate", "-p", "What is the capital of France?", "-n", "12"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "MLXINFER_CACHE": str(tmp_path / "cache"),
+        "MLXINFER_SMOLLM2_WHEEL": str(smollm2_gguf_path()),
+    }
+    out = subprocess.run(
+        ["mlxinfer", "generate", "-p", "What is the capital of France?", "-n", "12"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "SmolLM2-135M-Instruct" in out.stderr  # said where the default model came from
@@ -180,7 +222,9 @@ def _on_threads(fn, n: int, *, concurrent: bool) -> list:
 
 
 @pytest.mark.parametrize("weights", ["f32", "4-bit"])
-def test_generation_on_other_threads_matches_transformers(weights, smollm2_f32_dir, smollm2_mlx_dir, reference):
+def test_generation_on_other_threads_matches_transformers(
+    weights, smollm2_f32_dir, smollm2_mlx_dir, reference
+):
     """A model loaded on the main thread generates on other threads, one after another and at the
     same time, with the main thread's tokens; in f32 they are transformers' greedy tokens (MLX 0.32
     ties a stream, and an array not yet evaluated, to the thread that made it)."""

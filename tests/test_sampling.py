@@ -42,7 +42,9 @@ def test_min_p_drops_below_fraction_of_max():
 
 def test_filters_compose_in_order():
     # top_k=4 → [.4,.3,.15,.1]/.95; then top_p=0.8: masses before: 0, .42, .74, .89 → keep 3.
-    assert np.allclose(probs(top_k=4, top_p=0.8), [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0], atol=1e-6)
+    assert np.allclose(
+        probs(top_k=4, top_p=0.8), [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0], atol=1e-6
+    )
 
 
 def test_greedy_is_argmax():
@@ -83,8 +85,15 @@ def test_repetition_penalty_matches_transformers_processor():
     assert np.allclose(ours, ref, atol=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(temperature=1, top_p=0), dict(temperature=1, min_p=1.5),
-                                dict(temperature=1, top_k=-1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1),
+        dict(temperature=1, top_p=0),
+        dict(temperature=1, min_p=1.5),
+        dict(temperature=1, top_k=-1),
+    ],
+)
 def test_bad_settings_raise(kw):
     with pytest.raises(ValueError):
         make_sampler(**kw)

@@ -32,8 +32,13 @@ PROMPT = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 20, 21, 11, 12]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path, _ = make_tiny(tmp_path_factory.mktemp("spec") / "tiny", vocab_size=320, num_hidden_layers=4, hidden_size=128,
-                        max_position_embeddings=512)
+    path, _ = make_tiny(
+        tmp_path_factory.mktemp("spec") / "tiny",
+        vocab_size=320,
+        num_hidden_layers=4,
+        hidden_size=128,
+        max_position_embeddings=512,
+    )
     add_tokenizer(path)
     model, tokenizer = load(path)
     return path, model, tokenizer
@@ -54,8 +59,14 @@ def drafts(tiny):
     wrong = load(path)[0]
     wrong.lm_head.weight = -model.lm_head.weight
     noisy = variant(path, lambda w: w + mx.array(rng.normal(0, 0.04, w.shape), w.dtype))
-    return {"right": DraftModel(model), "wrong": DraftModel(wrong), "noisy": DraftModel(noisy),
-            "lookup": PromptLookup(), "self-1": SelfDraft(1), "self-3": SelfDraft(3)}
+    return {
+        "right": DraftModel(model),
+        "wrong": DraftModel(wrong),
+        "noisy": DraftModel(noisy),
+        "lookup": PromptLookup(),
+        "self-1": SelfDraft(1),
+        "self-3": SelfDraft(3),
+    }
 
 
 def plain(model, prompt, n, **kw):
@@ -70,7 +81,9 @@ def plain(model, prompt, n, **kw):
 def test_greedy_equals_plain_greedy(tiny, drafts, source, num_draft):
     _, model, _ = tiny
     ref = plain(model, PROMPT, 40)
-    out = list(speculative_generate_step(PROMPT, model, drafts[source], max_tokens=40, num_draft=num_draft))
+    out = list(
+        speculative_generate_step(PROMPT, model, drafts[source], max_tokens=40, num_draft=num_draft)
+    )
     assert [t for t, _, _ in out] == [t for t, _ in ref]
     # The log-probs yielded are the target's at that position, as in plain decoding.
     for (_, lp, _), (_, ref_lp) in zip(out, ref):
@@ -79,14 +92,18 @@ def test_greedy_equals_plain_greedy(tiny, drafts, source, num_draft):
 
 def test_always_right_draft_is_always_accepted(tiny, drafts):
     _, model, _ = tiny
-    out = list(speculative_generate_step(PROMPT, model, drafts["right"], max_tokens=40, num_draft=3))
+    out = list(
+        speculative_generate_step(PROMPT, model, drafts["right"], max_tokens=40, num_draft=3)
+    )
     # Every step: 3 accepted drafts, then the target's extra (bonus) token; 40 = 10 steps of 4.
     assert [f for _, _, f in out] == [True, True, True, False] * 10
 
 
 def test_always_wrong_draft_is_never_accepted(tiny, drafts):
     _, model, _ = tiny
-    out = list(speculative_generate_step(PROMPT, model, drafts["wrong"], max_tokens=30, num_draft=4))
+    out = list(
+        speculative_generate_step(PROMPT, model, drafts["wrong"], max_tokens=30, num_draft=4)
+    )
     assert not any(f for _, _, f in out)
     assert [t for t, _, _ in out] == [t for t, _ in plain(model, PROMPT, 30)]
 
@@ -95,10 +112,24 @@ def test_greedy_with_repetition_penalty_and_quantized_cache(tiny, drafts):
     _, model, _ = tiny
     procs = [make_repetition_penalty(1.5, 8)]
     for source in ("noisy", "lookup", "self-1"):
-        ref = [t for t, _ in plain(model, PROMPT, 30, logits_processors=procs,
-                                   prompt_cache=PromptCache(model.make_cache(kv_bits=8, kv_group_size=32)))]
-        out = speculative_generate_step(PROMPT, model, drafts[source], max_tokens=30, logits_processors=procs,
-                                        prompt_cache=PromptCache(model.make_cache(kv_bits=8, kv_group_size=32)))
+        ref = [
+            t
+            for t, _ in plain(
+                model,
+                PROMPT,
+                30,
+                logits_processors=procs,
+                prompt_cache=PromptCache(model.make_cache(kv_bits=8, kv_group_size=32)),
+            )
+        ]
+        out = speculative_generate_step(
+            PROMPT,
+            model,
+            drafts[source],
+            max_tokens=30,
+            logits_processors=procs,
+            prompt_cache=PromptCache(model.make_cache(kv_bits=8, kv_group_size=32)),
+        )
         assert [t for t, _, _ in out] == ref, source
 
 
@@ -129,7 +160,12 @@ def test_caches_after_run_equal_plain_caches(tiny, drafts, source):
     draft = drafts[source]
     if isinstance(draft, DraftModel):
         draft = DraftModel(draft.model, prompt_cache=PromptCache(draft.model.make_cache()))
-    out = [t for t, _, _ in speculative_generate_step(PROMPT, model, draft, prompt_cache=pc, max_tokens=25)]
+    out = [
+        t
+        for t, _, _ in speculative_generate_step(
+            PROMPT, model, draft, prompt_cache=pc, max_tokens=25
+        )
+    ]
     assert out == tokens
     assert_same_cache(pc, ref)  # prompt + all generated tokens but the last
     if isinstance(draft, DraftModel):  # the draft's cache holds a prefix of them, exactly
@@ -143,7 +179,9 @@ def test_early_stop_rewinds_both_caches(tiny, stop_after):
     _, model, _ = tiny
     pc = PromptCache(model.make_cache())
     draft = DraftModel(model, prompt_cache=PromptCache(model.make_cache()))
-    steps = speculative_generate_step(PROMPT, model, draft, prompt_cache=pc, max_tokens=40, num_draft=4)
+    steps = speculative_generate_step(
+        PROMPT, model, draft, prompt_cache=pc, max_tokens=40, num_draft=4
+    )
     got = [t for t, _, _ in itertools.islice(steps, stop_after)]
     steps.close()
     # Like plain decoding's early stop, the cache holds the prompt and every token received; after
@@ -154,18 +192,31 @@ def test_early_stop_rewinds_both_caches(tiny, stop_after):
     assert draft.prompt_cache.tokens == pc.tokens[: len(draft.prompt_cache.tokens)]
     assert_same_cache(draft.prompt_cache, filled(model, draft.prompt_cache.tokens))
     # The caches carry on: the next request reuses them and still matches plain decoding.
-    again = [t for t, _, _ in speculative_generate_step(PROMPT, model, draft, prompt_cache=pc, max_tokens=12)]
+    again = [
+        t
+        for t, _, _ in speculative_generate_step(
+            PROMPT, model, draft, prompt_cache=pc, max_tokens=12
+        )
+    ]
     assert again == [t for t, _ in plain(model, PROMPT, 12)]
 
 
 def test_rotating_cache_that_could_evict_is_refused(tiny, drafts):
     _, model, tok = tiny
     with pytest.raises(DraftError, match="rotating cache.*keeps 32 tokens"):
-        list(stream_generate(model, tok, PROMPT, max_tokens=40, max_kv_size=32, draft=drafts["lookup"]))
+        list(
+            stream_generate(
+                model, tok, PROMPT, max_tokens=40, max_kv_size=32, draft=drafts["lookup"]
+            )
+        )
     # Big enough never to evict: allowed, and still exact.
     ref = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=20)]
-    out = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=20, max_kv_size=64,
-                                            draft=drafts["lookup"])]
+    out = [
+        r.token
+        for r in stream_generate(
+            model, tok, PROMPT, max_tokens=20, max_kv_size=64, draft=drafts["lookup"]
+        )
+    ]
     assert out == ref
 
 
@@ -182,36 +233,60 @@ def test_stream_equals_plain_stream(tiny, drafts, source):
     full = "".join(r[0] for r in results(model, tok, max_tokens=30))
     stop = full[8:11]
     for kw in (dict(max_tokens=30), dict(max_tokens=7), dict(max_tokens=30, stop=[stop])):
-        assert results(model, tok, draft=drafts[source], num_draft=3, **kw) == results(model, tok, **kw), kw
+        assert results(model, tok, draft=drafts[source], num_draft=3, **kw) == results(
+            model, tok, **kw
+        ), kw
 
 
 def test_eos_inside_an_accepted_run(tiny, drafts):
     _, model, tok = tiny
     greedy = [t for t, _ in plain(model, PROMPT, 30)]
-    eos = greedy[5]  # pretend the 6th token is EOS: it lies inside the second run of 4 accepted drafts
+    eos = greedy[
+        5
+    ]  # pretend the 6th token is EOS: it lies inside the second run of 4 accepted drafts
     saved = tok.eos_token_ids
     try:
         tok.eos_token_ids = frozenset({eos})
         pc = PromptCache(model.make_cache())
-        out = list(stream_generate(model, tok, PROMPT, max_tokens=30, draft=drafts["right"], num_draft=4,
-                                   prompt_cache=pc))
+        out = list(
+            stream_generate(
+                model,
+                tok,
+                PROMPT,
+                max_tokens=30,
+                draft=drafts["right"],
+                num_draft=4,
+                prompt_cache=pc,
+            )
+        )
         ref = results(model, tok, max_tokens=30)
     finally:
         tok.eos_token_ids = saved
     assert [(r.text, r.token, r.finish_reason) for r in out] == ref
-    assert [r.token for r in out] == greedy[: greedy.index(eos) + 1] and out[-1].finish_reason == "stop"
+    assert [r.token for r in out] == greedy[: greedy.index(eos) + 1] and out[
+        -1
+    ].finish_reason == "stop"
     assert out[-1].from_draft  # EOS came from the draft, mid-run
-    assert pc.tokens == PROMPT + [r.token for r in out]  # the accepted tokens after EOS were rewound
+    assert pc.tokens == PROMPT + [
+        r.token for r in out
+    ]  # the accepted tokens after EOS were rewound
     assert_same_cache(pc, filled(model, pc.tokens))
 
 
 def test_stats_and_draft_flags(tiny, drafts):
     _, model, tok = tiny
-    rs = list(stream_generate(model, tok, PROMPT, max_tokens=40, draft=drafts["right"], num_draft=3))
+    rs = list(
+        stream_generate(model, tok, PROMPT, max_tokens=40, draft=drafts["right"], num_draft=3)
+    )
     s = rs[-1].stats
-    assert [r.from_draft for r in rs] == [True, True, True, False] * (len(rs) // 4) + [True] * (len(rs) % 4)
+    assert [r.from_draft for r in rs] == [True, True, True, False] * (len(rs) // 4) + [True] * (
+        len(rs) % 4
+    )
     assert s.accepted_tokens == s.draft_tokens and s.acceptance_rate == 1.0
-    assert s.speculative_steps == -(-len(rs) // 4) and s.tokens_per_step == len(rs) / s.speculative_steps
+    assert (
+        s.speculative_steps == -(-len(rs) // 4)
+        and s.tokens_per_step == len(rs) / s.speculative_steps
+    )
     assert "draft accepted" in s.table() and "tokens per step" in s.table()
     plain_stats = list(stream_generate(model, tok, PROMPT, max_tokens=5))[-1].stats
     assert "draft accepted" not in plain_stats.table()
@@ -229,8 +304,12 @@ def test_adaptive_k_follows_acceptance(tiny, drafts):
     assert _DraftLength(3).k == 3
     # End to end: an always-right draft needs few target passes, an always-wrong one drafts little.
     _, model, tok = tiny
-    right = list(stream_generate(model, tok, PROMPT, max_tokens=60, draft=drafts["right"]))[-1].stats
-    wrong = list(stream_generate(model, tok, PROMPT, max_tokens=60, draft=drafts["wrong"]))[-1].stats
+    right = list(stream_generate(model, tok, PROMPT, max_tokens=60, draft=drafts["right"]))[
+        -1
+    ].stats
+    wrong = list(stream_generate(model, tok, PROMPT, max_tokens=60, draft=drafts["wrong"]))[
+        -1
+    ].stats
     assert right.generation_tokens == 60 and right.speculative_steps <= 8
     assert wrong.draft_tokens <= wrong.speculative_steps + 6  # k falls to 1 after a few rejections
 
@@ -246,7 +325,11 @@ def test_prompt_lookup_proposes_continuation_of_latest_longest_match():
     assert tokens.tolist() == [4, 9, 2] and q is None
     assert drafter.propose(history + [7], 3, None)[0].tolist() == []  # 7 never seen before
     fresh = PromptLookup().start(None, [], [])
-    assert fresh.propose([1, 2, 3, 1, 2], 5, None)[0].tolist() == [3, 1, 2]  # runs up to the present
+    assert fresh.propose([1, 2, 3, 1, 2], 5, None)[0].tolist() == [
+        3,
+        1,
+        2,
+    ]  # runs up to the present
 
 
 def test_vocabulary_mismatch_is_a_clear_error(tiny, tmp_path):
@@ -259,14 +342,21 @@ def test_vocabulary_mismatch_is_a_clear_error(tiny, tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
     (other / "tokenizer.json").write_text(json.dumps(spec))
     draft = DraftModel(*load(other))
-    with pytest.raises(DraftError, match=rf"draft model {other} and target {path} have different vocabularies "
-                                         r"\(token 300 is .* in the draft, .* in the target\)"):
+    with pytest.raises(
+        DraftError,
+        match=rf"draft model {other} and target {path} have different vocabularies "
+        r"\(token 300 is .* in the draft, .* in the target\)",
+    ):
         list(stream_generate(model, tok, PROMPT, max_tokens=4, draft=draft))
     add_tokenizer(other, vocab_size=300)
     with pytest.raises(DraftError, match="300 tokens vs the target's 320"):
         list(stream_generate(model, tok, PROMPT, max_tokens=4, draft=DraftModel(*load(other))))
-    result = CliRunner().invoke(cli, ["generate", "-m", str(path), "--draft-model", str(other), "-p", "Hi"])
-    assert result.exit_code == 1 and result.stderr.startswith(f"Error: draft model {other} and target {path}")
+    result = CliRunner().invoke(
+        cli, ["generate", "-m", str(path), "--draft-model", str(other), "-p", "Hi"]
+    )
+    assert result.exit_code == 1 and result.stderr.startswith(
+        f"Error: draft model {other} and target {path}"
+    )
 
 
 def test_self_draft_needs_fewer_layers_than_the_model(tiny):
@@ -279,14 +369,20 @@ def test_self_draft_needs_fewer_layers_than_the_model(tiny):
 def test_custom_sampler_without_settings_is_refused(tiny, drafts):
     _, model, _ = tiny
     with pytest.raises(ValueError, match="needs a sampler from make_sampler"):
-        list(speculative_generate_step(PROMPT, model, drafts["lookup"], sampler=lambda lp: mx.argmax(lp, -1)))
+        list(
+            speculative_generate_step(
+                PROMPT, model, drafts["lookup"], sampler=lambda lp: mx.argmax(lp, -1)
+            )
+        )
 
 
 # --- Sampling: the target's distribution, exactly -----------------------------------------------
 
 N_SAMPLES = 300  # cells expect >= 5 samples; a wrong rule scores far above the cut (see below)
 TOP_K = 5  # 5 × 5 = 25 cells for the first two tokens
-CHI2_CRIT_24_DOF = 51.18  # chi-square 99.9% quantile, 24 degrees of freedom (scipy.stats.chi2.ppf(.999, 24))
+CHI2_CRIT_24_DOF = (
+    51.18  # chi-square 99.9% quantile, 24 degrees of freedom (scipy.stats.chi2.ppf(.999, 24))
+)
 
 
 def target_dist(model, ids, processors, temperature):
@@ -303,16 +399,27 @@ def first_two_fit(model, prompt, draft, processors=(), temperature=0.8):
     Returns (chi2, samples outside the target's support); a fit is (< 51.18, 0).
     """
     p1 = target_dist(model, prompt, processors, temperature)
-    joint = {(a, b): p1[a] * pb for a in np.flatnonzero(p1)
-             for b, pb in enumerate(target_dist(model, prompt + [int(a)], processors, temperature)) if pb > 0}
+    joint = {
+        (a, b): p1[a] * pb
+        for a in np.flatnonzero(p1)
+        for b, pb in enumerate(target_dist(model, prompt + [int(a)], processors, temperature))
+        if pb > 0
+    }
     assert len(joint) == TOP_K**2
     pc = PromptCache(model.make_cache())
     counts = dict.fromkeys(joint, 0)
     outside = 0
     for seed in range(N_SAMPLES):
-        steps = speculative_generate_step(prompt, model, draft, prompt_cache=pc, max_tokens=3, num_draft=2,
-                                          sampler=make_sampler(temperature, top_k=TOP_K, seed=seed),
-                                          logits_processors=processors)
+        steps = speculative_generate_step(
+            prompt,
+            model,
+            draft,
+            prompt_cache=pc,
+            max_tokens=3,
+            num_draft=2,
+            sampler=make_sampler(temperature, top_k=TOP_K, seed=seed),
+            logits_processors=processors,
+        )
         pair = tuple(t for t, _, _ in itertools.islice(steps, 2))
         steps.close()
         if pair in counts:
@@ -339,7 +446,9 @@ def lookup_prompt(model):
     c the target itself likes best there, so the point-mass rule is exercised on both sides."""
     V = model.args.vocab_size
     prompts = mx.array([[7, 8, c, 9, 10, 7, 8] for c in range(V)])  # (V, 7): every c in one pass
-    p = mx.softmax(model(prompts)[:, -1, :], axis=-1)[mx.arange(V), mx.arange(V)]  # (V,): p(c | prompt_c)
+    p = mx.softmax(model(prompts)[:, -1, :], axis=-1)[
+        mx.arange(V), mx.arange(V)
+    ]  # (V,): p(c | prompt_c)
     c = int(mx.argmax(p).item())
     assert 0.1 < target_dist(model, [7, 8, c, 9, 10, 7, 8], (), 0.8)[c] < 0.9
     return [7, 8, c, 9, 10, 7, 8]
@@ -351,8 +460,9 @@ def test_sampled_tokens_follow_the_target_distribution(tiny, sharp_draft, source
     if source == "draft-model":
         # Repetition penalty on both models too: prompt tokens are penalised, and so is token 1 for token 2.
         dpc = PromptCache(sharp_draft.make_cache())
-        chi2, outside = first_two_fit(model, PROMPT, DraftModel(sharp_draft, prompt_cache=dpc),
-                                      [make_repetition_penalty(1.3)])
+        chi2, outside = first_two_fit(
+            model, PROMPT, DraftModel(sharp_draft, prompt_cache=dpc), [make_repetition_penalty(1.3)]
+        )
     elif source == "self-draft":
         chi2, outside = first_two_fit(model, PROMPT, SelfDraft(2))
     else:
@@ -364,14 +474,18 @@ def test_sampled_tokens_follow_the_target_distribution(tiny, sharp_draft, source
 def test_a_wrong_acceptance_rule_fails_the_same_test(tiny, sharp_draft, monkeypatch, wrong_rule):
     _, model, _ = tiny
     if wrong_rule == "accept-always":
-        monkeypatch.setattr(speculative, "_accepts", lambda p_d, q_d, u: mx.ones(p_d.shape, mx.bool_))
+        monkeypatch.setattr(
+            speculative, "_accepts", lambda p_d, q_d, u: mx.ones(p_d.shape, mx.bool_)
+        )
     else:  # the classic bug: on rejection draw from p instead of max(0, p - q)
         monkeypatch.setattr(speculative, "_residual", lambda p, q: p)
     draft = DraftModel(sharp_draft, prompt_cache=PromptCache(sharp_draft.make_cache()))
     chi2, outside = first_two_fit(model, PROMPT, draft)
     assert not (outside == 0 and chi2 < CHI2_CRIT_24_DOF)
     if wrong_rule == "resample-from-target":
-        assert outside == 0 and chi2 > 2 * CHI2_CRIT_24_DOF  # fails on the distribution alone, clearly
+        assert (
+            outside == 0 and chi2 > 2 * CHI2_CRIT_24_DOF
+        )  # fails on the distribution alone, clearly
 
 
 # --- CLI ----------------------------------------------------------------------------------------
@@ -381,8 +495,11 @@ def test_cli_speculative_flags(tiny):
     path, _, _ = tiny
     base = ["generate", "-m", str(path), "-p", "Hello world", "-n", "16"]
     expected = CliRunner().invoke(cli, base).stdout
-    for flags in (["--prompt-lookup"], ["--self-draft-layers", "2", "--num-draft", "3"],
-                  ["--draft-model", str(path)]):
+    for flags in (
+        ["--prompt-lookup"],
+        ["--self-draft-layers", "2", "--num-draft", "3"],
+        ["--draft-model", str(path)],
+    ):
         result = CliRunner().invoke(cli, base + flags + ["-v"])
         assert result.exit_code == 0, result.stderr
         assert result.stdout == expected
@@ -393,9 +510,14 @@ def test_cli_speculative_flags(tiny):
 
 # --- The real SmolLM2-135M-Instruct -------------------------------------------------------------
 
-REWRITE = [{"role": "user", "content": "Add type hints to this function, keeping its logic:\n\n"
-            "def scale(values, factor):\n    out = []\n    for v in values:\n        out.append(v * factor)\n"
-            "    return out\n"}]
+REWRITE = [
+    {
+        "role": "user",
+        "content": "Add type hints to this function, keeping its logic:\n\n"
+        "def scale(values, factor):\n    out = []\n    for v in values:\n        out.append(v * factor)\n"
+        "    return out\n",
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -425,6 +547,8 @@ def test_speculative_example_runs(tiny, capsys):
 
     path, _, _ = tiny
     example = load_script("examples/speculative.py")
-    example.main(str(path), str(path), max_tokens=24)  # asserts that every run prints the plain text
+    example.main(
+        str(path), str(path), max_tokens=24
+    )  # asserts that every run prints the plain text
     err = capsys.readouterr().err
     assert "[prompt lookup]" in err and "[draft model]" in err and "of drafts accepted" in err

@@ -1,7 +1,8 @@
 """Prompt cleaning, context fitting and stop strings."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mlxinfer.errors import PromptTooLongError
 from mlxinfer.stop import StopMatcher
@@ -49,7 +50,7 @@ def test_false_alarm_prefix_is_released():
 def test_stream_output_is_text_before_first_stop(text, cuts):
     pieces, i = [], 0
     for c in cuts:
-        pieces.append(text[i:i + c])
+        pieces.append(text[i : i + c])
         i += c
     pieces.append(text[i:])
     out, hit = run(["ST", "bb"], pieces)

@@ -28,7 +28,13 @@ from mlxinfer.tokenizer import Tokenizer
 transformers = pytest.importorskip("transformers")
 regex = pytest.importorskip("regex")
 
-SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 SAMPLES = [
     "",
     "Hello world",
@@ -46,7 +52,9 @@ SAMPLES = [
 
 def learn_ranks(n_merges: int) -> dict[bytes, int]:
     """256 byte tokens, then ``n_merges`` greedy BPE merges over the corpus' pre-tokenized words."""
-    words = Counter(piece.encode() for text in CORPUS for piece in regex.findall(DEFAULT_PATTERN, text))
+    words = Counter(
+        piece.encode() for text in CORPUS for piece in regex.findall(DEFAULT_PATTERN, text)
+    )
     ranks = {bytes([b]): b for b in range(256)}
     seqs = {word: [bytes([b]) for b in word] for word in words}
     for _ in range(n_merges):
@@ -71,21 +79,51 @@ def learn_ranks(n_merges: int) -> dict[bytes, int]:
     return ranks
 
 
-def build_tiktoken(directory: Path, *, file_name: str = "tokenizer.model", add_bos: bool = True,
-                   n_merges: int = 120, **config) -> Path:
+def build_tiktoken(
+    directory: Path,
+    *,
+    file_name: str = "tokenizer.model",
+    add_bos: bool = True,
+    n_merges: int = 120,
+    **config,
+) -> Path:
     """A checkpoint directory with a tiktoken vocabulary and Llama-3-style special tokens."""
     directory.mkdir(parents=True, exist_ok=True)
     ranks = learn_ranks(n_merges)
     lines = [f"{base64.b64encode(token).decode()} {rank}" for token, rank in ranks.items()]
     (directory / file_name).write_text("\n".join(lines) + "\n")
     n = len(ranks)
-    added = {str(n + i): {"content": s, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-                          "single_word": False} for i, s in enumerate(SPECIALS)}
-    added[str(n + len(SPECIALS))] = {"content": "<tool>", "special": False, "lstrip": False, "rstrip": False,
-                                     "normalized": False, "single_word": False}
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "added_tokens_decoder": added, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, **config}))
+    added = {
+        str(n + i): {
+            "content": s,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
+        for i, s in enumerate(SPECIALS)
+    }
+    added[str(n + len(SPECIALS))] = {
+        "content": "<tool>",
+        "special": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "single_word": False,
+    }
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "added_tokens_decoder": added,
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|eot_id|>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "add_bos_token": add_bos,
+                **config,
+            }
+        )
+    )
     return directory
 
 
@@ -107,7 +145,9 @@ def theirs(vocab_dir):
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_encode_matches_transformers(ours, theirs, add_special_tokens):
     for text in SAMPLES:
-        assert ours.encode(text, add_special_tokens) == theirs.encode(text, add_special_tokens=add_special_tokens), text
+        assert ours.encode(text, add_special_tokens) == theirs.encode(
+            text, add_special_tokens=add_special_tokens
+        ), text
 
 
 @settings(max_examples=150, deadline=None)
@@ -147,7 +187,9 @@ def test_text_outside_the_vocabulary_round_trips_through_bytes(ours):
 
 def test_special_tokens_are_one_id_and_skipped_when_asked(ours):
     ids = ours.encode("<|start_header_id|>a<tool>b<|eot_id|>", add_special_tokens=False)
-    assert ids[0] == ours.token_to_id("<|start_header_id|>") and ids[-1] == ours.token_to_id("<|eot_id|>")
+    assert ids[0] == ours.token_to_id("<|start_header_id|>") and ids[-1] == ours.token_to_id(
+        "<|eot_id|>"
+    )
     # transformers' tiktoken converter makes every added token special, "special": false or not
     assert ours.decode(ids, skip_special_tokens=True) == "ab"
 
@@ -163,7 +205,9 @@ def test_dot_tiktoken_file_and_bos_flag(vocab_dir, ours, tmp_path):
 
 
 def test_split_pattern_from_config(tmp_path, ours):
-    directory = build_tiktoken(tmp_path / "chars", add_bos=False, pat_str=r"\S|\s")  # a piece per character
+    directory = build_tiktoken(
+        tmp_path / "chars", add_bos=False, pat_str=r"\S|\s"
+    )  # a piece per character
     tokenizer = Tokenizer.from_dir(directory)
     ids = tokenizer.encode("the cat")
     assert ids == [ord(c) for c in "the cat"]  # nothing to merge within one character
@@ -184,12 +228,15 @@ def test_lone_surrogate_is_a_tokenizer_error(ours):
         ours.encode("a\ud800b")
 
 
-@pytest.mark.parametrize("content, expected", [
-    ("aGVsbG8= 0\nd29ybGQ=\n", r"line 2 is not '<base64 token> <rank>'"),
-    ("aGVsbG8= 0\n!!!! 1\n", r"line 2 is not '<base64 token> <rank>'"),
-    ("aGVsbG8= 0\naGVsbG8= 1\n", r"line 2 repeats token b'hello'"),
-    ("aGVsbG8= 0\n", r"lacks 256 single bytes \(first: 0x00\)"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("aGVsbG8= 0\nd29ybGQ=\n", r"line 2 is not '<base64 token> <rank>'"),
+        ("aGVsbG8= 0\n!!!! 1\n", r"line 2 is not '<base64 token> <rank>'"),
+        ("aGVsbG8= 0\naGVsbG8= 1\n", r"line 2 repeats token b'hello'"),
+        ("aGVsbG8= 0\n", r"lacks 256 single bytes \(first: 0x00\)"),
+    ],
+)
 def test_bad_vocabulary_files(tmp_path, content, expected):
     (tmp_path / "vocab.tiktoken").write_text(content)
     with pytest.raises(TokenizerError, match=expected):
@@ -206,4 +253,6 @@ def test_conversion_keeps_the_tiktoken_file(tmp_path, vocab_dir):
     shutil.copy(vocab_dir / "tokenizer.model", path / "vocab.tiktoken")
     convert(path, tmp_path / "out", dtype="float32")
     assert (tmp_path / "out" / "vocab.tiktoken").is_file()
-    assert Tokenizer.from_dir(tmp_path / "out").encode("Hello") == Tokenizer.from_dir(path).encode("Hello")
+    assert Tokenizer.from_dir(tmp_path / "out").encode("Hello") == Tokenizer.from_dir(path).encode(
+        "Hello"
+    )

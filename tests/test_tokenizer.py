@@ -65,7 +65,9 @@ def ours(dirs: dict[str, Path]) -> dict[str, Tokenizer]:
 
 @pytest.fixture(scope="module")
 def theirs(dirs: dict[str, Path]) -> dict[str, object]:
-    return {kind: transformers.AutoTokenizer.from_pretrained(str(path)) for kind, path in dirs.items()}
+    return {
+        kind: transformers.AutoTokenizer.from_pretrained(str(path)) for kind, path in dirs.items()
+    }
 
 
 # --- encode / decode parity ----------------------------------------------------------------------
@@ -76,7 +78,9 @@ def theirs(dirs: dict[str, Path]) -> dict[str, object]:
 def test_encode_matches_transformers(ours, theirs, kind, add_special_tokens):
     for text in SAMPLES:
         expected = theirs[kind].encode(text, add_special_tokens=add_special_tokens)
-        assert ours[kind].encode(text, add_special_tokens=add_special_tokens) == expected, repr(text)
+        assert ours[kind].encode(text, add_special_tokens=add_special_tokens) == expected, repr(
+            text
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -85,7 +89,9 @@ def test_decode_matches_transformers(ours, theirs, kind, skip_special_tokens):
     for text in SAMPLES:
         ids = theirs[kind].encode(text)
         expected = theirs[kind].decode(ids, skip_special_tokens=skip_special_tokens)
-        assert ours[kind].decode(ids, skip_special_tokens=skip_special_tokens) == expected, repr(text)
+        assert ours[kind].decode(ids, skip_special_tokens=skip_special_tokens) == expected, repr(
+            text
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -96,7 +102,9 @@ def test_decode_of_arbitrary_ids_matches_transformers(ours, theirs, kind):
     for _ in range(300):
         ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 10))]
         for skip in (False, True):
-            assert tokenizer.decode(ids, skip) == theirs[kind].decode(ids, skip_special_tokens=skip), ids
+            assert tokenizer.decode(ids, skip) == theirs[kind].decode(
+                ids, skip_special_tokens=skip
+            ), ids
 
 
 @pytest.mark.parametrize("kind", ["bpe_bos", "spm", "spm_json"])
@@ -263,7 +271,9 @@ def _with_template(directory: Path, destination: Path, template: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    "template", [CHATML_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE], ids=["chatml", "llama3", "mistral"]
+    "template",
+    [CHATML_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE],
+    ids=["chatml", "llama3", "mistral"],
 )
 @pytest.mark.parametrize("base", ["bpe_bos", "spm"])
 def test_chat_template_matches_transformers(dirs, tmp_path, template, base):
@@ -276,7 +286,9 @@ def test_chat_template_matches_transformers(dirs, tmp_path, template, base):
             expected = reference.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
-            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            rendered = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
             assert rendered == expected
 
 
@@ -287,12 +299,15 @@ def test_named_chat_template_renders_like_transformers(dirs, tmp_path, name):
     from mlxinfer.chat_template import NAMED_TEMPLATES
 
     reference = transformers.AutoTokenizer.from_pretrained(
-        str(_with_template(dirs["spm"], tmp_path / "model", NAMED_TEMPLATES[name])))
+        str(_with_template(dirs["spm"], tmp_path / "model", NAMED_TEMPLATES[name]))
+    )
     for source in (name, str(tmp_path / "model" / "chat_template.jinja")):
         tokenizer = Tokenizer.from_dir(dirs["spm"])
         tokenizer.set_chat_template(source)
         for messages in CONVERSATIONS:
-            expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            expected = reference.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             assert tokenizer.apply_chat_template(messages) == expected
 
 
@@ -300,12 +315,24 @@ def test_chat_template_kwargs_and_tools_match_transformers(dirs, tmp_path):
     directory = _with_template(dirs["bpe_bos"], tmp_path / "model", LLAMA3_TEMPLATE)
     tokenizer = Tokenizer.from_dir(directory)
     reference = transformers.AutoTokenizer.from_pretrained(str(directory))
-    tools = [{"type": "function", "function": {"name": "weather", "description": "Météo <now> & later",
-                                               "parameters": {"city": {"type": "string"}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "Météo <now> & later",
+                "parameters": {"city": {"type": "string"}},
+            },
+        }
+    ]
     kwargs = {"tools": tools, "date_string": "01 Jan 2025"}
-    expected = reference.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True, **kwargs)
+    expected = reference.apply_chat_template(
+        CONVERSATIONS[1], tokenize=False, add_generation_prompt=True, **kwargs
+    )
     assert tokenizer.apply_chat_template(CONVERSATIONS[1], **kwargs) == expected
-    assert '"description": "Météo <now> & later"' in expected  # HF's tojson: no HTML escaping, no \\u escapes
+    assert (
+        '"description": "Météo <now> & later"' in expected
+    )  # HF's tojson: no HTML escaping, no \\u escapes
 
 
 def test_chat_template_features_match_transformers(dirs, tmp_path):
@@ -314,14 +341,20 @@ def test_chat_template_features_match_transformers(dirs, tmp_path):
     reference = transformers.AutoTokenizer.from_pretrained(str(directory))
     messages = [
         {"role": "user", "content": "first"},
-        {"role": "assistant", "content": None, "tool_calls": [{"name": "f", "arguments": {"x": "ü"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"name": "f", "arguments": {"x": "ü"}}],
+        },
         {"role": "tool", "content": "42"},
         {"role": "user", "content": "second"},
         {"role": "assistant", "content": "done"},
         {"role": "user", "content": "never reached"},
     ]
     for kwargs in ({}, {"enable_thinking": False}):
-        expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        expected = reference.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
         assert tokenizer.apply_chat_template(messages, **kwargs) == expected
     assert "None" not in expected  # a None content counts as absent, as in transformers
 
@@ -334,19 +367,30 @@ def test_chat_template_leaves_messages_untouched(ours):
 
 
 def test_strftime_now(dirs, tmp_path):
-    directory = _with_template(dirs["bpe_plain"], tmp_path / "model", "{{ strftime_now('%Y-%m-%d') }}")
+    directory = _with_template(
+        dirs["bpe_plain"], tmp_path / "model", "{{ strftime_now('%Y-%m-%d') }}"
+    )
     before = datetime.now()
     rendered = Tokenizer.from_dir(directory).apply_chat_template([{"role": "user", "content": "x"}])
-    assert rendered in {before.strftime("%Y-%m-%d"), (before + timedelta(seconds=5)).strftime("%Y-%m-%d")}
+    assert rendered in {
+        before.strftime("%Y-%m-%d"),
+        (before + timedelta(seconds=5)).strftime("%Y-%m-%d"),
+    }
 
 
 def test_chat_template_sources_and_priority(dirs, tmp_path):
     messages = [{"role": "user", "content": "x"}]
     directory = shutil.copytree(dirs["bpe_plain"], tmp_path / "model")
     # tokenizer_config.json's template (ChatML here) is used when nothing else exists ...
-    assert Tokenizer.from_dir(directory).apply_chat_template(messages).endswith("<|im_start|>assistant\n")
+    assert (
+        Tokenizer.from_dir(directory)
+        .apply_chat_template(messages)
+        .endswith("<|im_start|>assistant\n")
+    )
     # ... chat_template.json beats it ...
-    (directory / "chat_template.json").write_text(json.dumps({"chat_template": "json:{{ messages[0].content }}"}))
+    (directory / "chat_template.json").write_text(
+        json.dumps({"chat_template": "json:{{ messages[0].content }}"})
+    )
     assert Tokenizer.from_dir(directory).apply_chat_template(messages) == "json:x"
     # ... and chat_template.jinja beats both.
     (directory / "chat_template.jinja").write_text("jinja:{{ messages[0].content }}")
@@ -407,13 +451,17 @@ def test_template_cannot_escape_the_sandbox(dirs, tmp_path, template):
 def test_raise_exception_becomes_tokenizer_error(dirs, tmp_path):
     directory = _with_template(dirs["bpe_bos"], tmp_path / "model", MISTRAL_TEMPLATE)
     tokenizer = Tokenizer.from_dir(directory)
-    with pytest.raises(TokenizerError, match="raised: After the optional system message, conversation roles"):
+    with pytest.raises(
+        TokenizerError, match="raised: After the optional system message, conversation roles"
+    ):
         tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
 def test_template_syntax_error(dirs, tmp_path):
     directory = _with_template(dirs["bpe_bos"], tmp_path / "model", "line one\n{% for x in %}\n")
-    with pytest.raises(TokenizerError, match=r"chat_template\.jinja: syntax error at line 2") as info:
+    with pytest.raises(
+        TokenizerError, match=r"chat_template\.jinja: syntax error at line 2"
+    ) as info:
         Tokenizer.from_dir(directory).apply_chat_template([{"role": "user", "content": "x"}])
     assert "\n" not in str(info.value)
 
@@ -444,7 +492,9 @@ def test_missing_tokenizer_files(tmp_path):
 
 
 def test_not_a_directory(tmp_path):
-    with pytest.raises(TokenizerError, match="expected a checkpoint directory with tokenizer files, found nothing"):
+    with pytest.raises(
+        TokenizerError, match="expected a checkpoint directory with tokenizer files, found nothing"
+    ):
         Tokenizer.from_dir(tmp_path / "nope")
 
 
@@ -452,11 +502,31 @@ def test_not_a_directory(tmp_path):
     ("file", "content", "expected"),
     [
         ("tokenizer_config.json", "{not json", r"tokenizer_config\.json: cannot read as JSON"),
-        ("tokenizer_config.json", "[1, 2]", r"tokenizer_config\.json: expected a JSON object, found list"),
-        ("tokenizer_config.json", '{"eos_token": 5}', r"'eos_token' should be a string or an object"),
-        ("generation_config.json", '{"eos_token_id": "2"}', r"generation_config\.json: 'eos_token_id' should be"),
-        ("config.json", '{"eos_token_id": [1, "x"]}', r"config\.json: 'eos_token_id' should be an int or a list"),
-        ("chat_template.json", '{"template": "x"}', r"chat_template\.json: expected an object with key"),
+        (
+            "tokenizer_config.json",
+            "[1, 2]",
+            r"tokenizer_config\.json: expected a JSON object, found list",
+        ),
+        (
+            "tokenizer_config.json",
+            '{"eos_token": 5}',
+            r"'eos_token' should be a string or an object",
+        ),
+        (
+            "generation_config.json",
+            '{"eos_token_id": "2"}',
+            r"generation_config\.json: 'eos_token_id' should be",
+        ),
+        (
+            "config.json",
+            '{"eos_token_id": [1, "x"]}',
+            r"config\.json: 'eos_token_id' should be an int or a list",
+        ),
+        (
+            "chat_template.json",
+            '{"template": "x"}',
+            r"chat_template\.json: expected an object with key",
+        ),
         ("tokenizer.json", "{}", r"tokenizer\.json: cannot load"),
     ],
 )
@@ -481,16 +551,25 @@ def test_corrupt_sentencepiece_model(tmp_path):
 def test_real_smollm2_tokenizer_matches_transformers(smollm2_hf_dir):
     tokenizer = Tokenizer.from_dir(smollm2_hf_dir)
     reference = transformers.AutoTokenizer.from_pretrained(str(smollm2_hf_dir))
-    assert (tokenizer.bos_token_id, tokenizer.vocab_size) == (reference.bos_token_id, len(reference))
+    assert (tokenizer.bos_token_id, tokenizer.vocab_size) == (
+        reference.bos_token_id,
+        len(reference),
+    )
     assert reference.eos_token_id in tokenizer.eos_token_ids
     for text in SAMPLES:
         ids = reference.encode(text)
         assert tokenizer.encode(text) == ids, repr(text)
         assert tokenizer.decode(ids) == reference.decode(ids), repr(text)
-        assert tokenizer.decode(ids, True) == reference.decode(ids, skip_special_tokens=True), repr(text)
+        assert tokenizer.decode(ids, True) == reference.decode(ids, skip_special_tokens=True), repr(
+            text
+        )
     for messages in CONVERSATIONS:
-        expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        expected = reference.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         assert tokenizer.apply_chat_template(messages) == expected
     ids = random.Random(0).choices(range(tokenizer.vocab_size), k=2000)
     detokenizer = tokenizer.detokenizer()
-    assert "".join(map(detokenizer.add_token, ids)) + detokenizer.finalize() == reference.decode(ids)
+    assert "".join(map(detokenizer.add_token, ids)) + detokenizer.finalize() == reference.decode(
+        ids
+    )

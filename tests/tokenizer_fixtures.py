@@ -31,7 +31,13 @@ CORPUS = [
     "combining: e\u0301 a\u0308 n\u0303 — dashes – and “quotes”.",
 ]
 
-BPE_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>"]
+BPE_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -84,7 +90,10 @@ def build_byte_level_bpe(directory: Path, *, add_bos: bool = True) -> Path:
     im_end = tokenizer.token_to_id("<|im_end|>")
     eot = tokenizer.token_to_id("<|eot_id|>")
     _write_json(directory / "generation_config.json", {"eos_token_id": [im_end, eot]})
-    _write_json(directory / "config.json", {"model_type": "llama", "eos_token_id": tokenizer.token_to_id("<|end_of_text|>")})
+    _write_json(
+        directory / "config.json",
+        {"model_type": "llama", "eos_token_id": tokenizer.token_to_id("<|end_of_text|>")},
+    )
     return directory
 
 
@@ -115,7 +124,13 @@ def build_sentencepiece(directory: Path) -> Path:
     (directory / "tokenizer.vocab").unlink()
     _write_json(
         directory / "tokenizer_config.json",
-        {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+        {
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+        },
     )
     return directory
 

@@ -37,15 +37,25 @@ import mlx.core as mx  # noqa: E402
 
 def shapes(model_dir: Path | None) -> dict:
     if model_dir is None:
-        cfg = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
-               "num_key_value_heads": 3, "num_hidden_layers": 30}
+        cfg = {
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "num_hidden_layers": 30,
+        }
     else:
         cfg = json.loads((model_dir / "config.json").read_text())
     d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or d // heads
     kv = cfg.get("num_key_value_heads") or heads
-    return {"hidden": d, "q": heads * head_dim, "kv": kv * head_dim, "ffn": cfg["intermediate_size"],
-            "layers": cfg["num_hidden_layers"]}
+    return {
+        "hidden": d,
+        "q": heads * head_dim,
+        "kv": kv * head_dim,
+        "ffn": cfg["intermediate_size"],
+        "layers": cfg["num_hidden_layers"],
+    }
 
 
 def timed(fn, reps: int) -> list[float]:
@@ -57,7 +67,9 @@ def timed(fn, reps: int) -> list[float]:
     return out
 
 
-def compare(name: str, parts: list[int], d: int, layers: int, rows: int, reps: int) -> tuple[str, float, float]:
+def compare(
+    name: str, parts: list[int], d: int, layers: int, rows: int, reps: int
+) -> tuple[str, float, float]:
     separate = [[mx.random.normal((n, d)) for n in parts] for _ in range(layers)]
     fused = [mx.concatenate(ws, axis=0) for ws in separate]
     mx.eval(separate, fused)
@@ -80,7 +92,9 @@ def compare(name: str, parts: list[int], d: int, layers: int, rows: int, reps: i
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="converted model directory (its config.json)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="converted model directory (its config.json)"
+    )
     parser.add_argument("--rows", default="1,512", help="input rows to test (default: 1,512)")
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args(argv)
@@ -90,9 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         reps = args.reps if rows == 1 else max(3, args.reps // 5)
-        for name, parts in (("q, k, v", [s["q"], s["kv"], s["kv"]]), ("gate, up", [s["ffn"], s["ffn"]])):
+        for name, parts in (
+            ("q, k, v", [s["q"], s["kv"], s["kv"]]),
+            ("gate, up", [s["ffn"], s["ffn"]]),
+        ):
             label, sep, fus = compare(name, parts, s["hidden"], s["layers"], rows, reps)
-            print(f"| {label} | {rows} | {sep * 1e6:.0f} µs | {fus * 1e6:.0f} µs | {fus / sep:.2f}× |")
+            print(
+                f"| {label} | {rows} | {sep * 1e6:.0f} µs | {fus * 1e6:.0f} µs | {fus / sep:.2f}× |"
+            )
 
 
 if __name__ == "__main__":

@@ -67,7 +67,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 DOCUMENT_REV = "86fa530"  # README.md at this commit is the default document (~9,100 SmolLM2 tokens)
-QUESTION = "Summarize the document above in a few sentences: what is it about, and what does it offer?"
+QUESTION = (
+    "Summarize the document above in a few sentences: what is it about, and what does it offer?"
+)
 TARGET_KV_RATIO = 0.6  # 8-bit cache bytes / float cache bytes, at most
 TARGET_IDENTICAL = 32  # leading greedy tokens equal to the float cache's, at least
 NEAR_TIE = 0.1  # top-1 minus top-2 log-prob below which a greedy choice is called a near-tie
@@ -87,24 +89,35 @@ class Run:
     ttft_s: float  # prefill of the whole prompt + the first token
     decode_tps: float
     tokens: list[int]
-    forced_tokens: list[int]  # its greedy choice at each step of the reference continuation (teacher forcing)
+    forced_tokens: list[
+        int
+    ]  # its greedy choice at each step of the reference continuation (teacher forcing)
 
 
 # ---------------------------------------------------------------- prompt
+
 
 def read_document(path: Path | None = None) -> tuple[str, str]:
     """The document's text and a description of where it came from."""
     if path is not None:
         return Path(path).read_text(encoding="utf-8"), str(path)
     try:
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{DOCUMENT_REV}:README.md"],
-                              capture_output=True, text=True, check=True).stdout
+        text = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{DOCUMENT_REV}:README.md"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        raise SystemExit(f"Error: cannot read README.md at {DOCUMENT_REV} with git ({e}); pass --document FILE")
+        raise SystemExit(
+            f"Error: cannot read README.md at {DOCUMENT_REV} with git ({e}); pass --document FILE"
+        ) from None
     return text, f"README.md at {DOCUMENT_REV}"
 
 
-def build_prompt(tokenizer, document: str, prompt_tokens: int, question: str = QUESTION) -> list[int]:
+def build_prompt(
+    tokenizer, document: str, prompt_tokens: int, question: str = QUESTION
+) -> list[int]:
     """Chat-templated ids of the document's leading whole lines + ``question``, at most ``prompt_tokens``.
 
     The document is cut on token count, back to its last whole line, then wrapped
@@ -119,22 +132,34 @@ def build_prompt(tokenizer, document: str, prompt_tokens: int, question: str = Q
         if text.count("```") % 2:
             text += "\n```"  # cut inside a markdown code block: close it, so the question reads as prose
         content = f"{text.rstrip()}\n\n{question}"
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": content}]),
-                               add_special_tokens=False)
+        ids = tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": content}]),
+            add_special_tokens=False,
+        )
         if len(ids) <= prompt_tokens:
             return ids
         keep -= len(ids) - prompt_tokens
-    raise ValueError(f"prompt_tokens={prompt_tokens}: too few for the chat template and the question")
+    raise ValueError(
+        f"prompt_tokens={prompt_tokens}: too few for the chat template and the question"
+    )
 
 
 # ---------------------------------------------------------------- measuring
+
 
 def cache_label(kv_bits: int | None, group_size: int, dtype: str) -> str:
     return dtype if kv_bits is None else f"{kv_bits}-bit g{group_size}"
 
 
-def run_once(model, ids: list[int], max_tokens: int, *, kv_bits: int | None = None, kv_group_size: int = 64,
-             reference: list[int] | None = None) -> tuple[Run, np.ndarray]:
+def run_once(
+    model,
+    ids: list[int],
+    max_tokens: int,
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    reference: list[int] | None = None,
+) -> tuple[Run, np.ndarray]:
     """Greedy-generate ``max_tokens`` tokens (EOS ignored) with a fresh cache of this kind.
 
     Then, outside the measurement, the same cache is rewound to the prompt and
@@ -174,8 +199,19 @@ def run_once(model, ids: list[int], max_tokens: int, *, kv_bits: int | None = No
     logprobs = forced_logprobs(model, pc, ids, reference or tokens)
     forced = logprobs.argmax(axis=-1).tolist()
     del pc
-    return Run(cache_label(kv_bits, kv_group_size, dtype), kv_bits, dtype, kv_bytes, f16, peak, peak - baseline,
-               ttft, decode, tokens, forced), logprobs
+    return Run(
+        cache_label(kv_bits, kv_group_size, dtype),
+        kv_bits,
+        dtype,
+        kv_bytes,
+        f16,
+        peak,
+        peak - baseline,
+        ttft,
+        decode,
+        tokens,
+        forced,
+    ), logprobs
 
 
 def forced_logprobs(model, pc, ids: list[int], continuation: list[int]) -> np.ndarray:
@@ -199,7 +235,9 @@ def first_divergence(reference: list[int], other: list[int]) -> int | None:
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
-def quantized_ratio(bits: int, group_size: int, float_bits: int, scale_bits: int | None = None) -> float:
+def quantized_ratio(
+    bits: int, group_size: int, float_bits: int, scale_bits: int | None = None
+) -> float:
     """Bits of an affine-quantized group (codes + one scale + one bias) over the same values in float."""
     scale_bits = float_bits if scale_bits is None else scale_bits
     return (bits * group_size + 2 * scale_bits) / (float_bits * group_size)
@@ -213,9 +251,16 @@ def load_model(model_dir: Path):
     return model, tokenizer
 
 
-def measure(model_dir: str | Path, *, document: str, prompt_tokens: int = 8000, max_tokens: int = 48,
-            kv_bits: tuple[int, ...] = (8, 4), kv_group_size: int = 64,
-            log: Callable[[str], None] | None = None) -> dict:
+def measure(
+    model_dir: str | Path,
+    *,
+    document: str,
+    prompt_tokens: int = 8000,
+    max_tokens: int = 48,
+    kv_bits: tuple[int, ...] = (8, 4),
+    kv_group_size: int = 64,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Run the float cache, then each of ``kv_bits``, on one prompt; compare sizes and tokens.
 
     Returns a JSON-ready dict: ``runs`` (float first), and per quantized run in
@@ -230,7 +275,9 @@ def measure(model_dir: str | Path, *, document: str, prompt_tokens: int = 8000, 
     context = model.args.max_position_embeddings
     ids = build_prompt(tokenizer, document, prompt_tokens)
     if len(ids) + max_tokens > context:
-        raise ValueError(f"{len(ids)} prompt + {max_tokens} new tokens exceed the context ({context})")
+        raise ValueError(
+            f"{len(ids)} prompt + {max_tokens} new tokens exceed the context ({context})"
+        )
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     log(f"prompt: {len(ids)} tokens; context {context}; weights {weights / 1e6:.0f} MB")
     for bits in (None, *kv_bits):  # warm-up: first-call overheads stay out of the timed runs
@@ -238,11 +285,21 @@ def measure(model_dir: str | Path, *, document: str, prompt_tokens: int = 8000, 
     runs: list[Run] = []
     logprobs: list[np.ndarray] = []  # (max_tokens, vocab) per run, along the float run's tokens
     for bits in (None, *kv_bits):
-        log(f"  {cache_label(bits, kv_group_size, 'float')} cache: {len(ids)}-token prefill + {max_tokens} tokens …")
-        run, lp = run_once(model, ids, max_tokens, kv_bits=bits, kv_group_size=kv_group_size,
-                           reference=runs[0].tokens if runs else None)
-        log(f"    KV {run.kv_bytes / 1e6:.1f} MB, peak rise {run.peak_rise_bytes / 1e6:.0f} MB, "
-            f"TTFT {run.ttft_s:.1f} s, decode {run.decode_tps:.2f} tok/s")
+        log(
+            f"  {cache_label(bits, kv_group_size, 'float')} cache: {len(ids)}-token prefill + {max_tokens} tokens …"
+        )
+        run, lp = run_once(
+            model,
+            ids,
+            max_tokens,
+            kv_bits=bits,
+            kv_group_size=kv_group_size,
+            reference=runs[0].tokens if runs else None,
+        )
+        log(
+            f"    KV {run.kv_bytes / 1e6:.1f} MB, peak rise {run.peak_rise_bytes / 1e6:.0f} MB, "
+            f"TTFT {run.ttft_s:.1f} s, decode {run.decode_tps:.2f} tok/s"
+        )
         runs.append(run)
         logprobs.append(lp)
     ref, ref_lp = runs[0], logprobs[0]
@@ -257,35 +314,60 @@ def measure(model_dir: str | Path, *, document: str, prompt_tokens: int = 8000, 
             "peak_memory_vs_float": run.peak_memory_bytes / ref.peak_memory_bytes,
             "peak_rise_vs_float": run.peak_rise_bytes / ref.peak_rise_bytes,
             "identical_tokens": len(ref.tokens) if at is None else at,
-            "divergence": None if at is None else {
-                "position": at, "float_token": ref.tokens[at], "float_text": tokenizer.decode([ref.tokens[at]]),
-                "token": run.tokens[at], "text": tokenizer.decode([run.tokens[at]]),
+            "divergence": None
+            if at is None
+            else {
+                "position": at,
+                "float_token": ref.tokens[at],
+                "float_text": tokenizer.decode([ref.tokens[at]]),
+                "token": run.tokens[at],
+                "text": tokenizer.decode([run.tokens[at]]),
                 "common_prefix_text": tokenizer.decode(ref.tokens[:at]),
                 # log p(float's token) - log p(this one's), under each cache, on the same context
                 "float_margin": float(ref_lp[at, f] - ref_lp[at, q]),
-                "margin": float(lp[at, q] - lp[at, f])},
+                "margin": float(lp[at, q] - lp[at, f]),
+            },
             "forced_agreement": sum(a == b for a, b in zip(run.forced_tokens, ref.tokens)),
         }
     eos = tokenizer.eos_token_ids
-    return {"model_dir": str(model_dir), "prompt_tokens": len(ids), "max_tokens": max_tokens,
-            "context": context, "kv_group_size": kv_group_size, "weight_bytes": weights,
-            "prompt_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
-            # The float cache's own steps: top-1 minus top-2 log-prob (small = a near-tie), and whether
-            # one forward pass over its tokens picks them again (chunked vs step-by-step arithmetic).
-            "float_top2_gaps": (top2[:, 1] - top2[:, 0]).tolist(),
-            "float_forced_agreement": sum(a == b for a, b in zip(ref.forced_tokens, ref.tokens)),
-            "runs": [{**asdict(r), "text": tokenizer.decode(r.tokens),
-                      "eos_at": next((i for i, t in enumerate(r.tokens) if t in eos), None)} for r in runs],
-            "comparisons": comparisons}
+    return {
+        "model_dir": str(model_dir),
+        "prompt_tokens": len(ids),
+        "max_tokens": max_tokens,
+        "context": context,
+        "kv_group_size": kv_group_size,
+        "weight_bytes": weights,
+        "prompt_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+        # The float cache's own steps: top-1 minus top-2 log-prob (small = a near-tie), and whether
+        # one forward pass over its tokens picks them again (chunked vs step-by-step arithmetic).
+        "float_top2_gaps": (top2[:, 1] - top2[:, 0]).tolist(),
+        "float_forced_agreement": sum(a == b for a, b in zip(ref.forced_tokens, ref.tokens)),
+        "runs": [
+            {
+                **asdict(r),
+                "text": tokenizer.decode(r.tokens),
+                "eos_at": next((i for i, t in enumerate(r.tokens) if t in eos), None),
+            }
+            for r in runs
+        ],
+        "comparisons": comparisons,
+    }
 
 
 # ---------------------------------------------------------------- report
 
+
 def environment() -> dict:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return {"platform": platform.platform(), "python": platform.python_version(), "mlx": mx.__version__,
-            "device": str(mx.default_device()), "blas": blas_in_use(), "cpus": os.cpu_count(),
-            "load_average_1min": load}
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "blas": blas_in_use(),
+        "cpus": os.cpu_count(),
+        "load_average_1min": load,
+    }
 
 
 def _mb(n: float) -> str:
@@ -296,58 +378,94 @@ def markdown_table(result: dict, env: dict) -> str:
     """One row per cache kind, plus a float16 row computed from the float run; then the verdict."""
     runs, comps = result["runs"], result["comparisons"]
     ref = runs[0]
-    header = (f"{result['prompt_tokens']}-token prompt + {result['max_tokens']} greedy tokens (EOS ignored), "
-              f"context {result['context']}; MLX {env['mlx']} on {env['device']}, {env['blas']}, {env['cpus']} "
-              f"CPUs; weights {_mb(result['weight_bytes'])}.")
-    columns = ("KV cache", "KV bytes", "vs float run", "vs float16", "peak memory", "peak − weights",
-               "time to first token", "decode", "leading tokens identical to float",
-               "same choice on float's continuation")
+    header = (
+        f"{result['prompt_tokens']}-token prompt + {result['max_tokens']} greedy tokens (EOS ignored), "
+        f"context {result['context']}; MLX {env['mlx']} on {env['device']}, {env['blas']}, {env['cpus']} "
+        f"CPUs; weights {_mb(result['weight_bytes'])}."
+    )
+    columns = (
+        "KV cache",
+        "KV bytes",
+        "vs float run",
+        "vs float16",
+        "peak memory",
+        "peak − weights",
+        "time to first token",
+        "decode",
+        "leading tokens identical to float",
+        "same choice on float's continuation",
+    )
     lines = [header, "", "| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     f16 = ref["kv_float16_bytes"]
     for r in runs:
         c = comps.get(r["cache"])
         n = len(ref["tokens"])
         same = f"{c['identical_tokens']}/{n}" if c else "(reference)"
-        forced = f"{c['forced_agreement']}/{n}" if c else f"{result['float_forced_agreement']}/{n} (itself)"
+        forced = (
+            f"{c['forced_agreement']}/{n}"
+            if c
+            else f"{result['float_forced_agreement']}/{n} (itself)"
+        )
         prefill = f"{r['ttft_s']:.1f} s ({result['prompt_tokens'] / r['ttft_s']:.0f} tok/s)"
-        lines.append(f"| {r['cache']} | {_mb(r['kv_bytes'])} | {r['kv_bytes'] / ref['kv_bytes']:.3f}× | "
-                     f"{r['kv_bytes'] / f16:.3f}× | {_mb(r['peak_memory_bytes'])} | {_mb(r['peak_rise_bytes'])} | "
-                     f"{prefill} | {r['decode_tps']:.2f} tok/s | {same} | {forced} |")
+        lines.append(
+            f"| {r['cache']} | {_mb(r['kv_bytes'])} | {r['kv_bytes'] / ref['kv_bytes']:.3f}× | "
+            f"{r['kv_bytes'] / f16:.3f}× | {_mb(r['peak_memory_bytes'])} | {_mb(r['peak_rise_bytes'])} | "
+            f"{prefill} | {r['decode_tps']:.2f} tok/s | {same} | {forced} |"
+        )
         if r is ref and ref["kv_dtype"] != "float16":
-            lines.append(f"| float16 (computed, not run) | {_mb(f16)} | {f16 / ref['kv_bytes']:.3f}× | 1.000× "
-                         "|" + " |" * (len(columns) - 4))
+            lines.append(
+                f"| float16 (computed, not run) | {_mb(f16)} | {f16 / ref['kv_bytes']:.3f}× | 1.000× "
+                "|" + " |" * (len(columns) - 4)
+            )
     lines.append("")
     for name, c in comps.items():
         d = c["divergence"]
         if d is None:
-            lines.append(f"- {name}: all {len(ref['tokens'])} greedy tokens identical to the float cache's.")
+            lines.append(
+                f"- {name}: all {len(ref['tokens'])} greedy tokens identical to the float cache's."
+            )
         else:
-            lines.append(f"- {name}: first {d['position']} tokens identical; at token {d['position']} the float "
-                         f"cache gives {d['float_token']} {d['float_text']!r}, this one {d['token']} {d['text']!r} "
-                         f"(log-prob margin between the two: {d['float_margin']:.3f} for the float cache's choice "
-                         f"under the float cache, {d['margin']:.3f} for this one's under this one).")
+            lines.append(
+                f"- {name}: first {d['position']} tokens identical; at token {d['position']} the float "
+                f"cache gives {d['float_token']} {d['float_text']!r}, this one {d['token']} {d['text']!r} "
+                f"(log-prob margin between the two: {d['float_margin']:.3f} for the float cache's choice "
+                f"under the float cache, {d['margin']:.3f} for this one's under this one)."
+            )
     gaps = sorted(result["float_top2_gaps"])
     close = sum(g < NEAR_TIE for g in gaps)
-    lines.append(f"- float cache's own steps: top-1 minus top-2 log-prob median {gaps[len(gaps) // 2]:.2f}, "
-                 f"smallest {gaps[0]:.3f}; {close} of {len(gaps)} under {NEAR_TIE} (near-ties that any "
-                 "perturbation of the cache may flip).")
+    lines.append(
+        f"- float cache's own steps: top-1 minus top-2 log-prob median {gaps[len(gaps) // 2]:.2f}, "
+        f"smallest {gaps[0]:.3f}; {close} of {len(gaps)} under {NEAR_TIE} (near-ties that any "
+        "perturbation of the cache may flip)."
+    )
     target = f"{result['kv_group_size']}"
     q8 = comps.get(f"8-bit g{target}")
     if q8:
+
         def verdict(ok: bool) -> str:
             return "met" if ok else "NOT met"
 
         n = len(ref["tokens"])
-        same_ok = "cannot tell" if n < TARGET_IDENTICAL else verdict(q8["identical_tokens"] >= TARGET_IDENTICAL)
-        lines.append(f"- target, 8-bit KV bytes ≤ {TARGET_KV_RATIO}× float: {q8['kv_bytes_vs_float']:.3f}× the "
-                     f"{ref['kv_dtype']} cache run ({verdict(q8['kv_bytes_vs_float'] <= TARGET_KV_RATIO)}), "
-                     f"{q8['kv_bytes_vs_float16']:.3f}× a float16 cache "
-                     f"({verdict(q8['kv_bytes_vs_float16'] <= TARGET_KV_RATIO)}).")
-        lines.append(f"- target, ≥ {TARGET_IDENTICAL} leading greedy tokens identical: {q8['identical_tokens']} — "
-                     f"{same_ok} ({n} generated).")
+        same_ok = (
+            "cannot tell"
+            if n < TARGET_IDENTICAL
+            else verdict(q8["identical_tokens"] >= TARGET_IDENTICAL)
+        )
+        lines.append(
+            f"- target, 8-bit KV bytes ≤ {TARGET_KV_RATIO}× float: {q8['kv_bytes_vs_float']:.3f}× the "
+            f"{ref['kv_dtype']} cache run ({verdict(q8['kv_bytes_vs_float'] <= TARGET_KV_RATIO)}), "
+            f"{q8['kv_bytes_vs_float16']:.3f}× a float16 cache "
+            f"({verdict(q8['kv_bytes_vs_float16'] <= TARGET_KV_RATIO)})."
+        )
+        lines.append(
+            f"- target, ≥ {TARGET_IDENTICAL} leading greedy tokens identical: {q8['identical_tokens']} — "
+            f"{same_ok} ({n} generated)."
+        )
     eos = ref["eos_at"]
-    lines.append(f"- float cache's answer{'' if eos is None else f' (EOS at token {eos})'}: "
-                 f"{ref['text'][:300]!r}")
+    lines.append(
+        f"- float cache's answer{'' if eos is None else f' (EOS at token {eos})'}: "
+        f"{ref['text'][:300]!r}"
+    )
     return "\n".join(lines)
 
 
@@ -361,14 +479,36 @@ def write_json(path: Path, data: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None,
-                        help="a converted model directory (default: convert SmolLM2-135M-Instruct to float32)")
-    parser.add_argument("-p", "--prompt-tokens", type=int, default=8000, help="prompt length, at most (default 8000)")
-    parser.add_argument("-n", "--max-tokens", type=int, default=48, help="tokens to generate (default 48)")
-    parser.add_argument("--kv-bits", default="8,4", help="quantized caches to compare, comma-separated (default 8,4)")
-    parser.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
-    parser.add_argument("--document", type=Path, default=None,
-                        help=f"text to summarize (default: README.md at commit {DOCUMENT_REV})")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a converted model directory (default: convert SmolLM2-135M-Instruct to float32)",
+    )
+    parser.add_argument(
+        "-p",
+        "--prompt-tokens",
+        type=int,
+        default=8000,
+        help="prompt length, at most (default 8000)",
+    )
+    parser.add_argument(
+        "-n", "--max-tokens", type=int, default=48, help="tokens to generate (default 48)"
+    )
+    parser.add_argument(
+        "--kv-bits",
+        default="8,4",
+        help="quantized caches to compare, comma-separated (default 8,4)",
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=64, help="quantization group size (default 64)"
+    )
+    parser.add_argument(
+        "--document",
+        type=Path,
+        default=None,
+        help=f"text to summarize (default: README.md at commit {DOCUMENT_REV})",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the full results here")
     args = parser.parse_args(argv)
     try:
@@ -383,8 +523,14 @@ def main(argv: list[str] | None = None) -> None:
 
     document, source = read_document(args.document)
     env = environment()
-    sizes = {"document": document, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-             "kv_bits": bits, "kv_group_size": args.group_size, "log": log}
+    sizes = {
+        "document": document,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "kv_bits": bits,
+        "kv_group_size": args.group_size,
+        "log": log,
+    }
     if args.model is not None:
         result = measure(args.model, **sizes)
     else:

@@ -88,12 +88,21 @@ def summarize_orders(orders, min_total, currency):
     }
     return report, summary
 '''
-MESSAGES = [{"role": "system", "content": "You are a precise code assistant. Reply with code only."},
-            {"role": "user", "content": "Add type hints to this Python function. Change nothing else: copy every "
-                                        f"other line exactly as it is.\n\n```python\n{FUNCTION}```"}]
+MESSAGES = [
+    {"role": "system", "content": "You are a precise code assistant. Reply with code only."},
+    {
+        "role": "user",
+        "content": "Add type hints to this Python function. Change nothing else: copy every "
+        f"other line exactly as it is.\n\n```python\n{FUNCTION}```",
+    },
+]
 
-TokenFn = Callable[[], Iterator[tuple[int, bool]]]  # -> (token, from_draft) for exactly max_tokens tokens
-Prepare = Callable[[list[int]], TokenFn]  # prompt ids -> prefill fresh caches (untimed), return what to time
+TokenFn = Callable[
+    [], Iterator[tuple[int, bool]]
+]  # -> (token, from_draft) for exactly max_tokens tokens
+Prepare = Callable[
+    [list[int]], TokenFn
+]  # prompt ids -> prefill fresh caches (untimed), return what to time
 
 
 @dataclass
@@ -125,6 +134,7 @@ def convert_models(work: Path) -> tuple[Path, Path]:
 
 # ---------------------------------------------------------------- configurations
 
+
 def ours(target_dir: Path, draft_dir: Path, n: int):
     """mlxinfer: name -> (draft description, prepare, GenerationStats the run fills or None)."""
     import mlxinfer
@@ -135,7 +145,9 @@ def ours(target_dir: Path, draft_dir: Path, n: int):
 
     model, _ = mlxinfer.load(target_dir)
     draft, _ = mlxinfer.load(draft_dir)
-    mx.eval(model.parameters(), draft.parameters())  # weights are mapped lazily: load them before timing
+    mx.eval(
+        model.parameters(), draft.parameters()
+    )  # weights are mapped lazily: load them before timing
     L = len(model.layers)
 
     prefilled_caches: dict[tuple[int, tuple[int, ...]], PromptCache] = {}
@@ -153,15 +165,28 @@ def ours(target_dir: Path, draft_dir: Path, n: int):
 
     def plain(ids) -> TokenFn:
         pc = prefilled(model, ids)
-        return lambda: ((t, False) for t, _ in generate_step(ids, model, prompt_cache=pc, max_tokens=n))
+        return lambda: (
+            (t, False) for t, _ in generate_step(ids, model, prompt_cache=pc, max_tokens=n)
+        )
 
     def speculative(make_draft, num_draft, stats):
         def prepare(ids) -> TokenFn:
             pc, source = prefilled(model, ids), make_draft(ids)
             for f in ("draft_tokens", "accepted_tokens", "speculative_steps"):
                 setattr(stats, f, 0)
-            return lambda: ((t, f) for t, _, f in speculative_generate_step(
-                ids, model, source, prompt_cache=pc, max_tokens=n, num_draft=num_draft, stats=stats))
+            return lambda: (
+                (t, f)
+                for t, _, f in speculative_generate_step(
+                    ids,
+                    model,
+                    source,
+                    prompt_cache=pc,
+                    max_tokens=n,
+                    num_draft=num_draft,
+                    stats=stats,
+                )
+            )
+
         return prepare
 
     def draft_model(ids):
@@ -185,7 +210,9 @@ def theirs(target_dir: Path, draft_dir: Path, n: int):
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    gen = importlib.import_module("mlx_lm.generate")  # the package re-binds `generate` to a function
+    gen = importlib.import_module(
+        "mlx_lm.generate"
+    )  # the package re-binds `generate` to a function
     model, _ = mlx_lm.load(str(target_dir))
     draft, _ = mlx_lm.load(str(draft_dir))
     mx.eval(model.parameters(), draft.parameters())
@@ -207,20 +234,31 @@ def theirs(target_dir: Path, draft_dir: Path, n: int):
     def plain(ids) -> TokenFn:
         prompt = mx.array(ids)
         cache = prefilled(model, prompt)
-        return lambda: ((t, False) for t, _ in gen.generate_step(prompt[-1:], model, prompt_cache=cache,
-                                                                  max_tokens=n))
+        return lambda: (
+            (t, False)
+            for t, _ in gen.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=n)
+        )
 
     def speculative(ids) -> TokenFn:
         prompt = mx.array(ids)
-        cache = prefilled(model, prompt) + prefilled(draft, prompt)  # the target's layers, then the draft's
-        return lambda: ((t, f) for t, _, f in gen.speculative_generate_step(
-            prompt[-1:], model, draft, prompt_cache=cache, num_draft_tokens=2, max_tokens=n))
+        cache = prefilled(model, prompt) + prefilled(
+            draft, prompt
+        )  # the target's layers, then the draft's
+        return lambda: (
+            (t, f)
+            for t, _, f in gen.speculative_generate_step(
+                prompt[-1:], model, draft, prompt_cache=cache, num_draft_tokens=2, max_tokens=n
+            )
+        )
 
-    return {"mlx-lm plain": ("–", plain, None),
-            "mlx-lm speculative, k=2": ("4-bit SmolLM2-135M", speculative, None)}
+    return {
+        "mlx-lm plain": ("–", plain, None),
+        "mlx-lm speculative, k=2": ("4-bit SmolLM2-135M", speculative, None),
+    }
 
 
 # ---------------------------------------------------------------- timing
+
 
 def time_run(prepare: Prepare, ids: list[int], n: int) -> tuple[float, list[int], int]:
     """Decode-only tokens/s: caches are prefilled by ``prepare``, outside the timer."""
@@ -256,7 +294,10 @@ def measure(max_tokens: int, log: Callable[[str], None]) -> dict:
         target_dir, draft_dir = convert_models(Path(work))
         _, tokenizer = mlxinfer.load(target_dir)
         ids = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
-        configs = {**ours(target_dir, draft_dir, max_tokens), **theirs(target_dir, draft_dir, max_tokens)}
+        configs = {
+            **ours(target_dir, draft_dir, max_tokens),
+            **theirs(target_dir, draft_dir, max_tokens),
+        }
         results: list[Result] = []
         plain_tps = plain_tokens = None
         for name, (desc, prepare, stats) in configs.items():
@@ -269,33 +310,62 @@ def measure(max_tokens: int, log: Callable[[str], None]) -> dict:
             if stats is not None:
                 acceptance = stats.acceptance_rate
                 tokens_per_step = max_tokens / stats.speculative_steps
-            results.append(Result(name, "mlx-lm" if name.startswith("mlx-lm") else "mlxinfer", desc, tps,
-                                  tps / plain_tps, acceptance, tokens_per_step, from_draft,
-                                  tokens == plain_tokens, tokens))
-            log(f"    {tps:.1f} tok/s, {tps / plain_tps:.2f}x plain, {from_draft} tokens from the draft")
+            results.append(
+                Result(
+                    name,
+                    "mlx-lm" if name.startswith("mlx-lm") else "mlxinfer",
+                    desc,
+                    tps,
+                    tps / plain_tps,
+                    acceptance,
+                    tokens_per_step,
+                    from_draft,
+                    tokens == plain_tokens,
+                    tokens,
+                )
+            )
+            log(
+                f"    {tps:.1f} tok/s, {tps / plain_tps:.2f}x plain, {from_draft} tokens from the draft"
+            )
         text = tokenizer.decode(plain_tokens)
-    return {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpus": os.cpu_count(), "blas": blas_in_use(), "mlx": mx.__version__,
-                        "device": str(mx.default_device()), "load_average": os.getloadavg()},
-            "target": "SmolLM2-135M-Instruct float32 (mlxinfer.convert)",
-            "draft_model": "SmolLM2-135M-Instruct 4-bit group 64, float32 scales (mlxinfer.convert)",
-            "prompt_tokens": len(ids), "max_tokens": max_tokens, "plain_output": text,
-            "results": [asdict(r) for r in results]}
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "blas": blas_in_use(),
+            "mlx": mx.__version__,
+            "device": str(mx.default_device()),
+            "load_average": os.getloadavg(),
+        },
+        "target": "SmolLM2-135M-Instruct float32 (mlxinfer.convert)",
+        "draft_model": "SmolLM2-135M-Instruct 4-bit group 64, float32 scales (mlxinfer.convert)",
+        "prompt_tokens": len(ids),
+        "max_tokens": max_tokens,
+        "plain_output": text,
+        "results": [asdict(r) for r in results],
+    }
 
 
 def table(report: dict) -> str:
-    rows = ["| run | draft | tok/s | speedup | acceptance | tokens/step | from draft | same tokens as plain |",
-            "|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = [
+        "| run | draft | tok/s | speedup | acceptance | tokens/step | from draft | same tokens as plain |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in report["results"]:
         acc = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "–"
         tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] is not None else "–"
-        rows.append(f"| {r['name']} | {r['draft']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {acc} | "
-                    f"{tps} | {r['from_draft']}/{report['max_tokens']} | {'yes' if r['same_as_plain'] else 'no'} |")
+        rows.append(
+            f"| {r['name']} | {r['draft']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {acc} | "
+            f"{tps} | {r['from_draft']}/{report['max_tokens']} | {'yes' if r['same_as_plain'] else 'no'} |"
+        )
     m = report["machine"]
     rows.append("")
-    rows.append(f"{report['prompt_tokens']}-token prompt, {report['max_tokens']} new tokens, greedy; target "
-                f"{report['target']}; draft model {report['draft_model']}. {m['processor']}, {m['cpus']} CPUs, "
-                f"MLX {m['mlx']} on {m['device']}, BLAS {m['blas']}; load average {m['load_average'][0]:.1f}.")
+    rows.append(
+        f"{report['prompt_tokens']}-token prompt, {report['max_tokens']} new tokens, greedy; target "
+        f"{report['target']}; draft model {report['draft_model']}. {m['processor']}, {m['cpus']} CPUs, "
+        f"MLX {m['mlx']} on {m['device']}, BLAS {m['blas']}; load average {m['load_average'][0]:.1f}."
+    )
     return "\n".join(rows)
 
 

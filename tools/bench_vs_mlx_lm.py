@@ -68,7 +68,12 @@ METRICS = {
     "prefill_tps": ("prefill", 1.0, "{:.0f} tok/s", True),
     "decode_tps": ("decode", 1.0, "{:.1f} tok/s", True),
     "ttft_s": ("time to first token", 1000.0, "{:.1f} ms", False),
-    "peak_memory_gb": ("peak memory (MLX)", 1000.0, "{:.0f} MB", False),  # own weights + the run's peak
+    "peak_memory_gb": (
+        "peak memory (MLX)",
+        1000.0,
+        "{:.0f} MB",
+        False,
+    ),  # own weights + the run's peak
 }
 
 TokenFn = Callable[[list[int], int], Iterator[int]]  # (prompt ids, max_tokens) -> token ids
@@ -101,10 +106,13 @@ class Run:
 
 # ---------------------------------------------------------------- engines
 
+
 def load_engines(model_dir: Path) -> dict[str, Engine]:
     """Both engines' models for ``model_dir``, each with its own greedy token generator."""
     import mlx_lm
-    from mlx_lm.generate import generate_step as mlx_lm_generate_step  # the package re-binds `generate`
+    from mlx_lm.generate import (
+        generate_step as mlx_lm_generate_step,  # the package re-binds `generate`
+    )
 
     import mlxinfer
     from mlxinfer.generation import generate_step
@@ -121,8 +129,10 @@ def load_engines(model_dir: Path) -> dict[str, Engine]:
         # Its default sampler is greedy; it never checks EOS (stream_generate does).
         return (t for t, _ in mlx_lm_generate_step(mx.array(ids), theirs, max_tokens=max_tokens))
 
-    return {"mlxinfer": Engine("mlxinfer", ours, mlxinfer_tokens, _nbytes(ours)),
-            "mlx-lm": Engine("mlx-lm", theirs, mlx_lm_tokens, _nbytes(theirs))}
+    return {
+        "mlxinfer": Engine("mlxinfer", ours, mlxinfer_tokens, _nbytes(ours)),
+        "mlx-lm": Engine("mlx-lm", theirs, mlx_lm_tokens, _nbytes(theirs)),
+    }
 
 
 def _nbytes(model) -> int:
@@ -130,6 +140,7 @@ def _nbytes(model) -> int:
 
 
 # ---------------------------------------------------------------- timing
+
 
 def _rss_gb() -> float:
     """Current resident set size (Linux), else the process's peak."""
@@ -169,20 +180,33 @@ def time_run(engine: Engine, ids: list[int], max_tokens: int) -> Run:
         raise RuntimeError(f"expected {max_tokens} tokens, got {len(out)}")
     ttft = t_first - t0
     decode = (len(out) - 1) / (t_last - t_first) if len(out) > 1 and t_last > t_first else 0.0
-    return Run(prefill_tps=len(ids) / ttft, ttft_s=ttft, decode_tps=decode,
-               peak_memory_gb=(engine.weight_bytes + mx.get_peak_memory() - baseline) / 1e9, rss_gb=_rss_gb(),
-               tokens=out)
+    return Run(
+        prefill_tps=len(ids) / ttft,
+        ttft_s=ttft,
+        decode_tps=decode,
+        peak_memory_gb=(engine.weight_bytes + mx.get_peak_memory() - baseline) / 1e9,
+        rss_gb=_rss_gb(),
+        tokens=out,
+    )
 
 
 def prompt_ids(n: int, vocab_size: int, seed: int = 0) -> list[int]:
     """A fixed prompt of ``n`` token ids, the same for both engines."""
     import numpy as np
 
-    return np.random.default_rng(seed).integers(3, vocab_size, n).tolist()  # past the usual specials
+    return (
+        np.random.default_rng(seed).integers(3, vocab_size, n).tolist()
+    )  # past the usual specials
 
 
-def measure(model_dir: str | Path, *, prompt_tokens: int = 512, max_tokens: int = 128, reps: int = 3,
-            log: Callable[[str], None] | None = None) -> dict:
+def measure(
+    model_dir: str | Path,
+    *,
+    prompt_tokens: int = 512,
+    max_tokens: int = 128,
+    reps: int = 3,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Benchmark both engines on ``model_dir``: a warm-up each, then ``reps`` interleaved runs.
 
     Returns ``{"engines": {name: {"runs": [...], "median": {...}}}, "ratios": {...}, ...}``
@@ -201,14 +225,23 @@ def measure(model_dir: str | Path, *, prompt_tokens: int = 512, max_tokens: int 
         for name in ENGINES:  # interleaved: A B A B …
             run = time_run(engines[name], ids, max_tokens)
             runs[name].append(run)
-            log(f"  rep {rep + 1}/{reps} {name:<8} prefill {run.prefill_tps:8.1f} tok/s  "
-                f"decode {run.decode_tps:6.1f} tok/s  peak {run.peak_memory_gb * 1000:.0f} MB")
-    result: dict = {"model_dir": str(model_dir), "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-                    "reps": reps, "engines": {}}
+            log(
+                f"  rep {rep + 1}/{reps} {name:<8} prefill {run.prefill_tps:8.1f} tok/s  "
+                f"decode {run.decode_tps:6.1f} tok/s  peak {run.peak_memory_gb * 1000:.0f} MB"
+            )
+    result: dict = {
+        "model_dir": str(model_dir),
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "reps": reps,
+        "engines": {},
+    }
     for name, rs in runs.items():
         median = {m: statistics.median(getattr(r, m) for r in rs) for m in (*METRICS, "rss_gb")}
-        result["engines"][name] = {"median": median,
-                                   "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in rs]}
+        result["engines"][name] = {
+            "median": median,
+            "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in rs],
+        }
     ours, theirs = (result["engines"][n]["median"] for n in ENGINES)
     result["ratios"] = {m: ours[m] / theirs[m] if theirs[m] else float("nan") for m in METRICS}
     # Same weights, greedy: the token streams should agree (a check that both did the same work).
@@ -221,44 +254,68 @@ def measure(model_dir: str | Path, *, prompt_tokens: int = 512, max_tokens: int 
 
 # ---------------------------------------------------------------- report
 
+
 def environment() -> dict:
     import mlx_lm
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return {"platform": platform.platform(), "python": platform.python_version(), "mlx": mx.__version__,
-            "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device()), "blas": blas_in_use(),
-            "cpus": os.cpu_count(), "load_average_1min": load}  # other work on the machine skews both engines
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "device": str(mx.default_device()),
+        "blas": blas_in_use(),
+        "cpus": os.cpu_count(),
+        "load_average_1min": load,
+    }  # other work on the machine skews both engines
 
 
 def markdown_table(results: dict[str, dict], env: dict) -> str:
     """One row per (model, metric): both engines' medians and mlxinfer / mlx-lm."""
     any_result = next(iter(results.values()))
-    lines = [f"mlxinfer vs mlx-lm {env['mlx_lm']} — MLX {env['mlx']} on {env['device']}, {env['blas']}; "
-             f"{any_result['prompt_tokens']}-token prompt, {any_result['max_tokens']} generated tokens, "
-             f"greedy, median of {any_result['reps']} interleaved runs; {env['cpus']} CPUs, "
-             f"1-min load average {env['load_average_1min']:.1f} at start.",
-             "",
-             "| model | metric | mlxinfer | mlx-lm | mlxinfer / mlx-lm |",
-             "|---|---|---:|---:|---:|"]
+    lines = [
+        f"mlxinfer vs mlx-lm {env['mlx_lm']} — MLX {env['mlx']} on {env['device']}, {env['blas']}; "
+        f"{any_result['prompt_tokens']}-token prompt, {any_result['max_tokens']} generated tokens, "
+        f"greedy, median of {any_result['reps']} interleaved runs; {env['cpus']} CPUs, "
+        f"1-min load average {env['load_average_1min']:.1f} at start.",
+        "",
+        "| model | metric | mlxinfer | mlx-lm | mlxinfer / mlx-lm |",
+        "|---|---|---:|---:|---:|",
+    ]
     for model, r in results.items():
         ours, theirs = (r["engines"][n]["median"] for n in ENGINES)
         for m, (label, scale, fmt, higher) in METRICS.items():
             arrow = "↑" if higher else "↓"
-            lines.append(f"| {model} | {label} {arrow} | {fmt.format(ours[m] * scale)} | "
-                         f"{fmt.format(theirs[m] * scale)} | {r['ratios'][m]:.2f}× |")
-    rss = ", ".join(f"{m} {max(r['engines'][n]['median']['rss_gb'] for n in ENGINES) * 1000:.0f} MB"
-                    for m, r in results.items())
-    lines += ["", "↑ higher is better, ↓ lower is better. Peak memory: the engine's weights plus the run's "
-              "rise in MLX memory (KV cache, activations). Process RSS (both models loaded, so not per "
-              f"engine): {rss}."]
+            lines.append(
+                f"| {model} | {label} {arrow} | {fmt.format(ours[m] * scale)} | "
+                f"{fmt.format(theirs[m] * scale)} | {r['ratios'][m]:.2f}× |"
+            )
+    rss = ", ".join(
+        f"{m} {max(r['engines'][n]['median']['rss_gb'] for n in ENGINES) * 1000:.0f} MB"
+        for m, r in results.items()
+    )
+    lines += [
+        "",
+        "↑ higher is better, ↓ lower is better. Peak memory: the engine's weights plus the run's "
+        "rise in MLX memory (KV cache, activations). Process RSS (both models loaded, so not per "
+        f"engine): {rss}.",
+    ]
     mismatched = [m for m, r in results.items() if not r["same_tokens"]]
     if mismatched:
         lines.append(f"Note: greedy tokens differ between engines for {', '.join(mismatched)}.")
     return "\n".join(lines)
 
 
-def benchmark(models: list[str], *, src: Path | None = None, prompt_tokens: int = 512, max_tokens: int = 128,
-              reps: int = 3, log: Callable[[str], None] = print) -> dict[str, dict]:
+def benchmark(
+    models: list[str],
+    *,
+    src: Path | None = None,
+    prompt_tokens: int = 512,
+    max_tokens: int = 128,
+    reps: int = 3,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict]:
     """Convert the reference checkpoint for each of ``models`` and measure both engines on it."""
     from mlxinfer.conversion import convert
 
@@ -274,30 +331,50 @@ def benchmark(models: list[str], *, src: Path | None = None, prompt_tokens: int 
             out = Path(work) / name
             convert(src, out, **MODELS[name])
             log(f"{name}: measuring")
-            results[name] = measure(out, prompt_tokens=prompt_tokens, max_tokens=max_tokens, reps=reps, log=log)
+            results[name] = measure(
+                out, prompt_tokens=prompt_tokens, max_tokens=max_tokens, reps=reps, log=log
+            )
     return results
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-p", "--prompt-tokens", type=int, default=None, help="prompt length (default 512)")
-    parser.add_argument("-n", "--max-tokens", type=int, default=None, help="tokens to generate (default 128)")
+    parser.add_argument(
+        "-p", "--prompt-tokens", type=int, default=None, help="prompt length (default 512)"
+    )
+    parser.add_argument(
+        "-n", "--max-tokens", type=int, default=None, help="tokens to generate (default 128)"
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed runs per engine (default 3)")
-    parser.add_argument("--models", default=None, help=f"comma-separated, from: {', '.join(MODELS)} "
-                        "(default: f32,4bit; f32,4bit-f32 on MLX's CPU backend)")
-    parser.add_argument("--src", type=Path, default=None,
-                        help="an HF checkpoint directory to convert (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 64-token prompt, 16 tokens, 2 reps")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated, from: {', '.join(MODELS)} "
+        "(default: f32,4bit; f32,4bit-f32 on MLX's CPU backend)",
+    )
+    parser.add_argument(
+        "--src",
+        type=Path,
+        default=None,
+        help="an HF checkpoint directory to convert (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 64-token prompt, 16 tokens, 2 reps"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the full results here")
     args = parser.parse_args(argv)
     models = [m.strip() for m in (args.models or default_models()).split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
-        parser.error(f"--models: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
+        parser.error(
+            f"--models: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}"
+        )
     quick = dict(prompt_tokens=64, max_tokens=16, reps=2)
     full = dict(prompt_tokens=512, max_tokens=128, reps=3)
-    sizes = {k: v if getattr(args, k) is None else getattr(args, k)
-             for k, v in (quick if args.quick else full).items()}
+    sizes = {
+        k: v if getattr(args, k) is None else getattr(args, k)
+        for k, v in (quick if args.quick else full).items()
+    }
 
     def log(msg: str) -> None:  # progress on stderr, the table alone on stdout
         print(msg, file=sys.stderr, flush=True)

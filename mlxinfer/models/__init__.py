@@ -33,8 +33,10 @@ def get_family(config: dict[str, Any], source: str = "config.json"):
     if model_type is None:
         raise ConfigError(f"{source}: missing required key 'model_type'")
     if model_type not in FAMILIES:
-        raise ConfigError(f"{source}: unknown model_type '{model_type}' "
-                          f"(supported: {', '.join(sorted(FAMILIES))})")
+        raise ConfigError(
+            f"{source}: unknown model_type '{model_type}' "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
     return import_module(f".{FAMILIES[model_type]}", __name__)
 
 

@@ -30,8 +30,11 @@ class BaseArgs:
 
     @classmethod
     def required(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        return [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "BaseArgs":
@@ -40,8 +43,14 @@ class BaseArgs:
         return cls(**{k: v for k, v in config.items() if k in names and v is not None})
 
 
-def make_layer_caches(n_layers: int, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                      kv_group_size: int = 64, sliding_window: int | None = None) -> list[Cache]:
+def make_layer_caches(
+    n_layers: int,
+    *,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    sliding_window: int | None = None,
+) -> list[Cache]:
     """The standard per-layer caches for a decoder, as chosen by the user's flags.
 
     A model with sliding-window attention always gets rotating caches of its
@@ -72,7 +81,9 @@ def causal_mask(n_queries: int, offset: int = 0, window: int | None = None) -> M
     return (k <= q) & (q - k < window)
 
 
-def attention(q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None) -> mx.array:
+def attention(
+    q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
+) -> mx.array:
     """Scaled dot-product attention over (B, n_heads, L, head_dim) queries.
 
     Plain keys/values go to ``mx.fast.scaled_dot_product_attention`` (fused
@@ -80,10 +91,13 @@ def attention(q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: C
     that are multiplied without dequantizing them.
     """
     if cache is not None and cache.quantized:
-        return _quantized_attention(q, k, v, scale=scale, mask=mask,
-                                    group_size=cache.group_size, bits=cache.bits)
+        return _quantized_attention(
+            q, k, v, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits
+        )
     if use_cpu_ops():
-        return cpu_ops.attention(q, k, v, scale=scale, mask=mask, evaluate_blocks=cpu_quant.stepwise())
+        return cpu_ops.attention(
+            q, k, v, scale=scale, mask=mask, evaluate_blocks=cpu_quant.stepwise()
+        )
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -93,11 +107,19 @@ def _quantized_attention(q, k, v, *, scale, mask, group_size, bits) -> mx.array:
         # MLX's CPU quantized matmul is a scalar loop: for a prefill chunk it is far
         # cheaper to dequantize this layer's keys and values once (a transient copy).
         k, v = (cpu_quant.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
-        return cpu_ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask,
-                                 evaluate_blocks=cpu_quant.stepwise())
+        return cpu_ops.attention(
+            q,
+            k.astype(q.dtype),
+            v.astype(q.dtype),
+            scale=scale,
+            mask=mask,
+            evaluate_blocks=cpu_quant.stepwise(),
+        )
     n_kv, T = k[0].shape[1], k[0].shape[2]
     reps = n_q // n_kv
-    q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D): query groups share a kv head
+    q = (q * scale).reshape(
+        B, n_kv, reps, L, D
+    )  # (B, n_kv, reps, L, D): query groups share a kv head
     k = [a[:, :, None] for a in k]
     v = [a[:, :, None] for a in v]
     scores = mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits)
@@ -134,13 +156,23 @@ def lm_head(h: mx.array, head: nn.Module) -> mx.array:
     Float weights on the CPU backend go through ``cpu_parallel.project`` (blocked
     one-row products); quantized heads and other backends use the layer itself.
     """
-    if use_cpu_ops() and "scales" not in head and head["weight"].dtype in (mx.float32, mx.float16, mx.bfloat16):
+    if (
+        use_cpu_ops()
+        and "scales" not in head
+        and head["weight"].dtype in (mx.float32, mx.float16, mx.bfloat16)
+    ):
         logits = cpu_parallel.project(h, head)
         return logits + head["bias"] if "bias" in head else logits
-    if (use_cpu_ops() and "scales" in head and h.size // h.shape[-1] <= cpu_parallel.CPULinear.MAX_ROWS
-            and head["weight"].shape[0] >= 128):
+    if (
+        use_cpu_ops()
+        and "scales" in head
+        and h.size // h.shape[-1] <= cpu_parallel.CPULinear.MAX_ROWS
+        and head["weight"].shape[0] >= 128
+    ):
         return cpu_parallel.quantized_product(h, head)
-    return head.as_linear(h) if hasattr(head, "as_linear") else head(h)  # an embedding (tied) or a Linear
+    return (
+        head.as_linear(h) if hasattr(head, "as_linear") else head(h)
+    )  # an embedding (tied) or a Linear
 
 
 class CausalLM(nn.Module):
@@ -180,11 +212,16 @@ class CausalLM(nn.Module):
     def layers(self) -> list[nn.Module]:
         return self[self.inner_name][self.layers_name]
 
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_layer_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                 kv_group_size=kv_group_size,
-                                 sliding_window=getattr(self.args, "sliding_window", None))
+    def make_cache(
+        self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
+    ) -> list[Cache]:
+        return make_layer_caches(
+            len(self.layers),
+            max_kv_size=max_kv_size,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            sliding_window=getattr(self.args, "sliding_window", None),
+        )
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args) -> dict[str, mx.array]:
@@ -212,14 +249,18 @@ ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
 
 def activation(name: str, source: str = "config.json") -> Callable[[mx.array], mx.array]:
     if name not in ACTIVATIONS:
-        raise ConfigError(f"{source}: unsupported activation '{name}' (expected one of {', '.join(ACTIVATIONS)})")
+        raise ConfigError(
+            f"{source}: unsupported activation '{name}' (expected one of {', '.join(ACTIVATIONS)})"
+        )
     return ACTIVATIONS[name]
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with a GELU."""
 
-    def __init__(self, dim: int, hidden: int, act: Callable[[mx.array], mx.array], bias: bool = False):
+    def __init__(
+        self, dim: int, hidden: int, act: Callable[[mx.array], mx.array], bias: bool = False
+    ):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
@@ -228,9 +269,13 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if cpu_quant.slices_mlp(x, self.gate_proj, self.up_proj, self.down_proj):
-            return cpu_quant.sliced_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.combine)
+            return cpu_quant.sliced_mlp(
+                x, self.gate_proj, self.up_proj, self.down_proj, self.combine
+            )
         if cpu_parallel.runs_in_halves(x, self.down_proj):
-            return cpu_parallel.mlp_in_halves(x, self.gate_proj, self.up_proj, self.down_proj, self.combine)
+            return cpu_parallel.mlp_in_halves(
+                x, self.gate_proj, self.up_proj, self.down_proj, self.combine
+            )
         return self.down_proj(self.combine(self.gate_proj(x), self.up_proj(x)))
 
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:
@@ -240,8 +285,9 @@ class GatedMLP(nn.Module):
         return self.act(gate) * up
 
 
-def softcap_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask,
-                      softcap: float) -> mx.array:
+def softcap_attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask, softcap: float
+) -> mx.array:
     """Attention whose logits are squashed to (-softcap, softcap) by ``softcap * tanh(s / softcap)``.
 
     The fused kernel cannot cap logits, so this one spells attention out:
@@ -275,10 +321,21 @@ class RopeAttention(nn.Module):
     so layers may differ in it (Gemma 3's local and global bases).
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope: nn.Module,
-                 scale: float | None = None, qkv_bias: bool = False, o_bias: bool = False,
-                 fused_qkv: bool = False, qk_norm: Callable[[int], nn.Module] | None = None,
-                 softcap: float | None = None):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        rope: nn.Module,
+        scale: float | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        fused_qkv: bool = False,
+        qk_norm: Callable[[int], nn.Module] | None = None,
+        softcap: float | None = None,
+    ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
@@ -300,7 +357,9 @@ class RopeAttention(nn.Module):
         B, L, _ = x.shape
         if self.fused_qkv:
             q_end = self.n_heads * self.head_dim
-            q, k, v = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1)
+            q, k, v = mx.split(
+                self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1
+            )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # (B, L, n * head_dim) -> (B, L, n, head_dim); norms act per head, then -> (B, n, L, head_dim)
@@ -317,7 +376,9 @@ class RopeAttention(nn.Module):
         if self.softcap is not None:
             out = softcap_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
         else:
-            out = attention(q, k, v, scale=self.scale, mask=mask, cache=cache)  # (B, n_heads, L, head_dim)
+            out = attention(
+                q, k, v, scale=self.scale, mask=mask, cache=cache
+            )  # (B, n_heads, L, head_dim)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -325,28 +386,47 @@ class RopeAttention(nn.Module):
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
-def check_layer_types(layer_types: list[str], n_layers: int, source: str = "config.json") -> list[str]:
+def check_layer_types(
+    layer_types: list[str], n_layers: int, source: str = "config.json"
+) -> list[str]:
     if len(layer_types) != n_layers or not set(layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
-        raise ConfigError(f"{source}: 'layer_types' must list {n_layers} entries of '{FULL_ATTENTION}' or "
-                          f"'{SLIDING_ATTENTION}', found {layer_types!r}")
+        raise ConfigError(
+            f"{source}: 'layer_types' must list {n_layers} entries of '{FULL_ATTENTION}' or "
+            f"'{SLIDING_ATTENTION}', found {layer_types!r}"
+        )
     return list(layer_types)
 
 
-def make_typed_caches(layer_types: list[str], sliding_window: int | None, *, max_kv_size: int | None = None,
-                      kv_bits: int | None = None, kv_group_size: int = 64) -> list[Cache]:
+def make_typed_caches(
+    layer_types: list[str],
+    sliding_window: int | None,
+    *,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> list[Cache]:
     """Caches for a decoder whose layers mix sliding-window and full attention.
 
     Sliding layers always get a rotating cache of their window (float: it is
     small); full layers get what the user's flags choose (see make_layer_caches).
     """
     n_full = sum(t != SLIDING_ATTENTION or sliding_window is None for t in layer_types)
-    full = iter(make_layer_caches(n_full, max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size))
-    return [RotatingKVCache(sliding_window) if t == SLIDING_ATTENTION and sliding_window is not None else next(full)
-            for t in layer_types]
+    full = iter(
+        make_layer_caches(
+            n_full, max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size
+        )
+    )
+    return [
+        RotatingKVCache(sliding_window)
+        if t == SLIDING_ATTENTION and sliding_window is not None
+        else next(full)
+        for t in layer_types
+    ]
 
 
-def typed_masks(layer_types: list[str], cache: list[Cache] | None, n_queries: int,
-                sliding_window: int | None) -> dict[str, Mask]:
+def typed_masks(
+    layer_types: list[str], cache: list[Cache] | None, n_queries: int, sliding_window: int | None
+) -> dict[str, Mask]:
     """One mask per attention kind, from the first layer of that kind (its cache knows the positions)."""
     masks: dict[str, Mask] = {}
     for i, kind in enumerate(layer_types):

@@ -126,10 +126,13 @@ class Model(CausalLM):
     Inner = BloomModel
     inner_name, embed_name, layers_name = "transformer", "word_embeddings", "h"
 
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
+    def make_cache(
+        self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
+    ) -> list[Cache]:
         if max_kv_size is not None or kv_bits is not None:
-            raise ValueError("--max-kv-size and --kv-bits are not supported with ALiBi attention (BLOOM)")
+            raise ValueError(
+                "--max-kv-size and --kv-bits are not supported with ALiBi attention (BLOOM)"
+            )
         return make_layer_caches(len(self.layers))
 
     @staticmethod

@@ -61,7 +61,9 @@ def use_cpu_ops() -> bool:
     return mx.default_device() == mx.cpu if OVERRIDE is None else OVERRIDE
 
 
-def rope_table(inv_freq: mx.array, key: tuple, offset: int, length: int, scale: float) -> tuple[mx.array, mx.array]:
+def rope_table(
+    inv_freq: mx.array, key: tuple, offset: int, length: int, scale: float
+) -> tuple[mx.array, mx.array]:
     """(cos, sin), each (length, dims/2) float32, for positions ``offset .. offset+length-1``.
 
     The angle of pair ``i`` at position ``p`` is ``p * scale * inv_freq[i]``,
@@ -100,7 +102,9 @@ def _rotate_pairs(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return out.reshape(*x.shape[:-1], 2 * half).astype(x.dtype)
 
 
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, *, dims: int, traditional: bool) -> mx.array:
+def apply_rope(
+    x: mx.array, cos: mx.array, sin: mx.array, *, dims: int, traditional: bool
+) -> mx.array:
     """Rotate the first ``dims`` features of (..., L, head_dim) ``x`` by the (L, dims/2) table."""
     rotate = _rotate_pairs if traditional else _rotate_halves
     if dims == x.shape[-1]:
@@ -125,7 +129,13 @@ _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125
 _LN2_LO = 1.428606765330187e-06
 # e^r on |r| <= ln(2)/2: degree-6 minimax fit for relative error (1.9e-9 in exact arithmetic).
-_P2, _P3, _P4, _P5, _P6 = 0.49999991059303284, 0.16666419804096222, 0.04166822507977486, 0.008374815806746483, 0.0013836845755577087
+_P2, _P3, _P4, _P5, _P6 = (
+    0.49999991059303284,
+    0.16666419804096222,
+    0.04166822507977486,
+    0.008374815806746483,
+    0.0013836845755577087,
+)
 _D_MIN = -88.0  # clamp before rounding, so that d = -inf gives a finite n (its 2^n is 0 anyway)
 _INF_BITS = 0x7F800000
 
@@ -230,20 +240,27 @@ def _causal(n_queries: int, n_keys: int) -> mx.array:
         if len(masks) >= _MAX_TABLES:
             masks.clear()
         mask = masks[(n_queries, n_keys)] = (
-            mx.arange(n_keys)[None] <= mx.arange(n_keys - n_queries, n_keys)[:, None])
+            mx.arange(n_keys)[None] <= mx.arange(n_keys - n_queries, n_keys)[:, None]
+        )
     return mask
 
 
-DEQUANTIZED_ATTENTION_ROWS = 16  # queries from which a quantized KV cache is dequantized for attention
+DEQUANTIZED_ATTENTION_ROWS = (
+    16  # queries from which a quantized KV cache is dequantized for attention
+)
 QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
 # Decode attention over at least this many keys takes the long-context form (see _attend). It has
 # more ops; alternated in one process, SmolLM2 f32 decoded 6% slower with it at a 512-token prompt,
 # 2% slower at 1,024, 5.5% faster at 2,048, 9% at 4,000 and 13% at 8,000.
 DECODE_LONG_KEYS = 1536
-SCORE_BUDGET = 1 << 19  # most attention scores per block; the softmax holds a few buffers of this size
+SCORE_BUDGET = (
+    1 << 19
+)  # most attention scores per block; the softmax holds a few buffers of this size
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask, evaluate_blocks: bool = False) -> mx.array:
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask, evaluate_blocks: bool = False
+) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` semantics for (B, heads, L, D) inputs.
 
     Query heads share a kv head through a reshape (no copies of K/V); the
@@ -272,7 +289,9 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask, eval
         if blocks:  # one block after the other, so that only one block's buffers are alive
             q_block = mx.depends(q_block, blocks[-1])
         blocks.append(_attend(q_block, k[:, :, :visible], v[:, :, :visible], scale, block_mask))
-        if evaluate_blocks:  # stepwise prefill: this block's buffers are freed before the next one's exist
+        if (
+            evaluate_blocks
+        ):  # stepwise prefill: this block's buffers are freed before the next one's exist
             mx.eval(blocks[-1])
     return mx.concatenate(blocks, axis=2)
 
@@ -297,7 +316,9 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
     scores = (q @ k.swapaxes(-1, -2)).reshape(B, n_kv, reps, L, T)
     if isinstance(mask, str):
         mask = _causal(L, T)
-    elif mask is not None and mask.ndim >= 3 and mask.shape[-3] == n_q > 1:  # per query head (ALiBi)
+    elif (
+        mask is not None and mask.ndim >= 3 and mask.shape[-3] == n_q > 1
+    ):  # per query head (ALiBi)
         mask = mask.reshape(*mask.shape[:-3], n_kv, reps, L, T)
     if mask is not None:
         if mask.dtype == mx.bool_:
@@ -309,6 +330,8 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
         out = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype) @ v
     else:
         # Normalise after the product: (e @ v) / Σe divides L·D values instead of L·T.
-        e, total = exp_and_sum(scores)  # total can pass float16's range at 64k keys: divide in float32
+        e, total = exp_and_sum(
+            scores
+        )  # total can pass float16's range at 64k keys: divide in float32
         out = ((e.astype(v.dtype) @ v) / total).astype(v.dtype)
     return out.reshape(B, n_q, L, D)

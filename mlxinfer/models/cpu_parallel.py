@@ -33,7 +33,10 @@ import mlx.nn as nn
 
 Part = tuple[int, int, int]  # (worker stream, first output row, end row) of one layer's product
 
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one module with one input
+SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)  # layers of one module with one input
 
 # Siblings run whole unless one stream then holds more than this many weights over the other;
 # then the largest layer on it is cut, moving half the difference. In SmolLM2-135M's 4-bit
@@ -62,8 +65,9 @@ def decode_parts(layer: nn.Module) -> tuple[Part, ...]:
     return layer.__dict__.get("_decode_parts") or halves(layer["weight"].shape[0])
 
 
-def row_block(layer: nn.Module, start: int, stop: int,
-              names: tuple[str, ...] = ("weight", "scales", "biases")) -> tuple[mx.array, ...]:
+def row_block(
+    layer: nn.Module, start: int, stop: int, names: tuple[str, ...] = ("weight", "scales", "biases")
+) -> tuple[mx.array, ...]:
     """Rows ``start:stop`` of those of a layer's parameters ``names`` it has: views (no copy),
     kept on the layer until its parameters are replaced (a slice built per call would be one
     more op in every decode step)."""
@@ -94,9 +98,18 @@ def quantized_product(x: mx.array, layer: nn.Module) -> mx.array:
     on two (one 4-bit SmolLM2 layer cut in half: 1.55–1.9× as fast).
     """
     streams = worker_streams()
-    outs = [mx.quantized_matmul(x, *row_block(layer, start, stop), transpose=True, group_size=layer.group_size,
-                                bits=layer.bits, mode=getattr(layer, "mode", "affine"), stream=streams[s])
-            for s, start, stop in decode_parts(layer)]
+    outs = [
+        mx.quantized_matmul(
+            x,
+            *row_block(layer, start, stop),
+            transpose=True,
+            group_size=layer.group_size,
+            bits=layer.bits,
+            mode=getattr(layer, "mode", "affine"),
+            stream=streams[s],
+        )
+        for s, start, stop in decode_parts(layer)
+    ]
     return _joined(outs, layer)
 
 
@@ -116,8 +129,13 @@ class CPULinear(nn.Linear):
         if x.size // x.shape[-1] > self.MAX_ROWS:
             return super().__call__(x)
         streams = worker_streams()
-        return _joined([mx.matmul(x, row_block(self, start, stop)[0].T, stream=streams[s])
-                        for s, start, stop in decode_parts(self)], self)
+        return _joined(
+            [
+                mx.matmul(x, row_block(self, start, stop)[0].T, stream=streams[s])
+                for s, start, stop in decode_parts(self)
+            ],
+            self,
+        )
 
 
 class TransposedLinear(nn.Module):
@@ -132,7 +150,9 @@ class TransposedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight_t = mx.contiguous(linear.weight.T)
-        mx.eval(self.weight_t)  # now: left lazy, it would keep the (out, in) original alive until first use
+        mx.eval(
+            self.weight_t
+        )  # now: left lazy, it would keep the (out, in) original alive until first use
         if "bias" in linear:
             self.bias = linear.bias
 
@@ -141,7 +161,11 @@ class TransposedLinear(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
-GATED_MLP = ("gate_proj", "up_proj", "down_proj")  # a gated MLP's layers: down(act(gate(x)) * up(x))
+GATED_MLP = (
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)  # a gated MLP's layers: down(act(gate(x)) * up(x))
 
 
 def split_gated_mlp(mlp: nn.Module) -> bool:
@@ -161,8 +185,13 @@ def runs_in_halves(x: mx.array, down: nn.Module) -> bool:
     return isinstance(down, TransposedLinear) and x.size // x.shape[-1] <= CPULinear.MAX_ROWS
 
 
-def mlp_in_halves(x: mx.array, gate: nn.Module, up: nn.Module, down: TransposedLinear,
-                  combine: Callable[[mx.array, mx.array], mx.array]) -> mx.array:
+def mlp_in_halves(
+    x: mx.array,
+    gate: nn.Module,
+    up: nn.Module,
+    down: TransposedLinear,
+    combine: Callable[[mx.array, mx.array], mx.array],
+) -> mx.array:
     """``down(combine(gate(x), up(x)))`` for a few rows, as two half MLPs side by side.
 
     Hidden units are independent until ``down`` sums over them: the worker
@@ -229,6 +258,12 @@ def project(x: mx.array, head: nn.Module) -> mx.array:
     if n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > CPULinear.MAX_ROWS:
         return x @ head["weight"].T
     streams = worker_streams()
-    blocks = [mx.matmul(x, row_block(head, i, i + HEAD_CHUNK, ("weight",))[0].T,
-                        stream=streams[(i // HEAD_CHUNK) % 2]) for i in range(0, n, HEAD_CHUNK)]
+    blocks = [
+        mx.matmul(
+            x,
+            row_block(head, i, i + HEAD_CHUNK, ("weight",))[0].T,
+            stream=streams[(i // HEAD_CHUNK) % 2],
+        )
+        for i in range(0, n, HEAD_CHUNK)
+    ]
     return mx.concatenate(blocks, axis=-1)

@@ -21,8 +21,15 @@ import mlx.nn as nn
 from . import cpu_parallel
 
 
-def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int,
-               mode: str = "affine") -> mx.array:
+def dequantize(
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
     """``mx.dequantize``, as one compiled elementwise kernel for affine 2-, 4- and 8-bit weights.
 
     On the CPU, ``mx.dequantize`` holds a second buffer the size of its float32
@@ -42,7 +49,9 @@ def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, *, group_
 
 
 @mx.compile
-def _unpack(packed: mx.array, shifts: mx.array, scales: mx.array, biases: mx.array, mask: int) -> mx.array:
+def _unpack(
+    packed: mx.array, shifts: mx.array, scales: mx.array, biases: mx.array, mask: int
+) -> mx.array:
     # (…, groups, words per group, 1) >> (values per word,) -> every value of the group, then its affine map.
     q = (packed >> shifts) & mask
     return q.astype(scales.dtype) * scales + biases
@@ -67,7 +76,9 @@ def stepwise_prefill(model: nn.Module) -> Iterator[None]:
     are (their weights are not a transient). Outside the block every layer
     stays lazy, so it can still be traced (``mx.compile``).
     """
-    quantized = isinstance(model, nn.Module) and any(isinstance(m, CPUQuantizedLinear) for m in model.modules())
+    quantized = isinstance(model, nn.Module) and any(
+        isinstance(m, CPUQuantizedLinear) for m in model.modules()
+    )
     token = _stepwise.set(quantized or _stepwise.get())
     try:
         yield
@@ -81,18 +92,30 @@ def stepwise() -> bool:
 
 
 MLP_SLICE = 512  # hidden units per slice of a stepwise gated MLP
-MLP_SLICE_ROWS = 256  # fewest rows (tokens) for which slicing pays: at 128 it cost 19% of prefill speed
+MLP_SLICE_ROWS = (
+    256  # fewest rows (tokens) for which slicing pays: at 128 it cost 19% of prefill speed
+)
 
 
 def slices_mlp(x: mx.array, gate: nn.Module, up: nn.Module, down: nn.Module) -> bool:
     """Whether :func:`sliced_mlp` applies: a stepwise prefill of enough rows through quantized layers."""
-    return (_stepwise.get() and x.size // x.shape[-1] >= MLP_SLICE_ROWS
-            and all(isinstance(layer, CPUQuantizedLinear) and MLP_SLICE % max(layer.group_size, 32) == 0
-                    for layer in (gate, up, down)))
+    return (
+        _stepwise.get()
+        and x.size // x.shape[-1] >= MLP_SLICE_ROWS
+        and all(
+            isinstance(layer, CPUQuantizedLinear) and MLP_SLICE % max(layer.group_size, 32) == 0
+            for layer in (gate, up, down)
+        )
+    )
 
 
-def sliced_mlp(x: mx.array, gate: nn.Module, up: nn.Module, down: nn.Module,
-               combine: Callable[[mx.array, mx.array], mx.array]) -> mx.array:
+def sliced_mlp(
+    x: mx.array,
+    gate: nn.Module,
+    up: nn.Module,
+    down: nn.Module,
+    combine: Callable[[mx.array, mx.array], mx.array],
+) -> mx.array:
     """``down(combine(gate(x), up(x)))``, ``MLP_SLICE`` hidden units at a time, each step evaluated.
 
     The hidden units are independent until ``down`` sums over them, so slice j
@@ -123,8 +146,13 @@ def _evaluated(y: mx.array, layer: nn.Module, start: int, stop: int) -> mx.array
     return y
 
 
-def _dequantized(layer: nn.Module, rows: slice = slice(None), columns: slice = slice(None), *,
-                 after: mx.array | None = None) -> mx.array:
+def _dequantized(
+    layer: nn.Module,
+    rows: slice = slice(None),
+    columns: slice = slice(None),
+    *,
+    after: mx.array | None = None,
+) -> mx.array:
     """A quantized layer's weight, or a block of it (column bounds on group bounds), dequantized.
 
     ``after``: not before that array is computed (MLX's breadth-first schedule would
@@ -138,8 +166,14 @@ def _dequantized(layer: nn.Module, rows: slice = slice(None), columns: slice = s
     if after is not None:
         w, scales = mx.depends([w, scales], [after])
     biases = layer.get("biases")
-    return dequantize(w, scales, None if biases is None else biases[rows, groups],
-                      group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    return dequantize(
+        w,
+        scales,
+        None if biases is None else biases[rows, groups],
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+    )
 
 
 class CPUQuantizedLinear(nn.QuantizedLinear):

@@ -85,8 +85,10 @@ class ModelArgs(BaseArgs):
             self.mlp_bias = False
             self.n_group, self.topk_group = self.n_group or 1, self.topk_group or 1
         elif self.topk_method not in ("greedy", "group_limited_greedy"):
-            raise ConfigError(f"config.json: topk_method '{self.topk_method}' not supported "
-                              "(expected greedy or group_limited_greedy)")
+            raise ConfigError(
+                f"config.json: topk_method '{self.topk_method}' not supported "
+                "(expected greedy or group_limited_greedy)"
+            )
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.n_routed_experts) and layer >= self.first_k_dense_replace
@@ -107,22 +109,38 @@ class DeepseekMoE(nn.Module):
         self.args = args
         act = activation(args.hidden_act)
         self.gate = Gate(args.hidden_size, args.n_routed_experts, correction_bias=args.v3)
-        self.experts = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, act)
+        self.experts = SwitchGLU(
+            args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, act
+        )
         if args.n_shared_experts:
-            self.shared_experts = GatedMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts,
-                                           act, bias=args.mlp_bias)
+            self.shared_experts = GatedMLP(
+                args.hidden_size,
+                args.moe_intermediate_size * args.n_shared_experts,
+                act,
+                bias=args.mlp_bias,
+            )
 
     def __call__(self, x: mx.array) -> mx.array:
         a, logits = self.args, self.gate(x)
         if a.v3:
-            weights, idx = deepseek_v3_route(logits, a.num_experts_per_tok,
-                                             correction_bias=self.gate.e_score_correction_bias,
-                                             n_group=a.n_group, topk_group=a.topk_group,
-                                             normalize=a.norm_topk_prob, scaling=a.routed_scaling_factor)
+            weights, idx = deepseek_v3_route(
+                logits,
+                a.num_experts_per_tok,
+                correction_bias=self.gate.e_score_correction_bias,
+                n_group=a.n_group,
+                topk_group=a.topk_group,
+                normalize=a.norm_topk_prob,
+                scaling=a.routed_scaling_factor,
+            )
         else:
-            weights, idx = deepseek_v2_route(logits, a.num_experts_per_tok, method=a.topk_method,
-                                             n_group=a.n_group, topk_group=a.topk_group,
-                                             scaling=a.routed_scaling_factor)
+            weights, idx = deepseek_v2_route(
+                logits,
+                a.num_experts_per_tok,
+                method=a.topk_method,
+                n_group=a.n_group,
+                topk_group=a.topk_group,
+                scaling=a.routed_scaling_factor,
+            )
         out = combine(self.experts(x, idx), weights)  # (B, L, hidden)
         if a.n_shared_experts:
             out = out + self.shared_experts(x)
@@ -135,18 +153,34 @@ class DecoderLayer(nn.Module):
         # V2's rotation multiplies complex pairs (x0, x1), (x2, x3)...; V3's interleaved form is the
         # same up to a shared permutation of q and k dims, which leaves q·k unchanged.
         traditional = args.rope_interleave or not args.v3
-        rope = make_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
-                         traditional=traditional)
+        rope = make_rope(
+            args.qk_rope_head_dim,
+            args.rope_theta,
+            args.rope_scaling,
+            args.max_position_embeddings,
+            traditional=traditional,
+        )
         self.self_attn = MultiHeadLatentAttention(
-            args.hidden_size, args.num_attention_heads, q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, bias=args.attention_bias,
-            rope=rope, scale=args.softmax_scale)
+            args.hidden_size,
+            args.num_attention_heads,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            v_head_dim=args.v_head_dim,
+            bias=args.attention_bias,
+            rope=rope,
+            scale=args.softmax_scale,
+        )
         if args.is_moe(layer):
             self.mlp = DeepseekMoE(args)
         else:
-            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act),
-                                bias=args.mlp_bias)
+            self.mlp = GatedMLP(
+                args.hidden_size,
+                args.intermediate_size,
+                activation(args.hidden_act),
+                bias=args.mlp_bias,
+            )
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -174,8 +208,9 @@ class DeepseekModel(nn.Module):
 class Model(CausalLM):
     Inner = DeepseekModel
 
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
+    def make_cache(
+        self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
+    ) -> list[Cache]:
         """A latent cache per layer (models/mla.py): kv_lora_rank + qk_rope_head_dim values per token."""
         return make_latent_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits)
 
@@ -184,15 +219,26 @@ class Model(CausalLM):
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
         if any(k.endswith("weight_scale_inv") for k in weights):
-            raise WeightsError("FP8 block-quantized DeepSeek checkpoint (weight_scale_inv): dequantize it to "
-                               "bfloat16 first")
+            raise WeightsError(
+                "FP8 block-quantized DeepSeek checkpoint (weight_scale_inv): dequantize it to "
+                "bfloat16 first"
+            )
         n = args.num_hidden_layers
 
-        def keep(key: str) -> bool:  # drop RoPE buffers and V3's multi-token-prediction layers (>= n)
-            if "rotary_emb.inv_freq" in key or (args.tie_word_embeddings and key.startswith("lm_head.")):
+        def keep(
+            key: str,
+        ) -> bool:  # drop RoPE buffers and V3's multi-token-prediction layers (>= n)
+            if "rotary_emb.inv_freq" in key or (
+                args.tie_word_embeddings and key.startswith("lm_head.")
+            ):
                 return False
             parts = key.split(".")
-            return not (len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n)
+            return not (
+                len(parts) > 2
+                and parts[1] == "layers"
+                and parts[2].isdigit()
+                and int(parts[2]) >= n
+            )
 
         weights = {k: v for k, v in weights.items() if keep(k)}
         weights = split_kv_b_proj(weights, args.num_attention_heads, args.qk_nope_head_dim)

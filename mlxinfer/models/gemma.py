@@ -54,8 +54,10 @@ class ModelArgs(BaseArgs):
 
     def __post_init__(self):
         if self.use_bidirectional_attention:
-            raise ConfigError("config.json: 'use_bidirectional_attention' is true (an embedding model such as "
-                              "EmbeddingGemma); only causal text generation is supported")
+            raise ConfigError(
+                "config.json: 'use_bidirectional_attention' is true (an embedding model such as "
+                "EmbeddingGemma); only causal text generation is supported"
+            )
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         # Early Gemma configs say "gelu" but mean the tanh approximation (transformers remaps it too).
         self.activation = "gelu_pytorch_tanh" if self.hidden_act == "gelu" else self.hidden_act
@@ -79,10 +81,18 @@ class RMSNorm(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                       args.head_dim, rope=rope, qkv_bias=args.attention_bias,
-                                       o_bias=args.attention_bias)
+        rope = make_rope(
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )
+        self.self_attn = RopeAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope=rope,
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+        )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.activation))
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -101,7 +111,9 @@ class GemmaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = scaled_embedding(self.embed_tokens(inputs), math.sqrt(self.args.hidden_size))  # (B, L, hidden)
+        h = scaled_embedding(
+            self.embed_tokens(inputs), math.sqrt(self.args.hidden_size)
+        )  # (B, L, hidden)
         L = inputs.shape[1]
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
         for layer, c in zip(self.layers, cache or [None] * len(self.layers)):

@@ -23,8 +23,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import (FULL_ATTENTION, SLIDING_ATTENTION, CausalLM, GatedMLP, RopeAttention, activation,
-                   check_layer_types, make_typed_caches, scaled_embedding, typed_masks)
+from .base import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    CausalLM,
+    GatedMLP,
+    RopeAttention,
+    activation,
+    check_layer_types,
+    make_typed_caches,
+    scaled_embedding,
+    typed_masks,
+)
 from .gemma import ModelArgs as GemmaArgs
 from .gemma import RMSNorm
 from .rope import make_rope
@@ -62,7 +72,10 @@ class ModelArgs(GemmaArgs):
         self.qk_norm = False
 
     def default_layer_types(self) -> list[str]:
-        return [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(self.num_hidden_layers)]
+        return [
+            SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION
+            for i in range(self.num_hidden_layers)
+        ]
 
     def rope_parameters(self, kind: str) -> tuple[float, dict[str, Any] | None]:
         """(base, rope_scaling) for the layers of one kind; Gemma 2 uses one RoPE for all."""
@@ -75,10 +88,18 @@ class DecoderLayer(nn.Module):
         base, scaling = args.rope_parameters(kind)
         rope = make_rope(args.head_dim, base, scaling, args.max_position_embeddings)
         qk_norm = (lambda dim: RMSNorm(dim, eps=args.rms_norm_eps)) if args.qk_norm else None
-        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                       args.head_dim, rope=rope, scale=args.query_pre_attn_scalar**-0.5,
-                                       qkv_bias=args.attention_bias, o_bias=args.attention_bias,
-                                       qk_norm=qk_norm, softcap=args.attn_logit_softcapping)
+        self.self_attn = RopeAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope=rope,
+            scale=args.query_pre_attn_scalar**-0.5,
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+            qk_norm=qk_norm,
+            softcap=args.attn_logit_softcapping,
+        )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.activation))
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -86,8 +107,12 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
-        h = residual_add(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)))
-        return residual_add(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        h = residual_add(
+            x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        )
+        return residual_add(
+            h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        )
 
 
 def residual_add(x: mx.array, y: mx.array) -> mx.array:
@@ -111,7 +136,9 @@ class Gemma2Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = scaled_embedding(self.embed_tokens(inputs), math.sqrt(self.args.hidden_size))  # (B, L, hidden)
+        h = scaled_embedding(
+            self.embed_tokens(inputs), math.sqrt(self.args.hidden_size)
+        )  # (B, L, hidden)
         kinds = self.args.layer_types
         masks = typed_masks(kinds, cache, inputs.shape[1], self.args.sliding_window)
         for layer, kind, c in zip(self.layers, kinds, cache or [None] * len(self.layers)):
@@ -127,12 +154,18 @@ class Model(CausalLM):
         cap = self.args.final_logit_softcapping
         return logits if cap is None else mx.tanh(logits / cap) * cap
 
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
+    def make_cache(
+        self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
+    ) -> list[Cache]:
         if kv_bits is not None and self.args.attn_logit_softcapping is not None:
             raise ValueError("--kv-bits is not supported with attention soft-capping (Gemma 2)")
-        return make_typed_caches(self.args.layer_types, self.args.sliding_window, max_kv_size=max_kv_size,
-                                 kv_bits=kv_bits, kv_group_size=kv_group_size)
+        return make_typed_caches(
+            self.args.layer_types,
+            self.args.sliding_window,
+            max_kv_size=max_kv_size,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:

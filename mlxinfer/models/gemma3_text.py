@@ -44,7 +44,10 @@ class ModelArgs(Gemma2Args):
 
     def default_layer_types(self) -> list[str]:
         pattern = self.sliding_window_pattern
-        return [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(self.num_hidden_layers)]
+        return [
+            SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+            for i in range(self.num_hidden_layers)
+        ]
 
     def rope_parameters(self, kind: str) -> tuple[float, dict[str, Any] | None]:
         if kind == SLIDING_ATTENTION:
@@ -55,5 +58,7 @@ class ModelArgs(Gemma2Args):
         if kind not in by_kind:
             return default
         params = {"rope_theta": default[0], **by_kind[kind]}
-        params = normalize_rope({"rope_parameters": params}, source=f"config.json rope_parameters.{kind}")
+        params = normalize_rope(
+            {"rope_parameters": params}, source=f"config.json rope_parameters.{kind}"
+        )
         return params["rope_theta"], params["rope_scaling"]

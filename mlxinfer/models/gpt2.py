@@ -38,7 +38,9 @@ class ModelArgs(BaseArgs):
 
     def __post_init__(self):
         self.n_inner = self.n_inner or 4 * self.n_embd
-        self.max_position_embeddings = self.n_positions  # the context, under the name generation reads
+        self.max_position_embeddings = (
+            self.n_positions
+        )  # the context, under the name generation reads
 
 
 class Attention(nn.Module):
@@ -55,11 +57,15 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         B, L, D = x.shape
         # (B, L, 3D) -> 3 × (B, n_heads, L, head_dim)
-        q, k, v = (t.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-                   for t in mx.split(self.c_attn(x), 3, axis=-1))
+        q, k, v = (
+            t.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+            for t in mx.split(self.c_attn(x), 3, axis=-1)
+        )
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = attention(q, k, v, scale=self.scale, mask=mask, cache=cache)  # (B, n_heads, L, head_dim)
+        out = attention(
+            q, k, v, scale=self.scale, mask=mask, cache=cache
+        )  # (B, n_heads, L, head_dim)
         return self.c_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D))
 
 
@@ -100,7 +106,9 @@ class GPT2Model(nn.Module):
         L = inputs.shape[1]
         offset = cache[0].offset if cache is not None else 0
         if offset + L > self.n_positions:
-            raise ValueError(f"GPT-2 has {self.n_positions} learned positions; this input reaches {offset + L}")
+            raise ValueError(
+                f"GPT-2 has {self.n_positions} learned positions; this input reaches {offset + L}"
+            )
         h = self.wte(inputs) + self.wpe(mx.arange(offset, offset + L))  # (B, L, n_embd)
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
         for block, c in zip(self.h, cache or [None] * len(self.h)):

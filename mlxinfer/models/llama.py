@@ -48,12 +48,25 @@ class ModelArgs(BaseArgs):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
-                         traditional=args.rope_traditional)
-        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                       args.head_dim, rope=rope, qkv_bias=args.attention_bias,
-                                       o_bias=args.attention_bias)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, nn.silu, bias=args.mlp_bias)  # SwiGLU
+        rope = make_rope(
+            args.head_dim,
+            args.rope_theta,
+            args.rope_scaling,
+            args.max_position_embeddings,
+            traditional=args.rope_traditional,
+        )
+        self.self_attn = RopeAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope=rope,
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+        )
+        self.mlp = GatedMLP(
+            args.hidden_size, args.intermediate_size, nn.silu, bias=args.mlp_bias
+        )  # SwiGLU
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

@@ -57,8 +57,12 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.gate = Gate(args.hidden_size, args.num_local_experts)
-        self.experts = SwitchGLU(args.hidden_size, args.intermediate_size, args.num_local_experts,
-                                 activation(args.hidden_act))
+        self.experts = SwitchGLU(
+            args.hidden_size,
+            args.intermediate_size,
+            args.num_local_experts,
+            activation(args.hidden_act),
+        )
 
     def __call__(self, x: mx.array) -> mx.array:
         weights, idx = softmax_top_k(self.gate(x), self.top_k, normalize=True)  # (B, L, k) each
@@ -68,9 +72,16 @@ class SparseMoE(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                       args.head_dim, rope=rope)
+        rope = make_rope(
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )
+        self.self_attn = RopeAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope=rope,
+        )
         self.mlp = SparseMoE(args)
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)

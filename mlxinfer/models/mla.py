@@ -52,15 +52,24 @@ class PerHeadLinear(nn.Module):
     def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
         return x @ (self.weight.swapaxes(-1, -2) if transpose else self.weight)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_) -> "QuantizedPerHeadLinear":
+    def to_quantized(
+        self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_
+    ) -> "QuantizedPerHeadLinear":
         return QuantizedPerHeadLinear.from_per_head_linear(self, group_size, bits, mode)
 
 
 class QuantizedPerHeadLinear(nn.Module):
     """:class:`PerHeadLinear` with affine-quantized rows (groups along ``in``, as for a Linear)."""
 
-    def __init__(self, n_heads: int, in_dims: int, out_dims: int, group_size: int = 64, bits: int = 4,
-                 mode: str = "affine"):
+    def __init__(
+        self,
+        n_heads: int,
+        in_dims: int,
+        out_dims: int,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+    ):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self.weight = mx.zeros((n_heads, out_dims, in_dims * bits // 32), mx.uint32)
@@ -69,12 +78,21 @@ class QuantizedPerHeadLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
-        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=transpose,
-                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return mx.quantized_matmul(
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            transpose=transpose,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
 
     @classmethod
-    def from_per_head_linear(cls, layer: PerHeadLinear, group_size: int, bits: int,
-                             mode: str = "affine") -> "QuantizedPerHeadLinear":
+    def from_per_head_linear(
+        cls, layer: PerHeadLinear, group_size: int, bits: int, mode: str = "affine"
+    ) -> "QuantizedPerHeadLinear":
         n_heads, out_dims, in_dims = layer.weight.shape
         q = cls(n_heads, in_dims, out_dims, group_size, bits, mode)
         q.weight, q.scales, q.biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
@@ -91,19 +109,36 @@ class MultiHeadLatentAttention(nn.Module):
         scale: the softmax scale (``qk_head_dim ** -0.5``, times yarn's mscale² when set).
     """
 
-    def __init__(self, dim: int, n_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, bias: bool, rope: nn.Module,
-                 scale: float):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        *,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        bias: bool,
+        rope: nn.Module,
+        scale: float,
+    ):
         super().__init__()
         self.n_heads, self.scale, self.rope = n_heads, scale, rope
-        self.nope_dim, self.rope_dim, self.kv_lora_rank = qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.kv_lora_rank = (
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            kv_lora_rank,
+        )
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.q_lora_rank = q_lora_rank
         if q_lora_rank is None:
             self.q_proj = nn.Linear(dim, n_heads * qk_head_dim, bias=False)
         else:  # queries through their own low-rank bottleneck (V2, V3; not V2-Lite)
             self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=1e-6)  # HF's default eps, not rms_norm_eps
+            self.q_a_layernorm = RMSNorm(
+                q_lora_rank, eps=1e-6
+            )  # HF's default eps, not rms_norm_eps
             self.q_b_proj = nn.Linear(q_lora_rank, n_heads * qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=1e-6)
@@ -130,18 +165,24 @@ class MultiHeadLatentAttention(nn.Module):
             out = self._absorbed(q_nope, q_pe, latent, k_pe, mask)
         else:
             out = self._expanded(q_nope, q_pe, latent, k_pe, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))  # out: (B, H, L, v_head_dim)
+        return self.o_proj(
+            out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        )  # out: (B, H, L, v_head_dim)
 
     def _expanded(self, q_nope, q_pe, latent, k_pe, mask) -> mx.array:
         k_nope = self.k_b_proj(latent)  # (B, H, T, qk_nope_head_dim)
         v = self.v_b_proj(latent)  # (B, H, T, v_head_dim)
-        k = mx.concatenate([k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:-1], self.rope_dim))], axis=-1)
+        k = mx.concatenate(
+            [k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:-1], self.rope_dim))], axis=-1
+        )
         q = mx.concatenate([q_nope, q_pe], axis=-1)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask) -> mx.array:
         q_latent = self.k_b_proj(q_nope * self.scale, transpose=False)  # (B, H, L, kv_lora_rank)
-        scores = q_latent @ latent.swapaxes(-1, -2) + (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # (B, H, L, T)
+        scores = q_latent @ latent.swapaxes(-1, -2) + (q_pe * self.scale) @ k_pe.swapaxes(
+            -1, -2
+        )  # (B, H, L, T)
         if isinstance(mask, str):  # "causal", aligned lower-right
             L, T = scores.shape[-2:]
             mask = mx.arange(T)[None] <= mx.arange(T - L, T)[:, None]
@@ -154,7 +195,9 @@ class MultiHeadLatentAttention(nn.Module):
         return self.v_b_proj(probs @ latent)  # (B, H, L, kv_lora_rank) -> (B, H, L, v_head_dim)
 
 
-def split_kv_b_proj(weights: dict[str, mx.array], n_heads: int, qk_nope_head_dim: int) -> dict[str, mx.array]:
+def split_kv_b_proj(
+    weights: dict[str, mx.array], n_heads: int, qk_nope_head_dim: int
+) -> dict[str, mx.array]:
     """HF's ``kv_b_proj`` (n_heads·(nope + v), kv_lora_rank) -> ``k_b_proj`` (n_heads, nope, rank) and
     ``v_b_proj`` (n_heads, v, rank). Rows are output channels, so packed weights, scales and biases
     of a quantized checkpoint split the same way. Idempotent."""
@@ -171,12 +214,15 @@ def split_kv_b_proj(weights: dict[str, mx.array], n_heads: int, qk_nope_head_dim
     return out
 
 
-def make_latent_caches(n_layers: int, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                       **_) -> list[Cache]:
+def make_latent_caches(
+    n_layers: int, *, max_kv_size: int | None = None, kv_bits: int | None = None, **_
+) -> list[Cache]:
     """One :class:`LatentKVCache` per layer; ``max_kv_size`` bounds it (with 4 sink tokens) instead."""
     if kv_bits is not None:
-        raise ValueError("--kv-bits is not supported with multi-head latent attention "
-                         "(its cache is already the compressed latent)")
+        raise ValueError(
+            "--kv-bits is not supported with multi-head latent attention "
+            "(its cache is already the compressed latent)"
+        )
     if max_kv_size is not None:
         return [RotatingKVCache(max_kv_size, keep=4) for _ in range(n_layers)]
     return [LatentKVCache() for _ in range(n_layers)]
@@ -191,5 +237,9 @@ def cache_bytes_per_token(args: Any, itemsize: int = 2) -> dict[str, int]:
     """
     n = args.num_hidden_layers * itemsize
     latent = n * (args.kv_lora_rank + args.qk_rope_head_dim)
-    mha = n * args.num_attention_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim)
+    mha = (
+        n
+        * args.num_attention_heads
+        * (args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim)
+    )
     return {"latent": latent, "mha": mha}

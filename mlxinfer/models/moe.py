@@ -40,9 +40,13 @@ class SwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         # x (..., 1, in) with batch dims broadcast against indices (...) -> (..., 1, out)
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return mx.gather_mm(
+            x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
+        )
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_) -> "QuantizedSwitchLinear":
+    def to_quantized(
+        self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_
+    ) -> "QuantizedSwitchLinear":
         """Called by ``nn.quantize`` (quant.py's transform and its re-application on load)."""
         return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode)
 
@@ -50,8 +54,15 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     """:class:`SwitchLinear` with affine-quantized experts, multiplied with ``mx.gather_qmm``."""
 
-    def __init__(self, in_dims: int, out_dims: int, num_experts: int, group_size: int = 64, bits: int = 4,
-                 mode: str = "affine"):
+    def __init__(
+        self,
+        in_dims: int,
+        out_dims: int,
+        num_experts: int,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+    ):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
         # Placeholders of the stored shapes (lazy zeros: loading replaces them).
@@ -61,13 +72,23 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=sorted_indices)
+        return mx.gather_qmm(
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
 
     @classmethod
-    def from_switch_linear(cls, layer: SwitchLinear, group_size: int, bits: int,
-                           mode: str = "affine") -> "QuantizedSwitchLinear":
+    def from_switch_linear(
+        cls, layer: SwitchLinear, group_size: int, bits: int, mode: str = "affine"
+    ) -> "QuantizedSwitchLinear":
         num_experts, out_dims, in_dims = layer.weight.shape
         q = cls(in_dims, out_dims, num_experts, group_size, bits, mode)
         q.weight, q.scales, q.biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
@@ -82,7 +103,13 @@ class SwitchGLU(nn.Module):
     dim, as transformers 5 fuses them), so a routed token needs two gathers.
     """
 
-    def __init__(self, dims: int, hidden: int, num_experts: int, act: Callable[[mx.array], mx.array] = nn.silu):
+    def __init__(
+        self,
+        dims: int,
+        hidden: int,
+        num_experts: int,
+        act: Callable[[mx.array], mx.array] = nn.silu,
+    ):
         super().__init__()
         self.gate_up_proj = SwitchLinear(dims, 2 * hidden, num_experts)
         self.down_proj = SwitchLinear(hidden, dims, num_experts)
@@ -92,7 +119,9 @@ class SwitchGLU(nn.Module):
         """x (..., dims), indices (..., k) -> (..., k, dims): each routed expert's output, unweighted."""
         *lead, dims = x.shape
         k = indices.shape[-1]
-        x = x.reshape(-1, 1, 1, dims)  # (N, 1, 1, dims): one row per token, broadcast over its k experts
+        x = x.reshape(
+            -1, 1, 1, dims
+        )  # (N, 1, 1, dims): one row per token, broadcast over its k experts
         idx = indices.reshape(-1, k)  # (N, k)
         if idx.size >= _SORT_THRESHOLD:
             # Many tokens (prefill): group the (token, expert) pairs by expert so each
@@ -149,20 +178,31 @@ def softmax_top_k(logits: mx.array, k: int, normalize: bool) -> tuple[mx.array, 
     return weights, idx
 
 
-def _keep_top_groups(scores: mx.array, group_scores: mx.array, topk_group: int, fill: float) -> mx.array:
+def _keep_top_groups(
+    scores: mx.array, group_scores: mx.array, topk_group: int, fill: float
+) -> mx.array:
     """Set the scores of every expert outside the ``topk_group`` best groups to ``fill``."""
     n_group = group_scores.shape[-1]
     if topk_group >= n_group:
         return scores
     *lead, E = scores.shape
-    drop = mx.argpartition(group_scores, kth=n_group - topk_group - 1, axis=-1)[..., : n_group - topk_group]
+    drop = mx.argpartition(group_scores, kth=n_group - topk_group - 1, axis=-1)[
+        ..., : n_group - topk_group
+    ]
     grouped = scores.reshape(*lead, n_group, E // n_group)  # (..., n_group, experts per group)
     grouped = mx.put_along_axis(grouped, drop[..., None], mx.array(fill, scores.dtype), axis=-2)
     return grouped.reshape(*lead, E)
 
 
-def deepseek_v2_route(logits: mx.array, k: int, *, method: str, n_group: int | None, topk_group: int | None,
-                      scaling: float) -> tuple[mx.array, mx.array]:
+def deepseek_v2_route(
+    logits: mx.array,
+    k: int,
+    *,
+    method: str,
+    n_group: int | None,
+    topk_group: int | None,
+    scaling: float,
+) -> tuple[mx.array, mx.array]:
     """DeepSeek-V2: softmax; ``greedy`` top-k, or ``group_limited_greedy`` (only experts in the
     ``topk_group`` groups with the highest best-expert score); weights × ``routed_scaling_factor``.
 
@@ -179,8 +219,16 @@ def deepseek_v2_route(logits: mx.array, k: int, *, method: str, n_group: int | N
     return mx.take_along_axis(choice, idx, axis=-1) * scaling, idx
 
 
-def deepseek_v3_route(logits: mx.array, k: int, *, correction_bias: mx.array, n_group: int, topk_group: int,
-                      normalize: bool, scaling: float) -> tuple[mx.array, mx.array]:
+def deepseek_v3_route(
+    logits: mx.array,
+    k: int,
+    *,
+    correction_bias: mx.array,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[mx.array, mx.array]:
     """DeepSeek-V3: sigmoid scores; experts chosen on scores + ``e_score_correction_bias`` within the
     ``topk_group`` groups whose two best (biased) scores sum highest; weights are the unbiased scores,
     optionally renormalised, × ``routed_scaling_factor``."""
@@ -231,9 +279,13 @@ def stack_experts(weights: dict[str, mx.array], names: dict[str, str]) -> dict[s
         for role in ("gate", "up", "down"):
             found = parts.get(role, {})
             if not found or sorted(found) != list(range(len(found))):
-                raise ValueError(f"{prefix}: expert '{role}' weights are missing or not numbered 0..n-1")
+                raise ValueError(
+                    f"{prefix}: expert '{role}' weights are missing or not numbered 0..n-1"
+                )
             stacked[role] = mx.stack([found[e] for e in range(len(found))])
-        out[f"{prefix}.gate_up_proj.weight"] = mx.concatenate([stacked["gate"], stacked["up"]], axis=1)
+        out[f"{prefix}.gate_up_proj.weight"] = mx.concatenate(
+            [stacked["gate"], stacked["up"]], axis=1
+        )
         out[f"{prefix}.down_proj.weight"] = stacked["down"]
     return out
 

@@ -46,9 +46,15 @@ class ModelArgs(BaseArgs):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         self.rotary_dims = int(self.head_dim * self.partial_rotary_factor)
-        if self.rope_scaling is not None and self.rope_scaling["rope_type"] in ("su", "yarn", "longrope"):
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] in (
+            "su",
+            "yarn",
+            "longrope",
+        ):
             scaling = {**self.rope_scaling, "rope_type": "longrope"}
-            scaling.setdefault("original_max_position_embeddings", self.original_max_position_embeddings)
+            scaling.setdefault(
+                "original_max_position_embeddings", self.original_max_position_embeddings
+            )
             self.rope_scaling = scaling
 
 
@@ -69,9 +75,17 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        rope = make_rope(args.rotary_dims, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                       args.head_dim, rope=rope, fused_qkv=True)
+        rope = make_rope(
+            args.rotary_dims, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )
+        self.self_attn = RopeAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope=rope,
+            fused_qkv=True,
+        )
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)

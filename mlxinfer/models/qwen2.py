@@ -21,8 +21,18 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import llama
-from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RMSNorm, RopeAttention, activation,
-                   check_layer_types, make_typed_caches, typed_masks)
+from .base import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    BaseArgs,
+    GatedMLP,
+    RMSNorm,
+    RopeAttention,
+    activation,
+    check_layer_types,
+    make_typed_caches,
+    typed_masks,
+)
 from .rope import make_rope
 
 
@@ -54,8 +64,12 @@ class ModelArgs(BaseArgs):
         if not self.use_sliding_window:
             self.sliding_window = None
         if self.layer_types is None:
-            self.layer_types = [SLIDING_ATTENTION if self.sliding_window is not None and i >= self.max_window_layers
-                                else FULL_ATTENTION for i in range(self.num_hidden_layers)]
+            self.layer_types = [
+                SLIDING_ATTENTION
+                if self.sliding_window is not None and i >= self.max_window_layers
+                else FULL_ATTENTION
+                for i in range(self.num_hidden_layers)
+            ]
         self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
         if SLIDING_ATTENTION not in self.layer_types:
             self.sliding_window = None
@@ -68,11 +82,20 @@ class ModelArgs(BaseArgs):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int = 0):  # index used by MoE subclasses
         super().__init__()
-        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        rope = make_rope(
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )
         qk_norm = (lambda dim: RMSNorm(dim, eps=args.rms_norm_eps)) if args.qk_norm else None
-        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                       args.head_dim, rope=rope, qkv_bias=args.qkv_bias, o_bias=args.o_bias,
-                                       qk_norm=qk_norm)
+        self.self_attn = RopeAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope=rope,
+            qkv_bias=args.qkv_bias,
+            o_bias=args.o_bias,
+            qk_norm=qk_norm,
+        )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -108,7 +131,13 @@ class Model(llama.Model):
 
     Inner = Qwen2Model
 
-    def make_cache(self, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list[Cache]:
-        return make_typed_caches(self.args.layer_types, self.args.sliding_window, max_kv_size=max_kv_size,
-                                 kv_bits=kv_bits, kv_group_size=kv_group_size)
+    def make_cache(
+        self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
+    ) -> list[Cache]:
+        return make_typed_caches(
+            self.args.layer_types,
+            self.args.sliding_window,
+            max_kv_size=max_kv_size,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )

@@ -20,8 +20,16 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import qwen2
-from .base import (FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, GatedMLP, RMSNorm, RopeAttention, activation,
-                   check_layer_types)
+from .base import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    BaseArgs,
+    GatedMLP,
+    RMSNorm,
+    RopeAttention,
+    activation,
+    check_layer_types,
+)
 from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
 from .rope import make_rope
 
@@ -61,16 +69,25 @@ class ModelArgs(BaseArgs):
         self.head_dim = self.hidden_size // self.num_attention_heads
         if not self.use_sliding_window:
             self.sliding_window = None
-        if self.layer_types is None:  # configs older than transformers 5: its rule (odd-numbered early layers)
-            self.layer_types = [SLIDING_ATTENTION if self.sliding_window and (i + 1) % 2 and i < self.max_window_layers
-                                else FULL_ATTENTION for i in range(self.num_hidden_layers)]
+        if (
+            self.layer_types is None
+        ):  # configs older than transformers 5: its rule (odd-numbered early layers)
+            self.layer_types = [
+                SLIDING_ATTENTION
+                if self.sliding_window and (i + 1) % 2 and i < self.max_window_layers
+                else FULL_ATTENTION
+                for i in range(self.num_hidden_layers)
+            ]
         self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
         if SLIDING_ATTENTION not in self.layer_types:
             self.sliding_window = None
 
     def is_sparse(self, layer: int) -> bool:
-        return (layer not in self.mlp_only_layers and self.num_experts > 0
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
 
 class SparseMoE(nn.Module):
@@ -79,12 +96,16 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
         act = activation(args.hidden_act)
         self.gate = Gate(args.hidden_size, args.num_experts)
-        self.experts = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts, act)
+        self.experts = SwitchGLU(
+            args.hidden_size, args.moe_intermediate_size, args.num_experts, act
+        )
         self.shared_expert = GatedMLP(args.hidden_size, args.shared_expert_intermediate_size, act)
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        weights, idx = softmax_top_k(self.gate(x), self.top_k, normalize=self.norm_topk_prob)  # (B, L, k)
+        weights, idx = softmax_top_k(
+            self.gate(x), self.top_k, normalize=self.norm_topk_prob
+        )  # (B, L, k)
         routed = combine(self.experts(x, idx), weights)  # (B, L, hidden)
         return routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
@@ -92,13 +113,23 @@ class SparseMoE(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        rope = make_rope(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        self.self_attn = RopeAttention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                       args.head_dim, rope=rope, qkv_bias=args.qkv_bias)
+        rope = make_rope(
+            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )
+        self.self_attn = RopeAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope=rope,
+            qkv_bias=args.qkv_bias,
+        )
         if args.is_sparse(layer):
             self.mlp = SparseMoE(args)
         else:
-            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
+            self.mlp = GatedMLP(
+                args.hidden_size, args.intermediate_size, activation(args.hidden_act)
+            )
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

@@ -34,9 +34,17 @@ from .cpu_ops import apply_rope, rope_table, use_cpu_ops
 class RoPE(nn.Module):
     """Rotate the first ``dims`` features of (B, n_heads, L, head_dim) inputs."""
 
-    def __init__(self, dims: int, base: float, *, traditional: bool = False,
-                 inv_freq: np.ndarray | None = None, scale: float = 1.0,
-                 input_scale: float = 1.0, dynamic: tuple[float, int] | None = None):
+    def __init__(
+        self,
+        dims: int,
+        base: float,
+        *,
+        traditional: bool = False,
+        inv_freq: np.ndarray | None = None,
+        scale: float = 1.0,
+        input_scale: float = 1.0,
+        dynamic: tuple[float, int] | None = None,
+    ):
         super().__init__()
         self.dims = dims
         self.base = base
@@ -58,14 +66,24 @@ class RoPE(nn.Module):
         if self.dynamic is not None:
             factor, max_pos = self.dynamic
             seq_len = max(offset + x.shape[-2], max_pos)
-            base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (self.dims / (self.dims - 2))
+            base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (
+                self.dims / (self.dims - 2)
+            )
         if use_cpu_ops():
             return self._cpu_rope(x, offset, base)
         if self._freqs is not None:
-            return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None,
-                                scale=self.scale, offset=offset, freqs=self._freqs)
-        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=base,
-                            scale=self.scale, offset=offset)
+            return mx.fast.rope(
+                x,
+                self.dims,
+                traditional=self.traditional,
+                base=None,
+                scale=self.scale,
+                offset=offset,
+                freqs=self._freqs,
+            )
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset
+        )
 
     def _cpu_rope(self, x: mx.array, offset: int, base: float) -> mx.array:
         """The same rotation from a cos/sin table shared by all layers (see ``cpu_ops``)."""
@@ -74,14 +92,22 @@ class RoPE(nn.Module):
         else:
             key = ("base", self.dims, base)
             if getattr(self, "_base_inv_freq", (None,))[0] != base:  # built once per base
-                self._base_inv_freq = (base, mx.array(base ** (-np.arange(0, self.dims, 2) / self.dims), mx.float32))
+                self._base_inv_freq = (
+                    base,
+                    mx.array(base ** (-np.arange(0, self.dims, 2) / self.dims), mx.float32),
+                )
             inv_freq = self._base_inv_freq[1]
         cos, sin = rope_table(inv_freq, key, offset, x.shape[-2], self.scale)
         return apply_rope(x, cos, sin, dims=self.dims, traditional=self.traditional)
 
 
-def make_rope(dims: int, base: float, scaling: dict[str, Any] | None, max_position_embeddings: int,
-              traditional: bool = False) -> RoPE:
+def make_rope(
+    dims: int,
+    base: float,
+    scaling: dict[str, Any] | None,
+    max_position_embeddings: int,
+    traditional: bool = False,
+) -> RoPE:
     """Build the RoPE a config asks for (``scaling`` is normalised ``rope_scaling``)."""
     if scaling is None:
         return RoPE(dims, base, traditional=traditional)
@@ -92,17 +118,25 @@ def make_rope(dims: int, base: float, scaling: dict[str, Any] | None, max_positi
     if kind == "linear":
         return RoPE(dims, base, traditional=traditional, scale=1.0 / factor)
     if kind == "dynamic":
-        return RoPE(dims, base, traditional=traditional, dynamic=(float(factor), max_position_embeddings))
+        return RoPE(
+            dims, base, traditional=traditional, dynamic=(float(factor), max_position_embeddings)
+        )
     inv_freq = 1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float64) / dims))
     if kind == "llama3":
-        return RoPE(dims, base, traditional=traditional, inv_freq=_llama3_inv_freq(inv_freq, scaling))
+        return RoPE(
+            dims, base, traditional=traditional, inv_freq=_llama3_inv_freq(inv_freq, scaling)
+        )
     if kind == "yarn":
         inv_freq, attention_factor = _yarn_inv_freq(dims, base, scaling, max_position_embeddings)
-        return RoPE(dims, base, traditional=traditional, inv_freq=inv_freq, input_scale=attention_factor)
+        return RoPE(
+            dims, base, traditional=traditional, inv_freq=inv_freq, input_scale=attention_factor
+        )
     if kind in ("longrope", "su"):
         return LongRoPE(dims, base, scaling, max_position_embeddings, traditional=traditional)
-    raise ConfigError(f"config.json: unsupported rope_scaling type '{kind}' "
-                      "(expected one of default, linear, dynamic, llama3, yarn, longrope)")
+    raise ConfigError(
+        f"config.json: unsupported rope_scaling type '{kind}' "
+        "(expected one of default, linear, dynamic, llama3, yarn, longrope)"
+    )
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, s: dict[str, Any]) -> np.ndarray:
@@ -119,7 +153,9 @@ def _llama3_inv_freq(inv_freq: np.ndarray, s: dict[str, Any]) -> np.ndarray:
     return np.where(medium, blended, scaled)
 
 
-def _yarn_inv_freq(dims: int, base: float, s: dict[str, Any], max_pos: int) -> tuple[np.ndarray, float]:
+def _yarn_inv_freq(
+    dims: int, base: float, s: dict[str, Any], max_pos: int
+) -> tuple[np.ndarray, float]:
     original = s.get("original_max_position_embeddings") or max_pos
     factor = s.get("factor") or max_pos / original
 
@@ -160,21 +196,33 @@ class LongRoPE(nn.Module):
     size (partial rotary); the attention factor scales only the rotated part.
     """
 
-    def __init__(self, dims: int, base: float, s: dict[str, Any], max_position_embeddings: int,
-                 traditional: bool = False):
+    def __init__(
+        self,
+        dims: int,
+        base: float,
+        s: dict[str, Any],
+        max_position_embeddings: int,
+        traditional: bool = False,
+    ):
         super().__init__()
         for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
             if s.get(key) is None:
                 raise ConfigError(f"config.json: rope_scaling type 'longrope' needs key '{key}'")
         if len(s["short_factor"]) != dims // 2 or len(s["long_factor"]) != dims // 2:
-            raise ConfigError(f"config.json: rope_scaling 'short_factor'/'long_factor' must have {dims // 2} "
-                              f"entries, found {len(s['short_factor'])}/{len(s['long_factor'])}")
+            raise ConfigError(
+                f"config.json: rope_scaling 'short_factor'/'long_factor' must have {dims // 2} "
+                f"entries, found {len(s['short_factor'])}/{len(s['long_factor'])}"
+            )
         self.dims, self.traditional = dims, traditional
         self.original_max = s["original_max_position_embeddings"]
         factor = s.get("factor") or max_position_embeddings / self.original_max
         attention_factor = s.get("attention_factor")
         if attention_factor is None:
-            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(self.original_max))
+            attention_factor = (
+                1.0
+                if factor <= 1
+                else math.sqrt(1 + math.log(factor) / math.log(self.original_max))
+            )
         self.attention_factor = float(attention_factor)
         periods = base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)  # 1 / inv_freq
         # Underscores keep the tables out of the parameter tree.
@@ -183,8 +231,15 @@ class LongRoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         freqs = self._long if offset + x.shape[-2] > self.original_max else self._short
-        out = mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset,
-                           freqs=freqs)
+        out = mx.fast.rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=None,
+            scale=1.0,
+            offset=offset,
+            freqs=freqs,
+        )
         if self.attention_factor == 1.0:
             return out
         if self.dims == x.shape[-1]:

@@ -68,8 +68,10 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         B, L, D = x.shape
         # (B, L, D) -> (B, n_heads, L, head_dim)
-        q, k, v = (p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = attention(q, k, v, scale=self.scale, mask=mask, cache=cache)
@@ -100,16 +102,23 @@ class XGLMModel(nn.Module):
         self.layer_norm = nn.LayerNorm(args.d_model)
         self.n_positions = args.max_position_embeddings
         # Underscore: a fixed table, not a parameter (transformers does not save it either).
-        self._positions = mx.array(sinusoidal_table(args.max_position_embeddings + POSITION_OFFSET,
-                                                    args.d_model, args.pad_token_id))
+        self._positions = mx.array(
+            sinusoidal_table(
+                args.max_position_embeddings + POSITION_OFFSET, args.d_model, args.pad_token_id
+            )
+        )
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         L = inputs.shape[1]
         offset = cache[0].offset if cache is not None else 0
         if offset + L > self.n_positions:
-            raise ValueError(f"XGLM has {self.n_positions} positions; this input reaches {offset + L}")
+            raise ValueError(
+                f"XGLM has {self.n_positions} positions; this input reaches {offset + L}"
+            )
         h = self.embed_tokens(inputs) * self.embed_scale  # (B, L, d_model)
-        h = h + self._positions[offset + POSITION_OFFSET: offset + POSITION_OFFSET + L].astype(h.dtype)
+        h = h + self._positions[offset + POSITION_OFFSET : offset + POSITION_OFFSET + L].astype(
+            h.dtype
+        )
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
         for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
             h = layer(h, mask, c)
