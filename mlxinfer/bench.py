@@ -120,7 +120,8 @@ def time_run(
     the prompt and all generated tokens but the last).
     """
     from .generation import generate_step
-    from .prompt_cache import DEFAULT_PREFILL_STEP, PromptCache
+    from .prefill import DEFAULT_PREFILL_STEP
+    from .prompt_cache import PromptCache
 
     mx.synchronize()
     mx.reset_peak_memory()

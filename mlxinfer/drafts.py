@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from .cache import Cache, RotatingKVCache
 from .errors import DraftError
+from .prefill import prefill
 from .prompt_cache import PromptCache
 
 # (1, V) draft logits -> (token (1,) int32, log-probs it was drawn from (1, V), or None when greedy)
@@ -96,7 +97,7 @@ class DraftModel(Draft):
                 "cannot be rewound; speculative decoding needs one that can"
             )
         todo = pc.reuse(prompt)
-        pc.prefill(self.model, todo[:-1])
+        prefill(self.model, pc, todo[:-1])
         return _ModelDrafter(self.model, pc, width=model.args.vocab_size)
 
 

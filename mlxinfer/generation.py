@@ -1,10 +1,15 @@
 """The token loop and the streaming layer.
 
-``generate_step`` is the engine: chunked prefill, then a decode loop that
-builds step n+1's graph and starts it (``mx.async_eval``) before handing step
-n's token to the caller. ``stream_generate`` wraps it with the tokenizer:
-prompt cleaning, context checks, the UTF-8-safe detokenizer, stop strings and
-the per-request timeline. ``generate`` just joins the stream.
+``generate_step`` is the engine: chunked prefill (prefill.py), then a decode
+loop that builds step n+1's graph and starts it (``mx.async_eval``) before
+handing step n's token to the caller. ``stream_generate`` wraps it, or the
+speculative loop, with the tokenizer, in three parts: ``_prepare`` (prompt
+cleaning, template, context checks, the cache), ``_steps`` (the token loop,
+yielding ``results.Step``) and ``_results`` (the UTF-8-safe detokenizer, stop
+strings, and the per-request timeline, finished on the last result). Sampling
+settings travel as one ``SamplingParams``. ``generate`` just joins the stream.
+Data flows one way: the loops import the shared types (results.py) and
+prefill, and report what they did in what they yield.
 
 Thread safety: a model and tokenizer may be shared by threads that each run
 their own ``stream_generate`` with their own cache, one after another or at
@@ -16,14 +21,16 @@ MLX's process-wide peak-memory counter, which concurrent requests also share.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
 from .device import wired_limit
-from .prompt_cache import DEFAULT_PREFILL_STEP, PromptCache
-from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from .prefill import DEFAULT_PREFILL_STEP, prefill
+from .prompt_cache import PromptCache
+from .results import GenerationResult, GenerationStats, Step
+from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams, make_sampler
 from .speculative import speculative_generate_step
 from .stop import StopMatcher
 from .text import clean_prompt, fit_context
@@ -59,7 +66,7 @@ def generate_step(
     cache = pc.cache
 
     # Prefill all but the last prompt token; the last one starts decoding.
-    pc.prefill(model, todo[:-1], prefill_step_size, then=max_tokens)
+    prefill(model, pc, todo[:-1], prefill_step_size, then=max_tokens)
     todo = todo[-1:]
     fed = pc.tokens
     y = mx.array(todo, dtype=mx.int32)
@@ -111,63 +118,6 @@ def generate_step(
         mx.eval(started)
 
 
-@dataclass
-class GenerationStats:
-    """One request's timeline: tokenize → prefill → first token → decode."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from a reused PromptCache
-    generation_tokens: int = 0
-    tokenize_ms: float = 0.0
-    prefill_tps: float = 0.0
-    time_to_first_token_s: float = 0.0
-    decode_tps: float = 0.0
-    peak_memory_gb: float = 0.0
-    # speculative decoding (zero without a draft)
-    draft_tokens: int = 0  # proposed by the draft
-    accepted_tokens: int = 0  # of those, accepted by the target
-    speculative_steps: int = 0  # target forward passes while decoding
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Generated tokens per target forward pass (1.0 for plain decoding)."""
-        return self.generation_tokens / self.speculative_steps if self.speculative_steps else 0.0
-
-    def table(self) -> str:
-        rows = [
-            ("prompt tokens", f"{self.prompt_tokens} ({self.cached_tokens} cached)"),
-            ("tokenize", f"{self.tokenize_ms:.1f} ms"),
-            ("prefill", f"{self.prefill_tps:.1f} tok/s"),
-            ("time to first token", f"{self.time_to_first_token_s * 1000:.1f} ms"),
-            ("generated tokens", f"{self.generation_tokens}"),
-            ("decode", f"{self.decode_tps:.1f} tok/s"),
-            ("peak memory", f"{self.peak_memory_gb:.3f} GB"),
-        ]
-        if self.speculative_steps:
-            accepted = f"{self.accepted_tokens}/{self.draft_tokens} ({self.acceptance_rate:.0%})"
-            rows[-1:-1] = [
-                ("draft accepted", accepted),
-                ("tokens per step", f"{self.tokens_per_step:.2f}"),
-            ]
-        return "\n".join(f"{k:<20} {v:>14}" for k, v in rows)
-
-
-@dataclass
-class GenerationResult:
-    """One generated token and the text it completes."""
-
-    text: str  # new text segment: may be "" (a partial character or a held-back stop prefix)
-    token: int
-    logprobs: mx.array | None = None  # (V,) log-probs the token was drawn from (before filtering)
-    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
-    from_draft: bool = False  # speculative decoding: proposed by the draft and accepted
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-
 def prepare_prompt(
     tokenizer, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *, chat_template: bool = True
 ) -> list[int]:
@@ -194,6 +144,9 @@ def prepare_prompt(
     return [int(t) for t in items]
 
 
+_SAMPLING_DEFAULTS = {field: getattr(SamplingParams(), field) for field in SAMPLING_FIELDS}
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -207,6 +160,7 @@ def stream_generate(
     repetition_penalty: float | None = None,
     repetition_context_size: int | None = None,
     seed: int | None = None,
+    sampling: SamplingParams | None = None,
     stop: Sequence[str] = (),
     chat_template: bool = False,
     truncate_prompt: bool = False,
@@ -224,6 +178,7 @@ def stream_generate(
         chat_template: wrap a text prompt as one user message in the model's template.
         temperature, top_p, top_k, min_p, seed: sampling (temperature 0 is greedy).
         repetition_penalty, repetition_context_size: transformers' repetition penalty.
+        sampling: all of the above as one :class:`SamplingParams` (then leave them unset).
         stop: strings that end generation; they never appear in the output.
         truncate_prompt: left-truncate a prompt longer than the context instead of raising.
         prompt_cache: reuse (and update) caches across calls, e.g. chat turns.
@@ -235,83 +190,156 @@ def stream_generate(
     Yields:
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
+    given = dict(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size,
+    )
+    if sampling is None:
+        sampling = SamplingParams(**given)
+    elif clash := [k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k]]:
+        raise ValueError(f"sampling: given as one SamplingParams, and also as {', '.join(clash)}")
+    request = _prepare(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=stop,
+        chat_template=chat_template,
+        truncate_prompt=truncate_prompt,
+        prompt_cache=prompt_cache,
+        max_kv_size=max_kv_size,
+        kv_bits=kv_bits,
+    )
+    steps = _steps(
+        model, tokenizer, request, prefill_step_size or DEFAULT_PREFILL_STEP, draft, num_draft
+    )
+    with wired_limit():  # Metal: keep the weights resident for the run (no-op elsewhere)
+        try:
+            yield from _results(request, steps, count_passes=draft is not None)
+        finally:
+            steps.close()
+
+
+@dataclass
+class _Request:
+    """One request, prepared: its prompt ids, settings and the per-request state of its stream."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    prompt_cache: PromptCache
+    stats: GenerationStats
+    detok: Any  # the tokenizer's StreamingDetokenizer
+    stops: StopMatcher
+    eos: frozenset[int]
+    t0: float
+
+
+def _prepare(
+    model,
+    tokenizer,
+    prompt,
+    *,
+    max_tokens: int,
+    sampling: SamplingParams,
+    stop: Sequence[str],
+    chat_template: bool,
+    truncate_prompt: bool,
+    prompt_cache: PromptCache | None,
+    max_kv_size: int | None,
+    kv_bits: int | None,
+) -> _Request:
+    """Tokenize and fit the prompt, check the settings, and find the request's cache."""
     t0 = time.perf_counter()
-    prefill_step_size = prefill_step_size or DEFAULT_PREFILL_STEP
     ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template)
     context = model.args.max_position_embeddings
     ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
-    max_tokens = min(max_tokens, context - len(ids))
     stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000)
-    sampler = make_sampler(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    processors = make_logits_processors(
-        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size
-    )
+    sampling.check()
     if prompt_cache is None:
         prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
     stats.cached_tokens = len(ids) - len(prompt_cache.reuse(ids))
-    detok = tokenizer.detokenizer()
-    stops = StopMatcher(stop)
-    eos = tokenizer.eos_token_ids
-    mx.reset_peak_memory()
-    t_prefill = time.perf_counter()
-    t_first = t_prefill
-    n = 0
+    return _Request(
+        ids,
+        min(max_tokens, context - len(ids)),
+        sampling,
+        prompt_cache,
+        stats,
+        tokenizer.detokenizer(),
+        StopMatcher(stop),
+        tokenizer.eos_token_ids,
+        t0,
+    )
+
+
+def _steps(
+    model,
+    tokenizer,
+    request: _Request,
+    prefill_step_size: int,
+    draft: Draft | None,
+    num_draft: int | None,
+) -> Iterator[Step]:
+    """The token loop for the request: plain decoding, or speculative with ``draft``."""
+    options = dict(
+        prompt_cache=request.prompt_cache,
+        max_tokens=request.max_tokens,
+        sampler=request.sampling.sampler(),
+        logits_processors=request.sampling.processors(),
+        prefill_step_size=prefill_step_size,
+    )
     if draft is None:
-        steps = generate_step(
-            ids,
-            model,
-            prompt_cache=prompt_cache,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            logits_processors=processors,
-            prefill_step_size=prefill_step_size,
+        return (Step(t, lp) for t, lp in generate_step(request.ids, model, **options))
+    draft.check(model, tokenizer)
+    return speculative_generate_step(request.ids, model, draft, num_draft=num_draft, **options)
+
+
+def _results(
+    request: _Request, steps: Iterator[Step], *, count_passes: bool
+) -> Iterator[GenerationResult]:
+    """Tokens to text: detokenize, hold back and cut at stop strings, end at EOS or the length,
+    and keep the timeline (finished on the last result)."""
+    stats, detok, stops = request.stats, request.detok, request.stops
+    mx.reset_peak_memory()
+    t_prefill = t_first = time.perf_counter()
+    n = 0
+    for step in steps:
+        n += 1
+        if n == 1:
+            t_first = time.perf_counter()
+            stats.prefill_tps = len(request.ids) / max(t_first - t_prefill, 1e-9)
+            stats.time_to_first_token_s = t_first - request.t0
+        if count_passes:
+            stats.count(step)
+        finish = None
+        if step.token in request.eos:
+            text, finish = detok.finalize(), "stop"
+        else:
+            text = detok.add_token(step.token)
+            if n == request.max_tokens:
+                text, finish = text + detok.finalize(), "length"
+        text, hit = stops.push(text)
+        if hit:
+            finish = "stop"
+        elif finish is not None:
+            text += stops.flush()
+        stats.generation_tokens = n
+        if finish is not None:
+            _finish_stats(stats, n, t_first)
+        yield GenerationResult(
+            text, step.token, step.logprobs, finish, step.from_draft, stats=stats
         )
-        tokens = ((t, lp, False) for t, lp in steps)
-    else:
-        draft.check(model, tokenizer)
-        steps = tokens = speculative_generate_step(
-            ids,
-            model,
-            draft,
-            prompt_cache=prompt_cache,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            logits_processors=processors,
-            prefill_step_size=prefill_step_size,
-            num_draft=num_draft,
-            stats=stats,
-        )
-    with wired_limit():  # Metal: keep the weights resident for the run (no-op elsewhere)
-        try:
-            for token, logprobs, from_draft in tokens:
-                n += 1
-                if n == 1:
-                    t_first = time.perf_counter()
-                    stats.prefill_tps = len(ids) / max(t_first - t_prefill, 1e-9)
-                    stats.time_to_first_token_s = t_first - t0
-                finish = None
-                if token in eos:
-                    text, finish = detok.finalize(), "stop"
-                else:
-                    text = detok.add_token(token)
-                    if n == max_tokens:
-                        text, finish = text + detok.finalize(), "length"
-                text, hit = stops.push(text)
-                if hit:
-                    finish = "stop"
-                elif finish is not None:
-                    text += stops.flush()
-                stats.generation_tokens = n
-                if finish is not None:
-                    _finish_stats(stats, n, t_first)
-                yield GenerationResult(text, token, logprobs, finish, from_draft, stats=stats)
-                if finish is not None:
-                    return
-            if n == 0:  # max_tokens == 0, or no room left in the context
-                _finish_stats(stats, 0, t_first)
-                yield GenerationResult("", -1, None, "length", stats=stats)
-        finally:
-            steps.close()
+        if finish is not None:
+            return
+    if n == 0:  # max_tokens == 0, or no room left in the context
+        _finish_stats(stats, 0, t_first)
+        yield GenerationResult("", -1, None, "length", stats=stats)
 
 
 def _finish_stats(stats: GenerationStats, n: int, t_first: float) -> None:

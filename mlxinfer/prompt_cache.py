@@ -13,12 +13,6 @@ import mlx.core as mx
 
 from .cache import _KINDS, Cache, QuantizedKVCache, RotatingKVCache, trim_cache
 from .errors import WeightsError
-from .models.cpu_quant import stepwise_prefill
-
-DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
-MAX_RESERVED_DECODE = (
-    2048  # most tokens after the prompt given room up front; past it the cache grows in steps
-)
 
 
 class PromptCache:
@@ -60,32 +54,6 @@ class PromptCache:
             if held > n and c.trim(held - n) != held - n:
                 raise ValueError(f"cannot rewind a {type(c).__name__} holding {held} tokens to {n}")
         self.tokens = self.tokens[:n]
-
-    def prefill(
-        self, model, ids: list[int], step: int = DEFAULT_PREFILL_STEP, *, then: int = 1
-    ) -> None:
-        """Feed ``ids`` in chunks of ``step``, computing only the caches.
-
-        Only the cache states are evaluated, so the LM head of these chunks is
-        never computed (the lazy graph drops it). The caches get room for the
-        prompt and the ``then`` tokens expected after it (at most
-        ``MAX_RESERVED_DECODE``), allocated once and exactly: no copy as the
-        prompt's chunks arrive, and no slack beyond what the request can use.
-        """
-        y = mx.array(ids, dtype=mx.int32)
-        room = len(ids) + max(1, min(then, MAX_RESERVED_DECODE))
-        for c in self.cache:
-            if hasattr(c, "reserve"):
-                c.reserve(c.offset + room)
-        with stepwise_prefill(
-            model
-        ):  # CPU backend, quantized model: one step's buffers alive at a time
-            for start in range(0, len(ids), step):
-                model(y[None, start : start + step], self.cache)
-                # Materialise this chunk's cache writes before building the next chunk,
-                # so the graph (and its memory) stays one chunk deep.
-                mx.eval([c.state for c in self.cache])
-                self.tokens.extend(ids[start : start + step])
 
     @property
     def nbytes(self) -> int:

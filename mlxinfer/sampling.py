@@ -9,7 +9,7 @@ the draft's exact distributions) can use it directly.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import mlx.core as mx
@@ -57,7 +57,7 @@ def filtered_logprobs(
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """A sampler's settings, kept on it as ``sampler.params``.
+    """A request's sampling settings as one object; a sampler keeps its own as ``sampler.params``.
 
     Speculative decoding reads them to build the exact distribution the plain
     sampler would draw from (for the target and the draft alike).
@@ -68,10 +68,25 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float | None = None  # transformers' rule; None or 1.0: off
+    repetition_context_size: int | None = None  # the last tokens it looks at; None: all
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the first setting out of range."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     def filter(self, logprobs: mx.array) -> mx.array:
         """The (B, V) log-probs a sampler with these settings draws from."""
@@ -82,6 +97,22 @@ class SamplingParams:
             top_p=self.top_p,
             min_p=self.min_p,
         )
+
+    def sampler(self) -> Sampler:
+        """A fresh sampler with these settings (its own random key)."""
+        return make_sampler(
+            self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed
+        )
+
+    def processors(self) -> list[LogitsProcessor]:
+        """The logits processors these settings ask for (a repetition penalty, or none)."""
+        return make_logits_processors(
+            repetition_penalty=self.repetition_penalty,
+            repetition_context_size=self.repetition_context_size,
+        )
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 def make_sampler(
@@ -98,15 +129,8 @@ def make_sampler(
     seed give the same tokens and no global RNG state is touched. The settings
     are kept as ``sampler.params`` (a :class:`SamplingParams`).
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not 0.0 <= min_p < 1.0:
-        raise ValueError(f"min_p must be in [0, 1), got {min_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
     params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+    params.check()
     if temperature == 0:
 
         def argmax(logprobs: mx.array) -> mx.array:

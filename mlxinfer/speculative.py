@@ -25,13 +25,14 @@ import mlx.core as mx
 
 from .cache import Cache, RotatingKVCache
 from .errors import DraftError
-from .prompt_cache import DEFAULT_PREFILL_STEP, PromptCache
+from .prefill import DEFAULT_PREFILL_STEP, prefill
+from .prompt_cache import PromptCache
+from .results import Step
 from .sampling import LogitsProcessor, Sampler, SamplingParams
 from .threads import release_at_thread_exit
 
 if TYPE_CHECKING:
     from .drafts import Draft, DraftSampler
-    from .generation import GenerationStats
 
 MAX_DRAFT = 16  # adaptive k's ceiling: verifying more positions stops being free even on a GPU
 # Weight of the newest step in the acceptance-rate estimate: acceptance comes in bursts (prompt
@@ -50,8 +51,7 @@ def speculative_generate_step(
     logits_processors: Sequence[LogitsProcessor] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     num_draft: int | None = None,
-    stats: GenerationStats | None = None,
-) -> Iterator[tuple[int, mx.array, bool]]:
+) -> Iterator[Step]:
     """Yield ``(token, logprobs, from_draft)`` for up to ``max_tokens`` new tokens.
 
     Args:
@@ -60,12 +60,12 @@ def speculative_generate_step(
             both models draw from (greedy when None).
         num_draft: draft exactly this many tokens per step; None adapts k to
             the acceptance rate (1 … ``MAX_DRAFT``).
-        stats: when given, its ``draft_tokens``, ``accepted_tokens`` and
-            ``speculative_steps`` are counted up.
     Yields:
-        As ``generate_step`` (the token and the (V,) log-probs it was drawn
-        from, after logits processors, before filtering), plus whether the
-        token was proposed by the draft and accepted.
+        A :class:`~mlxinfer.results.Step` per token: the token and the (V,)
+        log-probs it was drawn from (after logits processors, before
+        filtering), whether the draft proposed it and it was accepted, and on
+        the first token of each target pass that pass's counts (``passes``,
+        ``drafted``, ``accepted``).
 
     ``prompt_cache`` (reused when given) ends holding exactly the tokens fed
     to the model, whether the loop ran out or the caller stopped early.
@@ -79,8 +79,8 @@ def speculative_generate_step(
     _require_rewindable(pc.cache, len(ids) + max_tokens)
     todo = pc.reuse(ids)
     # Room for every token and the longest draft verified past the last one.
-    pc.prefill(
-        model, todo[:-1], prefill_step_size, then=max_tokens + max(num_draft or 0, MAX_DRAFT)
+    prefill(
+        model, pc, todo[:-1], prefill_step_size, then=max_tokens + max(num_draft or 0, MAX_DRAFT)
     )
     drafter = draft.start(model, pc.cache, ids)
     key = mx.random.key(secrets.randbits(63) if params.seed is None else params.seed)
@@ -113,13 +113,10 @@ def speculative_generate_step(
             history += emitted
             drafter.rewind(pc.tokens)
             k_policy.update(a, m)
-            if stats is not None:
-                stats.draft_tokens += m
-                stats.accepted_tokens += a
-                stats.speculative_steps += 1
             for j, t in enumerate(emitted):
                 n += 1
-                yield t, logprobs[j], j < a
+                first = j == 0  # the pass's counts travel with its first token
+                yield Step(t, logprobs[j], j < a, int(first), m if first else 0, a if first else 0)
     finally:
         # Keep at most the tokens the caller received (plain decoding's rule).
         pc.rewind(min(len(pc.tokens), len(ids) + n))

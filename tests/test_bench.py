@@ -201,16 +201,16 @@ def test_kv_bits_quantizes_our_cache(model_dir, tmp_path):
 
 
 def test_prefill_step_size_reaches_both_engines(model_dir, tmp_path, monkeypatch):
-    from mlxinfer.prompt_cache import PromptCache
+    import mlxinfer.generation as generation
 
     steps = []
-    original = PromptCache.prefill
+    original = generation.prefill
 
-    def spy(self, model, ids, step=512, **kw):
+    def spy(model, pc, ids, step=512, **kw):
         steps.append(step)
-        return original(self, model, ids, step, **kw)
+        return original(model, pc, ids, step, **kw)
 
-    monkeypatch.setattr(PromptCache, "prefill", spy)
+    monkeypatch.setattr(generation, "prefill", spy)
     out = tmp_path / "s.json"
     result = CliRunner().invoke(
         cli,

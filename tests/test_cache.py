@@ -161,7 +161,8 @@ def test_save_and_load_round_trip(tiny, tmp_path, kind):
 def test_prefill_allocates_the_whole_prompt_once():
     """A reserved cache grows once for the whole prompt instead of once per prefill chunk."""
     from mlxinfer.cache import KVCache
-    from mlxinfer.prompt_cache import MAX_RESERVED_DECODE, PromptCache
+    from mlxinfer.prefill import MAX_RESERVED_DECODE, prefill
+    from mlxinfer.prompt_cache import PromptCache
 
     class Recorder:  # a one-layer "model" that only writes its cache
         def __call__(self, tokens, cache):
@@ -181,14 +182,14 @@ def test_prefill_allocates_the_whole_prompt_once():
         return out
 
     cache.update_and_fetch = spy
-    PromptCache([cache]).prefill(Recorder(), list(range(1000)), step=128)
+    prefill(Recorder(), PromptCache([cache]), list(range(1000)), step=128)
     assert grown == [1001]  # exactly the 1000 prompt tokens + the next one
 
     # With the decode length known, the room covers it exactly; past it, growth is in 256-token steps.
     grown.clear()
     cache.keys = cache.values = None
     cache.offset = cache.reserved = 0
-    PromptCache([cache]).prefill(Recorder(), list(range(1000)), step=128, then=50)
+    prefill(Recorder(), PromptCache([cache]), list(range(1000)), step=128, then=50)
     for _ in range(51):
         Recorder()(mx.zeros((1, 1)), [cache])
     assert grown == [1050, 1050 + 256]
@@ -197,5 +198,5 @@ def test_prefill_allocates_the_whole_prompt_once():
     grown.clear()
     cache.keys = cache.values = None
     cache.offset = cache.reserved = 0
-    PromptCache([cache]).prefill(Recorder(), list(range(1000)), step=128, then=10**9)
+    prefill(Recorder(), PromptCache([cache]), list(range(1000)), step=128, then=10**9)
     assert grown == [1000 + MAX_RESERVED_DECODE]

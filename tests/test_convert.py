@@ -17,6 +17,7 @@ from mlxinfer.cli import cli
 from mlxinfer.conversion import convert
 from mlxinfer.errors import ConfigError, TokenizerError, WeightsError
 from mlxinfer.loader import load_model
+from mlxinfer.prefill import prefill
 from mlxinfer.prompt_cache import PromptCache
 
 IDS = [5, 17, 99, 3, 240, 8, 61, 130, 2, 77, 19, 200]
@@ -99,7 +100,7 @@ def test_long_quantized_prefill_runs_stepwise_and_matches_transformers(tmp_path,
     monkeypatch.setattr(quant, "sliced_mlp", lambda *args: calls.append(args) or sliced(*args))
     ids = [(7 + 37 * i) % 320 for i in range(300)]
     cache = PromptCache(model.make_cache())
-    cache.prefill(model, ids[:-1])
+    prefill(model, cache, ids[:-1])
     out = np.array(model(mx.array([ids[-1:]]), cache.cache)[0, -1])
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     assert len(calls) == (

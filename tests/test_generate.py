@@ -133,17 +133,17 @@ def test_cli_generate_raw_and_stdin_and_verbose(tiny):
 
 
 def test_cli_prefill_step_size_chunks_the_prompt_with_the_same_output(tiny, monkeypatch):
-    from mlxinfer.prompt_cache import PromptCache
+    import mlxinfer.generation as generation
 
     path, model, tok, _ = tiny
     expected = generate(model, tok, "Paris is the capital of", max_tokens=6)
     calls = []
-    original = PromptCache.prefill
+    original = generation.prefill
     monkeypatch.setattr(
-        PromptCache,
+        generation,
         "prefill",
-        lambda self, m, ids, step=512, **kw: (
-            calls.append((len(ids), step)) or original(self, m, ids, step, **kw)
+        lambda m, pc, ids, step=512, **kw: (
+            calls.append((len(ids), step)) or original(m, pc, ids, step, **kw)
         ),
     )
     result = CliRunner().invoke(
@@ -273,3 +273,26 @@ def test_cpu_backend_leaves_the_wired_limit_alone(tiny, monkeypatch):
     monkeypatch.setattr(mx, "set_wired_limit", lambda limit: calls.append(limit) or 0)
     list(stream_generate(model, tok, "Paris is", max_tokens=3))
     assert calls == []
+
+
+def test_sampling_settings_as_one_object(tiny):
+    """``sampling=SamplingParams(...)`` is the same request as the separate keywords; giving both
+    is an error naming the keywords, and a bad setting is an error naming it."""
+    from mlxinfer import SamplingParams
+
+    _, model, tok, _ = tiny
+    keywords = dict(temperature=0.8, top_p=0.9, top_k=20, seed=3, repetition_penalty=1.3)
+    expected = [r.token for r in stream_generate(model, tok, "Paris is", max_tokens=12, **keywords)]
+    one = [
+        r.token
+        for r in stream_generate(
+            model, tok, "Paris is", max_tokens=12, sampling=SamplingParams(**keywords)
+        )
+    ]
+    assert one == expected
+    with pytest.raises(ValueError, match="also as temperature, seed"):
+        list(stream_generate(model, tok, "x", sampling=SamplingParams(), temperature=0.5, seed=1))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        list(stream_generate(model, tok, "x", sampling=SamplingParams(temperature=1.0, top_p=0.0)))
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        list(stream_generate(model, tok, "x", repetition_penalty=-1.0))

@@ -84,10 +84,10 @@ def test_greedy_equals_plain_greedy(tiny, drafts, source, num_draft):
     out = list(
         speculative_generate_step(PROMPT, model, drafts[source], max_tokens=40, num_draft=num_draft)
     )
-    assert [t for t, _, _ in out] == [t for t, _ in ref]
+    assert [t for t, *_ in out] == [t for t, _ in ref]
     # The log-probs yielded are the target's at that position, as in plain decoding.
-    for (_, lp, _), (_, ref_lp) in zip(out, ref):
-        assert np.allclose(np.array(lp), np.array(ref_lp), atol=1e-4)
+    for step, (_, ref_lp) in zip(out, ref):
+        assert np.allclose(np.array(step.logprobs), np.array(ref_lp), atol=1e-4)
 
 
 def test_always_right_draft_is_always_accepted(tiny, drafts):
@@ -96,7 +96,14 @@ def test_always_right_draft_is_always_accepted(tiny, drafts):
         speculative_generate_step(PROMPT, model, drafts["right"], max_tokens=40, num_draft=3)
     )
     # Every step: 3 accepted drafts, then the target's extra (bonus) token; 40 = 10 steps of 4.
-    assert [f for _, _, f in out] == [True, True, True, False] * 10
+    assert [s.from_draft for s in out] == [True, True, True, False] * 10
+    # Each pass's counts travel with its first token: 10 passes, 3 drafted and 3 kept in each.
+    assert [(s.passes, s.drafted, s.accepted) for s in out] == [
+        (1, 3, 3),
+        (0, 0, 0),
+        (0, 0, 0),
+        (0, 0, 0),
+    ] * 10
 
 
 def test_always_wrong_draft_is_never_accepted(tiny, drafts):
@@ -104,8 +111,8 @@ def test_always_wrong_draft_is_never_accepted(tiny, drafts):
     out = list(
         speculative_generate_step(PROMPT, model, drafts["wrong"], max_tokens=30, num_draft=4)
     )
-    assert not any(f for _, _, f in out)
-    assert [t for t, _, _ in out] == [t for t, _ in plain(model, PROMPT, 30)]
+    assert not any(s.from_draft for s in out)
+    assert [t for t, *_ in out] == [t for t, _ in plain(model, PROMPT, 30)]
 
 
 def test_greedy_with_repetition_penalty_and_quantized_cache(tiny, drafts):
@@ -130,7 +137,7 @@ def test_greedy_with_repetition_penalty_and_quantized_cache(tiny, drafts):
             logits_processors=procs,
             prompt_cache=PromptCache(model.make_cache(kv_bits=8, kv_group_size=32)),
         )
-        assert [t for t, _, _ in out] == ref, source
+        assert [t for t, *_ in out] == ref, source
 
 
 # --- Caches after rewind ------------------------------------------------------------------------
@@ -162,9 +169,7 @@ def test_caches_after_run_equal_plain_caches(tiny, drafts, source):
         draft = DraftModel(draft.model, prompt_cache=PromptCache(draft.model.make_cache()))
     out = [
         t
-        for t, _, _ in speculative_generate_step(
-            PROMPT, model, draft, prompt_cache=pc, max_tokens=25
-        )
+        for t, *_ in speculative_generate_step(PROMPT, model, draft, prompt_cache=pc, max_tokens=25)
     ]
     assert out == tokens
     assert_same_cache(pc, ref)  # prompt + all generated tokens but the last
@@ -182,7 +187,7 @@ def test_early_stop_rewinds_both_caches(tiny, stop_after):
     steps = speculative_generate_step(
         PROMPT, model, draft, prompt_cache=pc, max_tokens=40, num_draft=4
     )
-    got = [t for t, _, _ in itertools.islice(steps, stop_after)]
+    got = [t for t, *_ in itertools.islice(steps, stop_after)]
     steps.close()
     # Like plain decoding's early stop, the cache holds the prompt and every token received; after
     # 1 or 2 tokens (inside a run of 4 accepted drafts) that means rewinding accepted drafts. The
@@ -194,9 +199,7 @@ def test_early_stop_rewinds_both_caches(tiny, stop_after):
     # The caches carry on: the next request reuses them and still matches plain decoding.
     again = [
         t
-        for t, _, _ in speculative_generate_step(
-            PROMPT, model, draft, prompt_cache=pc, max_tokens=12
-        )
+        for t, *_ in speculative_generate_step(PROMPT, model, draft, prompt_cache=pc, max_tokens=12)
     ]
     assert again == [t for t, _ in plain(model, PROMPT, 12)]
 
@@ -420,7 +423,7 @@ def first_two_fit(model, prompt, draft, processors=(), temperature=0.8):
             sampler=make_sampler(temperature, top_k=TOP_K, seed=seed),
             logits_processors=processors,
         )
-        pair = tuple(t for t, _, _ in itertools.islice(steps, 2))
+        pair = tuple(t for t, *_ in itertools.islice(steps, 2))
         steps.close()
         if pair in counts:
             counts[pair] += 1

@@ -140,8 +140,9 @@ def ours(target_dir: Path, draft_dir: Path, n: int):
     import mlxinfer
     from mlxinfer.drafts import DraftModel, PromptLookup, SelfDraft
     from mlxinfer.generation import GenerationStats, generate_step
+    from mlxinfer.prefill import prefill
     from mlxinfer.prompt_cache import PromptCache
-    from mlxinfer.speculative import prefill, speculative_generate_step
+    from mlxinfer.speculative import speculative_generate_step
 
     model, _ = mlxinfer.load(target_dir)
     draft, _ = mlxinfer.load(draft_dir)
@@ -174,18 +175,16 @@ def ours(target_dir: Path, draft_dir: Path, n: int):
             pc, source = prefilled(model, ids), make_draft(ids)
             for f in ("draft_tokens", "accepted_tokens", "speculative_steps"):
                 setattr(stats, f, 0)
-            return lambda: (
-                (t, f)
-                for t, _, f in speculative_generate_step(
-                    ids,
-                    model,
-                    source,
-                    prompt_cache=pc,
-                    max_tokens=n,
-                    num_draft=num_draft,
-                    stats=stats,
+
+            def run():
+                steps = speculative_generate_step(
+                    ids, model, source, prompt_cache=pc, max_tokens=n, num_draft=num_draft
                 )
-            )
+                for step in steps:
+                    stats.count(step)  # the loop reports its counts in what it yields
+                    yield step.token, step.from_draft
+
+            return run
 
         return prepare
 

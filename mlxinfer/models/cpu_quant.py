@@ -65,7 +65,7 @@ _stepwise: ContextVar[bool] = ContextVar("mlxinfer_stepwise_prefill", default=Fa
 def stepwise_prefill(model: nn.Module) -> Iterator[None]:
     """Within the block, a quantized model's CPU prefill is evaluated one step at a time.
 
-    ``PromptCache.prefill`` runs in it. MLX allocates an op's result when it
+    ``prefill.prefill`` runs in it. MLX allocates an op's result when it
     schedules the op, up to ten ops ahead of the CPU thread computing them, so
     a layer's dequantized matrices (3.5 MB each for SmolLM2's MLP in float32;
     180 MB for a 7B model's) and the buffers of its attention blocks would

@@ -1,0 +1,43 @@
+"""Prefill: the one function that feeds a prompt into a cache, for every loop.
+
+The plain loop (``generation.generate_step``), the speculative loop and a
+draft model's own cache all prefill through :func:`prefill`; a
+``PromptCache`` only holds the caches and their tokens.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .models.cpu_quant import stepwise_prefill
+from .prompt_cache import PromptCache
+
+DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
+# Most tokens after the prompt given room up front; past it the cache grows in steps.
+MAX_RESERVED_DECODE = 2048
+
+
+def prefill(
+    model, pc: PromptCache, ids: list[int], step: int = DEFAULT_PREFILL_STEP, *, then: int = 1
+) -> None:
+    """Feed ``ids`` into ``pc`` in chunks of ``step``, computing only the caches.
+
+    Only the cache states are evaluated, so the LM head of these chunks is
+    never computed (the lazy graph drops it). The caches get room for the
+    prompt and the ``then`` tokens expected after it (at most
+    ``MAX_RESERVED_DECODE``), allocated once and exactly: no copy as the
+    prompt's chunks arrive, and no slack beyond what the request can use.
+    """
+    y = mx.array(ids, dtype=mx.int32)
+    room = len(ids) + max(1, min(then, MAX_RESERVED_DECODE))
+    for c in pc.cache:
+        if hasattr(c, "reserve"):
+            c.reserve(c.offset + room)
+    # CPU backend, quantized model: one step's buffers alive at a time.
+    with stepwise_prefill(model):
+        for start in range(0, len(ids), step):
+            model(y[None, start : start + step], pc.cache)
+            # Materialise this chunk's cache writes before building the next chunk,
+            # so the graph (and its memory) stays one chunk deep.
+            mx.eval([c.state for c in pc.cache])
+            pc.tokens.extend(ids[start : start + step])

@@ -1,0 +1,87 @@
+"""The package's shape: imports go one way.
+
+Every import statement in ``mlxinfer/`` counts, at module level or inside a
+function, under ``TYPE_CHECKING`` or not: a cycle anywhere means two modules
+that cannot be understood (or changed) one without the other.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "mlxinfer"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the mlxinfer modules it imports."""
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = (
+                    package.split(".")[: len(package.split(".")) - node.level + 1]
+                    if node.level
+                    else []
+                )
+                target = ".".join(base + ([node.module] if node.module else []))
+                found |= {
+                    t for t in [target, *(f"{target}.{a.name}" for a in node.names)] if t in modules
+                }
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        graph[name] = found - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_finds_a_cycle_when_there_is_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_mlxinfer():
+    graph = import_graph()
+    assert "mlxinfer.generation" in graph and graph["mlxinfer.generation"]  # the graph was read
+    assert cycles(graph) == []
+
+
+def test_generation_is_one_way():
+    """The loops import the shared types; nothing they produce imports them back."""
+    graph = import_graph()
+    assert graph["mlxinfer.results"] == set()  # a leaf
+    assert "mlxinfer.generation" not in graph["mlxinfer.speculative"]
+    assert "mlxinfer.models.cpu_quant" not in graph["mlxinfer.prompt_cache"]
+    assert {"mlxinfer.prefill", "mlxinfer.results"} <= graph["mlxinfer.generation"]
+    assert {"mlxinfer.prefill", "mlxinfer.results"} <= graph["mlxinfer.speculative"]
