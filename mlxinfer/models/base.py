@@ -20,7 +20,7 @@ import mlx.nn as nn
 from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
 from ..config import require
 from ..errors import ConfigError
-from . import cpu_ops, cpu_parallel, cpu_quant
+from . import cpu_ops, cpu_parallel, cpu_quant, masks
 from .cpu_ops import use_cpu_ops
 
 
@@ -74,11 +74,7 @@ def causal_mask(n_queries: int, offset: int = 0, window: int | None = None) -> M
     """Mask for ``n_queries`` new tokens after ``offset`` cached ones, no cache object."""
     if n_queries == 1:
         return None
-    if window is None:
-        return "causal"
-    q = mx.arange(offset, offset + n_queries)[:, None]
-    k = mx.arange(offset + n_queries)[None]
-    return (k <= q) & (q - k < window)
+    return "causal" if window is None else masks.windowed(n_queries, offset, window)
 
 
 def attention(
@@ -115,22 +111,16 @@ def _quantized_attention(q, k, v, *, scale, mask, group_size, bits) -> mx.array:
             mask=mask,
             evaluate_blocks=cpu_quant.stepwise(),
         )
-    n_kv, T = k[0].shape[1], k[0].shape[2]
+    n_kv = k[0].shape[1]
     reps = n_q // n_kv
     q = (q * scale).reshape(
         B, n_kv, reps, L, D
     )  # (B, n_kv, reps, L, D): query groups share a kv head
     k = [a[:, :, None] for a in k]
     v = [a[:, :, None] for a in v]
-    scores = mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits)
-    if isinstance(mask, str):
-        qi = mx.arange(T - L, T)[:, None]
-        mask = mx.arange(T)[None] <= qi
-    if mask is not None:
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-        else:
-            scores = scores + mask
+    scores = masks.apply(
+        mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits), mask
+    )
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, n_q, L, -1)
@@ -295,18 +285,11 @@ def softcap_attention(
     sharing a kv head without copying it.
     """
     B, n_q, L, D = q.shape
-    n_kv, T = k.shape[1], k.shape[2]
+    n_kv = k.shape[1]
     reps = n_q // n_kv
     q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D)
     scores = q @ k[:, :, None].swapaxes(-1, -2)  # (B, n_kv, reps, L, T)
-    scores = mx.tanh(scores / softcap) * softcap
-    if isinstance(mask, str):  # "causal", aligned lower-right like sdpa's
-        mask = mx.arange(T)[None] <= mx.arange(T - L, T)[:, None]
-    if mask is not None:
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-        else:
-            scores = scores + mask
+    scores = masks.apply(mx.tanh(scores / softcap) * softcap, mask)
     probs = mx.softmax(scores, axis=-1, precise=True)
     return (probs @ v[:, :, None]).reshape(B, n_q, L, -1)  # (B, n_heads, L, Dv)
 

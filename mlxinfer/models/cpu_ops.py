@@ -35,6 +35,8 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import masks
+
 # MLXINFER_CPU_OPS=0 keeps mx.fast everywhere (to compare the two paths); =1 forces these ops.
 OVERRIDE: bool | None = {"0": False, "1": True}.get(os.environ.get("MLXINFER_CPU_OPS", ""))
 
@@ -234,14 +236,12 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 def _causal(n_queries: int, n_keys: int) -> mx.array:
     """Boolean (L, T) mask, query i seeing keys up to T − L + i (aligned lower-right, like sdpa)."""
-    masks = _thread_cache("masks")
-    mask = masks.get((n_queries, n_keys))
+    cached = _thread_cache("masks")
+    mask = cached.get((n_queries, n_keys))
     if mask is None:
-        if len(masks) >= _MAX_TABLES:
-            masks.clear()
-        mask = masks[(n_queries, n_keys)] = (
-            mx.arange(n_keys)[None] <= mx.arange(n_keys - n_queries, n_keys)[:, None]
-        )
+        if len(cached) >= _MAX_TABLES:
+            cached.clear()
+        mask = cached[(n_queries, n_keys)] = masks.causal(n_queries, n_keys)
     return mask
 
 
@@ -320,12 +320,7 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
         mask is not None and mask.ndim >= 3 and mask.shape[-3] == n_q > 1
     ):  # per query head (ALiBi)
         mask = mask.reshape(*mask.shape[:-3], n_kv, reps, L, T)
-    if mask is not None:
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, -mx.inf)
-        else:
-            scores = scores + mask
-    scores = scores.reshape(B, n_kv, reps * L, T)
+    scores = masks.apply(scores, mask).reshape(B, n_kv, reps * L, T)
     if scores.size < SMALL:
         out = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype) @ v
     else:

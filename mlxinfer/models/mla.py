@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache, LatentKVCache, Mask, RotatingKVCache
+from . import masks
 from .base import RMSNorm
 
 
@@ -183,15 +184,7 @@ class MultiHeadLatentAttention(nn.Module):
         scores = q_latent @ latent.swapaxes(-1, -2) + (q_pe * self.scale) @ k_pe.swapaxes(
             -1, -2
         )  # (B, H, L, T)
-        if isinstance(mask, str):  # "causal", aligned lower-right
-            L, T = scores.shape[-2:]
-            mask = mx.arange(T)[None] <= mx.arange(T - L, T)[:, None]
-        if mask is not None:
-            if mask.dtype == mx.bool_:
-                scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-            else:
-                scores = scores + mask
-        probs = mx.softmax(scores, axis=-1, precise=True)
+        probs = mx.softmax(masks.apply(scores, mask), axis=-1, precise=True)
         return self.v_b_proj(probs @ latent)  # (B, H, L, kv_lora_rank) -> (B, H, L, v_head_dim)
 
 

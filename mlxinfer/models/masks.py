@@ -1,0 +1,35 @@
+"""Attention masks: what "causal" means, and how a mask applies to attention scores.
+
+A mask (``cache.Mask``) is None (every key visible), the string ``"causal"``
+(each of L queries sees the keys up to its own position, aligned lower-right
+like ``mx.fast.scaled_dot_product_attention``: the last query sees the last
+key), a boolean keep-mask, or an additive float bias (ALiBi). Every attention
+that does not go through ``mx.fast`` applies it with :func:`apply`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def causal(n_queries: int, n_keys: int) -> mx.array:
+    """Boolean (L, T) mask: query i sees keys up to T − L + i."""
+    return mx.arange(n_keys)[None] <= mx.arange(n_keys - n_queries, n_keys)[:, None]
+
+
+def windowed(n_queries: int, offset: int, window: int) -> mx.array:
+    """Boolean (L, offset + L) mask for L queries after ``offset`` keys, each seeing its last ``window``."""
+    q = mx.arange(offset, offset + n_queries)[:, None]
+    k = mx.arange(offset + n_queries)[None]
+    return (k <= q) & (q - k < window)
+
+
+def apply(scores: mx.array, mask) -> mx.array:
+    """``scores`` (…, L, T) with ``mask`` applied: masked keys at −inf, a bias added."""
+    if isinstance(mask, str):
+        mask = causal(*scores.shape[-2:])
+    if mask is None:
+        return scores
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    return scores + mask
