@@ -354,6 +354,17 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[floa
 # ---------------------------------------------------------------- environment and notes
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), for naming the machine next to its figures."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def environment(compare: str | None) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -363,6 +374,7 @@ def environment(compare: str | None) -> dict:
         "mlx": mx.__version__,
         "device": mx.default_device().type.name,
         "blas": blas_in_use(),
+        "cpu": cpu_name(),
         "cpus": os.cpu_count(),
         # other work on the machine skews every number; the ratios less so
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

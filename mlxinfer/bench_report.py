@@ -48,7 +48,7 @@ def tables(result: dict) -> str:
     caption = (
         f"{result['model']} — MLX {env['mlx']} on {env['device']}, {env['blas']}; {s['max_tokens']} "
         f"generated tokens{kv}, greedy; median (min–max) of {runs} after a warm-up; "
-        f"{env['cpus']} CPUs, 1-min load average {env['load_average_1min'] or 0:.1f}"
+        f"{env.get('cpu', 'CPU')} × {env['cpus']}, 1-min load average {env['load_average_1min'] or 0:.1f}"
     )
     lines = [
         caption,

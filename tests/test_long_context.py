@@ -1,6 +1,6 @@
 """tools/bench_long_context.py: KV-cache sizes, ratios and greedy divergence, on a tiny model.
 
-The real run (SmolLM2 at ~8k tokens, minutes on a CPU) is in README.md; here the
+The real run (SmolLM2 at ~8k tokens, minutes on a CPU) is in docs/long-context.md; here the
 same code runs on a tiny random llama with a short prompt, and its numbers are
 checked against what they must be by construction.
 """

@@ -12,7 +12,6 @@ gate projection over a 512-token prefill) and of 1 x 576 @ the same (one decode 
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 
@@ -22,15 +21,7 @@ preload_openblas()  # before the first `import mlx` (import mlxinfer does it too
 
 import mlx.core as mx
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+from mlxinfer.bench import cpu_name
 
 
 def median_seconds(fn, reps: int) -> float:
