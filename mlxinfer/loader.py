@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from .config import read_config
 from .errors import ConfigError, WeightsError
-from .models import build_model, get_family
+from .models import build_model, cpu_plans, get_family
 from .models.cpu_quant import use_cpu_layers
 from .quant import apply_quantization
 from .threads import release_at_thread_exit
@@ -145,7 +145,10 @@ def default_dtype() -> mx.Dtype | None:
 
 
 def load_model(
-    model_dir: Path, *, dtype: mx.Dtype | None | str = "auto"
+    model_dir: Path,
+    *,
+    dtype: mx.Dtype | None | str = "auto",
+    log: Callable[[str], None] | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build the model in ``model_dir`` and load its weights (evaluated: see :func:`materialize`).
 
@@ -172,6 +175,9 @@ def load_model(
     use_cpu_layers(model)
     model.eval()
     materialize(model)
+    cpu_plans.choose(
+        model, log=log
+    )  # CPU backend, float model: keep the decode plans only if they pay
     return model, config
 
 
@@ -212,5 +218,5 @@ def load(
         model_dir = default_model_path(log=log)
     else:
         model_dir = resolve_model_path(path_or_repo)
-    model, _ = load_model(model_dir, dtype=dtype)
+    model, _ = load_model(model_dir, dtype=dtype, log=log)
     return model, Tokenizer.from_dir(model_dir)

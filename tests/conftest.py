@@ -1,8 +1,14 @@
 """Shared fixtures. OpenBLAS is preloaded before anything imports mlx (speed only)."""
 
+import os
+import tempfile
+
 from mlxinfer.blas import preload_openblas
 
 preload_openblas()
+# The user cache (the default model, the CPU plans measured at load) of this test run only: tests
+# never write the developer's own; subprocesses (the CLI) inherit it.
+os.environ.setdefault("MLXINFER_CACHE", tempfile.mkdtemp(prefix="mlxinfer-test-cache-"))
 
 import pytest  # noqa: E402
 

@@ -75,17 +75,27 @@ def test_prompt_tokens_match_transformers(ours, reference):
 def test_logits_match_transformers(ours, reference):
     import torch
 
+    from mlxinfer.models import cpu_plans
+
     model, _ = ours
     ids = hf_ids(reference[1], CHAT)
     with torch.no_grad():
         ref = reference[0](torch.tensor([ids])).logits[0].numpy()
     out = np.array(model(mx.array([ids]))[0])
     assert np.abs(out - ref).max() <= 1e-3
-    # Chunked prefill followed by token-by-token decode gives the same logits.
-    cache = model.make_cache()
-    parts = [ids[:17], ids[17:40]] + [[t] for t in ids[40:]]
-    chunked = np.concatenate([np.array(model(mx.array([p]), cache)[0]) for p in parts])
-    assert np.abs(chunked - ref).max() <= 1e-3
+    # Chunked prefill followed by token-by-token decode gives the same logits, with the CPU
+    # backend's float decode plans on and off (load keeps whichever is faster here).
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    chosen = on_cpu and cpu_plans.float_plan_layers(model)["halves"][0].__dict__["_halves"]
+    for on in (True, False) if on_cpu else (None,):
+        if on is not None:
+            cpu_plans.set_float_plans(model, on)
+        cache = model.make_cache()
+        parts = [ids[:17], ids[17:40]] + [[t] for t in ids[40:]]
+        chunked = np.concatenate([np.array(model(mx.array([p]), cache)[0]) for p in parts])
+        assert np.abs(chunked - ref).max() <= 1e-3, on
+    if on_cpu:
+        cpu_plans.set_float_plans(model, chosen)
 
 
 def test_greedy_48_tokens_match_transformers(ours, reference):

@@ -21,7 +21,7 @@ preload_openblas()  # before the first `import mlx` (import mlxinfer does it too
 
 import mlx.core as mx
 
-from mlxinfer.bench import cpu_name
+from mlxinfer.machine import cpu_name
 
 
 def median_seconds(fn, reps: int) -> float:

@@ -181,8 +181,13 @@ def split_gated_mlp(mlp: nn.Module) -> bool:
 
 
 def runs_in_halves(x: mx.array, down: nn.Module) -> bool:
-    """Whether a gated MLP with this ``down`` projection runs :func:`mlp_in_halves` for ``x``."""
-    return isinstance(down, TransposedLinear) and x.size // x.shape[-1] <= CPULinear.MAX_ROWS
+    """Whether a gated MLP with this ``down`` projection runs :func:`mlp_in_halves` for ``x``
+    (not when the float plans are off: ``cpu_plans.set_float_plans``)."""
+    return (
+        isinstance(down, TransposedLinear)
+        and down.__dict__.get("_halves", True)
+        and x.size // x.shape[-1] <= CPULinear.MAX_ROWS
+    )
 
 
 def mlp_in_halves(
@@ -255,7 +260,8 @@ def project(x: mx.array, head: nn.Module) -> mx.array:
     (two threads) took it from 9.4 to 6.0 ms.
     """
     n = head["weight"].shape[0]
-    if n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > CPULinear.MAX_ROWS:
+    blocked = head.__dict__.get("_blocked", True)  # False: the float plans are off (cpu_plans)
+    if not blocked or n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > CPULinear.MAX_ROWS:
         return x @ head["weight"].T
     streams = worker_streams()
     blocks = [
