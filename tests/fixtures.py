@@ -101,7 +101,7 @@ def smollm2_mlx_dir() -> Path:
 
 def importer_hash() -> str:
     """Hash of the GGUF importer's modules: an edit to any of them rebuilds imported fixtures."""
-    sources = b"".join(p.read_bytes() for p in sorted((ROOT / "mlxinfer").glob("gguf*.py")))
+    sources = b"".join(p.read_bytes() for p in sorted((ROOT / "mlxinfer" / "gguf").glob("*.py")))
     return hashlib.sha256(sources).hexdigest()[:12]
 
 

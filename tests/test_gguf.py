@@ -797,7 +797,7 @@ def gemma3():
 @pytest.mark.real
 def test_real_gemma3_weights_vs_gguf_reference(gemma3):
     """Exact types bit-identical; K-quant decoding bit-identical and the stored loss as reported."""
-    import mlxinfer.gguf_quants as gq
+    import mlxinfer.gguf.quants as gq
 
     gguf_path, mlx_dir = gemma3
     tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
@@ -850,7 +850,7 @@ def test_real_gemma3_weights_vs_gguf_reference(gemma3):
 
 
 def hf_gemma_norm(name: str) -> str:
-    from mlxinfer.gguf_arch import hf_module
+    from mlxinfer.gguf.arch import hf_module
 
     return hf_module("gemma3", Path("x"), name)[0]
 

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from test_gguf import byte_alphabet, dequantized, hf_order, llama_cpp_permute  # noqa: E402
 
-import mlxinfer.gguf_quants as gq  # noqa: E402
+import mlxinfer.gguf.quants as gq  # noqa: E402
 from mlxinfer.conversion import convert  # noqa: E402
 from mlxinfer.errors import WeightsError  # noqa: E402
 from mlxinfer.gguf import import_gguf  # noqa: E402

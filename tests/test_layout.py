@@ -34,7 +34,10 @@ def import_graph() -> dict[str, set[str]]:
                 }
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name in modules}
-        graph[name] = found - {name}
+        # `from . import sibling` names the package a module belongs to, which is being imported
+        # already: an edge to one's own package is not a dependency.
+        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = found - {name} - ancestors
     return graph
 
 

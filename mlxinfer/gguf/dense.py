@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from . import gguf_quants as gq
-from .gguf_arch import fix_float, permuted_heads, unpermute_rows
-from .models import build_model
-from .quant import quantize_model
+from ..models import build_model
+from ..quant import quantize_model
+from . import quants as gq
+from .arch import fix_float, permuted_heads, unpermute_rows
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 

@@ -7,10 +7,10 @@ and refuses Q5_0), then writes the same HF-like directory ``convert`` produces:
 ``tokenizer_config.json``, ``special_tokens_map.json``,
 ``generation_config.json``.
 
-Supported: architectures ``llama`` and ``gemma3`` (gguf_arch.py); tensor types
+Supported: architectures ``llama`` and ``gemma3`` (arch.py); tensor types
 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (exact), Q4_K, Q5_K, Q6_K
-(gguf_quants.py); ``gpt2`` (byte-level BPE) and ``llama`` (SentencePiece)
-vocabularies (gguf_vocab.py).
+(quants.py); ``gpt2`` (byte-level BPE) and ``llama`` (SentencePiece)
+vocabularies (vocab.py).
 
 Quantized tensors stay quantized. The exact types become MLX affine groups of
 32 with no weight rounded twice. K-quants, by default: Q4_K and Q5_K keep their
@@ -43,10 +43,10 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from . import gguf_quants as gq
-from .atomic import writing_dir
-from .errors import MlxInferError, WeightsError
-from .gguf_arch import (
+from ..atomic import writing_dir
+from ..errors import MlxInferError, WeightsError
+from . import quants as gq
+from .arch import (
     SUPPORTED,
     fix_float,
     hf_module,
@@ -55,8 +55,8 @@ from .gguf_arch import (
     permuted_heads,
     unpermute_rows,
 )
-from .gguf_float import DTYPES, write_float
-from .gguf_vocab import build_tokenizer
+from .dense import DTYPES, write_float
+from .vocab import build_tokenizer
 
 # ---------------------------------------------------------------------------
 # Reading the container
@@ -295,7 +295,7 @@ def import_gguf(
       requantize: ``(bits, group_size)`` for every K-quant tensor; default: keep Q4_K/Q5_K
         codes, Q6_K -> 8-bit group 32 (see the module doc). Exact types are never re-rounded.
       dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``: every tensor dequantized to that
-        dtype instead (gguf_float.py); ``requantize`` then quantizes the float weights as
+        dtype instead (dense.py); ``requantize`` then quantizes the float weights as
         ``convert -q`` quantizes a Hugging Face checkpoint.
       progress: show a tqdm bar over tensors (on stderr).
       log: receives one summary line about K-quant losses.

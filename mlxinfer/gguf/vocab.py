@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import TokenizerError
+from ..errors import TokenizerError
 
 
 def _byte_alphabet() -> dict[int, str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import WeightsError
+from ..errors import WeightsError
 
 SUPPORTED = ("llama", "gemma3")
 
