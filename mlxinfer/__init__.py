@@ -38,7 +38,7 @@ _EXPORTS = {
     "PromptLookup": "drafts",
     "SelfDraft": "drafts",
     "ChatSession": "chat",
-    "Tokenizer": "tokenizer",
+    "Tokenizer": "tokenization",
     "MlxInferError": "errors",
 }
 

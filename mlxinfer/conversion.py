@@ -83,7 +83,7 @@ def convert(
     family = get_family(config, str(source))
     model = build_model(config, str(source))
     target = _target_dtype(config, dtype, source)
-    from .tokenizer import Tokenizer
+    from .tokenization import Tokenizer
 
     Tokenizer.from_dir(src_dir)  # a missing or broken tokenizer fails before any work
 

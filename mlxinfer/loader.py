@@ -205,7 +205,7 @@ def load(
     library itself never prints).
     """
     from .blas import late_warning
-    from .tokenizer import Tokenizer
+    from .tokenization import Tokenizer
 
     if warning := late_warning():
         if log is not None:

@@ -17,8 +17,8 @@ from tokenizer_fixtures import (
     build_sentencepiece,
 )
 
-from mlxinfer.detokenizer import StreamingDetokenizer
-from mlxinfer.tokenizer import Tokenizer
+from mlxinfer.tokenization import Tokenizer
+from mlxinfer.tokenization.detokenizer import StreamingDetokenizer
 
 KINDS = [
     "bpe",

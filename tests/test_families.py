@@ -279,7 +279,7 @@ def test_qwen2_window_counts_only_with_use_sliding_window():
 def test_generate_runs_end_to_end_on_every_family(pair):
     """The public API on each family: token-id prompt in, text out."""
     import mlxinfer
-    from mlxinfer.tokenizer import Tokenizer
+    from mlxinfer.tokenization import Tokenizer
 
     _, path, model, _ = pair
     add_tokenizer(path)

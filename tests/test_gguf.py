@@ -747,7 +747,7 @@ def test_gemma3_without_a_chat_template_gets_none_unless_named(gemma3_tiny):
     """A GGUF with no tokenizer.chat_template (a base model) gets no chat template; asked for
     by name, Gemma's turn format renders as transformers' Gemma 3 template does."""
     from mlxinfer.errors import TokenizerError
-    from mlxinfer.tokenizer import Tokenizer
+    from mlxinfer.tokenization import Tokenizer
 
     tok = Tokenizer.from_dir(gemma3_tiny[0])
     assert not tok.has_chat_template
@@ -962,7 +962,7 @@ def test_real_gemma3_runs_in_float16_as_stored(gemma3):
     overflow to inf and NaN; the float16 path clips it and stays close to float32. (Hidden states
     only: float16 quantized matmuls over the 262k-row head are very slow on the CPU backend.)"""
     from mlxinfer.loader import load_model
-    from mlxinfer.tokenizer import Tokenizer as OurTokenizer
+    from mlxinfer.tokenization import Tokenizer as OurTokenizer
 
     _, mlx_dir = gemma3
     ids = mx.array([OurTokenizer.from_dir(mlx_dir).encode("The capital of France is")])
@@ -991,7 +991,7 @@ def test_real_gemma3_base_model_gets_the_raw_prompt_from_the_cli(gemma3):
     from fixtures import gemma3_hf_tokenizer_dir, gemma3_reference
     from transformers import AutoTokenizer
 
-    from mlxinfer.tokenizer import Tokenizer as OurTokenizer
+    from mlxinfer.tokenization import Tokenizer as OurTokenizer
 
     _, mlx_dir = gemma3
     ids = OurTokenizer.from_dir(mlx_dir).encode(TRANSLATE)

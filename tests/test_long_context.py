@@ -85,7 +85,7 @@ def test_quantized_ratio_is_codes_plus_scale_and_bias_over_float(tool):
 
 
 def test_prompt_fits_and_ends_by_asking_the_question(tool, model_dir):
-    from mlxinfer.tokenizer import Tokenizer
+    from mlxinfer.tokenization import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     document = "\n".join(CORPUS)

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from tokenizer_fixtures import CORPUS
 
 from mlxinfer.errors import TokenizerError
-from mlxinfer.tiktoken_backend import DEFAULT_PATTERN
-from mlxinfer.tokenizer import Tokenizer
+from mlxinfer.tokenization import Tokenizer
+from mlxinfer.tokenization.tiktoken_backend import DEFAULT_PATTERN
 
 transformers = pytest.importorskip("transformers")
 regex = pytest.importorskip("regex")
@@ -217,7 +217,7 @@ def test_split_pattern_from_config(tmp_path, ours):
 def test_sentencepiece_tokenizer_model_is_not_mistaken_for_tiktoken(tmp_path):
     from tokenizer_fixtures import build_sentencepiece
 
-    from mlxinfer.sentencepiece_backend import SentencePieceBackend
+    from mlxinfer.tokenization.sentencepiece_backend import SentencePieceBackend
 
     tokenizer = Tokenizer.from_dir(build_sentencepiece(tmp_path / "spm"))
     assert isinstance(tokenizer._backend, SentencePieceBackend)

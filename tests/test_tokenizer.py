@@ -21,7 +21,7 @@ from tokenizer_fixtures import (
 )
 
 from mlxinfer.errors import TokenizerError
-from mlxinfer.tokenizer import Tokenizer
+from mlxinfer.tokenization import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -296,7 +296,7 @@ def test_chat_template_matches_transformers(dirs, tmp_path, template, base):
 def test_named_chat_template_renders_like_transformers(dirs, tmp_path, name):
     """``set_chat_template(name)`` (``--chat-template``) on a tokenizer with none, and the same
     template read from a Jinja file, render as transformers renders that template."""
-    from mlxinfer.chat_template import NAMED_TEMPLATES
+    from mlxinfer.tokenization.chat_template import NAMED_TEMPLATES
 
     reference = transformers.AutoTokenizer.from_pretrained(
         str(_with_template(dirs["spm"], tmp_path / "model", NAMED_TEMPLATES[name]))

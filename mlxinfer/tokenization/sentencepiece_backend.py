@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .errors import TokenizerError
+from ..errors import TokenizerError
 
 
 class SentencePieceBackend:

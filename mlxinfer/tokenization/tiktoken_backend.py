@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .errors import TokenizerError
+from ..errors import TokenizerError
 
 # Llama 3's (= cl100k_base's) pre-tokenizer split pattern.
 DEFAULT_PATTERN = (

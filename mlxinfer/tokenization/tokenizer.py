@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..errors import TokenizerError
 from .chat_template import (
     ChatTemplate,
     load_chat_templates,
@@ -30,7 +31,6 @@ from .chat_template import (
     select_chat_template,
 )
 from .detokenizer import StreamingDetokenizer
-from .errors import TokenizerError
 from .sentencepiece_backend import SentencePieceBackend
 from .tiktoken_backend import TiktokenBackend, find_tiktoken_file
 

@@ -27,7 +27,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import TokenizerError
+from ..errors import TokenizerError
 
 # Names a message's reasoning travels under; transformers copies it to all of them
 # because templates disagree on which one they read.
