@@ -21,6 +21,7 @@ from ..models import build_model
 from ..quant import quantize_model
 from . import quants as gq
 from .arch import fix_float, permuted_heads, unpermute_rows
+from .container import tensor_bytes
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -43,17 +44,18 @@ def write_float(
     dtype: str,
     quantize: tuple[int, int] | None,
     progress: bool,
-    raw,
 ) -> tuple[dict, dict]:
     """The weights in ``dtype`` (``quantize``: affine ``(bits, group_size)`` where
     ``quantize_model`` would quantize), and the per-tensor loss; ``config`` gets the
-    dtype and quantization record. ``raw(buf, t)`` reads a tensor's bytes."""
+    dtype and quantization record."""
     target = DTYPES[dtype]
     record, to_quantize = quantized_modules(config, *quantize) if quantize else (None, set())
     weights, losses = {}, {}
     for name, t in tqdm(tensors.items(), desc="import", unit="tensor", disable=not progress):
         module, kind = names[name]
-        ref = fix_float(arch, module, kind, gq.dequantize(raw(buf, t), t.type_name, t.shape))
+        ref = fix_float(
+            arch, module, kind, gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape)
+        )
         heads = permuted_heads(arch, module, config)
         if heads:
             ref = unpermute_rows(ref, heads)

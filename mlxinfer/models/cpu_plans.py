@@ -116,7 +116,6 @@ def cache_key(model: nn.Module) -> str:
         os.cpu_count(),
         mx.__version__,
         preloaded_blas(),
-        len(model.layers),
         shapes,
     ]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
