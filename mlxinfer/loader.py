@@ -19,10 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import backends
 from .config import read_config
 from .errors import ConfigError, WeightsError
-from .models import build_model, cpu_plans, get_family
-from .models.cpu_quant import use_cpu_layers
+from .models import build_model, get_family
 from .quant import apply_quantization
 from .threads import release_at_thread_exit
 
@@ -172,12 +172,9 @@ def load_model(
             for k, v in weights.items()
         }
     load_weights_into(model, weights, model_dir)
-    use_cpu_layers(model)
     model.eval()
     materialize(model)
-    cpu_plans.choose(
-        model, log=log
-    )  # CPU backend, float model: keep the decode plans only if they pay
+    backends.apply(model, log=log)  # the CPU backend's layers and measured plans, on the CPU
     return model, config
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .models.cpu_quant import stepwise_prefill
+from .backends import prefill_schedule
 from .prompt_cache import PromptCache
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
@@ -33,8 +33,8 @@ def prefill(
     for c in pc.cache:
         if hasattr(c, "reserve"):
             c.reserve(c.offset + room)
-    # CPU backend, quantized model: one step's buffers alive at a time.
-    with stepwise_prefill(model):
+    # As the backend schedules it (the CPU's, for a quantized model: one step's buffers at a time).
+    with prefill_schedule(model):
         for start in range(0, len(ids), step):
             model(y[None, start : start + step], pc.cache)
             # Materialise this chunk's cache writes before building the next chunk,

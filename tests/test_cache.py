@@ -88,7 +88,7 @@ def test_max_kv_size_bounds_memory(tiny):
     "mask,queries", [(None, 1), ("causal", 3), ("causal", 20)]
 )  # 20: a prefill chunk
 def test_quantized_attention_equals_attention_on_dequantized_kv(bits, mask, queries):
-    from mlxinfer.models.base import _quantized_attention
+    from mlxinfer.models.layers import quantized_attention
 
     q, k, v = (
         mx.random.normal((1, n, L, 64), key=mx.random.key(i))
@@ -97,7 +97,7 @@ def test_quantized_attention_equals_attention_on_dequantized_kv(bits, mask, quer
     kq, vq = mx.quantize(k, group_size=64, bits=bits), mx.quantize(v, group_size=64, bits=bits)
     deq = [mx.dequantize(*t, group_size=64, bits=bits) for t in (kq, vq)]
     ref = mx.fast.scaled_dot_product_attention(q, *deq, scale=0.125, mask=mask)
-    out = _quantized_attention(q, kq, vq, scale=0.125, mask=mask, group_size=64, bits=bits)
+    out = quantized_attention(q, kq, vq, scale=0.125, mask=mask, group_size=64, bits=bits)
     assert np.abs(np.array(out) - np.array(ref)).max() < 1e-4
 
 

@@ -85,7 +85,7 @@ def dequantized_reference(torch_model, model):
 
 def test_long_quantized_prefill_runs_stepwise_and_matches_transformers(tmp_path, monkeypatch):
     """A 4-bit prefill long enough for the stepwise path (attention block by block, MLP slice by slice)."""
-    from mlxinfer.models import cpu_quant as quant
+    from mlxinfer.backends.cpu import quantized as quant
 
     src, torch_model = make_tiny(
         tmp_path / "hf",
@@ -202,7 +202,8 @@ def test_existing_output_is_refused(hf_dir, tmp_path):
 
 
 def test_cpu_prefill_path_equals_quantized_kernel():
-    from mlxinfer.models.cpu_quant import CPUQuantizedLinear, use_cpu_layers
+    from mlxinfer.backends.cpu.layers import swap_layers
+    from mlxinfer.backends.cpu.quantized import CPUQuantizedLinear
 
     layer = nn.QuantizedLinear(128, 96, bias=True, group_size=64, bits=4)
     layer.update({"bias": mx.random.normal((96,), key=mx.random.key(1))})
@@ -211,24 +212,22 @@ def test_cpu_prefill_path_equals_quantized_kernel():
     )  # 80 rows: the dequantize + matmul path
     ref = layer(x)  # MLX's quantized_matmul
     holder = nn.Sequential(layer)
-    assert use_cpu_layers(holder) == (1 if mx.default_device().type == mx.DeviceType.cpu else 0)
-    if isinstance(layer, CPUQuantizedLinear):
-        assert np.abs(np.array(layer(x)) - np.array(ref)).max() < 1e-4
-        one_row = x[:, :1]
-        assert mx.array_equal(layer(one_row), nn.QuantizedLinear.__call__(layer, one_row))
+    assert swap_layers(holder) == 1 and isinstance(layer, CPUQuantizedLinear)
+    assert np.abs(np.array(layer(x)) - np.array(ref)).max() < 1e-4
+    one_row = x[:, :1]
+    assert mx.array_equal(layer(one_row), nn.QuantizedLinear.__call__(layer, one_row))
 
 
 def test_cpu_float_linear_split_over_two_streams_equals_one_product():
-    from mlxinfer.models.cpu_parallel import CPULinear
-    from mlxinfer.models.cpu_quant import use_cpu_layers
+    from mlxinfer.backends.cpu.layers import swap_layers
+    from mlxinfer.backends.cpu.parallel import CPULinear
 
     big = nn.Linear(512, CPULinear.MIN_SIZE // 512, bias=True)  # just large enough to switch
     small = nn.Linear(64, 64)
     x = mx.random.normal((1, 3, 512), key=mx.random.key(3))  # decode-sized: the split path
     ref = big(x)
-    switched = use_cpu_layers(nn.Sequential(big, small))
-    if mx.default_device().type == mx.DeviceType.cpu:
-        assert switched == 1 and isinstance(big, CPULinear) and type(small) is nn.Linear
-        assert np.abs(np.array(big(x)) - np.array(ref)).max() < 1e-4
-        many = mx.random.normal((1, 40, 512), key=mx.random.key(4))  # prefill: one product
-        assert mx.array_equal(big(many), nn.Linear.__call__(big, many))
+    switched = swap_layers(nn.Sequential(big, small))
+    assert switched == 1 and isinstance(big, CPULinear) and type(small) is nn.Linear
+    assert np.abs(np.array(big(x)) - np.array(ref)).max() < 1e-4
+    many = mx.random.normal((1, 40, 512), key=mx.random.key(4))  # prefill: one product
+    assert mx.array_equal(big(many), nn.Linear.__call__(big, many))

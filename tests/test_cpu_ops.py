@@ -10,8 +10,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxinfer.models import cpu_ops
-from mlxinfer.models.rope import make_rope
+from mlxinfer.backends.cpu import ops as cpu_ops
+from mlxinfer.backends.cpu.layers import CPURoPE, with_mixin
+from mlxinfer.models.layers import make_rope
 
 
 def rope_reference(
@@ -40,14 +41,9 @@ def test_rope_table_path_matches_definition(traditional, dims, head_dim, offset)
     x = np.random.default_rng(0).standard_normal((1, 3, 5, head_dim)).astype(np.float32)
     inv_freq = base ** (-np.arange(0, dims, 2) / dims)
     ref = rope_reference(x, offset, inv_freq, dims, traditional)
-    saved = cpu_ops.OVERRIDE
-    try:
-        cpu_ops.OVERRIDE = True
-        ours = np.array(rope(mx.array(x), offset=offset))
-        cpu_ops.OVERRIDE = False
-        fast = np.array(rope(mx.array(x), offset=offset))
-    finally:
-        cpu_ops.OVERRIDE = saved
+    fast = np.array(rope(mx.array(x), offset=offset))
+    with_mixin(rope, CPURoPE)  # the CPU backend's RoPE: a shared cos/sin table
+    ours = np.array(rope(mx.array(x), offset=offset))
     # float32 angles p·inv_freq lose ~p·2^-24 rad: the bound grows with the position
     tol = 1e-5 + 4e-7 * (offset + 5)
     assert np.abs(ours - ref).max() <= tol
@@ -61,23 +57,19 @@ def test_rope_tables_are_shared_between_layers_of_one_thread():
     tables.clear()
     ropes = [make_rope(64, 10000.0, None, 2048) for _ in range(4)]  # one per layer
     x = mx.array(np.random.default_rng(0).standard_normal((1, 2, 1, 64)).astype(np.float32))
-    saved = cpu_ops.OVERRIDE
-    try:
-        cpu_ops.OVERRIDE = True
-        for rope in ropes:
-            rope(x, offset=7)
-        assert len(tables) == 1
-        # Another thread builds its own: a lazy table belongs to the thread (stream) that built it.
-        other = []
-        thread = threading.Thread(
-            target=lambda: other.append(
-                (np.array(ropes[0](x, offset=7)), len(cpu_ops._thread_cache("tables")))
-            )
+    for rope in ropes:
+        with_mixin(rope, CPURoPE)
+        rope(x, offset=7)
+    assert len(tables) == 1
+    # Another thread builds its own: a lazy table belongs to the thread (stream) that built it.
+    other = []
+    thread = threading.Thread(
+        target=lambda: other.append(
+            (np.array(ropes[0](x, offset=7)), len(cpu_ops._thread_cache("tables")))
         )
-        thread.start()
-        thread.join()
-    finally:
-        cpu_ops.OVERRIDE = saved
+    )
+    thread.start()
+    thread.join()
     assert len(tables) == 1 and other[0][1] == 1
     assert np.array_equal(other[0][0], np.array(ropes[0](x, offset=7)))
 
@@ -189,7 +181,7 @@ def test_attention_with_a_per_head_additive_mask(L, T, monkeypatch):
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_dequantize_equals_mlx(bits, group_size):
     """The one-kernel dequantization (2, 4, 8 bits) and its fallback (3, 6) against ``mx.dequantize``."""
-    from mlxinfer.models.cpu_quant import dequantize
+    from mlxinfer.backends.cpu.quantized import dequantize
 
     w = mx.random.normal((2, 96, 256), key=mx.random.key(bits * group_size))
     parts = mx.quantize(w, group_size=group_size, bits=bits)
@@ -199,7 +191,7 @@ def test_dequantize_equals_mlx(bits, group_size):
 
 
 def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
-    from mlxinfer.models.cpu_quant import CPUQuantizedLinear, stepwise, stepwise_prefill
+    from mlxinfer.backends.cpu.quantized import CPUQuantizedLinear, stepwise, stepwise_prefill
 
     layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 96, bias=True), 64, 4)
     x = mx.random.normal((1, 40, 128), key=mx.random.key(7))  # many rows: dequantize + matmul
@@ -229,8 +221,9 @@ def test_prefill_evaluates_each_quantized_product_and_stays_lazy_elsewhere():
 )
 def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
     """The stepwise MLP, slice by slice of hidden units, against MLX's quantized layers and silu."""
-    from mlxinfer.models import cpu_quant as quant
-    from mlxinfer.models.base import GatedMLP
+    from mlxinfer.backends.cpu import quantized as quant
+    from mlxinfer.backends.cpu.layers import swap_layers
+    from mlxinfer.models.layers import GatedMLP
 
     dim, hidden, rows = (
         128,
@@ -249,7 +242,7 @@ def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
         return nn.QuantizedLinear.__call__(layer, a)  # MLX's quantized matmul, not ours
 
     ref = whole(mlp.down_proj, nn.silu(whole(mlp.gate_proj, x)) * whole(mlp.up_proj, x))
-    assert quant.use_cpu_layers(mlp) == (3 if mx.default_device().type == mx.DeviceType.cpu else 0)
+    assert swap_layers(mlp) == 4  # three quantized layers and the MLP itself
     with quant.stepwise_prefill(mlp):
         assert quant.slices_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj) == quant.stepwise()
         assert not quant.slices_mlp(

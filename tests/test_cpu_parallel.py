@@ -5,9 +5,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxinfer.models import cpu_parallel
-from mlxinfer.models.base import GatedMLP
-from mlxinfer.models.cpu_quant import CPUQuantizedLinear, use_cpu_layers
+from mlxinfer.backends.cpu import parallel as cpu_parallel
+from mlxinfer.backends.cpu.layers import swap_layers
+from mlxinfer.backends.cpu.quantized import CPUQuantizedLinear
+from mlxinfer.models.layers import GatedMLP
 
 on_cpu = pytest.mark.skipif(
     mx.default_device().type != mx.DeviceType.cpu,
@@ -98,12 +99,12 @@ def test_quantized_siblings_by_parts_equal_mlx_layers(rows, shapes, monkeypatch)
 
 
 @on_cpu
-def test_use_cpu_layers_plans_quantized_siblings_only():
+def test_swap_layers_plans_quantized_siblings_only():
     attn = nn.Module()
     attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
     mlp = GatedMLP(64, 4096, nn.silu)  # 262k weights each
     nn.quantize(mlp, group_size=64, bits=4)
-    assert use_cpu_layers(nn.Sequential(attn, mlp)) == 3
+    assert swap_layers(nn.Sequential(attn, mlp)) == 4  # 3 quantized layers and the MLP
     assert all(
         type(getattr(attn, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj")
     )  # float: left alone
@@ -111,7 +112,7 @@ def test_use_cpu_layers_plans_quantized_siblings_only():
         ((0, 0, 4096),),
         ((1, 0, 4096),),
     }
-    assert "_decode_parts" not in mlp.down_proj.__dict__  # no siblings: cut in halves
+    assert cpu_parallel.plan_of(mlp.down_proj).parts is None  # no siblings: cut in halves
     assert cpu_parallel.decode_parts(mlp.down_proj) == ((0, 0, 32), (1, 32, 64))
 
 
@@ -132,7 +133,7 @@ def test_siblings_in_a_non_affine_mode_are_planned_and_exact():
     nn.quantize(mlp, group_size=32, bits=4, mode="mxfp4")  # no biases: scales only
     x = mx.random.normal((1, 1, 64), key=mx.random.key(11))
     refs = [nn.QuantizedLinear.__call__(layer, x) for layer in (mlp.gate_proj, mlp.up_proj)]
-    use_cpu_layers(mlp)
+    swap_layers(mlp)
     assert {cpu_parallel.decode_parts(mlp.gate_proj), cpu_parallel.decode_parts(mlp.up_proj)} == {
         ((0, 0, 256),),
         ((1, 0, 256),),
@@ -177,7 +178,7 @@ def test_float_gated_mlp_in_halves_equals_float64(rows, bias, monkeypatch):
             )
     x = mx.random.normal((1, rows, 64), key=mx.random.key(4))
     ref = gated_mlp_float64(mlp, x)
-    use_cpu_layers(mlp)
+    swap_layers(mlp)
     assert isinstance(mlp.down_proj, cpu_parallel.TransposedLinear)
     assert mlp.down_proj.weight_t.shape == (200, 64) and "weight" not in mlp.down_proj
     assert cpu_parallel.runs_in_halves(x, mlp.down_proj) == (
@@ -191,6 +192,6 @@ def test_small_or_quantized_gated_mlps_keep_their_down_projection():
     small = GatedMLP(64, 200, nn.silu)  # 12.8k weights: below CPULinear.MIN_SIZE
     quantized_mlp = GatedMLP(64, 8192, nn.silu)
     nn.quantize(quantized_mlp, group_size=64, bits=4)
-    use_cpu_layers(nn.Sequential(small, quantized_mlp))
+    swap_layers(nn.Sequential(small, quantized_mlp))
     assert type(small.down_proj) is nn.Linear
     assert type(quantized_mlp.down_proj) is CPUQuantizedLinear

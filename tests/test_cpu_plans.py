@@ -1,15 +1,18 @@
-"""The CPU backend's float decode plans: each choice gives transformers' outputs, and the choice
-is measured once per machine and model, then cached (models/cpu_plans.py)."""
+"""The CPU backend's decode plans: every option of every kind gives the same outputs
+(transformers' for float, MLX's own quantized layers for 4-bit); the fastest option is kept,
+measured once per machine and model, then cached (backends/cpu/plans.py)."""
 
 import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hf_models import make_tiny, torch_logits
+from hf_models import add_tokenizer, make_tiny, torch_logits
 
+from mlxinfer import backends
+from mlxinfer.backends.cpu import plans as cpu_plans
+from mlxinfer.conversion import convert
 from mlxinfer.loader import load_model
-from mlxinfer.models import cpu_plans
 
 pytestmark = pytest.mark.skipif(
     mx.default_device().type != mx.DeviceType.cpu,
@@ -34,60 +37,114 @@ def big_tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("plans") / "m", tie_word_embeddings=True, **SHAPES)
 
 
-def test_every_plan_choice_matches_transformers(big_tiny, monkeypatch):
-    """Plans forced on and off: prefill and one-row decode logits within 1e-3 of transformers'."""
+def options_of(model):
+    """Every (kind, option) the model's layers can be switched to, long_keys forms included."""
+    found = cpu_plans.plan_layers(model)
+    pairs = [
+        (kind, option)
+        for kind in cpu_plans.OPTIONS
+        if found[kind]
+        for option in cpu_plans.OPTIONS[kind]
+    ]
+    return pairs + [("long_keys", 1), ("long_keys", cpu_plans.NEVER)]
+
+
+def decode_logits(model, ids):
+    cache = model.make_cache()
+    prefill = np.array(model(mx.array([ids[:-1]]), cache)[0])
+    return prefill, np.array(model(mx.array([ids[-1:]]), cache)[0, -1])  # one row: the plans' path
+
+
+def test_every_float_plan_option_matches_transformers(big_tiny, monkeypatch):
+    """Each option forced in turn: prefill and one-row decode logits within 1e-3 of transformers'."""
     path, torch_model = big_tiny
     monkeypatch.setenv(cpu_plans.ENV, "on")
     model, _ = load_model(path)
-    layers = cpu_plans.float_plan_layers(model)
-    assert layers["cut"] and layers["halves"] and layers["head"]  # every plan is there to switch
+    found = cpu_plans.plan_layers(model)
+    assert found["cut"] and found["halves"] and found["head"]  # every float plan is there to switch
     ids = [(5 + 37 * i) % SHAPES["vocab_size"] for i in range(12)]
     expected = torch_logits(torch_model, ids)
-    for on in (True, False):
-        cpu_plans.set_float_plans(model, on)
-        cache = model.make_cache()
-        prefill = np.array(model(mx.array([ids[:-1]]), cache)[0])
-        decode = np.array(model(mx.array([ids[-1:]]), cache)[0, -1])  # one row: the plans' path
-        assert np.abs(prefill - expected[:-1]).max() <= 1e-3, on
-        assert np.abs(decode - expected[-1]).max() <= 1e-3, on
+    for kind, option in options_of(model):
+        cpu_plans.set_plans(model, cpu_plans.forced_plans("on"))  # the others at "on"
+        cpu_plans.set_plan(model, kind, option)
+        prefill, decode = decode_logits(model, ids)
+        assert np.abs(prefill - expected[:-1]).max() <= 1e-3, (kind, option)
+        assert np.abs(decode - expected[-1]).max() <= 1e-3, (kind, option)
 
 
-def test_the_faster_choice_is_kept(big_tiny, monkeypatch):
-    """``measure`` keeps the plans only when the model's decode steps are faster with them."""
+def test_every_quantized_plan_option_matches_mlx_quantized_layers(big_tiny, tmp_path, monkeypatch):
+    """4-bit: each option gives the logits of the plain MLX path (MLX's quantized kernels)."""
+    path, _ = make_tiny(tmp_path / "hf", tie_word_embeddings=False, **SHAPES)
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=64, dtype="float32")
+    ids = [(3 + 29 * i) % SHAPES["vocab_size"] for i in range(12)]
+    monkeypatch.setenv(backends.ENV, "0")
+    plain, _ = load_model(tmp_path / "q")
+    ref_prefill, ref_decode = decode_logits(plain, ids)
+    monkeypatch.delenv(backends.ENV)
+    monkeypatch.setenv(cpu_plans.ENV, "on")
+    model, _ = load_model(tmp_path / "q")
+    assert model.backend == "cpu" and cpu_plans.plan_layers(model)["quantized"]
+    for kind, option in options_of(model):
+        cpu_plans.set_plans(model, cpu_plans.forced_plans("on"))
+        cpu_plans.set_plan(model, kind, option)
+        prefill, decode = decode_logits(model, ids)
+        assert np.abs(prefill - ref_prefill).max() <= 1e-3, (kind, option)
+        assert np.abs(decode - ref_decode).max() <= 1e-4, (kind, option)
+
+
+def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
+    """``measure`` keeps a plan only when decode steps with it are 3% faster than without."""
     model, _ = load_model(big_tiny[0])
-    for plans_cost, keep in ((0.5, True), (2.0, False)):
+    cost = {"cut": 0.5, "halves": 2.0, "head": 0.99}  # relative cost of a step with the plan on
 
-        def step_seconds(m, steps, plans_cost=plans_cost):
-            on = cpu_plans.float_plan_layers(m)["halves"][0].__dict__["_halves"]
-            return 0.01 * (plans_cost if on else 1.0)
+    def step_seconds(m, steps, cache=None):
+        found = cpu_plans.plan_layers(m)
+        total = 1.0
+        for kind, factor in cost.items():
+            if found[kind][0].cpu_plan.two_streams:
+                total *= factor
+        return 0.01 * total
 
-        monkeypatch.setattr(cpu_plans, "decode_step_seconds", step_seconds)
-        result = cpu_plans.measure(model)
-        assert result["on"] is keep and result["steps"] >= 2
+    monkeypatch.setattr(cpu_plans, "decode_step_seconds", step_seconds)
+    monkeypatch.setattr(cpu_plans, "prompt_cache", lambda m: None)
+    monkeypatch.setattr(cpu_plans, "measure_long_keys", lambda m: (4096, {}))
+    result = cpu_plans.measure(model)
+    # head saves 1% only: not worth it; halves cost; cut pays.
+    assert result["plans"] == {"cut": "two", "halves": "one", "head": "one", "long_keys": 4096}
+    assert result["steps"] >= 2
+    found = cpu_plans.plan_layers(model)
+    assert found["cut"][0].cpu_plan.two_streams and not found["halves"][0].cpu_plan.two_streams
+    assert all(a.cpu_long_keys == 4096 for a in cpu_plans.attention_layers(model))
 
 
 def test_choice_is_measured_once_and_cached(big_tiny, monkeypatch, tmp_path):
     monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path))
     monkeypatch.delenv(cpu_plans.ENV, raising=False)
     calls = []
-    monkeypatch.setattr(
-        cpu_plans,
-        "measure",
-        lambda m: (
-            calls.append(m) or {"on": False, "step_s_off": 1e-3, "step_s_on": 2e-3, "steps": 2}
-        ),
-    )
+    entry = {"plans": {"cut": "one", "halves": "one", "head": "two", "long_keys": 2048}, "steps": 2}
+    monkeypatch.setattr(cpu_plans, "measure", lambda m, fixed=None: calls.append(fixed) or entry)
     logged = []
     model, _ = load_model(big_tiny[0], log=logged.append)
-    assert len(calls) == 1 and "CPU float plans off" in logged[0]
-    assert not cpu_plans.float_plan_layers(model)["halves"][0].__dict__["_halves"]
-    assert type(cpu_plans.float_plan_layers(model)["cut"][0]).__name__ == "Linear"
+    assert calls == [None] and "CPU decode plans measured: cut=one" in logged[0]
+    found = cpu_plans.plan_layers(model)
+    assert not found["halves"][0].cpu_plan.two_streams and found["head"][0].cpu_plan.two_streams
     cached = json.loads((tmp_path / "cpu-plans.json").read_text())
-    assert list(cached.values()) == [
-        {"on": False, "step_s_off": 1e-3, "step_s_on": 2e-3, "steps": 2}
-    ]
+    assert list(cached.values()) == [entry]
     load_model(big_tiny[0])  # the same machine and shapes: read from the cache
     assert len(calls) == 1
     monkeypatch.setenv(cpu_plans.ENV, "on")  # forced: no measurement, no cache
     forced, _ = load_model(big_tiny[0])
-    assert len(calls) == 1 and cpu_plans.float_plan_layers(forced)["halves"][0].__dict__["_halves"]
+    assert len(calls) == 1 and cpu_plans.plan_layers(forced)["halves"][0].cpu_plan.two_streams
+    monkeypatch.setenv(cpu_plans.ENV, "halves=two,long_keys=512")  # the rest measured, not cached
+    load_model(big_tiny[0])
+    assert calls[-1] == {"halves": "two", "long_keys": 512}
+
+
+@pytest.mark.parametrize("value", ["fast", "cut=three", "long_keys=many"])
+def test_a_bad_plans_setting_names_the_variable_and_the_choices(value, monkeypatch):
+    monkeypatch.setenv(cpu_plans.ENV, value)
+    with pytest.raises(
+        ValueError, match=r"MLXINFER_CPU_PLANS=.*expected 'on', 'off'.*cut: one/two"
+    ):
+        cpu_plans.forced_plans()

@@ -85,6 +85,41 @@ def test_generation_is_one_way():
     graph = import_graph()
     assert graph["mlxinfer.results"] == set()  # a leaf
     assert "mlxinfer.generation" not in graph["mlxinfer.speculative"]
-    assert "mlxinfer.models.cpu_quant" not in graph["mlxinfer.prompt_cache"]
+    assert not any(m.startswith("mlxinfer.backends") for m in graph["mlxinfer.prompt_cache"])
     assert {"mlxinfer.prefill", "mlxinfer.results"} <= graph["mlxinfer.generation"]
     assert {"mlxinfer.prefill", "mlxinfer.results"} <= graph["mlxinfer.speculative"]
+
+
+# What a backend check looks like: asking which device runs, or the old per-call CPU switches.
+# (Imports of mlxinfer.backends are checked on the import graph.)
+BACKEND_CHECKS = (
+    "default_device",
+    "DeviceType",
+    "mx.cpu",
+    "mx.gpu",
+    "use_cpu",
+    "cpu_ops",
+    "cpu_quant",
+)
+
+
+def test_the_models_never_ask_which_backend_runs_them():
+    """Model code reads as it runs on Metal; a backend swaps its layers in at load."""
+    graph = import_graph()
+    models = [m for m in graph if m.startswith("mlxinfer.models")]
+    assert len(models) > 15  # the families and the shared layers were read
+    for name in models:
+        assert not any(m.startswith("mlxinfer.backends") for m in graph[name]), name
+        path = ROOT.parent / (name.replace(".", "/") + ".py")
+        if not path.exists():
+            path = ROOT.parent / name.replace(".", "/") / "__init__.py"
+        text = path.read_text(encoding="utf-8")
+        found = [check for check in BACKEND_CHECKS if check in text]
+        assert found == [], f"{path.name}: {found}"
+
+
+def test_the_backend_check_finds_one():
+    assert [c for c in BACKEND_CHECKS if c in "if mx.default_device() == mx.cpu:"] == [
+        "default_device",
+        "mx.cpu",
+    ]

@@ -24,7 +24,7 @@ from mlxinfer.conversion import convert
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
 from mlxinfer.models import build_model
-from mlxinfer.models.mla import cache_bytes_per_token
+from mlxinfer.models.layers.mla import cache_bytes_per_token
 from mlxinfer.quant import quantize_model
 
 TOL = 1e-3

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hf_models import make_tiny, torch_greedy, torch_logits, torch_logits_chunked
 
+from mlxinfer import backends
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
-from mlxinfer.models import cpu_ops
 
 TOL = 1e-3
 IDS = [3, 17, 99, 5, 240, 8, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255, 4, 60, 91, 101]
@@ -67,13 +67,13 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=["cpu-ops", "mx.fast"])
+@pytest.fixture(scope="module", params=["cpu-backend", "plain-mlx"])
 def ops_path(request):
-    """Both kernel paths: the CPU backend's own ops, and mx.fast (Metal's path, here its reference graph)."""
-    saved = cpu_ops.OVERRIDE
-    cpu_ops.OVERRIDE = request.param == "cpu-ops"
-    yield request.param
-    cpu_ops.OVERRIDE = saved
+    """Both paths: the CPU backend's layers, and the models as written (mx.fast: Metal's path,
+    here its reference graph). Models are loaded under the setting and keep their backend."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(backends.ENV, "1" if request.param == "cpu-backend" else "0")
+        yield request.param
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -83,6 +83,7 @@ def pair(request, tmp_path_factory, ops_path):
         tmp_path_factory.mktemp(request.param), perturb_vectors=True, **spec
     )
     model, _ = load_model(path)
+    assert model.backend == backends.name()
     return request.param, model, torch_model
 
 

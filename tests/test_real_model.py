@@ -75,7 +75,7 @@ def test_prompt_tokens_match_transformers(ours, reference):
 def test_logits_match_transformers(ours, reference):
     import torch
 
-    from mlxinfer.models import cpu_plans
+    from mlxinfer.backends.cpu import plans as cpu_plans
 
     model, _ = ours
     ids = hf_ids(reference[1], CHAT)
@@ -84,18 +84,19 @@ def test_logits_match_transformers(ours, reference):
     out = np.array(model(mx.array([ids]))[0])
     assert np.abs(out - ref).max() <= 1e-3
     # Chunked prefill followed by token-by-token decode gives the same logits, with the CPU
-    # backend's float decode plans on and off (load keeps whichever is faster here).
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    chosen = on_cpu and cpu_plans.float_plan_layers(model)["halves"][0].__dict__["_halves"]
-    for on in (True, False) if on_cpu else (None,):
-        if on is not None:
-            cpu_plans.set_float_plans(model, on)
+    # backend's decode plans at their plainest and at their most parallel (load keeps whichever
+    # is measured faster here).
+    on_cpu = getattr(model, "backend", None) == "cpu"
+    chosen = cpu_plans.choose(model) if on_cpu else None
+    for forced in ("off", "on") if on_cpu else (None,):
+        if forced is not None:
+            cpu_plans.set_plans(model, cpu_plans.forced_plans(forced))
         cache = model.make_cache()
         parts = [ids[:17], ids[17:40]] + [[t] for t in ids[40:]]
         chunked = np.concatenate([np.array(model(mx.array([p]), cache)[0]) for p in parts])
-        assert np.abs(chunked - ref).max() <= 1e-3, on
+        assert np.abs(chunked - ref).max() <= 1e-3, forced
     if on_cpu:
-        cpu_plans.set_float_plans(model, chosen)
+        cpu_plans.set_plans(model, chosen)
 
 
 def test_greedy_48_tokens_match_transformers(ours, reference):
@@ -168,7 +169,7 @@ def test_long_4bit_prompt_is_prefilled_stepwise_and_matches_transformers(
 ):
     """A 405-token prompt on the 4-bit GGUF import: on the CPU backend its prefill takes the stepwise path
     (attention block by block, MLP slice by slice), and greedy decoding still follows the float32 reference."""
-    from mlxinfer.models import cpu_quant
+    from mlxinfer.backends.cpu import quantized as cpu_quant
 
     messages = [
         {

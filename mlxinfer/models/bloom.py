@@ -23,7 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, CausalLM, alibi_slopes, attention, make_layer_caches
+from . import layers
+from .base import BaseArgs, CausalLM, alibi_slopes, make_layer_caches
 
 
 @dataclasses.dataclass
@@ -58,7 +59,7 @@ def alibi_mask(slopes: mx.array, n_queries: int, offset: int, dtype: mx.Dtype) -
     return mx.where(k <= q, bias, -mx.inf).astype(dtype)
 
 
-class Attention(nn.Module):
+class Attention(layers.Attention):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads = args.n_head
@@ -74,7 +75,7 @@ class Attention(nn.Module):
         q, k, v = (qkv[..., i, :].transpose(0, 2, 1, 3) for i in range(3))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = attention(q, k, v, scale=self.scale, mask=mask, cache=cache)
+        out = self.attend(q, k, v, scale=self.scale, mask=mask, cache=cache)
         return self.dense(out.transpose(0, 2, 1, 3).reshape(B, L, D))
 
 

@@ -30,9 +30,10 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from ..errors import ConfigError, WeightsError
-from .base import BaseArgs, CausalLM, GatedMLP, RMSNorm, activation, causal_mask
-from .mla import MultiHeadLatentAttention, make_latent_caches, split_kv_b_proj
-from .moe import (
+from .base import BaseArgs, CausalLM, causal_mask
+from .layers import GatedMLP, RMSNorm, activation, make_rope
+from .layers.mla import MultiHeadLatentAttention, make_latent_caches, split_kv_b_proj
+from .layers.moe import (
     Gate,
     SwitchGLU,
     combine,
@@ -41,7 +42,6 @@ from .moe import (
     keep_routers_float,
     stack_experts,
 )
-from .rope import make_rope
 
 EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 

@@ -20,17 +20,8 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from ..errors import ConfigError
-from .base import (
-    BaseArgs,
-    CausalLM,
-    GatedMLP,
-    RopeAttention,
-    activation,
-    causal_mask,
-    rms_norm,
-    scaled_embedding,
-)
-from .rope import make_rope
+from .base import BaseArgs, CausalLM, causal_mask, scaled_embedding
+from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope
 
 
 @dataclasses.dataclass
@@ -63,21 +54,6 @@ class ModelArgs(BaseArgs):
         self.activation = "gelu_pytorch_tanh" if self.hidden_act == "gelu" else self.hidden_act
 
 
-class RMSNorm(nn.Module):
-    """``x / rms(x) * (1 + w)``, computed in float32 and cast back, as transformers does.
-
-    (1 + w) is formed in float32: in bfloat16 it would round w to steps of 1/128.
-    """
-
-    def __init__(self, dims: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = mx.zeros((dims,))
-        self.eps = eps
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return rms_norm(x, 1.0 + self.weight.astype(mx.float32), self.eps).astype(x.dtype)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -94,8 +70,8 @@ class DecoderLayer(nn.Module):
             o_bias=args.attention_bias,
         )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.activation))
-        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
@@ -108,7 +84,7 @@ class GemmaModel(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = scaled_embedding(

@@ -27,17 +27,13 @@ from .base import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     CausalLM,
-    GatedMLP,
-    RopeAttention,
-    activation,
     check_layer_types,
     make_typed_caches,
     scaled_embedding,
     typed_masks,
 )
 from .gemma import ModelArgs as GemmaArgs
-from .gemma import RMSNorm
-from .rope import make_rope
+from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope
 
 # Keys whose explicit null in config.json means "off", not "use the default".
 NULLABLE = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
@@ -87,7 +83,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         base, scaling = args.rope_parameters(kind)
         rope = make_rope(args.head_dim, base, scaling, args.max_position_embeddings)
-        qk_norm = (lambda dim: RMSNorm(dim, eps=args.rms_norm_eps)) if args.qk_norm else None
+        qk_norm = (lambda dim: OffsetRMSNorm(dim, eps=args.rms_norm_eps)) if args.qk_norm else None
         self.self_attn = RopeAttention(
             args.hidden_size,
             args.num_attention_heads,
@@ -101,10 +97,10 @@ class DecoderLayer(nn.Module):
             softcap=args.attn_logit_softcapping,
         )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.activation))
-        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         h = residual_add(
@@ -133,7 +129,7 @@ class Gemma2Model(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, kind) for kind in args.layer_types]
-        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = scaled_embedding(

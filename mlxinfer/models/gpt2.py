@@ -17,7 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, CausalLM, activation, attention, causal_mask
+from . import layers
+from .base import BaseArgs, CausalLM, causal_mask
+from .layers import activation
 
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
@@ -43,7 +45,7 @@ class ModelArgs(BaseArgs):
         )  # the context, under the name generation reads
 
 
-class Attention(nn.Module):
+class Attention(layers.Attention):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.n_heads = args.n_head
@@ -63,7 +65,7 @@ class Attention(nn.Module):
         )
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = attention(
+        out = self.attend(
             q, k, v, scale=self.scale, mask=mask, cache=cache
         )  # (B, n_heads, L, head_dim)
         return self.c_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D))

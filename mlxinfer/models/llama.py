@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
-from .base import BaseArgs, CausalLM, GatedMLP, RMSNorm, RopeAttention, causal_mask
-from .rope import make_rope
+from .base import BaseArgs, CausalLM, causal_mask
+from .layers import GatedMLP, RMSNorm, RopeAttention, make_rope
 
 
 @dataclasses.dataclass

@@ -20,9 +20,9 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import llama
-from .base import BaseArgs, RMSNorm, RopeAttention, activation
-from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
-from .rope import make_rope
+from .base import BaseArgs
+from .layers import RMSNorm, RopeAttention, activation, make_rope
+from .layers.moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
 
 EXPERT_NAMES = {"w1": "gate", "w3": "up", "w2": "down"}
 

@@ -18,8 +18,8 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import llama
-from .base import BaseArgs, RMSNorm, RopeAttention, activation
-from .rope import make_rope
+from .base import BaseArgs
+from .layers import RMSNorm, RopeAttention, activation, make_rope
 
 
 @dataclasses.dataclass

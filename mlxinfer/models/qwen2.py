@@ -25,15 +25,11 @@ from .base import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     BaseArgs,
-    GatedMLP,
-    RMSNorm,
-    RopeAttention,
-    activation,
     check_layer_types,
     make_typed_caches,
     typed_masks,
 )
-from .rope import make_rope
+from .layers import GatedMLP, RMSNorm, RopeAttention, activation, make_rope
 
 
 @dataclasses.dataclass

@@ -20,18 +20,9 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import qwen2
-from .base import (
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
-    BaseArgs,
-    GatedMLP,
-    RMSNorm,
-    RopeAttention,
-    activation,
-    check_layer_types,
-)
-from .moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
-from .rope import make_rope
+from .base import FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, check_layer_types
+from .layers import GatedMLP, RMSNorm, RopeAttention, activation, make_rope
+from .layers.moe import Gate, SwitchGLU, combine, keep_routers_float, softmax_top_k, stack_experts
 
 EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 

@@ -20,7 +20,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import Cache
-from .base import BaseArgs, CausalLM, activation, attention, causal_mask
+from . import layers
+from .base import BaseArgs, CausalLM, causal_mask
+from .layers import activation
 
 POSITION_OFFSET = 2  # fairseq's padding offset, as transformers implements it
 
@@ -54,7 +56,7 @@ def sinusoidal_table(n_positions: int, dim: int, padding_idx: int | None) -> np.
     return table.astype(np.float32)
 
 
-class Attention(nn.Module):
+class Attention(layers.Attention):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d = args.d_model
@@ -74,7 +76,7 @@ class Attention(nn.Module):
         )
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = attention(q, k, v, scale=self.scale, mask=mask, cache=cache)
+        out = self.attend(q, k, v, scale=self.scale, mask=mask, cache=cache)
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D))
 
 

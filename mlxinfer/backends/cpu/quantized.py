@@ -3,7 +3,7 @@
 MLX's CPU ``quantized_matmul`` is a scalar loop. For many rows (prefill) it is
 far cheaper to dequantize a layer (:func:`dequantize`, one compiled kernel) and
 call the BLAS matmul; for one row (decode) the quantized kernel reads 8× fewer
-bytes, and runs on two CPU threads (``cpu_parallel``). A quantized model's prefill runs
+bytes, and runs on two CPU threads (``parallel``). A quantized model's prefill runs
 stepwise (:func:`stepwise_prefill`) so that its dequantized matrices and
 activations are alive one step at a time. On Metal the quantized kernels are
 the fast path and none of this is used.
@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import cpu_parallel
+from . import parallel
 
 
 def dequantize(
@@ -65,13 +65,13 @@ _stepwise: ContextVar[bool] = ContextVar("mlxinfer_stepwise_prefill", default=Fa
 def stepwise_prefill(model: nn.Module) -> Iterator[None]:
     """Within the block, a quantized model's CPU prefill is evaluated one step at a time.
 
-    ``prefill.prefill`` runs in it. MLX allocates an op's result when it
+    ``prefill.prefill`` runs in it (``backends.prefill_schedule``). MLX allocates an op's result when it
     schedules the op, up to ten ops ahead of the CPU thread computing them, so
     a layer's dequantized matrices (3.5 MB each for SmolLM2's MLP in float32;
     180 MB for a 7B model's) and the buffers of its attention blocks would
     otherwise be alive several at once. Stepwise, :class:`CPUQuantizedLinear`
     evaluates each many-row product as it is built, attention each block of
-    queries (``cpu_ops.attention``), and a gated MLP runs one slice of its
+    queries (``ops.attention``), and a gated MLP runs one slice of its
     hidden units at a time (:func:`sliced_mlp`). Float models are left as they
     are (their weights are not a transient). Outside the block every layer
     stays lazy, so it can still be traced (``mx.compile``).
@@ -197,41 +197,8 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
         return y
 
     def _few_rows(self, x: mx.array) -> mx.array:
-        """Decode: the quantized kernel, on two CPU threads by parts (``cpu_parallel``)."""
-        if self["weight"].shape[0] < 2 * 64 and "_decode_parts" not in self.__dict__:
-            return super().__call__(x)  # too small to cut, and no siblings to run beside
-        return cpu_parallel.quantized_product(x, self)
-
-
-def use_cpu_layers(model: nn.Module) -> int:
-    """On the CPU backend, switch quantized Linear layers to :class:`CPUQuantizedLinear` and
-    large float ones to ``cpu_parallel.CPULinear``, hold the down projection of large float
-    gated MLPs transposed (``cpu_parallel.split_gated_mlp``), and plan how quantized siblings
-    share the two threads (``cpu_parallel.plan_siblings``).
-
-    Same outputs (up to float rounding) and parameters, except that a split MLP's down
-    projection holds its weight as ``weight_t`` (in, out); returns how many layers switched.
-    Only the loaded model is switched: conversion writes the checkpoint's own layout.
-    Float siblings are not planned: OpenBLAS threads their products itself, and SmolLM2's
-    float32 q/k/v side by side on the two streams decoded 5% slower than one after the other.
-    """
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return 0
-    n = 0
-    for _, module in model.named_modules():
-        n += cpu_parallel.split_gated_mlp(module)
-    for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear:
-            module.__class__ = CPUQuantizedLinear  # same fields; only __call__ differs
-            n += 1
-        elif type(module) is nn.Linear and module.weight.size >= cpu_parallel.CPULinear.MIN_SIZE:
-            module.__class__ = cpu_parallel.CPULinear
-            n += 1
-    for _, module in model.named_modules():
-        for names in cpu_parallel.SIBLINGS:
-            layers = [module.get(name) for name in names]
-            if all(type(layer) is CPUQuantizedLinear for layer in layers):
-                widths = {layer["scales"].shape[-1] * layer.group_size for layer in layers}
-                if len(widths) == 1:
-                    cpu_parallel.plan_siblings(layers, widths.pop())
-    return n
+        """Decode: the quantized kernel, on two CPU threads by parts (``parallel``)."""
+        plan = parallel.plan_of(self)
+        if not plan.two_streams or (self["weight"].shape[0] < 2 * 64 and plan.parts is None):
+            return super().__call__(x)  # one stream, or too small to cut with no siblings beside
+        return parallel.quantized_product(x, self)

@@ -27,8 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConfigError
-from .cpu_ops import apply_rope, rope_table, use_cpu_ops
+from ...errors import ConfigError
 
 
 class RoPE(nn.Module):
@@ -53,11 +52,10 @@ class RoPE(nn.Module):
         self.input_scale = input_scale
         self.dynamic = dynamic  # (factor, max_position_embeddings) for dynamic NTK
         # A leading underscore keeps the frequencies out of the parameter tree.
+        # mx.fast.rope takes periods (1 / inv_freq); a backend computing the angles itself
+        # takes the frequencies as given, without a second rounding.
         self._freqs = None if inv_freq is None else mx.array(1.0 / inv_freq, dtype=mx.float32)
-        self._inv_freq = self._key = None  # the CPU path's form of the same frequencies
-        if inv_freq is not None:
-            self._inv_freq = mx.array(inv_freq, dtype=mx.float32)
-            self._key = ("inv_freq", dims, hash(np.asarray(inv_freq, np.float32).tobytes()))
+        self._inv_freq = None if inv_freq is None else mx.array(inv_freq, dtype=mx.float32)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         if self.input_scale != 1.0:
@@ -69,8 +67,10 @@ class RoPE(nn.Module):
             base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (
                 self.dims / (self.dims - 2)
             )
-        if use_cpu_ops():
-            return self._cpu_rope(x, offset, base)
+        return self.rotate(x, offset, base)
+
+    def rotate(self, x: mx.array, offset: int, base: float) -> mx.array:
+        """The rotation itself: ``mx.fast.rope`` (one Metal kernel); a backend may replace it."""
         if self._freqs is not None:
             return mx.fast.rope(
                 x,
@@ -84,21 +84,6 @@ class RoPE(nn.Module):
         return mx.fast.rope(
             x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset
         )
-
-    def _cpu_rope(self, x: mx.array, offset: int, base: float) -> mx.array:
-        """The same rotation from a cos/sin table shared by all layers (see ``cpu_ops``)."""
-        if self._inv_freq is not None:
-            inv_freq, key = self._inv_freq, self._key
-        else:
-            key = ("base", self.dims, base)
-            if getattr(self, "_base_inv_freq", (None,))[0] != base:  # built once per base
-                self._base_inv_freq = (
-                    base,
-                    mx.array(base ** (-np.arange(0, self.dims, 2) / self.dims), mx.float32),
-                )
-            inv_freq = self._base_inv_freq[1]
-        cos, sin = rope_table(inv_freq, key, offset, x.shape[-2], self.scale)
-        return apply_rope(x, cos, sin, dims=self.dims, traditional=self.traditional)
 
 
 def make_rope(

@@ -26,12 +26,40 @@ On Metal none of this is used: one kernel uses the whole GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 Part = tuple[int, int, int]  # (worker stream, first output row, end row) of one layer's product
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    """How one layer's few-row (decode) product runs: set at load by the backend, and switched by
+    the measurement in ``plans``. Held as the layer's ``cpu_plan`` attribute (a plain object, so
+    it stays out of the parameter tree)."""
+
+    two_streams: bool = True  # spread over the worker streams; False: one call, as nn.Linear
+    parts: tuple[Part, ...] | None = None  # explicit parts (siblings' plan), else two halves
+    sibling_parts: tuple[Part, ...] | None = None  # the siblings' plan, when parts may drop it
+    blocks: dict = dataclasses.field(default_factory=dict)  # row blocks, see row_block
+
+
+def plan_of(layer: nn.Module) -> LayerPlan:
+    """The layer's plan, made on first use."""
+    plan = getattr(layer, "cpu_plan", None)
+    if plan is None:
+        plan = LayerPlan()
+        object.__setattr__(layer, "cpu_plan", plan)
+    return plan
+
+
+def two_streams(layer: nn.Module) -> bool:
+    plan = getattr(layer, "cpu_plan", None)
+    return plan is None or plan.two_streams
+
 
 SIBLINGS = (
     ("q_proj", "k_proj", "v_proj"),
@@ -62,7 +90,7 @@ def halves(rows: int) -> tuple[Part, Part]:
 
 def decode_parts(layer: nn.Module) -> tuple[Part, ...]:
     """The parts of ``layer``'s few-row product: its plan from :func:`plan_siblings`, else two halves."""
-    return layer.__dict__.get("_decode_parts") or halves(layer["weight"].shape[0])
+    return plan_of(layer).parts or halves(layer["weight"].shape[0])
 
 
 def row_block(
@@ -72,17 +100,17 @@ def row_block(
     kept on the layer until its parameters are replaced (a slice built per call would be one
     more op in every decode step)."""
     params = tuple(layer[k] for k in names if layer.get(k) is not None)
-    key = tuple(id(p) for p in params)
-    blocks = layer.__dict__.get("_row_blocks")
-    if blocks is None or blocks[0] != key:
-        blocks = layer.__dict__["_row_blocks"] = (key, {})
-    block = blocks[1].get((start, stop, names))
+    key = (start, stop, names, tuple(id(p) for p in params))
+    blocks = plan_of(layer).blocks
+    block = blocks.get(key)
     if block is None:
         block = tuple(p[start:stop] for p in params)
         # Evaluated now (views: no copy). Left lazy, a block would belong to this thread's
         # stream, and a request on another thread that found it here could not evaluate it.
         mx.eval(block)
-        blocks[1][(start, stop, names)] = block
+        if len(blocks) >= 64:  # replaced parameters leave stale entries behind
+            blocks.clear()
+        blocks[key] = block
     return block
 
 
@@ -119,14 +147,14 @@ class CPULinear(nn.Linear):
     For one row OpenBLAS threads a large sgemm poorly: SmolLM2's 1,536 × 576
     gate projection took 318 µs in one call and 126 µs as two half calls on two
     streams. Small matrices lose to the cut (576 × 576: 0.82×), so only layers
-    of at least ``MIN_SIZE`` weights switch (see ``cpu_quant.use_cpu_layers``).
+    of at least ``MIN_SIZE`` weights switch (see ``backends.cpu.apply``).
     """
 
     MIN_SIZE = 1 << 19
     MAX_ROWS = 16
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size // x.shape[-1] > self.MAX_ROWS:
+        if x.size // x.shape[-1] > self.MAX_ROWS or not two_streams(self):
             return super().__call__(x)
         streams = worker_streams()
         return _joined(
@@ -182,10 +210,10 @@ def split_gated_mlp(mlp: nn.Module) -> bool:
 
 def runs_in_halves(x: mx.array, down: nn.Module) -> bool:
     """Whether a gated MLP with this ``down`` projection runs :func:`mlp_in_halves` for ``x``
-    (not when the float plans are off: ``cpu_plans.set_float_plans``)."""
+    (not when its plan says one stream: ``plans``)."""
     return (
         isinstance(down, TransposedLinear)
-        and down.__dict__.get("_halves", True)
+        and two_streams(down)
         and x.size // x.shape[-1] <= CPULinear.MAX_ROWS
     )
 
@@ -243,7 +271,7 @@ def plan_siblings(layers: list[nn.Module], in_features: int) -> None:
             parts = ((heavy, 0, rows[i] - excess), (1 - heavy, rows[i] - excess, rows[i]))
         else:
             parts = ((stream_of[i], 0, rows[i]),)
-        layer.__dict__["_decode_parts"] = parts
+        plan_of(layer).parts = plan_of(layer).sibling_parts = parts
 
 
 HEAD_CHUNK = 1024  # rows of the output projection per matmul (see project)
@@ -260,8 +288,7 @@ def project(x: mx.array, head: nn.Module) -> mx.array:
     (two threads) took it from 9.4 to 6.0 ms.
     """
     n = head["weight"].shape[0]
-    blocked = head.__dict__.get("_blocked", True)  # False: the float plans are off (cpu_plans)
-    if not blocked or n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > CPULinear.MAX_ROWS:
+    if not two_streams(head) or n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > CPULinear.MAX_ROWS:
         return x @ head["weight"].T
     streams = worker_streams()
     blocks = [

@@ -20,25 +20,21 @@ Here, instead:
   error ≤ 1.5e-7, below MLX's own ~3e-6) in about a third of the time, with
   one buffer between them; :func:`attention` and :func:`swiglu` use it.
 
-The models call :func:`use_cpu_ops` to choose; on Metal (or any GPU backend)
-they keep ``mx.fast``. Both paths are exercised by the parity tests, which
-run on the CPU where ``mx.fast`` still works (through the reference graph);
-``MLXINFER_CPU_OPS=0`` or ``=1`` overrides the choice.
+The backend's layers (``layers``) call these in place of ``mx.fast``; on Metal
+(or any GPU backend) the models keep ``mx.fast``. Both paths are exercised by
+the parity tests, which run on the CPU where ``mx.fast`` still works (through
+the reference graph); ``MLXINFER_CPU_OPS=0`` loads models without this backend.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import masks
-
-# MLXINFER_CPU_OPS=0 keeps mx.fast everywhere (to compare the two paths); =1 forces these ops.
-OVERRIDE: bool | None = {"0": False, "1": True}.get(os.environ.get("MLXINFER_CPU_OPS", ""))
+from ...models.layers import masks
 
 # Per thread, (key) -> (cos, sin): the tables of the forward pass in progress. One RoPE
 # configuration asks for the same positions once per layer; the next forward pass moves
@@ -56,11 +52,6 @@ def _thread_cache(name: str) -> dict:
         cache = {}
         setattr(_PER_THREAD, name, cache)
     return cache
-
-
-def use_cpu_ops() -> bool:
-    """True when MLX computes on its CPU backend (no fused kernels for rope and rms_norm)."""
-    return mx.default_device() == mx.cpu if OVERRIDE is None else OVERRIDE
 
 
 def rope_table(
@@ -249,9 +240,10 @@ DEQUANTIZED_ATTENTION_ROWS = (
     16  # queries from which a quantized KV cache is dequantized for attention
 )
 QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
-# Decode attention over at least this many keys takes the long-context form (see _attend). It has
-# more ops; alternated in one process, SmolLM2 f32 decoded 6% slower with it at a 512-token prompt,
-# 2% slower at 1,024, 5.5% faster at 2,048, 9% at 4,000 and 13% at 8,000.
+# Decode attention over at least this many keys takes the long-context form (see _attend), unless
+# ``plans`` measured another crossover on this machine. It has more ops; on the first machine
+# measured SmolLM2 f32 decoded 6% slower with it at a 512-token prompt, 2% slower at 1,024, 5.5%
+# faster at 2,048, 9% at 4,000 and 13% at 8,000.
 DECODE_LONG_KEYS = 1536
 SCORE_BUDGET = (
     1 << 19
@@ -259,7 +251,14 @@ SCORE_BUDGET = (
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask, evaluate_blocks: bool = False
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask,
+    evaluate_blocks: bool = False,
+    long_keys: int = DECODE_LONG_KEYS,
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` semantics for (B, heads, L, D) inputs.
 
@@ -272,13 +271,15 @@ def attention(
     causal mask that skips the masked upper triangle (~40% of a 512-token
     prefill's scores), and the softmax's buffers stay one block in size
     however long the context. ``evaluate_blocks`` evaluates each block as it
-    is built (a stepwise prefill, see ``cpu_quant.stepwise_prefill``); otherwise
-    MLX may allocate the next blocks' buffers before this one is done.
+    is built (a stepwise prefill, see ``quantized.stepwise_prefill``); otherwise
+    MLX may allocate the next blocks' buffers before this one is done. A decode
+    step over at least ``long_keys`` keys takes the long-context form (``plans``
+    measures where that pays).
     """
     L, T = q.shape[2], k.shape[2]
     rows = max(16, min(QUERY_BLOCK, SCORE_BUDGET // (q.shape[1] * T)))
     if L <= rows:
-        return _attend(q, k, v, scale, mask)
+        return _attend(q, k, v, scale, mask, long_keys)
     causal = isinstance(mask, str)
     blocks = []
     for start in range(0, L, rows):
@@ -288,7 +289,9 @@ def attention(
         q_block = q[:, :, start:stop]
         if blocks:  # one block after the other, so that only one block's buffers are alive
             q_block = mx.depends(q_block, blocks[-1])
-        blocks.append(_attend(q_block, k[:, :, :visible], v[:, :, :visible], scale, block_mask))
+        blocks.append(
+            _attend(q_block, k[:, :, :visible], v[:, :, :visible], scale, block_mask, long_keys)
+        )
         if (
             evaluate_blocks
         ):  # stepwise prefill: this block's buffers are freed before the next one's exist
@@ -296,14 +299,16 @@ def attention(
     return mx.concatenate(blocks, axis=2)
 
 
-def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+def _attend(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask, long_keys: int = DECODE_LONG_KEYS
+) -> mx.array:
     B, n_q, L, D = q.shape
     n_kv, T = k.shape[1], k.shape[2]
     if L == 1 and mask is None:
         # Decode: the query heads sharing a kv head become the rows of one product
         # per kv head (half the time of one-row products per query head at 2k context).
         q = (q * scale).reshape(B, n_kv, n_q // n_kv, D)
-        if T < DECODE_LONG_KEYS:
+        if T < long_keys:
             probs = mx.softmax(q @ k.swapaxes(-1, -2), axis=-1, precise=True).astype(v.dtype)
             return (probs @ v).reshape(B, n_q, 1, -1)
         # Many keys: K @ qᵀ (BLAS reads the cached keys as stored instead of packing their
@@ -329,4 +334,4 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
             scores
         )  # total can pass float16's range at 64k keys: divide in float32
         out = ((e.astype(v.dtype) @ v) / total).astype(v.dtype)
-    return out.reshape(B, n_q, L, D)
+    return out.reshape(B, n_q, L, -1)  # (B, n_heads, L, Dv)

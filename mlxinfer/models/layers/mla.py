@@ -33,9 +33,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache, LatentKVCache, Mask, RotatingKVCache
+from ...cache import Cache, LatentKVCache, Mask, RotatingKVCache
 from . import masks
-from .base import RMSNorm
+from .attention import Attention
+from .norms import RMSNorm
 
 
 class PerHeadLinear(nn.Module):
@@ -101,7 +102,7 @@ class QuantizedPerHeadLinear(nn.Module):
         return q
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(Attention):
     """MLA under HF's names, except ``kv_b_proj``, split per head into ``k_b_proj`` and
     ``v_b_proj`` (see :func:`split_kv_b_proj`).
 
@@ -177,7 +178,7 @@ class MultiHeadLatentAttention(nn.Module):
             [k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:-1], self.rope_dim))], axis=-1
         )
         q = mx.concatenate([q_nope, q_pe], axis=-1)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.attend(q, k, v, scale=self.scale, mask=mask, cache=None)  # keys: qk_head_dim
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask) -> mx.array:
         q_latent = self.k_b_proj(q_nope * self.scale, transpose=False)  # (B, H, L, kv_lora_rank)

@@ -1,0 +1,46 @@
+"""Backends: what changes in a loaded model for the hardware that runs it.
+
+The model code (``mlxinfer/models``) reads as it runs on Metal: ``mlx.nn`` and
+``mx.fast``. On Metal (and MLX's other GPU backends) that is the whole story.
+On MLX's CPU backend, :func:`apply` hands the model to ``backends.cpu``, which
+swaps its own layers in once, at load. ``MLXINFER_CPU_OPS=0`` keeps the plain
+MLX path on the CPU too (to compare the two; the parity tests run both).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ENV = "MLXINFER_CPU_OPS"  # "0": no CPU backend, the plain MLX path
+
+
+def name() -> str:
+    """The backend a model loaded now gets: "cpu" on MLX's CPU backend, else "mlx"."""
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    return "cpu" if on_cpu and os.environ.get(ENV, "") != "0" else "mlx"
+
+
+def apply(model: nn.Module, *, log: Callable[[str], None] | None = None) -> str:
+    """Prepare a loaded, evaluated model for this machine's backend; returns its name, which
+    the model keeps as ``model.backend``."""
+    backend = name()
+    if backend == "cpu":
+        from . import cpu
+
+        cpu.apply(model, log=log)
+    object.__setattr__(model, "backend", backend)
+    return backend
+
+
+def prefill_schedule(model: nn.Module) -> AbstractContextManager:
+    """The context the model's prefill runs in, as its backend wants it."""
+    if getattr(model, "backend", None) == "cpu":
+        from . import cpu
+
+        return cpu.prefill_schedule(model)
+    return nullcontext()

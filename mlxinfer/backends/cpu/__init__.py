@@ -1,0 +1,38 @@
+"""The CPU backend: what a model loaded on MLX's CPU backend runs instead of Metal's kernels.
+
+MLX's CPU backend has no fused kernels for RoPE, RMSNorm or attention (it runs
+their reference graphs), its quantized matmul is a scalar loop on one thread,
+and OpenBLAS threads one-row products poorly. :func:`apply` swaps this
+package's layers into a loaded model once (``layers``), and chooses the decode
+plans by timing them on this machine (``plans``). The modules:
+
+- ``ops``: compiled replacements for ``mx.fast`` (RoPE tables, RMSNorm, the
+  exponential, attention);
+- ``quantized``: quantized layers that dequantize for prefill and run decode
+  on two threads, and the stepwise prefill schedule;
+- ``parallel``: one-row products over two worker streams;
+- ``plans``: which of those pay here, measured and cached;
+- ``layers``: the mixins that put all of it into the model's own classes.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Callable
+
+import mlx.nn as nn
+
+from . import layers, plans, quantized
+
+
+def apply(model: nn.Module, *, log: Callable[[str], None] | None = None) -> int:
+    """Swap the CPU layers into a loaded (evaluated) model and choose its decode plans here;
+    returns how many modules changed."""
+    n = layers.swap_layers(model)
+    plans.choose(model, log=log)
+    return n
+
+
+def prefill_schedule(model: nn.Module) -> AbstractContextManager:
+    """The context a prefill runs in: stepwise for a quantized model (``quantized``)."""
+    return quantized.stepwise_prefill(model)

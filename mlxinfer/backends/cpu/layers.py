@@ -1,0 +1,181 @@
+"""The CPU backend's versions of the shared layers, swapped in at load by :func:`swap_layers`.
+
+Each is a mixin over the model's own class that overrides the one step the
+CPU runs differently (``normalize``, ``rotate``, ``attend``, the gated MLP's
+``__call__`` and ``combine``, the LM head's product), with the same fields and
+parameters; everything else is the model's. On Metal none of these exist: the
+model's classes run as written, on ``mx.fast``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ...cache import Cache, Mask
+from ...models import layers
+from . import ops, parallel, quantized
+
+
+class CPUNorm:
+    """RMSNorm (either form) as one compiled kernel instead of ``mx.fast.rms_norm``'s graph."""
+
+    def normalize(self, x: mx.array, weight: mx.array) -> mx.array:
+        return ops.rms_norm(x, weight, self.eps)
+
+
+class CPURoPE:
+    """RoPE from a cos/sin table shared by every layer of a forward pass (see ``ops``)."""
+
+    def rotate(self, x: mx.array, offset: int, base: float) -> mx.array:
+        key, inv_freq = self._table_source(base)
+        cos, sin = ops.rope_table(inv_freq, key, offset, x.shape[-2], self.scale)
+        return ops.apply_rope(x, cos, sin, dims=self.dims, traditional=self.traditional)
+
+    def _table_source(self, base: float) -> tuple[tuple, mx.array]:
+        """(key, inv_freq): the frequencies, and a key that layers with the same ones share.
+        Built once per base (dynamic NTK moves the base as the sequence grows)."""
+        cached = self.__dict__.get("_cpu_table_source")
+        if cached is None or cached[0] != base:
+            if self._inv_freq is not None:
+                freqs = np.asarray(self._inv_freq, np.float32)
+            else:
+                freqs = (base ** (-np.arange(0, self.dims, 2) / self.dims)).astype(np.float32)
+            key = (self.dims, hash(freqs.tobytes()))
+            cached = self.__dict__["_cpu_table_source"] = (base, key, mx.array(freqs))
+            mx.eval(cached[2])  # evaluated: any thread may use it
+        return cached[1], cached[2]
+
+
+class CPUAttention:
+    """Attention through ``ops.attention``: grouped heads without copies, the fast exponential,
+    causal blocks that skip the masked triangle; a quantized cache is dequantized for prefill."""
+
+    def attend(
+        self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
+    ) -> mx.array:
+        if cache is not None and cache.quantized:
+            if q.shape[2] < ops.DEQUANTIZED_ATTENTION_ROWS:
+                return super().attend(q, k, v, scale=scale, mask=mask, cache=cache)
+            # MLX's CPU quantized matmul is a scalar loop: for a prefill chunk it is far
+            # cheaper to dequantize this layer's keys and values once (a transient copy).
+            group_size, bits = cache.group_size, cache.bits
+            k, v = (quantized.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        long_keys = getattr(self, "cpu_long_keys", ops.DECODE_LONG_KEYS)  # set by ``plans``
+        return ops.attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            mask=mask,
+            evaluate_blocks=quantized.stepwise(),
+            long_keys=long_keys,
+        )
+
+
+class CPUGatedMLP:
+    """A gated MLP sliced through a stepwise quantized prefill, or run as two half MLPs on the
+    worker streams in decode (float); SwiGLU through the fast exponential."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if quantized.slices_mlp(x, gate, up, down):
+            return quantized.sliced_mlp(x, gate, up, down, self.combine)
+        if parallel.runs_in_halves(x, down):
+            return parallel.mlp_in_halves(x, gate, up, down, self.combine)
+        return super().__call__(x)
+
+    def combine(self, gate: mx.array, up: mx.array) -> mx.array:
+        if self.act is nn.silu:
+            return ops.swiglu(gate, up)
+        return super().combine(gate, up)
+
+
+class CPUTiedHead:
+    """A token embedding used as the LM head: float rows in blocks on the worker streams
+    (``parallel.project``); a quantized one by parts."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if "scales" not in self:
+            return parallel.project(x, self)
+        if x.size // x.shape[-1] <= parallel.CPULinear.MAX_ROWS and self["weight"].shape[0] >= 128:
+            return parallel.quantized_product(x, self)
+        return super().as_linear(x)
+
+
+class CPUHead:
+    """A separate float LM head: its rows in blocks on the worker streams (``parallel.project``)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        logits = parallel.project(x, self)
+        return logits + self["bias"] if "bias" in self else logits
+
+
+MIXINS = (
+    (layers.RMSNorm, CPUNorm),
+    (layers.RoPE, CPURoPE),
+    (layers.Attention, CPUAttention),
+    (layers.GatedMLP, CPUGatedMLP),
+)
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def with_mixin(module: nn.Module, mixin: type) -> None:
+    """Give ``module`` the class ``mixin + its class``: same fields and parameters, the
+    mixin's methods first. Made once per pair of classes."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    combined = _CLASSES.get((cls, mixin))
+    if combined is None:
+        combined = _CLASSES[(cls, mixin)] = type(
+            f"{mixin.__name__}[{cls.__name__}]", (mixin, cls), {"__module__": __name__}
+        )
+    module.__class__ = combined
+
+
+def swap_layers(model: nn.Module) -> int:
+    """Swap the CPU versions into ``model``: the shared layers, the LM head, quantized Linears
+    (:class:`quantized.CPUQuantizedLinear`) and large float ones (:class:`parallel.CPULinear`);
+    hold large float gated MLPs' down projections transposed (``parallel.split_gated_mlp``),
+    and plan how quantized siblings share the two threads (``parallel.plan_siblings``).
+
+    Same outputs (up to float rounding) and parameters, except that a split MLP's down
+    projection holds its weight as ``weight_t`` (in, out); returns how many modules changed.
+    Only the loaded model changes: conversion writes the checkpoint's own layout.
+    Float siblings are not planned: OpenBLAS threads their products itself, and SmolLM2's
+    float32 q/k/v side by side on the two streams decoded 5% slower than one after the other.
+    """
+    n = 0
+    head = getattr(model, "head", None)
+    if isinstance(head, (nn.Embedding, nn.QuantizedEmbedding)):
+        with_mixin(head, CPUTiedHead)
+        n += 1
+    elif type(head) is nn.Linear:  # a quantized head is a CPUQuantizedLinear below
+        with_mixin(head, CPUHead)
+        n += 1
+    for _, module in model.named_modules():
+        n += parallel.split_gated_mlp(module)
+    for _, module in model.named_modules():
+        for base, mixin in MIXINS:
+            if isinstance(module, base):
+                with_mixin(module, mixin)
+                n += 1
+        if type(module) is nn.QuantizedLinear:
+            module.__class__ = quantized.CPUQuantizedLinear  # a subclass: only __call__ differs
+            n += 1
+        elif type(module) is nn.Linear and module.weight.size >= parallel.CPULinear.MIN_SIZE:
+            module.__class__ = parallel.CPULinear  # a subclass: only __call__ differs
+            n += 1
+    for _, module in model.named_modules():
+        for names in parallel.SIBLINGS:
+            siblings = [module.get(name) for name in names]
+            if all(type(layer) is quantized.CPUQuantizedLinear for layer in siblings):
+                widths = {layer["scales"].shape[-1] * layer.group_size for layer in siblings}
+                if len(widths) == 1:
+                    parallel.plan_siblings(siblings, widths.pop())
+    return n

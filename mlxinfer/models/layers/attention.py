@@ -1,0 +1,141 @@
+"""Attention as every family runs it: one ``attend`` step that backends may replace.
+
+Every attention module derives from :class:`Attention` and computes the
+attention proper through ``self.attend(q, k, v, ...)``: on Metal (and any
+other GPU backend) that is ``mx.fast.scaled_dot_product_attention``, a fused
+flash-style kernel. A backend that needs other kernels swaps in a subclass that
+overrides ``attend``, once, at load (``mlxinfer/backends/cpu``); the modules
+here never ask which backend runs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ...cache import Cache, Mask
+from . import masks
+
+
+def quantized_attention(
+    q: mx.array, k: tuple, v: tuple, *, scale: float, mask: Mask, group_size: int, bits: int
+) -> mx.array:
+    """Attention over a quantized cache's packed (weights, scales, biases) keys and values,
+    multiplied without dequantizing them. (B, n_heads, L, D) queries."""
+    B, n_q, L, D = q.shape
+    n_kv = k[0].shape[1]
+    reps = n_q // n_kv
+    q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D): groups share a kv head
+    k = [a[:, :, None] for a in k]
+    v = [a[:, :, None] for a in v]
+    scores = masks.apply(
+        mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits), mask
+    )
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(B, n_q, L, -1)
+
+
+def softcap_attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask, softcap: float
+) -> mx.array:
+    """Attention whose logits are squashed to (-softcap, softcap) by ``softcap * tanh(s / softcap)``.
+
+    The fused kernel cannot cap logits, so this one spells attention out:
+    (B, n_heads, L, D) queries over (B, n_kv_heads, T, D) keys, query groups
+    sharing a kv head without copying it.
+    """
+    B, n_q, L, D = q.shape
+    n_kv = k.shape[1]
+    reps = n_q // n_kv
+    q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D)
+    scores = q @ k[:, :, None].swapaxes(-1, -2)  # (B, n_kv, reps, L, T)
+    scores = masks.apply(mx.tanh(scores / softcap) * softcap, mask)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ v[:, :, None]).reshape(B, n_q, L, -1)  # (B, n_heads, L, Dv)
+
+
+class Attention(nn.Module):
+    """Base of every attention module: the projections are the family's, ``attend`` is shared."""
+
+    def attend(
+        self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
+    ) -> mx.array:
+        """Scaled dot-product attention of (B, n_heads, L, D) queries over the keys and values
+        (B, n_kv_heads, T, D), or a quantized cache's packed triples. -> (B, n_heads, L, Dv)."""
+        if cache is not None and cache.quantized:
+            return quantized_attention(
+                q, k, v, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits
+            )
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+class RopeAttention(Attention):
+    """Grouped-query attention with RoPE under HF's names (``q_proj k_proj v_proj o_proj``).
+
+    The options cover the Llama-like families: biases on q/k/v and on o
+    (Qwen2 has the first only), one fused ``qkv_proj`` (Phi-3), a per-head norm
+    on queries and keys before RoPE (``q_norm``/``k_norm``: Qwen3, Gemma 3), and
+    tanh soft-capping of the logits (Gemma 2). ``rope`` is built by the family,
+    so layers may differ in it (Gemma 3's local and global bases).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        rope: nn.Module,
+        scale: float | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        fused_qkv: bool = False,
+        qk_norm: Callable[[int], nn.Module] | None = None,
+        softcap: float | None = None,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
+        self.fused_qkv = fused_qkv
+        if fused_qkv:  # rows: [q heads | k heads | v heads]
+            self.qkv_proj = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=qkv_bias)
+        else:
+            self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+            self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+            self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=o_bias)
+        self.has_qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            self.q_norm, self.k_norm = qk_norm(head_dim), qk_norm(head_dim)
+        self.rope = rope
+
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        B, L, _ = x.shape
+        if self.fused_qkv:
+            q_end = self.n_heads * self.head_dim
+            q, k, v = mx.split(
+                self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1
+            )
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # (B, L, n * head_dim) -> (B, L, n, head_dim); norms act per head, then -> (B, n, L, head_dim)
+        q = q.reshape(B, L, self.n_heads, self.head_dim)
+        k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        if self.softcap is not None:
+            out = softcap_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
+        else:
+            out = self.attend(q, k, v, scale=self.scale, mask=mask, cache=cache)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))  # out: (B, n_heads, L, hd)
