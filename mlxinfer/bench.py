@@ -48,6 +48,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from . import backends
 from .blas import blas_in_use, preloaded_blas
 from .device import wired_limit
 from .errors import MlxInferError
@@ -499,6 +500,7 @@ def run_benchmark(
         results.append(entry)
     return {
         "environment": environment(compare),
+        "engine": backends.describe(model),
         "model": str(model_dir),
         "settings": {
             "prompt_tokens": list(prompt_lengths),

@@ -44,3 +44,13 @@ def prefill_schedule(model: nn.Module) -> AbstractContextManager:
 
         return cpu.prefill_schedule(model)
     return nullcontext()
+
+
+def describe(model: nn.Module) -> dict:
+    """The model's backend and, on the CPU, the decode plans it runs with (for reports)."""
+    backend = getattr(model, "backend", None)
+    if backend == "cpu":
+        from .cpu import plans
+
+        return {"backend": backend, "cpu_plans": plans.current(model)}
+    return {"backend": backend}

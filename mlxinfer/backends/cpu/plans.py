@@ -107,6 +107,28 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
             plan.parts = plan.sibling_parts if option == "siblings" else None
 
 
+def current(model: nn.Module) -> dict[str, str | int]:
+    """The plans the model's layers hold now, {kind: option}."""
+    plans: dict[str, str | int] = {}
+    for kind, found in plan_layers(model).items():
+        if found:
+            plan = parallel.plan_of(found[0])
+            if not plan.two_streams:
+                plans[kind] = "one"
+            elif kind == "quantized":
+                plans[kind] = (
+                    "siblings"
+                    if any(parallel.plan_of(m).parts is not None for m in found)
+                    else "halves"
+                )
+            else:
+                plans[kind] = "two"
+    attention = attention_layers(model)
+    if attention:
+        plans["long_keys"] = getattr(attention[0], "cpu_long_keys", ops.DECODE_LONG_KEYS)
+    return plans
+
+
 def set_plans(model: nn.Module, plans: dict[str, str | int]) -> None:
     for kind, option in plans.items():
         set_plan(model, kind, option)
