@@ -344,7 +344,7 @@ class LatentKVCache(KVCache):
 
     It stores them as a single-"head" key/value pair, (B, 1, T, kv_lora_rank) and
     (B, 1, T, qk_rope_head_dim), so ``nbytes`` is
-    (kv_lora_rank + qk_rope_head_dim) × tokens × itemsize (× batch); models/mla.py says
+    (kv_lora_rank + qk_rope_head_dim) × tokens × itemsize (× batch); models/layers/mla.py says
     how attention reads it.
     """
 

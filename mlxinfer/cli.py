@@ -146,7 +146,7 @@ def speculative_options(fn):
 
 def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers: int | None):
     """The draft source the speculative flags ask for (at most one), or None."""
-    from .drafts import DraftModel, PromptLookup, SelfDraft
+    from .generation.drafts import DraftModel, PromptLookup, SelfDraft
 
     chosen = [
         flag
@@ -405,7 +405,7 @@ def bench(
     Progress goes to stderr, the tables alone to stdout.
     """
     from . import bench as b
-    from . import bench_report as report
+    from .bench import report
     from .default_model import default_model_path
     from .loader import resolve_model_path
 

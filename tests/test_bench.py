@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from hf_models import add_tokenizer, make_tiny
 
 from mlxinfer import bench as b
-from mlxinfer import bench_report
+from mlxinfer.bench import report as bench_report
 from mlxinfer.cli import cli
 from mlxinfer.conversion import convert
 
@@ -201,7 +201,7 @@ def test_kv_bits_quantizes_our_cache(model_dir, tmp_path):
 
 
 def test_prefill_step_size_reaches_both_engines(model_dir, tmp_path, monkeypatch):
-    import mlxinfer.generation as generation
+    import mlxinfer.generation.loop as generation
 
     steps = []
     original = generation.prefill
@@ -377,7 +377,7 @@ def test_written_files_get_ordinary_permissions(tmp_path):
     import os
     import stat
 
-    from mlxinfer.bench_report import write_json
+    from mlxinfer.bench.report import write_json
 
     umask = os.umask(0o022)
     try:

@@ -161,7 +161,7 @@ def test_save_and_load_round_trip(tiny, tmp_path, kind):
 def test_prefill_allocates_the_whole_prompt_once():
     """A reserved cache grows once for the whole prompt instead of once per prefill chunk."""
     from mlxinfer.cache import KVCache
-    from mlxinfer.prefill import MAX_RESERVED_DECODE, prefill
+    from mlxinfer.generation.prefill import MAX_RESERVED_DECODE, prefill
     from mlxinfer.prompt_cache import PromptCache
 
     class Recorder:  # a one-layer "model" that only writes its cache

@@ -16,8 +16,8 @@ from hf_models import add_tokenizer, make_tiny, torch_logits
 from mlxinfer.cli import cli
 from mlxinfer.conversion import convert
 from mlxinfer.errors import ConfigError, TokenizerError, WeightsError
+from mlxinfer.generation.prefill import prefill
 from mlxinfer.loader import load_model
-from mlxinfer.prefill import prefill
 from mlxinfer.prompt_cache import PromptCache
 
 IDS = [5, 17, 99, 3, 240, 8, 61, 130, 2, 77, 19, 200]

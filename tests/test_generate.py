@@ -133,7 +133,7 @@ def test_cli_generate_raw_and_stdin_and_verbose(tiny):
 
 
 def test_cli_prefill_step_size_chunks_the_prompt_with_the_same_output(tiny, monkeypatch):
-    import mlxinfer.generation as generation
+    import mlxinfer.generation.loop as generation
 
     path, model, tok, _ = tiny
     expected = generate(model, tok, "Paris is the capital of", max_tokens=6)

@@ -76,18 +76,22 @@ def test_the_import_graph_finds_a_cycle_when_there_is_one():
 
 def test_no_import_cycle_in_mlxinfer():
     graph = import_graph()
-    assert "mlxinfer.generation" in graph and graph["mlxinfer.generation"]  # the graph was read
+    assert "mlxinfer.generation.loop" in graph and graph["mlxinfer.generation.loop"]  # read
     assert cycles(graph) == []
 
 
 def test_generation_is_one_way():
     """The loops import the shared types; nothing they produce imports them back."""
     graph = import_graph()
-    assert graph["mlxinfer.results"] == set()  # a leaf
-    assert "mlxinfer.generation" not in graph["mlxinfer.speculative"]
+    assert graph["mlxinfer.generation.results"] == set()  # a leaf
+    assert "mlxinfer.generation.loop" not in graph["mlxinfer.generation.speculative"]
     assert not any(m.startswith("mlxinfer.backends") for m in graph["mlxinfer.prompt_cache"])
-    assert {"mlxinfer.prefill", "mlxinfer.results"} <= graph["mlxinfer.generation"]
-    assert {"mlxinfer.prefill", "mlxinfer.results"} <= graph["mlxinfer.speculative"]
+    assert {"mlxinfer.generation.prefill", "mlxinfer.generation.results"} <= graph[
+        "mlxinfer.generation.loop"
+    ]
+    assert {"mlxinfer.generation.prefill", "mlxinfer.generation.results"} <= graph[
+        "mlxinfer.generation.speculative"
+    ]
 
 
 # What a backend check looks like: asking which device runs, or the old per-call CPU switches.

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxinfer.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
+from mlxinfer.generation.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
 
 P = np.array([0.4, 0.3, 0.15, 0.1, 0.05])  # a known distribution
 LOGP = mx.array(np.log(P)[None], dtype=mx.float32)

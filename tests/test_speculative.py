@@ -19,12 +19,12 @@ from mlx.utils import tree_map
 
 from mlxinfer import load, speculative, stream_generate
 from mlxinfer.cli import cli
-from mlxinfer.drafts import DraftModel, PromptLookup, SelfDraft
 from mlxinfer.errors import DraftError
 from mlxinfer.generation import generate_step
+from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
+from mlxinfer.generation.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
+from mlxinfer.generation.speculative import _DraftLength, speculative_generate_step
 from mlxinfer.prompt_cache import PromptCache
-from mlxinfer.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
-from mlxinfer.speculative import _DraftLength, speculative_generate_step
 
 # Repeats, so prompt lookup finds matches; ids only (no tokenizer in the token loop).
 PROMPT = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 20, 21, 11, 12]

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlxinfer.errors import PromptTooLongError
-from mlxinfer.stop import StopMatcher
+from mlxinfer.generation.stop import StopMatcher
 from mlxinfer.text import clean_prompt, fit_context
 
 

@@ -138,11 +138,11 @@ def convert_models(work: Path) -> tuple[Path, Path]:
 def ours(target_dir: Path, draft_dir: Path, n: int):
     """mlxinfer: name -> (draft description, prepare, GenerationStats the run fills or None)."""
     import mlxinfer
-    from mlxinfer.drafts import DraftModel, PromptLookup, SelfDraft
     from mlxinfer.generation import GenerationStats, generate_step
-    from mlxinfer.prefill import prefill
+    from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
+    from mlxinfer.generation.prefill import prefill
+    from mlxinfer.generation.speculative import speculative_generate_step
     from mlxinfer.prompt_cache import PromptCache
-    from mlxinfer.speculative import speculative_generate_step
 
     model, _ = mlxinfer.load(target_dir)
     draft, _ = mlxinfer.load(draft_dir)

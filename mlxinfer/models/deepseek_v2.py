@@ -1,6 +1,6 @@
 """DeepSeek-V2 and DeepSeek-V3 (``deepseek_v3`` is an alias plus its router).
 
-Block: RMSNorm → multi-head latent attention (models/mla.py) → residual →
+Block: RMSNorm → multi-head latent attention (models/layers/mla.py) → residual →
 RMSNorm → MLP → residual. The first ``first_k_dense_replace`` layers have a
 dense SwiGLU MLP; the rest a MoE: ``n_routed_experts`` routed SwiGLU experts
 (top ``num_experts_per_tok``) plus ``n_shared_experts`` always-on experts fused
@@ -211,7 +211,7 @@ class Model(CausalLM):
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
     ) -> list[Cache]:
-        """A latent cache per layer (models/mla.py): kv_lora_rank + qk_rope_head_dim values per token."""
+        """A latent cache per layer (models/layers/mla.py): kv_lora_rank + qk_rope_head_dim values per token."""
         return make_latent_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits)
 
     quant_predicate = staticmethod(keep_routers_float)

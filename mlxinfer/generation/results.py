@@ -1,5 +1,5 @@
 """What generation hands back: the per-token results, the request's timeline, and the
-token loops' steps. A leaf module: the loops (generation.py, speculative.py) and
+token loops' steps. A leaf module: the loops (loop.py, speculative.py) and
 everything that reads their output import it, and it imports none of them.
 """
 

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import Cache, RotatingKVCache
-from .errors import DraftError
+from ..cache import Cache, RotatingKVCache
+from ..errors import DraftError
+from ..prompt_cache import PromptCache
+from ..threads import release_at_thread_exit
 from .prefill import DEFAULT_PREFILL_STEP, prefill
-from .prompt_cache import PromptCache
 from .results import Step
 from .sampling import LogitsProcessor, Sampler, SamplingParams
-from .threads import release_at_thread_exit
 
 if TYPE_CHECKING:
     from .drafts import Draft, DraftSampler

@@ -22,10 +22,10 @@ from typing import Callable, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import Cache, RotatingKVCache
-from .errors import DraftError
+from ..cache import Cache, RotatingKVCache
+from ..errors import DraftError
+from ..prompt_cache import PromptCache
 from .prefill import prefill
-from .prompt_cache import PromptCache
 
 # (1, V) draft logits -> (token (1,) int32, log-probs it was drawn from (1, V), or None when greedy)
 DraftSampler = Callable[[mx.array], tuple[mx.array, "mx.array | None"]]

@@ -13,8 +13,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .bench import ENGINES
-from .errors import MlxInferError
+from ..errors import MlxInferError
+from .common import ENGINES
 
 # metric -> (column title, unit scale, format)
 COLUMNS = {

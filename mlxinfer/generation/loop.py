@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from .device import wired_limit
+from ..device import wired_limit
+from ..prompt_cache import PromptCache
+from ..text import clean_prompt, fit_context
+from ..threads import release_at_thread_exit
 from .prefill import DEFAULT_PREFILL_STEP, prefill
-from .prompt_cache import PromptCache
 from .results import GenerationResult, GenerationStats, Step
 from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams, make_sampler
 from .speculative import speculative_generate_step
 from .stop import StopMatcher
-from .text import clean_prompt, fit_context
-from .threads import release_at_thread_exit
 
 if TYPE_CHECKING:
     from .drafts import Draft

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backends import prefill_schedule
-from .prompt_cache import PromptCache
+from ..backends import prefill_schedule
+from ..prompt_cache import PromptCache
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
 # Most tokens after the prompt given room up front; past it the cache grows in steps.
