@@ -104,10 +104,11 @@ def test_swap_layers_plans_quantized_siblings_only():
     attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
     mlp = GatedMLP(64, 4096, nn.silu)  # 262k weights each
     nn.quantize(mlp, group_size=64, bits=4)
-    assert swap_layers(nn.Sequential(attn, mlp)) == 4  # 3 quantized layers and the MLP
+    # 3 quantized layers, the MLP, and the float q/k/v stacked into one product (fused.py)
+    assert swap_layers(nn.Sequential(attn, mlp)) == 5
     assert all(
-        type(getattr(attn, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj")
-    )  # float: left alone
+        getattr(getattr(attn, n), "cpu_plan", None) is None for n in ("q_proj", "k_proj", "v_proj")
+    )  # float: no stream plan
     assert {cpu_parallel.decode_parts(mlp.gate_proj), cpu_parallel.decode_parts(mlp.up_proj)} == {
         ((0, 0, 4096),),
         ((1, 0, 4096),),
@@ -195,3 +196,28 @@ def test_small_or_quantized_gated_mlps_keep_their_down_projection():
     swap_layers(nn.Sequential(small, quantized_mlp))
     assert type(small.down_proj) is nn.Linear
     assert type(quantized_mlp.down_proj) is CPUQuantizedLinear
+
+
+def test_fused_siblings_equal_their_own_products_in_any_call_order():
+    """q/k/v stacked into one product: each sibling's columns equal its own product, also when
+    calls interleave (another thread's input in between: the product is recomputed)."""
+    from mlxinfer.backends.cpu import fused
+    from mlxinfer.backends.cpu.layers import with_mixin
+
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (nn.Linear(64, n, bias=True) for n in (64, 32, 32))
+    refs = {name: (attn[name].weight, attn[name].bias) for name in ("q_proj", "k_proj", "v_proj")}
+    assert fused.fuse_siblings(attn, with_mixin) == 1
+    x1, x2 = (mx.random.normal((1, 3, 64), key=mx.random.key(k)) for k in (1, 2))
+
+    def own(name, x):
+        w, b = refs[name]
+        return x @ w.T + b
+
+    got = [(attn.q_proj(x1), "q_proj", x1), (attn.q_proj(x2), "q_proj", x2)]
+    got += [(attn.k_proj(x1), "k_proj", x1), (attn.v_proj(x1), "v_proj", x1)]
+    for out, name, x in got:
+        assert np.abs(np.array(out) - np.array(own(name, x))).max() <= 1e-5, name
+    assert attn.k_proj.weight.shape == (32, 64) and "weight" in attn.k_proj.parameters()
+    attn.q_proj.cpu_fused[0].on = False  # the plan off: each its own product again
+    assert mx.array_equal(attn.v_proj(x2), nn.Linear.__call__(attn.v_proj, x2))

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...cache import Cache, Mask
 from ...models import layers
-from . import ops, parallel, quantized
+from . import fused, ops, parallel, quantized
 
 
 class CPUNorm:
@@ -144,8 +144,9 @@ def swap_layers(model: nn.Module) -> int:
     hold large float gated MLPs' down projections transposed (``parallel.split_gated_mlp``),
     and plan how quantized siblings share the two threads (``parallel.plan_siblings``).
 
-    Same outputs (up to float rounding) and parameters, except that a split MLP's down
-    projection holds its weight as ``weight_t`` (in, out); returns how many modules changed.
+    Float siblings (q/k/v, gate/up) get one stacked weight, theirs becoming views of it
+    (``fused``). Same outputs (up to float rounding) and parameters, except that a split MLP's
+    down projection holds its weight as ``weight_t`` (in, out); returns how many modules changed.
     Only the loaded model changes: conversion writes the checkpoint's own layout.
     Float siblings are not planned: OpenBLAS threads their products itself, and SmolLM2's
     float32 q/k/v side by side on the two streams decoded 5% slower than one after the other.
@@ -171,6 +172,8 @@ def swap_layers(model: nn.Module) -> int:
         elif type(module) is nn.Linear and module.weight.size >= parallel.CPULinear.MIN_SIZE:
             module.__class__ = parallel.CPULinear  # a subclass: only __call__ differs
             n += 1
+    for _, module in model.named_modules():
+        n += fused.fuse_siblings(module, with_mixin)
     for _, module in model.named_modules():
         for names in parallel.SIBLINGS:
             siblings = [module.get(name) for name in names]

@@ -10,6 +10,8 @@ keeping an option only if it beats the plainer one by 3%:
 - ``cut``: large float Linears cut by rows over the two streams, or one call;
 - ``halves``: float gated MLPs as two half MLPs side by side, or one MLP;
 - ``head``: the float LM head in blocks over the two streams, or one product;
+- ``fuse``: float siblings (q/k/v, gate/up) as one stacked product, or one product each
+  (``fused``);
 - ``quantized``: quantized layers in one call, cut in halves over the two streams, or
   with siblings (q/k/v, gate/up) whole side by side (``parallel.plan_siblings``);
 - ``long_keys``: from how many cached keys decode attention takes its long-context
@@ -46,7 +48,7 @@ from ...models import layers as model_layers
 from . import ops, parallel, quantized
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 2  # of the cached entries: bump when the kinds or options change
+VERSION = 3  # of the cached entries: bump when the kinds or options change
 ROUNDS = 3  # interleaved rounds per choice
 BUDGET_S = 1.0  # about how long all decode-step timings together may take
 # Past this estimate (slow models: float16 on the CPU, large ones) nothing is timed and the plans
@@ -61,9 +63,16 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "cut": ("one", "two"),
     "halves": ("one", "two"),
     "head": ("one", "two"),
+    "fuse": ("separate", "fused"),
     "quantized": ("one", "halves", "siblings"),
 }
-MOST_PARALLEL = {"cut": "two", "halves": "two", "head": "two", "quantized": "siblings"}
+MOST_PARALLEL = {
+    "cut": "two",
+    "halves": "two",
+    "head": "two",
+    "fuse": "fused",
+    "quantized": "siblings",
+}
 
 
 def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
@@ -73,10 +82,12 @@ def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
     for module in model.modules():
         if isinstance(module, parallel.TransposedLinear):
             found["halves"].append(module)
-        elif type(module) is parallel.CPULinear:
+        elif isinstance(module, parallel.CPULinear):
             found["cut"].append(module)
         elif isinstance(module, quantized.CPUQuantizedLinear):
             found["quantized"].append(module)
+        if getattr(module, "cpu_fused", (None, 1))[1] == 0:  # the first of its siblings
+            found["fuse"].append(module)
     if (
         head is not None
         and "scales" not in head
@@ -101,6 +112,9 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
     if option not in OPTIONS[kind]:
         raise ValueError(f"{ENV}: '{kind}' takes one of {', '.join(OPTIONS[kind])}, not '{option}'")
     for layer in plan_layers(model)[kind]:
+        if kind == "fuse":
+            layer.cpu_fused[0].on = option == "fused"
+            continue
         plan = parallel.plan_of(layer)
         plan.two_streams = option != "one"
         if kind == "quantized":
@@ -111,7 +125,9 @@ def current(model: nn.Module) -> dict[str, str | int]:
     """The plans the model's layers hold now, {kind: option}."""
     plans: dict[str, str | int] = {}
     for kind, found in plan_layers(model).items():
-        if found:
+        if found and kind == "fuse":
+            plans[kind] = "fused" if found[0].cpu_fused[0].on else "separate"
+        elif found:
             plan = parallel.plan_of(found[0])
             if not plan.two_streams:
                 plans[kind] = "one"
@@ -307,7 +323,7 @@ def choose(model: nn.Module, *, log=None) -> dict[str, str | int]:
     if not any(found.values()) and not attention_layers(model):
         return {}
     fixed = forced_plans()
-    if fixed is not None and all(k in fixed for k in OPTIONS) and "long_keys" in fixed:
+    if fixed is not None and all(k in fixed for k in OPTIONS if found[k]) and "long_keys" in fixed:
         plans = {k: v for k, v in fixed.items() if k == "long_keys" or found[k]}
         set_plans(model, plans)
         return plans
@@ -324,7 +340,7 @@ def choose(model: nn.Module, *, log=None) -> dict[str, str | int]:
         if fixed is None:
             _store(path, {**known, key: entry})
         if log is not None:
-            log(f"CPU decode plans measured: {describe(entry)}")
+            log(f"CPU decode plans (timed here, once): {describe(entry)}")
     set_plans(model, entry["plans"])
     return dict(entry["plans"])
 
