@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .generation import GenerationResult, stream_generate
+from .generation import stream_generate
+from .generation.results import GenerationResult
 from .prompt_cache import PromptCache
 
 

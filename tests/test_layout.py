@@ -127,3 +127,22 @@ def test_the_backend_check_finds_one():
         "default_device",
         "mx.cpu",
     ]
+
+
+def test_every_relative_import_names_a_module():
+    """``from .x import y`` inside a function is only run when called: check them all here."""
+    modules = {
+        ".".join(p.relative_to(ROOT.parent).with_suffix("").parts) for p in ROOT.rglob("*.py")
+    }
+    modules |= {m.removesuffix(".__init__") for m in modules}
+    missing = []
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        package = parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level and node.module:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join((*base, node.module))
+                if target not in modules:
+                    missing.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {target}")
+    assert missing == []

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from hf_models import add_tokenizer, make_tiny
 from mlx.utils import tree_map
 
-from mlxinfer import load, speculative, stream_generate
+from mlxinfer import load, stream_generate
 from mlxinfer.cli import cli
 from mlxinfer.errors import DraftError
-from mlxinfer.generation import generate_step
+from mlxinfer.generation import generate_step, speculative
 from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
 from mlxinfer.generation.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
 from mlxinfer.generation.speculative import _DraftLength, speculative_generate_step

@@ -137,7 +137,7 @@ def environment(compare: str | None) -> dict:
 
 def stored_half_dtypes(model_dir: Path) -> set[str]:
     """The 16-bit float dtypes (``F16``, ``BF16``) in the checkpoint's safetensors headers."""
-    from .loader import weight_files
+    from ..loader import weight_files
 
     found = set()
     for path in weight_files(model_dir):

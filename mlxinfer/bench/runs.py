@@ -70,9 +70,9 @@ def time_run(
     Returns ``(run, cache bytes, cached tokens)`` as the cache ends (it holds
     the prompt and all generated tokens but the last).
     """
-    from .generation import generate_step
-    from .generation.prefill import DEFAULT_PREFILL_STEP
-    from .prompt_cache import PromptCache
+    from ..generation import generate_step
+    from ..generation.prefill import DEFAULT_PREFILL_STEP
+    from ..prompt_cache import PromptCache
 
     mx.synchronize()
     mx.reset_peak_memory()
