@@ -156,3 +156,14 @@ def test_a_bad_plans_setting_names_the_variable_and_the_choices(value, monkeypat
         ValueError, match=r"MLXINFER_CPU_PLANS=.*expected 'on', 'off'.*cut: one/two"
     ):
         cpu_plans.forced_plans()
+
+
+def test_a_float_prefill_on_the_cpu_backend_runs_stepwise(big_tiny):
+    """The backend's prefill schedule evaluates attention block by block for float models too."""
+    from mlxinfer.backends.cpu import quantized
+
+    model, _ = load_model(big_tiny[0])
+    assert model.backend == "cpu" and not cpu_plans.plan_layers(model)["quantized"]
+    with backends.prefill_schedule(model):
+        assert quantized.stepwise()
+    assert not quantized.stepwise()

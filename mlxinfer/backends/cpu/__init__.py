@@ -34,5 +34,6 @@ def apply(model: nn.Module, *, log: Callable[[str], None] | None = None) -> int:
 
 
 def prefill_schedule(model: nn.Module) -> AbstractContextManager:
-    """The context a prefill runs in: stepwise for a quantized model (``quantized``)."""
-    return quantized.stepwise_prefill(model)
+    """The context a prefill runs in: stepwise (``quantized.stepwise_prefill``), float models
+    included, since the CPU backend's layers are in the model."""
+    return quantized.stepwise_prefill(model, floats=True)

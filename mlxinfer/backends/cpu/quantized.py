@@ -62,7 +62,7 @@ _stepwise: ContextVar[bool] = ContextVar("mlxinfer_stepwise_prefill", default=Fa
 
 
 @contextmanager
-def stepwise_prefill(model: nn.Module) -> Iterator[None]:
+def stepwise_prefill(model: nn.Module, *, floats: bool = False) -> Iterator[None]:
     """Within the block, a quantized model's CPU prefill is evaluated one step at a time.
 
     ``prefill.prefill`` runs in it (``backends.prefill_schedule``). MLX allocates an op's result when it
@@ -72,14 +72,17 @@ def stepwise_prefill(model: nn.Module) -> Iterator[None]:
     otherwise be alive several at once. Stepwise, :class:`CPUQuantizedLinear`
     evaluates each many-row product as it is built, attention each block of
     queries (``ops.attention``), and a gated MLP runs one slice of its
-    hidden units at a time (:func:`sliced_mlp`). Float models are left as they
-    are (their weights are not a transient). Outside the block every layer
-    stays lazy, so it can still be traced (``mx.compile``).
+    hidden units at a time (:func:`sliced_mlp`). With ``floats`` a float model
+    runs stepwise too, where only attention has blocks to evaluate: SmolLM2 f32
+    on the AMD EPYC, 512-token prefill 62.4 → 57.2 MB above the weights and
+    469–501 → 501–516 tok/s; 2,048 tokens 133.6 → 131.0 MB, 302–309 → 322–344
+    tok/s (two runs each). Outside the block every layer stays lazy, so it can
+    still be traced (``mx.compile``).
     """
     quantized = isinstance(model, nn.Module) and any(
         isinstance(m, CPUQuantizedLinear) for m in model.modules()
     )
-    token = _stepwise.set(quantized or _stepwise.get())
+    token = _stepwise.set(floats or quantized or _stepwise.get())
     try:
         yield
     finally:
@@ -87,7 +90,7 @@ def stepwise_prefill(model: nn.Module) -> Iterator[None]:
 
 
 def stepwise() -> bool:
-    """True inside :func:`stepwise_prefill` for a quantized model."""
+    """True inside :func:`stepwise_prefill` (for a quantized model, or any with ``floats``)."""
     return _stepwise.get()
 
 
