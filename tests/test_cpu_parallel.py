@@ -221,3 +221,30 @@ def test_fused_siblings_equal_their_own_products_in_any_call_order():
     assert attn.k_proj.weight.shape == (32, 64) and "weight" in attn.k_proj.parameters()
     attn.q_proj.cpu_fused[0].on = False  # the plan off: each its own product again
     assert mx.array_equal(attn.v_proj(x2), nn.Linear.__call__(attn.v_proj, x2))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float_mlp_sliced_in_a_stepwise_prefill_equals_float64(transposed, bias, monkeypatch):
+    """A float prefill chunk through the MLP slice by slice of hidden units (down held as is or
+    transposed), against the float64 definition."""
+    from mlxinfer.backends.cpu import quantized
+
+    if transposed:
+        monkeypatch.setattr(cpu_parallel.CPULinear, "MIN_SIZE", 1 << 12)
+    mlp = GatedMLP(64, quantized.MLP_SLICE + 200, nn.silu, bias=bias)  # a full slice, a partial one
+    if bias:
+        for name in cpu_parallel.GATED_MLP:
+            layer = getattr(mlp, name)
+            layer.bias = mx.random.normal(layer.bias.shape, key=mx.random.key(7))
+    x = mx.random.normal((1, quantized.MLP_SLICE_ROWS, 64), key=mx.random.key(8))
+    ref = gated_mlp_float64(mlp, x)
+    swap_layers(mlp)
+    assert isinstance(mlp.down_proj, cpu_parallel.TransposedLinear) == transposed
+    calls = []
+    sliced = quantized.sliced_mlp
+    monkeypatch.setattr(quantized, "sliced_mlp", lambda *a: calls.append(1) or sliced(*a))
+    with quantized.stepwise_prefill(mlp, floats=True):
+        out = mlp(x)
+    assert calls == [1]
+    assert np.abs(np.array(out) - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
