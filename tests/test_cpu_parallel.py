@@ -50,9 +50,9 @@ def test_equal_siblings_run_whole_side_by_side():
     }
 
 
-def test_small_imbalance_is_left_uncut():
-    # SmolLM2's q/k/v: q (332k weights) on one stream, k + v (221k) on the other; the 110k
-    # difference is below SPLIT_WORTH, so nothing is cut.
+def test_siblings_run_whole_unless_balanced():
+    # SmolLM2's q/k/v: q (332k weights) on one stream, k + v (221k) on the other; balanced, q is
+    # cut so that each stream holds 276k.
     q, k, v = nn.Linear(576, 576), nn.Linear(576, 192), nn.Linear(576, 192)
     cpu_parallel.plan_siblings([q, k, v], 576)
     assert sorted(loads([q, k, v], 576)) == [2 * 192 * 576, 576 * 576]
@@ -61,6 +61,10 @@ def test_small_imbalance_is_left_uncut():
         == cpu_parallel.decode_parts(v)[0][0]
         != cpu_parallel.decode_parts(q)[0][0]
     )
+    for layer in (q, k, v):
+        cpu_parallel.plan_of(layer).parts = cpu_parallel.plan_of(layer).balanced_parts
+    assert loads([q, k, v], 576) == [480 * 576, 480 * 576]
+    assert len(cpu_parallel.decode_parts(q)) == 2
 
 
 def test_large_imbalance_cuts_one_layer_to_balance():
@@ -68,6 +72,8 @@ def test_large_imbalance_cuts_one_layer_to_balance():
     # 1M weights more than the other; one layer is cut at 512 rows and both streams hold 1.5M.
     layers = [nn.Linear(1024, 1024) for _ in range(3)]
     cpu_parallel.plan_siblings(layers, 1024)
+    for layer in layers:
+        cpu_parallel.plan_of(layer).parts = cpu_parallel.plan_of(layer).balanced_parts
     assert loads(layers, 1024) == [1536 * 1024, 1536 * 1024]
     assert sorted(len(cpu_parallel.decode_parts(layer)) for layer in layers) == [1, 1, 2]
 
@@ -87,13 +93,12 @@ def test_quantized_siblings_by_parts_equal_mlx_layers(rows, shapes, monkeypatch)
     layers = [quantized(i, o, key=n, bias=n == 1) for n, (i, o) in enumerate(shapes)]
     x = mx.random.normal((1, rows, shapes[0][0]), key=mx.random.key(9))
     refs = [nn.QuantizedLinear.__call__(layer, x) for layer in layers]  # MLX's one kernel each
-    monkeypatch.setattr(cpu_parallel, "SPLIT_WORTH", 1 << 15)
     for layer in layers:
         layer.__class__ = CPUQuantizedLinear
     cpu_parallel.plan_siblings(layers, shapes[0][0])
-    assert any(len(cpu_parallel.decode_parts(layer)) == 2 for layer in layers) == (
-        shapes[0] == (256, 256)
-    )
+    for layer in layers:  # the balanced plan: cut where the streams are uneven
+        cpu_parallel.plan_of(layer).parts = cpu_parallel.plan_of(layer).balanced_parts
+    assert any(len(cpu_parallel.decode_parts(layer)) == 2 for layer in layers)
     for layer, ref in zip(layers, refs):
         assert mx.array_equal(layer(x), ref)  # the same kernel on the same rows: bit for bit
 

@@ -38,7 +38,7 @@ def big_tiny(tmp_path_factory):
 
 
 def options_of(model):
-    """Every (kind, option) the model's layers can be switched to, long_keys forms included."""
+    """Every (kind, option) the model's layers can be switched to, the thresholds' extremes too."""
     found = cpu_plans.plan_layers(model)
     pairs = [
         (kind, option)
@@ -46,7 +46,9 @@ def options_of(model):
         if found[kind]
         for option in cpu_plans.OPTIONS[kind]
     ]
-    return pairs + [("long_keys", 1), ("long_keys", cpu_plans.NEVER)]
+    for kind in cpu_plans.numeric_kinds(model):  # always one form, and never
+        pairs += [(kind, 1), (kind, cpu_plans.NEVER)]
+    return pairs
 
 
 def decode_logits(model, ids):
@@ -85,6 +87,7 @@ def test_every_quantized_plan_option_matches_mlx_quantized_layers(big_tiny, tmp_
     monkeypatch.setenv(cpu_plans.ENV, "on")
     model, _ = load_model(tmp_path / "q")
     assert model.backend == "cpu" and cpu_plans.plan_layers(model)["quantized"]
+    assert "dequantize_rows" in cpu_plans.numeric_kinds(model)
     for kind, option in options_of(model):
         cpu_plans.set_plans(model, cpu_plans.forced_plans("on"))
         cpu_plans.set_plan(model, kind, option)
@@ -149,7 +152,7 @@ def test_choice_is_measured_once_and_cached(big_tiny, monkeypatch, tmp_path):
     assert calls[-1] == {"halves": "two", "long_keys": 512}
 
 
-@pytest.mark.parametrize("value", ["fast", "cut=three", "long_keys=many"])
+@pytest.mark.parametrize("value", ["fast", "cut=three", "long_keys=many", "dequantize_rows=x"])
 def test_a_bad_plans_setting_names_the_variable_and_the_choices(value, monkeypatch):
     monkeypatch.setenv(cpu_plans.ENV, value)
     with pytest.raises(
@@ -167,3 +170,24 @@ def test_a_float_prefill_on_the_cpu_backend_runs_stepwise(big_tiny):
     with backends.prefill_schedule(model):
         assert quantized.stepwise()
     assert not quantized.stepwise()
+
+
+def test_the_crossover_is_where_the_other_option_wins_for_good(monkeypatch):
+    """A threshold counts only if the other option is faster from it on, at every larger size."""
+    clock = [0.0]  # a fake clock that only the timed runs move: the test times nothing
+    monkeypatch.setattr(cpu_plans.time, "perf_counter", lambda: clock[0])
+
+    def timer_for(faster_from, dip=None):
+        def timer(size):
+            def run(option):
+                wins = size >= faster_from and size != dip
+                clock[0] += 1e-3 if (option == "other") == wins else 2e-3
+
+            return run
+
+        return timer
+
+    sizes = (2, 4, 8, 16)
+    assert cpu_plans.crossover(sizes, timer_for(8), "plain", "other")[0] == 8
+    assert cpu_plans.crossover(sizes, timer_for(4, dip=16), "plain", "other")[0] == cpu_plans.NEVER
+    assert cpu_plans.crossover(sizes, timer_for(99), "plain", "other")[0] == cpu_plans.NEVER

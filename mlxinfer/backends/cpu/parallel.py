@@ -11,9 +11,8 @@ worker streams (:func:`worker_streams`):
   :func:`project` for the LM head);
 - quantized sibling layers that read the same input (q/k/v, gate/up:
   :data:`SIBLINGS`) run whole, side by side, one stream each
-  (:func:`plan_siblings`): no cut, no concatenation. Each cut costs a second
-  kernel call and a concatenation, which in SmolLM2-135M's 4-bit decode was
-  worth more than the work it balanced (decode 6% faster than cutting each).
+  (:func:`plan_siblings`): no cut, no concatenation, or with the largest cut
+  to balance the two streams (which of these pays is measured: ``plans``).
   Float siblings are left alone: OpenBLAS threads their products itself.
 - a float gated MLP runs as two half MLPs, one per stream, over halves of
   its hidden units (:func:`mlp_in_halves`): gate and up by rows, down by
@@ -43,7 +42,8 @@ class LayerPlan:
 
     two_streams: bool = True  # spread over the worker streams; False: one call, as nn.Linear
     parts: tuple[Part, ...] | None = None  # explicit parts (siblings' plan), else two halves
-    sibling_parts: tuple[Part, ...] | None = None  # the siblings' plan, when parts may drop it
+    sibling_parts: tuple[Part, ...] | None = None  # the siblings' plan: each layer whole
+    balanced_parts: tuple[Part, ...] | None = None  # ... with the largest cut to balance streams
     blocks: dict = dataclasses.field(default_factory=dict)  # row blocks, see row_block
 
 
@@ -65,13 +65,6 @@ SIBLINGS = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
 )  # layers of one module with one input
-
-# Siblings run whole unless one stream then holds more than this many weights over the other;
-# then the largest layer on it is cut, moving half the difference. In SmolLM2-135M's 4-bit
-# decode a cut cost ~0.2 ms (a second kernel and a concatenation), about what the scalar kernel
-# takes for the ~260k weights (half of this) such a cut would move: q (332k weights) beside
-# k + v (221k) decoded 6% faster whole than with q cut to balance them.
-SPLIT_WORTH = 1 << 19
 
 # Thread-local: MLX 0.32 ties a stream made by mx.new_stream to the thread that made it, and
 # generation runs on whichever thread calls it (an app's worker, a server's engine thread).
@@ -252,11 +245,15 @@ def _rows_of(x: mx.array, layer: nn.Module, start: int, stop: int) -> mx.array:
 
 
 def plan_siblings(layers: list[nn.Module], in_features: int) -> None:
-    """Give sibling layers (one input, one width ``in_features``) their decode parts.
+    """Give sibling layers (one input, one width ``in_features``) their two decode plans.
 
-    Largest first, each layer goes whole to the stream with fewer weights so
-    far. If one stream then holds more than ``SPLIT_WORTH`` weights over the
-    other, the largest layer on it is cut so that both hold the same.
+    Whole (``sibling_parts``, the one in use): largest first, each layer goes
+    whole to the stream with fewer weights so far. Balanced
+    (``balanced_parts``): the same, but the largest layer on the heavier stream
+    is cut so that both streams hold the same. A cut costs a second kernel call
+    and a concatenation (~0.2 ms in SmolLM2's 4-bit decode on the first machine
+    measured, where q beside k + v decoded 6% faster whole), so which pays is
+    measured on the machine (``plans``: quantized=siblings or =balanced).
     """
     rows = [layer["weight"].shape[0] for layer in layers]
     load, stream_of = [0, 0], {}
@@ -267,11 +264,13 @@ def plan_siblings(layers: list[nn.Module], in_features: int) -> None:
     excess = (load[heavy] - load[1 - heavy]) // 2  # rows to move so that both streams hold the same
     cut = max((i for i in stream_of if stream_of[i] == heavy), key=lambda i: rows[i])
     for i, layer in enumerate(layers):
-        if i == cut and 2 * excess * in_features > SPLIT_WORTH:
-            parts = ((heavy, 0, rows[i] - excess), (1 - heavy, rows[i] - excess, rows[i]))
-        else:
-            parts = ((stream_of[i], 0, rows[i]),)
-        plan_of(layer).parts = plan_of(layer).sibling_parts = parts
+        whole = ((stream_of[i], 0, rows[i]),)
+        balanced = whole
+        if i == cut and excess > 0:
+            balanced = ((heavy, 0, rows[i] - excess), (1 - heavy, rows[i] - excess, rows[i]))
+        plan = plan_of(layer)
+        plan.parts = plan.sibling_parts = whole
+        plan.balanced_parts = balanced
 
 
 HEAD_CHUNK = 1024  # rows of the output projection per matmul (see project)

@@ -12,10 +12,14 @@ keeping an option only if it beats the plainer one by 3%:
 - ``head``: the float LM head in blocks over the two streams, or one product;
 - ``fuse``: float siblings (q/k/v, gate/up) as one stacked product, or one product each
   (``fused``);
-- ``quantized``: quantized layers in one call, cut in halves over the two streams, or
-  with siblings (q/k/v, gate/up) whole side by side (``parallel.plan_siblings``);
+- ``quantized``: quantized layers in one call, cut in halves over the two streams, with
+  siblings (q/k/v, gate/up) whole side by side, or side by side with the largest cut to
+  balance the streams (``parallel.plan_siblings``);
 - ``long_keys``: from how many cached keys decode attention takes its long-context
-  form (``ops._attend``), timed on the model's attention shapes alone.
+  form (``ops._attend``), timed on the model's attention shapes alone;
+- ``dequantize_rows``: from how many rows a quantized layer dequantizes its weight for
+  a BLAS product instead of running MLX's quantized kernel (short prompts, speculative
+  verification), timed on the model's largest quantized layer alone.
 
 The choices are made one after the other (each with the ones before it
 settled), in interleaved rounds, in about a second. The answer is cached in
@@ -48,15 +52,19 @@ from ...models import layers as model_layers
 from . import ops, parallel, quantized
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 3  # of the cached entries: bump when the kinds or options change
-ROUNDS = 3  # interleaved rounds per choice
-BUDGET_S = 1.0  # about how long all decode-step timings together may take
+VERSION = 4  # of the cached entries: bump when the kinds or options change
+ROUNDS = 5  # interleaved rounds per choice
+BUDGET_S = 1.5  # about how long all decode-step timings together may take
 # Past this estimate (slow models: float16 on the CPU, large ones) nothing is timed and the plans
 # stay at their plainest: a step is then long enough that the plans are noise in it.
 MAX_MEASURE_S = 4.0
 KEEP_IF_FASTER = 0.97  # a plan must save at least 3% of a step over the plainer option
 NEVER = 1 << 30  # long_keys: the long-context form is never taken
 LONG_KEYS_TRIED = (512, 1024, 2048, 4096, 8192)
+# Rows tried for dequantize_rows; from 64 rows on the BLAS product won by far on every machine
+# measured (at 512 rows ~10x), and the quantized kernel's time grows with the rows.
+DEQUANTIZE_ROWS_TRIED = (2, 4, 8, 16, 32, 64)
+NUMERIC = ("long_keys", "dequantize_rows")  # kinds whose option is a threshold
 
 # kind -> options, plainest first.
 OPTIONS: dict[str, tuple[str, ...]] = {
@@ -64,7 +72,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "halves": ("one", "two"),
     "head": ("one", "two"),
     "fuse": ("separate", "fused"),
-    "quantized": ("one", "halves", "siblings"),
+    "quantized": ("one", "halves", "siblings", "balanced"),
 }
 MOST_PARALLEL = {
     "cut": "two",
@@ -103,11 +111,31 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, model_layers.Attention)]
 
 
+def quantized_linears(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, quantized.CPUQuantizedLinear)]
+
+
+def numeric_kinds(model: nn.Module) -> list[str]:
+    """The threshold kinds that act on this model."""
+    return [
+        kind
+        for kind, layers in (
+            ("long_keys", attention_layers(model)),
+            ("dequantize_rows", quantized_linears(model)),
+        )
+        if layers
+    ]
+
+
 def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
     """Set one kind of plan on every layer it acts on; outputs stay the same (up to rounding)."""
     if kind == "long_keys":
         for module in attention_layers(model):
             object.__setattr__(module, "cpu_long_keys", int(option))
+        return
+    if kind == "dequantize_rows":
+        for module in quantized_linears(model):
+            object.__setattr__(module, "MIN_ROWS", int(option))
         return
     if option not in OPTIONS[kind]:
         raise ValueError(f"{ENV}: '{kind}' takes one of {', '.join(OPTIONS[kind])}, not '{option}'")
@@ -118,7 +146,8 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
         plan = parallel.plan_of(layer)
         plan.two_streams = option != "one"
         if kind == "quantized":
-            plan.parts = plan.sibling_parts if option == "siblings" else None
+            parts = {"siblings": plan.sibling_parts, "balanced": plan.balanced_parts}
+            plan.parts = parts.get(option)
 
 
 def current(model: nn.Module) -> dict[str, str | int]:
@@ -132,16 +161,21 @@ def current(model: nn.Module) -> dict[str, str | int]:
             if not plan.two_streams:
                 plans[kind] = "one"
             elif kind == "quantized":
-                plans[kind] = (
-                    "siblings"
-                    if any(parallel.plan_of(m).parts is not None for m in found)
-                    else "halves"
-                )
+                plans[kind] = "halves"
+                for m in found:
+                    plan = parallel.plan_of(m)
+                    if plan.parts is not None and plan.parts != plan.sibling_parts:
+                        plans[kind] = "balanced"
+                        break
+                    if plan.parts is not None:
+                        plans[kind] = "siblings"
             else:
                 plans[kind] = "two"
     attention = attention_layers(model)
     if attention:
         plans["long_keys"] = getattr(attention[0], "cpu_long_keys", ops.DECODE_LONG_KEYS)
+    if quantized_linears(model):
+        plans["dequantize_rows"] = quantized_linears(model)[0].MIN_ROWS
     return plans
 
 
@@ -193,7 +227,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
     found = plan_layers(model)
     kinds = [kind for kind in OPTIONS if found[kind] and kind not in fixed]
     chosen: dict[str, str | int] = {kind: OPTIONS[kind][0] for kind in OPTIONS if found[kind]}
-    chosen.update({k: v for k, v in fixed.items() if k == "long_keys" or found.get(k)})
+    chosen.update({k: v for k, v in fixed.items() if k in NUMERIC or found.get(k)})
     set_plans(model, chosen)
     seconds: dict[str, dict] = {}
     steps = 0
@@ -213,8 +247,13 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
 
         chosen[kind], seconds[kind] = pick(OPTIONS[kind], time_option)
         set_plan(model, kind, chosen[kind])
-    if "long_keys" not in fixed and attention_layers(model) and "skipped" not in seconds:
-        chosen["long_keys"], seconds["long_keys"] = measure_long_keys(model)
+    if "skipped" not in seconds:
+        for kind, measure_kind in (
+            ("long_keys", measure_long_keys),
+            ("dequantize_rows", measure_dequantize_rows),
+        ):
+            if kind not in fixed and kind in numeric_kinds(model):
+                chosen[kind], seconds[kind] = measure_kind(model)
     set_plans(model, chosen)
     return {"plans": chosen, "seconds": seconds, "steps": steps}
 
@@ -239,30 +278,62 @@ def measure_long_keys(model: nn.Module) -> tuple[int, dict]:
         return ops.DECODE_LONG_KEYS, {}
     n_q, n_kv, d, dtype = shapes
     q = mx.random.normal((1, n_q, 1, d)).astype(dtype)
-    seconds, threshold = {}, NEVER
-    for t in LONG_KEYS_TRIED:
+
+    def timer(t):
         k, v = (mx.random.normal((1, n_kv, t, d)).astype(dtype) for _ in range(2))
         mx.eval(q, k, v)
+        return lambda long_keys: mx.eval(
+            ops.attention(q, k, v, scale=d**-0.5, mask=None, long_keys=long_keys)
+        )
 
-        def run(long_keys, k=k, v=v):
-            mx.eval(ops.attention(q, k, v, scale=d**-0.5, mask=None, long_keys=long_keys))
+    threshold, seconds = crossover(LONG_KEYS_TRIED, timer, NEVER, 1)
+    return threshold, {t: {"short": a, "long": b} for t, (a, b) in seconds.items()}
 
+
+def measure_dequantize_rows(model: nn.Module) -> tuple[int, dict]:
+    """The fewest rows from which a quantized layer's dequantize-and-BLAS product is faster than
+    its quantized kernel (the decode plan's, by parts), timed on the largest quantized layer."""
+    layer = max(quantized_linears(model), key=lambda m: m["weight"].size)
+    in_features = layer["scales"].shape[-1] * layer.group_size
+    dtype = layer["scales"].dtype
+
+    def timer(rows):
+        x = mx.random.normal((1, rows, in_features)).astype(dtype)
+        mx.eval(x)
+        # threshold NEVER: the quantized kernel; 1: the dequantized product
+        return lambda min_rows: mx.eval(
+            layer._few_rows(x) if min_rows > rows else layer._many_rows(x)
+        )
+
+    threshold, seconds = crossover(DEQUANTIZE_ROWS_TRIED, timer, NEVER, 1)
+    if threshold == NEVER:  # never faster up to the largest tried: take it from past there
+        threshold = 2 * DEQUANTIZE_ROWS_TRIED[-1]
+    return threshold, {r: {"quantized": a, "dequantized": b} for r, (a, b) in seconds.items()}
+
+
+def crossover(sizes: tuple[int, ...], timer, plain, other) -> tuple[int, dict]:
+    """The smallest size from which ``other`` is faster than ``plain`` at that size and every larger
+    one tried (``NEVER`` if at none); ``timer(size)`` gives ``run(option)``. Each size's two
+    options are timed in interleaved rounds (:func:`pick`), a few runs per timing."""
+    seconds, threshold = {}, NEVER
+    for size in sizes:
+        run = timer(size)
         start = time.perf_counter()
-        run(NEVER)  # also a warm-up
+        run(plain)  # also a warm-up
         reps = max(2, min(20, int(0.01 / max(time.perf_counter() - start, 1e-6))))
 
-        def time_form(long_keys, reps=reps, run=run):
+        def time_option(option, reps=reps, run=run):
             start = time.perf_counter()
             for _ in range(reps):
-                run(long_keys)
+                run(option)
             return (time.perf_counter() - start) / reps
 
-        form, medians = pick((NEVER, 1), time_form)
-        seconds[t] = {"short": medians[NEVER], "long": medians[1]}
-        if form == 1 and threshold == NEVER:
-            threshold = t
-        elif form == NEVER:
-            threshold = NEVER  # only a crossover that holds for every longer context counts
+        form, medians = pick((plain, other), time_option)
+        seconds[size] = (medians[plain], medians[other])
+        if form == other and threshold == NEVER:
+            threshold = size
+        elif form == plain:
+            threshold = NEVER  # only a crossover that holds for every larger size counts
     return threshold, seconds
 
 
@@ -297,14 +368,16 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
     value = (os.environ.get(ENV, "measure") if value is None else value).strip()
     if value in ("", "measure"):
         return None
+    rows = quantized.CPUQuantizedLinear.MIN_ROWS
     if value == "off":
-        return {**{kind: options[0] for kind, options in OPTIONS.items()}, "long_keys": NEVER}
+        plainest = {kind: options[0] for kind, options in OPTIONS.items()}
+        return {**plainest, "long_keys": NEVER, "dequantize_rows": rows}
     if value == "on":
-        return {**MOST_PARALLEL, "long_keys": ops.DECODE_LONG_KEYS}
+        return {**MOST_PARALLEL, "long_keys": ops.DECODE_LONG_KEYS, "dequantize_rows": rows}
     plans: dict[str, str | int] = {}
     for item in value.split(","):
         kind, _, option = item.strip().partition("=")
-        if kind == "long_keys" and option.isdigit():
+        if kind in NUMERIC and option.isdigit():
             plans[kind] = int(option)
         elif kind in OPTIONS and option in OPTIONS[kind]:
             plans[kind] = option
@@ -312,7 +385,7 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
             kinds = "; ".join(f"{k}: {'/'.join(o)}" for k, o in OPTIONS.items())
             raise ValueError(
                 f"{ENV}={value!r}: expected 'on', 'off', 'measure' or kind=option items "
-                f"({kinds}; long_keys: a number), found {item!r}"
+                f"({kinds}; long_keys, dequantize_rows: a number), found {item!r}"
             )
     return plans
 
@@ -323,8 +396,9 @@ def choose(model: nn.Module, *, log=None) -> dict[str, str | int]:
     if not any(found.values()) and not attention_layers(model):
         return {}
     fixed = forced_plans()
-    if fixed is not None and all(k in fixed for k in OPTIONS if found[k]) and "long_keys" in fixed:
-        plans = {k: v for k, v in fixed.items() if k == "long_keys" or found[k]}
+    complete = fixed is not None and all(k in fixed for k in OPTIONS if found[k])
+    if complete and all(k in fixed for k in numeric_kinds(model)):
+        plans = {k: v for k, v in fixed.items() if k in numeric_kinds(model) or found.get(k)}
         set_plans(model, plans)
         return plans
     key = cache_key(model)
@@ -352,8 +426,8 @@ def describe(entry: dict) -> str:
         parts.append(f"not timed, a decode step takes {skipped['step_s']:.2f} s")
     for kind, option in entry["plans"].items():
         times = entry.get("seconds", {}).get(kind, {})
-        if kind == "long_keys":
-            parts.append(f"long_keys={'never' if option == NEVER else option}")
+        if kind in NUMERIC:
+            parts.append(f"{kind}={'never' if option == NEVER else option}")
         elif times:
             ms = ", ".join(f"{o} {s * 1e3:.1f} ms" for o, s in times.items())
             parts.append(f"{kind}={option} ({ms} per step)")

@@ -203,11 +203,17 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
     Metal the quantized kernels are the fast path and this class is not used.
     """
 
-    MIN_ROWS = 32  # measured crossover on x86-64 with OpenBLAS is well below this
+    # From this many rows the dequantized product is used; ``plans`` measures the crossover per
+    # model on the machine and sets it on each layer (this is the default when it does not).
+    MIN_ROWS = 32
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] < self.MIN_ROWS:
             return self._few_rows(x)
+        return self._many_rows(x)
+
+    def _many_rows(self, x: mx.array) -> mx.array:
+        """Prefill: dequantize the weight (one compiled kernel) and use the BLAS matmul."""
         y = x @ _dequantized(self, after=x).T
         y = y + self["bias"] if "bias" in self else y
         if _stepwise.get():
