@@ -114,6 +114,7 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
     monkeypatch.setattr(cpu_plans, "decode_step_seconds", step_seconds)
     monkeypatch.setattr(cpu_plans, "prompt_cache", lambda m: None)
     monkeypatch.setattr(cpu_plans, "measure_long_keys", lambda m: (4096, {}))
+    monkeypatch.setattr(cpu_plans, "measure_small", lambda m: (1 << 14, {}))
     result = cpu_plans.measure(model)
     # head saves 1% only: not worth it; halves cost; cut pays.
     assert result["plans"] == {
@@ -122,11 +123,13 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
         "head": "one",
         "fuse": "fused",
         "long_keys": 4096,
+        "small": 1 << 14,
     }
     assert result["steps"] >= 2
     found = cpu_plans.plan_layers(model)
     assert found["cut"][0].cpu_plan.two_streams and not found["halves"][0].cpu_plan.two_streams
     assert all(a.cpu_long_keys == 4096 for a in cpu_plans.attention_layers(model))
+    assert all(m.cpu_small == 1 << 14 for m in cpu_plans.exponential_users(model))
 
 
 def test_choice_is_measured_once_and_cached(big_tiny, monkeypatch, tmp_path):
@@ -152,7 +155,9 @@ def test_choice_is_measured_once_and_cached(big_tiny, monkeypatch, tmp_path):
     assert calls[-1] == {"halves": "two", "long_keys": 512}
 
 
-@pytest.mark.parametrize("value", ["fast", "cut=three", "long_keys=many", "dequantize_rows=x"])
+@pytest.mark.parametrize(
+    "value", ["fast", "cut=three", "long_keys=many", "dequantize_rows=x", "small=-1"]
+)
 def test_a_bad_plans_setting_names_the_variable_and_the_choices(value, monkeypatch):
     monkeypatch.setenv(cpu_plans.ENV, value)
     with pytest.raises(

@@ -66,6 +66,7 @@ class CPUAttention:
             k, v = (quantized.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         long_keys = getattr(self, "cpu_long_keys", ops.DECODE_LONG_KEYS)  # set by ``plans``
+        small = getattr(self, "cpu_small", ops.SMALL)
         return ops.attention(
             q,
             k,
@@ -74,6 +75,7 @@ class CPUAttention:
             mask=mask,
             evaluate_blocks=quantized.stepwise(),
             long_keys=long_keys,
+            small=small,
         )
 
 
@@ -91,7 +93,7 @@ class CPUGatedMLP:
 
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:
         if self.act is nn.silu:
-            return ops.swiglu(gate, up)
+            return ops.swiglu(gate, up, small=getattr(self, "cpu_small", ops.SMALL))
         return super().combine(gate, up)
 
 

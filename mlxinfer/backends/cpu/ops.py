@@ -213,12 +213,14 @@ def softmax(x: mx.array) -> mx.array:
     return e / total
 
 
-SMALL = 1 << 16  # below this many elements (decode steps) MLX's own ops are cheaper: fewer kernels
+# Below this many elements MLX's own ops are cheaper than the exponent kernels (fewer kernels), unless
+# ``plans`` measured another crossover on this machine (``small``, per model).
+SMALL = 1 << 16
 
 
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """``silu(gate) * up`` = gate · up / (1 + e^(−gate))."""
-    if gate.size < SMALL:
+def swiglu(gate: mx.array, up: mx.array, small: int = SMALL) -> mx.array:
+    """``silu(gate) * up`` = gate · up / (1 + e^(−gate)); below ``small`` elements MLX's own ops."""
+    if gate.size < small:
         return nn.silu(gate) * up
     g = gate.astype(mx.float32)
     bits = _bits_negated(g)
@@ -259,6 +261,7 @@ def attention(
     mask,
     evaluate_blocks: bool = False,
     long_keys: int = DECODE_LONG_KEYS,
+    small: int = SMALL,
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` semantics for (B, heads, L, D) inputs.
 
@@ -279,7 +282,7 @@ def attention(
     L, T = q.shape[2], k.shape[2]
     rows = max(16, min(QUERY_BLOCK, SCORE_BUDGET // (q.shape[1] * T)))
     if L <= rows:
-        return _attend(q, k, v, scale, mask, long_keys)
+        return _attend(q, k, v, scale, mask, long_keys, small)
     causal = isinstance(mask, str)
     blocks = []
     for start in range(0, L, rows):
@@ -290,7 +293,9 @@ def attention(
         if blocks:  # one block after the other, so that only one block's buffers are alive
             q_block = mx.depends(q_block, blocks[-1])
         blocks.append(
-            _attend(q_block, k[:, :, :visible], v[:, :, :visible], scale, block_mask, long_keys)
+            _attend(
+                q_block, k[:, :, :visible], v[:, :, :visible], scale, block_mask, long_keys, small
+            )
         )
         if (
             evaluate_blocks
@@ -300,7 +305,13 @@ def attention(
 
 
 def _attend(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask, long_keys: int = DECODE_LONG_KEYS
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask,
+    long_keys: int = DECODE_LONG_KEYS,
+    small: int = SMALL,
 ) -> mx.array:
     B, n_q, L, D = q.shape
     n_kv, T = k.shape[1], k.shape[2]
@@ -326,7 +337,7 @@ def _attend(
     ):  # per query head (ALiBi)
         mask = mask.reshape(*mask.shape[:-3], n_kv, reps, L, T)
     scores = masks.apply(scores, mask).reshape(B, n_kv, reps * L, T)
-    if scores.size < SMALL:
+    if scores.size < small:
         out = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype) @ v
     else:
         # Normalise after the product: (e @ v) / Σe divides L·D values instead of L·T.

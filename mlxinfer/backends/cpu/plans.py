@@ -19,7 +19,9 @@ keeping an option only if it beats the plainer one by 3%:
   form (``ops._attend``), timed on the model's attention shapes alone;
 - ``dequantize_rows``: from how many rows a quantized layer dequantizes its weight for
   a BLAS product instead of running MLX's quantized kernel (short prompts, speculative
-  verification), timed on the model's largest quantized layer alone.
+  verification), timed on the model's largest quantized layer alone;
+- ``small``: from how many elements the softmax and SwiGLU use the fast exponential's
+  kernels instead of MLX's own ops, timed on SwiGLU alone (short prompts).
 
 The choices are made one after the other (each with the ones before it
 settled), in interleaved rounds, in about a second. The answer is cached in
@@ -52,8 +54,9 @@ from ...models import layers as model_layers
 from . import ops, parallel, quantized
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 4  # of the cached entries: bump when the kinds or options change
-ROUNDS = 5  # interleaved rounds per choice
+VERSION = 5  # of the cached entries: bump when the kinds or options change
+ROUNDS = 5  # interleaved rounds per choice timed on decode steps
+CROSSOVER_ROUNDS = 3  # ... per size of a crossover (one op alone, many runs per timing: less noisy)
 BUDGET_S = 1.5  # about how long all decode-step timings together may take
 # Past this estimate (slow models: float16 on the CPU, large ones) nothing is timed and the plans
 # stay at their plainest: a step is then long enough that the plans are noise in it.
@@ -64,7 +67,8 @@ LONG_KEYS_TRIED = (512, 1024, 2048, 4096, 8192)
 # Rows tried for dequantize_rows; from 64 rows on the BLAS product won by far on every machine
 # measured (at 512 rows ~10x), and the quantized kernel's time grows with the rows.
 DEQUANTIZE_ROWS_TRIED = (2, 4, 8, 16, 32, 64)
-NUMERIC = ("long_keys", "dequantize_rows")  # kinds whose option is a threshold
+SMALL_TRIED = tuple(1 << n for n in range(12, 20))  # elements tried for small
+NUMERIC = ("long_keys", "dequantize_rows", "small")  # kinds whose option is a threshold
 
 # kind -> options, plainest first.
 OPTIONS: dict[str, tuple[str, ...]] = {
@@ -115,6 +119,12 @@ def quantized_linears(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, quantized.CPUQuantizedLinear)]
 
 
+def exponential_users(model: nn.Module) -> list[nn.Module]:
+    """The layers that choose between MLX's ops and the fast exponential (``ops.SMALL``)."""
+    kinds = (model_layers.Attention, model_layers.GatedMLP)
+    return [m for m in model.modules() if isinstance(m, kinds)]
+
+
 def numeric_kinds(model: nn.Module) -> list[str]:
     """The threshold kinds that act on this model."""
     return [
@@ -122,6 +132,7 @@ def numeric_kinds(model: nn.Module) -> list[str]:
         for kind, layers in (
             ("long_keys", attention_layers(model)),
             ("dequantize_rows", quantized_linears(model)),
+            ("small", exponential_users(model)),
         )
         if layers
     ]
@@ -136,6 +147,10 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
     if kind == "dequantize_rows":
         for module in quantized_linears(model):
             object.__setattr__(module, "MIN_ROWS", int(option))
+        return
+    if kind == "small":
+        for module in exponential_users(model):
+            object.__setattr__(module, "cpu_small", int(option))
         return
     if option not in OPTIONS[kind]:
         raise ValueError(f"{ENV}: '{kind}' takes one of {', '.join(OPTIONS[kind])}, not '{option}'")
@@ -176,6 +191,8 @@ def current(model: nn.Module) -> dict[str, str | int]:
         plans["long_keys"] = getattr(attention[0], "cpu_long_keys", ops.DECODE_LONG_KEYS)
     if quantized_linears(model):
         plans["dequantize_rows"] = quantized_linears(model)[0].MIN_ROWS
+    if exponential_users(model):
+        plans["small"] = getattr(exponential_users(model)[0], "cpu_small", ops.SMALL)
     return plans
 
 
@@ -205,11 +222,14 @@ def decode_step_seconds(model: nn.Module, steps: int, cache: list | None = None)
     return statistics.median(times)
 
 
-def pick(options: tuple, time_option: Callable[[object], float]) -> tuple[object, dict]:
+def pick(
+    options: tuple, time_option: Callable[[object], float], rounds: int | None = None
+) -> tuple[object, dict]:
     """The plainest option unless a later one is ``KEEP_IF_FASTER`` faster than the best so far;
-    options timed in ``ROUNDS`` interleaved rounds. Returns (option, median seconds by option)."""
+    options timed in ``rounds`` (default ``ROUNDS``) interleaved rounds. Returns (option, median
+    seconds by option)."""
     seconds: dict = {option: [] for option in options}
-    for _ in range(ROUNDS):
+    for _ in range(ROUNDS if rounds is None else rounds):
         for option in options:
             seconds[option].append(time_option(option))
     medians = {option: statistics.median(s) for option, s in seconds.items()}
@@ -251,6 +271,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
         for kind, measure_kind in (
             ("long_keys", measure_long_keys),
             ("dequantize_rows", measure_dequantize_rows),
+            ("small", measure_small),
         ):
             if kind not in fixed and kind in numeric_kinds(model):
                 chosen[kind], seconds[kind] = measure_kind(model)
@@ -311,6 +332,26 @@ def measure_dequantize_rows(model: nn.Module) -> tuple[int, dict]:
     return threshold, {r: {"quantized": a, "dequantized": b} for r, (a, b) in seconds.items()}
 
 
+def measure_small(model: nn.Module) -> tuple[int, dict]:
+    """The fewest elements from which SwiGLU through the fast exponential beats MLX's own ops."""
+    dtype = mx.float32
+    for module in exponential_users(model):
+        if isinstance(module, model_layers.GatedMLP) and "weight" in module.up_proj:
+            dtype = module.up_proj["weight"].dtype
+            break
+        if isinstance(module, model_layers.GatedMLP) and "scales" in module.up_proj:
+            dtype = module.up_proj["scales"].dtype
+            break
+
+    def timer(n):
+        g, u = (mx.random.normal((1, n)).astype(dtype) for _ in range(2))
+        mx.eval(g, u)
+        return lambda small: mx.eval(ops.swiglu(g, u, small=small))
+
+    threshold, seconds = crossover(SMALL_TRIED, timer, NEVER, 1)
+    return threshold, {n: {"mlx": a, "fast_exp": b} for n, (a, b) in seconds.items()}
+
+
 def crossover(sizes: tuple[int, ...], timer, plain, other) -> tuple[int, dict]:
     """The smallest size from which ``other`` is faster than ``plain`` at that size and every larger
     one tried (``NEVER`` if at none); ``timer(size)`` gives ``run(option)``. Each size's two
@@ -328,7 +369,7 @@ def crossover(sizes: tuple[int, ...], timer, plain, other) -> tuple[int, dict]:
                 run(option)
             return (time.perf_counter() - start) / reps
 
-        form, medians = pick((plain, other), time_option)
+        form, medians = pick((plain, other), time_option, CROSSOVER_ROUNDS)
         seconds[size] = (medians[plain], medians[other])
         if form == other and threshold == NEVER:
             threshold = size
@@ -371,9 +412,14 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
     rows = quantized.CPUQuantizedLinear.MIN_ROWS
     if value == "off":
         plainest = {kind: options[0] for kind, options in OPTIONS.items()}
-        return {**plainest, "long_keys": NEVER, "dequantize_rows": rows}
+        return {**plainest, "long_keys": NEVER, "dequantize_rows": rows, "small": ops.SMALL}
     if value == "on":
-        return {**MOST_PARALLEL, "long_keys": ops.DECODE_LONG_KEYS, "dequantize_rows": rows}
+        thresholds = {
+            "long_keys": ops.DECODE_LONG_KEYS,
+            "dequantize_rows": rows,
+            "small": ops.SMALL,
+        }
+        return {**MOST_PARALLEL, **thresholds}
     plans: dict[str, str | int] = {}
     for item in value.split(","):
         kind, _, option = item.strip().partition("=")
@@ -385,7 +431,7 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
             kinds = "; ".join(f"{k}: {'/'.join(o)}" for k, o in OPTIONS.items())
             raise ValueError(
                 f"{ENV}={value!r}: expected 'on', 'off', 'measure' or kind=option items "
-                f"({kinds}; long_keys, dequantize_rows: a number), found {item!r}"
+                f"({kinds}; long_keys, dequantize_rows, small: a number), found {item!r}"
             )
     return plans
 
