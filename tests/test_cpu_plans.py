@@ -1,6 +1,6 @@
 """The CPU backend's decode plans: every option of every kind gives the same outputs
 (transformers' for float, MLX's own quantized layers for 4-bit); the fastest option is kept,
-measured once per machine and model, then cached (backends/cpu/plans.py)."""
+measured once per machine and model, then cached (backends/cpu/plans.py, kinds.py, timing.py)."""
 
 import json
 
@@ -11,6 +11,7 @@ from hf_models import add_tokenizer, make_tiny, torch_logits
 
 from mlxinfer import backends
 from mlxinfer.backends.cpu import plans as cpu_plans
+from mlxinfer.backends.cpu import timing
 from mlxinfer.conversion import convert
 from mlxinfer.loader import load_model
 
@@ -111,11 +112,11 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
             total *= 0.9
         return 0.01 * total
 
-    monkeypatch.setattr(cpu_plans, "decode_step_seconds", step_seconds)
-    monkeypatch.setattr(cpu_plans, "prompt_cache", lambda m: None)
-    monkeypatch.setattr(cpu_plans, "measure_long_keys", lambda m: (4096, {}))
-    monkeypatch.setattr(cpu_plans, "measure_small", lambda m: (1 << 14, {}))
-    result = cpu_plans.measure(model)
+    monkeypatch.setattr(timing, "decode_step_seconds", step_seconds)
+    monkeypatch.setattr(timing, "prompt_cache", lambda m: None)
+    monkeypatch.setattr(timing, "measure_long_keys", lambda m: (4096, {}))
+    monkeypatch.setattr(timing, "measure_small", lambda m: (1 << 14, {}))
+    result = timing.measure(model)
     # head saves 1% only: not worth it; halves cost; cut pays.
     assert result["plans"] == {
         "cut": "two",
@@ -180,7 +181,7 @@ def test_a_float_prefill_on_the_cpu_backend_runs_stepwise(big_tiny):
 def test_the_crossover_is_where_the_other_option_wins_for_good(monkeypatch):
     """A threshold counts only if the other option is faster from it on, at every larger size."""
     clock = [0.0]  # a fake clock that only the timed runs move: the test times nothing
-    monkeypatch.setattr(cpu_plans.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
 
     def timer_for(faster_from, dip=None):
         def timer(size):
@@ -193,6 +194,6 @@ def test_the_crossover_is_where_the_other_option_wins_for_good(monkeypatch):
         return timer
 
     sizes = (2, 4, 8, 16)
-    assert cpu_plans.crossover(sizes, timer_for(8), "plain", "other")[0] == 8
-    assert cpu_plans.crossover(sizes, timer_for(4, dip=16), "plain", "other")[0] == cpu_plans.NEVER
-    assert cpu_plans.crossover(sizes, timer_for(99), "plain", "other")[0] == cpu_plans.NEVER
+    assert timing.crossover(sizes, timer_for(8), "plain", "other")[0] == 8
+    assert timing.crossover(sizes, timer_for(4, dip=16), "plain", "other")[0] == cpu_plans.NEVER
+    assert timing.crossover(sizes, timer_for(99), "plain", "other")[0] == cpu_plans.NEVER

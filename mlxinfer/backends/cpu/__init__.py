@@ -11,7 +11,8 @@ plans by timing them on this machine (``plans``). The modules:
 - ``quantized``: quantized layers that dequantize for prefill and run decode
   on two threads, and the stepwise prefill schedule;
 - ``parallel``: one-row products over two worker streams;
-- ``plans``: which of those pay here, measured and cached;
+- ``plans``: which of those pay here, measured (``timing``, over the ``kinds`` of plan) and
+  cached;
 - ``layers``: the mixins that put all of it into the model's own classes.
 """
 

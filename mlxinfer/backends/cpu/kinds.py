@@ -1,0 +1,146 @@
+"""The kinds of CPU decode plan, the layers each acts on, and how to set and read them.
+
+Which option each kind takes on this machine is decided in ``plans`` (by ``timing``).
+"""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from ...models import layers as model_layers
+from . import ops, parallel, quantized
+
+NEVER = 1 << 30  # a threshold never reached: the plainer form always
+NUMERIC = ("long_keys", "dequantize_rows", "small")  # kinds whose option is a threshold
+
+# kind -> options, plainest first.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "cut": ("one", "two"),
+    "halves": ("one", "two"),
+    "head": ("one", "two"),
+    "fuse": ("separate", "fused"),
+    "quantized": ("one", "halves", "siblings", "balanced"),
+}
+MOST_PARALLEL = {
+    "cut": "two",
+    "halves": "two",
+    "head": "two",
+    "fuse": "fused",
+    "quantized": "siblings",
+}
+
+
+def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """The layers each kind of plan acts on (empty lists for kinds the model lacks)."""
+    found: dict[str, list[nn.Module]] = {kind: [] for kind in OPTIONS}
+    head = getattr(model, "head", None)
+    for module in model.modules():
+        if isinstance(module, parallel.TransposedLinear):
+            found["halves"].append(module)
+        elif isinstance(module, parallel.CPULinear):
+            found["cut"].append(module)
+        elif isinstance(module, quantized.CPUQuantizedLinear):
+            found["quantized"].append(module)
+        if getattr(module, "cpu_fused", (None, 1))[1] == 0:  # the first of its siblings
+            found["fuse"].append(module)
+    if (
+        head is not None
+        and "scales" not in head
+        and head["weight"].shape[0] > 2 * parallel.HEAD_CHUNK
+    ):
+        found["head"].append(head)
+    elif head is not None and "scales" in head and not isinstance(head, nn.QuantizedLinear):
+        found["quantized"].append(head)  # a quantized tied embedding, by parts
+    return found
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, model_layers.Attention)]
+
+
+def quantized_linears(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, quantized.CPUQuantizedLinear)]
+
+
+def exponential_users(model: nn.Module) -> list[nn.Module]:
+    """The layers that choose between MLX's ops and the fast exponential (``ops.SMALL``)."""
+    kinds = (model_layers.Attention, model_layers.GatedMLP)
+    return [m for m in model.modules() if isinstance(m, kinds)]
+
+
+def numeric_kinds(model: nn.Module) -> list[str]:
+    """The threshold kinds that act on this model."""
+    return [
+        kind
+        for kind, layers in (
+            ("long_keys", attention_layers(model)),
+            ("dequantize_rows", quantized_linears(model)),
+            ("small", exponential_users(model)),
+        )
+        if layers
+    ]
+
+
+def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
+    """Set one kind of plan on every layer it acts on; outputs stay the same (up to rounding)."""
+    if kind == "long_keys":
+        for module in attention_layers(model):
+            object.__setattr__(module, "cpu_long_keys", int(option))
+        return
+    if kind == "dequantize_rows":
+        for module in quantized_linears(model):
+            object.__setattr__(module, "MIN_ROWS", int(option))
+        return
+    if kind == "small":
+        for module in exponential_users(model):
+            object.__setattr__(module, "cpu_small", int(option))
+        return
+    if option not in OPTIONS[kind]:
+        raise ValueError(
+            f"MLXINFER_CPU_PLANS: '{kind}' takes one of {', '.join(OPTIONS[kind])}, not '{option}'"
+        )
+    for layer in plan_layers(model)[kind]:
+        if kind == "fuse":
+            layer.cpu_fused[0].on = option == "fused"
+            continue
+        plan = parallel.plan_of(layer)
+        plan.two_streams = option != "one"
+        if kind == "quantized":
+            parts = {"siblings": plan.sibling_parts, "balanced": plan.balanced_parts}
+            plan.parts = parts.get(option)
+
+
+def current(model: nn.Module) -> dict[str, str | int]:
+    """The plans the model's layers hold now, {kind: option}."""
+    plans: dict[str, str | int] = {}
+    for kind, found in plan_layers(model).items():
+        if found and kind == "fuse":
+            plans[kind] = "fused" if found[0].cpu_fused[0].on else "separate"
+        elif found:
+            plan = parallel.plan_of(found[0])
+            if not plan.two_streams:
+                plans[kind] = "one"
+            elif kind == "quantized":
+                plans[kind] = "halves"
+                for m in found:
+                    plan = parallel.plan_of(m)
+                    if plan.parts is not None and plan.parts != plan.sibling_parts:
+                        plans[kind] = "balanced"
+                        break
+                    if plan.parts is not None:
+                        plans[kind] = "siblings"
+            else:
+                plans[kind] = "two"
+    attention = attention_layers(model)
+    if attention:
+        plans["long_keys"] = getattr(attention[0], "cpu_long_keys", ops.DECODE_LONG_KEYS)
+    if quantized_linears(model):
+        plans["dequantize_rows"] = quantized_linears(model)[0].MIN_ROWS
+    if exponential_users(model):
+        plans["small"] = getattr(exponential_users(model)[0], "cpu_small", ops.SMALL)
+    return plans
+
+
+def set_plans(model: nn.Module, plans: dict[str, str | int]) -> None:
+    for kind, option in plans.items():
+        set_plan(model, kind, option)
