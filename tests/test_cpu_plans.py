@@ -144,6 +144,7 @@ def test_choice_is_measured_once_and_cached(big_tiny, monkeypatch, tmp_path):
     assert calls == [None] and "CPU decode plans (timed here, once): cut=one" in logged[0]
     found = cpu_plans.plan_layers(model)
     assert not found["halves"][0].cpu_plan.two_streams and found["head"][0].cpu_plan.two_streams
+    assert cpu_plans.current(model) == entry["plans"]  # what bench reports
     cached = json.loads((tmp_path / "cpu-plans.json").read_text())
     assert list(cached.values()) == [entry]
     load_model(big_tiny[0])  # the same machine and shapes: read from the cache

@@ -11,7 +11,6 @@ from ...models import layers as model_layers
 from . import ops, parallel, quantized
 
 NEVER = 1 << 30  # a threshold never reached: the plainer form always
-NUMERIC = ("long_keys", "dequantize_rows", "small")  # kinds whose option is a threshold
 
 # kind -> options, plainest first.
 OPTIONS: dict[str, tuple[str, ...]] = {
@@ -68,77 +67,50 @@ def exponential_users(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, kinds)]
 
 
+# Threshold kinds -> (the layers that read it, the attribute they read, its default). A layer
+# without the attribute uses the default (the class's MIN_ROWS, the ops module's constants).
+THRESHOLDS = {
+    "long_keys": (attention_layers, "cpu_long_keys", ops.DECODE_LONG_KEYS),
+    "dequantize_rows": (quantized_linears, "MIN_ROWS", quantized.CPUQuantizedLinear.MIN_ROWS),
+    "small": (exponential_users, "cpu_small", ops.SMALL),
+}
+NUMERIC = tuple(THRESHOLDS)  # kinds whose option is a threshold
+
+
 def numeric_kinds(model: nn.Module) -> list[str]:
     """The threshold kinds that act on this model."""
-    return [
-        kind
-        for kind, layers in (
-            ("long_keys", attention_layers(model)),
-            ("dequantize_rows", quantized_linears(model)),
-            ("small", exponential_users(model)),
-        )
-        if layers
-    ]
+    return [kind for kind, (layers_of, _, _) in THRESHOLDS.items() if layers_of(model)]
 
 
 def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
-    """Set one kind of plan on every layer it acts on; outputs stay the same (up to rounding)."""
-    if kind == "long_keys":
-        for module in attention_layers(model):
-            object.__setattr__(module, "cpu_long_keys", int(option))
-        return
-    if kind == "dequantize_rows":
-        for module in quantized_linears(model):
-            object.__setattr__(module, "MIN_ROWS", int(option))
-        return
-    if kind == "small":
-        for module in exponential_users(model):
-            object.__setattr__(module, "cpu_small", int(option))
-        return
-    if option not in OPTIONS[kind]:
+    """Set one kind of plan on every layer it acts on; outputs stay the same (up to rounding).
+    The model keeps what was set, for :func:`current`."""
+    if kind in THRESHOLDS:
+        layers_of, attribute, _ = THRESHOLDS[kind]
+        for module in layers_of(model):
+            object.__setattr__(module, attribute, int(option))
+    elif option not in OPTIONS[kind]:
         raise ValueError(
             f"MLXINFER_CPU_PLANS: '{kind}' takes one of {', '.join(OPTIONS[kind])}, not '{option}'"
         )
-    for layer in plan_layers(model)[kind]:
-        if kind == "fuse":
-            layer.cpu_fused[0].on = option == "fused"
-            continue
-        plan = parallel.plan_of(layer)
-        plan.two_streams = option != "one"
-        if kind == "quantized":
-            parts = {"siblings": plan.sibling_parts, "balanced": plan.balanced_parts}
-            plan.parts = parts.get(option)
+    else:
+        for layer in plan_layers(model)[kind]:
+            if kind == "fuse":
+                layer.cpu_fused[0].on = option == "fused"
+                continue
+            plan = parallel.plan_of(layer)
+            plan.two_streams = option != "one"
+            if kind == "quantized":
+                parts = {"siblings": plan.sibling_parts, "balanced": plan.balanced_parts}
+                plan.parts = parts.get(option)
+    if getattr(model, "cpu_plans", None) is None:
+        object.__setattr__(model, "cpu_plans", {})
+    model.cpu_plans[kind] = option
 
 
 def current(model: nn.Module) -> dict[str, str | int]:
-    """The plans the model's layers hold now, {kind: option}."""
-    plans: dict[str, str | int] = {}
-    for kind, found in plan_layers(model).items():
-        if found and kind == "fuse":
-            plans[kind] = "fused" if found[0].cpu_fused[0].on else "separate"
-        elif found:
-            plan = parallel.plan_of(found[0])
-            if not plan.two_streams:
-                plans[kind] = "one"
-            elif kind == "quantized":
-                plans[kind] = "halves"
-                for m in found:
-                    plan = parallel.plan_of(m)
-                    if plan.parts is not None and plan.parts != plan.sibling_parts:
-                        plans[kind] = "balanced"
-                        break
-                    if plan.parts is not None:
-                        plans[kind] = "siblings"
-            else:
-                plans[kind] = "two"
-    attention = attention_layers(model)
-    if attention:
-        plans["long_keys"] = getattr(attention[0], "cpu_long_keys", ops.DECODE_LONG_KEYS)
-    if quantized_linears(model):
-        plans["dequantize_rows"] = quantized_linears(model)[0].MIN_ROWS
-    if exponential_users(model):
-        plans["small"] = getattr(exponential_users(model)[0], "cpu_small", ops.SMALL)
-    return plans
+    """The plans last set on the model, {kind: option} (empty if none was)."""
+    return dict(getattr(model, "cpu_plans", None) or {})
 
 
 def set_plans(model: nn.Module, plans: dict[str, str | int]) -> None:

@@ -49,12 +49,12 @@ import mlx.nn as nn
 
 from ...blas import preloaded_blas
 from ...machine import cpu_name, user_cache_dir
-from . import ops, quantized
 from .kinds import (
     MOST_PARALLEL,
     NEVER,
     NUMERIC,
     OPTIONS,
+    THRESHOLDS,
     attention_layers,
     current,
     exponential_users,
@@ -118,17 +118,12 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
     value = (os.environ.get(ENV, "measure") if value is None else value).strip()
     if value in ("", "measure"):
         return None
-    rows = quantized.CPUQuantizedLinear.MIN_ROWS
+    defaults = {kind: default for kind, (_, _, default) in THRESHOLDS.items()}
     if value == "off":
         plainest = {kind: options[0] for kind, options in OPTIONS.items()}
-        return {**plainest, "long_keys": NEVER, "dequantize_rows": rows, "small": ops.SMALL}
+        return {**plainest, **defaults, "long_keys": NEVER}
     if value == "on":
-        thresholds = {
-            "long_keys": ops.DECODE_LONG_KEYS,
-            "dequantize_rows": rows,
-            "small": ops.SMALL,
-        }
-        return {**MOST_PARALLEL, **thresholds}
+        return {**MOST_PARALLEL, **defaults}
     plans: dict[str, str | int] = {}
     for item in value.split(","):
         kind, _, option = item.strip().partition("=")
@@ -140,7 +135,7 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
             kinds = "; ".join(f"{k}: {'/'.join(o)}" for k, o in OPTIONS.items())
             raise ValueError(
                 f"{ENV}={value!r}: expected 'on', 'off', 'measure' or kind=option items "
-                f"({kinds}; long_keys, dequantize_rows, small: a number), found {item!r}"
+                f"({kinds}; {', '.join(NUMERIC)}: a number), found {item!r}"
             )
     return plans
 
