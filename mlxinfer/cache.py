@@ -52,6 +52,19 @@ def _grow(buf: mx.array | None, used: int, needed: int, step: int, like: mx.arra
     return mx.concatenate([buf[..., :used, :], fresh], axis=2)
 
 
+def _write(buf: mx.array, start: int, new: mx.array) -> mx.array:
+    """``buf`` with ``new`` written at ``start`` along axis 2.
+
+    A write that covers all of ``buf`` yields ``new`` itself in MLX, which may be a
+    view into a larger array (a slice of a stacked q/k/v product): the cache would
+    then keep that whole array alive, so such a write is stored as a compact copy.
+    """
+    if start == 0 and new.shape[2] == buf.shape[2]:
+        return mx.contiguous(new)
+    buf[..., start : start + new.shape[2], :] = new
+    return buf
+
+
 class KVCache:
     """Standard cache: (B, n_kv_heads, capacity, head_dim) buffers written in place."""
 
@@ -72,6 +85,19 @@ class KVCache:
         """
         self.reserved = max(self.reserved, n_tokens)
 
+    def grow(self, n_tokens: int) -> None:
+        """Give the buffers room for ``n_tokens`` now, copying what is cached.
+
+        Prefill reserves room for the prompt only; decode's room is added here,
+        after prefill's transients are gone, so the two never peak together.
+        """
+        self.reserve(n_tokens)
+        if self.keys is None or n_tokens <= self.keys.shape[2]:
+            return
+        self.keys = _grow(self.keys, self.offset, n_tokens, 1, self.keys)
+        self.values = _grow(self.values, self.offset, n_tokens, 1, self.values)
+        mx.eval(self.keys, self.values)
+
     def _growth(self, needed: int, buf: mx.array | None) -> tuple[int, int]:
         """``(capacity, step)`` for holding ``needed`` tokens: the reservation exactly
         while it covers them, else growth in ``step`` chunks."""
@@ -87,8 +113,8 @@ class KVCache:
         self.keys = _grow(self.keys, prev, needed, step, keys)
         self.values = _grow(self.values, prev, needed, step, values)
         self.offset = prev + L
-        self.keys[..., prev : self.offset, :] = keys
-        self.values[..., prev : self.offset, :] = values
+        self.keys = _write(self.keys, prev, keys)
+        self.values = _write(self.values, prev, values)
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     def make_mask(self, n_queries: int) -> Mask:
@@ -191,7 +217,8 @@ class RotatingKVCache:
             )
         else:
             store_k, store_v = full_k, full_v
-        self.keys, self.values = store_k, store_v
+        # Compact copies: the first prompt's keys may be views into a larger array (see _write).
+        self.keys, self.values = mx.contiguous(store_k), mx.contiguous(store_v)
         self._size = self._idx = store_k.shape[2]
         self.offset += L
         return full_k, full_v
@@ -296,8 +323,7 @@ class QuantizedKVCache:
         needed, step = self._growth(prev + L, self.keys[0])
         for bufs, new in ((self.keys, new_k), (self.values, new_v)):
             for i in range(3):
-                bufs[i] = _grow(bufs[i], prev, needed, step, new[i])
-                bufs[i][..., prev : prev + L, :] = new[i]
+                bufs[i] = _write(_grow(bufs[i], prev, needed, step, new[i]), prev, new[i])
         self.offset = prev + L
         return (
             [a[..., : self.offset, :] for a in self.keys],
@@ -309,6 +335,15 @@ class QuantizedKVCache:
     trim = KVCache.trim
     reserve = KVCache.reserve
     _growth = KVCache._growth
+
+    def grow(self, n_tokens: int) -> None:
+        """As :meth:`KVCache.grow`, for each of the packed, scales and biases buffers."""
+        self.reserve(n_tokens)
+        if self.keys is None or n_tokens <= self.keys[0].shape[2]:
+            return
+        for bufs in (self.keys, self.values):
+            bufs[:] = [_grow(a, self.offset, n_tokens, 1, a) for a in bufs]
+        mx.eval(self.keys, self.values)
 
     @property
     def state(self) -> list[mx.array]:

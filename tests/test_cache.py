@@ -159,14 +159,17 @@ def test_save_and_load_round_trip(tiny, tmp_path, kind):
 
 
 def test_prefill_allocates_the_whole_prompt_once():
-    """A reserved cache grows once for the whole prompt instead of once per prefill chunk."""
+    """A reserved cache grows once for the whole prompt instead of once per prefill chunk,
+    and gets the decode's room only after the prompt, keeping what it holds."""
     from mlxinfer.cache import KVCache
     from mlxinfer.generation.prefill import MAX_RESERVED_DECODE, prefill
     from mlxinfer.prompt_cache import PromptCache
 
-    class Recorder:  # a one-layer "model" that only writes its cache
+    class Recorder:  # a one-layer "model" that writes its tokens' ids as keys
         def __call__(self, tokens, cache):
-            x = mx.zeros((1, 2, tokens.shape[1], 8))
+            x = mx.broadcast_to(
+                tokens[:, None, :, None].astype(mx.float32), (1, 2, tokens.shape[1], 8)
+            )
             cache[0].update_and_fetch(x, x)
             return x
 
@@ -181,22 +184,51 @@ def test_prefill_allocates_the_whole_prompt_once():
             grown.append(cache.keys.shape[2])
         return out
 
+    def reset():
+        grown.clear()
+        cache.keys = cache.values = None
+        cache.offset = cache.reserved = 0
+
     cache.update_and_fetch = spy
     prefill(Recorder(), PromptCache([cache]), list(range(1000)), step=128)
     assert grown == [1001]  # exactly the 1000 prompt tokens + the next one
+    assert cache.keys.shape[2] == 1001
 
-    # With the decode length known, the room covers it exactly; past it, growth is in 256-token steps.
-    grown.clear()
-    cache.keys = cache.values = None
-    cache.offset = cache.reserved = 0
+    # With the decode length known, its room is added after the prompt (not during it), and the
+    # prompt's keys survive the copy; past that room, growth is in 256-token steps.
+    reset()
     prefill(Recorder(), PromptCache([cache]), list(range(1000)), step=128, then=50)
+    assert grown == [1001] and cache.keys.shape[2] == 1050
+    np.testing.assert_array_equal(np.array(cache.keys[0, 0, :1000, 0]), np.arange(1000))
     for _ in range(51):
-        Recorder()(mx.zeros((1, 1)), [cache])
-    assert grown == [1050, 1050 + 256]
+        Recorder()(mx.zeros((1, 1), mx.int32), [cache])
+    assert grown == [1001, 1050 + 256]
 
     # A huge max_tokens does not allocate its whole length up front.
-    grown.clear()
-    cache.keys = cache.values = None
-    cache.offset = cache.reserved = 0
+    reset()
     prefill(Recorder(), PromptCache([cache]), list(range(1000)), step=128, then=10**9)
-    assert grown == [1000 + MAX_RESERVED_DECODE]
+    assert cache.keys.shape[2] == 1000 + MAX_RESERVED_DECODE
+
+
+def test_a_write_that_fills_the_cache_keeps_no_larger_array_alive():
+    """MLX returns an update that covers the whole buffer as the update itself; when that is a
+    view into a larger array (one slice of a stacked q/k/v product), the cache must copy it."""
+    stacked = mx.random.normal((1, 127, 15, 64))  # q, k and v heads of one product
+    mx.eval(stacked)
+    for cache in (KVCache(), RotatingKVCache(max_size=512), QuantizedKVCache(bits=8)):
+        k = stacked[:, :, 9:12, :].transpose(0, 2, 1, 3)
+        v = stacked[:, :, 12:15, :].transpose(0, 2, 1, 3)
+        if isinstance(cache, KVCache):
+            cache.reserve(127)
+        cache.update_and_fetch(k, v)
+        mx.eval(cache.state)
+        del k, v
+        base = mx.get_active_memory()
+        held = cache.nbytes
+        stacked_bytes = stacked.nbytes
+        del stacked
+        # Dropping our reference frees the stacked array: the cache held only its own copy.
+        assert base - mx.get_active_memory() >= stacked_bytes, type(cache).__name__
+        assert held > 0
+        stacked = mx.random.normal((1, 127, 15, 64))
+        mx.eval(stacked)

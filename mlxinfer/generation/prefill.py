@@ -23,16 +23,18 @@ def prefill(
     """Feed ``ids`` into ``pc`` in chunks of ``step``, computing only the caches.
 
     Only the cache states are evaluated, so the LM head of these chunks is
-    never computed (the lazy graph drops it). The caches get room for the
-    prompt and the ``then`` tokens expected after it (at most
-    ``MAX_RESERVED_DECODE``), allocated once and exactly: no copy as the
-    prompt's chunks arrive, and no slack beyond what the request can use.
+    never computed (the lazy graph drops it). The caches get room for
+    ``ids`` and the one token every caller feeds next, allocated once (no
+    copy as the prompt's chunks arrive); after it, room for the ``then``
+    tokens expected next (at most ``MAX_RESERVED_DECODE``). Growing between
+    the two copies the prompt's keys once, layer by layer, so the peak is the
+    larger of (prompt's KV + prefill's transients) and (whole KV + a decode
+    step's), not their sum (docs/performance.md, "Peak memory").
     """
     y = mx.array(ids, dtype=mx.int32)
-    room = len(ids) + max(1, min(then, MAX_RESERVED_DECODE))
-    for c in pc.cache:
-        if hasattr(c, "reserve"):
-            c.reserve(c.offset + room)
+    growable = [c for c in pc.cache if hasattr(c, "grow")]
+    for c in growable:
+        c.reserve(c.offset + len(ids) + 1)
     # As the backend schedules it (the CPU's, for a quantized model: one step's buffers at a time).
     with prefill_schedule(model):
         for start in range(0, len(ids), step):
@@ -41,3 +43,5 @@ def prefill(
             # so the graph (and its memory) stays one chunk deep.
             mx.eval([c.state for c in pc.cache])
             pc.tokens.extend(ids[start : start + step])
+    for c in growable:
+        c.grow(c.offset + max(1, min(then, MAX_RESERVED_DECODE)))
