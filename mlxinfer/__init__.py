@@ -8,6 +8,8 @@ Public API::
         print(r.text, end="")
     mlxinfer.convert("hf-dir-or-repo", "out-dir", quantize=True)
     stream_generate(..., draft=mlxinfer.PromptLookup())     # speculative decoding
+    texts = mlxinfer.batch_generate(model, tokenizer, ["Hi", "Hello"])  # one batch
+    engine = mlxinfer.Engine(model)   # continuous batching: engine.stream(tokenizer, prompt)
 
 Importing this package loads nothing heavy: the modules (and MLX) load on first
 use of an attribute. On Linux it does one thing first: it loads a fast BLAS for
@@ -40,6 +42,8 @@ _EXPORTS = {
     "ChatSession": "chat",
     "Tokenizer": "tokenization",
     "MlxInferError": "errors",
+    "batch_generate": "batch",
+    "Engine": "batch",
 }
 
 __all__ = sorted(_EXPORTS)

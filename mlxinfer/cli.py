@@ -29,6 +29,15 @@ def _errors_to_click(fn):
     return wrapper
 
 
+def _batch_sizes(text: str) -> list[int]:
+    from .bench import parse_lengths
+
+    try:
+        return parse_lengths(text, "--batch")
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _log(message: str) -> None:
     click.echo(message, err=True)
 
@@ -183,10 +192,19 @@ CHAT_TEMPLATE_HELP = (
 @click.option("--system", default=None, help="System message (chat template only).")
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
 @click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
+@click.option(
+    "--batch",
+    "batch_file",
+    default=None,
+    metavar="FILE",
+    help="Run every prompt of FILE (one per line, or JSON lines) in one batch; "
+    "prints one JSON line per prompt.",
+)
 @_errors_to_click
 def generate(
     model,
     prompt,
+    batch_file,
     system,
     chat_template,
     no_chat_template,
@@ -206,6 +224,19 @@ def generate(
 
     if chat_template and no_chat_template:
         raise click.UsageError("choose --chat-template or --no-chat-template, not both")
+    if batch_file is not None:
+        return _generate_batch(
+            batch_file,
+            model,
+            prompt,
+            system,
+            chat_template,
+            no_chat_template,
+            kv_bits,
+            verbose,
+            draft_model or prompt_lookup or self_draft_layers,
+            options,
+        )
     if prompt is None:
         prompt = sys.stdin.read()
     llm, tokenizer = _load(model, verbose)
@@ -237,6 +268,52 @@ def generate(
         ),
         verbose,
     )
+
+
+def _generate_batch(
+    batch_file,
+    model,
+    prompt,
+    system,
+    chat_template,
+    no_chat_template,
+    kv_bits,
+    verbose,
+    draft,
+    options,
+):
+    """``generate --batch FILE``: every prompt through one engine, a JSON line each, in order."""
+    import json
+
+    from .batch import batch_generate
+    from .batch.prompts import read_prompts
+
+    unsupported = {
+        "--prompt": prompt is not None,
+        "--kv-bits": kv_bits is not None,
+        "--max-kv-size": options.pop("max_kv_size") is not None,
+        "--prefill-step-size": options.pop("prefill_step_size") is not None,
+        "a draft (--draft-model, --prompt-lookup, --self-draft-layers, --num-draft)": bool(draft)
+        or options.pop("num_draft", None) is not None,
+    }
+    if clash := [name for name, given in unsupported.items() if given]:
+        raise click.UsageError(f"--batch does not take {', '.join(clash)} yet")
+    prompts = read_prompts(batch_file)
+    llm, tokenizer = _load(model, verbose)
+    if chat_template:
+        tokenizer.set_chat_template(chat_template)
+    if not no_chat_template and tokenizer.has_chat_template:
+        head = [{"role": "system", "content": system}] if system else []
+        prompts = [
+            head + p if isinstance(p, list) else head + [{"role": "user", "content": p}]
+            for p in prompts
+        ]
+    elif system:
+        raise click.UsageError("--system needs a chat template")
+    stop = options.pop("stop")
+    texts = batch_generate(llm, tokenizer, prompts, stop=stop, **options)
+    for i, text in enumerate(texts):
+        click.echo(json.dumps({"index": i, "text": text}, ensure_ascii=False))
 
 
 @cli.command()
@@ -396,9 +473,27 @@ def convert(src, dst, quantize, bits, group_size, dtype):
     metavar="PATH",
     help="Write every run, medians, ratios and the roofline.",
 )
+@click.option(
+    "--batch",
+    "batch_sizes",
+    default=None,
+    metavar="B[,B...]",
+    callback=lambda ctx, param, v: None if v is None else _batch_sizes(v),
+    help="Benchmark the batching engine at these batch sizes (aggregate decode tok/s) "
+    "with one prompt length.",
+)
 @_errors_to_click
 def bench(
-    model, prompt_tokens, max_tokens, reps, kv_bits, prefill_step_size, compare, plot, json_path
+    model,
+    prompt_tokens,
+    max_tokens,
+    reps,
+    kv_bits,
+    prefill_step_size,
+    compare,
+    plot,
+    json_path,
+    batch_sizes,
 ):
     """Benchmark prefill, decode, TTFT and peak memory per prompt length.
 
@@ -422,6 +517,10 @@ def bench(
         json_path = report.check_writable(json_path, "--json")
     model_dir = default_model_path(log=_log) if model is None else resolve_model_path(model)
     llm, _ = _load(str(model_dir), verbose=True)
+    if batch_sizes is not None:
+        return _bench_batch(
+            llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare, json_path
+        )
     result = b.run_benchmark(
         llm,
         model_dir,
@@ -438,6 +537,19 @@ def bench(
         _log(f"wrote {report.write_json(result, json_path)}")
     if plot:
         _log(f"wrote {report.write_plot(result, plot)}")
+
+
+def _bench_batch(llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare, json_path):
+    from .bench import batch, report
+
+    if len(lengths) != 1:
+        raise click.UsageError("--batch takes one prompt length (-p P)")
+    result = batch.run_batch_benchmark(
+        llm, model_dir, batch_sizes, lengths[0], max_tokens, reps, compare, _log
+    )
+    click.echo(batch.batch_tables(result))
+    if json_path:
+        _log(f"wrote {report.write_json(result, json_path)}")
 
 
 def main() -> None:

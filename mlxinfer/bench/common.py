@@ -24,3 +24,4 @@ class Run:
     prefill_tps: float
     decode_tps: float
     peak_memory_gb: float
+    total_s: float = float("nan")  # wall time of the whole run (batch runs)

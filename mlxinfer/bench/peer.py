@@ -51,9 +51,16 @@ def parse_trials(output: str) -> list[dict[str, float]]:
 
 
 def mlx_lm_command(
-    model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int, prefill_step: int | None = None
+    model_dir: Path,
+    prompt_tokens: int,
+    max_tokens: int,
+    reps: int,
+    prefill_step: int | None = None,
+    batch_size: int = 1,
 ) -> list[str]:
     step = ["--prefill-step-size", str(prefill_step)] if prefill_step else []
+    if batch_size > 1:  # mlx-lm's batch_generate over batch_size prompts
+        step += ["--batch-size", str(batch_size)]
     return [
         sys.executable,
         "-m",
@@ -80,11 +87,17 @@ def child_env() -> dict[str, str]:
 
 
 def run_mlx_lm(
-    model_dir: Path, prompt_tokens: int, max_tokens: int, reps: int, prefill_step: int | None = None
+    model_dir: Path,
+    prompt_tokens: int,
+    max_tokens: int,
+    reps: int,
+    prefill_step: int | None = None,
+    batch_size: int = 1,
 ) -> list[Run]:
-    """mlx-lm's own benchmark (its own warm-up, then ``reps`` trials) in a child process."""
+    """mlx-lm's own benchmark (its own warm-up, then ``reps`` trials) in a child process;
+    with ``batch_size`` > 1, its ``batch_generate`` (rates are the batch's aggregate)."""
     proc = subprocess.run(
-        mlx_lm_command(model_dir, prompt_tokens, max_tokens, reps, prefill_step),
+        mlx_lm_command(model_dir, prompt_tokens, max_tokens, reps, prefill_step, batch_size),
         env=child_env(),
         check=False,
         stdout=subprocess.PIPE,
@@ -103,6 +116,7 @@ def run_mlx_lm(
                 prefill_tps=t["prompt_tps"],
                 decode_tps=t["generation_tps"],
                 peak_memory_gb=t["peak_memory"],
+                total_s=t.get("total_time", float("nan")),
             )
         )
     return runs

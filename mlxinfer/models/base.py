@@ -94,6 +94,9 @@ class CausalLM(nn.Module):
 
     Inner: type[nn.Module]
     inner_name, embed_name, layers_name = "model", "embed_tokens", "layers"
+    # Positions come only from ``cache.offset`` through RoPE, so a batch may give one per row
+    # (an (B,) array). Families that index a table or build a bias from one int say False.
+    positions_from_offset = True
 
     def __init__(self, args):
         super().__init__()

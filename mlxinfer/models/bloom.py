@@ -126,6 +126,7 @@ class BloomModel(nn.Module):
 class Model(CausalLM):
     Inner = BloomModel
     inner_name, embed_name, layers_name = "transformer", "word_embeddings", "h"
+    positions_from_offset = False  # ALiBi biases, built from one int offset
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64

@@ -122,6 +122,7 @@ class Model(CausalLM):
     Inner = GPT2Model
     inner_name, embed_name, layers_name = "transformer", "wte", "h"
     tied = True  # GPT-2's head is always the token embedding (checkpoints carry no flag for it)
+    positions_from_offset = False  # learned positions, indexed by one int offset
 
     def quant_predicate(self, path: str, module: nn.Module) -> bool:
         # The position table is small and is added to every token: keep it exact.

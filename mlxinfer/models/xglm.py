@@ -129,6 +129,7 @@ class XGLMModel(nn.Module):
 
 class Model(CausalLM):
     Inner = XGLMModel
+    positions_from_offset = False  # sinusoidal positions, indexed by one int offset
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:

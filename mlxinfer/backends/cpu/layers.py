@@ -30,7 +30,9 @@ class CPUNorm:
 class CPURoPE:
     """RoPE from a cos/sin table shared by every layer of a forward pass (see ``ops``)."""
 
-    def rotate(self, x: mx.array, offset: int, base: float) -> mx.array:
+    def rotate(self, x: mx.array, offset: int | mx.array, base: float) -> mx.array:
+        if isinstance(offset, mx.array):  # a batch's per-row positions: mx.fast.rope takes them
+            return super().rotate(x, offset, base)
         key, inv_freq = self._table_source(base)
         cos, sin = ops.rope_table(inv_freq, key, offset, x.shape[-2], self.scale)
         return ops.apply_rope(x, cos, sin, dims=self.dims, traditional=self.traditional)

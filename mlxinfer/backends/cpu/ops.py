@@ -332,6 +332,8 @@ def _attend(
     scores = (q @ k.swapaxes(-1, -2)).reshape(B, n_kv, reps, L, T)
     if isinstance(mask, str):
         mask = _causal(L, T)
+    elif isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] == 1:
+        mask = masks.for_groups(mask)  # a batch's per-row mask
     elif (
         mask is not None and mask.ndim >= 3 and mask.shape[-3] == n_q > 1
     ):  # per query head (ALiBi)

@@ -31,7 +31,8 @@ def quantized_attention(
     k = [a[:, :, None] for a in k]
     v = [a[:, :, None] for a in v]
     scores = masks.apply(
-        mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits), mask
+        mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits),
+        masks.for_groups(mask),
     )
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)
@@ -52,7 +53,7 @@ def softcap_attention(
     reps = n_q // n_kv
     q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D)
     scores = q @ k[:, :, None].swapaxes(-1, -2)  # (B, n_kv, reps, L, T)
-    scores = masks.apply(mx.tanh(scores / softcap) * softcap, mask)
+    scores = masks.apply(mx.tanh(scores / softcap) * softcap, masks.for_groups(mask))
     probs = mx.softmax(scores, axis=-1, precise=True)
     return (probs @ v[:, :, None]).reshape(B, n_q, L, -1)  # (B, n_heads, L, Dv)
 

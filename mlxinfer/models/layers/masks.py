@@ -24,6 +24,14 @@ def windowed(n_queries: int, offset: int, window: int) -> mx.array:
     return (k <= q) & (q - k < window)
 
 
+def for_groups(mask):
+    """``mask`` for scores grouped as (B, n_kv, reps, L, T), where query heads sharing a kv
+    head are one axis: a batch's per-row (B, 1, L, T) mask gains the reps axis; others as given."""
+    if isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] == 1:
+        return mask[:, :, None]
+    return mask
+
+
 def apply(scores: mx.array, mask) -> mx.array:
     """``scores`` (…, L, T) with ``mask`` applied: masked keys at −inf, a bias added."""
     if isinstance(mask, str):

@@ -1,0 +1,75 @@
+"""Continuous batching: many requests in one decode step, over a paged KV pool.
+
+- :mod:`.pool` — the blocks, block tables, prefix sharing and accounting;
+- :mod:`.views` — one forward over the pool, behind the cache protocol;
+- :mod:`.engine` — the scheduler thread: admit, prefill in chunks, decode B rows, retire.
+
+``batch_generate`` runs a list of prompts through one engine and returns their texts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
+from .engine import Engine, EngineError, Handle
+from .pool import KVPool, PoolFullError, PoolStats
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "Handle",
+    "KVPool",
+    "PoolFullError",
+    "PoolStats",
+    "batch_generate",
+]
+
+
+def batch_generate(
+    model,
+    tokenizer,
+    prompts: Sequence[str | Sequence[int] | Sequence[dict[str, Any]]],
+    *,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    chat_template: bool = False,
+    truncate_prompt: bool = False,
+    kv_budget: int | None = None,
+    max_batch: int | None = None,
+    sampling: SamplingParams | None = None,
+    **sampling_options,
+) -> list[str]:
+    """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
+    in order. Takes ``generate``'s sampling options (``temperature``, ``top_p``, ``seed``, …);
+    a ``seed`` seeds every request alike."""
+    unknown = set(sampling_options) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"batch_generate: unexpected option(s) {', '.join(sorted(unknown))}")
+    if sampling is not None and sampling_options:
+        raise ValueError("sampling: given as one SamplingParams, and also as separate options")
+    sampling = sampling or SamplingParams(**sampling_options)
+    options = {}
+    if kv_budget is not None:
+        options["kv_budget"] = kv_budget
+    if max_batch is not None:
+        options["max_batch"] = max_batch
+    with Engine(model, **options) as engine:
+        streams = [
+            engine.stream(
+                tokenizer,
+                p,
+                max_tokens=max_tokens,
+                sampling=sampling,
+                stop=stop,
+                chat_template=chat_template,
+                truncate_prompt=truncate_prompt,
+            )
+            for p in prompts
+        ]
+        # Generators start on first next(): submit every request before reading any.
+        firsts = [next(s, None) for s in streams]
+        return [
+            (first.text if first is not None else "") + "".join(r.text for r in stream)
+            for first, stream in zip(firsts, streams)
+        ]

@@ -1,0 +1,408 @@
+"""The engine: requests join and leave a running batch at token granularity.
+
+One thread owns the model and the pool. Each turn of its loop it
+
+1. admits waiting requests while the pool can reserve their worst case
+   (prompt + ``max_tokens``) and the batch has room, sharing prefix blocks;
+2. runs one prefill chunk (at most ``prefill_step`` tokens) of one admitted
+   request, so a long prompt never stalls the running streams for longer;
+3. runs one decode step over every request whose prompt is in: one forward of
+   B rows, each with its own position, then each row's own processors and
+   sampler (its own seeded key), so a request draws the same tokens alone or
+   in a batch;
+4. retires requests on EOS, ``max_tokens`` or cancellation, returning their
+   blocks to the pool.
+
+Prefill leaves the prompt's last token out; that token is the request's first
+decode row, whose logits give the first generated token.
+
+A request's tokens reach its consumer through a queue (``Handle.steps``);
+every wait on it is bounded and ends with an error if the engine thread died.
+Stop strings and detokenizing are the consumer's (``Engine.stream``), which
+cancels the request when it stops early.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+
+from ..backends import prefill_schedule
+from ..cache import KVCache, LatentKVCache, RotatingKVCache
+from ..generation.loop import _Request as _Prepared
+from ..generation.loop import _results, prepare_prompt
+from ..generation.results import GenerationResult, GenerationStats, Step
+from ..generation.sampling import LogitsProcessor, Sampler, SamplingParams
+from ..generation.stop import StopMatcher
+from ..models.layers.rope import LongRoPE, RoPE
+from ..text import fit_context
+from ..threads import release_at_thread_exit
+from . import pool as pool_mod
+from .pool import KVPool, LayerShape, PoolStats
+from .views import StepBatch
+
+DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
+DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode steps
+_POLL_S = 0.5  # how long a wait sleeps before it checks that the engine is still alive
+
+
+class EngineError(RuntimeError):
+    """The engine stopped (closed, or its thread failed) while a request was waiting on it."""
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    processors: list[LogitsProcessor]
+    eos: frozenset[int]
+    out: queue.Queue = field(default_factory=queue.Queue)
+    seq: pool_mod.Sequence | None = None
+    history: mx.array | None = None  # prompt + generated, for the processors
+    pending: int | None = None  # the token to feed next (decode row)
+    generated: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cached_tokens: int = 0  # prompt tokens served from shared prefix blocks
+
+
+class Handle:
+    """A submitted request: iterate its :class:`Step`s, or cancel it from any thread."""
+
+    def __init__(self, engine: Engine, request: _Request, rid: int) -> None:
+        self._engine, self._request, self.id = engine, request, rid
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._request.cached_tokens
+
+    def cancel(self) -> None:
+        self._request.cancelled.set()
+        self._engine._wake()
+
+    def steps(self, timeout: float | None = None) -> Iterator[Step]:
+        """The request's tokens as they come; ends after its last one. ``timeout``: most
+        seconds to wait for any one token (None: as long as the engine is alive)."""
+        waited = 0.0
+        while True:
+            try:
+                item = self._request.out.get(timeout=_POLL_S)
+            except queue.Empty:
+                waited += _POLL_S
+                if not self._engine.alive:
+                    raise EngineError(
+                        f"engine stopped: {self._engine.failure or 'closed'}"
+                    ) from None
+                if timeout is not None and waited >= timeout:
+                    self.cancel()
+                    raise TimeoutError(f"request {self.id}: no token within {timeout} s") from None
+                continue
+            waited = 0.0
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def layer_shapes(model) -> list[LayerShape]:
+    """Each layer's cached key and value shapes, read from a one-token forward."""
+    cache = model.make_cache()
+    model(mx.array([[0]], dtype=mx.int32), cache)
+    shapes = []
+    for c in cache:
+        k, v = c.state[:2]
+        shapes.append(LayerShape(k.shape[1], k.shape[-1], v.shape[-1], k.dtype))
+    return shapes
+
+
+def check_batchable(model) -> bool:
+    """Raise for a model the pool cannot hold; True if its rows can decode together.
+
+    Rows decode together when every position comes from ``cache.offset`` through
+    RoPE with fixed frequencies: ``mx.fast.rope`` takes one offset per row. The
+    other families (learned, sinusoidal and ALiBi positions; dynamic NTK and
+    LongRoPE, whose frequencies depend on the sequence's length) decode one
+    row per forward, with the same results.
+    """
+    for c in model.make_cache():
+        if type(c) not in (KVCache, LatentKVCache):
+            kind = "sliding-window" if isinstance(c, RotatingKVCache) else type(c).__name__
+            raise NotImplementedError(
+                f"batching: {type(model).__module__} uses a {kind} cache, which the paged "
+                "pool does not hold yet"
+            )
+    if not getattr(model, "positions_from_offset", True):
+        return False
+    return not any(
+        isinstance(m, LongRoPE) or (isinstance(m, RoPE) and m.dynamic is not None)
+        for _, m in model.named_modules()
+    )
+
+
+class Engine:
+    """Continuous batching over one model: ``submit`` from any thread, read each
+    request's steps as they come.
+
+    Args:
+        kv_budget: bytes the KV pool may hold (keys and values of every layer).
+        block_size: tokens per KV block.
+        max_batch: most sequences decoded in one step.
+        prefill_step: most prompt tokens prefilled between two decode steps.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        kv_budget: int = pool_mod.DEFAULT_KV_BUDGET,
+        block_size: int = pool_mod.DEFAULT_BLOCK_SIZE,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        prefill_step: int = DEFAULT_PREFILL_STEP,
+    ) -> None:
+        if max_batch < 1 or prefill_step < 1:
+            raise ValueError(
+                f"max_batch and prefill_step must be >= 1, got {max_batch}, {prefill_step}"
+            )
+        self.model = model
+        self.rows_together = check_batchable(model)
+        self.pool = KVPool(layer_shapes(model), block_size=block_size, kv_budget=kv_budget)
+        self.max_batch, self.prefill_step = max_batch, prefill_step
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.failure: BaseException | None = None
+        self._ids = itertools.count()
+        self.steps_run = 0  # decode forwards so far
+        # Time spent in each kind of forward, and the tokens it fed (the bench's rates).
+        self.prefill_s = self.decode_s = 0.0
+        self.prefill_tokens = self.decode_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name="mlxinfer-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side -----------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    def submit(
+        self,
+        ids: Sequence[int],
+        *,
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        eos: frozenset[int] = frozenset(),
+    ) -> Handle:
+        """Queue a request for ``ids`` (token ids); raises PoolFullError at once if it could
+        never fit the budget."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("prompt: empty (expected at least one token)")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        sampling = sampling or SamplingParams()
+        sampling.check()
+        self.pool.check_fits(len(ids) + max_tokens)
+        request = _Request(
+            ids, max_tokens, sampling.sampler(), sampling.processors(), frozenset(eos)
+        )
+        if max_tokens == 0:
+            request.out.put(None)
+            return Handle(self, request, next(self._ids))
+        with self._cond:
+            if not self.alive:
+                raise EngineError(f"engine stopped: {self.failure or 'closed'}")
+            self._waiting.append(request)
+            self._cond.notify()
+        return Handle(self, request, next(self._ids))
+
+    def stream(
+        self,
+        tokenizer,
+        prompt: str | Sequence[int] | Sequence[dict[str, Any]],
+        *,
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+        chat_template: bool = False,
+        truncate_prompt: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[GenerationResult]:
+        """``stream_generate``'s results for one request run inside the batch."""
+        t0 = time.perf_counter()
+        ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template)
+        context = self.model.args.max_position_embeddings
+        ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
+        max_tokens = min(max_tokens, context - len(ids))
+        stats = GenerationStats(
+            prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000
+        )
+        sampling = sampling or SamplingParams()
+        handle = self.submit(
+            ids, max_tokens=max_tokens, sampling=sampling, eos=tokenizer.eos_token_ids
+        )
+        prepared = _Prepared(
+            ids,
+            max_tokens,
+            sampling,
+            None,
+            stats,
+            tokenizer.detokenizer(),
+            StopMatcher(stop),
+            tokenizer.eos_token_ids,
+            t0,
+        )
+        try:
+            for result in _results(prepared, handle.steps(timeout), count_passes=False):
+                stats.cached_tokens = handle.cached_tokens
+                yield result
+        finally:
+            handle.cancel()  # a stop string or the caller ended it early: free its blocks
+
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine: requests still running end with EngineError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        release_at_thread_exit()
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and not self._waiting and not self._running:
+                        self._cond.wait(_POLL_S)
+                    if self._closed:
+                        break
+                    waiting, self._waiting = self._waiting, []
+                self._admit(waiting)
+                self._retire_cancelled()
+                self._prefill_one()
+                self._decode()
+        except BaseException as e:  # the thread must not die silently: tell every request
+            self.failure = e
+            raise
+        finally:
+            self._closed = True
+            error = EngineError(f"engine stopped: {self.failure or 'closed'}")
+            with self._cond:
+                left, self._waiting = self._running + self._waiting, []
+                self._running = []
+            for request in left:
+                if request.seq is not None:
+                    self.pool.release(request.seq)
+                request.out.put(error)
+
+    def _admit(self, waiting: list[_Request]) -> None:
+        held = []
+        for request in waiting:
+            if request.cancelled.is_set():
+                request.out.put(None)
+                continue
+            if len(self._running) >= self.max_batch:
+                held.append(request)
+                continue
+            seq = self.pool.admit(request.ids, request.max_tokens)
+            if seq is None:  # no room now: wait for a running request to leave
+                held.append(request)
+                continue
+            request.seq = seq
+            request.cached_tokens = seq.length
+            if request.processors:
+                request.history = mx.array(request.ids, dtype=mx.int32)
+            self._running.append(request)
+        if held:
+            with self._cond:
+                self._waiting[:0] = held
+
+    def _retire(self, request: _Request) -> None:
+        self._running.remove(request)
+        self.pool.release(request.seq)
+        request.out.put(None)
+
+    def _retire_cancelled(self) -> None:
+        for request in [r for r in self._running if r.cancelled.is_set()]:
+            self._retire(request)
+
+    def _prefill_one(self) -> None:
+        """One chunk of the first request whose prompt (but its last token) is not in yet."""
+        for request in self._running:
+            left = len(request.ids) - 1 - request.seq.length
+            if request.pending is not None:
+                continue
+            if left <= 0:
+                request.pending = request.ids[-1]
+                continue
+            start = request.seq.length
+            chunk = request.ids[start : start + min(left, self.prefill_step)]
+            t0 = time.perf_counter()
+            batch = StepBatch(self.pool, [request.seq], [chunk])
+            with prefill_schedule(self.model):
+                self.model(mx.array([chunk], dtype=mx.int32), batch.views())
+                mx.eval(self.pool.keys, self.pool.values)
+            self.prefill_s += time.perf_counter() - t0
+            self.prefill_tokens += len(chunk)
+            if request.seq.length == len(request.ids) - 1:
+                request.pending = request.ids[-1]
+            return
+
+    def _decode(self) -> None:
+        rows = [r for r in self._running if r.pending is not None]
+        if not rows:
+            return
+        groups = [rows] if self.rows_together else [[r] for r in rows]
+        t0 = time.perf_counter()
+        for group in groups:
+            self._decode_rows(group)
+        self.decode_s += time.perf_counter() - t0
+        self.decode_tokens += len(rows)
+
+    def _decode_rows(self, rows: list[_Request]) -> None:
+        tokens = [[r.pending] for r in rows]
+        batch = StepBatch(self.pool, [r.seq for r in rows], tokens)
+        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
+        picked, logprobs = [], []
+        for b, request in enumerate(rows):
+            row = logits[b : b + 1]
+            for process in request.processors:
+                row = process(request.history, row)
+            picked.append(request.sampler(row))
+            logprobs.append((row - mx.logsumexp(row, axis=-1, keepdims=True))[0])
+        # Everything handed to the consumers is evaluated here: their threads cannot run
+        # this thread's streams.
+        mx.eval(picked, logprobs, self.pool.keys, self.pool.values)
+        self.steps_run += 1
+        for request, token, lp in zip(rows, picked, logprobs):
+            t = token.item()
+            request.generated += 1
+            if request.history is not None:
+                request.history = mx.concatenate([request.history, token])
+            request.out.put(Step(t, lp))
+            if t in request.eos or request.generated >= request.max_tokens:
+                self._retire(request)
+            else:
+                request.pending = t

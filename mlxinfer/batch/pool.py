@@ -1,0 +1,315 @@
+"""A paged KV pool: every sequence's keys and values in fixed-size blocks of one store.
+
+Per layer the pool holds two arrays of *slots*, ``(n_slots, kv_heads, head_dim)``;
+block ``b`` is slots ``b * block_size … (b + 1) * block_size - 1`` of every layer.
+A sequence owns a *block table* (its logical blocks → physical blocks), so a
+sequence that joins or leaves copies nothing, and memory is the blocks in use,
+not batch × the longest sequence.
+
+Sharing. A full block is named by a hash chained over its parent's hash and its
+tokens (as vLLM's automatic prefix caching does), so two requests with the same
+prefix (a system prompt, earlier chat turns) map it to the same physical block:
+the second takes a reference instead of computing it. Only full blocks are
+shared and a sequence only writes into its last, partial block, so a write never
+lands in a shared block; :meth:`fork` (which shares a partial block too) copies
+it on the first write (copy-on-write). A block whose last reference goes keeps
+its hash and its contents in an LRU queue of *cached* blocks, which a later hit
+revives and an allocation evicts, oldest first.
+
+Accounting is exact: ``stats()`` gives blocks in use, free, cached, the hits and
+the bytes the store holds. Admission reserves a request's worst case (prompt +
+``max_tokens``) up front, so a running sequence never finds the pool empty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import MlxInferError
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default; vllm-metal's kernel uses 16 too)
+DEFAULT_KV_BUDGET = 1 << 30  # bytes of keys and values the pool may hold (1 GiB)
+_GROWTH_BLOCKS = 64  # blocks added to the store at a time, up to the budget
+
+
+class PoolFullError(MlxInferError):
+    """A request needs more KV blocks than the pool's budget can ever hold."""
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer's cached tensors: ``kv_heads`` × ``key_dim`` keys and × ``value_dim`` values."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: mx.Dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.size
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    block_size: int
+    blocks_total: int  # the most blocks the budget allows
+    blocks_in_use: int  # referenced by a running sequence
+    blocks_cached: int  # unreferenced, holding a hashed prefix block
+    blocks_free: int  # neither (the store's unused blocks included)
+    bytes_per_block: int
+    nbytes: int  # bytes the store's arrays hold now
+    prefix_hits: int  # blocks served from the prefix cache
+    prefix_queries: int  # full prompt blocks looked up
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.blocks_in_use * self.bytes_per_block
+
+
+@dataclass
+class Sequence:
+    """One sequence's place in the pool: its blocks, its tokens, and what it reserved."""
+
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # tokens whose keys are stored, in order
+    hashes: list[bytes] = field(default_factory=list)  # one per full block
+    reserved: int = 0  # blocks promised at admission and not allocated yet
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The name of a full block: its parent's name and its tokens, hashed together."""
+    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
+
+
+class KVPool:
+    """Blocks of keys and values for every layer, shared by all sequences of an engine."""
+
+    def __init__(
+        self,
+        layers: list[LayerShape],
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_budget: int = DEFAULT_KV_BUDGET,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.layers = layers
+        self.block_size = block_size
+        self.bytes_per_block = block_size * sum(s.bytes_per_token for s in layers)
+        self.max_blocks = kv_budget // self.bytes_per_block
+        if self.max_blocks < 1:
+            raise PoolFullError(
+                f"kv_budget: {kv_budget} bytes hold no block of {self.bytes_per_block} bytes "
+                f"({block_size} tokens × {len(layers)} layers)"
+            )
+        self.keys: list[mx.array | None] = [None] * len(layers)
+        self.values: list[mx.array | None] = [None] * len(layers)
+        self.n_blocks = 0  # blocks the store's arrays have room for
+        self._free: list[int] = []
+        self._refs: dict[int, int] = {}  # block -> references, for blocks in use
+        self._hash_of: dict[int, bytes] = {}  # block -> its hash, for hashed blocks
+        self._by_hash: dict[bytes, int] = {}
+        self._cached: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # unreferenced hashed blocks, LRU first
+        self._reserved = 0  # blocks promised to admitted sequences
+        self.prefix_hits = self.prefix_queries = 0
+
+    # -- capacity -------------------------------------------------------------------------
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def available(self) -> int:
+        """Blocks a new request may still reserve."""
+        in_use = len(self._refs)
+        return self.max_blocks - in_use - self._reserved
+
+    def check_fits(self, n_tokens: int) -> None:
+        """Raise PoolFullError if ``n_tokens`` could never fit, even in an empty pool."""
+        need = self.blocks_for(n_tokens)
+        if need > self.max_blocks:
+            raise PoolFullError(
+                f"kv_budget: a request of {n_tokens} tokens needs {need} blocks "
+                f"({need * self.bytes_per_block / 1e6:.1f} MB); the budget holds "
+                f"{self.max_blocks} ({self.max_blocks * self.bytes_per_block / 1e6:.1f} MB)"
+            )
+
+    # -- sequences ------------------------------------------------------------------------
+
+    def admit(self, prompt: list[int], max_tokens: int) -> Sequence | None:
+        """A sequence for ``prompt`` with room for ``max_tokens`` more, its prefix blocks
+        shared where the pool has them; None if the pool has no room now (try later).
+
+        At least the prompt's last token is left to compute: its logits start decoding.
+        """
+        self.check_fits(len(prompt) + max_tokens)
+        seq = Sequence()
+        parent = b""
+        queries = (len(prompt) - 1) // self.block_size
+        for i in range(queries):
+            h = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            self._take(block)
+            seq.blocks.append(block)
+            seq.hashes.append(h)
+            seq.tokens.extend(prompt[i * self.block_size : (i + 1) * self.block_size])
+            parent = h
+        need = self.blocks_for(len(prompt) + max_tokens) - len(seq.blocks)
+        if need > self.available():
+            self.release(seq)
+            return None
+        seq.reserved = need
+        self._reserved += need
+        self.prefix_queries += queries
+        self.prefix_hits += len(seq.blocks)
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Return ``seq``'s blocks and reservation; hashed blocks stay cached for later hits."""
+        for block in seq.blocks:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                del self._refs[block]
+                if block in self._hash_of:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
+        self._reserved -= seq.reserved
+        seq.blocks, seq.tokens, seq.hashes, seq.reserved = [], [], [], 0
+
+    def fork(self, seq: Sequence) -> Sequence | None:
+        """A second sequence sharing every block of ``seq``, with the same room left; their
+        partial last block is copied by whichever writes into it first. None if no room."""
+        need = seq.reserved + (seq.length % self.block_size != 0)
+        if need > self.available():
+            return None
+        child = Sequence(list(seq.blocks), list(seq.tokens), list(seq.hashes), need)
+        for block in child.blocks:
+            self._refs[block] += 1
+        self._reserved += need
+        return child
+
+    def _take(self, block: int) -> None:
+        if block in self._cached:
+            del self._cached[block]
+        self._refs[block] = self._refs.get(block, 0) + 1
+
+    def _allocate(self, seq: Sequence) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self.n_blocks < self.max_blocks:
+            self._grow()
+            block = self._free.pop()
+        elif self._cached:  # evict the least recently used cached block
+            block, _ = self._cached.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        else:
+            raise PoolFullError("KV pool: no free block (a reservation was exceeded)")
+        self._refs[block] = 1
+        if seq.reserved:
+            seq.reserved -= 1
+            self._reserved -= 1
+        return block
+
+    def _grow(self) -> None:
+        """Double the store (at least ``_GROWTH_BLOCKS`` more), up to the budget: a copy of
+        every layer's arrays, so rare."""
+        add = min(self.max_blocks - self.n_blocks, max(_GROWTH_BLOCKS, self.n_blocks))
+        slots = add * self.block_size
+        for i, s in enumerate(self.layers):
+            fresh_k = mx.zeros((slots, s.kv_heads, s.key_dim), s.dtype)
+            fresh_v = mx.zeros((slots, s.kv_heads, s.value_dim), s.dtype)
+            if self.keys[i] is None:
+                self.keys[i], self.values[i] = fresh_k, fresh_v
+            else:
+                self.keys[i] = mx.concatenate([self.keys[i], fresh_k])
+                self.values[i] = mx.concatenate([self.values[i], fresh_v])
+            mx.eval(self.keys[i], self.values[i])  # layer by layer: one layer's copy at a time
+        self._free.extend(range(self.n_blocks + add - 1, self.n_blocks - 1, -1))
+        self.n_blocks += add
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        for i in range(len(self.layers)):
+            self.keys[i][dst * bs : (dst + 1) * bs] = self.keys[i][src * bs : (src + 1) * bs]
+            self.values[i][dst * bs : (dst + 1) * bs] = self.values[i][src * bs : (src + 1) * bs]
+
+    def append_slots(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
+        """Slots for ``tokens`` appended to ``seq`` (blocks allocated as needed, a shared
+        partial block copied first); the tokens are recorded and full blocks hashed."""
+        bs = self.block_size
+        start = seq.length
+        slots = np.empty(len(tokens), np.int32)
+        for j in range(len(tokens)):
+            pos = start + j
+            index, within = divmod(pos, bs)
+            if index == len(seq.blocks):
+                seq.blocks.append(self._allocate(seq))
+            elif within == 0 or j == 0:
+                block = seq.blocks[index]
+                if self._refs[block] > 1:  # copy-on-write
+                    fresh = self._allocate(seq)
+                    self._copy_block(block, fresh)
+                    self._refs[block] -= 1
+                    seq.blocks[index] = fresh
+            slots[j] = seq.blocks[index] * bs + within
+        seq.tokens.extend(tokens)
+        for index in range(len(seq.hashes), seq.length // bs):
+            parent = seq.hashes[-1] if seq.hashes else b""
+            h = block_hash(parent, seq.tokens[index * bs : (index + 1) * bs])
+            seq.hashes.append(h)
+            block = seq.blocks[index]
+            if h not in self._by_hash and block not in self._hash_of:
+                self._by_hash[h] = block
+                self._hash_of[block] = h
+        return slots
+
+    def slot_table(self, seq: Sequence, length: int) -> np.ndarray:
+        """Slots of ``seq``'s first ``length`` positions."""
+        pos = np.arange(length)
+        blocks = np.asarray(seq.blocks, np.int32)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    # -- the store ------------------------------------------------------------------------
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store (N, kv_heads, dim) keys and values at ``slots`` (N,) of ``layer``."""
+        self.keys[layer][slots] = keys.astype(self.layers[layer].dtype)
+        self.values[layer][slots] = values.astype(self.layers[layer].dtype)
+
+    def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
+        """(B, kv_heads, T, dim) keys and values at ``table`` (B, T) of ``layer``."""
+        k = self.keys[layer][table].transpose(0, 2, 1, 3)
+        v = self.values[layer][table].transpose(0, 2, 1, 3)
+        return k, v
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_blocks * self.bytes_per_block
+
+    def stats(self) -> PoolStats:
+        in_use, cached = len(self._refs), len(self._cached)
+        return PoolStats(
+            block_size=self.block_size,
+            blocks_total=self.max_blocks,
+            blocks_in_use=in_use,
+            blocks_cached=cached,
+            blocks_free=self.max_blocks - in_use - cached,
+            bytes_per_block=self.bytes_per_block,
+            nbytes=self.nbytes,
+            prefix_hits=self.prefix_hits,
+            prefix_queries=self.prefix_queries,
+        )

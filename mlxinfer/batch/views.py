@@ -1,0 +1,95 @@
+"""One forward pass over the pool: the cache protocol for a batch of sequences.
+
+The models call ``cache.update_and_fetch(k, v)``, read ``cache.offset`` for
+positions and ask ``cache.make_mask(L)``; a :class:`LayerView` answers for one
+layer of one step over B sequences of the pool:
+
+- ``offset`` is each row's position (an int for one row, a (B,) array for several:
+  ``mx.fast.rope`` rotates each row from its own offset);
+- ``update_and_fetch`` writes the new keys into the rows' slots and gathers each
+  row's keys back, (B, kv_heads, T, head_dim) for T the longest row, the shorter
+  rows padded;
+- ``make_mask`` hides each row's padding and the future: query i of row b sees
+  key j when j ≤ offset[b] + i.
+
+The gather is one per-step contiguous view of the pages (docs/batching.md says
+what it costs against attention over the blocks themselves).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache import Mask
+from .pool import KVPool, Sequence
+
+
+class StepBatch:
+    """The slots, the gather table and the mask of one forward: ``n_new`` tokens for each
+    of ``seqs`` (their tokens are recorded in the pool by :meth:`KVPool.append_slots`)."""
+
+    def __init__(self, pool: KVPool, seqs: list[Sequence], tokens: list[list[int]]) -> None:
+        self.pool = pool
+        n_new = len(tokens[0])
+        starts = [s.length for s in seqs]
+        write = [pool.append_slots(s, t) for s, t in zip(seqs, tokens)]
+        totals = [start + n_new for start in starts]
+        T = max(totals)
+        table = np.zeros((len(seqs), T), np.int32)
+        for b, (s, total) in enumerate(zip(seqs, totals)):
+            table[b, :total] = pool.slot_table(s, total)
+        self.write_slots = mx.array(np.concatenate(write))
+        self.table = mx.array(table)
+        self.n_rows, self.n_new = len(seqs), n_new
+        if len(seqs) == 1:
+            self.offset: int | mx.array = starts[0]
+            self.mask: Mask = None if n_new == 1 else "causal"
+        else:
+            self.offset = mx.array(starts, dtype=mx.int32)
+            # Query i of row b sees key j when j <= start_b + i: the future and the padding hidden.
+            limit = np.asarray(starts)[:, None] + np.arange(n_new)[None]  # (B, L)
+            visible = np.arange(T)[None, None] <= limit[:, :, None]  # (B, L, T)
+            self.mask = mx.array(visible[:, None])  # (B, 1, L, T)
+
+    def views(self) -> list[LayerView]:
+        return [LayerView(self, i) for i in range(len(self.pool.layers))]
+
+
+class LayerView:
+    """The :class:`~mlxinfer.cache.Cache` protocol for one layer of a :class:`StepBatch`."""
+
+    quantized = False
+
+    def __init__(self, batch: StepBatch, layer: int) -> None:
+        self.batch, self.layer = batch, layer
+
+    @property
+    def offset(self) -> int | mx.array:
+        return self.batch.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store (B, kv_heads, L, dim) keys and values; every row's cached ones, padded."""
+        B, H, L, _ = keys.shape
+        pool, batch = self.batch.pool, self.batch
+        flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
+        flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
+        pool.write(self.layer, batch.write_slots, flat_k, flat_v)
+        return pool.gather(self.layer, batch.table)
+
+    def make_mask(self, n_queries: int) -> Mask:
+        return self.batch.mask
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [self.batch.pool.keys[self.layer], self.batch.pool.values[self.layer]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.batch.pool.nbytes // max(1, len(self.batch.pool.layers))

@@ -1,0 +1,292 @@
+"""Continuous batching (issue #15): the paged pool, the engine, batch_generate.
+
+Spec: batching is invisible. Each prompt, submitted at its own time into a running
+batch, yields exactly transformers' greedy tokens for it alone; paged attention
+gives the contiguous cache's logits; a seeded request draws the same tokens
+alone and in a batch; cancelling returns every block; a shared prefix is served
+from the pool's blocks.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hf_models import make_tiny, torch_greedy
+
+from mlxinfer.batch import Engine, KVPool, PoolFullError
+from mlxinfer.batch.engine import layer_shapes
+from mlxinfer.batch.pool import LayerShape
+from mlxinfer.generation import generate_step
+from mlxinfer.generation.sampling import SamplingParams
+from mlxinfer.loader import load_model
+
+LONG = dict(max_position_embeddings=1024)
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    "gemma": dict(model_type="gemma", head_dim=16),
+    "phi3": dict(model_type="phi3", pad_token_id=0, eos_token_id=2),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v2": dict(
+        model_type="deepseek_v2",
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        q_lora_rank=None,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+    ),
+    "gpt2": dict(model_type="gpt2", n_positions=1024),
+    "bloom": dict(model_type="bloom"),
+}
+LENGTHS = [5, 17, 40, 90, 150, 300, 600, 900]
+NEW = 6
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 250, n).tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    path, torch_model = make_tiny(
+        tmp_path_factory.mktemp(request.param),
+        perturb_vectors=True,
+        **FAMILIES[request.param],
+        **LONG,
+    )
+    model, tokenizer = load_model(path)
+    return request.param, model, torch_model
+
+
+def test_batched_greedy_equals_transformers_alone(family):
+    """8 prompts of 5-900 tokens, joining a running batch at different times: each gets
+    transformers' greedy tokens for it alone."""
+    name, model, torch_model = family
+    prompts = [_prompt(n, seed) for seed, n in enumerate(LENGTHS)]
+    expected = [torch_greedy(torch_model, p, NEW) for p in prompts]
+    with Engine(model, max_batch=8, prefill_step=128) as engine:
+        first = [engine.submit(p, max_tokens=NEW) for p in prompts[:3]]
+        early = next(first[0].steps())  # the batch is running when the others join
+        rest = [engine.submit(p, max_tokens=NEW) for p in prompts[3:]]
+        got = [[early.token] + [s.token for s in first[0].steps()]]
+        got += [[s.token for s in h.steps()] for h in first[1:] + rest]
+        if engine.rows_together:
+            assert engine.steps_run < len(prompts) * NEW  # rows did share steps
+        else:  # learned or ALiBi positions: one row per forward, for now
+            assert name in ("gpt2", "bloom") and engine.steps_run == len(prompts) * NEW
+        assert engine.stats().blocks_in_use == 0
+    for n, g, e in zip(LENGTHS, got, expected):
+        assert g == e, f"{name}: prompt of {n} tokens"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path, torch_model = make_tiny(tmp_path_factory.mktemp("llama"), **LONG)
+    model, _ = load_model(path)
+    return model, torch_model
+
+
+def test_paged_logits_equal_the_contiguous_cache(llama):
+    model, _ = llama
+    prompts = [_prompt(n, 10 + n) for n in (7, 33, 70)]
+    alone = [[lp for _, lp in generate_step(p, model, max_tokens=5)] for p in prompts]
+    with Engine(model, block_size=8, prefill_step=16) as engine:
+        handles = [engine.submit(p, max_tokens=5) for p in prompts]
+        paged = [[s.logprobs for s in h.steps()] for h in handles]
+    for a, p in zip(alone, paged):
+        for x, y in zip(a, p):
+            np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)
+
+
+def test_seeded_request_draws_the_same_tokens_alone_and_in_a_batch(llama):
+    model, _ = llama
+    target = _prompt(20, 99)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    with Engine(model) as engine:
+        alone = [s.token for s in engine.submit(target, max_tokens=12, sampling=sampling).steps()]
+    with Engine(model, max_batch=8) as engine:
+        others = [
+            engine.submit(
+                _prompt(10 + 7 * i, i), max_tokens=12, sampling=SamplingParams(0.7, seed=i)
+            )
+            for i in range(7)
+        ]
+        mine = engine.submit(target, max_tokens=12, sampling=sampling)
+        batched = [s.token for s in mine.steps()]
+        for h in others:
+            list(h.steps())
+    plain = [t for t, _ in generate_step(target, model, max_tokens=12, sampler=sampling.sampler())]
+    assert batched == alone == plain
+
+
+def test_cancel_from_another_thread_returns_every_block(llama):
+    model, _ = llama
+    with Engine(model, block_size=8) as engine:
+        warm = engine.submit(_prompt(40, 1), max_tokens=4)
+        list(warm.steps())
+        mx.synchronize()
+        baseline_memory, baseline = mx.get_active_memory(), engine.stats()
+        assert baseline.blocks_in_use == 0
+        handles = [engine.submit(_prompt(30 + i, i), max_tokens=500) for i in range(3)]
+        seen = []
+        for step in handles[0].steps():
+            seen.append(step.token)
+            if len(seen) == 3:
+                threading.Thread(target=lambda: [h.cancel() for h in handles]).start()
+        for h in handles[1:]:
+            list(h.steps())
+        assert 3 <= len(seen) < 500
+        stats = engine.stats()
+        assert stats.blocks_in_use == 0
+        assert engine.pool.available() == stats.blocks_total
+        assert stats.nbytes == baseline.nbytes  # the store did not grow for them
+        mx.synchronize()
+        assert mx.get_active_memory() <= baseline_memory + 64 * 1024
+
+
+def test_a_request_larger_than_the_budget_is_a_clear_error_and_others_run(llama):
+    model, _ = llama
+    per_block = KVPool(layer_shapes(model), block_size=16).bytes_per_block
+    with Engine(model, block_size=16, kv_budget=4 * per_block) as engine:
+        ok = engine.submit(_prompt(20, 3), max_tokens=10)
+        with pytest.raises(
+            PoolFullError, match="kv_budget: a request of 100 tokens needs 7 blocks"
+        ):
+            engine.submit(_prompt(90, 4), max_tokens=10)
+        assert len(list(ok.steps())) == 10
+
+
+def test_an_empty_budget_names_the_setting(llama):
+    model, _ = llama
+    with pytest.raises(PoolFullError, match="kv_budget: 1 bytes hold no block"):
+        Engine(model, kv_budget=1)
+
+
+def test_shared_prefix_is_served_from_the_pool(llama):
+    model, torch_model = llama
+    system = _prompt(400, 7)
+    a, b = system + _prompt(9, 8), system + _prompt(13, 9)
+    with Engine(model, block_size=16) as engine:
+        first = engine.submit(a, max_tokens=4)
+        assert [s.token for s in first.steps()] == torch_greedy(torch_model, a, 4)
+        before = engine.stats()
+        second = engine.submit(b, max_tokens=4)
+        tokens = [s.token for s in second.steps()]
+        after = engine.stats()
+    assert second.cached_tokens == 400 // 16 * 16
+    assert after.prefix_hits - before.prefix_hits == 400 // 16
+    assert tokens == torch_greedy(torch_model, b, 4)
+
+
+# -- the pool alone -------------------------------------------------------------------------
+
+SHAPES = [LayerShape(2, 4, 4, mx.float32)]
+
+
+def test_pool_accounting_and_lru_eviction():
+    pool = KVPool(SHAPES, block_size=4, kv_budget=6 * 4 * 2 * 8 * 4)  # 6 blocks
+    assert pool.stats().blocks_total == 6 and pool.bytes_per_block == 4 * 2 * 8 * 4
+    a = pool.admit(list(range(9)), max_tokens=3)  # 12 tokens: 3 blocks reserved
+    pool.append_slots(a, list(range(9)))
+    s = pool.stats()
+    assert (s.blocks_in_use, pool.available()) == (3, 3)  # 3 allocated (2 full + 1 partial)
+    pool.release(a)
+    s = pool.stats()
+    assert (s.blocks_in_use, s.blocks_cached, s.blocks_free) == (0, 2, 4)  # full blocks stay cached
+    # The same prefix again: both full blocks are hits (the last token is always computed).
+    b = pool.admit(list(range(9)), max_tokens=3)
+    assert b.length == 8 and pool.stats().prefix_hits == 2
+    pool.release(b)
+    # Fill the pool with other tokens: the cached blocks are evicted, least recently used first.
+    c = pool.admit(list(range(100, 124)), max_tokens=0)
+    pool.append_slots(c, list(range(100, 124)))
+    assert pool.stats().blocks_cached == 0 and pool.stats().blocks_in_use == 6
+    assert pool.admit([1, 2, 3], max_tokens=1) is None  # no room now
+    pool.release(c)
+    assert pool.stats().blocks_cached == 6
+
+
+def test_fork_copies_the_shared_partial_block_on_write():
+    pool = KVPool(SHAPES, block_size=4, kv_budget=1 << 20)
+    a = pool.admit(list(range(6)), max_tokens=4)
+    slots = pool.append_slots(a, list(range(6)))
+    pool.write(0, mx.array(slots), mx.ones((6, 2, 4)), mx.ones((6, 2, 4)))
+    child = pool.fork(a)
+    assert child.blocks == a.blocks
+    new = pool.append_slots(child, [50])
+    assert child.blocks[0] == a.blocks[0]  # the full block stays shared
+    assert child.blocks[1] != a.blocks[1]  # the partial one was copied before the write
+    copied = pool.keys[0][child.blocks[1] * 4 : child.blocks[1] * 4 + 2]
+    assert mx.all(copied == 1).item()
+    assert new[0] == child.blocks[1] * 4 + 2
+    pool.release(child)
+    pool.release(a)
+    assert pool.stats().blocks_in_use == 0
+
+
+def test_sliding_window_models_say_the_pool_does_not_hold_them_yet(tmp_path):
+    path, _ = make_tiny(
+        tmp_path, "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=0
+    )
+    model, _ = load_model(path)
+    with pytest.raises(NotImplementedError, match="sliding-window cache"):
+        Engine(model)
+
+
+# -- the CLI's prompt file ---------------------------------------------------------------------
+
+
+def test_prompt_file_lines_and_json_lines(tmp_path):
+    from mlxinfer.batch.prompts import read_prompts
+
+    path = tmp_path / "p.txt"
+    path.write_text(
+        'Hello there\n\n{"prompt": "Hi"}\n{"messages": [{"role": "user", "content": "Yo"}]}\n'
+    )
+    assert read_prompts(path) == ["Hello there", "Hi", [{"role": "user", "content": "Yo"}]]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('ok\n{"prompt": 3\n', r"p.jsonl:2: not valid JSON"),
+        (
+            '{"text": "x"}\n',
+            r"p.jsonl:1: expected a \"prompt\" string or a \"messages\" list.*found keys \['text'\]",
+        ),
+        ("\n\n", r"p.jsonl: no prompts"),
+    ],
+)
+def test_a_bad_prompt_file_names_the_file_and_line(tmp_path, text, message):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import cli
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    result = CliRunner().invoke(cli, ["generate", "--batch", str(path)])
+    assert result.exit_code == 1
+    assert re.search(message, result.output), result.output
+
+
+def test_batch_refuses_options_it_does_not_take_yet(tmp_path):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import cli
+
+    path = tmp_path / "p.txt"
+    path.write_text("Hello\n")
+    result = CliRunner().invoke(cli, ["generate", "--batch", str(path), "--kv-bits", "8"])
+    assert result.exit_code == 2
+    assert "--batch does not take --kv-bits yet" in result.output
