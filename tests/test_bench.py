@@ -385,3 +385,31 @@ def test_written_files_get_ordinary_permissions(tmp_path):
     finally:
         os.umask(umask)
     assert stat.S_IMODE(out.stat().st_mode) == 0o644
+
+
+def test_batch_bench_rows_and_derived_kv_bytes(model_dir, tmp_path):
+    """``bench --batch``: a row per batch size for both engines, the KV-bytes row derived from the
+    config (blocks of 16 tokens against 8 × the longest in 256-token steps), the prefix's hits."""
+    out = tmp_path / "batch.json"
+    args = ["bench", "-m", str(model_dir), "--batch", "1,2", "-p", "8", "-n", str(N), "--reps", "1"]
+    result = CliRunner().invoke(cli, [*args, "--compare", "mlx-lm", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [r["batch"] for r in data["batches"]] == [1, 2]
+    for row in data["batches"]:
+        for engine in ("mlxinfer", "mlx-lm"):
+            assert row[engine]["median"]["decode_tps"] > 0
+    config = json.loads((model_dir / "config.json").read_text())
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * 64 * 4
+    kv = data["kv_bytes"]
+    blocks = sum(-(-(n + N) // 16) for n in kv["lengths"])
+    assert kv["paged_bytes"] == blocks * 16 * per_token
+    longest = -(-(max(kv["lengths"]) + N) // 256) * 256
+    assert kv["dense_left_padded_bytes"] == len(kv["lengths"]) * longest * per_token
+    assert data["prefix"]["second_cached_tokens"] == 1000 // 16 * 16
+    assert "mlxinfer / mlx-lm aggregate decode: batch 1:" in result.output
+
+
+def test_batch_bench_takes_one_prompt_length(model_dir):
+    result = CliRunner().invoke(cli, ["bench", "-m", str(model_dir), "--batch", "2", "-p", "8,16"])
+    assert result.exit_code == 2 and "--batch takes one prompt length" in result.output

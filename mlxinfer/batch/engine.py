@@ -385,24 +385,42 @@ class Engine:
         tokens = [[r.pending] for r in rows]
         batch = StepBatch(self.pool, [r.seq for r in rows], tokens)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
-        picked, logprobs = [], []
-        for b, request in enumerate(rows):
-            row = logits[b : b + 1]
-            for process in request.processors:
-                row = process(request.history, row)
-            picked.append(request.sampler(row))
-            logprobs.append((row - mx.logsumexp(row, axis=-1, keepdims=True))[0])
+        picked, logprobs = _sample_rows(rows, logits)
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
         mx.eval(picked, logprobs, self.pool.keys, self.pool.values)
         self.steps_run += 1
-        for request, token, lp in zip(rows, picked, logprobs):
-            t = token.item()
+        for request, t, lp in zip(rows, picked.tolist(), logprobs):
             request.generated += 1
             if request.history is not None:
-                request.history = mx.concatenate([request.history, token])
+                request.history = mx.concatenate([request.history, mx.array([t], mx.int32)])
             request.out.put(Step(t, lp))
             if t in request.eos or request.generated >= request.max_tokens:
                 self._retire(request)
             else:
                 request.pending = t
+
+
+def _sample_rows(rows: list[_Request], logits: mx.array) -> tuple[mx.array, list[mx.array]]:
+    """Each row's token and log-probs, through its own processors and sampler (with its own
+    random key). Greedy rows are one argmax over the batch, the log-probs one normalisation."""
+    if any(r.processors for r in rows):
+        processed = []
+        for b, r in enumerate(rows):
+            row = logits[b : b + 1]
+            for process in r.processors:
+                row = process(r.history, row)
+            processed.append(row)
+        logits = mx.concatenate(processed)
+    picked = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if not all(r.sampler.params.greedy for r in rows):
+        picked = mx.concatenate(
+            [
+                picked[b : b + 1]
+                if r.sampler.params.greedy
+                else r.sampler(logits[b : b + 1]).astype(mx.int32)
+                for b, r in enumerate(rows)
+            ]
+        )
+    normalised = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return picked, [normalised[b] for b in range(len(rows))]

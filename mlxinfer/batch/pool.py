@@ -34,7 +34,9 @@ from ..errors import MlxInferError
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default; vllm-metal's kernel uses 16 too)
 DEFAULT_KV_BUDGET = 1 << 30  # bytes of keys and values the pool may hold (1 GiB)
-_GROWTH_BLOCKS = 64  # blocks added to the store at a time, up to the budget
+_GROWTH_BLOCKS = (
+    16  # blocks the store starts with and grows by at least (it doubles), up to the budget
+)
 
 
 class PoolFullError(MlxInferError):

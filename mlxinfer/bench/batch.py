@@ -109,6 +109,27 @@ def newcomer_ttft(model, others: int, prompt_tokens: int, vocab: int) -> dict:
     return {"others": others, "prompt_tokens": prompt_tokens, "alone_s": alone, "joined_s": joined}
 
 
+def prefix_ttft(model, vocab: int, prefix_tokens: int = 1000, suffix_tokens: int = 16) -> dict:
+    """Time to first token of two requests sharing a ``prefix_tokens`` system prompt: the first
+    computes it, the second finds its blocks in the pool."""
+    system = prompt_ids(prefix_tokens, vocab, seed=2024)
+    times, cached = [], []
+    with Engine(model) as engine:
+        for seed in (1, 2):
+            t0 = time.perf_counter()
+            handle = engine.submit(system + prompt_ids(suffix_tokens, vocab, seed), max_tokens=1)
+            next(handle.steps(STEP_TIMEOUT_S))
+            times.append(time.perf_counter() - t0)
+            cached.append(handle.cached_tokens)
+    return {
+        "prefix_tokens": prefix_tokens,
+        "suffix_tokens": suffix_tokens,
+        "first_s": times[0],
+        "second_s": times[1],
+        "second_cached_tokens": cached[1],
+    }
+
+
 def run_batch_benchmark(
     model,
     model_dir: Path,
@@ -147,6 +168,7 @@ def run_batch_benchmark(
         "batches": results,
         "kv_bytes": kv_bytes_row(model, max_tokens),
         "newcomer": newcomer_ttft(model, 8, prompt_tokens, vocab),
+        "prefix": prefix_ttft(model, vocab),
     }
 
 
@@ -186,4 +208,11 @@ def batch_tables(result: dict) -> str:
         f"newcomer's time to first token ({n['prompt_tokens']}-token prompt): alone "
         f"{n['alone_s'] * 1000:.0f} ms, while {n['others']} others decode {n['joined_s'] * 1000:.0f} ms"
     )
+    if "prefix" in result:
+        p = result["prefix"]
+        lines.append(
+            f"shared {p['prefix_tokens']}-token prefix: time to first token {p['first_s'] * 1000:.0f} ms "
+            f"for the first request, {p['second_s'] * 1000:.0f} ms for the second "
+            f"({p['second_cached_tokens']} tokens from the pool, {p['first_s'] / p['second_s']:.1f}× lower)"
+        )
     return "\n".join(lines)
