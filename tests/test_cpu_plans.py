@@ -97,6 +97,28 @@ def test_every_quantized_plan_option_matches_mlx_quantized_layers(big_tiny, tmp_
         assert np.abs(decode - ref_decode).max() <= 1e-4, (kind, option)
 
 
+def test_attention_over_a_quantized_cache_is_the_same_in_either_form(big_tiny, monkeypatch):
+    """``dequantized_attention`` forced both ways: a 16-query chunk over an 8-bit KV cache gives
+    the logits of the plain MLX path (its quantized matmul)."""
+    ids = [(11 + 31 * i) % SHAPES["vocab_size"] for i in range(24)]
+
+    def chunked(model):
+        cache = model.make_cache(kv_bits=8)
+        model(mx.array([ids[:8]]), cache)
+        return np.array(model(mx.array([ids[8:]]), cache)[0])
+
+    monkeypatch.setenv(backends.ENV, "0")
+    plain, _ = load_model(big_tiny[0])
+    expected = chunked(plain)
+    monkeypatch.delenv(backends.ENV)
+    monkeypatch.setenv(cpu_plans.ENV, "off")
+    model, _ = load_model(big_tiny[0])
+    assert "dequantized_attention" in cpu_plans.numeric_kinds(model)
+    for threshold in (1, cpu_plans.NEVER):
+        cpu_plans.set_plan(model, "dequantized_attention", threshold)
+        assert np.abs(chunked(model) - expected).max() <= 1e-4, threshold
+
+
 def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
     """``measure`` keeps a plan only when decode steps with it are 3% faster than without."""
     model, _ = load_model(big_tiny[0])
@@ -116,6 +138,7 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
     monkeypatch.setattr(timing, "prompt_cache", lambda m: None)
     monkeypatch.setattr(timing, "measure_long_keys", lambda m: (4096, {}))
     monkeypatch.setattr(timing, "measure_small", lambda m: (1 << 14, {}))
+    monkeypatch.setattr(timing, "measure_dequantized_attention", lambda m: (4, {}))
     result = timing.measure(model)
     # head saves 1% only: not worth it; halves cost; cut pays.
     assert result["plans"] == {
@@ -125,6 +148,7 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
         "fuse": "fused",
         "long_keys": 4096,
         "small": 1 << 14,
+        "dequantized_attention": 4,
     }
     assert result["steps"] >= 2
     found = cpu_plans.plan_layers(model)

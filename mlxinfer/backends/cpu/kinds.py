@@ -73,6 +73,11 @@ THRESHOLDS = {
     "long_keys": (attention_layers, "cpu_long_keys", ops.DECODE_LONG_KEYS),
     "dequantize_rows": (quantized_linears, "MIN_ROWS", quantized.CPUQuantizedLinear.MIN_ROWS),
     "small": (exponential_users, "cpu_small", ops.SMALL),
+    "dequantized_attention": (
+        attention_layers,
+        "cpu_dequantized_attention_rows",
+        ops.DEQUANTIZED_ATTENTION_ROWS,
+    ),
 }
 NUMERIC = tuple(THRESHOLDS)  # kinds whose option is a threshold
 

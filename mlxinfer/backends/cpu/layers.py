@@ -60,7 +60,8 @@ class CPUAttention:
         self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
     ) -> mx.array:
         if cache is not None and cache.quantized:
-            if q.shape[2] < ops.DEQUANTIZED_ATTENTION_ROWS:
+            rows = getattr(self, "cpu_dequantized_attention_rows", ops.DEQUANTIZED_ATTENTION_ROWS)
+            if q.shape[2] < rows:  # the crossover ``plans`` measured (dequantized_attention)
                 return super().attend(q, k, v, scale=scale, mask=mask, cache=cache)
             # MLX's CPU quantized matmul is a scalar loop: for a prefill chunk it is far
             # cheaper to dequantize this layer's keys and values once (a transient copy).

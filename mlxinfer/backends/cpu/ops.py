@@ -238,9 +238,9 @@ def _causal(n_queries: int, n_keys: int) -> mx.array:
     return mask
 
 
-DEQUANTIZED_ATTENTION_ROWS = (
-    16  # queries from which a quantized KV cache is dequantized for attention
-)
+# Queries from which attention over a quantized KV cache dequantizes it first (MLX's CPU quantized
+# matmul is a scalar loop), unless ``plans`` measured another crossover (dequantized_attention).
+DEQUANTIZED_ATTENTION_ROWS = 16
 QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
 # Decode attention over at least this many keys takes the long-context form (see _attend), unless
 # ``plans`` measured another crossover on this machine. It has more ops; on the first machine

@@ -20,6 +20,9 @@ keeping an option only if it beats the plainer one by 3%:
 - ``dequantize_rows``: from how many rows a quantized layer dequantizes its weight for
   a BLAS product instead of running MLX's quantized kernel (short prompts, speculative
   verification), timed on the model's largest quantized layer alone;
+- ``dequantized_attention``: from how many queries attention over a quantized KV cache
+  (``--kv-bits``) dequantizes it instead of multiplying it packed, timed on the model's
+  attention shapes alone;
 - ``small``: from how many elements the softmax and SwiGLU use the fast exponential's
   kernels instead of MLX's own ops, timed on SwiGLU alone (short prompts).
 
@@ -84,7 +87,7 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 5  # of the cached entries: bump when the kinds or options change
+VERSION = 6  # of the cached entries: bump when the kinds or options change
 
 
 def cache_key(model: nn.Module) -> str:

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import layers as model_layers
-from . import ops
+from . import ops, quantized
 from .kinds import (
     NEVER,
     NUMERIC,
@@ -38,6 +38,9 @@ LONG_KEYS_TRIED = (512, 1024, 2048, 4096, 8192)
 # measured (at 512 rows ~10x), and the quantized kernel's time grows with the rows.
 DEQUANTIZE_ROWS_TRIED = (2, 4, 8, 16, 32, 64)
 SMALL_TRIED = tuple(1 << n for n in range(12, 20))  # elements tried for small
+# Query rows tried for dequantized_attention, over a cache of DEQUANTIZED_KEYS 8-bit keys.
+DEQUANTIZED_ROWS_TRIED = (2, 4, 8, 16, 32)
+DEQUANTIZED_KEYS = 512
 
 
 def prompt_cache(model: nn.Module) -> list:
@@ -111,6 +114,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
             ("long_keys", measure_long_keys),
             ("dequantize_rows", measure_dequantize_rows),
             ("small", measure_small),
+            ("dequantized_attention", measure_dequantized_attention),
         ):
             if kind not in fixed and kind in numeric_kinds(model):
                 chosen[kind], seconds[kind] = measure_kind(model)
@@ -189,6 +193,44 @@ def measure_small(model: nn.Module) -> tuple[int, dict]:
 
     threshold, seconds = crossover(SMALL_TRIED, timer, NEVER, 1)
     return threshold, {n: {"mlx": a, "fast_exp": b} for n, (a, b) in seconds.items()}
+
+
+def measure_dequantized_attention(model: nn.Module) -> tuple[int, dict]:
+    """The fewest queries from which attention over a quantized (8-bit) KV cache is faster
+    dequantized first than through MLX's quantized matmul, on the model's attention shapes."""
+    shapes = attention_shapes(model)
+    group = 64  # the quantized cache's default group (QuantizedKVCache)
+    if shapes is None or shapes[2] % group:
+        return ops.DEQUANTIZED_ATTENTION_ROWS, {}
+    n_q, n_kv, d, dtype = shapes
+    k, v = (
+        mx.quantize(mx.random.normal((1, n_kv, DEQUANTIZED_KEYS, d)), group_size=group, bits=8)
+        for _ in range(2)
+    )
+    mx.eval(k, v)
+
+    def timer(rows):
+        q = mx.random.normal((1, n_q, rows, d)).astype(dtype)
+        mx.eval(q)
+
+        def run(threshold):
+            if rows < threshold:
+                out = model_layers.quantized_attention(
+                    q, k, v, scale=d**-0.5, mask="causal", group_size=group, bits=8
+                )
+            else:
+                kd, vd = (
+                    quantized.dequantize(*t, group_size=group, bits=8).astype(dtype) for t in (k, v)
+                )
+                out = ops.attention(q, kd, vd, scale=d**-0.5, mask="causal")
+            mx.eval(out)
+
+        return run
+
+    threshold, seconds = crossover(DEQUANTIZED_ROWS_TRIED, timer, NEVER, 1)
+    if threshold == NEVER:  # never faster up to the largest tried: take it from past there
+        threshold = 2 * DEQUANTIZED_ROWS_TRIED[-1]
+    return threshold, {r: {"quantized": a, "dequantized": b} for r, (a, b) in seconds.items()}
 
 
 def crossover(sizes: tuple[int, ...], timer, plain, other) -> tuple[int, dict]:
