@@ -46,6 +46,25 @@ FAMILIES = {
         first_k_dense_replace=1,
         n_shared_experts=1,
     ),
+    "gemma2": dict(
+        model_type="gemma2",
+        head_dim=16,
+        num_hidden_layers=3,
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=3.0,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text", head_dim=16, num_hidden_layers=4, sliding_window=6
+    ),
+    "qwen2-sliding": dict(
+        model_type="qwen2",
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+    ),
     "gpt2": dict(model_type="gpt2", n_positions=1024),
     "bloom": dict(model_type="bloom"),
 }
@@ -236,12 +255,12 @@ def test_fork_copies_the_shared_partial_block_on_write():
     assert pool.stats().blocks_in_use == 0
 
 
-def test_sliding_window_models_say_the_pool_does_not_hold_them_yet(tmp_path):
-    path, _ = make_tiny(
-        tmp_path, "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=0
-    )
-    model, _ = load_model(path)
-    with pytest.raises(NotImplementedError, match="sliding-window cache"):
+def test_a_cache_the_pool_does_not_hold_is_named(llama, monkeypatch):
+    from mlxinfer.cache import QuantizedKVCache
+
+    model, _ = llama
+    monkeypatch.setattr(model, "make_cache", lambda: [QuantizedKVCache(bits=8)])
+    with pytest.raises(NotImplementedError, match="uses a QuantizedKVCache, which the paged pool"):
         Engine(model)
 
 

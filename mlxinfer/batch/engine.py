@@ -122,28 +122,33 @@ def layer_shapes(model) -> list[LayerShape]:
     return shapes
 
 
-def check_batchable(model) -> bool:
-    """Raise for a model the pool cannot hold; True if its rows can decode together.
+def check_batchable(model) -> tuple[bool, list[int | None]]:
+    """Raise for a model the pool cannot hold; else (whether its rows can decode together,
+    each layer's sliding window or None).
 
     Rows decode together when every position comes from ``cache.offset`` through
     RoPE with fixed frequencies: ``mx.fast.rope`` takes one offset per row. The
     other families (learned, sinusoidal and ALiBi positions; dynamic NTK and
     LongRoPE, whose frequencies depend on the sequence's length) decode one
-    row per forward, with the same results.
+    row per forward, with the same results. A sliding-window layer keeps every
+    key in the pool and slides its mask.
     """
+    windows: list[int | None] = []
     for c in model.make_cache():
-        if type(c) not in (KVCache, LatentKVCache):
-            kind = "sliding-window" if isinstance(c, RotatingKVCache) else type(c).__name__
+        if isinstance(c, RotatingKVCache) and c.keep == 0:
+            windows.append(c.max_size)
+        elif type(c) in (KVCache, LatentKVCache):
+            windows.append(None)
+        else:
             raise NotImplementedError(
-                f"batching: {type(model).__module__} uses a {kind} cache, which the paged "
+                f"batching: {type(model).__module__} uses a {type(c).__name__}, which the paged "
                 "pool does not hold yet"
             )
-    if not getattr(model, "positions_from_offset", True):
-        return False
-    return not any(
+    together = getattr(model, "positions_from_offset", True) and not any(
         isinstance(m, LongRoPE) or (isinstance(m, RoPE) and m.dynamic is not None)
         for _, m in model.named_modules()
     )
+    return together, windows
 
 
 class Engine:
@@ -171,7 +176,7 @@ class Engine:
                 f"max_batch and prefill_step must be >= 1, got {max_batch}, {prefill_step}"
             )
         self.model = model
-        self.rows_together = check_batchable(model)
+        self.rows_together, self.windows = check_batchable(model)
         self.pool = KVPool(layer_shapes(model), block_size=block_size, kv_budget=kv_budget)
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self._waiting: list[_Request] = []
@@ -360,7 +365,7 @@ class Engine:
             start = request.seq.length
             chunk = request.ids[start : start + min(left, self.prefill_step)]
             t0 = time.perf_counter()
-            batch = StepBatch(self.pool, [request.seq], [chunk])
+            batch = StepBatch(self.pool, [request.seq], [chunk], self.windows)
             with prefill_schedule(self.model):
                 self.model(mx.array([chunk], dtype=mx.int32), batch.views())
                 mx.eval(self.pool.keys, self.pool.values)
@@ -383,7 +388,7 @@ class Engine:
 
     def _decode_rows(self, rows: list[_Request]) -> None:
         tokens = [[r.pending] for r in rows]
-        batch = StepBatch(self.pool, [r.seq for r in rows], tokens)
+        batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
         picked, logprobs = _sample_rows(rows, logits)
         # Everything handed to the consumers is evaluated here: their threads cannot run

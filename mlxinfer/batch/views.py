@@ -10,7 +10,8 @@ layer of one step over B sequences of the pool:
   row's keys back, (B, kv_heads, T, head_dim) for T the longest row, the shorter
   rows padded;
 - ``make_mask`` hides each row's padding and the future: query i of row b sees
-  key j when j ≤ offset[b] + i.
+  key j when j ≤ offset[b] + i (and, in a sliding-window layer, offset[b] + i - j < window;
+  the pool keeps every key, the mask slides).
 
 The gather is one per-step contiguous view of the pages (docs/batching.md says
 what it costs against attention over the blocks themselves).
@@ -29,8 +30,17 @@ class StepBatch:
     """The slots, the gather table and the mask of one forward: ``n_new`` tokens for each
     of ``seqs`` (their tokens are recorded in the pool by :meth:`KVPool.append_slots`)."""
 
-    def __init__(self, pool: KVPool, seqs: list[Sequence], tokens: list[list[int]]) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        seqs: list[Sequence],
+        tokens: list[list[int]],
+        windows: list[int | None] | None = None,
+    ) -> None:
         self.pool = pool
+        # Per layer: None (full attention) or its sliding window (keys within the last `window`).
+        self.windows = windows or [None] * len(pool.layers)
+        self._masks: dict[int | None, Mask] = {}
         n_new = len(tokens[0])
         starts = [s.length for s in seqs]
         write = [pool.append_slots(s, t) for s, t in zip(seqs, tokens)]
@@ -42,18 +52,32 @@ class StepBatch:
         self.write_slots = mx.array(np.concatenate(write))
         self.table = mx.array(table)
         self.n_rows, self.n_new = len(seqs), n_new
-        if len(seqs) == 1:
-            self.offset: int | mx.array = starts[0]
-            self.mask: Mask = None if n_new == 1 else "causal"
-        else:
-            self.offset = mx.array(starts, dtype=mx.int32)
-            # Query i of row b sees key j when j <= start_b + i: the future and the padding hidden.
-            limit = np.asarray(starts)[:, None] + np.arange(n_new)[None]  # (B, L)
-            visible = np.arange(T)[None, None] <= limit[:, :, None]  # (B, L, T)
-            self.mask = mx.array(visible[:, None])  # (B, 1, L, T)
+        self._starts, self._T = starts, T
+        self.offset: int | mx.array = (
+            starts[0] if len(seqs) == 1 else mx.array(starts, dtype=mx.int32)
+        )
+
+    def mask_for(self, window: int | None) -> Mask:
+        """The mask of layers with this sliding ``window`` (None: full attention), made once."""
+        if window not in self._masks:
+            self._masks[window] = self._mask(window)
+        return self._masks[window]
+
+    def _mask(self, window: int | None) -> Mask:
+        starts, T, n_new = self._starts, self._T, self.n_new
+        if len(starts) == 1 and (window is None or T <= window):
+            return None if n_new == 1 else "causal"
+        # Query i of row b (position start_b + i) sees key j when j <= start_b + i, and within
+        # the window: the future, the padding and the keys slid out are hidden.
+        position = np.asarray(starts)[:, None, None] + np.arange(n_new)[None, :, None]  # (B, L, 1)
+        keys = np.arange(T)[None, None]  # (1, 1, T)
+        visible = keys <= position
+        if window is not None:
+            visible &= position - keys < window
+        return mx.array(visible[:, None])  # (B, 1, L, T)
 
     def views(self) -> list[LayerView]:
-        return [LayerView(self, i) for i in range(len(self.pool.layers))]
+        return [LayerView(self, i, w) for i, w in enumerate(self.windows)]
 
 
 class LayerView:
@@ -61,8 +85,8 @@ class LayerView:
 
     quantized = False
 
-    def __init__(self, batch: StepBatch, layer: int) -> None:
-        self.batch, self.layer = batch, layer
+    def __init__(self, batch: StepBatch, layer: int, window: int | None = None) -> None:
+        self.batch, self.layer, self.window = batch, layer, window
 
     @property
     def offset(self) -> int | mx.array:
@@ -78,7 +102,7 @@ class LayerView:
         return pool.gather(self.layer, batch.table)
 
     def make_mask(self, n_queries: int) -> Mask:
-        return self.batch.mask
+        return self.batch.mask_for(self.window)
 
     def is_trimmable(self) -> bool:
         return False
