@@ -4,8 +4,8 @@ One thread owns the model and the pool. Each turn of its loop it
 
 1. admits waiting requests while the pool can reserve their worst case
    (prompt + ``max_tokens``) and the batch has room, sharing prefix blocks;
-2. runs one prefill chunk (at most ``prefill_step`` tokens) of one admitted
-   request, so a long prompt never stalls the running streams for longer;
+2. prefills at most ``prefill_step`` prompt tokens (chunks of the admitted
+   requests, in order), so prompts never stall the running streams for longer;
 3. runs one decode step over every request whose prompt is in: one forward of
    B rows, each with its own position, then each row's own processors and
    sampler (its own seeded key), so a request draws the same tokens alone or
@@ -159,7 +159,8 @@ class Engine:
         kv_budget: bytes the KV pool may hold (keys and values of every layer).
         block_size: tokens per KV block.
         max_batch: most sequences decoded in one step.
-        prefill_step: most prompt tokens prefilled between two decode steps.
+        prefill_step: most prompt tokens prefilled between two decode steps (one or more
+            requests' chunks).
     """
 
     def __init__(
@@ -306,7 +307,7 @@ class Engine:
                     waiting, self._waiting = self._waiting, []
                 self._admit(waiting)
                 self._retire_cancelled()
-                self._prefill_one()
+                self._prefill()
                 self._decode()
         except BaseException as e:  # the thread must not die silently: tell every request
             self.failure = e
@@ -353,27 +354,29 @@ class Engine:
         for request in [r for r in self._running if r.cancelled.is_set()]:
             self._retire(request)
 
-    def _prefill_one(self) -> None:
-        """One chunk of the first request whose prompt (but its last token) is not in yet."""
+    def _prefill(self) -> None:
+        """At most ``prefill_step`` prompt tokens between two decode steps: chunks of the
+        admitted requests whose prompt (but its last token) is not in yet, in order."""
+        budget = self.prefill_step
         for request in self._running:
+            if budget <= 0:
+                return
             left = len(request.ids) - 1 - request.seq.length
             if request.pending is not None:
                 continue
-            if left <= 0:
-                request.pending = request.ids[-1]
-                continue
-            start = request.seq.length
-            chunk = request.ids[start : start + min(left, self.prefill_step)]
-            t0 = time.perf_counter()
-            batch = StepBatch(self.pool, [request.seq], [chunk], self.windows)
-            with prefill_schedule(self.model):
-                self.model(mx.array([chunk], dtype=mx.int32), batch.views())
-                mx.eval(self.pool.keys, self.pool.values)
-            self.prefill_s += time.perf_counter() - t0
-            self.prefill_tokens += len(chunk)
+            if left > 0:
+                start = request.seq.length
+                chunk = request.ids[start : start + min(left, budget)]
+                t0 = time.perf_counter()
+                batch = StepBatch(self.pool, [request.seq], [chunk], self.windows)
+                with prefill_schedule(self.model):
+                    self.model(mx.array([chunk], dtype=mx.int32), batch.views())
+                    mx.eval(self.pool.keys, self.pool.values)
+                self.prefill_s += time.perf_counter() - t0
+                self.prefill_tokens += len(chunk)
+                budget -= len(chunk)
             if request.seq.length == len(request.ids) - 1:
                 request.pending = request.ids[-1]
-            return
 
     def _decode(self) -> None:
         rows = [r for r in self._running if r.pending is not None]
