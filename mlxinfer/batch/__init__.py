@@ -2,7 +2,8 @@
 
 - :mod:`.pool` — the blocks, block tables, prefix sharing and accounting;
 - :mod:`.views` — one forward over the pool, behind the cache protocol;
-- :mod:`.engine` — the scheduler thread: admit, prefill in chunks, decode B rows, retire.
+- :mod:`.engine` — the scheduler thread: admit, prefill in chunks, decode B rows, retire;
+- :mod:`.requests` — a request as the engine keeps it, and the caller's handle on it;
 
 ``batch_generate`` runs a list of prompts through one engine and returns their texts.
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
-from .engine import Engine, EngineError, Handle
+from .engine import Engine
 from .pool import KVPool, PoolFullError, PoolStats
+from .requests import EngineError, Handle
 
 __all__ = [
     "Engine",

@@ -25,10 +25,8 @@ cancels the request when it stops early.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
@@ -38,77 +36,18 @@ from ..cache import KVCache, LatentKVCache, RotatingKVCache
 from ..generation.loop import _Request as _Prepared
 from ..generation.loop import _results, prepare_prompt
 from ..generation.results import GenerationResult, GenerationStats, Step
-from ..generation.sampling import LogitsProcessor, Sampler, SamplingParams
+from ..generation.sampling import SamplingParams
 from ..generation.stop import StopMatcher
 from ..models.layers.rope import LongRoPE, RoPE
 from ..text import fit_context
 from ..threads import release_at_thread_exit
 from . import pool as pool_mod
 from .pool import KVPool, LayerShape, PoolStats
+from .requests import POLL_S, EngineError, Handle, _Request
 from .views import StepBatch
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
 DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode steps
-_POLL_S = 0.5  # how long a wait sleeps before it checks that the engine is still alive
-
-
-class EngineError(RuntimeError):
-    """The engine stopped (closed, or its thread failed) while a request was waiting on it."""
-
-
-@dataclass
-class _Request:
-    ids: list[int]
-    max_tokens: int
-    sampler: Sampler
-    processors: list[LogitsProcessor]
-    eos: frozenset[int]
-    out: queue.Queue = field(default_factory=queue.Queue)
-    seq: pool_mod.Sequence | None = None
-    history: mx.array | None = None  # prompt + generated, for the processors
-    pending: int | None = None  # the token to feed next (decode row)
-    generated: int = 0
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    cached_tokens: int = 0  # prompt tokens served from shared prefix blocks
-
-
-class Handle:
-    """A submitted request: iterate its :class:`Step`s, or cancel it from any thread."""
-
-    def __init__(self, engine: Engine, request: _Request, rid: int) -> None:
-        self._engine, self._request, self.id = engine, request, rid
-
-    @property
-    def cached_tokens(self) -> int:
-        return self._request.cached_tokens
-
-    def cancel(self) -> None:
-        self._request.cancelled.set()
-        self._engine._wake()
-
-    def steps(self, timeout: float | None = None) -> Iterator[Step]:
-        """The request's tokens as they come; ends after its last one. ``timeout``: most
-        seconds to wait for any one token (None: as long as the engine is alive)."""
-        waited = 0.0
-        while True:
-            try:
-                item = self._request.out.get(timeout=_POLL_S)
-            except queue.Empty:
-                waited += _POLL_S
-                if not self._engine.alive:
-                    raise EngineError(
-                        f"engine stopped: {self._engine.failure or 'closed'}"
-                    ) from None
-                if timeout is not None and waited >= timeout:
-                    self.cancel()
-                    raise TimeoutError(f"request {self.id}: no token within {timeout} s") from None
-                continue
-            waited = 0.0
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
 
 def layer_shapes(model) -> list[LayerShape]:
@@ -301,7 +240,7 @@ class Engine:
             while True:
                 with self._cond:
                     while not self._closed and not self._waiting and not self._running:
-                        self._cond.wait(_POLL_S)
+                        self._cond.wait(POLL_S)
                     if self._closed:
                         break
                     waiting, self._waiting = self._waiting, []

@@ -1,0 +1,84 @@
+"""A request's two sides: what the engine keeps of it, and the caller's handle on it.
+
+The engine thread owns ``_Request``: its sequence in the pool, its sampler and
+processors, the token to feed next. The caller holds a :class:`Handle`: it
+reads the request's :class:`~mlxinfer.generation.results.Step`s from a queue
+(every wait bounded) and may cancel it from any thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import mlx.core as mx
+
+from ..generation.results import Step
+from ..generation.sampling import LogitsProcessor, Sampler
+from .pool import Sequence
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+POLL_S = 0.5  # how long a wait sleeps before it checks that the engine is still alive
+
+
+class EngineError(RuntimeError):
+    """The engine stopped (closed, or its thread failed) while a request was waiting on it."""
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    processors: list[LogitsProcessor]
+    eos: frozenset[int]
+    out: queue.Queue = field(default_factory=queue.Queue)
+    seq: Sequence | None = None
+    history: mx.array | None = None  # prompt + generated, for the processors
+    pending: int | None = None  # the token to feed next (decode row)
+    generated: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cached_tokens: int = 0  # prompt tokens served from shared prefix blocks
+
+
+class Handle:
+    """A submitted request: iterate its :class:`Step`s, or cancel it from any thread."""
+
+    def __init__(self, engine: Engine, request: _Request, rid: int) -> None:
+        self._engine, self._request, self.id = engine, request, rid
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._request.cached_tokens
+
+    def cancel(self) -> None:
+        self._request.cancelled.set()
+        self._engine._wake()
+
+    def steps(self, timeout: float | None = None) -> Iterator[Step]:
+        """The request's tokens as they come; ends after its last one. ``timeout``: most
+        seconds to wait for any one token (None: as long as the engine is alive)."""
+        waited = 0.0
+        while True:
+            try:
+                item = self._request.out.get(timeout=POLL_S)
+            except queue.Empty:
+                waited += POLL_S
+                if not self._engine.alive:
+                    raise EngineError(
+                        f"engine stopped: {self._engine.failure or 'closed'}"
+                    ) from None
+                if timeout is not None and waited >= timeout:
+                    self.cancel()
+                    raise TimeoutError(f"request {self.id}: no token within {timeout} s") from None
+                continue
+            waited = 0.0
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
