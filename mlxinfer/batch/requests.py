@@ -11,16 +11,13 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator
 
 import mlx.core as mx
 
 from ..generation.results import Step
 from ..generation.sampling import LogitsProcessor, Sampler
 from .pool import Sequence
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 POLL_S = 0.5  # how long a wait sleeps before it checks that the engine is still alive
 
@@ -48,7 +45,7 @@ class _Request:
 class Handle:
     """A submitted request: iterate its :class:`Step`s, or cancel it from any thread."""
 
-    def __init__(self, engine: Engine, request: _Request, rid: int) -> None:
+    def __init__(self, engine: Any, request: _Request, rid: int) -> None:
         self._engine, self._request, self.id = engine, request, rid
 
     @property
