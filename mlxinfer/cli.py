@@ -240,9 +240,21 @@ def generate(
     if prompt is None:
         prompt = sys.stdin.read()
     llm, tokenizer = _load(model, verbose)
+    options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
+    [prompt] = _templated(tokenizer, [prompt], system, chat_template, no_chat_template, verbose)
+    _print_stream(
+        stream_generate(
+            llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options
+        ),
+        verbose,
+    )
+
+
+def _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose) -> list:
+    """The prompts as chat messages (a text as one user turn, after ``--system``) when the model
+    has a template and ``--no-chat-template`` is not given; otherwise as they are."""
     if chat_template:
         tokenizer.set_chat_template(chat_template)
-    options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     use_template = not no_chat_template and tokenizer.has_chat_template
     if system and not use_template:
         raise click.UsageError(
@@ -253,21 +265,17 @@ def generate(
                 else f": {tokenizer.path} has none (name one with --chat-template)"
             )
         )
-    if not use_template and not no_chat_template and verbose:
-        _log(
-            f"{tokenizer.path}: no chat template, so the prompt goes to the model as raw text "
-            "(--chat-template NAME to use a known format)"
-        )
-    if use_template:
-        prompt = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-    _print_stream(
-        stream_generate(
-            llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options
-        ),
-        verbose,
-    )
+    if not use_template:
+        if not no_chat_template and verbose:
+            _log(
+                f"{tokenizer.path}: no chat template, so the prompt goes to the model as raw "
+                "text (--chat-template NAME to use a known format)"
+            )
+        return list(prompts)
+    head = [{"role": "system", "content": system}] if system else []
+    return [
+        head + (p if isinstance(p, list) else [{"role": "user", "content": p}]) for p in prompts
+    ]
 
 
 def _generate_batch(
@@ -300,16 +308,7 @@ def _generate_batch(
         raise click.UsageError(f"--batch does not take {', '.join(clash)} yet")
     prompts = read_prompts(batch_file)
     llm, tokenizer = _load(model, verbose)
-    if chat_template:
-        tokenizer.set_chat_template(chat_template)
-    if not no_chat_template and tokenizer.has_chat_template:
-        head = [{"role": "system", "content": system}] if system else []
-        prompts = [
-            head + p if isinstance(p, list) else head + [{"role": "user", "content": p}]
-            for p in prompts
-        ]
-    elif system:
-        raise click.UsageError("--system needs a chat template")
+    prompts = _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose)
     stop = options.pop("stop")
     texts = batch_generate(llm, tokenizer, prompts, stop=stop, **options)
     for i, text in enumerate(texts):

@@ -310,3 +310,32 @@ def test_batch_refuses_options_it_does_not_take_yet(tmp_path):
     result = CliRunner().invoke(cli, ["generate", "--batch", str(path), "--kv-bits", "8"])
     assert result.exit_code == 2
     assert "--batch does not take --kv-bits yet" in result.output
+
+
+def test_waits_on_the_engine_are_bounded(llama, monkeypatch):
+    """A token that does not come within ``timeout`` is a TimeoutError (and cancels the request);
+    a request left when the engine stops ends with EngineError instead of waiting forever."""
+    import time
+
+    from mlxinfer.batch import EngineError
+    from mlxinfer.batch import engine as engine_module
+
+    model, _ = llama
+    slow = engine_module.Engine._decode
+
+    def stalled(self):
+        time.sleep(1.5)
+        slow(self)
+
+    monkeypatch.setattr(engine_module.Engine, "_decode", stalled)
+    with Engine(model) as engine:
+        handle = engine.submit(_prompt(10, 1), max_tokens=3)
+        with pytest.raises(TimeoutError, match=r"request \d+: no token within 0.5 s"):
+            next(handle.steps(timeout=0.5))
+    engine = Engine(model)
+    handle = engine.submit(_prompt(10, 2), max_tokens=500)
+    engine.close()
+    with pytest.raises(EngineError, match="engine stopped"):
+        list(handle.steps())
+    with pytest.raises(EngineError, match="engine stopped"):
+        engine.submit(_prompt(10, 3), max_tokens=3)

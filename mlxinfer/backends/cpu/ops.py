@@ -332,12 +332,12 @@ def _attend(
     scores = (q @ k.swapaxes(-1, -2)).reshape(B, n_kv, reps, L, T)
     if isinstance(mask, str):
         mask = _causal(L, T)
-    elif isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] == 1:
-        mask = masks.for_groups(mask)  # a batch's per-row mask
-    elif (
-        mask is not None and mask.ndim >= 3 and mask.shape[-3] == n_q > 1
-    ):  # per query head (ALiBi)
-        mask = mask.reshape(*mask.shape[:-3], n_kv, reps, L, T)
+    else:
+        mask = masks.for_groups(mask)  # a batch's per-row mask gains the reps axis
+        if (
+            mask is not None and mask.ndim >= 3 and mask.shape[-3] == n_q > 1
+        ):  # per query head (ALiBi)
+            mask = mask.reshape(*mask.shape[:-3], n_kv, reps, L, T)
     scores = masks.apply(scores, mask).reshape(B, n_kv, reps * L, T)
     if scores.size < small:
         out = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype) @ v
