@@ -120,27 +120,36 @@ def test_attention_over_a_quantized_cache_is_the_same_in_either_form(big_tiny, m
 
 
 def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
-    """``measure`` keeps a plan only when decode steps with it are 3% faster than without."""
+    """``measure`` keeps a plan only when it saves 3% of a decode step: the step estimated as the
+    timed blocks scaled to all of them, plus the LM head timed alone."""
     model, _ = load_model(big_tiny[0])
-    cost = {"cut": 0.5, "halves": 2.0, "head": 0.99}  # relative cost of a step with the plan on
+    cost = {"cut": 0.5, "halves": 2.0}  # relative cost of the blocks with the plan on
+    found = cpu_plans.plan_layers(model)
 
-    def step_seconds(m, steps, cache=None):
-        found = cpu_plans.plan_layers(m)
-        total = 1.0
-        for kind, factor in cost.items():
-            if found[kind][0].cpu_plan.two_streams:
-                total *= factor
-        if found["fuse"][0].cpu_fused[0].on:  # q/k/v and gate/up stacked: 10% faster
-            total *= 0.9
-        return 0.01 * total
+    class Step:  # three times as many blocks as timed
+        scale, layers = 3.0, [None] * 6
 
-    monkeypatch.setattr(timing, "decode_step_seconds", step_seconds)
-    monkeypatch.setattr(timing, "prompt_cache", lambda m: None)
+        def __init__(self, model, timed=None):
+            self.timed = timed
+
+        def blocks_seconds(self, steps=1):
+            total = 0.004
+            for kind, factor in cost.items():
+                if found[kind][0].cpu_plan.two_streams:
+                    total *= factor
+            if found["fuse"][0].cpu_fused[0].on:  # q/k/v and gate/up stacked: 10% faster
+                total *= 0.9
+            return total
+
+        def head_seconds(self, steps=1):
+            # The blocked head halves the head's time, which saves 2.4% of a step: not kept.
+            return 0.0003 if found["head"][0].cpu_plan.two_streams else 0.0006
+
+    monkeypatch.setattr(timing, "DecodeStep", Step)
     monkeypatch.setattr(timing, "measure_long_keys", lambda m: (4096, {}))
     monkeypatch.setattr(timing, "measure_small", lambda m: (1 << 14, {}))
     monkeypatch.setattr(timing, "measure_dequantized_attention", lambda m: (4, {}))
     result = timing.measure(model)
-    # head saves 1% only: not worth it; halves cost; cut pays.
     assert result["plans"] == {
         "cut": "two",
         "halves": "one",
@@ -150,11 +159,32 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
         "small": 1 << 14,
         "dequantized_attention": 4,
     }
-    assert result["steps"] >= 2
-    found = cpu_plans.plan_layers(model)
+    step = 3 * 0.004 + 0.0006  # blocks scaled to the whole step, plus the head
+    assert result["seconds"]["cut"]["one"] == pytest.approx(step)
+    assert result["seconds"]["halves"]["two"] == pytest.approx(3 * 0.004 * 0.5 * 2 + 0.0006)
+    assert result["blocks_timed"] >= 2
     assert found["cut"][0].cpu_plan.two_streams and not found["halves"][0].cpu_plan.two_streams
     assert all(a.cpu_long_keys == 4096 for a in cpu_plans.attention_layers(model))
     assert all(m.cpu_small == 1 << 14 for m in cpu_plans.exponential_users(model))
+
+
+def test_a_decode_step_by_parts_runs_the_models_own_blocks_and_head(big_tiny, monkeypatch):
+    """``DecodeStep`` times the first blocks only and restores the model: afterwards a forward
+    gives the same logits as before."""
+    model, _ = load_model(big_tiny[0])
+    ids = [(5 + 7 * i) % SHAPES["vocab_size"] for i in range(6)]
+    before = decode_logits(model, ids)[1]
+    step = timing.DecodeStep(model, timed=1)
+    assert step.scale == SHAPES["num_hidden_layers"] and step.hidden.shape == (1, 1, 256)
+    ran = []
+    first = model.layers[0]
+    monkeypatch.setattr(type(first), "__call__", lambda self, *a: ran.append(self) or a[0])
+    step.blocks_seconds(2)
+    assert ran == [first, first]  # one block per step, not both
+    monkeypatch.undo()
+    assert len(model.layers) == SHAPES["num_hidden_layers"]
+    assert step.head_seconds() > 0
+    assert np.abs(decode_logits(model, ids)[1] - before).max() == 0
 
 
 def test_choice_is_measured_once_and_cached(big_tiny, monkeypatch, tmp_path):
@@ -222,3 +252,18 @@ def test_the_crossover_is_where_the_other_option_wins_for_good(monkeypatch):
     assert timing.crossover(sizes, timer_for(8), "plain", "other")[0] == 8
     assert timing.crossover(sizes, timer_for(4, dip=16), "plain", "other")[0] == cpu_plans.NEVER
     assert timing.crossover(sizes, timer_for(99), "plain", "other")[0] == cpu_plans.NEVER
+
+
+def test_a_crossover_won_by_far_twice_times_no_larger_size(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    timed = []
+
+    def timer(size):
+        timed.append(size)
+        return lambda option: clock.__setitem__(
+            0, clock[0] + (1e-3 if option == "other" and size >= 4 else 3e-3)
+        )
+
+    assert timing.crossover((2, 4, 8, 16, 32), timer, "plain", "other")[0] == 4
+    assert timed == [2, 4, 8]

@@ -29,7 +29,7 @@ keeping an option only if it beats the plainer one by 3%:
 The kinds, their options and the layers they act on are in ``kinds``; the
 timing in ``timing``; this module chooses, caches and reads the setting. The
 choices are made one after the other (each with the ones before it settled),
-in interleaved rounds, in 2–3 seconds for SmolLM2. The answer is cached in
+in interleaved rounds, in about half a second for SmolLM2. The answer is cached in
 the user cache (``cpu-plans.json``), keyed by the CPU, the number of CPUs, MLX,
 the BLAS and the model's shapes, so the timing runs once per machine and model.
 
@@ -87,7 +87,7 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 6  # of the cached entries: bump when the kinds or options change
+VERSION = 7  # of the cached entries: bump when the kinds or options change
 
 
 def cache_key(model: nn.Module) -> str:

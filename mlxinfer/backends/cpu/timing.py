@@ -1,9 +1,15 @@
 """Timing the plans' options on the model: decode steps for the stream plans, one op alone
 for the crossovers. Every choice keeps the plainer option unless another is 3% faster.
+
+A decode step is timed by its parts (:class:`DecodeStep`): the first few blocks, scaled to
+all of them, and the LM head alone, each part only for the kinds that act on it. For SmolLM2
+the estimate is within a few percent of whole steps, and every choice takes about half a
+second instead of 2.7 s (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -12,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import layers as model_layers
+from ...models.base import lm_head
 from . import ops, quantized
 from .kinds import (
     NEVER,
@@ -28,7 +35,15 @@ from .kinds import (
 
 ROUNDS = 5  # interleaved rounds per choice timed on decode steps
 CROSSOVER_ROUNDS = 3  # ... per size of a crossover (one op alone, many runs per timing: less noisy)
-BUDGET_S = 1.5  # about how long all decode-step timings together may take
+# A crossover stops after two sizes in a row where the other option takes under this fraction of
+# the plain one's time: every crossover timed here widens with the size (the quantized kernel's time grows with
+# the rows, the dequantized product's hardly; the long form and the fast exponential gain more on
+# more elements), so past such a size the plain option does not come back.
+FAR = 0.5
+CROSSOVER_RUN_S = 0.003  # about how long one timing of a crossover's option runs (repeated runs)
+# A decode step's blocks are timed over the first few of them, enough for about this long; the
+# step is then estimated as (blocks / timed) x that time, plus the LM head timed alone.
+BLOCKS_S = 0.003
 # Past this estimate (slow models: float16 on the CPU, large ones) nothing is timed and the plans
 # stay at their plainest: a step is then long enough that the plans are noise in it.
 MAX_MEASURE_S = 4.0
@@ -41,27 +56,56 @@ SMALL_TRIED = tuple(1 << n for n in range(12, 20))  # elements tried for small
 # Query rows tried for dequantized_attention, over a cache of DEQUANTIZED_KEYS 8-bit keys.
 DEQUANTIZED_ROWS_TRIED = (2, 4, 8, 16, 32)
 DEQUANTIZED_KEYS = 512
+PROMPT = 4  # tokens in the cache the decode steps are timed on
 
 
-def prompt_cache(model: nn.Module) -> list:
-    """A cache holding a 4-token prompt, for the decode steps that are timed."""
-    vocab = model.args.vocab_size
-    cache = model.make_cache()
-    mx.eval(model(mx.array([[(7 + 13 * i) % vocab for i in range(4)]]), cache))
-    return cache
+class DecodeStep:
+    """A decode step of ``model`` in two parts timed apart: its first ``timed`` blocks (embedding
+    and final norm included) and its LM head. Both run on the model's own layers and shapes, so
+    the plans act as in a real step; a plan that acts on every block shows in each timed one."""
 
+    def __init__(self, model: nn.Module, timed: int | None = None):
+        self.model = model
+        self.inner = model[model.inner_name]
+        self.layers = list(model.layers)
+        self.cache = model.make_cache()
+        self.timed = len(self.layers) if timed is None else max(1, min(timed, len(self.layers)))
+        vocab = model.args.vocab_size
+        self.token = mx.array([[1]])
+        prompt = mx.array([[(7 + 13 * i) % vocab for i in range(PROMPT)]])
+        self.hidden = self._blocks(prompt)[:, -1:]  # what the head reads
+        mx.eval(self.hidden)
 
-def decode_step_seconds(model: nn.Module, steps: int, cache: list | None = None) -> float:
-    """Median seconds of ``steps`` decode steps after a 4-token prompt in ``cache`` (one is
-    made if None; the steps extend it)."""
-    cache = prompt_cache(model) if cache is None else cache
-    token = mx.array([[1]])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        mx.eval(model(token, cache))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    @property
+    def scale(self) -> float:
+        """Blocks of a step per block timed."""
+        return len(self.layers) / self.timed
+
+    def _blocks(self, tokens: mx.array) -> mx.array:
+        # The layers beyond ``timed`` are left out; their caches stay (masks read them).
+        self.inner[self.model.layers_name] = self.layers[: self.timed]
+        try:
+            return self.inner(tokens, self.cache)
+        finally:
+            self.inner[self.model.layers_name] = self.layers
+
+    def blocks_seconds(self, steps: int = 1) -> float:
+        """Median seconds of the timed blocks over ``steps`` decode steps."""
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            mx.eval(self._blocks(self.token))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def head_seconds(self, steps: int = 1) -> float:
+        """Median seconds of the LM head on one row."""
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            mx.eval(lm_head(self.hidden, self.model.head))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
 
 def pick(
@@ -84,7 +128,8 @@ def pick(
 
 def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict:
     """Choose each kind of plan the model has by timing its options; ``fixed`` kinds are not
-    measured. Returns {"plans": {kind: option}, "seconds": {kind: {option: s}}, ...}."""
+    measured. Returns {"plans": {kind: option}, "seconds": {kind: {option: s}}, ...}: the
+    seconds of a kind are whole decode steps, estimated from the parts the kind acts on."""
     fixed = dict(fixed or {})
     found = plan_layers(model)
     kinds = [kind for kind in OPTIONS if found[kind] and kind not in fixed]
@@ -92,23 +137,32 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
     chosen.update({k: v for k, v in fixed.items() if k in NUMERIC or found.get(k)})
     set_plans(model, chosen)
     seconds: dict[str, dict] = {}
-    steps = 0
+    timed = 0
     if kinds:
-        # One cache for every timing: a quantized prefill is slow (MLX's scalar kernel).
-        cache = prompt_cache(model)
-        first = decode_step_seconds(model, 1, cache)  # also a warm-up
+        whole = DecodeStep(model, timed=1)
+        one_block = whole.blocks_seconds(3)  # the first is also a warm-up
+        head = whole.head_seconds(3)
+        timed = max(2, math.ceil(BLOCKS_S / max(one_block, 1e-5)))
+        step = DecodeStep(model, timed=timed)
         n_options = sum(len(OPTIONS[kind]) for kind in kinds)
-        steps = max(1, min(8, int(BUDGET_S / (n_options * ROUNDS * max(first, 1e-4)))))
-        if steps * n_options * ROUNDS * first > MAX_MEASURE_S:
-            kinds, seconds["skipped"] = [], {"step_s": first}
-    for kind in kinds:
+        if n_options * ROUNDS * (step.timed * one_block + head) > MAX_MEASURE_S:
+            step_s = len(step.layers) * one_block + head
+            kinds, seconds["skipped"] = [], {"step_s": step_s}
+    # The head first: the blocks' timings add the chosen head's time to their estimate.
+    for kind in sorted(kinds, key=lambda kind: kind != "head"):
+        with_head = any(layer is model.head for layer in found[kind])
+        with_blocks = kind != "head"
+        blocks = None if with_blocks else step.scale * step.blocks_seconds(3)
 
-        def time_option(option, kind=kind):
+        def time_option(option, kind=kind, with_head=with_head, blocks=blocks):
             set_plan(model, kind, option)
-            return decode_step_seconds(model, steps, cache)
+            b = step.scale * step.blocks_seconds() if blocks is None else blocks
+            return b + (step.head_seconds() if with_head else head)
 
         chosen[kind], seconds[kind] = pick(OPTIONS[kind], time_option)
         set_plan(model, kind, chosen[kind])
+        if kind == "head":
+            head = seconds[kind][chosen[kind]] - blocks
     if "skipped" not in seconds:
         for kind, measure_kind in (
             ("long_keys", measure_long_keys),
@@ -119,7 +173,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
             if kind not in fixed and kind in numeric_kinds(model):
                 chosen[kind], seconds[kind] = measure_kind(model)
     set_plans(model, chosen)
-    return {"plans": chosen, "seconds": seconds, "steps": steps}
+    return {"plans": chosen, "seconds": seconds, "blocks_timed": timed}
 
 
 def attention_shapes(model: nn.Module) -> tuple[int, int, int, mx.Dtype] | None:
@@ -142,9 +196,12 @@ def measure_long_keys(model: nn.Module) -> tuple[int, dict]:
         return ops.DECODE_LONG_KEYS, {}
     n_q, n_kv, d, dtype = shapes
     q = mx.random.normal((1, n_q, 1, d)).astype(dtype)
+    # Random keys of the shortest length, repeated: MLX's CPU normal sampler would take longer
+    # than the timings (67 ms for 8,192 keys of SmolLM2 here).
+    block = [mx.random.normal((1, n_kv, LONG_KEYS_TRIED[0], d)).astype(dtype) for _ in range(2)]
 
     def timer(t):
-        k, v = (mx.random.normal((1, n_kv, t, d)).astype(dtype) for _ in range(2))
+        k, v = (mx.tile(b, (1, 1, t // b.shape[2], 1)) for b in block)
         mx.eval(q, k, v)
         return lambda long_keys: mx.eval(
             ops.attention(q, k, v, scale=d**-0.5, mask=None, long_keys=long_keys)
@@ -235,14 +292,15 @@ def measure_dequantized_attention(model: nn.Module) -> tuple[int, dict]:
 
 def crossover(sizes: tuple[int, ...], timer, plain, other) -> tuple[int, dict]:
     """The smallest size from which ``other`` is faster than ``plain`` at that size and every larger
-    one tried (``NEVER`` if at none); ``timer(size)`` gives ``run(option)``. Each size's two
-    options are timed in interleaved rounds (:func:`pick`), a few runs per timing."""
-    seconds, threshold = {}, NEVER
+    one tried (``NEVER`` if at none), or up to where it wins by far twice (``FAR``);
+    ``timer(size)`` gives ``run(option)``. Each size's two options are timed in interleaved rounds
+    (:func:`pick`), a few runs per timing."""
+    seconds, threshold, far = {}, NEVER, 0
     for size in sizes:
         run = timer(size)
         start = time.perf_counter()
         run(plain)  # also a warm-up
-        reps = max(2, min(20, int(0.01 / max(time.perf_counter() - start, 1e-6))))
+        reps = max(2, min(20, int(CROSSOVER_RUN_S / max(time.perf_counter() - start, 1e-6))))
 
         def time_option(option, reps=reps, run=run):
             start = time.perf_counter()
@@ -256,4 +314,7 @@ def crossover(sizes: tuple[int, ...], timer, plain, other) -> tuple[int, dict]:
             threshold = size
         elif form == plain:
             threshold = NEVER  # only a crossover that holds for every larger size counts
+        far = far + 1 if medians[other] < FAR * medians[plain] else 0
+        if far == 2:
+            break  # won by far at two sizes in a row: the larger ones are not timed
     return threshold, seconds
