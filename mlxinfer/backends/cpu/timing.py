@@ -154,7 +154,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
         with_blocks = kind != "head"
         blocks = None if with_blocks else step.scale * step.blocks_seconds(3)
 
-        def time_option(option, kind=kind, with_head=with_head, blocks=blocks):
+        def time_option(option, kind=kind, with_head=with_head, blocks=blocks, head=head):
             set_plan(model, kind, option)
             b = step.scale * step.blocks_seconds() if blocks is None else blocks
             return b + (step.head_seconds() if with_head else head)
