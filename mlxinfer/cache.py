@@ -17,7 +17,7 @@ or paged cache will add its own kinds behind the same protocol.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -37,6 +37,19 @@ class Cache(Protocol):
     def state(self) -> list[mx.array]: ...
     @property
     def nbytes(self) -> int: ...
+
+
+class Pages(NamedTuple):
+    """A paged cache's keys and values as its blocks, for attention over them in place
+    (``models.layers.attention.paged_attention``); a paged cache offers them through
+    ``cache.pages(mask)`` (None where it does not)."""
+
+    keys: mx.array  # (n_blocks, kv_heads, block_size, key_dim): the whole store
+    values: mx.array  # (n_blocks, kv_heads, block_size, value_dim)
+    blocks: mx.array  # (B, kv_heads, n) uint32: block * kv_heads + head, each row's blocks in order
+    queries: mx.array  # (B, kv_heads, n) uint32: row * kv_heads + head
+    order: mx.array  # (B, kv_heads, n) uint32: 0, 1, 2, ... (the probabilities' own matrices)
+    visible: mx.array  # (B, 1, n, 1, block_size) bool: the row's keys, not padding or slid out
 
 
 def _grow(buf: mx.array | None, used: int, needed: int, step: int, like: mx.array) -> mx.array:

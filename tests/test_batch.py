@@ -116,11 +116,13 @@ def llama(tmp_path_factory):
     return model, torch_model
 
 
-def test_paged_logits_equal_the_contiguous_cache(llama):
+@pytest.mark.parametrize("attention", ["pages", "gather"])
+def test_paged_logits_equal_the_contiguous_cache(llama, attention):
+    """Both ways decode reads the pool (over the blocks in place, over a gathered copy)."""
     model, _ = llama
     prompts = [_prompt(n, 10 + n) for n in (7, 33, 70)]
     alone = [[lp for _, lp in generate_step(p, model, max_tokens=5)] for p in prompts]
-    with Engine(model, block_size=8, prefill_step=16) as engine:
+    with Engine(model, block_size=8, prefill_step=16, attention=attention) as engine:
         handles = [engine.submit(p, max_tokens=5) for p in prompts]
         paged = [[s.logprobs for s in h.steps()] for h in handles]
     for a, p in zip(alone, paged):
@@ -241,14 +243,14 @@ def test_fork_copies_the_shared_partial_block_on_write():
     pool = KVPool(SHAPES, block_size=4, kv_budget=1 << 20)
     a = pool.admit(list(range(6)), max_tokens=4)
     slots = pool.append_slots(a, list(range(6)))
-    pool.write(0, mx.array(slots), mx.ones((6, 2, 4)), mx.ones((6, 2, 4)))
+    pool.write(0, mx.array(slots // 4), mx.array(slots % 4), mx.ones((6, 2, 4)), mx.ones((6, 2, 4)))
     child = pool.fork(a)
     assert child.blocks == a.blocks
     new = pool.append_slots(child, [50])
     assert child.blocks[0] == a.blocks[0]  # the full block stays shared
     assert child.blocks[1] != a.blocks[1]  # the partial one was copied before the write
-    copied = pool.keys[0][child.blocks[1] * 4 : child.blocks[1] * 4 + 2]
-    assert mx.all(copied == 1).item()
+    copied = pool.keys[0][child.blocks[1]]  # (kv_heads, block_size, dim)
+    assert mx.all(copied[:, :2] == 1).item() and mx.all(copied[:, 2:] == 0).item()
     assert new[0] == child.blocks[1] * 4 + 2
     pool.release(child)
     pool.release(a)
@@ -339,3 +341,49 @@ def test_waits_on_the_engine_are_bounded(llama, monkeypatch):
         list(handle.steps())
     with pytest.raises(EngineError, match="engine stopped"):
         engine.submit(_prompt(10, 3), max_tokens=3)
+
+
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("cpu_exp", [False, True])
+def test_attention_over_pages_is_attention_over_the_rows_keys(window, cpu_exp):
+    """``paged_attention`` against ``mx.fast.scaled_dot_product_attention`` over each row's own
+    keys alone: rows of 3, 40 and 77 keys in blocks of 16 scattered over a store, 6 query heads
+    on 2 kv heads, a sliding window or none; MLX's exponential or the CPU backend's."""
+    from mlxinfer.backends.cpu import ops
+    from mlxinfer.batch.views import _page_index
+    from mlxinfer.cache import Pages
+    from mlxinfer.models.layers.attention import paged_attention
+
+    rng = np.random.default_rng(0)
+    lengths, bs, n_kv, n_q, D = [3, 40, 77], 16, 2, 6, 8
+    store_k = rng.standard_normal((20, n_kv, bs, D)).astype(np.float32)
+    store_v = rng.standard_normal((20, n_kv, bs, D)).astype(np.float32)
+    n = -(-max(lengths) // bs)
+    order = rng.permutation(20)
+    table = np.zeros((3, n), np.int32)
+    visible = np.zeros((3, n * bs), bool)
+    for b, length in enumerate(lengths):
+        blocks = order[b * n : b * n + -(-length // bs)]
+        table[b, : len(blocks)] = blocks
+        keys = np.arange(n * bs)
+        visible[b] = (keys < length) & (window is None or length - 1 - keys < (window or 0))
+    q = rng.standard_normal((3, n_q, 1, D)).astype(np.float32)
+    pages = Pages(
+        mx.array(store_k),
+        mx.array(store_v),
+        *_page_index(table, n_kv),
+        mx.array(visible.reshape(3, 1, n, 1, bs)),
+    )
+    exp = ops.exp if cpu_exp else mx.exp
+    out = np.array(paged_attention(mx.array(q), pages, scale=0.3, exp=exp))
+    for b, length in enumerate(lengths):
+        keys = np.concatenate([store_k[i] for i in table[b]], axis=1)  # (n_kv, n * bs, D)
+        vals = np.concatenate([store_v[i] for i in table[b]], axis=1)
+        seen = np.flatnonzero(visible[b])
+        expected = mx.fast.scaled_dot_product_attention(
+            mx.array(q[b : b + 1]),
+            mx.array(keys[None, :, seen]),
+            mx.array(vals[None, :, seen]),
+            scale=0.3,
+        )
+        np.testing.assert_allclose(out[b : b + 1], np.array(expected), atol=1e-5)

@@ -1,5 +1,6 @@
-"""Where a batched decode step's time goes: one forward of B rows through the paged pool, against
-the same B rows on one dense contiguous cache (no pool), and one row alone.
+"""Where a batched decode step's time goes: one forward of B rows through the paged pool
+(attention over the pages in place, and over a gathered copy), against the same B rows on one
+dense contiguous cache (no pool), and one row alone.
 
     python tools/bench_batch_step.py MODEL_DIR [B]      # default B = 8, 128-token contexts
 
@@ -51,8 +52,8 @@ def main() -> None:
     mx.eval([c.state for c in dense + one])
     token = mx.array([[5]] * B)
 
-    def paged():
-        out = model(token, StepBatch(pool, seqs, [[5]] * B).views())[:, -1]
+    def paged(form):
+        out = model(token, StepBatch(pool, seqs, [[5]] * B, form=form).views())[:, -1]
         mx.eval(out, pool.keys, pool.values)
 
     def contiguous():
@@ -62,12 +63,13 @@ def main() -> None:
         mx.eval(model(token[:1], one)[:, -1])
 
     kinds = [
-        (f"{B} rows through the pool", paged),
+        (f"{B} rows, pool, over the pages", lambda: paged("pages")),
+        (f"{B} rows, pool, gathered", lambda: paged("gather")),
         (f"{B} rows, one dense cache", contiguous),
         ("1 row, contiguous cache", alone),
     ]
     for name, step in kinds * 2:
-        print(f"{name:>28}: {per_step_ms(step):.1f} ms per step")
+        print(f"{name:>30}: {per_step_ms(step):.1f} ms per step")
 
     w = [mx.random.normal((1536, 576)) for _ in range(60)]
     mx.eval(w)

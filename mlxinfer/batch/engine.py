@@ -110,6 +110,7 @@ class Engine:
         block_size: int = pool_mod.DEFAULT_BLOCK_SIZE,
         max_batch: int = DEFAULT_MAX_BATCH,
         prefill_step: int = DEFAULT_PREFILL_STEP,
+        attention: str = "pages",
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -119,6 +120,7 @@ class Engine:
         self.rows_together, self.windows = check_batchable(model)
         self.pool = KVPool(layer_shapes(model), block_size=block_size, kv_budget=kv_budget)
         self.max_batch, self.prefill_step = max_batch, prefill_step
+        self.attention = attention
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._cond = threading.Condition()
@@ -330,7 +332,7 @@ class Engine:
 
     def _decode_rows(self, rows: list[_Request]) -> None:
         tokens = [[r.pending] for r in rows]
-        batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows)
+        batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
         picked, logprobs = _sample_rows(rows, logits)
         # Everything handed to the consumers is evaluated here: their threads cannot run

@@ -1,7 +1,9 @@
 """A paged KV pool: every sequence's keys and values in fixed-size blocks of one store.
 
-Per layer the pool holds two arrays of *slots*, ``(n_slots, kv_heads, head_dim)``;
-block ``b`` is slots ``b * block_size … (b + 1) * block_size - 1`` of every layer.
+Per layer the pool holds two arrays of blocks, ``(n_blocks, kv_heads, block_size,
+head_dim)``: a block's keys are one (block_size, head_dim) matrix per kv head, what
+attention over the blocks multiplies in place (``views``). Slot ``b * block_size + i``
+is position ``i`` of block ``b``.
 A sequence owns a *block table* (its logical blocks → physical blocks), so a
 sequence that joins or leaves copies nothing, and memory is the blocks in use,
 not batch × the longest sequence.
@@ -230,10 +232,10 @@ class KVPool:
         """Double the store (at least ``_GROWTH_BLOCKS`` more), up to the budget: a copy of
         every layer's arrays, so rare."""
         add = min(self.max_blocks - self.n_blocks, max(_GROWTH_BLOCKS, self.n_blocks))
-        slots = add * self.block_size
+        bs = self.block_size
         for i, s in enumerate(self.layers):
-            fresh_k = mx.zeros((slots, s.kv_heads, s.key_dim), s.dtype)
-            fresh_v = mx.zeros((slots, s.kv_heads, s.value_dim), s.dtype)
+            fresh_k = mx.zeros((add, s.kv_heads, bs, s.key_dim), s.dtype)
+            fresh_v = mx.zeros((add, s.kv_heads, bs, s.value_dim), s.dtype)
             if self.keys[i] is None:
                 self.keys[i], self.values[i] = fresh_k, fresh_v
             else:
@@ -244,10 +246,9 @@ class KVPool:
         self.n_blocks += add
 
     def _copy_block(self, src: int, dst: int) -> None:
-        bs = self.block_size
         for i in range(len(self.layers)):
-            self.keys[i][dst * bs : (dst + 1) * bs] = self.keys[i][src * bs : (src + 1) * bs]
-            self.values[i][dst * bs : (dst + 1) * bs] = self.values[i][src * bs : (src + 1) * bs]
+            self.keys[i][dst] = self.keys[i][src]
+            self.values[i][dst] = self.values[i][src]
 
     def append_slots(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
         """Slots for ``tokens`` appended to ``seq`` (blocks allocated as needed, a shared
@@ -279,24 +280,29 @@ class KVPool:
                 self._hash_of[block] = h
         return slots
 
-    def slot_table(self, seq: Sequence, length: int) -> np.ndarray:
-        """Slots of ``seq``'s first ``length`` positions."""
-        pos = np.arange(length)
-        blocks = np.asarray(seq.blocks, np.int32)
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+    def block_table(self, seq: Sequence, length: int) -> np.ndarray:
+        """The blocks holding ``seq``'s first ``length`` positions."""
+        return np.asarray(seq.blocks[: -(-length // self.block_size)], np.int32)
 
     # -- the store ------------------------------------------------------------------------
 
-    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store (N, kv_heads, dim) keys and values at ``slots`` (N,) of ``layer``."""
-        self.keys[layer][slots] = keys.astype(self.layers[layer].dtype)
-        self.values[layer][slots] = values.astype(self.layers[layer].dtype)
+    def write(
+        self, layer: int, blocks: mx.array, within: mx.array, keys: mx.array, values: mx.array
+    ) -> None:
+        """Store (N, kv_heads, dim) keys and values at positions ``within`` (N,) of ``blocks``
+        (N,) of ``layer`` (in place: the time does not grow with the store)."""
+        self.keys[layer][blocks, :, within] = keys.astype(self.layers[layer].dtype)
+        self.values[layer][blocks, :, within] = values.astype(self.layers[layer].dtype)
 
     def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
-        """(B, kv_heads, T, dim) keys and values at ``table`` (B, T) of ``layer``."""
-        k = self.keys[layer][table].transpose(0, 2, 1, 3)
-        v = self.values[layer][table].transpose(0, 2, 1, 3)
-        return k, v
+        """(B, kv_heads, n · block_size, dim) keys and values of the blocks ``table`` (B, n)
+        of ``layer``, each row's blocks in order: a contiguous copy."""
+        B, n = table.shape
+        k, v = self.keys[layer][table], self.values[layer][table]  # (B, n, kv_heads, bs, dim)
+        return tuple(
+            t.transpose(0, 2, 1, 3, 4).reshape(B, t.shape[2], n * self.block_size, -1)
+            for t in (k, v)
+        )
 
     @property
     def nbytes(self) -> int:

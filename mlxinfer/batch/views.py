@@ -22,13 +22,17 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..cache import Mask
+from ..cache import Mask, Pages
 from .pool import KVPool, Sequence
 
 
 class StepBatch:
-    """The slots, the gather table and the mask of one forward: ``n_new`` tokens for each
-    of ``seqs`` (their tokens are recorded in the pool by :meth:`KVPool.append_slots`)."""
+    """The slots, the block table and the mask of one forward: ``n_new`` tokens for each
+    of ``seqs`` (their tokens are recorded in the pool by :meth:`KVPool.append_slots`).
+
+    ``form`` is how a decode step's attention reads the pool: ``"pages"``, over the blocks
+    where they lie (:meth:`LayerView.pages`), or ``"gather"``, over a contiguous copy of each
+    row's keys (what prefill chunks and the layers that cannot read pages always use)."""
 
     def __init__(
         self,
@@ -36,26 +40,34 @@ class StepBatch:
         seqs: list[Sequence],
         tokens: list[list[int]],
         windows: list[int | None] | None = None,
+        form: str = "gather",
     ) -> None:
         self.pool = pool
         # Per layer: None (full attention) or its sliding window (keys within the last `window`).
         self.windows = windows or [None] * len(pool.layers)
         self._masks: dict[int | None, Mask] = {}
-        n_new = len(tokens[0])
+        self._visible: dict[int | None, mx.array] = {}
+        n_new, bs = len(tokens[0]), pool.block_size
         starts = [s.length for s in seqs]
-        write = [pool.append_slots(s, t) for s, t in zip(seqs, tokens)]
+        write = np.concatenate([pool.append_slots(s, t) for s, t in zip(seqs, tokens)])
         totals = [start + n_new for start in starts]
-        T = max(totals)
-        table = np.zeros((len(seqs), T), np.int32)
-        for b, (s, total) in enumerate(zip(seqs, totals)):
-            table[b, :total] = pool.slot_table(s, total)
-        self.write_slots = mx.array(np.concatenate(write))
+        tables = [pool.block_table(s, total) for s, total in zip(seqs, totals)]
+        n_blocks = -(-max(totals) // bs)
+        table = np.zeros((len(tables), n_blocks), np.int32)  # padding: block 0, masked
+        for b, blocks in enumerate(tables):
+            table[b, : len(blocks)] = blocks
+        self.write_blocks, self.write_within = mx.array(write // bs), mx.array(write % bs)
         self.table = mx.array(table)
-        self.n_rows, self.n_new = len(seqs), n_new
-        self._starts, self._T = starts, T
+        self.n_rows, self.n_new = len(tables), n_new
+        self.form = form if n_new == 1 else "gather"
+        # Keys per row as gathered: one row's exactly, several rows' padded to whole blocks.
+        self._starts, self._T = starts, totals[0] if len(tables) == 1 else n_blocks * bs
         self.offset: int | mx.array = (
-            starts[0] if len(seqs) == 1 else mx.array(starts, dtype=mx.int32)
+            starts[0] if len(tables) == 1 else mx.array(starts, dtype=mx.int32)
         )
+        if self.form == "pages":
+            heads = {s.kv_heads for s in pool.layers}
+            self._index = {h: _page_index(table, h) for h in heads}
 
     def mask_for(self, window: int | None) -> Mask:
         """The mask of layers with this sliding ``window`` (None: full attention), made once."""
@@ -67,14 +79,24 @@ class StepBatch:
         starts, T, n_new = self._starts, self._T, self.n_new
         if len(starts) == 1 and (window is None or T <= window):
             return None if n_new == 1 else "causal"
+        return mx.array(self._visible_keys(window, T)[:, None])  # (B, 1, L, T)
+
+    def _visible_keys(self, window: int | None, T: int) -> np.ndarray:
         # Query i of row b (position start_b + i) sees key j when j <= start_b + i, and within
-        # the window: the future, the padding and the keys slid out are hidden.
-        position = np.asarray(starts)[:, None, None] + np.arange(n_new)[None, :, None]  # (B, L, 1)
+        # the window: the future, the padding and the keys slid out are hidden. (B, L, T)
+        position = np.asarray(self._starts)[:, None, None] + np.arange(self.n_new)[None, :, None]
         keys = np.arange(T)[None, None]  # (1, 1, T)
         visible = keys <= position
         if window is not None:
             visible &= position - keys < window
-        return mx.array(visible[:, None])  # (B, 1, L, T)
+        return visible
+
+    def pages(self, window: int | None, kv_heads: int, keys: mx.array, values: mx.array) -> Pages:
+        if window not in self._visible:
+            n_blocks, bs = self.table.shape[1], self.pool.block_size
+            visible = self._visible_keys(window, n_blocks * bs)[:, 0]  # (B, T) of one query
+            self._visible[window] = mx.array(visible.reshape(self.n_rows, 1, n_blocks, 1, bs))
+        return Pages(keys, values, *self._index[kv_heads], self._visible[window])
 
     def views(self) -> list[LayerView]:
         return [LayerView(self, i, w) for i, w in enumerate(self.windows)]
@@ -93,16 +115,30 @@ class LayerView:
         return self.batch.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store (B, kv_heads, L, dim) keys and values; every row's cached ones, padded."""
+        """Store (B, kv_heads, L, dim) keys and values; every row's cached ones, padded (a
+        lazy gather: not computed where attention reads the pages instead)."""
         B, H, L, _ = keys.shape
         pool, batch = self.batch.pool, self.batch
         flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
         flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
-        pool.write(self.layer, batch.write_slots, flat_k, flat_v)
-        return pool.gather(self.layer, batch.table)
+        pool.write(self.layer, batch.write_blocks, batch.write_within, flat_k, flat_v)
+        k, v = pool.gather(self.layer, batch.table)
+        T = batch._T
+        return (k, v) if k.shape[2] == T else (k[:, :, :T], v[:, :, :T])
 
     def make_mask(self, n_queries: int) -> Mask:
         return self.batch.mask_for(self.window)
+
+    def pages(self, mask: Mask) -> Pages | None:
+        """This layer's blocks for attention over them in place, after ``update_and_fetch``:
+        in a decode step of the ``"pages"`` form whose ``mask`` is this cache's own (a layer
+        that made its own, ALiBi's say, reads the gathered keys)."""
+        batch = self.batch
+        if batch.form != "pages" or mask is not batch.mask_for(self.window):
+            return None
+        pool = batch.pool
+        keys, values = pool.keys[self.layer], pool.values[self.layer]
+        return batch.pages(self.window, keys.shape[1], keys, values)
 
     def is_trimmable(self) -> bool:
         return False
@@ -117,3 +153,15 @@ class LayerView:
     @property
     def nbytes(self) -> int:
         return self.batch.pool.nbytes // max(1, len(self.batch.pool.layers))
+
+
+def _page_index(table: np.ndarray, kv_heads: int) -> tuple[mx.array, mx.array, mx.array]:
+    """``Pages``' (blocks, queries, order) for a (B, n) block table, (B, kv_heads, n) each."""
+    B, n = table.shape
+    heads = np.arange(kv_heads, dtype=np.uint32)[None, :, None]
+    blocks = table.astype(np.uint32)[:, None, :] * kv_heads + heads
+    queries = np.broadcast_to(
+        np.arange(B, dtype=np.uint32)[:, None, None] * kv_heads + heads, blocks.shape
+    )
+    order = np.arange(blocks.size, dtype=np.uint32).reshape(blocks.shape)
+    return mx.array(blocks), mx.array(np.ascontiguousarray(queries)), mx.array(order)

@@ -31,10 +31,11 @@ class CPURoPE:
     """RoPE from a cos/sin table shared by every layer of a forward pass (see ``ops``)."""
 
     def rotate(self, x: mx.array, offset: int | mx.array, base: float) -> mx.array:
-        if isinstance(offset, mx.array):  # a batch's per-row positions: mx.fast.rope takes them
-            return super().rotate(x, offset, base)
         key, inv_freq = self._table_source(base)
-        cos, sin = ops.rope_table(inv_freq, key, offset, x.shape[-2], self.scale)
+        if isinstance(offset, mx.array):  # a batch's rows, each at its own position
+            cos, sin = ops.rope_rows_table(inv_freq, key, offset, x.shape[-2], self.scale)
+        else:
+            cos, sin = ops.rope_table(inv_freq, key, offset, x.shape[-2], self.scale)
         return ops.apply_rope(x, cos, sin, dims=self.dims, traditional=self.traditional)
 
     def _table_source(self, base: float) -> tuple[tuple, mx.array]:
@@ -56,13 +57,15 @@ class CPUAttention:
     """Attention through ``ops.attention``: grouped heads without copies, the fast exponential,
     causal blocks that skip the masked triangle; a quantized cache is dequantized for prefill."""
 
-    def attend(
+    exp = staticmethod(ops.exp)
+
+    def attend_keys(
         self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
     ) -> mx.array:
         if cache is not None and cache.quantized:
             rows = getattr(self, "cpu_dequantized_attention_rows", ops.DEQUANTIZED_ATTENTION_ROWS)
             if q.shape[2] < rows:  # the crossover ``plans`` measured (dequantized_attention)
-                return super().attend(q, k, v, scale=scale, mask=mask, cache=cache)
+                return super().attend_keys(q, k, v, scale=scale, mask=mask, cache=cache)
             # MLX's CPU quantized matmul is a scalar loop: for a prefill chunk it is far
             # cheaper to dequantize this layer's keys and values once (a transient copy).
             group_size, bits = cache.group_size, cache.bits

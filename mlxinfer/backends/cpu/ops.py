@@ -76,6 +76,26 @@ def rope_table(
     return table
 
 
+def rope_rows_table(
+    inv_freq: mx.array, key: tuple, offsets: mx.array, length: int, scale: float
+) -> tuple[mx.array, mx.array]:
+    """(cos, sin), each (B, 1, length, dims/2) float32, for row b's positions ``offsets[b] ..
+    offsets[b]+length-1`` (a batch's rows, each at its own position): :func:`rope_table` per row.
+    Made once per forward pass: the layers share the (B,) ``offsets`` array itself."""
+    tables = _thread_cache("row_tables")
+    cached = tables.get((key, id(offsets), length, scale))
+    if cached is not None and cached[0] is offsets:  # it holds the array: its id is not reused
+        return cached[1]
+    steps = mx.arange(length, dtype=mx.float32)
+    positions = (offsets.astype(mx.float32)[:, None] + steps[None]) * scale  # (B, length)
+    angles = positions[..., None] * inv_freq  # (B, length, dims/2)
+    table = (mx.cos(angles)[:, None], mx.sin(angles)[:, None])
+    if len(tables) >= _MAX_TABLES:
+        tables.clear()
+    tables[(key, id(offsets), length, scale)] = (offsets, table)
+    return table
+
+
 @partial(mx.compile, shapeless=False)
 def _rotate_halves(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     # Pair i is (x[i], x[i + d/2]) — the transformers / mx.fast.rope(traditional=False) layout.

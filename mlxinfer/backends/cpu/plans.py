@@ -155,17 +155,11 @@ def choose(model: nn.Module, *, log=None) -> dict[str, str | int]:
         set_plans(model, plans)
         return plans
     key = cache_key(model)
-    path = cache_path()
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    entry = known.get(key) if fixed is None else None
+    entry = read_entries().get(key) if fixed is None else None
     if not isinstance(entry, dict) or not isinstance(entry.get("plans"), dict):
         entry = measure(model, fixed)
         if fixed is None:
-            _store(path, {**known, key: entry})
+            store_entry(key, entry)
         if log is not None:
             log(f"CPU decode plans (timed here, once): {describe(entry)}")
     set_plans(model, entry["plans"])
@@ -187,6 +181,19 @@ def describe(entry: dict) -> str:
         else:
             parts.append(f"{kind}={option}")
     return "; ".join(parts)
+
+
+def read_entries() -> dict:
+    """What the plan cache holds, {key: entry} (empty if it is missing or unreadable)."""
+    try:
+        known = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def store_entry(key: str, entry: dict) -> None:
+    _store(cache_path(), {**read_entries(), key: entry})
 
 
 def _store(path: Path, data: dict) -> None:

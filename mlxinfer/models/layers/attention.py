@@ -15,7 +15,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache import Cache, Mask
+from ...cache import Cache, Mask, Pages
 from . import masks
 
 
@@ -58,14 +58,49 @@ def softcap_attention(
     return (probs @ v[:, :, None]).reshape(B, n_q, L, -1)  # (B, n_heads, L, Dv)
 
 
+def paged_attention(
+    q: mx.array, pages: Pages, *, scale: float, exp: Callable[[mx.array], mx.array] = mx.exp
+) -> mx.array:
+    """Attention of (B, n_heads, 1, D) decode queries over a paged cache's blocks where they
+    lie: ``mx.gather_mm`` multiplies each row's query heads with each of its blocks' (block_size,
+    D) key matrices, the softmax spans all of a row's blocks, and a second ``gather_mm`` takes
+    the values the same way. No per-step copy of the keys (docs/batching.md)."""
+    B, n_q, L, D = q.shape
+    n_blocks, n_kv, block, _ = pages.keys.shape
+    keys = pages.keys.reshape(n_blocks * n_kv, block, -1).swapaxes(-1, -2)
+    values = pages.values.reshape(n_blocks * n_kv, block, -1)
+    q = (q * scale).reshape(B * n_kv, (n_q // n_kv) * L, D)
+    scores = mx.gather_mm(q, keys, pages.queries, pages.blocks)  # (B, n_kv, n, reps, block)
+    scores = mx.where(pages.visible, scores.astype(mx.float32), -mx.inf)
+    e = exp(scores - scores.max(axis=(2, 4), keepdims=True))
+    total = e.sum(axis=(2, 4), keepdims=True)[:, :, 0]  # (B, n_kv, reps, 1)
+    n = pages.blocks.shape[-1]
+    e = e.astype(values.dtype).reshape(B * n_kv * n, n_q // n_kv, block)
+    out = mx.gather_mm(e, values, pages.order, pages.blocks).sum(axis=2)  # (B, n_kv, reps, Dv)
+    return (out / total).astype(values.dtype).reshape(B, n_q, L, -1)
+
+
 class Attention(nn.Module):
     """Base of every attention module: the projections are the family's, ``attend`` is shared."""
+
+    exp = staticmethod(mx.exp)  # the exponential of paged attention's softmax (a backend's own)
 
     def attend(
         self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
     ) -> mx.array:
         """Scaled dot-product attention of (B, n_heads, L, D) queries over the keys and values
-        (B, n_kv_heads, T, D), or a quantized cache's packed triples. -> (B, n_heads, L, Dv)."""
+        (B, n_kv_heads, T, D), or a quantized cache's packed triples, or a paged cache's blocks
+        where it offers them for this ``mask``. -> (B, n_heads, L, Dv)."""
+        pages = getattr(cache, "pages", None)
+        pages = pages(mask) if pages is not None else None
+        if pages is not None:
+            return paged_attention(q, pages, scale=scale, exp=self.exp)
+        return self.attend_keys(q, k, v, scale=scale, mask=mask, cache=cache)
+
+    def attend_keys(
+        self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
+    ) -> mx.array:
+        """:meth:`attend` over keys and values as arrays (or quantized triples)."""
         if cache is not None and cache.quantized:
             return quantized_attention(
                 q, k, v, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits
