@@ -376,7 +376,7 @@ def test_attention_over_pages_is_attention_over_the_rows_keys(window, cpu_exp):
     )
     exp = ops.exp if cpu_exp else mx.exp
     out = np.array(paged_attention(mx.array(q), pages, scale=0.3, exp=exp))
-    for b, length in enumerate(lengths):
+    for b in range(len(lengths)):
         keys = np.concatenate([store_k[i] for i in table[b]], axis=1)  # (n_kv, n * bs, D)
         vals = np.concatenate([store_v[i] for i in table[b]], axis=1)
         seen = np.flatnonzero(visible[b])
