@@ -11,7 +11,7 @@ from hf_models import add_tokenizer, make_tiny, torch_logits
 
 from mlxinfer import backends
 from mlxinfer.backends.cpu import plans as cpu_plans
-from mlxinfer.backends.cpu import timing
+from mlxinfer.backends.cpu import kinds, timing
 from mlxinfer.conversion import convert
 from mlxinfer.loader import load_model
 
@@ -149,6 +149,7 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
     monkeypatch.setattr(timing, "measure_long_keys", lambda m: (4096, {}))
     monkeypatch.setattr(timing, "measure_small", lambda m: (1 << 14, {}))
     monkeypatch.setattr(timing, "measure_dequantized_attention", lambda m: (4, {}))
+    monkeypatch.setattr(timing, "measure_pad_rows", lambda m: (6, {}))
     result = timing.measure(model)
     assert result["plans"] == {
         "cut": "two",
@@ -158,6 +159,7 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
         "long_keys": 4096,
         "small": 1 << 14,
         "dequantized_attention": 4,
+        "pad_rows": 6,
     }
     step = 3 * 0.004 + 0.0006  # blocks scaled to the whole step, plus the head
     assert result["seconds"]["cut"]["one"] == pytest.approx(step)
@@ -166,6 +168,27 @@ def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
     assert found["cut"][0].cpu_plan.two_streams and not found["halves"][0].cpu_plan.two_streams
     assert all(a.cpu_long_keys == 4096 for a in cpu_plans.attention_layers(model))
     assert all(m.cpu_small == 1 << 14 for m in cpu_plans.exponential_users(model))
+    products = kinds.float_products(model)
+    assert products[-1] is model.head and all(m.cpu_pad_rows == 6 for m in products)
+
+
+def test_a_product_padded_to_16_rows_is_the_same_product():
+    """``padded_product`` adds zero rows and cuts them off: the rows' values are the product's."""
+    from mlxinfer.backends.cpu import ops
+
+    w = mx.random.normal((96, 40))
+    calls = []
+
+    def product(z):
+        calls.append(z.shape)
+        return z @ w.T
+
+    for rows in (1, 3, 8, 15, 16, 20):
+        x = mx.random.normal((rows, 1, 40))
+        y = ops.padded_product(x, product, pad_rows=3)
+        assert y.shape == (rows, 1, 96)
+        np.testing.assert_allclose(np.array(y), np.array(x @ w.T), atol=1e-5)
+    assert [c[0] for c in calls] == [1, 16, 16, 16, 16, 20]  # 3 to 15 rows run as 16
 
 
 def test_a_decode_step_by_parts_runs_the_models_own_blocks_and_head(big_tiny, monkeypatch):

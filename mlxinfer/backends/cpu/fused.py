@@ -16,6 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import ops
+
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -40,10 +42,10 @@ class FusedGroup:
         self.on = True
         self.last: tuple = (None, None)  # (input, product) of the sibling call in progress
 
-    def output(self, x: mx.array, index: int) -> mx.array:
+    def output(self, x: mx.array, index: int, pad_rows: int = ops.NO_PADDING) -> mx.array:
         seen, y = self.last  # one read: another thread may replace it
         if seen is not x:
-            y = x @ self.weight.T
+            y = ops.padded_product(x, lambda z: z @ self.weight.T, pad_rows)
             if self.bias is not None:
                 y = y + self.bias
             self.last = (x, y)
@@ -59,7 +61,7 @@ class CPUFusedSibling:
     def __call__(self, x: mx.array) -> mx.array:
         group, index = self.cpu_fused
         if group.on:
-            return group.output(x, index)
+            return group.output(x, index, getattr(self, "cpu_pad_rows", ops.NO_PADDING))
         return super().__call__(x)
 
 

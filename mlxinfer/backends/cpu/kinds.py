@@ -67,6 +67,21 @@ def exponential_users(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, kinds)]
 
 
+def float_products(model: nn.Module) -> list[nn.Module]:
+    """The float Linears, which may pad their products (a float LM head last): the head follows
+    the threshold timed on the blocks' products (it is the same sgemm, taller)."""
+    kinds = (parallel.CPULinear, parallel.PaddedLinear, parallel.TransposedLinear)
+    head = getattr(model, "head", None)
+    found = [
+        m
+        for m in model.modules()
+        if m is not head and (isinstance(m, kinds) or getattr(m, "cpu_fused", None) is not None)
+    ]
+    if found and head is not None and "scales" not in head:
+        found.append(head)
+    return found
+
+
 # Threshold kinds -> (the layers that read it, the attribute they read, its default). A layer
 # without the attribute uses the default (the class's MIN_ROWS, the ops module's constants).
 THRESHOLDS = {
@@ -78,6 +93,7 @@ THRESHOLDS = {
         "cpu_dequantized_attention_rows",
         ops.DEQUANTIZED_ATTENTION_ROWS,
     ),
+    "pad_rows": (float_products, "cpu_pad_rows", ops.NO_PADDING),
 }
 NUMERIC = tuple(THRESHOLDS)  # kinds whose option is a threshold
 

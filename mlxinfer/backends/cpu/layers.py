@@ -180,6 +180,9 @@ def swap_layers(model: nn.Module) -> int:
         elif type(module) is nn.Linear and module.weight.size >= parallel.CPULinear.MIN_SIZE:
             module.__class__ = parallel.CPULinear  # a subclass: only __call__ differs
             n += 1
+        elif type(module) is nn.Linear and module is not head:
+            module.__class__ = parallel.PaddedLinear  # a subclass: only __call__ differs
+            n += 1
     for _, module in model.named_modules():
         n += fused.fuse_siblings(module, with_mixin)
     for _, module in model.named_modules():

@@ -267,6 +267,27 @@ QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
 # measured SmolLM2 f32 decoded 6% slower with it at a 512-token prompt, 2% slower at 1,024, 5.5%
 # faster at 2,048, 9% at 4,000 and 13% at 8,000.
 DECODE_LONG_KEYS = 1536
+
+# A float product of fewer than PAD_ROWS rows runs as PAD_ROWS rows (zeros added, then cut off)
+# from ``pad_rows`` rows on: OpenBLAS's sgemm is not monotonic in the rows (SmolLM2's projections
+# of a decode step: 40 ms at 8 rows, 59 at 12, 32 at 16 on the AMD EPYC measured;
+# docs/batching.md). ``plans`` measures ``pad_rows`` (kind ``pad_rows``); never by default.
+PAD_ROWS = 16
+NO_PADDING = 1 << 30
+
+
+def padded_product(x: mx.array, product, pad_rows: int = NO_PADDING) -> mx.array:
+    """``product(x)`` for (..., in) ``x``, run over PAD_ROWS rows if ``x`` has from ``pad_rows``
+    up to PAD_ROWS - 1 rows; the same values."""
+    rows = x.size // x.shape[-1]
+    if rows < pad_rows or rows >= PAD_ROWS:
+        return product(x)
+    flat = x.reshape(rows, x.shape[-1])
+    flat = mx.concatenate([flat, mx.zeros((PAD_ROWS - rows, x.shape[-1]), x.dtype)])
+    y = product(flat)[:rows]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 SCORE_BUDGET = (
     1 << 19
 )  # most attention scores per block; the softmax holds a few buffers of this size

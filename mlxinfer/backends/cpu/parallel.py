@@ -31,6 +31,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import ops
+
 Part = tuple[int, int, int]  # (worker stream, first output row, end row) of one layer's product
 
 
@@ -148,7 +150,7 @@ class CPULinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] > self.MAX_ROWS or not two_streams(self):
-            return super().__call__(x)
+            return ops.padded_product(x, super().__call__, pad_rows_of(self))
         streams = worker_streams()
         return _joined(
             [
@@ -178,8 +180,21 @@ class TransposedLinear(nn.Module):
             self.bias = linear.bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = x @ self.weight_t
+        y = ops.padded_product(x, lambda z: z @ self.weight_t, pad_rows_of(self))
         return y + self.bias if "bias" in self else y
+
+
+class PaddedLinear(nn.Linear):
+    """A float ``nn.Linear`` too small for the two streams whose products of a few rows may
+    run padded (``ops.padded_product``)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return ops.padded_product(x, super().__call__, pad_rows_of(self))
+
+
+def pad_rows_of(layer: nn.Module) -> int:
+    """From how many rows the layer's float products run padded (the ``pad_rows`` plan)."""
+    return getattr(layer, "cpu_pad_rows", ops.NO_PADDING)
 
 
 GATED_MLP = (
@@ -288,7 +303,7 @@ def project(x: mx.array, head: nn.Module) -> mx.array:
     """
     n = head["weight"].shape[0]
     if not two_streams(head) or n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > CPULinear.MAX_ROWS:
-        return x @ head["weight"].T
+        return ops.padded_product(x, lambda z: z @ head["weight"].T, pad_rows_of(head))
     streams = worker_streams()
     blocks = [
         mx.matmul(

@@ -25,6 +25,9 @@ keeping an option only if it beats the plainer one by 3%:
   attention shapes alone;
 - ``small``: from how many elements the softmax and SwiGLU use the fast exponential's
   kernels instead of MLX's own ops, timed on SwiGLU alone (short prompts).
+- ``pad_rows``: from how many rows (of fewer than 16) a float product runs padded to 16 rows
+  (``ops.padded_product``: OpenBLAS's sgemm is not monotonic in the rows; batched decode,
+  speculative verification, short prompts), timed on the blocks' largest float weight alone.
 
 The kinds, their options and the layers they act on are in ``kinds``; the
 timing in ``timing``; this module chooses, caches and reads the setting. The
@@ -87,7 +90,7 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 7  # of the cached entries: bump when the kinds or options change
+VERSION = 8  # of the cached entries: bump when the kinds or options change
 
 
 def cache_key(model: nn.Module) -> str:

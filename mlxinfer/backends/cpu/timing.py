@@ -26,6 +26,7 @@ from .kinds import (
     OPTIONS,
     attention_layers,
     exponential_users,
+    float_products,
     numeric_kinds,
     plan_layers,
     quantized_linears,
@@ -56,6 +57,7 @@ SMALL_TRIED = tuple(1 << n for n in range(12, 20))  # elements tried for small
 # Query rows tried for dequantized_attention, over a cache of DEQUANTIZED_KEYS 8-bit keys.
 DEQUANTIZED_ROWS_TRIED = (2, 4, 8, 16, 32)
 DEQUANTIZED_KEYS = 512
+PAD_ROWS_TRIED = (2, 3, 4, 6, 8, 11, 15)  # rows tried for pad_rows (each padded to 16)
 PROMPT = 4  # tokens in the cache the decode steps are timed on
 
 
@@ -169,6 +171,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
             ("dequantize_rows", measure_dequantize_rows),
             ("small", measure_small),
             ("dequantized_attention", measure_dequantized_attention),
+            ("pad_rows", measure_pad_rows),
         ):
             if kind not in fixed and kind in numeric_kinds(model):
                 chosen[kind], seconds[kind] = measure_kind(model)
@@ -288,6 +291,28 @@ def measure_dequantized_attention(model: nn.Module) -> tuple[int, dict]:
     if threshold == NEVER:  # never faster up to the largest tried: take it from past there
         threshold = 2 * DEQUANTIZED_ROWS_TRIED[-1]
     return threshold, {r: {"quantized": a, "dequantized": b} for r, (a, b) in seconds.items()}
+
+
+def measure_pad_rows(model: nn.Module) -> tuple[int, dict]:
+    """The fewest rows (of fewer than ``ops.PAD_ROWS``) from which a float product is faster
+    padded to ``ops.PAD_ROWS`` rows, timed on the blocks' largest float weight (the LM head
+    follows it)."""
+    weights = []
+    head = getattr(model, "head", None)
+    for m in (m for m in float_products(model) if m is not head):
+        if getattr(m, "cpu_fused", None) is not None:
+            weights.append(m.cpu_fused[0].weight)
+        else:
+            weights.append(m["weight_t"].T if "weight_t" in m else m["weight"])
+    w = max(weights, key=lambda w: w.size)
+
+    def timer(rows):
+        x = mx.random.normal((1, rows, w.shape[1])).astype(w.dtype)
+        mx.eval(x)
+        return lambda pad_rows: mx.eval(ops.padded_product(x, lambda z: z @ w.T, pad_rows))
+
+    threshold, seconds = crossover(PAD_ROWS_TRIED, timer, NEVER, 1)
+    return threshold, {r: {"own": a, "padded": b} for r, (a, b) in seconds.items()}
 
 
 def crossover(sizes: tuple[int, ...], timer, plain, other) -> tuple[int, dict]:
