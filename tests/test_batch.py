@@ -67,6 +67,7 @@ FAMILIES = {
     ),
     "gpt2": dict(model_type="gpt2", n_positions=1024),
     "bloom": dict(model_type="bloom"),
+    "xglm": dict(model_type="xglm", ffn_dim=128),
 }
 LENGTHS = [5, 17, 40, 90, 150, 300, 600, 900]
 NEW = 6
@@ -100,10 +101,8 @@ def test_batched_greedy_equals_transformers_alone(family):
         rest = [engine.submit(p, max_tokens=NEW) for p in prompts[3:]]
         got = [[early.token] + [s.token for s in first[0].steps()]]
         got += [[s.token for s in h.steps()] for h in first[1:] + rest]
-        if engine.rows_together:
-            assert engine.steps_run < len(prompts) * NEW  # rows did share steps
-        else:  # learned or ALiBi positions: one row per forward, for now
-            assert name in ("gpt2", "bloom") and engine.steps_run == len(prompts) * NEW
+        # Rows share steps in every family: RoPE, learned (GPT-2) and ALiBi (BLOOM) positions.
+        assert engine.rows_together and engine.steps_run < len(prompts) * NEW
         assert engine.stats().blocks_in_use == 0
     for n, g, e in zip(LENGTHS, got, expected):
         assert g == e, f"{name}: prompt of {n} tokens"

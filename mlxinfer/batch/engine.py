@@ -65,12 +65,11 @@ def check_batchable(model) -> tuple[bool, list[int | None]]:
     """Raise for a model the pool cannot hold; else (whether its rows can decode together,
     each layer's sliding window or None).
 
-    Rows decode together when every position comes from ``cache.offset`` through
-    RoPE with fixed frequencies: ``mx.fast.rope`` takes one offset per row. The
-    other families (learned, sinusoidal and ALiBi positions; dynamic NTK and
-    LongRoPE, whose frequencies depend on the sequence's length) decode one
-    row per forward, with the same results. A sliding-window layer keeps every
-    key in the pool and slides its mask.
+    Rows decode together when every position comes from ``cache.offset``, one per
+    row: RoPE with fixed frequencies, learned and sinusoidal tables, ALiBi. Dynamic
+    NTK and LongRoPE, whose frequencies depend on the sequence's length, decode one
+    row per forward, with the same results. A sliding-window layer keeps every key
+    in the pool and slides its mask.
     """
     windows: list[int | None] = []
     for c in model.make_cache():

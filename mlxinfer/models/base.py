@@ -94,8 +94,9 @@ class CausalLM(nn.Module):
 
     Inner: type[nn.Module]
     inner_name, embed_name, layers_name = "model", "embed_tokens", "layers"
-    # Positions come only from ``cache.offset`` through RoPE, so a batch may give one per row
-    # (an (B,) array). Families that index a table or build a bias from one int say False.
+    # Positions come only from ``cache.offset`` (RoPE, or a table or bias built from it with
+    # ``positions``), so a batch may give one per row (a (B,) array). A family that needs one
+    # int offset says False.
     positions_from_offset = True
 
     def __init__(self, args):
@@ -188,6 +189,19 @@ def make_typed_caches(
         else next(full)
         for t in layer_types
     ]
+
+
+def positions(offset: int | mx.array, n: int) -> mx.array:
+    """Positions of ``n`` new tokens after ``offset`` cached ones: (n,) for one int offset,
+    (B, n) for a batch's (B,) offsets (each row at its own position)."""
+    if isinstance(offset, int):
+        return mx.arange(offset, offset + n)
+    return offset[:, None] + mx.arange(n)[None]
+
+
+def reach(offset: int | mx.array, n: int) -> int:
+    """The furthest position + 1 that ``n`` new tokens after ``offset`` reach."""
+    return offset + n if isinstance(offset, int) else int(offset.max().item()) + n
 
 
 def typed_masks(

@@ -59,6 +59,17 @@ def alibi_mask(slopes: mx.array, n_queries: int, offset: int, dtype: mx.Dtype) -
     return mx.where(k <= q, bias, -mx.inf).astype(dtype)
 
 
+def alibi_rows_mask(
+    slopes: mx.array, offsets: mx.array, visible: mx.array, dtype: mx.Dtype
+) -> mx.array:
+    """:func:`alibi_mask` for a batch whose rows start at ``offsets`` (B,): the bias over the keys
+    that ``visible`` (B, 1, L, T), the cache's own mask, lets each row see. (B, n_heads, L, T)."""
+    L, T = visible.shape[-2:]
+    q = offsets[:, None, None, None] + mx.arange(L)[:, None]  # (B, 1, L, 1)
+    bias = slopes[None, :, None, None] * (mx.arange(T) - q).astype(mx.float32)
+    return mx.where(visible, bias, -mx.inf).astype(dtype)
+
+
 class Attention(layers.Attention):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -117,7 +128,11 @@ class BloomModel(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.word_embeddings_layernorm(self.word_embeddings(inputs))  # (B, L, hidden)
         offset = cache[0].offset if cache is not None else 0
-        mask = alibi_mask(self._slopes, inputs.shape[1], offset, h.dtype)
+        if isinstance(offset, int):
+            mask = alibi_mask(self._slopes, inputs.shape[1], offset, h.dtype)
+        else:  # a batch's rows, each at its own position
+            visible = cache[0].make_mask(inputs.shape[1])
+            mask = alibi_rows_mask(self._slopes, offset, visible, h.dtype)
         for block, c in zip(self.h, cache or [None] * len(self.h)):
             h = block(h, mask, c)
         return self.ln_f(h)
@@ -126,7 +141,6 @@ class BloomModel(nn.Module):
 class Model(CausalLM):
     Inner = BloomModel
     inner_name, embed_name, layers_name = "transformer", "word_embeddings", "h"
-    positions_from_offset = False  # ALiBi biases, built from one int offset
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import layers
-from .base import BaseArgs, CausalLM, causal_mask
+from .base import BaseArgs, CausalLM, causal_mask, positions, reach
 from .layers import activation
 
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
@@ -107,11 +107,12 @@ class GPT2Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         L = inputs.shape[1]
         offset = cache[0].offset if cache is not None else 0
-        if offset + L > self.n_positions:
+        if reach(offset, L) > self.n_positions:
             raise ValueError(
-                f"GPT-2 has {self.n_positions} learned positions; this input reaches {offset + L}"
+                f"GPT-2 has {self.n_positions} learned positions; "
+                f"this input reaches {reach(offset, L)}"
             )
-        h = self.wte(inputs) + self.wpe(mx.arange(offset, offset + L))  # (B, L, n_embd)
+        h = self.wte(inputs) + self.wpe(positions(offset, L))  # (B, L, n_embd)
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
         for block, c in zip(self.h, cache or [None] * len(self.h)):
             h = block(h, mask, c)
@@ -122,7 +123,6 @@ class Model(CausalLM):
     Inner = GPT2Model
     inner_name, embed_name, layers_name = "transformer", "wte", "h"
     tied = True  # GPT-2's head is always the token embedding (checkpoints carry no flag for it)
-    positions_from_offset = False  # learned positions, indexed by one int offset
 
     def quant_predicate(self, path: str, module: nn.Module) -> bool:
         # The position table is small and is added to every token: keep it exact.

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..cache import Cache
 from . import layers
-from .base import BaseArgs, CausalLM, causal_mask
+from .base import BaseArgs, CausalLM, causal_mask, positions, reach
 from .layers import activation
 
 POSITION_OFFSET = 2  # fairseq's padding offset, as transformers implements it
@@ -113,14 +113,12 @@ class XGLMModel(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         L = inputs.shape[1]
         offset = cache[0].offset if cache is not None else 0
-        if offset + L > self.n_positions:
+        if reach(offset, L) > self.n_positions:
             raise ValueError(
-                f"XGLM has {self.n_positions} positions; this input reaches {offset + L}"
+                f"XGLM has {self.n_positions} positions; this input reaches {reach(offset, L)}"
             )
         h = self.embed_tokens(inputs) * self.embed_scale  # (B, L, d_model)
-        h = h + self._positions[offset + POSITION_OFFSET : offset + POSITION_OFFSET + L].astype(
-            h.dtype
-        )
+        h = h + self._positions[positions(offset, L) + POSITION_OFFSET].astype(h.dtype)
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
         for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
             h = layer(h, mask, c)
@@ -129,7 +127,6 @@ class XGLMModel(nn.Module):
 
 class Model(CausalLM):
     Inner = XGLMModel
-    positions_from_offset = False  # sinusoidal positions, indexed by one int offset
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
