@@ -10,8 +10,8 @@ import pytest
 from hf_models import add_tokenizer, make_tiny, torch_logits
 
 from mlxinfer import backends
-from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.backends.cpu import kinds, timing
+from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.conversion import convert
 from mlxinfer.loader import load_model
 
