@@ -234,7 +234,7 @@ def generate(
             no_chat_template,
             kv_bits,
             verbose,
-            draft_model or prompt_lookup or self_draft_layers,
+            (draft_model, prompt_lookup, self_draft_layers),
             options,
         )
     if prompt is None:
@@ -287,30 +287,40 @@ def _generate_batch(
     no_chat_template,
     kv_bits,
     verbose,
-    draft,
+    drafts,
     options,
 ):
-    """``generate --batch FILE``: every prompt through one engine, a JSON line each, in order."""
+    """``generate --batch FILE``: every prompt through one engine, a JSON line each, in order;
+    drafts by prompt lookup only."""
     import json
 
     from .batch import batch_generate
     from .batch.prompts import read_prompts
 
+    draft_model, prompt_lookup, self_draft_layers = drafts
+    num_draft = options.pop("num_draft", None)
     unsupported = {
         "--prompt": prompt is not None,
         "--kv-bits": kv_bits is not None,
         "--max-kv-size": options.pop("max_kv_size") is not None,
         "--prefill-step-size": options.pop("prefill_step_size") is not None,
-        "a draft (--draft-model, --prompt-lookup, --self-draft-layers, --num-draft)": bool(draft)
-        or options.pop("num_draft", None) is not None,
+        "--draft-model": draft_model is not None,
+        "--self-draft-layers": self_draft_layers is not None,
     }
     if clash := [name for name, given in unsupported.items() if given]:
         raise click.UsageError(f"--batch does not take {', '.join(clash)} yet")
+    if num_draft is not None and not prompt_lookup:
+        raise click.UsageError(
+            "--num-draft needs a draft source (--batch drafts by --prompt-lookup)"
+        )
+    draft = _make_draft(None, prompt_lookup, None)
     prompts = read_prompts(batch_file)
     llm, tokenizer = _load(model, verbose)
     prompts = _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose)
     stop = options.pop("stop")
-    texts = batch_generate(llm, tokenizer, prompts, stop=stop, **options)
+    texts = batch_generate(
+        llm, tokenizer, prompts, stop=stop, draft=draft, num_draft=num_draft, **options
+    )
     for i, text in enumerate(texts):
         click.echo(json.dumps({"index": i, "text": text}, ensure_ascii=False))
 

@@ -182,7 +182,8 @@ def test_a_request_larger_than_the_budget_is_a_clear_error_and_others_run(llama)
     with Engine(model, block_size=16, kv_budget=4 * per_block) as engine:
         ok = engine.submit(_prompt(20, 3), max_tokens=10)
         with pytest.raises(
-            PoolFullError, match="kv_budget: a request of 100 tokens needs 7 blocks"
+            PoolFullError,
+            match="kv_budget: a request of 100 tokens and 8 of draft room needs 7 blocks",
         ):
             engine.submit(_prompt(90, 4), max_tokens=10)
         assert len(list(ok.steps())) == 10
@@ -311,6 +312,11 @@ def test_batch_refuses_options_it_does_not_take_yet(tmp_path):
     result = CliRunner().invoke(cli, ["generate", "--batch", str(path), "--kv-bits", "8"])
     assert result.exit_code == 2
     assert "--batch does not take --kv-bits yet" in result.output
+    args = ["generate", "--batch", str(path), "--self-draft-layers", "2"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "--batch does not take --self-draft-layers" in result.output
+    result = CliRunner().invoke(cli, ["generate", "--batch", str(path), "--num-draft", "2"])
+    assert result.exit_code == 2 and "--num-draft needs a draft source" in result.output
 
 
 def test_waits_on_the_engine_are_bounded(llama, monkeypatch):
@@ -386,3 +392,102 @@ def test_attention_over_pages_is_attention_over_the_rows_keys(window, cpu_exp):
             scale=0.3,
         )
         np.testing.assert_allclose(out[b : b + 1], np.array(expected), atol=1e-5)
+
+
+# --- speculative decoding by prompt lookup inside the batch ------------------------------------
+
+
+def _repetitive(n: int, seed: int) -> list[int]:
+    """A prompt that repeats a short phrase: prompt lookup finds drafts in it."""
+    phrase = _prompt(7, seed)
+    return (phrase * (n // 7 + 1))[:n]
+
+
+def test_prompt_lookup_in_the_batch_gives_transformers_greedy_tokens(llama):
+    """Drafting rows (per-row draft lengths) and plain rows share verification steps; every row
+    gets transformers' greedy tokens for its prompt alone, and drafts were accepted."""
+    from mlxinfer.generation.drafts import PromptLookup
+
+    model, torch_model = llama
+    prompts = [_repetitive(60, 1), _prompt(30, 2), _repetitive(120, 3), _prompt(9, 4)]
+    expected = [torch_greedy(torch_model, p, 12) for p in prompts]
+    with Engine(model, max_batch=8) as engine:
+        handles = [
+            engine.submit(p, max_tokens=12, draft=PromptLookup() if i % 2 == 0 else None)
+            for i, p in enumerate(prompts)
+        ]
+        steps = [list(h.steps()) for h in handles]
+        assert engine.stats().blocks_in_use == 0
+    for p, got, want in zip(prompts, steps, expected):
+        assert [s.token for s in got] == want, f"prompt of {len(p)} tokens"
+    drafted = [s for i in (0, 2) for s in steps[i]]
+    assert any(s.from_draft for s in drafted)  # drafts were kept: fewer passes than tokens
+    assert sum(s.passes for s in drafted) < len(drafted)
+    assert not any(s.drafted for i in (1, 3) for s in steps[i])  # plain rows draft nothing
+
+
+def test_a_seeded_lookup_request_is_the_same_alone_in_a_batch_and_in_the_single_loop(llama):
+    """Sampling (temperature 0.8): the acceptance draws from the row's own key, split as
+    ``speculative_generate_step`` splits it, so its tokens match that loop's."""
+    from mlxinfer.generation.drafts import PromptLookup
+    from mlxinfer.generation.speculative import speculative_generate_step
+
+    model, _ = llama
+    target = _repetitive(50, 5)
+    sampling = SamplingParams(temperature=0.8, seed=77)
+
+    def in_engine(others: int) -> list[int]:
+        with Engine(model, max_batch=8) as engine:
+            noise = [
+                engine.submit(_prompt(20 + i, 10 + i), max_tokens=10, sampling=SamplingParams(0.7))
+                for i in range(others)
+            ]
+            mine = engine.submit(
+                target, max_tokens=10, sampling=sampling, draft=PromptLookup(), num_draft=3
+            )
+            tokens = [s.token for s in mine.steps()]
+            for h in noise:
+                list(h.steps())
+        return tokens
+
+    alone = in_engine(0)
+    single = [
+        s.token
+        for s in speculative_generate_step(
+            target, model, PromptLookup(), max_tokens=10, sampler=sampling.sampler(), num_draft=3
+        )
+    ]
+    assert in_engine(5) == alone == single
+
+
+def test_rewinding_a_sequence_returns_its_draft_blocks():
+    pool = KVPool(SHAPES, block_size=4, kv_budget=1 << 20)
+    seq = pool.admit(list(range(6)), max_tokens=10)
+    pool.append_slots(seq, list(range(6)))
+    before = pool.stats()
+    pool.append_slots(seq, [50, 51, 52, 53, 54])  # drafts: fills block 1, takes block 2
+    assert len(seq.blocks) == 3 and len(seq.hashes) == 2
+    pool.rewind(seq, 7)  # one draft kept
+    after = pool.stats()
+    assert seq.tokens == list(range(6)) + [50] and len(seq.blocks) == 2 and len(seq.hashes) == 1
+    assert after.blocks_in_use == before.blocks_in_use
+    assert after.blocks_in_use + after.blocks_cached + after.blocks_free == after.blocks_total
+    assert pool.available() == before.blocks_total - before.blocks_in_use - seq.reserved
+    other = pool.admit(list(range(6)) + [50, 51], max_tokens=1)  # block 1's old hash is gone
+    assert other is not None and pool.prefix_hits == 1  # only block 0 (tokens 0-3) is shared
+    pool.release(other)
+    pool.release(seq)
+    assert pool.stats().blocks_in_use == 0
+
+
+def test_the_engine_drafts_by_prompt_lookup_only(llama):
+    from mlxinfer.generation.drafts import PromptLookup, SelfDraft
+
+    model, _ = llama
+    with Engine(model) as engine:
+        with pytest.raises(ValueError, match="draft: the batching engine drafts by prompt lookup"):
+            engine.submit([1, 2, 3], max_tokens=2, draft=SelfDraft(1))
+        with pytest.raises(ValueError, match=r"num_draft must be in 1\.\.8"):
+            engine.submit([1, 2, 3], max_tokens=2, draft=PromptLookup(), num_draft=9)
+        with pytest.raises(ValueError, match="num_draft: given without a draft"):
+            engine.submit([1, 2, 3], max_tokens=2, num_draft=2)

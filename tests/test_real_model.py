@@ -253,20 +253,26 @@ def test_generation_on_other_threads_matches_transformers(
     assert _on_threads(tokens, 2, concurrent=True) == [main, main]
 
 
-def test_batch_generate_matches_transformers_per_prompt(ours, reference):
-    """Three chat prompts in one batch: each completion is transformers' greedy one for it alone."""
+@pytest.mark.parametrize("lookup", [False, True], ids=["plain", "prompt-lookup"])
+def test_batch_generate_matches_transformers_per_prompt(ours, reference, lookup):
+    """Three chat prompts in one batch: each completion is transformers' greedy one for it alone,
+    with drafts by prompt lookup verified in the batch too."""
     from mlxinfer import batch_generate
+    from mlxinfer.generation.drafts import PromptLookup
 
     model, tok = ours
     prompts = [QUESTION, CHAT, [{"role": "user", "content": TEXT + " Summarize this."}]]
-    texts = batch_generate(model, tok, prompts, max_tokens=24)
+    draft = PromptLookup() if lookup else None
+    texts = batch_generate(model, tok, prompts, max_tokens=24, draft=draft)
     for messages, text in zip(prompts, texts):
         ref = hf_greedy(reference[0], hf_ids(reference[1], messages), 24)
         assert text == reference[1].decode(ref, skip_special_tokens=True)
 
 
-def test_console_script_batch_file(smollm2_f32_dir, reference, tmp_path):
-    """``generate --batch FILE``: a text line and a JSON line, one JSON result each, in order."""
+@pytest.mark.parametrize("flags", [[], ["--prompt-lookup", "--num-draft", "3"]])
+def test_console_script_batch_file(smollm2_f32_dir, reference, tmp_path, flags):
+    """``generate --batch FILE``: a text line and a JSON line, one JSON result each, in order
+    (and with drafts by prompt lookup)."""
     batch = tmp_path / "prompts.txt"
     batch.write_text(
         QUESTION[0]["content"] + "\n\n" + json.dumps({"messages": CHAT}) + "\n", encoding="utf-8"
@@ -283,6 +289,7 @@ def test_console_script_batch_file(smollm2_f32_dir, reference, tmp_path):
             str(batch),
             "--max-tokens",
             "16",
+            *flags,
         ],
         capture_output=True,
         text=True,

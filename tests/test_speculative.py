@@ -23,7 +23,7 @@ from mlxinfer.errors import DraftError
 from mlxinfer.generation import generate_step, speculative
 from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
 from mlxinfer.generation.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
-from mlxinfer.generation.speculative import _DraftLength, speculative_generate_step
+from mlxinfer.generation.speculative import DraftLength, speculative_generate_step
 from mlxinfer.prompt_cache import PromptCache
 
 # Repeats, so prompt lookup finds matches; ids only (no tokenizer in the token loop).
@@ -296,7 +296,7 @@ def test_stats_and_draft_flags(tiny, drafts):
 
 
 def test_adaptive_k_follows_acceptance(tiny, drafts):
-    k = _DraftLength(None)
+    k = DraftLength(None)
     assert k.k == 4  # prior acceptance 0.75
     for _ in range(10):
         k.update(k.k, k.k)  # everything accepted
@@ -304,7 +304,7 @@ def test_adaptive_k_follows_acceptance(tiny, drafts):
     for _ in range(10):
         k.update(0, k.k)  # nothing accepted
     assert k.k == 1
-    assert _DraftLength(3).k == 3
+    assert DraftLength(3).k == 3
     # End to end: an always-right draft needs few target passes, an always-wrong one drafts little.
     _, model, tok = tiny
     right = list(stream_generate(model, tok, PROMPT, max_tokens=60, draft=drafts["right"]))[

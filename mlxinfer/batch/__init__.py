@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..generation.drafts import Draft
 from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
 from .engine import Engine
 from .pool import KVPool, PoolFullError, PoolStats
@@ -40,11 +41,14 @@ def batch_generate(
     kv_budget: int | None = None,
     max_batch: int | None = None,
     sampling: SamplingParams | None = None,
+    draft: Draft | None = None,
+    num_draft: int | None = None,
     **sampling_options,
 ) -> list[str]:
     """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
     in order. Takes ``generate``'s sampling options (``temperature``, ``top_p``, ``seed``, …);
-    a ``seed`` seeds every request alike."""
+    a ``seed`` seeds every request alike. ``draft=PromptLookup()``: every request drafts by
+    prompt lookup (``num_draft`` tokens per step, or adaptive)."""
     unknown = set(sampling_options) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"batch_generate: unexpected option(s) {', '.join(sorted(unknown))}")
@@ -66,6 +70,8 @@ def batch_generate(
                 stop=stop,
                 chat_template=chat_template,
                 truncate_prompt=truncate_prompt,
+                draft=draft,
+                num_draft=num_draft,
             )
             for p in prompts
         ]

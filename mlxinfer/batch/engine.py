@@ -25,6 +25,7 @@ cancels the request when it stops early.
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 from typing import Any, Iterator, Sequence
@@ -33,10 +34,12 @@ import mlx.core as mx
 
 from ..backends import prefill_schedule
 from ..cache import KVCache, LatentKVCache, RotatingKVCache
+from ..generation.drafts import Draft, PromptLookup
 from ..generation.loop import _Request as _Prepared
 from ..generation.loop import _results, prepare_prompt
 from ..generation.results import GenerationResult, GenerationStats, Step
 from ..generation.sampling import SamplingParams
+from ..generation.speculative import DraftLength, accept_drafts
 from ..generation.stop import StopMatcher
 from ..models.layers.rope import LongRoPE, RoPE
 from ..text import fit_context
@@ -48,6 +51,7 @@ from .views import StepBatch
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
 DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode steps
+DEFAULT_MAX_DRAFT = 8  # tokens a prompt-lookup request may draft per step
 
 
 def layer_shapes(model) -> list[LayerShape]:
@@ -97,6 +101,9 @@ class Engine:
         kv_budget: bytes the KV pool may hold (keys and values of every layer).
         block_size: tokens per KV block.
         max_batch: most sequences decoded in one step.
+        max_draft: most tokens a request drafted by prompt lookup (``submit(draft=...)``) may
+            propose per step; 0 turns drafting off. Each request reserves this many more
+            tokens of KV room.
         prefill_step: most prompt tokens prefilled between two decode steps (one or more
             requests' chunks).
         attention: how decode steps read the pool: ``"pages"``, over its blocks in place
@@ -113,6 +120,7 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         prefill_step: int = DEFAULT_PREFILL_STEP,
         attention: str = "pages",
+        max_draft: int = DEFAULT_MAX_DRAFT,
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -120,11 +128,16 @@ class Engine:
             )
         if attention not in ("pages", "gather"):
             raise ValueError(f"attention: expected 'pages' or 'gather', found {attention!r}")
+        if max_draft < 0:
+            raise ValueError(f"max_draft must be >= 0, got {max_draft}")
         self.model = model
         self.rows_together, self.windows = check_batchable(model)
         self.pool = KVPool(layer_shapes(model), block_size=block_size, kv_budget=kv_budget)
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.attention = attention
+        # Every request reserves room for max_draft more tokens: a step that verifies drafts
+        # writes up to that many past a row's last token before rejected ones are rewound.
+        self.max_draft = max_draft
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._cond = threading.Condition()
@@ -151,9 +164,16 @@ class Engine:
         max_tokens: int = 256,
         sampling: SamplingParams | None = None,
         eos: frozenset[int] = frozenset(),
+        draft: Draft | None = None,
+        num_draft: int | None = None,
     ) -> Handle:
         """Queue a request for ``ids`` (token ids); raises PoolFullError at once if it could
-        never fit the budget."""
+        never fit the budget.
+
+        ``draft``: speculative decoding by :class:`~mlxinfer.generation.drafts.PromptLookup`
+        (drafts verified in the batch's forward, rejected ones rewound): the same tokens as
+        without it when greedy, the same distribution when sampling. ``num_draft``: tokens
+        drafted per step (at most ``max_draft``); None adapts to the acceptance rate."""
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prompt: empty (expected at least one token)")
@@ -161,10 +181,12 @@ class Engine:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         sampling = sampling or SamplingParams()
         sampling.check()
-        self.pool.check_fits(len(ids) + max_tokens)
+        self.pool.check_fits(len(ids) + max_tokens, self.max_draft)
         request = _Request(
             ids, max_tokens, sampling.sampler(), sampling.processors(), frozenset(eos)
         )
+        if draft is not None or num_draft is not None:
+            self._start_drafting(request, draft, num_draft, sampling)
         if max_tokens == 0:
             request.out.put(None)
             return Handle(self, request, next(self._ids))
@@ -186,8 +208,11 @@ class Engine:
         chat_template: bool = False,
         truncate_prompt: bool = False,
         timeout: float | None = None,
+        draft: Draft | None = None,
+        num_draft: int | None = None,
     ) -> Iterator[GenerationResult]:
-        """``stream_generate``'s results for one request run inside the batch."""
+        """``stream_generate``'s results for one request run inside the batch (``draft``,
+        ``num_draft``: as for :meth:`submit`)."""
         t0 = time.perf_counter()
         ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template)
         context = self.model.args.max_position_embeddings
@@ -198,7 +223,12 @@ class Engine:
         )
         sampling = sampling or SamplingParams()
         handle = self.submit(
-            ids, max_tokens=max_tokens, sampling=sampling, eos=tokenizer.eos_token_ids
+            ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            eos=tokenizer.eos_token_ids,
+            draft=draft,
+            num_draft=num_draft,
         )
         prepared = _Prepared(
             ids,
@@ -217,6 +247,28 @@ class Engine:
                 yield result
         finally:
             handle.cancel()  # a stop string or the caller ended it early: free its blocks
+
+    def _start_drafting(
+        self, request: _Request, draft: Draft | None, num_draft: int | None, sampling
+    ) -> None:
+        if draft is None:
+            raise ValueError("num_draft: given without a draft (draft=PromptLookup())")
+        if not isinstance(draft, PromptLookup):
+            raise ValueError(
+                "draft: the batching engine drafts by prompt lookup (PromptLookup), "
+                f"found {type(draft).__name__}"
+            )
+        if self.max_draft == 0:
+            raise ValueError("draft: this engine was made with max_draft=0 (no drafting)")
+        if num_draft is not None and not 1 <= num_draft <= self.max_draft:
+            raise ValueError(
+                f"num_draft must be in 1..{self.max_draft} (max_draft), got {num_draft}"
+            )
+        request.drafter = draft.start(self.model, [], request.ids)
+        request.draft_length = DraftLength(num_draft)
+        seed = sampling.seed
+        request.key = mx.random.key(secrets.randbits(63) if seed is None else seed)
+        request.tokens = list(request.ids)
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
@@ -277,7 +329,7 @@ class Engine:
             if len(self._running) >= self.max_batch:
                 held.append(request)
                 continue
-            seq = self.pool.admit(request.ids, request.max_tokens)
+            seq = self.pool.admit(request.ids, request.max_tokens + self.max_draft)
             if seq is None:  # no room now: wait for a running request to leave
                 held.append(request)
                 continue
@@ -330,11 +382,14 @@ class Engine:
         groups = [rows] if self.rows_together else [[r] for r in rows]
         t0 = time.perf_counter()
         for group in groups:
-            self._decode_rows(group)
+            if any(r.drafter is not None for r in group):
+                self._verify_rows(group)
+            else:
+                self._decode_rows(group)
         self.decode_s += time.perf_counter() - t0
-        self.decode_tokens += len(rows)
 
     def _decode_rows(self, rows: list[_Request]) -> None:
+        self.decode_tokens += len(rows)
         tokens = [[r.pending] for r in rows]
         batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
@@ -352,6 +407,78 @@ class Engine:
                 self._retire(request)
             else:
                 request.pending = t
+
+    def _verify_rows(self, rows: list[_Request]) -> None:
+        """One decode step in which drafting rows verify their drafts: every row feeds its
+        token, its drafts and padding up to the longest (one forward), keeps the drafts its
+        acceptance keeps plus one token of the target's, and the rest is rewound from the pool.
+        Each row's acceptance reads only its own logits and its own key."""
+        drafts = [self._draft(r) for r in rows]
+        L = 1 + max(len(d) for d in drafts)
+        tokens = [[r.pending] + d + [r.pending] * (L - 1 - len(d)) for r, d in zip(rows, drafts)]
+        starts = [r.seq.length for r in rows]
+        batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows, self.attention)
+        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
+        picks = []
+        for b, (r, d) in enumerate(zip(rows, drafts)):
+            if r.drafter is None:  # a plain row: its first position, its own sampler
+                picked, logprobs = _sample_rows([r], logits[b : b + 1, 0])
+                picks.append((mx.array(0), picked[0], logprobs[0][None]))
+                continue
+            logprobs = _row_logprobs(r, logits[b, : len(d) + 1], d)  # (m+1, V)
+            r.key, _, accept_key = mx.random.split(r.key, 3)  # as speculative_generate_step
+            a, t = accept_drafts(
+                logprobs, mx.array(d, dtype=mx.int32), None, r.sampler.params, accept_key
+            )
+            picks.append((a, t, logprobs))
+        mx.eval(picks, self.pool.keys, self.pool.values)
+        self.steps_run += 1
+        for r, d, start, (a, t, logprobs) in zip(rows, drafts, starts, picks):
+            a = int(a.item())
+            emitted = d[:a] + [int(t.item())]
+            self.pool.rewind(r.seq, start + 1 + a)  # the fed token and the accepted drafts
+            if r.draft_length is not None:
+                r.draft_length.update(a, len(d))
+            self._emit(r, emitted, logprobs, a, len(d))
+
+    def _draft(self, r: _Request) -> list[int]:
+        if r.drafter is None:
+            return []
+        k = min(r.draft_length.k, self.max_draft, r.max_tokens - r.generated - 1)
+        if k <= 0:
+            return []
+        proposed, _ = r.drafter.propose(r.tokens, k, None)
+        return proposed.tolist()
+
+    def _emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:
+        """Hand the step's tokens to the consumer, up to EOS or max_tokens; retire if done."""
+        for j, t in enumerate(emitted):
+            first = j == 0
+            r.generated += 1
+            self.decode_tokens += 1
+            r.tokens.append(t)
+            if r.history is not None:
+                r.history = mx.concatenate([r.history, mx.array([t], mx.int32)])
+            r.out.put(Step(t, logprobs[j], j < a, int(first), m if first else 0, a if first else 0))
+            if t in r.eos or r.generated >= r.max_tokens:
+                self._retire(r)
+                return
+        r.pending = emitted[-1]
+
+
+def _row_logprobs(r: _Request, logits: mx.array, drafts: list[int]) -> mx.array:
+    """A drafting row's log-probs at its m+1 positions, position i after its history and the
+    first i drafts, through its processors (as ``speculative._verify``)."""
+    if r.processors:
+        rows = []
+        for i in range(logits.shape[0]):
+            row = logits[i : i + 1]
+            seen = mx.concatenate([r.history, mx.array(drafts[:i], dtype=mx.int32)])
+            for process in r.processors:
+                row = process(seen, row)
+            rows.append(row)
+        logits = mx.concatenate(rows)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _sample_rows(rows: list[_Request], logits: mx.array) -> tuple[mx.array, list[mx.array]]:

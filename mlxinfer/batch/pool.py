@@ -139,12 +139,14 @@ class KVPool:
         in_use = len(self._refs)
         return self.max_blocks - in_use - self._reserved
 
-    def check_fits(self, n_tokens: int) -> None:
-        """Raise PoolFullError if ``n_tokens`` could never fit, even in an empty pool."""
-        need = self.blocks_for(n_tokens)
+    def check_fits(self, n_tokens: int, room: int = 0) -> None:
+        """Raise PoolFullError if ``n_tokens`` (and ``room`` more, for drafts) could never fit,
+        even in an empty pool."""
+        need = self.blocks_for(n_tokens + room)
         if need > self.max_blocks:
+            extra = f" and {room} of draft room" if room else ""
             raise PoolFullError(
-                f"kv_budget: a request of {n_tokens} tokens needs {need} blocks "
+                f"kv_budget: a request of {n_tokens} tokens{extra} needs {need} blocks "
                 f"({need * self.bytes_per_block / 1e6:.1f} MB); the budget holds "
                 f"{self.max_blocks} ({self.max_blocks * self.bytes_per_block / 1e6:.1f} MB)"
             )
@@ -279,6 +281,33 @@ class KVPool:
                 self._by_hash[h] = block
                 self._hash_of[block] = h
         return slots
+
+    def rewind(self, seq: Sequence, length: int) -> None:
+        """Keep ``seq``'s first ``length`` tokens (rejected drafts go): blocks past them return
+        to its reservation, and a block no longer full loses the hash it got."""
+        if length >= seq.length:
+            return
+        bs = self.block_size
+        keep = -(-length // bs)
+        for block in seq.blocks[keep:]:
+            self._unhash(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                del self._refs[block]
+                self._free.append(block)
+            seq.reserved += 1
+            self._reserved += 1
+        del seq.blocks[keep:]
+        full = length // bs
+        for block in seq.blocks[full:]:  # the last block, partial again
+            self._unhash(block)
+        del seq.hashes[full:]
+        del seq.tokens[length:]
+
+    def _unhash(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None and self._by_hash.get(h) == block:
+            del self._by_hash[h]
 
     def block_table(self, seq: Sequence, length: int) -> np.ndarray:
         """The blocks holding ``seq``'s first ``length`` positions."""

@@ -40,6 +40,12 @@ class _Request:
     generated: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0  # prompt tokens served from shared prefix blocks
+    # Speculative decoding by prompt lookup (None: plain decoding): the drafter, how many
+    # tokens to draft next, the key the acceptance draws from, and prompt + generated tokens.
+    drafter: Any = None
+    draft_length: Any = None
+    key: mx.array | None = None
+    tokens: list[int] = field(default_factory=list)
 
 
 class Handle:

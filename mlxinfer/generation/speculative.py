@@ -84,7 +84,7 @@ def speculative_generate_step(
     )
     drafter = draft.start(model, pc.cache, ids)
     key = mx.random.key(secrets.randbits(63) if params.seed is None else params.seed)
-    k_policy = _DraftLength(num_draft)
+    k_policy = DraftLength(num_draft)
     history = list(ids)  # every token so far; the last one is in no cache yet
     n = 0
     try:
@@ -102,7 +102,7 @@ def speculative_generate_step(
             logprobs = _verify(
                 model, pc.cache, history[-1], drafts, logits_processors, seen
             )  # (m+1, V)
-            accepted, token = _accept(logprobs, drafts, q, params, accept_key)
+            accepted, token = accept_drafts(logprobs, drafts, q, params, accept_key)
             # The one sync per step: the host needs the accepted count and the
             # tokens to know what to feed next.
             mx.eval(accepted, token, drafts, logprobs)
@@ -146,7 +146,7 @@ def _verify(
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def _accept(
+def accept_drafts(
     logprobs: mx.array, drafts: mx.array, q: mx.array | None, params: SamplingParams, key: mx.array
 ) -> tuple[mx.array, mx.array]:
     """How many drafts to keep, and the target's token after them (both lazy scalars).
@@ -228,7 +228,7 @@ def _draft_sampler(
     return sample
 
 
-class _DraftLength:
+class DraftLength:
     """How many tokens to draft next.
 
     Fixed when ``num_draft`` is given. Otherwise k follows the acceptance rate
