@@ -491,3 +491,5 @@ def test_the_engine_drafts_by_prompt_lookup_only(llama):
             engine.submit([1, 2, 3], max_tokens=2, draft=PromptLookup(), num_draft=9)
         with pytest.raises(ValueError, match="num_draft: given without a draft"):
             engine.submit([1, 2, 3], max_tokens=2, num_draft=2)
+        with pytest.raises(TypeError, match="submit: expected token ids, found a str"):
+            engine.submit("Hello", max_tokens=2)

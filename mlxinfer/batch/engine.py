@@ -174,6 +174,8 @@ class Engine:
         (drafts verified in the batch's forward, rejected ones rewound): the same tokens as
         without it when greedy, the same distribution when sampling. ``num_draft``: tokens
         drafted per step (at most ``max_draft``); None adapts to the acceptance rate."""
+        if isinstance(ids, str):
+            raise TypeError("submit: expected token ids, found a str (text goes to Engine.stream)")
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prompt: empty (expected at least one token)")
