@@ -220,14 +220,15 @@ def test_cpu_prefill_path_equals_quantized_kernel():
 
 def test_cpu_float_linear_split_over_two_streams_equals_one_product():
     from mlxinfer.backends.cpu.layers import swap_layers
-    from mlxinfer.backends.cpu.parallel import CPULinear
+    from mlxinfer.backends.cpu.parallel import CPULinear, PaddedLinear
 
     big = nn.Linear(512, CPULinear.MIN_SIZE // 512, bias=True)  # just large enough to switch
     small = nn.Linear(64, 64)
     x = mx.random.normal((1, 3, 512), key=mx.random.key(3))  # decode-sized: the split path
     ref = big(x)
     switched = swap_layers(nn.Sequential(big, small))
-    assert switched == 1 and isinstance(big, CPULinear) and type(small) is nn.Linear
+    # The small one only may pad its few-row products (never, until pad_rows is set).
+    assert switched == 2 and isinstance(big, CPULinear) and type(small) is PaddedLinear
     assert np.abs(np.array(big(x)) - np.array(ref)).max() < 1e-4
     many = mx.random.normal((1, 40, 512), key=mx.random.key(4))  # prefill: one product
     assert mx.array_equal(big(many), nn.Linear.__call__(big, many))
