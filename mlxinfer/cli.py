@@ -301,7 +301,6 @@ def _generate_batch(
     num_draft = options.pop("num_draft", None)
     unsupported = {
         "--prompt": prompt is not None,
-        "--kv-bits": kv_bits is not None,
         "--max-kv-size": options.pop("max_kv_size") is not None,
         "--prefill-step-size": options.pop("prefill_step_size") is not None,
         "--draft-model": draft_model is not None,
@@ -318,8 +317,16 @@ def _generate_batch(
     llm, tokenizer = _load(model, verbose)
     prompts = _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose)
     stop = options.pop("stop")
+    kv_bits = int(kv_bits) if kv_bits else None
     texts = batch_generate(
-        llm, tokenizer, prompts, stop=stop, draft=draft, num_draft=num_draft, **options
+        llm,
+        tokenizer,
+        prompts,
+        stop=stop,
+        draft=draft,
+        num_draft=num_draft,
+        kv_bits=kv_bits,
+        **options,
     )
     for i, text in enumerate(texts):
         click.echo(json.dumps({"index": i, "text": text}, ensure_ascii=False))

@@ -309,9 +309,9 @@ def test_batch_refuses_options_it_does_not_take_yet(tmp_path):
 
     path = tmp_path / "p.txt"
     path.write_text("Hello\n")
-    result = CliRunner().invoke(cli, ["generate", "--batch", str(path), "--kv-bits", "8"])
+    result = CliRunner().invoke(cli, ["generate", "--batch", str(path), "--max-kv-size", "64"])
     assert result.exit_code == 2
-    assert "--batch does not take --kv-bits yet" in result.output
+    assert "--batch does not take --max-kv-size yet" in result.output
     args = ["generate", "--batch", str(path), "--self-draft-layers", "2"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and "--batch does not take --self-draft-layers" in result.output
@@ -493,3 +493,59 @@ def test_the_engine_drafts_by_prompt_lookup_only(llama):
             engine.submit([1, 2, 3], max_tokens=2, num_draft=2)
         with pytest.raises(TypeError, match="submit: expected token ids, found a str"):
             engine.submit("Hello", max_tokens=2)
+
+
+# --- a quantized pool (kv_bits) -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama64(tmp_path_factory):
+    """A tiny llama whose heads are one quantization group wide (64)."""
+    path, torch_model = make_tiny(tmp_path_factory.mktemp("llama64"), head_dim=64, **LONG)
+    model, _ = load_model(path)
+    return model, torch_model
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_pool_gives_the_quantized_caches_logits(llama64, bits):
+    """``Engine(kv_bits=)`` stores keys and values as ``QuantizedKVCache`` does (per token, per
+    group of 64): each row's log-probs equal the single-request loop's over that cache (1e-4), and
+    8-bit greedy tokens are still transformers'."""
+    from mlxinfer.prompt_cache import PromptCache
+
+    model, torch_model = llama64
+    prompts = [_prompt(n, 30 + n) for n in (9, 40, 75)]
+    alone = []
+    for p in prompts:
+        pc = PromptCache(model.make_cache(kv_bits=bits))
+        alone.append([(t, lp) for t, lp in generate_step(p, model, prompt_cache=pc, max_tokens=5)])
+    with Engine(model, block_size=8, prefill_step=16, kv_bits=bits) as engine:
+        assert engine.pool.layers[0].bits == bits
+        handles = [engine.submit(p, max_tokens=5) for p in prompts]
+        batched = [list(h.steps()) for h in handles]
+    for a, b in zip(alone, batched):
+        assert [t for t, _ in a] == [s.token for s in b]
+        for (_, x), s in zip(a, b):
+            np.testing.assert_allclose(np.array(x), np.array(s.logprobs), atol=1e-4)
+    if bits == 8:
+        for p, b in zip(prompts, batched):
+            assert [s.token for s in b] == torch_greedy(torch_model, p, 5)
+
+
+def test_a_quantized_pool_holds_more_tokens_per_byte(llama64):
+    model, _ = llama64
+    plain = KVPool(layer_shapes(model)).bytes_per_block
+    # 64 values of 4 bytes -> 64 bytes (8 bits) or 32 (4 bits), plus a float32 scale and bias
+    for bits, packed in ((8, 64), (4, 32)):
+        quantized = KVPool(layer_shapes(model, kv_bits=bits)).bytes_per_block
+        assert quantized / plain == pytest.approx((packed + 8) / 256)
+    with pytest.raises(ValueError, match="kv_bits must be 4 or 8, got 3"):
+        layer_shapes(model, kv_bits=3)
+
+
+def test_kv_bits_needs_whole_groups(llama):
+    model, _ = llama
+    with pytest.raises(
+        ValueError, match="kv_bits: layer 0's keys .* whole groups of kv_group_size=64"
+    ):
+        Engine(model, kv_bits=8)

@@ -39,6 +39,7 @@ def batch_generate(
     chat_template: bool = False,
     truncate_prompt: bool = False,
     kv_budget: int | None = None,
+    kv_bits: int | None = None,
     max_batch: int | None = None,
     sampling: SamplingParams | None = None,
     draft: Draft | None = None,
@@ -47,7 +48,8 @@ def batch_generate(
 ) -> list[str]:
     """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
     in order. Takes ``generate``'s sampling options (``temperature``, ``top_p``, ``seed``, …);
-    a ``seed`` seeds every request alike. ``draft=PromptLookup()``: every request drafts by
+    a ``seed`` seeds every request alike. ``kv_bits``: the pool stores 8- or 4-bit keys and
+    values. ``draft=PromptLookup()``: every request drafts by
     prompt lookup (``num_draft`` tokens per step, or adaptive)."""
     unknown = set(sampling_options) - set(SAMPLING_FIELDS)
     if unknown:
@@ -60,6 +62,8 @@ def batch_generate(
         options["kv_budget"] = kv_budget
     if max_batch is not None:
         options["max_batch"] = max_batch
+    if kv_bits is not None:
+        options["kv_bits"] = kv_bits
     with Engine(model, **options) as engine:
         streams = [
             engine.stream(

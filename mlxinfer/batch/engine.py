@@ -54,14 +54,36 @@ DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode ste
 DEFAULT_MAX_DRAFT = 8  # tokens a prompt-lookup request may draft per step
 
 
-def layer_shapes(model) -> list[LayerShape]:
-    """Each layer's cached key and value shapes, read from a one-token forward."""
+def layer_shapes(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list[LayerShape]:
+    """Each layer's cached key and value shapes, read from a one-token forward; stored with
+    ``kv_bits`` in groups of ``kv_group_size`` if given (checked as the model's own
+    quantized cache checks it)."""
     cache = model.make_cache()
     model(mx.array([[0]], dtype=mx.int32), cache)
+    if kv_bits is not None:
+        if kv_bits not in (4, 8):
+            raise ValueError(f"kv_bits must be 4 or 8, got {kv_bits}")
+        model.make_cache(kv_bits=kv_bits, kv_group_size=kv_group_size)  # the family's refusals
+        if any(isinstance(c, LatentKVCache) for c in cache):
+            raise ValueError("kv_bits: the pool does not quantize latent (MLA) caches yet")
     shapes = []
-    for c in cache:
+    for i, c in enumerate(cache):
         k, v = c.state[:2]
-        shapes.append(LayerShape(k.shape[1], k.shape[-1], v.shape[-1], k.dtype))
+        if kv_bits is not None and (k.shape[-1] % kv_group_size or v.shape[-1] % kv_group_size):
+            raise ValueError(
+                f"kv_bits: layer {i}'s keys ({k.shape[-1]}) and values ({v.shape[-1]}) must be "
+                f"whole groups of kv_group_size={kv_group_size}"
+            )
+        shapes.append(
+            LayerShape(
+                k.shape[1],
+                k.shape[-1],
+                v.shape[-1],
+                k.dtype,
+                bits=kv_bits,
+                group_size=kv_group_size,
+            )
+        )
     return shapes
 
 
@@ -101,6 +123,9 @@ class Engine:
         kv_budget: bytes the KV pool may hold (keys and values of every layer).
         block_size: tokens per KV block.
         max_batch: most sequences decoded in one step.
+        kv_bits: store keys and values with 8 or 4 bits (groups of ``kv_group_size``), as
+            ``--kv-bits`` does for one request (float32 keys in 64-wide heads: 3.6x / 6.4x the
+            tokens for the same ``kv_budget``).
         max_draft: most tokens a request drafted by prompt lookup (``submit(draft=...)``) may
             propose per step; 0 turns drafting off. Each request reserves this many more
             tokens of KV room.
@@ -121,6 +146,8 @@ class Engine:
         prefill_step: int = DEFAULT_PREFILL_STEP,
         attention: str = "pages",
         max_draft: int = DEFAULT_MAX_DRAFT,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -132,7 +159,8 @@ class Engine:
             raise ValueError(f"max_draft must be >= 0, got {max_draft}")
         self.model = model
         self.rows_together, self.windows = check_batchable(model)
-        self.pool = KVPool(layer_shapes(model), block_size=block_size, kv_budget=kv_budget)
+        shapes = layer_shapes(model, kv_bits, kv_group_size)
+        self.pool = KVPool(shapes, block_size=block_size, kv_budget=kv_budget)
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.attention = attention
         # Every request reserves room for max_draft more tokens: a step that verifies drafts

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -41,22 +42,49 @@ _GROWTH_BLOCKS = (
 )
 
 
+def _joined(store: mx.array | list[mx.array], fresh: mx.array | list[mx.array]):
+    if isinstance(store, list):
+        return [mx.concatenate([a, b]) for a, b in zip(store, fresh)]
+    return mx.concatenate([store, fresh])
+
+
 class PoolFullError(MlxInferError):
     """A request needs more KV blocks than the pool's budget can ever hold."""
 
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One layer's cached tensors: ``kv_heads`` × ``key_dim`` keys and × ``value_dim`` values."""
+    """One layer's cached tensors: ``kv_heads`` × ``key_dim`` keys and × ``value_dim`` values,
+    stored as ``dtype``, or with ``bits`` as affine groups of ``group_size`` (``mx.quantize``:
+    packed words, a scale and a bias per group, as ``QuantizedKVCache`` keeps them)."""
 
     kv_heads: int
     key_dim: int
     value_dim: int
     dtype: mx.Dtype
+    bits: int | None = None
+    group_size: int = 64
 
     @property
     def bytes_per_token(self) -> int:
-        return self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.size
+        return self.kv_heads * sum(self._bytes(d) for d in (self.key_dim, self.value_dim))
+
+    def _bytes(self, dim: int) -> int:
+        if self.bits is None:
+            return dim * self.dtype.size
+        return dim * self.bits // 8 + 2 * (dim // self.group_size) * self.dtype.size
+
+    def zeros(self, blocks: int, block_size: int, dim: int) -> mx.array | list[mx.array]:
+        """``blocks`` empty blocks of ``dim``-wide vectors: one array, or [packed, scales, biases]."""
+        shape = (blocks, self.kv_heads, block_size)
+        if self.bits is None:
+            return mx.zeros((*shape, dim), self.dtype)
+        groups = dim // self.group_size
+        return [
+            mx.zeros((*shape, dim * self.bits // 32), mx.uint32),
+            mx.zeros((*shape, groups), self.dtype),
+            mx.zeros((*shape, groups), self.dtype),
+        ]
 
 
 @dataclass(frozen=True)
@@ -116,8 +144,9 @@ class KVPool:
                 f"kv_budget: {kv_budget} bytes hold no block of {self.bytes_per_block} bytes "
                 f"({block_size} tokens × {len(layers)} layers)"
             )
-        self.keys: list[mx.array | None] = [None] * len(layers)
-        self.values: list[mx.array | None] = [None] * len(layers)
+        # Per layer: one array of blocks, or [packed, scales, biases] in a quantized pool.
+        self.keys: list[Any] = [None] * len(layers)
+        self.values: list[Any] = [None] * len(layers)
         self.n_blocks = 0  # blocks the store's arrays have room for
         self._free: list[int] = []
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use
@@ -236,21 +265,22 @@ class KVPool:
         add = min(self.max_blocks - self.n_blocks, max(_GROWTH_BLOCKS, self.n_blocks))
         bs = self.block_size
         for i, s in enumerate(self.layers):
-            fresh_k = mx.zeros((add, s.kv_heads, bs, s.key_dim), s.dtype)
-            fresh_v = mx.zeros((add, s.kv_heads, bs, s.value_dim), s.dtype)
+            fresh_k, fresh_v = s.zeros(add, bs, s.key_dim), s.zeros(add, bs, s.value_dim)
             if self.keys[i] is None:
                 self.keys[i], self.values[i] = fresh_k, fresh_v
             else:
-                self.keys[i] = mx.concatenate([self.keys[i], fresh_k])
-                self.values[i] = mx.concatenate([self.values[i], fresh_v])
+                self.keys[i], self.values[i] = (
+                    _joined(self.keys[i], fresh_k),
+                    _joined(self.values[i], fresh_v),
+                )
             mx.eval(self.keys[i], self.values[i])  # layer by layer: one layer's copy at a time
         self._free.extend(range(self.n_blocks + add - 1, self.n_blocks - 1, -1))
         self.n_blocks += add
 
     def _copy_block(self, src: int, dst: int) -> None:
-        for i in range(len(self.layers)):
-            self.keys[i][dst] = self.keys[i][src]
-            self.values[i][dst] = self.values[i][src]
+        for store in self.keys + self.values:
+            for a in store if isinstance(store, list) else [store]:
+                a[dst] = a[src]
 
     def append_slots(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
         """Slots for ``tokens`` appended to ``seq`` (blocks allocated as needed, a shared
@@ -319,18 +349,31 @@ class KVPool:
         self, layer: int, blocks: mx.array, within: mx.array, keys: mx.array, values: mx.array
     ) -> None:
         """Store (N, kv_heads, dim) keys and values at positions ``within`` (N,) of ``blocks``
-        (N,) of ``layer`` (in place: the time does not grow with the store)."""
-        self.keys[layer][blocks, :, within] = keys.astype(self.layers[layer].dtype)
-        self.values[layer][blocks, :, within] = values.astype(self.layers[layer].dtype)
+        (N,) of ``layer`` (in place: the time does not grow with the store); quantized first
+        in a quantized pool."""
+        shape = self.layers[layer]
+        for store, new in ((self.keys[layer], keys), (self.values[layer], values)):
+            new = new.astype(shape.dtype)
+            if shape.bits is None:
+                store[blocks, :, within] = new
+                continue
+            parts = mx.quantize(new, group_size=shape.group_size, bits=shape.bits)
+            for a, part in zip(store, parts):
+                a[blocks, :, within] = part
 
-    def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
+    def gather(self, layer: int, table: mx.array) -> tuple[Any, Any]:
         """(B, kv_heads, n · block_size, dim) keys and values of the blocks ``table`` (B, n)
-        of ``layer``, each row's blocks in order: a contiguous copy."""
+        of ``layer``, each row's blocks in order: a contiguous copy ([packed, scales, biases]
+        each in a quantized pool)."""
         B, n = table.shape
-        k, v = self.keys[layer][table], self.values[layer][table]  # (B, n, kv_heads, bs, dim)
+
+        def rows(a: mx.array) -> mx.array:  # (B, n, kv_heads, bs, d) -> (B, kv_heads, n·bs, d)
+            t = a[table]
+            return t.transpose(0, 2, 1, 3, 4).reshape(B, t.shape[2], n * self.block_size, -1)
+
         return tuple(
-            t.transpose(0, 2, 1, 3, 4).reshape(B, t.shape[2], n * self.block_size, -1)
-            for t in (k, v)
+            [rows(a) for a in store] if isinstance(store, list) else rows(store)
+            for store in (self.keys[layer], self.values[layer])
         )
 
     @property

@@ -105,12 +105,14 @@ class StepBatch:
 
 
 class LayerView:
-    """The :class:`~mlxinfer.cache.Cache` protocol for one layer of a :class:`StepBatch`."""
-
-    quantized = False
+    """The :class:`~mlxinfer.cache.Cache` protocol for one layer of a :class:`StepBatch`; in a
+    quantized pool it answers as a quantized cache (packed triples, ``group_size``, ``bits``)."""
 
     def __init__(self, batch: StepBatch, layer: int, window: int | None = None) -> None:
         self.batch, self.layer, self.window = batch, layer, window
+        shape = batch.pool.layers[layer]
+        self.quantized = shape.bits is not None
+        self.group_size, self.bits = shape.group_size, shape.bits
 
     @property
     def offset(self) -> int | mx.array:
@@ -126,6 +128,8 @@ class LayerView:
         pool.write(self.layer, batch.write_blocks, batch.write_within, flat_k, flat_v)
         k, v = pool.gather(self.layer, batch.table)
         T = batch._T
+        if self.quantized:
+            return [a[:, :, :T] for a in k], [a[:, :, :T] for a in v]
         return (k, v) if k.shape[2] == T else (k[:, :, :T], v[:, :, :T])
 
     def make_mask(self, n_queries: int) -> Mask:
@@ -136,8 +140,8 @@ class LayerView:
         in a decode step of the ``"pages"`` form whose ``mask`` is this cache's own (a layer
         that made its own, ALiBi's say, reads the gathered keys)."""
         batch = self.batch
-        if batch.form != "pages" or mask is not batch.mask_for(self.window):
-            return None
+        if batch.form != "pages" or self.quantized or mask is not batch.mask_for(self.window):
+            return None  # (a quantized pool's layers read the gathered triples)
         pool = batch.pool
         keys, values = pool.keys[self.layer], pool.values[self.layer]
         return batch.pages(self.window, keys.shape[1], keys, values)
@@ -150,7 +154,8 @@ class LayerView:
 
     @property
     def state(self) -> list[mx.array]:
-        return [self.batch.pool.keys[self.layer], self.batch.pool.values[self.layer]]
+        stores = [self.batch.pool.keys[self.layer], self.batch.pool.values[self.layer]]
+        return [a for s in stores for a in (s if isinstance(s, list) else [s])]
 
     @property
     def nbytes(self) -> int:
