@@ -25,7 +25,6 @@ cancels the request when it stops early.
 from __future__ import annotations
 
 import itertools
-import secrets
 import threading
 import time
 from typing import Any, Iterator, Sequence
@@ -34,17 +33,17 @@ import mlx.core as mx
 
 from ..backends import prefill_schedule
 from ..cache import KVCache, LatentKVCache, RotatingKVCache
-from ..generation.drafts import Draft, PromptLookup
+from ..generation.drafts import Draft
 from ..generation.loop import _Request as _Prepared
 from ..generation.loop import _results, prepare_prompt
 from ..generation.results import GenerationResult, GenerationStats, Step
 from ..generation.sampling import SamplingParams
-from ..generation.speculative import DraftLength, accept_drafts
 from ..generation.stop import StopMatcher
 from ..models.layers.rope import LongRoPE, RoPE
 from ..text import fit_context
 from ..threads import release_at_thread_exit
 from . import pool as pool_mod
+from . import rows as rows_mod
 from .pool import KVPool, LayerShape, PoolStats
 from .requests import POLL_S, EngineError, Handle, _Request
 from .views import StepBatch
@@ -216,7 +215,9 @@ class Engine:
             ids, max_tokens, sampling.sampler(), sampling.processors(), frozenset(eos)
         )
         if draft is not None or num_draft is not None:
-            self._start_drafting(request, draft, num_draft, sampling)
+            rows_mod.start_drafting(
+                request, self.model, draft, num_draft, sampling.seed, self.max_draft
+            )
         if max_tokens == 0:
             request.out.put(None)
             return Handle(self, request, next(self._ids))
@@ -277,28 +278,6 @@ class Engine:
                 yield result
         finally:
             handle.cancel()  # a stop string or the caller ended it early: free its blocks
-
-    def _start_drafting(
-        self, request: _Request, draft: Draft | None, num_draft: int | None, sampling
-    ) -> None:
-        if draft is None:
-            raise ValueError("num_draft: given without a draft (draft=PromptLookup())")
-        if not isinstance(draft, PromptLookup):
-            raise ValueError(
-                "draft: the batching engine drafts by prompt lookup (PromptLookup), "
-                f"found {type(draft).__name__}"
-            )
-        if self.max_draft == 0:
-            raise ValueError("draft: this engine was made with max_draft=0 (no drafting)")
-        if num_draft is not None and not 1 <= num_draft <= self.max_draft:
-            raise ValueError(
-                f"num_draft must be in 1..{self.max_draft} (max_draft), got {num_draft}"
-            )
-        request.drafter = draft.start(self.model, [], request.ids)
-        request.draft_length = DraftLength(num_draft)
-        seed = sampling.seed
-        request.key = mx.random.key(secrets.randbits(63) if seed is None else seed)
-        request.tokens = list(request.ids)
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
@@ -423,7 +402,7 @@ class Engine:
         tokens = [[r.pending] for r in rows]
         batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
-        picked, logprobs = _sample_rows(rows, logits)
+        picked, logprobs = rows_mod.sample_rows(rows, logits)
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
         mx.eval(picked, logprobs, self.pool.keys, self.pool.values)
@@ -443,24 +422,13 @@ class Engine:
         token, its drafts and padding up to the longest (one forward), keeps the drafts its
         acceptance keeps plus one token of the target's, and the rest is rewound from the pool.
         Each row's acceptance reads only its own logits and its own key."""
-        drafts = [self._draft(r) for r in rows]
+        drafts = [rows_mod.propose(r, self.max_draft) for r in rows]
         L = 1 + max(len(d) for d in drafts)
         tokens = [[r.pending] + d + [r.pending] * (L - 1 - len(d)) for r, d in zip(rows, drafts)]
         starts = [r.seq.length for r in rows]
         batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
-        picks = []
-        for b, (r, d) in enumerate(zip(rows, drafts)):
-            if r.drafter is None:  # a plain row: its first position, its own sampler
-                picked, logprobs = _sample_rows([r], logits[b : b + 1, 0])
-                picks.append((mx.array(0), picked[0], logprobs[0][None]))
-                continue
-            logprobs = _row_logprobs(r, logits[b, : len(d) + 1], d)  # (m+1, V)
-            r.key, _, accept_key = mx.random.split(r.key, 3)  # as speculative_generate_step
-            a, t = accept_drafts(
-                logprobs, mx.array(d, dtype=mx.int32), None, r.sampler.params, accept_key
-            )
-            picks.append((a, t, logprobs))
+        picks = [rows_mod.verify(r, logits[b], d) for b, (r, d) in enumerate(zip(rows, drafts))]
         mx.eval(picks, self.pool.keys, self.pool.values)
         self.steps_run += 1
         for r, d, start, (a, t, logprobs) in zip(rows, drafts, starts, picks):
@@ -470,15 +438,6 @@ class Engine:
             if r.draft_length is not None:
                 r.draft_length.update(a, len(d))
             self._emit(r, emitted, logprobs, a, len(d))
-
-    def _draft(self, r: _Request) -> list[int]:
-        if r.drafter is None:
-            return []
-        k = min(r.draft_length.k, self.max_draft, r.max_tokens - r.generated - 1)
-        if k <= 0:
-            return []
-        proposed, _ = r.drafter.propose(r.tokens, k, None)
-        return proposed.tolist()
 
     def _emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:
         """Hand the step's tokens to the consumer, up to EOS or max_tokens; retire if done."""
@@ -494,43 +453,3 @@ class Engine:
                 self._retire(r)
                 return
         r.pending = emitted[-1]
-
-
-def _row_logprobs(r: _Request, logits: mx.array, drafts: list[int]) -> mx.array:
-    """A drafting row's log-probs at its m+1 positions, position i after its history and the
-    first i drafts, through its processors (as ``speculative._verify``)."""
-    if r.processors:
-        rows = []
-        for i in range(logits.shape[0]):
-            row = logits[i : i + 1]
-            seen = mx.concatenate([r.history, mx.array(drafts[:i], dtype=mx.int32)])
-            for process in r.processors:
-                row = process(seen, row)
-            rows.append(row)
-        logits = mx.concatenate(rows)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _sample_rows(rows: list[_Request], logits: mx.array) -> tuple[mx.array, list[mx.array]]:
-    """Each row's token and log-probs, through its own processors and sampler (with its own
-    random key). Greedy rows are one argmax over the batch, the log-probs one normalisation."""
-    if any(r.processors for r in rows):
-        processed = []
-        for b, r in enumerate(rows):
-            row = logits[b : b + 1]
-            for process in r.processors:
-                row = process(r.history, row)
-            processed.append(row)
-        logits = mx.concatenate(processed)
-    picked = mx.argmax(logits, axis=-1).astype(mx.int32)
-    if not all(r.sampler.params.greedy for r in rows):
-        picked = mx.concatenate(
-            [
-                picked[b : b + 1]
-                if r.sampler.params.greedy
-                else r.sampler(logits[b : b + 1]).astype(mx.int32)
-                for b, r in enumerate(rows)
-            ]
-        )
-    normalised = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return picked, [normalised[b] for b in range(len(rows))]
