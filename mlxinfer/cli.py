@@ -387,6 +387,62 @@ def chat(
 
 
 @cli.command()
+@click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="MLXINFER_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on /v1/ [env: MLXINFER_API_KEY].",
+)
+@click.option("--max-batch", default=None, type=int, help="Most requests decoded together.")
+@click.option("--kv-budget", default=None, type=int, help="Bytes the KV pool may hold.")
+@click.option(
+    "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV pool."
+)
+@click.option("--prompt-lookup", is_flag=True, help="Speculative decoding by prompt lookup.")
+@click.option("--verbose", "-v", is_flag=True)
+@_errors_to_click
+def serve(model, host, port, api_key, max_batch, kv_budget, kv_bits, prompt_lookup, verbose):
+    """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise click.ClickException(
+            f"serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'mlxinfer[server]'"
+        ) from None
+    from pathlib import Path
+
+    from .generation.drafts import PromptLookup
+    from .server import serve as run
+
+    llm, tokenizer = _load(model, verbose)
+    name = Path(model).name if model else "SmolLM2-135M-Instruct"
+    options = {"max_batch": max_batch, "kv_budget": kv_budget}
+    options = {k: v for k, v in options.items() if v is not None}
+    if kv_bits:
+        options["kv_bits"] = int(kv_bits)
+    _log(f"serving {name} on http://{host}:{port} (OpenAI API under /v1)")
+    run(
+        llm,
+        tokenizer,
+        name,
+        host=host,
+        port=port,
+        api_key=api_key,
+        draft=PromptLookup() if prompt_lookup else None,
+        **options,
+    )
+
+
+@cli.command()
 @click.argument("src")
 @click.option(
     "--output", "-o", "dst", required=True, help="Output directory (must not exist or be empty)."

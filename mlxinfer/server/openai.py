@@ -1,0 +1,260 @@
+"""The OpenAI API's requests and responses: what a body asks for, checked, and the JSON sent back.
+
+Only what is parsed here reaches the engine. A field the server does not act on is a
+400 naming it, never silently ignored (``IGNORED`` lists the few that change nothing).
+Errors take OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..generation.results import GenerationStats
+from ..generation.sampling import SamplingParams
+
+# Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
+CHAT_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    *SAMPLING,
+}
+COMPLETION_FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    *SAMPLING,
+}
+IGNORED = {"user"}  # an end-user id for abuse monitoring: nothing to do locally
+DEFAULT_MAX_TOKENS = 512
+ROLES = ("system", "user", "assistant", "developer")
+
+
+class APIError(Exception):
+    """An error in OpenAI's shape, with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status,
+            message,
+            param,
+            type,
+            code,
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass
+class Ask:
+    """One request, checked: the prompt (chat messages or text), how much to generate, how."""
+
+    model: str
+    prompt: Any  # list of chat messages, or a str
+    chat: bool
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse(body: Any, *, chat: bool) -> Ask:
+    """Check a /v1/chat/completions (``chat``) or /v1/completions body; APIError (400) naming
+    the first bad field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in allowed and name not in IGNORED:
+            raise APIError(400, f"unsupported field '{name}'", param=name, code="unsupported_field")
+    model = _typed(body, "model", str, required=True)
+    if chat:
+        prompt = _messages(body.get("messages"))
+    else:
+        prompt = _typed(body, "prompt", str, required=True)
+    n = _typed(body, "n", int, default=1)
+    if n != 1:
+        raise APIError(400, f"'n': only 1 choice per request is supported, got {n}", param="n")
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _typed(body, name, int, default=DEFAULT_MAX_TOKENS)
+    if max_tokens < 1:
+        raise APIError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4):
+        raise APIError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise APIError(400, "'stream_options' takes only 'include_usage'", param="stream_options")
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_typed(body, "top_k", int, default=0),
+        min_p=_number(body, "min_p", 0.0),
+        seed=_typed(body, "seed", int, default=None),
+    )
+    try:
+        sampling.check()
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    ask = Ask(
+        model,
+        prompt,
+        chat,
+        max_tokens,
+        sampling,
+        [s for s in stop if s],
+        stream=bool(_typed(body, "stream", bool, default=False)),
+        include_usage=bool(options.get("include_usage", False)),
+    )
+    if not chat:
+        ask.id = ask.id.replace("chatcmpl-", "cmpl-")
+    return ask
+
+
+def _typed(body: dict, name: str, kind: type, *, default: Any = None, required: bool = False):
+    if name not in body or body[name] is None:
+        if required:
+            raise APIError(400, f"'{name}' is required", param=name)
+        return default
+    value = body[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise APIError(
+            400, f"'{name}' must be {kind.__name__}, got {type(value).__name__}", param=name
+        )
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name)
+    return float(value)
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise APIError(400, f"{where}: expected a role of {', '.join(ROLES)}", param=where)
+        content = m.get("content")
+        if isinstance(content, list):  # text parts only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise APIError(
+                    400, f"{where}.content: only text parts are supported", param=f"{where}.content"
+                )
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string", param=f"{where}.content")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def usage(stats: GenerationStats, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": stats.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def timings(stats: GenerationStats, completion_tokens: int) -> dict:
+    """Per-response timings as llama.cpp's server reports them."""
+    prompt_ms = stats.time_to_first_token_s * 1000
+    predicted_ms = completion_tokens / stats.decode_tps * 1000 if stats.decode_tps else 0.0
+    return {
+        "prompt_n": stats.prompt_tokens,
+        "cache_n": stats.cached_tokens,
+        "prompt_ms": prompt_ms,
+        "prompt_per_second": stats.prefill_tps,
+        "predicted_n": completion_tokens,
+        "predicted_ms": predicted_ms,
+        "predicted_per_second": stats.decode_tps,
+    }
+
+
+def response(ask: Ask, text: str, finish: str, stats: GenerationStats, n_tokens: int) -> dict:
+    """The whole (non-streamed) response."""
+    if ask.chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        kind = "text_completion"
+    return {
+        "id": ask.id,
+        "object": kind,
+        "created": ask.created,
+        "model": ask.model,
+        "choices": [choice],
+        "usage": usage(stats, n_tokens),
+        "timings": timings(stats, n_tokens),
+    }
+
+
+def chunk(ask: Ask, text: str | None, finish: str | None = None, *, first: bool = False) -> dict:
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+    if ask.chat:
+        delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        kind = "text_completion"
+    return {
+        "id": ask.id,
+        "object": kind,
+        "created": ask.created,
+        "model": ask.model,
+        "choices": [choice],
+    }
