@@ -126,10 +126,34 @@ def test_eight_concurrent_streams_each_get_their_text_alone(server, tiny):
     assert got == expected
 
 
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_metrics_count_tokens_and_blocks(server):
+    url, _ = server
+    r = httpx.get(f"{url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "# TYPE mlxinfer_generated_tokens_total counter" in r.text
+    before = _metrics(url)
+    assert before["mlxinfer_up"] == 1
+    _client(url).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=5, temperature=0)
+    after = _metrics(url)
+    assert after["mlxinfer_generated_tokens_total"] == before["mlxinfer_generated_tokens_total"] + 5
+    assert after["mlxinfer_requests_done_total"] == before["mlxinfer_requests_done_total"] + 1
+    assert after["mlxinfer_kv_blocks_in_use"] == before["mlxinfer_kv_blocks_in_use"]
+    assert after["mlxinfer_prompt_tokens_total"] >= before["mlxinfer_prompt_tokens_total"]
+
+
 def test_a_client_that_goes_away_frees_its_blocks(server):
-    url, app = server
-    engine = app.state.engine
-    before = engine.stats().blocks_in_use
+    """Read from /metrics: the pool's blocks in use come back to their count before it."""
+    url, _ = server
+    before = _metrics(url)["mlxinfer_kv_blocks_in_use"]
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": NAME, "messages": MESSAGES, "max_tokens": 400, "stream": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
@@ -137,7 +161,7 @@ def test_a_client_that_goes_away_frees_its_blocks(server):
             if line.startswith("data:") and '"content"' in line:
                 break  # one token in: hang up
     deadline = time.monotonic() + 20
-    while engine.stats().blocks_in_use != before:
+    while _metrics(url)["mlxinfer_kv_blocks_in_use"] != before:
         assert time.monotonic() < deadline, "the request's blocks were not freed"
         time.sleep(0.05)
 
@@ -215,3 +239,76 @@ def test_serve_binds_loopback_by_default():
 
     result = CliRunner().invoke(cli, ["serve", "--help"])
     assert result.exit_code == 0 and "127.0.0.1" in result.output
+
+
+# --- Anthropic's Messages API ---------------------------------------------------------------------
+
+
+# The current Messages API has no sampling fields; the server takes temperature, top_p and top_k
+# in the body as the API's earlier versions did (the client passes them through extra_body).
+GREEDY = {"temperature": 0}
+
+
+def _anthropic(url: str, key: str = KEY):
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is not installed")
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
+
+
+def test_messages_through_the_anthropic_client(server, tiny):
+    url, _ = server
+    system = "You are terse."
+    m = _anthropic(url).messages.create(
+        model=NAME, system=system, messages=MESSAGES, max_tokens=12, extra_body=GREEDY
+    )
+    expected = _alone(tiny, [{"role": "system", "content": system}] + MESSAGES, 12)
+    assert m.type == "message" and m.role == "assistant"
+    assert m.content[0].text == expected
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 12
+    assert m.usage.input_tokens > 0
+
+
+def test_streamed_messages_come_in_anthropics_order(server, tiny):
+    url, _ = server
+    with _anthropic(url).messages.stream(
+        model=NAME, messages=MESSAGES, max_tokens=10, extra_body=GREEDY
+    ) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == _alone(tiny, MESSAGES, 10)
+    assert events[:2] == ["message_start", "content_block_start"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert final.stop_reason == "max_tokens"
+
+
+def test_a_stop_sequence_is_named(server, tiny):
+    url, _ = server
+    text = _alone(tiny, MESSAGES, 12)
+    stop = text[3:6]  # a piece of what greedy decoding writes
+    m = _anthropic(url).messages.create(
+        model=NAME, messages=MESSAGES, max_tokens=12, extra_body=GREEDY, stop_sequences=[stop]
+    )
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == text[: text.index(stop)]
+
+
+def test_count_tokens_and_anthropic_errors(server):
+    url, _ = server
+    client = _anthropic(url)
+    n = client.messages.count_tokens(model=NAME, messages=MESSAGES).input_tokens
+    assert n > 0
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    r = httpx.post(
+        f"{url}/v1/messages", json={"model": NAME, "messages": MESSAGES}, headers=headers
+    )
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.text
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 4, "tools": []}
+    r = httpx.post(f"{url}/v1/messages", json=body, headers=headers)
+    assert r.status_code == 400 and "tools: unsupported field" in r.json()["error"]["message"]
+    body = {"model": "other", "messages": MESSAGES, "max_tokens": 4}
+    r = httpx.post(f"{url}/v1/messages", json=body, headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    import anthropic
+
+    with pytest.raises(anthropic.AuthenticationError):
+        _anthropic(url, key="wrong").messages.create(model=NAME, messages=MESSAGES, max_tokens=2)

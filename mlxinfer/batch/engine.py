@@ -175,6 +175,8 @@ class Engine:
         # Time spent in each kind of forward, and the tokens it fed (the bench's rates).
         self.prefill_s = self.decode_s = 0.0
         self.prefill_tokens = self.decode_tokens = 0
+        self.requests_done = 0  # requests retired (finished or cancelled)
+        self.draft_tokens = self.accepted_tokens = 0  # prompt lookup: proposed, kept
         self._thread = threading.Thread(target=self._loop, name="mlxinfer-engine", daemon=True)
         self._thread.start()
 
@@ -282,6 +284,34 @@ class Engine:
     def stats(self) -> PoolStats:
         return self.pool.stats()
 
+    def metrics(self) -> dict[str, float]:
+        """A snapshot of the engine's counters (for ``/metrics``; read without a lock, so
+        each value is current but they may be a step apart)."""
+        pool = self.pool.stats()
+        return {
+            "requests_running": len(self._running),
+            "requests_waiting": len(self._waiting),
+            "requests_done": self.requests_done,
+            "prompt_tokens": self.prefill_tokens,
+            "generated_tokens": self.decode_tokens,
+            "prefill_tokens_per_second": self.prefill_tokens / self.prefill_s
+            if self.prefill_s
+            else 0.0,
+            "decode_tokens_per_second": self.decode_tokens / self.decode_s
+            if self.decode_s
+            else 0.0,
+            "decode_steps": self.steps_run,
+            "kv_blocks_in_use": pool.blocks_in_use,
+            "kv_blocks_cached": pool.blocks_cached,
+            "kv_blocks_free": pool.blocks_free,
+            "kv_bytes": pool.nbytes,
+            "prefix_hit_ratio": pool.prefix_hits / pool.prefix_queries
+            if pool.prefix_queries
+            else 0.0,
+            "draft_tokens": self.draft_tokens,
+            "draft_accepted_tokens": self.accepted_tokens,
+        }
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine: requests still running end with EngineError."""
         with self._cond:
@@ -352,6 +382,7 @@ class Engine:
                 self._waiting[:0] = held
 
     def _retire(self, request: _Request) -> None:
+        self.requests_done += 1
         self._running.remove(request)
         self.pool.release(request.seq)
         request.out.put(None)
@@ -441,6 +472,8 @@ class Engine:
 
     def _emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:
         """Hand the step's tokens to the consumer, up to EOS or max_tokens; retire if done."""
+        self.draft_tokens += m
+        self.accepted_tokens += a
         for j, t in enumerate(emitted):
             first = j == 0
             r.generated += 1

@@ -1,8 +1,9 @@
-"""``mlxinfer serve``: an OpenAI-compatible HTTP server on the batching engine.
+"""``mlxinfer serve``: an OpenAI- and Anthropic-compatible HTTP server on the batching engine.
 
 FastAPI and uvicorn (``pip install 'mlxinfer[server]'``). Routes: ``/health`` (is the
-engine thread alive), ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions``,
-streamed as server-sent events or not. docs/server.md says what is supported.
+engine thread alive), ``/metrics`` (Prometheus), ``/v1/models``, ``/v1/chat/completions``,
+``/v1/completions`` (``openai``) and ``/v1/messages`` (``anthropic``), streamed as
+server-sent events or not. docs/server.md says what is supported.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..batch import Engine, EngineError, PoolFullError
 from ..errors import MlxInferError, PromptTooLongError
+from . import anthropic as an
 from . import openai as oa
 
 WAIT_S = 600.0  # most seconds a request waits for any one token before it fails
@@ -50,12 +51,20 @@ def make_app(
     async def api_error(request: Request, e: oa.APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(an.APIError)
+    async def anthropic_error(request: Request, e: an.APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+        path = request.url.path
+        if api_key is not None and path.startswith("/v1/"):
+            # OpenAI clients send "Authorization: Bearer KEY"; Anthropic's send "x-api-key: KEY".
+            bearer = request.headers.get("authorization", "").removeprefix("Bearer ")
+            given = request.headers.get("x-api-key") or bearer
+            if not hmac.compare_digest(given.encode(), api_key.encode()):
+                if path.startswith("/v1/messages"):
+                    return JSONResponse(an.APIError(401, "invalid x-api-key").body(), 401)
                 e = oa.APIError(
                     401, "invalid API key", type="authentication_error", code="invalid_api_key"
                 )
@@ -71,6 +80,12 @@ def make_app(
             {"status": "error", "error": str(engine.failure or "engine closed")}, status_code=503
         )
 
+    @app.get("/metrics")
+    def metrics():
+        from fastapi.responses import PlainTextResponse
+
+        return PlainTextResponse(prometheus(app.state.engine), media_type=PROMETHEUS)
+
     @app.get("/v1/models")
     def models():
         return {
@@ -85,11 +100,11 @@ def make_app(
             ],
         }
 
-    async def body_of(request: Request) -> Any:
+    async def body_of(request: Request, error=oa.APIError) -> Any:
         try:
             return json.loads(await request.body())
         except (ValueError, UnicodeDecodeError):
-            raise oa.APIError(400, "the request body is not valid JSON") from None
+            raise error(400, "the request body is not valid JSON") from None
 
     def complete(ask: oa.Ask):
         if ask.model != name:
@@ -123,6 +138,44 @@ def make_app(
             return StreamingResponse(_events(ask, first, results), media_type="text/event-stream")
         return _whole(ask, first, results)
 
+    def messages(ask: an.Ask):
+        if ask.model != name:
+            raise an.APIError(404, f"model: '{ask.model}' not found (this server has '{name}')")
+        results = app.state.engine.stream(
+            tokenizer,
+            ask.messages,
+            max_tokens=ask.max_tokens,
+            sampling=ask.sampling,
+            stop=ask.stop,
+            chat_template=True,
+            timeout=WAIT_S,
+            draft=draft,
+        )
+        try:
+            first = next(results, None)
+        except (PromptTooLongError, PoolFullError, ValueError) as e:
+            raise an.APIError(400, str(e)) from None
+        except (EngineError, TimeoutError, MlxInferError) as e:
+            raise an.APIError(500, str(e)) from None
+        reply = _Reply(ask, tokenizer, first, results)
+        if ask.stream:
+            return StreamingResponse(reply.events(), media_type="text/event-stream")
+        try:
+            return JSONResponse(reply.whole())
+        except (EngineError, TimeoutError) as e:
+            raise an.APIError(500, str(e)) from None
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request):
+        return await _run(messages, an.parse(await body_of(request, an.APIError)))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        ask = an.parse(await body_of(request, an.APIError), count_only=True)
+        from ..generation.loop import prepare_prompt
+
+        return {"input_tokens": len(prepare_prompt(tokenizer, ask.messages, chat_template=True))}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _run(complete, oa.parse(await body_of(request), chat=True))
@@ -132,6 +185,42 @@ def make_app(
         return await _run(complete, oa.parse(await body_of(request), chat=False))
 
     return app
+
+
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+# engine metric -> (Prometheus type, help)
+METRICS = {
+    "requests_running": ("gauge", "Requests admitted: prefilling or decoding."),
+    "requests_waiting": ("gauge", "Requests waiting for room in the batch or the KV pool."),
+    "requests_done": ("counter", "Requests finished or cancelled."),
+    "prompt_tokens": ("counter", "Prompt tokens prefilled (not counting prefix-cache hits)."),
+    "generated_tokens": ("counter", "Tokens generated."),
+    "prefill_tokens_per_second": ("gauge", "Prefill throughput since start."),
+    "decode_tokens_per_second": ("gauge", "Aggregate decode throughput since start."),
+    "decode_steps": ("counter", "Batched decode forwards."),
+    "kv_blocks_in_use": ("gauge", "KV blocks referenced by running requests."),
+    "kv_blocks_cached": ("gauge", "Unreferenced KV blocks kept for prefix hits."),
+    "kv_blocks_free": ("gauge", "KV blocks free within the budget."),
+    "kv_bytes": ("gauge", "Bytes the KV pool's arrays hold."),
+    "prefix_hit_ratio": (
+        "gauge",
+        "Prompt blocks served from the prefix cache, of those looked up.",
+    ),
+    "draft_tokens": ("counter", "Tokens proposed by prompt lookup."),
+    "draft_accepted_tokens": ("counter", "Proposed tokens accepted."),
+}
+
+
+def prometheus(engine: Engine) -> str:
+    """The engine's counters in Prometheus' text format, each named ``mlxinfer_<name>``."""
+    lines = []
+    values = {"up": float(engine.alive), **engine.metrics()}
+    kinds = {"up": ("gauge", "1 while the engine thread is alive."), **METRICS}
+    for key, value in values.items():
+        kind, text = kinds[key]
+        name = f"mlxinfer_{key}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+    return "\n".join(lines) + "\n"
 
 
 async def _run(fn, *args):
@@ -178,6 +267,63 @@ def _events(ask: oa.Ask, first, results: Iterator) -> Iterator[str]:
     if ask.include_usage and last is not None:
         yield _sse({**oa.chunk(ask, None), "choices": [], "usage": oa.usage(last.stats, n)})
     yield "data: [DONE]\n\n"
+
+
+class _Reply:
+    """A /v1/messages reply, whole or as Anthropic's stream of events."""
+
+    def __init__(self, ask: an.Ask, tokenizer, first, results: Iterator):
+        self.ask, self.tokenizer, self.first, self.results = ask, tokenizer, first, results
+        self.tokens: list[int] = []
+        self.finish, self.last = "stop", first
+
+    def _pieces(self) -> Iterator[str]:
+        try:
+            for r in _chain(self.first, self.results):
+                self.tokens.append(r.token)
+                self.last, self.finish = r, r.finish_reason or self.finish
+                yield r.text
+        finally:
+            self.results.close()
+
+    def _end(self) -> tuple[str, str | None, dict]:
+        eos = bool(self.tokens) and self.tokens[-1] in self.tokenizer.eos_token_ids
+        matched = None
+        if self.finish == "stop" and not eos and self.ask.stop:
+            raw = self.tokenizer.decode(self.tokens)
+            found = [(raw.find(s), s) for s in self.ask.stop if s in raw]
+            matched = min(found)[1] if found else None
+        stats = self.last.stats if self.last is not None else an.GenerationStats()
+        reason = an.stop_reason(self.finish, eos, matched)
+        return reason, matched, an.usage(stats, len(self.tokens))
+
+    def whole(self) -> dict:
+        text = "".join(self._pieces())
+        reason, matched, usage = self._end()
+        return an.message(self.ask, text, reason, matched, usage)
+
+    def events(self) -> Iterator[str]:
+        stats = self.first.stats if self.first is not None else an.GenerationStats()
+        start = an.message(self.ask, "", None, None, an.usage(stats, 0))
+        yield an.event("message_start", {"message": start})
+        block = {"type": "text", "text": ""}
+        yield an.event("content_block_start", {"index": 0, "content_block": block})
+        yield an.event("ping", {})
+        try:
+            for text in self._pieces():
+                if text:
+                    delta = {"type": "text_delta", "text": text}
+                    yield an.event("content_block_delta", {"index": 0, "delta": delta})
+        except (EngineError, TimeoutError) as e:
+            yield an.event("error", {"error": an.APIError(500, str(e)).body()["error"]})
+            return
+        reason, matched, usage = self._end()
+        yield an.event("content_block_stop", {"index": 0})
+        delta = {"stop_reason": reason, "stop_sequence": matched}
+        yield an.event(
+            "message_delta", {"delta": delta, "usage": {"output_tokens": usage["output_tokens"]}}
+        )
+        yield an.event("message_stop", {})
 
 
 def _chain(first, results: Iterator):

@@ -1,0 +1,169 @@
+"""Anthropic's Messages API: what a /v1/messages body asks for, checked, and what is sent back.
+
+As for the OpenAI side (``openai``), a field the server does not act on is a 400 naming it.
+Errors take Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..generation.results import GenerationStats
+from ..generation.sampling import SamplingParams
+
+FIELDS = {
+    "model",
+    "messages",
+    "system",
+    "max_tokens",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "metadata",
+}
+COUNT_FIELDS = {"model", "messages", "system"}
+# HTTP status -> Anthropic's error type
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+@dataclass
+class Ask:
+    model: str
+    messages: list[dict]  # system first, if any: ready for the chat template
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
+
+
+def parse(body: Any, *, count_only: bool = False) -> Ask:
+    """Check a /v1/messages (or /v1/messages/count_tokens) body; APIError (400) naming the
+    first bad field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    allowed = COUNT_FIELDS if count_only else FIELDS
+    for name in body:
+        if name not in allowed:
+            raise APIError(400, f"{name}: unsupported field")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise APIError(400, "model: a string is required")
+    messages = _system(body.get("system")) + _messages(body.get("messages"))
+    if count_only:
+        return Ask(model, messages, 0, SamplingParams())
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise APIError(400, f"max_tokens: a positive integer is required, got {max_tokens!r}")
+    stop = body.get("stop_sequences") or []
+    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise APIError(400, "stop_sequences: a list of strings is required")
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=int(_number(body, "top_k", 0)),
+    )
+    try:
+        sampling.check()
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return Ask(
+        model,
+        messages,
+        max_tokens,
+        sampling,
+        [s for s in stop if s],
+        stream=bool(body.get("stream", False)),
+    )
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise APIError(400, f"{name}: a number is required, got {type(value).__name__}")
+    return float(value)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+        for b in content
+    ):
+        return "".join(b["text"] for b in content)
+    raise APIError(400, f"{where}: a string or a list of text blocks is required")
+
+
+def _system(system: Any) -> list[dict]:
+    if system is None:
+        return []
+    return [{"role": "system", "content": _text(system, "system")}]
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages: a non-empty list is required")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise APIError(400, f"messages.{i}.role: 'user' or 'assistant' is required")
+        out.append({"role": m["role"], "content": _text(m.get("content"), f"messages.{i}.content")})
+    return out
+
+
+def stop_reason(finish: str, eos: bool, matched: str | None) -> str:
+    if finish == "length":
+        return "max_tokens"
+    return "stop_sequence" if matched is not None and not eos else "end_turn"
+
+
+def usage(stats: GenerationStats, output_tokens: int) -> dict:
+    return {
+        "input_tokens": stats.prompt_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": stats.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def message(ask: Ask, text: str, reason: str | None, matched: str | None, usage_: dict) -> dict:
+    return {
+        "id": ask.id,
+        "type": "message",
+        "role": "assistant",
+        "model": ask.model,
+        "content": [{"type": "text", "text": text}] if text or reason else [],
+        "stop_reason": reason,
+        "stop_sequence": matched,
+        "usage": usage_,
+    }
+
+
+def event(kind: str, payload: dict) -> str:
+    import json
+
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
