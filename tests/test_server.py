@@ -214,7 +214,7 @@ def test_models_and_health(server):
     url, app = server
     assert [m.id for m in _client(url).models.list()] == [NAME]
     r = httpx.get(f"{url}/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok", "model": NAME}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "model": NAME, "restarts": 0}
 
 
 def test_health_reports_a_dead_engine(tiny):
@@ -230,6 +230,38 @@ def test_health_reports_a_dead_engine(tiny):
         assert r.status_code == 503 and r.json()["status"] == "error"
         r = client.post("/v1/chat/completions", json={"model": NAME, "messages": MESSAGES})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the fault
+def test_an_engine_fault_fails_its_requests_and_the_next_request_succeeds(tiny):
+    """A fault inside a forward pass: the request it was running gets a 500 in the API's shape,
+    /health reports the restart and the failure, and the next request is served."""
+    from fastapi.testclient import TestClient
+
+    model, tokenizer = tiny
+
+    class Faulty:  # the model, except that a forward raises
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("injected fault")
+
+    app = make_app(model, tokenizer, NAME)
+    with TestClient(app) as client:
+        app.state.engine.model = Faulty(model)
+        body = {"model": NAME, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"] == _alone(tiny, MESSAGES, 4)
+        health = client.get("/health").json()
+        assert health["status"] == "ok" and health["restarts"] == 1
+        assert "injected fault" in health["last_failure"]
 
 
 def test_serve_binds_loopback_by_default():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Iterator
@@ -45,6 +46,19 @@ def make_app(
         title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
     app.state.engine = engine or Engine(model, **engine_options)
+    app.state.failures = []  # what stopped each engine that was replaced
+    restart = threading.Lock()
+
+    def running() -> Engine:
+        """The engine, replaced by a fresh one if its thread failed: a fault fails the requests
+        it was running (a 500 each) and the next request gets a working engine."""
+        with restart:
+            engine = app.state.engine
+            if not engine.alive and engine.failure is not None:
+                app.state.failures.append(f"{type(engine.failure).__name__}: {engine.failure}")
+                app.state.engine = Engine(model, **engine_options)
+            return app.state.engine
+
     app.state.started = int(time.time())
 
     @app.exception_handler(oa.APIError)
@@ -73,12 +87,14 @@ def make_app(
 
     @app.get("/health")
     def health():
-        engine = app.state.engine
+        engine = running()
+        report = {"model": name, "restarts": len(app.state.failures)}
+        if app.state.failures:
+            report["last_failure"] = app.state.failures[-1]
         if engine.alive:
-            return {"status": "ok", "model": name}
-        return JSONResponse(
-            {"status": "error", "error": str(engine.failure or "engine closed")}, status_code=503
-        )
+            return {"status": "ok", **report}
+        error = str(engine.failure or "engine closed")
+        return JSONResponse({"status": "error", "error": error, **report}, status_code=503)
 
     @app.get("/metrics")
     def metrics():
@@ -114,7 +130,7 @@ def make_app(
                 param="model",
                 code="model_not_found",
             )
-        results = app.state.engine.stream(
+        results = running().stream(
             tokenizer,
             ask.prompt,
             max_tokens=ask.max_tokens,
@@ -141,7 +157,7 @@ def make_app(
     def messages(ask: an.Ask):
         if ask.model != name:
             raise an.APIError(404, f"model: '{ask.model}' not found (this server has '{name}')")
-        results = app.state.engine.stream(
+        results = running().stream(
             tokenizer,
             ask.messages,
             max_tokens=ask.max_tokens,
