@@ -5,6 +5,7 @@ by raw HTTP. Needs the server extra (FastAPI, uvicorn) and the ``openai`` client
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -92,6 +93,39 @@ def test_streamed_chat_through_the_openai_client(server, tiny):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_logprobs_whole_and_streamed(server, tiny):
+    """Greedy: each token is its position's most likely one, so its log-prob heads its
+    top_logprobs; the tokens spell the content; the stream carries the same entries."""
+    url, _ = server
+    model, tokenizer = tiny
+    ask = dict(
+        model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    r = _client(url).chat.completions.create(**ask)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 8 and "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob) and t.logprob <= 0
+        assert sum(math.exp(a.logprob) for a in t.top_logprobs) <= 1 + 1e-5
+        assert t.bytes == list(t.token.encode())
+    streamed = [
+        e
+        for c in _client(url).chat.completions.create(**ask, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in content
+    ]
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": NAME, "messages": MESSAGES, "top_logprobs": 2},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 def test_text_completion(server, tiny):

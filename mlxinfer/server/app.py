@@ -151,8 +151,9 @@ def make_app(
         except (EngineError, TimeoutError, MlxInferError) as e:
             raise oa.APIError(500, str(e), type="server_error") from None
         if ask.stream:
-            return StreamingResponse(_events(ask, first, results), media_type="text/event-stream")
-        return _whole(ask, first, results)
+            events = _events(ask, tokenizer, first, results)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return _whole(ask, tokenizer, first, results)
 
     def messages(ask: an.Ask):
         if ask.model != name:
@@ -245,11 +246,18 @@ async def _run(fn, *args):
     return await run_in_threadpool(fn, *args)
 
 
-def _whole(ask: oa.Ask, first, results: Iterator) -> JSONResponse:
-    parts, n, finish, last = [], 0, "stop", first
+def _entry(ask: oa.Ask, tokenizer, r) -> list[dict]:
+    if not ask.logprobs or r.logprobs is None:
+        return []
+    return [oa.token_logprobs(tokenizer, r.token, r.logprobs, ask.top_logprobs)]
+
+
+def _whole(ask: oa.Ask, tokenizer, first, results: Iterator) -> JSONResponse:
+    parts, n, finish, last, logprobs = [], 0, "stop", first, []
     try:
         for r in _chain(first, results):
             parts.append(r.text)
+            logprobs += _entry(ask, tokenizer, r)
             n += 1
             last = r
             finish = r.finish_reason or finish
@@ -258,28 +266,30 @@ def _whole(ask: oa.Ask, first, results: Iterator) -> JSONResponse:
     finally:
         results.close()
     stats = last.stats if last is not None else oa.GenerationStats()
-    return JSONResponse(oa.response(ask, "".join(parts), finish, stats, n))
+    return JSONResponse(oa.response(ask, "".join(parts), finish, stats, n, logprobs))
 
 
-def _events(ask: oa.Ask, first, results: Iterator) -> Iterator[str]:
-    """SSE ``data:`` lines: a first chunk with the role, one per text piece, the finish, the
-    usage if asked, then ``[DONE]``."""
-    n, finish, last = 0, "stop", first
+def _events(ask: oa.Ask, tokenizer, first, results: Iterator) -> Iterator[str]:
+    """SSE ``data:`` lines: a first chunk with the role, one per text piece (with the log-probs
+    of the tokens since the last one, if asked), the finish, the usage if asked, then ``[DONE]``."""
+    n, finish, last, pending = 0, "stop", first, []
     yield _sse(oa.chunk(ask, None, first=True) if ask.chat else oa.chunk(ask, ""))
     try:
         for r in _chain(first, results):
             n += 1
             last = r
             finish = r.finish_reason or finish
+            pending += _entry(ask, tokenizer, r)
             if r.text:
-                yield _sse(oa.chunk(ask, r.text))
+                yield _sse(oa.chunk(ask, r.text, logprobs=pending))
+                pending = []
     except (EngineError, TimeoutError) as e:
         yield _sse(oa.APIError(500, str(e), type="server_error").body())
         yield "data: [DONE]\n\n"
         return
     finally:
         results.close()  # also when the client went away: the request is cancelled
-    yield _sse(oa.chunk(ask, None, finish))
+    yield _sse(oa.chunk(ask, None, finish, logprobs=pending))
     if ask.include_usage and last is not None:
         yield _sse({**oa.chunk(ask, None), "choices": [], "usage": oa.usage(last.stats, n)})
     yield "data: [DONE]\n\n"

@@ -18,6 +18,8 @@ from ..generation.sampling import SamplingParams
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
 CHAT_FIELDS = {
+    "logprobs",
+    "top_logprobs",
     "model",
     "messages",
     "max_tokens",
@@ -87,6 +89,8 @@ class Ask:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    logprobs: bool = False  # chat: each token's log-prob, and its ``top_logprobs`` alternatives
+    top_logprobs: int = 0
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -143,9 +147,40 @@ def parse(body: Any, *, chat: bool) -> Ask:
         stream=bool(_typed(body, "stream", bool, default=False)),
         include_usage=bool(options.get("include_usage", False)),
     )
-    if not chat:
+    if chat:
+        ask.logprobs = bool(_typed(body, "logprobs", bool, default=False))
+        ask.top_logprobs = _typed(body, "top_logprobs", int, default=0)
+        if not 0 <= ask.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(
+                400,
+                f"'top_logprobs' must be in 0..{MAX_TOP_LOGPROBS}, got {ask.top_logprobs}",
+                param="top_logprobs",
+            )
+        if ask.top_logprobs and not ask.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    else:
         ask.id = ask.id.replace("chatcmpl-", "cmpl-")
     return ask
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(tokenizer, token: int, logprobs, top: int) -> dict:
+    """One token's entry of a chat ``logprobs.content``: its text, log-prob and bytes, and the
+    ``top`` most likely tokens at its position (from the (V,) log-probs it was drawn from)."""
+    import numpy as np
+
+    values = np.asarray(logprobs, dtype=np.float32)
+
+    def entry(t: int) -> dict:
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": float(values[t]), "bytes": list(text.encode("utf-8"))}
+
+    out = entry(token)
+    best = np.argsort(-values)[:top] if top else []
+    out["top_logprobs"] = [entry(int(t)) for t in best]
+    return out
 
 
 def _typed(body: dict, name: str, kind: type, *, default: Any = None, required: bool = False):
@@ -216,14 +251,21 @@ def timings(stats: GenerationStats, completion_tokens: int) -> dict:
     }
 
 
-def response(ask: Ask, text: str, finish: str, stats: GenerationStats, n_tokens: int) -> dict:
-    """The whole (non-streamed) response."""
+def response(
+    ask: Ask,
+    text: str,
+    finish: str,
+    stats: GenerationStats,
+    n_tokens: int,
+    logprobs: list[dict] | None = None,
+) -> dict:
+    """The whole (non-streamed) response; ``logprobs``: the chat tokens' entries, if asked."""
     if ask.chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "finish_reason": finish,
-            "logprobs": None,
+            "logprobs": {"content": logprobs or []} if ask.logprobs else None,
         }
         kind = "chat.completion"
     else:
@@ -240,13 +282,22 @@ def response(ask: Ask, text: str, finish: str, stats: GenerationStats, n_tokens:
     }
 
 
-def chunk(ask: Ask, text: str | None, finish: str | None = None, *, first: bool = False) -> dict:
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+def chunk(
+    ask: Ask,
+    text: str | None,
+    finish: str | None = None,
+    *,
+    first: bool = False,
+    logprobs: list[dict] | None = None,
+) -> dict:
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``); ``logprobs``: the
+    entries of the tokens it carries, if asked."""
     if ask.chat:
         delta: dict = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        lp = {"content": logprobs} if ask.logprobs and logprobs else None
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         kind = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
