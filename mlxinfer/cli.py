@@ -407,9 +407,35 @@ def chat(
     "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV pool."
 )
 @click.option("--prompt-lookup", is_flag=True, help="Speculative decoding by prompt lookup.")
+@click.option(
+    "--models-dir",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="Also serve every converted model in this directory (by its directory's name), loaded "
+    "on first use.",
+)
+@click.option(
+    "--keep-alive",
+    default=300.0,
+    show_default=True,
+    type=float,
+    help="Seconds a --models-dir model stays loaded while idle.",
+)
 @click.option("--verbose", "-v", is_flag=True)
 @_errors_to_click
-def serve(model, host, port, api_key, max_batch, kv_budget, kv_bits, prompt_lookup, verbose):
+def serve(
+    model,
+    host,
+    port,
+    api_key,
+    max_batch,
+    kv_budget,
+    kv_bits,
+    prompt_lookup,
+    models_dir,
+    keep_alive,
+    verbose,
+):
     """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
     try:
         import fastapi  # noqa: F401
@@ -423,13 +449,16 @@ def serve(model, host, port, api_key, max_batch, kv_budget, kv_bits, prompt_look
     from .generation.drafts import PromptLookup
     from .server import serve as run
 
-    llm, tokenizer = _load(model, verbose)
-    name = Path(model).name if model else "SmolLM2-135M-Instruct"
+    llm = tokenizer = name = None
+    if model is not None or models_dir is None:  # with --models-dir alone: only those
+        llm, tokenizer = _load(model, verbose)
+        name = Path(model).name if model else "SmolLM2-135M-Instruct"
     options = {"max_batch": max_batch, "kv_budget": kv_budget}
     options = {k: v for k, v in options.items() if v is not None}
     if kv_bits:
         options["kv_bits"] = int(kv_bits)
-    _log(f"serving {name} on http://{host}:{port} (OpenAI API under /v1)")
+    served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)
+    _log(f"serving {served} on http://{host}:{port} (OpenAI and Anthropic APIs under /v1)")
     run(
         llm,
         tokenizer,
@@ -438,6 +467,8 @@ def serve(model, host, port, api_key, max_batch, kv_budget, kv_bits, prompt_look
         port=port,
         api_key=api_key,
         draft=PromptLookup() if prompt_lookup else None,
+        models_dir=Path(models_dir) if models_dir else None,
+        keep_alive=keep_alive if models_dir else None,
         **options,
     )
 

@@ -9,6 +9,7 @@ import math
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hf_models import add_tokenizer, make_tiny
@@ -160,13 +161,18 @@ def test_eight_concurrent_streams_each_get_their_text_alone(server, tiny):
     assert got == expected
 
 
-def _metrics(url: str) -> dict[str, float]:
+def _metrics(url: str, model: str = NAME) -> dict[str, float]:
+    """The samples of ``/metrics`` for ``model`` (labels dropped), and the unlabelled ones."""
     text = httpx.get(f"{url}/metrics").text
-    return {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        name, _, label = key.partition("{")
+        if not label or label == f'model="{model}"}}':
+            out[name] = float(value)
+    return out
 
 
 def test_metrics_count_tokens_and_blocks(server):
@@ -248,7 +254,8 @@ def test_models_and_health(server):
     url, app = server
     assert [m.id for m in _client(url).models.list()] == [NAME]
     r = httpx.get(f"{url}/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok", "model": NAME, "restarts": 0}
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "models": {NAME: {"loaded": True, "restarts": 0}}}
 
 
 def test_health_reports_a_dead_engine(tiny):
@@ -259,7 +266,7 @@ def test_health_reports_a_dead_engine(tiny):
     app = make_app(model, tokenizer, NAME)
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
-        app.state.engine.close()
+        app.state.models.entries[NAME].engine.close()
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "error"
         r = client.post("/v1/chat/completions", json={"model": NAME, "messages": MESSAGES})
@@ -286,7 +293,7 @@ def test_an_engine_fault_fails_its_requests_and_the_next_request_succeeds(tiny):
 
     app = make_app(model, tokenizer, NAME)
     with TestClient(app) as client:
-        app.state.engine.model = Faulty(model)
+        app.state.models.entries[NAME].engine.model = Faulty(model)
         body = {"model": NAME, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
@@ -294,8 +301,8 @@ def test_an_engine_fault_fails_its_requests_and_the_next_request_succeeds(tiny):
         assert r.status_code == 200
         assert r.json()["choices"][0]["message"]["content"] == _alone(tiny, MESSAGES, 4)
         health = client.get("/health").json()
-        assert health["status"] == "ok" and health["restarts"] == 1
-        assert "injected fault" in health["last_failure"]
+        assert health["status"] == "ok" and health["models"][NAME]["restarts"] == 1
+        assert "injected fault" in health["models"][NAME]["last_failure"]
 
 
 def test_serve_binds_loopback_by_default():
@@ -378,3 +385,47 @@ def test_count_tokens_and_anthropic_errors(server):
 
     with pytest.raises(anthropic.AuthenticationError):
         _anthropic(url, key="wrong").messages.create(model=NAME, messages=MESSAGES, max_tokens=2)
+
+
+# --- several models: --models-dir and --keep-alive ------------------------------------------------
+
+
+def test_models_from_a_directory_load_on_first_use_and_unload_when_idle(tiny, tmp_path):
+    """Two converted models under a directory: listed before they load, each loaded by the first
+    request that names it, unloaded after keep_alive idle seconds and loaded again on demand; a
+    name that is not one of them (a path included) is a 404."""
+    from fastapi.testclient import TestClient
+
+    from mlxinfer.conversion import convert
+
+    src, _ = make_tiny(tmp_path / "hf", vocab_size=320, hidden_size=64)
+    add_tokenizer(src)
+    for name in ("alpha", "beta"):
+        convert(src, tmp_path / "models" / name, dtype="float32")
+    (tmp_path / "models" / "notes").mkdir()  # no config.json: not a model
+    loads = []
+
+    def load_counted(path):
+        loads.append(Path(path).name)
+        return load(path)
+
+    app = make_app(models_dir=tmp_path / "models", keep_alive=3600, load=load_counted)
+    registry = app.state.models
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    with TestClient(app) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["alpha", "beta"]
+        assert loads == []
+        r = client.post("/v1/chat/completions", json={"model": "alpha", **body})
+        assert r.status_code == 200 and loads == ["alpha"]
+        assert r.json()["choices"][0]["message"]["content"] == _alone(tiny, MESSAGES, 4)
+        client.post("/v1/chat/completions", json={"model": "alpha", **body})
+        assert loads == ["alpha"]  # loaded once
+        health = client.get("/health").json()["models"]
+        assert health["alpha"]["loaded"] and not health["beta"]["loaded"]
+        assert registry.reap(now=time.monotonic() + 3601) == ["alpha"]
+        assert not client.get("/health").json()["models"]["alpha"]["loaded"]
+        r = client.post("/v1/chat/completions", json={"model": "alpha", **body})
+        assert r.status_code == 200 and loads == ["alpha", "alpha"]
+        for bad in ("gamma", "notes", "../models/alpha", str(tmp_path / "models" / "alpha")):
+            r = client.post("/v1/chat/completions", json={"model": bad, **body})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", bad

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hmac
 import json
-import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -21,45 +21,54 @@ from ..batch import Engine, EngineError, PoolFullError
 from ..errors import MlxInferError, PromptTooLongError
 from . import anthropic as an
 from . import openai as oa
+from .models import Models
 
 WAIT_S = 600.0  # most seconds a request waits for any one token before it fails
 
 
 def make_app(
-    model,
-    tokenizer,
-    name: str,
+    model=None,
+    tokenizer=None,
+    name: str | None = None,
     *,
     api_key: str | None = None,
     draft=None,
     engine: Engine | None = None,
+    models_dir: Path | None = None,
+    keep_alive: float | None = None,
+    load: Callable | None = None,
     **engine_options,
 ) -> FastAPI:
-    """An app serving ``model`` as ``name``; ``engine_options`` go to :class:`Engine`."""
+    """An app serving ``model`` as ``name`` and/or the converted models under ``models_dir``
+    (loaded with ``load`` on first use, unloaded after ``keep_alive`` idle seconds);
+    ``engine_options`` go to each :class:`Engine`."""
+    if model is None and models_dir is None:
+        raise ValueError("make_app: give a model, a models_dir, or both")
+    if load is None:
+        from ..loader import load
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        app.state.engine.close()
+        app.state.models.close()
 
     app = FastAPI(
         title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
-    app.state.engine = engine or Engine(model, **engine_options)
-    app.state.failures = []  # what stopped each engine that was replaced
-    restart = threading.Lock()
-
-    def running() -> Engine:
-        """The engine, replaced by a fresh one if its thread failed: a fault fails the requests
-        it was running (a 500 each) and the next request gets a working engine."""
-        with restart:
-            engine = app.state.engine
-            if not engine.alive and engine.failure is not None:
-                app.state.failures.append(f"{type(engine.failure).__name__}: {engine.failure}")
-                app.state.engine = Engine(model, **engine_options)
-            return app.state.engine
-
+    registry = Models(
+        engine_options=engine_options, models_dir=models_dir, keep_alive=keep_alive, load=load
+    )
+    if model is not None:
+        registry.add_loaded(name, model, tokenizer, engine)
+    app.state.models = registry
     app.state.started = int(time.time())
+
+    def served(requested: str, error):
+        entry = registry.get(requested)
+        if entry is None:
+            names = ", ".join(registry.names())
+            raise error(f"model '{requested}' not found (this server has: {names})")
+        return entry
 
     @app.exception_handler(oa.APIError)
     async def api_error(request: Request, e: oa.APIError):
@@ -87,34 +96,36 @@ def make_app(
 
     @app.get("/health")
     def health():
-        engine = running()
-        report = {"model": name, "restarts": len(app.state.failures)}
-        if app.state.failures:
-            report["last_failure"] = app.state.failures[-1]
-        if engine.alive:
-            return {"status": "ok", **report}
-        error = str(engine.failure or "engine closed")
-        return JSONResponse({"status": "error", "error": error, **report}, status_code=503)
+        report, ok, errors = {}, True, []
+        for entry in list(registry.entries.values()):
+            if entry.loaded and not entry.engine.alive and entry.engine.failure is not None:
+                registry.get(entry.name)  # a failed engine is replaced now
+            item = {"loaded": entry.loaded, "restarts": len(entry.failures)}
+            if entry.failures:
+                item["last_failure"] = entry.failures[-1]
+            if entry.loaded and not entry.engine.alive:
+                ok = False
+                errors.append(f"{entry.name}: {entry.engine.failure or 'engine closed'}")
+            report[entry.name] = item
+        if ok:
+            return {"status": "ok", "models": report}
+        return JSONResponse(
+            {"status": "error", "error": "; ".join(errors), "models": report}, status_code=503
+        )
 
     @app.get("/metrics")
     def metrics():
         from fastapi.responses import PlainTextResponse
 
-        return PlainTextResponse(prometheus(app.state.engine), media_type=PROMETHEUS)
+        return PlainTextResponse(prometheus(registry), media_type=PROMETHEUS)
 
     @app.get("/v1/models")
     def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": app.state.started,
-                    "owned_by": "mlxinfer",
-                }
-            ],
-        }
+        data = [
+            {"id": n, "object": "model", "created": app.state.started, "owned_by": "mlxinfer"}
+            for n in registry.names()
+        ]
+        return {"object": "list", "data": data}
 
     async def body_of(request: Request, error=oa.APIError) -> Any:
         try:
@@ -123,14 +134,12 @@ def make_app(
             raise error(400, "the request body is not valid JSON") from None
 
     def complete(ask: oa.Ask):
-        if ask.model != name:
-            raise oa.APIError(
-                404,
-                f"model '{ask.model}' not found (this server has '{name}')",
-                param="model",
-                code="model_not_found",
-            )
-        results = running().stream(
+        entry = served(
+            ask.model,
+            lambda m: oa.APIError(404, m, param="model", code="model_not_found"),
+        )
+        tokenizer = entry.tokenizer
+        results = entry.engine.stream(
             tokenizer,
             ask.prompt,
             max_tokens=ask.max_tokens,
@@ -156,9 +165,9 @@ def make_app(
         return _whole(ask, tokenizer, first, results)
 
     def messages(ask: an.Ask):
-        if ask.model != name:
-            raise an.APIError(404, f"model: '{ask.model}' not found (this server has '{name}')")
-        results = running().stream(
+        entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
+        tokenizer = entry.tokenizer
+        results = entry.engine.stream(
             tokenizer,
             ask.messages,
             max_tokens=ask.max_tokens,
@@ -191,7 +200,9 @@ def make_app(
         ask = an.parse(await body_of(request, an.APIError), count_only=True)
         from ..generation.loop import prepare_prompt
 
-        return {"input_tokens": len(prepare_prompt(tokenizer, ask.messages, chat_template=True))}
+        entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
+        ids = prepare_prompt(entry.tokenizer, ask.messages, chat_template=True)
+        return {"input_tokens": len(ids)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -228,16 +239,33 @@ METRICS = {
 }
 
 
-def prometheus(engine: Engine) -> str:
-    """The engine's counters in Prometheus' text format, each named ``mlxinfer_<name>``."""
-    lines = []
-    values = {"up": float(engine.alive), **engine.metrics()}
-    kinds = {"up": ("gauge", "1 while the engine thread is alive."), **METRICS}
-    for key, value in values.items():
-        kind, text = kinds[key]
-        name = f"mlxinfer_{key}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+def prometheus(registry: Models) -> str:
+    """Each loaded model's engine counters in Prometheus' text format, ``mlxinfer_<name>``
+    labelled with the model."""
+    kinds = {"up": ("gauge", "1 while the model's engine thread is alive."), **METRICS}
+    samples: dict[str, list[str]] = {key: [] for key in kinds}
+    loaded = 0
+    for entry in list(registry.entries.values()):
+        engine = entry.engine
+        if engine is None:
+            continue
+        loaded += 1
+        label = '{model="' + entry.name.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+        for key, value in {"up": float(engine.alive), **engine.metrics()}.items():
+            samples[key].append(f"{_metric(key, kinds)}{label} {value:g}")
+    lines = [
+        "# HELP mlxinfer_models_loaded Models loaded now.",
+        "# TYPE mlxinfer_models_loaded gauge",
+        f"mlxinfer_models_loaded {loaded}",
+    ]
+    for key, (kind, text) in kinds.items():
+        name = _metric(key, kinds)
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples[key]]
     return "\n".join(lines) + "\n"
+
+
+def _metric(key: str, kinds: dict) -> str:
+    return f"mlxinfer_{key}" + ("_total" if kinds[key][0] == "counter" else "")
 
 
 async def _run(fn, *args):

@@ -1,0 +1,132 @@
+"""The models a server serves: the one it was started with, and any converted model under
+``--models-dir``, loaded on first use and unloaded after ``--keep-alive`` idle seconds (as
+Ollama and LM Studio do).
+
+A request names a model; the name is looked up among the directories found under the
+models directory (each one holding a ``config.json``), never joined to a path. Each loaded
+model has its own batching engine; an engine whose thread failed is replaced at the next
+request for it (its requests got a 500), and the failure is kept for ``/health``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..batch import Engine
+
+
+@dataclass
+class Entry:
+    name: str
+    path: Path | None  # None: given loaded, kept for the server's life
+    model: Any = None
+    tokenizer: Any = None
+    engine: Engine | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    failures: list[str] = field(default_factory=list)
+    loads: int = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self.engine is not None
+
+
+class Models:
+    def __init__(
+        self,
+        *,
+        engine_options: dict,
+        models_dir: Path | None = None,
+        keep_alive: float | None = None,
+        load: Callable[[str], tuple[Any, Any]] | None = None,
+    ) -> None:
+        self.engine_options = engine_options
+        self.models_dir = Path(models_dir) if models_dir is not None else None
+        self.keep_alive = keep_alive
+        self._load = load
+        self.entries: dict[str, Entry] = {}
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
+        self.scan()
+        if self.models_dir is not None and keep_alive is not None:
+            period = max(0.05, min(5.0, keep_alive / 4))
+            threading.Thread(target=self._reap_loop, args=(period,), daemon=True).start()
+
+    def add_loaded(self, name: str, model, tokenizer, engine: Engine | None = None) -> None:
+        """A model given loaded: served until the server stops."""
+        engine = engine or Engine(model, **self.engine_options)
+        self.entries[name] = Entry(name, None, model, tokenizer, engine, loads=1)
+
+    def scan(self) -> None:
+        """Find the model directories under the models directory (new ones too)."""
+        if self.models_dir is None or not self.models_dir.is_dir():
+            return
+        with self._lock:
+            for path in sorted(self.models_dir.iterdir()):
+                if path.is_dir() and (path / "config.json").is_file():
+                    self.entries.setdefault(path.name, Entry(path.name, path))
+
+    def names(self) -> list[str]:
+        self.scan()
+        return list(self.entries)
+
+    def get(self, name: str) -> Entry | None:
+        """The entry for ``name`` with a working engine (loaded now if it was not), or None if
+        no model has that name."""
+        with self._lock:
+            entry = self.entries.get(name)
+            if entry is None:
+                self.scan()
+                entry = self.entries.get(name)
+            if entry is None:
+                return None
+            if entry.engine is not None and not entry.engine.alive:
+                if entry.engine.failure is not None:
+                    failure = entry.engine.failure
+                    entry.failures.append(f"{type(failure).__name__}: {failure}")
+                    entry.engine = Engine(entry.model, **self.engine_options)
+            if entry.engine is None:
+                entry.model, entry.tokenizer = self._load(str(entry.path))
+                entry.engine = Engine(entry.model, **self.engine_options)
+                entry.loads += 1
+            entry.last_used = time.monotonic()
+            return entry
+
+    def touch(self, entry: Entry) -> None:
+        entry.last_used = time.monotonic()
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Unload the models from the models directory idle for ``keep_alive`` seconds (no
+        request running or waiting); returns their names."""
+        if self.keep_alive is None:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = []
+        with self._lock:
+            for entry in self.entries.values():
+                if entry.path is None or entry.engine is None:
+                    continue
+                busy = entry.engine.metrics()
+                if busy["requests_running"] or busy["requests_waiting"]:
+                    entry.last_used = now
+                    continue
+                if now - entry.last_used >= self.keep_alive:
+                    entry.engine.close()
+                    entry.engine = entry.model = entry.tokenizer = None
+                    gone.append(entry.name)
+        return gone
+
+    def _reap_loop(self, period: float) -> None:
+        while not self._closed.wait(period):
+            self.reap()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            for entry in self.entries.values():
+                if entry.engine is not None:
+                    entry.engine.close()
