@@ -133,57 +133,59 @@ def make_app(
         except (ValueError, UnicodeDecodeError):
             raise error(400, "the request body is not valid JSON") from None
 
+    def start(entry, prompt, ask, chat_template: bool, bad, failed):
+        """The request's results and its first one: a prompt that does not fit fails here,
+        before any byte is sent (``bad``: a 400 of the API's shape, ``failed``: a 500)."""
+        results = entry.engine.stream(
+            entry.tokenizer,
+            prompt,
+            max_tokens=ask.max_tokens,
+            sampling=ask.sampling,
+            stop=ask.stop,
+            chat_template=chat_template,
+            timeout=WAIT_S,
+            draft=draft,
+        )
+        try:
+            return next(results, None), results
+        except (PromptTooLongError, PoolFullError, ValueError) as e:
+            raise bad(e) from None
+        except (EngineError, TimeoutError, MlxInferError) as e:
+            raise failed(e) from None
+
     def complete(ask: oa.Ask):
         entry = served(
             ask.model,
             lambda m: oa.APIError(404, m, param="model", code="model_not_found"),
         )
-        tokenizer = entry.tokenizer
-        results = entry.engine.stream(
-            tokenizer,
+        first, results = start(
+            entry,
             ask.prompt,
-            max_tokens=ask.max_tokens,
-            sampling=ask.sampling,
-            stop=ask.stop,
-            chat_template=ask.chat,
-            timeout=WAIT_S,
-            draft=draft,
-        )
-        try:  # the first result: a prompt that does not fit fails here, before any byte is sent
-            first = next(results, None)
-        except (PromptTooLongError, PoolFullError, ValueError) as e:
-            raise oa.APIError(
+            ask,
+            ask.chat,
+            lambda e: oa.APIError(
                 400,
                 str(e),
                 code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None,
-            ) from None
-        except (EngineError, TimeoutError, MlxInferError) as e:
-            raise oa.APIError(500, str(e), type="server_error") from None
+            ),
+            lambda e: oa.APIError(500, str(e), type="server_error"),
+        )
         if ask.stream:
-            events = _events(ask, tokenizer, first, results)
+            events = _events(ask, entry.tokenizer, first, results)
             return StreamingResponse(events, media_type="text/event-stream")
-        return _whole(ask, tokenizer, first, results)
+        return _whole(ask, entry.tokenizer, first, results)
 
     def messages(ask: an.Ask):
         entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
-        tokenizer = entry.tokenizer
-        results = entry.engine.stream(
-            tokenizer,
+        first, results = start(
+            entry,
             ask.messages,
-            max_tokens=ask.max_tokens,
-            sampling=ask.sampling,
-            stop=ask.stop,
-            chat_template=True,
-            timeout=WAIT_S,
-            draft=draft,
+            ask,
+            True,
+            lambda e: an.APIError(400, str(e)),
+            lambda e: an.APIError(500, str(e)),
         )
-        try:
-            first = next(results, None)
-        except (PromptTooLongError, PoolFullError, ValueError) as e:
-            raise an.APIError(400, str(e)) from None
-        except (EngineError, TimeoutError, MlxInferError) as e:
-            raise an.APIError(500, str(e)) from None
-        reply = _Reply(ask, tokenizer, first, results)
+        reply = _Reply(ask, entry.tokenizer, first, results)
         if ask.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream")
         try:
