@@ -18,7 +18,7 @@ import pytest
 from hf_models import make_tiny, torch_greedy
 
 from mlxinfer.batch import Engine, KVPool, PoolFullError
-from mlxinfer.batch.engine import layer_shapes
+from mlxinfer.batch.layout import layer_shapes
 from mlxinfer.batch.pool import LayerShape
 from mlxinfer.generation import generate_step
 from mlxinfer.generation.sampling import SamplingParams

@@ -18,7 +18,7 @@ import mlxinfer  # noqa: F401  (before mlx: the fast BLAS)
 import mlx.core as mx
 import numpy as np
 
-from mlxinfer.batch.engine import layer_shapes
+from mlxinfer.batch.layout import layer_shapes
 from mlxinfer.batch.pool import KVPool
 from mlxinfer.batch.views import StepBatch
 

@@ -1,0 +1,72 @@
+"""What the pool holds for a model: each layer's key and value shapes (and their storage), and
+whether the model's rows can decode together.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..cache import KVCache, LatentKVCache, RotatingKVCache
+from ..models.layers.rope import LongRoPE, RoPE
+from .pool import LayerShape
+
+
+def layer_shapes(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list[LayerShape]:
+    """Each layer's cached key and value shapes, read from a one-token forward; stored with
+    ``kv_bits`` in groups of ``kv_group_size`` if given (checked as the model's own
+    quantized cache checks it)."""
+    cache = model.make_cache()
+    model(mx.array([[0]], dtype=mx.int32), cache)
+    if kv_bits is not None:
+        if kv_bits not in (4, 8):
+            raise ValueError(f"kv_bits must be 4 or 8, got {kv_bits}")
+        model.make_cache(kv_bits=kv_bits, kv_group_size=kv_group_size)  # the family's refusals
+        if any(isinstance(c, LatentKVCache) for c in cache):
+            raise ValueError("kv_bits: the pool does not quantize latent (MLA) caches yet")
+    shapes = []
+    for i, c in enumerate(cache):
+        k, v = c.state[:2]
+        if kv_bits is not None and (k.shape[-1] % kv_group_size or v.shape[-1] % kv_group_size):
+            raise ValueError(
+                f"kv_bits: layer {i}'s keys ({k.shape[-1]}) and values ({v.shape[-1]}) must be "
+                f"whole groups of kv_group_size={kv_group_size}"
+            )
+        shapes.append(
+            LayerShape(
+                k.shape[1],
+                k.shape[-1],
+                v.shape[-1],
+                k.dtype,
+                bits=kv_bits,
+                group_size=kv_group_size,
+            )
+        )
+    return shapes
+
+
+def check_batchable(model) -> tuple[bool, list[int | None]]:
+    """Raise for a model the pool cannot hold; else (whether its rows can decode together,
+    each layer's sliding window or None).
+
+    Rows decode together when every position comes from ``cache.offset``, one per
+    row: RoPE with fixed frequencies, learned and sinusoidal tables, ALiBi. Dynamic
+    NTK and LongRoPE, whose frequencies depend on the sequence's length, decode one
+    row per forward, with the same results. A sliding-window layer keeps every key
+    in the pool and slides its mask.
+    """
+    windows: list[int | None] = []
+    for c in model.make_cache():
+        if isinstance(c, RotatingKVCache) and c.keep == 0:
+            windows.append(c.max_size)
+        elif type(c) in (KVCache, LatentKVCache):
+            windows.append(None)
+        else:
+            raise NotImplementedError(
+                f"batching: {type(model).__module__} uses a {type(c).__name__}, which the paged "
+                "pool does not hold yet"
+            )
+    together = getattr(model, "positions_from_offset", True) and not any(
+        isinstance(m, LongRoPE) or (isinstance(m, RoPE) and m.dynamic is not None)
+        for _, m in model.named_modules()
+    )
+    return together, windows
