@@ -421,6 +421,13 @@ def chat(
     type=float,
     help="Seconds a --models-dir model stays loaded while idle.",
 )
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="Let pages from this origin call the API from a browser (repeatable; '*' for any). "
+    "Default: no CORS headers.",
+)
 @click.option("--verbose", "-v", is_flag=True)
 @_errors_to_click
 def serve(
@@ -434,6 +441,7 @@ def serve(
     prompt_lookup,
     models_dir,
     keep_alive,
+    cors_origins,
     verbose,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
@@ -469,6 +477,7 @@ def serve(
         draft=PromptLookup() if prompt_lookup else None,
         models_dir=Path(models_dir) if models_dir else None,
         keep_alive=keep_alive if models_dir else None,
+        cors_origins=list(cors_origins),
         **options,
     )
 

@@ -9,6 +9,7 @@ import math
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ pytest.importorskip("fastapi", reason="the server extra (FastAPI) is not install
 uvicorn = pytest.importorskip("uvicorn", reason="the server extra (uvicorn) is not installed")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx (the openai client's HTTP) is not installed")
+
+from scripted import ScriptedEngine  # noqa: E402
 
 from mlxinfer import generate, load  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
@@ -39,11 +42,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny):
-    """A server on a loopback port, for the module; yields its base URL and its app."""
-    model, tokenizer = tiny
-    app = make_app(model, tokenizer, NAME, api_key=KEY, max_batch=8)
+@contextmanager
+def serving(app):
+    """``app`` served by uvicorn on a loopback port; yields its base URL."""
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     srv = uvicorn.Server(config)
@@ -53,9 +54,20 @@ def server(tiny):
     while not srv.started:
         assert time.monotonic() < deadline, "the server did not start within 30 s"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    srv.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    """A server on a loopback port, for the module; yields its base URL and its app."""
+    model, tokenizer = tiny
+    app = make_app(model, tokenizer, NAME, api_key=KEY, max_batch=8)
+    with serving(app) as url:
+        yield url, app
 
 
 def _client(url: str):
@@ -206,6 +218,42 @@ def test_a_client_that_goes_away_frees_its_blocks(server):
         time.sleep(0.05)
 
 
+def test_a_hang_up_cancels_the_request_at_once(tiny):
+    """The stream is closed (in the engine: the request cancelled) within a token of the client
+    going away, not when it would have ended (about 30 s here)."""
+    engine = ScriptedEngine()
+    with serving(make_app(*tiny, NAME, engine=engine)) as url:
+        body = {"model": NAME, "messages": [{"role": "user", "content": "long"}], "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 6:
+                    break
+        assert engine.closed.wait(3), "the request ran on after its client went away"
+
+
+def test_a_quiet_stream_is_kept_alive(tiny, monkeypatch):
+    """While no token comes, SSE comments (OpenAI) or ping events (Anthropic) keep the
+    connection alive; the clients skip them and get the whole text."""
+    from scripted import REPLY
+
+    from mlxinfer.server import sse
+
+    monkeypatch.setattr(sse, "KEEP_ALIVE_S", 0.05)
+    with serving(make_app(*tiny, NAME, engine=ScriptedEngine(pause=0.5))) as url:
+        body = {"model": NAME, "messages": MESSAGES, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            lines = list(r.iter_lines())
+        assert lines.count(": keep-alive") >= 3 and lines[-2] == "data: [DONE]"
+        chunks = _client(url).chat.completions.create(model=NAME, messages=MESSAGES, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY
+        client = _anthropic(url)
+        with client.messages.stream(model=NAME, max_tokens=64, messages=MESSAGES) as stream:
+            assert "".join(stream.text_stream) == REPLY
+        with httpx.stream("POST", f"{url}/v1/messages", json={**body, "max_tokens": 64}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("event:")]
+        assert events.count("event: ping") >= 4 and events[-1] == "event: message_stop"
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
@@ -303,6 +351,31 @@ def test_an_engine_fault_fails_its_requests_and_the_next_request_succeeds(tiny):
         health = client.get("/health").json()
         assert health["status"] == "ok" and health["models"][NAME]["restarts"] == 1
         assert "injected fault" in health["models"][NAME]["last_failure"]
+
+
+def test_cors_headers_only_for_the_origins_asked_for(tiny):
+    from fastapi.testclient import TestClient
+
+    preflight = {
+        "Origin": "http://localhost:3000",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    with TestClient(make_app(*tiny, NAME, engine=ScriptedEngine())) as client:
+        r = client.options("/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in r.headers
+        r = client.get("/v1/models", headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    app = make_app(*tiny, NAME, engine=ScriptedEngine(), cors_origins=["http://localhost:3000"])
+    with TestClient(app) as client:
+        r = client.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = client.options(
+            "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"}
+        )
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
 
 def test_serve_binds_loopback_by_default():

@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..batch import Engine, EngineError, PoolFullError
 from ..errors import MlxInferError, PromptTooLongError
 from . import anthropic as an
 from . import openai as oa
 from .models import Models
+from .page import add_page
+from .sse import streamed
 
 WAIT_S = 600.0  # most seconds a request waits for any one token before it fails
 
@@ -37,11 +39,13 @@ def make_app(
     models_dir: Path | None = None,
     keep_alive: float | None = None,
     load: Callable | None = None,
+    cors_origins: list[str] | None = None,
     **engine_options,
 ) -> FastAPI:
     """An app serving ``model`` as ``name`` and/or the converted models under ``models_dir``
     (loaded with ``load`` on first use, unloaded after ``keep_alive`` idle seconds);
-    ``engine_options`` go to each :class:`Engine`."""
+    ``engine_options`` go to each :class:`Engine`. Browsers on ``cors_origins`` may call it
+    (none by default)."""
     if model is None and models_dir is None:
         raise ValueError("make_app: give a model, a models_dir, or both")
     if load is None:
@@ -62,6 +66,16 @@ def make_app(
         registry.add_loaded(name, model, tokenizer, engine)
     app.state.models = registry
     app.state.started = int(time.time())
+    add_page(app)
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
+        )
 
     def served(requested: str, error):
         entry = registry.get(requested)
@@ -171,8 +185,7 @@ def make_app(
             lambda e: oa.APIError(500, str(e), type="server_error"),
         )
         if ask.stream:
-            events = _events(ask, entry.tokenizer, first, results)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return _events(ask, entry.tokenizer, first, results)
         return _whole(ask, entry.tokenizer, first, results)
 
     def messages(ask: an.Ask):
@@ -187,7 +200,7 @@ def make_app(
         )
         reply = _Reply(ask, entry.tokenizer, first, results)
         if ask.stream:
-            return StreamingResponse(reply.events(), media_type="text/event-stream")
+            return reply.events()
         try:
             return JSONResponse(reply.whole())
         except (EngineError, TimeoutError) as e:
@@ -195,7 +208,8 @@ def make_app(
 
     @app.post("/v1/messages")
     async def anthropic_messages(request: Request):
-        return await _run(messages, an.parse(await body_of(request, an.APIError)))
+        out = await _run(messages, an.parse(await body_of(request, an.APIError)))
+        return out if isinstance(out, JSONResponse) else streamed(request, out, PING)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -208,11 +222,11 @@ def make_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _run(complete, oa.parse(await body_of(request), chat=True))
+        return _respond(request, await _run(complete, oa.parse(await body_of(request), chat=True)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _run(complete, oa.parse(await body_of(request), chat=False))
+        return _respond(request, await _run(complete, oa.parse(await body_of(request), chat=False)))
 
     return app
 
@@ -268,6 +282,15 @@ def prometheus(registry: Models) -> str:
 
 def _metric(key: str, kinds: dict) -> str:
     return f"mlxinfer_{key}" + ("_total" if kinds[key][0] == "counter" else "")
+
+
+PING = an.event("ping", {})  # Anthropic's stream keeps alive with its own event
+
+
+def _respond(request: Request, out):
+    """A whole response as it is; a stream's SSE lines as a response that cancels the request
+    when the client goes away."""
+    return out if isinstance(out, JSONResponse) else streamed(request, out)
 
 
 async def _run(fn, *args):

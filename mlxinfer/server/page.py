@@ -1,0 +1,39 @@
+"""The chat page at ``/``: the files ``web/`` builds into ``static/`` (``npm ci && npm run
+build`` there), served with a Content-Security-Policy that lets only the page's own script
+run, whatever the model writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
+
+STATIC = Path(__file__).parent / "static"
+# KaTeX sets inline styles (so 'unsafe-inline' for styles only); scripts, fonts and requests
+# come from this server alone, so the page works offline and model output cannot load or run code.
+POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "font-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+HEADERS = {"Content-Security-Policy": POLICY, "X-Content-Type-Options": "nosniff"}
+
+
+def add_page(app: FastAPI) -> None:
+    """Serve the chat page at ``/`` and its assets under ``/static``."""
+    index = STATIC / "index.html"
+
+    @app.get("/", include_in_schema=False)
+    def page():
+        if not index.is_file():
+            return PlainTextResponse(
+                f"the chat page is not built: {index} is missing (run `npm ci && npm run build` "
+                "in web/)",
+                status_code=404,
+            )
+        return FileResponse(index, headers=HEADERS)
+
+    if STATIC.is_dir():
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
