@@ -150,6 +150,69 @@ def test_text_completion(server, tiny):
     )
 
 
+def test_text_completion_logprobs_in_the_legacy_shape(server, tiny):
+    """/v1/completions' ``logprobs: k``: tokens, their log-probs, the k best per position and
+    text offsets; greedy, so each token heads its alternatives; the first token's log-prob is
+    the model's own, from a forward over the prompt."""
+    import mlx.core as mx
+
+    from mlxinfer.generation.loop import prepare_prompt
+
+    url, _ = server
+    model, tokenizer = tiny
+    ask = dict(model=NAME, prompt="Once upon", max_tokens=6, temperature=0, logprobs=2)
+    r = _client(url).completions.create(**ask)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 6 == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(value) and top[token] == value
+    ids = prepare_prompt(tokenizer, "Once upon", chat_template=False)
+    logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+    expected = (logits - mx.logsumexp(logits)).max().item()
+    assert lp.token_logprobs[0] == pytest.approx(expected, abs=1e-4)
+    streamed = [
+        (t, round(v, 4))
+        for c in _client(url).completions.create(**ask, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for t, v in zip(c.choices[0].logprobs.tokens, c.choices[0].logprobs.token_logprobs)
+    ]
+    assert streamed == [(t, round(v, 4)) for t, v in zip(lp.tokens, lp.token_logprobs)]
+    bad = {"model": NAME, "prompt": "x", "logprobs": 6}
+    e = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=bad)
+    assert e.status_code == 400 and e.json()["error"]["param"] == "logprobs"
+
+
+def test_n_choices_whole_and_streamed(server, tiny):
+    """``n``: greedy, every choice is the text alone; seeded, choice i is the request with
+    seed + i alone; streamed, each choice's chunks carry its index."""
+    url, _ = server
+    client = _client(url)
+    r = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=6, n=3, temperature=0
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [_alone(tiny, MESSAGES, 6)] * 3
+    one = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1)
+    assert r.usage.completion_tokens == 18  # over the choices; the prompt counted once
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+
+    seeded = dict(model=NAME, messages=MESSAGES, max_tokens=8, temperature=1.0)
+    alone = [
+        client.chat.completions.create(**seeded, seed=5 + i).choices[0].message.content
+        for i in range(2)
+    ]
+    assert alone[0] != alone[1]
+    texts = ["", ""]
+    for c in client.chat.completions.create(**seeded, seed=5, n=2, stream=True):
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == alone
+    whole = client.completions.create(model=NAME, prompt="Once upon", max_tokens=5, n=2, seed=5)
+    assert len(whole.choices) == 2 and whole.usage.completion_tokens == 10
+
+
 def test_eight_concurrent_streams_each_get_their_text_alone(server, tiny):
     """Batching is invisible through HTTP: 8 clients streaming at once, greedy."""
     url, _ = server
@@ -259,7 +322,8 @@ def test_a_quiet_stream_is_kept_alive(tiny, monkeypatch):
     [
         ({"model": NAME, "messages": MESSAGES, "logit_bias": {"1": 2}}, 400, "logit_bias"),
         ({"model": NAME, "messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
-        ({"model": NAME, "messages": MESSAGES, "n": 2}, 400, "n"),
+        ({"model": NAME, "messages": MESSAGES, "n": 17}, 400, "n"),
+        ({"model": NAME, "messages": MESSAGES, "n": 0}, 400, "n"),
         ({"model": NAME, "messages": []}, 400, "messages"),
         ({"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]"),
         ({"model": NAME, "messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),

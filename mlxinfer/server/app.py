@@ -12,7 +12,7 @@ import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -23,6 +23,7 @@ from . import anthropic as an
 from . import openai as oa
 from .models import Models
 from .page import add_page
+from .replies import AnthropicReply, Choice, openai_events, openai_whole
 from .sse import streamed
 
 WAIT_S = 600.0  # most seconds a request waits for any one token before it fails
@@ -147,14 +148,14 @@ def make_app(
         except (ValueError, UnicodeDecodeError):
             raise error(400, "the request body is not valid JSON") from None
 
-    def start(entry, prompt, ask, chat_template: bool, bad, failed):
+    def start(entry, prompt, ask, chat_template: bool, bad, failed, sampling=None):
         """The request's results and its first one: a prompt that does not fit fails here,
         before any byte is sent (``bad``: a 400 of the API's shape, ``failed``: a 500)."""
         results = entry.engine.stream(
             entry.tokenizer,
             prompt,
             max_tokens=ask.max_tokens,
-            sampling=ask.sampling,
+            sampling=sampling or ask.sampling,
             stop=ask.stop,
             chat_template=chat_template,
             timeout=WAIT_S,
@@ -172,21 +173,32 @@ def make_app(
             ask.model,
             lambda m: oa.APIError(404, m, param="model", code="model_not_found"),
         )
-        first, results = start(
-            entry,
-            ask.prompt,
-            ask,
-            ask.chat,
-            lambda e: oa.APIError(
-                400,
-                str(e),
-                code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None,
-            ),
-            lambda e: oa.APIError(500, str(e), type="server_error"),
-        )
+
+        def bad(e):
+            code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
+            return oa.APIError(400, str(e), code=code)
+
+        choices: list[Choice] = []
+        try:
+            for i in range(ask.n):
+                sampling = oa.choice_sampling(ask.sampling, i)
+                first, results = start(
+                    entry,
+                    ask.prompt,
+                    ask,
+                    ask.chat,
+                    bad,
+                    lambda e: oa.APIError(500, str(e), type="server_error"),
+                    sampling,
+                )
+                choices.append(Choice(i, first, results))
+        except BaseException:
+            for c in choices:
+                c.close()
+            raise
         if ask.stream:
-            return _events(ask, entry.tokenizer, first, results)
-        return _whole(ask, entry.tokenizer, first, results)
+            return openai_events(ask, entry.tokenizer, choices)
+        return openai_whole(ask, entry.tokenizer, choices)
 
     def messages(ask: an.Ask):
         entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
@@ -198,7 +210,7 @@ def make_app(
             lambda e: an.APIError(400, str(e)),
             lambda e: an.APIError(500, str(e)),
         )
-        reply = _Reply(ask, entry.tokenizer, first, results)
+        reply = AnthropicReply(ask, entry.tokenizer, first, results)
         if ask.stream:
             return reply.events()
         try:
@@ -297,119 +309,3 @@ async def _run(fn, *args):
     from starlette.concurrency import run_in_threadpool
 
     return await run_in_threadpool(fn, *args)
-
-
-def _entry(ask: oa.Ask, tokenizer, r) -> list[dict]:
-    if not ask.logprobs or r.logprobs is None:
-        return []
-    return [oa.token_logprobs(tokenizer, r.token, r.logprobs, ask.top_logprobs)]
-
-
-def _whole(ask: oa.Ask, tokenizer, first, results: Iterator) -> JSONResponse:
-    parts, n, finish, last, logprobs = [], 0, "stop", first, []
-    try:
-        for r in _chain(first, results):
-            parts.append(r.text)
-            logprobs += _entry(ask, tokenizer, r)
-            n += 1
-            last = r
-            finish = r.finish_reason or finish
-    except (EngineError, TimeoutError) as e:
-        raise oa.APIError(500, str(e), type="server_error") from None
-    finally:
-        results.close()
-    stats = last.stats if last is not None else oa.GenerationStats()
-    return JSONResponse(oa.response(ask, "".join(parts), finish, stats, n, logprobs))
-
-
-def _events(ask: oa.Ask, tokenizer, first, results: Iterator) -> Iterator[str]:
-    """SSE ``data:`` lines: a first chunk with the role, one per text piece (with the log-probs
-    of the tokens since the last one, if asked), the finish, the usage if asked, then ``[DONE]``."""
-    n, finish, last, pending = 0, "stop", first, []
-    yield _sse(oa.chunk(ask, None, first=True) if ask.chat else oa.chunk(ask, ""))
-    try:
-        for r in _chain(first, results):
-            n += 1
-            last = r
-            finish = r.finish_reason or finish
-            pending += _entry(ask, tokenizer, r)
-            if r.text:
-                yield _sse(oa.chunk(ask, r.text, logprobs=pending))
-                pending = []
-    except (EngineError, TimeoutError) as e:
-        yield _sse(oa.APIError(500, str(e), type="server_error").body())
-        yield "data: [DONE]\n\n"
-        return
-    finally:
-        results.close()  # also when the client went away: the request is cancelled
-    yield _sse(oa.chunk(ask, None, finish, logprobs=pending))
-    if ask.include_usage and last is not None:
-        yield _sse({**oa.chunk(ask, None), "choices": [], "usage": oa.usage(last.stats, n)})
-    yield "data: [DONE]\n\n"
-
-
-class _Reply:
-    """A /v1/messages reply, whole or as Anthropic's stream of events."""
-
-    def __init__(self, ask: an.Ask, tokenizer, first, results: Iterator):
-        self.ask, self.tokenizer, self.first, self.results = ask, tokenizer, first, results
-        self.tokens: list[int] = []
-        self.finish, self.last = "stop", first
-
-    def _pieces(self) -> Iterator[str]:
-        try:
-            for r in _chain(self.first, self.results):
-                self.tokens.append(r.token)
-                self.last, self.finish = r, r.finish_reason or self.finish
-                yield r.text
-        finally:
-            self.results.close()
-
-    def _end(self) -> tuple[str, str | None, dict]:
-        eos = bool(self.tokens) and self.tokens[-1] in self.tokenizer.eos_token_ids
-        matched = None
-        if self.finish == "stop" and not eos and self.ask.stop:
-            raw = self.tokenizer.decode(self.tokens)
-            found = [(raw.find(s), s) for s in self.ask.stop if s in raw]
-            matched = min(found)[1] if found else None
-        stats = self.last.stats if self.last is not None else an.GenerationStats()
-        reason = an.stop_reason(self.finish, eos, matched)
-        return reason, matched, an.usage(stats, len(self.tokens))
-
-    def whole(self) -> dict:
-        text = "".join(self._pieces())
-        reason, matched, usage = self._end()
-        return an.message(self.ask, text, reason, matched, usage)
-
-    def events(self) -> Iterator[str]:
-        stats = self.first.stats if self.first is not None else an.GenerationStats()
-        start = an.message(self.ask, "", None, None, an.usage(stats, 0))
-        yield an.event("message_start", {"message": start})
-        block = {"type": "text", "text": ""}
-        yield an.event("content_block_start", {"index": 0, "content_block": block})
-        yield an.event("ping", {})
-        try:
-            for text in self._pieces():
-                if text:
-                    delta = {"type": "text_delta", "text": text}
-                    yield an.event("content_block_delta", {"index": 0, "delta": delta})
-        except (EngineError, TimeoutError) as e:
-            yield an.event("error", {"error": an.APIError(500, str(e)).body()["error"]})
-            return
-        reason, matched, usage = self._end()
-        yield an.event("content_block_stop", {"index": 0})
-        delta = {"stop_reason": reason, "stop_sequence": matched}
-        yield an.event(
-            "message_delta", {"delta": delta, "usage": {"output_tokens": usage["output_tokens"]}}
-        )
-        yield an.event("message_stop", {})
-
-
-def _chain(first, results: Iterator):
-    if first is not None:
-        yield first
-    yield from results
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

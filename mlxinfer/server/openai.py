@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..generation.results import GenerationStats
@@ -31,6 +31,7 @@ CHAT_FIELDS = {
     *SAMPLING,
 }
 COMPLETION_FIELDS = {
+    "logprobs",  # the legacy shape: an int, how many alternatives per token (0..5)
     "model",
     "prompt",
     "max_tokens",
@@ -42,6 +43,7 @@ COMPLETION_FIELDS = {
 }
 IGNORED = {"user"}  # an end-user id for abuse monitoring: nothing to do locally
 DEFAULT_MAX_TOKENS = 512
+MAX_N = 16  # choices per request: each is a request in the engine
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -89,8 +91,9 @@ class Ask:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
-    logprobs: bool = False  # chat: each token's log-prob, and its ``top_logprobs`` alternatives
+    logprobs: bool = False  # each token's log-prob, and its ``top_logprobs`` alternatives
     top_logprobs: int = 0
+    n: int = 1  # choices
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -110,8 +113,8 @@ def parse(body: Any, *, chat: bool) -> Ask:
     else:
         prompt = _typed(body, "prompt", str, required=True)
     n = _typed(body, "n", int, default=1)
-    if n != 1:
-        raise APIError(400, f"'n': only 1 choice per request is supported, got {n}", param="n")
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n")
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _typed(body, name, int, default=DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
@@ -146,6 +149,7 @@ def parse(body: Any, *, chat: bool) -> Ask:
         [s for s in stop if s],
         stream=bool(_typed(body, "stream", bool, default=False)),
         include_usage=bool(options.get("include_usage", False)),
+        n=n,
     )
     if chat:
         ask.logprobs = bool(_typed(body, "logprobs", bool, default=False))
@@ -160,10 +164,50 @@ def parse(body: Any, *, chat: bool) -> Ask:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
         ask.id = ask.id.replace("chatcmpl-", "cmpl-")
+        top = _typed(body, "logprobs", int, default=None)
+        if top is not None:
+            if not 0 <= top <= MAX_LEGACY_LOGPROBS:
+                raise APIError(
+                    400,
+                    f"'logprobs' must be in 0..{MAX_LEGACY_LOGPROBS}, got {top}",
+                    param="logprobs",
+                )
+            ask.logprobs, ask.top_logprobs = True, top
     return ask
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions' limit, as OpenAI's
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: with a seed, its own (seed + index), so that the choices
+    differ yet the response is reproducible."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return replace(sampling, seed=sampling.seed + index)
+
+
+def logprobs_field(ask: Ask, entries: list[dict], offset: int = 0) -> tuple[Any, int]:
+    """A choice's ``logprobs`` for these tokens' entries (from :func:`token_logprobs`) and the
+    text offset after them. Chat: ``{"content": entries}``; completions: the legacy shape,
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> log-prob) and ``text_offset``
+    (from the completion's start). None when not asked or, streamed, for no token."""
+    if not ask.logprobs or (ask.stream and not entries):
+        return None, offset
+    if ask.chat:
+        return {"content": entries}, offset
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    legacy = {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+    return legacy, offset
 
 
 def token_logprobs(tokenizer, token: int, logprobs, top: int) -> dict:
@@ -251,32 +295,22 @@ def timings(stats: GenerationStats, completion_tokens: int) -> dict:
     }
 
 
-def response(
-    ask: Ask,
-    text: str,
-    finish: str,
-    stats: GenerationStats,
-    n_tokens: int,
-    logprobs: list[dict] | None = None,
-) -> dict:
-    """The whole (non-streamed) response; ``logprobs``: the chat tokens' entries, if asked."""
+def choice(ask: Ask, index: int, text: str, finish: str, logprobs: Any = None) -> dict:
+    """One choice of a whole (non-streamed) response; ``logprobs`` from :func:`logprobs_field`."""
     if ask.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish,
-            "logprobs": {"content": logprobs or []} if ask.logprobs else None,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        kind = "text_completion"
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def response(ask: Ask, choices: list[dict], stats: GenerationStats, n_tokens: int) -> dict:
+    """The whole (non-streamed) response; ``n_tokens``: generated over all choices."""
     return {
         "id": ask.id,
-        "object": kind,
+        "object": "chat.completion" if ask.chat else "text_completion",
         "created": ask.created,
         "model": ask.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(stats, n_tokens),
         "timings": timings(stats, n_tokens),
     }
@@ -287,20 +321,20 @@ def chunk(
     text: str | None,
     finish: str | None = None,
     *,
+    index: int = 0,
     first: bool = False,
-    logprobs: list[dict] | None = None,
+    logprobs: Any = None,
 ) -> dict:
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``); ``logprobs``: the
-    entries of the tokens it carries, if asked."""
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice
+    ``index``; ``logprobs`` from :func:`logprobs_field`."""
     if ask.chat:
         delta: dict = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        lp = {"content": logprobs} if ask.logprobs and logprobs else None
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         kind = "text_completion"
     return {
         "id": ask.id,
