@@ -179,6 +179,79 @@ def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers:
     return None
 
 
+def structured_options(fn):
+    options = [
+        click.option(
+            "--json-schema",
+            "json_schema",
+            default=None,
+            metavar="FILE",
+            help="Output that validates against the JSON Schema in FILE.",
+        ),
+        click.option("--json", "json_object", is_flag=True, help="Output that is a JSON object."),
+        click.option("--regex", default=None, help="Output that matches this regular expression."),
+        click.option(
+            "--choice",
+            "choices",
+            multiple=True,
+            help="Output that is exactly one of these (repeat: --choice yes --choice no).",
+        ),
+        click.option(
+            "--grammar",
+            default=None,
+            metavar="FILE",
+            help="Output in the language of the Lark or GBNF grammar in FILE.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _constraint(json_schema, json_object, regex, choices, grammar):
+    """The constraint the structured-output flags ask for (at most one), or None."""
+    from pathlib import Path
+
+    from .constraints import Constraint
+    from .errors import ConstraintError
+
+    chosen = [
+        flag
+        for flag, on in (
+            ("--json-schema", json_schema is not None),
+            ("--json", json_object),
+            ("--regex", regex is not None),
+            ("--choice", bool(choices)),
+            ("--grammar", grammar is not None),
+        )
+        if on
+    ]
+    if len(chosen) > 1:
+        raise click.UsageError(f"choose one constraint, got {' and '.join(chosen)}")
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConstraintError(f"{path}: cannot read ({e.__class__.__name__}: {e})") from None
+
+    try:
+        if json_schema is not None:
+            return Constraint.json_schema(read(json_schema))
+        if grammar is not None:
+            return Constraint.grammar(read(grammar))
+    except ConstraintError as e:
+        path = json_schema if json_schema is not None else grammar
+        raise ConstraintError(f"{path}: {e}") from None
+    if json_object:
+        return Constraint.json_object()
+    if regex is not None:
+        return Constraint.regex(regex)
+    if choices:
+        return Constraint.choices(choices)
+    return None
+
+
 CHAT_TEMPLATE_HELP = (
     "Chat format: a known one by name (gemma, chatml) or a Jinja file "
     "[default: the checkpoint's own]."
@@ -188,6 +261,7 @@ CHAT_TEMPLATE_HELP = (
 @cli.command()
 @generation_options
 @speculative_options
+@structured_options
 @click.option("--prompt", "-p", default=None, help="Prompt text; read from stdin when omitted.")
 @click.option("--system", default=None, help="System message (chat template only).")
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
@@ -213,6 +287,11 @@ def generate(
     draft_model,
     prompt_lookup,
     self_draft_layers,
+    json_schema,
+    json_object,
+    regex,
+    choices,
+    grammar,
     **options,
 ):
     """Generate a completion and stream it to stdout.
@@ -224,6 +303,8 @@ def generate(
 
     if chat_template and no_chat_template:
         raise click.UsageError("choose --chat-template or --no-chat-template, not both")
+    # Checked before the model loads: a bad schema is an error at once.
+    options["constraint"] = _constraint(json_schema, json_object, regex, choices, grammar)
     if batch_file is not None:
         return _generate_batch(
             batch_file,
@@ -323,6 +404,7 @@ def _generate_batch(
         tokenizer,
         prompts,
         stop=stop,
+        constraint=options.pop("constraint"),
         draft=draft,
         num_draft=num_draft,
         kv_bits=kv_bits,

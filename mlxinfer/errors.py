@@ -29,3 +29,8 @@ class PromptTooLongError(MlxInferError):
 class DraftError(MlxInferError):
     """A speculative-decoding draft that cannot serve this target: another
     vocabulary, too many layers, or a KV cache that cannot be rewound."""
+
+
+class ConstraintError(MlxInferError, ValueError):
+    """A structured-output constraint (JSON Schema, regex, choices, grammar) that is invalid
+    or that the grammar library does not support; raised before any token is generated."""

@@ -74,9 +74,9 @@ def _client(url: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def _alone(tiny, messages, n):
+def _alone(tiny, messages, n, **options):
     model, tokenizer = tiny
-    return generate(model, tokenizer, messages, max_tokens=n)
+    return generate(model, tokenizer, messages, max_tokens=n, **options)
 
 
 def test_chat_completion_through_the_openai_client(server, tiny):
@@ -213,6 +213,51 @@ def test_n_choices_whole_and_streamed(server, tiny):
     assert len(whole.choices) == 2 and whole.usage.completion_tokens == 10
 
 
+def test_response_format_json_schema_and_its_errors(server, tiny):
+    """``response_format``: the content validates against the schema, streamed or not, and is
+    the text ``generate`` gives under the same constraint; a schema the library cannot
+    enforce is a 400 naming ``response_format``, before any token."""
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the validator) is missing")
+    import json
+
+    url, _ = server
+    schema = {
+        "type": "object",
+        "properties": {
+            "word": {"type": "string", "maxLength": 5},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "thing", "schema": schema, "strict": True},
+    }
+    ask = dict(model=NAME, messages=MESSAGES, max_tokens=40, temperature=0, response_format=fmt)
+    r = _client(url).chat.completions.create(**ask)
+    content = r.choices[0].message.content
+    jsonschema.validate(json.loads(content), schema)
+    assert content == _alone(tiny, MESSAGES, 40, json_schema=schema)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in _client(url).chat.completions.create(**ask, stream=True)
+        if c.choices
+    )
+    assert streamed == content
+    for bad, named in (
+        ({"type": "json_schema", "json_schema": {"schema": {"not": {}}}}, '["not"]'),
+        ({"type": "yaml"}, "response_format.type"),
+    ):
+        e = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": NAME, "messages": MESSAGES, "response_format": bad},
+        )
+        assert e.status_code == 400 and e.json()["error"]["param"] == "response_format"
+        assert named in e.json()["error"]["message"]
+
+
 def test_eight_concurrent_streams_each_get_their_text_alone(server, tiny):
     """Batching is invisible through HTTP: 8 clients streaming at once, greedy."""
     url, _ = server
@@ -321,6 +366,7 @@ def test_a_quiet_stream_is_kept_alive(tiny, monkeypatch):
     "body, status, param",
     [
         ({"model": NAME, "messages": MESSAGES, "logit_bias": {"1": 2}}, 400, "logit_bias"),
+        ({"model": NAME, "messages": MESSAGES, "tools": []}, 400, "tools"),
         ({"model": NAME, "messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
         ({"model": NAME, "messages": MESSAGES, "n": 17}, 400, "n"),
         ({"model": NAME, "messages": MESSAGES, "n": 0}, 400, "n"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..constraints import Constraint
 from ..generation.drafts import Draft
 from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
 from .engine import Engine
@@ -44,13 +45,15 @@ def batch_generate(
     sampling: SamplingParams | None = None,
     draft: Draft | None = None,
     num_draft: int | None = None,
+    constraint: Constraint | None = None,
     **sampling_options,
 ) -> list[str]:
     """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
     in order. Takes ``generate``'s sampling options (``temperature``, ``top_p``, ``seed``, …);
     a ``seed`` seeds every request alike. ``kv_bits``: the pool stores 8- or 4-bit keys and
     values. ``draft=PromptLookup()``: every request drafts by
-    prompt lookup (``num_draft`` tokens per step, or adaptive)."""
+    prompt lookup (``num_draft`` tokens per step, or adaptive). ``constraint``: every
+    request's output must match it (each request has its own matcher)."""
     unknown = set(sampling_options) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"batch_generate: unexpected option(s) {', '.join(sorted(unknown))}")
@@ -76,6 +79,7 @@ def batch_generate(
                 truncate_prompt=truncate_prompt,
                 draft=draft,
                 num_draft=num_draft,
+                constraint=constraint,
             )
             for p in prompts
         ]

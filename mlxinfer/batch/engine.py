@@ -32,11 +32,12 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from ..backends import prefill_schedule
+from ..constraints.spec import Constraint, from_options
 from ..generation.drafts import Draft
 from ..generation.loop import _Request as _Prepared
 from ..generation.loop import _results, prepare_prompt
 from ..generation.results import GenerationResult, GenerationStats, Step
-from ..generation.sampling import SamplingParams
+from ..generation.sampling import LogitsProcessor, SamplingParams
 from ..generation.stop import StopMatcher
 from ..text import fit_context
 from ..threads import release_at_thread_exit
@@ -133,6 +134,7 @@ class Engine:
         eos: frozenset[int] = frozenset(),
         draft: Draft | None = None,
         num_draft: int | None = None,
+        logits_processors: Sequence[LogitsProcessor] = (),
     ) -> Handle:
         """Queue a request for ``ids`` (token ids); raises PoolFullError at once if it could
         never fit the budget.
@@ -140,7 +142,9 @@ class Engine:
         ``draft``: speculative decoding by :class:`~mlxinfer.generation.drafts.PromptLookup`
         (drafts verified in the batch's forward, rejected ones rewound): the same tokens as
         without it when greedy, the same distribution when sampling. ``num_draft``: tokens
-        drafted per step (at most ``max_draft``); None adapts to the acceptance rate."""
+        drafted per step (at most ``max_draft``); None adapts to the acceptance rate.
+        ``logits_processors``: more processors for this request, after its sampling's (a
+        constraint's, for one: each request gets its own)."""
         if isinstance(ids, str):
             raise TypeError("submit: expected token ids, found a str (text goes to Engine.stream)")
         ids = [int(t) for t in ids]
@@ -151,9 +155,8 @@ class Engine:
         sampling = sampling or SamplingParams()
         sampling.check()
         self.pool.check_fits(len(ids) + max_tokens, self.max_draft)
-        request = _Request(
-            ids, max_tokens, sampling.sampler(), sampling.processors(), frozenset(eos)
-        )
+        processors = sampling.processors() + list(logits_processors)
+        request = _Request(ids, max_tokens, sampling.sampler(), processors, frozenset(eos))
         if draft is not None or num_draft is not None:
             rows_mod.start_drafting(
                 request, self.model, draft, num_draft, sampling.seed, self.max_draft
@@ -181,10 +184,16 @@ class Engine:
         timeout: float | None = None,
         draft: Draft | None = None,
         num_draft: int | None = None,
+        constraint: Constraint | None = None,
+        **constraint_options,
     ) -> Iterator[GenerationResult]:
         """``stream_generate``'s results for one request run inside the batch (``draft``,
-        ``num_draft``: as for :meth:`submit`)."""
+        ``num_draft``: as for :meth:`submit`; ``constraint`` or one of ``response_format``,
+        ``json_schema``, ``regex``, ``choices``, ``grammar``: structured output, as for
+        ``stream_generate``)."""
         t0 = time.perf_counter()
+        constraint = from_options(constraint=constraint, **constraint_options)
+        extra = [constraint.processor(tokenizer)] if constraint is not None else []
         ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template)
         context = self.model.args.max_position_embeddings
         ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
@@ -200,11 +209,13 @@ class Engine:
             eos=tokenizer.eos_token_ids,
             draft=draft,
             num_draft=num_draft,
+            logits_processors=extra,
         )
         prepared = _Prepared(
             ids,
             max_tokens,
             sampling,
+            extra,
             None,
             stats,
             tokenizer.detokenizer(),

@@ -12,7 +12,7 @@ import secrets
 import mlx.core as mx
 
 from ..generation.drafts import Draft, PromptLookup
-from ..generation.speculative import DraftLength, accept_drafts
+from ..generation.speculative import DraftLength, accept_drafts, allowed_drafts
 from .requests import _Request
 
 
@@ -50,6 +50,7 @@ def propose(r: _Request, max_draft: int) -> list[int]:
     if k <= 0:
         return []
     proposed, _ = r.drafter.propose(r.tokens, k, None)
+    proposed, _ = allowed_drafts(r.processors, r.tokens, proposed, None)
     return proposed.tolist()
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
+from ..constraints.spec import from_options
 from ..device import wired_limit
 from ..prompt_cache import PromptCache
 from ..text import clean_prompt, fit_context
@@ -37,6 +38,7 @@ from .speculative import speculative_generate_step
 from .stop import StopMatcher
 
 if TYPE_CHECKING:
+    from ..constraints import Constraint
     from .drafts import Draft
 
 
@@ -170,6 +172,12 @@ def stream_generate(
     prefill_step_size: int | None = None,
     draft: Draft | None = None,
     num_draft: int | None = None,
+    response_format: dict | None = None,
+    json_schema: dict | str | None = None,
+    regex: str | None = None,
+    choices: Sequence[str] | None = None,
+    grammar: str | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
 
@@ -187,6 +195,11 @@ def stream_generate(
         draft: speculative decoding with this draft source (``DraftModel``,
             ``PromptLookup``, ``SelfDraft``): same output, fewer target passes.
         num_draft: tokens drafted per step; None adapts it to the acceptance rate.
+        response_format, json_schema, regex, choices, grammar, constraint: structured output,
+            enforced token by token (at most one): OpenAI's ``response_format``, a JSON Schema,
+            a regular expression, a list of strings to choose from, a Lark or GBNF grammar,
+            or a :class:`~mlxinfer.constraints.Constraint`. Generation ends when the output
+            is complete and the model ends it (EOS is masked until then).
     Yields:
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
@@ -203,12 +216,21 @@ def stream_generate(
         sampling = SamplingParams(**given)
     elif clash := [k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k]]:
         raise ValueError(f"sampling: given as one SamplingParams, and also as {', '.join(clash)}")
+    constraint = from_options(
+        constraint=constraint,
+        response_format=response_format,
+        json_schema=json_schema,
+        regex=regex,
+        choices=choices,
+        grammar=grammar,
+    )
     request = _prepare(
         model,
         tokenizer,
         prompt,
         max_tokens=max_tokens,
         sampling=sampling,
+        constraint=constraint,
         stop=stop,
         chat_template=chat_template,
         truncate_prompt=truncate_prompt,
@@ -233,6 +255,7 @@ class _Request:
     ids: list[int]
     max_tokens: int
     sampling: SamplingParams
+    processors: list[LogitsProcessor]  # the sampling's, then the constraint's
     prompt_cache: PromptCache
     stats: GenerationStats
     detok: Any  # the tokenizer's StreamingDetokenizer
@@ -254,6 +277,7 @@ def _prepare(
     prompt_cache: PromptCache | None,
     max_kv_size: int | None,
     kv_bits: int | None,
+    constraint: Constraint | None = None,
 ) -> _Request:
     """Tokenize and fit the prompt, check the settings, and find the request's cache."""
     t0 = time.perf_counter()
@@ -262,6 +286,9 @@ def _prepare(
     ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
     stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000)
     sampling.check()
+    processors = sampling.processors()
+    if constraint is not None:
+        processors.append(constraint.processor(tokenizer))
     if prompt_cache is None:
         prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
     stats.cached_tokens = len(ids) - len(prompt_cache.reuse(ids))
@@ -269,6 +296,7 @@ def _prepare(
         ids,
         min(max_tokens, context - len(ids)),
         sampling,
+        processors,
         prompt_cache,
         stats,
         tokenizer.detokenizer(),
@@ -291,7 +319,7 @@ def _steps(
         prompt_cache=request.prompt_cache,
         max_tokens=request.max_tokens,
         sampler=request.sampling.sampler(),
-        logits_processors=request.sampling.processors(),
+        logits_processors=request.processors,
         prefill_step_size=prefill_step_size,
     )
     if draft is None:

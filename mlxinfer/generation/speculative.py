@@ -98,6 +98,7 @@ def speculative_generate_step(
                 )
             else:
                 drafts, q = mx.array([], dtype=mx.int32), None
+            drafts, q = allowed_drafts(logits_processors, history, drafts, q)
             m = drafts.shape[0]
             logprobs = _verify(
                 model, pc.cache, history[-1], drafts, logits_processors, seen
@@ -121,6 +122,20 @@ def speculative_generate_step(
         # Keep at most the tokens the caller received (plain decoding's rule).
         pc.rewind(min(len(pc.tokens), len(ids) + n))
         drafter.rewind(pc.tokens)
+
+
+def allowed_drafts(
+    processors: Sequence[LogitsProcessor], history, drafts: mx.array, q: mx.array | None
+) -> tuple[mx.array, mx.array | None]:
+    """The drafts a constraint among ``processors`` allows after ``history``, up to the first
+    it forbids (which could never be accepted): they are dropped before verification."""
+    for process in processors:
+        allowed = getattr(process, "allowed_prefix", None)
+        if allowed is not None and drafts.shape[0]:
+            n = allowed(history, drafts.tolist())
+            if n < drafts.shape[0]:
+                drafts, q = drafts[:n], q[:n] if q is not None else None
+    return drafts, q
 
 
 def _verify(

@@ -160,6 +160,7 @@ def make_app(
             chat_template=chat_template,
             timeout=WAIT_S,
             draft=draft,
+            constraint=getattr(ask, "constraint", None),
         )
         try:
             return next(results, None), results

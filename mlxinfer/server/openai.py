@@ -18,6 +18,7 @@ from ..generation.sampling import SamplingParams
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
 CHAT_FIELDS = {
+    "response_format",
     "logprobs",
     "top_logprobs",
     "model",
@@ -31,6 +32,7 @@ CHAT_FIELDS = {
     *SAMPLING,
 }
 COMPLETION_FIELDS = {
+    "response_format",
     "logprobs",  # the legacy shape: an int, how many alternatives per token (0..5)
     "model",
     "prompt",
@@ -94,6 +96,7 @@ class Ask:
     logprobs: bool = False  # each token's log-prob, and its ``top_logprobs`` alternatives
     top_logprobs: int = 0
     n: int = 1  # choices
+    constraint: Any = None  # a Constraint from ``response_format``, or None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -162,7 +165,15 @@ def parse(body: Any, *, chat: bool) -> Ask:
             )
         if ask.top_logprobs and not ask.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    else:
+    if body.get("response_format") is not None:
+        from ..constraints import Constraint
+        from ..errors import ConstraintError
+
+        try:
+            ask.constraint = Constraint.from_response_format(body["response_format"])
+        except ConstraintError as e:
+            raise APIError(400, str(e), param="response_format") from None
+    if not chat:
         ask.id = ask.id.replace("chatcmpl-", "cmpl-")
         top = _typed(body, "logprobs", int, default=None)
         if top is not None:

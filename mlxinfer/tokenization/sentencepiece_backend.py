@@ -96,6 +96,17 @@ class SentencePieceBackend:
         # A model that prepends "▁" (the dummy prefix) drops one leading space when decoding.
         self._strip_leading_space = sp.normalize("a").startswith("▁")
 
+    def token_bytes(self) -> list[bytes]:
+        out = []
+        for i, piece in enumerate(self._pieces):
+            if i in self.special_ids:
+                out.append(b"")
+            elif isinstance(piece, int):
+                out.append(bytes([piece]))
+            else:
+                out.append(piece.encode("utf-8"))
+        return out
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         parts: list[str | int] = []  # the text between special tokens, and their ids
         position = 0

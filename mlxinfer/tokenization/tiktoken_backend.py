@@ -180,6 +180,9 @@ class TiktokenBackend:
         self._prefix = [bos] if add_bos and bos is not None else []
         self._suffix = [eos] if add_eos and eos is not None else []
 
+    def token_bytes(self) -> list[bytes]:
+        return [self._bytes.get(i, b"") for i in range(self.vocab_size)]
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
             text.encode("utf-8")  # tiktoken would quietly replace a lone surrogate

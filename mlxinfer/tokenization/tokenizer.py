@@ -186,6 +186,17 @@ class Tokenizer:
         """Ids dropped by ``decode(..., skip_special_tokens=True)``."""
         return self._backend.special_ids
 
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer.json this tokenizer runs, serialized (None for SentencePiece and
+        tiktoken checkpoints: see :meth:`token_bytes`)."""
+        to_str = getattr(self._backend, "to_str", None)
+        return to_str() if to_str is not None else None
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes, as decoding it within a longer text gives them (b"" for a
+        special or control token): what a grammar matches tokens against."""
+        return self._backend.token_bytes()
+
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         """A fresh streaming detokenizer whose segments add up to ``decode(ids, skip_special_tokens)``."""
         backend = self._backend
@@ -249,6 +260,7 @@ class _Backend(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, token_id: int) -> str | None: ...
+    def token_bytes(self) -> list[bytes]: ...
 
 
 class _TokenizersBackend:
@@ -287,6 +299,12 @@ class _TokenizersBackend:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
+
+    def to_str(self) -> str:
+        return self._tokenizer.to_str()
+
+    def token_bytes(self) -> list[bytes]:
+        raise NotImplementedError("tokenizer.json: its token table is read from to_str()")
 
 
 def _has_byte_fallback(decoder: Any) -> bool:
