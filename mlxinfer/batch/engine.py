@@ -41,6 +41,7 @@ from ..generation.sampling import LogitsProcessor, SamplingParams
 from ..generation.stop import StopMatcher
 from ..text import fit_context
 from ..threads import release_at_thread_exit
+from ..toolcalls import Tooling, with_tool_choice
 from . import pool as pool_mod
 from . import rows as rows_mod
 from .layout import check_batchable, layer_shapes
@@ -185,16 +186,25 @@ class Engine:
         draft: Draft | None = None,
         num_draft: int | None = None,
         constraint: Constraint | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: Any = None,
         **constraint_options,
     ) -> Iterator[GenerationResult]:
         """``stream_generate``'s results for one request run inside the batch (``draft``,
         ``num_draft``: as for :meth:`submit`; ``constraint`` or one of ``response_format``,
         ``json_schema``, ``regex``, ``choices``, ``grammar``: structured output, as for
-        ``stream_generate``)."""
+        ``stream_generate``; ``tools``, ``tool_choice``: likewise)."""
         t0 = time.perf_counter()
         constraint = from_options(constraint=constraint, **constraint_options)
+        tooling = Tooling.make(tokenizer, tools, tool_choice)
+        constraint = with_tool_choice(constraint, tooling)
         extra = [constraint.processor(tokenizer)] if constraint is not None else []
-        ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template)
+        ids = prepare_prompt(
+            tokenizer,
+            prompt,
+            chat_template=chat_template,
+            tools=tooling.tools if tooling is not None else None,
+        )
         context = self.model.args.max_position_embeddings
         ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
         max_tokens = min(max_tokens, context - len(ids))
@@ -224,7 +234,8 @@ class Engine:
             t0,
         )
         try:
-            for result in _results(prepared, handle.steps(timeout), count_passes=False):
+            results = _results(prepared, handle.steps(timeout), count_passes=False)
+            for result in tooling.results(results) if tooling is not None else results:
                 stats.cached_tokens = handle.cached_tokens
                 yield result
         finally:

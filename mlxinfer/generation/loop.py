@@ -31,6 +31,7 @@ from ..device import wired_limit
 from ..prompt_cache import PromptCache
 from ..text import clean_prompt, fit_context
 from ..threads import release_at_thread_exit
+from ..toolcalls import Tooling, with_tool_choice
 from .prefill import DEFAULT_PREFILL_STEP, prefill
 from .results import GenerationResult, GenerationStats, Step
 from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams, make_sampler
@@ -121,20 +122,28 @@ def generate_step(
 
 
 def prepare_prompt(
-    tokenizer, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *, chat_template: bool = True
+    tokenizer,
+    prompt: str | Sequence[int] | Sequence[dict[str, Any]],
+    *,
+    chat_template: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids for a prompt given as text, ids, or chat messages.
 
     Text and message contents are cleaned first; messages go through the
-    tokenizer's chat template (which supplies BOS itself when the model wants one).
+    tokenizer's chat template (which supplies BOS itself when the model wants one),
+    with ``tools`` as its ``tools`` variable when given.
     """
+    extra = {"tools": tools} if tools is not None else {}
     if isinstance(prompt, str):
         text = clean_prompt(prompt)
         if chat_template and tokenizer.has_chat_template:
             messages = [{"role": "user", "content": text}]
             return tokenizer.encode(
-                tokenizer.apply_chat_template(messages), add_special_tokens=False
+                tokenizer.apply_chat_template(messages, **extra), add_special_tokens=False
             )
+        if tools is not None:
+            raise ValueError("tools: they reach the model through its chat template (none used)")
         return tokenizer.encode(text)
     items = list(prompt)
     if items and isinstance(items[0], dict):
@@ -142,7 +151,11 @@ def prepare_prompt(
             {**m, "content": clean_prompt(m["content"])} if isinstance(m.get("content"), str) else m
             for m in items
         ]
-        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return tokenizer.encode(
+            tokenizer.apply_chat_template(messages, **extra), add_special_tokens=False
+        )
+    if tools is not None:
+        raise ValueError("tools: they reach the model through its chat template (none used)")
     return [int(t) for t in items]
 
 
@@ -178,6 +191,8 @@ def stream_generate(
     choices: Sequence[str] | None = None,
     grammar: str | None = None,
     constraint: Constraint | None = None,
+    tools: list[dict] | None = None,
+    tool_choice: Any = None,
 ) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
 
@@ -200,6 +215,11 @@ def stream_generate(
             a regular expression, a list of strings to choose from, a Lark or GBNF grammar,
             or a :class:`~mlxinfer.constraints.Constraint`. Generation ends when the output
             is complete and the model ends it (EOS is masked until then).
+        tools: functions the model may call (OpenAI's shape), shown to it by its chat template;
+            the last result's ``tool_calls`` holds the calls parsed from the output.
+        tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or
+            ``{"type": "function", "function": {"name": ...}}``: the last two generate a call
+            constrained by the function's parameter schema.
     Yields:
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
@@ -224,6 +244,8 @@ def stream_generate(
         choices=choices,
         grammar=grammar,
     )
+    tooling = Tooling.make(tokenizer, tools, tool_choice)
+    constraint = with_tool_choice(constraint, tooling)
     request = _prepare(
         model,
         tokenizer,
@@ -231,6 +253,7 @@ def stream_generate(
         max_tokens=max_tokens,
         sampling=sampling,
         constraint=constraint,
+        tools=tooling.tools if tooling is not None else None,
         stop=stop,
         chat_template=chat_template,
         truncate_prompt=truncate_prompt,
@@ -243,7 +266,8 @@ def stream_generate(
     )
     with wired_limit():  # Metal: keep the weights resident for the run (no-op elsewhere)
         try:
-            yield from _results(request, steps, count_passes=draft is not None)
+            results = _results(request, steps, count_passes=draft is not None)
+            yield from tooling.results(results) if tooling is not None else results
         finally:
             steps.close()
 
@@ -278,10 +302,11 @@ def _prepare(
     max_kv_size: int | None,
     kv_bits: int | None,
     constraint: Constraint | None = None,
+    tools: list[dict] | None = None,
 ) -> _Request:
     """Tokenize and fit the prompt, check the settings, and find the request's cache."""
     t0 = time.perf_counter()
-    ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template)
+    ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template, tools=tools)
     context = model.args.max_position_embeddings
     ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
     stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000)

@@ -90,3 +90,6 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
     from_draft: bool = False  # speculative decoding: proposed by the draft and accepted
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # With tools: on the last result, the calls parsed from the whole output (a list of
+    # ``toolcalls.ToolCall``, empty when it made none); None without tools.
+    tool_calls: list | None = None

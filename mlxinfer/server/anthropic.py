@@ -24,8 +24,10 @@ FIELDS = {
     "top_p",
     "top_k",
     "metadata",
+    "tools",
+    "tool_choice",
 }
-COUNT_FIELDS = {"model", "messages", "system"}
+COUNT_FIELDS = {"model", "messages", "system", "tools"}
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -56,6 +58,8 @@ class Ask:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
+    tools: list[dict] | None = None  # in OpenAI's shape, for the chat template
+    tool_choice: Any = None  # in OpenAI's terms
 
 
 def parse(body: Any, *, count_only: bool = False) -> Ask:
@@ -71,8 +75,9 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
     if not isinstance(model, str):
         raise APIError(400, "model: a string is required")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
+    tools, choice = _tools(body)
     if count_only:
-        return Ask(model, messages, 0, SamplingParams())
+        return Ask(model, messages, 0, SamplingParams(), tools=tools, tool_choice=choice)
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise APIError(400, f"max_tokens: a positive integer is required, got {max_tokens!r}")
@@ -95,6 +100,49 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
         sampling,
         [s for s in stop if s],
         stream=bool(body.get("stream", False)),
+        tools=tools,
+        tool_choice=choice,
+    )
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, Any]:
+    """Anthropic's ``tools`` (name, description, input_schema) in OpenAI's shape, and its
+    ``tool_choice`` in OpenAI's terms (any: required; tool: that function)."""
+    from ..toolcalls import check_tools
+
+    tools = body.get("tools")
+    if tools is None:
+        return None, None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise APIError(400, "tools: a list of tools is required")
+    shaped = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.get("name"),
+                "description": t.get("description"),
+                "parameters": t.get("input_schema", {"type": "object", "properties": {}}),
+            },
+        }
+        for t in tools
+    ]
+    try:
+        checked = check_tools(shaped)
+    except ValueError as e:
+        raise APIError(400, str(e).replace(".function.parameters", ".input_schema")) from None
+    choice = body.get("tool_choice") or {"type": "auto"}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    names = [t["function"]["name"] for t in checked]
+    if kind in ("auto", "none"):
+        return checked, kind
+    if kind == "any":
+        return checked, "required"
+    if kind == "tool" and choice.get("name") in names:
+        return checked, {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(
+        400,
+        f"tool_choice: expected type auto, any, none, or tool with a name among the tools "
+        f"({', '.join(names)}), got {choice!r}",
     )
 
 
@@ -125,17 +173,54 @@ def _system(system: Any) -> list[dict]:
 
 
 def _messages(messages: Any) -> list[dict]:
+    """The turns as the chat template takes them: an assistant's ``tool_use`` blocks as its
+    ``tool_calls``, a user's ``tool_result`` blocks as ``tool`` turns before its text."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: a non-empty list is required")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise APIError(400, f"messages.{i}.role: 'user' or 'assistant' is required")
-        out.append({"role": m["role"], "content": _text(m.get("content"), f"messages.{i}.content")})
+        content, where = m.get("content"), f"messages.{i}.content"
+        if not isinstance(content, list):
+            out.append({"role": m["role"], "content": _text(content, where)})
+            continue
+        text, calls = [], []
+        for j, b in enumerate(content):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text" and isinstance(b.get("text"), str):
+                text.append(b["text"])
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append(
+                    {
+                        "id": b.get("id"),
+                        "type": "function",
+                        "function": {"name": b.get("name"), "arguments": b.get("input", {})},
+                    }
+                )
+            elif kind == "tool_result" and m["role"] == "user":
+                result = b.get("content", "")
+                result = result if isinstance(result, str) else _text(result, f"{where}.{j}")
+                out.append(
+                    {"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id")}
+                )
+            else:
+                raise APIError(
+                    400,
+                    f"{where}.{j}: text blocks, tool_use blocks (assistant) or tool_result blocks "
+                    "(user) are supported",
+                )
+        turn = {"role": m["role"], "content": "".join(text)}
+        if calls:
+            turn["tool_calls"] = calls
+        if turn["content"] or calls or m["role"] == "assistant":
+            out.append(turn)
     return out
 
 
-def stop_reason(finish: str, eos: bool, matched: str | None) -> str:
+def stop_reason(finish: str, eos: bool, matched: str | None, calls=()) -> str:
+    if calls:
+        return "tool_use"
     if finish == "length":
         return "max_tokens"
     return "stop_sequence" if matched is not None and not eos else "end_turn"
@@ -150,13 +235,25 @@ def usage(stats: GenerationStats, output_tokens: int) -> dict:
     }
 
 
-def message(ask: Ask, text: str, reason: str | None, matched: str | None, usage_: dict) -> dict:
+def tool_use(call) -> dict:
+    return {
+        "type": "tool_use",
+        "id": call.id.replace("call_", "toolu_"),
+        "name": call.name,
+        "input": call.arguments,
+    }
+
+
+def message(
+    ask: Ask, text: str, reason: str | None, matched: str | None, usage_: dict, calls=()
+) -> dict:
+    content = [{"type": "text", "text": text}] if text or (reason and not calls) else []
     return {
         "id": ask.id,
         "type": "message",
         "role": "assistant",
         "model": ask.model,
-        "content": [{"type": "text", "text": text}] if text or reason else [],
+        "content": content + [tool_use(c) for c in calls],
         "stop_reason": reason,
         "stop_sequence": matched,
         "usage": usage_,

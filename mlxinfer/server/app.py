@@ -161,6 +161,8 @@ def make_app(
             timeout=WAIT_S,
             draft=draft,
             constraint=getattr(ask, "constraint", None),
+            tools=ask.tools,
+            tool_choice=ask.tool_choice,
         )
         try:
             return next(results, None), results
@@ -230,7 +232,7 @@ def make_app(
         from ..generation.loop import prepare_prompt
 
         entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
-        ids = prepare_prompt(entry.tokenizer, ask.messages, chat_template=True)
+        ids = prepare_prompt(entry.tokenizer, ask.messages, chat_template=True, tools=ask.tools)
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/chat/completions")

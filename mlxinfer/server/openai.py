@@ -18,6 +18,9 @@ from ..generation.sampling import SamplingParams
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
 CHAT_FIELDS = {
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",  # several calls are parsed either way
     "response_format",
     "logprobs",
     "top_logprobs",
@@ -46,7 +49,7 @@ COMPLETION_FIELDS = {
 IGNORED = {"user"}  # an end-user id for abuse monitoring: nothing to do locally
 DEFAULT_MAX_TOKENS = 512
 MAX_N = 16  # choices per request: each is a request in the engine
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class APIError(Exception):
@@ -97,6 +100,8 @@ class Ask:
     top_logprobs: int = 0
     n: int = 1  # choices
     constraint: Any = None  # a Constraint from ``response_format``, or None
+    tools: list[dict] | None = None  # checked, OpenAI's shape
+    tool_choice: Any = None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -165,6 +170,8 @@ def parse(body: Any, *, chat: bool) -> Ask:
             )
         if ask.top_logprobs and not ask.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if chat and body.get("tools") is not None:
+        ask.tools, ask.tool_choice = _tools(body)
     if body.get("response_format") is not None:
         from ..constraints import Constraint
         from ..errors import ConstraintError
@@ -260,7 +267,36 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
+def _tools(body: dict) -> tuple[list[dict], Any]:
+    from ..toolcalls import check_tools
+
+    try:
+        tools = check_tools(body["tools"])
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools") from None
+    choice = body.get("tool_choice", "auto")
+    names = [t["function"]["name"] for t in tools]
+    named = isinstance(choice, dict) and isinstance(choice.get("function"), dict)
+    if named and choice["function"].get("name") not in names:
+        raise APIError(
+            400,
+            f"'tool_choice': function '{choice['function'].get('name')}' is not among the tools "
+            f"({', '.join(names)})",
+            param="tool_choice",
+        )
+    if not named and choice not in ("none", "auto", "required"):
+        raise APIError(
+            400,
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
+    return tools, choice
+
+
 def _messages(messages: Any) -> list[dict]:
+    from ..toolcalls import template_messages
+
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
     out = []
@@ -269,6 +305,13 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise APIError(400, f"{where}: expected a role of {', '.join(ROLES)}", param=where)
         content = m.get("content")
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+        ):
+            raise APIError(400, f"{where}.tool_calls must be a list of calls", param=where)
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):  # text parts only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise APIError(
@@ -278,8 +321,13 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, f"{where}.content must be a string", param=f"{where}.content")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
-    return out
+        item = {"role": role, "content": content}
+        if calls:
+            item["tool_calls"] = calls
+        if role == "tool":
+            item["tool_call_id"] = m.get("tool_call_id")
+        out.append(item)
+    return template_messages(out)
 
 
 def usage(stats: GenerationStats, completion_tokens: int) -> dict:
@@ -306,10 +354,20 @@ def timings(stats: GenerationStats, completion_tokens: int) -> dict:
     }
 
 
-def choice(ask: Ask, index: int, text: str, finish: str, logprobs: Any = None) -> dict:
-    """One choice of a whole (non-streamed) response; ``logprobs`` from :func:`logprobs_field`."""
+def choice(
+    ask: Ask, index: int, text: str, finish: str, logprobs: Any = None, tool_calls=None
+) -> dict:
+    """One choice of a whole (non-streamed) response; ``logprobs`` from :func:`logprobs_field`;
+    ``tool_calls``: the calls parsed from the output (then its finish is ``tool_calls``)."""
     if ask.chat:
-        message = {"role": "assistant", "content": text}
+        message: dict = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {
+                "role": "assistant",
+                "content": text or None,
+                "tool_calls": [c.openai() for c in tool_calls],
+            }
+            finish = "tool_calls"
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
@@ -335,6 +393,7 @@ def chunk(
     index: int = 0,
     first: bool = False,
     logprobs: Any = None,
+    tool_calls=None,
 ) -> dict:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice
     ``index``; ``logprobs`` from :func:`logprobs_field`."""
@@ -342,6 +401,8 @@ def chunk(
         delta: dict = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [c.openai(i) for i, c in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         kind = "chat.completion.chunk"
     else:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from ..batch import EngineError
 from ..generation.results import GenerationResult
+from ..toolcalls import ToolStream, tool_format
 from . import anthropic as an
 from . import openai as oa
 
@@ -32,6 +33,7 @@ class Choice:
     last: GenerationResult | None = None
     entries: list[dict] = field(default_factory=list)  # log-prob entries not yet sent
     offset: int = 0  # the legacy completions log-probs: text offset of the next token
+    tools: ToolStream | None = None  # with tools: the text shown, the calls held back
 
     def __post_init__(self) -> None:
         self.last = self.first
@@ -67,15 +69,27 @@ def _close(choices: list[Choice]) -> None:
         c.close()
 
 
+def tool_streams(ask: oa.Ask, tokenizer, choices: list[Choice]) -> None:
+    """Give each choice a :class:`ToolStream` when the request offers tools."""
+    if ask.tools is not None and ask.tool_choice != "none":
+        fmt = tool_format(tokenizer)
+        for c in choices:
+            c.tools = ToolStream(fmt)
+
+
 def openai_whole(ask: oa.Ask, tokenizer, choices: list[Choice]) -> JSONResponse:
     out = []
+    tool_streams(ask, tokenizer, choices)
     try:
         for c in choices:
             text = []
             for r in c.each():
                 c.take(ask, tokenizer, r)
                 text.append(r.text)
-            out.append(oa.choice(ask, c.index, "".join(text), c.finish, c.logprobs(ask)))
+            text, calls = "".join(text), None
+            if c.tools is not None:
+                text, calls = c.tools.fmt.parse(text)
+            out.append(oa.choice(ask, c.index, text, c.finish, c.logprobs(ask), calls))
     except (EngineError, TimeoutError) as e:
         raise oa.APIError(500, str(e), type="server_error") from None
     finally:
@@ -88,6 +102,7 @@ def openai_events(ask: oa.Ask, tokenizer, choices: list[Choice]) -> Iterator[str
     """SSE ``data:`` lines: a first chunk per choice (with the role), one per piece of text
     (with the log-probs of the tokens since the last, if asked), each choice's finish, the
     usage if asked, then ``[DONE]``. The choices' streams are read in turn, a token each."""
+    tool_streams(ask, tokenizer, choices)
     for c in choices:
         yield sse(oa.chunk(ask, None, index=c.index, first=True))
     running = [(c, c.each()) for c in choices]
@@ -97,13 +112,12 @@ def openai_events(ask: oa.Ask, tokenizer, choices: list[Choice]) -> Iterator[str
                 r = next(results, None)
                 if r is None:
                     running.remove((c, results))
-                    yield sse(
-                        oa.chunk(ask, None, c.finish, index=c.index, logprobs=c.logprobs(ask))
-                    )
+                    yield from _ended(ask, c)
                     continue
                 c.take(ask, tokenizer, r)
-                if r.text:
-                    yield sse(oa.chunk(ask, r.text, index=c.index, logprobs=c.logprobs(ask)))
+                text = c.tools.feed(r.text) if c.tools is not None else r.text
+                if text:
+                    yield sse(oa.chunk(ask, text, index=c.index, logprobs=c.logprobs(ask)))
     except (EngineError, TimeoutError) as e:
         yield sse(oa.APIError(500, str(e), type="server_error").body())
         yield "data: [DONE]\n\n"
@@ -123,6 +137,9 @@ class AnthropicReply:
         self.ask, self.tokenizer, self.first, self.results = ask, tokenizer, first, results
         self.tokens: list[int] = []
         self.finish, self.last = "stop", first
+        self.calls: list = []
+        offered = ask.tools is not None and ask.tool_choice != "none"
+        self.tools = ToolStream(tool_format(tokenizer)) if offered else None
 
     def _pieces(self) -> Iterator[str]:
         try:
@@ -141,13 +158,15 @@ class AnthropicReply:
             found = [(raw.find(s), s) for s in self.ask.stop if s in raw]
             matched = min(found)[1] if found else None
         stats = self.last.stats if self.last is not None else an.GenerationStats()
-        reason = an.stop_reason(self.finish, eos, matched)
+        reason = an.stop_reason(self.finish, eos, matched, self.calls)
         return reason, matched, an.usage(stats, len(self.tokens))
 
     def whole(self) -> dict:
         text = "".join(self._pieces())
+        if self.tools is not None:
+            text, self.calls = self.tools.fmt.parse(text)
         reason, matched, usage = self._end()
-        return an.message(self.ask, text, reason, matched, usage)
+        return an.message(self.ask, text, reason, matched, usage, self.calls)
 
     def events(self) -> Iterator[str]:
         stats = self.first.stats if self.first is not None else an.GenerationStats()
@@ -158,19 +177,50 @@ class AnthropicReply:
         yield an.event("ping", {})
         try:
             for text in self._pieces():
+                if self.tools is not None:
+                    text = self.tools.feed(text)
                 if text:
-                    delta = {"type": "text_delta", "text": text}
-                    yield an.event("content_block_delta", {"index": 0, "delta": delta})
+                    yield _text_delta(text)
         except (EngineError, TimeoutError) as e:
             yield an.event("error", {"error": an.APIError(500, str(e)).body()["error"]})
             return
+        if self.tools is not None:
+            rest, self.calls = self.tools.finish()
+            if rest:
+                yield _text_delta(rest)
         reason, matched, usage = self._end()
         yield an.event("content_block_stop", {"index": 0})
+        for i, call in enumerate(self.calls, start=1):
+            block = {**an.tool_use(call), "input": {}}
+            yield an.event("content_block_start", {"index": i, "content_block": block})
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(call.arguments)}
+            yield an.event("content_block_delta", {"index": i, "delta": delta})
+            yield an.event("content_block_stop", {"index": i})
         delta = {"stop_reason": reason, "stop_sequence": matched}
         yield an.event(
             "message_delta", {"delta": delta, "usage": {"output_tokens": usage["output_tokens"]}}
         )
         yield an.event("message_stop", {})
+
+
+def _text_delta(text: str) -> str:
+    return an.event(
+        "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}
+    )
+
+
+def _ended(ask: oa.Ask, c: Choice) -> Iterator[str]:
+    """A choice's last chunks: the text held back that is not a call, its calls (one delta,
+    each call whole), its finish."""
+    finish, calls = c.finish, None
+    if c.tools is not None:
+        rest, calls = c.tools.finish()
+        if rest:
+            yield sse(oa.chunk(ask, rest, index=c.index))
+        if calls:
+            yield sse(oa.chunk(ask, None, index=c.index, tool_calls=calls))
+            finish = "tool_calls"
+    yield sse(oa.chunk(ask, None, finish, index=c.index, logprobs=c.logprobs(ask)))
 
 
 def _chain(first, results: Iterator):

@@ -217,6 +217,13 @@ class Tokenizer:
         (``"gemma"``, ``"chatml"``) or a Jinja file."""
         self._chat_templates = {"default": named_chat_template(name_or_path)}
 
+    def chat_template_source(self, *, tools: bool = False) -> str | None:
+        """The Jinja source of the template :meth:`apply_chat_template` uses (with ``tools``:
+        the one it uses when tools are given), or None without one."""
+        if not self._chat_templates:
+            return None
+        return select_chat_template(self._chat_templates, use_tools=tools).source
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:

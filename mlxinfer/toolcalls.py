@@ -1,0 +1,317 @@
+"""Tool calls: the tools a request offers, the way a model family writes a call, and the calls
+parsed out of what it wrote.
+
+Tools are given as OpenAI (and the Hugging Face chat-template convention) writes them,
+``{"type": "function", "function": {"name", "description", "parameters"}}``, and reach the
+chat template as its ``tools`` variable. Which form a model's calls take is read from its
+chat template:
+
+- Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block a call;
+- Llama 3.x: the call as bare JSON, ``{"name": ..., "parameters": {...}}`` (after
+  ``<|python_tag|>`` or not; several separated by ``;``);
+- Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
+
+With ``tool_choice`` ``"required"`` or naming a function, the call is generated under a
+constraint: the family's wrapper around JSON that the function's parameter schema admits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConstraintError
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self, index: int | None = None) -> dict:
+        out = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
+        return out if index is None else {"index": index, **out}
+
+
+def check_tools(tools: Any, where: str = "tools") -> list[dict]:
+    """The tools in OpenAI's shape, checked: a ValueError naming the first bad field."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"{where}: expected a non-empty list of tools")
+    out = []
+    for i, tool in enumerate(tools):
+        at = f"{where}[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"{at}: expected {{'type': 'function', 'function': {{...}}}}")
+        fn = tool.get("function", tool)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{at}.function.name: expected a non-empty string")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ValueError(f"{at}.function.parameters: expected a JSON Schema object")
+        function = {"name": fn["name"], "parameters": params}
+        if fn.get("description") is not None:
+            function["description"] = str(fn["description"])
+        out.append({"type": "function", "function": function})
+    return out
+
+
+class ToolFormat:
+    """How one family writes tool calls."""
+
+    name = ""
+    opener = ""  # text that starts a call
+    key = "arguments"  # the arguments' key in the call's JSON
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(the text that is not a call, the calls) of a whole output."""
+        raise NotImplementedError
+
+    def lark(self, call: str, tokenizer) -> str:
+        """A Lark grammar for one call whose JSON is ``call`` (a ``%json`` schema)."""
+        raise NotImplementedError
+
+
+class Hermes(ToolFormat):
+    name, opener = "hermes", "<tool_call>"
+    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text):
+        calls = [c for m in self.BLOCK.finditer(text) if (c := _call(m.group(1))) is not None]
+        if not calls:
+            return text, []
+        return self.BLOCK.sub("", text).strip(), calls
+
+    def lark(self, call, tokenizer):
+        return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {call}'
+
+
+class Llama3(ToolFormat):
+    name, opener, key = "llama3", "{", "parameters"
+
+    def parse(self, text):
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = [_call(part) for part in body.split(";") if part.strip()]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return "", calls
+
+    def lark(self, call, tokenizer):
+        return f"start: call\ncall: %json {call}"
+
+
+class Mistral(ToolFormat):
+    name, opener = "mistral", "[TOOL_CALLS]"
+
+    def parse(self, text):
+        head, found, rest = text.partition("[TOOL_CALLS]")
+        if not found:
+            return text, []
+        try:
+            items = json.loads(rest.strip())
+        except ValueError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        calls = [_call(item) for item in items]
+        if any(c is None for c in calls):
+            return text, []
+        return head.strip(), calls
+
+    def lark(self, call, tokenizer):
+        token = tokenizer.token_to_id("[TOOL_CALLS]")
+        opener = f"<[{token}]>" if token is not None else '"[TOOL_CALLS]"'
+        return f'start: {opener} " [" call "]"\ncall: %json {call}'
+
+
+FORMATS = (Hermes(), Mistral(), Llama3())
+
+
+def tool_format(tokenizer) -> ToolFormat:
+    """The form of the model's calls, read from its chat template (Hermes when it says
+    nothing that names another)."""
+    source = tokenizer.chat_template_source(tools=True) or ""
+    if "[TOOL_CALLS]" in source:
+        return FORMATS[1]
+    if "<tool_call>" in source:
+        return FORMATS[0]
+    if '"parameters"' in source and "<|start_header_id|>" in source:
+        return FORMATS[2]
+    return FORMATS[0]
+
+
+def call_constraint(fmt: ToolFormat, tools: list[dict], choice: Any, tokenizer):
+    """The constraint for ``tool_choice`` ``"required"`` (any of ``tools``) or a named function
+    (``{"type": "function", "function": {"name": ...}}``); None for ``"auto"``/``"none"``."""
+    from .constraints import Constraint
+    from .constraints.spec import JSON_OPTIONS
+
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        chosen = tools
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        if not chosen:
+            names = ", ".join(t["function"]["name"] for t in tools)
+            raise ValueError(
+                f"tool_choice.function.name: '{name}' is not among the tools ({names})"
+            )
+    else:
+        raise ValueError(
+            "tool_choice: expected 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}"
+        )
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                fmt.key: t["function"]["parameters"],
+            },
+            "required": ["name", fmt.key],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    call = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_lark(fmt.lark(call, tokenizer))
+    try:
+        return Constraint._checked("tool_call", grammar, chosen)
+    except ConstraintError as e:
+        raise ConstraintError(f"tools: {e}") from None
+
+
+class ToolStream:
+    """Streamed text with the calls held back: :meth:`feed` gives the text to show now (up to
+    where a call may start), :meth:`finish` what is left and the calls."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt, self.text, self.shown = fmt, "", 0
+        self.holding = self.decided = False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.holding:
+            return ""
+        opener = self.fmt.opener
+        rest = self.text[self.shown :]
+        if isinstance(self.fmt, Llama3):  # a call is the whole output: decided at its start
+            if not self.decided:
+                stripped, tag = self.text.lstrip(), "<|python_tag|>"
+                if not stripped:
+                    return ""
+                if stripped.startswith(("{", tag)):
+                    self.holding = True
+                    return ""
+                if tag.startswith(stripped):
+                    return ""  # may still become the tag
+                self.decided = True
+            return self._show(len(self.text))
+        at = rest.find(opener)
+        if at >= 0:
+            self.holding = True
+            return self._show(self.shown + at)
+        keep = next((k for k in range(len(opener) - 1, 0, -1) if rest.endswith(opener[:k])), 0)
+        return self._show(len(self.text) - keep)
+
+    def _show(self, end: int) -> str:
+        out, self.shown = self.text[self.shown : end], end
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(the text not yet shown that is not a call, the calls)."""
+        content, calls = self.fmt.parse(self.text)
+        if not calls:
+            return self.text[self.shown :], []
+        shown = self.text[: self.shown]
+        return (content[len(shown) :] if content.startswith(shown) else ""), calls
+
+
+def _call(raw: Any) -> ToolCall | None:
+    """A call from its JSON (text or parsed): ``name`` and ``arguments`` (or ``parameters``)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        return None
+    args = raw.get("arguments", raw.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(raw["name"], args if isinstance(args, dict) else {"value": args})
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI chat messages with tool calls as the Hugging Face chat templates take them: an
+    assistant's ``tool_calls`` with their arguments as objects (not JSON text)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_template_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    fn = dict(call.get("function", call))
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return {"type": "function", "id": call.get("id"), "function": fn}
+
+
+@dataclass
+class Tooling:
+    """A request's tools: checked, the model's call format, and the constraint its
+    ``tool_choice`` asks for (None for ``"auto"``)."""
+
+    tools: list[dict]
+    fmt: ToolFormat
+    constraint: Any = None
+
+    @classmethod
+    def make(cls, tokenizer, tools: Any, tool_choice: Any = None) -> Tooling | None:
+        """None without tools or with ``tool_choice="none"`` (then the tools are not shown)."""
+        if tools is None or tool_choice == "none":
+            return None
+        tools = check_tools(tools)
+        fmt = tool_format(tokenizer)
+        return cls(tools, fmt, call_constraint(fmt, tools, tool_choice, tokenizer))
+
+    def results(self, results):
+        """``results`` with the calls parsed from the whole output on the last one."""
+        text = []
+        for r in results:
+            text.append(r.text)
+            if r.finish_reason is not None:
+                r.tool_calls = self.fmt.parse("".join(text))[1]
+            yield r
+
+
+def with_tool_choice(constraint, tooling: Tooling | None):
+    """The request's constraint: the one given, or the one its ``tool_choice`` asks for."""
+    if tooling is None or tooling.constraint is None:
+        return constraint
+    if constraint is not None:
+        raise ConstraintError("tool_choice asks for a call, and a constraint was given too")
+    return tooling.constraint
