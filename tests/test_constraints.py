@@ -162,12 +162,21 @@ REGEXES = st.lists(
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(schema=SCHEMAS, seed=st.integers(0, 2**16))
-def test_sampled_json_follows_a_random_schema_token_by_token(tiny, schema, seed):
+@given(schema=SCHEMAS, seed=st.integers(0, 2**16), lookup=st.booleans())
+def test_sampled_json_follows_a_random_schema_token_by_token(tiny, schema, seed, lookup):
+    """Sampled at temperature 1, half the time drafting by prompt lookup."""
     model, tokenizer = tiny
     c = Constraint.json_schema(schema)
+    extra = {"draft": PromptLookup()} if lookup else {}
     results = stream_generate(
-        model, tokenizer, "Data:", max_tokens=300, temperature=1.0, seed=seed, constraint=c
+        model,
+        tokenizer,
+        'Data: {"a": [1, 2], "b": true}',
+        max_tokens=300,
+        temperature=1.0,
+        seed=seed,
+        constraint=c,
+        **extra,
     )
     tokens, text, finish = tokens_of(results)
     assert all(allowed_each_step(tokenizer, c, tokens))
@@ -178,12 +187,20 @@ def test_sampled_json_follows_a_random_schema_token_by_token(tiny, schema, seed)
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(pattern=REGEXES, seed=st.integers(0, 2**16))
-def test_sampled_text_matches_a_random_regex_token_by_token(tiny, pattern, seed):
+@given(pattern=REGEXES, seed=st.integers(0, 2**16), lookup=st.booleans())
+def test_sampled_text_matches_a_random_regex_token_by_token(tiny, pattern, seed, lookup):
     model, tokenizer = tiny
     c = Constraint.regex(pattern)
+    extra = {"draft": PromptLookup()} if lookup else {}
     results = stream_generate(
-        model, tokenizer, "Code:", max_tokens=100, temperature=1.0, seed=seed, regex=pattern
+        model,
+        tokenizer,
+        "Code: ab-12 cd-34 xx:",
+        max_tokens=100,
+        temperature=1.0,
+        seed=seed,
+        regex=pattern,
+        **extra,
     )
     tokens, text, finish = tokens_of(results)
     assert all(allowed_each_step(tokenizer, c, tokens))
