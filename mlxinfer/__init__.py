@@ -10,6 +10,8 @@ Public API::
     stream_generate(..., draft=mlxinfer.PromptLookup())     # speculative decoding
     texts = mlxinfer.batch_generate(model, tokenizer, ["Hi", "Hello"])  # one batch
     engine = mlxinfer.Engine(model)   # continuous batching: engine.stream(tokenizer, prompt)
+    handle = mlxinfer.ModelHandle(path, keep_alive=300)   # for apps: load, unload, cancel
+    async for r in mlxinfer.astream_generate(handle, "Hello"): ...
 
 Importing this package loads nothing heavy: the modules (and MLX) load on first
 use of an attribute. On Linux it does one thing first: it loads a fast BLAS for
@@ -44,6 +46,9 @@ _EXPORTS = {
     "MlxInferError": "errors",
     "batch_generate": "batch",
     "Engine": "batch",
+    "ModelHandle": "app",
+    "astream_generate": "app",
+    "Constraint": "constraints",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -87,20 +87,33 @@ def generation_options(fn):
             help="Prompt tokens per prefill chunk; smaller lowers peak memory [default: 512].",
         ),
         click.option("--verbose", "-v", is_flag=True, help="Print the request timeline to stderr."),
+        FORCE,
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _load(model: str | None, verbose: bool):
+FORCE = click.option(
+    "--force",
+    is_flag=True,
+    help="Load the model even if it exceeds the GPU's recommended working set (Mac).",
+)
+
+
+def _load(model: str | None, verbose: bool, force: bool = False):
+    """The model and tokenizer, with progress bars on a terminal."""
     from .loader import load
+    from .progress import Bars
 
     if verbose:
         from .blas import blas_in_use
 
         _log(f"BLAS: {blas_in_use()}")
-    return load(model, log=_log)
+    if not sys.stderr.isatty():
+        return load(model, log=_log, force=force)
+    with Bars() as bars:
+        return load(model, log=_log, progress=bars, force=force)
 
 
 def _print_stream(results, verbose: bool) -> None:
@@ -320,7 +333,7 @@ def generate(
         )
     if prompt is None:
         prompt = sys.stdin.read()
-    llm, tokenizer = _load(model, verbose)
+    llm, tokenizer = _load(model, verbose, options.pop("force"))
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     [prompt] = _templated(tokenizer, [prompt], system, chat_template, no_chat_template, verbose)
     _print_stream(
@@ -395,7 +408,7 @@ def _generate_batch(
         )
     draft = _make_draft(None, prompt_lookup, None)
     prompts = read_prompts(batch_file)
-    llm, tokenizer = _load(model, verbose)
+    llm, tokenizer = _load(model, verbose, options.pop("force"))
     prompts = _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose)
     stop = options.pop("stop")
     kv_bits = int(kv_bits) if kv_bits else None
@@ -438,7 +451,7 @@ def chat(
     """
     from .chat import ChatSession
 
-    llm, tokenizer = _load(model, verbose)
+    llm, tokenizer = _load(model, verbose, options.pop("force"))
     if chat_template:
         tokenizer.set_chat_template(chat_template)
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
@@ -511,6 +524,7 @@ def chat(
     "Default: no CORS headers.",
 )
 @click.option("--verbose", "-v", is_flag=True)
+@FORCE
 @_errors_to_click
 def serve(
     model,
@@ -525,6 +539,7 @@ def serve(
     keep_alive,
     cors_origins,
     verbose,
+    force,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
     try:
@@ -541,7 +556,7 @@ def serve(
 
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
-        llm, tokenizer = _load(model, verbose)
+        llm, tokenizer = _load(model, verbose, force)
         name = Path(model).name if model else "SmolLM2-135M-Instruct"
     options = {"max_batch": max_batch, "kv_budget": kv_budget}
     options = {k: v for k, v in options.items() if v is not None}

@@ -19,8 +19,9 @@ from mlx.utils import tree_flatten
 from .atomic import writing_dir
 from .config import read_config
 from .errors import ConfigError
-from .loader import load_weights_into, read_weights, resolve_model_path, weight_files
+from .loader import load_weights_into, read_weights, resolve_model_path
 from .models import build_model, get_family
+from .progress import Progress, finished, resolve
 from .quant import bits_per_weight, quantize_model
 
 TOKENIZER_FILES = (
@@ -48,7 +49,7 @@ def convert(
     bits: int = 4,
     group_size: int = 64,
     dtype: str | None = None,
-    progress: bool = False,
+    progress: bool | Progress = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Convert ``src`` (HF directory, Hub repo id or ``.gguf`` file) into ``dst``.
@@ -57,7 +58,9 @@ def convert(
         quantize: store Linear/Embedding weights as affine ``bits``-bit groups.
         dtype: float16, bfloat16 or float32 for the float weights; default: the
             checkpoint's own dtype (``torch_dtype`` / ``dtype``), else float16.
-        progress: show a progress bar on stderr while reading weights.
+        progress: True: progress bars on stderr; a callback: ``(stage, done, total)`` for
+            reading and writing the weights (bytes) or importing a GGUF's tensors
+            (:mod:`mlxinfer.progress`).
     Returns:
         A report: parameters, bits per weight, bytes on disk, output path.
     """
@@ -87,9 +90,17 @@ def convert(
 
     Tokenizer.from_dir(src_dir)  # a missing or broken tokenizer fails before any work
 
-    files = weight_files(src_dir)
-    with _progress_bar(len(files), "reading weights", progress) as bar:
-        weights = read_weights(src_dir, on_file=lambda _: bar.update(1))
+    report = resolve(progress)
+    try:
+        return _convert_hf(
+            src_dir, dst, config, family, model, target, quantize, bits, group_size, report
+        )
+    finally:
+        finished(report)
+
+
+def _convert_hf(src_dir, dst, config, family, model, target, quantize, bits, group_size, report):
+    weights = read_weights(src_dir, report)
     weights = family.Model.sanitize(weights, model.args)
     weights = {
         k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
@@ -106,7 +117,7 @@ def convert(
     params = dict(tree_flatten(model.parameters()))
 
     with writing_dir(dst) as tmp:
-        _write_weights(tmp, params, progress)
+        _write_weights(tmp, params, report)
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, default=str))
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):
             if (src_dir / name).is_file():
@@ -133,7 +144,7 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return next(k for k, v in DTYPES.items() if v == dtype)
 
 
-def _write_weights(out: Path, params: dict[str, mx.array], progress: bool) -> None:
+def _write_weights(out: Path, params: dict[str, mx.array], progress: Progress) -> None:
     shards: list[dict[str, mx.array]] = [{}]
     size = 0
     for k, v in params.items():
@@ -142,26 +153,19 @@ def _write_weights(out: Path, params: dict[str, mx.array], progress: bool) -> No
             size = 0
         shards[-1][k] = v
         size += v.nbytes
-    bar = _progress_bar(len(shards), "writing weights", progress)
+    total = sum(v.nbytes for v in params.values())
+    done = 0
+    progress("writing weights", 0, total)
     if len(shards) == 1:
         mx.save_safetensors(str(out / "model.safetensors"), shards[0], metadata={"format": "mlx"})
-        bar.update(1)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
             weight_map.update({k: name for k in shard})
-            bar.update(1)
-        index = {
-            "metadata": {"total_size": sum(v.nbytes for v in params.values())},
-            "weight_map": weight_map,
-        }
+            done += sum(v.nbytes for v in shard.values())
+            progress("writing weights", done, total)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    bar.close()
-
-
-def _progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="file", disable=not enabled, leave=False)
+    progress("writing weights", total, total)

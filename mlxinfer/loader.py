@@ -23,6 +23,7 @@ from . import backends
 from .config import read_config
 from .errors import ConfigError, WeightsError
 from .models import build_model, get_family
+from .progress import Progress
 from .quant import apply_quantization
 from .threads import release_at_thread_exit
 
@@ -101,15 +102,20 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_weights(
-    model_dir: Path, on_file: Callable[[Path], None] | None = None
-) -> dict[str, mx.array]:
+def read_weights(model_dir: Path, progress: Progress | None = None) -> dict[str, mx.array]:
+    """Every tensor of the directory's safetensors files; ``progress("reading weights", bytes
+    read, total bytes)`` after each file (from 0)."""
     weights: dict[str, mx.array] = {}
-    for f in weight_files(model_dir):
+    files = weight_files(model_dir)
+    total, done = sum(f.stat().st_size for f in files), 0
+    if progress is not None:
+        progress("reading weights", 0, total)
+    for f in files:
         check_safetensors(f)
         weights.update(mx.load(str(f)))
-        if on_file is not None:
-            on_file(f)
+        done += f.stat().st_size
+        if progress is not None:
+            progress("reading weights", done, total)
     return weights
 
 
@@ -149,11 +155,14 @@ def load_model(
     *,
     dtype: mx.Dtype | None | str = "auto",
     log: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
+    force: bool = False,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build the model in ``model_dir`` and load its weights (evaluated: see :func:`materialize`).
 
     ``dtype``: cast float weights to it; None keeps the stored dtypes; "auto"
-    is :func:`default_dtype`.
+    is :func:`default_dtype`. ``progress``: see :mod:`mlxinfer.progress`. ``force``: load
+    even when the weights exceed the GPU's recommended working set (Metal).
     """
     release_at_thread_exit()
     if isinstance(dtype, str):
@@ -162,7 +171,9 @@ def load_model(
     config = read_config(model_dir)
     source = str(model_dir / "config.json")
     model = build_model(config, source)
-    weights = read_weights(model_dir)
+    if not force:
+        check_fits(model_dir)
+    weights = read_weights(model_dir, progress)
     weights = get_family(config, source).Model.sanitize(weights, model.args)
     if "quantization" in config:
         apply_quantization(model, config["quantization"], weights)
@@ -176,6 +187,32 @@ def load_model(
     materialize(model)
     backends.apply(model, log=log)  # the CPU backend's layers and measured plans, on the CPU
     return model, config
+
+
+def check_fits(model_dir: Path) -> None:
+    """On Metal: refuse weights larger than the working set MLX recommends for this GPU (the
+    system would page, or the process be killed), naming both sizes."""
+    limit = recommended_working_set()
+    if limit is None:
+        return
+    size = sum(f.stat().st_size for f in weight_files(model_dir))
+    if size > limit:
+        raise WeightsError(
+            f"{model_dir}: {size / 1e9:.1f} GB of weights, but this GPU's recommended working "
+            f"set is {limit / 1e9:.1f} GB (MLX's max_recommended_working_set_size); load it "
+            "anyway with force=True (--force), or pick a smaller or more quantized model"
+        )
+
+
+def recommended_working_set() -> int | None:
+    """Bytes MLX recommends the GPU keep resident (Metal), or None where there is no such
+    figure (the CPU backend)."""
+    try:
+        if not mx.metal.is_available():
+            return None
+        return int(mx.metal.device_info()["max_recommended_working_set_size"])
+    except (AttributeError, KeyError, RuntimeError):
+        return None
 
 
 def materialize(model: nn.Module) -> None:
@@ -193,13 +230,17 @@ def load(
     *,
     dtype: mx.Dtype | None | str = "auto",
     log: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
+    force: bool = False,
 ):
     """Load a model directory, a Hub repo id, or (``None``) the default model.
 
     Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
     dtypes; or an ``mx`` float dtype. ``log`` receives progress messages (the
-    library itself never prints).
+    library itself never prints). ``progress(stage, done, total)``: the weights read, in
+    bytes (:mod:`mlxinfer.progress`). ``force``: load even if the weights exceed the GPU's
+    recommended working set (on a Mac; otherwise a WeightsError with both sizes).
     """
     from .blas import late_warning
     from .tokenization import Tokenizer
@@ -215,5 +256,5 @@ def load(
         model_dir = default_model_path(log=log)
     else:
         model_dir = resolve_model_path(path_or_repo)
-    model, _ = load_model(model_dir, dtype=dtype, log=log)
+    model, _ = load_model(model_dir, dtype=dtype, log=log, progress=progress, force=force)
     return model, Tokenizer.from_dir(model_dir)

@@ -303,6 +303,59 @@ def test_mixed_rows_in_a_batch_with_prompt_lookup_each_match_and_equal_alone(tin
             assert all(allowed_each_step(tokenizer, c, tokens)), i
 
 
+ROW = st.one_of(
+    SCHEMAS.map(lambda schema: ("json_schema", schema)),
+    REGEXES.map(lambda pattern: ("regex", pattern)),
+    st.just((None, None)),
+)
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.lists(st.tuples(ROW, st.booleans()), min_size=8, max_size=8), seed=st.integers(0, 99)
+)
+def test_random_constraints_in_a_batch_of_eight_with_prompt_lookup(tiny, rows, seed):
+    """Eight rows at once, each a random schema, a random regex or nothing, each drafting by
+    prompt lookup or not, sampled: every constrained row's tokens are allowed at each step and
+    its output validates or matches."""
+    model, tokenizer = tiny
+    got = [None] * 8
+    with Engine(model, max_batch=8) as engine:
+
+        def run(i):
+            (kind, source), lookup = rows[i]
+            extra = {kind: source} if kind else {}
+            if lookup:
+                extra["draft"] = PromptLookup()
+            got[i] = tokens_of(
+                engine.stream(
+                    tokenizer,
+                    f'Row {i}: {{"a": [1, 2]}} ab-12 cd-34',
+                    max_tokens=300,
+                    sampling=_sampling(temperature=1.0, seed=seed + i),
+                    **extra,
+                )
+            )
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    for ((kind, source), _), (tokens, text, finish) in zip(rows, got):
+        if kind is None:
+            continue
+        c = from_options(**{kind: source})
+        assert all(allowed_each_step(tokenizer, c, tokens)), (kind, source, text)
+        assert finish == "stop", (kind, source, text)
+        if kind == "regex":
+            assert re.fullmatch(source, text), (source, text)
+        else:
+            jsonschema.validate(json.loads(text), source)
+
+
 def _sampling(**options):
     from mlxinfer import SamplingParams
 

@@ -17,7 +17,7 @@ from ..generation.drafts import Draft
 from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
 from .engine import Engine
 from .pool import KVPool, PoolFullError, PoolStats
-from .requests import EngineError, Handle
+from .requests import EngineError, Handle, Stream
 
 __all__ = [
     "Engine",
@@ -26,6 +26,7 @@ __all__ = [
     "KVPool",
     "PoolFullError",
     "PoolStats",
+    "Stream",
     "batch_generate",
 ]
 

@@ -24,9 +24,11 @@ cancels the request when it stops early.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
@@ -46,7 +48,7 @@ from . import pool as pool_mod
 from . import rows as rows_mod
 from .layout import check_batchable, layer_shapes
 from .pool import KVPool, PoolStats
-from .requests import POLL_S, EngineError, Handle, _Request
+from .requests import POLL_S, EngineError, Handle, Stream, _Request
 from .views import StepBatch
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
@@ -119,6 +121,7 @@ class Engine:
         self.draft_tokens = self.accepted_tokens = 0  # prompt lookup: proposed, kept
         self._thread = threading.Thread(target=self._loop, name="mlxinfer-engine", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # -- the caller's side -----------------------------------------------------------------
 
@@ -172,7 +175,16 @@ class Engine:
             self._cond.notify()
         return Handle(self, request, next(self._ids))
 
-    def stream(
+    def stream(self, tokenizer, prompt, **options) -> Iterator[GenerationResult]:
+        """``stream_generate``'s results for one request run inside the batch: :meth:`start`'s
+        stream, started on the first ``next()`` (so a bad prompt fails there)."""
+        stream = self.start(tokenizer, prompt, **options)
+        try:
+            yield from stream
+        finally:
+            stream.cancel()  # a stop string or the caller ended it early: free its blocks
+
+    def start(
         self,
         tokenizer,
         prompt: str | Sequence[int] | Sequence[dict[str, Any]],
@@ -189,11 +201,12 @@ class Engine:
         tools: list[dict] | None = None,
         tool_choice: Any = None,
         **constraint_options,
-    ) -> Iterator[GenerationResult]:
-        """``stream_generate``'s results for one request run inside the batch (``draft``,
-        ``num_draft``: as for :meth:`submit`; ``constraint`` or one of ``response_format``,
-        ``json_schema``, ``regex``, ``choices``, ``grammar``: structured output, as for
-        ``stream_generate``; ``tools``, ``tool_choice``: likewise)."""
+    ) -> Stream:
+        """Submit one request now; its :class:`Stream` of ``stream_generate``'s results, which
+        any thread may :meth:`~Stream.cancel` (``draft``, ``num_draft``: as for
+        :meth:`submit`; ``constraint`` or one of ``response_format``, ``json_schema``,
+        ``regex``, ``choices``, ``grammar``: structured output, as for ``stream_generate``;
+        ``tools``, ``tool_choice``: likewise)."""
         t0 = time.perf_counter()
         constraint = from_options(constraint=constraint, **constraint_options)
         tooling = Tooling.make(tokenizer, tools, tool_choice)
@@ -233,13 +246,8 @@ class Engine:
             tokenizer.eos_token_ids,
             t0,
         )
-        try:
-            results = _results(prepared, handle.steps(timeout), count_passes=False)
-            for result in tooling.results(results) if tooling is not None else results:
-                stats.cached_tokens = handle.cached_tokens
-                yield result
-        finally:
-            handle.cancel()  # a stop string or the caller ended it early: free its blocks
+        results = _results(prepared, handle.steps(timeout), count_passes=False)
+        return Stream(handle, tooling.results(results) if tooling is not None else results)
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
@@ -273,7 +281,9 @@ class Engine:
         }
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine: requests still running end with EngineError."""
+        """Stop the engine: requests still running end with EngineError. Engines still open
+        when the interpreter exits are closed then: a thread killed inside an MLX call aborts
+        the process ("terminate called without an active exception")."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -446,3 +456,12 @@ class Engine:
                 self._retire(r)
                 return
         r.pending = emitted[-1]
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for engine in list(_LIVE):
+        engine.close(timeout=5.0)

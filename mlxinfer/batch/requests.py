@@ -85,3 +85,29 @@ class Handle:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+class Stream:
+    """One request's results as they come (``stream_generate``'s), and a way to stop it.
+
+    Iterate it on one thread; :meth:`cancel` may be called from any thread or task: the
+    engine drops the request at its next step (within one decode step) and frees its blocks,
+    and the iteration ends."""
+
+    def __init__(self, handle: Handle, results: Iterator) -> None:
+        self.handle, self._results = handle, results
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self):
+        result = next(self._results)
+        result.stats.cached_tokens = self.handle.cached_tokens
+        return result
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.handle._request.cancelled.is_set()

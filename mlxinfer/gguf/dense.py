@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from tqdm import tqdm
 
 from ..models import build_model
+from ..progress import Progress, counted
 from ..quant import quantize_model
 from . import quants as gq
 from .arch import fix_float, permuted_heads, unpermute_rows
@@ -43,7 +43,7 @@ def write_float(
     *,
     dtype: str,
     quantize: tuple[int, int] | None,
-    progress: bool,
+    progress: Progress,
 ) -> tuple[dict, dict]:
     """The weights in ``dtype`` (``quantize``: affine ``(bits, group_size)`` where
     ``quantize_model`` would quantize), and the per-tensor loss; ``config`` gets the
@@ -51,7 +51,7 @@ def write_float(
     target = DTYPES[dtype]
     record, to_quantize = quantized_modules(config, *quantize) if quantize else (None, set())
     weights, losses = {}, {}
-    for name, t in tqdm(tensors.items(), desc="import", unit="tensor", disable=not progress):
+    for name, t in counted(tensors.items(), "importing tensors", progress):
         module, kind = names[name]
         ref = fix_float(
             arch, module, kind, gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape)

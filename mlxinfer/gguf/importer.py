@@ -39,10 +39,10 @@ from typing import Callable
 
 import mlx.core as mx
 import numpy as np
-from tqdm import tqdm
 
 from ..atomic import writing_dir
 from ..errors import MlxInferError, WeightsError
+from ..progress import Progress, counted, finished, resolve
 from . import quants as gq
 from .arch import (
     SUPPORTED,
@@ -129,7 +129,7 @@ def import_gguf(
     *,
     requantize: tuple[int, int] | None = None,
     dtype: str | None = None,
-    progress: bool = False,
+    progress: bool | Progress = False,
     log: Callable[[str], None] | None = None,
 ) -> dict:
     """Convert a GGUF file into a model directory at ``dst``.
@@ -143,7 +143,7 @@ def import_gguf(
       dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``: every tensor dequantized to that
         dtype instead (dense.py); ``requantize`` then quantizes the float weights as
         ``convert -q`` quantizes a Hugging Face checkpoint.
-      progress: show a tqdm bar over tensors (on stderr).
+      progress: True: a tqdm bar over tensors (on stderr); a callback: (stage, done, total).
       log: receives one summary line about K-quant losses.
 
     Returns:
@@ -158,7 +158,14 @@ def import_gguf(
       WeightsError: not GGUF, truncated, unsupported architecture or tensor type.
       TokenizerError: a vocabulary other than byte-level BPE or SentencePiece.
     """
-    src, dst = Path(src), Path(dst)
+    report = resolve(progress)
+    try:
+        return _import(Path(src), Path(dst), requantize, dtype, report, log)
+    finally:
+        finished(report)
+
+
+def _import(src: Path, dst: Path, requantize, dtype, progress: Progress, log) -> dict:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise MlxInferError(f"{dst}: destination already exists and is not empty")
     if dtype is not None and dtype not in DTYPES:
@@ -235,7 +242,7 @@ def _write_float(
     config: dict,
     dtype: str,
     quantize: tuple[int, int] | None,
-    progress: bool,
+    progress: Progress,
 ) -> dict:
     """model.safetensors and config.json with every tensor dequantized to ``dtype``; the report."""
     weights, losses = write_float(
@@ -262,11 +269,18 @@ def _write_float(
 
 
 def _write(
-    tmp: Path, buf, tensors: dict, names: dict, arch: str, config: dict, requantize, progress: bool
+    tmp: Path,
+    buf,
+    tensors: dict,
+    names: dict,
+    arch: str,
+    config: dict,
+    requantize,
+    progress: Progress,
 ) -> dict:
     """model.safetensors and config.json; returns the report."""
     weights, module_format, losses, n_params, n_bits = {}, {}, {}, 0, 0
-    for name, t in tqdm(tensors.items(), desc="import", unit="tensor", disable=not progress):
+    for name, t in counted(tensors.items(), "importing tensors", progress):
         module, kind = names[name]
         dense, affine, loss = _convert_tensor(buf, t, requantize)
         heads = permuted_heads(arch, module, config)
