@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ if CHROMIUM is None:
     )
 
 from scripted import REPLY, ScriptedEngine  # noqa: E402
+from servers import serving  # noqa: E402
 
 from mlxinfer import load  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
@@ -44,20 +43,8 @@ def page_server(tmp_path_factory):
     add_tokenizer(path)
     model, tokenizer = load(str(path))
     engine = ScriptedEngine()
-    app = make_app(model, tokenizer, "scripted", engine=engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the server did not start within 30 s"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/", engine
-    srv.should_exit = True
-    thread.join(10)
+    with serving(make_app(model, tokenizer, "scripted", engine=engine)) as url:
+        yield f"{url}/", engine
 
 
 @pytest.fixture(scope="module")
@@ -148,19 +135,9 @@ def test_the_page_sends_a_servers_api_key(page_server, browser, tmp_path):
     add_tokenizer(path)
     model, tokenizer = load(str(path))
     app = make_app(model, tokenizer, "scripted", api_key="sk-page", engine=ScriptedEngine())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    try:
+    with serving(app) as url:
         page = browser.new_page()
-        page.goto(f"http://127.0.0.1:{port}/")
+        page.goto(f"{url}/")
         page.wait_for_selector("#key", state="visible", timeout=10_000)
         assert page.locator("#model option").count() == 0
         page.fill("#key", "sk-page")
@@ -170,9 +147,6 @@ def test_the_page_sends_a_servers_api_key(page_server, browser, tmp_path):
         page.wait_for_selector(".message.assistant .note", timeout=20_000)
         assert "Done." in page.locator(".message.assistant").last.inner_text()
         page.close()
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 def test_the_page_is_served_with_a_policy_that_runs_only_its_own_script(page_server):

@@ -6,10 +6,8 @@ by raw HTTP. Needs the server extra (FastAPI, uvicorn) and the ``openai`` client
 from __future__ import annotations
 
 import math
-import socket
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 httpx = pytest.importorskip("httpx", reason="httpx (the openai client's HTTP) is not installed")
 
 from scripted import ScriptedEngine  # noqa: E402
+from servers import serving  # noqa: E402
 
 from mlxinfer import generate, load  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
@@ -34,31 +33,6 @@ def tiny(tmp_path_factory):
     path, _ = make_tiny(tmp_path_factory.mktemp("server"), vocab_size=320, hidden_size=64)
     add_tokenizer(path)
     return load(str(path))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serving(app):
-    """``app`` served by uvicorn on a loopback port; yields its base URL."""
-    port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the server did not start within 30 s"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")

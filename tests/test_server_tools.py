@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_server import serving
+from servers import serving
 from test_toolcalls import ADD, ASK, TOOLS, WEATHER, _tiny
 from tool_templates import HERMES
 
