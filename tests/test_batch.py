@@ -68,6 +68,7 @@ FAMILIES = {
     "gpt2": dict(model_type="gpt2", n_positions=1024),
     "bloom": dict(model_type="bloom"),
     "xglm": dict(model_type="xglm", ffn_dim=128),
+    "smollm3": dict(model_type="smollm3", no_rope_layer_interval=2, pad_token_id=0, eos_token_id=2),
 }
 LENGTHS = [5, 17, 40, 90, 150, 300, 600, 900]
 NEW = 6

@@ -101,6 +101,23 @@ CASES = {
         model_type="bloom", hidden_size=48, n_head=6, apply_residual_connection_post_layernorm=True
     ),
     "xglm": dict(model_type="xglm", ffn_dim=128),
+    # every 2nd layer without RoPE (transformers derives the list from the interval)
+    "smollm3": dict(
+        model_type="smollm3",
+        num_hidden_layers=4,
+        no_rope_layer_interval=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "smollm3-untied": dict(
+        model_type="smollm3",
+        no_rope_layers=[0, 1],
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 

@@ -11,6 +11,7 @@ from ..errors import ConfigError
 FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
+    "smollm3": "smollm3",
     "qwen2": "qwen2",
     "qwen3": "qwen2",
     "gemma": "gemma",
