@@ -68,6 +68,15 @@ FAMILIES = {
     "gpt2": dict(model_type="gpt2", n_positions=1024),
     "bloom": dict(model_type="bloom"),
     "xglm": dict(model_type="xglm", ffn_dim=128),
+    "granite": dict(
+        model_type="granite",
+        embedding_multiplier=3.0,
+        attention_multiplier=0.05,
+        residual_multiplier=0.4,
+        logits_scaling=2.5,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
     "smollm3": dict(model_type="smollm3", no_rope_layer_interval=2, pad_token_id=0, eos_token_id=2),
 }
 LENGTHS = [5, 17, 40, 90, 150, 300, 600, 900]

@@ -110,6 +110,17 @@ CASES = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # multipliers far from 1, so that each one counts
+    "granite": dict(
+        model_type="granite",
+        embedding_multiplier=3.0,
+        attention_multiplier=0.05,
+        residual_multiplier=0.4,
+        logits_scaling=2.5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "smollm3-untied": dict(
         model_type="smollm3",
         no_rope_layers=[0, 1],

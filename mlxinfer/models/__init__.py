@@ -12,6 +12,7 @@ FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
     "smollm3": "smollm3",
+    "granite": "granite",
     "qwen2": "qwen2",
     "qwen3": "qwen2",
     "gemma": "gemma",

@@ -88,8 +88,11 @@ class LlamaModel(nn.Module):
         self.layers = [self.Block(args) for _ in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
+    def embed(self, inputs: mx.array) -> mx.array:
+        return self.embed_tokens(inputs)  # (B, L, hidden)
+
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.embed_tokens(inputs)  # (B, L, hidden)
+        h = self.embed(inputs)
         L = inputs.shape[1]
         if cache is None:
             cache = [None] * len(self.layers)
