@@ -77,6 +77,7 @@ FAMILIES = {
         pad_token_id=0,
         eos_token_id=2,
     ),
+    "olmo2": dict(model_type="olmo2", pad_token_id=0, eos_token_id=2),
     "smollm3": dict(model_type="smollm3", no_rope_layer_interval=2, pad_token_id=0, eos_token_id=2),
 }
 LENGTHS = [5, 17, 40, 90, 150, 300, 600, 900]

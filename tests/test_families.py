@@ -121,6 +121,10 @@ CASES = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    "olmo2": dict(model_type="olmo2", pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "olmo2-gqa": dict(
+        model_type="olmo2", num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    ),
     "smollm3-untied": dict(
         model_type="smollm3",
         no_rope_layers=[0, 1],

@@ -13,6 +13,7 @@ FAMILIES = {
     "mistral": "llama",
     "smollm3": "smollm3",
     "granite": "granite",
+    "olmo2": "olmo2",
     "qwen2": "qwen2",
     "qwen3": "qwen2",
     "gemma": "gemma",

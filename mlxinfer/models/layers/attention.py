@@ -150,15 +150,18 @@ class RopeAttention(Attention):
             self.q_norm, self.k_norm = qk_norm(head_dim), qk_norm(head_dim)
         self.rope = rope
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
-        B, L, _ = x.shape
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v as the projections give them: (B, L, heads * head_dim) each."""
         if self.fused_qkv:
             q_end = self.n_heads * self.head_dim
-            q, k, v = mx.split(
-                self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1
+            return tuple(
+                mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], -1)
             )
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        B, L, _ = x.shape
+        q, k, v = self.project(x)
         # (B, L, n * head_dim) -> (B, L, n, head_dim); norms act per head, then -> (B, n, L, head_dim)
         q = q.reshape(B, L, self.n_heads, self.head_dim)
         k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
