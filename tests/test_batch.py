@@ -32,6 +32,13 @@ FAMILIES = {
     "gemma": dict(model_type="gemma", head_dim=16),
     "phi3": dict(model_type="phi3", pad_token_id=0, eos_token_id=2),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=16,
+    ),
     "deepseek_v2": dict(
         model_type="deepseek_v2",
         kv_lora_rank=32,

@@ -70,6 +70,23 @@ CASES = {
         norm_topk_prob=True,
         mlp_only_layers=[0],
     ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=32,
+    ),
+    "qwen3_moe-norm-dense1-bias": dict(
+        model_type="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        head_dim=16,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        attention_bias=True,
+    ),
     "deepseek_v2-lite": dict(
         model_type="deepseek_v2",
         **MLA,
@@ -172,6 +189,7 @@ ROUTERS = {
         "model.layers.1.mlp.shared_expert_gate",
     ],
     "deepseek_v3": ["model.layers.1.mlp.gate"],  # layer 0 is dense
+    "qwen3_moe": ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"],
 }
 
 

@@ -25,6 +25,7 @@ FAMILIES = {
     "xglm": "xglm",
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",
 }
