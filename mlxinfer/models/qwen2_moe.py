@@ -102,12 +102,29 @@ class SparseMoE(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """A family that differs in its attention or its MoE overrides :meth:`attention` or
+    ``SparseMoE``."""
+
+    SparseMoE = SparseMoE
+
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         rope = make_rope(
             args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
         )
-        self.self_attn = RopeAttention(
+        self.self_attn = self.attention(args, rope)
+        if args.is_sparse(layer):
+            self.mlp = self.SparseMoE(args)
+        else:
+            self.mlp = GatedMLP(
+                args.hidden_size, args.intermediate_size, activation(args.hidden_act)
+            )
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @staticmethod
+    def attention(args: ModelArgs, rope) -> RopeAttention:
+        return RopeAttention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -115,14 +132,6 @@ class TransformerBlock(nn.Module):
             rope=rope,
             qkv_bias=args.qkv_bias,
         )
-        if args.is_sparse(layer):
-            self.mlp = SparseMoE(args)
-        else:
-            self.mlp = GatedMLP(
-                args.hidden_size, args.intermediate_size, activation(args.hidden_act)
-            )
-        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)

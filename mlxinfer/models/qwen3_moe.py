@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import qwen2_moe
-from .layers import GatedMLP, RMSNorm, RopeAttention, activation, make_rope
+from .layers import RMSNorm, RopeAttention, activation
 from .layers.moe import Gate, SwitchGLU, combine, softmax_top_k
 
 
@@ -59,12 +59,11 @@ class SparseMoE(nn.Module):
 
 
 class TransformerBlock(qwen2_moe.TransformerBlock):
-    def __init__(self, args: ModelArgs, layer: int):
-        nn.Module.__init__(self)
-        rope = make_rope(
-            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
-        )
-        self.self_attn = RopeAttention(
+    SparseMoE = SparseMoE
+
+    @staticmethod
+    def attention(args: ModelArgs, rope) -> RopeAttention:
+        return RopeAttention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -74,14 +73,6 @@ class TransformerBlock(qwen2_moe.TransformerBlock):
             o_bias=args.attention_bias,
             qk_norm=lambda dim: RMSNorm(dim, eps=args.rms_norm_eps),
         )
-        if args.is_sparse(layer):
-            self.mlp = SparseMoE(args)
-        else:
-            self.mlp = GatedMLP(
-                args.hidden_size, args.intermediate_size, activation(args.hidden_act)
-            )
-        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
 class Qwen3MoeModel(qwen2_moe.Qwen2MoeModel):
