@@ -31,7 +31,26 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: expected a JSON object, found {type(config).__name__}")
-    return normalize_rope(config, source=str(path))
+    return normalize_rope(language_model_config(config, str(path)), source=str(path))
+
+
+# Multimodal checkpoints whose language model runs alone: model_type -> its text model_type.
+LANGUAGE_MODELS = {"gemma3": "gemma3_text"}
+
+
+def language_model_config(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """A multimodal checkpoint's config (``LANGUAGE_MODELS``) as its language model's:
+    ``text_config`` lifted to the top, ``language_model_of`` naming what it came from."""
+    kind = config.get("model_type")
+    if kind not in LANGUAGE_MODELS:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: a '{kind}' checkpoint needs a 'text_config' object")
+    out = {**text, "model_type": LANGUAGE_MODELS[kind], "language_model_of": kind}
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return out
 
 
 def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:

@@ -21,6 +21,7 @@ from .config import read_config
 from .errors import ConfigError
 from .loader import load_weights_into, read_weights, resolve_model_path
 from .models import build_model, get_family
+from .models.base import language_model_weights
 from .progress import Progress, finished, resolve
 from .quant import bits_per_weight, quantize_model
 
@@ -101,13 +102,16 @@ def convert(
 
 def _convert_hf(src_dir, dst, config, family, model, target, quantize, bits, group_size, report):
     weights = read_weights(src_dir, report)
+    if config.get("language_model_of"):
+        weights = language_model_weights(weights)
     weights = family.Model.sanitize(weights, model.args)
     weights = {
         k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
         for k, v in weights.items()
     }
     load_weights_into(model, weights, src_dir)
-    out_config = {k: v for k, v in config.items() if k != "quantization_config"}
+    drop = ("quantization_config", "language_model_of")
+    out_config = {k: v for k, v in config.items() if k not in drop}
     out_config["torch_dtype"] = _dtype_name(target)
     if "dtype" in out_config:  # transformers 5's name for the same field
         out_config["dtype"] = _dtype_name(target)

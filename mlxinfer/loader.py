@@ -23,6 +23,7 @@ from . import backends
 from .config import read_config
 from .errors import ConfigError, WeightsError
 from .models import build_model, get_family
+from .models.base import language_model_weights
 from .progress import Progress
 from .quant import apply_quantization
 from .threads import release_at_thread_exit
@@ -174,6 +175,13 @@ def load_model(
     if not force:
         check_fits(model_dir)
     weights = read_weights(model_dir, progress)
+    if config.get("language_model_of"):
+        if log is not None:
+            log(
+                f"{model_dir}: a {config['language_model_of']} checkpoint: running its language "
+                "model; the vision tower is not loaded"
+            )
+        weights = language_model_weights(weights)
     weights = get_family(config, source).Model.sanitize(weights, model.args)
     if "quantization" in config:
         apply_quantization(model, config["quantization"], weights)

@@ -349,3 +349,55 @@ def test_gemma_float16_residual_add_clips_instead_of_overflowing():
     assert out.dtype == mx.float16
     assert np.array(out.astype(mx.float32)).tolist() == [65504.0, -65504.0, 3.0]
     assert np.isinf(np.array((big + big).astype(mx.float32))[0])  # what a plain add does
+
+
+def test_a_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (model_type gemma3, text_config, a vision
+    tower): its language model loads alone and matches transformers' whole model on text,
+    with and without the cache; `convert` writes the language model only."""
+    import torch
+    import transformers
+    from hf_models import TINY
+
+    torch.manual_seed(0)
+    text = {k: v for k, v in TINY.items()}
+    text.update(
+        head_dim=16,
+        num_hidden_layers=3,
+        sliding_window=6,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**text),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+    )
+    torch_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for t in torch_model.parameters():
+            if t.dim() == 1:
+                t.add_(torch.randn_like(t) * 0.1)  # norms away from their neutral value
+    torch_model.save_pretrained(tmp_path / "hf")
+    logged = []
+    model, _ = load_model(tmp_path / "hf", log=logged.append)
+    assert "vision tower is not loaded" in logged[0]
+    with torch.no_grad():
+        expected = torch_model(torch.tensor([IDS])).logits[0].float().numpy()
+    assert np.abs(np.array(model(mx.array([IDS]))[0]) - expected).max() <= TOL
+    cache = model.make_cache()
+    out = np.concatenate([np.array(model(mx.array([c]), cache)[0]) for c in CHUNKS])
+    assert np.abs(out - expected).max() <= TOL
+    add_tokenizer(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "text", dtype="float32")
+    written = json.loads((tmp_path / "text" / "config.json").read_text())
+    assert written["model_type"] == "gemma3_text" and "vision_config" not in written
+    again, _ = load_model(tmp_path / "text")
+    assert np.abs(np.array(again(mx.array([IDS]))[0]) - expected).max() <= TOL

@@ -234,3 +234,28 @@ def alibi_slopes(n_heads: int) -> mx.array:
         extra = [2 ** (-(8.0 / (2 * closest)) * i) for i in range(1, 2 * closest + 1, 2)]
         slopes += extra[: n_heads - closest]
     return mx.array(slopes, dtype=mx.float32)
+
+
+# A multimodal checkpoint's weight names, as the Hub (and transformers' save_pretrained) lays
+# them out, mapped to the language model's own; the vision side is left out.
+_LANGUAGE_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
+_VISION_PREFIXES += ("model.multi_modal_projector.",)
+
+
+def language_model_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The language model's weights of a multimodal checkpoint, under its own names."""
+    out = {}
+    for key, value in weights.items():
+        if key.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _LANGUAGE_PREFIXES:
+            if key.startswith(old):
+                key = new + key[len(old) :]
+                break
+        out[key] = value
+    return out
