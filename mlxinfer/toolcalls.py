@@ -308,10 +308,16 @@ class Tooling:
             yield r
 
 
-def with_tool_choice(constraint, tooling: Tooling | None):
-    """The request's constraint: the one given, or the one its ``tool_choice`` asks for."""
+def output_rules(tokenizer, tools: Any = None, tool_choice: Any = None, **constraint_options):
+    """A request's ``(constraint, tooling)`` from its options: the constraint given
+    (``constraint``, ``response_format``, ``json_schema``, ``regex``, ``choices``, ``grammar``)
+    or the one its ``tool_choice`` asks for, and its tools (None without)."""
+    from .constraints.spec import from_options
+
+    constraint = from_options(**constraint_options)
+    tooling = Tooling.make(tokenizer, tools, tool_choice)
     if tooling is None or tooling.constraint is None:
-        return constraint
+        return constraint, tooling
     if constraint is not None:
         raise ConstraintError("tool_choice asks for a call, and a constraint was given too")
-    return tooling.constraint
+    return tooling.constraint, tooling

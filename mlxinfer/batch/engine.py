@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from ..backends import prefill_schedule
-from ..constraints.spec import Constraint, from_options
+from ..constraints.spec import Constraint
 from ..generation.drafts import Draft
 from ..generation.loop import _Request as _Prepared
 from ..generation.loop import _results, prepare_prompt
@@ -43,7 +43,7 @@ from ..generation.sampling import LogitsProcessor, SamplingParams
 from ..generation.stop import StopMatcher
 from ..text import fit_context
 from ..threads import release_at_thread_exit
-from ..toolcalls import Tooling, with_tool_choice
+from ..toolcalls import output_rules
 from . import pool as pool_mod
 from . import rows as rows_mod
 from .layout import check_batchable, layer_shapes
@@ -208,9 +208,9 @@ class Engine:
         ``regex``, ``choices``, ``grammar``: structured output, as for ``stream_generate``;
         ``tools``, ``tool_choice``: likewise)."""
         t0 = time.perf_counter()
-        constraint = from_options(constraint=constraint, **constraint_options)
-        tooling = Tooling.make(tokenizer, tools, tool_choice)
-        constraint = with_tool_choice(constraint, tooling)
+        constraint, tooling = output_rules(
+            tokenizer, tools, tool_choice, constraint=constraint, **constraint_options
+        )
         extra = [constraint.processor(tokenizer)] if constraint is not None else []
         ids = prepare_prompt(
             tokenizer,

@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..constraints.spec import from_options
 from ..device import wired_limit
 from ..prompt_cache import PromptCache
 from ..text import clean_prompt, fit_context
 from ..threads import release_at_thread_exit
-from ..toolcalls import Tooling, with_tool_choice
+from ..toolcalls import output_rules
 from .prefill import DEFAULT_PREFILL_STEP, prefill
 from .results import GenerationResult, GenerationStats, Step
 from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams, make_sampler
@@ -236,7 +235,10 @@ def stream_generate(
         sampling = SamplingParams(**given)
     elif clash := [k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k]]:
         raise ValueError(f"sampling: given as one SamplingParams, and also as {', '.join(clash)}")
-    constraint = from_options(
+    constraint, tooling = output_rules(
+        tokenizer,
+        tools,
+        tool_choice,
         constraint=constraint,
         response_format=response_format,
         json_schema=json_schema,
@@ -244,8 +246,6 @@ def stream_generate(
         choices=choices,
         grammar=grammar,
     )
-    tooling = Tooling.make(tokenizer, tools, tool_choice)
-    constraint = with_tool_choice(constraint, tooling)
     request = _prepare(
         model,
         tokenizer,
