@@ -23,7 +23,7 @@ from .loader import load_weights_into, read_weights, resolve_model_path
 from .models import build_model, get_family
 from .models.base import language_model_weights
 from .progress import Progress, finished, resolve
-from .quant import bits_per_weight, quantize_model
+from .quant import apply_quantization, bits_per_weight, quantization_record, quantize_model
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -105,6 +105,8 @@ def _convert_hf(src_dir, dst, config, family, model, target, quantize, bits, gro
     if config.get("language_model_of"):
         weights = language_model_weights(weights)
     weights = family.Model.sanitize(weights, model.args)
+    if (stored := quantization_record(config)) is not None:  # e.g. MXFP4 experts, kept as they are
+        apply_quantization(model, stored, weights)
     weights = {
         k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
         for k, v in weights.items()
@@ -118,6 +120,8 @@ def _convert_hf(src_dir, dst, config, family, model, target, quantize, bits, gro
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     if quantize:
         out_config["quantization"] = quantize_model(model, bits=bits, group_size=group_size)
+    elif stored is not None:
+        out_config["quantization"] = stored
     params = dict(tree_flatten(model.parameters()))
 
     with writing_dir(dst) as tmp:

@@ -25,7 +25,7 @@ from .errors import ConfigError, WeightsError
 from .models import build_model, get_family
 from .models.base import language_model_weights
 from .progress import Progress
-from .quant import apply_quantization
+from .quant import apply_quantization, quantization_record
 from .threads import release_at_thread_exit
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -183,8 +183,8 @@ def load_model(
             )
         weights = language_model_weights(weights)
     weights = get_family(config, source).Model.sanitize(weights, model.args)
-    if "quantization" in config:
-        apply_quantization(model, config["quantization"], weights)
+    if (record := quantization_record(config)) is not None:
+        apply_quantization(model, record, weights)
     if dtype is not None:
         weights = {
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v

@@ -4,6 +4,10 @@
 forms (``bits``-bit integers, one scale and bias per ``group_size`` inputs) and
 returns the record to store under ``config["quantization"]``. Loading reads
 that record back through ``apply_quantization`` before the weights go in.
+
+A checkpoint quantized elsewhere is read as it is stored where MLX has the same
+format: gpt-oss's MXFP4 experts (``quantization_config.quant_method: mxfp4``)
+are MLX's ``mxfp4`` mode as they are (:func:`quantization_record`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,28 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+
+
+def quantization_record(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The record of how ``config``'s weights are quantized: ours (``quantization``), or an
+    MXFP4 checkpoint's (``quantization_config`` with ``quant_method: mxfp4``: its layers with
+    ``.scales`` are MLX ``mxfp4``), or None (float weights)."""
+    if "quantization" in config:
+        return config["quantization"]
+    theirs = config.get("quantization_config")
+    if isinstance(theirs, dict) and theirs.get("quant_method") == "mxfp4":
+        return dict(MXFP4)
+    return None
+
+
+def quantized_layers(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{path: {group_size, bits, mode}}`` of the layers ``model`` already holds quantized."""
+    return {
+        path: {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+        for path, m in model.named_modules()
+        if "scales" in m and hasattr(m, "bits")
+    }
 
 
 def _quantizable(module: nn.Module, group_size: int) -> bool:
@@ -25,13 +51,15 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 64) -> 
     """Quantize ``model`` in place; returns the config.json record.
 
     Layers whose input width is not a multiple of ``group_size`` stay in float
-    and are listed in the record as ``{path: False}``.
+    and are listed in the record as ``{path: False}``; layers quantized already (an MXFP4
+    checkpoint's experts) keep their format, listed as ``{path: {group_size, bits, mode}}``.
     """
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"--bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size not in (32, 64, 128):
         raise ValueError(f"--group-size must be 32, 64 or 128, got {group_size}")
     record: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    record.update(quantized_layers(model))
     skipped = []
 
     # A family may keep some layers in float (routers, tiny projections) by
@@ -58,10 +86,14 @@ def apply_quantization(
 ) -> None:
     """Re-create the quantized layers that ``weights`` hold (those with ``.scales``).
 
-    A per-layer entry ``{path: {"bits": b, "group_size": g}}`` overrides the
-    defaults for that layer (GGUF imports mix types).
+    A per-layer entry ``{path: {"bits": b, "group_size": g, "mode": m}}`` overrides the
+    defaults for that layer (GGUF imports mix types; MXFP4 experts beside affine layers).
     """
-    default = {"group_size": record.get("group_size", 64), "bits": record.get("bits", 4)}
+    default = {
+        "group_size": record.get("group_size", 64),
+        "bits": record.get("bits", 4),
+        "mode": record.get("mode", "affine"),
+    }
 
     def predicate(path: str, module: nn.Module):
         if f"{path}.scales" not in weights:
@@ -70,7 +102,11 @@ def apply_quantization(
         return {**default, **entry} if isinstance(entry, dict) else default
 
     nn.quantize(
-        model, group_size=default["group_size"], bits=default["bits"], class_predicate=predicate
+        model,
+        group_size=default["group_size"],
+        bits=default["bits"],
+        mode=default["mode"],
+        class_predicate=predicate,
     )
 
 

@@ -86,6 +86,15 @@ FAMILIES = {
     ),
     "olmo2": dict(model_type="olmo2", pad_token_id=0, eos_token_id=2),
     "smollm3": dict(model_type="smollm3", no_rope_layer_interval=2, pad_token_id=0, eos_token_id=2),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        intermediate_size=32,
+        sliding_window=64,
+        eos_token_id=None,
+    ),
 }
 LENGTHS = [5, 17, 40, 90, 150, 300, 600, 900]
 NEW = 6
@@ -368,10 +377,12 @@ def test_waits_on_the_engine_are_bounded(llama, monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("cpu_exp", [False, True])
-def test_attention_over_pages_is_attention_over_the_rows_keys(window, cpu_exp):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_attention_over_pages_is_attention_over_the_rows_keys(window, cpu_exp, with_sinks):
     """``paged_attention`` against ``mx.fast.scaled_dot_product_attention`` over each row's own
     keys alone: rows of 3, 40 and 77 keys in blocks of 16 scattered over a store, 6 query heads
-    on 2 kv heads, a sliding window or none; MLX's exponential or the CPU backend's."""
+    on 2 kv heads, a sliding window or none; MLX's exponential or the CPU backend's; with a
+    sink logit per head (gpt-oss) or none."""
     from mlxinfer.backends.cpu import ops
     from mlxinfer.batch.views import _page_index
     from mlxinfer.cache import Pages
@@ -398,7 +409,8 @@ def test_attention_over_pages_is_attention_over_the_rows_keys(window, cpu_exp):
         mx.array(visible.reshape(3, 1, n, 1, bs)),
     )
     exp = ops.exp if cpu_exp else mx.exp
-    out = np.array(paged_attention(mx.array(q), pages, scale=0.3, exp=exp))
+    sinks = mx.array(rng.standard_normal(n_q).astype(np.float32) * 2) if with_sinks else None
+    out = np.array(paged_attention(mx.array(q), pages, scale=0.3, exp=exp, sinks=sinks))
     for b in range(len(lengths)):
         keys = np.concatenate([store_k[i] for i in table[b]], axis=1)  # (n_kv, n * bs, D)
         vals = np.concatenate([store_v[i] for i in table[b]], axis=1)
@@ -408,6 +420,7 @@ def test_attention_over_pages_is_attention_over_the_rows_keys(window, cpu_exp):
             mx.array(keys[None, :, seen]),
             mx.array(vals[None, :, seen]),
             scale=0.3,
+            sinks=sinks,
         )
         np.testing.assert_allclose(out[b : b + 1], np.array(expected), atol=1e-5)
 

@@ -26,6 +26,7 @@ FAMILIES = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "gpt_oss": "gpt_oss",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",
 }

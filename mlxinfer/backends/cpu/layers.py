@@ -60,8 +60,18 @@ class CPUAttention:
     exp = staticmethod(ops.exp)
 
     def attend_keys(
-        self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
+        self,
+        q: mx.array,
+        k: Any,
+        v: Any,
+        *,
+        scale: float,
+        mask: Mask,
+        cache: Cache | None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
+        if sinks is not None:  # attention sinks (gpt-oss): the model's own path, mx.fast's kernel
+            return super().attend_keys(q, k, v, scale=scale, mask=mask, cache=cache, sinks=sinks)
         if cache is not None and cache.quantized:
             rows = getattr(self, "cpu_dequantized_attention_rows", ops.DEQUANTIZED_ATTENTION_ROWS)
             if q.shape[2] < rows:  # the crossover ``plans`` measured (dequantized_attention)

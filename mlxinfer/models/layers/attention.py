@@ -19,11 +19,29 @@ from ...cache import Cache, Mask, Pages
 from . import masks
 
 
+def with_sinks(scores: mx.array, sinks: mx.array | None) -> mx.array:
+    """Scores (B, n_kv, reps, L, T) with each query head's sink logit as one more column
+    (gpt-oss): it takes a share of the softmax and, having no value, is dropped after it."""
+    if sinks is None:
+        return scores
+    B, n_kv, reps, L, _ = scores.shape
+    column = sinks.astype(scores.dtype).reshape(1, n_kv, reps, 1, 1)
+    return mx.concatenate([scores, mx.broadcast_to(column, (B, n_kv, reps, L, 1))], axis=-1)
+
+
 def quantized_attention(
-    q: mx.array, k: tuple, v: tuple, *, scale: float, mask: Mask, group_size: int, bits: int
+    q: mx.array,
+    k: tuple,
+    v: tuple,
+    *,
+    scale: float,
+    mask: Mask,
+    group_size: int,
+    bits: int,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention over a quantized cache's packed (weights, scales, biases) keys and values,
-    multiplied without dequantizing them. (B, n_heads, L, D) queries."""
+    multiplied without dequantizing them. (B, n_heads, L, D) queries; ``sinks`` (n_heads,)."""
     B, n_q, L, D = q.shape
     n_kv = k[0].shape[1]
     reps = n_q // n_kv
@@ -34,7 +52,9 @@ def quantized_attention(
         mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits),
         masks.for_groups(mask),
     )
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = mx.softmax(with_sinks(scores, sinks), axis=-1, precise=True)
+    if sinks is not None:
+        probs = probs[..., :-1]
     out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, n_q, L, -1)
 
@@ -59,12 +79,18 @@ def softcap_attention(
 
 
 def paged_attention(
-    q: mx.array, pages: Pages, *, scale: float, exp: Callable[[mx.array], mx.array] = mx.exp
+    q: mx.array,
+    pages: Pages,
+    *,
+    scale: float,
+    exp: Callable[[mx.array], mx.array] = mx.exp,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of (B, n_heads, 1, D) decode queries over a paged cache's blocks where they
     lie: ``mx.gather_mm`` multiplies each row's query heads with each of its blocks' (block_size,
     D) key matrices, the softmax spans all of a row's blocks, and a second ``gather_mm`` takes
-    the values the same way. No per-step copy of the keys (docs/batching.md)."""
+    the values the same way. No per-step copy of the keys (docs/batching.md). ``sinks``
+    (n_heads,): a logit per head that joins the softmax's sum with no value (gpt-oss)."""
     B, n_q, L, D = q.shape
     n_blocks, n_kv, block, _ = pages.keys.shape
     keys = pages.keys.reshape(n_blocks * n_kv, block, -1).swapaxes(-1, -2)
@@ -72,8 +98,14 @@ def paged_attention(
     q = (q * scale).reshape(B * n_kv, (n_q // n_kv) * L, D)
     scores = mx.gather_mm(q, keys, pages.queries, pages.blocks)  # (B, n_kv, n, reps, block)
     scores = mx.where(pages.visible, scores.astype(mx.float32), -mx.inf)
-    e = exp(scores - scores.max(axis=(2, 4), keepdims=True))
+    top = scores.max(axis=(2, 4), keepdims=True)  # (B, n_kv, 1, reps, 1)
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, n_kv, 1, -1, 1)
+        top = mx.maximum(top, sink)
+    e = exp(scores - top)
     total = e.sum(axis=(2, 4), keepdims=True)[:, :, 0]  # (B, n_kv, reps, 1)
+    if sinks is not None:
+        total = total + exp(sink - top)[:, :, 0]
     n = pages.blocks.shape[-1]
     e = e.astype(values.dtype).reshape(B * n_kv * n, n_q // n_kv, block)
     out = mx.gather_mm(e, values, pages.order, pages.blocks).sum(axis=2)  # (B, n_kv, reps, Dv)
@@ -86,26 +118,50 @@ class Attention(nn.Module):
     exp = staticmethod(mx.exp)  # the exponential of paged attention's softmax (a backend's own)
 
     def attend(
-        self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
+        self,
+        q: mx.array,
+        k: Any,
+        v: Any,
+        *,
+        scale: float,
+        mask: Mask,
+        cache: Cache | None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         """Scaled dot-product attention of (B, n_heads, L, D) queries over the keys and values
         (B, n_kv_heads, T, D), or a quantized cache's packed triples, or a paged cache's blocks
-        where it offers them for this ``mask``. -> (B, n_heads, L, Dv)."""
+        where it offers them for this ``mask``. -> (B, n_heads, L, Dv). ``sinks`` (n_heads,):
+        a learned logit per head that joins each softmax without a value (gpt-oss)."""
         pages = getattr(cache, "pages", None)
         pages = pages(mask) if pages is not None else None
         if pages is not None:
-            return paged_attention(q, pages, scale=scale, exp=self.exp)
-        return self.attend_keys(q, k, v, scale=scale, mask=mask, cache=cache)
+            return paged_attention(q, pages, scale=scale, exp=self.exp, sinks=sinks)
+        return self.attend_keys(q, k, v, scale=scale, mask=mask, cache=cache, sinks=sinks)
 
     def attend_keys(
-        self, q: mx.array, k: Any, v: Any, *, scale: float, mask: Mask, cache: Cache | None
+        self,
+        q: mx.array,
+        k: Any,
+        v: Any,
+        *,
+        scale: float,
+        mask: Mask,
+        cache: Cache | None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         """:meth:`attend` over keys and values as arrays (or quantized triples)."""
         if cache is not None and cache.quantized:
             return quantized_attention(
-                q, k, v, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits
+                q,
+                k,
+                v,
+                scale=scale,
+                mask=mask,
+                group_size=cache.group_size,
+                bits=cache.bits,
+                sinks=sinks,
             )
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 class RopeAttention(Attention):
@@ -114,8 +170,9 @@ class RopeAttention(Attention):
     The options cover the Llama-like families: biases on q/k/v and on o
     (Qwen2 has the first only), one fused ``qkv_proj`` (Phi-3), a per-head norm
     on queries and keys before RoPE (``q_norm``/``k_norm``: Qwen3, Gemma 3), and
-    tanh soft-capping of the logits (Gemma 2). ``rope`` is built by the family,
-    so layers may differ in it (Gemma 3's local and global bases).
+    tanh soft-capping of the logits (Gemma 2), and a learned sink logit per head
+    (``sinks``: gpt-oss). ``rope`` is built by the family, so layers may differ in it
+    (Gemma 3's local and global bases).
     """
 
     def __init__(
@@ -132,6 +189,7 @@ class RopeAttention(Attention):
         fused_qkv: bool = False,
         qk_norm: Callable[[int], nn.Module] | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -149,6 +207,8 @@ class RopeAttention(Attention):
         if qk_norm is not None:
             self.q_norm, self.k_norm = qk_norm(head_dim), qk_norm(head_dim)
         self.rope = rope
+        if sinks:
+            self.sinks = mx.zeros((n_heads,))
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as the projections give them: (B, L, heads * head_dim) each."""
@@ -176,5 +236,6 @@ class RopeAttention(Attention):
         if self.softcap is not None:
             out = softcap_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
         else:
-            out = self.attend(q, k, v, scale=self.scale, mask=mask, cache=cache)
+            sinks = self["sinks"] if "sinks" in self else None
+            out = self.attend(q, k, v, scale=self.scale, mask=mask, cache=cache, sinks=sinks)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))  # out: (B, n_heads, L, hd)

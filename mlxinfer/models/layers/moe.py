@@ -30,19 +30,30 @@ import mlx.nn as nn
 _SORT_THRESHOLD = 64
 
 
-class SwitchLinear(nn.Module):
-    """``num_experts`` Linear layers (no bias) stacked as one (num_experts, out, in) weight."""
+def _add_bias(module: nn.Module, y: mx.array, indices: mx.array) -> mx.array:
+    """``y`` (..., 1, out) plus each routed expert's bias row (gpt-oss), if the layer has one."""
+    if "bias" not in module:
+        return y
+    return y + mx.expand_dims(module["bias"][indices], -2)  # bias[indices]: (..., out)
 
-    def __init__(self, in_dims: int, out_dims: int, num_experts: int):
+
+class SwitchLinear(nn.Module):
+    """``num_experts`` Linear layers stacked as one (num_experts, out, in) weight, and with
+    ``bias`` one (num_experts, out) bias."""
+
+    def __init__(self, in_dims: int, out_dims: int, num_experts: int, bias: bool = False):
         super().__init__()
         scale = in_dims**-0.5
         self.weight = mx.random.uniform(-scale, scale, (num_experts, out_dims, in_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, out_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         # x (..., 1, in) with batch dims broadcast against indices (...) -> (..., 1, out)
-        return mx.gather_mm(
+        y = mx.gather_mm(
             x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
         )
+        return _add_bias(self, y, indices)
 
     def to_quantized(
         self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_
@@ -52,7 +63,11 @@ class SwitchLinear(nn.Module):
 
 
 class QuantizedSwitchLinear(nn.Module):
-    """:class:`SwitchLinear` with affine-quantized experts, multiplied with ``mx.gather_qmm``."""
+    """:class:`SwitchLinear` with quantized experts, multiplied with ``mx.gather_qmm``.
+
+    ``mode`` "affine" (a scale and a bias per group) or "mxfp4" (gpt-oss's checkpoints: FP4
+    values with one power-of-two uint8 scale per 32, no quantization biases).
+    """
 
     def __init__(
         self,
@@ -62,21 +77,27 @@ class QuantizedSwitchLinear(nn.Module):
         group_size: int = 64,
         bits: int = 4,
         mode: str = "affine",
+        bias: bool = False,
     ):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
         # Placeholders of the stored shapes (lazy zeros: loading replaces them).
         self.weight = mx.zeros((num_experts, out_dims, in_dims * bits // 32), mx.uint32)
-        self.scales = mx.zeros((num_experts, out_dims, in_dims // group_size))
-        self.biases = mx.zeros((num_experts, out_dims, in_dims // group_size))
+        groups = (num_experts, out_dims, in_dims // group_size)
+        if mode == "affine":
+            self.scales, self.biases = mx.zeros(groups), mx.zeros(groups)
+        else:
+            self.scales = mx.zeros(groups, mx.uint8)
+        if bias:
+            self.bias = mx.zeros((num_experts, out_dims))
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(
+        y = mx.gather_qmm(
             x,
             self.weight,
             self.scales,
-            self.biases,
+            self.get("biases"),
             rhs_indices=indices,
             transpose=True,
             group_size=self.group_size,
@@ -84,14 +105,19 @@ class QuantizedSwitchLinear(nn.Module):
             mode=self.mode,
             sorted_indices=sorted_indices,
         )
+        return _add_bias(self, y, indices)
 
     @classmethod
     def from_switch_linear(
         cls, layer: SwitchLinear, group_size: int, bits: int, mode: str = "affine"
     ) -> "QuantizedSwitchLinear":
         num_experts, out_dims, in_dims = layer.weight.shape
-        q = cls(in_dims, out_dims, num_experts, group_size, bits, mode)
-        q.weight, q.scales, q.biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
+        q = cls(in_dims, out_dims, num_experts, group_size, bits, mode, bias="bias" in layer)
+        q.weight, q.scales, *biases = mx.quantize(layer.weight, group_size, bits, mode=mode)
+        if biases:  # affine only
+            q.biases = biases[0]
+        if "bias" in layer:
+            q.bias = layer.bias
         q.freeze()
         return q
 
@@ -101,6 +127,8 @@ class SwitchGLU(nn.Module):
 
     ``gate_up_proj`` holds gate and up rows stacked ([gate; up] along the output
     dim, as transformers 5 fuses them), so a routed token needs two gathers.
+    ``bias``: each expert's projections have biases (gpt-oss). A family whose gating
+    differs overrides :meth:`combine`.
     """
 
     def __init__(
@@ -109,11 +137,15 @@ class SwitchGLU(nn.Module):
         hidden: int,
         num_experts: int,
         act: Callable[[mx.array], mx.array] = nn.silu,
+        bias: bool = False,
     ):
         super().__init__()
-        self.gate_up_proj = SwitchLinear(dims, 2 * hidden, num_experts)
-        self.down_proj = SwitchLinear(hidden, dims, num_experts)
+        self.gate_up_proj = SwitchLinear(dims, 2 * hidden, num_experts, bias=bias)
+        self.down_proj = SwitchLinear(hidden, dims, num_experts, bias=bias)
         self.act = act
+
+    def combine(self, gate: mx.array, up: mx.array) -> mx.array:
+        return self.act(gate) * up
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x (..., dims), indices (..., k) -> (..., k, dims): each routed expert's output, unweighted."""
@@ -137,7 +169,7 @@ class SwitchGLU(nn.Module):
 
     def _mlp(self, x: mx.array, idx: mx.array, sorted_indices: bool = False) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x, idx, sorted_indices), 2, axis=-1)
-        return self.down_proj(self.act(gate) * up, idx, sorted_indices)
+        return self.down_proj(self.combine(gate, up), idx, sorted_indices)
 
 
 class Gate(nn.Linear):
@@ -149,14 +181,17 @@ class Gate(nn.Linear):
     sensitive and the layer is tiny.
     """
 
-    def __init__(self, dims: int, num_experts: int, correction_bias: bool = False):
-        super().__init__(dims, num_experts, bias=False)
+    def __init__(
+        self, dims: int, num_experts: int, correction_bias: bool = False, bias: bool = False
+    ):
+        super().__init__(dims, num_experts, bias=bias)
         if correction_bias:
             self.e_score_correction_bias = mx.zeros((num_experts,))
 
     def __call__(self, x: mx.array) -> mx.array:
         # Routing in float32, as transformers does, whatever the weights' dtype.
-        return x.astype(mx.float32) @ self.weight.astype(mx.float32).T  # (..., num_experts)
+        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T  # (..., num_experts)
+        return logits + self.bias.astype(mx.float32) if "bias" in self else logits
 
 
 # ---------------------------------------------------------------------------
@@ -176,6 +211,13 @@ def softmax_top_k(logits: mx.array, k: int, normalize: bool) -> tuple[mx.array, 
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights, idx
+
+
+def top_k_softmax(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """gpt-oss: the k largest logits, and a softmax over those k only."""
+    logits = logits.astype(mx.float32)
+    idx = _top_k(logits, k)
+    return mx.softmax(mx.take_along_axis(logits, idx, axis=-1), axis=-1, precise=True), idx
 
 
 def _keep_top_groups(
@@ -291,5 +333,6 @@ def stack_experts(weights: dict[str, mx.array], names: dict[str, str]) -> dict[s
 
 
 def keep_routers_float(path: str, module: nn.Module) -> bool:
-    """A ``quant_predicate``: every layer except routers (``mlp.gate``, ``mlp.shared_expert_gate``)."""
-    return not path.endswith((".mlp.gate", ".shared_expert_gate"))
+    """A ``quant_predicate``: every layer except routers (``mlp.gate``, ``mlp.router``,
+    ``mlp.shared_expert_gate``)."""
+    return not path.endswith((".mlp.gate", ".mlp.router", ".shared_expert_gate"))
