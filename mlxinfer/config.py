@@ -34,8 +34,14 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return normalize_rope(language_model_config(config, str(path)), source=str(path))
 
 
-# Multimodal checkpoints whose language model runs alone: model_type -> its text model_type.
-LANGUAGE_MODELS = {"gemma3": "gemma3_text"}
+# Multimodal checkpoints whose language model runs alone: model_type -> the text model_type
+# when ``text_config`` names none (Mistral Small 3.1's is "mistral", Ministral 3's "ministral3").
+LANGUAGE_MODELS = {
+    "gemma3": "gemma3_text",
+    "mistral3": "mistral",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 
 
 def language_model_config(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
@@ -47,8 +53,11 @@ def language_model_config(config: dict[str, Any], source: str = "config.json") -
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: a '{kind}' checkpoint needs a 'text_config' object")
-    out = {**text, "model_type": LANGUAGE_MODELS[kind], "language_model_of": kind}
-    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+    text_kind = text.get("model_type") or LANGUAGE_MODELS[kind]
+    out = {**text, "model_type": text_kind, "language_model_of": kind}
+    # The whole model's flag decides the tie (transformers 5 ties by the top-level config:
+    # Mistral3Config defaults to tied while its text_config says untied).
+    if "tie_word_embeddings" in config:
         out["tie_word_embeddings"] = config["tie_word_embeddings"]
     return out
 

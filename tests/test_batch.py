@@ -95,6 +95,42 @@ FAMILIES = {
         sliding_window=64,
         eos_token_id=None,
     ),
+    "olmo3": dict(
+        model_type="olmo3", num_hidden_layers=4, sliding_window=48, pad_token_id=0, eos_token_id=2
+    ),
+    # rows at their own positions get their own query scales (past 64, Llama 4's scaling grows)
+    "ministral3": dict(
+        model_type="ministral3",
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 16.0,
+            "original_max_position_embeddings": 64,
+            "llama_4_scaling_beta": 0.5,
+        },
+    ),
+    "granitemoe": dict(
+        model_type="granitemoe",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.05,
+        residual_multiplier=0.4,
+        logits_scaling=2.5,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=2,
+        topk_group=1,
+        use_qk_norm=True,
+        attention_bias=True,
+    ),
 }
 LENGTHS = [5, 17, 40, 90, 150, 300, 600, 900]
 NEW = 6

@@ -125,6 +125,52 @@ CASES = {
     "olmo2-gqa": dict(
         model_type="olmo2", num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2
     ),
+    # three sliding layers, then a full one (transformers' default layer_types); YaRN on
+    # the full layers only
+    "olmo3": dict(
+        model_type="olmo3",
+        num_hidden_layers=4,
+        sliding_window=6,
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 5e5,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "attention_factor": 1.3,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "olmo3-layer-types": dict(
+        model_type="olmo3",
+        num_hidden_layers=3,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # Llama 4's query scaling from original_max_position_embeddings = 8 on (the test's 24
+    # positions cross it twice); β larger than the checkpoints' 0.1 so that it counts
+    "ministral3": dict(
+        model_type="ministral3",
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 16.0,
+            "original_max_position_embeddings": 8,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.5,
+        },
+    ),
     "smollm3-untied": dict(
         model_type="smollm3",
         no_rope_layers=[0, 1],
@@ -140,6 +186,14 @@ def _drop_layer_types(cfg):
     """transformers-4 configs carry no layer_types: the family derives them."""
     cfg.pop("layer_types")
     return cfg
+
+
+def _olmo3_v4(cfg):
+    """OLMo 3's transformers-4 config: one rope_theta, rope_scaling (for the full layers)."""
+    full = dict(cfg.pop("rope_parameters")["full_attention"])
+    cfg["rope_theta"] = full.pop("rope_theta")
+    cfg["rope_scaling"] = full
+    return _drop_layer_types(cfg)
 
 
 def _gemma3_v4(cfg):
@@ -161,6 +215,7 @@ CASES.update(
         ),
         "gemma2-v4": dict(CASES["gemma2"], config_form="v4", rewrite=_drop_layer_types),
         "gemma3_text-v4": dict(CASES["gemma3_text"], rewrite=_gemma3_v4),
+        "olmo3-v4": dict(CASES["olmo3"], rewrite=_olmo3_v4),
     }
 )
 # LongRoPE switches factors once a pass reaches original_max_position_embeddings, so a
@@ -399,5 +454,63 @@ def test_a_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path):
     convert(tmp_path / "hf", tmp_path / "text", dtype="float32")
     written = json.loads((tmp_path / "text" / "config.json").read_text())
     assert written["model_type"] == "gemma3_text" and "vision_config" not in written
+    again, _ = load_model(tmp_path / "text")
+    assert np.abs(np.array(again(mx.array([IDS]))[0]) - expected).max() <= TOL
+
+
+@pytest.mark.parametrize("text_type", ["mistral", "ministral3"])
+def test_a_multimodal_mistral3_checkpoint_runs_its_language_model(tmp_path, text_type):
+    """A Mistral3ForConditionalGeneration checkpoint (Mistral Small 3.1/3.2: a "mistral" text
+    model, untied; Ministral 3: "ministral3", tied by the top-level flag as transformers ties
+    it): its language model loads alone and matches transformers' whole model on text, with
+    and without the cache; `convert` writes the language model only."""
+    import torch
+    import transformers
+    from hf_models import TINY
+
+    torch.manual_seed(0)
+    text = dict(TINY, model_type=text_type, head_dim=16)
+    if text_type == "ministral3":
+        text["rope_parameters"] = CASES["ministral3"]["rope_parameters"]
+    config = transformers.Mistral3Config(
+        text_config=text,
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=16,
+            image_size=28,
+            patch_size=14,
+        ),
+        spatial_merge_size=1,
+        tie_word_embeddings=text_type == "ministral3",
+    )
+    torch_model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for t in torch_model.parameters():
+            if t.dim() > 1:
+                t.normal_(0, 0.08)
+            else:
+                t.add_(torch.randn_like(t) * 0.1)  # norms away from their neutral value
+    torch_model.save_pretrained(tmp_path / "hf")
+    logged = []
+    model, _ = load_model(tmp_path / "hf", log=logged.append)
+    assert "vision tower is not loaded" in logged[0]
+    assert (
+        type(model).__module__
+        == f"mlxinfer.models.{'llama' if text_type == 'mistral' else text_type}"
+    )
+    assert model.tied == (text_type == "ministral3")
+    with torch.no_grad():
+        expected = torch_model(torch.tensor([IDS])).logits[0].float().numpy()
+    assert np.abs(np.array(model(mx.array([IDS]))[0]) - expected).max() <= TOL
+    cache = model.make_cache()
+    out = np.concatenate([np.array(model(mx.array([c]), cache)[0]) for c in CHUNKS])
+    assert np.abs(out - expected).max() <= TOL
+    add_tokenizer(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "text", dtype="float32")
+    written = json.loads((tmp_path / "text" / "config.json").read_text())
+    assert written["model_type"] == text_type and "vision_config" not in written
     again, _ = load_model(tmp_path / "text")
     assert np.abs(np.array(again(mx.array([IDS]))[0]) - expected).max() <= TOL

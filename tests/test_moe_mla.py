@@ -127,6 +127,62 @@ CASES = {
         norm_topk_prob=False,
         rope_parameters={**YARN, "factor": 8.0, "mscale_all_dim": 1.0},
     ),
+    # Granite's multipliers far from 1, so that each one counts
+    "granitemoe": dict(
+        model_type="granitemoe",
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.05,
+        residual_multiplier=0.4,
+        logits_scaling=2.5,
+    ),
+    "granitemoe-top3-bias-mqa": dict(
+        model_type="granitemoe",
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        num_key_value_heads=1,
+        attention_bias=True,
+        embedding_multiplier=2.0,
+        attention_multiplier=0.1,
+        residual_multiplier=0.6,
+        logits_scaling=1.5,
+    ),
+    # GLM-4.5-Air's shape: one dense layer first, a shared expert, half of each head rotated
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
+    # GLM-4.6's q/k norm; groups, scaling, no renormalisation, a quarter of each head rotated
+    "glm4_moe-qknorm-grouped": dict(
+        model_type="glm4_moe",
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        first_k_dense_replace=0,
+        head_dim=32,
+        use_qk_norm=True,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=False,
+        routed_scaling_factor=2.5,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
 }
 
 
@@ -189,6 +245,8 @@ ROUTERS = {
         "model.layers.1.mlp.shared_expert_gate",
     ],
     "deepseek_v3": ["model.layers.1.mlp.gate"],  # layer 0 is dense
+    "glm4_moe": ["model.layers.1.mlp.gate"],  # layer 0 is dense
+    "granitemoe": ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"],
     "qwen3_moe": ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"],
 }
 
@@ -284,6 +342,59 @@ def test_4bit_decode_step_allocates_far_less_than_one_layers_experts():
     mx.eval(model(mx.array([[5]]), cache))
     one_layer_dequantized = 64 * 3 * 256 * 512 * 4  # 64 experts × gate, up, down, float32
     assert mx.get_peak_memory() - before < one_layer_dequantized / 100
+
+
+def test_glm4_moe_checkpoint_with_its_mtp_layer_loads_the_decoder_only(tmp_path):
+    """GLM-4.5 checkpoints append num_nextn_predict_layers multi-token-prediction layers
+    (model.layers.<n>.*, with eh_proj, enorm, hnorm, shared_head); they are left out."""
+    path, torch_model = make_tiny_moe(tmp_path / "hf", **CASES["glm4_moe"])
+    weights = mx.load(str(path / "model.safetensors"))
+    n = torch_model.config.num_hidden_layers
+    mtp = {
+        k.replace(f"layers.{n - 1}.", f"layers.{n}."): v
+        for k, v in weights.items()
+        if f"layers.{n - 1}." in k
+    }
+    mtp[f"model.layers.{n}.eh_proj.weight"] = mx.zeros((64, 128))
+    mtp[f"model.layers.{n}.enorm.weight"] = mx.ones((64,))
+    mx.save_safetensors(str(path / "model.safetensors"), {**weights, **mtp})
+    model, _ = load_model(path)
+    assert len(model.layers) == n
+    out = np.array(model(mx.array([IDS]))[0])
+    assert np.abs(out - torch_logits(torch_model, IDS)).max() <= TOL
+
+
+def test_glm4_moe_groups_that_do_not_divide_the_experts_are_a_config_error():
+    from mlxinfer.errors import ConfigError
+
+    spec = dict(CASES["glm4_moe"], hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+    spec.update(num_attention_heads=4, vocab_size=256, n_group=3)
+    with pytest.raises(ConfigError, match="n_group=3"):
+        build_model(spec)
+
+
+def test_granitemoe_experts_under_transformers_5_names_load_the_same(tmp_path):
+    """Granite MoE checkpoints stack experts as block_sparse_moe.input_linear/output_linear with
+    the router at router.layer; transformers 5 holds them as experts.gate_up_proj/down_proj
+    and router.weight. Both load into the same fused layout."""
+    path, torch_model = make_tiny_moe(tmp_path / "hf", **CASES["granitemoe"])
+    weights = mx.load(str(path / "model.safetensors"))
+    assert any(".block_sparse_moe.input_linear.weight" in k for k in weights)
+    names = {
+        "input_linear.weight": "experts.gate_up_proj",
+        "output_linear.weight": "experts.down_proj",
+        "router.layer.weight": "router.weight",
+    }
+
+    def v5(key):
+        for old, new in names.items():
+            key = key.replace(f"block_sparse_moe.{old}", f"block_sparse_moe.{new}")
+        return key
+
+    mx.save_safetensors(str(path / "model.safetensors"), {v5(k): v for k, v in weights.items()})
+    model, _ = load_model(path)
+    out = np.array(model(mx.array([IDS]))[0])
+    assert np.abs(out - torch_logits(torch_model, IDS)).max() <= TOL
 
 
 # ---------------------------------------------------------------------------

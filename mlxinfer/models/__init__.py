@@ -11,9 +11,12 @@ from ..errors import ConfigError
 FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
+    "ministral3": "ministral3",
     "smollm3": "smollm3",
     "granite": "granite",
+    "granitemoe": "granitemoe",
     "olmo2": "olmo2",
+    "olmo3": "olmo3",
     "qwen2": "qwen2",
     "qwen3": "qwen2",
     "gemma": "gemma",
@@ -29,6 +32,7 @@ FAMILIES = {
     "gpt_oss": "gpt_oss",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",
+    "glm4_moe": "glm4_moe",
 }
 
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
-from ..config import require
+from ..config import normalize_rope, require
 from ..errors import ConfigError
 from .layers import masks
 
@@ -191,6 +191,24 @@ def make_typed_caches(
     ]
 
 
+def layer_type_rope(
+    config_by_kind: dict[str, Any] | None,
+    kind: str,
+    default: tuple[float, dict[str, Any] | None],
+) -> tuple[float, dict[str, Any] | None]:
+    """(base, rope_scaling) for the layers of one attention ``kind``: transformers 5's per-kind
+    ``rope_parameters`` (config.py keeps them as ``rope_parameters_by_layer_type``) where the
+    config has them, else ``default`` (the family's reading of an older config)."""
+    by_kind = config_by_kind or {}
+    if kind not in by_kind:
+        return default
+    params = {"rope_theta": default[0], **by_kind[kind]}
+    params = normalize_rope(
+        {"rope_parameters": params}, source=f"config.json rope_parameters.{kind}"
+    )
+    return params["rope_theta"], params["rope_scaling"]
+
+
 def positions(offset: int | mx.array, n: int) -> mx.array:
     """Positions of ``n`` new tokens after ``offset`` cached ones: (n,) for one int offset,
     (B, n) for a batch's (B,) offsets (each row at its own position)."""
@@ -244,7 +262,7 @@ _LANGUAGE_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
-_VISION_PREFIXES += ("model.multi_modal_projector.",)
+_VISION_PREFIXES += ("model.multi_modal_projector.", "model.visual.", "visual.")
 
 
 def language_model_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -20,8 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..config import normalize_rope
-from .base import FULL_ATTENTION, SLIDING_ATTENTION
+from .base import FULL_ATTENTION, SLIDING_ATTENTION, layer_type_rope
 from .gemma2 import Model  # noqa: F401  (the network is Gemma 2's)
 from .gemma2 import ModelArgs as Gemma2Args
 
@@ -54,11 +53,4 @@ class ModelArgs(Gemma2Args):
             default = (self.rope_local_base_freq, None)
         else:
             default = (self.rope_theta, self.rope_scaling)
-        by_kind = self.rope_parameters_by_layer_type or {}
-        if kind not in by_kind:
-            return default
-        params = {"rope_theta": default[0], **by_kind[kind]}
-        params = normalize_rope(
-            {"rope_parameters": params}, source=f"config.json rope_parameters.{kind}"
-        )
-        return params["rope_theta"], params["rope_scaling"]
+        return layer_type_rope(self.rope_parameters_by_layer_type, kind, default)

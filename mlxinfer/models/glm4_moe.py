@@ -1,0 +1,134 @@
+"""GLM-4.5 / GLM-4.6 (and the -Air models): GQA attention with partial RoPE, DeepSeek-V3's MoE.
+
+Block: RMSNorm → attention → residual → RMSNorm → MLP → residual, where
+
+- attention is Llama's GQA with biases on q, k and v (``attention_bias``; never on o),
+  an optional per-head RMSNorm of queries and keys before RoPE (``use_qk_norm``, GLM-4.6),
+  and RoPE on the first ``partial_rotary_factor`` (default 0.5) of each head only, in
+  rotate-half pairs;
+- the first ``first_k_dense_replace`` layers have a dense SwiGLU MLP, the rest DeepSeek-V3's
+  MoE (deepseek_v2.DeepseekMoE): sigmoid router, experts chosen on score +
+  ``e_score_correction_bias`` within the best ``topk_group`` of ``n_group`` groups, weights
+  renormalised when ``norm_topk_prob`` and × ``routed_scaling_factor``, plus
+  ``n_shared_experts`` always-on experts fused into one MLP.
+
+Checkpoints append ``num_nextn_predict_layers`` multi-token-prediction layers after the last
+decoder layer; ``sanitize`` drops them, and stacks the per-expert weights (see moe.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import Cache
+from ..errors import ConfigError
+from . import qwen2
+from .base import FULL_ATTENTION, BaseArgs
+from .deepseek_v2 import EXPERT_NAMES, DeepseekMoE
+from .layers import GatedMLP, RMSNorm, RopeAttention, activation, make_rope
+from .layers.moe import keep_routers_float, stack_experts
+
+
+@dataclasses.dataclass
+class ModelArgs(BaseArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    partial_rotary_factor: float = 0.5  # transformers' default for this family
+    use_qk_norm: bool = False
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 131072
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.rotary_dims = int(self.head_dim * self.partial_rotary_factor)
+        if self.n_routed_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ConfigError(
+                f"config.json: 'n_group' must divide 'n_routed_experts' and 'topk_group' be "
+                f"1..n_group (found n_routed_experts={self.n_routed_experts}, "
+                f"n_group={self.n_group}, topk_group={self.topk_group})"
+            )
+        # No sliding window: every layer attends over the whole cache (Qwen2Model's typed masks).
+        self.layer_types, self.sliding_window = [FULL_ATTENTION] * self.num_hidden_layers, None
+        # What DeepseekMoE reads: V3's router, no biases in the shared experts.
+        self.v3, self.mlp_bias = True, False
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        rope = make_rope(
+            args.rotary_dims, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )  # rotates the first rotary_dims features of each head, passes the rest
+        qk_norm = (lambda dim: RMSNorm(dim, eps=args.rms_norm_eps)) if args.use_qk_norm else None
+        self.self_attn = RopeAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope=rope,
+            qkv_bias=args.attention_bias,
+            qk_norm=qk_norm,
+        )
+        if layer >= args.first_k_dense_replace:
+            self.mlp = DeepseekMoE(args)
+        else:
+            self.mlp = GatedMLP(
+                args.hidden_size, args.intermediate_size, activation(args.hidden_act)
+            )
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Glm4MoeModel(qwen2.Qwen2Model):
+    Block = DecoderLayer
+
+
+class Model(qwen2.Model):
+    Inner = Glm4MoeModel
+
+    quant_predicate = staticmethod(keep_routers_float)
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+        n = args.num_hidden_layers
+
+        def decoder_weight(key: str) -> bool:  # not one of the MTP layers (index >= n)
+            parts = key.split(".")
+            return not (
+                len(parts) > 2
+                and parts[1] == "layers"
+                and parts[2].isdigit()
+                and int(parts[2]) >= n
+            )
+
+        weights = {k: v for k, v in weights.items() if decoder_weight(k)}
+        return stack_experts(qwen2.Model.sanitize(weights, args), EXPERT_NAMES)
