@@ -9,10 +9,18 @@ and the CPU can read them without a copy. Kinds:
   attention, or ``--max-kv-size`` with ``keep`` leading "sink" tokens).
 - :class:`QuantizedKVCache` — keys and values stored 8- or 4-bit (``--kv-bits``);
   attention over it goes through ``mx.quantized_matmul``.
+- :class:`StateCache` — a recurrent layer's fixed-size state (LFM2's short
+  convolution): no entry per token, so it cannot be trimmed; ``snapshot`` and
+  ``restore`` take it back instead (speculative rewinds, prompt-cache reuse).
 
 Each cache also builds the attention mask for the queries about to be added
 (``make_mask``), because only the cache knows which positions it holds. A batched
 or paged cache will add its own kinds behind the same protocol.
+
+A :class:`StateCache` serves a recurrent layer, not attention: it has the
+protocol's bookkeeping (``offset``, ``is_trimmable``/``trim``, ``snapshot``/
+``restore``, ``state``, ``nbytes``) and, in place of ``update_and_fetch`` and
+``make_mask``, its ``arrays`` and ``update``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ class Cache(Protocol):
     def make_mask(self, n_queries: int) -> Mask: ...
     def is_trimmable(self) -> bool: ...
     def trim(self, n: int) -> int: ...
+    # What restore() needs to come back to this point; cheap (an offset, or references to
+    # arrays that are replaced, never written in place). Every kind has both, trimmable or not.
+    def snapshot(self) -> Any: ...
+    def restore(self, snapshot: Any) -> None: ...
     @property
     def state(self) -> list[mx.array]: ...
     @property
@@ -143,6 +155,17 @@ class KVCache:
         n = min(self.offset, n)
         self.offset -= n
         return n
+
+    def snapshot(self) -> int:
+        # Entries below the offset are only rewritten after a trim below them.
+        return self.offset
+
+    def restore(self, snapshot: int) -> None:
+        held, drop = self.offset, self.offset - snapshot
+        if drop < 0 or self.trim(drop) != drop:
+            raise ValueError(
+                f"cannot restore a {type(self).__name__} holding {held} tokens to {snapshot}"
+            )
 
     @property
     def state(self) -> list[mx.array]:
@@ -278,6 +301,9 @@ class RotatingKVCache:
         self._size = self._idx = self.offset
         return n
 
+    snapshot = KVCache.snapshot
+    restore = KVCache.restore  # fails once entries were evicted, as trim does
+
     @property
     def state(self) -> list[mx.array]:
         if self.keys is None:
@@ -346,6 +372,8 @@ class QuantizedKVCache:
     make_mask = KVCache.make_mask
     is_trimmable = KVCache.is_trimmable
     trim = KVCache.trim
+    snapshot = KVCache.snapshot
+    restore = KVCache.restore
     reserve = KVCache.reserve
     _growth = KVCache._growth
 
@@ -397,7 +425,76 @@ class LatentKVCache(KVCache):
     """
 
 
-_KINDS = {cls.__name__: cls for cls in (KVCache, RotatingKVCache, QuantizedKVCache, LatentKVCache)}
+class StateCache:
+    """A recurrent layer's cache: ``size`` arrays of a fixed shape per sequence, replaced at
+    every update, instead of one entry per token.
+
+    LFM2's short convolution of width K keeps its last K - 1 inputs, one (B, K - 1, hidden)
+    array: that is all the layer needs to continue, however long the context. So ``nbytes``
+    is B × (K - 1) × hidden × itemsize from the first token on, and the cache cannot drop
+    tokens (``is_trimmable`` is False, ``trim`` drops none): a caller that must go back
+    takes a :meth:`snapshot` first and restores it, then feeds the tokens to keep
+    again (``generation.speculative``, ``PromptCache.reuse``). Snapshots are cheap: the
+    arrays are never written in place, so a snapshot is references to them.
+
+    The layer reads ``arrays`` (None before the first token) and stores the new state with
+    :meth:`update`; ``offset`` counts the tokens seen, as a KV cache's does.
+    """
+
+    quantized = False
+
+    def __init__(self, size: int = 1) -> None:
+        self.arrays: list[mx.array | None] = [None] * size
+        self.offset = 0
+
+    def update(self, arrays: list[mx.array], n_tokens: int) -> None:
+        """Store the state after ``n_tokens`` more tokens (compact copies: a slice of a
+        prefill chunk would keep the whole chunk alive)."""
+        if len(arrays) != len(self.arrays):
+            raise ValueError(f"StateCache: expected {len(self.arrays)} arrays, found {len(arrays)}")
+        self.arrays = [mx.contiguous(a) for a in arrays]
+        self.offset += n_tokens
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    def snapshot(self) -> tuple[int, list[mx.array | None]]:
+        return self.offset, list(self.arrays)
+
+    def restore(self, snapshot: tuple[int, list[mx.array | None]]) -> None:
+        self.offset, arrays = snapshot
+        self.arrays = list(arrays)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.arrays[0] is None else list(self.arrays)
+
+    @state.setter
+    def state(self, arrays: list[mx.array]) -> None:
+        self.arrays = list(arrays)  # the offset comes with meta_state
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {"size": str(len(self.arrays)), "offset": str(self.offset)}
+
+    @meta_state.setter
+    def meta_state(self, meta: dict[str, str]) -> None:
+        self.arrays = [None] * int(meta["size"])
+        self.offset = int(meta["offset"])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state arrays: fixed once the first token is in."""
+        return sum(a.nbytes for a in self.arrays if a is not None)
+
+
+_KINDS = {
+    cls.__name__: cls
+    for cls in (KVCache, RotatingKVCache, QuantizedKVCache, LatentKVCache, StateCache)
+}
 
 
 def cache_nbytes(cache: list[Cache]) -> int:
@@ -407,3 +504,18 @@ def cache_nbytes(cache: list[Cache]) -> int:
 def trim_cache(cache: list[Cache], n: int) -> int:
     """Drop the last ``n`` tokens from every layer (speculative rewind, chat edits)."""
     return min((c.trim(n) for c in cache), default=0)
+
+
+def is_trimmable(cache: list[Cache]) -> bool:
+    """Whether every layer can drop tokens; else (a state cache among them) going back
+    takes a snapshot restored and the kept tokens fed again."""
+    return all(c.is_trimmable() for c in cache)
+
+
+def snapshot_cache(cache: list[Cache]) -> list[Any]:
+    return [c.snapshot() for c in cache]
+
+
+def restore_cache(cache: list[Cache], snapshot: list[Any]) -> None:
+    for c, s in zip(cache, snapshot, strict=True):
+        c.restore(s)

@@ -3,16 +3,38 @@
 Reusing a cache across requests (chat turns, a server's shared prefixes) comes
 down to one rule: keep the longest common prefix of the cached tokens and the
 new prompt, trim the rest, and feed only the new suffix.
+
+A recurrent layer's state cache cannot trim: it holds no entry per token. A
+cache list with one keeps *checkpoints* instead (snapshots taken where a prompt
+was prefilled, :meth:`PromptCache.checkpoint`), and reuse goes back to the
+latest checkpoint within the common prefix, feeding the rest again.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
-from .cache import _KINDS, Cache, QuantizedKVCache, RotatingKVCache, trim_cache
+from .cache import (
+    _KINDS,
+    Cache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    StateCache,
+    is_trimmable,
+    restore_cache,
+    snapshot_cache,
+    trim_cache,
+)
 from .errors import WeightsError
+
+# Checkpoints a cache list with state caches keeps (the newest): one per prompt prefilled,
+# each the state arrays' references plus an offset per KV layer, so a few are cheap.
+MAX_CHECKPOINTS = 8
+
+Snapshot = tuple[int, list[Any]]  # (tokens held, each layer's snapshot)
 
 
 class PromptCache:
@@ -21,6 +43,7 @@ class PromptCache:
     def __init__(self, cache: list[Cache], tokens: list[int] | None = None):
         self.cache = cache
         self.tokens: list[int] = list(tokens or [])
+        self.checkpoints: list[Snapshot] = []  # where reuse() may go back to (state caches)
 
     def reuse(self, prompt: list[int]) -> list[int]:
         """Trim to the longest common prefix with ``prompt``; return the ids still to feed.
@@ -34,14 +57,53 @@ class PromptCache:
             n += 1
         n = min(n, len(prompt) - 1)
         drop = len(self.tokens) - n
-        if drop and (
-            not all(c.is_trimmable() for c in self.cache) or trim_cache(self.cache, drop) != drop
-        ):
+        if drop and any(isinstance(c, StateCache) for c in self.cache):
+            # State caches cannot drop tokens: back to the latest checkpoint in the prefix.
+            n = self._back_to_checkpoint(n)
+        elif drop and (not is_trimmable(self.cache) or trim_cache(self.cache, drop) != drop):
             # Cannot rewind (e.g. a rotating cache that already evicted): start over.
-            self.cache = [_fresh(c) for c in self.cache]
+            self._start_over()
             n = 0
         self.tokens = self.tokens[:n]
+        self.checkpoints = [p for p in self.checkpoints if p[0] <= n]
         return prompt[n:]
+
+    def _back_to_checkpoint(self, n: int) -> int:
+        """Restore the latest checkpoint holding at most ``n`` tokens (start over if none can
+        be restored); returns the tokens now held."""
+        for point in reversed(self.checkpoints):
+            if point[0] <= n:
+                try:
+                    self.restore(point)
+                    return point[0]
+                except ValueError:  # a rotating cache evicted what the checkpoint held
+                    break
+        self._start_over()
+        return 0
+
+    def _start_over(self) -> None:
+        self.cache = [_fresh(c) for c in self.cache]
+        self.tokens, self.checkpoints = [], []
+
+    def snapshot(self) -> Snapshot:
+        """This point, for :meth:`restore` (see ``Cache.snapshot``)."""
+        return len(self.tokens), snapshot_cache(self.cache)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Back to ``snapshot``, taken on this cache at most as many tokens ago as it holds."""
+        n, layers = snapshot
+        restore_cache(self.cache, layers)
+        self.tokens = self.tokens[:n]
+        self.checkpoints = [p for p in self.checkpoints if p[0] <= n]
+
+    def checkpoint(self) -> None:
+        """Remember this point for a later :meth:`reuse` to go back to; only where a state
+        cache cannot trim (the KV caches of other models trim to any point)."""
+        if not any(isinstance(c, StateCache) for c in self.cache):
+            return
+        n = len(self.tokens)
+        kept = [p for p in self.checkpoints if p[0] < n][-(MAX_CHECKPOINTS - 1) :]
+        self.checkpoints = kept + [self.snapshot()]
 
     def rewind(self, n: int) -> None:
         """Keep only the first ``n`` tokens (speculative decoding drops rejected drafts).
@@ -54,6 +116,7 @@ class PromptCache:
             if held > n and c.trim(held - n) != held - n:
                 raise ValueError(f"cannot rewind a {type(c).__name__} holding {held} tokens to {n}")
         self.tokens = self.tokens[:n]
+        self.checkpoints = [p for p in self.checkpoints if p[0] <= n]
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +138,8 @@ def _fresh(c: Cache) -> Cache:
         return RotatingKVCache(c.max_size, c.keep)
     if isinstance(c, QuantizedKVCache):
         return QuantizedKVCache(c.group_size, c.bits)
+    if isinstance(c, StateCache):
+        return StateCache(len(c.arrays))
     return type(c)()
 
 

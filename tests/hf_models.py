@@ -58,6 +58,15 @@ def make_tiny(
     return Path(path), model
 
 
+def torch_cache(model: torch.nn.Module) -> transformers.DynamicCache:
+    """transformers' cache for ``model``: a hybrid (recurrent layers: LFM2, Qwen3-Next) needs
+    its config to know which layers keep a state instead of keys."""
+    kinds = set(getattr(model.config, "layer_types", None) or ())
+    if kinds - {"full_attention", "sliding_attention"}:
+        return transformers.DynamicCache(config=model.config)
+    return transformers.DynamicCache()
+
+
 def torch_logits(model: torch.nn.Module, ids: list[int]):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].numpy()
@@ -69,7 +78,7 @@ def torch_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
     A plain loop rather than ``generate``: generate's EOS handling (stopping, or
     suppressing EOS under ``min_new_tokens``) would change the tokens.
     """
-    cache = transformers.DynamicCache()
+    cache = torch_cache(model)
     out, step = [], list(ids)
     with torch.no_grad():
         for _ in range(n):
@@ -81,7 +90,7 @@ def torch_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 
 def torch_logits_chunked(model: torch.nn.Module, chunks: list[list[int]]):
     """transformers' own cached forward, fed chunk by chunk."""
-    cache = transformers.DynamicCache()
+    cache = torch_cache(model)
     outs = []
     with torch.no_grad():
         for chunk in chunks:

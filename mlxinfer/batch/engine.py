@@ -20,6 +20,11 @@ A request's tokens reach its consumer through a queue (``Handle.steps``);
 every wait on it is bounded and ends with an error if the engine thread died.
 Stop strings and detokenizing are the consumer's (``Engine.stream``), which
 cancels the request when it stops early.
+
+A model with recurrent layers (LFM2, Qwen3-Next) batches too: each request keeps its own
+fixed-size state for those layers beside its blocks, and the step stacks the rows' states.
+A state holds the whole prefix it has read and cannot be rewound per row, so such a model
+shares no prefix blocks and drafts nothing (``max_draft`` is 0).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from ..backends import prefill_schedule
+from ..cache import StateCache
 from ..constraints.spec import Constraint
 from ..generation.drafts import Draft
 from ..generation.loop import _Request as _Prepared
@@ -46,7 +52,7 @@ from ..threads import release_at_thread_exit
 from ..toolcalls import output_rules
 from . import pool as pool_mod
 from . import rows as rows_mod
-from .layout import check_batchable, layer_shapes
+from .layout import STATE, check_batchable, layer_shapes
 from .pool import KVPool, PoolStats
 from .requests import POLL_S, EngineError, Handle, Stream, _Request
 from .views import StepBatch
@@ -100,6 +106,10 @@ class Engine:
             raise ValueError(f"max_draft must be >= 0, got {max_draft}")
         self.model = model
         self.rows_together, self.windows = check_batchable(model)
+        # Recurrent layers' states live with each request: no prefix sharing, no drafts.
+        self.recurrent = STATE in self.windows
+        if self.recurrent:
+            max_draft = 0
         shapes = layer_shapes(model, kv_bits, kv_group_size)
         self.pool = KVPool(shapes, block_size=block_size, kv_budget=kv_budget)
         self.max_batch, self.prefill_step = max_batch, prefill_step
@@ -161,7 +171,7 @@ class Engine:
         self.pool.check_fits(len(ids) + max_tokens, self.max_draft)
         processors = sampling.processors() + list(logits_processors)
         request = _Request(ids, max_tokens, sampling.sampler(), processors, frozenset(eos))
-        if draft is not None or num_draft is not None:
+        if (draft is not None or num_draft is not None) and self.max_draft > 0:
             rows_mod.start_drafting(
                 request, self.model, draft, num_draft, sampling.seed, self.max_draft
             )
@@ -338,11 +348,15 @@ class Engine:
             if len(self._running) >= self.max_batch:
                 held.append(request)
                 continue
-            seq = self.pool.admit(request.ids, request.max_tokens + self.max_draft)
+            seq = self.pool.admit(
+                request.ids, request.max_tokens + self.max_draft, share=not self.recurrent
+            )
             if seq is None:  # no room now: wait for a running request to leave
                 held.append(request)
                 continue
             request.seq = seq
+            if self.recurrent:
+                request.states = [c for c in self.model.make_cache() if isinstance(c, StateCache)]
             request.cached_tokens = seq.length
             if request.processors:
                 request.history = mx.array(request.ids, dtype=mx.int32)
@@ -375,10 +389,12 @@ class Engine:
                 start = request.seq.length
                 chunk = request.ids[start : start + min(left, budget)]
                 t0 = time.perf_counter()
-                batch = StepBatch(self.pool, [request.seq], [chunk], self.windows)
+                batch = StepBatch(
+                    self.pool, [request.seq], [chunk], self.windows, states=[request.states]
+                )
                 with prefill_schedule(self.model):
                     self.model(mx.array([chunk], dtype=mx.int32), batch.views())
-                    mx.eval(self.pool.keys, self.pool.values)
+                    mx.eval(self.pool.keys, self.pool.values, _arrays(request))
                 self.prefill_s += time.perf_counter() - t0
                 self.prefill_tokens += len(chunk)
                 budget -= len(chunk)
@@ -401,12 +417,19 @@ class Engine:
     def _decode_rows(self, rows: list[_Request]) -> None:
         self.decode_tokens += len(rows)
         tokens = [[r.pending] for r in rows]
-        batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows, self.attention)
+        batch = StepBatch(
+            self.pool,
+            [r.seq for r in rows],
+            tokens,
+            self.windows,
+            self.attention,
+            states=[r.states for r in rows],
+        )
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
         picked, logprobs = rows_mod.sample_rows(rows, logits)
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
-        mx.eval(picked, logprobs, self.pool.keys, self.pool.values)
+        mx.eval(picked, logprobs, self.pool.keys, self.pool.values, [_arrays(r) for r in rows])
         self.steps_run += 1
         for request, t, lp in zip(rows, picked.tolist(), logprobs):
             request.generated += 1
@@ -456,6 +479,11 @@ class Engine:
                 self._retire(r)
                 return
         r.pending = emitted[-1]
+
+
+def _arrays(request: _Request) -> list[mx.array]:
+    """The request's recurrent states, to evaluate with the step that wrote them."""
+    return [a for c in request.states for a in c.arrays if a is not None]
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()

@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache import KVCache, LatentKVCache, RotatingKVCache
+from ..cache import KVCache, LatentKVCache, RotatingKVCache, StateCache
+from ..errors import MlxInferError
 from ..models.layers.rope import LongRoPE, RoPE
 from .pool import LayerShape
+
+
+class UnbatchableError(MlxInferError, NotImplementedError):
+    """A model whose caches the paged pool cannot hold (the CLI prints it as one line)."""
+
+
+# check_batchable's entry for a recurrent layer: its state is kept per row, not in the pool.
+STATE = "state"
 
 
 def layer_shapes(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list[LayerShape]:
@@ -25,6 +34,8 @@ def layer_shapes(model, kv_bits: int | None = None, kv_group_size: int = 64) -> 
             raise ValueError("kv_bits: the pool does not quantize latent (MLA) caches yet")
     shapes = []
     for i, c in enumerate(cache):
+        if isinstance(c, StateCache):  # kept per row, not in the pool
+            continue
         k, v = c.state[:2]
         if kv_bits is not None and (k.shape[-1] % kv_group_size or v.shape[-1] % kv_group_size):
             raise ValueError(
@@ -44,24 +55,31 @@ def layer_shapes(model, kv_bits: int | None = None, kv_group_size: int = 64) -> 
     return shapes
 
 
-def check_batchable(model) -> tuple[bool, list[int | None]]:
+def check_batchable(model) -> tuple[bool, list[int | str | None]]:
     """Raise for a model the pool cannot hold; else (whether its rows can decode together,
-    each layer's sliding window or None).
+    each layer's sliding window, None, or ``STATE``).
 
     Rows decode together when every position comes from ``cache.offset``, one per
     row: RoPE with fixed frequencies, learned and sinusoidal tables, ALiBi. Dynamic
     NTK and LongRoPE, whose frequencies depend on the sequence's length, decode one
     row per forward, with the same results. A sliding-window layer keeps every key
     in the pool and slides its mask.
+
+    A recurrent layer (a ``StateCache``: LFM2's convolutions, Qwen3-Next's Gated DeltaNet)
+    is ``STATE``: its state is one fixed-size array per sequence, not keys per token, so each
+    request keeps its own and the step stacks the rows' (``views.RowStates``); the pool holds
+    the attention layers only.
     """
-    windows: list[int | None] = []
+    windows: list[int | str | None] = []
     for c in model.make_cache():
         if isinstance(c, RotatingKVCache) and c.keep == 0:
             windows.append(c.max_size)
         elif type(c) in (KVCache, LatentKVCache):
             windows.append(None)
+        elif isinstance(c, StateCache):
+            windows.append(STATE)
         else:
-            raise NotImplementedError(
+            raise UnbatchableError(
                 f"batching: {type(model).__module__} uses a {type(c).__name__}, which the paged "
                 "pool does not hold yet"
             )

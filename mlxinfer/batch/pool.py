@@ -182,16 +182,18 @@ class KVPool:
 
     # -- sequences ------------------------------------------------------------------------
 
-    def admit(self, prompt: list[int], max_tokens: int) -> Sequence | None:
+    def admit(self, prompt: list[int], max_tokens: int, share: bool = True) -> Sequence | None:
         """A sequence for ``prompt`` with room for ``max_tokens`` more, its prefix blocks
-        shared where the pool has them; None if the pool has no room now (try later).
+        shared where the pool has them (unless not ``share``: a model whose recurrent layers
+        keep a state outside the pool needs the whole prompt fed); None if the pool has no
+        room now (try later).
 
         At least the prompt's last token is left to compute: its logits start decoding.
         """
         self.check_fits(len(prompt) + max_tokens)
         seq = Sequence()
         parent = b""
-        queries = (len(prompt) - 1) // self.block_size
+        queries = (len(prompt) - 1) // self.block_size if share else 0
         for i in range(queries):
             h = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
             block = self._by_hash.get(h)

@@ -46,6 +46,8 @@ class _Request:
     draft_length: Any = None
     key: mx.array | None = None
     tokens: list[int] = field(default_factory=list)
+    # A recurrent model's per-request states (StateCache per recurrent layer, in order).
+    states: list[Any] = field(default_factory=list)
 
 
 class Handle:

@@ -21,10 +21,13 @@ CPU backend (docs/batching.md); prefill chunks, soft-capped and ALiBi layers rea
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 
-from ..cache import Mask, Pages
+from ..cache import Mask, Pages, StateCache
+from .layout import STATE
 from .pool import KVPool, Sequence
 
 
@@ -41,12 +44,15 @@ class StepBatch:
         pool: KVPool,
         seqs: list[Sequence],
         tokens: list[list[int]],
-        windows: list[int | None] | None = None,
+        windows: list[int | str | None] | None = None,
         form: str = "gather",
+        states: list[list[StateCache]] | None = None,
     ) -> None:
         self.pool = pool
-        # Per layer: None (full attention) or its sliding window (keys within the last `window`).
+        # Per model layer: None (full attention), its sliding window (keys within the last
+        # `window`), or STATE: a recurrent layer, whose state each row keeps in `states`.
         self.windows = windows or [None] * len(pool.layers)
+        self.states = states
         self._masks: dict[int | None, Mask] = {}
         self._visible: dict[int | None, mx.array] = {}
         n_new, bs = len(tokens[0]), pool.block_size
@@ -100,8 +106,65 @@ class StepBatch:
             self._visible[window] = mx.array(visible.reshape(self.n_rows, 1, n_blocks, 1, bs))
         return Pages(keys, values, *self._index[kv_heads], self._visible[window])
 
-    def views(self) -> list[LayerView]:
-        return [LayerView(self, i, w) for i, w in enumerate(self.windows)]
+    def views(self) -> list[LayerView | RowStates]:
+        """One cache per model layer: a view of the pool for an attention layer (the pool holds
+        those only, in order), the rows' own states for a recurrent one."""
+        views: list[LayerView | RowStates] = []
+        n_kv = n_state = 0
+        for w in self.windows:
+            if w == STATE:
+                views.append(RowStates([row[n_state] for row in self.states], self.offset))
+                n_state += 1
+            else:
+                views.append(LayerView(self, n_kv, w))
+                n_kv += 1
+        return views
+
+
+class RowStates:
+    """The :class:`~mlxinfer.cache.StateCache` protocol for one recurrent layer of a step
+    over B rows, each with its own state: the layer reads the rows' arrays stacked, (B, ...),
+    and :meth:`update` hands each row its own slice back. A row with no state yet (nothing
+    fed) reads zeros, which is what a fresh state is."""
+
+    quantized = False
+
+    def __init__(self, rows: list[StateCache], offset: int | mx.array) -> None:
+        self.rows, self.offset = rows, offset
+
+    @property
+    def arrays(self) -> list[mx.array | None]:
+        out: list[mx.array | None] = []
+        for k in range(len(self.rows[0].arrays)):
+            parts = [r.arrays[k] for r in self.rows]
+            like = next((a for a in parts if a is not None), None)
+            if like is None:
+                out.append(None)
+                continue
+            parts = [mx.zeros_like(like) if a is None else a for a in parts]
+            out.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0))
+        return out
+
+    def update(self, arrays: list[mx.array], n_tokens: int) -> None:
+        for b, row in enumerate(self.rows):
+            row.update([a[b : b + 1] for a in arrays], n_tokens)
+
+    def make_mask(self, n_queries: int) -> Mask:
+        return None
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in self.arrays if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
 
 
 class LayerView:
@@ -151,6 +214,12 @@ class LayerView:
 
     def trim(self, n: int) -> int:
         return 0
+
+    def snapshot(self) -> Any:
+        raise NotImplementedError("a pool's layer view: the engine rewinds in the pool")
+
+    def restore(self, snapshot: Any) -> None:
+        raise NotImplementedError("a pool's layer view: the engine rewinds in the pool")
 
     @property
     def state(self) -> list[mx.array]:

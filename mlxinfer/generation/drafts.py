@@ -22,10 +22,10 @@ from typing import Callable, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache, RotatingKVCache
+from ..cache import Cache, RotatingKVCache, is_trimmable, restore_cache, snapshot_cache
 from ..errors import DraftError
 from ..prompt_cache import PromptCache
-from .prefill import prefill
+from .prefill import prefill, rewind
 
 # (1, V) draft logits -> (token (1,) int32, log-probs it was drawn from (1, V), or None when greedy)
 DraftSampler = Callable[[mx.array], tuple[mx.array, "mx.array | None"]]
@@ -108,11 +108,14 @@ class _ModelDrafter:
         self.model, self.pc, self.width = model, pc, width
         self._fed: list[int] = []  # fed by the last propose, beyond pc.tokens
         self._drafts: list[mx.array] = []  # drafted tokens also fed (all but the last)
+        self._snapshot = None  # where propose started, for a cache that cannot trim
 
     def propose(
         self, history: list[int], k: int, sample: DraftSampler
     ) -> tuple[mx.array, mx.array | None]:
         self._fed = history[len(self.pc.tokens) :]  # at least the last token
+        if not is_trimmable(self.pc.cache):
+            self._snapshot = self.pc.snapshot()
         x = mx.array(self._fed, dtype=mx.int32)
         tokens, dists = [], []
         for _ in range(k):
@@ -134,7 +137,7 @@ class _ModelDrafter:
             if a != b:
                 break
             n += 1
-        self.pc.rewind(n)
+        rewind(self.model, self.pc, n, self._snapshot)
 
 
 def _fit_width(logits: mx.array, width: int) -> mx.array:
@@ -272,6 +275,7 @@ class _SelfDrafter:
         # The shared layers hold all of history but its last token, like the target's.
         x = mx.array(history[-1:], dtype=mx.int32)
         tokens, dists = [], []
+        saved = snapshot_cache(self.cache[: self.n])
         for _ in range(k):
             token, dist = sample(
                 self.view(x[None], self.cache)[0, -1:]
@@ -279,10 +283,9 @@ class _SelfDrafter:
             tokens.append(token)
             dists.append(dist)
             x = token
-        # Drop the k entries drafting wrote (history's last token, then k-1 drafts):
-        # the verification pass writes those positions again, for every layer.
-        for c in self.cache[: self.n]:
-            c.trim(k)
+        # Drop what drafting wrote (history's last token, then k-1 drafts): the
+        # verification pass writes those positions again, for every layer.
+        restore_cache(self.cache[: self.n], saved)
         return mx.concatenate(tokens), (mx.concatenate(dists) if dists[0] is not None else None)
 
     def rewind(self, kept: list[int]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..backends import prefill_schedule
-from ..prompt_cache import PromptCache
+from ..prompt_cache import PromptCache, Snapshot
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
 # Most tokens after the prompt given room up front; past it the cache grows in steps.
@@ -18,7 +18,13 @@ MAX_RESERVED_DECODE = 2048
 
 
 def prefill(
-    model, pc: PromptCache, ids: list[int], step: int = DEFAULT_PREFILL_STEP, *, then: int = 1
+    model,
+    pc: PromptCache,
+    ids: list[int],
+    step: int = DEFAULT_PREFILL_STEP,
+    *,
+    then: int = 1,
+    checkpoint: bool = True,
 ) -> None:
     """Feed ``ids`` into ``pc`` in chunks of ``step``, computing only the caches.
 
@@ -29,7 +35,9 @@ def prefill(
     tokens expected next (at most ``MAX_RESERVED_DECODE``). Growing between
     the two copies the prompt's keys once, layer by layer, so the peak is the
     larger of (prompt's KV + prefill's transients) and (whole KV + a decode
-    step's), not their sum (docs/performance.md, "Peak memory").
+    step's), not their sum (docs/performance.md, "Peak memory"). With
+    ``checkpoint``, ``pc`` remembers the point reached for a later request's
+    reuse (``PromptCache.checkpoint``: only where state caches cannot trim).
     """
     y = mx.array(ids, dtype=mx.int32)
     growable = [c for c in pc.cache if hasattr(c, "grow")]
@@ -45,3 +53,21 @@ def prefill(
             pc.tokens.extend(ids[start : start + step])
     for c in growable:
         c.grow(c.offset + max(1, min(then, MAX_RESERVED_DECODE)))
+    if checkpoint:
+        pc.checkpoint()
+
+
+def rewind(model, pc: PromptCache, n: int, snapshot: Snapshot | None = None) -> None:
+    """Keep the first ``n`` tokens of ``pc`` in its caches (rejected drafts go).
+
+    Where every cache can drop tokens they are trimmed. A list with state caches, which
+    hold no entry per token, goes back to ``snapshot`` (taken at most ``n`` tokens in, before
+    the pass that went past ``n``) and feeds the kept tokens after it again: one more
+    forward of those tokens, whose logits are not computed.
+    """
+    if snapshot is None or all(c.offset <= n for c in pc.cache):
+        pc.rewind(n)
+        return
+    tokens = pc.tokens[:n]
+    pc.restore(snapshot)
+    prefill(model, pc, tokens[snapshot[0] :], checkpoint=False)

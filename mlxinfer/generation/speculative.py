@@ -8,7 +8,10 @@ saying which tokens came from the draft. Each step:
 2. the target runs once over [y, d1 … dk] and so scores k+1 positions;
 3. the acceptance rule keeps a prefix d1 … da and adds one token of the
    target's own (a correction at a+1, or a bonus token when all k passed);
-4. both caches are trimmed back to the tokens kept.
+4. both caches are trimmed back to the tokens kept. A model with recurrent
+   layers (state caches, which cannot drop tokens) snapshots its caches
+   before the pass instead; when a draft was rejected it restores them and
+   feeds y and the accepted drafts again (``prefill.rewind``).
 
 Greedy output is token-identical to plain greedy decoding, and sampled output
 has exactly the target's distribution (the draft only changes the speed): the
@@ -23,11 +26,11 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..cache import Cache, RotatingKVCache
+from ..cache import Cache, RotatingKVCache, StateCache, is_trimmable
 from ..errors import DraftError
 from ..prompt_cache import PromptCache
 from ..threads import release_at_thread_exit
-from .prefill import DEFAULT_PREFILL_STEP, prefill
+from .prefill import DEFAULT_PREFILL_STEP, prefill, rewind
 from .results import Step
 from .sampling import LogitsProcessor, Sampler, SamplingParams
 
@@ -87,6 +90,9 @@ def speculative_generate_step(
     k_policy = DraftLength(num_draft)
     history = list(ids)  # every token so far; the last one is in no cache yet
     n = 0
+    # State caches cannot drop rejected drafts: each pass starts from a snapshot (cheap).
+    restorable = not is_trimmable(pc.cache)
+    snapshot = None
     try:
         while n < max_tokens:
             k = min(k_policy.k, max_tokens - n - 1)  # a step emits up to k+1 tokens
@@ -100,6 +106,8 @@ def speculative_generate_step(
                 drafts, q = mx.array([], dtype=mx.int32), None
             drafts, q = allowed_drafts(logits_processors, history, drafts, q)
             m = drafts.shape[0]
+            if restorable:
+                snapshot = pc.snapshot()
             logprobs = _verify(
                 model, pc.cache, history[-1], drafts, logits_processors, seen
             )  # (m+1, V)
@@ -110,7 +118,7 @@ def speculative_generate_step(
             a = accepted.item()
             emitted = drafts[:a].tolist() + [token.item()]
             pc.tokens = history + emitted[:-1]  # y and the accepted drafts are in the cache
-            pc.rewind(len(pc.tokens))  # drop the m - a rejected drafts
+            rewind(model, pc, len(pc.tokens), snapshot)  # drop the m - a rejected drafts
             history += emitted
             drafter.rewind(pc.tokens)
             k_policy.update(a, m)
@@ -120,7 +128,7 @@ def speculative_generate_step(
                 yield Step(t, logprobs[j], j < a, int(first), m if first else 0, a if first else 0)
     finally:
         # Keep at most the tokens the caller received (plain decoding's rule).
-        pc.rewind(min(len(pc.tokens), len(ids) + n))
+        rewind(model, pc, min(len(pc.tokens), len(ids) + n), snapshot)
         drafter.rewind(pc.tokens)
 
 
@@ -292,7 +300,7 @@ def _require_rewindable(cache: list[Cache], needed: int) -> None:
                 f"(--max-kv-size or sliding window) keeps {c.max_size} tokens and the request "
                 f"may hold {needed}; drop --max-kv-size or the draft"
             )
-        if not c.is_trimmable():
+        if not c.is_trimmable() and not isinstance(c, StateCache):  # those restore snapshots
             raise DraftError(
                 f"speculative decoding rewinds the KV cache, but this {type(c).__name__} "
                 "cannot be trimmed"

@@ -170,9 +170,11 @@ class RopeAttention(Attention):
     The options cover the Llama-like families: biases on q/k/v and on o
     (Qwen2 has the first only), one fused ``qkv_proj`` (Phi-3), a per-head norm
     on queries and keys before RoPE (``q_norm``/``k_norm``: Qwen3, Gemma 3), and
-    tanh soft-capping of the logits (Gemma 2), and a learned sink logit per head
-    (``sinks``: gpt-oss). ``rope`` is built by the family, so layers may differ in it
-    (Gemma 3's local and global bases).
+    tanh soft-capping of the logits (Gemma 2), a learned sink logit per head
+    (``sinks``: gpt-oss), and an output gate (``output_gate``: Qwen3-Next, whose
+    ``q_proj`` gives each head's queries and then its gate, the output multiplied by
+    ``sigmoid(gate)`` before ``o_proj``). ``rope`` is built by the family, so layers may
+    differ in it (Gemma 3's local and global bases).
     """
 
     def __init__(
@@ -190,16 +192,19 @@ class RopeAttention(Attention):
         qk_norm: Callable[[int], nn.Module] | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        output_gate: bool = False,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.output_gate = output_gate
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap = softcap
         self.fused_qkv = fused_qkv
         if fused_qkv:  # rows: [q heads | k heads | v heads]
             self.qkv_proj = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=qkv_bias)
         else:
-            self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+            q_width = n_heads * head_dim * (2 if output_gate else 1)
+            self.q_proj = nn.Linear(dim, q_width, bias=qkv_bias)
             self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
             self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=o_bias)
@@ -222,6 +227,10 @@ class RopeAttention(Attention):
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
         B, L, _ = x.shape
         q, k, v = self.project(x)
+        gate = None
+        if self.output_gate:  # per head: [queries | gate], (B, L, n, 2 * head_dim)
+            q, gate = mx.split(q.reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+            gate = gate.reshape(B, L, -1)
         # (B, L, n * head_dim) -> (B, L, n, head_dim); norms act per head, then -> (B, n, L, head_dim)
         q = q.reshape(B, L, self.n_heads, self.head_dim)
         k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -238,4 +247,7 @@ class RopeAttention(Attention):
         else:
             sinks = self["sinks"] if "sinks" in self else None
             out = self.attend(q, k, v, scale=self.scale, mask=mask, cache=cache, sinks=sinks)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))  # out: (B, n_heads, L, hd)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # out was (B, n_heads, L, hd)
+        if gate is not None:
+            out = out * mx.sigmoid(gate)
+        return self.o_proj(out)

@@ -1,0 +1,170 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): Gated DeltaNet layers, gated full attention, Qwen2-MoE experts.
+
+Block: norm → token mixer → residual → norm → MLP → residual, all norms Gemma's ``(1 + w)``
+form. The mixer is, per ``layer_types`` (by default three ``linear_attention`` layers, then
+one ``full_attention``):
+
+- ``linear_attention``: a Gated DeltaNet (``layers/gated_delta.py``), whose conv inputs and
+  recurrent state live in a ``StateCache`` of a fixed size;
+- ``full_attention``: GQA with a per-head q/k norm, partial RoPE (``partial_rotary_factor``
+  of ``head_dim``, 1/4 by default) and an output gate from the doubled ``q_proj``.
+
+The MLP is Qwen2-MoE's (softmax router, top-k renormalised when ``norm_topk_prob``, a
+shared expert scaled by ``sigmoid(shared_expert_gate(x))``), or dense on ``mlp_only_layers``.
+The checkpoints' multi-token-prediction weights (``mtp.*``) are not used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import Cache, StateCache
+from ..errors import ConfigError
+from . import qwen2_moe
+from .base import CausalLM, causal_mask, make_layer_caches
+from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope
+from .layers.gated_delta import GatedDeltaNet, sanitize_conv
+from .layers.moe import keep_routers_float, stack_experts
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclasses.dataclass
+class ModelArgs(qwen2_moe.ModelArgs):
+    head_dim: int = 256
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    norm_topk_prob: bool = True
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    full_attention_interval: int = 4
+    shared_expert_intermediate_size: int = 0
+    separate_projections: bool = False  # Qwen3.5's Gated DeltaNet inputs (qwen3_5.py)
+
+    def __post_init__(self):
+        head_dim, kinds = self.head_dim, self.layer_types
+        self.layer_types = None  # qwen2_moe's rule knows only sliding and full layers
+        super().__post_init__()
+        self.head_dim = head_dim
+        n = self.num_hidden_layers
+        if kinds is None:
+            every = self.full_attention_interval
+            kinds = [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
+        if len(kinds) != n or not set(kinds) <= {LINEAR, FULL}:
+            raise ConfigError(
+                f"config.json: 'layer_types' must list {n} entries of '{LINEAR}' or '{FULL}', "
+                f"found {kinds!r}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                "config.json: 'linear_num_value_heads' must be a multiple of "
+                f"'linear_num_key_heads', found {self.linear_num_value_heads} and "
+                f"{self.linear_num_key_heads}"
+            )
+        self.layer_types = kinds
+        self.sliding_window = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.is_linear = args.layer_types[layer] == LINEAR
+        eps = args.rms_norm_eps
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(
+                args.hidden_size,
+                n_k=args.linear_num_key_heads,
+                n_v=args.linear_num_value_heads,
+                head_k=args.linear_key_head_dim,
+                head_v=args.linear_value_head_dim,
+                width=args.linear_conv_kernel_dim,
+                eps=eps,
+                separate=args.separate_projections,
+            )
+        else:
+            rotary = int(args.head_dim * args.partial_rotary_factor)
+            rope = make_rope(
+                rotary, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+            )
+            self.self_attn = RopeAttention(
+                args.hidden_size,
+                args.num_attention_heads,
+                args.num_key_value_heads,
+                args.head_dim,
+                rope=rope,
+                qkv_bias=args.attention_bias,
+                o_bias=args.attention_bias,
+                qk_norm=lambda dim: OffsetRMSNorm(dim, eps=eps),
+                output_gate=True,
+            )
+        act = activation(args.hidden_act)
+        if args.is_sparse(layer):
+            self.mlp = qwen2_moe.SparseMoE(args)
+        else:
+            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, act)
+        self.input_layernorm = OffsetRMSNorm(args.hidden_size, eps=eps)
+        self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, eps=eps)
+
+    def __call__(self, x: mx.array, mask, cache: Cache | StateCache | None) -> mx.array:
+        h = self.input_layernorm(x)
+        h = x + (self.linear_attn(h, cache) if self.is_linear else self.self_attn(h, mask, cache))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # The attention layers share one mask, made by the first one's cache.
+        self.first_attention = next(
+            (i for i, kind in enumerate(args.layer_types) if kind == FULL), None
+        )
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)  # (B, L, hidden)
+        L = inputs.shape[1]
+        if cache is None:
+            cache, mask = [None] * len(self.layers), causal_mask(L)
+        else:
+            first = self.first_attention
+            mask = cache[first].make_mask(L) if first is not None else None
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.norm(h)
+
+
+class Model(CausalLM):
+    Inner = Qwen3NextModel
+
+    quant_predicate = staticmethod(keep_routers_float)
+
+    def make_cache(
+        self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
+    ) -> list:
+        """A ``StateCache`` (conv inputs, recurrent state) per Gated DeltaNet layer; the
+        attention layers' caches as the flags choose."""
+        kinds = self.args.layer_types
+        kv = iter(
+            make_layer_caches(
+                kinds.count(FULL),
+                max_kv_size=max_kv_size,
+                kv_bits=kv_bits,
+                kv_group_size=kv_group_size,
+            )
+        )
+        return [next(kv) if kind == FULL else StateCache(2) for kind in kinds]
+
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+        weights = stack_experts(CausalLM.sanitize(weights, args), qwen2_moe.EXPERT_NAMES)
+        return {k: sanitize_conv(k, v) for k, v in weights.items()}
