@@ -14,6 +14,9 @@ class ChatSession:
 
     Args:
         system: optional system message.
+        split_reasoning: a reasoning model's thoughts go to each result's ``reasoning`` and
+            the history keeps only its answers (as its chat template wants them back);
+            False keeps the output as written.
         **options: ``stream_generate`` options used for every turn.
     """
 
@@ -25,9 +28,11 @@ class ChatSession:
         system: str | None = None,
         max_kv_size: int | None = None,
         kv_bits: int | None = None,
+        split_reasoning: bool = True,
         **options: Any,
     ):
         self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.split_reasoning = split_reasoning
         self.messages: list[dict[str, str]] = (
             [{"role": "system", "content": system}] if system else []
         )
@@ -43,6 +48,7 @@ class ChatSession:
                 self.tokenizer,
                 self.messages,
                 prompt_cache=self.prompt_cache,
+                split_reasoning=self.split_reasoning,
                 **self.options,
             ):
                 reply.append(r.text)

@@ -116,11 +116,32 @@ def _load(model: str | None, verbose: bool, force: bool = False):
         return load(model, log=_log, progress=bars, force=force)
 
 
-def _print_stream(results, verbose: bool) -> None:
-    """Text to stdout as it comes; with --verbose, the timeline to stderr at the end."""
-    result = None
+REASONING = click.option(
+    "--reasoning",
+    type=click.Choice(["show", "hide", "raw"]),
+    default="show",
+    show_default=True,
+    help="A reasoning model's thoughts (<think> tags, gpt-oss's analysis channel): shown before "
+    "the answer (dimmed on a terminal), hidden, or the output raw, markers and all.",
+)
+
+
+def _print_stream(results, verbose: bool, reasoning: str = "show") -> None:
+    """Text to stdout as it comes (a reasoning model's thoughts first, dimmed on a terminal,
+    unless hidden); with --verbose, the timeline to stderr at the end."""
+    result, thought = None, False
+    dim = sys.stdout.isatty()
     for result in results:
-        click.echo(result.text, nl=False)
+        if result.reasoning and reasoning == "show":
+            click.echo(
+                click.style(result.reasoning, dim=True) if dim else result.reasoning, nl=False
+            )
+            thought = True
+        if result.text:
+            if thought:
+                click.echo("\n")  # a blank line between the thoughts and the answer
+                thought = False
+            click.echo(result.text, nl=False)
         sys.stdout.flush()
     click.echo()
     if verbose and result is not None:
@@ -279,6 +300,7 @@ CHAT_TEMPLATE_HELP = (
 @click.option("--system", default=None, help="System message (chat template only).")
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
 @click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
+@REASONING
 @click.option(
     "--batch",
     "batch_file",
@@ -295,6 +317,7 @@ def generate(
     system,
     chat_template,
     no_chat_template,
+    reasoning,
     kv_bits,
     verbose,
     draft_model,
@@ -338,9 +361,15 @@ def generate(
     [prompt] = _templated(tokenizer, [prompt], system, chat_template, no_chat_template, verbose)
     _print_stream(
         stream_generate(
-            llm, tokenizer, prompt, kv_bits=int(kv_bits) if kv_bits else None, **options
+            llm,
+            tokenizer,
+            prompt,
+            kv_bits=int(kv_bits) if kv_bits else None,
+            split_reasoning=reasoning != "raw",
+            **options,
         ),
         verbose,
+        reasoning,
     )
 
 
@@ -432,11 +461,13 @@ def _generate_batch(
 @speculative_options
 @click.option("--system", default=None, help="System message.")
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
+@REASONING
 @_errors_to_click
 def chat(
     model,
     system,
     chat_template,
+    reasoning,
     kv_bits,
     verbose,
     max_kv_size,
@@ -466,6 +497,7 @@ def chat(
         system=system,
         max_kv_size=max_kv_size,
         kv_bits=int(kv_bits) if kv_bits else None,
+        split_reasoning=reasoning != "raw",
         **options,
     )
     while True:
@@ -478,7 +510,7 @@ def chat(
         if line.strip() == "/reset":
             session.reset()
             continue
-        _print_stream(session.send(line), verbose)
+        _print_stream(session.send(line), verbose, reasoning)
 
 
 @cli.command()

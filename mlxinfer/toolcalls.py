@@ -9,7 +9,9 @@ chat template:
 - Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block a call;
 - Llama 3.x: the call as bare JSON, ``{"name": ..., "parameters": {...}}`` (after
   ``<|python_tag|>`` or not; several separated by ``;``);
-- Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
+- Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
+- harmony (gpt-oss): a message to a recipient, ``<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...args}<|call|>`` (or ``to=`` in the role before the channel).
 
 With ``tool_choice`` ``"required"`` or naming a function, the call is generated under a
 constraint: the family's wrapper around JSON that the function's parameter schema admits.
@@ -132,13 +134,47 @@ class Mistral(ToolFormat):
         return f'start: {opener} " [" call "]"\ncall: %json {call}'
 
 
-FORMATS = (Hermes(), Mistral(), Llama3())
+class Harmony(ToolFormat):
+    """gpt-oss's calls: the recipient names the function, the message body is its arguments."""
+
+    name, opener = "harmony", "to=functions."
+    CALL = re.compile(
+        r"(?:<\|start\|>assistant(?P<role>[^<]*))?<\|channel\|>(?P<header>[^<]*)"
+        r"(?:<\|constrain\|>[^<]*)?<\|message\|>(?P<body>.*?)(?:<\|call\|>|<\|end\|>|$)",
+        re.DOTALL,
+    )
+    RECIPIENT = re.compile(r"to=functions\.([\w.\-]+)")
+
+    def parse(self, text):
+        calls, kept, at = [], [], 0
+        for m in self.CALL.finditer(text):
+            found = self.RECIPIENT.search((m["role"] or "") + " " + m["header"])
+            call = _call({"name": found[1], "arguments": m["body"].strip()}) if found else None
+            if call is None:
+                continue
+            calls.append(call)
+            kept.append(text[at : m.start()])
+            at = m.end()
+        if not calls:
+            return text, []
+        return "".join(kept) + text[at:], calls
+
+    def lark(self, call, tokenizer):
+        raise ConstraintError(
+            "tool_choice: a required or named call is not supported for the harmony format "
+            "(gpt-oss) yet; use 'auto'"
+        )
+
+
+FORMATS = (Hermes(), Mistral(), Llama3(), Harmony())
 
 
 def tool_format(tokenizer) -> ToolFormat:
     """The form of the model's calls, read from its chat template (Hermes when it says
     nothing that names another)."""
     source = tokenizer.chat_template_source(tools=True) or ""
+    if "<|channel|>" in source:
+        return FORMATS[3]
     if "[TOOL_CALLS]" in source:
         return FORMATS[1]
     if "<tool_call>" in source:

@@ -271,4 +271,4 @@ def test_a_conversation_with_a_call_and_its_result_renders(family):
 
 
 def test_the_default_is_hermes_and_every_format_is_listed():
-    assert [f.name for f in FORMATS] == ["hermes", "mistral", "llama3"]
+    assert [f.name for f in FORMATS] == ["hermes", "mistral", "llama3", "harmony"]

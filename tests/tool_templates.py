@@ -1,5 +1,6 @@
-"""Small chat templates in the three tool-call styles, written after Qwen2.5's (Hermes),
-Llama 3.2's and Mistral's (v3) own, for tiny test models."""
+"""Small chat templates in the tool-call and reasoning styles, written after Qwen2.5's (Hermes),
+Llama 3.2's, Mistral's (v3), gpt-oss's (harmony) and Qwen3's / DeepSeek-R1's (think tags) own,
+for tiny test models."""
 
 HERMES = (
     "{%- if tools %}<|im_start|>system\nYou may call functions. <tools>"
@@ -42,4 +43,57 @@ MISTRAL = (
     "{%- else %}{{ m.content }}</s>{%- endif %}{%- endfor %}"
 )
 
-SPECIALS = {"mistral": ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "</s>"]}
+# gpt-oss's harmony format: a system message with the date and the reasoning effort, tools as a
+# TypeScript-like namespace, an assistant's call as a message to its recipient, and a refusal
+# of an analysis channel passed back in the content (the real template raises there too).
+HARMONY = (
+    "{%- macro system() -%}<|start|>system<|message|>Knowledge cutoff: 2024-06\n"
+    "Current date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}<|end|>{%- endmacro -%}"
+    "{{- system() }}"
+    "{%- if tools %}<|start|>developer<|message|># Tools\nnamespace functions {\n"
+    "{%- for t in tools %}\n// {{ t.function.description }}\ntype {{ t.function.name }} = "
+    "(_: {{ t.function.parameters | tojson }}) => any;{%- endfor %}\n}<|end|>{%- endif %}"
+    "{%- set last = namespace(name=none) %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- if '<|channel|>' in (m.content or '') %}"
+    "{{- raise_exception('pass the analysis in thinking, not in content') }}{%- endif %}"
+    "{%- if m.tool_calls %}{%- set c = m.tool_calls[0].function %}"
+    "<|start|>assistant to=functions.{{ c.name }}<|channel|>commentary json<|message|>"
+    "{{ c.arguments | tojson }}<|call|>{%- set last.name = c.name %}"
+    "{%- else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}"
+    "{%- elif m.role == 'tool' %}<|start|>functions.{{ last.name }} to=assistant<|channel|>"
+    "commentary<|message|>{{ m.content | tojson }}<|end|>"
+    "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+HARMONY_SPECIALS = [
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|call|>",
+    "<|constrain|>",
+]
+
+# Qwen3's: the reply thinks in <think> tags; past replies go back without their thoughts;
+# enable_thinking=False writes an empty thought into the prompt.
+THINK = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.role == 'assistant' and '</think>' in m.content %}"
+    "{{ m.content.split('</think>')[-1].lstrip() }}{%- else %}{{ m.content }}{%- endif %}"
+    "<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{%- endif %}{%- endif %}"
+)
+# DeepSeek-R1's: the generation prompt opens the thought itself.
+THINK_OPENED = THINK.replace(
+    "{%- if enable_thinking is defined", "<think>\n{%- if enable_thinking is defined"
+)
+
+SPECIALS = {
+    "mistral": ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "</s>"],
+    "harmony": HARMONY_SPECIALS,
+}

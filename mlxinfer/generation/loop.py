@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from ..device import wired_limit
 from ..prompt_cache import PromptCache
+from ..reasoning import split_results, splitter_for
 from ..text import clean_prompt, fit_context
 from ..threads import release_at_thread_exit
 from ..toolcalls import output_rules
@@ -192,6 +193,7 @@ def stream_generate(
     constraint: Constraint | None = None,
     tools: list[dict] | None = None,
     tool_choice: Any = None,
+    split_reasoning: bool = False,
 ) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
 
@@ -219,6 +221,10 @@ def stream_generate(
         tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or
             ``{"type": "function", "function": {"name": ...}}``: the last two generate a call
             constrained by the function's parameter schema.
+        split_reasoning: for a model that reasons before it answers (``<think>`` tags, gpt-oss's
+            harmony channels; read from its chat template): each result's ``reasoning`` gets the
+            reasoning's text and ``text`` only the answer's, the markers in neither
+            (:mod:`mlxinfer.reasoning`). Off: ``text`` is the output as the model wrote it.
     Yields:
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
@@ -267,7 +273,11 @@ def stream_generate(
     with wired_limit():  # Metal: keep the weights resident for the run (no-op elsewhere)
         try:
             results = _results(request, steps, count_passes=draft is not None)
-            yield from tooling.results(results) if tooling is not None else results
+            if tooling is not None:
+                results = tooling.results(results)
+            if split_reasoning:
+                results = split_results(results, splitter_for(tokenizer, request.ids))
+            yield from results
         finally:
             steps.close()
 

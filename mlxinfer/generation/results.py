@@ -93,3 +93,6 @@ class GenerationResult:
     # With tools: on the last result, the calls parsed from the whole output (a list of
     # ``toolcalls.ToolCall``, empty when it made none); None without tools.
     tool_calls: list | None = None
+    # With split_reasoning: this token's part of the model's reasoning (``text`` is then only
+    # the answer's part); "" otherwise (reasoning.py)
+    reasoning: str = ""

@@ -198,6 +198,8 @@ def _messages(messages: Any) -> list[dict]:
                         "function": {"name": b.get("name"), "arguments": b.get("input", {})},
                     }
                 )
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                continue  # an earlier turn's reasoning: chat templates drop it from the prompt
             elif kind == "tool_result" and m["role"] == "user":
                 result = b.get("content", "")
                 result = result if isinstance(result, str) else _text(result, f"{where}.{j}")
@@ -207,8 +209,8 @@ def _messages(messages: Any) -> list[dict]:
             else:
                 raise APIError(
                     400,
-                    f"{where}.{j}: text blocks, tool_use blocks (assistant) or tool_result blocks "
-                    "(user) are supported",
+                    f"{where}.{j}: text blocks, tool_use and thinking blocks (assistant) or "
+                    "tool_result blocks (user) are supported",
                 )
         turn = {"role": m["role"], "content": "".join(text)}
         if calls:
@@ -235,6 +237,10 @@ def usage(stats: GenerationStats, output_tokens: int) -> dict:
     }
 
 
+def thinking(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def tool_use(call) -> dict:
     return {
         "type": "tool_use",
@@ -245,9 +251,17 @@ def tool_use(call) -> dict:
 
 
 def message(
-    ask: Ask, text: str, reason: str | None, matched: str | None, usage_: dict, calls=()
+    ask: Ask,
+    text: str,
+    reason: str | None,
+    matched: str | None,
+    usage_: dict,
+    calls=(),
+    reasoning: str = "",
 ) -> dict:
     content = [{"type": "text", "text": text}] if text or (reason and not calls) else []
+    if reasoning:  # what the model thought before it answered: a thinking block, unsigned
+        content = [thinking(reasoning)] + content
     return {
         "id": ask.id,
         "type": "message",

@@ -355,10 +355,18 @@ def timings(stats: GenerationStats, completion_tokens: int) -> dict:
 
 
 def choice(
-    ask: Ask, index: int, text: str, finish: str, logprobs: Any = None, tool_calls=None
+    ask: Ask,
+    index: int,
+    text: str,
+    finish: str,
+    logprobs: Any = None,
+    tool_calls=None,
+    reasoning: str = "",
 ) -> dict:
     """One choice of a whole (non-streamed) response; ``logprobs`` from :func:`logprobs_field`;
-    ``tool_calls``: the calls parsed from the output (then its finish is ``tool_calls``)."""
+    ``tool_calls``: the calls parsed from the output (then its finish is ``tool_calls``);
+    ``reasoning``: what the model thought before it answered, as ``reasoning_content`` (the
+    field llama.cpp's and vLLM's servers use)."""
     if ask.chat:
         message: dict = {"role": "assistant", "content": text}
         if tool_calls:
@@ -368,6 +376,8 @@ def choice(
                 "tool_calls": [c.openai() for c in tool_calls],
             }
             finish = "tool_calls"
+        if reasoning:
+            message["reasoning_content"] = reasoning
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
@@ -394,11 +404,15 @@ def chunk(
     first: bool = False,
     logprobs: Any = None,
     tool_calls=None,
+    reasoning: str = "",
 ) -> dict:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice
-    ``index``; ``logprobs`` from :func:`logprobs_field`."""
+    ``index``; ``logprobs`` from :func:`logprobs_field`; ``reasoning`` as the delta's
+    ``reasoning_content``."""
     if ask.chat:
         delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:

@@ -4,6 +4,10 @@ server-sent events.
 An OpenAI request with ``n`` > 1 is ``n`` requests in the engine (decoded together, the prompt
 prefilled once and shared from the prefix cache); its chunks are interleaved, each with its
 choice's ``index``.
+
+A chat reply's text passes the tool-call stream first (calls held back), then the reasoning
+splitter (:mod:`mlxinfer.reasoning`): what a reasoning model thinks goes to OpenAI's
+``reasoning_content`` and Anthropic's ``thinking`` block, its answer to the content.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from ..batch import EngineError
 from ..generation.results import GenerationResult
+from ..reasoning import Plain, Splitter, splitter_for
 from ..toolcalls import ToolStream, tool_format
 from . import anthropic as an
 from . import openai as oa
@@ -34,6 +39,7 @@ class Choice:
     entries: list[dict] = field(default_factory=list)  # log-prob entries not yet sent
     offset: int = 0  # the legacy completions log-probs: text offset of the next token
     tools: ToolStream | None = None  # with tools: the text shown, the calls held back
+    thinking: Splitter = field(default_factory=Plain)  # the reasoning told from the answer
 
     def __post_init__(self) -> None:
         self.last = self.first
@@ -77,9 +83,17 @@ def tool_streams(ask: oa.Ask, tokenizer, choices: list[Choice]) -> None:
             c.tools = ToolStream(fmt)
 
 
+def _splitters(ask: oa.Ask, tokenizer, choices: list[Choice]) -> None:
+    """Give each chat choice the splitter of this model's reasoning format."""
+    if ask.chat:
+        for c in choices:
+            c.thinking = splitter_for(tokenizer)
+
+
 def openai_whole(ask: oa.Ask, tokenizer, choices: list[Choice]) -> JSONResponse:
     out = []
     tool_streams(ask, tokenizer, choices)
+    _splitters(ask, tokenizer, choices)
     try:
         for c in choices:
             text = []
@@ -89,7 +103,8 @@ def openai_whole(ask: oa.Ask, tokenizer, choices: list[Choice]) -> JSONResponse:
             text, calls = "".join(text), None
             if c.tools is not None:
                 text, calls = c.tools.fmt.parse(text)
-            out.append(oa.choice(ask, c.index, text, c.finish, c.logprobs(ask), calls))
+            reasoning, text = _split(c.thinking, text)
+            out.append(oa.choice(ask, c.index, text, c.finish, c.logprobs(ask), calls, reasoning))
     except (EngineError, TimeoutError) as e:
         raise oa.APIError(500, str(e), type="server_error") from None
     finally:
@@ -103,6 +118,7 @@ def openai_events(ask: oa.Ask, tokenizer, choices: list[Choice]) -> Iterator[str
     (with the log-probs of the tokens since the last, if asked), each choice's finish, the
     usage if asked, then ``[DONE]``. The choices' streams are read in turn, a token each."""
     tool_streams(ask, tokenizer, choices)
+    _splitters(ask, tokenizer, choices)
     for c in choices:
         yield sse(oa.chunk(ask, None, index=c.index, first=True))
     running = [(c, c.each()) for c in choices]
@@ -116,8 +132,12 @@ def openai_events(ask: oa.Ask, tokenizer, choices: list[Choice]) -> Iterator[str
                     continue
                 c.take(ask, tokenizer, r)
                 text = c.tools.feed(r.text) if c.tools is not None else r.text
-                if text:
-                    yield sse(oa.chunk(ask, text, index=c.index, logprobs=c.logprobs(ask)))
+                reasoning, text = c.thinking.feed(text)
+                if text or reasoning:
+                    logprobs = c.logprobs(ask)
+                    yield sse(
+                        oa.chunk(ask, text, index=c.index, logprobs=logprobs, reasoning=reasoning)
+                    )
     except (EngineError, TimeoutError) as e:
         yield sse(oa.APIError(500, str(e), type="server_error").body())
         yield "data: [DONE]\n\n"
@@ -140,6 +160,8 @@ class AnthropicReply:
         self.calls: list = []
         offered = ask.tools is not None and ask.tool_choice != "none"
         self.tools = ToolStream(tool_format(tokenizer)) if offered else None
+        self.thinking = splitter_for(tokenizer)
+        self.block: tuple[int, str] | None = None  # the content block being streamed
 
     def _pieces(self) -> Iterator[str]:
         try:
@@ -165,32 +187,56 @@ class AnthropicReply:
         text = "".join(self._pieces())
         if self.tools is not None:
             text, self.calls = self.tools.fmt.parse(text)
+        reasoning, text = _split(self.thinking, text)
         reason, matched, usage = self._end()
-        return an.message(self.ask, text, reason, matched, usage, self.calls)
+        return an.message(self.ask, text, reason, matched, usage, self.calls, reasoning)
+
+    def _deltas(self, reasoning: str, text: str) -> Iterator[str]:
+        """Events for a piece: a thinking block's and a text block's deltas, each block opened
+        when its first piece comes (and the one before it closed)."""
+        for kind, piece in (("thinking", reasoning), ("text", text)):
+            if not piece:
+                continue
+            if self.block is None or self.block[1] != kind:
+                yield from self._open(kind)
+            delta = (
+                {"type": "thinking_delta", "thinking": piece}
+                if kind == "thinking"
+                else {"type": "text_delta", "text": piece}
+            )
+            yield an.event("content_block_delta", {"index": self.block[0], "delta": delta})
+
+    def _open(self, kind: str) -> Iterator[str]:
+        """Close the block being streamed, if any, and start a ``kind`` block after it."""
+        index = 0 if self.block is None else self.block[0] + 1
+        if self.block is not None:
+            yield an.event("content_block_stop", {"index": self.block[0]})
+        self.block = (index, kind)
+        block = an.thinking("") if kind == "thinking" else {"type": "text", "text": ""}
+        yield an.event("content_block_start", {"index": index, "content_block": block})
 
     def events(self) -> Iterator[str]:
         stats = self.first.stats if self.first is not None else an.GenerationStats()
         start = an.message(self.ask, "", None, None, an.usage(stats, 0))
         yield an.event("message_start", {"message": start})
-        block = {"type": "text", "text": ""}
-        yield an.event("content_block_start", {"index": 0, "content_block": block})
         yield an.event("ping", {})
         try:
             for text in self._pieces():
                 if self.tools is not None:
                     text = self.tools.feed(text)
-                if text:
-                    yield _text_delta(text)
+                yield from self._deltas(*self.thinking.feed(text))
         except (EngineError, TimeoutError) as e:
             yield an.event("error", {"error": an.APIError(500, str(e)).body()["error"]})
             return
         if self.tools is not None:
             rest, self.calls = self.tools.finish()
-            if rest:
-                yield _text_delta(rest)
+            yield from self._deltas(*self.thinking.feed(rest))
+        yield from self._deltas(*self.thinking.finish())
+        if self.block is None or (self.block[1] != "text" and not self.calls):
+            yield from self._open("text")  # the message's text block, even if empty
         reason, matched, usage = self._end()
-        yield an.event("content_block_stop", {"index": 0})
-        for i, call in enumerate(self.calls, start=1):
+        yield an.event("content_block_stop", {"index": self.block[0]})
+        for i, call in enumerate(self.calls, start=self.block[0] + 1):
             block = {**an.tool_use(call), "input": {}}
             yield an.event("content_block_start", {"index": i, "content_block": block})
             delta = {"type": "input_json_delta", "partial_json": json.dumps(call.arguments)}
@@ -203,20 +249,23 @@ class AnthropicReply:
         yield an.event("message_stop", {})
 
 
-def _text_delta(text: str) -> str:
-    return an.event(
-        "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}
-    )
+def _split(splitter: Splitter, text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a whole reply."""
+    a, b = splitter.feed(text)
+    c, d = splitter.finish()
+    return a + c, b + d
 
 
 def _ended(ask: oa.Ask, c: Choice) -> Iterator[str]:
     """A choice's last chunks: the text held back that is not a call, its calls (one delta,
     each call whole), its finish."""
-    finish, calls = c.finish, None
+    finish, calls, rest = c.finish, None, ""
     if c.tools is not None:
         rest, calls = c.tools.finish()
-        if rest:
-            yield sse(oa.chunk(ask, rest, index=c.index))
+    reasoning, text = _split(c.thinking, rest)
+    if text or reasoning:
+        yield sse(oa.chunk(ask, text, index=c.index, reasoning=reasoning))
+    if c.tools is not None:
         if calls:
             yield sse(oa.chunk(ask, None, index=c.index, tool_calls=calls))
             finish = "tool_calls"
