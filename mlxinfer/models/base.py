@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache
+from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache, StateCache
 from ..config import normalize_rope, require
 from ..errors import ConfigError
 from .layers import masks
@@ -67,6 +67,27 @@ def make_layer_caches(
     if kv_bits is not None:
         return [QuantizedKVCache(kv_group_size, kv_bits) for _ in range(n_layers)]
     return [KVCache() for _ in range(n_layers)]
+
+
+def make_hybrid_caches(
+    is_recurrent: list[bool],
+    state_arrays: int,
+    *,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> list[Cache]:
+    """Caches for a hybrid decoder: a ``StateCache`` of ``state_arrays`` arrays for each
+    recurrent layer, the attention layers' caches as the user's flags choose."""
+    kv = iter(
+        make_layer_caches(
+            is_recurrent.count(False),
+            max_kv_size=max_kv_size,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
+    )
+    return [StateCache(state_arrays) if r else next(kv) for r in is_recurrent]
 
 
 def causal_mask(n_queries: int, offset: int = 0, window: int | None = None) -> Mask:

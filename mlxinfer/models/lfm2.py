@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from ..cache import Cache, StateCache
 from ..errors import ConfigError
-from .base import BaseArgs, CausalLM, causal_mask, make_layer_caches
+from .base import BaseArgs, CausalLM, causal_mask, make_hybrid_caches
 from .layers import GatedMLP, RMSNorm, RopeAttention, make_rope
 
 ATTENTION, CONV = "full_attention", "conv"
@@ -190,16 +190,13 @@ class Model(CausalLM):
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
     ) -> list:
         """A ``StateCache`` per conv layer; the attention layers' caches as the flags choose."""
-        kinds = self.args.layer_types
-        kv = iter(
-            make_layer_caches(
-                kinds.count(ATTENTION),
-                max_kv_size=max_kv_size,
-                kv_bits=kv_bits,
-                kv_group_size=kv_group_size,
-            )
+        return make_hybrid_caches(
+            [kind == CONV for kind in self.args.layer_types],
+            1,
+            max_kv_size=max_kv_size,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
         )
-        return [next(kv) if kind == ATTENTION else StateCache(1) for kind in kinds]
 
     # The depthwise conv is no Linear, so quantizing leaves it float by itself: no predicate.
 

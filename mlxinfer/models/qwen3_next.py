@@ -24,7 +24,7 @@ import mlx.nn as nn
 from ..cache import Cache, StateCache
 from ..errors import ConfigError
 from . import qwen2_moe
-from .base import CausalLM, causal_mask, make_layer_caches
+from .base import CausalLM, causal_mask, make_hybrid_caches
 from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope
 from .layers.gated_delta import GatedDeltaNet, sanitize_conv
 from .layers.moe import keep_routers_float, stack_experts
@@ -152,16 +152,13 @@ class Model(CausalLM):
     ) -> list:
         """A ``StateCache`` (conv inputs, recurrent state) per Gated DeltaNet layer; the
         attention layers' caches as the flags choose."""
-        kinds = self.args.layer_types
-        kv = iter(
-            make_layer_caches(
-                kinds.count(FULL),
-                max_kv_size=max_kv_size,
-                kv_bits=kv_bits,
-                kv_group_size=kv_group_size,
-            )
+        return make_hybrid_caches(
+            [kind == LINEAR for kind in self.args.layer_types],
+            2,
+            max_kv_size=max_kv_size,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
         )
-        return [next(kv) if kind == FULL else StateCache(2) for kind in kinds]
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
