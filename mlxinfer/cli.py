@@ -414,7 +414,7 @@ def _generate_batch(
     options,
 ):
     """``generate --batch FILE``: every prompt through one engine, a JSON line each, in order;
-    drafts by prompt lookup only."""
+    drafts by prompt lookup or with a draft model."""
     import json
 
     from .batch import batch_generate
@@ -426,16 +426,15 @@ def _generate_batch(
         "--prompt": prompt is not None,
         "--max-kv-size": options.pop("max_kv_size") is not None,
         "--prefill-step-size": options.pop("prefill_step_size") is not None,
-        "--draft-model": draft_model is not None,
         "--self-draft-layers": self_draft_layers is not None,
     }
     if clash := [name for name, given in unsupported.items() if given]:
         raise click.UsageError(f"--batch does not take {', '.join(clash)} yet")
-    if num_draft is not None and not prompt_lookup:
+    if num_draft is not None and not (prompt_lookup or draft_model):
         raise click.UsageError(
-            "--num-draft needs a draft source (--batch drafts by --prompt-lookup)"
+            "--num-draft needs a draft source (--batch drafts by --prompt-lookup or --draft-model)"
         )
-    draft = _make_draft(None, prompt_lookup, None)
+    draft = _make_draft(draft_model, prompt_lookup, None)
     prompts = read_prompts(batch_file)
     llm, tokenizer = _load(model, verbose, options.pop("force"))
     prompts = _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose)
@@ -535,6 +534,13 @@ def chat(
 )
 @click.option("--prompt-lookup", is_flag=True, help="Speculative decoding by prompt lookup.")
 @click.option(
+    "--draft-model",
+    default=None,
+    help="Speculative decoding with this draft model (directory or Hub repo id): every request "
+    "drafts with it, each with its own draft cache. It must share the model's tokenizer "
+    "vocabulary.",
+)
+@click.option(
     "--models-dir",
     default=None,
     type=click.Path(exists=True, file_okay=False),
@@ -567,6 +573,7 @@ def serve(
     kv_budget,
     kv_bits,
     prompt_lookup,
+    draft_model,
     models_dir,
     keep_alive,
     cors_origins,
@@ -583,9 +590,9 @@ def serve(
         ) from None
     from pathlib import Path
 
-    from .generation.drafts import PromptLookup
     from .server import serve as run
 
+    draft = _make_draft(draft_model, prompt_lookup, None)
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
         llm, tokenizer = _load(model, verbose, force)
@@ -603,7 +610,7 @@ def serve(
         host=host,
         port=port,
         api_key=api_key,
-        draft=PromptLookup() if prompt_lookup else None,
+        draft=draft,
         models_dir=Path(models_dir) if models_dir else None,
         keep_alive=keep_alive if models_dir else None,
         cors_origins=list(cors_origins),

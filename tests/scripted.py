@@ -42,8 +42,34 @@ class ScriptedEngine:
         finally:
             self.closed.set()
 
+    def start(self, tokenizer, prompt, **options) -> _Stream:
+        """:meth:`stream`'s results as ``Engine.start`` gives them: a stream any thread may
+        cancel (it ends before its next piece)."""
+        return _Stream(self.stream(tokenizer, prompt, **options))
+
     def metrics(self) -> dict:
         return {}
 
     def close(self) -> None:
         self.alive = False
+
+
+class _Stream:
+    def __init__(self, results) -> None:
+        self._results, self._cancelled = results, threading.Event()
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> GenerationResult:
+        if self._cancelled.is_set():
+            self._results.close()
+            raise StopIteration
+        return next(self._results)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        try:
+            self._results.close()
+        except ValueError:  # being read on another thread: it ends at its next piece
+            pass

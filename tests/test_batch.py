@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from hf_models import make_tiny, torch_greedy
+from mlx.utils import tree_flatten, tree_map
+from test_qwen3_next import TINY as QWEN3_NEXT
 
 from mlxinfer.batch import Engine, KVPool, PoolFullError
 from mlxinfer.batch.layout import layer_shapes
@@ -94,22 +97,7 @@ FAMILIES = {
         conv_L_cache=3,
         block_multiple_of=64,
     ),
-    "qwen3_next": dict(
-        model_type="qwen3_next",
-        head_dim=16,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-        eos_token_id=None,
-    ),
+    "qwen3_next": {**QWEN3_NEXT, "num_experts": 4, "shared_expert_intermediate_size": 32},
     "gpt_oss": dict(
         model_type="gpt_oss",
         num_local_experts=4,
@@ -406,6 +394,34 @@ def test_batch_refuses_options_it_does_not_take_yet(tmp_path):
     assert result.exit_code == 2 and "--num-draft needs a draft source" in result.output
 
 
+def test_generate_batch_with_a_draft_model_prints_the_plain_texts(tmp_path):
+    """``generate --batch FILE --draft-model D``: the same JSON lines as without the draft
+    (greedy); a draft with another vocabulary is an error naming both models."""
+    import json
+
+    from click.testing import CliRunner
+    from hf_models import add_tokenizer
+
+    from mlxinfer.cli import cli
+
+    target, _ = make_tiny(tmp_path / "target", vocab_size=320)
+    draft, _ = make_tiny(tmp_path / "draft", vocab_size=320, num_hidden_layers=1, seed=1)
+    other, _ = make_tiny(tmp_path / "other", num_hidden_layers=1, seed=2)
+    for path, size in ((target, 320), (draft, 320), (other, 300)):
+        add_tokenizer(path, vocab_size=size)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('Hello world\n{"prompt": "Paris is the"}\n')
+    args = ["generate", "-m", str(target), "--batch", str(prompts), "-n", "12"]
+    plain = CliRunner().invoke(cli, args)
+    drafted = CliRunner().invoke(cli, [*args, "--draft-model", str(draft), "--num-draft", "3"])
+    assert plain.exit_code == 0 and drafted.exit_code == 0, plain.output + drafted.output
+    lines = [json.loads(line) for line in drafted.stdout.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1] and drafted.stdout == plain.stdout
+    result = CliRunner().invoke(cli, [*args, "--draft-model", str(other)])
+    assert result.exit_code == 1 and "different vocabularies" in result.output
+    assert str(other) in result.output and str(target) in result.output
+
+
 def test_waits_on_the_engine_are_bounded(llama, monkeypatch):
     """A token that does not come within ``timeout`` is a TimeoutError (and cancels the request);
     a request left when the engine stops ends with EngineError instead of waiting forever."""
@@ -571,19 +587,147 @@ def test_rewinding_a_sequence_returns_its_draft_blocks():
     assert pool.stats().blocks_in_use == 0
 
 
-def test_the_engine_drafts_by_prompt_lookup_only(llama):
-    from mlxinfer.generation.drafts import PromptLookup, SelfDraft
+def test_the_engine_drafts_by_prompt_lookup_or_a_draft_model_only(llama):
+    from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
+    from mlxinfer.prompt_cache import PromptCache
 
     model, _ = llama
     with Engine(model) as engine:
-        with pytest.raises(ValueError, match="draft: the batching engine drafts by prompt lookup"):
+        with pytest.raises(
+            ValueError, match="draft: the batching engine drafts by prompt lookup or with a draft"
+        ):
             engine.submit([1, 2, 3], max_tokens=2, draft=SelfDraft(1))
+        shared = DraftModel(model, prompt_cache=PromptCache(model.make_cache()))
+        with pytest.raises(ValueError, match="each request keeps its own draft cache"):
+            engine.submit([1, 2, 3], max_tokens=2, draft=shared)
         with pytest.raises(ValueError, match=r"num_draft must be in 1\.\.8"):
             engine.submit([1, 2, 3], max_tokens=2, draft=PromptLookup(), num_draft=9)
         with pytest.raises(ValueError, match="num_draft: given without a draft"):
             engine.submit([1, 2, 3], max_tokens=2, num_draft=2)
         with pytest.raises(TypeError, match="submit: expected token ids, found a str"):
             engine.submit("Hello", max_tokens=2)
+
+
+# --- speculative decoding with a draft model inside the batch -----------------------------------
+
+
+def _noisy_copy(path, scale: float = 0.02):
+    """The checkpoint with noise on every weight: a draft model right often, not always."""
+    model, _ = load_model(path)
+    rng = np.random.default_rng(0)
+    model.update(
+        tree_map(lambda w: w + mx.array(rng.normal(0, scale, w.shape), w.dtype), model.parameters())
+    )
+    return model  # its weights lazy: submit evaluates them on this thread
+
+
+@pytest.fixture(scope="module")
+def drafted_llama(tmp_path_factory):
+    """(target, its transformers twin, a draft: the same checkpoint with noise)."""
+    path, torch_model = make_tiny(tmp_path_factory.mktemp("drafted"), **LONG)
+    model, _ = load_model(path)
+    return model, torch_model, _noisy_copy(path)
+
+
+def test_a_draft_model_in_the_batch_gives_transformers_greedy_tokens(drafted_llama):
+    """Rows drafting with a draft model (each its own draft cache), a prompt-lookup row and a
+    plain row share verification steps: each gets transformers' greedy tokens for its prompt
+    alone, drafts were accepted and rejected, and every block comes back."""
+    from mlxinfer.generation.drafts import DraftModel, PromptLookup
+
+    model, torch_model, draft = drafted_llama
+    prompts = [_prompt(40, 1), _prompt(300, 2), _repetitive(60, 3), _prompt(9, 4)]
+    sources = [DraftModel(draft), DraftModel(draft), PromptLookup(), None]
+    expected = [torch_greedy(torch_model, p, 16) for p in prompts]
+    with Engine(model, max_batch=8, prefill_step=128) as engine:
+        handles = [
+            engine.submit(p, max_tokens=16, draft=d, num_draft=4 if i == 1 else None)
+            for i, (p, d) in enumerate(zip(prompts, sources))
+        ]
+        steps = [list(h.steps()) for h in handles]
+        metrics = engine.metrics()
+        assert engine.stats().blocks_in_use == 0 and metrics["draft_kv_bytes"] == 0
+    for p, got, want in zip(prompts, steps, expected):
+        assert [s.token for s in got] == want, f"prompt of {len(p)} tokens"
+    drafted = [s for i in (0, 1) for s in steps[i]]
+    assert any(s.from_draft for s in drafted)  # drafts were kept: fewer passes than tokens
+    assert sum(s.passes for s in drafted) < len(drafted)
+    assert sum(s.drafted for s in drafted) > sum(s.accepted for s in drafted)  # and some not
+    assert not any(s.drafted for s in steps[3])  # the plain row drafts nothing
+    assert metrics["draft_steps"] >= sum(s.drafted for s in drafted)
+    assert metrics["draft_model_bytes"] == sum(
+        a.nbytes for _, a in tree_flatten(draft.parameters())
+    )
+
+
+def test_a_seeded_draft_model_request_is_the_same_alone_in_a_batch_and_in_the_single_loop(
+    drafted_llama,
+):
+    """Sampling (temperature 0.8): the draft draws from its own key and the acceptance from
+    another, split as ``speculative_generate_step`` splits them, so the tokens are that loop's,
+    alone or among other requests."""
+    from mlxinfer.generation.drafts import DraftModel
+    from mlxinfer.generation.speculative import speculative_generate_step
+
+    model, _, draft = drafted_llama
+    target = _prompt(50, 5)
+    sampling = SamplingParams(temperature=0.8, seed=77)
+
+    def in_engine(others: int) -> list:
+        with Engine(model, max_batch=8) as engine:
+            noise = [
+                engine.submit(
+                    _prompt(20 + i, 10 + i),
+                    max_tokens=10,
+                    sampling=SamplingParams(0.7),
+                    draft=DraftModel(draft) if i % 2 else None,
+                )
+                for i in range(others)
+            ]
+            mine = engine.submit(
+                target, max_tokens=12, sampling=sampling, draft=DraftModel(draft), num_draft=3
+            )
+            steps = [(s.token, s.from_draft) for s in mine.steps()]
+            for h in noise:
+                list(h.steps())
+        return steps
+
+    alone = in_engine(0)
+    single = [
+        (s.token, s.from_draft)
+        for s in speculative_generate_step(
+            target, model, DraftModel(draft), max_tokens=12, sampler=sampling.sampler(), num_draft=3
+        )
+    ]
+    assert in_engine(4) == alone == single
+    assert any(d for _, d in alone) and not all(d for _, d in alone)
+
+
+def test_cancelling_draft_model_requests_returns_every_block_and_draft_cache(drafted_llama):
+    from mlxinfer.generation.drafts import DraftModel
+
+    model, _, draft = drafted_llama
+    with Engine(model, block_size=8) as engine:
+        handles = [
+            engine.submit(_prompt(30 + i, i), max_tokens=500, draft=DraftModel(draft))
+            for i in range(3)
+        ]
+        seen = []
+        for step in handles[0].steps():
+            seen.append(step.token)
+            if len(seen) == 3:
+                assert engine.metrics()["draft_kv_bytes"] > 0
+                threading.Thread(target=lambda: [h.cancel() for h in handles]).start()
+        for h in handles[1:]:
+            list(h.steps())
+        assert 3 <= len(seen) < 500
+        stats = engine.stats()
+        assert stats.blocks_in_use == 0 and engine.pool.available() == stats.blocks_total
+        deadline = time.monotonic() + 5
+        while engine.metrics()["draft_kv_bytes"]:  # counted at the engine thread's next turn
+            assert time.monotonic() < deadline, "the draft caches were not released"
+            time.sleep(0.01)
+        assert all(r.drafter is None for h in handles for r in [h._request])
 
 
 # --- a quantized pool (kv_bits) -----------------------------------------------------------------

@@ -5,6 +5,7 @@ by raw HTTP. Needs the server extra (FastAPI, uvicorn) and the ``openai`` client
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -313,6 +314,37 @@ def test_a_hang_up_cancels_the_request_at_once(tiny):
         assert engine.closed.wait(3), "the request ran on after its client went away"
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+def test_a_client_that_hangs_up_on_a_whole_response_frees_its_blocks(tiny, route):
+    """``"stream": false``: the handler notices the hang-up while the response is computed and
+    cancels the request; its blocks come back (read from /metrics) long before the ~20 s the
+    slowed engine would take to finish it."""
+    from mlxinfer.batch import Engine
+
+    model, tokenizer = tiny
+    engine = Engine(model, max_batch=4)
+    decode = engine._decode
+
+    def slowed():  # 0.1 s a step: 200 tokens take about 20 s
+        time.sleep(0.1)
+        decode()
+
+    engine._decode = slowed
+    body = {"model": NAME, "max_tokens": 200, "temperature": 0, "stream": False}
+    body.update({"prompt": "Once upon"} if route == "/v1/completions" else {"messages": MESSAGES})
+    with serving(make_app(model, tokenizer, NAME, engine=engine)) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}{route}", json=body, timeout=1.0)
+        deadline = time.monotonic() + 5
+        while (m := _metrics(url))["mlxinfer_kv_blocks_in_use"] or not m.get(
+            "mlxinfer_requests_done_total"
+        ):
+            assert time.monotonic() < deadline, "the request ran on after its client went away"
+            time.sleep(0.05)
+        assert m["mlxinfer_requests_done_total"] == 1
+        assert m["mlxinfer_generated_tokens_total"] < 100
+
+
 def test_a_quiet_stream_is_kept_alive(tiny, monkeypatch):
     """While no token comes, SSE comments (OpenAI) or ping events (Anthropic) keep the
     connection alive; the clients skip them and get the whole text."""
@@ -460,6 +492,73 @@ def test_cors_headers_only_for_the_origins_asked_for(tiny):
             "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"}
         )
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    """(the tiny model's directory, a 1-layer draft with its tokenizer, a 1-layer draft with
+    another vocabulary)."""
+    target, _ = make_tiny(tmp_path_factory.mktemp("target"), vocab_size=320, hidden_size=64)
+    add_tokenizer(target)
+    draft, _ = make_tiny(
+        tmp_path_factory.mktemp("draft"), vocab_size=320, num_hidden_layers=1, seed=1
+    )
+    add_tokenizer(draft)
+    other, _ = make_tiny(tmp_path_factory.mktemp("other"), num_hidden_layers=1, seed=2)
+    add_tokenizer(other, vocab_size=300)
+    return target, draft, other
+
+
+def _serve_app(monkeypatch, *args) -> tuple:
+    """``mlxinfer serve ARGS``' result and the app it would have run (uvicorn not started)."""
+    from click.testing import CliRunner
+
+    import mlxinfer.server
+    from mlxinfer.cli import cli
+
+    apps = []
+
+    def build(model, tokenizer, name, *, host, port, **options):
+        apps.append(make_app(model, tokenizer, name, **options))
+
+    monkeypatch.setattr(mlxinfer.server, "serve", build)
+    result = CliRunner().invoke(cli, ["serve", *args])
+    return result, apps[0] if apps else None
+
+
+def test_serve_with_a_draft_model(tiny, draft_dirs, monkeypatch):
+    """``serve --draft-model``: every request drafts with it, whole or streamed, greedy text as
+    alone; /metrics shows its drafts, forwards and memory; another vocabulary is an error
+    naming both models, and a second draft source a usage error."""
+    from fastapi.testclient import TestClient
+
+    target, draft, other = draft_dirs
+    result, app = _serve_app(monkeypatch, "-m", str(target), "--draft-model", str(draft))
+    assert result.exit_code == 0, result.output
+    ask = {"model": target.name, "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=ask)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == _alone(
+            tiny, MESSAGES, 12
+        )
+        r = client.post("/v1/chat/completions", json={**ask, "stream": True})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
+        streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert streamed == _alone(tiny, MESSAGES, 12)
+        engine = app.state.models.entries[target.name].engine
+        m = engine.metrics()
+        assert m["draft_tokens"] > 0 and m["draft_steps"] >= m["draft_tokens"]
+        assert m["draft_model_bytes"] > 0 and m["draft_seconds"] > 0
+        text = client.get("/metrics").text
+        assert f'mlxinfer_draft_steps_total{{model="{target.name}"}} {m["draft_steps"]:g}' in text
+        assert "# TYPE mlxinfer_draft_kv_bytes gauge" in text
+    result, _ = _serve_app(monkeypatch, "-m", str(target), "--draft-model", str(other))
+    assert result.exit_code == 1 and "different vocabularies" in result.output
+    assert str(other) in result.output and str(target) in result.output
+    assert "300 tokens vs the target's 320" in result.output
+    result, _ = _serve_app(monkeypatch, "--prompt-lookup", "--draft-model", str(draft))
+    assert result.exit_code == 2
+    assert "choose one draft source, got --draft-model and --prompt-lookup" in result.output
 
 
 def test_serve_binds_loopback_by_default():

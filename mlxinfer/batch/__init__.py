@@ -52,15 +52,18 @@ def batch_generate(
     """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
     in order. Takes ``generate``'s sampling options (``temperature``, ``top_p``, ``seed``, …);
     a ``seed`` seeds every request alike. ``kv_bits``: the pool stores 8- or 4-bit keys and
-    values. ``draft=PromptLookup()``: every request drafts by
-    prompt lookup (``num_draft`` tokens per step, or adaptive). ``constraint``: every
-    request's output must match it (each request has its own matcher)."""
+    values. ``draft=PromptLookup()`` or ``DraftModel(...)``: every request drafts by
+    prompt lookup or with that draft model, each with its own draft cache (``num_draft``
+    tokens per step, or adaptive). ``constraint``: every request's output must match it
+    (each request has its own matcher)."""
     unknown = set(sampling_options) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"batch_generate: unexpected option(s) {', '.join(sorted(unknown))}")
     if sampling is not None and sampling_options:
         raise ValueError("sampling: given as one SamplingParams, and also as separate options")
     sampling = sampling or SamplingParams(**sampling_options)
+    if draft is not None:
+        draft.check(model, tokenizer)  # a draft model's vocabulary: DraftError naming both
     options = {}
     if kv_budget is not None:
         options["kv_budget"] = kv_budget

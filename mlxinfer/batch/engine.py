@@ -25,6 +25,10 @@ A model with recurrent layers (LFM2, Qwen3-Next) batches too: each request keeps
 fixed-size state for those layers beside its blocks, and the step stacks the rows' states.
 A state holds the whole prefix it has read and cannot be rewound per row, so such a model
 shares no prefix blocks and drafts nothing (``max_draft`` is 0).
+
+A request may draft (speculative decoding): by prompt lookup, or with a draft model whose
+cache the request keeps outside the pool (``rows``); its step verifies the drafts in the
+batch's one forward and rewinds the rejected ones, in the pool and in its draft cache.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import weakref
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..backends import prefill_schedule
 from ..cache import StateCache
@@ -59,7 +64,7 @@ from .views import StepBatch
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
 DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode steps
-DEFAULT_MAX_DRAFT = 8  # tokens a prompt-lookup request may draft per step
+DEFAULT_MAX_DRAFT = 8  # tokens a drafting request may propose per step
 
 
 class Engine:
@@ -73,9 +78,9 @@ class Engine:
         kv_bits: store keys and values with 8 or 4 bits (groups of ``kv_group_size``), as
             ``--kv-bits`` does for one request (float32 keys in 64-wide heads: 3.6x / 6.4x the
             tokens for the same ``kv_budget``).
-        max_draft: most tokens a request drafted by prompt lookup (``submit(draft=...)``) may
-            propose per step; 0 turns drafting off. Each request reserves this many more
-            tokens of KV room.
+        max_draft: most tokens a drafting request (``submit(draft=...)``: prompt lookup or a
+            draft model) may propose per step; 0 turns drafting off. Each request reserves
+            this many more tokens of KV room.
         prefill_step: most prompt tokens prefilled between two decode steps (one or more
             requests' chunks).
         attention: how decode steps read the pool: ``"pages"``, over its blocks in place
@@ -128,7 +133,11 @@ class Engine:
         self.prefill_s = self.decode_s = 0.0
         self.prefill_tokens = self.decode_tokens = 0
         self.requests_done = 0  # requests retired (finished or cancelled)
-        self.draft_tokens = self.accepted_tokens = 0  # prompt lookup: proposed, kept
+        self.draft_tokens = self.accepted_tokens = 0  # drafts proposed, kept
+        # Draft models: their forwards (a token each, prefill chunks aside), the time spent
+        # in them, the bytes of the running requests' draft caches, and each model's weights.
+        self.draft_steps, self.draft_s, self.draft_kv_bytes = 0, 0.0, 0
+        self._draft_weights: dict[int, int] = {}
         self._thread = threading.Thread(target=self._loop, name="mlxinfer-engine", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -154,9 +163,11 @@ class Engine:
         never fit the budget.
 
         ``draft``: speculative decoding by :class:`~mlxinfer.generation.drafts.PromptLookup`
-        (drafts verified in the batch's forward, rejected ones rewound): the same tokens as
-        without it when greedy, the same distribution when sampling. ``num_draft``: tokens
-        drafted per step (at most ``max_draft``); None adapts to the acceptance rate.
+        or with a :class:`~mlxinfer.generation.drafts.DraftModel` (same vocabulary; each
+        request keeps its own draft cache; drafts verified in the batch's forward, rejected
+        ones rewound): the same tokens as without it when greedy, the same distribution when
+        sampling. ``num_draft``: tokens drafted per step (at most ``max_draft``); None adapts
+        to the acceptance rate.
         ``logits_processors``: more processors for this request, after its sampling's (a
         constraint's, for one: each request gets its own)."""
         if isinstance(ids, str):
@@ -175,6 +186,11 @@ class Engine:
             rows_mod.start_drafting(
                 request, self.model, draft, num_draft, sampling.seed, self.max_draft
             )
+            if request.draft_model is not None and id(draft.model) not in self._draft_weights:
+                # Weights still lazy are evaluated on this thread, whose streams they are on:
+                # the engine's thread could not run them.
+                mx.eval(draft.model.parameters())
+                self._draft_weights[id(draft.model)] = _weight_bytes(draft.model)
         if max_tokens == 0:
             request.out.put(None)
             return Handle(self, request, next(self._ids))
@@ -288,6 +304,10 @@ class Engine:
             else 0.0,
             "draft_tokens": self.draft_tokens,
             "draft_accepted_tokens": self.accepted_tokens,
+            "draft_steps": self.draft_steps,
+            "draft_seconds": self.draft_s,
+            "draft_kv_bytes": self.draft_kv_bytes,
+            "draft_model_bytes": sum(self._draft_weights.values()),
         }
 
     def close(self, timeout: float = 10.0) -> None:
@@ -325,6 +345,7 @@ class Engine:
                 self._retire_cancelled()
                 self._prefill()
                 self._decode()
+                self.draft_kv_bytes = sum(rows_mod.draft_nbytes(r) for r in self._running)
         except BaseException as e:  # the thread must not die silently: tell every request
             self.failure = e
             raise
@@ -369,6 +390,8 @@ class Engine:
         self.requests_done += 1
         self._running.remove(request)
         self.pool.release(request.seq)
+        if request.draft_model is not None:  # its draft cache goes with it
+            request.drafter = request.draft_model = None
         request.out.put(None)
 
     def _retire_cancelled(self) -> None:
@@ -398,8 +421,15 @@ class Engine:
                 self.prefill_s += time.perf_counter() - t0
                 self.prefill_tokens += len(chunk)
                 budget -= len(chunk)
+            if request.draft_model is not None:  # its draft model reads what the pool holds
+                self._feed_draft(request)
             if request.seq.length == len(request.ids) - 1:
                 request.pending = request.ids[-1]
+
+    def _feed_draft(self, request: _Request) -> None:
+        t0 = time.perf_counter()
+        rows_mod.feed_draft(request)
+        self.draft_s += time.perf_counter() - t0
 
     def _decode(self) -> None:
         rows = [r for r in self._running if r.pending is not None]
@@ -446,14 +476,20 @@ class Engine:
         token, its drafts and padding up to the longest (one forward), keeps the drafts its
         acceptance keeps plus one token of the target's, and the rest is rewound from the pool.
         Each row's acceptance reads only its own logits and its own key."""
-        drafts = [rows_mod.propose(r, self.max_draft) for r in rows]
+        t0 = time.perf_counter()
+        # A draft model proposes row by row (each row's own cache, k forwards of one token).
+        proposals = [rows_mod.propose(r, self.max_draft) for r in rows]
+        if any(p.forwards for p in proposals):
+            self.draft_steps += sum(p.forwards for p in proposals)
+            self.draft_s += time.perf_counter() - t0
+        drafts = [p.tokens for p in proposals]
         L = 1 + max(len(d) for d in drafts)
         tokens = [[r.pending] + d + [r.pending] * (L - 1 - len(d)) for r, d in zip(rows, drafts)]
         starts = [r.seq.length for r in rows]
         batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
-        picks = [rows_mod.verify(r, logits[b], d) for b, (r, d) in enumerate(zip(rows, drafts))]
-        mx.eval(picks, self.pool.keys, self.pool.values)
+        picks = [rows_mod.verify(r, logits[b], p) for b, (r, p) in enumerate(zip(rows, proposals))]
+        mx.eval(picks, self.pool.keys, self.pool.values, [rows_mod.draft_state(r) for r in rows])
         self.steps_run += 1
         for r, d, start, (a, t, logprobs) in zip(rows, drafts, starts, picks):
             a = int(a.item())
@@ -461,6 +497,7 @@ class Engine:
             self.pool.rewind(r.seq, start + 1 + a)  # the fed token and the accepted drafts
             if r.draft_length is not None:
                 r.draft_length.update(a, len(d))
+                rows_mod.rewind_draft(r, r.tokens + emitted[:-1])  # what the pool now holds
             self._emit(r, emitted, logprobs, a, len(d))
 
     def _emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:
@@ -479,6 +516,10 @@ class Engine:
                 self._retire(r)
                 return
         r.pending = emitted[-1]
+
+
+def _weight_bytes(model) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
 def _arrays(request: _Request) -> list[mx.array]:

@@ -40,11 +40,14 @@ class _Request:
     generated: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0  # prompt tokens served from shared prefix blocks
-    # Speculative decoding by prompt lookup (None: plain decoding): the drafter, how many
-    # tokens to draft next, the key the acceptance draws from, and prompt + generated tokens.
+    # Speculative decoding (None: plain decoding): the drafter (prompt lookup, or a draft
+    # model's own cache), how many tokens to draft next, the row's key and this step's key
+    # for the acceptance, and prompt + generated tokens.
     drafter: Any = None
+    draft_model: Any = None  # the draft model, when the drafter runs one
     draft_length: Any = None
     key: mx.array | None = None
+    accept_key: mx.array | None = None
     tokens: list[int] = field(default_factory=list)
     # A recurrent model's per-request states (StateCache per recurrent layer, in order).
     states: list[Any] = field(default_factory=list)

@@ -1,5 +1,9 @@
 """How each row of a step picks its tokens: through its own processors and sampler, or by
-verifying the drafts it proposed by prompt lookup (the engine runs the forward and the rewind).
+verifying the drafts it proposed (the engine runs the forward and the rewind).
+
+A row drafts by prompt lookup (copying from its own history) or with a draft model: then it
+keeps its own cache of the draft model (``DraftModel.drafter``), fed its prompt as the target's
+prefill goes, run k times a step to propose, and rewound to the tokens the target kept.
 
 A row's pick reads only its own logits and its own random key, so a seeded request draws
 the same tokens whoever shares its steps.
@@ -8,11 +12,12 @@ the same tokens whoever shares its steps.
 from __future__ import annotations
 
 import secrets
+from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..generation.drafts import Draft, PromptLookup
-from ..generation.speculative import DraftLength, accept_drafts, allowed_drafts
+from ..generation.drafts import Draft, DraftModel, PromptLookup
+from ..generation.speculative import DraftLength, _draft_sampler, accept_drafts, allowed_drafts
 from .requests import _Request
 
 
@@ -24,46 +29,94 @@ def start_drafting(
     seed: int | None,
     max_draft: int,
 ) -> None:
-    """Make ``request`` draft by prompt lookup (``num_draft`` tokens a step, or adaptive)."""
+    """Make ``request`` draft by prompt lookup or with a draft model (``num_draft`` tokens a
+    step, or adaptive). A draft model's cache is made here, empty; the engine feeds it."""
     if draft is None:
-        raise ValueError("num_draft: given without a draft (draft=PromptLookup())")
-    if not isinstance(draft, PromptLookup):
+        raise ValueError("num_draft: given without a draft (draft=PromptLookup() or DraftModel)")
+    if not isinstance(draft, (PromptLookup, DraftModel)):
         raise ValueError(
-            "draft: the batching engine drafts by prompt lookup (PromptLookup), "
-            f"found {type(draft).__name__}"
+            "draft: the batching engine drafts by prompt lookup or with a draft model "
+            f"(PromptLookup, DraftModel), found {type(draft).__name__}"
+        )
+    if isinstance(draft, DraftModel) and draft.prompt_cache is not None:
+        raise ValueError(
+            "draft: a DraftModel with a prompt_cache serves one request at a time; in the "
+            "batching engine each request keeps its own draft cache (expected prompt_cache=None)"
         )
     if max_draft == 0:
         raise ValueError("draft: this engine was made with max_draft=0 (no drafting)")
     if num_draft is not None and not 1 <= num_draft <= max_draft:
         raise ValueError(f"num_draft must be in 1..{max_draft} (max_draft), got {num_draft}")
-    request.drafter = draft.start(model, [], request.ids)
+    if isinstance(draft, DraftModel):
+        request.drafter = draft.drafter(model)
+        request.draft_model = draft.model
+    else:
+        request.drafter = draft.start(model, [], request.ids)
     request.draft_length = DraftLength(num_draft)
     request.key = mx.random.key(secrets.randbits(63) if seed is None else seed)
     request.tokens = list(request.ids)
 
 
-def propose(r: _Request, max_draft: int) -> list[int]:
+def feed_draft(r: _Request) -> None:
+    """Catch ``r``'s draft model up with what the target's pool holds of its prompt (its
+    shared prefix blocks too)."""
+    ids = r.ids[len(r.drafter.pc.tokens) : r.seq.length]
+    if ids:
+        r.drafter.feed(ids)
+
+
+class Proposal(NamedTuple):
+    tokens: list[int]  # the drafts, (m,)
+    q: mx.array | None  # (m, V) log-probs they were drawn from; None: a point mass on each
+    forwards: int  # draft-model forwards it took
+
+
+def propose(r: _Request, max_draft: int) -> Proposal:
     """The drafts ``r`` proposes this step (none for a plain row, or near ``max_tokens``)."""
     if r.drafter is None:
-        return []
+        return Proposal([], None, 0)
+    # One split a step, drafts or not, as speculative_generate_step splits its key.
+    r.key, draft_key, r.accept_key = mx.random.split(r.key, 3)
     k = min(r.draft_length.k, max_draft, r.max_tokens - r.generated - 1)
     if k <= 0:
+        return Proposal([], None, 0)
+    # A draft model draws from the processed distribution the target uses (its own key).
+    sample = _draft_sampler(r.sampler.params, r.processors, r.history, draft_key)
+    proposed, q = r.drafter.propose(r.tokens, k, sample)
+    proposed, q = allowed_drafts(r.processors, r.tokens, proposed, q)
+    return Proposal(proposed.tolist(), q, k if r.draft_model is not None else 0)
+
+
+def rewind_draft(r: _Request, kept: list[int]) -> None:
+    """The target's pool now holds ``kept`` for ``r``: its draft model's cache keeps at most
+    that (drafts the target rejected go)."""
+    if r.drafter is not None:
+        r.drafter.rewind(kept)
+
+
+def draft_state(r: _Request) -> list[mx.array]:
+    """The arrays of ``r``'s draft cache, to evaluate with the step that wrote them."""
+    if r.draft_model is None:
         return []
-    proposed, _ = r.drafter.propose(r.tokens, k, None)
-    proposed, _ = allowed_drafts(r.processors, r.tokens, proposed, None)
-    return proposed.tolist()
+    return [a for c in r.drafter.pc.cache for a in c.state]
 
 
-def verify(r: _Request, logits: mx.array, drafts: list[int]) -> tuple[mx.array, mx.array, mx.array]:
+def draft_nbytes(r: _Request) -> int:
+    return r.drafter.nbytes if r.draft_model is not None else 0
+
+
+def verify(
+    r: _Request, logits: mx.array, proposal: Proposal
+) -> tuple[mx.array, mx.array, mx.array]:
     """(drafts kept, the token after them, log-probs by position) for row ``r`` from its (L, V)
     ``logits``, all lazy. A plain row takes its first position through its own sampler."""
     if r.drafter is None:
         picked, logprobs = sample_rows([r], logits[:1])
         return mx.array(0), picked[0], logprobs[0][None]
+    drafts = proposal.tokens
     logprobs = row_logprobs(r, logits[: len(drafts) + 1], drafts)  # (m+1, V)
-    r.key, _, accept_key = mx.random.split(r.key, 3)  # as speculative_generate_step splits it
     drafted = mx.array(drafts, dtype=mx.int32)
-    a, t = accept_drafts(logprobs, drafted, None, r.sampler.params, accept_key)
+    a, t = accept_drafts(logprobs, drafted, proposal.q, r.sampler.params, r.accept_key)
     return a, t, logprobs
 
 

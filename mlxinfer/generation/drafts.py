@@ -86,18 +86,20 @@ class DraftModel(Draft):
             check_vocabulary(tokenizer, self.tokenizer)
 
     def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
-        pc = (
-            self.prompt_cache
-            if self.prompt_cache is not None
-            else PromptCache(self.model.make_cache())
-        )
+        drafter = self.drafter(model, self.prompt_cache)
+        todo = drafter.pc.reuse(prompt)
+        prefill(self.model, drafter.pc, todo[:-1])
+        return drafter
+
+    def drafter(self, model, pc: PromptCache | None = None) -> _ModelDrafter:
+        """A drafter for target ``model`` over ``pc`` (a fresh cache when None) that has read
+        nothing new: the batching engine feeds each request's prompt to it (``feed``)."""
+        pc = pc if pc is not None else PromptCache(self.model.make_cache())
         if any(isinstance(c, RotatingKVCache) for c in pc.cache):
             raise DraftError(
                 f"draft model {_name(self.tokenizer)}: its rotating (sliding-window) KV cache "
                 "cannot be rewound; speculative decoding needs one that can"
             )
-        todo = pc.reuse(prompt)
-        prefill(self.model, pc, todo[:-1])
         return _ModelDrafter(self.model, pc, width=model.args.vocab_size)
 
 
@@ -126,6 +128,14 @@ class _ModelDrafter:
             x = token
         self._drafts = tokens[:-1]
         return mx.concatenate(tokens), (mx.concatenate(dists) if dists[0] is not None else None)
+
+    def feed(self, ids: list[int]) -> None:
+        """Read ``ids`` (the next tokens of the history) into the cache, without proposing."""
+        prefill(self.model, self.pc, ids, checkpoint=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.pc.cache)
 
     def rewind(self, kept: list[int]) -> None:
         held = (

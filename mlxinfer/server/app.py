@@ -1,8 +1,10 @@
 """The HTTP side: routes, the API key, errors in OpenAI's shape, and SSE streaming.
 
 Every request runs through one :class:`~mlxinfer.batch.Engine` (continuous batching):
-a streamed response iterates ``Engine.stream`` in Starlette's thread pool, and a client
-that goes away closes that iterator, which cancels the request and frees its blocks.
+a response iterates ``Engine.start``'s stream in Starlette's thread pool. A client that goes
+away cancels its requests and frees their blocks: before a response is ready (a whole one,
+or a stream's first token) the handler polls for the hang-up (``hangup``), and during a
+stream ``sse`` does.
 """
 
 from __future__ import annotations
@@ -12,15 +14,16 @@ import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..batch import Engine, EngineError, PoolFullError
 from ..errors import MlxInferError, PromptTooLongError
 from . import anthropic as an
 from . import openai as oa
+from .hangup import Streams, watched
 from .models import Models
 from .page import add_page
 from .replies import AnthropicReply, Choice, openai_events, openai_whole
@@ -46,9 +49,14 @@ def make_app(
     """An app serving ``model`` as ``name`` and/or the converted models under ``models_dir``
     (loaded with ``load`` on first use, unloaded after ``keep_alive`` idle seconds);
     ``engine_options`` go to each :class:`Engine`. Browsers on ``cors_origins`` may call it
-    (none by default)."""
+    (none by default). ``draft``: every request drafts with it (``PromptLookup()``, or a
+    ``DraftModel`` sharing the models' vocabulary: checked here for ``model``, and for a
+    directory's model when it loads)."""
     if model is None and models_dir is None:
         raise ValueError("make_app: give a model, a models_dir, or both")
+    if draft is not None and model is not None:
+        draft.check(model, tokenizer)  # a draft model's vocabulary: DraftError naming both
+    checked = {name: 1} if draft is not None and model is not None else {}  # name -> loads
     if load is None:
         from ..loader import load
 
@@ -148,30 +156,36 @@ def make_app(
         except (ValueError, UnicodeDecodeError):
             raise error(400, "the request body is not valid JSON") from None
 
-    def start(entry, prompt, ask, chat_template: bool, bad, failed, sampling=None):
+    def start(entry, prompt, ask, chat_template: bool, bad, failed, streams, sampling=None):
         """The request's results and its first one: a prompt that does not fit fails here,
-        before any byte is sent (``bad``: a 400 of the API's shape, ``failed``: a 500)."""
-        results = entry.engine.stream(
-            entry.tokenizer,
-            prompt,
-            max_tokens=ask.max_tokens,
-            sampling=sampling or ask.sampling,
-            stop=ask.stop,
-            chat_template=chat_template,
-            timeout=WAIT_S,
-            draft=draft,
-            constraint=getattr(ask, "constraint", None),
-            tools=ask.tools,
-            tool_choice=ask.tool_choice,
-        )
+        before any byte is sent (``bad``: a 400 of the API's shape, ``failed``: a 500). The
+        engine's stream goes to ``streams``, to be cancelled if the client hangs up."""
         try:
+            if draft is not None and checked.get(entry.name) != entry.loads:
+                draft.check(entry.model, entry.tokenizer)  # a directory's model, loaded now
+                checked[entry.name] = entry.loads
+            stream = entry.engine.start(
+                entry.tokenizer,
+                prompt,
+                max_tokens=ask.max_tokens,
+                sampling=sampling or ask.sampling,
+                stop=ask.stop,
+                chat_template=chat_template,
+                timeout=WAIT_S,
+                draft=draft,
+                constraint=getattr(ask, "constraint", None),
+                tools=ask.tools,
+                tool_choice=ask.tool_choice,
+            )
+            streams.add(stream)
+            results = _cancelling(stream)
             return next(results, None), results
         except (PromptTooLongError, PoolFullError, ValueError) as e:
             raise bad(e) from None
         except (EngineError, TimeoutError, MlxInferError) as e:
             raise failed(e) from None
 
-    def complete(ask: oa.Ask):
+    def complete(ask: oa.Ask, streams: Streams):
         entry = served(
             ask.model,
             lambda m: oa.APIError(404, m, param="model", code="model_not_found"),
@@ -192,6 +206,7 @@ def make_app(
                     ask.chat,
                     bad,
                     lambda e: oa.APIError(500, str(e), type="server_error"),
+                    streams,
                     sampling,
                 )
                 choices.append(Choice(i, first, results))
@@ -203,7 +218,7 @@ def make_app(
             return openai_events(ask, entry.tokenizer, choices)
         return openai_whole(ask, entry.tokenizer, choices)
 
-    def messages(ask: an.Ask):
+    def messages(ask: an.Ask, streams: Streams):
         entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
         first, results = start(
             entry,
@@ -212,6 +227,7 @@ def make_app(
             True,
             lambda e: an.APIError(400, str(e)),
             lambda e: an.APIError(500, str(e)),
+            streams,
         )
         reply = AnthropicReply(ask, entry.tokenizer, first, results)
         if ask.stream:
@@ -223,8 +239,9 @@ def make_app(
 
     @app.post("/v1/messages")
     async def anthropic_messages(request: Request):
-        out = await _run(messages, an.parse(await body_of(request, an.APIError)))
-        return out if isinstance(out, JSONResponse) else streamed(request, out, PING)
+        ask = an.parse(await body_of(request, an.APIError))
+        out = await watched(request, messages, ask)
+        return _respond(request, out, PING)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -237,11 +254,13 @@ def make_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return _respond(request, await _run(complete, oa.parse(await body_of(request), chat=True)))
+        ask = oa.parse(await body_of(request), chat=True)
+        return _respond(request, await watched(request, complete, ask))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return _respond(request, await _run(complete, oa.parse(await body_of(request), chat=False)))
+        ask = oa.parse(await body_of(request), chat=False)
+        return _respond(request, await watched(request, complete, ask))
 
     return app
 
@@ -265,8 +284,12 @@ METRICS = {
         "gauge",
         "Prompt blocks served from the prefix cache, of those looked up.",
     ),
-    "draft_tokens": ("counter", "Tokens proposed by prompt lookup."),
+    "draft_tokens": ("counter", "Tokens proposed by drafts (prompt lookup or a draft model)."),
     "draft_accepted_tokens": ("counter", "Proposed tokens accepted."),
+    "draft_steps": ("counter", "Draft-model forwards proposing a token."),
+    "draft_seconds": ("counter", "Seconds spent in the draft model (prefill and proposals)."),
+    "draft_kv_bytes": ("gauge", "Bytes of the running requests' draft-model caches."),
+    "draft_model_bytes": ("gauge", "Bytes of the draft models' weights."),
 }
 
 
@@ -302,13 +325,15 @@ def _metric(key: str, kinds: dict) -> str:
 PING = an.event("ping", {})  # Anthropic's stream keeps alive with its own event
 
 
-def _respond(request: Request, out):
+def _respond(request: Request, out, *keep_alive):
     """A whole response as it is; a stream's SSE lines as a response that cancels the request
     when the client goes away."""
-    return out if isinstance(out, JSONResponse) else streamed(request, out)
+    return out if isinstance(out, Response) else streamed(request, out, *keep_alive)
 
 
-async def _run(fn, *args):
-    from starlette.concurrency import run_in_threadpool
-
-    return await run_in_threadpool(fn, *args)
+def _cancelling(stream) -> Iterator:
+    """``stream``'s results; cancels it when closed early (as ``Engine.stream`` does)."""
+    try:
+        yield from stream
+    finally:
+        stream.cancel()
