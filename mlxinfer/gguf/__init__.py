@@ -3,7 +3,8 @@
 - ``container.py``: the file's header (metadata, tensor directory) and each tensor's bytes;
 - ``importer.py``: the import itself (``import_gguf``): tensors converted, the directory written;
 - ``quants.py``: every supported block type decoded, and turned into MLX affine groups;
-- ``arch.py``: architecture names, config and per-architecture fixes (llama, gemma3);
+- ``arch.py``: architecture names, config and per-architecture fixes (llama, gemma3, qwen3,
+  qwen3moe, gpt-oss);
 - ``vocab.py``: the vocabulary rebuilt as a ``tokenizer.json``;
 - ``dense.py``: the import to a float dtype (``--dtype``), optionally quantized afresh.
 """

@@ -20,7 +20,7 @@ from ..models import build_model
 from ..progress import Progress, counted
 from ..quant import quantize_model
 from . import quants as gq
-from .arch import fix_float, permuted_heads, unpermute_rows
+from .arch import fix_float, fused_part, permuted_heads, unpermute_rows
 from .container import tensor_bytes
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -50,7 +50,7 @@ def write_float(
     dtype and quantization record."""
     target = DTYPES[dtype]
     record, to_quantize = quantized_modules(config, *quantize) if quantize else (None, set())
-    weights, losses = {}, {}
+    weights, losses, halves = {}, {}, {}
     for name, t in counted(tensors.items(), "importing tensors", progress):
         module, kind = names[name]
         ref = fix_float(
@@ -59,6 +59,17 @@ def write_float(
         heads = permuted_heads(arch, module, config)
         if heads:
             ref = unpermute_rows(ref, heads)
+        type_name = t.type_name
+        part = fused_part(name)
+        if part is not None:  # gate and up experts: one (E, 2I, ...) tensor, [gate; up]
+            pending = halves.setdefault((module, kind), {})
+            pending[part] = (ref, t.type_name)
+            if len(pending) < 2:
+                continue
+            pending = halves.pop((module, kind))
+            (ref, type0), (ref1, type1) = pending[0], pending[1]
+            ref = np.concatenate([ref, ref1], axis=1)
+            type_name = type0 if type0 == type1 else f"{type0}+{type1}"
         w = mx.array(np.ascontiguousarray(ref)).astype(target)
         if kind == "weight" and module in to_quantize:
             bits, group_size = quantize
@@ -71,9 +82,9 @@ def write_float(
             new = {f"{module}.{kind}": w}
         mx.eval(list(new.values()))
         weights.update(new)
-        if t.type_name != "F32" or target != mx.float32 or entry:
+        if type_name != "F32" or target != mx.float32 or entry:
             loss = gq.loss(ref, np.array(stored.astype(mx.float32)))
-            losses[f"{module}.{kind}"] = {"type": t.type_name, "dtype": dtype, **entry, **loss}
+            losses[f"{module}.{kind}"] = {"type": type_name, "dtype": dtype, **entry, **loss}
     config["torch_dtype"] = dtype
     if record is not None:
         config["quantization"] = record

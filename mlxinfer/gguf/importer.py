@@ -7,15 +7,17 @@ and refuses Q5_0), then writes the same HF-like directory ``convert`` produces:
 ``tokenizer_config.json``, ``special_tokens_map.json``,
 ``generation_config.json``.
 
-Supported: architectures ``llama`` and ``gemma3`` (arch.py); tensor types
-F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (exact), Q4_K, Q5_K, Q6_K
-(quants.py); ``gpt2`` (byte-level BPE) and ``llama`` (SentencePiece)
-vocabularies (vocab.py).
+Supported: architectures ``llama``, ``gemma3``, ``qwen3``, ``qwen3moe`` and
+``gpt-oss`` (arch.py); tensor types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, MXFP4 (exact), Q4_K, Q5_K, Q6_K (quants.py); ``gpt2`` (byte-level BPE:
+GPT-2, Qwen2 and GPT-4o splits) and ``llama`` (SentencePiece) vocabularies
+(vocab.py).
 
 Quantized tensors stay quantized. The exact types become MLX affine groups of
-32 with no weight rounded twice. K-quants, by default: Q4_K and Q5_K keep their
-codes (4- and 5-bit groups of 32; only the per-group scale and bias round to
-float16), Q6_K is re-quantized to 8-bit groups of 32 (its groups of 16 have no
+32 with no weight rounded twice; MXFP4 (gpt-oss's experts) becomes MLX's
+``mxfp4`` mode with the file's own codes and exponents, bit for bit. K-quants,
+by default: Q4_K and Q5_K keep their codes (4- and 5-bit groups of 32; only the
+per-group scale and bias round to float16), Q6_K is re-quantized to 8-bit groups of 32 (its groups of 16 have no
 MLX form; 8 bits keep the re-rounding error a small fraction of Q6_K's own).
 ``requantize=(bits, group_size)`` re-quantizes every K-quant tensor to that
 format instead. Either way the report lists, per K-quant tensor, how far the
@@ -24,8 +26,11 @@ stored weights are from the file's (max |error| and relative RMS error).
 A file may mix types (Gemma 3's Q4_K_M mixes Q5_0, Q4_K, Q6_K and Q8_0), so the
 ``quantization`` record in config.json carries the most common (bits, group
 size) at the top level plus one entry per module that differs, keyed by module
-path (``{"bits": 8, "group_size": 32, "mode": "affine"}``, or ``false`` for a
-module left in floating point).
+path (``{"bits": 8, "group_size": 32, "mode": "affine"}``, ``"mode": "mxfp4"``
+for MXFP4 experts, or ``false`` for a module left in floating point).
+
+Stacked experts (``ffn_*_exps``, (E, out, in)) are quantized per row like any
+matrix; gate and up are fused into one ``experts.gate_up_proj`` (arch.py).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from ..progress import Progress, counted, finished, resolve
 from . import quants as gq
 from .arch import (
     SUPPORTED,
+    check_fused,
     fix_float,
+    fused_part,
     hf_module,
     make_config,
     needs_float_fix,
@@ -111,12 +118,26 @@ def _convert_tensor(buf, t: GGUFTensor, requantize):
         return raw.view("<u2").reshape(t.shape), None, None  # viewed as bfloat16 when written
     if t.type_name == "F32":
         return raw.view("<f4").reshape(t.shape), None, None
-    if len(t.shape) != 2:  # a quantized vector (never seen in practice): plain floats
+    if len(t.shape) == 1:  # a quantized vector (never seen in practice): plain floats
         return gq.dequantize(raw, t.type_name, t.shape), None, None
-    rows, cols = t.shape
+    rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]  # stacked experts: (E * out, in)
     if t.type_name in gq.EXACT:
-        return None, gq.to_affine(raw, t.type_name, rows, cols), None
-    return (None, *_convert_kquant(raw, t, requantize))
+        a, loss = gq.to_affine(raw, t.type_name, rows, cols), None
+    elif t.type_name == "MXFP4":
+        a, loss = gq.to_mxfp4(raw, rows, cols), None
+    else:
+        a, loss = _convert_kquant(raw, t, requantize)
+    if len(t.shape) > 2:  # back to (E, out, ...)
+        lead = t.shape[:-1]
+        a = gq.Affine(
+            a.weight.reshape(*lead, -1),
+            a.scales.reshape(*lead, -1),
+            None if a.biases is None else a.biases.reshape(*lead, -1),
+            a.bits,
+            a.group_size,
+            a.mode,
+        )
+    return None, a, loss
 
 
 # ---------------------------------------------------------------------------
@@ -191,11 +212,12 @@ def _import(src: Path, dst: Path, requantize, dtype, progress: Progress, log) ->
             if arch not in SUPPORTED:
                 raise WeightsError(
                     f"{src}: general.architecture is {arch!r}; only "
-                    f"{' and '.join(repr(a) for a in SUPPORTED)} are supported"
+                    f"{', '.join(repr(a) for a in SUPPORTED)} are supported"
                 )
             if "token_embd.weight" not in tensors:
                 raise WeightsError(f"{src}: no token_embd.weight tensor")
             config = make_config(arch, src, md, tensors)
+            check_fused(src, tensors)
             tok_json, tok_config = build_tokenizer(src, md)
             names = {n: hf_module(arch, src, n) for n in tensors}
 
@@ -280,49 +302,39 @@ def _write(
 ) -> dict:
     """model.safetensors and config.json; returns the report."""
     weights, module_format, losses, n_params, n_bits = {}, {}, {}, 0, 0
+    halves: dict[tuple[str, str], dict[int, tuple]] = {}  # fused tensors waiting for their pair
     for name, t in counted(tensors.items(), "importing tensors", progress):
         module, kind = names[name]
-        dense, affine, loss = _convert_tensor(buf, t, requantize)
-        heads = permuted_heads(arch, module, config)
-        if heads and t.shape[0] % (2 * heads):
-            raise WeightsError(
-                f"{name}: {t.shape[0]} rows do not split into {heads} heads of even size"
-            )
-        if affine is not None:
-            parts = {
-                f"{module}.{kind}": affine.weight,
-                f"{module}.scales": affine.scales,
-                f"{module}.biases": affine.biases,
-            }
-        else:
-            if needs_float_fix(arch, module, kind):  # in float32, whatever the stored type
-                dense = fix_float(
-                    arch, module, kind, gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape)
-                )
-            parts = {f"{module}.{kind}": dense}
+        parts, fmt, loss = _stored_parts(buf, t, module, kind, arch, config, requantize)
+        n_params += int(np.prod(t.shape))
+        part = fused_part(name)
+        loss_key = f"{module}.{kind}" if part is None else f"{module}.{kind} ({name})"
+        if loss is not None:
+            losses[loss_key] = loss
+        if part is not None:
+            pending = halves.setdefault((module, kind), {})
+            pending[part] = (t, parts, fmt, loss_key)
+            if len(pending) < 2:
+                continue
+            parts, fmt = _fuse(buf, halves.pop((module, kind)), module, kind, losses)
         for key, a in parts.items():
-            if heads:
-                a = unpermute_rows(a, heads)
             arr = mx.array(np.ascontiguousarray(a))
             if a.dtype == np.uint16:  # BF16 bits
                 arr = arr.view(mx.bfloat16)
             weights[key] = arr
             n_bits += arr.nbytes * 8
-        n_params += int(np.prod(t.shape))
-        if kind == "weight" and len(t.shape) == 2:  # a Linear or Embedding
-            module_format[module] = (affine.bits, affine.group_size) if affine is not None else None
-        if loss is not None:
-            losses[f"{module}.{kind}"] = loss
+        if kind == "weight" and len(t.shape) >= 2:  # a Linear, Embedding or stacked experts
+            module_format[module] = fmt
 
     quantization = None
     counts = Counter(fmt for fmt in module_format.values() if fmt)
     if counts:
-        bits, group = counts.most_common(1)[0][0]
-        quantization = {"group_size": group, "bits": bits, "mode": "affine"}
+        bits, group, mode = counts.most_common(1)[0][0]
+        quantization = {"group_size": group, "bits": bits, "mode": mode}
         for module, fmt in sorted(module_format.items()):
-            if fmt != (bits, group):
+            if fmt != (bits, group, mode):
                 quantization[module] = (
-                    {"group_size": fmt[1], "bits": fmt[0], "mode": "affine"} if fmt else False
+                    {"group_size": fmt[1], "bits": fmt[0], "mode": fmt[2]} if fmt else False
                 )
         config["quantization"] = quantization
         config["torch_dtype"] = "float16"  # the scales' dtype
@@ -340,6 +352,44 @@ def _write(
         "quantization": quantization,
         "kquant_loss": losses,
     }
+
+
+def _stored_parts(buf, t: GGUFTensor, module: str, kind: str, arch: str, config: dict, requantize):
+    """One tensor as the arrays we store: ({key: array}, (bits, group, mode) or None, loss or None)."""
+    dense, affine, loss = _convert_tensor(buf, t, requantize)
+    heads = permuted_heads(arch, module, config)
+    if heads and t.shape[0] % (2 * heads):
+        raise WeightsError(
+            f"{t.name}: {t.shape[0]} rows do not split into {heads} heads of even size"
+        )
+    if affine is not None:
+        parts = {f"{module}.{kind if k == 'weight' else k}": a for k, a in affine.arrays().items()}
+        fmt = (affine.bits, affine.group_size, affine.mode)
+    else:
+        if needs_float_fix(arch, module, kind):  # in float32, whatever the stored type
+            dense = fix_float(
+                arch, module, kind, gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape)
+            )
+        parts, fmt = {f"{module}.{kind}": dense}, None
+    if heads:
+        parts = {key: unpermute_rows(a, heads) for key, a in parts.items()}
+    return parts, fmt, loss
+
+
+def _fuse(buf, pending: dict, module: str, kind: str, losses: dict):
+    """Two halves (see arch.fused_part) -> one tensor, stacked along axis 1: (E, 2I, ...).
+
+    Halves of one format are stacked as stored (codes, scales and biases alike). Halves
+    of different types (a file may mix them) have no common MLX form, so both are stored
+    as float32, exactly the file's values.
+    """
+    (t0, p0, f0, k0), (t1, p1, f1, k1) = pending[0], pending[1]
+    if f0 == f1 and all(p0[key].dtype == p1[key].dtype for key in p0):
+        return {key: np.concatenate([p0[key], p1[key]], axis=1) for key in p0}, f0
+    for key in (k0, k1):  # no longer stored as those K-quant groups
+        losses.pop(key, None)
+    halves = [gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape) for t in (t0, t1)]
+    return {f"{module}.{kind}": np.concatenate(halves, axis=1)}, None
 
 
 def _write_tokenizer(tmp: Path, tok_json: str, tok_config: dict, config: dict) -> None:

@@ -28,8 +28,16 @@ group's scale ``d·sc`` and bias ``-dmin·m`` are rounded to float16 (the loss:
 at most ~0.05% of each, see :func:`kquant_to_affine`). Q6_K's groups of 16
 have no MLX counterpart (MLX groups are 32, 64 or 128), so it is dequantized
 and re-quantized (:func:`requantize`), by default to 8 bits in groups of 32.
+**MXFP4** (gpt-oss's experts) is MLX's ``mxfp4`` mode as it stands: blocks of
+32 FP4 (E2M1) codes under one E8M0 exponent byte ``e``, ``x = 2**(e - 127) *
+fp4(q)`` in both (ggml writes it as ``2**(e - 128)`` times doubled E2M1 values).
+Only the nibble order differs: ggml puts weight j in the low nibble of byte j
+and weight j + 16 in its high nibble, MLX packs weights in order, two per byte
+(:func:`to_mxfp4`). Every exponent 0-254 decodes to the same float32 in both
+(tests/test_gguf.py); 255 (NaN in the OCP spec) never comes out of ggml's quantizer.
+
 Every decoder here is checked bit for bit against ``gguf.quants.dequantize``
-in tests/test_gguf_quants.py.
+in tests/test_gguf_quants.py and tests/test_gguf.py.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ TYPES = {
     12: BlockType("Q4_K", SUPER, 144),
     13: BlockType("Q5_K", SUPER, 176),
     14: BlockType("Q6_K", SUPER, 210),
+    39: BlockType("MXFP4", 32, 17),
 }
 # ...and the names of the others, for error messages only.
 OTHER_TYPE_NAMES = {
@@ -86,7 +95,6 @@ OTHER_TYPE_NAMES = {
     29: "IQ1_M",
     34: "TQ1_0",
     35: "TQ2_0",
-    39: "MXFP4",
 }
 FLOATS = ("F32", "F16", "BF16")
 EXACT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -98,13 +106,20 @@ DEFAULT_REQUANT = {"Q6_K": (8, 32)}  # (bits, group size) for K-quants that are 
 
 @dataclass
 class Affine:
-    """An MLX affine-quantized matrix: packed (rows, cols*bits/32) uint32, (rows, cols/group) scales and biases."""
+    """An MLX-quantized matrix: packed (rows, cols*bits/32) uint32, (rows, cols/group) scales
+    and biases (float16; mode "mxfp4": uint8 exponents and no biases)."""
 
     weight: np.ndarray
     scales: np.ndarray
-    biases: np.ndarray
+    biases: np.ndarray | None
     bits: int
     group_size: int = GROUP
+    mode: str = "affine"
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """{"weight", "scales"[, "biases"]}: the layer's stored arrays."""
+        out = {"weight": self.weight, "scales": self.scales}
+        return out if self.biases is None else {**out, "biases": self.biases}
 
 
 # ---------------------------------------------------------------------------
@@ -180,6 +195,33 @@ def to_affine(raw: np.ndarray, name: str, rows: int, cols: int) -> Affine:
     return Affine(
         pack(q.reshape(rows, cols), bits), scale.reshape(rows, -1), bias.reshape(rows, -1), bits
     )
+
+
+# ---------------------------------------------------------------------------
+# MXFP4
+
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+
+
+def _mxfp4_codes(blocks: np.ndarray) -> np.ndarray:
+    """(n, 17) MXFP4 blocks -> (n, 32) FP4 codes in weight order."""
+    return _nibbles(blocks[:, 1:])
+
+
+def to_mxfp4(raw: np.ndarray, rows: int, cols: int) -> Affine:
+    """MXFP4 blocks of a (rows, cols) matrix -> MLX mode "mxfp4", group 32: the same codes
+    and exponents, so the same values bit for bit."""
+    blocks = raw.reshape(-1, TYPES_BY_NAME["MXFP4"].nbytes)  # (rows * cols/32, 17)
+    scales = np.ascontiguousarray(blocks[:, 0]).reshape(rows, cols // GROUP)  # E8M0 exponents
+    return Affine(pack(_mxfp4_codes(blocks).reshape(rows, cols), 4), scales, None, 4, mode="mxfp4")
+
+
+def _mxfp4_values(blocks: np.ndarray) -> np.ndarray:
+    """(n, 17) MXFP4 blocks -> (n, 32) float32, as ggml computes them: 2**(e-128) * doubled E2M1."""
+    e = blocks[:, :1].astype(np.uint32)
+    # ggml_e8m0_to_fp32_half: e < 2 is a float32 subnormal
+    half = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).view(np.float32)
+    return half * _E2M1_DOUBLED[_mxfp4_codes(blocks)]
 
 
 # ---------------------------------------------------------------------------
@@ -280,6 +322,8 @@ def dequantize(raw: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray
         return (scale[..., None] * q.astype(np.float32) - offset[..., None]).reshape(shape)
     if name == "Q6_K":
         return _q6k_values(blocks).reshape(shape)
+    if name == "MXFP4":
+        return _mxfp4_values(blocks).reshape(shape)
     raise AssertionError(name)
 
 

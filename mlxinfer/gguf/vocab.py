@@ -3,7 +3,10 @@
 Two vocabularies, each rebuilt the way transformers 5's GGUF loader builds it,
 so that both encode text to the same ids:
 
-- ``tokenizer.ggml.model == "gpt2"``: byte-level BPE from tokens and merges.
+- ``tokenizer.ggml.model == "gpt2"``: byte-level BPE from tokens and merges,
+  split before BPE by GPT-2's regex or, as ``tokenizer.ggml.pre`` says, Qwen2's
+  (``qwen2``: Qwen2/Qwen3) or GPT-4o's (``gpt-4o``: gpt-oss's o200k). No NFC
+  normalizer: neither llama.cpp nor transformers' GGUF reader applies one.
 - ``tokenizer.ggml.model == "llama"``: SentencePiece, as a `tokenizers` BPE
   with byte fallback (``<0xNN>`` pieces for bytes no token covers). The file
   has tokens, scores and token types but no merges; the merges are recovered
@@ -50,6 +53,21 @@ def _byte_alphabet() -> dict[int, str]:
 # llama.cpp pre-tokenizer names whose split is GPT-2's regex. 'smollm' also isolates
 # digits, which changes nothing when (as in SmolLM2) no token holds a digit and another character.
 _GPT2_PRE = (None, "gpt-2", "smollm")
+# ...and those with their own split regex, as transformers' GGUF reader (and the model's own
+# tokenizer.json) splits: Qwen2/Qwen3 (single digits), GPT-4o's o200k (gpt-oss).
+_SPLITS = {
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    "gpt-4o": (
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+}
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 CONTROL, USER_DEFINED = 3, 4
 
@@ -102,11 +120,22 @@ def _types(md: dict, n: int) -> list[int]:
 
 
 def _byte_level(path: Path, md: dict):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     pre = md.get("tokenizer.ggml.pre")
-    if pre not in _GPT2_PRE:
-        raise TokenizerError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: 'gpt-2', 'smollm'")
+    if pre not in _GPT2_PRE and pre not in _SPLITS:
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.pre is {pre!r}; supported: "
+            + ", ".join(repr(p) for p in (*_GPT2_PRE[1:], *_SPLITS))
+        )
     tokens = md["tokenizer.ggml.tokens"]
     types = _types(md, len(tokens))
     # A token spelled outside the byte alphabet (raw spaces, say) is respelled byte by byte.
@@ -125,7 +154,15 @@ def _byte_level(path: Path, md: dict):
         merges.append(tuple(pair))
 
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # Control tokens (type 3) stay whole and count as special; user-defined ones (type 4)
