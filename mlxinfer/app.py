@@ -42,6 +42,8 @@ ENGINE_OPTIONS = {
     "grammar",
     "tools",
     "tool_choice",
+    "split_reasoning",
+    "chat_template_kwargs",
 }
 
 

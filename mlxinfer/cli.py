@@ -8,6 +8,7 @@ else (progress, stats, errors) to stderr.
 from __future__ import annotations
 
 import functools
+import json
 import sys
 
 import click
@@ -42,6 +43,20 @@ def _log(message: str) -> None:
     click.echo(message, err=True)
 
 
+def _template_args(ctx, param, values) -> dict | None:
+    """``KEY=VALUE`` pairs as a dict, each VALUE as JSON if it parses (true, 3) else a string."""
+    out = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, found {item!r}", param=param)
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out or None
+
+
 def generation_options(fn):
     options = [
         click.option(
@@ -66,6 +81,15 @@ def generation_options(fn):
         click.option("--repetition-penalty", default=None, type=float),
         click.option("--seed", default=None, type=int),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option(
+            "--chat-template-arg",
+            "chat_template_kwargs",
+            multiple=True,
+            metavar="KEY=VALUE",
+            callback=_template_args,
+            help="A variable for the chat template (repeatable; VALUE read as JSON when it "
+            "parses): enable_thinking=false (Qwen3), reasoning_effort=high (gpt-oss).",
+        ),
         click.option(
             "--max-kv-size",
             default=None,

@@ -340,3 +340,61 @@ def test_a_required_harmony_call_is_a_400_naming_tool_choice(harmony):
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert "harmony" in r.json()["error"]["message"]
+
+
+def test_template_variables_reach_the_template(think, tmp_path):
+    """enable_thinking=False (Qwen3's switch) through the API, the CLI and both servers: the
+    prompt gets the template's empty thought."""
+    model, tokenizer = think
+    path = str(tokenizer.path)
+    ids = []
+    for r in stream_generate(
+        model,
+        tokenizer,
+        "Where?",
+        chat_template=True,
+        max_tokens=1,
+        chat_template_kwargs={"enable_thinking": False},
+    ):
+        ids.append(r.stats.prompt_tokens)
+    plain = next(stream_generate(model, tokenizer, "Where?", chat_template=True, max_tokens=1))
+    assert ids[0] > plain.stats.prompt_tokens  # the "<think>\n\n</think>\n\n" it added
+    args = ["generate", "-m", path, "-p", "Where?", "-n", "1", "-v"]
+    off = CliRunner().invoke(cli, args + ["--chat-template-arg", "enable_thinking=false"])
+    assert off.exit_code == 0, off.output
+    bad = CliRunner().invoke(cli, args + ["--chat-template-arg", "enable_thinking"])
+    assert bad.exit_code == 2 and "KEY=VALUE" in bad.output
+    with serving(make_app(model, tokenizer, "t")) as url:
+        ask = {"model": "t", "messages": [{"role": "user", "content": "Where?"}], "max_tokens": 1}
+        counts = []
+        for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+            r = httpx.post(f"{url}/v1/chat/completions", json={**ask, **extra}, timeout=60)
+            counts.append(r.json()["usage"]["prompt_tokens"])
+        assert counts[1] > counts[0]
+        headers = {"anthropic-version": "2023-06-01"}
+        body = {"model": "t", "messages": ask["messages"], "thinking": {"type": "disabled"}}
+        r = httpx.post(f"{url}/v1/messages/count_tokens", json=body, headers=headers, timeout=60)
+        assert r.json()["input_tokens"] == counts[1]
+        r = httpx.post(
+            f"{url}/v1/chat/completions", json={**ask, "reasoning_effort": "huge"}, timeout=60
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_split_reasoning_through_the_engine(think):
+    from mlxinfer import Engine
+
+    model, tokenizer = think
+    with Engine(model) as engine:
+        results = list(
+            engine.stream(
+                tokenizer,
+                "Where?",
+                chat_template=True,
+                max_tokens=150,
+                regex=THINK_REGEX,
+                split_reasoning=True,
+            )
+        )
+    thought, answer = "".join(r.reasoning for r in results), "".join(r.text for r in results)
+    assert re.fullmatch("[a-z]{3,8}", thought) and re.fullmatch("[A-Z][a-z]{2,6}", answer)

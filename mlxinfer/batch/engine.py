@@ -52,6 +52,7 @@ from ..generation.loop import _results, prepare_prompt
 from ..generation.results import GenerationResult, GenerationStats, Step
 from ..generation.sampling import LogitsProcessor, SamplingParams
 from ..generation.stop import StopMatcher
+from ..reasoning import split_results, splitter_for
 from ..text import fit_context
 from ..threads import release_at_thread_exit
 from ..toolcalls import output_rules
@@ -226,13 +227,15 @@ class Engine:
         constraint: Constraint | None = None,
         tools: list[dict] | None = None,
         tool_choice: Any = None,
+        split_reasoning: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **constraint_options,
     ) -> Stream:
         """Submit one request now; its :class:`Stream` of ``stream_generate``'s results, which
         any thread may :meth:`~Stream.cancel` (``draft``, ``num_draft``: as for
         :meth:`submit`; ``constraint`` or one of ``response_format``, ``json_schema``,
         ``regex``, ``choices``, ``grammar``: structured output, as for ``stream_generate``;
-        ``tools``, ``tool_choice``: likewise)."""
+        ``tools``, ``tool_choice``, ``split_reasoning``, ``chat_template_kwargs``: likewise)."""
         t0 = time.perf_counter()
         constraint, tooling = output_rules(
             tokenizer, tools, tool_choice, constraint=constraint, **constraint_options
@@ -243,6 +246,7 @@ class Engine:
             prompt,
             chat_template=chat_template,
             tools=tooling.tools if tooling is not None else None,
+            chat_template_kwargs=chat_template_kwargs,
         )
         context = self.model.args.max_position_embeddings
         ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
@@ -273,7 +277,11 @@ class Engine:
             t0,
         )
         results = _results(prepared, handle.steps(timeout), count_passes=False)
-        return Stream(handle, tooling.results(results) if tooling is not None else results)
+        if tooling is not None:
+            results = tooling.results(results)
+        if split_reasoning:
+            results = split_results(results, splitter_for(tokenizer, ids))
+        return Stream(handle, results)
 
     def stats(self) -> PoolStats:
         return self.pool.stats()

@@ -127,14 +127,18 @@ def prepare_prompt(
     *,
     chat_template: bool = True,
     tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids for a prompt given as text, ids, or chat messages.
 
     Text and message contents are cleaned first; messages go through the
     tokenizer's chat template (which supplies BOS itself when the model wants one),
-    with ``tools`` as its ``tools`` variable when given.
+    with ``tools`` as its ``tools`` variable when given and ``chat_template_kwargs`` as more
+    variables (``enable_thinking``, ``reasoning_effort``, …).
     """
-    extra = {"tools": tools} if tools is not None else {}
+    extra = dict(chat_template_kwargs or {})
+    if tools is not None:
+        extra["tools"] = tools
     if isinstance(prompt, str):
         text = clean_prompt(prompt)
         if chat_template and tokenizer.has_chat_template:
@@ -194,6 +198,7 @@ def stream_generate(
     tools: list[dict] | None = None,
     tool_choice: Any = None,
     split_reasoning: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
 
@@ -225,6 +230,9 @@ def stream_generate(
             harmony channels; read from its chat template): each result's ``reasoning`` gets the
             reasoning's text and ``text`` only the answer's, the markers in neither
             (:mod:`mlxinfer.reasoning`). Off: ``text`` is the output as the model wrote it.
+        chat_template_kwargs: more variables for the chat template, as transformers'
+            ``apply_chat_template(**kwargs)`` takes them: ``{"enable_thinking": False}``
+            (Qwen3), ``{"reasoning_effort": "high"}`` (gpt-oss).
     Yields:
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
@@ -260,6 +268,7 @@ def stream_generate(
         sampling=sampling,
         constraint=constraint,
         tools=tooling.tools if tooling is not None else None,
+        chat_template_kwargs=chat_template_kwargs,
         stop=stop,
         chat_template=chat_template,
         truncate_prompt=truncate_prompt,
@@ -313,10 +322,17 @@ def _prepare(
     kv_bits: int | None,
     constraint: Constraint | None = None,
     tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> _Request:
     """Tokenize and fit the prompt, check the settings, and find the request's cache."""
     t0 = time.perf_counter()
-    ids = prepare_prompt(tokenizer, prompt, chat_template=chat_template, tools=tools)
+    ids = prepare_prompt(
+        tokenizer,
+        prompt,
+        chat_template=chat_template,
+        tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
+    )
     context = model.args.max_position_embeddings
     ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
     stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000)

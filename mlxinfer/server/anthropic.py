@@ -26,8 +26,9 @@ FIELDS = {
     "metadata",
     "tools",
     "tool_choice",
+    "thinking",
 }
-COUNT_FIELDS = {"model", "messages", "system", "tools"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "thinking"}
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -60,6 +61,7 @@ class Ask:
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
     tools: list[dict] | None = None  # in OpenAI's shape, for the chat template
     tool_choice: Any = None  # in OpenAI's terms
+    template_kwargs: dict = field(default_factory=dict)  # ``thinking`` as ``enable_thinking``
 
 
 def parse(body: Any, *, count_only: bool = False) -> Ask:
@@ -76,8 +78,17 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
         raise APIError(400, "model: a string is required")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
     tools, choice = _tools(body)
+    kwargs = _thinking(body.get("thinking"))
     if count_only:
-        return Ask(model, messages, 0, SamplingParams(), tools=tools, tool_choice=choice)
+        return Ask(
+            model,
+            messages,
+            0,
+            SamplingParams(),
+            tools=tools,
+            tool_choice=choice,
+            template_kwargs=kwargs,
+        )
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise APIError(400, f"max_tokens: a positive integer is required, got {max_tokens!r}")
@@ -102,7 +113,19 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
         stream=bool(body.get("stream", False)),
         tools=tools,
         tool_choice=choice,
+        template_kwargs=kwargs,
     )
+
+
+def _thinking(thinking: Any) -> dict:
+    """``thinking``: ``{"type": "enabled", "budget_tokens": n}`` or ``{"type": "disabled"}``, as
+    the chat template's ``enable_thinking`` (Qwen3's; other templates ignore it). The budget is
+    not enforced: ``max_tokens`` bounds the whole reply."""
+    if thinking is None:
+        return {}
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
+        raise APIError(400, "thinking: {'type': 'enabled' | 'disabled'} is required")
+    return {"enable_thinking": thinking["type"] == "enabled"}
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, Any]:

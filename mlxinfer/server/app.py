@@ -176,6 +176,7 @@ def make_app(
                 constraint=getattr(ask, "constraint", None),
                 tools=ask.tools,
                 tool_choice=ask.tool_choice,
+                chat_template_kwargs=getattr(ask, "template_kwargs", None),
             )
             streams.add(stream)
             results = _cancelling(stream)
@@ -249,7 +250,13 @@ def make_app(
         from ..generation.loop import prepare_prompt
 
         entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
-        ids = prepare_prompt(entry.tokenizer, ask.messages, chat_template=True, tools=ask.tools)
+        ids = prepare_prompt(
+            entry.tokenizer,
+            ask.messages,
+            chat_template=True,
+            tools=ask.tools,
+            chat_template_kwargs=ask.template_kwargs,
+        )
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/chat/completions")

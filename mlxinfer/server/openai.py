@@ -18,6 +18,8 @@ from ..generation.sampling import SamplingParams
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
 CHAT_FIELDS = {
+    "reasoning_effort",
+    "chat_template_kwargs",
     "tools",
     "tool_choice",
     "parallel_tool_calls",  # several calls are parsed either way
@@ -102,6 +104,9 @@ class Ask:
     constraint: Any = None  # a Constraint from ``response_format``, or None
     tools: list[dict] | None = None  # checked, OpenAI's shape
     tool_choice: Any = None
+    # more chat-template variables: ``chat_template_kwargs`` (vLLM's and llama.cpp's field),
+    # OpenAI's ``reasoning_effort`` (gpt-oss's template reads it), Anthropic's ``thinking``
+    template_kwargs: dict = field(default_factory=dict)
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -172,6 +177,8 @@ def parse(body: Any, *, chat: bool) -> Ask:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if chat and body.get("tools") is not None:
         ask.tools, ask.tool_choice = _tools(body)
+    if chat:
+        ask.template_kwargs = _template_kwargs(body)
     if body.get("response_format") is not None:
         from ..constraints import Constraint
         from ..errors import ConstraintError
@@ -192,6 +199,26 @@ def parse(body: Any, *, chat: bool) -> Ask:
                 )
             ask.logprobs, ask.top_logprobs = True, top
     return ask
+
+
+def _template_kwargs(body: dict) -> dict:
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise APIError(
+            400,
+            "'chat_template_kwargs' must be an object of template variables",
+            param="chat_template_kwargs",
+        )
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("minimal", "low", "medium", "high"):
+            raise APIError(
+                400,
+                f"'reasoning_effort' must be one of minimal, low, medium, high, got {effort!r}",
+                param="reasoning_effort",
+            )
+        kwargs = {"reasoning_effort": effort, **kwargs}
+    return dict(kwargs)
 
 
 MAX_TOP_LOGPROBS = 20
