@@ -47,6 +47,7 @@ def batch_generate(
     draft: Draft | None = None,
     num_draft: int | None = None,
     constraint: Constraint | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     **sampling_options,
 ) -> list[str]:
     """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
@@ -55,7 +56,8 @@ def batch_generate(
     values. ``draft=PromptLookup()`` or ``DraftModel(...)``: every request drafts by
     prompt lookup or with that draft model, each with its own draft cache (``num_draft``
     tokens per step, or adaptive). ``constraint``: every request's output must match it
-    (each request has its own matcher)."""
+    (each request has its own matcher). ``chat_template_kwargs``: more chat-template variables,
+    as for ``stream_generate``."""
     unknown = set(sampling_options) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"batch_generate: unexpected option(s) {', '.join(sorted(unknown))}")
@@ -84,6 +86,7 @@ def batch_generate(
                 draft=draft,
                 num_draft=num_draft,
                 constraint=constraint,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for p in prompts
         ]
