@@ -80,6 +80,26 @@ class ToolFormat:
         """A Lark grammar for one call whose JSON is ``call`` (a ``%json`` schema)."""
         raise NotImplementedError
 
+    def grammar(self, chosen: list[dict], tokenizer) -> str:
+        """A Lark grammar for one call of one of the ``chosen`` tools: by default the call's
+        JSON (``name`` and the arguments under :attr:`key`) inside the family's wrapper."""
+        from .constraints.spec import JSON_OPTIONS
+
+        options = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    self.key: t["function"]["parameters"],
+                },
+                "required": ["name", self.key],
+                "additionalProperties": False,
+            }
+            for t in chosen
+        ]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return self.lark(json.dumps({**schema, "x-guidance": JSON_OPTIONS}), tokenizer)
+
 
 class Hermes(ToolFormat):
     name, opener = "hermes", "<tool_call>"
@@ -159,11 +179,29 @@ class Harmony(ToolFormat):
             return text, []
         return "".join(kept) + text[at:], calls
 
-    def lark(self, call, tokenizer):
-        raise ConstraintError(
-            "tool_choice: a required or named call is not supported for the harmony format "
-            "(gpt-oss) yet; use 'auto'"
-        )
+    MARKERS = ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>")
+
+    def grammar(self, chosen, tokenizer):
+        """A message to one of the chosen functions: its name in the header, its arguments (its
+        parameters' schema) as the body, the markers as the tokenizer's special tokens."""
+        from .constraints.spec import JSON_OPTIONS
+
+        ids = {m: tokenizer.token_to_id(m) for m in self.MARKERS}
+        if missing := [m for m, i in ids.items() if i is None]:
+            raise ConstraintError(
+                f"tool_choice: the harmony format needs the tokens {', '.join(missing)}, "
+                "which this tokenizer lacks"
+            )
+        ch, con, msg, call = (f"<[{ids[m]}]>" for m in self.MARKERS)
+        rules, alternatives = [], []
+        for i, tool in enumerate(chosen):
+            fn = tool["function"]
+            header = json.dumps(f"commentary to=functions.{fn['name']} ")
+            args = json.dumps({**fn["parameters"], "x-guidance": JSON_OPTIONS})
+            rules.append(f'call{i}: {ch} {header} {con} "json" {msg} args{i} {call}')
+            rules.append(f"args{i}: %json {args}")
+            alternatives.append(f"call{i}")
+        return "\n".join([f"start: {' | '.join(alternatives)}", *rules])
 
 
 FORMATS = (Hermes(), Mistral(), Llama3(), Harmony())
@@ -188,7 +226,6 @@ def call_constraint(fmt: ToolFormat, tools: list[dict], choice: Any, tokenizer):
     """The constraint for ``tool_choice`` ``"required"`` (any of ``tools``) or a named function
     (``{"type": "function", "function": {"name": ...}}``); None for ``"auto"``/``"none"``."""
     from .constraints import Constraint
-    from .constraints.spec import JSON_OPTIONS
 
     if choice in (None, "auto", "none"):
         return None
@@ -207,23 +244,9 @@ def call_constraint(fmt: ToolFormat, tools: list[dict], choice: Any, tokenizer):
             "tool_choice: expected 'none', 'auto', 'required' or "
             "{'type': 'function', 'function': {'name': ...}}"
         )
-    options = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                fmt.key: t["function"]["parameters"],
-            },
-            "required": ["name", fmt.key],
-            "additionalProperties": False,
-        }
-        for t in chosen
-    ]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    call = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
     import llguidance
 
-    grammar = llguidance.LLMatcher.grammar_from_lark(fmt.lark(call, tokenizer))
+    grammar = llguidance.LLMatcher.grammar_from_lark(fmt.grammar(chosen, tokenizer))
     try:
         return Constraint._checked("tool_call", grammar, chosen)
     except ConstraintError as e:

@@ -26,7 +26,6 @@ import httpx  # noqa: E402
 from mlxinfer import stream_generate  # noqa: E402
 from mlxinfer.chat import ChatSession  # noqa: E402
 from mlxinfer.cli import cli  # noqa: E402
-from mlxinfer.errors import ConstraintError  # noqa: E402
 from mlxinfer.generation.results import GenerationResult, GenerationStats  # noqa: E402
 from mlxinfer.reasoning import (  # noqa: E402
     Harmony,
@@ -104,7 +103,7 @@ def test_the_format_is_read_from_the_template(tmp_path):
 
 def test_harmony_calls_are_messages_to_a_function():
     """Both places a recipient may stand (the channel's header, the role's), the text around
-    the calls kept; a message to no one is no call; a required call is refused by name."""
+    the calls kept; a message to no one is no call."""
     fmt = HarmonyCalls()
     in_role = (
         "<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.add"
@@ -118,8 +117,6 @@ def test_harmony_calls_are_messages_to_a_function():
         assert (call.name, call.arguments) == (name, args)
         assert rest.endswith("<|end|>") and "to=functions" not in rest
     assert fmt.parse(CHANNELS) == (CHANNELS, [])
-    with pytest.raises(ConstraintError, match="harmony"):
-        fmt.lark("{}", None)
 
 
 # --- a tiny model forced to write in each format -----------------------------------------
@@ -327,19 +324,34 @@ def test_anthropic_gets_a_thinking_block_first(server):
     )
 
 
-def test_a_required_harmony_call_is_a_400_naming_tool_choice(harmony):
+def test_a_required_harmony_call_is_a_message_to_one_of_the_tools(harmony):
+    """tool_choice "required" or a named function constrains gpt-oss's reply to a message to
+    that function whose body its parameters' schema admits: through the API and the server."""
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the validator)")
+    from test_toolcalls import ADD, WEATHER
+
     model, tokenizer = harmony
+    schemas = {"get_weather": WEATHER, "add": ADD}
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        _, text, results = run(model, tokenizer, tools=TOOLS, tool_choice=choice)
+        [call] = results[-1].tool_calls
+        assert text.startswith("<|channel|>commentary to=functions." + call.name)
+        jsonschema.validate(call.arguments, schemas[call.name])
+        assert choice == "required" or call.name == "add"
     with serving(make_app(model, tokenizer, "oss")) as url:
         body = {
             "model": "oss",
             "messages": [{"role": "user", "content": "Weather?"}],
             "tools": TOOLS,
             "tool_choice": "required",
-            "max_tokens": 8,
+            "max_tokens": 150,
         }
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    assert "harmony" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    name = call["function"]["name"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
 
 
 def test_template_variables_reach_the_template(think, tmp_path):

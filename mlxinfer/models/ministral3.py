@@ -15,7 +15,6 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..cache import Cache
 from ..errors import ConfigError
 from . import llama
 from .base import positions
@@ -55,19 +54,13 @@ class Ministral3Attention(RopeAttention):
             args.original_max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
-        # The queries' scale depends on their positions, known here (the cache's offset
-        # before this step); project() applies it. Scaling before RoPE equals scaling after:
-        # the rotation is linear and the scale one number per position.
-        offset = cache.offset if cache is not None else 0
-        p = positions(offset, x.shape[1]).astype(mx.float32)  # (L,) or a batch's (B, L)
+    def rotate(self, q: mx.array, k: mx.array, offset) -> tuple[mx.array, mx.array]:
+        q, k = super().rotate(q, k, offset)
+        p = positions(offset, q.shape[2]).astype(mx.float32)  # (L,) or a batch's (B, L)
         scale = 1 + self.beta * mx.log(1 + mx.floor(p / self.original_max))
-        self._query_scale = scale[..., None]  # (…, L, 1) against (B, L, n_heads * head_dim)
-        return super().__call__(x, mask, cache)
-
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        q, k, v = super().project(x)
-        return q * self._query_scale.astype(q.dtype), k, v
+        # (L, 1) against (B, heads, L, head_dim); a batch's (B, L) as (B, 1, L, 1)
+        scale = scale[:, None, :, None] if scale.ndim == 2 else scale[:, None]
+        return q * scale.astype(q.dtype), k
 
 
 class TransformerBlock(llama.TransformerBlock):

@@ -224,6 +224,12 @@ class RopeAttention(Attention):
             )
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def rotate(self, q: mx.array, k: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        """RoPE on (B, heads, L, head_dim) queries and keys after ``offset`` cached tokens (an
+        int, or a batch's (B,) offsets); a family whose queries depend on their position in
+        another way too overrides it (Ministral 3)."""
+        return self.rope(q, offset=offset), self.rope(k, offset=offset)
+
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
         B, L, _ = x.shape
         q, k, v = self.project(x)
@@ -238,8 +244,7 @@ class RopeAttention(Attention):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        q, k = self.rotate(q, k, cache.offset if cache is not None else 0)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self.softcap is not None:
