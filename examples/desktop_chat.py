@@ -5,7 +5,8 @@
 
 Tokens stream into the view while the window stays responsive: the request runs on a worker
 thread (the model itself on the engine's thread) and each piece of text reaches the UI thread
-as a Qt signal. Stop cancels the request at its next decode step. The model picker lists the
+as a Qt signal. A reasoning model's thoughts stream in grey before its answer, and only the
+answer goes back into the conversation. Stop cancels the request at its next decode step. The model picker lists the
 default model, the directories given and the converted models in ``--models-dir``; choosing
 one loads it on a worker thread with a progress bar. The status line shows the memory the
 model, its KV cache and MLX use.
@@ -19,6 +20,7 @@ import threading
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtGui import QColor, QTextCharFormat
 from PySide6.QtWidgets import (
     QApplication,
     QComboBox,
@@ -42,22 +44,28 @@ class Bridge(QObject):
     """Signals from worker threads to the UI thread (Qt queues them across threads)."""
 
     piece = Signal(str)
+    thought = Signal(str)  # a reasoning model's thinking, before its answer
     finished = Signal(str)  # why it ended: "stop", "length", "cancelled" or an error
     progress = Signal(int, int)
     loaded = Signal(str)
 
 
 class ChatWindow(QMainWindow):
-    def __init__(self, models: dict[str, str | None], handles: dict | None = None) -> None:
+    def __init__(
+        self, models: dict[str, str | None], handles: dict | None = None, **options
+    ) -> None:
+        """``options``: more ``ModelHandle.start`` options for every request (a constraint)."""
         super().__init__()
+        self.options = options
         self.setWindowTitle("mlxinfer chat")
         self.models, self.handles = models, handles if handles is not None else {}
         self.handle: ModelHandle | None = None
         self.stream = None
         self.messages: list[dict] = []
-        self.reply = ""
+        self.reply, self.thinking = "", False
         self.bridge = Bridge()
         self.bridge.piece.connect(self._on_piece)
+        self.bridge.thought.connect(self._on_thought)
         self.bridge.finished.connect(self._on_finished)
         self.bridge.progress.connect(self._on_progress)
         self.bridge.loaded.connect(self._on_loaded)
@@ -141,11 +149,17 @@ class ChatWindow(QMainWindow):
         self.messages.append({"role": "user", "content": text})
         self.view.append(f"<b>You:</b> {_escape(text)}")
         self.view.append("<b>Model:</b> ")
-        self.reply = ""
+        self.reply, self.thinking = "", False
         self.send_button.setEnabled(False)
         self.stop_button.setEnabled(True)
         try:
-            self.stream = self.handle.start(self.messages, chat_template=True, max_tokens=512)
+            self.stream = self.handle.start(
+                self.messages,
+                chat_template=True,
+                max_tokens=512,
+                split_reasoning=True,
+                **self.options,
+            )
         except Exception as e:  # a prompt over the context, a model that failed to load
             self.messages.pop()
             self._on_finished(f"error: {e}")
@@ -156,6 +170,8 @@ class ChatWindow(QMainWindow):
         reason = "cancelled"
         try:
             for r in stream:
+                if r.reasoning:
+                    self.bridge.thought.emit(r.reasoning)
                 if r.text:
                     self.bridge.piece.emit(r.text)
                 if r.finish_reason:
@@ -169,10 +185,23 @@ class ChatWindow(QMainWindow):
             self.stream.cancel()  # the engine drops it at its next step
 
     def _on_piece(self, text: str) -> None:
+        if self.thinking:  # the answer starts on its own line after the thoughts
+            self.thinking = False
+            self._insert("\n", QTextCharFormat())
         self.reply += text
+        self._insert(text, QTextCharFormat())
+
+    def _on_thought(self, text: str) -> None:
+        self.thinking = True
+        shade = QTextCharFormat()
+        shade.setForeground(QColor("gray"))
+        shade.setFontItalic(True)
+        self._insert(text, shade)
+
+    def _insert(self, text: str, style: QTextCharFormat) -> None:
         cursor = self.view.textCursor()
         cursor.movePosition(cursor.MoveOperation.End)
-        cursor.insertText(text)
+        cursor.insertText(text, style)
         self.view.setTextCursor(cursor)
 
     def _on_finished(self, reason: str) -> None:

@@ -1,10 +1,13 @@
 """examples/desktop_chat.py, driven offscreen (``QT_QPA_PLATFORM=offscreen``): text streams in
-without stalling Qt's event loop, and Stop stops it. Needs PySide6 (the test extras)."""
+without stalling Qt's event loop, Stop stops it, and a reasoning model's thoughts are shown apart
+and left out of the history. Needs PySide6 (the test extras)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -95,3 +98,37 @@ def test_stop_ends_generation_within_two_tokens(chat):
 def _generated(stream) -> int:
     """Tokens the engine has generated for the stream's request."""
     return stream.handle._request.generated
+
+
+def test_a_reasoning_models_thoughts_are_shown_apart_and_not_kept(tmp_path):
+    """A model with a think-tag template, forced to think then answer: the view shows both, the
+    reply and the history hold only the answer."""
+    from test_reasoning import THINK_REGEX
+    from tool_templates import THINK
+
+    spec = importlib.util.spec_from_file_location("desktop_chat", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path, _ = make_tiny(tmp_path, vocab_size=320, hidden_size=64, max_position_embeddings=4096)
+    add_tokenizer(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINK}))
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication([])
+    window = module.ChatWindow({"think": str(path)}, regex=THINK_REGEX)
+    window.show()
+    try:
+        _until(app, lambda: window.send_button.isEnabled(), 60, "the model did not load")
+        thoughts = []
+        window.bridge.thought.connect(thoughts.append)
+        window.prompt.setText("Where?")
+        window.send_button.click()
+        _until(app, lambda: window.stream is None, 60, "the reply did not end")
+        thought = "".join(thoughts)
+        assert re.fullmatch("[a-z]{3,8}", thought) and re.fullmatch("[A-Z][a-z]{2,6}", window.reply)
+        shown = window.view.toPlainText()
+        assert f"{thought}\n{window.reply}" in shown and "<think>" not in shown
+        assert window.messages[-1] == {"role": "assistant", "content": window.reply}
+    finally:
+        window.close()
+        for handle in window.handles.values():
+            handle.close()
