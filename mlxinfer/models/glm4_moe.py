@@ -22,14 +22,12 @@ import dataclasses
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from ..cache import Cache
 from ..errors import ConfigError
-from . import qwen2
+from . import qwen2, qwen2_moe
 from .base import FULL_ATTENTION, BaseArgs
 from .deepseek_v2 import EXPERT_NAMES, DeepseekMoE
-from .layers import GatedMLP, RMSNorm, RopeAttention, activation, make_rope
+from .layers import RMSNorm, RopeAttention
 from .layers.moe import keep_routers_float, stack_experts
 
 
@@ -77,15 +75,24 @@ class ModelArgs(BaseArgs):
         # What DeepseekMoE reads: V3's router, no biases in the shared experts.
         self.v3, self.mlp_bias = True, False
 
+    def is_sparse(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        rope = make_rope(
-            args.rotary_dims, args.rope_theta, args.rope_scaling, args.max_position_embeddings
-        )  # rotates the first rotary_dims features of each head, passes the rest
+
+class DecoderLayer(qwen2_moe.TransformerBlock):
+    """Qwen2-MoE's block with GLM's attention (q/k/v biases, optional q/k norm, partial RoPE)
+    and DeepSeek-V3's MoE after the first ``first_k_dense_replace`` dense layers."""
+
+    SparseMoE = DeepseekMoE
+
+    @staticmethod
+    def rotary_dims(args: ModelArgs) -> int:
+        return args.rotary_dims  # the first rotary_dims features of each head; the rest pass
+
+    @staticmethod
+    def attention(args: ModelArgs, rope) -> RopeAttention:
         qk_norm = (lambda dim: RMSNorm(dim, eps=args.rms_norm_eps)) if args.use_qk_norm else None
-        self.self_attn = RopeAttention(
+        return RopeAttention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -94,18 +101,6 @@ class DecoderLayer(nn.Module):
             qkv_bias=args.attention_bias,
             qk_norm=qk_norm,
         )
-        if layer >= args.first_k_dense_replace:
-            self.mlp = DeepseekMoE(args)
-        else:
-            self.mlp = GatedMLP(
-                args.hidden_size, args.intermediate_size, activation(args.hidden_act)
-            )
-        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Glm4MoeModel(qwen2.Qwen2Model):

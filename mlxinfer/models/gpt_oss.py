@@ -23,10 +23,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
-from . import qwen2
+from . import qwen2, qwen2_moe
 from .base import FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, check_layer_types
-from .layers import RMSNorm, RopeAttention, make_rope
+from .layers import RopeAttention
 from .layers.moe import Gate, SwitchGLU, combine, keep_routers_float, top_k_softmax
 
 # transformers' default when a config names no RoPE at all
@@ -88,6 +87,9 @@ class ModelArgs(BaseArgs):
         if SLIDING_ATTENTION not in self.layer_types:
             self.sliding_window = None
 
+    def is_sparse(self, layer: int) -> bool:
+        return True  # every layer routes
+
 
 class Experts(SwitchGLU):
     """Routed experts with biases and gpt-oss's clamped SwiGLU."""
@@ -116,13 +118,14 @@ class MLP(nn.Module):
         return combine(self.experts(x, idx), weights)  # (B, L, hidden)
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        rope = make_rope(
-            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
-        )
-        self.self_attn = RopeAttention(
+class TransformerBlock(qwen2_moe.TransformerBlock):
+    """Qwen2-MoE's block with gpt-oss's attention (biases, sinks) and MoE in every layer."""
+
+    SparseMoE = MLP
+
+    @staticmethod
+    def attention(args: ModelArgs, rope) -> RopeAttention:
+        return RopeAttention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -132,13 +135,6 @@ class TransformerBlock(nn.Module):
             o_bias=args.attention_bias,
             sinks=True,
         )
-        self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, mask, cache: Cache | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class GptOssModel(qwen2.Qwen2Model):

@@ -102,15 +102,16 @@ class SparseMoE(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """A family that differs in its attention or its MoE overrides :meth:`attention` or
-    ``SparseMoE``."""
+    """A family that differs in its attention, its rotated width or its MoE overrides
+    :meth:`attention`, :meth:`rotary_dims` or ``SparseMoE`` (qwen3_moe, gpt_oss, glm4_moe);
+    ``args.is_sparse(layer)`` says which layers route."""
 
     SparseMoE = SparseMoE
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         rope = make_rope(
-            args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+            self.rotary_dims(args), args.rope_theta, args.rope_scaling, args.max_position_embeddings
         )
         self.self_attn = self.attention(args, rope)
         if args.is_sparse(layer):
@@ -121,6 +122,11 @@ class TransformerBlock(nn.Module):
             )
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @staticmethod
+    def rotary_dims(args: ModelArgs) -> int:
+        """How many features of each head RoPE rotates."""
+        return args.head_dim
 
     @staticmethod
     def attention(args: ModelArgs, rope) -> RopeAttention:
