@@ -47,6 +47,12 @@ class Splitter:
         """What is still held back (a marker that never completed is text after all)."""
         raise NotImplementedError
 
+    def split(self, text: str) -> tuple[str, str]:
+        """(reasoning, answer) of the rest of a reply given whole: ``feed`` then ``finish``."""
+        a, b = self.feed(text)
+        c, d = self.finish()
+        return a + c, b + d
+
 
 class Plain(Splitter):
     """A model that marks no reasoning: everything is the answer."""
@@ -70,10 +76,7 @@ class ReasoningFormat:
 
     def split(self, text: str, started: bool = False) -> tuple[str, str]:
         """(reasoning, answer) of a whole output."""
-        splitter = self.splitter(started)
-        a, b = splitter.feed(text)
-        c, d = splitter.finish()
-        return a + c, b + d
+        return self.splitter(started).split(text)
 
 
 class ThinkTags(ReasoningFormat):

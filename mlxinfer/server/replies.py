@@ -103,7 +103,7 @@ def openai_whole(ask: oa.Ask, tokenizer, choices: list[Choice]) -> JSONResponse:
             text, calls = "".join(text), None
             if c.tools is not None:
                 text, calls = c.tools.fmt.parse(text)
-            reasoning, text = _split(c.thinking, text)
+            reasoning, text = c.thinking.split(text)
             out.append(oa.choice(ask, c.index, text, c.finish, c.logprobs(ask), calls, reasoning))
     except (EngineError, TimeoutError) as e:
         raise oa.APIError(500, str(e), type="server_error") from None
@@ -187,7 +187,7 @@ class AnthropicReply:
         text = "".join(self._pieces())
         if self.tools is not None:
             text, self.calls = self.tools.fmt.parse(text)
-        reasoning, text = _split(self.thinking, text)
+        reasoning, text = self.thinking.split(text)
         reason, matched, usage = self._end()
         return an.message(self.ask, text, reason, matched, usage, self.calls, reasoning)
 
@@ -249,20 +249,13 @@ class AnthropicReply:
         yield an.event("message_stop", {})
 
 
-def _split(splitter: Splitter, text: str) -> tuple[str, str]:
-    """(reasoning, answer) of a whole reply."""
-    a, b = splitter.feed(text)
-    c, d = splitter.finish()
-    return a + c, b + d
-
-
 def _ended(ask: oa.Ask, c: Choice) -> Iterator[str]:
     """A choice's last chunks: the text held back that is not a call, its calls (one delta,
     each call whole), its finish."""
     finish, calls, rest = c.finish, None, ""
     if c.tools is not None:
         rest, calls = c.tools.finish()
-    reasoning, text = _split(c.thinking, rest)
+    reasoning, text = c.thinking.split(rest)
     if text or reasoning:
         yield sse(oa.chunk(ask, text, index=c.index, reasoning=reasoning))
     if c.tools is not None:
