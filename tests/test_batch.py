@@ -133,6 +133,25 @@ FAMILIES = {
         pad_token_id=0,
         eos_token_id=2,
     ),
+    # frequencies that follow the length: the rows of each regime share a forward
+    "phi3-longrope": dict(
+        model_type="phi3",
+        pad_token_id=0,
+        eos_token_id=2,
+        original_max_position_embeddings=42,  # the 40-token prompt crosses it while decoding
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 42,
+            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+            "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5],
+        },
+    ),
+    "llama-dynamic": dict(
+        model_type="llama",
+        max_position_embeddings=64,  # prompts of 5-40 tokens stay inside, the rest outgrow it
+        rope_parameters={"rope_type": "dynamic", "factor": 3.0, "rope_theta": 10000.0},
+    ),
     "glm4_moe": dict(
         model_type="glm4_moe",
         n_routed_experts=4,
@@ -157,8 +176,7 @@ def family(request, tmp_path_factory):
     path, torch_model = make_tiny(
         tmp_path_factory.mktemp(request.param),
         perturb_vectors=True,
-        **FAMILIES[request.param],
-        **LONG,
+        **{**LONG, **FAMILIES[request.param]},
     )
     model, tokenizer = load_model(path)
     return request.param, model, torch_model
@@ -176,8 +194,9 @@ def test_batched_greedy_equals_transformers_alone(family):
         rest = [engine.submit(p, max_tokens=NEW) for p in prompts[3:]]
         got = [[early.token] + [s.token for s in first[0].steps()]]
         got += [[s.token for s in h.steps()] for h in first[1:] + rest]
-        # Rows share steps in every family: RoPE, learned (GPT-2) and ALiBi (BLOOM) positions.
-        assert engine.rows_together and engine.steps_run < len(prompts) * NEW
+        # Rows share steps in every family: RoPE, learned (GPT-2) and ALiBi (BLOOM) positions,
+        # and those whose frequencies follow the length (the rows of a regime together).
+        assert engine.steps_run < len(prompts) * NEW
         assert engine.stats().blocks_in_use == 0
     for n, g, e in zip(LENGTHS, got, expected):
         assert g == e, f"{name}: prompt of {n} tokens"

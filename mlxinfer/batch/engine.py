@@ -52,6 +52,7 @@ from ..generation.loop import _results, prepare_prompt
 from ..generation.results import GenerationResult, GenerationStats, Step
 from ..generation.sampling import LogitsProcessor, SamplingParams
 from ..generation.stop import StopMatcher
+from ..models.layers.rope import prompt_reach
 from ..reasoning import split_results, splitter_for
 from ..text import fit_context
 from ..threads import release_at_thread_exit
@@ -111,7 +112,8 @@ class Engine:
         if max_draft < 0:
             raise ValueError(f"max_draft must be >= 0, got {max_draft}")
         self.model = model
-        self.rows_together, self.windows = check_batchable(model)
+        # Rows of one regime share a forward (None: all rows; see check_batchable).
+        self.regime, self.windows = check_batchable(model)
         # Recurrent layers' states live with each request: no prefix sharing, no drafts.
         self.recurrent = STATE in self.windows
         if self.recurrent:
@@ -423,7 +425,8 @@ class Engine:
                 batch = StepBatch(
                     self.pool, [request.seq], [chunk], self.windows, states=[request.states]
                 )
-                with prefill_schedule(self.model):
+                # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE).
+                with prefill_schedule(self.model), prompt_reach(len(request.ids)):
                     self.model(mx.array([chunk], dtype=mx.int32), batch.views())
                     mx.eval(self.pool.keys, self.pool.values, _arrays(request))
                 self.prefill_s += time.perf_counter() - t0
@@ -443,14 +446,28 @@ class Engine:
         rows = [r for r in self._running if r.pending is not None]
         if not rows:
             return
-        groups = [rows] if self.rows_together else [[r] for r in rows]
         t0 = time.perf_counter()
-        for group in groups:
+        for group in self._groups(rows):
             if any(r.drafter is not None for r in group):
                 self._verify_rows(group)
             else:
                 self._decode_rows(group)
         self.decode_s += time.perf_counter() - t0
+
+    def _groups(self, rows: list[_Request]) -> list[list[_Request]]:
+        """The step's forwards: all rows in one, or for a model whose frequencies follow the
+        length (dynamic NTK, LongRoPE) the rows of each regime together. A drafting row of such
+        a model verifies alone: its forward's length, which the regime reads, is its own."""
+        if self.regime is None:
+            return [rows]
+        groups: dict[Any, list[_Request]] = {}
+        alone = []
+        for r in rows:
+            if r.drafter is not None:
+                alone.append([r])
+            else:
+                groups.setdefault(self.regime(r.seq.length + 1), []).append(r)
+        return [*groups.values(), *alone]
 
     def _decode_rows(self, rows: list[_Request]) -> None:
         self.decode_tokens += len(rows)

@@ -4,6 +4,8 @@ whether the model's rows can decode together.
 
 from __future__ import annotations
 
+from typing import Callable, Hashable
+
 import mlx.core as mx
 
 from ..cache import KVCache, LatentKVCache, RotatingKVCache, StateCache
@@ -55,15 +57,18 @@ def layer_shapes(model, kv_bits: int | None = None, kv_group_size: int = 64) -> 
     return shapes
 
 
-def check_batchable(model) -> tuple[bool, list[int | str | None]]:
-    """Raise for a model the pool cannot hold; else (whether its rows can decode together,
-    each layer's sliding window, None, or ``STATE``).
+def check_batchable(model) -> tuple[Callable[[int], Hashable] | None, list[int | str | None]]:
+    """Raise for a model the pool cannot hold; else (its rows' frequency regime, each layer's
+    sliding window, None, or ``STATE``).
 
-    Rows decode together when every position comes from ``cache.offset``, one per
-    row: RoPE with fixed frequencies, learned and sinusoidal tables, ALiBi. Dynamic
-    NTK and LongRoPE, whose frequencies depend on the sequence's length, decode one
-    row per forward, with the same results. A sliding-window layer keeps every key
-    in the pool and slides its mask.
+    Rows decode together when every position comes from ``cache.offset``, one per row: RoPE
+    with fixed frequencies, learned and sinusoidal tables, ALiBi (the regime is None). Dynamic
+    NTK and LongRoPE pick their frequencies from the length a sequence reaches in a forward:
+    ``regime(reach)`` names the frequencies a row reaching ``reach`` uses, and the rows of one
+    regime decode together, with the results they get alone (LongRoPE: the short or the long
+    factors, two groups at most; dynamic NTK: one group up to ``max_position_embeddings``, past
+    it each length its own). A sliding-window layer keeps every key in the pool and slides
+    its mask.
 
     A recurrent layer (a ``StateCache``: LFM2's convolutions, Qwen3-Next's Gated DeltaNet)
     is ``STATE``: its state is one fixed-size array per sequence, not keys per token, so each
@@ -83,8 +88,13 @@ def check_batchable(model) -> tuple[bool, list[int | str | None]]:
                 f"batching: {type(model).__module__} uses a {type(c).__name__}, which the paged "
                 "pool does not hold yet"
             )
-    together = getattr(model, "positions_from_offset", True) and not any(
-        isinstance(m, LongRoPE) or (isinstance(m, RoPE) and m.dynamic is not None)
+    if not getattr(model, "positions_from_offset", True):
+        return (lambda reach: object()), windows  # positions of its own: every row alone
+    ropes = [
+        m
         for _, m in model.named_modules()
-    )
-    return together, windows
+        if isinstance(m, LongRoPE) or (isinstance(m, RoPE) and m.dynamic is not None)
+    ]
+    if not ropes:
+        return None, windows
+    return (lambda reach: tuple(m.regime(reach) for m in ropes)), windows

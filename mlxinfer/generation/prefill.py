@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..backends import prefill_schedule
+from ..models.layers.rope import prompt_reach
 from ..prompt_cache import PromptCache, Snapshot
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
@@ -44,7 +45,8 @@ def prefill(
     for c in growable:
         c.reserve(c.offset + len(ids) + 1)
     # As the backend schedules it (the CPU's, for a quantized model: one step's buffers at a time).
-    with prefill_schedule(model):
+    # Its chunks rotate as the whole prompt would (with the token fed next: dynamic NTK, LongRoPE).
+    with prefill_schedule(model), prompt_reach(len(pc.tokens) + len(ids) + 1):
         for start in range(0, len(ids), step):
             model(y[None, start : start + step], pc.cache)
             # Materialise this chunk's cache writes before building the next chunk,

@@ -238,11 +238,6 @@ def positions(offset: int | mx.array, n: int) -> mx.array:
     return offset[:, None] + mx.arange(n)[None]
 
 
-def reach(offset: int | mx.array, n: int) -> int:
-    """The furthest position + 1 that ``n`` new tokens after ``offset`` reach."""
-    return offset + n if isinstance(offset, int) else int(offset.max().item()) + n
-
-
 def typed_masks(
     layer_types: list[str], cache: list[Cache] | None, n_queries: int, sliding_window: int | None
 ) -> dict[str, Mask]:

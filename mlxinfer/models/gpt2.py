@@ -18,8 +18,9 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from . import layers
-from .base import BaseArgs, CausalLM, causal_mask, positions, reach
+from .base import BaseArgs, CausalLM, causal_mask, positions
 from .layers import activation
+from .layers.rope import reach
 
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 

@@ -21,8 +21,9 @@ import numpy as np
 
 from ..cache import Cache
 from . import layers
-from .base import BaseArgs, CausalLM, causal_mask, positions, reach
+from .base import BaseArgs, CausalLM, causal_mask, positions
 from .layers import activation
+from .layers.rope import reach
 
 POSITION_OFFSET = 2  # fairseq's padding offset, as transformers implements it
 

@@ -21,13 +21,38 @@ variants differ only in the per-pair frequencies they feed it:
 from __future__ import annotations
 
 import math
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ...errors import ConfigError
+
+_PROMPT = threading.local()
+
+
+def reach(offset: int | mx.array, n: int) -> int:
+    """The furthest position + 1 that ``n`` new tokens after ``offset`` reach (for a batch's
+    (B,) offsets, its furthest row's); inside :func:`prompt_reach`, at least the prompt's."""
+    furthest = offset + n if isinstance(offset, int) else int(offset.max().item()) + n
+    return max(furthest, getattr(_PROMPT, "reach", 0))
+
+
+@contextmanager
+def prompt_reach(n: int) -> Iterator[None]:
+    """While a prompt reaching ``n`` is fed in chunks (on this thread): every chunk rotates as
+    one forward over the whole prompt would, the way transformers rotates it. Frequencies that
+    follow the length (dynamic NTK, LongRoPE) would otherwise rotate each chunk by its own
+    reach: a long prompt's first chunks by the short factors."""
+    outer = getattr(_PROMPT, "reach", 0)
+    _PROMPT.reach = n
+    try:
+        yield
+    finally:
+        _PROMPT.reach = outer
 
 
 class RoPE(nn.Module):
@@ -57,17 +82,26 @@ class RoPE(nn.Module):
         self._freqs = None if inv_freq is None else mx.array(1.0 / inv_freq, dtype=mx.float32)
         self._inv_freq = None if inv_freq is None else mx.array(inv_freq, dtype=mx.float32)
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if self.input_scale != 1.0:
             x = x * self.input_scale
         base = self.base
         if self.dynamic is not None:
             factor, max_pos = self.dynamic
-            seq_len = max(offset + x.shape[-2], max_pos)
+            seq_len = self.regime(reach(offset, x.shape[-2]))
             base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (
                 self.dims / (self.dims - 2)
             )
         return self.rotate(x, offset, base)
+
+    def regime(self, reach: int) -> int | None:
+        """What the frequencies depend on for a sequence reaching ``reach`` (its furthest
+        position + 1): nothing (None), or dynamic NTK's length, which is
+        ``max_position_embeddings`` until the sequence outgrows it. A batch's rows with the same
+        regime rotate alike, so they share a forward."""
+        if self.dynamic is None:
+            return None
+        return max(reach, self.dynamic[1])
 
     def rotate(self, x: mx.array, offset: int, base: float) -> mx.array:
         """The rotation itself: ``mx.fast.rope`` (one Metal kernel); a backend may replace it."""
@@ -214,8 +248,13 @@ class LongRoPE(nn.Module):
         self._short = mx.array(np.asarray(s["short_factor"]) * periods, dtype=mx.float32)
         self._long = mx.array(np.asarray(s["long_factor"]) * periods, dtype=mx.float32)
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        freqs = self._long if offset + x.shape[-2] > self.original_max else self._short
+    def regime(self, reach: int) -> bool:
+        """Whether a sequence reaching ``reach`` rotates with the long factors (see
+        :meth:`RoPE.regime`)."""
+        return reach > self.original_max
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        freqs = self._long if self.regime(reach(offset, x.shape[-2])) else self._short
         out = mx.fast.rope(
             x,
             self.dims,
