@@ -38,30 +38,24 @@ import itertools
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..backends import prefill_schedule
 from ..cache import StateCache
-from ..constraints.spec import Constraint
 from ..generation.drafts import Draft
-from ..generation.loop import _Request as _Prepared
-from ..generation.loop import _results, prepare_prompt
-from ..generation.results import GenerationResult, GenerationStats, Step
+from ..generation.results import Step
 from ..generation.sampling import LogitsProcessor, SamplingParams
-from ..generation.stop import StopMatcher
 from ..models.layers.rope import prompt_reach
-from ..reasoning import split_results, splitter_for
-from ..text import fit_context
 from ..threads import release_at_thread_exit
-from ..toolcalls import output_rules
 from . import pool as pool_mod
 from . import rows as rows_mod
+from .frontend import TextRequests
 from .layout import STATE, check_batchable, layer_shapes
 from .pool import KVPool, PoolStats
-from .requests import POLL_S, EngineError, Handle, Stream, _Request
+from .requests import POLL_S, EngineError, Handle, _Request
 from .views import StepBatch
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
@@ -69,7 +63,7 @@ DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode ste
 DEFAULT_MAX_DRAFT = 8  # tokens a drafting request may propose per step
 
 
-class Engine:
+class Engine(TextRequests):
     """Continuous batching over one model: ``submit`` from any thread, read each
     request's steps as they come.
 
@@ -203,87 +197,6 @@ class Engine:
             self._waiting.append(request)
             self._cond.notify()
         return Handle(self, request, next(self._ids))
-
-    def stream(self, tokenizer, prompt, **options) -> Iterator[GenerationResult]:
-        """``stream_generate``'s results for one request run inside the batch: :meth:`start`'s
-        stream, started on the first ``next()`` (so a bad prompt fails there)."""
-        stream = self.start(tokenizer, prompt, **options)
-        try:
-            yield from stream
-        finally:
-            stream.cancel()  # a stop string or the caller ended it early: free its blocks
-
-    def start(
-        self,
-        tokenizer,
-        prompt: str | Sequence[int] | Sequence[dict[str, Any]],
-        *,
-        max_tokens: int = 256,
-        sampling: SamplingParams | None = None,
-        stop: Sequence[str] = (),
-        chat_template: bool = False,
-        truncate_prompt: bool = False,
-        timeout: float | None = None,
-        draft: Draft | None = None,
-        num_draft: int | None = None,
-        constraint: Constraint | None = None,
-        tools: list[dict] | None = None,
-        tool_choice: Any = None,
-        split_reasoning: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        **constraint_options,
-    ) -> Stream:
-        """Submit one request now; its :class:`Stream` of ``stream_generate``'s results, which
-        any thread may :meth:`~Stream.cancel` (``draft``, ``num_draft``: as for
-        :meth:`submit`; ``constraint`` or one of ``response_format``, ``json_schema``,
-        ``regex``, ``choices``, ``grammar``: structured output, as for ``stream_generate``;
-        ``tools``, ``tool_choice``, ``split_reasoning``, ``chat_template_kwargs``: likewise)."""
-        t0 = time.perf_counter()
-        constraint, tooling = output_rules(
-            tokenizer, tools, tool_choice, constraint=constraint, **constraint_options
-        )
-        extra = [constraint.processor(tokenizer)] if constraint is not None else []
-        ids = prepare_prompt(
-            tokenizer,
-            prompt,
-            chat_template=chat_template,
-            tools=tooling.tools if tooling is not None else None,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        context = self.model.args.max_position_embeddings
-        ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
-        max_tokens = min(max_tokens, context - len(ids))
-        stats = GenerationStats(
-            prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000
-        )
-        sampling = sampling or SamplingParams()
-        handle = self.submit(
-            ids,
-            max_tokens=max_tokens,
-            sampling=sampling,
-            eos=tokenizer.eos_token_ids,
-            draft=draft,
-            num_draft=num_draft,
-            logits_processors=extra,
-        )
-        prepared = _Prepared(
-            ids,
-            max_tokens,
-            sampling,
-            extra,
-            None,
-            stats,
-            tokenizer.detokenizer(),
-            StopMatcher(stop),
-            tokenizer.eos_token_ids,
-            t0,
-        )
-        results = _results(prepared, handle.steps(timeout), count_passes=False)
-        if tooling is not None:
-            results = tooling.results(results)
-        if split_reasoning:
-            results = split_results(results, splitter_for(tokenizer, ids))
-        return Stream(handle, results)
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
