@@ -280,7 +280,7 @@ def chat(
     "--draft-model",
     default=None,
     help="Speculative decoding with this draft model (directory or Hub repo id): every request "
-    "drafts with it, each with its own draft cache. It must share the model's tokenizer "
+    "drafts with it (their draft steps batched together). It must share the model's tokenizer "
     "vocabulary.",
 )
 @click.option(

@@ -649,7 +649,7 @@ def drafted_llama(tmp_path_factory):
 
 
 def test_a_draft_model_in_the_batch_gives_transformers_greedy_tokens(drafted_llama):
-    """Rows drafting with a draft model (each its own draft cache), a prompt-lookup row and a
+    """Rows drafting with a draft model (their draft keys in its pool), a prompt-lookup row and a
     plain row share verification steps: each gets transformers' greedy tokens for its prompt
     alone, drafts were accepted and rejected, and every block comes back."""
     from mlxinfer.generation.drafts import DraftModel, PromptLookup
@@ -673,7 +673,10 @@ def test_a_draft_model_in_the_batch_gives_transformers_greedy_tokens(drafted_lla
     assert sum(s.passes for s in drafted) < len(drafted)
     assert sum(s.drafted for s in drafted) > sum(s.accepted for s in drafted)  # and some not
     assert not any(s.drafted for s in steps[3])  # the plain row drafts nothing
-    assert metrics["draft_steps"] >= sum(s.drafted for s in drafted)
+    # The two rows drafting with one draft model share its forwards (its own pool): at least
+    # one forward per draft of either row, fewer than one per draft of both.
+    per_row = [sum(s.drafted for s in steps[i]) for i in (0, 1)]
+    assert max(per_row) <= metrics["draft_steps"] < sum(per_row)
     assert metrics["draft_model_bytes"] == sum(
         a.nbytes for _, a in tree_flatten(draft.parameters())
     )
@@ -720,6 +723,66 @@ def test_a_seeded_draft_model_request_is_the_same_alone_in_a_batch_and_in_the_si
     ]
     assert in_engine(4) == alone == single
     assert any(d for _, d in alone) and not all(d for _, d in alone)
+
+
+def test_a_draft_pool_proposes_the_draft_models_greedy_tokens(llama):
+    """One draft forward over rows that lack one or two tokens of their history (padded to the
+    longest, the padding rewound), then a token a forward until each has its k: each row's
+    greedy drafts are transformers' greedy continuation of its history by the draft model, and
+    again after a rewind to what a verification kept."""
+    from mlxinfer.batch.draft_pool import DraftPool
+    from mlxinfer.batch.requests import _Request
+    from mlxinfer.generation.speculative import _draft_sampler
+
+    draft, torch_draft = llama
+    pool = DraftPool(draft, draft, blocks=64, block_size=8)
+    histories = [_prompt(21, 31), _prompt(9, 32), _prompt(40, 33)]
+    lacking, ks = [1, 2, 1], [4, 3, 2]
+    rows = []
+    for history, lack in zip(histories, lacking):
+        r = _Request(history, 16, None, [], frozenset())
+        r.tokens = list(history)
+        assert pool.admit(r, 16)
+        pool.feed(r, len(history) - lack)
+        rows.append(r)
+    greedy = SamplingParams()
+
+    def proposed():
+        samplers = [_draft_sampler(greedy, [], None, mx.random.key(0)) for _ in rows]
+        return [d.tolist() for d, q in pool.propose(rows, ks, samplers)]
+
+    got = proposed()
+    assert got == [torch_greedy(torch_draft, r.tokens, k) for r, k in zip(rows, ks)]
+    for r, d, k in zip(rows, got, ks):  # held: the history and all drafts but the last
+        assert r.draft_seq.tokens == r.tokens + d[: k - 1]
+    # The target kept each row's first draft, then its own token (3, say): the draft keeps the
+    # history and that draft, and proposes after history + [d0, 3].
+    for r, d in zip(rows, got):
+        pool.rewind(r, r.tokens + d[:1])
+        assert r.draft_seq.tokens == r.tokens + d[:1]
+        r.tokens = r.tokens + d[:1] + [3]
+    assert proposed() == [torch_greedy(torch_draft, r.tokens, k) for r, k in zip(rows, ks)]
+    for r in rows:
+        pool.release(r)
+    assert pool.bytes_in_use == 0
+
+
+def test_a_draft_model_no_pool_holds_drafts_with_a_cache_per_request(drafted_llama, tmp_path):
+    """A draft model with recurrent layers (LFM2's convolutions) has no draft pool: each row
+    drafts in a cache of its own (k forwards a row), with the target's greedy tokens still."""
+    from mlxinfer.generation.drafts import DraftModel
+
+    model, torch_model, _ = drafted_llama
+    path, _ = make_tiny(tmp_path / "lfm2", **{**LONG, **FAMILIES["lfm2"]})
+    draft, _ = load_model(path)
+    prompts = [_prompt(30, 6), _prompt(70, 7)]
+    expected = [torch_greedy(torch_model, p, 8) for p in prompts]
+    with Engine(model, max_batch=8) as engine:
+        handles = [engine.submit(p, max_tokens=8, draft=DraftModel(draft)) for p in prompts]
+        steps = [list(h.steps()) for h in handles]
+        assert not engine._draft_pools
+        assert engine.metrics()["draft_steps"] >= sum(s.drafted for row in steps for s in row)
+    assert [[s.token for s in row] for row in steps] == expected
 
 
 def test_cancelling_draft_model_requests_returns_every_block_and_draft_cache(drafted_llama):

@@ -55,7 +55,7 @@ def batch_generate(
     in order. Takes ``generate``'s sampling options (``temperature``, ``top_p``, ``seed``, …);
     a ``seed`` seeds every request alike. ``kv_bits``: the pool stores 8- or 4-bit keys and
     values. ``draft=PromptLookup()`` or ``DraftModel(...)``: every request drafts by
-    prompt lookup or with that draft model, each with its own draft cache (``num_draft``
+    prompt lookup or with that draft model, whose steps the requests share (``num_draft``
     tokens per step, or adaptive). ``constraint``: every request's output must match it
     (each request has its own matcher). ``chat_template_kwargs``: more chat-template variables,
     as for ``stream_generate``."""

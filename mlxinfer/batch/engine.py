@@ -26,9 +26,10 @@ fixed-size state for those layers beside its blocks, and the step stacks the row
 A state holds the whole prefix it has read and cannot be rewound per row, so such a model
 shares no prefix blocks and drafts nothing (``max_draft`` is 0).
 
-A request may draft (speculative decoding): by prompt lookup, or with a draft model whose
-cache the request keeps outside the pool (``rows``); its step verifies the drafts in the
-batch's one forward and rewinds the rejected ones, in the pool and in its draft cache.
+A request may draft (speculative decoding): by prompt lookup, or with a draft model, whose keys
+the request keeps in that model's own pool (``draft_pool``: the rows drafting with it share each
+draft forward); its step verifies the drafts in the batch's one forward and rewinds the rejected
+ones, in both pools.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from ..models.layers.rope import prompt_reach
 from ..threads import release_at_thread_exit
 from . import pool as pool_mod
 from . import rows as rows_mod
+from .draft_pool import DraftPool, poolable
 from .frontend import TextRequests
 from .layout import STATE, check_batchable, layer_shapes
 from .pool import KVPool, PoolStats
@@ -131,10 +133,12 @@ class Engine(TextRequests):
         self.prefill_tokens = self.decode_tokens = 0
         self.requests_done = 0  # requests retired (finished or cancelled)
         self.draft_tokens = self.accepted_tokens = 0  # drafts proposed, kept
-        # Draft models: their forwards (a token each, prefill chunks aside), the time spent
-        # in them, the bytes of the running requests' draft caches, and each model's weights.
+        # Draft models: their forwards (a token each for each row in it, prefill chunks aside),
+        # the time spent in them, the bytes of the draft keys held for the running requests,
+        # each model's weights, and each model's pool (by id; made on first use).
         self.draft_steps, self.draft_s, self.draft_kv_bytes = 0, 0.0, 0
         self._draft_weights: dict[int, int] = {}
+        self._draft_pools: dict[int, DraftPool] = {}
         self._thread = threading.Thread(target=self._loop, name="mlxinfer-engine", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -160,8 +164,9 @@ class Engine(TextRequests):
         never fit the budget.
 
         ``draft``: speculative decoding by :class:`~mlxinfer.generation.drafts.PromptLookup`
-        or with a :class:`~mlxinfer.generation.drafts.DraftModel` (same vocabulary; each
-        request keeps its own draft cache; drafts verified in the batch's forward, rejected
+        or with a :class:`~mlxinfer.generation.drafts.DraftModel` (same vocabulary; the rows
+        drafting with one draft model share its forwards, over a pool of its own as large in
+        blocks as the target's; drafts verified in the batch's forward, rejected
         ones rewound): the same tokens as without it when greedy, the same distribution when
         sampling. ``num_draft``: tokens drafted per step (at most ``max_draft``); None adapts
         to the acceptance rate.
@@ -181,7 +186,13 @@ class Engine(TextRequests):
         request = _Request(ids, max_tokens, sampling.sampler(), processors, frozenset(eos))
         if (draft is not None or num_draft is not None) and self.max_draft > 0:
             rows_mod.start_drafting(
-                request, self.model, draft, num_draft, sampling.seed, self.max_draft
+                request,
+                self.model,
+                draft,
+                num_draft,
+                sampling.seed,
+                self.max_draft,
+                self._draft_pool,
             )
             if request.draft_model is not None and id(draft.model) not in self._draft_weights:
                 # Weights still lazy are evaluated on this thread, whose streams they are on:
@@ -197,6 +208,19 @@ class Engine(TextRequests):
             self._waiting.append(request)
             self._cond.notify()
         return Handle(self, request, next(self._ids))
+
+    def _draft_pool(self, draft) -> DraftPool | None:
+        """The pool of ``draft``'s model (made on its first request), or None for a model
+        whose caches a pool cannot hold: then each request keeps a cache of its own."""
+        key = id(draft.model)
+        with self._cond:
+            if key not in self._draft_pools:
+                if not poolable(draft.model):
+                    return None
+                self._draft_pools[key] = DraftPool(
+                    draft.model, self.model, self.pool.max_blocks, self.pool.block_size
+                )
+            return self._draft_pools[key]
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
@@ -268,7 +292,9 @@ class Engine(TextRequests):
                 self._retire_cancelled()
                 self._prefill()
                 self._decode()
-                self.draft_kv_bytes = sum(rows_mod.draft_nbytes(r) for r in self._running)
+                self.draft_kv_bytes = sum(rows_mod.draft_nbytes(r) for r in self._running) + sum(
+                    p.bytes_in_use for p in self._draft_pools.values()
+                )
         except BaseException as e:  # the thread must not die silently: tell every request
             self.failure = e
             raise
@@ -281,6 +307,8 @@ class Engine(TextRequests):
             for request in left:
                 if request.seq is not None:
                     self.pool.release(request.seq)
+                if isinstance(request.drafter, DraftPool):
+                    request.drafter.release(request)
                 request.out.put(error)
 
     def _admit(self, waiting: list[_Request]) -> None:
@@ -298,6 +326,12 @@ class Engine(TextRequests):
             if seq is None:  # no room now: wait for a running request to leave
                 held.append(request)
                 continue
+            if isinstance(request.drafter, DraftPool) and not request.drafter.admit(
+                request, request.max_tokens + self.max_draft
+            ):  # its draft model's pool has no room now
+                self.pool.release(seq)
+                held.append(request)
+                continue
             request.seq = seq
             if self.recurrent:
                 request.states = [c for c in self.model.make_cache() if isinstance(c, StateCache)]
@@ -313,7 +347,9 @@ class Engine(TextRequests):
         self.requests_done += 1
         self._running.remove(request)
         self.pool.release(request.seq)
-        if request.draft_model is not None:  # its draft cache goes with it
+        if request.draft_model is not None:  # its draft keys go with it
+            if isinstance(request.drafter, DraftPool):
+                request.drafter.release(request)
             request.drafter = request.draft_model = None
         request.out.put(None)
 
@@ -415,10 +451,10 @@ class Engine(TextRequests):
         acceptance keeps plus one token of the target's, and the rest is rewound from the pool.
         Each row's acceptance reads only its own logits and its own key."""
         t0 = time.perf_counter()
-        # A draft model proposes row by row (each row's own cache, k forwards of one token).
-        proposals = [rows_mod.propose(r, self.max_draft) for r in rows]
-        if any(p.forwards for p in proposals):
-            self.draft_steps += sum(p.forwards for p in proposals)
+        # The rows of one draft pool propose together (k forwards of all of them).
+        proposals, forwards = rows_mod.propose(rows, self.max_draft)
+        if forwards:
+            self.draft_steps += forwards
             self.draft_s += time.perf_counter() - t0
         drafts = [p.tokens for p in proposals]
         L = 1 + max(len(d) for d in drafts)

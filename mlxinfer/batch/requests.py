@@ -45,6 +45,7 @@ class _Request:
     # for the acceptance, and prompt + generated tokens.
     drafter: Any = None
     draft_model: Any = None  # the draft model, when the drafter runs one
+    draft_seq: Any = None  # its sequence in the draft model's pool, when the drafter is one
     draft_length: Any = None
     key: mx.array | None = None
     accept_key: mx.array | None = None

@@ -1,9 +1,11 @@
 """How each row of a step picks its tokens: through its own processors and sampler, or by
 verifying the drafts it proposed (the engine runs the forward and the rewind).
 
-A row drafts by prompt lookup (copying from its own history) or with a draft model: then it
-keeps its own cache of the draft model (``DraftModel.drafter``), fed its prompt as the target's
-prefill goes, run k times a step to propose, and rewound to the tokens the target kept.
+A row drafts by prompt lookup (copying from its own history) or with a draft model: then its
+draft keys are a sequence of that model's pool (``draft_pool``: the rows drafting with one model
+propose together, k forwards of all of them), or, for a draft model a pool cannot hold, a cache
+of its own (``DraftModel.drafter``, k forwards of the row alone); either is fed the prompt as the
+target's prefill goes and rewound to the tokens the target kept.
 
 A row's pick reads only its own logits and its own random key, so a seeded request draws
 the same tokens whoever shares its steps.
@@ -12,12 +14,13 @@ the same tokens whoever shares its steps.
 from __future__ import annotations
 
 import secrets
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
 from ..generation.drafts import Draft, DraftModel, PromptLookup
 from ..generation.speculative import DraftLength, _draft_sampler, accept_drafts, allowed_drafts
+from .draft_pool import DraftPool
 from .requests import _Request
 
 
@@ -28,9 +31,11 @@ def start_drafting(
     num_draft: int | None,
     seed: int | None,
     max_draft: int,
+    pool_for: Callable[[DraftModel], DraftPool | None] = lambda draft: None,
 ) -> None:
     """Make ``request`` draft by prompt lookup or with a draft model (``num_draft`` tokens a
-    step, or adaptive). A draft model's cache is made here, empty; the engine feeds it."""
+    step, or adaptive). A draft model drafts in the engine's pool for it (``pool_for``), or
+    else in a cache of its own made here, empty; the engine feeds either."""
     if draft is None:
         raise ValueError("num_draft: given without a draft (draft=PromptLookup() or DraftModel)")
     if not isinstance(draft, (PromptLookup, DraftModel)):
@@ -48,7 +53,7 @@ def start_drafting(
     if num_draft is not None and not 1 <= num_draft <= max_draft:
         raise ValueError(f"num_draft must be in 1..{max_draft} (max_draft), got {num_draft}")
     if isinstance(draft, DraftModel):
-        request.drafter = draft.drafter(model)
+        request.drafter = pool_for(draft) or draft.drafter(model)
         request.draft_model = draft.model
     else:
         request.drafter = draft.start(model, [], request.ids)
@@ -60,6 +65,9 @@ def start_drafting(
 def feed_draft(r: _Request) -> None:
     """Catch ``r``'s draft model up with what the target's pool holds of its prompt (its
     shared prefix blocks too)."""
+    if isinstance(r.drafter, DraftPool):
+        r.drafter.feed(r, r.seq.length)
+        return
     ids = r.ids[len(r.drafter.pc.tokens) : r.seq.length]
     if ids:
         r.drafter.feed(ids)
@@ -68,41 +76,75 @@ def feed_draft(r: _Request) -> None:
 class Proposal(NamedTuple):
     tokens: list[int]  # the drafts, (m,)
     q: mx.array | None  # (m, V) log-probs they were drawn from; None: a point mass on each
-    forwards: int  # draft-model forwards it took
 
 
-def propose(r: _Request, max_draft: int) -> Proposal:
-    """The drafts ``r`` proposes this step (none for a plain row, or near ``max_tokens``)."""
+def propose(rows: list[_Request], max_draft: int) -> tuple[list[Proposal], int]:
+    """The drafts each row proposes this step (none for a plain row, or near ``max_tokens``),
+    and the draft-model forwards they took: the rows drafting in one draft pool share each
+    forward (k of them), the others take k each."""
+    plans = [_plan(r, max_draft) for r in rows]
+    drawn: list[tuple[mx.array, mx.array | None] | None] = [None] * len(rows)
+    pooled: dict[int, list[int]] = {}
+    forwards = 0
+    for b, (r, plan) in enumerate(zip(rows, plans)):
+        if plan is None:
+            continue
+        if isinstance(r.drafter, DraftPool):
+            pooled.setdefault(id(r.drafter), []).append(b)
+        else:
+            drawn[b] = r.drafter.propose(r.tokens, *plan)
+            forwards += plan[0] if r.draft_model is not None else 0
+    for group in pooled.values():
+        ks, samplers = zip(*(plans[b] for b in group))
+        pool = rows[group[0]].drafter
+        for b, out in zip(group, pool.propose([rows[b] for b in group], ks, samplers)):
+            drawn[b] = out
+        forwards += max(ks)
+    proposals = []
+    for r, out in zip(rows, drawn):
+        if out is None:
+            proposals.append(Proposal([], None))
+            continue
+        proposed, q = allowed_drafts(r.processors, r.tokens, *out)
+        proposals.append(Proposal(proposed.tolist(), q))
+    return proposals, forwards
+
+
+def _plan(r: _Request, max_draft: int) -> tuple[int, Callable] | None:
+    """(k, the sampler of its drafts) for a row drafting this step, else None."""
     if r.drafter is None:
-        return Proposal([], None, 0)
+        return None
     # One split a step, drafts or not, as speculative_generate_step splits its key.
     r.key, draft_key, r.accept_key = mx.random.split(r.key, 3)
     k = min(r.draft_length.k, max_draft, r.max_tokens - r.generated - 1)
     if k <= 0:
-        return Proposal([], None, 0)
+        return None
     # A draft model draws from the processed distribution the target uses (its own key).
-    sample = _draft_sampler(r.sampler.params, r.processors, r.history, draft_key)
-    proposed, q = r.drafter.propose(r.tokens, k, sample)
-    proposed, q = allowed_drafts(r.processors, r.tokens, proposed, q)
-    return Proposal(proposed.tolist(), q, k if r.draft_model is not None else 0)
+    return k, _draft_sampler(r.sampler.params, r.processors, r.history, draft_key)
 
 
 def rewind_draft(r: _Request, kept: list[int]) -> None:
     """The target's pool now holds ``kept`` for ``r``: its draft model's cache keeps at most
     that (drafts the target rejected go)."""
-    if r.drafter is not None:
+    if isinstance(r.drafter, DraftPool):
+        r.drafter.rewind(r, kept)
+    elif r.drafter is not None:
         r.drafter.rewind(kept)
 
 
 def draft_state(r: _Request) -> list[mx.array]:
-    """The arrays of ``r``'s draft cache, to evaluate with the step that wrote them."""
-    if r.draft_model is None:
+    """The arrays of ``r``'s own draft cache, to evaluate with the step that wrote them (a
+    draft pool evaluates its own)."""
+    if r.draft_model is None or isinstance(r.drafter, DraftPool):
         return []
     return [a for c in r.drafter.pc.cache for a in c.state]
 
 
 def draft_nbytes(r: _Request) -> int:
-    return r.drafter.nbytes if r.draft_model is not None else 0
+    """The bytes of ``r``'s own draft cache (a draft pool counts its blocks itself)."""
+    if r.draft_model is None or isinstance(r.drafter, DraftPool):
+        return 0
+    return r.drafter.nbytes
 
 
 def verify(
