@@ -305,6 +305,73 @@ def test_shared_prefix_is_served_from_the_pool(llama):
     assert tokens == torch_greedy(torch_model, b, 4)
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    """Gemma 2's sliding (window 6) and full layers, alternating."""
+    path, torch_model = make_tiny(
+        tmp_path_factory.mktemp("gemma2"), perturb_vectors=True, **{**LONG, **FAMILIES["gemma2"]}
+    )
+    model, _ = load_model(path)
+    return model, torch_model
+
+
+def test_sliding_layers_hold_only_their_window(gemma2):
+    """The sliding layers' keys live in a window pool where a sequence keeps only the blocks its
+    window still sees: with a window of 6 and blocks of 16, at most 2 per decoding row (the
+    full layers hold the whole sequence), the store stays that small, and the tokens are still
+    transformers'. Without ``hold_windows`` every layer holds the whole sequence."""
+    model, torch_model = gemma2
+    prompts = [_prompt(300, 41), _prompt(120, 42), _prompt(500, 43)]
+    expected = [torch_greedy(torch_model, p, 6) for p in prompts]
+    with Engine(model, block_size=16, prefill_step=64) as engine:
+        handles = [engine.submit(p, max_tokens=6) for p in prompts]
+        first = next(handles[0].steps())  # all three decoding or prefilling now
+        held = engine.window_stats().blocks_in_use
+        got = [[first.token] + [s.token for s in handles[0].steps()]]
+        got += [[s.token for s in h.steps()] for h in handles[1:]]
+        window_bytes = engine.window_pool.nbytes
+        assert engine.stats().blocks_in_use == 0 and engine.window_stats().blocks_in_use == 0
+    assert got == expected
+    # A prefilling row holds its chunk too: 64 tokens past a 6-token window, at most 6 blocks.
+    assert held <= 2 + 2 + 6
+    assert window_bytes <= 16 * engine.window_pool.bytes_per_block  # the store's first growth
+    full_blocks = sum(-(-(len(p) + 6) // 16) for p in prompts)
+    with Engine(model, block_size=16, prefill_step=64, hold_windows=False) as engine:
+        assert engine.window_pool is None
+        assert [[s.token for s in engine.submit(p, max_tokens=6).steps()] for p in prompts] == (
+            expected
+        )
+        assert engine.pool.nbytes >= full_blocks * engine.pool.bytes_per_block
+
+
+def test_a_shared_prefix_is_served_from_both_pools(gemma2):
+    """A second request sharing a 200-token prefix takes its full layers' blocks from the pool
+    and its sliding layers' last window from the window pool (the blocks before it are never
+    read): 192 tokens served (12 whole blocks before the prompt's last token), transformers'
+    tokens for both."""
+    model, torch_model = gemma2
+    system = _prompt(200, 44)
+    a, b = system + _prompt(5, 45), system + _prompt(7, 46)
+    with Engine(model, block_size=16) as engine:
+        first = engine.submit(a, max_tokens=4)
+        assert [s.token for s in first.steps()] == torch_greedy(torch_model, a, 4)
+        second = engine.submit(b, max_tokens=4)
+        assert [s.token for s in second.steps()] == torch_greedy(torch_model, b, 4)
+    assert second.cached_tokens == 192
+
+
+def test_a_window_pool_shares_only_whole_windows():
+    """``shareable``: a full pool shares up to its first missing block; a window pool shares up to
+    the last prefix whose window (the blocks a query at its end still sees) is all there."""
+    pool = KVPool(SHAPES, block_size=4, kv_budget=1 << 20, window=6)
+    # A query at position 4n sees from 4n - 5: blocks (4n - 5) // 4 .. n - 1.
+    assert pool.shareable([None, None, 7, 8]) == 4  # sees blocks 2 and 3
+    assert pool.shareable([None, 5, 6, None, 9]) == 3  # n = 5, 4 need block 3; n = 3: 1 and 2
+    assert pool.shareable([None, 5, None, 8]) == 0  # n = 2 sees from position 3: block 0 too
+    assert pool.shareable([None, None, None]) == 0
+    assert KVPool(SHAPES, block_size=4, kv_budget=1 << 20).shareable([3, None, 8]) == 1
+
+
 # -- the pool alone -------------------------------------------------------------------------
 
 SHAPES = [LayerShape(2, 4, 4, mx.float32)]

@@ -55,7 +55,7 @@ from . import pool as pool_mod
 from . import rows as rows_mod
 from .draft_pool import DraftPool, poolable
 from .frontend import TextRequests
-from .layout import STATE, check_batchable, layer_shapes
+from .layout import STATE, check_batchable, layer_shapes, make_pools
 from .pool import KVPool, PoolStats
 from .requests import POLL_S, EngineError, Handle, _Request
 from .views import StepBatch
@@ -84,6 +84,9 @@ class Engine(TextRequests):
         attention: how decode steps read the pool: ``"pages"``, over its blocks in place
             (the faster measured on the CPU backend, docs/batching.md), or ``"gather"``, over a
             contiguous copy of each row's keys. Both give the same logits (1e-4).
+        hold_windows: sliding-window layers keep only the blocks their window still sees (in a
+            pool of their own, as many blocks as the pool: ``kv_budget`` holds both), not every
+            key of the sequence.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Engine(TextRequests):
         max_draft: int = DEFAULT_MAX_DRAFT,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        hold_windows: bool = True,
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -115,7 +119,14 @@ class Engine(TextRequests):
         if self.recurrent:
             max_draft = 0
         shapes = layer_shapes(model, kv_bits, kv_group_size)
-        self.pool = KVPool(shapes, block_size=block_size, kv_budget=kv_budget)
+        # Sliding-window layers hold only their windows, in a pool of their own (make_pools).
+        self.pool, self.window_pool = make_pools(
+            shapes,
+            self.windows,
+            block_size=block_size,
+            kv_budget=kv_budget,
+            hold_windows=hold_windows,
+        )
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.attention = attention
         # Every request reserves room for max_draft more tokens: a step that verifies drafts
@@ -225,6 +236,30 @@ class Engine(TextRequests):
     def stats(self) -> PoolStats:
         return self.pool.stats()
 
+    def window_stats(self) -> PoolStats | None:
+        """The window pool's statistics (sliding-window layers), or None without one."""
+        return self.window_pool.stats() if self.window_pool is not None else None
+
+    def _window(self, rows: list[_Request]) -> tuple[KVPool, list] | None:
+        """The window pool and the rows' sequences there, for a StepBatch (None without one)."""
+        if self.window_pool is None:
+            return None
+        return self.window_pool, [r.wseq for r in rows]
+
+    def _stores(self) -> list:
+        """Every pool's arrays, to evaluate with the step that wrote them."""
+        pools = [self.pool] + ([self.window_pool] if self.window_pool is not None else [])
+        return [p.keys + p.values for p in pools]
+
+    def _release(self, request: _Request) -> None:
+        """Give back the request's blocks in every pool."""
+        if request.seq is not None:
+            self.pool.release(request.seq)
+        if request.wseq is not None:
+            self.window_pool.release(request.wseq)
+        if isinstance(request.drafter, DraftPool):
+            request.drafter.release(request)
+
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters (for ``/metrics``; read without a lock, so
         each value is current but they may be a step apart)."""
@@ -245,7 +280,7 @@ class Engine(TextRequests):
             "kv_blocks_in_use": pool.blocks_in_use,
             "kv_blocks_cached": pool.blocks_cached,
             "kv_blocks_free": pool.blocks_free,
-            "kv_bytes": pool.nbytes,
+            "kv_bytes": pool.nbytes + (self.window_pool.nbytes if self.window_pool else 0),
             "prefix_hit_ratio": pool.prefix_hits / pool.prefix_queries
             if pool.prefix_queries
             else 0.0,
@@ -305,10 +340,7 @@ class Engine(TextRequests):
                 left, self._waiting = self._running + self._waiting, []
                 self._running = []
             for request in left:
-                if request.seq is not None:
-                    self.pool.release(request.seq)
-                if isinstance(request.drafter, DraftPool):
-                    request.drafter.release(request)
+                self._release(request)
                 request.out.put(error)
 
     def _admit(self, waiting: list[_Request]) -> None:
@@ -320,19 +352,10 @@ class Engine(TextRequests):
             if len(self._running) >= self.max_batch:
                 held.append(request)
                 continue
-            seq = self.pool.admit(
-                request.ids, request.max_tokens + self.max_draft, share=not self.recurrent
-            )
-            if seq is None:  # no room now: wait for a running request to leave
+            if not self._admit_one(request):  # no room now: wait for a running request to leave
                 held.append(request)
                 continue
-            if isinstance(request.drafter, DraftPool) and not request.drafter.admit(
-                request, request.max_tokens + self.max_draft
-            ):  # its draft model's pool has no room now
-                self.pool.release(seq)
-                held.append(request)
-                continue
-            request.seq = seq
+            seq = request.seq
             if self.recurrent:
                 request.states = [c for c in self.model.make_cache() if isinstance(c, StateCache)]
             request.cached_tokens = seq.length
@@ -343,13 +366,31 @@ class Engine(TextRequests):
             with self._cond:
                 self._waiting[:0] = held
 
+    def _admit_one(self, request: _Request) -> bool:
+        """Sequences for ``request`` in every pool (the same prefix shared in each: as much of
+        it as the window pool has the windows of), or False, holding nothing, if one lacks room."""
+        room, share = request.max_tokens + self.max_draft, not self.recurrent
+        hits = None
+        if self.window_pool is not None and share:
+            full = self.pool.shareable(self.pool.lookup(request.ids))
+            hits = self.window_pool.shareable(self.window_pool.lookup(request.ids)[:full])
+        request.seq = self.pool.admit(request.ids, room, share, hits=hits)
+        ok = request.seq is not None
+        if ok and self.window_pool is not None:
+            request.wseq = self.window_pool.admit(request.ids, room, share, hits=hits)
+            ok = request.wseq is not None
+        if ok and isinstance(request.drafter, DraftPool):
+            ok = request.drafter.admit(request, room)
+        if not ok:
+            self._release(request)
+            request.seq = request.wseq = None
+        return ok
+
     def _retire(self, request: _Request) -> None:
         self.requests_done += 1
         self._running.remove(request)
-        self.pool.release(request.seq)
+        self._release(request)
         if request.draft_model is not None:  # its draft keys go with it
-            if isinstance(request.drafter, DraftPool):
-                request.drafter.release(request)
             request.drafter = request.draft_model = None
         request.out.put(None)
 
@@ -372,12 +413,17 @@ class Engine(TextRequests):
                 chunk = request.ids[start : start + min(left, budget)]
                 t0 = time.perf_counter()
                 batch = StepBatch(
-                    self.pool, [request.seq], [chunk], self.windows, states=[request.states]
+                    self.pool,
+                    [request.seq],
+                    [chunk],
+                    self.windows,
+                    states=[request.states],
+                    window=self._window([request]),
                 )
                 # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE).
                 with prefill_schedule(self.model), prompt_reach(len(request.ids)):
                     self.model(mx.array([chunk], dtype=mx.int32), batch.views())
-                    mx.eval(self.pool.keys, self.pool.values, _arrays(request))
+                    mx.eval(self._stores(), _arrays(request))
                 self.prefill_s += time.perf_counter() - t0
                 self.prefill_tokens += len(chunk)
                 budget -= len(chunk)
@@ -428,12 +474,13 @@ class Engine(TextRequests):
             self.windows,
             self.attention,
             states=[r.states for r in rows],
+            window=self._window(rows),
         )
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
         picked, logprobs = rows_mod.sample_rows(rows, logits)
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
-        mx.eval(picked, logprobs, self.pool.keys, self.pool.values, [_arrays(r) for r in rows])
+        mx.eval(picked, logprobs, self._stores(), [_arrays(r) for r in rows])
         self.steps_run += 1
         for request, t, lp in zip(rows, picked.tolist(), logprobs):
             request.generated += 1
@@ -460,15 +507,24 @@ class Engine(TextRequests):
         L = 1 + max(len(d) for d in drafts)
         tokens = [[r.pending] + d + [r.pending] * (L - 1 - len(d)) for r, d in zip(rows, drafts)]
         starts = [r.seq.length for r in rows]
-        batch = StepBatch(self.pool, [r.seq for r in rows], tokens, self.windows, self.attention)
+        batch = StepBatch(
+            self.pool,
+            [r.seq for r in rows],
+            tokens,
+            self.windows,
+            self.attention,
+            window=self._window(rows),
+        )
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
         picks = [rows_mod.verify(r, logits[b], p) for b, (r, p) in enumerate(zip(rows, proposals))]
-        mx.eval(picks, self.pool.keys, self.pool.values, [rows_mod.draft_state(r) for r in rows])
+        mx.eval(picks, self._stores(), [rows_mod.draft_state(r) for r in rows])
         self.steps_run += 1
         for r, d, start, (a, t, logprobs) in zip(rows, drafts, starts, picks):
             a = int(a.item())
             emitted = d[:a] + [int(t.item())]
             self.pool.rewind(r.seq, start + 1 + a)  # the fed token and the accepted drafts
+            if r.wseq is not None:
+                self.window_pool.rewind(r.wseq, start + 1 + a)
             if r.draft_length is not None:
                 r.draft_length.update(a, len(d))
                 rows_mod.rewind_draft(r, r.tokens + emitted[:-1])  # what the pool now holds

@@ -11,7 +11,7 @@ import mlx.core as mx
 from ..cache import KVCache, LatentKVCache, RotatingKVCache, StateCache
 from ..errors import MlxInferError
 from ..models.layers.rope import LongRoPE, RoPE
-from .pool import LayerShape
+from .pool import KVPool, LayerShape
 
 
 class UnbatchableError(MlxInferError, NotImplementedError):
@@ -98,3 +98,40 @@ def check_batchable(model) -> tuple[Callable[[int], Hashable] | None, list[int |
     if not ropes:
         return None, windows
     return (lambda reach: tuple(m.regime(reach) for m in ropes)), windows
+
+
+def make_pools(
+    shapes: list[LayerShape],
+    windows: list[int | str | None],
+    *,
+    block_size: int,
+    kv_budget: int,
+    hold_windows: bool = True,
+) -> tuple[KVPool, KVPool | None]:
+    """The pools of a model's attention layers: (its pool, its window pool or None).
+
+    With ``hold_windows``, the sliding-window layers keep their keys in a pool of their own,
+    where a sequence holds only the blocks its window still sees (the largest of the layers'
+    windows), so their memory is the windows, not the sequences. Both pools have the blocks
+    ``kv_budget`` buys for every layer together, so admission is as without it and the two
+    never hold more than the budget. A model whose every attention layer slides keeps one pool,
+    a window pool."""
+    layer_windows = [w for w in windows if w != STATE]
+    sliding = [w for w in layer_windows if w is not None]
+    if not hold_windows or not sliding:
+        return KVPool(shapes, block_size=block_size, kv_budget=kv_budget), None
+    if len(sliding) == len(layer_windows):
+        return KVPool(shapes, block_size=block_size, kv_budget=kv_budget, window=max(sliding)), None
+    blocks = kv_budget // (block_size * sum(s.bytes_per_token for s in shapes))
+    full = [s for s, w in zip(shapes, layer_windows) if w is None]
+    windowed = [s for s, w in zip(shapes, layer_windows) if w is not None]
+
+    def budget(part: list[LayerShape]) -> int:
+        return blocks * block_size * sum(s.bytes_per_token for s in part)
+
+    if blocks < 1:  # the pool's own error, naming the budget
+        KVPool(shapes, block_size=block_size, kv_budget=kv_budget)
+    return (
+        KVPool(full, block_size=block_size, kv_budget=budget(full)),
+        KVPool(windowed, block_size=block_size, kv_budget=budget(windowed), window=max(sliding)),
+    )

@@ -48,6 +48,9 @@ def _joined(store: mx.array | list[mx.array], fresh: mx.array | list[mx.array]):
     return mx.concatenate([store, fresh])
 
 
+DROPPED = -1  # a block table entry whose block a sliding-window pool gave back (masked anyway)
+
+
 class PoolFullError(MlxInferError):
     """A request needs more KV blocks than the pool's budget can ever hold."""
 
@@ -108,7 +111,7 @@ class PoolStats:
 class Sequence:
     """One sequence's place in the pool: its blocks, its tokens, and what it reserved."""
 
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # DROPPED: a block given back (a window's)
     tokens: list[int] = field(default_factory=list)  # tokens whose keys are stored, in order
     hashes: list[bytes] = field(default_factory=list)  # one per full block
     reserved: int = 0  # blocks promised at admission and not allocated yet
@@ -132,11 +135,15 @@ class KVPool:
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_budget: int = DEFAULT_KV_BUDGET,
+        window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.layers = layers
         self.block_size = block_size
+        # A pool of sliding-window layers: a sequence keeps only the blocks its window still
+        # sees (drop_before), and a cached block is reused before the store grows.
+        self.window = window
         self.bytes_per_block = block_size * sum(s.bytes_per_token for s in layers)
         self.max_blocks = kv_budget // self.bytes_per_block
         if self.max_blocks < 1:
@@ -182,48 +189,88 @@ class KVPool:
 
     # -- sequences ------------------------------------------------------------------------
 
-    def admit(self, prompt: list[int], max_tokens: int, share: bool = True) -> Sequence | None:
+    def lookup(self, prompt: list[int]) -> list[int | None]:
+        """The block holding each full block of ``prompt`` (but the block of its last token),
+        by hash, or None: what :meth:`admit` could share."""
+        found, parent = [], b""
+        for i in range((len(prompt) - 1) // self.block_size):
+            parent = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
+            found.append(self._by_hash.get(parent))
+        return found
+
+    def shareable(self, found: list[int | None]) -> int:
+        """How many leading blocks of a :meth:`lookup` a sequence can share: those up to the
+        first missing one, or in a window pool up to the last ``n`` whose window is all there
+        (the blocks before a window are never read)."""
+        if self.window is None:
+            return next((i for i, b in enumerate(found) if b is None), len(found))
+        for n in range(len(found), 0, -1):
+            if all(b is not None for b in found[self._first_seen(n * self.block_size) : n]):
+                return n
+        return 0
+
+    def _first_seen(self, position: int) -> int:
+        """The first block a query at ``position`` still sees in a window pool."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def admit(
+        self, prompt: list[int], max_tokens: int, share: bool = True, hits: int | None = None
+    ) -> Sequence | None:
         """A sequence for ``prompt`` with room for ``max_tokens`` more, its prefix blocks
         shared where the pool has them (unless not ``share``: a model whose recurrent layers
-        keep a state outside the pool needs the whole prompt fed); None if the pool has no
-        room now (try later).
+        keep a state outside the pool needs the whole prompt fed; ``hits``: share exactly that
+        many, as :meth:`shareable` allows them); None if the pool has no room now (try later).
 
         At least the prompt's last token is left to compute: its logits start decoding.
         """
         self.check_fits(len(prompt) + max_tokens)
         seq = Sequence()
+        found = self.lookup(prompt) if share else []
+        n = self.shareable(found) if hits is None else hits
+        skip = self._first_seen(n * self.block_size) if self.window is not None else 0
         parent = b""
-        queries = (len(prompt) - 1) // self.block_size if share else 0
-        for i in range(queries):
-            h = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
-            block = self._by_hash.get(h)
-            if block is None:
-                break
-            self._take(block)
-            seq.blocks.append(block)
-            seq.hashes.append(h)
-            seq.tokens.extend(prompt[i * self.block_size : (i + 1) * self.block_size])
-            parent = h
-        need = self.blocks_for(len(prompt) + max_tokens) - len(seq.blocks)
+        for i in range(n):
+            parent = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
+            if i < skip:  # before the window: never read, not held
+                seq.blocks.append(DROPPED)
+            else:
+                self._take(found[i])
+                seq.blocks.append(found[i])
+            seq.hashes.append(parent)
+        seq.tokens.extend(prompt[: n * self.block_size])
+        need = self.blocks_for(len(prompt) + max_tokens) - n
         if need > self.available():
             self.release(seq)
             return None
         seq.reserved = need
         self._reserved += need
-        self.prefix_queries += queries
-        self.prefix_hits += len(seq.blocks)
+        self.prefix_queries += len(found)
+        self.prefix_hits += n
         return seq
+
+    def drop_before(self, seq: Sequence, position: int) -> None:
+        """In a window pool: give back ``seq``'s blocks that a query at ``position`` (or later)
+        no longer sees. Their hashes stay: cached, they can serve a later prefix."""
+        for i in range(self._first_seen(position)):
+            block = seq.blocks[i]
+            if block != DROPPED:
+                self._unref(block)
+                seq.blocks[i] = DROPPED
+
+    def _unref(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            del self._refs[block]
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
 
     def release(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks and reservation; hashed blocks stay cached for later hits."""
         for block in seq.blocks:
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                del self._refs[block]
-                if block in self._hash_of:
-                    self._cached[block] = None
-                else:
-                    self._free.append(block)
+            if block != DROPPED:
+                self._unref(block)
         self._reserved -= seq.reserved
         seq.blocks, seq.tokens, seq.hashes, seq.reserved = [], [], [], 0
 
@@ -235,7 +282,8 @@ class KVPool:
             return None
         child = Sequence(list(seq.blocks), list(seq.tokens), list(seq.hashes), need)
         for block in child.blocks:
-            self._refs[block] += 1
+            if block != DROPPED:
+                self._refs[block] += 1
         self._reserved += need
         return child
 
@@ -245,9 +293,12 @@ class KVPool:
         self._refs[block] = self._refs.get(block, 0) + 1
 
     def _allocate(self, seq: Sequence) -> int:
+        # A window pool reuses its cached blocks before it grows: its store stays the size of
+        # the windows held. The others grow first, to keep every prefix they can.
+        evict_first = self.window is not None and self._cached
         if self._free:
             block = self._free.pop()
-        elif self.n_blocks < self.max_blocks:
+        elif self.n_blocks < self.max_blocks and not evict_first:
             self._grow()
             block = self._free.pop()
         elif self._cached:  # evict the least recently used cached block
@@ -342,8 +393,9 @@ class KVPool:
             del self._by_hash[h]
 
     def block_table(self, seq: Sequence, length: int) -> np.ndarray:
-        """The blocks holding ``seq``'s first ``length`` positions."""
-        return np.asarray(seq.blocks[: -(-length // self.block_size)], np.int32)
+        """The blocks holding ``seq``'s first ``length`` positions (a block a window pool gave
+        back reads as block 0: the mask hides it)."""
+        return np.maximum(np.asarray(seq.blocks[: -(-length // self.block_size)], np.int32), 0)
 
     # -- the store ------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ class _Request:
     eos: frozenset[int]
     out: queue.Queue = field(default_factory=queue.Queue)
     seq: Sequence | None = None
+    wseq: Sequence | None = None  # its sequence in the window pool (sliding-window layers)
     history: mx.array | None = None  # prompt + generated, for the processors
     pending: int | None = None  # the token to feed next (decode row)
     generated: int = 0

@@ -37,7 +37,11 @@ class StepBatch:
 
     ``form`` is how a decode step's attention reads the pool: ``"pages"``, over the blocks
     where they lie (:meth:`LayerView.pages`), or ``"gather"``, over a contiguous copy of each
-    row's keys (what prefill chunks and the layers that cannot read pages always use)."""
+    row's keys (what prefill chunks and the layers that cannot read pages always use).
+
+    ``window``: (a window pool, the rows' sequences in it) for a model whose sliding-window
+    layers keep their keys there (``KVPool(window=)``). In a window pool each row first gives
+    back the blocks its window no longer sees."""
 
     def __init__(
         self,
@@ -47,6 +51,7 @@ class StepBatch:
         windows: list[int | str | None] | None = None,
         form: str = "gather",
         states: list[list[StateCache]] | None = None,
+        window: tuple[KVPool, list[Sequence]] | None = None,
     ) -> None:
         self.pool = pool
         # Per model layer: None (full attention), its sliding window (keys within the last
@@ -57,25 +62,17 @@ class StepBatch:
         self._visible: dict[int | None, mx.array] = {}
         n_new, bs = len(tokens[0]), pool.block_size
         starts = [s.length for s in seqs]
-        write = np.concatenate([pool.append_slots(s, t) for s, t in zip(seqs, tokens)])
         totals = [start + n_new for start in starts]
-        tables = [pool.block_table(s, total) for s, total in zip(seqs, totals)]
         n_blocks = -(-max(totals) // bs)
-        table = np.zeros((len(tables), n_blocks), np.int32)  # padding: block 0, masked
-        for b, blocks in enumerate(tables):
-            table[b, : len(blocks)] = blocks
-        self.write_blocks, self.write_within = mx.array(write // bs), mx.array(write % bs)
-        self.table = mx.array(table)
-        self.n_rows, self.n_new = len(tables), n_new
+        self.n_rows, self.n_new = len(seqs), n_new
         self.form = form if n_new == 1 else "gather"
+        self.main = _Slots(pool, seqs, tokens, n_blocks, self.form)
+        self.windowed = None if window is None else _Slots(*window, tokens, n_blocks, self.form)
         # Keys per row as gathered: one row's exactly, several rows' padded to whole blocks.
-        self._starts, self._T = starts, totals[0] if len(tables) == 1 else n_blocks * bs
+        self._starts, self._T = starts, totals[0] if len(seqs) == 1 else n_blocks * bs
         self.offset: int | mx.array = (
-            starts[0] if len(tables) == 1 else mx.array(starts, dtype=mx.int32)
+            starts[0] if len(seqs) == 1 else mx.array(starts, dtype=mx.int32)
         )
-        if self.form == "pages":
-            heads = {s.kv_heads for s in pool.layers}
-            self._index = {h: _page_index(table, h) for h in heads}
 
     def mask_for(self, window: int | None) -> Mask:
         """The mask of layers with this sliding ``window`` (None: full attention), made once."""
@@ -99,26 +96,53 @@ class StepBatch:
             visible &= position - keys < window
         return visible
 
-    def pages(self, window: int | None, kv_heads: int, keys: mx.array, values: mx.array) -> Pages:
+    def pages(self, slots: _Slots, window: int | None, kv_heads: int, layer: int) -> Pages:
         if window not in self._visible:
-            n_blocks, bs = self.table.shape[1], self.pool.block_size
+            n_blocks, bs = slots.table.shape[1], self.pool.block_size
             visible = self._visible_keys(window, n_blocks * bs)[:, 0]  # (B, T) of one query
             self._visible[window] = mx.array(visible.reshape(self.n_rows, 1, n_blocks, 1, bs))
-        return Pages(keys, values, *self._index[kv_heads], self._visible[window])
+        keys, values = slots.pool.keys[layer], slots.pool.values[layer]
+        return Pages(keys, values, *slots.index[kv_heads], self._visible[window])
 
     def views(self) -> list[LayerView | RowStates]:
-        """One cache per model layer: a view of the pool for an attention layer (the pool holds
-        those only, in order), the rows' own states for a recurrent one."""
+        """One cache per model layer: a view of a pool for an attention layer (the pool holds
+        those only, in order; a window pool the sliding ones), the rows' own states for a
+        recurrent one."""
         views: list[LayerView | RowStates] = []
-        n_kv = n_state = 0
+        n_kv = n_window = n_state = 0
         for w in self.windows:
             if w == STATE:
                 views.append(RowStates([row[n_state] for row in self.states], self.offset))
                 n_state += 1
+            elif w is not None and self.windowed is not None:
+                views.append(LayerView(self, n_window, w, self.windowed))
+                n_window += 1
             else:
-                views.append(LayerView(self, n_kv, w))
+                views.append(LayerView(self, n_kv, w, self.main))
                 n_kv += 1
         return views
+
+
+class _Slots:
+    """One pool's part of a step: where the new keys go, and each row's block table."""
+
+    def __init__(
+        self, pool: KVPool, seqs: list[Sequence], tokens: list[list[int]], n_blocks: int, form: str
+    ) -> None:
+        bs = pool.block_size
+        if pool.window is not None:  # first give back what the rows' windows no longer see
+            for s in seqs:
+                pool.drop_before(s, s.length)
+        write = np.concatenate([pool.append_slots(s, t) for s, t in zip(seqs, tokens)])
+        self.pool = pool
+        self.write_blocks, self.write_within = mx.array(write // bs), mx.array(write % bs)
+        table = np.zeros((len(seqs), n_blocks), np.int32)  # padding: block 0, masked
+        for b, s in enumerate(seqs):
+            blocks = pool.block_table(s, s.length)
+            table[b, : len(blocks)] = blocks
+        self.table = mx.array(table)
+        if form == "pages":
+            self.index = {h: _page_index(table, h) for h in {s.kv_heads for s in pool.layers}}
 
 
 class RowStates:
@@ -171,9 +195,12 @@ class LayerView:
     """The :class:`~mlxinfer.cache.Cache` protocol for one layer of a :class:`StepBatch`; in a
     quantized pool it answers as a quantized cache (packed triples, ``group_size``, ``bits``)."""
 
-    def __init__(self, batch: StepBatch, layer: int, window: int | None = None) -> None:
+    def __init__(
+        self, batch: StepBatch, layer: int, window: int | None, slots: _Slots | None = None
+    ) -> None:
         self.batch, self.layer, self.window = batch, layer, window
-        shape = batch.pool.layers[layer]
+        self.slots = slots if slots is not None else batch.main
+        shape = self.slots.pool.layers[layer]
         self.quantized = shape.bits is not None
         self.group_size, self.bits = shape.group_size, shape.bits
 
@@ -185,12 +212,12 @@ class LayerView:
         """Store (B, kv_heads, L, dim) keys and values; every row's cached ones, padded (a
         lazy gather: not computed where attention reads the pages instead)."""
         B, H, L, _ = keys.shape
-        pool, batch = self.batch.pool, self.batch
+        slots = self.slots
         flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
         flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
-        pool.write(self.layer, batch.write_blocks, batch.write_within, flat_k, flat_v)
-        k, v = pool.gather(self.layer, batch.table)
-        T = batch._T
+        slots.pool.write(self.layer, slots.write_blocks, slots.write_within, flat_k, flat_v)
+        k, v = slots.pool.gather(self.layer, slots.table)
+        T = self.batch._T
         if self.quantized:
             return [a[:, :, :T] for a in k], [a[:, :, :T] for a in v]
         return (k, v) if k.shape[2] == T else (k[:, :, :T], v[:, :, :T])
@@ -205,9 +232,8 @@ class LayerView:
         batch = self.batch
         if batch.form != "pages" or self.quantized or mask is not batch.mask_for(self.window):
             return None  # (a quantized pool's layers read the gathered triples)
-        pool = batch.pool
-        keys, values = pool.keys[self.layer], pool.values[self.layer]
-        return batch.pages(self.window, keys.shape[1], keys, values)
+        kv_heads = self.slots.pool.layers[self.layer].kv_heads
+        return batch.pages(self.slots, self.window, kv_heads, self.layer)
 
     def is_trimmable(self) -> bool:
         return False
@@ -223,12 +249,13 @@ class LayerView:
 
     @property
     def state(self) -> list[mx.array]:
-        stores = [self.batch.pool.keys[self.layer], self.batch.pool.values[self.layer]]
+        pool = self.slots.pool
+        stores = [pool.keys[self.layer], pool.values[self.layer]]
         return [a for s in stores for a in (s if isinstance(s, list) else [s])]
 
     @property
     def nbytes(self) -> int:
-        return self.batch.pool.nbytes // max(1, len(self.batch.pool.layers))
+        return self.slots.pool.nbytes // max(1, len(self.slots.pool.layers))
 
 
 def _page_index(table: np.ndarray, kv_heads: int) -> tuple[mx.array, mx.array, mx.array]:
