@@ -326,11 +326,12 @@ def test_sliding_layers_hold_only_their_window(gemma2):
     with Engine(model, block_size=16, prefill_step=64) as engine:
         handles = [engine.submit(p, max_tokens=6) for p in prompts]
         first = next(handles[0].steps())  # all three decoding or prefilling now
-        held = engine.window_stats().blocks_in_use
+        held = engine.metrics()["kv_window_blocks_in_use"]
         got = [[first.token] + [s.token for s in handles[0].steps()]]
         got += [[s.token for s in h.steps()] for h in handles[1:]]
         window_bytes = engine.window_pool.nbytes
         assert engine.stats().blocks_in_use == 0 and engine.window_stats().blocks_in_use == 0
+        assert engine.metrics()["kv_window_blocks_in_use"] == 0
     assert got == expected
     # A prefilling row holds its chunk too: 64 tokens past a 6-token window, at most 6 blocks.
     assert held <= 2 + 2 + 6
@@ -342,6 +343,27 @@ def test_sliding_layers_hold_only_their_window(gemma2):
             expected
         )
         assert engine.pool.nbytes >= full_blocks * engine.pool.bytes_per_block
+
+
+def test_sliding_layers_read_only_the_blocks_their_window_sees(gemma2):
+    """A decode step of a 300-token row: the full layers' block table spans its 19 blocks, the
+    window pool's only the blocks a query at position 300 sees with a window of 6 (positions
+    295-300: block 18), its keys' positions starting there; the mask matches."""
+    from mlxinfer.batch.layout import check_batchable, layer_shapes, make_pools
+    from mlxinfer.batch.views import StepBatch
+
+    model, _ = gemma2
+    windows = check_batchable(model)[1]
+    pool, window_pool = make_pools(layer_shapes(model), windows, block_size=16, kv_budget=1 << 24)
+    ids = _prompt(300, 47)
+    seq, wseq = pool.admit(ids, 8), window_pool.admit(ids, 8)
+    StepBatch(pool, [seq], [ids], windows, window=(window_pool, [wseq]))
+    step = StepBatch(pool, [seq], [[5]], windows, "pages", window=(window_pool, [wseq]))
+    assert step.main.table.shape == (1, 19) and step.windowed.table.shape == (1, 1)
+    assert step.windowed.base.tolist() == [288] and step.windowed.T == 301 - 288
+    assert window_pool.stats().blocks_in_use == 1 and pool.stats().blocks_in_use == 19
+    visible = step._visible_keys(6, step.windowed)[0, 0]  # keys at positions 288-300
+    assert visible.tolist() == [False] * 7 + [True] * 6
 
 
 def test_a_shared_prefix_is_served_from_both_pools(gemma2):

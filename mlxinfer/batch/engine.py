@@ -280,6 +280,9 @@ class Engine(TextRequests):
             "kv_blocks_in_use": pool.blocks_in_use,
             "kv_blocks_cached": pool.blocks_cached,
             "kv_blocks_free": pool.blocks_free,
+            "kv_window_blocks_in_use": self.window_pool.stats().blocks_in_use
+            if self.window_pool is not None
+            else 0,
             "kv_bytes": pool.nbytes + (self.window_pool.nbytes if self.window_pool else 0),
             "prefix_hit_ratio": pool.prefix_hits / pool.prefix_queries
             if pool.prefix_queries

@@ -205,11 +205,11 @@ class KVPool:
         if self.window is None:
             return next((i for i, b in enumerate(found) if b is None), len(found))
         for n in range(len(found), 0, -1):
-            if all(b is not None for b in found[self._first_seen(n * self.block_size) : n]):
+            if all(b is not None for b in found[self.first_seen(n * self.block_size) : n]):
                 return n
         return 0
 
-    def _first_seen(self, position: int) -> int:
+    def first_seen(self, position: int) -> int:
         """The first block a query at ``position`` still sees in a window pool."""
         return max(0, position - self.window + 1) // self.block_size
 
@@ -227,7 +227,7 @@ class KVPool:
         seq = Sequence()
         found = self.lookup(prompt) if share else []
         n = self.shareable(found) if hits is None else hits
-        skip = self._first_seen(n * self.block_size) if self.window is not None else 0
+        skip = self.first_seen(n * self.block_size) if self.window is not None else 0
         parent = b""
         for i in range(n):
             parent = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
@@ -251,7 +251,7 @@ class KVPool:
     def drop_before(self, seq: Sequence, position: int) -> None:
         """In a window pool: give back ``seq``'s blocks that a query at ``position`` (or later)
         no longer sees. Their hashes stay: cached, they can serve a later prefix."""
-        for i in range(self._first_seen(position)):
+        for i in range(self.first_seen(position)):
             block = seq.blocks[i]
             if block != DROPPED:
                 self._unref(block)

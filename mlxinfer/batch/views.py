@@ -58,51 +58,52 @@ class StepBatch:
         # `window`), or STATE: a recurrent layer, whose state each row keeps in `states`.
         self.windows = windows or [None] * len(pool.layers)
         self.states = states
-        self._masks: dict[int | None, Mask] = {}
-        self._visible: dict[int | None, mx.array] = {}
-        n_new, bs = len(tokens[0]), pool.block_size
+        self._masks: dict[tuple, Mask] = {}
+        self._visible: dict[tuple, mx.array] = {}
+        n_new = len(tokens[0])
         starts = [s.length for s in seqs]
-        totals = [start + n_new for start in starts]
-        n_blocks = -(-max(totals) // bs)
         self.n_rows, self.n_new = len(seqs), n_new
         self.form = form if n_new == 1 else "gather"
-        self.main = _Slots(pool, seqs, tokens, n_blocks, self.form)
-        self.windowed = None if window is None else _Slots(*window, tokens, n_blocks, self.form)
-        # Keys per row as gathered: one row's exactly, several rows' padded to whole blocks.
-        self._starts, self._T = starts, totals[0] if len(seqs) == 1 else n_blocks * bs
+        self._starts = starts
+        self.main = _Slots(pool, seqs, tokens, self.form)
+        self.windowed = None if window is None else _Slots(*window, tokens, self.form)
         self.offset: int | mx.array = (
             starts[0] if len(seqs) == 1 else mx.array(starts, dtype=mx.int32)
         )
 
-    def mask_for(self, window: int | None) -> Mask:
-        """The mask of layers with this sliding ``window`` (None: full attention), made once."""
-        if window not in self._masks:
-            self._masks[window] = self._mask(window)
-        return self._masks[window]
+    def mask_for(self, window: int | None, slots: _Slots | None = None) -> Mask:
+        """The mask of layers with this sliding ``window`` (None: full attention) over the keys
+        of ``slots`` (the pool's by default), made once."""
+        slots = slots if slots is not None else self.main
+        key = (window, id(slots))
+        if key not in self._masks:
+            self._masks[key] = self._mask(window, slots)
+        return self._masks[key]
 
-    def _mask(self, window: int | None) -> Mask:
-        starts, T, n_new = self._starts, self._T, self.n_new
-        if len(starts) == 1 and (window is None or T <= window):
-            return None if n_new == 1 else "causal"
-        return mx.array(self._visible_keys(window, T)[:, None])  # (B, 1, L, T)
+    def _mask(self, window: int | None, slots: _Slots) -> Mask:
+        if self.n_rows == 1 and (window is None or slots.T <= window):
+            return None if self.n_new == 1 else "causal"
+        return mx.array(self._visible_keys(window, slots)[:, None])  # (B, 1, L, T)
 
-    def _visible_keys(self, window: int | None, T: int) -> np.ndarray:
-        # Query i of row b (position start_b + i) sees key j when j <= start_b + i, and within
-        # the window: the future, the padding and the keys slid out are hidden. (B, L, T)
+    def _visible_keys(self, window: int | None, slots: _Slots, T: int | None = None) -> np.ndarray:
+        # Query i of row b (position start_b + i) sees key j (position base_b + j) when it is
+        # not in the future and, in a sliding layer, within the window: the future, the padding
+        # and the keys slid out are hidden. (B, L, T)
         position = np.asarray(self._starts)[:, None, None] + np.arange(self.n_new)[None, :, None]
-        keys = np.arange(T)[None, None]  # (1, 1, T)
+        keys = slots.base[:, None, None] + np.arange(slots.T if T is None else T)[None, None]
         visible = keys <= position
         if window is not None:
             visible &= position - keys < window
         return visible
 
     def pages(self, slots: _Slots, window: int | None, kv_heads: int, layer: int) -> Pages:
-        if window not in self._visible:
-            n_blocks, bs = slots.table.shape[1], self.pool.block_size
-            visible = self._visible_keys(window, n_blocks * bs)[:, 0]  # (B, T) of one query
-            self._visible[window] = mx.array(visible.reshape(self.n_rows, 1, n_blocks, 1, bs))
+        key = (window, id(slots))
+        if key not in self._visible:
+            n_blocks, bs = slots.table.shape[1], slots.pool.block_size
+            visible = self._visible_keys(window, slots, n_blocks * bs)[:, 0]  # (B, T), one query
+            self._visible[key] = mx.array(visible.reshape(self.n_rows, 1, n_blocks, 1, bs))
         keys, values = slots.pool.keys[layer], slots.pool.values[layer]
-        return Pages(keys, values, *slots.index[kv_heads], self._visible[window])
+        return Pages(keys, values, *slots.index[kv_heads], self._visible[key])
 
     def views(self) -> list[LayerView | RowStates]:
         """One cache per model layer: a view of a pool for an attention layer (the pool holds
@@ -124,23 +125,31 @@ class StepBatch:
 
 
 class _Slots:
-    """One pool's part of a step: where the new keys go, and each row's block table."""
+    """One pool's part of a step: where the new keys go, and each row's block table.
 
-    def __init__(
-        self, pool: KVPool, seqs: list[Sequence], tokens: list[list[int]], n_blocks: int, form: str
-    ) -> None:
+    In a window pool a row first gives back the blocks its window no longer sees, and its table
+    starts at its first block still seen (``base``: that block's first position), so the
+    sliding layers' attention reads about a window of keys per row, not the whole sequence."""
+
+    def __init__(self, pool: KVPool, seqs: list[Sequence], tokens: list[list[int]], form: str):
         bs = pool.block_size
-        if pool.window is not None:  # first give back what the rows' windows no longer see
-            for s in seqs:
+        first = [0] * len(seqs)
+        if pool.window is not None:
+            for b, s in enumerate(seqs):
                 pool.drop_before(s, s.length)
+                first[b] = pool.first_seen(s.length)
         write = np.concatenate([pool.append_slots(s, t) for s, t in zip(seqs, tokens)])
         self.pool = pool
         self.write_blocks, self.write_within = mx.array(write // bs), mx.array(write % bs)
+        tables = [pool.block_table(s, s.length)[f:] for s, f in zip(seqs, first)]
+        n_blocks = max(len(t) for t in tables)
         table = np.zeros((len(seqs), n_blocks), np.int32)  # padding: block 0, masked
-        for b, s in enumerate(seqs):
-            blocks = pool.block_table(s, s.length)
+        for b, blocks in enumerate(tables):
             table[b, : len(blocks)] = blocks
         self.table = mx.array(table)
+        self.base = np.asarray(first) * bs  # (B,) the position of each row's first key here
+        # Keys per row as gathered: one row's exactly, several rows' padded to whole blocks.
+        self.T = seqs[0].length - self.base[0] if len(seqs) == 1 else n_blocks * bs
         if form == "pages":
             self.index = {h: _page_index(table, h) for h in {s.kv_heads for s in pool.layers}}
 
@@ -217,20 +226,24 @@ class LayerView:
         flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
         slots.pool.write(self.layer, slots.write_blocks, slots.write_within, flat_k, flat_v)
         k, v = slots.pool.gather(self.layer, slots.table)
-        T = self.batch._T
+        T = slots.T
         if self.quantized:
             return [a[:, :, :T] for a in k], [a[:, :, :T] for a in v]
         return (k, v) if k.shape[2] == T else (k[:, :, :T], v[:, :, :T])
 
     def make_mask(self, n_queries: int) -> Mask:
-        return self.batch.mask_for(self.window)
+        return self.batch.mask_for(self.window, self.slots)
 
     def pages(self, mask: Mask) -> Pages | None:
         """This layer's blocks for attention over them in place, after ``update_and_fetch``:
         in a decode step of the ``"pages"`` form whose ``mask`` is this cache's own (a layer
         that made its own, ALiBi's say, reads the gathered keys)."""
         batch = self.batch
-        if batch.form != "pages" or self.quantized or mask is not batch.mask_for(self.window):
+        if (
+            batch.form != "pages"
+            or self.quantized
+            or mask is not batch.mask_for(self.window, self.slots)
+        ):
             return None  # (a quantized pool's layers read the gathered triples)
         kv_heads = self.slots.pool.layers[self.layer].kv_heads
         return batch.pages(self.slots, self.window, kv_heads, self.layer)

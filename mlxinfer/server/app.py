@@ -286,16 +286,20 @@ METRICS = {
     "kv_blocks_in_use": ("gauge", "KV blocks referenced by running requests."),
     "kv_blocks_cached": ("gauge", "Unreferenced KV blocks kept for prefix hits."),
     "kv_blocks_free": ("gauge", "KV blocks free within the budget."),
-    "kv_bytes": ("gauge", "Bytes the KV pool's arrays hold."),
+    "kv_window_blocks_in_use": (
+        "gauge",
+        "Window-pool KV blocks (sliding-window layers) referenced by running requests.",
+    ),
+    "kv_bytes": ("gauge", "Bytes the KV pools' arrays hold (the window pool's too)."),
     "prefix_hit_ratio": (
         "gauge",
         "Prompt blocks served from the prefix cache, of those looked up.",
     ),
     "draft_tokens": ("counter", "Tokens proposed by drafts (prompt lookup or a draft model)."),
     "draft_accepted_tokens": ("counter", "Proposed tokens accepted."),
-    "draft_steps": ("counter", "Draft-model forwards proposing a token."),
+    "draft_steps": ("counter", "Draft-model forwards, each over the requests drafting with it."),
     "draft_seconds": ("counter", "Seconds spent in the draft model (prefill and proposals)."),
-    "draft_kv_bytes": ("gauge", "Bytes of the running requests' draft-model caches."),
+    "draft_kv_bytes": ("gauge", "Bytes of the draft-model keys held for running requests."),
     "draft_model_bytes": ("gauge", "Bytes of the draft models' weights."),
 }
 
