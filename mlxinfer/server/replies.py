@@ -19,11 +19,12 @@ from typing import Iterator
 from fastapi.responses import JSONResponse
 
 from ..batch import EngineError
-from ..generation.results import GenerationResult
+from ..generation.results import GenerationResult, GenerationStats
 from ..reasoning import Plain, Splitter, splitter_for
 from ..toolcalls import ToolStream, tool_format
 from . import anthropic as an
 from . import openai as oa
+from . import openai_replies as oar
 
 
 @dataclass
@@ -53,11 +54,13 @@ class Choice:
         self.tokens += 1
         self.last, self.finish = r, r.finish_reason or self.finish
         if ask.logprobs and r.logprobs is not None:
-            self.entries.append(oa.token_logprobs(tokenizer, r.token, r.logprobs, ask.top_logprobs))
+            self.entries.append(
+                oar.token_logprobs(tokenizer, r.token, r.logprobs, ask.top_logprobs)
+            )
 
     def logprobs(self, ask: oa.Ask):
         """The entries taken since the last call, in the endpoint's shape."""
-        out, self.offset = oa.logprobs_field(ask, self.entries, self.offset)
+        out, self.offset = oar.logprobs_field(ask, self.entries, self.offset)
         self.entries = []
         return out
 
@@ -67,7 +70,7 @@ class Choice:
 
 def _stats(choices: list[Choice]):
     last = choices[0].last
-    return last.stats if last is not None else oa.GenerationStats()
+    return last.stats if last is not None else GenerationStats()
 
 
 def _close(choices: list[Choice]) -> None:
@@ -104,13 +107,13 @@ def openai_whole(ask: oa.Ask, tokenizer, choices: list[Choice]) -> JSONResponse:
             if c.tools is not None:
                 text, calls = c.tools.fmt.parse(text)
             reasoning, text = c.thinking.split(text)
-            out.append(oa.choice(ask, c.index, text, c.finish, c.logprobs(ask), calls, reasoning))
+            out.append(oar.choice(ask, c.index, text, c.finish, c.logprobs(ask), calls, reasoning))
     except (EngineError, TimeoutError) as e:
         raise oa.APIError(500, str(e), type="server_error") from None
     finally:
         _close(choices)
     tokens = sum(c.tokens for c in choices)
-    return JSONResponse(oa.response(ask, out, _stats(choices), tokens))
+    return JSONResponse(oar.response(ask, out, _stats(choices), tokens))
 
 
 def openai_events(ask: oa.Ask, tokenizer, choices: list[Choice]) -> Iterator[str]:
@@ -120,7 +123,7 @@ def openai_events(ask: oa.Ask, tokenizer, choices: list[Choice]) -> Iterator[str
     tool_streams(ask, tokenizer, choices)
     _splitters(ask, tokenizer, choices)
     for c in choices:
-        yield sse(oa.chunk(ask, None, index=c.index, first=True))
+        yield sse(oar.chunk(ask, None, index=c.index, first=True))
     running = [(c, c.each()) for c in choices]
     try:
         while running:
@@ -136,7 +139,7 @@ def openai_events(ask: oa.Ask, tokenizer, choices: list[Choice]) -> Iterator[str
                 if text or reasoning:
                     logprobs = c.logprobs(ask)
                     yield sse(
-                        oa.chunk(ask, text, index=c.index, logprobs=logprobs, reasoning=reasoning)
+                        oar.chunk(ask, text, index=c.index, logprobs=logprobs, reasoning=reasoning)
                     )
     except (EngineError, TimeoutError) as e:
         yield sse(oa.APIError(500, str(e), type="server_error").body())
@@ -145,8 +148,8 @@ def openai_events(ask: oa.Ask, tokenizer, choices: list[Choice]) -> Iterator[str
     finally:
         _close(choices)  # also when the client went away: the requests are cancelled
     if ask.include_usage:
-        usage = oa.usage(_stats(choices), sum(c.tokens for c in choices))
-        yield sse({**oa.chunk(ask, None), "choices": [], "usage": usage})
+        usage = oar.usage(_stats(choices), sum(c.tokens for c in choices))
+        yield sse({**oar.chunk(ask, None), "choices": [], "usage": usage})
     yield "data: [DONE]\n\n"
 
 
@@ -257,12 +260,12 @@ def _ended(ask: oa.Ask, c: Choice) -> Iterator[str]:
         rest, calls = c.tools.finish()
     reasoning, text = c.thinking.split(rest)
     if text or reasoning:
-        yield sse(oa.chunk(ask, text, index=c.index, reasoning=reasoning))
+        yield sse(oar.chunk(ask, text, index=c.index, reasoning=reasoning))
     if c.tools is not None:
         if calls:
-            yield sse(oa.chunk(ask, None, index=c.index, tool_calls=calls))
+            yield sse(oar.chunk(ask, None, index=c.index, tool_calls=calls))
             finish = "tool_calls"
-    yield sse(oa.chunk(ask, None, finish, index=c.index, logprobs=c.logprobs(ask)))
+    yield sse(oar.chunk(ask, None, finish, index=c.index, logprobs=c.logprobs(ask)))
 
 
 def _chain(first, results: Iterator):
