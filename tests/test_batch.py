@@ -305,6 +305,24 @@ def test_shared_prefix_is_served_from_the_pool(llama):
     assert tokens == torch_greedy(torch_model, b, 4)
 
 
+def test_short_prompts_share_prefill_forwards(llama):
+    """Prompts of 30-40 tokens submitted together are prefilled in shared forwards (each row
+    padded to the longest, the padding rewound): fewer prefill forwards than prompts, each
+    row's log-probs those of the single-request loop (1e-4), its tokens transformers'."""
+    model, torch_model = llama
+    prompts = [_prompt(n, 50 + n) for n in (30, 33, 36, 40, 31, 35)]
+    alone = [[lp for _, lp in generate_step(p, model, max_tokens=8)] for p in prompts]
+    with Engine(model, max_batch=8, prefill_step=256) as engine:
+        handles = [engine.submit(p, max_tokens=8) for p in prompts]
+        steps = [list(h.steps(timeout=60)) for h in handles]
+        assert engine.prefill_steps < len(prompts)
+        assert engine.stats().blocks_in_use == 0
+    for p, a, b in zip(prompts, alone, steps):
+        assert [s.token for s in b] == torch_greedy(torch_model, p, 8)
+        for x, s in zip(a, b):
+            np.testing.assert_allclose(np.array(x), np.array(s.logprobs), atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory):
     """Gemma 2's sliding (window 6) and full layers, alternating."""

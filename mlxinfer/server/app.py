@@ -283,6 +283,7 @@ METRICS = {
     "prefill_tokens_per_second": ("gauge", "Prefill throughput since start."),
     "decode_tokens_per_second": ("gauge", "Aggregate decode throughput since start."),
     "decode_steps": ("counter", "Batched decode forwards."),
+    "prefill_steps": ("counter", "Prefill forwards (short prompt chunks share one)."),
     "kv_blocks_in_use": ("gauge", "KV blocks referenced by running requests."),
     "kv_blocks_cached": ("gauge", "Unreferenced KV blocks kept for prefix hits."),
     "kv_blocks_free": ("gauge", "KV blocks free within the budget."),
