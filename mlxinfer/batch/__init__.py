@@ -2,8 +2,10 @@
 
 - :mod:`.pool` — the blocks, block tables, prefix sharing and accounting;
 - :mod:`.views` — one forward over the pool, behind the cache protocol;
-- :mod:`.engine` — the scheduler thread: admit, prefill in chunks, decode B rows, retire;
+- :mod:`.engine` — the engine, the caller's side: submit, statistics, metrics, close;
+- :mod:`.scheduler` — its thread: admit, prefill in chunks, decode B rows, retire;
 - :mod:`.frontend` — a prompt in, ``stream_generate``'s results out (``Engine.start``, ``stream``);
+- :mod:`.draft_pool` — a draft model's own pool, whose rows propose together;
 - :mod:`.requests` — a request as the engine keeps it, and the caller's handle on it;
 
 ``batch_generate`` runs a list of prompts through one engine and returns their texts.

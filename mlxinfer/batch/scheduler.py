@@ -1,0 +1,348 @@
+"""The engine's thread: it owns the model and the pools, and runs the requests.
+
+One thread owns the model and the pools. Each turn of its loop it
+
+1. admits waiting requests while the pool can reserve their worst case
+   (prompt + ``max_tokens``) and the batch has room, sharing prefix blocks;
+2. prefills at most ``prefill_step`` prompt tokens (chunks of the admitted
+   requests, in order; short ones share a forward), so prompts never stall the
+   running streams for longer;
+3. runs one decode step over every request whose prompt is in: one forward of
+   B rows, each with its own position, then each row's own processors and
+   sampler (its own seeded key), so a request draws the same tokens alone or
+   in a batch;
+4. retires requests on EOS, ``max_tokens`` or cancellation, returning their
+   blocks to the pool.
+
+Prefill leaves the prompt's last token out; that token is the request's first
+decode row, whose logits give the first generated token.
+
+A request's tokens reach its consumer through a queue (``Handle.steps``);
+every wait on it is bounded and ends with an error if the engine thread died.
+Stop strings and detokenizing are the consumer's (``Engine.stream``), which
+cancels the request when it stops early.
+
+A model with recurrent layers (LFM2, Qwen3-Next) batches too: each request keeps its own
+fixed-size state for those layers beside its blocks, and the step stacks the rows' states.
+A state holds the whole prefix it has read and cannot be rewound per row, so such a model
+shares no prefix blocks and drafts nothing (``max_draft`` is 0).
+
+A request may draft (speculative decoding): by prompt lookup, or with a draft model, whose keys
+the request keeps in that model's own pool (``draft_pool``: the rows drafting with it share each
+draft forward); its step verifies the drafts in the batch's one forward and rewinds the rejected
+ones, in both pools.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from ..backends import prefill_schedule
+from ..cache import StateCache
+from ..generation.results import Step
+from ..models.layers.rope import prompt_reach
+from ..threads import release_at_thread_exit
+from . import rows as rows_mod
+from .draft_pool import DraftPool
+from .requests import POLL_S, EngineError, _Request
+from .views import StepBatch
+
+
+class Scheduler:
+    """The loop of :class:`~.engine.Engine`'s thread (mixed into it): admit, prefill in chunks,
+    decode B rows, retire; the pools' bookkeeping for a request."""
+
+    def _batch(self, rows: list[_Request], tokens: list[list[int]], form: str = "gather"):
+        """The StepBatch of one forward feeding ``tokens`` to ``rows``, over every pool."""
+        window = None if self.window_pool is None else (self.window_pool, [r.wseq for r in rows])
+        return StepBatch(
+            self.pool,
+            [r.seq for r in rows],
+            tokens,
+            self.windows,
+            form,
+            states=[r.states for r in rows],
+            window=window,
+        )
+
+    def _rewind(self, request: _Request, length: int) -> None:
+        """Keep ``request``'s first ``length`` tokens in every pool."""
+        self.pool.rewind(request.seq, length)
+        if request.wseq is not None:
+            self.window_pool.rewind(request.wseq, length)
+
+    def _stores(self) -> list:
+        """Every pool's arrays, to evaluate with the step that wrote them."""
+        pools = [self.pool] + ([self.window_pool] if self.window_pool is not None else [])
+        return [p.keys + p.values for p in pools]
+
+    def _release(self, request: _Request) -> None:
+        """Give back the request's blocks in every pool."""
+        if request.seq is not None:
+            self.pool.release(request.seq)
+        if request.wseq is not None:
+            self.window_pool.release(request.wseq)
+        if isinstance(request.drafter, DraftPool):
+            request.drafter.release(request)
+
+    def _loop(self) -> None:
+        release_at_thread_exit()
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and not self._waiting and not self._running:
+                        self._cond.wait(POLL_S)
+                    if self._closed:
+                        break
+                    waiting, self._waiting = self._waiting, []
+                self._admit(waiting)
+                self._retire_cancelled()
+                self._prefill()
+                self._decode()
+                self.draft_kv_bytes = sum(rows_mod.draft_nbytes(r) for r in self._running) + sum(
+                    p.bytes_in_use for p in self._draft_pools.values()
+                )
+        except BaseException as e:  # the thread must not die silently: tell every request
+            self.failure = e
+            raise
+        finally:
+            self._closed = True
+            error = EngineError(f"engine stopped: {self.failure or 'closed'}")
+            with self._cond:
+                left, self._waiting = self._running + self._waiting, []
+                self._running = []
+            for request in left:
+                self._release(request)
+                request.out.put(error)
+
+    def _admit(self, waiting: list[_Request]) -> None:
+        held = []
+        for request in waiting:
+            if request.cancelled.is_set():
+                request.out.put(None)
+                continue
+            if len(self._running) >= self.max_batch:
+                held.append(request)
+                continue
+            if not self._admit_one(request):  # no room now: wait for a running request to leave
+                held.append(request)
+                continue
+            seq = request.seq
+            if self.recurrent:
+                request.states = [c for c in self.model.make_cache() if isinstance(c, StateCache)]
+            request.cached_tokens = seq.length
+            if request.processors:
+                request.history = mx.array(request.ids, dtype=mx.int32)
+            self._running.append(request)
+        if held:
+            with self._cond:
+                self._waiting[:0] = held
+
+    def _admit_one(self, request: _Request) -> bool:
+        """Sequences for ``request`` in every pool (the same prefix shared in each: as much of
+        it as the window pool has the windows of), or False, holding nothing, if one lacks room."""
+        room, share = request.max_tokens + self.max_draft, not self.recurrent
+        hits = None
+        if self.window_pool is not None and share:
+            full = self.pool.shareable(self.pool.lookup(request.ids))
+            hits = self.window_pool.shareable(self.window_pool.lookup(request.ids)[:full])
+        request.seq = self.pool.admit(request.ids, room, share, hits=hits)
+        ok = request.seq is not None
+        if ok and self.window_pool is not None:
+            request.wseq = self.window_pool.admit(request.ids, room, share, hits=hits)
+            ok = request.wseq is not None
+        if ok and isinstance(request.drafter, DraftPool):
+            ok = request.drafter.admit(request, room)
+        if not ok:
+            self._release(request)
+            request.seq = request.wseq = None
+        return ok
+
+    def _retire(self, request: _Request) -> None:
+        self.requests_done += 1
+        self._running.remove(request)
+        self._release(request)
+        if request.draft_model is not None:  # its draft keys go with it
+            request.drafter = request.draft_model = None
+        request.out.put(None)
+
+    def _retire_cancelled(self) -> None:
+        for request in [r for r in self._running if r.cancelled.is_set()]:
+            self._retire(request)
+
+    def _prefill(self) -> None:
+        """At most ``prefill_step`` prompt tokens between two decode steps: chunks of the
+        admitted requests whose prompt (but its last token) is not in yet, in order; short
+        chunks share a forward (``_prefill_groups``)."""
+        budget, visited, chunks = self.prefill_step, [], []
+        for request in self._running:
+            if budget <= 0:
+                break
+            if request.pending is not None:
+                continue
+            visited.append(request)
+            left = len(request.ids) - 1 - request.seq.length
+            if left > 0:
+                start = request.seq.length
+                chunks.append((request, request.ids[start : start + min(left, budget)]))
+                budget -= len(chunks[-1][1])
+        for group in self._prefill_groups(chunks):
+            self._prefill_rows(group)
+        for request in visited:
+            if request.draft_model is not None:  # its draft model reads what the pool holds
+                self._feed_draft(request)
+            if request.seq.length == len(request.ids) - 1:
+                request.pending = request.ids[-1]
+
+    def _prefill_groups(self, chunks: list[tuple[_Request, list[int]]]) -> list[list]:
+        """The turn's chunks, in forwards: consecutive chunks together while their rows, each
+        padded to the longest, make no more than ``prefill_step`` tokens and each row's padding
+        stays within the room it reserved (the padding is rewound after). A model with recurrent
+        layers (a state would read the padding) or with frequencies that follow the length
+        (one prompt's reach per forward) prefills one chunk a forward, and so does a quantized
+        pool (several rows' quantized attention there was 4e-4 off the single loop's log-probs)."""
+        if self.recurrent or self.regime is not None or self.pool.layers[0].bits is not None:
+            return [[c] for c in chunks]
+        groups: list[list] = []
+        for request, chunk in chunks:
+            if groups:
+                group = groups[-1] + [(request, chunk)]
+                L = max(len(c) for _, c in group)
+                if len(group) * L <= self.prefill_step and all(
+                    r.seq.length + L <= self._room_end(r) for r, _ in group
+                ):
+                    groups[-1] = group
+                    continue
+            groups.append([(request, chunk)])
+        return groups
+
+    def _room_end(self, request: _Request) -> int:
+        """The positions ``request``'s reserved blocks reach (its prompt, ``max_tokens`` and
+        ``max_draft``, in whole blocks)."""
+        room = len(request.ids) + request.max_tokens + self.max_draft
+        return self.pool.blocks_for(room) * self.pool.block_size
+
+    def _prefill_rows(self, group: list[tuple[_Request, list[int]]]) -> None:
+        """One prefill forward over the group's chunks, each row padded to the longest with its
+        last token; the padding's keys are rewound."""
+        t0 = time.perf_counter()
+        rows = [r for r, _ in group]
+        L = max(len(c) for _, c in group)
+        padded = [c + c[-1:] * (L - len(c)) for _, c in group]
+        ends = [r.seq.length + len(c) for r, c in group]
+        batch = self._batch(rows, padded)
+        # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE: one row then).
+        with prefill_schedule(self.model), prompt_reach(len(rows[0].ids)):
+            self.model(mx.array(padded, dtype=mx.int32), batch.views())
+            mx.eval(self._stores(), [_arrays(r) for r in rows])
+        for r, end in zip(rows, ends):
+            self._rewind(r, end)
+        self.prefill_s += time.perf_counter() - t0
+        self.prefill_tokens += sum(len(c) for _, c in group)
+        self.prefill_steps += 1
+
+    def _feed_draft(self, request: _Request) -> None:
+        t0 = time.perf_counter()
+        rows_mod.feed_draft(request)
+        self.draft_s += time.perf_counter() - t0
+
+    def _decode(self) -> None:
+        rows = [r for r in self._running if r.pending is not None]
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        for group in self._groups(rows):
+            if any(r.drafter is not None for r in group):
+                self._verify_rows(group)
+            else:
+                self._decode_rows(group)
+        self.decode_s += time.perf_counter() - t0
+
+    def _groups(self, rows: list[_Request]) -> list[list[_Request]]:
+        """The step's forwards: all rows in one, or for a model whose frequencies follow the
+        length (dynamic NTK, LongRoPE) the rows of each regime together. A drafting row of such
+        a model verifies alone: its forward's length, which the regime reads, is its own."""
+        if self.regime is None:
+            return [rows]
+        groups: dict[Any, list[_Request]] = {}
+        alone = []
+        for r in rows:
+            if r.drafter is not None:
+                alone.append([r])
+            else:
+                groups.setdefault(self.regime(r.seq.length + 1), []).append(r)
+        return [*groups.values(), *alone]
+
+    def _decode_rows(self, rows: list[_Request]) -> None:
+        self.decode_tokens += len(rows)
+        tokens = [[r.pending] for r in rows]
+        batch = self._batch(rows, tokens, self.attention)
+        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
+        picked, logprobs = rows_mod.sample_rows(rows, logits)
+        # Everything handed to the consumers is evaluated here: their threads cannot run
+        # this thread's streams.
+        mx.eval(picked, logprobs, self._stores(), [_arrays(r) for r in rows])
+        self.steps_run += 1
+        for request, t, lp in zip(rows, picked.tolist(), logprobs):
+            request.generated += 1
+            if request.history is not None:
+                request.history = mx.concatenate([request.history, mx.array([t], mx.int32)])
+            request.out.put(Step(t, lp))
+            if t in request.eos or request.generated >= request.max_tokens:
+                self._retire(request)
+            else:
+                request.pending = t
+
+    def _verify_rows(self, rows: list[_Request]) -> None:
+        """One decode step in which drafting rows verify their drafts: every row feeds its
+        token, its drafts and padding up to the longest (one forward), keeps the drafts its
+        acceptance keeps plus one token of the target's, and the rest is rewound from the pool.
+        Each row's acceptance reads only its own logits and its own key."""
+        t0 = time.perf_counter()
+        # The rows of one draft pool propose together (k forwards of all of them).
+        proposals, forwards = rows_mod.propose(rows, self.max_draft)
+        if forwards:
+            self.draft_steps += forwards
+            self.draft_s += time.perf_counter() - t0
+        drafts = [p.tokens for p in proposals]
+        L = 1 + max(len(d) for d in drafts)
+        tokens = [[r.pending] + d + [r.pending] * (L - 1 - len(d)) for r, d in zip(rows, drafts)]
+        starts = [r.seq.length for r in rows]
+        batch = self._batch(rows, tokens, self.attention)
+        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
+        picks = [rows_mod.verify(r, logits[b], p) for b, (r, p) in enumerate(zip(rows, proposals))]
+        mx.eval(picks, self._stores(), [rows_mod.draft_state(r) for r in rows])
+        self.steps_run += 1
+        for r, d, start, (a, t, logprobs) in zip(rows, drafts, starts, picks):
+            a = int(a.item())
+            emitted = d[:a] + [int(t.item())]
+            self._rewind(r, start + 1 + a)  # the fed token and the accepted drafts
+            if r.draft_length is not None:
+                r.draft_length.update(a, len(d))
+                rows_mod.rewind_draft(r, r.tokens + emitted[:-1])  # what the pool now holds
+            self._emit(r, emitted, logprobs, a, len(d))
+
+    def _emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:
+        """Hand the step's tokens to the consumer, up to EOS or max_tokens; retire if done."""
+        self.draft_tokens += m
+        self.accepted_tokens += a
+        for j, t in enumerate(emitted):
+            first = j == 0
+            r.generated += 1
+            self.decode_tokens += 1
+            r.tokens.append(t)
+            if r.history is not None:
+                r.history = mx.concatenate([r.history, mx.array([t], mx.int32)])
+            r.out.put(Step(t, logprobs[j], j < a, int(first), m if first else 0, a if first else 0))
+            if t in r.eos or r.generated >= r.max_tokens:
+                self._retire(r)
+                return
+        r.pending = emitted[-1]
+
+
+def _arrays(request: _Request) -> list[mx.array]:
+    """The request's recurrent states, to evaluate with the step that wrote them."""
+    return [a for c in request.states for a in c.arrays if a is not None]
