@@ -14,13 +14,12 @@ time and forwards, and checks that every run gives the same tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import mlxinfer
 from mlxinfer.batch import Engine
-from mlxinfer.bench.machine import environment
+from mlxinfer.bench.machine import report_runs
 from mlxinfer.generation.drafts import DraftModel
 
 PROMPT = "Rewrite this sentence in the passive voice, then explain the change: the cat {i} chased the mouse."
@@ -78,14 +77,7 @@ def main() -> None:
             f"{r['verify_steps']} verification steps, {r['accepted']}/{r['drafted']} kept",
             flush=True,
         )
-    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
-    print(f"same tokens every run: {same}")
-    if args.json:
-        for r in rows:
-            del r["tokens"]
-        args.json.write_text(
-            json.dumps({"environment": environment(None), "same": same, "rows": rows}, indent=1)
-        )
+    report_runs(rows, args.json, "every run")
 
 
 if __name__ == "__main__":

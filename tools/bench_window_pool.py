@@ -13,7 +13,6 @@ pool's), the wall time, and checks that both ways give the same tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 
 import mlxinfer
 from mlxinfer.batch import Engine
-from mlxinfer.bench.machine import environment
+from mlxinfer.bench.machine import report_runs
 
 
 def run(model, prompts, max_tokens: int, hold_windows: bool) -> dict:
@@ -83,14 +82,7 @@ def main() -> None:
             f"{r['peak_held_bytes_window_pool'] / 1e6:.1f} MB), {r['wall_s']:.1f} s",
             flush=True,
         )
-    same = rows[0]["tokens"] == rows[1]["tokens"]
-    print(f"same tokens both ways: {same}")
-    if args.json:
-        for r in rows:
-            del r["tokens"]
-        args.json.write_text(
-            json.dumps({"environment": environment(None), "same": same, "rows": rows}, indent=1)
-        )
+    report_runs(rows, args.json, "both ways")
 
 
 if __name__ == "__main__":

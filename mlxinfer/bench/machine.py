@@ -166,3 +166,18 @@ def comparison_notes(model: nn.Module, model_dir: Path, kv_bits: int | None) -> 
             "MLX's CPU backend, mlx-lm in the stored dtype."
         )
     return notes
+
+
+def report_runs(rows: list[dict], json_path=None, label: str = "every run") -> bool:
+    """For a tool's alternating runs, each a dict with its ``tokens``: print whether every run
+    gave the first run's tokens, and write the runs without their tokens, with the environment,
+    to ``json_path`` (if given) as JSON. Returns whether they were the same."""
+    import json
+
+    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
+    print(f"same tokens {label}: {same}")
+    if json_path is not None:
+        runs = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+        report = {"environment": environment(None), "same": same, "rows": runs}
+        json_path.write_text(json.dumps(report, indent=1))
+    return same
