@@ -545,6 +545,12 @@ def test_serve_with_a_draft_model(tiny, draft_dirs, monkeypatch):
         chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
         streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
         assert streamed == _alone(tiny, MESSAGES, 12)
+        # Drafted tokens have their log-probs too (each token's the greedy one: its top entry).
+        r = client.post("/v1/chat/completions", json={**ask, "logprobs": True, "top_logprobs": 2})
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert "".join(t["token"] for t in content) == _alone(tiny, MESSAGES, 12)
+        assert all(t["top_logprobs"][0]["token"] == t["token"] for t in content)
         engine = app.state.models.entries[target.name].engine
         m = engine.metrics()
         assert m["draft_tokens"] > 0 and m["draft_steps"] >= m["draft_tokens"]

@@ -314,9 +314,12 @@ class Scheduler:
         batch = self._batch(rows, tokens, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
         picks = [rows_mod.verify(r, logits[b], p) for b, (r, p) in enumerate(zip(rows, proposals))]
-        mx.eval(picks, self._stores(), [rows_mod.draft_state(r) for r in rows])
+        # Each token's log-probs as an array of its own, evaluated here like the rest: a slice
+        # made later, on this thread, would fail in the consumer's thread (not its stream).
+        per_token = [[lp[j] for j in range(lp.shape[0])] for _, _, lp in picks]
+        mx.eval(picks, per_token, self._stores(), [rows_mod.draft_state(r) for r in rows])
         self.steps_run += 1
-        for r, d, start, (a, t, logprobs) in zip(rows, drafts, starts, picks):
+        for r, d, start, (a, t, _), logprobs in zip(rows, drafts, starts, picks, per_token):
             a = int(a.item())
             emitted = d[:a] + [int(t.item())]
             self._rewind(r, start + 1 + a)  # the fed token and the accepted drafts
