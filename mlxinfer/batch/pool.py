@@ -1,9 +1,6 @@
-"""A paged KV pool: every sequence's keys and values in fixed-size blocks of one store.
+"""A paged KV pool: every sequence's keys and values in fixed-size blocks of one store
+(the arrays: ``store.py``), and which sequence holds which block.
 
-Per layer the pool holds two arrays of blocks, ``(n_blocks, kv_heads, block_size,
-head_dim)``: a block's keys are one (block_size, head_dim) matrix per kv head, what
-attention over the blocks multiplies in place (``views``). Slot ``b * block_size + i``
-is position ``i`` of block ``b``.
 A sequence owns a *block table* (its logical blocks → physical blocks), so a
 sequence that joins or leaves copies nothing, and memory is the blocks in use,
 not batch × the longest sequence.
@@ -28,66 +25,23 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
 from ..errors import MlxInferError
+from .store import BlockStore, LayerShape
+
+__all__ = ["DROPPED", "KVPool", "LayerShape", "PoolFullError", "PoolStats", "Sequence"]
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default; vllm-metal's kernel uses 16 too)
 DEFAULT_KV_BUDGET = 1 << 30  # bytes of keys and values the pool may hold (1 GiB)
-_GROWTH_BLOCKS = (
-    16  # blocks the store starts with and grows by at least (it doubles), up to the budget
-)
-
-
-def _joined(store: mx.array | list[mx.array], fresh: mx.array | list[mx.array]):
-    if isinstance(store, list):
-        return [mx.concatenate([a, b]) for a, b in zip(store, fresh)]
-    return mx.concatenate([store, fresh])
-
+_GROWTH_BLOCKS = 16  # blocks the store starts with and grows by at least (it doubles)
 
 DROPPED = -1  # a block table entry whose block a sliding-window pool gave back (masked anyway)
 
 
 class PoolFullError(MlxInferError):
     """A request needs more KV blocks than the pool's budget can ever hold."""
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """One layer's cached tensors: ``kv_heads`` × ``key_dim`` keys and × ``value_dim`` values,
-    stored as ``dtype``, or with ``bits`` as affine groups of ``group_size`` (``mx.quantize``:
-    packed words, a scale and a bias per group, as ``QuantizedKVCache`` keeps them)."""
-
-    kv_heads: int
-    key_dim: int
-    value_dim: int
-    dtype: mx.Dtype
-    bits: int | None = None
-    group_size: int = 64
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.kv_heads * sum(self._bytes(d) for d in (self.key_dim, self.value_dim))
-
-    def _bytes(self, dim: int) -> int:
-        if self.bits is None:
-            return dim * self.dtype.size
-        return dim * self.bits // 8 + 2 * (dim // self.group_size) * self.dtype.size
-
-    def zeros(self, blocks: int, block_size: int, dim: int) -> mx.array | list[mx.array]:
-        """``blocks`` empty blocks of ``dim``-wide vectors: one array, or [packed, scales, biases]."""
-        shape = (blocks, self.kv_heads, block_size)
-        if self.bits is None:
-            return mx.zeros((*shape, dim), self.dtype)
-        groups = dim // self.group_size
-        return [
-            mx.zeros((*shape, dim * self.bits // 32), mx.uint32),
-            mx.zeros((*shape, groups), self.dtype),
-            mx.zeros((*shape, groups), self.dtype),
-        ]
 
 
 @dataclass(frozen=True)
@@ -126,8 +80,9 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
 
 
-class KVPool:
-    """Blocks of keys and values for every layer, shared by all sequences of an engine."""
+class KVPool(BlockStore):
+    """Blocks of keys and values for every layer, shared by all sequences of an engine: which
+    sequence holds which block (the arrays themselves: :class:`~.store.BlockStore`)."""
 
     def __init__(
         self,
@@ -139,22 +94,17 @@ class KVPool:
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.layers = layers
-        self.block_size = block_size
         # A pool of sliding-window layers: a sequence keeps only the blocks its window still
         # sees (drop_before), and a cached block is reused before the store grows.
         self.window = window
-        self.bytes_per_block = block_size * sum(s.bytes_per_token for s in layers)
-        self.max_blocks = kv_budget // self.bytes_per_block
+        self.max_blocks = kv_budget // (block_size * sum(s.bytes_per_token for s in layers))
         if self.max_blocks < 1:
             raise PoolFullError(
-                f"kv_budget: {kv_budget} bytes hold no block of {self.bytes_per_block} bytes "
+                f"kv_budget: {kv_budget} bytes hold no block of "
+                f"{block_size * sum(s.bytes_per_token for s in layers)} bytes "
                 f"({block_size} tokens × {len(layers)} layers)"
             )
-        # Per layer: one array of blocks, or [packed, scales, biases] in a quantized pool.
-        self.keys: list[Any] = [None] * len(layers)
-        self.values: list[Any] = [None] * len(layers)
-        self.n_blocks = 0  # blocks the store's arrays have room for
+        BlockStore.__init__(self, layers, block_size)
         self._free: list[int] = []
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use
         self._hash_of: dict[int, bytes] = {}  # block -> its hash, for hashed blocks
@@ -299,7 +249,11 @@ class KVPool:
         if self._free:
             block = self._free.pop()
         elif self.n_blocks < self.max_blocks and not evict_first:
-            self._grow()
+            # Double the store (at least _GROWTH_BLOCKS more), up to the budget: a copy of
+            # every layer's arrays, so rare.
+            first = self.n_blocks
+            self.grow(min(self.max_blocks - first, max(_GROWTH_BLOCKS, first)))
+            self._free.extend(range(self.n_blocks - 1, first - 1, -1))
             block = self._free.pop()
         elif self._cached:  # evict the least recently used cached block
             block, _ = self._cached.popitem(last=False)
@@ -311,29 +265,6 @@ class KVPool:
             seq.reserved -= 1
             self._reserved -= 1
         return block
-
-    def _grow(self) -> None:
-        """Double the store (at least ``_GROWTH_BLOCKS`` more), up to the budget: a copy of
-        every layer's arrays, so rare."""
-        add = min(self.max_blocks - self.n_blocks, max(_GROWTH_BLOCKS, self.n_blocks))
-        bs = self.block_size
-        for i, s in enumerate(self.layers):
-            fresh_k, fresh_v = s.zeros(add, bs, s.key_dim), s.zeros(add, bs, s.value_dim)
-            if self.keys[i] is None:
-                self.keys[i], self.values[i] = fresh_k, fresh_v
-            else:
-                self.keys[i], self.values[i] = (
-                    _joined(self.keys[i], fresh_k),
-                    _joined(self.values[i], fresh_v),
-                )
-            mx.eval(self.keys[i], self.values[i])  # layer by layer: one layer's copy at a time
-        self._free.extend(range(self.n_blocks + add - 1, self.n_blocks - 1, -1))
-        self.n_blocks += add
-
-    def _copy_block(self, src: int, dst: int) -> None:
-        for store in self.keys + self.values:
-            for a in store if isinstance(store, list) else [store]:
-                a[dst] = a[src]
 
     def append_slots(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
         """Slots for ``tokens`` appended to ``seq`` (blocks allocated as needed, a shared
@@ -350,7 +281,7 @@ class KVPool:
                 block = seq.blocks[index]
                 if self._refs[block] > 1:  # copy-on-write
                     fresh = self._allocate(seq)
-                    self._copy_block(block, fresh)
+                    self.copy_block(block, fresh)
                     self._refs[block] -= 1
                     seq.blocks[index] = fresh
             slots[j] = seq.blocks[index] * bs + within
@@ -396,43 +327,6 @@ class KVPool:
         """The blocks holding ``seq``'s first ``length`` positions (a block a window pool gave
         back reads as block 0: the mask hides it)."""
         return np.maximum(np.asarray(seq.blocks[: -(-length // self.block_size)], np.int32), 0)
-
-    # -- the store ------------------------------------------------------------------------
-
-    def write(
-        self, layer: int, blocks: mx.array, within: mx.array, keys: mx.array, values: mx.array
-    ) -> None:
-        """Store (N, kv_heads, dim) keys and values at positions ``within`` (N,) of ``blocks``
-        (N,) of ``layer`` (in place: the time does not grow with the store); quantized first
-        in a quantized pool."""
-        shape = self.layers[layer]
-        for store, new in ((self.keys[layer], keys), (self.values[layer], values)):
-            new = new.astype(shape.dtype)
-            if shape.bits is None:
-                store[blocks, :, within] = new
-                continue
-            parts = mx.quantize(new, group_size=shape.group_size, bits=shape.bits)
-            for a, part in zip(store, parts):
-                a[blocks, :, within] = part
-
-    def gather(self, layer: int, table: mx.array) -> tuple[Any, Any]:
-        """(B, kv_heads, n · block_size, dim) keys and values of the blocks ``table`` (B, n)
-        of ``layer``, each row's blocks in order: a contiguous copy ([packed, scales, biases]
-        each in a quantized pool)."""
-        B, n = table.shape
-
-        def rows(a: mx.array) -> mx.array:  # (B, n, kv_heads, bs, d) -> (B, kv_heads, n·bs, d)
-            t = a[table]
-            return t.transpose(0, 2, 1, 3, 4).reshape(B, t.shape[2], n * self.block_size, -1)
-
-        return tuple(
-            [rows(a) for a in store] if isinstance(store, list) else rows(store)
-            for store in (self.keys[layer], self.values[layer])
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return self.n_blocks * self.bytes_per_block
 
     def stats(self) -> PoolStats:
         in_use, cached = len(self._refs), len(self._cached)

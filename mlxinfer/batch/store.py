@@ -1,0 +1,126 @@
+"""The arrays of a paged KV pool: every layer's keys and values as blocks of one store.
+
+Per layer the store holds two arrays of blocks, ``(n_blocks, kv_heads, block_size,
+head_dim)``: a block's keys are one (block_size, head_dim) matrix per kv head, what
+attention over the blocks multiplies in place (``views``). Slot ``b * block_size + i``
+is position ``i`` of block ``b``. In a quantized pool each is three arrays, as
+``mx.quantize`` makes them. Which sequence holds which block is the pool's
+(:class:`~.pool.KVPool`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer's cached tensors: ``kv_heads`` × ``key_dim`` keys and × ``value_dim`` values,
+    stored as ``dtype``, or with ``bits`` as affine groups of ``group_size`` (``mx.quantize``:
+    packed words, a scale and a bias per group, as ``QuantizedKVCache`` keeps them)."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: mx.Dtype
+    bits: int | None = None
+    group_size: int = 64
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_heads * sum(self._bytes(d) for d in (self.key_dim, self.value_dim))
+
+    def _bytes(self, dim: int) -> int:
+        if self.bits is None:
+            return dim * self.dtype.size
+        return dim * self.bits // 8 + 2 * (dim // self.group_size) * self.dtype.size
+
+    def zeros(self, blocks: int, block_size: int, dim: int) -> mx.array | list[mx.array]:
+        """``blocks`` empty blocks of ``dim``-wide vectors: one array, or [packed, scales, biases]."""
+        shape = (blocks, self.kv_heads, block_size)
+        if self.bits is None:
+            return mx.zeros((*shape, dim), self.dtype)
+        groups = dim // self.group_size
+        return [
+            mx.zeros((*shape, dim * self.bits // 32), mx.uint32),
+            mx.zeros((*shape, groups), self.dtype),
+            mx.zeros((*shape, groups), self.dtype),
+        ]
+
+
+def _joined(store: mx.array | list[mx.array], fresh: mx.array | list[mx.array]):
+    if isinstance(store, list):
+        return [mx.concatenate([a, b]) for a, b in zip(store, fresh)]
+    return mx.concatenate([store, fresh])
+
+
+class BlockStore:
+    """``n_blocks`` blocks of keys and values for each of ``layers``, ``block_size`` tokens
+    each: written in place, read as each row's blocks gathered, grown by copying."""
+
+    def __init__(self, layers: list[LayerShape], block_size: int) -> None:
+        self.layers = layers
+        self.block_size = block_size
+        self.bytes_per_block = block_size * sum(s.bytes_per_token for s in layers)
+        # Per layer: one array of blocks, or [packed, scales, biases] in a quantized pool.
+        self.keys: list[Any] = [None] * len(layers)
+        self.values: list[Any] = [None] * len(layers)
+        self.n_blocks = 0  # blocks the arrays have room for
+
+    def grow(self, add: int) -> None:
+        """``add`` more blocks at the end: a copy of every layer's arrays, so rare."""
+        bs = self.block_size
+        for i, s in enumerate(self.layers):
+            fresh_k, fresh_v = s.zeros(add, bs, s.key_dim), s.zeros(add, bs, s.value_dim)
+            if self.keys[i] is None:
+                self.keys[i], self.values[i] = fresh_k, fresh_v
+            else:
+                self.keys[i], self.values[i] = (
+                    _joined(self.keys[i], fresh_k),
+                    _joined(self.values[i], fresh_v),
+                )
+            mx.eval(self.keys[i], self.values[i])  # layer by layer: one layer's copy at a time
+        self.n_blocks += add
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for store in self.keys + self.values:
+            for a in store if isinstance(store, list) else [store]:
+                a[dst] = a[src]
+
+    def write(
+        self, layer: int, blocks: mx.array, within: mx.array, keys: mx.array, values: mx.array
+    ) -> None:
+        """Store (N, kv_heads, dim) keys and values at positions ``within`` (N,) of ``blocks``
+        (N,) of ``layer`` (in place: the time does not grow with the store); quantized first
+        in a quantized pool."""
+        shape = self.layers[layer]
+        for store, new in ((self.keys[layer], keys), (self.values[layer], values)):
+            new = new.astype(shape.dtype)
+            if shape.bits is None:
+                store[blocks, :, within] = new
+                continue
+            parts = mx.quantize(new, group_size=shape.group_size, bits=shape.bits)
+            for a, part in zip(store, parts):
+                a[blocks, :, within] = part
+
+    def gather(self, layer: int, table: mx.array) -> tuple[Any, Any]:
+        """(B, kv_heads, n · block_size, dim) keys and values of the blocks ``table`` (B, n)
+        of ``layer``, each row's blocks in order: a contiguous copy ([packed, scales, biases]
+        each in a quantized pool)."""
+        B, n = table.shape
+
+        def rows(a: mx.array) -> mx.array:  # (B, n, kv_heads, bs, d) -> (B, kv_heads, n·bs, d)
+            t = a[table]
+            return t.transpose(0, 2, 1, 3, 4).reshape(B, t.shape[2], n * self.block_size, -1)
+
+        return tuple(
+            [rows(a) for a in store] if isinstance(store, list) else rows(store)
+            for store in (self.keys[layer], self.values[layer])
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_blocks * self.bytes_per_block
