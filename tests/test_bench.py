@@ -7,6 +7,7 @@ bytes per decoded token derived from the checkpoint file and config.
 
 import ast
 import json
+import os
 import statistics
 import struct
 from pathlib import Path
@@ -374,7 +375,6 @@ def test_mlxinfer_never_imports_mlx_lm():
 
 
 def test_written_files_get_ordinary_permissions(tmp_path):
-    import os
     import stat
 
     from mlxinfer.bench.report import write_json
@@ -389,7 +389,8 @@ def test_written_files_get_ordinary_permissions(tmp_path):
 
 def test_batch_bench_rows_and_derived_kv_bytes(model_dir, tmp_path):
     """``bench --batch``: a row per batch size for both engines, the KV-bytes row derived from the
-    config (blocks of 16 tokens against 8 × the longest in 256-token steps), the prefix's hits."""
+    config (blocks of 16 tokens against 8 × the longest in 256-token steps), the prefix's hits;
+    the machine (CPU, bandwidth probe) named in the JSON and above the table."""
     out = tmp_path / "batch.json"
     args = ["bench", "-m", str(model_dir), "--batch", "1,2", "-p", "8", "-n", str(N), "--reps", "1"]
     result = CliRunner().invoke(cli, [*args, "--compare", "mlx-lm", "--json", str(out)])
@@ -408,6 +409,8 @@ def test_batch_bench_rows_and_derived_kv_bytes(model_dir, tmp_path):
     assert kv["dense_left_padded_bytes"] == len(kv["lengths"]) * longest * per_token
     assert data["prefix"]["second_cached_tokens"] == 1000 // 16 * 16
     assert "mlxinfer / mlx-lm aggregate decode: batch 1:" in result.output
+    assert data["environment"]["cpus"] == os.cpu_count() and data["bandwidth"]["gb_per_s"] > 0
+    assert f"memory bandwidth {data['bandwidth']['gb_per_s']:.1f} GB/s" in result.output
 
 
 def test_batch_bench_takes_one_prompt_length(model_dir):

@@ -140,8 +140,11 @@ def run_batch_benchmark(
     compare: str | None,
     log: Log,
 ) -> dict:
+    from .machine import environment, measure_bandwidth
     from .peer import run_mlx_lm
 
+    log("measuring memory bandwidth …")
+    bandwidth = measure_bandwidth()  # named with the figures: machines differ
     vocab = model.args.vocab_size
     results = []
     for B in sizes:
@@ -163,6 +166,8 @@ def run_batch_benchmark(
             )
         results.append(row)
     return {
+        "environment": environment(compare),
+        "bandwidth": {"gb_per_s": bandwidth[0], "probe": bandwidth[1]},
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "batches": results,
@@ -175,7 +180,13 @@ def run_batch_benchmark(
 def batch_tables(result: dict) -> str:
     rows = result["batches"]
     one = next((r for r in rows if r["batch"] == 1), None)
+    env, bw = result["environment"], result["bandwidth"]
     lines = [
+        f"{result['prompt_tokens']}-token prompts, {result['max_tokens']} tokens each, greedy — "
+        f"MLX {env['mlx']} on {env['device']}, {env['blas']}; {env.get('cpu', 'CPU')} × "
+        f"{env['cpus']}, memory bandwidth {bw['gb_per_s']:.1f} GB/s ({bw['probe']}), "
+        f"1-min load average {env['load_average_1min'] or 0:.1f}",
+        "",
         "| batch | engine | decode tok/s (aggregate) ↑ | × batch 1 | total s ↓ | peak MB ↓ |",
         "|---:|---|---:|---:|---:|---:|",
     ]
