@@ -789,6 +789,38 @@ def test_a_draft_model_in_the_batch_gives_transformers_greedy_tokens(drafted_lla
     )
 
 
+def test_a_named_draft_models_pool_shares_the_kv_budget(drafted_llama):
+    """``Engine(draft_models=[m])``: the target's pool and the draft's have the same number of
+    blocks, which the budget buys for both together; drafting gives transformers' tokens; a
+    request the target's pool alone could hold, but not its share, is refused at submit; a
+    budget that holds no block for both is an error naming the sizes."""
+    from mlxinfer.batch.layout import layer_shapes
+    from mlxinfer.generation.drafts import DraftModel
+
+    model, torch_model, draft = drafted_llama
+    per_token = sum(s.bytes_per_token for s in layer_shapes(model))
+    draft_per_token = sum(s.bytes_per_token for s in layer_shapes(draft))
+    budget = 40 * 8 * (per_token + draft_per_token) + 100  # 40 blocks of 8 tokens in each
+    prompt, long = _prompt(40, 1), _prompt(400, 2)  # the long one needs 52 blocks with max_draft
+    with Engine(model, block_size=8, kv_budget=budget, draft_models=[draft]) as engine:
+        (draft_pool,) = engine._draft_pools.values()
+        assert engine.pool.max_blocks == draft_pool.pool.max_blocks == 40
+        handle = engine.submit(prompt, max_tokens=16, draft=DraftModel(draft))
+        steps = list(handle.steps(timeout=60))
+        assert [s.token for s in steps] == torch_greedy(torch_model, prompt, 16)
+        assert any(s.from_draft for s in steps)
+        assert list(engine._draft_pools.values()) == [draft_pool]  # the named pool served it
+        with pytest.raises(PoolFullError, match="kv_budget"):
+            engine.submit(long, max_tokens=8)
+    with Engine(model, block_size=8, kv_budget=budget) as engine:  # no draft: all the budget
+        assert engine.pool.max_blocks == budget // (8 * per_token)
+        assert len(list(engine.submit(long, max_tokens=8).steps(timeout=60))) == 8
+    with pytest.raises(
+        PoolFullError, match=f"kv_budget: 1000 bytes hold no block of {8 * per_token}"
+    ):
+        Engine(model, block_size=8, kv_budget=1000, draft_models=[draft])
+
+
 def test_a_seeded_draft_model_request_is_the_same_alone_in_a_batch_and_in_the_single_loop(
     drafted_llama,
 ):

@@ -552,6 +552,12 @@ def test_serve_with_a_draft_model(tiny, draft_dirs, monkeypatch):
         assert "".join(t["token"] for t in content) == _alone(tiny, MESSAGES, 12)
         assert all(t["top_logprobs"][0]["token"] == t["token"] for t in content)
         engine = app.state.models.entries[target.name].engine
+        # The draft's pool is inside the budget (1 GiB): as many blocks as the target's.
+        (draft_pool,) = engine._draft_pools.values()
+        assert draft_pool.pool.max_blocks == engine.pool.max_blocks
+        held = [p.max_blocks * p.bytes_per_block for p in (engine.pool, draft_pool.pool)]
+        per_block = engine.pool.bytes_per_block + draft_pool.pool.bytes_per_block
+        assert sum(held) <= 1 << 30 < sum(held) + per_block
         m = engine.metrics()
         assert m["draft_tokens"] > 0 and m["draft_steps"] >= m["draft_tokens"]
         assert m["draft_model_bytes"] > 0 and m["draft_seconds"] > 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..constraints import Constraint
-from ..generation.drafts import Draft
+from ..generation.drafts import Draft, DraftModel
 from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
 from .engine import Engine
 from .pool import KVPool, PoolFullError, PoolStats
@@ -76,6 +76,8 @@ def batch_generate(
         options["max_batch"] = max_batch
     if kv_bits is not None:
         options["kv_bits"] = kv_bits
+    if isinstance(draft, DraftModel):  # its pool inside kv_budget
+        options["draft_models"] = [draft.model]
     with Engine(model, **options) as engine:
         streams = [
             engine.stream(

@@ -14,8 +14,9 @@ Every row draws through its own sampler (its processors, its key: ``rows``), so 
 request proposes what the single loop's draft model proposes. After verification the draft
 sequence keeps the longest prefix of what the target kept.
 
-The pool holds as many blocks as the target's (each in the draft model's bytes), and a request
-reserves its worst case in both at admission. A draft model whose caches this pool cannot hold
+The pool holds as many blocks as the target's (each in the draft model's bytes; for a model named
+at ``Engine(draft_models=...)`` both inside ``kv_budget``), and a request reserves its worst case
+in both at admission. A draft model whose caches this pool cannot hold
 (recurrent layers, frequencies that follow the length) drafts with a cache per request
 (``DraftModel.drafter``).
 """

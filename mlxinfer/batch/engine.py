@@ -54,6 +54,10 @@ class Engine(TextRequests, Scheduler):
         hold_windows: sliding-window layers keep only the blocks their window still sees (in a
             pool of their own, as many blocks as the pool: ``kv_budget`` holds both), not every
             key of the sequence.
+        draft_models: the draft models requests will draft with (``DraftModel(m)``), whose
+            pools ``kv_budget`` then holds too: each has as many blocks as the target's pool,
+            and the budget buys that many for all of them together. A draft model not named
+            here gets its pool at its first request, on top of ``kv_budget``.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class Engine(TextRequests, Scheduler):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         hold_windows: bool = True,
+        draft_models: Sequence = (),
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -86,12 +91,14 @@ class Engine(TextRequests, Scheduler):
         if self.recurrent:
             max_draft = 0
         shapes = layer_shapes(model, kv_bits, kv_group_size)
+        drafts = [m for m in draft_models if poolable(m)] if max_draft > 0 else []
+        target_budget = _target_budget(shapes, drafts, kv_budget, block_size)
         # Sliding-window layers hold only their windows, in a pool of their own (make_pools).
         self.pool, self.window_pool = make_pools(
             shapes,
             self.windows,
             block_size=block_size,
-            kv_budget=kv_budget,
+            kv_budget=target_budget,
             hold_windows=hold_windows,
         )
         self.max_batch, self.prefill_step = max_batch, prefill_step
@@ -117,7 +124,9 @@ class Engine(TextRequests, Scheduler):
         # each model's weights, and each model's pool (by id; made on first use).
         self.draft_steps, self.draft_s, self.draft_kv_bytes = 0, 0.0, 0
         self._draft_weights: dict[int, int] = {}
-        self._draft_pools: dict[int, DraftPool] = {}
+        self._draft_pools: dict[int, DraftPool] = {
+            id(m): DraftPool(m, model, self.pool.max_blocks, block_size) for m in drafts
+        }
         self._thread = threading.Thread(target=self._loop, name="mlxinfer-engine", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -145,7 +154,8 @@ class Engine(TextRequests, Scheduler):
         ``draft``: speculative decoding by :class:`~mlxinfer.generation.drafts.PromptLookup`
         or with a :class:`~mlxinfer.generation.drafts.DraftModel` (same vocabulary; the rows
         drafting with one draft model share its forwards, over a pool of its own as large in
-        blocks as the target's; drafts verified in the batch's forward, rejected
+        blocks as the target's: inside ``kv_budget`` if the model was named in ``draft_models``;
+        drafts verified in the batch's forward, rejected
         ones rewound): the same tokens as without it when greedy, the same distribution when
         sampling. ``num_draft``: tokens drafted per step (at most ``max_draft``); None adapts
         to the acceptance rate.
@@ -275,3 +285,22 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 def _close_all() -> None:
     for engine in list(_LIVE):
         engine.close(timeout=5.0)
+
+
+def _target_budget(shapes, draft_models, kv_budget: int, block_size: int) -> int:
+    """The part of ``kv_budget`` for the target's pools when ``draft_models``' pools share it:
+    the bytes of the blocks the budget buys for every pool at once (the whole budget without
+    drafts)."""
+    if not draft_models:
+        return kv_budget
+    per_block = block_size * sum(s.bytes_per_token for s in shapes)
+    draft_per_block = [
+        block_size * sum(s.bytes_per_token for s in layer_shapes(m)) for m in draft_models
+    ]
+    blocks = kv_budget // (per_block + sum(draft_per_block))
+    if blocks < 1:
+        raise pool_mod.PoolFullError(
+            f"kv_budget: {kv_budget} bytes hold no block of {per_block} bytes for the model and "
+            f"{' + '.join(map(str, draft_per_block))} for its draft model(s)"
+        )
+    return blocks * per_block

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..batch import Engine, EngineError, PoolFullError
 from ..errors import MlxInferError, PromptTooLongError
+from ..generation.drafts import DraftModel
 from . import anthropic as an
 from . import openai as oa
 from .hangup import Streams, watched
@@ -57,6 +58,8 @@ def make_app(
     if draft is not None and model is not None:
         draft.check(model, tokenizer)  # a draft model's vocabulary: DraftError naming both
     checked = {name: 1} if draft is not None and model is not None else {}  # name -> loads
+    if isinstance(draft, DraftModel):  # its pool inside each engine's kv_budget
+        engine_options = {**engine_options, "draft_models": [draft.model]}
     if load is None:
         from ..loader import load
 
