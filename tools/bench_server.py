@@ -1,9 +1,12 @@
 """HTTP serving under load: `mlxinfer serve` against `mlx_lm.server`, on the same weights.
 
-    python tools/bench_server.py MODEL_DIR [--clients 1,4,8,16] [--max-tokens 64] [--json OUT]
+    python tools/bench_server.py MODEL_DIR [--clients 1,4,8,16] [--max-tokens 64] [--rounds 1] [--json OUT]
 
 Each server runs alone (started, measured, stopped; the two alternate per client count, on
-the same BLAS: OpenBLAS is preloaded into mlx_lm.server as `mlxinfer bench` does). For C
+the same BLAS: OpenBLAS is preloaded into mlx_lm.server as `mlxinfer bench` does). With
+``--rounds N`` the whole sequence runs N times; the table gives the medians, and each
+round's own ratio (the two servers measured one after the other) is printed too: on a VM
+whose neighbours come and go, one round can be far from the next. For C
 clients, C threads each send one streamed chat completion at once (greedy, distinct prompts,
 `max_tokens`); a client's time to first token is until its first content chunk, and the
 aggregate rate is the content chunks of all clients over the wall time from the first send
@@ -108,41 +111,71 @@ def load(url: str, name: str, clients: int, max_tokens: int) -> dict:
     }
 
 
+def _row(rows: list[dict], engine: str, clients: int, rnd: int) -> dict:
+    return next(
+        r for r in rows if (r["engine"], r["clients"], r["round"]) == (engine, clients, rnd)
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     names = {"mlxinfer": args.model.name, "mlx-lm": str(args.model)}
     rows = []
-    for clients in counts:
-        for engine in ("mlxinfer", "mlx-lm"):
-            port = free_port()
-            proc = start(engine, args.model, port)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                load(url, names[engine], 1, 4)  # warm-up
-                row = {"engine": engine, **load(url, names[engine], clients, args.max_tokens)}
-            finally:
-                proc.terminate()
-                proc.wait(30)
-            rows.append(row)
-            print(
-                f"{engine:>8} {clients:>2} clients: {row['aggregate_tps']:6.1f} tok/s, "
-                f"TTFT p50 {row['ttft_p50_s'] * 1000:6.0f} ms, p99 {row['ttft_p99_s'] * 1000:6.0f} ms",
-                flush=True,
-            )
-    base = {r["engine"]: r["aggregate_tps"] for r in rows if r["clients"] == counts[0]}
+    for rnd, clients, engine in [
+        (r, c, e) for r in range(args.rounds) for c in counts for e in ("mlxinfer", "mlx-lm")
+    ]:
+        port = free_port()
+        proc = start(engine, args.model, port)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            load(url, names[engine], 1, 4)  # warm-up
+            row = {
+                "engine": engine,
+                "round": rnd,
+                **load(url, names[engine], clients, args.max_tokens),
+            }
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        rows.append(row)
+        print(
+            f"round {rnd + 1}: {engine:>8} {clients:>2} clients: {row['aggregate_tps']:6.1f} tok/s, "
+            f"TTFT p50 {row['ttft_p50_s'] * 1000:6.0f} ms, p99 {row['ttft_p99_s'] * 1000:6.0f} ms",
+            flush=True,
+        )
+
+    def median(engine: str, clients: int, key: str) -> float:
+        return statistics.median(
+            r[key] for r in rows if r["engine"] == engine and r["clients"] == clients
+        )
+
+    medians = {
+        (e, c): {k: median(e, c, k) for k in ("aggregate_tps", "ttft_p50_s", "ttft_p99_s")}
+        for e in ("mlxinfer", "mlx-lm")
+        for c in counts
+    }
+    base = {e: medians[e, counts[0]]["aggregate_tps"] for e in ("mlxinfer", "mlx-lm")}
+    if args.rounds > 1:
+        for c in counts:
+            per_round = [
+                _row(rows, "mlxinfer", c, k)["aggregate_tps"]
+                / _row(rows, "mlx-lm", c, k)["aggregate_tps"]
+                for k in range(args.rounds)
+            ]
+            print(f"{c} clients, each round's ratio: " + ", ".join(f"{x:.2f}×" for x in per_round))
     print(
         "\n| clients | mlxinfer tok/s | × its 1 | mlx-lm tok/s | × its 1 | ratio | TTFT p50 / p99 (ours) | TTFT p50 / p99 (mlx-lm) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in counts:
-        ours = next(r for r in rows if r["engine"] == "mlxinfer" and r["clients"] == c)
-        theirs = next(r for r in rows if r["engine"] == "mlx-lm" and r["clients"] == c)
+        ours, theirs = medians["mlxinfer", c], medians["mlx-lm", c]
         print(
             f"| {c} | {ours['aggregate_tps']:.1f} | {ours['aggregate_tps'] / base['mlxinfer']:.2f}× | "
             f"{theirs['aggregate_tps']:.1f} | {theirs['aggregate_tps'] / base['mlx-lm']:.2f}× | "
@@ -152,7 +185,10 @@ def main() -> None:
         )
     if args.json:
         args.json.write_text(
-            json.dumps({"environment": environment("mlx-lm"), "rows": rows}, indent=1)
+            json.dumps(
+                {"environment": environment("mlx-lm"), "rounds": args.rounds, "rows": rows},
+                indent=1,
+            )
         )
 
 
