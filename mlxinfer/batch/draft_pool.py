@@ -32,6 +32,7 @@ from ..models.layers.rope import prompt_reach
 from .layout import STATE, UnbatchableError, check_batchable, layer_shapes
 from .pool import KVPool
 from .requests import _Request
+from .store import block_bytes
 from .views import StepBatch
 
 
@@ -51,8 +52,8 @@ class DraftPool:
         self.model, self.width = model, target_model.args.vocab_size
         self.windows = check_batchable(model)[1]
         shapes = layer_shapes(model)
-        bytes_per_block = block_size * sum(s.bytes_per_token for s in shapes)
-        self.pool = KVPool(shapes, block_size=block_size, kv_budget=blocks * bytes_per_block)
+        budget = blocks * block_bytes(shapes, block_size)
+        self.pool = KVPool(shapes, block_size=block_size, kv_budget=budget)
 
     def admit(self, request: _Request, room: int) -> bool:
         """Give ``request`` a draft sequence with ``room`` tokens after its prompt (its prefix

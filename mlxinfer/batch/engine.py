@@ -26,6 +26,7 @@ from .layout import STATE, check_batchable, layer_shapes, make_pools
 from .pool import PoolStats
 from .requests import EngineError, Handle, _Request
 from .scheduler import Scheduler
+from .store import block_bytes
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
 DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode steps
@@ -293,10 +294,8 @@ def _target_budget(shapes, draft_models, kv_budget: int, block_size: int) -> int
     drafts)."""
     if not draft_models:
         return kv_budget
-    per_block = block_size * sum(s.bytes_per_token for s in shapes)
-    draft_per_block = [
-        block_size * sum(s.bytes_per_token for s in layer_shapes(m)) for m in draft_models
-    ]
+    per_block = block_bytes(shapes, block_size)
+    draft_per_block = [block_bytes(layer_shapes(m), block_size) for m in draft_models]
     blocks = kv_budget // (per_block + sum(draft_per_block))
     if blocks < 1:
         raise pool_mod.PoolFullError(

@@ -12,6 +12,7 @@ from ..cache import KVCache, LatentKVCache, RotatingKVCache, StateCache
 from ..errors import MlxInferError
 from ..models.layers.rope import LongRoPE, RoPE
 from .pool import KVPool, LayerShape
+from .store import block_bytes
 
 
 class UnbatchableError(MlxInferError, NotImplementedError):
@@ -122,12 +123,12 @@ def make_pools(
         return KVPool(shapes, block_size=block_size, kv_budget=kv_budget), None
     if len(sliding) == len(layer_windows):
         return KVPool(shapes, block_size=block_size, kv_budget=kv_budget, window=max(sliding)), None
-    blocks = kv_budget // (block_size * sum(s.bytes_per_token for s in shapes))
+    blocks = kv_budget // block_bytes(shapes, block_size)
     full = [s for s, w in zip(shapes, layer_windows) if w is None]
     windowed = [s for s, w in zip(shapes, layer_windows) if w is not None]
 
     def budget(part: list[LayerShape]) -> int:
-        return blocks * block_size * sum(s.bytes_per_token for s in part)
+        return blocks * block_bytes(part, block_size)
 
     if blocks < 1:  # the pool's own error, naming the budget
         KVPool(shapes, block_size=block_size, kv_budget=kv_budget)

@@ -97,14 +97,13 @@ class KVPool(BlockStore):
         # A pool of sliding-window layers: a sequence keeps only the blocks its window still
         # sees (drop_before), and a cached block is reused before the store grows.
         self.window = window
-        self.max_blocks = kv_budget // (block_size * sum(s.bytes_per_token for s in layers))
+        BlockStore.__init__(self, layers, block_size)
+        self.max_blocks = kv_budget // self.bytes_per_block
         if self.max_blocks < 1:
             raise PoolFullError(
-                f"kv_budget: {kv_budget} bytes hold no block of "
-                f"{block_size * sum(s.bytes_per_token for s in layers)} bytes "
+                f"kv_budget: {kv_budget} bytes hold no block of {self.bytes_per_block} bytes "
                 f"({block_size} tokens × {len(layers)} layers)"
             )
-        BlockStore.__init__(self, layers, block_size)
         self._free: list[int] = []
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use
         self._hash_of: dict[int, bytes] = {}  # block -> its hash, for hashed blocks

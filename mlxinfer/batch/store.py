@@ -51,6 +51,11 @@ class LayerShape:
         ]
 
 
+def block_bytes(layers: list[LayerShape], block_size: int) -> int:
+    """The bytes of one block of ``block_size`` tokens over every one of ``layers``."""
+    return block_size * sum(s.bytes_per_token for s in layers)
+
+
 def _joined(store: mx.array | list[mx.array], fresh: mx.array | list[mx.array]):
     if isinstance(store, list):
         return [mx.concatenate([a, b]) for a, b in zip(store, fresh)]
@@ -64,7 +69,7 @@ class BlockStore:
     def __init__(self, layers: list[LayerShape], block_size: int) -> None:
         self.layers = layers
         self.block_size = block_size
-        self.bytes_per_block = block_size * sum(s.bytes_per_token for s in layers)
+        self.bytes_per_block = block_bytes(layers, block_size)
         # Per layer: one array of blocks, or [packed, scales, biases] in a quantized pool.
         self.keys: list[Any] = [None] * len(layers)
         self.values: list[Any] = [None] * len(layers)
