@@ -9,18 +9,16 @@ and the CPU can read them without a copy. Kinds:
   attention, or ``--max-kv-size`` with ``keep`` leading "sink" tokens).
 - :class:`QuantizedKVCache` — keys and values stored 8- or 4-bit (``--kv-bits``);
   attention over it goes through ``mx.quantized_matmul``.
-- :class:`StateCache` — a recurrent layer's fixed-size state (LFM2's short
-  convolution): no entry per token, so it cannot be trimmed; ``snapshot`` and
-  ``restore`` take it back instead (speculative rewinds, prompt-cache reuse).
+- :class:`~mlxinfer.state_cache.StateCache` (its own module, named here too) — a
+  recurrent layer's fixed-size state (LFM2's short convolution): no entry per token,
+  so it cannot be trimmed; ``snapshot`` and ``restore`` take it back instead
+  (speculative rewinds, prompt-cache reuse).
 
 Each cache also builds the attention mask for the queries about to be added
 (``make_mask``), because only the cache knows which positions it holds. A batched
 or paged cache will add its own kinds behind the same protocol.
 
-A :class:`StateCache` serves a recurrent layer, not attention: it has the
-protocol's bookkeeping (``offset``, ``is_trimmable``/``trim``, ``snapshot``/
-``restore``, ``state``, ``nbytes``) and, in place of ``update_and_fetch`` and
-``make_mask``, its ``arrays`` and ``update``.
+A :class:`StateCache` serves a recurrent layer, not attention (``state_cache.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +26,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import mlx.core as mx
+
+from .state_cache import StateCache
 
 Mask = None | str | mx.array
 
@@ -423,72 +423,6 @@ class LatentKVCache(KVCache):
     (kv_lora_rank + qk_rope_head_dim) × tokens × itemsize (× batch); models/layers/mla.py says
     how attention reads it.
     """
-
-
-class StateCache:
-    """A recurrent layer's cache: ``size`` arrays of a fixed shape per sequence, replaced at
-    every update, instead of one entry per token.
-
-    LFM2's short convolution of width K keeps its last K - 1 inputs, one (B, K - 1, hidden)
-    array: that is all the layer needs to continue, however long the context. So ``nbytes``
-    is B × (K - 1) × hidden × itemsize from the first token on, and the cache cannot drop
-    tokens (``is_trimmable`` is False, ``trim`` drops none): a caller that must go back
-    takes a :meth:`snapshot` first and restores it, then feeds the tokens to keep
-    again (``generation.speculative``, ``PromptCache.reuse``). Snapshots are cheap: the
-    arrays are never written in place, so a snapshot is references to them.
-
-    The layer reads ``arrays`` (None before the first token) and stores the new state with
-    :meth:`update`; ``offset`` counts the tokens seen, as a KV cache's does.
-    """
-
-    quantized = False
-
-    def __init__(self, size: int = 1) -> None:
-        self.arrays: list[mx.array | None] = [None] * size
-        self.offset = 0
-
-    def update(self, arrays: list[mx.array], n_tokens: int) -> None:
-        """Store the state after ``n_tokens`` more tokens (compact copies: a slice of a
-        prefill chunk would keep the whole chunk alive)."""
-        if len(arrays) != len(self.arrays):
-            raise ValueError(f"StateCache: expected {len(self.arrays)} arrays, found {len(arrays)}")
-        self.arrays = [mx.contiguous(a) for a in arrays]
-        self.offset += n_tokens
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def trim(self, n: int) -> int:
-        return 0
-
-    def snapshot(self) -> tuple[int, list[mx.array | None]]:
-        return self.offset, list(self.arrays)
-
-    def restore(self, snapshot: tuple[int, list[mx.array | None]]) -> None:
-        self.offset, arrays = snapshot
-        self.arrays = list(arrays)
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.arrays[0] is None else list(self.arrays)
-
-    @state.setter
-    def state(self, arrays: list[mx.array]) -> None:
-        self.arrays = list(arrays)  # the offset comes with meta_state
-
-    @property
-    def meta_state(self) -> dict[str, str]:
-        return {"size": str(len(self.arrays)), "offset": str(self.offset)}
-
-    @meta_state.setter
-    def meta_state(self, meta: dict[str, str]) -> None:
-        self.arrays = [None] * int(meta["size"])
-        self.offset = int(meta["offset"])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the state arrays: fixed once the first token is in."""
-        return sum(a.nbytes for a in self.arrays if a is not None)
 
 
 _KINDS = {
