@@ -801,14 +801,15 @@ def test_a_named_draft_models_pool_shares_the_kv_budget(drafted_llama):
     per_token = sum(s.bytes_per_token for s in layer_shapes(model))
     draft_per_token = sum(s.bytes_per_token for s in layer_shapes(draft))
     budget = 40 * 8 * (per_token + draft_per_token) + 100  # 40 blocks of 8 tokens in each
-    prompt, long = _prompt(40, 1), _prompt(400, 2)  # the long one needs 52 blocks with max_draft
+    prompts, long = [_prompt(40, 1), _prompt(90, 3)], _prompt(400, 2)  # long: 52 blocks
     with Engine(model, block_size=8, kv_budget=budget, draft_models=[draft]) as engine:
         (draft_pool,) = engine._draft_pools.values()
         assert engine.pool.max_blocks == draft_pool.pool.max_blocks == 40
-        handle = engine.submit(prompt, max_tokens=16, draft=DraftModel(draft))
-        steps = list(handle.steps(timeout=60))
-        assert [s.token for s in steps] == torch_greedy(torch_model, prompt, 16)
-        assert any(s.from_draft for s in steps)
+        handles = [engine.submit(p, max_tokens=16, draft=DraftModel(draft)) for p in prompts]
+        steps = [list(h.steps(timeout=60)) for h in handles]  # two rows drafting together
+        for p, got in zip(prompts, steps):
+            assert [s.token for s in got] == torch_greedy(torch_model, p, 16)
+        assert any(s.from_draft for got in steps for s in got)
         assert list(engine._draft_pools.values()) == [draft_pool]  # the named pool served it
         with pytest.raises(PoolFullError, match="kv_budget"):
             engine.submit(long, max_tokens=8)
