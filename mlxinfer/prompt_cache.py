@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .atomic import writing_file
 from .cache import (
     _KINDS,
     Cache,
@@ -144,16 +145,15 @@ def _fresh(c: Cache) -> Cache:
 
 
 def save_cache(path: Path, cache: list[Cache], metadata: dict[str, str] | None = None) -> None:
-    """Write a cache to a safetensors file (atomically: temp file, then rename)."""
+    """Write a cache to a safetensors file (atomically: temp file, fsync, rename; atomic.py)."""
     path = Path(path)
     arrays = {f"{i}.{j}": a for i, c in enumerate(cache) for j, a in enumerate(c.state)}
     meta = {"kinds": ",".join(type(c).__name__ for c in cache)}
     for i, c in enumerate(cache):
         meta.update({f"{i}.{k}": v for k, v in c.meta_state.items()})
     meta.update({f"user.{k}": v for k, v in (metadata or {}).items()})
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=meta)
-    tmp.replace(path)
+    with writing_file(path) as tmp:  # ends in .safetensors: mlx appends it otherwise
+        mx.save_safetensors(str(tmp), arrays, metadata=meta)
 
 
 def load_cache(path: Path) -> tuple[list[Cache], dict[str, str]]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ..atomic import writing_file
 from ..errors import MlxInferError
 from .common import ENGINES
 
@@ -113,18 +113,9 @@ def check_writable(path: str | os.PathLike, option: str) -> Path:
 
 
 def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` to a temporary file beside ``path``, then rename it onto ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; the result is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """``write(tmp)`` to a temporary file beside ``path``, fsync, then rename it onto ``path``."""
+    with writing_file(path) as tmp:
+        write(tmp)
 
 
 def write_json(result: dict, path: str | os.PathLike) -> Path:

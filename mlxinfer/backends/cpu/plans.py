@@ -53,6 +53,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...atomic import write_text
 from ...blas import preloaded_blas
 from ...machine import cpu_name, user_cache_dir
 from .kinds import (
@@ -200,12 +201,9 @@ def store_entry(key: str, entry: dict) -> None:
 
 
 def _store(path: Path, data: dict) -> None:
-    """Write to a temporary file and rename it into place. A cache that cannot be written is
-    skipped (the plans are measured again next time); the library prints nothing."""
+    """Write to a temporary file, fsync and rename it into place (atomic.py). A cache that cannot
+    be written is skipped (the plans are measured again next time); the library prints nothing."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
-        os.replace(tmp, path)
+        write_text(path, json.dumps(data, indent=1, sort_keys=True, default=str))
     except OSError:
         pass
