@@ -7,6 +7,7 @@ Public API::
     for r in mlxinfer.stream_generate(model, tokenizer, "Hello"):
         print(r.text, end="")
     mlxinfer.convert("hf-dir-or-repo", "out-dir", quantize=True)
+    mlxinfer.verify("out-dir").ok        # every file's size and SHA-256 against its manifest
     stream_generate(..., draft=mlxinfer.PromptLookup())     # speculative decoding
     texts = mlxinfer.batch_generate(model, tokenizer, ["Hi", "Hello"])  # one batch
     engine = mlxinfer.Engine(model)   # continuous batching: engine.stream(tokenizer, prompt)
@@ -35,6 +36,7 @@ _EXPORTS = {
     "GenerationStats": "generation.results",
     "SamplingParams": "generation.sampling",
     "convert": "conversion",
+    "verify": "manifest",
     "make_sampler": "generation.sampling",
     "make_logits_processors": "generation.sampling",
     "PromptCache": "prompt_cache",

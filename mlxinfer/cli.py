@@ -406,6 +406,37 @@ def convert(src, dst, quantize, bits, group_size, dtype):
 
 
 @cli.command()
+@click.argument("model_dir", metavar="DIR")
+@_errors_to_click
+def verify(model_dir):
+    """Check every file of a model directory against its manifest (size and SHA-256).
+
+    Exit status: 0 every file matches; 1 a file is damaged or missing (each named), or DIR
+    is not a model directory; 3 DIR has no manifest (converted before manifests, or by
+    another tool), so there is nothing to check against.
+    """
+    from .manifest import MANIFEST_NAME
+    from .manifest import verify as run_verify
+
+    result = run_verify(model_dir)
+    if not result.has_manifest:
+        click.echo(
+            f"{result.path}: no {MANIFEST_NAME} (converted before manifests, or by another "
+            "tool); nothing to check against"
+        )
+        sys.exit(3)
+    for problem in result.problems:
+        click.echo(f"damaged: {problem}")
+    for name in result.unlisted:
+        click.echo(f"note: {result.path / name}: not in {MANIFEST_NAME} (added after conversion)")
+    if result.problems:
+        click.echo(f"{result.path}: {len(result.problems)} of {result.files} files damaged/missing")
+        sys.exit(1)
+    size = f"{result.bytes / 2**20:.1f} MiB"
+    click.echo(f"{result.path}: OK ({result.files} files, {size}, sizes and SHA-256 match)")
+
+
+@cli.command()
 @click.option(
     "--model",
     "-m",

@@ -1,8 +1,10 @@
 """Hugging Face checkpoint (or GGUF file) → mlxinfer model directory.
 
 ``read → sanitize → (quantize) → write``. The output is written into a
-temporary directory beside the destination and renamed only when complete, so
-a failed conversion leaves nothing behind.
+temporary directory beside the destination, flushed to disk and renamed only
+when complete (:mod:`mlxinfer.atomic`), so a failed or killed conversion leaves
+nothing behind; the last file written is the manifest of every file's size and
+SHA-256 (:mod:`mlxinfer.manifest`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .atomic import writing_dir
 from .config import read_config
 from .errors import ConfigError
 from .loader import load_weights_into, read_weights, resolve_model_path
+from .manifest import existing_output_error, write_manifest
 from .models import build_model, get_family
 from .models.base import language_model_weights
 from .progress import Progress, finished, resolve
@@ -66,8 +69,8 @@ def convert(
         A report: parameters, bits per weight, bytes on disk, output path.
     """
     dst = Path(dst).expanduser()
-    if dst.exists() and any(dst.iterdir()):
-        raise ConfigError(f"{dst}: output directory already exists and is not empty")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ConfigError(existing_output_error(dst))
     if str(src).endswith(".gguf"):
         from .gguf import import_gguf
 
@@ -130,6 +133,7 @@ def _convert_hf(src_dir, dst, config, family, model, target, quantize, bits, gro
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, tmp / name)
+        write_manifest(tmp)  # last: it lists every file above
     n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
     return {
         "path": str(dst),

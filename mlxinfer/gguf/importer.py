@@ -47,6 +47,7 @@ import numpy as np
 
 from ..atomic import writing_dir
 from ..errors import MlxInferError, WeightsError
+from ..manifest import existing_output_error, write_manifest
 from ..progress import Progress, counted, finished, resolve
 from . import quants as gq
 from .arch import (
@@ -188,7 +189,7 @@ def import_gguf(
 
 def _import(src: Path, dst: Path, requantize, dtype, progress: Progress, log) -> dict:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise MlxInferError(f"{dst}: destination already exists and is not empty")
+        raise MlxInferError(existing_output_error(dst))
     if dtype is not None and dtype not in DTYPES:
         raise MlxInferError(f"dtype: expected one of {', '.join(DTYPES)}, found '{dtype}'")
     if requantize is not None:
@@ -229,6 +230,7 @@ def _import(src: Path, dst: Path, requantize, dtype, progress: Progress, log) ->
                         tmp, buf, tensors, names, arch, config, dtype, requantize, progress
                     )
                 _write_tokenizer(tmp, tok_json, tok_config, config)
+                write_manifest(tmp)  # last: it lists every file above
         finally:
             buf.close()
     report["bytes"] = sum(p.stat().st_size for p in dst.iterdir())
