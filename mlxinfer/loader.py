@@ -1,16 +1,15 @@
 """Find a model, read its config and weights, build the model and tokenizer.
 
 Weights are read only from safetensors files (never pickle). Every file is
-checked before MLX maps it: a header that does not parse, or data shorter than
-the header promises (a truncated download), is a one-line error.
+checked before MLX maps it, by the safetensors library's rules (safetensors_check.py):
+a header that does not parse, a shape that does not match its bytes, or data shorter
+than the header promises (a truncated download), is a one-line error.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from .models import build_model, get_family
 from .models.base import language_model_weights
 from .progress import Progress
 from .quant import apply_quantization, quantization_record
+from .safetensors_check import check_safetensors, index_files, inside
 from .threads import release_at_thread_exit
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -63,36 +63,13 @@ def resolve_model_path(path_or_repo: str | os.PathLike, *, revision: str | None 
         ) from None
 
 
-def check_safetensors(path: Path) -> None:
-    """Raise WeightsError unless ``path`` is a complete safetensors file."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"header of {n} bytes but the file has {size}")
-            header = json.loads(f.read(n))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise WeightsError(f"{path}: not a valid safetensors file ({e})") from None
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise WeightsError(f"{path}: truncated (expected {8 + n + end} bytes, found {size})")
-
-
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, following an index when there is one."""
+    """The safetensors files of a checkpoint, following an index when there is one (each file
+    checked to lie inside ``model_dir``: safetensors_check.inside)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise WeightsError(f"{index}: bad index ({type(e).__name__}: {e})") from None
-        files = [model_dir / n for n in names]
-        for f in files:
-            if not f.is_file():
-                raise WeightsError(f"{index}: lists shard '{f.name}', which is missing")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
+        return index_files(model_dir, index)
+    files = [inside(model_dir, f.name, model_dir) for f in sorted(model_dir.glob("*.safetensors"))]
     if not files:
         pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -270,3 +247,4 @@ def load(
 
         return load_default_model(load_dir, log=log)
     return load_dir(resolve_model_path(path_or_repo))
+
