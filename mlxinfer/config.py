@@ -10,12 +10,14 @@ read one form.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
 
 ROPE_DEFAULT_THETA = 10000.0
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KB; a multimodal one with its tables, < 1 MB
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -26,9 +28,15 @@ def read_config(model_dir: Path) -> dict[str, Any]:
             f"{path}: missing config.json (expected a model directory with config.json)"
         )
     try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path}: {path.stat().st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit "
+                "for a config.json"
+            )
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ConfigError(f"{path}: not valid JSON ({reason})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: expected a JSON object, found {type(config).__name__}")
     return normalize_rope(language_model_config(config, str(path)), source=str(path))
@@ -48,6 +56,8 @@ def language_model_config(config: dict[str, Any], source: str = "config.json") -
     """A multimodal checkpoint's config (``LANGUAGE_MODELS``) as its language model's:
     ``text_config`` lifted to the top, ``language_model_of`` naming what it came from."""
     kind = config.get("model_type")
+    if not isinstance(kind, str):  # get_family reports it (a missing or mistyped model_type)
+        return config
     if kind not in LANGUAGE_MODELS:
         return config
     text = config.get("text_config")
@@ -91,8 +101,24 @@ def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[
         scaling["rope_type"] = _rope_type(scaling)
         scaling.pop("type", None)
         config["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
-    config["rope_theta"] = float(config.get("rope_theta", ROPE_DEFAULT_THETA))
+    config["rope_theta"] = _positive(
+        config.get("rope_theta", ROPE_DEFAULT_THETA), "rope_theta", source
+    )
     return config
+
+
+def _positive(value: Any, key: str, source: str) -> float:
+    """``value`` as a float, or a ConfigError unless it is a finite number > 0."""
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past the float range
+            number = math.inf
+    if not 0 < number < math.inf:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ConfigError(f"{source}: key '{key}' must be a finite number > 0, found {shown}")
+    return number
 
 
 def _rope_type(scaling: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from ..config_check import check_args, check_config
 from ..errors import ConfigError
 
 # model_type -> module in this package. Aliases differ only in config.
@@ -45,6 +46,8 @@ def get_family(config: dict[str, Any], source: str = "config.json"):
     model_type = config.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: missing required key 'model_type'")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{source}: key 'model_type' must be a string, found {model_type!r:.80}")
     if model_type not in FAMILIES:
         raise ConfigError(
             f"{source}: unknown model_type '{model_type}' "
@@ -53,8 +56,27 @@ def get_family(config: dict[str, Any], source: str = "config.json"):
     return import_module(f".{FAMILIES[model_type]}", __name__)
 
 
+# What a family's constructor may raise for a value the checks let through.
+_BUILD_ERRORS = (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError)
+_BUILD_ERRORS += (RecursionError, MemoryError, RuntimeError)
+
+
 def build_model(config: dict[str, Any], source: str = "config.json"):
-    """Instantiate the (unloaded) model a config describes."""
+    """Instantiate the (unloaded) model a config describes.
+
+    The config's values are checked first (config_check.py); anything the family's
+    constructor still trips over is a ConfigError naming ``source`` too, never a bare
+    TypeError or ZeroDivisionError.
+    """
     family = get_family(config, source)
-    args = family.ModelArgs.from_dict(config)
-    return family.Model(args)
+    check_config(config, family.ModelArgs, source)
+    try:
+        args = family.ModelArgs.from_dict(config)
+        check_args(args, config, source)
+        return family.Model(args)
+    except _BUILD_ERRORS as e:
+        reason = " ".join(str(e).split())[:160]
+        raise ConfigError(
+            f"{source}: cannot build a '{config['model_type']}' model from it "
+            f"({type(e).__name__}: {reason})"
+        ) from e
