@@ -22,6 +22,11 @@ class TokenizerError(MlxInferError):
     """No usable tokenizer files, or a chat template that fails to render."""
 
 
+class TokenIdError(MlxInferError, ValueError):
+    """A token id (in a prompt given as ids, or one a tokenizer adds) that is not a row of the
+    model's embedding: an int in 0..rows-1."""
+
+
 class PromptTooLongError(MlxInferError):
     """The prompt does not fit in the model's context."""
 

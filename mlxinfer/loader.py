@@ -240,7 +240,7 @@ def load(
 
     def load_dir(model_dir: Path):
         model, _ = load_model(model_dir, dtype=dtype, log=log, progress=progress, force=force)
-        return model, Tokenizer.from_dir(model_dir)
+        return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
 
     if path_or_repo is None:  # a damaged default model is fetched again (default_model.py)
         from .default_model import load_default_model
@@ -248,3 +248,43 @@ def load(
         return load_default_model(load_dir, log=log)
     return load_dir(resolve_model_path(path_or_repo))
 
+
+def check_vocabulary(model: nn.Module, tokenizer, log: Callable[[str], None] | None = None):
+    """The tokenizer's special ids held to the model's embedding rows, at load.
+
+    BOS is fed to the model (the tokenizer adds it, or a chat template writes it): past the
+    rows it is a ConfigError. EOS ids are only compared with sampled ones, so one past the rows
+    (it can never be sampled) is dropped with a warning: checkpoints whose config names an EOS
+    their small test vocabulary lacks still load. The LM head may not have more rows than the
+    embedding either: its sampled ids are fed back unchecked. Returns ``tokenizer``.
+    """
+    from .generation.prefill import embedding_rows
+
+    rows = embedding_rows(model)
+    head = getattr(getattr(model, "head", None), "weight", None)
+    if rows is None:
+        return tokenizer
+    source = f"{tokenizer.path}"
+    if head is not None and head.shape[0] > rows:
+        raise ConfigError(
+            f"{source}: the LM head has {head.shape[0]} rows but the embedding {rows} "
+            "(expected at most as many: sampled tokens are fed back)"
+        )
+    bos = tokenizer.bos_token_id
+    if bos is not None and not 0 <= bos < rows:
+        raise ConfigError(
+            f"{source}: BOS token {tokenizer.bos_token!r} has id {bos}, outside the model's "
+            f"{rows}-row embedding (config.json vocab_size; expected 0..{rows - 1})"
+        )
+    outside = sorted(i for i in tokenizer.eos_token_ids if not 0 <= i < rows)
+    if outside:
+        message = (
+            f"warning: {source}: EOS id(s) {outside} outside the model's {rows}-row embedding "
+            "are ignored (the model cannot produce them)"
+        )
+        if log is not None:
+            log(message)
+        else:
+            warnings.warn(message[len("warning: ") :], RuntimeWarning, stacklevel=3)
+        tokenizer.eos_token_ids = frozenset(tokenizer.eos_token_ids) - set(outside)
+    return tokenizer

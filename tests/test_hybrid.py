@@ -49,6 +49,7 @@ def tiny(tmp_path_factory):
         layer_types=LAYER_TYPES,
         conv_L_cache=WIDTH,
         block_multiple_of=64,  # feed-forward width: ⅔ × 128 rounded up to 64 -> 128
+        vocab_size=320,  # add_tokenizer's: every id it encodes is a row of the embedding
     )
     add_tokenizer(path)
     model, _ = load_model(path)
@@ -62,7 +63,9 @@ def hybrid(request, tiny, tmp_path_factory):
         return tiny[:2]
     from test_qwen3_next import TINY
 
-    path, _ = make_tiny(tmp_path_factory.mktemp("qwen3_next"), perturb_vectors=True, **TINY)
+    path, _ = make_tiny(
+        tmp_path_factory.mktemp("qwen3_next"), perturb_vectors=True, **{**TINY, "vocab_size": 320}
+    )
     add_tokenizer(path)
     return path, load_model(path)[0]
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..generation.drafts import Draft
+from ..generation.prefill import check_token_ids, token_ids
 from ..generation.sampling import LogitsProcessor, SamplingParams
 from . import pool as pool_mod
 from . import rows as rows_mod
@@ -164,9 +165,12 @@ class Engine(TextRequests, Scheduler):
         constraint's, for one: each request gets its own)."""
         if isinstance(ids, str):
             raise TypeError("submit: expected token ids, found a str (text goes to Engine.stream)")
-        ids = [int(t) for t in ids]
+        ids = token_ids(ids)
         if not ids:
             raise ValueError("prompt: empty (expected at least one token)")
+        check_token_ids(self.model, ids)
+        if getattr(draft, "model", None) is not None:  # a DraftModel is fed the prompt too
+            check_token_ids(draft.model, ids, "prompt (for the draft model)")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         sampling = sampling or SamplingParams()

@@ -32,7 +32,7 @@ from ..reasoning import split_results, splitter_for
 from ..text import clean_prompt, fit_context
 from ..threads import release_at_thread_exit
 from ..toolcalls import output_rules
-from .prefill import DEFAULT_PREFILL_STEP, prefill
+from .prefill import DEFAULT_PREFILL_STEP, check_token_ids, prefill, token_ids
 from .results import GenerationResult, GenerationStats, Step
 from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams, make_sampler
 from .speculative import speculative_generate_step
@@ -61,9 +61,10 @@ def generate_step(
     release_at_thread_exit()
     sampler = sampler or make_sampler(0.0)
     pc = prompt_cache if prompt_cache is not None else PromptCache(model.make_cache())
-    ids = list(prompt)
+    ids = token_ids(prompt)
     if not ids:
         raise ValueError("prompt: empty (expected at least one token)")
+    check_token_ids(model, ids)
     todo = pc.reuse(ids)
     history = mx.array(ids, dtype=mx.int32)
     cache = pc.cache
@@ -160,7 +161,7 @@ def prepare_prompt(
         )
     if tools is not None:
         raise ValueError("tools: they reach the model through its chat template (none used)")
-    return [int(t) for t in items]
+    return token_ids(items)
 
 
 _SAMPLING_DEFAULTS = {field: getattr(SamplingParams(), field) for field in SAMPLING_FIELDS}
@@ -335,6 +336,7 @@ def _prepare(
     )
     context = model.args.max_position_embeddings
     ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
+    check_token_ids(model, ids)  # from the tokenizer (a BOS it adds) or the caller's ids
     stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000)
     sampling.check()
     processors = sampling.processors()
@@ -376,6 +378,8 @@ def _steps(
     if draft is None:
         return (Step(t, lp) for t, lp in generate_step(request.ids, model, **options))
     draft.check(model, tokenizer)
+    if getattr(draft, "model", None) is not None:  # a DraftModel is fed the prompt too
+        check_token_ids(draft.model, request.ids, "prompt (for the draft model)")
     return speculative_generate_step(request.ids, model, draft, num_draft=num_draft, **options)
 
 

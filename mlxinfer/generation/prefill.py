@@ -7,15 +7,65 @@ draft model's own cache all prefill through :func:`prefill`; a
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable, Sequence
+
 import mlx.core as mx
 
 from ..backends import prefill_schedule
+from ..errors import TokenIdError
 from ..models.layers.rope import prompt_reach
 from ..prompt_cache import PromptCache, Snapshot
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
 # Most tokens after the prompt given room up front; past it the cache grows in steps.
 MAX_RESERVED_DECODE = 2048
+
+
+def embedding_rows(model) -> int | None:
+    """How many token ids ``model`` can be fed (its embedding's rows; None for a model without
+    the ``embedding`` of models.base.CausalLM and without ``args.vocab_size``)."""
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None:
+        return int(embedding.weight.shape[0])
+    return getattr(getattr(model, "args", None), "vocab_size", None)
+
+
+def token_ids(items: Iterable, what: str = "prompt") -> list[int]:
+    """``items`` as a list of Python ints (numpy and MLX integer scalars too); a TokenIdError
+    naming the first item that is not an integer (a float, a str, a bool)."""
+    out = []
+    for i, item in enumerate(items):
+        try:
+            if isinstance(item, bool):
+                raise TypeError  # True is not token 1
+            out.append(operator.index(item))
+        except TypeError:
+            raise TokenIdError(
+                f"{what}: item {i} should be a token id (an int), found {item!r:.40}"
+            ) from None
+    return out
+
+
+def check_token_ids(model, ids: Sequence[int], what: str = "prompt") -> None:
+    """Raise TokenIdError unless every id is a row of ``model``'s embedding (0..rows-1).
+
+    MLX's embedding lookup does not check its indices: an id past the rows reads memory the
+    table does not own (garbage, or a segmentation fault), a negative one wraps around. So ids
+    are checked where they enter: once per request, for the prompt (the sampled ones come from
+    the LM head, whose rows loader.check_vocabulary holds to the embedding's).
+    """
+    rows = embedding_rows(model)
+    if not ids or rows is None:
+        return
+    low, high = min(ids), max(ids)
+    if low >= 0 and high < rows:
+        return
+    bad = low if low < 0 else high
+    raise TokenIdError(
+        f"{what}: token id {bad} (position {list(ids).index(bad)}) is not in the model's "
+        f"vocabulary (expected 0..{rows - 1})"
+    )
 
 
 def prefill(
