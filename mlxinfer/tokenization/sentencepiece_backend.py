@@ -23,6 +23,8 @@ from pathlib import Path
 
 from ..errors import TokenizerError
 
+MAX_ADDED_ID = 2**24  # Tokenizer's bound on the vocabulary
+
 
 class SentencePieceBackend:
     """Encode / decode with a SentencePiece model plus the checkpoint's added tokens.
@@ -46,6 +48,7 @@ class SentencePieceBackend:
     ) -> None:
         import sentencepiece
 
+        self.file = file
         try:
             self._sp = sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
         except (OSError, RuntimeError) as exc:
@@ -69,6 +72,11 @@ class SentencePieceBackend:
                 special_ids.add(i)
         self._added: dict[int, str] = {}
         for token_id, (content, special) in sorted(added_tokens.items()):
+            if not 0 <= token_id < MAX_ADDED_ID:  # the table below grows to the largest id
+                raise TokenizerError(
+                    f"{file.parent / 'tokenizer_config.json'}: added token {content!r:.40} has id "
+                    f"{token_id}, expected 0..{MAX_ADDED_ID - 1}"
+                )
             if token_id >= len(self._pieces):
                 self._pieces.extend([""] * (token_id + 1 - len(self._pieces)))
             self._pieces[token_id] = content

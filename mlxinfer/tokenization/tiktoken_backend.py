@@ -39,6 +39,7 @@ DEFAULT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+MAX_RANK = 2**24  # ranks are token ids: Tokenizer's bound on the vocabulary
 _LINE = re.compile(rb"^[A-Za-z0-9+/]+={0,2} [0-9]+\r?$")
 
 
@@ -82,6 +83,10 @@ def read_ranks(file: Path) -> dict[bytes, int]:
             ) from None
         if token in ranks:
             raise TokenizerError(f"{file}: line {number} repeats token {token!r}")
+        if not 0 <= rank < MAX_RANK:
+            raise TokenizerError(
+                f"{file}: line {number} has rank {rank}, expected 0..{MAX_RANK - 1}"
+            )
         ranks[token] = rank
     if not ranks:
         raise TokenizerError(f"{file}: empty tiktoken vocabulary")
@@ -138,6 +143,7 @@ class TiktokenBackend:
     ) -> None:
         import tiktoken
 
+        self.file = file
         ranks = read_ranks(file)
         pattern = pattern or DEFAULT_PATTERN
         if not isinstance(pattern, str):
@@ -159,6 +165,11 @@ class TiktokenBackend:
         self._splits: dict[str, int] = {}  # added tokens, cut out of the text before BPE
         special_ids = set()
         for token_id, (content, _special) in sorted(added_tokens.items()):
+            if not 0 <= token_id < MAX_RANK:
+                raise TokenizerError(
+                    f"{file.parent / 'tokenizer_config.json'}: added token {content!r:.40} has id "
+                    f"{token_id}, expected 0..{MAX_RANK - 1}"
+                )
             if self._bytes.get(token_id) == content.encode("utf-8"):
                 continue  # an ordinary token listed again
             self._bytes.pop(token_id, None)

@@ -19,9 +19,9 @@ Streaming text comes from detokenizer.py, chat templates from chat_template.py.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..errors import TokenizerError
 from .chat_template import (
@@ -34,7 +34,9 @@ from .detokenizer import StreamingDetokenizer
 from .sentencepiece_backend import SentencePieceBackend
 from .tiktoken_backend import TiktokenBackend, find_tiktoken_file
 
+T = TypeVar("T")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "*.tiktoken")
+MAX_VOCAB = 2**24  # token ids, added tokens included: config_check's bound on vocab_size
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_TOKENS = (
     "bos_token",
@@ -75,6 +77,10 @@ class Tokenizer:
     ) -> None:
         self.path = path
         self._backend = backend
+        if not 0 < backend.vocab_size <= MAX_VOCAB:
+            raise TokenizerError(
+                f"{backend.file}: {backend.vocab_size} token ids, expected 1..{MAX_VOCAB}"
+            )
         self.special_tokens = special_tokens
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
@@ -99,9 +105,13 @@ class Tokenizer:
         special_tokens = _named_special_tokens(path, config)
 
         if (path / "tokenizer.json").is_file():
-            backend: _Backend = _TokenizersBackend(path / "tokenizer.json")
+            file = path / "tokenizer.json"
+            backend: _Backend = library_call(file, "load", _TokenizersBackend, file)
         elif (tiktoken_file := find_tiktoken_file(path)) is not None:
-            backend = TiktokenBackend(
+            backend = library_call(
+                tiktoken_file,
+                "load",
+                TiktokenBackend,
                 tiktoken_file,
                 added_tokens=_added_tokens(path, config, special_tokens),
                 special_tokens=special_tokens,
@@ -110,7 +120,10 @@ class Tokenizer:
                 add_eos=_flag(path, config, "add_eos_token"),
             )
         elif (path / "tokenizer.model").is_file():
-            backend = SentencePieceBackend(
+            backend = library_call(
+                path / "tokenizer.model",
+                "load",
+                SentencePieceBackend,
                 path / "tokenizer.model",
                 added_tokens=_added_tokens(path, config, special_tokens),
                 special_tokens=special_tokens,
@@ -150,20 +163,19 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
         try:
-            return self._backend.encode(text, add_special_tokens)
-        except TypeError:
-            # Both backends reject strings that are not valid UTF-8 with a bare TypeError.
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise TokenizerError(
-                    f"encode: text is not valid Unicode, found lone surrogate {text[exc.start]!r} at index {exc.start}"
-                ) from None
-            raise
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # Both backends would reject it with a bare TypeError.
+            raise TokenizerError(
+                f"encode: text is not valid Unicode, found lone surrogate {text[exc.start]!r} at index {exc.start}"
+            ) from None
+        backend = self._backend
+        return library_call(backend.file, "encode", backend.encode, text, add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; ids outside the vocabulary are ignored."""
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens)
+        backend = self._backend
+        return library_call(backend.file, "decode", backend.decode, _ids(ids), skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of one vocabulary entry (e.g. ``"<|im_end|>"``), or None."""
@@ -171,7 +183,10 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of one id, or None."""
-        return self._backend.id_to_token(int(token_id))
+        token_id = int(token_id)
+        if not 0 <= token_id < 2**32:
+            return None
+        return library_call(self._backend.file, "id_to_token", self._backend.id_to_token, token_id)
 
     @property
     def bos_token(self) -> str | None:
@@ -201,7 +216,7 @@ class Tokenizer:
         """A fresh streaming detokenizer whose segments add up to ``decode(ids, skip_special_tokens)``."""
         backend = self._backend
         return StreamingDetokenizer(
-            lambda ids: backend.decode(ids, False),
+            lambda ids: library_call(backend.file, "decode", backend.decode, ids, False),
             skip_ids=backend.special_ids if skip_special_tokens else (),
             byte_fallback_ids=backend.byte_fallback_ids,
         )
@@ -259,6 +274,7 @@ class Tokenizer:
 
 
 class _Backend(Protocol):
+    file: Path  # the file the library reads, named in errors
     vocab_size: int
     special_ids: frozenset[int]  # what decode(skip_special_tokens=True) drops
     byte_fallback_ids: frozenset[int]  # <0xNN> tokens, when decode fuses runs of them
@@ -276,6 +292,7 @@ class _TokenizersBackend:
     def __init__(self, file: Path) -> None:
         import tokenizers
 
+        self.file = file
         try:
             self._tokenizer = tokenizers.Tokenizer.from_file(str(file))
         except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
@@ -297,8 +314,9 @@ class _TokenizersBackend:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         ids = list(ids)
-        if ids and min(ids) < 0:  # tokenizers skips unknown ids but cannot take negative ones
-            ids = [i for i in ids if i >= 0]
+        if ids and (min(ids) < 0 or max(ids) >= 2**32):
+            # tokenizers skips unknown ids but cannot take ones outside its u32
+            ids = [i for i in ids if 0 <= i < 2**32]
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
@@ -420,3 +438,35 @@ def _token_ids(value: Any, file: Path, key: str) -> list[int]:
 
 def _lookup(backend: _Backend, token: str | None) -> int | None:
     return None if token is None else backend.token_to_id(token)
+
+
+def _ids(ids: Iterable[int]) -> list[int]:
+    try:
+        return [int(i) for i in ids]
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TokenizerError(f"decode: expected token ids (ints), {exc}") from None
+
+
+# --- the libraries' failures ---------------------------------------------------------------------
+
+
+def library_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a tokenizer library failing on its input: any Exception, or a Rust
+    panic from `tokenizers` (pyo3's PanicException derives from BaseException, so a plain
+    ``except Exception`` lets it through), but not KeyboardInterrupt or SystemExit."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
+def library_call(file: Path, action: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call(*args, **kwargs)``, with a failure of the tokenizer library behind it (an
+    exception or a panic, see :func:`library_failure`) raised as a one-line TokenizerError
+    naming ``file`` and ``action``."""
+    try:
+        return call(*args, **kwargs)
+    except TokenizerError:
+        raise
+    except BaseException as exc:
+        if not library_failure(exc):
+            raise
+        reason = " ".join(str(exc).split())[:200] or "no message"
+        raise TokenizerError(f"{file}: {action} failed ({type(exc).__name__}: {reason})") from exc
