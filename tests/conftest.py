@@ -3,12 +3,14 @@
 import os
 import tempfile
 
-from mlxinfer.blas import preload_openblas
+# The user cache (the default model, the CPU plans measured at load, the BLAS check's verdict)
+# of this test run only: tests never write the developer's own; subprocesses (the CLI) inherit
+# it. Set before mlxinfer is imported: the import checks the BLAS and caches the verdict there.
+os.environ.setdefault("MLXINFER_CACHE", tempfile.mkdtemp(prefix="mlxinfer-test-cache-"))
+
+from mlxinfer.blas import preload_openblas  # noqa: E402
 
 preload_openblas()
-# The user cache (the default model, the CPU plans measured at load) of this test run only: tests
-# never write the developer's own; subprocesses (the CLI) inherit it.
-os.environ.setdefault("MLXINFER_CACHE", tempfile.mkdtemp(prefix="mlxinfer-test-cache-"))
 
 import pytest  # noqa: E402
 
