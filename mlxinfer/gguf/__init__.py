@@ -1,6 +1,8 @@
 """GGUF files (llama.cpp's format) into mlxinfer model directories.
 
-- ``container.py``: the file's header (metadata, tensor directory) and each tensor's bytes;
+- ``container.py``: the file's header (metadata, tensor directory) and each tensor's bytes,
+  every size and offset checked against the file (a hostile file is a one-line error);
+- ``metadata.py``: typed, range-checked reads of the metadata that becomes config and vocabulary;
 - ``importer.py``: the import itself (``import_gguf``): tensors converted, the directory written;
 - ``quants.py``: every supported block type decoded, and turned into MLX affine groups;
 - ``arch.py``: architecture names, config and per-architecture fixes (llama, gemma3, qwen3,

@@ -22,6 +22,10 @@ ordinary added tokens; BOS/EOS are added by the post-processor as
 that do not say add BOS, like llama.cpp). The chat template is carried over;
 a file without one (a base model) gets none: its prompts go to the model as
 they are, unless the user names a format (``--chat-template gemma``).
+
+Every key is read with its type checked (metadata.py), every merge is checked against
+the vocabulary before `tokenizers` sees it (it panics on some bad merges), and anything
+`tokenizers` still refuses, a panic included, is a ``TokenizerError`` naming the file.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import TokenizerError
+from ..errors import MlxInferError, TokenizerError
+from . import metadata as meta
+
+MAX_PIECE = 1024  # characters in one SentencePiece token: merges are found in O(length^2)
+
+
+def _kw(**more) -> dict:
+    """Keyword arguments of the metadata readers for tokenizer keys: errors are TokenizerErrors."""
+    return {"error": TokenizerError, "missing": TokenizerError, **more}
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -74,52 +86,80 @@ CONTROL, USER_DEFINED = 3, 4
 
 def build_tokenizer(path: Path, md: dict) -> tuple[str, dict]:
     """(tokenizer.json text, tokenizer_config dict) for the file's vocabulary."""
-    kind = md.get("tokenizer.ggml.model")
-    if kind == "gpt2":
-        tok, add_bos_default = _byte_level(path, md), False
-    elif kind == "llama":
-        tok, add_bos_default = _sentencepiece(path, md), True
-    else:
+    try:
+        return _build(path, md)
+    except MlxInferError:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # tokenizers' Rust panics arrive as pyo3's PanicException
+        first = str(e).splitlines()[0][:200] if str(e) else ""
         raise TokenizerError(
-            f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE), "
+            f"{path}: the vocabulary cannot be built: {type(e).__name__}: {first}"
+        ) from None
+
+
+def _build(path: Path, md: dict) -> tuple[str, dict]:
+    kind = meta.string(path, md, "tokenizer.ggml.model", **_kw(default=None))
+    if kind not in ("gpt2", "llama"):
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.model is {kind!r:.80}; supported: 'gpt2' (byte-level BPE), "
             "'llama' (SentencePiece)"
         )
-    tokens = md["tokenizer.ggml.tokens"]
+    tokens = meta.strings(path, md, "tokenizer.ggml.tokens", **_kw())
+    if not tokens:
+        raise TokenizerError(f"{path}: tokenizer.ggml.tokens: expected at least one token, found 0")
+    if kind == "gpt2":
+        tok, add_bos_default = _byte_level(path, md, tokens), False
+    else:
+        tok, add_bos_default = _sentencepiece(path, md, tokens), True
 
-    def token(key):
-        i = md.get(f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None and int(i) < len(tokens) else None
+    def token(key):  # an id outside the vocabulary names no token
+        i = meta.integer(
+            path, md, f"tokenizer.ggml.{key}", **_kw(lo=-(2**63), hi=2**64, default=None)
+        )
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    arch = md.get("general.architecture", "llama")
+    arch = meta.string(path, md, "general.architecture", **_kw(default="llama"))
+    flag = {"default": False, "error": TokenizerError}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),
         "unk_token": token("unknown_token_id"),
         "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-        "add_eos_token": bool(md.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": meta.boolean(
+            path, md, "tokenizer.ggml.add_bos_token", **{**flag, "default": add_bos_default}
+        ),
+        "add_eos_token": meta.boolean(path, md, "tokenizer.ggml.add_eos_token", **flag),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(md.get(f"{arch}.context_length", 2048)),
+        "model_max_length": meta.integer(
+            path, md, f"{arch}.context_length", **_kw(hi=2**64, default=2048)
+        ),
     }
     if kind == "llama":
-        _sentencepiece_specials(tok, md, tokens, config, gemma=arch in _GEMMA_ARCHS)
+        _sentencepiece_specials(path, tok, md, tokens, config, gemma=arch in _GEMMA_ARCHS)
     if kind == "llama" or config["add_bos_token"] or config["add_eos_token"]:
         _bos_eos_post_processor(tok, config)
-    if "tokenizer.chat_template" in md:  # a file without one (a base model) gets none
-        config["chat_template"] = md["tokenizer.chat_template"]
+    template = meta.string(path, md, "tokenizer.chat_template", **_kw(default=None))
+    if template is not None:  # a file without one (a base model) gets none
+        config["chat_template"] = template
     return tok.to_str(), config
 
 
-def _types(md: dict, n: int) -> list[int]:
-    return [int(t) for t in md.get("tokenizer.ggml.token_type", [1] * n)]
+def _types(path: Path, md: dict, n: int) -> list[int]:
+    """tokenizer.ggml.token_type: one integer per token (all normal, 1, if absent)."""
+    types = meta.numbers(
+        path, md, "tokenizer.ggml.token_type", n, **_kw(integers=True, default=None)
+    )
+    return [1] * n if types is None else types.tolist()
 
 
 # ---------------------------------------------------------------------------
 # byte-level BPE
 
 
-def _byte_level(path: Path, md: dict):
+def _byte_level(path: Path, md: dict, tokens: list[str]):
     from tokenizers import (
         AddedToken,
         Regex,
@@ -130,14 +170,13 @@ def _byte_level(path: Path, md: dict):
         processors,
     )
 
-    pre = md.get("tokenizer.ggml.pre")
+    pre = meta.string(path, md, "tokenizer.ggml.pre", **_kw(default=None))
     if pre not in _GPT2_PRE and pre not in _SPLITS:
         raise TokenizerError(
-            f"{path}: tokenizer.ggml.pre is {pre!r}; supported: "
+            f"{path}: tokenizer.ggml.pre is {pre!r:.80}; supported: "
             + ", ".join(repr(p) for p in (*_GPT2_PRE[1:], *_SPLITS))
         )
-    tokens = md["tokenizer.ggml.tokens"]
-    types = _types(md, len(tokens))
+    types = _types(path, md, len(tokens))
     # A token spelled outside the byte alphabet (raw spaces, say) is respelled byte by byte.
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
@@ -147,10 +186,17 @@ def _byte_level(path: Path, md: dict):
             tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
         ] = i
     merges = []
-    for m in md.get("tokenizer.ggml.merges", []):
+    for m in meta.strings(path, md, "tokenizer.ggml.merges", **_kw(default=[])):
         pair = m.split(" ")
         if len(pair) != 2:
-            raise TokenizerError(f"{path}: tokenizer.ggml.merges entry {m!r} is not two tokens")
+            raise TokenizerError(f"{path}: tokenizer.ggml.merges entry {m!r:.80} is not two tokens")
+        # tokenizers needs both parts and their join in the vocabulary (it panics on some)
+        missing = next((t for t in (*pair, "".join(pair)) if t not in vocab), None)
+        if missing is not None:
+            raise TokenizerError(
+                f"{path}: tokenizer.ggml.merges entry {m!r:.80}: expected tokens of the vocabulary, "
+                f"found {missing!r:.80} in none"
+            )
         merges.append(tuple(pair))
 
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
@@ -201,19 +247,25 @@ def sentencepiece_merges(tokens: list[str], priority: dict[str, float]) -> list[
     return [(left, right) for left, right, _ in candidates]
 
 
-def _sentencepiece(path: Path, md: dict):
+def _sentencepiece(path: Path, md: dict, tokens: list[str]):
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    tokens = list(md["tokenizer.ggml.tokens"])
+    longest = max(tokens, key=len)
+    if len(longest) > MAX_PIECE:
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.tokens: expected tokens of at most {MAX_PIECE} characters, "
+            f"found one of {len(longest)}"
+        )
+    tokens = list(tokens)
     gemma = md.get("general.architecture") in _GEMMA_ARCHS
     if gemma:
         # Gemma files store whitespace-only tokens with real spaces; the model looks them up as "▁".
         tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
         priority = {t: -i for i, t in enumerate(tokens)}  # merge order = file order
     else:
-        scores = md.get("tokenizer.ggml.scores")
-        if scores is None:
+        if "tokenizer.ggml.scores" not in md:
             raise TokenizerError(f"{path}: SentencePiece vocabulary without tokenizer.ggml.scores")
+        scores = meta.numbers(path, md, "tokenizer.ggml.scores", len(tokens), **_kw(integers=False))
         priority = dict(zip(tokens, np.asarray(scores, dtype=np.float32).tolist()))
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = sentencepiece_merges(tokens, priority)
@@ -243,10 +295,12 @@ def _sentencepiece(path: Path, md: dict):
     return tok
 
 
-def _sentencepiece_specials(tok, md: dict, tokens: list[str], config: dict, gemma: bool) -> None:
+def _sentencepiece_specials(
+    path: Path, tok, md: dict, tokens: list[str], config: dict, gemma: bool
+) -> None:
     from tokenizers import AddedToken
 
-    types = _types(md, len(tokens))
+    types = _types(path, md, len(tokens))
     vocab = tok.get_vocab()
     named = [
         config[k] for k in ("pad_token", "eos_token", "bos_token", "unk_token") if config.get(k)
