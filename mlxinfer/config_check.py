@@ -229,6 +229,21 @@ def check_args(args: Any, config: dict[str, Any], source: str = "config.json") -
         raise ConfigError(f"{source}: 'qk_rope_head_dim' must be even, found {rope_dim}")
 
 
+def check_built(model: Any, source: str = "config.json") -> None:
+    """What only the built model shows: every rotary embedding rotates an even number (>= 2)
+    of features (``mx.fast.rope`` refuses others at the first forward), however the family
+    derived it (head_dim, times partial_rotary_factor, MLA's qk_rope_head_dim)."""
+    from .models.layers.rope import LongRoPE, RoPE
+
+    for _, module in model.named_modules():
+        if isinstance(module, (RoPE, LongRoPE)) and (module.dims < 2 or module.dims % 2):
+            raise ConfigError(
+                f"{source}: the rotary embedding would rotate {module.dims} features of each "
+                "head (head_dim, times partial_rotary_factor where given); expected an even "
+                "number >= 2"
+            )
+
+
 # --- types ----------------------------------------------------------------------------------------
 
 

@@ -132,7 +132,7 @@ def _tensor(path: Path, name: str, info: Any) -> dict[str, Any]:
             f"{where}: expected an object with dtype, shape and data_offsets, found {_short(info)}"
         )
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise WeightsError(
             f"{where}: dtype {_short(dtype)} is not one MLX loads "
             f"(expected one of {', '.join(DTYPE_BITS)})"

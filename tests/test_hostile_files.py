@@ -329,3 +329,22 @@ def test_added_token_ids_are_bounded(tmp_path):
     (tik / "tokenizer.tiktoken").write_text("\n".join(lines))
     with pytest.raises(TokenizerError, match="line 257 has rank 1000000000000000"):
         Tokenizer.from_dir(tik)
+
+
+def test_the_detokenizer_drops_ids_outside_the_vocabulary_as_decode_does(tmp_path):
+    """A model's embedding may have more rows than its tokenizer has ids (padded vocabularies),
+    so such an id can be sampled. decode() skips it; the streaming detokenizer took it for a
+    token that ends a run of byte-fallback tokens and wrote out an "é" that decode fuses with
+    the byte after it into an invalid run (found by test_fuzz_files' detokenizer target)."""
+    from tokenizer_fixtures import build_sentencepiece
+
+    from mlxinfer.tokenization import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(build_sentencepiece(tmp_path / "sp"))
+    c3, a9 = (tokenizer.token_to_id(f"<0x{b:02X}>") for b in "é".encode())
+    for outside in (tokenizer.vocab_size, -1, 10**6):
+        # decode skips the outside id and fuses C3 A9 A9, not UTF-8: one U+FFFD per byte
+        ids = [c3, a9, outside, a9]
+        detok = tokenizer.detokenizer()
+        streamed = "".join(detok.add_token(i) for i in ids) + detok.finalize()
+        assert streamed == tokenizer.decode(ids) == "\ufffd" * 3

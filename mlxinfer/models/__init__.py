@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from ..config_check import check_args, check_config
+from ..config_check import check_args, check_built, check_config
 from ..errors import ConfigError
 
 # model_type -> module in this package. Aliases differ only in config.
@@ -73,7 +73,9 @@ def build_model(config: dict[str, Any], source: str = "config.json"):
     try:
         args = family.ModelArgs.from_dict(config)
         check_args(args, config, source)
-        return family.Model(args)
+        model = family.Model(args)
+        check_built(model, source)
+        return model
     except _BUILD_ERRORS as e:
         reason = " ".join(str(e).split())[:160]
         raise ConfigError(

@@ -43,6 +43,9 @@ class StreamingDetokenizer:
         byte_fallback_ids: the ``<0xNN>`` byte tokens, when ``decode`` fuses runs
             of them as described above (empty for byte-level BPE, whose decoding
             is prefix-stable).
+        vocab_size: ids outside ``0..vocab_size-1`` are dropped, as ``decode`` drops
+            them (a model's embedding may have more rows than its tokenizer has ids):
+            kept, one would end a run of byte tokens that ``decode`` fuses across it.
     """
 
     def __init__(
@@ -50,8 +53,10 @@ class StreamingDetokenizer:
         decode: Callable[[Sequence[int]], str],
         skip_ids: Collection[int] = (),
         byte_fallback_ids: Collection[int] = (),
+        vocab_size: int | None = None,
     ) -> None:
         self._decode = decode
+        self._vocab_size = vocab_size
         self._skip_ids = frozenset(skip_ids)
         self._byte_ids = frozenset(byte_fallback_ids)
         self._ids: list[int] = []
@@ -78,6 +83,8 @@ class StreamingDetokenizer:
         """Add one token; return the newly completed text ("" when nothing is complete yet)."""
         token_id = int(token_id)
         if token_id in self._skip_ids:
+            return ""
+        if self._vocab_size is not None and not 0 <= token_id < self._vocab_size:
             return ""
         self._ids.append(token_id)
         if token_id in self._byte_ids:

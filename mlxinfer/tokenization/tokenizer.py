@@ -219,6 +219,7 @@ class Tokenizer:
             lambda ids: library_call(backend.file, "decode", backend.decode, ids, False),
             skip_ids=backend.special_ids if skip_special_tokens else (),
             byte_fallback_ids=backend.byte_fallback_ids,
+            vocab_size=backend.vocab_size,
         )
 
     # --- chat ----------------------------------------------------------------------------------------
