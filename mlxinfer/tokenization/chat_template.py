@@ -25,9 +25,10 @@ import jinja2
 import jinja2.utils
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import TokenizerError
+from . import template_guard
+from .template_guard import GuardedSandbox, TemplateLimitError
 
 # Names a message's reasoning travels under; transformers copies it to all of them
 # because templates disagree on which one they read.
@@ -40,11 +41,25 @@ class ChatTemplate:
     Args:
         source: the Jinja text.
         origin: where it came from (file and key), used in error messages.
+        time_limit: seconds a render may take (compiling, once, has
+            ``template_guard.COMPILE_TIME_LIMIT``).
+        max_output: characters a render may produce, beyond
+            ``template_guard.INPUT_ALLOWANCE`` times the messages' and variables' own size.
     """
 
-    def __init__(self, source: str, origin: str) -> None:
+    def __init__(
+        self,
+        source: str,
+        origin: str,
+        *,
+        time_limit: float = template_guard.DEFAULT_TIME_LIMIT,
+        max_output: int = template_guard.DEFAULT_MAX_OUTPUT,
+    ) -> None:
         self.source = source
         self.origin = origin
+        self.time_limit = time_limit
+        self.compile_time_limit = max(template_guard.COMPILE_TIME_LIMIT, time_limit)
+        self.max_output = max_output
         self._compiled: jinja2.Template | None = None
 
     def render(
@@ -70,11 +85,16 @@ class ChatTemplate:
         context = {"tools": None, "documents": None, **variables}
         try:
             # Everything the template sees is rebuilt from plain JSON-like values (see _plain).
-            return self._template().render(
-                _plain(context),
-                messages=_plain(chat),
-                add_generation_prompt=bool(add_generation_prompt),
-            )
+            context, chat = _plain(context), _plain(chat)
+            room = template_guard.text_size([context, chat], 2**62)
+            max_chars = self.max_output + template_guard.INPUT_ALLOWANCE * room
+            if self._compiled is None:
+                with template_guard.limits(self.compile_time_limit, max_chars, "compiling"):
+                    self._template()
+            with template_guard.limits(self.time_limit, max_chars):
+                return self._template().render(
+                    context, messages=chat, add_generation_prompt=bool(add_generation_prompt)
+                )
         except TokenizerError:
             raise
         except Exception as exc:  # anything a template does wrong is the template's error
@@ -82,6 +102,11 @@ class ChatTemplate:
 
     def _template(self) -> jinja2.Template:
         if self._compiled is None:
+            if len(self.source) > template_guard.MAX_SOURCE:
+                raise TokenizerError(
+                    f"chat template {self.origin}: {len(self.source)} characters of source pass "
+                    f"the limit of {template_guard.MAX_SOURCE}"
+                )
             try:
                 self._compiled = _make_environment().from_string(self.source)
             except jinja2.TemplateSyntaxError as exc:
@@ -199,8 +224,9 @@ def _templates_from_value(value: Any, file: Path) -> dict[str, ChatTemplate]:
 # --- the sandboxed environment --------------------------------------------------------------------
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, failing loudly on unsafe attributes.
+class _Sandbox(GuardedSandbox):
+    """The immutable sandbox under time and size limits (template_guard.py), failing loudly
+    on unsafe attributes.
 
     Jinja's sandbox answers ``''.__class__`` with an Undefined that prints as ""
     and only raises when used further; transformers renders that "". No honest
@@ -213,7 +239,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         )
 
 
-def _make_environment() -> ImmutableSandboxedEnvironment:
+def _make_environment() -> GuardedSandbox:
     # trim_blocks / lstrip_blocks and these globals are what Hub templates are written against.
     env = _Sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
@@ -223,6 +249,7 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace
     env.globals["dict"] = _DictFactory()
+    env.guard_filters()
     return env
 
 
@@ -338,6 +365,10 @@ def _describe(exc: BaseException) -> str:
         return f"raised: {_one_line(str(exc))}"
     if isinstance(exc, jinja2.exceptions.SecurityError):
         return f"blocked by the sandbox: {_one_line(str(exc))}"
+    if isinstance(exc, TemplateLimitError):
+        return _one_line(str(exc))
+    if isinstance(exc, RecursionError):
+        return "RecursionError: nested too deeply (a macro or structure that recurses without end?)"
     return f"{type(exc).__name__}: {_one_line(str(exc))}"
 
 
