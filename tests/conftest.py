@@ -7,6 +7,10 @@ import tempfile
 # of this test run only: tests never write the developer's own; subprocesses (the CLI) inherit
 # it. Set before mlxinfer is imported: the import checks the BLAS and caches the verdict there.
 os.environ.setdefault("MLXINFER_CACHE", tempfile.mkdtemp(prefix="mlxinfer-test-cache-"))
+# The CPU backend's decode plans at their plainest, not timed at load: on a loaded machine the
+# timing picks differently from run to run (one tiny model got 17 different plan sets in 40 runs
+# here), and every option rounds differently. The plans' own tests set their options themselves.
+os.environ.setdefault("MLXINFER_CPU_PLANS", "off")
 
 from mlxinfer.blas import preload_openblas  # noqa: E402
 
