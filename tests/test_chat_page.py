@@ -4,13 +4,19 @@ Chromium driven by Playwright.
 The page's job is to stream and render what the model writes, so the server here answers
 from a scripted engine: a reply with a fenced code block, TeX math and HTML that must not run,
 streamed a piece at a time. Needs the server extra, the ``playwright`` package and a Chromium
-(``MLXINFER_CHROMIUM``, else ``chromium`` on the PATH; `.ci/run` installs Debian's)."""
+(``MLXINFER_CHROMIUM``, else ``chromium`` on the PATH; `.ci/run` installs Debian's).
+
+Every step waits on the page's state (the model list filled, the reply's note written, the page
+no longer busy), never for a time, and the server answers the model list late, as a loaded
+machine does: a prompt sent before the list arrived went out with no model, was refused, and
+the test read the previous request's messages as this one's."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +41,21 @@ from mlxinfer import load  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
 
 ARTIFACTS = Path(os.environ.get("MLXINFER_ARTIFACTS", "test-artifacts"))
+# How long a step may take before the test fails: a bound for a loaded machine, not a wait.
+STEP_MS = 60_000
+sync_api.expect.set_options(timeout=STEP_MS)
+MODEL_LIST_DELAY_S = 0.5
+
+
+def late_model_list(app):
+    """``app`` with ``GET /v1/models`` answered ``MODEL_LIST_DELAY_S`` late."""
+
+    async def slower(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/v1/models":
+            await asyncio.sleep(MODEL_LIST_DELAY_S)
+        await app(scope, receive, send)
+
+    return slower
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +64,7 @@ def page_server(tmp_path_factory):
     add_tokenizer(path)
     model, tokenizer = load(str(path))
     engine = ScriptedEngine()
-    with serving(make_app(model, tokenizer, "scripted", engine=engine)) as url:
+    with serving(late_model_list(make_app(model, tokenizer, "scripted", engine=engine))) as url:
         yield f"{url}/", engine
 
 
@@ -55,27 +76,45 @@ def browser():
         b.close()
 
 
+def _new_page(browser, **options):
+    page = browser.new_page(**options)
+    page.set_default_timeout(STEP_MS)
+    return page
+
+
 def _models_listed(page) -> None:
     # Locators, not wait_for_function: the page's policy forbids eval, which that uses.
-    page.locator("#model option").first.wait_for(state="attached", timeout=10_000)
+    page.locator("#model option").first.wait_for(state="attached")
 
 
 def _ask(page, text: str) -> None:
+    """Send ``text`` once the page can: the model list filled (a request without a model is
+    refused) and no reply streaming."""
+    _models_listed(page)
+    sync_api.expect(page.locator("#prompt")).to_be_enabled()
     page.fill("#prompt", text)
     page.press("#prompt", "Enter")
 
 
+def _replies_done(page, count: int):
+    """Wait until ``count`` replies have ended (each gets its note when its stream ends) and the
+    page is idle again; the last reply."""
+    sync_api.expect(page.locator(".message.assistant .note")).to_have_count(count)
+    sync_api.expect(page.locator("body")).not_to_have_attribute("data-busy", "1")
+    return page.locator(".message.assistant").last
+
+
 def test_a_streamed_reply_renders_code_math_and_no_model_html(page_server, browser):
     url, engine = page_server
-    page = browser.new_page(viewport={"width": 1000, "height": 760})
+    page = _new_page(browser, viewport={"width": 1000, "height": 760})
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(url)
     _models_listed(page)
     assert page.input_value("#model") == "scripted"
     _ask(page, "Show me some code and math.")
-    page.wait_for_selector(".message.assistant .note", timeout=20_000)  # written when it ended
-    reply = page.locator(".message.assistant").last
+    reply = _replies_done(page, 1)
+    sync_api.expect(reply.locator(".note")).to_have_text(re.compile(r"^\d+ tokens, "))
 
     assert engine.prompts[-1] == [{"role": "user", "content": "Show me some code and math."}]
     code = reply.locator("pre.hljs code")
@@ -95,10 +134,11 @@ def test_a_streamed_reply_renders_code_math_and_no_model_html(page_server, brows
     # The conversation is kept for the browser session: a reload shows it again, and the next
     # request sends it back to the model.
     page.reload()
-    page.wait_for_selector(".message.assistant .katex", timeout=10_000)
+    page.wait_for_selector(".message.assistant .katex")
     assert page.locator(".message").count() == 2
-    _ask(page, "And again?")
-    sync_api.expect(page.locator(".message .note")).to_have_count(2, timeout=20_000)
+    _ask(page, "And again?")  # after the model list has arrived again
+    again = _replies_done(page, 2)
+    sync_api.expect(again.locator(".note")).to_have_text(re.compile(r"^\d+ tokens, "))
     sent = engine.prompts[-1]
     assert [m["role"] for m in sent] == ["user", "assistant", "user"]
     assert sent[1]["content"] == REPLY and sent[2]["content"] == "And again?"
@@ -107,24 +147,21 @@ def test_a_streamed_reply_renders_code_math_and_no_model_html(page_server, brows
 
 def test_stop_ends_the_stream_and_cancels_it_on_the_server(page_server, browser):
     url, engine = page_server
-    page = browser.new_page()
+    page = _new_page(browser)
     page.goto(url)
-    _models_listed(page)
     engine.closed.clear()
     _ask(page, "Write something long.")
     reply = page.locator(".message.assistant").last
-    deadline = time.monotonic() + 20
-    while len(reply.inner_text()) <= 30:
-        assert time.monotonic() < deadline, "the long reply did not start streaming"
-        time.sleep(0.05)
+    sync_api.expect(reply).to_contain_text("word " * 8)  # streaming has started
     page.click("#stop")
-    page.wait_for_selector(".message.assistant:last-child .note", timeout=5_000)
-    assert reply.locator(".note").inner_text() == "stopped"
-    assert engine.closed.wait(5), "the server's stream was not closed after Stop"
-    shown = reply.inner_text()
-    time.sleep(0.5)
-    assert reply.inner_text() == shown  # nothing more arrives
-    assert len(shown) < len(ScriptedEngine.LONG)
+    reply = _replies_done(page, 1)
+    sync_api.expect(reply.locator(".note")).to_have_text("stopped")
+    assert engine.closed.wait(STEP_MS / 1000), "the server's stream was not closed after Stop"
+    # The page's record of the reply, written once its stream ended: what was shown, cut short.
+    saved = page.evaluate("JSON.parse(sessionStorage.getItem('mlxinfer.chat')).at(-1)")
+    assert saved["note"] == "stopped" and ScriptedEngine.LONG.startswith(saved["content"])
+    assert 40 <= len(saved["content"]) < len(ScriptedEngine.LONG)
+    assert reply.inner_text().split("\n")[0] == saved["content"].strip()
     assert page.is_visible("#send") and not page.is_visible("#stop")
     page.close()
 
@@ -136,16 +173,14 @@ def test_the_page_sends_a_servers_api_key(page_server, browser, tmp_path):
     model, tokenizer = load(str(path))
     app = make_app(model, tokenizer, "scripted", api_key="sk-page", engine=ScriptedEngine())
     with serving(app) as url:
-        page = browser.new_page()
+        page = _new_page(browser)
         page.goto(f"{url}/")
-        page.wait_for_selector("#key", state="visible", timeout=10_000)
+        page.wait_for_selector("#key", state="visible")
         assert page.locator("#model option").count() == 0
         page.fill("#key", "sk-page")
         page.dispatch_event("#key", "change")
-        _models_listed(page)
         _ask(page, "Hello")
-        page.wait_for_selector(".message.assistant .note", timeout=20_000)
-        assert "Done." in page.locator(".message.assistant").last.inner_text()
+        assert "Done." in _replies_done(page, 1).inner_text()
         page.close()
 
 
