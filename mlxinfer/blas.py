@@ -89,6 +89,10 @@ def preload_openblas() -> str | None:
     if _mlx_imported():  # too late: MLX's symbols are bound already
         _too_late = path
         return None
+    if "libmkl_rt" in os.path.basename(path):
+        # MKL's default threading needs Intel's OpenMP runtime; GNU's comes with gcc. Set before
+        # the check, so that its probe loads MKL as this process will.
+        os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
     if _checked():
         from . import blas_check
 
@@ -97,9 +101,6 @@ def preload_openblas() -> str | None:
             return None
         if _verdict.core is not None:  # read by OpenBLAS when it is loaded, just below
             os.environ["OPENBLAS_CORETYPE"] = _verdict.core
-    if "libmkl_rt" in os.path.basename(path):
-        # MKL's default threading needs Intel's OpenMP runtime; GNU's comes with gcc.
-        os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError:
