@@ -5,8 +5,10 @@ The probe's judgement is tested on a stand-in ``cblas_sgemm`` whose products are
 entry off; the choice of kernels on probe results given to it; the load itself, in a fresh
 process, on the installed OpenBLAS (skipped where there is none)."""
 
+import ctypes
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -17,9 +19,25 @@ from mlxinfer import blas_check, blas_probe
 from mlxinfer.blas import find_fast_blas
 
 LIBRARY = find_fast_blas() if sys.platform.startswith("linux") else None
-OPENBLAS = LIBRARY is not None and "openblas" in os.path.basename(LIBRARY)
+
+
+def dynamic_x86_openblas() -> bool:
+    """An x86 OpenBLAS built with DYNAMIC_ARCH (Debian's): one that honours OPENBLAS_CORETYPE."""
+    if LIBRARY is None or "openblas" not in os.path.basename(LIBRARY):
+        return False
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        lib = ctypes.CDLL(LIBRARY)
+        lib.openblas_get_config.restype = ctypes.c_char_p
+        return b"DYNAMIC_ARCH" in lib.openblas_get_config()
+    except (OSError, AttributeError):
+        return False
+
+
 needs_openblas = pytest.mark.skipif(
-    not OPENBLAS, reason="no OpenBLAS installed (apt-get install libopenblas0-pthread)"
+    not dynamic_x86_openblas(),
+    reason="no x86 OpenBLAS with DYNAMIC_ARCH installed (apt-get install libopenblas0-pthread)",
 )
 
 
