@@ -87,6 +87,9 @@ BOUNDS: dict[str, tuple[int, int]] = {
 BOUNDS["conv_L_cache"] = (2, 1024)
 BOUNDS["sliding_window"] = (0, 2**26)  # 0 in configs that do not use it; check_args: >= 1 if used
 BOUNDS["max_window_layers"] = (0, 2**26)  # Qwen configs set it past the layer count
+# XGLM's sinusoid table is computed at build: (positions + 2) x d_model float32s. 2**26 is
+# 256 MB; XGLM 7.5B's is 2,050 x 4,096.
+MAX_POSITION_TABLE = 2**26
 # Floats that must be positive (the rest need only be finite).
 POSITIVE = {
     "rope_theta",
@@ -221,6 +224,14 @@ def check_args(args: Any, config: dict[str, Any], source: str = "config.json") -
             f"{source}: 'num_experts_per_tok' must be at most the number of experts, found "
             f"{per_token} of {experts}"
         )
+    if getattr(args, "model_type", None) == "xglm":  # its sinusoid table is built eagerly
+        cells = (args.max_position_embeddings + 2) * args.d_model
+        if cells > MAX_POSITION_TABLE:
+            raise ConfigError(
+                f"{source}: 'max_position_embeddings' x 'd_model' make a {cells}-entry position "
+                f"table, over the limit of {MAX_POSITION_TABLE}, found "
+                f"{args.max_position_embeddings} and {args.d_model}"
+            )
     window = getattr(args, "sliding_window", None)
     if isinstance(window, int) and window < 1:
         raise ConfigError(f"{source}: 'sliding_window' must be >= 1 where used, found {window}")

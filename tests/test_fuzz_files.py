@@ -192,7 +192,7 @@ def target(ops):
         raise AssertionError(f"accepted a file the safetensors library refuses: {ops!r}")
     for name, array in mx.load(str(file)).items():
         assert list(array.shape) == tensors[name]["shape"], name
-        mx.eval(array.sum(axis=0) if array.ndim else array)
+        mx.eval(array.sum())  # every byte read; no output larger than the tensor
     counts["accepted"] += 1
     assert time.monotonic() - start < BOUND_S, ops
 
@@ -314,7 +314,7 @@ SMALL = 2**21  # parameters: a model this small also runs one forward
 
 def _forward(model) -> None:
     n = sum(v.size for _, v in tree_flatten(model.parameters()))
-    if n > SMALL:
+    if n > SMALL or model.args.max_position_embeddings < 4:  # generation fits the context
         return
     cache = model.make_cache()
     mx.eval(model(mx.array([[0, 1, 2]]), cache))
