@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Sequence
 import mlx.core as mx
 
 from .batch import Engine, Stream
+from .batch.pool import DEFAULT_KV_BUDGET
 from .generation.results import GenerationResult
 from .generation.sampling import SAMPLING_FIELDS, SamplingParams
 from .progress import Progress
@@ -53,7 +54,8 @@ class ModelHandle:
 
     ``path``: a model directory, a Hub repo id, or None for the default model.
     ``progress``: a ``(stage, done, total)`` callback for loads (:mod:`mlxinfer.progress`).
-    ``force``: load even if the weights exceed the GPU's recommended working set.
+    ``force``: load even if the weights and the engine's ``kv_budget`` exceed the memory the
+    machine can give (an InsufficientMemoryError naming the numbers otherwise).
     ``engine_options``: for the :class:`~mlxinfer.batch.Engine` (``max_batch``, ``kv_budget``...).
     """
 
@@ -94,7 +96,11 @@ class ModelHandle:
         with self._lock:
             if self.engine is None:
                 self.model, self.tokenizer = load(
-                    self.path, dtype=self.dtype, progress=self.progress, force=self.force
+                    self.path,
+                    dtype=self.dtype,
+                    progress=self.progress,
+                    force=self.force,
+                    kv_budget=self.engine_options.get("kv_budget", DEFAULT_KV_BUDGET),
                 )
                 self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
                 self.engine = Engine(self.model, **self.engine_options)

@@ -33,6 +33,7 @@ class ChatSession:
     ):
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.split_reasoning = split_reasoning
+        self.max_kv_size, self.kv_bits = max_kv_size, kv_bits
         self.messages: list[dict[str, str]] = (
             [{"role": "system", "content": system}] if system else []
         )
@@ -49,6 +50,9 @@ class ChatSession:
                 self.messages,
                 prompt_cache=self.prompt_cache,
                 split_reasoning=self.split_reasoning,
+                # the cache is made: these size its KV budget in tokens (memory.kv_limit)
+                max_kv_size=self.max_kv_size,
+                kv_bits=self.kv_bits,
                 **self.options,
             ):
                 reply.append(r.text)

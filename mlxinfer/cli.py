@@ -100,7 +100,9 @@ def generate(
         )
     if prompt is None:
         prompt = sys.stdin.read()
-    llm, tokenizer = _load(model, verbose, options.pop("force"))
+    llm, tokenizer = _load(model, verbose, options["force"])
+    if options.pop("force"):  # lifts the KV budget too (what the machine can give now)
+        options["kv_budget"] = float("inf")
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     [prompt] = _templated(tokenizer, [prompt], system, chat_template, no_chat_template, verbose)
     _print_stream(
@@ -224,7 +226,9 @@ def chat(
     """
     from .chat import ChatSession
 
-    llm, tokenizer = _load(model, verbose, options.pop("force"))
+    llm, tokenizer = _load(model, verbose, options["force"])
+    if options.pop("force"):  # lifts the KV budget too (what the machine can give now)
+        options["kv_budget"] = float("inf")
     if chat_template:
         tokenizer.set_chat_template(chat_template)
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
@@ -333,12 +337,13 @@ def serve(
         ) from None
     from pathlib import Path
 
+    from .batch.pool import DEFAULT_KV_BUDGET
     from .server import serve as run
 
     draft = _make_draft(draft_model, prompt_lookup, None)
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
-        llm, tokenizer = _load(model, verbose, force)
+        llm, tokenizer = _load(model, verbose, force, kv_budget or DEFAULT_KV_BUDGET)
         name = Path(model).name if model else "SmolLM2-135M-Instruct"
     options = {"max_batch": max_batch, "kv_budget": kv_budget}
     options = {k: v for k, v in options.items() if v is not None}

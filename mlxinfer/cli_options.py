@@ -116,12 +116,15 @@ def generation_options(fn):
 FORCE = click.option(
     "--force",
     is_flag=True,
-    help="Load the model even if it exceeds the GPU's recommended working set (Mac).",
+    help="Load the model even if its weights and KV cache exceed the memory this machine can "
+    "give (the GPU's recommended working set on a Mac, available RAM elsewhere), and let a "
+    "generation's KV cache grow past it.",
 )
 
 
-def _load(model: str | None, verbose: bool, force: bool = False):
-    """The model and tokenizer, with progress bars on a terminal."""
+def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int | None = None):
+    """The model and tokenizer, with progress bars on a terminal; ``kv_budget``: the KV bytes
+    its engine will hold (``serve``), None for a single generation's (loader.check_fits)."""
     from .loader import load
     from .progress import Bars
 
@@ -130,9 +133,9 @@ def _load(model: str | None, verbose: bool, force: bool = False):
 
         _log(f"BLAS: {blas_in_use()}")
     if not sys.stderr.isatty():
-        return load(model, log=_log, force=force)
+        return load(model, log=_log, force=force, kv_budget=kv_budget)
     with Bars() as bars:
-        return load(model, log=_log, progress=bars, force=force)
+        return load(model, log=_log, progress=bars, force=force, kv_budget=kv_budget)
 
 
 REASONING = click.option(

@@ -39,3 +39,8 @@ class DraftError(MlxInferError):
 class ConstraintError(MlxInferError, ValueError):
     """A structured-output constraint (JSON Schema, regex, choices, grammar) that is invalid
     or that the grammar library does not support; raised before any token is generated."""
+
+
+class InsufficientMemoryError(WeightsError):
+    """A model whose weights and KV budget exceed the memory the machine can give (memory.py);
+    a WeightsError, as the working-set refusal it replaces was."""

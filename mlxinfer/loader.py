@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import backends
+from . import backends, memory
 from .config import read_config
 from .errors import ConfigError, WeightsError
 from .manifest import check_sizes
@@ -136,12 +136,14 @@ def load_model(
     log: Callable[[str], None] | None = None,
     progress: Progress | None = None,
     force: bool = False,
+    kv_budget: int | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build the model in ``model_dir`` and load its weights (evaluated: see :func:`materialize`).
 
     ``dtype``: cast float weights to it; None keeps the stored dtypes; "auto"
     is :func:`default_dtype`. ``progress``: see :mod:`mlxinfer.progress`. ``force``: load
-    even when the weights exceed the GPU's recommended working set (Metal).
+    even when the weights and ``kv_budget`` exceed the memory the machine can give
+    (:func:`check_fits`).
     """
     release_at_thread_exit()
     if isinstance(dtype, str):
@@ -152,7 +154,7 @@ def load_model(
     source = str(model_dir / "config.json")
     model = build_model(config, source)
     if not force:
-        check_fits(model_dir)
+        check_fits(model_dir, model.args, dtype, kv_budget)
     weights = read_weights(model_dir, progress)
     if config.get("language_model_of"):
         if log is not None:
@@ -176,19 +178,28 @@ def load_model(
     return model, config
 
 
-def check_fits(model_dir: Path) -> None:
-    """On Metal: refuse weights larger than the working set MLX recommends for this GPU (the
-    system would page, or the process be killed), naming both sizes."""
-    limit = recommended_working_set()
-    if limit is None:
-        return
-    size = sum(f.stat().st_size for f in weight_files(model_dir))
-    if size > limit:
-        raise WeightsError(
-            f"{model_dir}: {size / 1e9:.1f} GB of weights, but this GPU's recommended working "
-            f"set is {limit / 1e9:.1f} GB (MLX's max_recommended_working_set_size); load it "
-            "anyway with force=True (--force), or pick a smaller or more quantized model"
+def check_fits(
+    model_dir: Path, args: Any = None, dtype: mx.Dtype | None = None, kv_budget: int | None = None
+) -> None:
+    """Refuse a model whose weights (at ``dtype``), KV budget and headroom exceed what the
+    machine can give now (memory.py: the GPU's recommended working set on a Mac, available
+    RAM elsewhere), naming every number. ``kv_budget`` None: the KV of
+    ``memory.LOAD_KV_TOKENS`` tokens (or the whole context if shorter), estimated from
+    ``args``."""
+    if kv_budget is None and args is not None:
+        context = getattr(args, "max_position_embeddings", None)
+        tokens = (
+            min(context, memory.LOAD_KV_TOKENS)
+            if isinstance(context, int) and context > 0
+            else memory.LOAD_KV_TOKENS
         )
+        kv_budget = tokens * memory.kv_bytes_per_token_estimate(args, dtype)
+    parts = {
+        "weights": memory.weights_bytes(weight_files(model_dir), dtype),
+        "KV budget": kv_budget or 0,
+        "headroom": memory.HEADROOM,
+    }
+    memory.check_fits(str(model_dir), parts, memory.capacity(recommended_working_set()))
 
 
 def recommended_working_set() -> int | None:
@@ -219,6 +230,7 @@ def load(
     log: Callable[[str], None] | None = None,
     progress: Progress | None = None,
     force: bool = False,
+    kv_budget: int | None = None,
 ):
     """Load a model directory, a Hub repo id, or (``None``) the default model.
 
@@ -226,8 +238,10 @@ def load(
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
     dtypes; or an ``mx`` float dtype. ``log`` receives progress messages (the
     library itself never prints). ``progress(stage, done, total)``: the weights read, in
-    bytes (:mod:`mlxinfer.progress`). ``force``: load even if the weights exceed the GPU's
-    recommended working set (on a Mac; otherwise a WeightsError with both sizes).
+    bytes (:mod:`mlxinfer.progress`). ``force``: load even if the weights, the KV cache
+    and headroom exceed what the machine can give (an InsufficientMemoryError naming the
+    numbers otherwise: :func:`check_fits`); ``kv_budget``: the KV bytes the caller will give
+    the model (a batch engine's ``kv_budget``), None for a single generation's.
     """
     from .blas import late_warning
     from .tokenization import Tokenizer
@@ -239,7 +253,9 @@ def load(
             warnings.warn(warning, RuntimeWarning, stacklevel=2)
 
     def load_dir(model_dir: Path):
-        model, _ = load_model(model_dir, dtype=dtype, log=log, progress=progress, force=force)
+        model, _ = load_model(
+            model_dir, dtype=dtype, log=log, progress=progress, force=force, kv_budget=kv_budget
+        )
         return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
 
     if path_or_repo is None:  # a damaged default model is fetched again (default_model.py)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import mlx.core as mx
 
 from ..device import wired_limit
+from ..errors import PromptTooLongError
+from ..memory import KVLimit, kv_limit, size_text
 from ..prompt_cache import PromptCache
 from ..reasoning import split_results, splitter_for
 from ..text import clean_prompt, fit_context
@@ -35,7 +37,7 @@ from ..toolcalls import output_rules
 from .prefill import DEFAULT_PREFILL_STEP, check_token_ids, prefill, token_ids
 from .results import GenerationResult, GenerationStats, Step
 from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams, make_sampler
-from .speculative import speculative_generate_step
+from .speculative import MAX_DRAFT, speculative_generate_step
 from .stop import StopMatcher
 
 if TYPE_CHECKING:
@@ -187,6 +189,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     max_kv_size: int | None = None,
     kv_bits: int | None = None,
+    kv_budget: float | None = None,
     prefill_step_size: int | None = None,
     draft: Draft | None = None,
     num_draft: int | None = None,
@@ -213,6 +216,10 @@ def stream_generate(
         truncate_prompt: left-truncate a prompt longer than the context instead of raising.
         prompt_cache: reuse (and update) caches across calls, e.g. chat turns.
         max_kv_size, kv_bits: bound the cache (rotating) or quantize it.
+        kv_budget: bytes the KV cache (and a draft model's) may hold; None: what the machine
+            can give when the request starts (``memory.kv_limit``); ``math.inf``: no limit. A
+            prompt that cannot fit is a PromptTooLongError; a generation that reaches it ends
+            with ``finish_reason="length"`` and ``stats.limited_by == "kv_budget"``.
         prefill_step_size: prompt tokens per prefill chunk (None: ``DEFAULT_PREFILL_STEP``).
         draft: speculative decoding with this draft source (``DraftModel``,
             ``PromptLookup``, ``SelfDraft``): same output, fewer target passes.
@@ -276,6 +283,9 @@ def stream_generate(
         prompt_cache=prompt_cache,
         max_kv_size=max_kv_size,
         kv_bits=kv_bits,
+        kv_budget=kv_budget,
+        draft=draft,
+        num_draft=num_draft,
     )
     steps = _steps(
         model, tokenizer, request, prefill_step_size or DEFAULT_PREFILL_STEP, draft, num_draft
@@ -324,8 +334,12 @@ def _prepare(
     constraint: Constraint | None = None,
     tools: list[dict] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    kv_budget: float | None = None,
+    draft: Draft | None = None,
+    num_draft: int | None = None,
 ) -> _Request:
-    """Tokenize and fit the prompt, check the settings, and find the request's cache."""
+    """Tokenize and fit the prompt (in the context and the KV budget), check the settings,
+    and find the request's cache."""
     t0 = time.perf_counter()
     ids = prepare_prompt(
         tokenizer,
@@ -344,10 +358,25 @@ def _prepare(
         processors.append(constraint.processor(tokenizer))
     if prompt_cache is None:
         prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
+    limit = kv_limit(
+        model,
+        prompt_cache.cache,
+        kv_budget,
+        max_kv_size=max_kv_size,
+        kv_bits=kv_bits,
+        draft_model=getattr(draft, "model", None),
+    )
+    # A speculative step holds its drafted tokens until it rewinds: room for them too.
+    room = limit.tokens - (max(num_draft or 0, MAX_DRAFT) if draft is not None else 0)
+    ids = _fit_kv(ids, room, limit, max_tokens, truncate_prompt)
+    stats.prompt_tokens = len(ids)
     stats.cached_tokens = len(ids) - len(prompt_cache.reuse(ids))
+    n_new = min(max_tokens, context - len(ids))
+    if room - len(ids) < n_new:
+        n_new, stats.limited_by = int(room - len(ids)), "kv_budget"
     return _Request(
         ids,
-        min(max_tokens, context - len(ids)),
+        n_new,
         sampling,
         processors,
         prompt_cache,
@@ -357,6 +386,21 @@ def _prepare(
         tokenizer.eos_token_ids,
         t0,
     )
+
+
+def _fit_kv(ids: list[int], room: float, limit: KVLimit, max_tokens: int, truncate: bool):
+    """``ids`` if the KV budget holds them and one new token; else left-truncated or refused."""
+    if len(ids) < room:
+        return ids
+    if not truncate or room < 2:
+        raise PromptTooLongError(
+            f"prompt: {len(ids)} tokens, but the KV budget holds {max(int(room), 0)} tokens "
+            f"({size_text(limit.budget)}: {limit.source}); shorten it, left-truncate "
+            "(--truncate-prompt), or give the cache more room (kv_budget, a smaller or quantized "
+            "cache: --kv-bits, --max-kv-size)"
+        )
+    keep = int(room) - max(1, min(max_tokens, int(room) // 2))
+    return ids[-keep:]
 
 
 def _steps(

@@ -45,6 +45,9 @@ class GenerationStats:
     draft_tokens: int = 0  # proposed by the draft
     accepted_tokens: int = 0  # of those, accepted by the target
     speculative_steps: int = 0  # target forward passes while decoding
+    # What cut the generation short of max_tokens, when something did: "kv_budget" (the
+    # request's KV cache reached its budget: memory.kv_limit), else "".
+    limited_by: str = ""
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,6 +74,8 @@ class GenerationStats:
             ("decode", f"{self.decode_tps:.1f} tok/s"),
             ("peak memory", f"{self.peak_memory_gb:.3f} GB"),
         ]
+        if self.limited_by:
+            rows.append(("stopped by", self.limited_by))
         if self.speculative_steps:
             accepted = f"{self.accepted_tokens}/{self.draft_tokens} ({self.acceptance_rate:.0%})"
             rows[-1:-1] = [

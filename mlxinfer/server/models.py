@@ -10,11 +10,14 @@ request for it (its requests got a 500), and the failure is kept for ``/health``
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+import mlx.core as mx
 
 from ..batch import Engine
 
@@ -43,11 +46,13 @@ class Models:
         models_dir: Path | None = None,
         keep_alive: float | None = None,
         load: Callable[[str], tuple[Any, Any]] | None = None,
+        force: bool = False,
     ) -> None:
         self.engine_options = engine_options
         self.models_dir = Path(models_dir) if models_dir is not None else None
         self.keep_alive = keep_alive
         self._load = load
+        self.force = force  # load past what the machine can give (serve --force)
         self.entries: dict[str, Entry] = {}
         self._lock = threading.RLock()
         self._closed = threading.Event()
@@ -90,11 +95,47 @@ class Models:
                     entry.failures.append(f"{type(failure).__name__}: {failure}")
                     entry.engine = Engine(entry.model, **self.engine_options)
             if entry.engine is None:
+                self._make_room(entry)
                 entry.model, entry.tokenizer = self._load(str(entry.path))
                 entry.engine = Engine(entry.model, **self.engine_options)
                 entry.loads += 1
             entry.last_used = time.monotonic()
             return entry
+
+    def _make_room(self, entry: Entry) -> None:
+        """Before ``entry`` loads: its weights, its engine's KV budget and headroom, with the
+        KV budgets the loaded models may still grow into, must fit what the machine can give
+        (memory.py); idle models are unloaded, least recently used first, until they do, or
+        an InsufficientMemoryError names the numbers. ``force`` skips the check."""
+        if self.force:
+            return
+        from .. import memory
+        from ..batch.pool import DEFAULT_KV_BUDGET
+        from ..loader import default_dtype, recommended_working_set, weight_files
+
+        budget = self.engine_options.get("kv_budget", DEFAULT_KV_BUDGET)
+        weights = memory.weights_bytes(weight_files(entry.path), default_dtype())
+        while True:
+            held = [e for e in self.entries.values() if e.engine is not None and e is not entry]
+            promised = sum(max(budget - e.engine.metrics()["kv_bytes"], 0) for e in held)
+            parts = {
+                "weights": weights,
+                "KV budget": budget,
+                "headroom": memory.HEADROOM,
+                "KV budgets of the models loaded": promised,
+            }
+            room = memory.capacity(recommended_working_set())
+            if room is None or sum(parts.values()) <= room.bytes:
+                return
+            idle = [e for e in held if e.path is not None and _idle(e.engine)]
+            if not idle:
+                hint = f", or wait until one of {', '.join(e.name for e in held)} is idle"
+                memory.check_fits(f"model '{entry.name}'", parts, room, hint=hint)
+            victim = min(idle, key=lambda e: e.last_used)
+            victim.engine.close()
+            victim.engine = victim.model = victim.tokenizer = None
+            gc.collect()
+            mx.clear_cache()  # MLX's buffer cache back to the system, so the room shows
 
     def touch(self, entry: Entry) -> None:
         entry.last_used = time.monotonic()
@@ -130,3 +171,8 @@ class Models:
             for entry in self.entries.values():
                 if entry.engine is not None:
                     entry.engine.close()
+
+def _idle(engine: Engine) -> bool:
+    busy = engine.metrics()
+    return not (busy["requests_running"] or busy["requests_waiting"])
+
