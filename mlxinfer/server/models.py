@@ -172,7 +172,7 @@ class Models:
                 if entry.engine is not None:
                     entry.engine.close()
 
+
 def _idle(engine: Engine) -> bool:
     busy = engine.metrics()
     return not (busy["requests_running"] or busy["requests_waiting"])
-
