@@ -198,18 +198,16 @@ def check_rope_scaling(scaling: Any, source: str = "config.json") -> None:
 
 def check_args(args: Any, config: dict[str, Any], source: str = "config.json") -> None:
     """What a family derived from ``config``, checked where the network needs it: the hidden
-    size divisible by the heads when the head size is derived from them, the query heads a
-    multiple of the key/value heads, no more experts per token than experts."""
+    size divisible by the heads where heads are slices of it, the query heads a multiple of
+    the key/value heads, no more experts per token than experts."""
     hidden = _first(args, "hidden_size", "n_embd", "d_model")
     heads = _first(args, "num_attention_heads", "n_head", "attention_heads")
-    fields = {f.name: f for f in dataclasses.fields(args)}
-    given_head_dim = "head_dim" in fields and (
-        config.get("head_dim") is not None or fields["head_dim"].default is not None
-    )
-    if hidden is not None and heads and not given_head_dim and hidden % heads:
+    # GPT-2, BLOOM and XGLM split the hidden vector itself into heads; the others project it
+    # to heads x head_dim (transformers runs GLM-4-MoE's default 4096 / 96 heads of 42).
+    if hidden is not None and heads and not hasattr(args, "head_dim") and hidden % heads:
         raise ConfigError(
-            f"{source}: 'hidden_size' must be a multiple of 'num_attention_heads' (the head "
-            f"size is derived from them), found {hidden} and {heads}"
+            f"{source}: 'hidden_size' must be a multiple of 'num_attention_heads' (each head is "
+            f"a slice of the hidden vector), found {hidden} and {heads}"
         )
     kv_heads = getattr(args, "num_key_value_heads", None)
     if heads and isinstance(kv_heads, int) and kv_heads and heads % kv_heads:

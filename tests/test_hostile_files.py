@@ -193,8 +193,9 @@ def test_family_rules_and_the_last_line_of_defence():
     mixtral = {**base, "model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}
     with pytest.raises(ConfigError, match="'num_experts_per_tok' must be at most .* 3 of 2"):
         build_model(mixtral)
+    gpt2 = {"model_type": "gpt2", "n_embd": 30, "n_layer": 1, "n_head": 4, "vocab_size": 300}
     with pytest.raises(ConfigError, match="'hidden_size' must be a multiple of"):
-        build_model({**base, "hidden_size": 30})
+        build_model(gpt2)  # a reshape error at the first forward before
     # Values that pass every check but that a family's constructor still trips over (YaRN
     # divides by log(rope_theta)): a ConfigError, not the ZeroDivisionError of before.
     yarn = {**base, "rope_theta": 1.0, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
