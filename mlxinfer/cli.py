@@ -25,6 +25,7 @@ from .cli_options import (
     _make_draft,
     _print_stream,
     generation_options,
+    limit_options,
     speculative_options,
     structured_options,
 )
@@ -308,6 +309,7 @@ def chat(
     help="Let pages from this origin call the API from a browser (repeatable; '*' for any). "
     "Default: no CORS headers.",
 )
+@limit_options
 @click.option("--verbose", "-v", is_flag=True)
 @FORCE
 @_errors_to_click
@@ -326,6 +328,7 @@ def serve(
     cors_origins,
     verbose,
     force,
+    **limits,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
     try:
@@ -363,6 +366,7 @@ def serve(
         keep_alive=keep_alive if models_dir else None,
         cors_origins=list(cors_origins),
         **options,
+        **{k: v for k, v in limits.items() if v is not None},  # None: the server's defaults
     )
 
 

@@ -50,7 +50,7 @@ class ScriptedEngine:
     def metrics(self) -> dict:
         return {}
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         self.alive = False
 
 

@@ -401,7 +401,7 @@ def test_malformed_json_and_a_wrong_key(server):
     r = httpx.post(
         f"{url}/v1/chat/completions",
         content=b"{not json",
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
     )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(

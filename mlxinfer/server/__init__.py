@@ -3,7 +3,8 @@
 FastAPI and uvicorn (``pip install 'mlxinfer[server]'``). Routes: ``/health`` (is the
 engine thread alive), ``/metrics`` (Prometheus), ``/v1/models``, ``/v1/chat/completions``,
 ``/v1/completions`` (``openai``) and ``/v1/messages`` (``anthropic``), streamed as
-server-sent events or not. docs/server.md says what is supported.
+server-sent events or not. docs/server.md says what is supported; ``limits`` what a request
+may be.
 """
 
 from __future__ import annotations
@@ -18,9 +19,23 @@ def make_app(*args, **kwargs):
 
 
 def serve(
-    model, tokenizer, name: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, **options
+    model,
+    tokenizer,
+    name: str,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    allowed_hosts: list[str] | None = None,
+    **options,
 ) -> None:
-    """Serve until interrupted."""
-    import uvicorn
+    """Serve until interrupted (SIGINT or SIGTERM: in-flight requests are cancelled and the
+    process ends within seconds). Bound to a loopback address, only requests naming this
+    machine in ``Host`` are answered, unless ``allowed_hosts`` names more; bound to another
+    address, any host is (``allowed_hosts`` defaults to ``["*"]``)."""
+    from .limits import is_loopback
+    from .run import server
 
-    uvicorn.run(make_app(model, tokenizer, name, **options), host=host, port=port, log_level="info")
+    if allowed_hosts is None and not is_loopback(host):
+        allowed_hosts = ["*"]
+    app = make_app(model, tokenizer, name, allowed_hosts=allowed_hosts, **options)
+    server(app, host, port).run()

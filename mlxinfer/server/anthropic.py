@@ -6,12 +6,15 @@ Errors take Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import MlxInferError
 from ..generation.results import GenerationStats
 from ..generation.sampling import SamplingParams
+from .shapes import named, shown
 
 FIELDS = {
     "model",
@@ -29,24 +32,30 @@ FIELDS = {
     "thinking",
 }
 COUNT_FIELDS = {"model", "messages", "system", "tools", "thinking"}
-# HTTP status -> Anthropic's error type
+MAX_INT = 2**31 - 1  # max_tokens, top_k: past any context or vocabulary
+# HTTP status -> Anthropic's error type (other 4xx: invalid_request_error, 5xx: api_error)
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    431: "request_too_large",
     500: "api_error",
     503: "overloaded_error",
 }
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str):
+class APIError(MlxInferError):
+    """An error in Anthropic's shape, with its HTTP status (and headers, such as Retry-After)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
 
     def body(self) -> dict:
-        kind = ERROR_TYPES.get(self.status, "api_error")
+        default = "invalid_request_error" if self.status < 500 else "api_error"
+        kind = ERROR_TYPES.get(self.status, default)
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
@@ -72,7 +81,7 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
     allowed = COUNT_FIELDS if count_only else FIELDS
     for name in body:
         if name not in allowed:
-            raise APIError(400, f"{name}: unsupported field")
+            raise APIError(400, f"{named(name)}: unsupported field")
     model = body.get("model")
     if not isinstance(model, str):
         raise APIError(400, "model: a string is required")
@@ -90,15 +99,24 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
             template_kwargs=kwargs,
         )
     max_tokens = body.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise APIError(400, f"max_tokens: a positive integer is required, got {max_tokens!r}")
+    if (
+        not isinstance(max_tokens, int)
+        or isinstance(max_tokens, bool)
+        or not 1 <= max_tokens <= MAX_INT
+    ):
+        raise APIError(
+            400, f"max_tokens: an integer in 1..{MAX_INT} is required, got {shown(max_tokens)}"
+        )
     stop = body.get("stop_sequences") or []
     if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise APIError(400, "stop_sequences: a list of strings is required")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, f"stream: true or false is required, got {shown(stream)}")
     sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=int(_number(body, "top_k", 0)),
+        temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, above=True),
+        top_k=_integer(body, "top_k", 0, MAX_INT),
     )
     try:
         sampling.check()
@@ -110,7 +128,7 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
         max_tokens,
         sampling,
         [s for s in stop if s],
-        stream=bool(body.get("stream", False)),
+        stream=stream,
         tools=tools,
         tool_choice=choice,
         template_kwargs=kwargs,
@@ -165,17 +183,34 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any]:
     raise APIError(
         400,
         f"tool_choice: expected type auto, any, none, or tool with a name among the tools "
-        f"({', '.join(names)}), got {choice!r}",
+        f"({', '.join(names)}), got {shown(choice)}",
     )
 
 
-def _number(body: dict, name: str, default: float) -> float:
+def _number(
+    body: dict, name: str, default: float, lo: float, hi: float, *, above: bool = False
+) -> float:
+    """A finite number in [lo, hi] (``above``: > lo), or ``default``."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise APIError(400, f"{name}: a number is required, got {type(value).__name__}")
-    return float(value)
+    if isinstance(value, int):  # an int past float range is out of any range here
+        value = float(value) if abs(value) < 1e300 else math.inf if value > 0 else -math.inf
+    if not (lo < value if above else lo <= value) or not value <= hi:
+        span = f"{'(' if above else '['}{lo:g}, {hi:g}]"
+        raise APIError(400, f"{name}: a number in {span} is required, got {value:g}")
+    return value
+
+
+def _integer(body: dict, name: str, default: int, hi: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise APIError(400, f"{name}: an integer in 0..{hi} is required, got {shown(value)}")
+    return value
 
 
 def _text(content: Any, where: str) -> str:

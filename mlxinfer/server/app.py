@@ -1,36 +1,53 @@
-"""The HTTP side: routes, the API key, errors in OpenAI's shape, and SSE streaming.
+"""The HTTP side: routes, the API key, errors in each API's shape, and SSE streaming.
 
 Every request runs through one :class:`~mlxinfer.batch.Engine` (continuous batching):
-a response iterates ``Engine.start``'s stream in Starlette's thread pool. A client that goes
-away cancels its requests and frees their blocks: before a response is ready (a whole one,
-or a stream's first token) the handler polls for the hang-up (``hangup``), and during a
-stream ``sse`` does.
+a response iterates ``Engine.start``'s stream in worker threads of its own (``limits.Work``:
+never the pool other routes use; ``/health`` and ``/metrics`` run on the event loop and wait
+for nothing). A client that goes away cancels its requests and frees their blocks: before a
+response is ready (a whole one, or a stream's first token) the handler polls for the hang-up
+(``hangup``), and during a stream ``sse`` does. What a request may be (size, headers, host,
+body time, queue) is ``limits``'.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from ..batch import Engine, EngineError, PoolFullError
-from ..errors import MlxInferError, PromptTooLongError
+from ..errors import MlxInferError, PromptTooLongError, TokenizerError
 from ..generation.drafts import DraftModel
 from . import anthropic as an
 from . import openai as oa
 from .hangup import Streams, watched
+from .limits import (
+    RETRY_AFTER_S,
+    BadJSON,
+    Guard,
+    Limits,
+    Overloaded,
+    Work,
+    check_prompt_length,
+    in_worker,
+    is_json_type,
+    parse_json,
+)
 from .models import Models
 from .page import add_page
 from .replies import AnthropicReply, Choice, openai_events, openai_whole
+from .shapes import error_response, shown
 from .sse import streamed
 
 WAIT_S = 600.0  # most seconds a request waits for any one token before it fails
+BODY_IN_THREAD = 1 << 18  # bodies larger than this are parsed off the event loop
 
 
 def make_app(
@@ -45,6 +62,13 @@ def make_app(
     keep_alive: float | None = None,
     load: Callable | None = None,
     cors_origins: list[str] | None = None,
+    max_body: int = Limits.max_body,
+    max_header_bytes: int = Limits.max_header_bytes,
+    max_headers: int = Limits.max_headers,
+    body_timeout: float = Limits.body_timeout,
+    max_queue: int = Limits.max_queue,
+    allowed_hosts: list[str] | None = None,
+    shutdown_timeout: float = Limits.shutdown_timeout,
     **engine_options,
 ) -> FastAPI:
     """An app serving ``model`` as ``name`` and/or the converted models under ``models_dir``
@@ -52,9 +76,19 @@ def make_app(
     ``engine_options`` go to each :class:`Engine`. Browsers on ``cors_origins`` may call it
     (none by default). ``draft``: every request drafts with it (``PromptLookup()``, or a
     ``DraftModel`` sharing the models' vocabulary: checked here for ``model``, and for a
-    directory's model when it loads)."""
+    directory's model when it loads). ``max_body`` ... ``shutdown_timeout``: the request
+    limits, :class:`~mlxinfer.server.limits.Limits`."""
     if model is None and models_dir is None:
         raise ValueError("make_app: give a model, a models_dir, or both")
+    limits = Limits(
+        max_body=max_body,
+        max_header_bytes=max_header_bytes,
+        max_headers=max_headers,
+        body_timeout=body_timeout,
+        max_queue=max_queue,
+        allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,
+        shutdown_timeout=shutdown_timeout,
+    )
     if draft is not None and model is not None:
         draft.check(model, tokenizer)  # a draft model's vocabulary: DraftError naming both
     checked = {name: 1} if draft is not None and model is not None else {}  # name -> loads
@@ -78,6 +112,9 @@ def make_app(
         registry.add_loaded(name, model, tokenizer, engine)
     app.state.models = registry
     app.state.started = int(time.time())
+    app.state.limits = limits
+    app.state.work = work = Work(limits.max_queue, lambda: _running(registry))
+    app.state.stopping = False  # set by a SIGTERM (``serve``): requests then fail with a 503
     add_page(app)
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -98,11 +135,20 @@ def make_app(
 
     @app.exception_handler(oa.APIError)
     async def api_error(request: Request, e: oa.APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(an.APIError)
     async def anthropic_error(request: Request, e: an.APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown routes, methods
+        return error_response(request.url.path, e.status_code, str(e.detail), None, e.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):  # logged by uvicorn as well
+        message = f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return error_response(request.url.path, 500, message[:500], "internal_error")
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
@@ -121,11 +167,11 @@ def make_app(
         return await call_next(request)
 
     @app.get("/health")
-    def health():
+    async def health():  # on the event loop: answered while every worker thread is busy
         report, ok, errors = {}, True, []
         for entry in list(registry.entries.values()):
             if entry.loaded and not entry.engine.alive and entry.engine.failure is not None:
-                registry.get(entry.name)  # a failed engine is replaced now
+                await anyio.to_thread.run_sync(registry.get, entry.name)  # replaced now
             item = {"loaded": entry.loaded, "restarts": len(entry.failures)}
             if entry.failures:
                 item["last_failure"] = entry.failures[-1]
@@ -140,10 +186,10 @@ def make_app(
         )
 
     @app.get("/metrics")
-    def metrics():
+    async def metrics():  # reads counters only: on the event loop, never waiting for a thread
         from fastapi.responses import PlainTextResponse
 
-        return PlainTextResponse(prometheus(registry), media_type=PROMETHEUS)
+        return PlainTextResponse(prometheus(registry, work), media_type=PROMETHEUS)
 
     @app.get("/v1/models")
     def models():
@@ -154,10 +200,35 @@ def make_app(
         return {"object": "list", "data": data}
 
     async def body_of(request: Request, error=oa.APIError) -> Any:
+        kind = request.headers.get("content-type")
+        if not is_json_type(kind):
+            found = shown(kind) if kind is not None else "none"
+            message = f"Content-Type: expected application/json, found {found}"
+            raise error(415, message, **_code(error, "unsupported_media_type"))
+        raw = await request.body()
         try:
-            return json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
-            raise error(400, "the request body is not valid JSON") from None
+            if len(raw) > BODY_IN_THREAD:
+                return await anyio.to_thread.run_sync(parse_json, raw, limiter=work.limiter)
+            return parse_json(raw)
+        except BadJSON as e:
+            raise error(400, str(e)) from None
+
+    async def generation(request: Request, n: int, fn: Callable, ask, overloaded, *keep_alive):
+        """``fn(ask, streams)``'s response, counted in the work in flight (``n`` engine
+        requests) until it ends; ``overloaded(message)``: the 503 when the queue is full."""
+        try:
+            release = work.enter(n)
+        except Overloaded as e:
+            raise overloaded(str(e)) from None
+        try:
+            out = await watched(request, fn, ask)
+        except BaseException:
+            release()
+            raise
+        if isinstance(out, Response):
+            release()
+            return out
+        return streamed(request, out, *keep_alive, on_close=release)
 
     def start(entry, prompt, ask, chat_template: bool, bad, failed, streams, sampling=None):
         """The request's results and its first one: a prompt that does not fit fails here,
@@ -167,6 +238,7 @@ def make_app(
             if draft is not None and checked.get(entry.name) != entry.loads:
                 draft.check(entry.model, entry.tokenizer)  # a directory's model, loaded now
                 checked[entry.name] = entry.loads
+            check_prompt_length(entry.model, prompt, ask.tools)  # before the tokenizer runs
             stream = entry.engine.start(
                 entry.tokenizer,
                 prompt,
@@ -184,10 +256,14 @@ def make_app(
             streams.add(stream)
             results = _cancelling(stream)
             return next(results, None), results
-        except (PromptTooLongError, PoolFullError, ValueError) as e:
-            raise bad(e) from None
+        except (PromptTooLongError, PoolFullError, ValueError, TokenizerError) as e:
+            raise bad(e) from None  # TokenizerError: the chat template refused the messages
         except (EngineError, TimeoutError, MlxInferError) as e:
-            raise failed(e) from None
+            if not app.state.stopping:
+                raise failed(e) from None
+            error = failed(EngineError("the server is shutting down"))
+            error.status = 503
+            raise error from None
 
     def complete(ask: oa.Ask, streams: Streams):
         entry = served(
@@ -241,38 +317,63 @@ def make_app(
         except (EngineError, TimeoutError) as e:
             raise an.APIError(500, str(e)) from None
 
+    def busy(message: str) -> an.APIError:
+        return an.APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def oa_busy(message: str) -> oa.APIError:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return oa.APIError(503, message, type="server_error", code="overloaded", headers=headers)
+
     @app.post("/v1/messages")
     async def anthropic_messages(request: Request):
         ask = an.parse(await body_of(request, an.APIError))
-        out = await watched(request, messages, ask)
-        return _respond(request, out, PING)
+        return await generation(request, 1, messages, ask, busy, PING)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         ask = an.parse(await body_of(request, an.APIError), count_only=True)
         from ..generation.loop import prepare_prompt
 
-        entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
-        ids = prepare_prompt(
-            entry.tokenizer,
-            ask.messages,
-            chat_template=True,
-            tools=ask.tools,
-            chat_template_kwargs=ask.template_kwargs,
-        )
-        return {"input_tokens": len(ids)}
+        def count():
+            entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
+            try:
+                check_prompt_length(entry.model, ask.messages, ask.tools)
+                ids = prepare_prompt(
+                    entry.tokenizer,
+                    ask.messages,
+                    chat_template=True,
+                    tools=ask.tools,
+                    chat_template_kwargs=ask.template_kwargs,
+                )
+            except (PromptTooLongError, TokenizerError, ValueError) as e:
+                raise an.APIError(400, str(e)) from None
+            return {"input_tokens": len(ids)}
+
+        return await in_worker(request, count)  # a long prompt never holds the event loop
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         ask = oa.parse(await body_of(request), chat=True)
-        return _respond(request, await watched(request, complete, ask))
+        return await generation(request, ask.n, complete, ask, oa_busy)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         ask = oa.parse(await body_of(request), chat=False)
-        return _respond(request, await watched(request, complete, ask))
+        return await generation(request, ask.n, complete, ask, oa_busy)
 
+    app.add_middleware(Guard, limits=limits)  # added last: the outermost, before CORS and keys
     return app
+
+
+def _running(registry: Models) -> int:
+    """Engine requests running in every loaded model's batch."""
+    engines = [e.engine for e in list(registry.entries.values()) if e.engine is not None]
+    return sum(int(engine.metrics().get("requests_running", 0)) for engine in engines)
+
+
+def _code(error, code: str) -> dict:
+    """``code=`` for an OpenAI error (Anthropic's shape has none)."""
+    return {"code": code} if error is oa.APIError else {}
 
 
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
@@ -308,9 +409,9 @@ METRICS = {
 }
 
 
-def prometheus(registry: Models) -> str:
+def prometheus(registry: Models, work: Work | None = None) -> str:
     """Each loaded model's engine counters in Prometheus' text format, ``mlxinfer_<name>``
-    labelled with the model."""
+    labelled with the model; the server's own (``work``: requests in flight, refused) unlabelled."""
     kinds = {"up": ("gauge", "1 while the model's engine thread is alive."), **METRICS}
     samples: dict[str, list[str]] = {key: [] for key in kinds}
     loaded = 0
@@ -327,6 +428,17 @@ def prometheus(registry: Models) -> str:
         "# TYPE mlxinfer_models_loaded gauge",
         f"mlxinfer_models_loaded {loaded}",
     ]
+    if work is not None:
+        lines += [
+            "# HELP mlxinfer_server_requests_in_flight Engine requests the server has taken and "
+            "not yet answered (an OpenAI request with n choices counts n).",
+            "# TYPE mlxinfer_server_requests_in_flight gauge",
+            f"mlxinfer_server_requests_in_flight {work.in_flight}",
+            "# HELP mlxinfer_server_requests_refused_total Requests refused with a 503 because "
+            "max_queue requests were waiting.",
+            "# TYPE mlxinfer_server_requests_refused_total counter",
+            f"mlxinfer_server_requests_refused_total {work.refused}",
+        ]
     for key, (kind, text) in kinds.items():
         name = _metric(key, kinds)
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples[key]]
@@ -338,12 +450,6 @@ def _metric(key: str, kinds: dict) -> str:
 
 
 PING = an.event("ping", {})  # Anthropic's stream keeps alive with its own event
-
-
-def _respond(request: Request, out, *keep_alive):
-    """A whole response as it is; a stream's SSE lines as a response that cancels the request
-    when the client goes away."""
-    return out if isinstance(out, Response) else streamed(request, out, *keep_alive)
 
 
 def _cancelling(stream) -> Iterator:

@@ -1,13 +1,13 @@
 """Noticing a client that hangs up before its response is ready.
 
-A whole (non-streamed) response is computed in a worker thread; so is a stream's start (the
-wait for room in the batch, the prefill, the first token). Meanwhile the handler listens on
-the connection (``request.receive()``, which gives ``http.disconnect`` when the client goes;
-``request.is_disconnected()`` never sees it through an ``@app.middleware``), and when the
-client is gone it cancels the engine requests the worker started (:class:`Streams`): they
-end within a decode step and free their blocks. (uvicorn drops a response to a closed
-connection without an error, so without this the requests would run to ``max_tokens``.) A
-stream's later hang-ups are noticed by its response (``sse``).
+A whole (non-streamed) response is computed in a worker thread (``limits.in_worker``); so is
+a stream's start (the wait for room in the batch, the prefill, the first token). Meanwhile the
+handler listens on the connection (``request.receive()``, which gives ``http.disconnect``
+when the client goes; ``request.is_disconnected()`` never sees it through an
+``@app.middleware``), and when the client is gone it cancels the engine requests the worker
+started (:class:`Streams`): they end within a decode step and free their blocks. (uvicorn
+drops a response to a closed connection without an error, so without this the requests would
+run to ``max_tokens``.) A stream's later hang-ups are noticed by its response (``sse``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
+
+from .limits import in_worker
 
 # Most seconds to wait for the worker once its requests are cancelled (each ends within a decode
 # step); past it the handler returns and the worker finishes on its own.
@@ -53,7 +54,7 @@ async def watched(request: Request, fn: Callable, *args) -> Any:
     """``fn(*args, streams)`` in a worker thread; if ``request``'s client hangs up meanwhile,
     the streams ``fn`` added to ``streams`` are cancelled (and its result is sent to no one)."""
     streams = Streams()
-    work = asyncio.ensure_future(run_in_threadpool(fn, *args, streams))
+    work = asyncio.ensure_future(in_worker(request, fn, *args, streams))
     gone = asyncio.ensure_future(_hung_up(request))
     try:
         # The worker's own waits are bounded (each token within the engine's timeout).

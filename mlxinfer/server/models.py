@@ -165,12 +165,13 @@ class Models:
         while not self._closed.wait(period):
             self.reap()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Close every engine: their requests end with EngineError; each thread is waited for
+        at most ``timeout`` seconds (one step, unless a forward runs long)."""
         self._closed.set()
-        with self._lock:
-            for entry in self.entries.values():
-                if entry.engine is not None:
-                    entry.engine.close()
+        for entry in list(self.entries.values()):  # not under the lock: a load may hold it
+            if entry.engine is not None:
+                entry.engine.close(timeout)
 
 
 def _idle(engine: Engine) -> bool:

@@ -8,12 +8,15 @@ Errors take OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import MlxInferError
 from ..generation.sampling import SamplingParams
+from .shapes import named, shown
 
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -51,11 +54,13 @@ COMPLETION_FIELDS = {
 IGNORED = {"user"}  # an end-user id for abuse monitoring: nothing to do locally
 DEFAULT_MAX_TOKENS = 512
 MAX_N = 16  # choices per request: each is a request in the engine
+MAX_INT = 2**31 - 1  # max_tokens, top_k: past any context or vocabulary
+MAX_SEED = 2**63 - 1  # MLX takes seeds below 2**64; choice i samples with seed + i
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
-class APIError(Exception):
-    """An error in OpenAI's shape, with its HTTP status."""
+class APIError(MlxInferError):
+    """An error in OpenAI's shape, with its HTTP status (and headers, such as Retry-After)."""
 
     def __init__(
         self,
@@ -65,6 +70,7 @@ class APIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
@@ -74,6 +80,7 @@ class APIError(Exception):
             type,
             code,
         )
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -119,7 +126,12 @@ def parse(body: Any, *, chat: bool) -> Ask:
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for name in body:
         if name not in allowed and name not in IGNORED:
-            raise APIError(400, f"unsupported field '{name}'", param=name, code="unsupported_field")
+            raise APIError(
+                400,
+                f"unsupported field {shown(name)}",
+                param=named(name),
+                code="unsupported_field",
+            )
     model = _typed(body, "model", str, required=True)
     if chat:
         prompt = _messages(body.get("messages"))
@@ -127,11 +139,13 @@ def parse(body: Any, *, chat: bool) -> Ask:
         prompt = _typed(body, "prompt", str, required=True)
     n = _typed(body, "n", int, default=1)
     if not 1 <= n <= MAX_N:
-        raise APIError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n")
+        raise APIError(400, f"'n' must be in 1..{MAX_N}, got {shown(n)}", param="n")
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _typed(body, name, int, default=DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise APIError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
+    if not 1 <= max_tokens <= MAX_INT:
+        raise APIError(
+            400, f"'{name}' must be in 1..{MAX_INT}, got {shown(max_tokens)}", param=name
+        )
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -142,12 +156,14 @@ def parse(body: Any, *, chat: bool) -> Ask:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise APIError(400, "'stream_options' takes only 'include_usage'", param="stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise APIError(400, "'stream_options.include_usage' must be bool", param="stream_options")
     sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=_typed(body, "top_k", int, default=0),
-        min_p=_number(body, "min_p", 0.0),
-        seed=_typed(body, "seed", int, default=None),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, above=True),
+        top_k=_integer(body, "top_k", 0, 0, MAX_INT),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0, below=True),
+        seed=_integer(body, "seed", None, 0, MAX_SEED),
     )
     try:
         sampling.check()
@@ -170,7 +186,7 @@ def parse(body: Any, *, chat: bool) -> Ask:
         if not 0 <= ask.top_logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(
                 400,
-                f"'top_logprobs' must be in 0..{MAX_TOP_LOGPROBS}, got {ask.top_logprobs}",
+                f"'top_logprobs' must be in 0..{MAX_TOP_LOGPROBS}, got {shown(ask.top_logprobs)}",
                 param="top_logprobs",
             )
         if ask.top_logprobs and not ask.logprobs:
@@ -194,7 +210,7 @@ def parse(body: Any, *, chat: bool) -> Ask:
             if not 0 <= top <= MAX_LEGACY_LOGPROBS:
                 raise APIError(
                     400,
-                    f"'logprobs' must be in 0..{MAX_LEGACY_LOGPROBS}, got {top}",
+                    f"'logprobs' must be in 0..{MAX_LEGACY_LOGPROBS}, got {shown(top)}",
                     param="logprobs",
                 )
             ask.logprobs, ask.top_logprobs = True, top
@@ -214,7 +230,8 @@ def _template_kwargs(body: dict) -> dict:
         if effort not in ("minimal", "low", "medium", "high"):
             raise APIError(
                 400,
-                f"'reasoning_effort' must be one of minimal, low, medium, high, got {effort!r}",
+                "'reasoning_effort' must be one of minimal, low, medium, high, got "
+                f"{shown(effort)}",
                 param="reasoning_effort",
             )
         kwargs = {"reasoning_effort": effort, **kwargs}
@@ -246,13 +263,35 @@ def _typed(body: dict, name: str, kind: type, *, default: Any = None, required: 
     return value
 
 
-def _number(body: dict, name: str, default: float) -> float:
+def _number(
+    body: dict,
+    name: str,
+    default: float,
+    lo: float,
+    hi: float,
+    *,
+    above: bool = False,
+    below: bool = False,
+) -> float:
+    """A finite number in [lo, hi] (``above``: > lo; ``below``: < hi), or ``default``."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name)
-    return float(value)
+    if isinstance(value, int):  # an int past float range is out of any range here
+        value = float(value) if abs(value) < 1e300 else math.inf if value > 0 else -math.inf
+    if not (lo < value if above else lo <= value) or not (value < hi if below else value <= hi):
+        span = f"{'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
+        raise APIError(400, f"'{name}' must be in {span}, got {value:g}", param=name)
+    return value
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = _typed(body, name, int, default=default)
+    if value is not None and not lo <= value <= hi:
+        raise APIError(400, f"'{name}' must be in {lo}..{hi}, got {shown(value)}", param=name)
+    return value
 
 
 def _tools(body: dict) -> tuple[list[dict], Any]:
@@ -268,7 +307,8 @@ def _tools(body: dict) -> tuple[list[dict], Any]:
     if named and choice["function"].get("name") not in names:
         raise APIError(
             400,
-            f"'tool_choice': function '{choice['function'].get('name')}' is not among the tools "
+            f"'tool_choice': function {shown(choice['function'].get('name'))} is not among the "
+            "tools "
             f"({', '.join(names)})",
             param="tool_choice",
         )

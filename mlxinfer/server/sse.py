@@ -1,9 +1,10 @@
 """An SSE response that notices when its client goes away, and keeps quiet streams alive.
 
 The lines come from a blocking iterator over the engine's results (one request). Each line is
-read in a worker thread; between two lines the client's connection is checked, and while a
-line is slow to come (a request waiting for room in the batch, a long prefill) a keep-alive
-is sent every ``every`` seconds, so proxies and clients with read timeouts do not hang up.
+read in a worker thread of the app's generation work (``limits.Work``); between two lines the
+client's connection is checked, and while a line is slow to come (a request waiting for room
+in the batch, a long prefill) a keep-alive is sent every ``every`` seconds, so proxies and
+clients with read timeouts do not hang up.
 When the client is gone the iterator is closed, which cancels the request in the engine and
 frees its blocks. (uvicorn drops writes to a closed connection without an error, so without
 the check the request would run to its end.)
@@ -12,12 +13,14 @@ the check the request would run to its end.)
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from starlette.background import BackgroundTask
+
+from .limits import in_worker
 
 KEEP_ALIVE_S = 15.0
 COMMENT = ": keep-alive\n\n"  # an SSE comment: clients skip it
@@ -25,23 +28,33 @@ _END = object()
 
 
 def streamed(
-    request: Request, lines: Iterator[str], keep_alive: str = COMMENT, every: float | None = None
+    request: Request,
+    lines: Iterator[str],
+    keep_alive: str = COMMENT,
+    every: float | None = None,
+    on_close: Callable[[], None] | None = None,
 ) -> StreamingResponse:
+    """``lines`` as an SSE response; ``on_close()`` once it has ended, however it ended."""
     every = KEEP_ALIVE_S if every is None else every
     return StreamingResponse(
-        _lines(request, lines, keep_alive, every),
+        _lines(request, lines, keep_alive, every, on_close),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(on_close) if on_close is not None else None,
     )
 
 
 async def _lines(
-    request: Request, lines: Iterator[str], keep_alive: str, every: float
+    request: Request,
+    lines: Iterator[str],
+    keep_alive: str,
+    every: float,
+    on_close: Callable[[], None] | None,
 ) -> AsyncIterator[str]:
     pending = None
     try:
         while True:
-            pending = asyncio.ensure_future(run_in_threadpool(next, lines, _END))
+            pending = asyncio.ensure_future(in_worker(request, next, lines, _END))
             while not (await asyncio.wait({pending}, timeout=every))[0]:
                 if await request.is_disconnected():
                     return
@@ -54,4 +67,6 @@ async def _lines(
         with anyio.CancelScope(shield=True):
             if pending is not None:  # a read in flight ends within one token's wait
                 await asyncio.wait({pending})
-            await run_in_threadpool(lines.close)
+            await in_worker(request, lines.close)
+            if on_close is not None:
+                on_close()
