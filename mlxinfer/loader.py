@@ -22,6 +22,7 @@ from . import backends, memory
 from .config import read_config
 from .errors import ConfigError, WeightsError
 from .manifest import check_sizes
+from .memory import recommended_working_set  # noqa: F401  (loader's API; tests patch it here)
 from .models import build_model, get_family
 from .models.base import language_model_weights
 from .progress import Progress
@@ -200,17 +201,6 @@ def check_fits(
         "headroom": memory.HEADROOM,
     }
     memory.check_fits(str(model_dir), parts, memory.capacity(recommended_working_set()))
-
-
-def recommended_working_set() -> int | None:
-    """Bytes MLX recommends the GPU keep resident (Metal), or None where there is no such
-    figure (the CPU backend)."""
-    try:
-        if not mx.metal.is_available():
-            return None
-        return int(mx.metal.device_info()["max_recommended_working_set_size"])
-    except (AttributeError, KeyError, RuntimeError):
-        return None
 
 
 def materialize(model: nn.Module) -> None:

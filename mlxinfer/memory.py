@@ -49,7 +49,7 @@ class Capacity:
 
 def capacity(working_set: int | None = None) -> Capacity | None:
     """What can be allocated now without paging: ``working_set`` (Metal's recommended working
-    set, :func:`mlxinfer.loader.recommended_working_set`) less what MLX holds; else the
+    set, :func:`recommended_working_set`) less what MLX holds; else the
     smallest of MemAvailable, the cgroup's room and psutil's available memory; None if none
     of them can be read."""
     if working_set is not None:
@@ -275,8 +275,6 @@ def kv_limit(
             cost.fixed + extra.fixed,
         )
     if kv_budget is None:
-        from .loader import recommended_working_set
-
         room = capacity(recommended_working_set())
         if room is None:
             return KVLimit(math.inf, math.inf, "no figure for this machine's memory")
@@ -286,3 +284,14 @@ def kv_limit(
     else:
         budget, source = kv_budget, "kv_budget"
     return KVLimit(cost.tokens_within(budget), budget, source)
+
+
+def recommended_working_set() -> int | None:
+    """Bytes MLX recommends the GPU keep resident (Metal), or None where there is no such
+    figure (the CPU backend)."""
+    try:
+        if not mx.metal.is_available():
+            return None
+        return int(mx.metal.device_info()["max_recommended_working_set_size"])
+    except (AttributeError, KeyError, RuntimeError):
+        return None

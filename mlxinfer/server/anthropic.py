@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import MlxInferError
 from ..generation.results import GenerationStats
 from ..generation.sampling import SamplingParams
-from .shapes import named, shown
+from .quoting import named, shown
 
 FIELDS = {
     "model",

@@ -42,8 +42,9 @@ from .limits import (
 )
 from .models import Models
 from .page import add_page
+from .quoting import shown
 from .replies import AnthropicReply, Choice, openai_events, openai_whole
-from .shapes import error_response, shown
+from .shapes import error_response
 from .sse import streamed
 
 WAIT_S = 600.0  # most seconds a request waits for any one token before it fails

@@ -35,7 +35,8 @@ from typing import Any, Callable
 import anyio
 
 from ..errors import PromptTooLongError
-from .shapes import error_response, shown
+from .quoting import shown
+from .shapes import error_response
 
 MAX_DEPTH = 64  # JSON nesting: tool schemas go a few levels deep, nothing needs 64
 CHARS_PER_TOKEN = 16  # a generous bound: tokenizers average 3-5 characters a token on text

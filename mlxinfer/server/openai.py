@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import MlxInferError
 from ..generation.sampling import SamplingParams
-from .shapes import named, shown
+from .quoting import named, shown
 
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
