@@ -199,7 +199,7 @@ def check_rope_scaling(scaling: Any, source: str = "config.json") -> None:
 def check_args(args: Any, config: dict[str, Any], source: str = "config.json") -> None:
     """What a family derived from ``config``, checked where the network needs it: the hidden
     size divisible by the heads where heads are slices of it, the query heads a multiple of
-    the key/value heads, no more experts per token than experts."""
+    the key/value heads, 1..experts experts per token, expert groups that divide the experts."""
     hidden = _first(args, "hidden_size", "n_embd", "d_model")
     heads = _first(args, "num_attention_heads", "n_head", "attention_heads")
     # GPT-2, BLOOM and XGLM split the hidden vector itself into heads; the others project it
@@ -217,11 +217,18 @@ def check_args(args: Any, config: dict[str, Any], source: str = "config.json") -
         )
     per_token = getattr(args, "num_experts_per_tok", None)
     experts = _first(args, "num_local_experts", "num_experts", "n_routed_experts")
-    if isinstance(per_token, int) and isinstance(experts, int) and per_token > experts:
-        raise ConfigError(
-            f"{source}: 'num_experts_per_tok' must be at most the number of experts, found "
-            f"{per_token} of {experts}"
-        )
+    if isinstance(experts, int) and experts > 0:  # 0 or None: a dense checkpoint
+        if not isinstance(per_token, int) or not 1 <= per_token <= experts:
+            raise ConfigError(
+                f"{source}: 'num_experts_per_tok' must be in 1..{experts} (the number of "
+                f"experts), found {per_token!r}"
+            )
+        groups, top_groups = getattr(args, "n_group", None), getattr(args, "topk_group", None)
+        if isinstance(groups, int) and (experts % groups or not 1 <= (top_groups or 1) <= groups):
+            raise ConfigError(
+                f"{source}: 'n_group' must divide the {experts} experts and 'topk_group' be in "
+                f"1..n_group, found n_group={groups}, topk_group={top_groups}"
+            )
     if getattr(args, "model_type", None) == "xglm":  # its sinusoid table is built eagerly
         cells = (args.max_position_embeddings + 2) * args.d_model
         if cells > MAX_POSITION_TABLE:

@@ -191,8 +191,10 @@ def test_config_values_of_the_wrong_type_or_range_are_config_errors(checkpoint, 
 def test_family_rules_and_the_last_line_of_defence():
     base = dict(CONFIG)
     mixtral = {**base, "model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}
-    with pytest.raises(ConfigError, match="'num_experts_per_tok' must be at most .* 3 of 2"):
+    with pytest.raises(ConfigError, match=r"'num_experts_per_tok' must be in 1\.\.2 .* found 3"):
         build_model(mixtral)
+    with pytest.raises(ConfigError, match=r"'num_experts_per_tok' must be in 1\.\.2 .* found 0"):
+        build_model({**mixtral, "num_experts_per_tok": 0})  # a reshape error at the forward before
     gpt2 = {"model_type": "gpt2", "n_embd": 30, "n_layer": 1, "n_head": 4, "vocab_size": 300}
     with pytest.raises(ConfigError, match="'hidden_size' must be a multiple of"):
         build_model(gpt2)  # a reshape error at the first forward before
