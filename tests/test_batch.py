@@ -9,6 +9,7 @@ from the pool's blocks.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -246,7 +247,8 @@ def test_seeded_request_draws_the_same_tokens_alone_and_in_a_batch(llama):
 
 def test_cancel_from_another_thread_returns_every_block(llama):
     model, _ = llama
-    with Engine(model, block_size=8) as engine:
+    # The store keeps its size (shrink_every=inf) whatever the time the test takes.
+    with Engine(model, block_size=8, shrink_every=math.inf) as engine:
         # A long first request grows the store past what the cancelled ones touch.
         warm = engine.submit(_prompt(300, 1), max_tokens=4)
         list(warm.steps())
@@ -268,6 +270,25 @@ def test_cancel_from_another_thread_returns_every_block(llama):
         assert stats.nbytes == baseline.nbytes  # the store did not grow for them
         mx.synchronize()
         assert mx.get_active_memory() <= baseline_memory + 64 * 1024
+
+
+def test_the_engine_gives_a_bursts_memory_back_and_answers_the_same(llama):
+    model, _ = llama
+    with Engine(model, block_size=8, shrink_every=math.inf) as engine:
+        before = [s.token for s in engine.submit(_prompt(20, 7), max_tokens=8).steps()]
+    with Engine(model, block_size=8, shrink_every=0.0) as engine:  # looks at every step
+        burst = [engine.submit(_prompt(300, i), max_tokens=4) for i in range(4)]
+        for h in burst:
+            list(h.steps())
+        grown = engine.stats().nbytes
+        per_block = engine.pool.bytes_per_block
+        assert grown >= 4 * 38 * per_block  # four rows of 38 blocks at once
+        deadline = time.monotonic() + 30
+        while engine.stats().nbytes > 16 * per_block and time.monotonic() < deadline:
+            time.sleep(0.05)  # the idle engine looks again every POLL_S
+        assert engine.stats().nbytes == 16 * per_block  # back to the store's first size
+        after = [s.token for s in engine.submit(_prompt(20, 7), max_tokens=8).steps()]
+    assert after == before
 
 
 def test_a_request_larger_than_the_budget_is_a_clear_error_and_others_run(llama):
@@ -438,6 +459,36 @@ def test_pool_accounting_and_lru_eviction():
     assert pool.admit([1, 2, 3], max_tokens=1) is None  # no room now
     pool.release(c)
     assert pool.stats().blocks_cached == 6
+
+
+def test_the_store_gives_back_a_bursts_tail_and_keeps_what_is_in_use():
+    pool = KVPool(SHAPES, block_size=4, kv_budget=1 << 20)
+    seqs = []
+    for i in range(10):  # a burst: 10 rows of 40 tokens, 10 blocks each
+        seq = pool.admit(list(range(1000 * i, 1000 * i + 40)), max_tokens=0)
+        slots = pool.append_slots(seq, list(range(1000 * i, 1000 * i + 40)))
+        value = mx.full((40, 2, 4), float(i + 1))
+        pool.write(0, mx.array(slots // 4), mx.array(slots % 4), value, value)
+        seqs.append(seq)
+    assert pool.n_blocks == 128 and seqs[0].blocks == list(range(10))  # lowest blocks first
+    before = pool.nbytes
+    assert pool.shrink() == 0  # 100 of 128 in use: nothing to give back
+    for seq in seqs[1:]:
+        pool.release(seq)
+    assert pool.shrink() == 0  # the busiest moment since the last look needed 100 blocks
+    # Since then 10 blocks in use (0..9): the store is cut to 2 x 10 = 20 blocks, the cached
+    # ones past it forgotten, and the survivor's keys are where they were.
+    assert pool.shrink() == 108 and pool.n_blocks == 20
+    assert pool.nbytes == before * 20 // 128
+    s = pool.stats()
+    assert (s.blocks_in_use, s.blocks_cached) == (10, 10)  # blocks 10..19 still cached
+    kept = pool.keys[0][mx.array(seqs[0].blocks)]
+    assert mx.all(kept == 1).item() and mx.all(pool.values[0][mx.array(seqs[0].blocks)] == 1)
+    assert pool.shrink() == 0  # no longer twice what it needs
+    # The pool serves and grows again as before.
+    more = pool.admit(list(range(5000, 5100)), max_tokens=0)
+    pool.append_slots(more, list(range(5000, 5100)))
+    assert pool.stats().blocks_in_use == 35 and pool.n_blocks >= 35
 
 
 def test_fork_copies_the_shared_partial_block_on_write():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import threading
+import time
 import weakref
 from typing import Sequence
 
@@ -60,6 +61,9 @@ class Engine(TextRequests, Scheduler):
             pools ``kv_budget`` then holds too: each has as many blocks as the target's pool,
             and the budget buys that many for all of them together. A draft model not named
             here gets its pool at its first request, on top of ``kv_budget``.
+        shrink_every: seconds between two looks at the pool's store: one that is at least
+            four times what the busiest moment since the last look needed is cut to twice
+            that (a burst's memory goes back to the system); ``math.inf`` never cuts.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class Engine(TextRequests, Scheduler):
         kv_group_size: int = 64,
         hold_windows: bool = True,
         draft_models: Sequence = (),
+        shrink_every: float = 20.0,
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -104,6 +109,7 @@ class Engine(TextRequests, Scheduler):
             hold_windows=hold_windows,
         )
         self.max_batch, self.prefill_step = max_batch, prefill_step
+        self.shrink_every, self._looked_at = shrink_every, time.monotonic()
         self.attention = attention
         # Every request reserves room for max_draft more tokens: a step that verifies drafts
         # writes up to that many past a row's last token before rejected ones are rewound.

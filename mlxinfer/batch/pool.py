@@ -23,6 +23,7 @@ the bytes the store holds. Admission reserves a request's worst case (prompt +
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -104,7 +105,7 @@ class KVPool(BlockStore):
                 f"kv_budget: {kv_budget} bytes hold no block of {self.bytes_per_block} bytes "
                 f"({block_size} tokens × {len(layers)} layers)"
             )
-        self._free: list[int] = []
+        self._free: list[int] = []  # a min-heap: the lowest free block is taken first
         self._refs: dict[int, int] = {}  # block -> references, for blocks in use
         self._hash_of: dict[int, bytes] = {}  # block -> its hash, for hashed blocks
         self._by_hash: dict[bytes, int] = {}
@@ -112,6 +113,7 @@ class KVPool(BlockStore):
             OrderedDict()
         )  # unreferenced hashed blocks, LRU first
         self._reserved = 0  # blocks promised to admitted sequences
+        self._high = 0  # blocks below the highest taken since the last shrink() (its look)
         self.prefix_hits = self.prefix_queries = 0
 
     # -- capacity -------------------------------------------------------------------------
@@ -213,7 +215,7 @@ class KVPool(BlockStore):
             if block in self._hash_of:
                 self._cached[block] = None
             else:
-                self._free.append(block)
+                heapq.heappush(self._free, block)
 
     def release(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks and reservation; hashed blocks stay cached for later hits."""
@@ -241,25 +243,49 @@ class KVPool(BlockStore):
             del self._cached[block]
         self._refs[block] = self._refs.get(block, 0) + 1
 
+    def shrink(self) -> int:
+        """Give back the store's tail when at most a quarter of it was used since the last call
+        (after a burst): the store is cut to twice the blocks below the highest one taken since
+        then (at least ``_GROWTH_BLOCKS``), and cached blocks in the cut part are forgotten.
+        Blocks are taken lowest first, so the tail empties as the rows that grew it retire.
+        Returns the blocks given back (0 for a window pool: it is the size of its windows)."""
+        top = max(self._refs, default=-1) + 1
+        high, self._high = max(self._high, top), top
+        if self.window is not None or self.n_blocks <= _GROWTH_BLOCKS:
+            return 0
+        keep = max(_GROWTH_BLOCKS, 2 * high)
+        if 2 * keep > self.n_blocks:  # hysteresis: only a store at least twice what it needs
+            return 0
+        for block in [b for b in self._cached if b >= keep]:
+            del self._cached[block]
+            del self._by_hash[self._hash_of.pop(block)]
+        self._free = [b for b in self._free if b < keep]
+        heapq.heapify(self._free)
+        dropped = self.n_blocks - keep
+        self.truncate(keep)
+        return dropped
+
     def _allocate(self, seq: Sequence) -> int:
         # A window pool reuses its cached blocks before it grows: its store stays the size of
         # the windows held. The others grow first, to keep every prefix they can.
         evict_first = self.window is not None and self._cached
-        if self._free:
-            block = self._free.pop()
+        if self._free:  # the lowest, so the store's tail empties and can be given back
+            block = heapq.heappop(self._free)
         elif self.n_blocks < self.max_blocks and not evict_first:
             # Double the store (at least _GROWTH_BLOCKS more), up to the budget: a copy of
             # every layer's arrays, so rare.
             first = self.n_blocks
             self.grow(min(self.max_blocks - first, max(_GROWTH_BLOCKS, first)))
-            self._free.extend(range(self.n_blocks - 1, first - 1, -1))
-            block = self._free.pop()
+            self._free.extend(range(first, self.n_blocks))
+            heapq.heapify(self._free)
+            block = heapq.heappop(self._free)
         elif self._cached:  # evict the least recently used cached block
             block, _ = self._cached.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
         else:
             raise PoolFullError("KV pool: no free block (a reservation was exceeded)")
         self._refs[block] = 1
+        self._high = max(self._high, block + 1)
         if seq.reserved:
             seq.reserved -= 1
             self._reserved -= 1
@@ -307,7 +333,7 @@ class KVPool(BlockStore):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 del self._refs[block]
-                self._free.append(block)
+                heapq.heappush(self._free, block)
             seq.reserved += 1
             self._reserved += 1
         del seq.blocks[keep:]

@@ -79,6 +79,16 @@ class Scheduler:
         pools = [self.pool] + ([self.window_pool] if self.window_pool is not None else [])
         return [p.keys + p.values for p in pools]
 
+    def _shrink(self) -> None:
+        """Every ``shrink_every`` seconds: give back the store's tail that the busiest moment
+        since the last look did not need (``KVPool.shrink``), out of MLX's buffer cache too."""
+        now = time.monotonic()
+        if now - self._looked_at < self.shrink_every:
+            return
+        self._looked_at = now
+        if self.pool.shrink():
+            mx.clear_cache()
+
     def _release(self, request: _Request) -> None:
         """Give back the request's blocks in every pool."""
         if request.seq is not None:
@@ -95,6 +105,7 @@ class Scheduler:
                 with self._cond:
                     while not self._closed and not self._waiting and not self._running:
                         self._cond.wait(POLL_S)
+                        self._shrink()
                     if self._closed:
                         break
                     waiting, self._waiting = self._waiting, []
@@ -102,6 +113,7 @@ class Scheduler:
                 self._retire_cancelled()
                 self._prefill()
                 self._decode()
+                self._shrink()
                 self.draft_kv_bytes = sum(rows_mod.draft_nbytes(r) for r in self._running) + sum(
                     p.bytes_in_use for p in self._draft_pools.values()
                 )

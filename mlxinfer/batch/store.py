@@ -62,6 +62,13 @@ def _joined(store: mx.array | list[mx.array], fresh: mx.array | list[mx.array]):
     return mx.concatenate([store, fresh])
 
 
+def _head(store: mx.array | list[mx.array], n: int):
+    """The first ``n`` blocks as new arrays (a slice alone would keep the whole buffer)."""
+    if isinstance(store, list):
+        return [a[:n] * 1 for a in store]
+    return store[:n] * 1
+
+
 class BlockStore:
     """``n_blocks`` blocks of keys and values for each of ``layers``, ``block_size`` tokens
     each: written in place, read as each row's blocks gathered, grown by copying."""
@@ -89,6 +96,13 @@ class BlockStore:
                 )
             mx.eval(self.keys[i], self.values[i])  # layer by layer: one layer's copy at a time
         self.n_blocks += add
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` blocks, as copies, so the rest of the memory goes back."""
+        for i in range(len(self.layers)):
+            self.keys[i], self.values[i] = _head(self.keys[i], n), _head(self.values[i], n)
+            mx.eval(self.keys[i], self.values[i])  # layer by layer, as grow does
+        self.n_blocks = n
 
     def copy_block(self, src: int, dst: int) -> None:
         for store in self.keys + self.values:

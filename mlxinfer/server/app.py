@@ -443,7 +443,21 @@ def prometheus(registry: Models, work: Work | None = None) -> str:
     for key, (kind, text) in kinds.items():
         name = _metric(key, kinds)
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples[key]]
+    for key, value, text in _mlx_memory():
+        lines += [f"# HELP mlxinfer_{key} {text}", f"# TYPE mlxinfer_{key} gauge"]
+        lines.append(f"mlxinfer_{key} {value}")
     return "\n".join(lines) + "\n"
+
+
+def _mlx_memory() -> list[tuple[str, int, str]]:
+    """MLX's allocator figures (process-wide): what arrays hold, what its buffer cache keeps."""
+    import mlx.core as mx
+
+    return [
+        ("mlx_active_bytes", mx.get_active_memory(), "Bytes MLX's live arrays hold."),
+        ("mlx_cache_bytes", mx.get_cache_memory(), "Bytes MLX's buffer cache keeps for reuse."),
+        ("mlx_peak_bytes", mx.get_peak_memory(), "Most bytes MLX's arrays held at once."),
+    ]
 
 
 def _metric(key: str, kinds: dict) -> str:
