@@ -180,3 +180,23 @@ def test_a_models_dir_server_unloads_an_idle_model_before_another_one_loads(
         assert registry.entries["beta"].loaded and not registry.entries["alpha"].loaded
     finally:
         registry.close()
+
+
+def test_a_model_with_no_room_is_a_503_in_each_apis_shape(tiny_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from mlxinfer.server import make_app
+
+    shutil.copytree(tiny_dir, tmp_path / "alpha")
+    monkeypatch.setattr(memory, "capacity", lambda *a: memory.Capacity(1000, "a test's machine"))
+    app = make_app(models_dir=tmp_path, load=load)
+    with TestClient(app) as client:
+        ask = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = client.post("/v1/chat/completions", json=ask)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_loadable"
+        assert "a test's machine" in r.json()["error"]["message"]
+        r = client.post("/v1/messages", json=ask)
+        assert r.status_code == 503 and r.json()["type"] == "error"
+        assert "a test's machine" in r.json()["error"]["message"]

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..batch import Engine, EngineError, PoolFullError
-from ..errors import MlxInferError, PromptTooLongError, TokenizerError
+from ..errors import InsufficientMemoryError, MlxInferError, PromptTooLongError, TokenizerError
 from ..generation.drafts import DraftModel
 from . import anthropic as an
 from . import openai as oa
@@ -128,7 +128,10 @@ def make_app(
         )
 
     def served(requested: str, error):
-        entry = registry.get(requested)
+        try:
+            entry = registry.get(requested)
+        except InsufficientMemoryError as e:  # models-dir: no room even after unloading idle ones
+            raise _with_status(error(str(e)), 503) from None
         if entry is None:
             names = ", ".join(registry.names())
             raise error(f"model '{requested}' not found (this server has: {names})")
@@ -447,6 +450,14 @@ def prometheus(registry: Models, work: Work | None = None) -> str:
         lines += [f"# HELP mlxinfer_{key} {text}", f"# TYPE mlxinfer_{key} gauge"]
         lines.append(f"mlxinfer_{key} {value}")
     return "\n".join(lines) + "\n"
+
+
+def _with_status(e, status: int):
+    """An API error of either shape, answered with ``status`` instead."""
+    e.status = status
+    if isinstance(e, oa.APIError):
+        e.type, e.code, e.param = "server_error", "model_not_loadable", None
+    return e
 
 
 def _mlx_memory() -> list[tuple[str, int, str]]:
