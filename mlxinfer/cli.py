@@ -278,6 +278,12 @@ def chat(
 @click.option("--max-batch", default=None, type=int, help="Most requests decoded together.")
 @click.option("--kv-budget", default=None, type=int, help="Bytes the KV pool may hold.")
 @click.option(
+    "--kv-grow",
+    is_flag=True,
+    help="Grow the KV pool with the load (and give a burst's back) instead of taking the whole "
+    "--kv-budget at start, which keeps the server's memory flat all day.",
+)
+@click.option(
     "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV pool."
 )
 @click.option("--prompt-lookup", is_flag=True, help="Speculative decoding by prompt lookup.")
@@ -320,6 +326,7 @@ def serve(
     api_key,
     max_batch,
     kv_budget,
+    kv_grow,
     kv_bits,
     prompt_lookup,
     draft_model,
@@ -350,6 +357,7 @@ def serve(
         name = Path(model).name if model else "SmolLM2-135M-Instruct"
     options = {"max_batch": max_batch, "kv_budget": kv_budget}
     options = {k: v for k, v in options.items() if v is not None}
+    options["reserve"] = not kv_grow
     if kv_bits:
         options["kv_bits"] = int(kv_bits)
     served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)

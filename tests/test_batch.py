@@ -291,6 +291,19 @@ def test_the_engine_gives_a_bursts_memory_back_and_answers_the_same(llama):
     assert after == before
 
 
+def test_a_reserved_pool_holds_its_whole_budget_from_the_start_and_answers_the_same(llama):
+    model, _ = llama
+    per_block = KVPool(layer_shapes(model), block_size=8).bytes_per_block
+    with Engine(model, block_size=8, kv_budget=100 * per_block) as engine:
+        before = [s.token for s in engine.submit(_prompt(200, 3), max_tokens=8).steps()]
+    with Engine(model, block_size=8, kv_budget=100 * per_block, reserve=True) as engine:
+        assert engine.stats().nbytes == 100 * per_block
+        after = [s.token for s in engine.submit(_prompt(200, 3), max_tokens=8).steps()]
+        assert engine.pool.shrink() == 0 and engine.pool.shrink() == 0  # never below the budget
+        assert engine.stats().nbytes == 100 * per_block
+    assert after == before
+
+
 def test_a_request_larger_than_the_budget_is_a_clear_error_and_others_run(llama):
     model, _ = llama
     per_block = KVPool(layer_shapes(model), block_size=16).bytes_per_block

@@ -573,6 +573,26 @@ def test_serve_with_a_draft_model(tiny, draft_dirs, monkeypatch):
     assert "choose one draft source, got --draft-model and --prompt-lookup" in result.output
 
 
+def test_serve_takes_its_kv_budget_at_start_unless_told_to_grow(draft_dirs, monkeypatch):
+    """A server's memory is flat all day: its pool holds every block of --kv-budget from the
+    start (and keeps them after a request); --kv-grow grows it with the load instead."""
+    from fastapi.testclient import TestClient
+
+    target = draft_dirs[0]
+    budget = 1 << 22
+    for flags, reserved in (([], True), (["--kv-grow"], False)):
+        result, app = _serve_app(monkeypatch, "-m", str(target), "--kv-budget", str(budget), *flags)
+        assert result.exit_code == 0, result.output
+        engine = app.state.models.entries[target.name].engine
+        whole = engine.pool.max_blocks * engine.pool.bytes_per_block
+        assert whole <= budget < whole + engine.pool.bytes_per_block
+        assert (engine.stats().nbytes == whole) is reserved
+        ask = {"model": target.name, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        with TestClient(app) as client:
+            assert client.post("/v1/chat/completions", json=ask).status_code == 200
+        assert (engine.stats().nbytes == whole) is reserved
+
+
 def test_serve_binds_loopback_by_default():
     from click.testing import CliRunner
 

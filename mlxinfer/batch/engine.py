@@ -64,6 +64,8 @@ class Engine(TextRequests, Scheduler):
         shrink_every: seconds between two looks at the pool's store: one that is at least
             four times what the busiest moment since the last look needed is cut to twice
             that (a burst's memory goes back to the system); ``math.inf`` never cuts.
+        reserve: take the whole ``kv_budget`` at start (``serve`` does): memory is flat from
+            the first request on instead of growing with the load (and the prefixes kept).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class Engine(TextRequests, Scheduler):
         hold_windows: bool = True,
         draft_models: Sequence = (),
         shrink_every: float = 20.0,
+        reserve: bool = False,
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -108,6 +111,10 @@ class Engine(TextRequests, Scheduler):
             kv_budget=target_budget,
             hold_windows=hold_windows,
         )
+        if reserve:
+            for pool in (self.pool, self.window_pool):
+                if pool is not None:
+                    pool.reserve()
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.shrink_every, self._looked_at = shrink_every, time.monotonic()
         self.attention = attention

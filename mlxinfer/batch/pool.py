@@ -114,6 +114,7 @@ class KVPool(BlockStore):
         )  # unreferenced hashed blocks, LRU first
         self._reserved = 0  # blocks promised to admitted sequences
         self._high = 0  # blocks below the highest taken since the last shrink() (its look)
+        self.floor = _GROWTH_BLOCKS  # blocks shrink() keeps at least (reserve(): all of them)
         self.prefix_hits = self.prefix_queries = 0
 
     # -- capacity -------------------------------------------------------------------------
@@ -243,6 +244,16 @@ class KVPool(BlockStore):
             del self._cached[block]
         self._refs[block] = self._refs.get(block, 0) + 1
 
+    def reserve(self) -> None:
+        """Take the whole budget now (as llama.cpp and vLLM do): memory stays flat from the
+        first request on, and the store never grows by copying or shrinks."""
+        first = self.n_blocks
+        if first < self.max_blocks:
+            self.grow(self.max_blocks - first)
+            self._free.extend(range(first, self.n_blocks))
+            heapq.heapify(self._free)
+        self.floor = self.max_blocks
+
     def shrink(self) -> int:
         """Give back the store's tail when at most a quarter of it was used since the last call
         (after a burst): the store is cut to twice the blocks below the highest one taken since
@@ -251,9 +262,9 @@ class KVPool(BlockStore):
         Returns the blocks given back (0 for a window pool: it is the size of its windows)."""
         top = max(self._refs, default=-1) + 1
         high, self._high = max(self._high, top), top
-        if self.window is not None or self.n_blocks <= _GROWTH_BLOCKS:
+        if self.window is not None or self.n_blocks <= self.floor:
             return 0
-        keep = max(_GROWTH_BLOCKS, 2 * high)
+        keep = max(self.floor, 2 * high)
         if 2 * keep > self.n_blocks:  # hysteresis: only a store at least twice what it needs
             return 0
         for block in [b for b in self._cached if b >= keep]:
