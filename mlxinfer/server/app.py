@@ -40,6 +40,7 @@ from .limits import (
     is_json_type,
     parse_json,
 )
+from .metrics import PROMETHEUS, prometheus
 from .models import Models
 from .page import add_page
 from .quoting import shown
@@ -380,99 +381,12 @@ def _code(error, code: str) -> dict:
     return {"code": code} if error is oa.APIError else {}
 
 
-PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
-# engine metric -> (Prometheus type, help)
-METRICS = {
-    "requests_running": ("gauge", "Requests admitted: prefilling or decoding."),
-    "requests_waiting": ("gauge", "Requests waiting for room in the batch or the KV pool."),
-    "requests_done": ("counter", "Requests finished or cancelled."),
-    "prompt_tokens": ("counter", "Prompt tokens prefilled (not counting prefix-cache hits)."),
-    "generated_tokens": ("counter", "Tokens generated."),
-    "prefill_tokens_per_second": ("gauge", "Prefill throughput since start."),
-    "decode_tokens_per_second": ("gauge", "Aggregate decode throughput since start."),
-    "decode_steps": ("counter", "Batched decode forwards."),
-    "prefill_steps": ("counter", "Prefill forwards (short prompt chunks share one)."),
-    "kv_blocks_in_use": ("gauge", "KV blocks referenced by running requests."),
-    "kv_blocks_cached": ("gauge", "Unreferenced KV blocks kept for prefix hits."),
-    "kv_blocks_free": ("gauge", "KV blocks free within the budget."),
-    "kv_window_blocks_in_use": (
-        "gauge",
-        "Window-pool KV blocks (sliding-window layers) referenced by running requests.",
-    ),
-    "kv_bytes": ("gauge", "Bytes the KV pools' arrays hold (the window pool's too)."),
-    "prefix_hit_ratio": (
-        "gauge",
-        "Prompt blocks served from the prefix cache, of those looked up.",
-    ),
-    "draft_tokens": ("counter", "Tokens proposed by drafts (prompt lookup or a draft model)."),
-    "draft_accepted_tokens": ("counter", "Proposed tokens accepted."),
-    "draft_steps": ("counter", "Draft-model forwards, each over the requests drafting with it."),
-    "draft_seconds": ("counter", "Seconds spent in the draft model (prefill and proposals)."),
-    "draft_kv_bytes": ("gauge", "Bytes of the draft-model keys held for running requests."),
-    "draft_model_bytes": ("gauge", "Bytes of the draft models' weights."),
-}
-
-
-def prometheus(registry: Models, work: Work | None = None) -> str:
-    """Each loaded model's engine counters in Prometheus' text format, ``mlxinfer_<name>``
-    labelled with the model; the server's own (``work``: requests in flight, refused) unlabelled."""
-    kinds = {"up": ("gauge", "1 while the model's engine thread is alive."), **METRICS}
-    samples: dict[str, list[str]] = {key: [] for key in kinds}
-    loaded = 0
-    for entry in list(registry.entries.values()):
-        engine = entry.engine
-        if engine is None:
-            continue
-        loaded += 1
-        label = '{model="' + entry.name.replace("\\", "\\\\").replace('"', '\\"') + '"}'
-        for key, value in {"up": float(engine.alive), **engine.metrics()}.items():
-            samples[key].append(f"{_metric(key, kinds)}{label} {value:g}")
-    lines = [
-        "# HELP mlxinfer_models_loaded Models loaded now.",
-        "# TYPE mlxinfer_models_loaded gauge",
-        f"mlxinfer_models_loaded {loaded}",
-    ]
-    if work is not None:
-        lines += [
-            "# HELP mlxinfer_server_requests_in_flight Engine requests the server has taken and "
-            "not yet answered (an OpenAI request with n choices counts n).",
-            "# TYPE mlxinfer_server_requests_in_flight gauge",
-            f"mlxinfer_server_requests_in_flight {work.in_flight}",
-            "# HELP mlxinfer_server_requests_refused_total Requests refused with a 503 because "
-            "max_queue requests were waiting.",
-            "# TYPE mlxinfer_server_requests_refused_total counter",
-            f"mlxinfer_server_requests_refused_total {work.refused}",
-        ]
-    for key, (kind, text) in kinds.items():
-        name = _metric(key, kinds)
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples[key]]
-    for key, value, text in _mlx_memory():
-        lines += [f"# HELP mlxinfer_{key} {text}", f"# TYPE mlxinfer_{key} gauge"]
-        lines.append(f"mlxinfer_{key} {value}")
-    return "\n".join(lines) + "\n"
-
-
 def _with_status(e, status: int):
     """An API error of either shape, answered with ``status`` instead."""
     e.status = status
     if isinstance(e, oa.APIError):
         e.type, e.code, e.param = "server_error", "model_not_loadable", None
     return e
-
-
-def _mlx_memory() -> list[tuple[str, int, str]]:
-    """MLX's allocator figures (process-wide): what arrays hold, what its buffer cache keeps."""
-    import mlx.core as mx
-
-    return [
-        ("mlx_active_bytes", mx.get_active_memory(), "Bytes MLX's live arrays hold."),
-        ("mlx_cache_bytes", mx.get_cache_memory(), "Bytes MLX's buffer cache keeps for reuse."),
-        ("mlx_peak_bytes", mx.get_peak_memory(), "Most bytes MLX's arrays held at once."),
-    ]
-
-
-def _metric(key: str, kinds: dict) -> str:
-    return f"mlxinfer_{key}" + ("_total" if kinds[key][0] == "counter" else "")
 
 
 PING = an.event("ping", {})  # Anthropic's stream keeps alive with its own event
