@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_short_soak_serves_everything_refuses_the_hostile_and_drains(smollm2_mlx_dir, tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "tools" / "soak.py"), "--model", str(smollm2_mlx_dir)]
-    cmd += ["--minutes", "0.4", "--clients", "4", "--slow-clients", "1", "--burst", "12"]
+    cmd += ["--minutes", "0.25", "--clients", "4", "--slow-clients", "1", "--burst", "12"]
     cmd += ["--server-arg=--body-timeout", "--server-arg=4", "--json", str(out), "--check"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
