@@ -15,7 +15,6 @@ import click
 from .blas import preload_openblas
 from .cli_options import (
     CHAT_TEMPLATE_HELP,
-    FORCE,
     REASONING,
     _batch_sizes,
     _constraint,
@@ -25,10 +24,10 @@ from .cli_options import (
     _make_draft,
     _print_stream,
     generation_options,
-    limit_options,
     speculative_options,
     structured_options,
 )
+from .cli_serve import serve
 
 
 @click.group()
@@ -261,124 +260,6 @@ def chat(
 
 
 @cli.command()
-@click.option(
-    "--model",
-    "-m",
-    default=None,
-    help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]",
-)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", default=8080, show_default=True, type=int)
-@click.option(
-    "--api-key",
-    default=None,
-    envvar="MLXINFER_API_KEY",
-    help="Require 'Authorization: Bearer KEY' on /v1/ [env: MLXINFER_API_KEY].",
-)
-@click.option("--max-batch", default=None, type=int, help="Most requests decoded together.")
-@click.option("--kv-budget", default=None, type=int, help="Bytes the KV pool may hold.")
-@click.option(
-    "--kv-grow",
-    is_flag=True,
-    help="Grow the KV pool with the load (and give a burst's back) instead of taking the whole "
-    "--kv-budget at start, which keeps the server's memory flat all day.",
-)
-@click.option(
-    "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV pool."
-)
-@click.option("--prompt-lookup", is_flag=True, help="Speculative decoding by prompt lookup.")
-@click.option(
-    "--draft-model",
-    default=None,
-    help="Speculative decoding with this draft model (directory or Hub repo id): every request "
-    "drafts with it (their draft steps batched together). It must share the model's tokenizer "
-    "vocabulary.",
-)
-@click.option(
-    "--models-dir",
-    default=None,
-    type=click.Path(exists=True, file_okay=False),
-    help="Also serve every converted model in this directory (by its directory's name), loaded "
-    "on first use.",
-)
-@click.option(
-    "--keep-alive",
-    default=300.0,
-    show_default=True,
-    type=float,
-    help="Seconds a --models-dir model stays loaded while idle.",
-)
-@click.option(
-    "--cors-origin",
-    "cors_origins",
-    multiple=True,
-    help="Let pages from this origin call the API from a browser (repeatable; '*' for any). "
-    "Default: no CORS headers.",
-)
-@limit_options
-@click.option("--verbose", "-v", is_flag=True)
-@FORCE
-@_errors_to_click
-def serve(
-    model,
-    host,
-    port,
-    api_key,
-    max_batch,
-    kv_budget,
-    kv_grow,
-    kv_bits,
-    prompt_lookup,
-    draft_model,
-    models_dir,
-    keep_alive,
-    cors_origins,
-    verbose,
-    force,
-    **limits,
-):
-    """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise click.ClickException(
-            f"serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'mlxinfer[server]'"
-        ) from None
-    from pathlib import Path
-
-    from .batch.pool import DEFAULT_KV_BUDGET
-    from .server import serve as run
-
-    draft = _make_draft(draft_model, prompt_lookup, None)
-    llm = tokenizer = name = None
-    if model is not None or models_dir is None:  # with --models-dir alone: only those
-        llm, tokenizer = _load(model, verbose, force, kv_budget or DEFAULT_KV_BUDGET)
-        name = Path(model).name if model else "SmolLM2-135M-Instruct"
-    options = {"max_batch": max_batch, "kv_budget": kv_budget}
-    options = {k: v for k, v in options.items() if v is not None}
-    options["reserve"] = not kv_grow
-    if kv_bits:
-        options["kv_bits"] = int(kv_bits)
-    served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)
-    _log(f"serving {served} on http://{host}:{port} (OpenAI and Anthropic APIs under /v1)")
-    run(
-        llm,
-        tokenizer,
-        name,
-        host=host,
-        port=port,
-        api_key=api_key,
-        draft=draft,
-        models_dir=Path(models_dir) if models_dir else None,
-        keep_alive=keep_alive if models_dir else None,
-        cors_origins=list(cors_origins),
-        **options,
-        **{k: v for k, v in limits.items() if v is not None},  # None: the server's defaults
-    )
-
-
-@cli.command()
 @click.argument("src")
 @click.option(
     "--output", "-o", "dst", required=True, help="Output directory (must not exist or be empty)."
@@ -589,6 +470,9 @@ def _bench_batch(llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare
     click.echo(batch.batch_tables(result))
     if json_path:
         _log(f"wrote {report.write_json(result, json_path)}")
+
+
+cli.add_command(serve)
 
 
 def main() -> None:
