@@ -15,6 +15,7 @@ import hmac
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import anyio
@@ -366,6 +367,10 @@ def make_app(
         ask = oa.parse(await body_of(request), chat=False)
         return await generation(request, ask.n, complete, ask, oa_busy)
 
+    # What route modules of their own (responses, embeddings) build their handlers from.
+    app.state.routes = SimpleNamespace(
+        served=served, body_of=body_of, generation=generation, start=start, oa_busy=oa_busy
+    )
     app.add_middleware(Guard, limits=limits)  # added last: the outermost, before CORS and keys
     return app
 
