@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -20,6 +21,7 @@ from mlx.utils import tree_flatten
 from ..generation.drafts import Draft
 from ..generation.prefill import check_token_ids, token_ids
 from ..generation.sampling import LogitsProcessor, SamplingParams
+from . import disk as disk_mod
 from . import pool as pool_mod
 from . import rows as rows_mod
 from .draft_pool import DraftPool, poolable
@@ -28,6 +30,7 @@ from .layout import STATE, check_batchable, layer_shapes, make_pools
 from .pool import PoolStats
 from .requests import EngineError, Handle, _Request
 from .scheduler import Scheduler
+from .snapshots import Snapshots, split_budget
 from .store import block_bytes
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
@@ -66,6 +69,17 @@ class Engine(TextRequests, Scheduler):
             that (a burst's memory goes back to the system); ``math.inf`` never cuts.
         reserve: take the whole ``kv_budget`` at start (``serve`` does): memory is flat from
             the first request on instead of growing with the load (and the prefixes kept).
+        state_budget: for a model with recurrent layers, the bytes of ``kv_budget`` kept for
+            snapshots of their states at block boundaries, which let requests share prefixes
+            (``snapshots.py``; the pool gets the rest). None: a quarter; 0: no prefix sharing.
+        state_every: a recurrent model's rows snapshot their states every this many blocks
+            of prefill (and at each prompt's last full block). None: a prefill chunk's blocks.
+        prefix_cache_dir: keep the prefix cache's full blocks on disk here too (``disk.py``):
+            a later engine of the same model (a restart, another server sharing the directory)
+            reads them back instead of computing them. Dense models' pools (not yet sliding
+            windows or recurrent layers: a warning, then memory only).
+        prefix_cache_disk_bytes: most bytes of block files in ``prefix_cache_dir`` (every
+            model's: the oldest go first); None: 10 GiB.
     """
 
     def __init__(
@@ -84,6 +98,10 @@ class Engine(TextRequests, Scheduler):
         draft_models: Sequence = (),
         shrink_every: float = 20.0,
         reserve: bool = False,
+        state_budget: int | None = None,
+        state_every: int | None = None,
+        prefix_cache_dir: str | os.PathLike | None = None,
+        prefix_cache_disk_bytes: int | None = None,
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -96,13 +114,17 @@ class Engine(TextRequests, Scheduler):
         self.model = model
         # Rows of one regime share a forward (None: all rows; see check_batchable).
         self.regime, self.windows = check_batchable(model)
-        # Recurrent layers' states live with each request: no prefix sharing, no drafts.
+        # Recurrent layers' states live with each request (no drafts); prefixes are shared from
+        # snapshots of the states at block boundaries (snapshots.py), inside kv_budget.
         self.recurrent = STATE in self.windows
         if self.recurrent:
             max_draft = 0
         shapes = layer_shapes(model, kv_bits, kv_group_size)
         drafts = [m for m in draft_models if poolable(m)] if max_draft > 0 else []
         target_budget = _target_budget(shapes, drafts, kv_budget, block_size)
+        state_bytes = 0
+        if self.recurrent:
+            target_budget, state_bytes = split_budget(target_budget, state_budget)
         # Sliding-window layers hold only their windows, in a pool of their own (make_pools).
         self.pool, self.window_pool = make_pools(
             shapes,
@@ -111,6 +133,16 @@ class Engine(TextRequests, Scheduler):
             kv_budget=target_budget,
             hold_windows=hold_windows,
         )
+        self.snapshots = Snapshots(state_bytes, self.pool.holds) if state_bytes else None
+        self.state_every = max(1, state_every or prefill_step // block_size)
+        if prefix_cache_dir is not None:
+            self.pool.disk = disk_mod.attach(
+                model,
+                self.pool,
+                directory=prefix_cache_dir,
+                budget=prefix_cache_disk_bytes,
+                shared_only=_disk_refusal(self),
+            )
         if reserve:
             for pool in (self.pool, self.window_pool):
                 if pool is not None:
@@ -270,6 +302,8 @@ class Engine(TextRequests, Scheduler):
             "draft_seconds": self.draft_s,
             "draft_kv_bytes": self.draft_kv_bytes,
             "draft_model_bytes": sum(self._draft_weights.values()),
+            "state_snapshots": len(self.snapshots) if self.snapshots is not None else 0,
+            "state_snapshot_bytes": self.snapshots.nbytes if self.snapshots is not None else 0,
         }
 
     def close(self, timeout: float = 10.0) -> None:
@@ -280,6 +314,8 @@ class Engine(TextRequests, Scheduler):
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout)
+        if self.pool.disk is not None:  # what is queued for the disk is written first
+            self.pool.disk.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -297,6 +333,15 @@ def _weight_bytes(model) -> int:
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _disk_refusal(engine: Engine) -> str | None:
+    """Why ``engine``'s prefixes cannot go to disk yet, or None."""
+    if engine.recurrent:
+        return "recurrent layers: their state snapshots are not written to disk yet"
+    if engine.window_pool is not None or engine.pool.window is not None:
+        return "sliding-window layers keep only their windows"
+    return None
 
 
 @atexit.register

@@ -85,6 +85,8 @@ class KVPool(BlockStore):
     """Blocks of keys and values for every layer, shared by all sequences of an engine: which
     sequence holds which block (the arrays themselves: :class:`~.store.BlockStore`)."""
 
+    disk = None  # a DiskTier (disk.py): prefixes continue from memory onto disk, and back
+
     def __init__(
         self,
         layers: list[LayerShape],
@@ -161,6 +163,10 @@ class KVPool(BlockStore):
                 return n
         return 0
 
+    def holds(self, chain_hash: bytes) -> bool:
+        """Whether the pool holds the full block of that chain hash (in use or cached)."""
+        return chain_hash in self._by_hash
+
     def first_seen(self, position: int) -> int:
         """The first block a query at ``position`` still sees in a window pool."""
         return max(0, position - self.window + 1) // self.block_size
@@ -196,6 +202,8 @@ class KVPool(BlockStore):
             return None
         seq.reserved = need
         self._reserved += need
+        if self.disk is not None and share and hits is None:  # the rest from disk (or memory)
+            n += self.disk.load_into(self, seq, prompt)
         self.prefix_queries += len(found)
         self.prefix_hits += n
         return seq
@@ -330,6 +338,8 @@ class KVPool(BlockStore):
             if h not in self._by_hash and block not in self._hash_of:
                 self._by_hash[h] = block
                 self._hash_of[block] = h
+                if self.disk is not None:  # written to disk after the step (save_fresh)
+                    self.disk.fresh.append((h, block))
         return slots
 
     def rewind(self, seq: Sequence, length: int) -> None:

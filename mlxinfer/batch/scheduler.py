@@ -22,10 +22,12 @@ every wait on it is bounded and ends with an error if the engine thread died.
 Stop strings and detokenizing are the consumer's (``Engine.stream``), which
 cancels the request when it stops early.
 
-A model with recurrent layers (LFM2, Qwen3-Next) batches too: each request keeps its own
-fixed-size state for those layers beside its blocks, and the step stacks the rows' states.
-A state holds the whole prefix it has read and cannot be rewound per row, so such a model
-shares no prefix blocks and drafts nothing (``max_draft`` is 0).
+A model with recurrent layers (LFM2, Qwen3-Next, Qwen3.5) batches too: each request keeps its
+own fixed-size state for those layers beside its blocks, and the step stacks the rows' states.
+A state holds the whole prefix it has read, so a request shares a prefix only where a snapshot
+of the states after it is kept (``snapshots``: taken at block boundaries during prefill, its
+chunks cut there); it resumes from the deepest prefix with both its blocks and a snapshot.
+Such a model drafts nothing (``max_draft`` is 0).
 
 A request may draft (speculative decoding): by prompt lookup, or with a draft model, whose keys
 the request keeps in that model's own pool (``draft_pool``: the rows drafting with it share each
@@ -46,6 +48,7 @@ from ..generation.results import Step
 from ..models.layers.rope import prompt_reach
 from ..threads import release_at_thread_exit
 from . import rows as rows_mod
+from . import snapshots as snap
 from .draft_pool import DraftPool
 from .requests import POLL_S, EngineError, _Request
 from .views import StepBatch
@@ -113,6 +116,8 @@ class Scheduler:
                 self._retire_cancelled()
                 self._prefill()
                 self._decode()
+                if self.pool.disk is not None:  # the turn's new full blocks, to the writer
+                    self.pool.disk.save_fresh(self.pool)
                 self._shrink()
                 self.draft_kv_bytes = sum(rows_mod.draft_nbytes(r) for r in self._running) + sum(
                     p.bytes_in_use for p in self._draft_pools.values()
@@ -143,8 +148,6 @@ class Scheduler:
                 held.append(request)
                 continue
             seq = request.seq
-            if self.recurrent:
-                request.states = [c for c in self.model.make_cache() if isinstance(c, StateCache)]
             request.cached_tokens = seq.length
             if request.processors:
                 request.history = mx.array(request.ids, dtype=mx.int32)
@@ -156,11 +159,19 @@ class Scheduler:
     def _admit_one(self, request: _Request) -> bool:
         """Sequences for ``request`` in every pool (the same prefix shared in each: as much of
         it as the window pool has the windows of), or False, holding nothing, if one lacks room."""
-        room, share = request.max_tokens + self.max_draft, not self.recurrent
+        room = request.max_tokens + self.max_draft
+        # A recurrent model shares what a snapshot of its states can resume (snapshots.py).
+        share = not self.recurrent or self.snapshots is not None
         hits = None
-        if self.window_pool is not None and share:
-            full = self.pool.shareable(self.pool.lookup(request.ids))
-            hits = self.window_pool.shareable(self.window_pool.lookup(request.ids)[:full])
+        if share and (self.window_pool is not None or self.recurrent):
+            hits = self.pool.shareable(self.pool.lookup(request.ids))
+            if self.window_pool is not None:
+                hits = self.window_pool.shareable(self.window_pool.lookup(request.ids)[:hits])
+            if self.recurrent:
+                full, bs = hits, self.pool.block_size
+                hits = snap.resume_point(self.snapshots, request.ids, bs, full)
+                # The shared blocks past the snapshot: their end gets one for the next request.
+                request.branch = full * bs if full > hits else 0
         request.seq = self.pool.admit(request.ids, room, share, hits=hits)
         ok = request.seq is not None
         if ok and self.window_pool is not None:
@@ -171,6 +182,11 @@ class Scheduler:
         if not ok:
             self._release(request)
             request.seq = request.wseq = None
+        elif self.recurrent:
+            request.states = [c for c in self.model.make_cache() if isinstance(c, StateCache)]
+            if request.seq.length:  # resume: the states after the shared blocks, copied
+                arrays = self.snapshots.get(request.seq.hashes[-1])
+                snap.restore(request.states, arrays, request.seq.length)
         return ok
 
     def _retire(self, request: _Request) -> None:
@@ -199,7 +215,17 @@ class Scheduler:
             left = len(request.ids) - 1 - request.seq.length
             if left > 0:
                 start = request.seq.length
-                chunks.append((request, request.ids[start : start + min(left, budget)]))
+                end = start + min(left, budget)
+                if self.snapshots is not None:  # a chunk ends where a snapshot is wanted
+                    end = snap.chunk_end(
+                        start,
+                        end,
+                        self.pool.block_size,
+                        self.state_every,
+                        request.branch,
+                        len(request.ids),
+                    )
+                chunks.append((request, request.ids[start:end]))
                 budget -= len(chunks[-1][1])
         for group in self._prefill_groups(chunks):
             self._prefill_rows(group)
@@ -252,9 +278,25 @@ class Scheduler:
             mx.eval(self._stores(), [_arrays(r) for r in rows])
         for r, end in zip(rows, ends):
             self._rewind(r, end)
+            if self.snapshots is not None:
+                self._snapshot(r)
         self.prefill_s += time.perf_counter() - t0
         self.prefill_tokens += sum(len(c) for _, c in group)
         self.prefill_steps += 1
+
+    def _snapshot(self, r: _Request) -> None:
+        """Keep ``r``'s states if its prefill stopped where a snapshot is wanted (a block
+        boundary: every ``state_every``-th, the prompt's last full one, or its branch point),
+        under the chain hash of the block ending there."""
+        length, bs = r.seq.length, self.pool.block_size
+        if length == 0 or length % bs:
+            return
+        last = (len(r.ids) - 1) // bs * bs
+        if length % (bs * self.state_every) and length not in (r.branch, last):
+            return
+        arrays = snap.capture(r.states)
+        if arrays is not None:
+            self.snapshots.put(r.seq.hashes[-1], arrays)
 
     def _feed_draft(self, request: _Request) -> None:
         t0 = time.perf_counter()

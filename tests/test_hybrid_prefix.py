@@ -1,0 +1,193 @@
+"""Prefix reuse for models with recurrent layers in the batching engine (issue #30, part 1).
+
+Spec: on tiny random LFM2 (convolutions), Qwen3-Next and Qwen3.5 (Gated DeltaNet) checkpoints,
+a request sharing a long prefix with an earlier one resumes from a snapshot of the recurrent
+states at a block boundary: it prefills at most its suffix plus one block (the engine's prefill
+counter, its ``cached_tokens``), in a batch of rows at mixed depths, and its greedy tokens are
+transformers' for it alone and a cold engine's (no snapshots). Divergence mid-block, a prefix
+ending on a block boundary, the branch point a diverging request leaves for the next, and
+eviction (of snapshots under a small ``state_budget``, of the blocks under a small
+``kv_budget``: the request is still right, only less is cached). Snapshots and the pool together
+stay inside ``kv_budget``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from hf_models import make_tiny, torch_cache
+from test_qwen3_next import DENSE, TINY
+
+from mlxinfer.batch import Engine
+from mlxinfer.loader import load_model
+
+BS = 16  # block size
+NEW = 5  # tokens generated per request
+FAMILIES = {
+    "lfm2": dict(
+        model_type="lfm2",
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        conv_L_cache=3,
+        block_multiple_of=64,
+    ),
+    "qwen3_next": dict(TINY, num_experts=4, shared_expert_intermediate_size=32),
+    "qwen3_5_text": dict(DENSE, model_type="qwen3_5_text"),
+}
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 250, n).tolist()
+
+
+PREFIX = _ids(520, 0)  # 32 full blocks and 8 tokens: its prefill's last full block ends at 512
+SHARED = 288  # every prompt with a transformers reference starts with PREFIX[:SHARED]
+
+
+class Reference:
+    """transformers' greedy tokens (its own cached forward, EOS ignored) for prompts that
+    start with ``PREFIX[:SHARED]``, whose cache is computed once and copied for each."""
+
+    def __init__(self, torch_model) -> None:
+        self.model, self.cache = torch_model, torch_cache(torch_model)
+        with torch.no_grad():
+            torch_model(torch.tensor([PREFIX[:SHARED]]), cache=self.cache, use_cache=True)
+
+    def greedy(self, ids: list[int]) -> list[int]:
+        assert ids[:SHARED] == PREFIX[:SHARED]
+        cache, step, out = copy.deepcopy(self.cache), ids[SHARED:], []
+        with torch.no_grad():
+            for _ in range(NEW):
+                logits = self.model(torch.tensor([step]), cache=cache, use_cache=True).logits
+                step = [int(logits[0, -1].argmax())]
+                out.append(step[0])
+        return out
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    spec = {k: v for k, v in FAMILIES[request.param].items() if v is not None}
+    path, torch_model = make_tiny(
+        tmp_path_factory.mktemp(request.param),
+        perturb_vectors=True,
+        max_position_embeddings=2048,
+        **spec,
+    )
+    model, _ = load_model(path)
+    return request.param, model, Reference(torch_model)
+
+
+def run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[int], int]:
+    """Submit ``prompts`` together: (their greedy tokens, their cached tokens, the prompt tokens
+    the engine prefilled for them)."""
+    before = engine.prefill_tokens
+    handles = [engine.submit(p, max_tokens=NEW) for p in prompts]
+    tokens = [[s.token for s in h.steps()] for h in handles]
+    return tokens, [h.cached_tokens for h in handles], engine.prefill_tokens - before
+
+
+def test_a_shared_prefix_is_resumed_from_a_state_snapshot_in_a_mixed_batch(family):
+    """After a 520-token prompt, three rows at once: one extending it (it diverges mid-block:
+    the snapshot at 512, its last full block), one diverging exactly at a block boundary (512),
+    one unrelated. The first two prefill only their suffixes (plus the 8 tokens of the partial
+    block), with transformers' and a cold engine's tokens."""
+    name, model, reference = family
+    extend = PREFIX + _ids(30, 1)
+    boundary = PREFIX[:512] + _ids(25, 2)
+    other = _ids(70, 3)
+    expected = [reference.greedy(p) for p in (extend, boundary)]
+    with Engine(model, block_size=BS, state_budget=0) as cold:
+        cold_tokens, cold_cached, _ = run(cold, [extend, boundary, other])
+    assert cold_cached == [0, 0, 0]  # no snapshots: nothing shared
+    with Engine(model, block_size=BS) as engine:
+        run(engine, [PREFIX])
+        assert engine.metrics()["state_snapshots"] >= 2  # at 256 (a chunk's end) and 512
+        tokens, cached, fed = run(engine, [extend, boundary, other])
+    assert cached == [512, 512, 0], name
+    # Each prompt's last token is fed by its first decode step, not by prefill.
+    assert fed == (len(extend) - 1 - 512) + (len(boundary) - 1 - 512) + (len(other) - 1)
+    assert len(extend) - 1 - 512 <= len(extend) - len(PREFIX) + BS
+    assert tokens[:2] == expected == cold_tokens[:2], name
+    assert tokens[2] == cold_tokens[2], name
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text"], indirect=True)  # the scheduler's rule
+def test_divergence_mid_block_and_the_branch_point(family):
+    """A prompt diverging from a cached one mid-block (at 300: 18 full blocks and 12 tokens).
+    With a snapshot every block (``state_every=1``) it resumes at 288. With the default ones
+    (every prefill chunk: 256) it resumes at 256 and leaves a snapshot where the blocks it
+    shared end (288), from which the next prompt diverging there resumes."""
+    name, model, reference = family
+    first, second, third = (PREFIX[:300] + _ids(20, seed) for seed in (4, 5, 6))
+    expected = [reference.greedy(p) for p in (first, second, third)]
+    with Engine(model, block_size=BS, state_every=1) as engine:
+        run(engine, [PREFIX])
+        tokens, cached, fed = run(engine, [first])
+    assert cached == [288] and fed == len(first) - 1 - 288
+    assert tokens == expected[:1], name
+    with Engine(model, block_size=BS) as engine:
+        run(engine, [PREFIX])
+        got = []
+        for prompt, resumed in zip((second, third), (256, 288)):
+            tokens, cached, fed = run(engine, [prompt])
+            assert cached == [resumed] and fed == len(prompt) - 1 - resumed
+            got += tokens
+    assert got == expected[1:], name
+
+
+def test_snapshots_evicted_under_a_small_state_budget(family):
+    """Room for one snapshot: the prompt's last (512) pushes out the earlier one (256); a prompt
+    diverging at 300 then finds none at or before its shared blocks and prefills everything,
+    with the same tokens. The snapshots never hold more than their budget."""
+    name, model, reference = family
+    with Engine(model, block_size=BS) as sized:
+        run(sized, [_ids(40, 7)])  # one snapshot: at 32, its last full block
+        one = sized.metrics()["state_snapshot_bytes"]
+    assert one > 0
+    diverging = PREFIX[:300] + _ids(20, 8)
+    expected = reference.greedy(diverging)
+    with Engine(model, block_size=BS, state_budget=one) as engine:
+        run(engine, [PREFIX])
+        assert engine.snapshots.evictions >= 1
+        assert engine.metrics()["state_snapshot_bytes"] <= one
+        assert run(engine, [PREFIX + [9, 9, 9]])[1] == [512]  # the one kept still serves
+        tokens, cached, fed = run(engine, [diverging])
+        assert engine.metrics()["state_snapshot_bytes"] <= one
+    assert cached == [0] and fed == len(diverging) - 1
+    assert tokens == [expected], name
+
+
+def test_blocks_evicted_under_a_small_kv_budget(family):
+    """A pool of 48 blocks: an unrelated prompt of 300 tokens takes cached blocks of the
+    first (its first block among them); its snapshots (whose blocks are gone) cannot serve, and the prompt extending it is
+    prefilled whole, with the same tokens. The pool and the snapshots stay inside kv_budget."""
+    name, model, reference = family
+    with Engine(model, block_size=BS) as probe:
+        per_block = probe.pool.bytes_per_block
+        run(probe, [PREFIX])
+        snapshot_bytes = probe.metrics()["state_snapshot_bytes"]
+    kv_budget = 48 * per_block + snapshot_bytes
+    extend = PREFIX + _ids(30, 9)
+    expected = reference.greedy(extend)
+    with Engine(model, block_size=BS, kv_budget=kv_budget, state_budget=snapshot_bytes) as engine:
+        assert engine.pool.max_blocks * per_block + engine.snapshots.max_bytes <= kv_budget
+        run(engine, [PREFIX])
+        run(engine, [_ids(300, 10)])  # 19 blocks: 16 free, then the oldest cached go
+        tokens, cached, fed = run(engine, [extend])
+        assert engine.metrics()["state_snapshot_bytes"] <= snapshot_bytes
+    assert cached == [0] and fed == len(extend) - 1
+    assert tokens == [expected], name
+
+
+def test_the_default_split_of_kv_budget():
+    """A recurrent model's snapshots get a quarter of kv_budget unless told; 0 turns prefix
+    reuse off; more than the budget is refused."""
+    from mlxinfer.batch.snapshots import split_budget
+
+    assert split_budget(1000, None) == (750, 250)
+    assert split_budget(1000, 0) == (1000, 0)
+    with pytest.raises(ValueError, match="state_budget"):
+        split_budget(1000, 1001)
