@@ -13,6 +13,7 @@ Public API::
     engine = mlxinfer.Engine(model)   # continuous batching: engine.stream(tokenizer, prompt)
     handle = mlxinfer.ModelHandle(path, keep_alive=300)   # for apps: load, unload, cancel
     async for r in mlxinfer.astream_generate(handle, "Hello"): ...
+    vectors = mlxinfer.embed(model, tokenizer, ["a text", "another"])  # an embedding checkpoint
 
 Importing this package loads nothing heavy: the modules (and MLX) load on first
 use of an attribute. On Linux it does one thing first: it loads a fast BLAS for
@@ -51,6 +52,9 @@ _EXPORTS = {
     "ModelHandle": "app",
     "astream_generate": "app",
     "Constraint": "constraints",
+    "embed": "embeddings",
+    "Pooling": "embeddings",
+    "read_pooling": "embeddings",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -165,6 +165,9 @@ class CausalLM(nn.Module):
     def sanitize(weights: dict[str, mx.array], args) -> dict[str, mx.array]:
         # Precomputed RoPE tables are buffers, not weights; a tied head is the embedding.
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        # Saved from transformers' base model (AutoModel: Qwen3-Embedding): no "model." prefix.
+        if "embed_tokens.weight" in weights and not any(k.startswith("model.") for k in weights):
+            weights = {f"model.{k}": v for k, v in weights.items()}
         if args.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
         return weights

@@ -28,6 +28,7 @@ from ..errors import InsufficientMemoryError, MlxInferError, PromptTooLongError,
 from ..generation.drafts import DraftModel
 from . import anthropic as an
 from . import openai as oa
+from .embeddings import add_embeddings, kind_error
 from .hangup import Streams, watched
 from .limits import (
     RETRY_AFTER_S,
@@ -72,6 +73,7 @@ def make_app(
     max_queue: int = Limits.max_queue,
     allowed_hosts: list[str] | None = None,
     shutdown_timeout: float = Limits.shutdown_timeout,
+    embedding_model: str | Path | None = None,
     **engine_options,
 ) -> FastAPI:
     """An app serving ``model`` as ``name`` and/or the converted models under ``models_dir``
@@ -129,7 +131,7 @@ def make_app(
             allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
         )
 
-    def served(requested: str, error):
+    def served(requested: str, error, embedding: bool = False):
         try:
             entry = registry.get(requested)
         except InsufficientMemoryError as e:  # models-dir: no room even after unloading idle ones
@@ -137,6 +139,8 @@ def make_app(
         if entry is None:
             names = ", ".join(registry.names())
             raise error(f"model '{requested}' not found (this server has: {names})")
+        if entry.embedding != embedding:  # a chat request to an embedding model, or the reverse
+            raise kind_error(error, entry.name, entry.embedding)
         return entry
 
     @app.exception_handler(oa.APIError)
@@ -371,6 +375,7 @@ def make_app(
     app.state.routes = SimpleNamespace(
         served=served, body_of=body_of, generation=generation, start=start, oa_busy=oa_busy
     )
+    add_embeddings(app, embedding_model, load)  # /v1/embeddings; serve --embedding-model DIR
     app.add_middleware(Guard, limits=limits)  # added last: the outermost, before CORS and keys
     return app
 

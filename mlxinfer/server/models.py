@@ -20,6 +20,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..batch import Engine
+from ..embeddings import Embedder, is_embedding_dir, read_pooling
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Entry:
     last_used: float = field(default_factory=time.monotonic)
     failures: list[str] = field(default_factory=list)
     loads: int = 0
+    embedding: bool = False  # an embedding checkpoint: its "engine" is an embeddings.Embedder
 
     @property
     def loaded(self) -> bool:
@@ -73,7 +75,8 @@ class Models:
         with self._lock:
             for path in sorted(self.models_dir.iterdir()):
                 if path.is_dir() and (path / "config.json").is_file():
-                    self.entries.setdefault(path.name, Entry(path.name, path))
+                    entry = Entry(path.name, path, embedding=is_embedding_dir(path))
+                    self.entries.setdefault(path.name, entry)
 
     def names(self) -> list[str]:
         self.scan()
@@ -97,10 +100,16 @@ class Models:
             if entry.engine is None:
                 self._make_room(entry)
                 entry.model, entry.tokenizer = self._load(str(entry.path))
-                entry.engine = Engine(entry.model, **self.engine_options)
+                entry.engine = self._engine(entry)
                 entry.loads += 1
             entry.last_used = time.monotonic()
             return entry
+
+    def _engine(self, entry: Entry):
+        """A loaded model's engine: the batching one, or an embedding model's Embedder."""
+        if entry.embedding:
+            return Embedder(entry.model, entry.tokenizer, read_pooling(entry.path))
+        return Engine(entry.model, **self.engine_options)
 
     def _make_room(self, entry: Entry) -> None:
         """Before ``entry`` loads: its weights, its engine's KV budget and headroom, with the
