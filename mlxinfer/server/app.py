@@ -47,6 +47,7 @@ from .models import Models
 from .page import add_page
 from .quoting import shown
 from .replies import AnthropicReply, Choice, openai_events, openai_whole
+from .responses_replies import add_route as add_responses
 from .shapes import error_response
 from .sse import streamed
 
@@ -376,6 +377,7 @@ def make_app(
         served=served, body_of=body_of, generation=generation, start=start, oa_busy=oa_busy
     )
     add_embeddings(app, embedding_model, load)  # /v1/embeddings; serve --embedding-model DIR
+    add_responses(app)  # /v1/responses (responses.py, responses_replies.py)
     app.add_middleware(Guard, limits=limits)  # added last: the outermost, before CORS and keys
     return app
 
