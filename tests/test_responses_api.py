@@ -366,6 +366,7 @@ def test_previous_response_id_and_malformed_input_are_400s_naming_the_field(scri
     assert e.value.body["param"] == "previous_response_id"
     assert "stateless" in e.value.body["message"]
     too_many = [{"role": "user", "content": "x"}] * 10_001
+    many = [{"type": "function", "name": f"f{i}"} for i in range(1_001)]
     cases = [
         ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": [{}]}]}, None),
         (
@@ -390,6 +391,8 @@ def test_previous_response_id_and_malformed_input_are_400s_naming_the_field(scri
         ({"input": too_many}, "input"),
         ({"input": 5}, "input"),
         ({"input": "Hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+        ({"input": "Hi", "tools": [{"type": "namespace", "name": "n", "tools": many}]}, "tools"),
+        ({"input": "Hi", "tools": [{"type": "namespace", "name": "n"}]}, "tools[0].tools"),
         ({"input": "Hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function"}}, None),
         ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"input": "Hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),

@@ -159,6 +159,8 @@ def _tools(tools: Any) -> tuple[list[dict], dict[str, Tool]]:
         return [], {}
     if not isinstance(tools, list):
         raise bad("tools", f"expected a list of tools, found {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise bad("tools", f"{len(tools)} tools (at most {MAX_TOOLS})")
     shown_tools: list[dict] = []
     names: dict[str, Tool] = {}
     for i, tool in enumerate(tools):
@@ -181,8 +183,6 @@ def _tools(tools: Any) -> tuple[list[dict], dict[str, Tool]]:
             _add(shown_tools, names, tool, where, _name(tool, where), None)
         else:  # web_search, tool_search, file_search, code_interpreter, mcp ...
             log_once("/v1/responses", f"tools[].type={kind[:64]}", known=True)
-        if len(shown_tools) > MAX_TOOLS:
-            raise bad("tools", f"more than {MAX_TOOLS} tools")
     return shown_tools, names
 
 
@@ -198,6 +198,8 @@ def _add(out: list, names: dict, tool: dict, where: str, flat: str, space: str |
     if kind not in ("function", "custom"):
         log_once("/v1/responses", f"tools[].tools[].type={str(kind)[:64]}", known=True)
         return
+    if len(out) >= MAX_TOOLS:
+        raise bad("tools", f"more than {MAX_TOOLS} tools (a namespace's counted one by one)")
     if flat in names:
         raise bad(f"{where}.name", f"{shown(flat)} names two tools")
     description = tool.get("description")
