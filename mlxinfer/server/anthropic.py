@@ -1,6 +1,11 @@
 """Anthropic's Messages API: what a /v1/messages body asks for, checked, and what is sent back.
 
-As for the OpenAI side (``openai``), a field the server does not act on is a 400 naming it.
+Fields follow the server's rule (``fields``, docs/server.md "Fields"): those acted on are
+checked (a malformed value is a 400 naming it); those with no local meaning (``IGNORED``) and
+unknown ones are accepted, ignored and logged once. ``anthropic-beta`` header values are
+accepted and ignored. System blocks (or leading lines of a system string) that begin
+``x-anthropic-billing-header:`` (Claude Code's, with a nonce that changes every request) are
+dropped before templating, so that they do not defeat the prefix cache.
 Errors take Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -12,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MlxInferError
-from ..generation.results import GenerationStats
 from ..generation.sampling import SamplingParams
-from .quoting import named, shown
+from .anthropic_replies import event  # noqa: F401 (app.py's PING)
+from .fields import Fields, log_once
+from .quoting import shown
 
-FIELDS = {
+USED = {
     "model",
     "messages",
     "system",
@@ -26,12 +32,28 @@ FIELDS = {
     "temperature",
     "top_p",
     "top_k",
-    "metadata",
     "tools",
     "tool_choice",
     "thinking",
+    "output_config",  # effort: the template's reasoning_effort; format: a JSON Schema
+    "output_format",  # the structured-outputs beta's earlier place for the format
 }
-COUNT_FIELDS = {"model", "messages", "system", "tools", "thinking"}
+COUNT_USED = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}
+# Known, with no local meaning: accepted and ignored (docs/server.md lists them).
+IGNORED = {
+    "metadata",  # user_id for abuse monitoring
+    "context_management",  # server-side clearing of old tool results and thinking
+    "cache_control",  # automatic prompt caching: the prefix cache is always on
+    "service_tier",
+    "container",  # code-execution containers
+    "mcp_servers",  # remote MCP servers the API would call
+    "inference_geo",
+}
+FIELDS = Fields.of("/v1/messages", USED, IGNORED)
+COUNT_FIELDS = Fields.of("/v1/messages/count_tokens", COUNT_USED, IGNORED | USED - COUNT_USED)
+BILLING = "x-anthropic-billing-header:"
+# output_config.effort -> the templates' reasoning_effort (gpt-oss's: low, medium, high)
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 MAX_INT = 2**31 - 1  # max_tokens, top_k: past any context or vocabulary
 # HTTP status -> Anthropic's error type (other 4xx: invalid_request_error, 5xx: api_error)
 ERROR_TYPES = {
@@ -70,7 +92,10 @@ class Ask:
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
     tools: list[dict] | None = None  # in OpenAI's shape, for the chat template
     tool_choice: Any = None  # in OpenAI's terms
-    template_kwargs: dict = field(default_factory=dict)  # ``thinking`` as ``enable_thinking``
+    # ``thinking`` as ``enable_thinking``, ``output_config.effort`` as ``reasoning_effort``
+    template_kwargs: dict = field(default_factory=dict)
+    constraint: Any = None  # a Constraint from ``output_config.format``, or None
+    cache_block: int = 0  # the engine's prefix-cache block (0: it caches no prefix): usage
 
 
 def parse(body: Any, *, count_only: bool = False) -> Ask:
@@ -78,16 +103,13 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
     first bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    allowed = COUNT_FIELDS if count_only else FIELDS
-    for name in body:
-        if name not in allowed:
-            raise APIError(400, f"{named(name)}: unsupported field")
+    (COUNT_FIELDS if count_only else FIELDS).screen(body)
     model = body.get("model")
     if not isinstance(model, str):
         raise APIError(400, "model: a string is required")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
     tools, choice = _tools(body)
-    kwargs = _thinking(body.get("thinking"))
+    kwargs = {**_thinking(body.get("thinking")), **_effort(body.get("output_config"))}
     if count_only:
         return Ask(
             model,
@@ -132,18 +154,64 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
         tools=tools,
         tool_choice=choice,
         template_kwargs=kwargs,
+        constraint=_format(body),
     )
 
 
 def _thinking(thinking: Any) -> dict:
-    """``thinking``: ``{"type": "enabled", "budget_tokens": n}`` or ``{"type": "disabled"}``, as
-    the chat template's ``enable_thinking`` (Qwen3's; other templates ignore it). The budget is
-    not enforced: ``max_tokens`` bounds the whole reply."""
+    """``thinking``: ``{"type": "enabled", "budget_tokens": n}``, ``{"type": "adaptive"}`` or
+    ``{"type": "disabled"}``, as the chat template's ``enable_thinking`` (Qwen3's; other
+    templates ignore it). The budget is not enforced: ``max_tokens`` bounds the whole reply."""
     if thinking is None:
         return {}
-    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
-        raise APIError(400, "thinking: {'type': 'enabled' | 'disabled'} is required")
-    return {"enable_thinking": thinking["type"] == "enabled"}
+    kinds = ("enabled", "adaptive", "disabled")
+    if not isinstance(thinking, dict) or thinking.get("type") not in kinds:
+        raise APIError(400, "thinking: {'type': 'enabled' | 'adaptive' | 'disabled'} is required")
+    return {"enable_thinking": thinking["type"] != "disabled"}
+
+
+def _effort(config: Any) -> dict:
+    """``output_config.effort`` as the template's ``reasoning_effort`` (a template without one
+    ignores it); its other keys but ``format`` are ignored."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise APIError(400, f"output_config: an object is required, got {shown(config)}")
+    for key in config:
+        if key not in ("effort", "format"):
+            log_once("/v1/messages", f"output_config.{key}", known=False)
+    effort = config.get("effort")
+    if effort is None:
+        return {}
+    if effort not in EFFORTS:
+        raise APIError(
+            400,
+            f"output_config.effort: one of {', '.join(EFFORTS)} is required, got {shown(effort)}",
+        )
+    return {"reasoning_effort": EFFORTS[effort]}
+
+
+def _format(body: dict):
+    """``output_config.format`` (or the beta's ``output_format``): ``{"type": "json_schema",
+    "schema": {...}}``, as a Constraint (the output validates against the schema)."""
+    config = body.get("output_config")
+    where, spec = "output_config.format", config.get("format") if isinstance(config, dict) else None
+    if spec is None:
+        where, spec = "output_format", body.get("output_format")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema":
+        raise APIError(400, f"{where}: {{'type': 'json_schema', 'schema': {{...}}}} is required")
+    from ..constraints import Constraint
+    from ..errors import ConstraintError
+
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{where}.schema: a JSON Schema object is required")
+    try:
+        return Constraint.json_schema(schema)
+    except ConstraintError as e:
+        raise APIError(400, f"{where}: {e}") from None
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, Any]:
@@ -156,6 +224,12 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any]:
         return None, None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise APIError(400, "tools: a list of tools is required")
+    hosted = [t for t in tools if t.get("type") not in (None, "custom")]
+    for t in hosted:  # web_search, code_execution, bash_...: run by Anthropic's servers
+        log_once("/v1/messages", f"tools[type={str(t.get('type'))[:40]}]", known=True)
+    tools = [t for t in tools if t not in hosted]
+    if hosted and not tools:
+        return None, None
     shaped = [
         {
             "type": "function",
@@ -225,22 +299,35 @@ def _text(content: Any, where: str) -> str:
 
 
 def _system(system: Any) -> list[dict]:
+    """The ``system`` prompt as the template's first message, without Claude Code's billing
+    header (blocks, or a string's leading lines, beginning ``x-anthropic-billing-header:``)."""
     if system is None:
         return []
-    return [{"role": "system", "content": _text(system, "system")}]
+    if isinstance(system, list):
+        system = [b for b in system if not _billing(b)]
+    text = _text(system, "system")
+    while text.startswith(BILLING):
+        text = text.partition("\n")[2]
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _billing(block: Any) -> bool:
+    return isinstance(block, dict) and str(block.get("text", "")).lstrip().startswith(BILLING)
 
 
 def _messages(messages: Any) -> list[dict]:
     """The turns as the chat template takes them: an assistant's ``tool_use`` blocks as its
-    ``tool_calls``, a user's ``tool_result`` blocks as ``tool`` turns before its text."""
+    ``tool_calls``, a user's ``tool_result`` blocks as ``tool`` turns before its text; a
+    ``system`` turn (the mid-conversation-system beta) as a system message in its place
+    (``templating.fit_messages`` folds it where the template cannot take it there)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: a non-empty list is required")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise APIError(400, f"messages.{i}.role: 'user' or 'assistant' is required")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise APIError(400, f"messages.{i}.role: 'user', 'assistant' or 'system' is required")
         content, where = m.get("content"), f"messages.{i}.content"
-        if not isinstance(content, list):
+        if not isinstance(content, list) or m["role"] == "system":
             out.append({"role": m["role"], "content": _text(content, where)})
             continue
         text, calls = [], []
@@ -276,63 +363,3 @@ def _messages(messages: Any) -> list[dict]:
         if turn["content"] or calls or m["role"] == "assistant":
             out.append(turn)
     return out
-
-
-def stop_reason(finish: str, eos: bool, matched: str | None, calls=()) -> str:
-    if calls:
-        return "tool_use"
-    if finish == "length":
-        return "max_tokens"
-    return "stop_sequence" if matched is not None and not eos else "end_turn"
-
-
-def usage(stats: GenerationStats, output_tokens: int) -> dict:
-    return {
-        "input_tokens": stats.prompt_tokens,
-        "output_tokens": output_tokens,
-        "cache_read_input_tokens": stats.cached_tokens,
-        "cache_creation_input_tokens": 0,
-    }
-
-
-def thinking(text: str) -> dict:
-    return {"type": "thinking", "thinking": text, "signature": ""}
-
-
-def tool_use(call) -> dict:
-    return {
-        "type": "tool_use",
-        "id": call.id.replace("call_", "toolu_"),
-        "name": call.name,
-        "input": call.arguments,
-    }
-
-
-def message(
-    ask: Ask,
-    text: str,
-    reason: str | None,
-    matched: str | None,
-    usage_: dict,
-    calls=(),
-    reasoning: str = "",
-) -> dict:
-    content = [{"type": "text", "text": text}] if text or (reason and not calls) else []
-    if reasoning:  # what the model thought before it answered: a thinking block, unsigned
-        content = [thinking(reasoning)] + content
-    return {
-        "id": ask.id,
-        "type": "message",
-        "role": "assistant",
-        "model": ask.model,
-        "content": content + [tool_use(c) for c in calls],
-        "stop_reason": reason,
-        "stop_sequence": matched,
-        "usage": usage_,
-    }
-
-
-def event(kind: str, payload: dict) -> str:
-    import json
-
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"

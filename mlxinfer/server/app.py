@@ -26,8 +26,10 @@ from starlette.exceptions import HTTPException
 from ..batch import Engine, EngineError, PoolFullError
 from ..errors import InsufficientMemoryError, MlxInferError, PromptTooLongError, TokenizerError
 from ..generation.drafts import DraftModel
+from ..tokenization.chat_template import named_chat_template
 from . import anthropic as an
 from . import openai as oa
+from .aliases import check_targets, parse_aliases, resolve
 from .embeddings import add_embeddings, kind_error
 from .hangup import Streams, watched
 from .limits import (
@@ -50,6 +52,7 @@ from .replies import AnthropicReply, Choice, openai_events, openai_whole
 from .responses_replies import add_route as add_responses
 from .shapes import error_response
 from .sse import streamed
+from .templating import fit_messages, prefix_block
 
 WAIT_S = 600.0  # most seconds a request waits for any one token before it fails
 BODY_IN_THREAD = 1 << 18  # bodies larger than this are parsed off the event loop
@@ -74,6 +77,9 @@ def make_app(
     max_queue: int = Limits.max_queue,
     allowed_hosts: list[str] | None = None,
     shutdown_timeout: float = Limits.shutdown_timeout,
+    chat_template: str | None = None,
+    model_aliases: list[str] | None = None,
+    max_output_tokens: int | None = None,
     embedding_model: str | Path | None = None,
     **engine_options,
 ) -> FastAPI:
@@ -83,7 +89,10 @@ def make_app(
     (none by default). ``draft``: every request drafts with it (``PromptLookup()``, or a
     ``DraftModel`` sharing the models' vocabulary: checked here for ``model``, and for a
     directory's model when it loads). ``max_body`` ... ``shutdown_timeout``: the request
-    limits, :class:`~mlxinfer.server.limits.Limits`."""
+    limits, :class:`~mlxinfer.server.limits.Limits`. ``chat_template`` (a name or a Jinja
+    file): ``model``'s chat template, and that of a directory's model without one;
+    ``model_aliases``: ``["GLOB=NAME", ...]``, client model names served as NAME;
+    ``max_output_tokens``: a cap on every request's output."""
     if model is None and models_dir is None:
         raise ValueError("make_app: give a model, a models_dir, or both")
     limits = Limits(
@@ -102,6 +111,12 @@ def make_app(
         engine_options = {**engine_options, "draft_models": [draft.model]}
     if load is None:
         from ..loader import load
+    aliases = parse_aliases(model_aliases)
+    if chat_template is not None:
+        named_chat_template(chat_template)  # a bad name or file fails at start
+        if tokenizer is not None:
+            tokenizer.set_chat_template(chat_template)
+        load = _templated(load, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,6 +131,7 @@ def make_app(
     )
     if model is not None:
         registry.add_loaded(name, model, tokenizer, engine)
+    check_targets(aliases, registry.names())
     app.state.models = registry
     app.state.started = int(time.time())
     app.state.limits = limits
@@ -129,12 +145,20 @@ def make_app(
             CORSMiddleware,
             allow_origins=cors_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
+            allow_headers=[
+                "authorization",
+                "content-type",
+                "x-api-key",
+                "anthropic-version",
+                "anthropic-beta",
+            ],
         )
 
     def served(requested: str, error, embedding: bool = False):
         try:
             entry = registry.get(requested)
+            if entry is None and resolve(requested, aliases) is not None:  # --model-alias
+                entry = registry.get(resolve(requested, aliases))
         except InsufficientMemoryError as e:  # models-dir: no room even after unloading idle ones
             raise _with_status(error(str(e)), 503) from None
         if entry is None:
@@ -250,10 +274,12 @@ def make_app(
                 draft.check(entry.model, entry.tokenizer)  # a directory's model, loaded now
                 checked[entry.name] = entry.loads
             check_prompt_length(entry.model, prompt, ask.tools)  # before the tokenizer runs
+            if chat_template and not isinstance(prompt, str):
+                prompt = fit_messages(entry.tokenizer, prompt, ask.tools, ask.tool_choice)
             stream = entry.engine.start(
                 entry.tokenizer,
                 prompt,
-                max_tokens=ask.max_tokens,
+                max_tokens=min(ask.max_tokens, max_output_tokens or ask.max_tokens),
                 sampling=sampling or ask.sampling,
                 stop=ask.stop,
                 chat_template=chat_template,
@@ -311,6 +337,7 @@ def make_app(
 
     def messages(ask: an.Ask, streams: Streams):
         entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
+        ask.cache_block = prefix_block(entry.engine)
         first, results = start(
             entry,
             ask.messages,
@@ -349,9 +376,10 @@ def make_app(
             entry = served(ask.model, lambda m: an.APIError(404, f"model: {m}"))
             try:
                 check_prompt_length(entry.model, ask.messages, ask.tools)
+                messages = fit_messages(entry.tokenizer, ask.messages, ask.tools, ask.tool_choice)
                 ids = prepare_prompt(
                     entry.tokenizer,
-                    ask.messages,
+                    messages,
                     chat_template=True,
                     tools=ask.tools,
                     chat_template_kwargs=ask.template_kwargs,
@@ -380,6 +408,18 @@ def make_app(
     add_responses(app)  # /v1/responses (responses.py, responses_replies.py)
     app.add_middleware(Guard, limits=limits)  # added last: the outermost, before CORS and keys
     return app
+
+
+def _templated(load: Callable, chat_template: str) -> Callable:
+    """``load``, giving a model without a chat template ``chat_template``."""
+
+    def loaded(path: str):
+        model, tokenizer = load(path)
+        if not getattr(tokenizer, "has_chat_template", True):
+            tokenizer.set_chat_template(chat_template)
+        return model, tokenizer
+
+    return loaded
 
 
 def _running(registry: Models) -> int:

@@ -9,7 +9,7 @@ so that a client's next release, which adds a field, does not lock its users out
   ``mlxinfer.server``, level INFO for the known ones, WARNING for unknown ones);
 - a field that would change the output and that the server cannot honour (``logit_bias`` ...)
   is a 400 naming it, unless its value is neutral (null, false, 0, an empty string, list or
-  object), which asks for nothing.
+  object, or one of the field's ``allowed`` values), which asks for nothing.
 
 :func:`screen` sorts a body's field names by these rules; the caller raises the refusal in its
 own API's error shape.
@@ -42,12 +42,15 @@ class Refusal:
 @dataclass(frozen=True)
 class Fields:
     """An endpoint's fields: ``used`` (parsed and acted on), ``ignored`` (known, with no local
-    meaning) and ``refused`` (name -> why it cannot be honoured: the output would differ)."""
+    meaning) and ``refused`` (name -> why it cannot be honoured: the output would differ;
+    ``allowed``: name -> values of a refused field that ask for nothing, past the neutral ones,
+    such as ``n: 1``)."""
 
     api: str  # for the log line, e.g. "/v1/messages"
     used: frozenset[str]
     ignored: frozenset[str] = frozenset()
     refused: Mapping[str, str] = field(default_factory=dict)
+    allowed: Mapping[str, tuple] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -56,8 +59,11 @@ class Fields:
         used: Iterable[str],
         ignored: Iterable[str] = (),
         refused: Mapping[str, str] | None = None,
+        allowed: Mapping[str, tuple] | None = None,
     ) -> Fields:
-        return cls(api, frozenset(used), frozenset(ignored), dict(refused or {}))
+        return cls(
+            api, frozenset(used), frozenset(ignored), dict(refused or {}), dict(allowed or {})
+        )
 
     def screen(self, body: Mapping[str, Any]) -> Refusal | None:
         """Log the ignored and unknown fields of ``body`` (each name once per process) and
@@ -66,7 +72,7 @@ class Fields:
             if name in self.used:
                 continue
             if name in self.refused:
-                if not neutral(value):
+                if not neutral(value) and value not in self.allowed.get(name, ()):
                     return Refusal(named(name), f"{named(name)}: {self.refused[name]}")
                 continue
             log_once(self.api, name, known=name in self.ignored)
@@ -96,9 +102,9 @@ def log_once(api: str, name: str, *, known: bool) -> None:
     if full:
         log.warning("%s: more than %d ignored field names; no more are logged", api, MAX_LOGGED)
     elif known:
-        log.info("%s: field %s has no local meaning: ignored", api, named(name))
+        log.info("%s: field %s ignored (no local meaning)", api, named(name))
     else:
-        log.warning("%s: unknown field %s: ignored", api, named(name))
+        log.warning("%s: unknown field %s ignored", api, named(name))
 
 
 def forget_logged() -> None:

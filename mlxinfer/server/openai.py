@@ -1,8 +1,11 @@
 """The OpenAI API's requests: what a body asks for, checked (the JSON sent back is
 :mod:`.openai_replies`).
 
-Only what is parsed here reaches the engine. A field the server does not act on is a
-400 naming it, never silently ignored (``IGNORED`` lists the few that change nothing).
+Only what is parsed here reaches the engine. Fields follow the server's rule (``fields``,
+docs/server.md "Fields"): those acted on are checked (a malformed value is a 400 naming it);
+those with no local meaning (``IGNORED``) and unknown ones are accepted, ignored and logged
+once; those that would change the output and that the server cannot honour (``REFUSED``) are
+a 400 naming them unless their value asks for nothing.
 Errors take OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -16,7 +19,8 @@ from typing import Any
 
 from ..errors import MlxInferError
 from ..generation.sampling import SamplingParams
-from .quoting import named, shown
+from .fields import Fields
+from .quoting import shown
 
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -25,7 +29,6 @@ CHAT_FIELDS = {
     "chat_template_kwargs",
     "tools",
     "tool_choice",
-    "parallel_tool_calls",  # several calls are parsed either way
     "response_format",
     "logprobs",
     "top_logprobs",
@@ -51,7 +54,36 @@ COMPLETION_FIELDS = {
     "n",
     *SAMPLING,
 }
-IGNORED = {"user"}  # an end-user id for abuse monitoring: nothing to do locally
+# Known, with no local meaning: accepted and ignored (docs/server.md lists them).
+IGNORED = {
+    "user",  # an end-user id for abuse monitoring
+    "safety_identifier",
+    "store",  # keep the completion for OpenAI's dashboards
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",  # the prefix cache needs no key
+    "prompt_cache_retention",
+    "parallel_tool_calls",  # several calls are parsed either way
+    "prediction",  # a predicted output: only a speed hint
+    "verbosity",  # a hint only gpt-5's own models are trained on
+}
+# Known, would change the output, not implemented: a 400 unless the value asks for nothing.
+REFUSED = {
+    "logit_bias": "not supported (token biases are not implemented)",
+    "frequency_penalty": "not supported (only 0)",
+    "presence_penalty": "not supported (only 0)",
+    "audio": "not supported (text output only)",
+    "modalities": "only ['text'] is supported",
+    "functions": "not supported: use 'tools'",
+    "function_call": "not supported: use 'tool_choice'",
+    "web_search_options": "not supported (no web search here)",
+    "suffix": "not supported (no insertion)",
+    "echo": "not supported",
+    "best_of": "not supported (only 1)",
+}
+ALLOWED = {"modalities": (["text"],), "best_of": (1,)}  # values that ask for nothing more
+CHAT = Fields.of("/v1/chat/completions", CHAT_FIELDS, IGNORED, REFUSED, ALLOWED)
+COMPLETION = Fields.of("/v1/completions", COMPLETION_FIELDS, IGNORED, REFUSED, ALLOWED)
 DEFAULT_MAX_TOKENS = 512
 MAX_N = 16  # choices per request: each is a request in the engine
 MAX_INT = 2**31 - 1  # max_tokens, top_k: past any context or vocabulary
@@ -123,15 +155,9 @@ def parse(body: Any, *, chat: bool) -> Ask:
     the first bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for name in body:
-        if name not in allowed and name not in IGNORED:
-            raise APIError(
-                400,
-                f"unsupported field {shown(name)}",
-                param=named(name),
-                code="unsupported_field",
-            )
+    refusal = (CHAT if chat else COMPLETION).screen(body)
+    if refusal is not None:
+        raise APIError(400, refusal.message, param=refusal.field, code="unsupported_parameter")
     model = _typed(body, "model", str, required=True)
     if chat:
         prompt = _messages(body.get("messages"))
@@ -154,8 +180,8 @@ def parse(body: Any, *, chat: bool) -> Ask:
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4):
         raise APIError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise APIError(400, "'stream_options' takes only 'include_usage'", param="stream_options")
+    if not isinstance(options, dict):  # its other keys (include_obfuscation ...) are ignored
+        raise APIError(400, "'stream_options' must be an object", param="stream_options")
     if not isinstance(options.get("include_usage", False), bool):
         raise APIError(400, "'stream_options.include_usage' must be bool", param="stream_options")
     sampling = SamplingParams(

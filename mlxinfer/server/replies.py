@@ -23,6 +23,7 @@ from ..generation.results import GenerationResult, GenerationStats
 from ..reasoning import Plain, Splitter, splitter_for
 from ..toolcalls import ToolStream, tool_format
 from . import anthropic as an
+from . import anthropic_replies as anr
 from . import openai as oa
 from . import openai_replies as oar
 
@@ -182,9 +183,9 @@ class AnthropicReply:
             raw = self.tokenizer.decode(self.tokens)
             found = [(raw.find(s), s) for s in self.ask.stop if s in raw]
             matched = min(found)[1] if found else None
-        stats = self.last.stats if self.last is not None else an.GenerationStats()
-        reason = an.stop_reason(self.finish, eos, matched, self.calls)
-        return reason, matched, an.usage(stats, len(self.tokens))
+        stats = self.last.stats if self.last is not None else GenerationStats()
+        reason = anr.stop_reason(self.finish, eos, matched, self.calls)
+        return reason, matched, anr.usage(stats, len(self.tokens), self.ask.cache_block)
 
     def whole(self) -> dict:
         text = "".join(self._pieces())
@@ -192,7 +193,7 @@ class AnthropicReply:
             text, self.calls = self.tools.fmt.parse(text)
         reasoning, text = self.thinking.split(text)
         reason, matched, usage = self._end()
-        return an.message(self.ask, text, reason, matched, usage, self.calls, reasoning)
+        return anr.message(self.ask, text, reason, matched, usage, self.calls, reasoning)
 
     def _deltas(self, reasoning: str, text: str) -> Iterator[str]:
         """Events for a piece: a thinking block's and a text block's deltas, each block opened
@@ -207,29 +208,29 @@ class AnthropicReply:
                 if kind == "thinking"
                 else {"type": "text_delta", "text": piece}
             )
-            yield an.event("content_block_delta", {"index": self.block[0], "delta": delta})
+            yield anr.event("content_block_delta", {"index": self.block[0], "delta": delta})
 
     def _open(self, kind: str) -> Iterator[str]:
         """Close the block being streamed, if any, and start a ``kind`` block after it."""
         index = 0 if self.block is None else self.block[0] + 1
         if self.block is not None:
-            yield an.event("content_block_stop", {"index": self.block[0]})
+            yield anr.event("content_block_stop", {"index": self.block[0]})
         self.block = (index, kind)
-        block = an.thinking("") if kind == "thinking" else {"type": "text", "text": ""}
-        yield an.event("content_block_start", {"index": index, "content_block": block})
+        block = anr.thinking("") if kind == "thinking" else {"type": "text", "text": ""}
+        yield anr.event("content_block_start", {"index": index, "content_block": block})
 
     def events(self) -> Iterator[str]:
-        stats = self.first.stats if self.first is not None else an.GenerationStats()
-        start = an.message(self.ask, "", None, None, an.usage(stats, 0))
-        yield an.event("message_start", {"message": start})
-        yield an.event("ping", {})
+        stats = self.first.stats if self.first is not None else GenerationStats()
+        start = anr.message(self.ask, "", None, None, anr.usage(stats, 0, self.ask.cache_block))
+        yield anr.event("message_start", {"message": start})
+        yield anr.event("ping", {})
         try:
             for text in self._pieces():
                 if self.tools is not None:
                     text = self.tools.feed(text)
                 yield from self._deltas(*self.thinking.feed(text))
         except (EngineError, TimeoutError) as e:
-            yield an.event("error", {"error": an.APIError(500, str(e)).body()["error"]})
+            yield anr.event("error", {"error": an.APIError(500, str(e)).body()["error"]})
             return
         if self.tools is not None:
             rest, self.calls = self.tools.finish()
@@ -238,18 +239,18 @@ class AnthropicReply:
         if self.block is None or (self.block[1] != "text" and not self.calls):
             yield from self._open("text")  # the message's text block, even if empty
         reason, matched, usage = self._end()
-        yield an.event("content_block_stop", {"index": self.block[0]})
+        yield anr.event("content_block_stop", {"index": self.block[0]})
         for i, call in enumerate(self.calls, start=self.block[0] + 1):
-            block = {**an.tool_use(call), "input": {}}
-            yield an.event("content_block_start", {"index": i, "content_block": block})
+            block = {**anr.tool_use(call), "input": {}}
+            yield anr.event("content_block_start", {"index": i, "content_block": block})
             delta = {"type": "input_json_delta", "partial_json": json.dumps(call.arguments)}
-            yield an.event("content_block_delta", {"index": i, "delta": delta})
-            yield an.event("content_block_stop", {"index": i})
+            yield anr.event("content_block_delta", {"index": i, "delta": delta})
+            yield anr.event("content_block_stop", {"index": i})
         delta = {"stop_reason": reason, "stop_sequence": matched}
-        yield an.event(
+        yield anr.event(
             "message_delta", {"delta": delta, "usage": {"output_tokens": usage["output_tokens"]}}
         )
-        yield an.event("message_stop", {})
+        yield anr.event("message_stop", {})
 
 
 def _ended(ask: oa.Ask, c: Choice) -> Iterator[str]:
