@@ -174,6 +174,7 @@ def load_model(
         }
     load_weights_into(model, weights, model_dir)
     model.eval()
+    model.source_dir = model_dir  # what the prefix cache on disk fingerprints (batch/disk.py)
     materialize(model)
     backends.apply(model, log=log)  # the CPU backend's layers and measured plans, on the CPU
     return model, config

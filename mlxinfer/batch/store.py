@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,44 @@ class BlockStore:
             [rows(a) for a in store] if isinstance(store, list) else rows(store)
             for store in (self.keys[layer], self.values[layer])
         )
+
+    def _arrays(self) -> list[mx.array]:
+        """Every array of the store in file order: per layer its keys, then its values (each
+        one array, or packed, scales, biases)."""
+        out = []
+        for pair in zip(self.keys, self.values):
+            for store in pair:
+                out.extend(store if isinstance(store, list) else [store])
+        return out
+
+    def export_blocks(self, blocks: list[int]) -> list[list[np.ndarray]]:
+        """Copies of ``blocks`` on the host: per block, each of :meth:`_arrays` at it, a
+        (kv_heads, block_size, width) array (bfloat16 as its uint16 bits: numpy has none)."""
+        index = mx.array(blocks, dtype=mx.int32)
+        parts = [a[index] for a in self._arrays()]
+        parts = [p.view(mx.uint16) if p.dtype == mx.bfloat16 else p for p in parts]
+        mx.eval(parts)  # on the engine thread, whose stream wrote the blocks
+        host = [np.array(p, copy=True) for p in parts]  # (n, kv_heads, block_size, width) each
+        return [[h[j] for h in host] for j in range(len(blocks))]
+
+    def import_blocks(self, blocks: list[int], contents: list[list[np.ndarray]]) -> None:
+        """Write :meth:`export_blocks`' ``contents`` into ``blocks`` (one update per array)."""
+        if not blocks:
+            return
+        index = mx.array(blocks, dtype=mx.int32)
+        slots = self._arrays()
+        fresh = []
+        for t, a in enumerate(slots):
+            part = mx.array(np.stack([c[t] for c in contents]))
+            fresh.append(part.view(mx.bfloat16) if a.dtype == mx.bfloat16 else part)
+        t = 0
+        for i in range(len(self.layers)):
+            for side in (self.keys, self.values):
+                store = side[i]
+                for a in store if isinstance(store, list) else [store]:
+                    a[index] = fresh[t]  # in place, as write() does
+                    t += 1
+        mx.eval(self._arrays())
 
     @property
     def nbytes(self) -> int:

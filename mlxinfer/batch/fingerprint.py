@@ -1,0 +1,107 @@
+"""A model's fingerprint for the prefix cache on disk: what must match for stored keys and
+values to be this model's.
+
+It hashes the model's family and configuration, the pool's layout (block size, each layer's
+KV heads, widths, dtype, KV bits and group size), the weights' dtypes, and the files the
+model was loaded from (``model.source_dir``, set by the loader): the SHA-256 sums of its
+manifest (``mlxinfer-manifest.json``: config, tokenizer, weights) where there is one, else
+each file's SHA-256, computed once and kept under the cache directory by path, size and
+mtime. A model built in memory (no directory) is known by a sample of its weights instead:
+every parameter's name, shape, dtype and 1,024 of its values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..atomic import write_text
+from ..errors import WeightsError
+from ..manifest import read_manifest, sha256_file
+from .store import LayerShape
+
+# The files of a model directory that decide its outputs (the rest: READMEs, a GGUF beside).
+_PATTERNS = ("*.safetensors", "*.json", "tokenizer.model", "*.tiktoken", "*.jinja", "*.txt")
+_SAMPLES = 1024  # values per parameter hashed for a model without a directory
+
+
+def fingerprint(model, layers: list[LayerShape], block_size: int, cache_dir: Path) -> str:
+    """The hex fingerprint of ``model`` stored in a pool of ``layers`` and ``block_size``;
+    file sums are kept under ``cache_dir``."""
+    h = hashlib.sha256()
+
+    def part(name: str, value) -> None:
+        h.update(f"{name}={json.dumps(value, sort_keys=True, default=str)}\n".encode())
+
+    part("model", f"{type(model).__module__}.{type(model).__name__}")
+    args = getattr(model, "args", None)
+    part("args", dataclasses.asdict(args) if dataclasses.is_dataclass(args) else repr(args))
+    part("block_size", block_size)
+    part(
+        "layers",
+        [(s.kv_heads, s.key_dim, s.value_dim, str(s.dtype), s.bits, s.group_size) for s in layers],
+    )
+    params = tree_flatten(model.parameters())
+    part("dtypes", sorted({str(a.dtype) for _, a in params}))
+    source = getattr(model, "source_dir", None)
+    if source is not None:
+        part("files", file_sums(Path(source), cache_dir))
+    else:
+        part("weights", sampled_weights(params))
+    return h.hexdigest()
+
+
+def file_sums(model_dir: Path, cache_dir: Path) -> dict[str, str]:
+    """{file: SHA-256} of the model directory: its manifest's, or computed (and cached)."""
+    try:
+        listed = read_manifest(model_dir)
+    except WeightsError:
+        listed = None
+    if listed is not None:
+        return {name: entry["sha256"] for name, entry in listed.items()}
+    names = sorted({p for pattern in _PATTERNS for p in model_dir.glob(pattern) if p.is_file()})
+    return {p.name: cached_sum(p, cache_dir) for p in names}
+
+
+def cached_sum(path: Path, cache_dir: Path) -> str:
+    """``path``'s SHA-256, from ``cache_dir/file-sums/`` when its size and mtime still match
+    what was recorded there; computed and recorded otherwise."""
+    st = path.stat()
+    real = os.path.realpath(path)
+    record = cache_dir / "file-sums" / (hashlib.sha256(real.encode()).hexdigest()[:32] + ".json")
+    key = {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        if record.stat().st_size < 4096:
+            kept = json.loads(record.read_text())
+            if isinstance(kept, dict) and all(kept.get(k) == v for k, v in key.items()):
+                digest = kept.get("sha256")
+                if isinstance(digest, str) and len(digest) == 64:
+                    return digest
+    except (OSError, ValueError):
+        pass
+    digest = sha256_file(path)
+    try:
+        write_text(record, json.dumps({**key, "sha256": digest}))
+    except OSError:
+        pass  # a read-only cache directory: computed again next time
+    return digest
+
+
+def sampled_weights(params: list[tuple[str, mx.array]]) -> str:
+    h = hashlib.sha256()
+    for name, a in sorted(params, key=lambda p: p[0]):
+        flat = a.reshape(-1)
+        if flat.size > _SAMPLES:
+            flat = flat[mx.array(np.linspace(0, flat.size - 1, _SAMPLES).astype(np.uint32))]
+        if flat.dtype == mx.bfloat16:
+            flat = flat.view(mx.uint16)
+        h.update(f"{name}:{a.shape}:{a.dtype}:".encode())
+        h.update(np.array(flat).tobytes())
+    return h.hexdigest()

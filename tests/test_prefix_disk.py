@@ -1,0 +1,212 @@
+"""The prefix cache's disk tier (batch/disk.py): full blocks written as files, read back by a
+later engine (a restart) or another engine sharing the directory; bad files ignored and
+removed; the disk budget held. The reference for every greedy output is a cold engine
+without the disk tier (whose batched greedy tokens test_batch holds to transformers')."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import threading
+import time
+
+import pytest
+from tiny_checkpoint import write_checkpoint
+
+from mlxinfer.batch import Engine
+from mlxinfer.batch.pool import block_hash
+from mlxinfer.loader import load_model
+
+BS = 16
+# head_dim 64: one whole group of kv_group_size 64 for the kv_bits=8 pool
+SHAPE = dict(
+    hidden_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_hidden_layers=2,
+    max_position_embeddings=4096,
+)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model, _ = load_model(write_checkpoint(tmp_path_factory.mktemp("tiny") / "m", **SHAPE))
+    return model
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    """A model of the same shapes with another configuration: another model's blocks."""
+    path = write_checkpoint(tmp_path_factory.mktemp("other") / "m", rms_norm_eps=1e-6, **SHAPE)
+    model, _ = load_model(path)
+    return model
+
+
+def _run(engine, prompt, n=6):
+    handle = engine.submit(prompt, max_tokens=n)
+    return [s.token for s in handle.steps()], handle.cached_tokens
+
+
+def _cold(model, prompt, n=6, **options):
+    with Engine(model, block_size=BS, **options) as engine:
+        return _run(engine, prompt, n)[0]
+
+
+def _hashes(prompt):
+    out, parent = [], b""
+    for i in range((len(prompt) - 1) // BS):
+        parent = block_hash(parent, prompt[i * BS : (i + 1) * BS])
+        out.append(parent)
+    return out
+
+
+def test_a_restarted_engine_reads_the_prefix_back_from_disk(tiny, tmp_path):
+    system = _ids(300, 1)
+    first, second = system + _ids(20, 2), system + _ids(17, 3)
+    with Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path) as engine:
+        _run(engine, first)
+    with Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path) as engine:  # the restart
+        tokens, cached = _run(engine, second)
+        loaded = engine.pool.disk.loaded
+    assert cached == 300 // BS * BS
+    assert loaded == 300 // BS
+    assert tokens == _cold(tiny, second)
+
+
+def test_a_quantized_pool_stores_its_packed_blocks(tiny, tmp_path):
+    prompt = _ids(200, 4)
+    with Engine(tiny, block_size=BS, kv_bits=8, prefix_cache_dir=tmp_path) as engine:
+        _run(engine, prompt)
+    with Engine(tiny, block_size=BS, kv_bits=8, prefix_cache_dir=tmp_path) as engine:
+        tokens, cached = _run(engine, prompt)
+    assert cached == (len(prompt) - 1) // BS * BS
+    assert tokens == _cold(tiny, prompt, kv_bits=8)
+
+
+def _damage(kind, path, tmp_path, tiny, other, prompt, index):
+    """Replace the file of block ``index`` of ``prompt`` at ``path`` by a bad one."""
+    blob = path.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(blob[: len(blob) // 2])
+    elif kind == "corrupted data":
+        path.write_bytes(blob[:-100] + bytes(b ^ 0xFF for b in blob[-100:]))
+    elif kind == "corrupted header":
+        path.write_bytes(blob[:8] + b"[" + blob[9:])  # not an object
+    else:  # another model's or another kv_bits' file for the same block, renamed onto ours
+        model, options = (other, {}) if kind == "other model" else (tiny, {"kv_bits": 8})
+        with Engine(model, block_size=BS, prefix_cache_dir=tmp_path / "x", **options) as e:
+            _run(e, prompt, 1)
+            theirs = e.pool.disk.path(_hashes(prompt)[index])
+        assert theirs != path and theirs.is_file()
+        shutil.copyfile(theirs, path)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["truncated", "corrupted data", "corrupted header", "other model", "other kv_bits"],
+)
+def test_a_bad_block_file_is_ignored_and_removed(kind, tiny, other, tmp_path, caplog):
+    prompt = _ids(200, 5)
+    with Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path / "d") as engine:
+        _run(engine, prompt, 1)
+        path = engine.pool.disk.path(_hashes(prompt)[4])
+    bad = _damage(kind, path, tmp_path, tiny, other, prompt, 4) or path.read_bytes()
+    with caplog.at_level(logging.WARNING, "mlxinfer.prefix_cache"):
+        with Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path / "d") as engine:
+            tokens, cached = _run(engine, prompt)
+            rejected = engine.pool.disk.rejected
+    assert rejected == 1
+    assert cached == 4 * BS  # the blocks before the bad one
+    assert tokens == _cold(tiny, prompt)
+    assert any("removed" in r.getMessage() for r in caplog.records)
+    assert path.read_bytes() != bad  # removed, then written again from the computed block
+    with Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path / "d") as engine:
+        assert _run(engine, prompt)[1] == (len(prompt) - 1) // BS * BS
+
+
+def test_the_disk_budget_holds_and_the_oldest_blocks_go(tiny, tmp_path):
+    old, new = _ids(8 * BS + 1, 6), _ids(8 * BS + 1, 7)  # 8 full blocks each
+    with Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path / "sizes") as e:
+        _run(e, old[: BS + 1], 1)
+    per_file = next((tmp_path / "sizes").rglob("*.safetensors")).stat().st_size
+    budget = 10 * per_file
+    with Engine(
+        tiny, block_size=BS, prefix_cache_dir=tmp_path, prefix_cache_disk_bytes=budget
+    ) as e:
+        _run(e, old, 1)
+        e.pool.disk.flush()
+        time.sleep(0.05)  # the new prompt's files are younger (mtime)
+        _run(e, new, 1)
+    assert 0 < e.pool.disk.bytes_on_disk() <= budget
+    assert e.pool.disk.evicted >= 6
+    with Engine(
+        tiny, block_size=BS, prefix_cache_dir=tmp_path, prefix_cache_disk_bytes=budget
+    ) as e:
+        assert _run(e, new, 1)[1] == 8 * BS
+        assert _run(e, old, 1)[1] == 0  # its first block went first
+
+
+def test_two_engines_share_a_directory(tiny, tmp_path):
+    system = _ids(160, 8)
+    prompts = [system + _ids(40, 9 + i) for i in range(4)]
+    a = Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path)
+    b = Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path)
+    try:  # both write the shared prefix's blocks at once, and their own
+        threads = [
+            threading.Thread(target=_run, args=(e, p, 2)) for e, p in zip([a, b, a, b], prompts)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        a.close()
+        b.close()
+    with Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path) as c:
+        for p in prompts:
+            tokens, cached = _run(c, p)
+            assert cached == (len(p) - 1) // BS * BS
+            assert tokens == _cold(tiny, p)
+        assert c.pool.disk.rejected == 0
+
+
+def test_a_full_write_queue_drops_blocks_and_never_waits(tiny, tmp_path):
+    prompt = _ids(200, 10)
+    with Engine(tiny, block_size=BS, prefix_cache_dir=tmp_path) as engine:
+        engine.pool.disk.queue_bytes = 0
+        tokens, _ = _run(engine, prompt)
+        disk = engine.pool.disk
+    assert disk.dropped >= (len(prompt) - 1) // BS and disk.written == 0
+    assert tokens == _cold(tiny, prompt)
+
+
+@pytest.mark.real
+def test_smollm2_restart_reuses_a_1500_token_prefix(smollm2_f32_dir, tmp_path):
+    """The issue's restart check, in-process (one cold prefill of 1,500 tokens): the engine
+    that answers cold writes the prompt's blocks; a fresh engine answers the same prompt from
+    disk with the cold greedy tokens, and a new question on the same prefix from disk too.
+    (A new question's tokens against a cold run's: the tiny model's restart test.)"""
+    from mlxinfer.tokenization import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_f32_dir)
+    model, _ = load_model(smollm2_f32_dir)
+    facts = " ".join(f"Item {i} is stored in box {i * 7 % 50} on shelf {i % 9}." for i in range(95))
+    prefix = tokenizer.encode(f"Read the inventory below.\n{facts}\n")
+    asked = prefix + tokenizer.encode("Question: where is item 3? Answer:")
+    new = prefix + tokenizer.encode("Question: which shelf holds item 12? Answer:")
+    assert len(prefix) >= 1450 and len(asked) >= 1500
+    with Engine(model, prefix_cache_dir=tmp_path) as engine:
+        cold, cached = _run(engine, asked, 8)
+    assert cached == 0
+    with Engine(model, prefix_cache_dir=tmp_path) as engine:  # the restart
+        warm, cached = _run(engine, asked, 8)
+        assert engine.pool.disk.loaded == (len(asked) - 1) // 16
+        _, cached_new = _run(engine, new, 1)
+    assert cached >= 1400 and cached_new >= 1400
+    assert warm == cold
