@@ -427,3 +427,77 @@ def test_previous_response_id_and_malformed_input_are_400s_naming_the_field(scri
     assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "Hi."
     r = httpx.post(f"{url}/v1/responses", json={"model": "nope", "input": "Hi"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def _codex() -> Path | None:
+    """Codex 0.171.0 where tools/agent_clients.py installs it (the user cache: the tests point
+    ``MLXINFER_CACHE`` elsewhere, so the default one is looked in too), or None."""
+    import os
+
+    from mlxinfer.machine import user_cache_dir
+
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    default = (Path(xdg) if xdg else Path.home() / ".cache") / "mlxinfer"
+    for cache in (user_cache_dir(), default):
+        found = sorted((cache / "agents").glob("*codex-0.171.0*/node_modules/.bin/codex"))
+        if found:
+            return found[0]
+    return None
+
+
+class Agent(Scripted):
+    """Calls exec_command (after a thought) until a tool's output is in the prompt, then
+    answers."""
+
+    def stream(self, tokenizer, prompt, *, max_tokens, **options):
+        if any(m["role"] == "tool" for m in prompt):
+            self.reply = "<think>\nIt ran.\n</think>\n\nAll done."
+        else:
+            call = {"name": "exec_command", "arguments": {"cmd": "echo hi"}}
+            self.reply = (
+                f"<think>\nRun it.\n</think>\n\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
+            )
+        yield from super().stream(tokenizer, prompt, max_tokens=max_tokens, **options)
+
+
+def test_a_real_codex_turn_with_a_tool_call(tiny, tmp_path):
+    """Codex 0.171.0 itself (installed by tools/agent_clients.py; skipped where it is not): a
+    call of its exec_command, the command's output sent back, the answer printed."""
+    import os
+    import subprocess
+
+    binary = _codex()
+    if binary is None:
+        pytest.skip("Codex 0.171.0 is not in the user cache (python tools/agent_clients.py)")
+    model, tokenizer = tiny
+    engine = Agent()
+    with serving(make_app(model, tokenizer, "gpt-5.5", engine=engine)) as base:
+        home = tmp_path / "home"
+        (home / ".codex").mkdir(parents=True)
+        (home / "work").mkdir()
+        (home / ".codex" / "config.toml").write_text(
+            'model = "gpt-5.5"\nmodel_provider = "local"\n\n[model_providers.local]\n'
+            f'name = "local"\nbase_url = "{base}/v1"\nwire_api = "responses"\n'
+            'env_key = "MLXINFER_API_KEY"\nrequest_max_retries = 0\nstream_max_retries = 0\n'
+        )
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": str(home),
+            "CODEX_HOME": str(home / ".codex"),
+            "MLXINFER_API_KEY": "x",
+        }
+        args = ["exec", "--skip-git-repo-check", "--ephemeral", "--color", "never", "say hi"]
+        done = subprocess.run(
+            [str(binary), *args],
+            env=env,
+            cwd=home / "work",
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("All done.")
+    assert len(engine.asked) == 2  # the call, then the answer after its output
+    calls = [m for m in engine.asked[1]["prompt"] if m.get("tool_calls")]
+    assert calls[-1]["tool_calls"][0]["function"]["arguments"] == {"cmd": "echo hi"}
