@@ -425,6 +425,17 @@ def test_previous_response_id_and_malformed_input_are_400s_naming_the_field(scri
         f"{url}/v1/responses", json={"model": NAME, "input": "Hi", **ignored}, timeout=60
     )
     assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "Hi."
+    # an image in a tool's output (Codex's view_image) is a note, not a 400: the session goes on
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    history = [
+        {"role": "user", "content": "Look"},
+        {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [image]},
+    ]
+    r = httpx.post(f"{url}/v1/responses", json={"model": NAME, "input": history}, timeout=60)
+    assert (
+        r.status_code == 200 and "input_image omitted" in engine.asked[-1]["prompt"][-1]["content"]
+    )
     r = httpx.post(f"{url}/v1/responses", json={"model": "nope", "input": "Hi"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 

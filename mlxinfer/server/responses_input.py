@@ -22,6 +22,7 @@ MAX_ITEMS = 10_000  # input items: hours of an agent's turns
 MAX_PARTS = 1_000  # content parts of one message
 SEPARATOR = "__"  # NAMESPACE__NAME, as Codex flattens its namespaced tools
 ROLES = ("user", "assistant", "system", "developer")
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
 
 
@@ -106,7 +107,11 @@ def _items(value: Any, names: dict) -> list[dict]:
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _string(item, "call_id", where)
             output = item.get("output")
-            text = output if isinstance(output, str) else _content(output, f"{where}.output")
+            text = (
+                output
+                if isinstance(output, str)
+                else _content(output, f"{where}.output", tool=True)
+            )
             message = {"role": "tool", "content": text, "tool_call_id": call_id}
             if call_id in called:
                 message["name"] = called[call_id]
@@ -115,7 +120,7 @@ def _items(value: Any, names: dict) -> list[dict]:
             for key in ("summary", "content"):
                 parts = item.get(key)
                 if parts is not None:
-                    _content(parts, f"{where}.{key}", allow_empty=True)
+                    _content(parts, f"{where}.{key}")
         elif kind == "item_reference":
             raise bad(f"{where}.type", "item_reference needs stored items: send the item itself")
         else:
@@ -136,9 +141,10 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
-def _content(content: Any, where: str, *, allow_empty: bool = False) -> str:
-    """A message's text: a string, or text parts joined (images, files and audio are refused:
-    this server reads text only)."""
+def _content(content: Any, where: str, *, tool: bool = False) -> str:
+    """A message's text: a string, or text parts joined. Images, files and audio are refused
+    (this server reads text only), but in a tool's output (``tool``: Codex's view_image returns
+    an image) each stands as a one-line note, so that the session goes on."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -151,6 +157,9 @@ def _content(content: Any, where: str, *, allow_empty: bool = False) -> str:
         if not isinstance(part, dict):
             raise bad(at, "expected a content part object")
         kind = part.get("type")
+        if tool and kind in MEDIA_PARTS:
+            texts.append(f"[{kind} omitted: this server reads text only]")
+            continue
         if kind not in TEXT_PARTS:
             raise bad(f"{at}.type", f"only text parts are read here, found {shown(kind)}")
         key = "refusal" if kind == "refusal" else "text"
