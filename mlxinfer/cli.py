@@ -85,7 +85,10 @@ def generate(
         raise click.UsageError("choose --chat-template or --no-chat-template, not both")
     # Checked before the model loads: a bad schema is an error at once.
     options["constraint"] = _constraint(json_schema, json_object, regex, choices, grammar)
+    cache_file = options.pop("prompt_cache_file")
     if batch_file is not None:
+        if cache_file is not None:
+            raise click.UsageError("--prompt-cache-file keeps one session: not with --batch")
         return _generate_batch(
             batch_file,
             model,
@@ -105,18 +108,38 @@ def generate(
         options["kv_budget"] = float("inf")
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
     [prompt] = _templated(tokenizer, [prompt], system, chat_template, no_chat_template, verbose)
+    kv_bits = int(kv_bits) if kv_bits else None
+    pc, fingerprint = _session_cache(cache_file, llm, kv_bits, options.get("max_kv_size"))
     _print_stream(
         stream_generate(
             llm,
             tokenizer,
             prompt,
-            kv_bits=int(kv_bits) if kv_bits else None,
+            kv_bits=kv_bits,
             split_reasoning=reasoning != "raw",
+            prompt_cache=pc,
             **options,
         ),
         verbose,
         reasoning,
     )
+    if cache_file is not None:
+        from .prompt_cache_file import save
+
+        save(cache_file, pc, fingerprint)
+
+
+def _session_cache(path, llm, kv_bits, max_kv_size):
+    """(the prompt cache to run with, its fingerprint): ``--prompt-cache-file``'s, or (None,
+    None) without one (prompt_cache_file.py)."""
+    if path is None:
+        return None, None
+    from .prompt_cache_file import open_cache
+
+    pc, fingerprint, warning = open_cache(path, llm, kv_bits=kv_bits, max_kv_size=max_kv_size)
+    if warning:
+        _log(f"warning: {warning}")
+    return pc, fingerprint
 
 
 def _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose) -> list:
@@ -237,15 +260,20 @@ def chat(
             f"{tokenizer.path}: no chat template (a base model?); name a known format "
             "with --chat-template, or complete raw text with `mlxinfer generate`"
         )
+    cache_file = options.pop("prompt_cache_file")
+    kv_bits = int(kv_bits) if kv_bits else None
     session = ChatSession(
         llm,
         tokenizer,
         system=system,
         max_kv_size=max_kv_size,
-        kv_bits=int(kv_bits) if kv_bits else None,
+        kv_bits=kv_bits,
         split_reasoning=reasoning != "raw",
         **options,
     )
+    pc, fingerprint = _session_cache(cache_file, llm, kv_bits, max_kv_size)
+    if pc is not None:
+        session.prompt_cache = pc
     while True:
         try:
             line = input(">> ")
@@ -257,6 +285,10 @@ def chat(
             session.reset()
             continue
         _print_stream(session.send(line), verbose, reasoning)
+    if cache_file is not None:
+        from .prompt_cache_file import save
+
+        save(cache_file, session.prompt_cache, fingerprint)
 
 
 @cli.command()

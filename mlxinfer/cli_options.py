@@ -105,6 +105,15 @@ def generation_options(fn):
             type=click.IntRange(1),
             help="Prompt tokens per prefill chunk; smaller lowers peak memory [default: 512].",
         ),
+        click.option(
+            "--prompt-cache-file",
+            default=None,
+            metavar="FILE",
+            type=click.Path(dir_okay=False),
+            help="Resume from this session's cache file when it holds this model's cache (the "
+            "prompt's common prefix is reused; another model's or a damaged file: a warning and "
+            "a cold start) and write the cache to it after the run.",
+        ),
         click.option("--verbose", "-v", is_flag=True, help="Print the request timeline to stderr."),
         FORCE,
     ]

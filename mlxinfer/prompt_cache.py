@@ -12,6 +12,7 @@ latest checkpoint within the common prefix, feeding the rest again.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -152,14 +153,16 @@ def save_cache(path: Path, cache: list[Cache], metadata: dict[str, str] | None =
     for i, c in enumerate(cache):
         meta.update({f"{i}.{k}": v for k, v in c.meta_state.items()})
     meta.update({f"user.{k}": v for k, v in (metadata or {}).items()})
-    with writing_file(path) as tmp:  # ends in .safetensors: mlx appends it otherwise
+    with writing_file(path) as tmp:  # ends in path's suffix: mlx appends .safetensors to others
         mx.save_safetensors(str(tmp), arrays, metadata=meta)
+        if tmp.suffix != ".safetensors":
+            os.replace(f"{tmp}.safetensors", tmp)
 
 
 def load_cache(path: Path) -> tuple[list[Cache], dict[str, str]]:
     """Read a cache written by :func:`save_cache`; returns (cache, user metadata)."""
     try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     except Exception as e:  # mlx raises RuntimeError/ValueError for bad files
         raise WeightsError(f"{path}: not a readable cache file ({e})") from None
     cache: list[Cache] = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import shutil
 import threading
 import time
@@ -210,3 +211,60 @@ def test_smollm2_restart_reuses_a_1500_token_prefix(smollm2_f32_dir, tmp_path):
         _, cached_new = _run(engine, new, 1)
     assert cached >= 1400 and cached_new >= 1400
     assert warm == cold
+
+
+# -- --prompt-cache-file (prompt_cache_file.py) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    return write_checkpoint(root / "a", **SHAPE), write_checkpoint(
+        root / "b", rms_norm_eps=1e-6, **SHAPE
+    )
+
+
+def _generate(model_dir, prompt, *extra):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import cli
+
+    args = ["generate", "-m", str(model_dir), "-p", prompt, "-n", "5", "-v", *map(str, extra)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    cached = re.search(r"prompt tokens\s+\d+ \((\d+) cached\)", result.stderr)
+    return result.stdout, int(cached.group(1)), result.stderr
+
+
+PROMPT = "Hello world, the quick brown fox jumps over the lazy dog. " * 3
+
+
+def test_generate_resumes_from_its_prompt_cache_file(tiny_dirs, tmp_path):
+    path = tmp_path / "session.cache"
+    text, cached, _ = _generate(tiny_dirs[0], PROMPT, "--prompt-cache-file", path)
+    assert cached == 0 and path.is_file()
+    again, cached, _ = _generate(tiny_dirs[0], PROMPT + "naïve café", "--prompt-cache-file", path)
+    cold, _, _ = _generate(tiny_dirs[0], PROMPT + "naïve café")
+    assert cached > 10
+    assert again == cold
+
+
+@pytest.mark.parametrize("kind", ["truncated", "corrupted", "other model", "other kv_bits"])
+def test_a_foreign_or_damaged_prompt_cache_file_is_a_warning_and_a_cold_start(
+    kind, tiny_dirs, tmp_path
+):
+    path = tmp_path / "session.safetensors"
+    source, extra = (tiny_dirs[1], []) if kind == "other model" else (tiny_dirs[0], [])
+    if kind == "other kv_bits":
+        extra = ["--kv-bits", "8"]
+    _generate(source, PROMPT, "--prompt-cache-file", path, *extra)
+    blob = path.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(blob[: len(blob) - 10])
+    elif kind == "corrupted":
+        path.write_bytes(blob[:8] + b"[" + blob[9:])
+    text, cached, err = _generate(tiny_dirs[0], PROMPT, "--prompt-cache-file", path)
+    assert cached == 0
+    assert re.search(rf"warning: {re.escape(str(path))}: not used \(.+\); starting cold", err)
+    assert text == _generate(tiny_dirs[0], PROMPT)[0]
+    assert _generate(tiny_dirs[0], PROMPT, "--prompt-cache-file", path)[1] > 0  # written anew

@@ -1,7 +1,7 @@
 """The prefix cache's disk tier: full KV blocks kept as files, so a restart starts warm.
 
 Layout. ``DIR/blocks/<xx>/<name>.safetensors``, one file per block, ``name`` the SHA-256 of
-the model's fingerprint (:mod:`.fingerprint`) and the block's chain hash
+the model's fingerprint (:mod:`~mlxinfer.fingerprint`) and the block's chain hash
 (:func:`~.pool.block_hash`): two models, or one model with other KV bits, never share a
 name; two engines of one model share every block. There is no index: the least recently
 used blocks are the files with the oldest mtimes (a read touches its file, and so does a
@@ -45,7 +45,7 @@ import numpy as np
 
 from ..atomic import writing_file
 from ..errors import MlxInferError
-from .fingerprint import fingerprint
+from ..fingerprint import model_fingerprint
 from .pool import block_hash
 from .store import LayerShape
 
@@ -104,7 +104,12 @@ def attach(
         log.warning("prefix cache on disk: off for this model (%s)", shared_only)
         return None
     root = Path(directory).expanduser()
-    digest = fingerprint(model, pool.layers, pool.block_size, root)
+    layers = [
+        (s.kv_heads, s.key_dim, s.value_dim, str(s.dtype), s.bits, s.group_size)
+        for s in pool.layers
+    ]
+    storage = {"block_size": pool.block_size, "layers": layers}
+    digest = model_fingerprint(model, storage, root)
     budget = DEFAULT_DISK_BYTES if budget is None else budget
     return DiskTier(root, digest, pool.layers, pool.block_size, budget=budget)
 

@@ -1,8 +1,9 @@
-"""A model's fingerprint for the prefix cache on disk: what must match for stored keys and
-values to be this model's.
+"""A model's fingerprint: what must match for keys and values stored on disk (the prefix
+cache's blocks, a prompt cache file) to be this model's.
 
-It hashes the model's family and configuration, the pool's layout (block size, each layer's
-KV heads, widths, dtype, KV bits and group size), the weights' dtypes, and the files the
+It hashes the model's family and configuration, how the keys are stored (the pool's block
+size and each layer's KV heads, widths, dtype, KV bits and group size; a prompt cache's
+kv_bits), the weights' dtypes, and the files the
 model was loaded from (``model.source_dir``, set by the loader): the SHA-256 sums of its
 manifest (``mlxinfer-manifest.json``: config, tokenizer, weights) where there is one, else
 each file's SHA-256, computed once and kept under the cache directory by path, size and
@@ -17,24 +18,24 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..atomic import write_text
-from ..errors import WeightsError
-from ..manifest import read_manifest, sha256_file
-from .store import LayerShape
+from .atomic import write_text
+from .errors import WeightsError
+from .manifest import read_manifest, sha256_file
 
 # The files of a model directory that decide its outputs (the rest: READMEs, a GGUF beside).
 _PATTERNS = ("*.safetensors", "*.json", "tokenizer.model", "*.tiktoken", "*.jinja", "*.txt")
 _SAMPLES = 1024  # values per parameter hashed for a model without a directory
 
 
-def fingerprint(model, layers: list[LayerShape], block_size: int, cache_dir: Path) -> str:
-    """The hex fingerprint of ``model`` stored in a pool of ``layers`` and ``block_size``;
-    file sums are kept under ``cache_dir``."""
+def model_fingerprint(model, storage: dict[str, Any], cache_dir: Path) -> str:
+    """The hex fingerprint of ``model`` with its keys and values kept as ``storage`` says (any
+    JSON: the pool's layout, a prompt cache's kv_bits); file sums are kept under ``cache_dir``."""
     h = hashlib.sha256()
 
     def part(name: str, value) -> None:
@@ -43,11 +44,7 @@ def fingerprint(model, layers: list[LayerShape], block_size: int, cache_dir: Pat
     part("model", f"{type(model).__module__}.{type(model).__name__}")
     args = getattr(model, "args", None)
     part("args", dataclasses.asdict(args) if dataclasses.is_dataclass(args) else repr(args))
-    part("block_size", block_size)
-    part(
-        "layers",
-        [(s.kv_heads, s.key_dim, s.value_dim, str(s.dtype), s.bits, s.group_size) for s in layers],
-    )
+    part("storage", storage)
     params = tree_flatten(model.parameters())
     part("dtypes", sorted({str(a.dtype) for _, a in params}))
     source = getattr(model, "source_dir", None)
