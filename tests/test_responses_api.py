@@ -336,7 +336,7 @@ def test_the_stream_order_namespaces_and_custom_tools(scripted):
 
 def test_codex_first_request_is_answered(scripted):
     """Codex 0.171.0's captured first request (tests/fixtures/codex_request.json) gets a stream
-    Codex parses: two developer messages as one system message, its function and custom tools
+    Codex parses: its developer messages as system messages, its function and custom tools
     shown, its hosted ones (web_search, tool_search) left out, its other fields ignored."""
     url, engine = scripted
     engine.reply = THOUGHT
@@ -351,7 +351,9 @@ def test_codex_first_request_is_answered(scripted):
     asked = engine.asked[-1]
     roles = [m["role"] for m in asked["prompt"]]
     developer = [i for i in body["input"] if i["role"] == "developer"]
-    assert roles == ["system"] + ["user"] * (len(body["input"]) - len(developer))
+    assert roles == ["system"] * len(developer) + ["user"] * (len(body["input"]) - len(developer))
+    texts = [p["text"] for p in developer[1]["content"]]
+    assert asked["prompt"][1]["content"] == "".join(texts)
     kept = [t["name"] for t in body["tools"] if t["type"] in ("function", "custom")]
     assert [t["function"]["name"] for t in asked["tools"]] == kept
     assert asked["chat_template_kwargs"]["reasoning_effort"] == "medium"

@@ -6,9 +6,10 @@ a developer's is a system message; content a string or text parts: ``input_text`
 ``output_text``, ``refusal`` ...), an assistant's ``function_call`` or ``custom_tool_call``
 (consecutive calls are one assistant message, as parallel calls), their
 ``function_call_output`` / ``custom_tool_call_output`` (a ``tool`` message), and ``reasoning``
-(checked, left out of the prompt: templates drop past thoughts). ``instructions`` and the
-system messages before the first other one become one system message, which templates expect
-first (Codex sends two developer messages).
+(checked, left out of the prompt: templates drop past thoughts). ``instructions`` is a system
+message first. System messages a template cannot take where they stand (Codex sends two
+developer messages) are folded by ``app.state.routes.start``, as for every chat route
+(:mod:`.templating`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def input_messages(value: Any, instructions: str | None, names: dict) -> list[di
     messages = _items(value, names)
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
-    return _merge_leading_system(messages)
+    return messages
 
 
 def _items(value: Any, names: dict) -> list[dict]:
@@ -167,15 +168,3 @@ def _content(content: Any, where: str, *, tool: bool = False) -> str:
             raise bad(f"{at}.{key}", f"expected a string, found {type(part.get(key)).__name__}")
         texts.append(part[key])
     return "".join(texts)
-
-
-def _merge_leading_system(messages: list[dict]) -> list[dict]:
-    """``instructions`` and the developer / system messages before the first other one, as
-    one system message: templates take a single system message first (Codex sends two)."""
-    n = 0
-    while n < len(messages) and messages[n]["role"] == "system":
-        n += 1
-    if n < 2:
-        return messages
-    merged = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
-    return [{"role": "system", "content": merged}] + messages[n:]
