@@ -345,9 +345,11 @@ def test_adaptive_thinking_and_effort_reach_the_templates_switches(tiny_dir):
 def test_a_mid_conversation_system_turn_is_folded_where_the_template_refuses_it(tiny_dir):
     """A template that refuses a late system message (as Qwen3's does) gets it folded into the
     next user turn, or the one before when none follows; the leading system prompt, which
-    starts the cached prefix, is left alone."""
+    starts the cached prefix, is never changed by a later turn (leading system messages, as
+    Codex's two developer messages, become one)."""
     turns = [
         {"role": "system", "content": "S0"},
+        {"role": "system", "content": "D0"},
         {"role": "user", "content": "U1"},
         {"role": "assistant", "content": "A1"},
         {"role": "system", "content": "S1"},
@@ -355,7 +357,7 @@ def test_a_mid_conversation_system_turn_is_folded_where_the_template_refuses_it(
         {"role": "system", "content": "S2"},
     ]
     assert fold_system(turns) == [
-        {"role": "system", "content": "S0"},
+        {"role": "system", "content": "S0\n\nD0"},
         {"role": "user", "content": "U1"},
         {"role": "assistant", "content": "A1"},
         {"role": "user", "content": "S1\n\nU2\n\nS2"},

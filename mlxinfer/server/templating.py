@@ -44,7 +44,7 @@ def fit_messages(tokenizer, messages: list[dict], tools: Any = None, tool_choice
             "see them); serve it with --chat-template FILE, a template that renders 'tools'"
         )
     lead = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
-    if all(m.get("role") != "system" for m in messages[lead:]):
+    if lead <= 1 and all(m.get("role") != "system" for m in messages[lead:]):
         return messages
     if takes_system_anywhere(tokenizer):
         return messages
@@ -52,11 +52,15 @@ def fit_messages(tokenizer, messages: list[dict], tools: Any = None, tool_choice
 
 
 def fold_system(messages: list[dict]) -> list[dict]:
-    """The system messages after the first other turn, each joined (a blank line between) to
-    the next user turn, or to the user turn just before when an assistant or tool turn (or
-    the end) comes first, or else made a user turn of their own."""
+    """The leading system messages as one (Codex sends two), and those after the first other
+    turn each joined (a blank line between) to the next user turn, or to the user turn just
+    before when an assistant or tool turn (or the end) comes first, or else made a user turn of
+    their own."""
     lead = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
     out, pending = list(messages[:lead]), []
+    if lead > 1:
+        joined = "\n\n".join(m.get("content") or "" for m in messages[:lead])
+        out, lead = [{**messages[0], "content": joined}], 1
     for m in messages[lead:]:
         if m.get("role") == "system":
             pending.append(m.get("content") or "")
