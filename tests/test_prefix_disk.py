@@ -268,3 +268,26 @@ def test_a_foreign_or_damaged_prompt_cache_file_is_a_warning_and_a_cold_start(
     assert re.search(rf"warning: {re.escape(str(path))}: not used \(.+\); starting cold", err)
     assert text == _generate(tiny_dirs[0], PROMPT)[0]
     assert _generate(tiny_dirs[0], PROMPT, "--prompt-cache-file", path)[1] > 0  # written anew
+
+
+def test_a_restarted_server_reports_the_prefix_read_from_disk(tiny_dirs, tmp_path):
+    """make_app(prefix_cache_dir=...) (serve --prefix-cache-dir) hands it to its engine; the
+    server's shutdown writes the queued blocks; the next server's usage counts them cached."""
+    from fastapi.testclient import TestClient
+
+    from mlxinfer.loader import load
+    from mlxinfer.server import make_app
+
+    model, tokenizer = load(tiny_dirs[0])
+    body = {"model": "tiny", "prompt": PROMPT * 4, "max_tokens": 3, "temperature": 0}
+    usage = []
+    for _ in range(2):
+        with TestClient(make_app(model, tokenizer, "tiny", prefix_cache_dir=tmp_path)) as client:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            usage.append(r.json()["usage"])
+    assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (
+        usage[1]["prompt_tokens_details"]["cached_tokens"]
+        == (usage[1]["prompt_tokens"] - 1) // 16 * 16
+    )
