@@ -125,6 +125,8 @@ def add_embeddings(app: FastAPI, embedding_model: str | Path | None, load: Calla
         return oa.APIError(404, message, param="model", code="model_not_found")
 
     def run(ask: EmbedAsk, streams) -> JSONResponse:
+        if app.state.stopping:  # a SIGTERM: as the generation routes, a 503
+            raise oa.APIError(503, "the server is shutting down", type="server_error")
         entry = routes.served(ask.model, not_found, embedding=True)
         cancelled = _Cancelled()
         streams.add(cancelled)
