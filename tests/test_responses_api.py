@@ -30,6 +30,7 @@ import pydantic  # noqa: E402
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 
 from mlxinfer import generate, load  # noqa: E402
+from mlxinfer.batch import EngineError  # noqa: E402
 from mlxinfer.generation.results import GenerationResult, GenerationStats  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
 
@@ -84,6 +85,8 @@ class Scripted(ScriptedEngine):
         pieces = [self.reply[i : i + 3] for i in range(0, len(self.reply), 3)]
         stats = GenerationStats(prompt_tokens=7)
         for i, piece in enumerate(pieces):
+            if i == 1 and self.reply.startswith("FAIL"):
+                raise EngineError("the engine stopped")
             last = i == len(pieces) - 1
             yield GenerationResult(piece, i, finish_reason="stop" if last else None, stats=stats)
 
@@ -237,6 +240,18 @@ def test_reasoning_is_an_item_of_its_own(scripted):
     answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert (thought, answer) == ("The capital is\nParis.", "Paris.")
     assert final.output_text == "Paris." and final.output[0].type == "reasoning"
+
+
+def test_an_engine_failure_is_response_failed_or_a_500(scripted):
+    url, engine = scripted
+    engine.reply = "FAIL after the first token"
+    events = _events(url, {"model": NAME, "input": "Hi"})
+    assert [e["type"] for e in events][-1] == "response.failed"
+    failed = Response.model_validate(events[-1]["response"])
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert "engine stopped" in failed.error.message
+    r = httpx.post(f"{url}/v1/responses", json={"model": NAME, "input": "Hi"}, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
 
 
 NAMESPACE = {
