@@ -70,11 +70,12 @@ def parse(body: Any) -> EmbedAsk:
             f"encoding_format: expected 'float' or 'base64', found {encoding!r:.40}",
             param="encoding_format",
         )
-    dimensions = body.get("dimensions")
-    try:
-        check_dimensions(dimensions, 1 << 30)  # the model's width is checked once it is known
-    except EmbeddingError as e:
-        raise oa.APIError(400, str(e), param="dimensions") from None
+    dimensions = body.get("dimensions")  # its bound, the model's width, once the model is known
+    if dimensions is not None and (
+        not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions <= 0
+    ):
+        message = f"dimensions: expected a positive int, found {dimensions!r:.40}"
+        raise oa.APIError(400, message, param="dimensions")
     return EmbedAsk(model, body["input"], encoding, dimensions)
 
 
