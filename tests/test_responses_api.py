@@ -327,6 +327,16 @@ def test_the_stream_order_namespaces_and_custom_tools(scripted):
         parsed = stream.get_final_response()
     assert [item.type for item in parsed.output] == ["message", "function_call", "custom_tool_call"]
 
+    # allowed_tools narrows what the model is shown; a namespaced function is named with its
+    # namespace
+    allowed = {
+        "type": "allowed_tools",
+        "mode": "auto",
+        "tools": [{"type": "function", "name": "lookup", "namespace": "crm"}],
+    }
+    _client(url).responses.create(model=NAME, input="Find 7", tools=tools, tool_choice=allowed)
+    assert [t["function"]["name"] for t in engine.asked[-1]["tools"]] == ["crm__lookup"]
+
     # the calls go back as input items: the model sees its own flat names again
     engine.reply = "Done."
     history = [
