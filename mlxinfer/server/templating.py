@@ -57,11 +57,11 @@ def fold_system(messages: list[dict]) -> list[dict]:
     before when an assistant or tool turn (or the end) comes first, or else made a user turn of
     their own."""
     lead = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
-    out, pending = list(messages[:lead]), []
+    out, pending, rest = list(messages[:lead]), [], messages[lead:]
     if lead > 1:
         joined = "\n\n".join(m.get("content") or "" for m in messages[:lead])
         out, lead = [{**messages[0], "content": joined}], 1
-    for m in messages[lead:]:
+    for m in rest:
         if m.get("role") == "system":
             pending.append(m.get("content") or "")
             continue
