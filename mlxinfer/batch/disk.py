@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 from collections import deque
@@ -54,6 +55,7 @@ VERSION = "1"
 DEFAULT_DISK_BYTES = 10 << 30  # 10 GiB
 DEFAULT_QUEUE_BYTES = 256 << 20  # blocks waiting for the writer, at most
 _EVICT_TO = 0.9  # past the budget, the oldest files go down to this part of it
+_MAX_QUEUED = 4096  # queued writes and touches, at most (the writes: queue_bytes too)
 _MAX_HEADER = 1 << 16  # our headers are a few KB per hundred layers
 _DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
 _NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32}
@@ -216,14 +218,18 @@ class DiskTier:
         """The arrays of block ``h``'s file, or None: no file, or one that is not this block
         of this model (then it is removed)."""
         path = self.path(h)
-        try:
-            with open(path, "rb") as f:
-                blob = f.read(8 + _MAX_HEADER + self.data_bytes + 1)
+        try:  # non-blocking: a FIFO planted under the name must not hang the engine
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             return None
         except OSError as e:
             log.warning("%s: cannot read (%s); the prefix is computed again", path, e)
             return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self._reject(path, "not a regular file")
+                return None
+            blob = f.read(8 + _MAX_HEADER + self.data_bytes + 1)
         arrays = self.decode(blob, h)
         if isinstance(arrays, str):
             self._reject(path, arrays)
@@ -299,8 +305,8 @@ class DiskTier:
 
     def touch(self, hashes: list[bytes]) -> None:
         """Mark these blocks' files used now (their place in the LRU), on the writer thread."""
-        if hashes:
-            with self._cond:
+        with self._cond:
+            if hashes and len(self._queue) < _MAX_QUEUED:  # a touch is dropped rather than kept
                 self._queue.append((None, hashes))
                 self._cond.notify_all()
 
