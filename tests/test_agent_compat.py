@@ -482,3 +482,22 @@ def test_the_output_cap_and_the_context_end_with_max_tokens(tiny, tiny_dir):
         u = r.json()["usage"]
         prompt = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
         assert r.json()["stop_reason"] == "max_tokens" and u["output_tokens"] == 64 - prompt
+
+
+def test_a_flood_of_invented_field_names_is_remembered_within_bounds(caplog):
+    """A hostile client inventing thousands of long field names: all accepted, at most
+    MAX_LOGGED names (each cut to KEY_CHARS) remembered, one line saying the rest are not
+    logged."""
+    from mlxinfer.server import fields
+
+    forget_logged()
+    caplog.set_level(logging.INFO, logger="mlxinfer.server")
+    screen = fields.Fields.of("/v1/test", {"model"})
+    body = {f"{i:05d}" + "x" * 10_000: i for i in range(fields.MAX_LOGGED + 500)}
+    assert screen.screen(body) is None and screen.screen(body) is None
+    assert len(fields._logged) == fields.MAX_LOGGED + 1
+    assert max(len(name) for _, name in fields._logged) == fields.KEY_CHARS
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlxinfer.server"]
+    assert len(lines) == fields.MAX_LOGGED + 1 and "no more are logged" in lines[-1]
+    assert max(len(line) for line in lines) < 200  # each name quoted cut short
+    forget_logged()

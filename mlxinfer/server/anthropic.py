@@ -312,7 +312,8 @@ def _system(system: Any) -> list[dict]:
 
 
 def _billing(block: Any) -> bool:
-    return isinstance(block, dict) and str(block.get("text", "")).lstrip().startswith(BILLING)
+    text = block.get("text") if isinstance(block, dict) else None
+    return isinstance(text, str) and text.lstrip().startswith(BILLING)
 
 
 def _messages(messages: Any) -> list[dict]:

@@ -27,6 +27,7 @@ from .quoting import named
 log = logging.getLogger("mlxinfer.server")
 
 MAX_LOGGED = 1024  # field names remembered as logged: a hostile client's inventions stay bounded
+KEY_CHARS = 128  # of each name remembered
 _logged: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 
@@ -93,7 +94,7 @@ def neutral(value: Any) -> bool:
 def log_once(api: str, name: str, *, known: bool) -> None:
     """Log that ``name`` was ignored in a request to ``api``, the first time only (up to
     ``MAX_LOGGED`` names; one more line says when that many were seen)."""
-    key = (api, name)
+    key = (api, name[:KEY_CHARS])  # a name as long as the body is not kept whole
     with _lock:
         if key in _logged or len(_logged) > MAX_LOGGED:
             return
