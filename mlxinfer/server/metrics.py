@@ -36,6 +36,11 @@ METRICS = {
     "draft_seconds": ("counter", "Seconds spent in the draft model (prefill and proposals)."),
     "draft_kv_bytes": ("gauge", "Bytes of the draft-model keys held for running requests."),
     "draft_model_bytes": ("gauge", "Bytes of the draft models' weights."),
+    "state_snapshots": (
+        "gauge",
+        "Recurrent-state snapshots kept for prefix reuse (models with recurrent layers).",
+    ),
+    "state_snapshot_bytes": ("gauge", "Bytes of those snapshots (inside the KV budget)."),
 }
 
 
