@@ -296,13 +296,18 @@ def test_a_restarted_server_reports_the_prefix_read_from_disk(tiny_dirs, tmp_pat
 
     model, tokenizer = load(tiny_dirs[0])
     body = {"model": "tiny", "prompt": PROMPT * 4, "max_tokens": 3, "temperature": 0}
-    usage = []
+    usage, loaded = [], []
     for _ in range(2):
         with TestClient(make_app(model, tokenizer, "tiny", prefix_cache_dir=tmp_path)) as client:
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             usage.append(r.json()["usage"])
+            metrics = client.get("/metrics").text
+            loaded += re.findall(
+                r'mlxinfer_prefix_disk_blocks_loaded_total\{model="tiny"\} (\d+)', metrics
+            )
     assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert loaded == ["0", str(usage[1]["prompt_tokens_details"]["cached_tokens"] // 16)]
     assert (
         usage[1]["prompt_tokens_details"]["cached_tokens"]
         == (usage[1]["prompt_tokens"] - 1) // 16 * 16

@@ -304,6 +304,7 @@ class Engine(TextRequests, Scheduler):
             "draft_model_bytes": sum(self._draft_weights.values()),
             "state_snapshots": len(self.snapshots) if self.snapshots is not None else 0,
             "state_snapshot_bytes": self.snapshots.nbytes if self.snapshots is not None else 0,
+            **_disk_metrics(self.pool.disk),
         }
 
     def close(self, timeout: float = 10.0) -> None:
@@ -333,6 +334,12 @@ def _weight_bytes(model) -> int:
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _disk_metrics(disk) -> dict[str, int]:
+    """The prefix cache's disk tier's counters (zeros without one)."""
+    names = ("loaded", "written", "dropped", "rejected", "evicted")
+    return {f"prefix_disk_blocks_{n}": getattr(disk, n, 0) for n in names}
 
 
 def _disk_refusal(engine: Engine) -> str | None:

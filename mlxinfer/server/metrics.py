@@ -41,6 +41,14 @@ METRICS = {
         "Recurrent-state snapshots kept for prefix reuse (models with recurrent layers).",
     ),
     "state_snapshot_bytes": ("gauge", "Bytes of those snapshots (inside the KV budget)."),
+    "prefix_disk_blocks_loaded": ("counter", "Prefix blocks read back from the disk tier."),
+    "prefix_disk_blocks_written": ("counter", "Prefix blocks written to the disk tier."),
+    "prefix_disk_blocks_dropped": ("counter", "Blocks not written: the disk queue was full."),
+    "prefix_disk_blocks_rejected": (
+        "counter",
+        "Block files removed unused: truncated, corrupted or another model's.",
+    ),
+    "prefix_disk_blocks_evicted": ("counter", "Block files removed to hold the disk budget."),
 }
 
 
