@@ -459,7 +459,8 @@ def test_aliases_map_client_names_and_others_stay_404s(tiny):
 
 def test_the_output_cap_and_the_context_end_with_max_tokens(tiny, tiny_dir):
     """``max_output_tokens`` caps every request (3 tokens: max_tokens / length); a max_tokens
-    past the context is clamped to the room left (a 64-token context), never a 400."""
+    past the context (a 64-token one), or past what the KV budget can hold, is clamped to the
+    room left, never a 400."""
     never_stops = {"stop_sequences": [], "temperature": 0}
     with TestClient(make_app(*tiny, NAME, max_output_tokens=3)) as c:
         r = c.post(
@@ -482,6 +483,21 @@ def test_the_output_cap_and_the_context_end_with_max_tokens(tiny, tiny_dir):
         u = r.json()["usage"]
         prompt = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
         assert r.json()["stop_reason"] == "max_tokens" and u["output_tokens"] == 64 - prompt
+    # A KV budget of 6 blocks (96 tokens) holds less than the 4,096-token context: max_tokens
+    # is clamped to what it can hold (less the room every request keeps for drafts).
+    app = make_app(*tiny, NAME, kv_budget=6 * 2 * 2 * 2 * 16 * 16 * 4)  # K, V in f32
+    with TestClient(app) as c:
+        engine = app.state.models.entries[NAME].engine
+        assert engine.pool.max_blocks == 6
+        r = c.post(
+            "/v1/messages",
+            json={"model": NAME, "messages": ASK, "max_tokens": 32000, **never_stops},
+        )
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        prompt = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
+        assert r.json()["stop_reason"] == "max_tokens"
+        assert u["output_tokens"] == 6 * 16 - engine.max_draft - prompt
 
 
 def test_a_flood_of_invented_field_names_is_remembered_within_bounds(caplog):

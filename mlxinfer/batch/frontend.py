@@ -78,6 +78,11 @@ class TextRequests:
         context = self.model.args.max_position_embeddings
         ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
         max_tokens = min(max_tokens, context - len(ids))
+        # ... and to what the KV budget can ever hold (submit's check_fits), when the prompt
+        # itself fits: an agent's max_tokens of 32,000 past a small budget ends as "length".
+        budget = self.pool.max_blocks * self.pool.block_size - self.max_draft - len(ids)
+        if budget > 0:
+            max_tokens = min(max_tokens, budget)
         stats = GenerationStats(
             prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000
         )
