@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -416,7 +417,7 @@ def test_tools_a_template_cannot_show_are_a_400_never_dropped(tiny_dir):
         assert r.status_code == 200, r.text
 
 
-def test_a_model_without_a_template_is_a_400_naming_the_flag_which_fixes_it(tiny_dir):
+def test_a_model_without_a_template_is_a_400_naming_the_flag_which_fixes_it(tiny_dir, tmp_path):
     model, tokenizer = _other(tiny_dir, None)
     with TestClient(make_app(model, tokenizer, NAME, engine=Recording())) as c:
         for path, extra in (("/v1/chat/completions", {}), ("/v1/messages", {"max_tokens": 2})):
@@ -431,6 +432,23 @@ def test_a_model_without_a_template_is_a_400_naming_the_flag_which_fixes_it(tiny
     assert tokenizer.apply_chat_template(ASK).startswith("<|im_start|>user\n")
     with pytest.raises(TokenizerError, match="no-such-template"):
         make_app(model, tokenizer, NAME, engine=Recording(), chat_template="no-such-template")
+    # A --models-dir model without a template gets --chat-template when it loads.
+    bare = tmp_path / "models" / "bare"
+    shutil.copytree(tiny_dir, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    app = make_app(models_dir=bare.parent, chat_template="chatml")
+    with TestClient(app) as c:
+        r = c.post("/v1/messages", json={"model": "bare", "messages": ASK, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        n = c.post("/v1/messages/count_tokens", json={"model": "bare", "messages": ASK})
+    entry = app.state.models.entries["bare"]
+    expected = entry.tokenizer.encode(
+        "<|im_start|>user\nHello there, how are you?<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    assert n.json()["input_tokens"] == len(expected)
 
 
 # --- model names, the output cap, the context ------------------------------------------------

@@ -52,10 +52,11 @@ from .replies import AnthropicReply, Choice, openai_events, openai_whole
 from .responses_replies import add_route as add_responses
 from .shapes import error_response
 from .sse import streamed
-from .templating import fit_messages, prefix_block
+from .templating import fit_messages, prefix_block, templated
 
 WAIT_S = 600.0  # most seconds a request waits for any one token before it fails
 BODY_IN_THREAD = 1 << 18  # bodies larger than this are parsed off the event loop
+ANTHROPIC_HEADERS = ["anthropic-version", "anthropic-beta"]  # the beta values: accepted, ignored
 
 
 def make_app(
@@ -116,7 +117,7 @@ def make_app(
         named_chat_template(chat_template)  # a bad name or file fails at start
         if tokenizer is not None:
             tokenizer.set_chat_template(chat_template)
-        load = _templated(load, chat_template)
+        load = templated(load, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -145,13 +146,7 @@ def make_app(
             CORSMiddleware,
             allow_origins=cors_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=[
-                "authorization",
-                "content-type",
-                "x-api-key",
-                "anthropic-version",
-                "anthropic-beta",
-            ],
+            allow_headers=["authorization", "content-type", "x-api-key", *ANTHROPIC_HEADERS],
         )
 
     def served(requested: str, error, embedding: bool = False):
@@ -408,18 +403,6 @@ def make_app(
     add_responses(app)  # /v1/responses (responses.py, responses_replies.py)
     app.add_middleware(Guard, limits=limits)  # added last: the outermost, before CORS and keys
     return app
-
-
-def _templated(load: Callable, chat_template: str) -> Callable:
-    """``load``, giving a model without a chat template ``chat_template``."""
-
-    def loaded(path: str):
-        model, tokenizer = load(path)
-        if not getattr(tokenizer, "has_chat_template", True):
-            tokenizer.set_chat_template(chat_template)
-        return model, tokenizer
-
-    return loaded
 
 
 def _running(registry: Models) -> int:

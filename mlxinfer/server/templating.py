@@ -156,6 +156,19 @@ def _reads(source: str, name: str) -> bool:
         return False
 
 
+def templated(load, chat_template: str):
+    """``load`` (path -> model, tokenizer), giving a model without a chat template
+    ``chat_template`` (``serve --chat-template`` for ``--models-dir`` models)."""
+
+    def loaded(path: str):
+        model, tokenizer = load(path)
+        if not getattr(tokenizer, "has_chat_template", True):
+            tokenizer.set_chat_template(chat_template)
+        return model, tokenizer
+
+    return loaded
+
+
 def prefix_block(engine) -> int:
     """The tokens per block of ``engine``'s prefix cache, or 0 when it shares no prefix (a
     model with recurrent layers does only with its states' snapshots: a prompt's last full
