@@ -139,6 +139,23 @@ def test_divergence_mid_block_and_the_branch_point(family):
     assert got == expected[1:], name
 
 
+def test_the_next_turn_resumes_after_the_reply(family):
+    """A request's decoding fills a block (500 prompt tokens, 20 generated: the block ending at
+    512): that state is kept when it retires, so the next turn (the prompt, the reply, a new
+    message) resumes at 512, not at its prompt's last full block (496)."""
+    name, model, reference = family
+    if name != "qwen3_5_text":
+        pytest.skip("the scheduler's rule, whatever the layers: one family is enough")
+    turn = PREFIX[:500]
+    with Engine(model, block_size=BS) as engine:
+        handle = engine.submit(turn, max_tokens=20)
+        reply = [s.token for s in handle.steps()]
+        following = turn + reply + _ids(10, 11)
+        tokens, cached, fed = run(engine, [following])
+    assert cached == [512] and fed == len(following) - 1 - 512
+    assert tokens == [reference.greedy(following)], name
+
+
 def test_snapshots_evicted_under_a_small_state_budget(family):
     """Room for one snapshot: the prompt's last (512) pushes out the earlier one (256); a prompt
     diverging at 300 then finds none at or before its shared blocks and prefills everything,

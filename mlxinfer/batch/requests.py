@@ -42,6 +42,7 @@ class _Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0  # prompt tokens served from shared prefix blocks
     branch: int = 0  # a recurrent model's: where its shared blocks end past its snapshot
+    last_block: Any = None  # and (chain hash, states) at the last block its decoding filled
     # Speculative decoding (None: plain decoding): the drafter (prompt lookup, or a draft
     # model's own cache), how many tokens to draft next, the row's key and this step's key
     # for the acceptance, and prompt + generated tokens.

@@ -192,6 +192,8 @@ class Scheduler:
     def _retire(self, request: _Request) -> None:
         self.requests_done += 1
         self._running.remove(request)
+        if request.last_block is not None and request.last_block[1] is not None:
+            self.snapshots.put(*request.last_block)
         self._release(request)
         if request.draft_model is not None:  # its draft keys go with it
             request.drafter = request.draft_model = None
@@ -342,6 +344,10 @@ class Scheduler:
         self.steps_run += 1
         for request, t, lp in zip(rows, picked.tolist(), logprobs):
             request.generated += 1
+            if self.snapshots is not None and request.seq.length % self.pool.block_size == 0:
+                # Its states after a full block of its output (references: a state is never
+                # written in place), kept when it retires for the turn that extends it.
+                request.last_block = (request.seq.hashes[-1], snap.capture(request.states))
             if request.history is not None:
                 request.history = mx.concatenate([request.history, mx.array([t], mx.int32)])
             request.out.put(Step(t, lp))

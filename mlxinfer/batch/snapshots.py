@@ -10,9 +10,10 @@ snapshot is here: the snapshot is restored into its states (a copy) and only the
 
 Where snapshots are taken (``points``): at every ``every``-th block boundary (by default the
 prefill chunk's length, so the chunks are unchanged), at the prompt's last full block (its
-chunk is split there: one more forward per prompt, for the turn that extends this prompt), and
-at the end of the shared blocks a request found but could not resume from (the branch point:
-the next request diverging there resumes from it).
+chunk is split there: one more forward per prompt, for the turn that extends this prompt), at
+the end of the shared blocks a request found but could not resume from (the branch point: the
+next request diverging there resumes from it), and, when a request retires, at the last block
+its decoding filled (for the next turn: this prompt, the reply, a new message).
 
 The store (:class:`Snapshots`) is an LRU of at most ``max_bytes``: the engine gives it a part
 of ``kv_budget`` (``state_budget``, a quarter by default) and the pool the rest, so the two
