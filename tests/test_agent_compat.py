@@ -535,3 +535,53 @@ def test_a_flood_of_invented_field_names_is_remembered_within_bounds(caplog):
     assert len(lines) == fields.MAX_LOGGED + 1 and "no more are logged" in lines[-1]
     assert max(len(line) for line in lines) < 200  # each name quoted cut short
     forget_logged()
+
+
+def test_the_official_clients_send_agent_fields_and_read_the_usage(tiny):
+    """The ``anthropic`` client (beta messages, with betas, cache_control, adaptive thinking,
+    effort, context_management) and the ``openai`` client (store, metadata, prompt_cache_key)
+    against a real server: both parse the replies, Anthropic's usage with its cache counts."""
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is not installed")
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    from servers import serving
+
+    system = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197; cch=00000;"},
+        {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}},
+    ]
+    extra = {
+        "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "medium"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    with serving(make_app(*tiny, NAME, model_aliases=["claude-*=tiny", "gpt-*=tiny"])) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="local", max_retries=0, timeout=60)
+        m = client.beta.messages.create(
+            model="claude-opus-4-8",
+            max_tokens=3,
+            system=system,
+            messages=ASK,
+            metadata={"user_id": "u"},
+            betas=["context-management-2025-06-27", "interleaved-thinking-2025-05-14"],
+            extra_body=extra,
+        )
+        assert m.model == "claude-opus-4-8" and m.stop_reason in ("max_tokens", "end_turn")
+        u = m.usage
+        assert u.cache_creation_input_tokens is not None and u.cache_read_input_tokens is not None
+        with client.beta.messages.stream(
+            model="claude-opus-4-8", max_tokens=3, system=system, messages=ASK, extra_body=extra
+        ) as stream:
+            final = stream.get_final_message()
+        assert final.usage.cache_read_input_tokens >= 16  # the system prompt, cached before
+        chat = openai.OpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0, timeout=60)
+        r = chat.chat.completions.create(
+            model="gpt-5-codex",
+            messages=ASK,
+            max_completion_tokens=3,
+            store=False,
+            metadata={"k": "v"},
+            prompt_cache_key="session-1",
+            parallel_tool_calls=False,
+            extra_body={"x_future_field": True},
+        )
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 0
