@@ -170,6 +170,15 @@ def test_count_tokens_of_claude_codes_request_ignore_the_billing_header(client):
         for system in (line + "Be brief.", "Be brief.")
     ]
     assert counts[0] == counts[1]
+    # Tools with tool_choice none are not shown in generation, so they count for nothing.
+    tool = {"name": "get_weather", "description": "w", "input_schema": {"type": "object"}}
+    bare, shown, hidden = (
+        client.post(
+            "/v1/messages/count_tokens", json={"model": NAME, "messages": ASK, **extra}
+        ).json()["input_tokens"]
+        for extra in ({}, {"tools": [tool]}, {"tools": [tool], "tool_choice": {"type": "none"}})
+    )
+    assert hidden == bare < shown
 
 
 # --- the prefix cache and Anthropic's usage ---------------------------------------------------

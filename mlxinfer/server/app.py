@@ -376,7 +376,7 @@ def make_app(
                     entry.tokenizer,
                     messages,
                     chat_template=True,
-                    tools=ask.tools,
+                    tools=ask.tools if ask.tool_choice != "none" else None,  # as generation
                     chat_template_kwargs=ask.template_kwargs,
                 )
             except (PromptTooLongError, TokenizerError, ValueError) as e:
