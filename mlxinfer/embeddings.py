@@ -32,7 +32,7 @@ from .generation.prefill import check_token_ids, token_ids
 MODULES = "modules.json"
 MAX_CONFIG_BYTES = 1 << 16  # modules.json, 1_Pooling/config.json: a few hundred bytes in practice
 MAX_MODULES = 16
-BATCH_TOKENS = 8192  # padded tokens per forward: bounds the activations and the batch's KV
+BATCH_TOKENS = 2048  # padded tokens per forward: bounds the activations (measured: docs/server.md)
 STEP = 512  # tokens per forward along a row; longer rows run in chunks through a KV cache
 MODES = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean"}
 MODES["pooling_mode_cls_token"] = "cls"
