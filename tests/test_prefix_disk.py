@@ -51,6 +51,40 @@ def other(tmp_path_factory):
     return model
 
 
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Gemma 3's sliding-window layers (window 40) with one global layer in 6 (its window pool
+    beside the pool), and with none in 4 (one pool of windows)."""
+    models = {}
+    for layers in (6, 4):
+        path = write_checkpoint(
+            tmp_path_factory.mktemp("gemma3") / "m",
+            model_type="gemma3_text",
+            sliding_window=40,
+            head_dim=64,
+            **{**SHAPE, "num_hidden_layers": layers},
+        )
+        models[layers] = load_model(path)[0]
+    return models
+
+
+@pytest.mark.parametrize("layers, blocks_read", [(6, 300 // BS), (4, 3)])
+def test_sliding_window_models_read_their_prefix_back_too(gemma3, layers, blocks_read, tmp_path):
+    """Both pools' blocks in each file; a model of windows only reads the blocks its window
+    sees (3 of 18: the window of 40 tokens ends in the 18th block)."""
+    model = gemma3[layers]
+    system = _ids(300, 11)
+    first, second = system + _ids(20, 12), system + _ids(17, 13)
+    with Engine(model, block_size=BS, prefix_cache_dir=tmp_path) as engine:
+        assert (engine.window_pool is not None) == (layers == 6)
+        _run(engine, first)
+    with Engine(model, block_size=BS, prefix_cache_dir=tmp_path) as engine:
+        tokens, cached = _run(engine, second)
+        assert engine.pool.disk.loaded == blocks_read
+    assert cached == 300 // BS * BS
+    assert tokens == _cold(model, second)
+
+
 def _run(engine, prompt, n=6):
     handle = engine.submit(prompt, max_tokens=n)
     return [s.token for s in handle.steps()], handle.cached_tokens
@@ -326,7 +360,7 @@ def test_the_fingerprint_follows_the_weight_files(tmp_path):
         pool = engine.pool
 
     def digest():
-        tier = attach(model, pool, directory=tmp_path / "d", budget=None, shared_only=None)
+        tier = attach(model, [pool], directory=tmp_path / "d", budget=None, refusal=None)
         tier.close()
         return tier
 

@@ -8,13 +8,14 @@ used blocks are the files with the oldest mtimes (a read touches its file, and s
 hit in memory), so engines sharing a directory share nothing mutable but whole files,
 each written to a temporary sibling, fsynced and renamed (:mod:`~mlxinfer.atomic`).
 
-A file holds one block of every layer of the pool: ``{layer}.k`` and ``{layer}.v``
-(kv_heads, block_size, dim), or in a quantized pool ``{layer}.k.0`` … ``.2`` (packed words,
-scales, biases); its metadata names the format, the fingerprint, the block's hash and the
-SHA-256 of its data. A read checks all of it against what this pool expects (the size,
-every name, dtype, shape and offset, the fingerprint, the hash, the digest) before a byte
-is used: a truncated, corrupted or foreign file (another model's, another ``kv_bits``') is
-removed, with a warning, and the prefix is computed again.
+A file holds one block of every layer of the engine's pools, with the model's fingerprint,
+the block's hash and its data's SHA-256 (``block_file.py``). A read checks all of it before a
+byte is used: a truncated, corrupted or foreign file (another model's, another ``kv_bits``')
+is removed, with a warning, and the prefix is computed again.
+
+Reading happens at admission, before the pools look the prompt up (:meth:`DiskTier.promote`):
+the prefix's blocks that memory lacks are read into the pools as cached blocks, and the pools'
+own prefix match shares them, windows and all.
 
 Writes stay off the decode path: after each turn of its loop the engine thread copies the
 turn's new full blocks out of the store (one gather per array) and queues them; a writer
@@ -31,109 +32,64 @@ same hash with its own tensor list (``snapshot.{layer}.{i}``), read only where t
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import stat
-import struct
 import threading
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from ..atomic import writing_file
-from ..errors import MlxInferError
 from ..fingerprint import model_fingerprint
-from .pool import block_hash
-from .store import LayerShape
+from .block_file import BlockFormat, DiskTierError
+from .pool import Sequence, block_hash
 
-FORMAT = "mlxinfer-prefix-block"
-VERSION = "1"
 DEFAULT_DISK_BYTES = 10 << 30  # 10 GiB
 DEFAULT_QUEUE_BYTES = 256 << 20  # blocks waiting for the writer, at most
 _EVICT_TO = 0.9  # past the budget, the oldest files go down to this part of it
 _MAX_QUEUED = 4096  # queued writes and touches, at most (the writes: queue_bytes too)
-_MAX_HEADER = 1 << 16  # our headers are a few KB per hundred layers
-_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
-_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32}
 
 log = logging.getLogger("mlxinfer.prefix_cache")
-
-
-class DiskTierError(MlxInferError):
-    """The prefix cache directory cannot be used (not a directory, not writable)."""
-
-
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    dtype: str  # safetensors' name
-    shape: tuple[int, ...]
-    offset: int  # in the data section
-    nbytes: int
-
-
-def tensor_layout(layers: list[LayerShape], block_size: int) -> list[Tensor]:
-    """The tensors of one block's file, in the store's order (``BlockStore._arrays``)."""
-    out, offset = [], 0
-    for i, s in enumerate(layers):
-        for side, dim in (("k", s.key_dim), ("v", s.value_dim)):
-            if s.bits is None:
-                parts = [("", s.dtype, dim)]
-            else:
-                groups = dim // s.group_size
-                parts = [(".0", mx.uint32, dim * s.bits // 32)]
-                parts += [(f".{j}", s.dtype, groups) for j in (1, 2)]
-            for suffix, dtype, width in parts:
-                if dtype not in _DTYPES:
-                    raise DiskTierError(f"prefix cache on disk: KV dtype {dtype} is not stored")
-                shape = (s.kv_heads, block_size, width)
-                nbytes = int(np.prod(shape)) * dtype.size
-                out.append(Tensor(f"{i}.{side}{suffix}", _DTYPES[dtype], shape, offset, nbytes))
-                offset += nbytes
-    return out
+_NO_RESERVATION = Sequence()  # _allocate's sequence for blocks read in (they reserve nothing)
 
 
 def attach(
-    model, pool, *, directory: str | os.PathLike, budget: int | None, shared_only: str | None
+    model, pools: list, *, directory: str | os.PathLike, budget: int | None, refusal: str | None
 ) -> DiskTier | None:
-    """The disk tier of ``pool`` (the engine's dense pool) under ``directory``; None, with a
-    warning, where ``shared_only`` names why the engine's prefixes cannot go to disk."""
-    if shared_only is not None:
-        log.warning("prefix cache on disk: off for this model (%s)", shared_only)
+    """The disk tier of an engine's ``pools`` (its pool, and its window pool if it has one)
+    under ``directory``; None, with a warning, where ``refusal`` names why the engine's
+    prefixes cannot go to disk."""
+    if refusal is not None:
+        log.warning("prefix cache on disk: off for this model (%s)", refusal)
         return None
     root = Path(directory).expanduser()
-    layers = [
-        (s.kv_heads, s.key_dim, s.value_dim, str(s.dtype), s.bits, s.group_size)
-        for s in pool.layers
-    ]
-    storage = {"block_size": pool.block_size, "layers": layers}
+    storage = {
+        "block_size": pools[0].block_size,
+        "pools": [
+            [
+                (s.kv_heads, s.key_dim, s.value_dim, str(s.dtype), s.bits, s.group_size)
+                for s in p.layers
+            ]
+            for p in pools
+        ],
+        "windows": [p.window for p in pools],
+    }
     digest = model_fingerprint(model, storage, root)
     budget = DEFAULT_DISK_BYTES if budget is None else budget
-    return DiskTier(root, digest, pool.layers, pool.block_size, budget=budget)
-
-
-def _no_duplicates(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} appears twice")
-        out[key] = value
-    return out
+    return DiskTier(root, digest, pools, budget=budget)
 
 
 class DiskTier:
-    """The files of one pool's blocks under ``root``, for the model ``fingerprint`` names."""
+    """The files of an engine's blocks under ``root``, for the model ``fingerprint`` names:
+    each file one block of every layer of ``pools`` (its pool; its window pool)."""
 
     def __init__(
         self,
         root: str | os.PathLike,
         fingerprint: str,
-        layers: list[LayerShape],
-        block_size: int,
+        pools: list,
         *,
         budget: int = DEFAULT_DISK_BYTES,
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
@@ -150,16 +106,9 @@ class DiskTier:
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise DiskTierError(f"{root}: the prefix cache directory is not writable")
         self.fingerprint = fingerprint
-        self.layout = tensor_layout(layers, block_size)
-        self.data_bytes = sum(t.nbytes for t in self.layout)
-        self._tensors = {  # the header's tensor entries, as written and as expected
-            t.name: {
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "data_offsets": [t.offset, t.offset + t.nbytes],
-            }
-            for t in self.layout
-        }
+        self.pools = pools  # the engine's pool, and its window pool if it has one
+        self.format = BlockFormat([p.layers for p in pools], pools[0].block_size, fingerprint)
+        self.data_bytes = self.format.data_bytes
         self.budget, self.queue_bytes = budget, queue_bytes
         self.fresh: list[tuple[bytes, int]] = []  # (hash, block) hashed since the last save
         self.loaded = self.written = self.dropped = self.rejected = self.evicted = 0
@@ -178,41 +127,51 @@ class DiskTier:
 
     # -- the engine thread: admission -------------------------------------------------------
 
-    def load_into(self, pool, seq, prompt: list[int]) -> int:
-        """Continue ``seq``'s shared prefix (admitted from memory, its reservation made) with
-        the blocks of ``prompt`` that memory or disk holds, up to the first that neither does;
-        returns the blocks added. Each block read from disk takes one of the reservation's."""
+    def promote(self, prompt: list[int]) -> int:
+        """Bring the blocks of ``prompt``'s prefix that the pools lack, and disk has, into the
+        pools as cached blocks (hashed, unreferenced: what a prefix hit takes), up to the first
+        block neither holds; the pools' own lookup then shares them. Returns the blocks read.
+
+        A window pool needs only the blocks the deepest one's window sees. Blocks memory holds
+        are made the most recently used first, so these allocations evict other prefixes."""
+        pool = self.pools[0]
         bs = pool.block_size
-        self.touch(list(seq.hashes))
-        parent = seq.hashes[-1] if seq.hashes else b""
-        added, blocks, contents = 0, [], []
-        for i in range(len(seq.hashes), (len(prompt) - 1) // bs):
-            tokens = prompt[i * bs : (i + 1) * bs]
-            h = block_hash(parent, tokens)
-            if seq.reserved < 1:
+        hashes, parent = [], b""
+        for i in range((len(prompt) - 1) // bs):
+            parent = block_hash(parent, prompt[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        n = 0  # the chain's blocks that memory (the first pool) or disk holds
+        for h in hashes:
+            if not pool.holds(h) and not self.path(h).exists():
                 break
-            block = pool._by_hash.get(h)
-            if block is not None:  # a later block still in memory (LRU evicts chains' heads)
-                pool._take(block)
-                seq.reserved -= 1
-                pool._reserved -= 1
-                self.touch([h])
-            else:
-                arrays = self.read(h)
-                if arrays is None:
-                    break
-                block = pool._allocate(seq)
-                blocks.append(block)
-                contents.append(arrays)
-                pool._by_hash[h], pool._hash_of[block] = block, h
-                self.loaded += 1
-            seq.blocks.append(block)
-            seq.hashes.append(h)
-            seq.tokens.extend(tokens)
-            parent = h
-            added += 1
-        pool.import_blocks(blocks, contents)
-        return added
+            n += 1
+        wanted = [(p, range(p.first_seen(n * bs) if p.window else 0, n)) for p in self.pools]
+        for p, span in wanted:
+            _freshen(p, [hashes[i] for i in span])
+        self.touch(hashes[:n])
+        missing = sorted({i for p, span in wanted for i in span if not p.holds(hashes[i])})
+        missing = missing[: min(p.max_blocks - len(p._refs) for p in self.pools)]
+        read = {}
+        for i in missing:
+            arrays = self.read(hashes[i])
+            if arrays is None:  # gone, or bad (removed): the prefix ends before it
+                break
+            read[i] = arrays
+        for k, (p, span) in enumerate(wanted):
+            at = [i for i in span if i in read and not p.holds(hashes[i])]
+            blocks = [_cached_block(p, hashes[i]) for i in at]
+            parts = [self._parts(read[i], k) for i in at]
+            p.import_blocks(blocks, parts)
+            for b in blocks:  # unreferenced now: cached, in chain order
+                p._unref(b)
+        self.loaded += len(read)
+        return len(read)
+
+    def _parts(self, arrays: list[np.ndarray], k: int) -> list[np.ndarray]:
+        """The arrays of pool ``k`` among a file's."""
+        sizes = [len(p._arrays()) for p in self.pools]
+        start = sum(sizes[:k])
+        return arrays[start : start + sizes[k]]
 
     def read(self, h: bytes) -> list[np.ndarray] | None:
         """The arrays of block ``h``'s file, or None: no file, or one that is not this block
@@ -229,8 +188,8 @@ class DiskTier:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 self._reject(path, "not a regular file")
                 return None
-            blob = f.read(8 + _MAX_HEADER + self.data_bytes + 1)
-        arrays = self.decode(blob, h)
+            blob = f.read(self.format.max_bytes + 1)
+        arrays = self.format.decode(blob, h)
         if isinstance(arrays, str):
             self._reject(path, arrays)
             return None
@@ -239,39 +198,6 @@ class DiskTier:
         except OSError:
             pass
         return arrays
-
-    def decode(self, blob: bytes, h: bytes) -> list[np.ndarray] | str:
-        """The arrays of a block file's bytes, or why they are not block ``h`` of this pool."""
-        if len(blob) < 8:
-            return f"truncated ({len(blob)} bytes)"
-        (n,) = struct.unpack("<Q", blob[:8])
-        if n > _MAX_HEADER:
-            return f"header of {n} bytes (expected at most {_MAX_HEADER})"
-        if len(blob) != 8 + n + self.data_bytes:
-            return f"{len(blob)} bytes, expected {8 + n + self.data_bytes} (truncated or foreign)"
-        try:
-            header = json.loads(blob[8 : 8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            return f"header is not valid JSON ({' '.join(str(e).split())[:120]})"
-        if not isinstance(header, dict):
-            return "header is not a JSON object"
-        meta = header.pop("__metadata__", None)
-        expected = {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint}
-        expected["block"] = h.hex()
-        if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in expected.items()):
-            found = {k: meta.get(k) for k in expected} if isinstance(meta, dict) else meta
-            return f"metadata {str(found)[:200]} is not this model's block (fingerprint, kv_bits)"
-        if header != self._tensors:
-            return "tensors are not this pool's (names, dtypes, shapes or offsets differ)"
-        data = memoryview(blob)[8 + n :]
-        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-            return "data does not match its SHA-256 (corrupted)"
-        return [
-            np.frombuffer(
-                data, _NUMPY[t.dtype], t.nbytes // np.dtype(_NUMPY[t.dtype]).itemsize, t.offset
-            ).reshape(t.shape)
-            for t in self.layout
-        ]
 
     def _reject(self, path: Path, reason: str) -> None:
         self.rejected += 1
@@ -283,12 +209,14 @@ class DiskTier:
 
     # -- the engine thread: saving -----------------------------------------------------------
 
-    def save_fresh(self, pool) -> None:
-        """Queue the blocks hashed since the last call (still holding that hash, not on disk
-        yet) for the writer; what does not fit the queue is dropped."""
+    def save_fresh(self) -> None:
+        """Queue the blocks hashed since the last call (still holding that hash, in every pool,
+        not on disk yet) for the writer; what does not fit the queue is dropped."""
         fresh, self.fresh = self.fresh, []
-        keep = [(h, b) for h, b in fresh if pool._hash_of.get(b) == h and b < pool.n_blocks]
-        keep = [(h, b) for h, b in keep if not self.path(h).exists()]
+        pool = self.pools[0]
+        keep = [h for h, b in fresh if pool._hash_of.get(b) == h and b < pool.n_blocks]
+        keep = [h for h in keep if all(p.holds(h) for p in self.pools)]
+        keep = [h for h in keep if not self.path(h).exists()]
         with self._cond:
             room = max(0, (self.queue_bytes - self._pending) // max(self.data_bytes, 1))
         if len(keep) > room:
@@ -296,10 +224,10 @@ class DiskTier:
             keep = keep[:room]
         if not keep:
             return
-        contents = pool.export_blocks([b for _, b in keep])
+        per_pool = [p.export_blocks([p._by_hash[h] for h in keep]) for p in self.pools]
         with self._cond:
-            for (h, _), arrays in zip(keep, contents):
-                self._queue.append((h, arrays))
+            for j, h in enumerate(keep):
+                self._queue.append((h, [a for contents in per_pool for a in contents[j]]))
                 self._pending += self.data_bytes
             self._cond.notify_all()
 
@@ -339,32 +267,12 @@ class DiskTier:
                         self._pending -= self.data_bytes
                         self._cond.notify_all()
 
-    def encode(self, h: bytes, arrays: list[np.ndarray]) -> bytes:
-        """The bytes of block ``h``'s file."""
-        for t, a in zip(self.layout, arrays):
-            if a.shape != t.shape or a.nbytes != t.nbytes:
-                raise ValueError(f"prefix cache on disk: {t.name} is {a.shape}, expected {t.shape}")
-        data = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-        header: dict = {
-            "__metadata__": {
-                "format": FORMAT,
-                "version": VERSION,
-                "fingerprint": self.fingerprint,
-                "block": h.hex(),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        }
-        header.update(self._tensors)
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
-        return struct.pack("<Q", len(raw)) + raw + data
-
     def _write(self, h: bytes, arrays: list[np.ndarray]) -> None:
         path = self.path(h)
         if path.exists():  # another engine wrote it meanwhile
             os.utime(path)
             return
-        blob = self.encode(h, arrays)
+        blob = self.format.encode(h, arrays)
         with writing_file(path) as tmp:
             tmp.write_bytes(blob)
         self.written += 1
@@ -425,3 +333,18 @@ class DiskTier:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout)
+
+
+def _freshen(pool, hashes: list[bytes]) -> None:
+    """Make the cached blocks of ``hashes`` the pool's most recently used."""
+    for h in hashes:
+        block = pool._by_hash.get(h)
+        if block is not None and block in pool._cached:
+            pool._cached.move_to_end(block)
+
+
+def _cached_block(pool, h: bytes) -> int:
+    """A block of ``pool`` for hash ``h``, referenced once (the caller unrefs it: cached)."""
+    block = pool._allocate(_NO_RESERVATION)
+    pool._by_hash[h], pool._hash_of[block] = block, h
+    return block

@@ -76,8 +76,8 @@ class Engine(TextRequests, Scheduler):
             of prefill (and at each prompt's last full block). None: a prefill chunk's blocks.
         prefix_cache_dir: keep the prefix cache's full blocks on disk here too (``disk.py``):
             a later engine of the same model (a restart, another server sharing the directory)
-            reads them back instead of computing them. Dense models' pools (not yet sliding
-            windows or recurrent layers: a warning, then memory only).
+            reads them back instead of computing them (not yet for models with recurrent
+            layers: a warning, then memory only).
         prefix_cache_disk_bytes: most bytes of block files in ``prefix_cache_dir`` (every
             model's: the oldest go first); None: 10 GiB.
     """
@@ -138,10 +138,10 @@ class Engine(TextRequests, Scheduler):
         if prefix_cache_dir is not None:
             self.pool.disk = disk_mod.attach(
                 model,
-                self.pool,
+                [p for p in (self.pool, self.window_pool) if p is not None],
                 directory=prefix_cache_dir,
                 budget=prefix_cache_disk_bytes,
-                shared_only=_disk_refusal(self),
+                refusal=_disk_refusal(self),
             )
         if reserve:
             for pool in (self.pool, self.window_pool):
@@ -346,8 +346,6 @@ def _disk_refusal(engine: Engine) -> str | None:
     """Why ``engine``'s prefixes cannot go to disk yet, or None."""
     if engine.recurrent:
         return "recurrent layers: their state snapshots are not written to disk yet"
-    if engine.window_pool is not None or engine.pool.window is not None:
-        return "sliding-window layers keep only their windows"
     return None
 
 

@@ -85,7 +85,7 @@ class KVPool(BlockStore):
     """Blocks of keys and values for every layer, shared by all sequences of an engine: which
     sequence holds which block (the arrays themselves: :class:`~.store.BlockStore`)."""
 
-    disk = None  # a DiskTier (disk.py): prefixes continue from memory onto disk, and back
+    disk = None  # a DiskTier (disk.py): full blocks also go to disk, and come back from it
 
     def __init__(
         self,
@@ -202,8 +202,6 @@ class KVPool(BlockStore):
             return None
         seq.reserved = need
         self._reserved += need
-        if self.disk is not None and share and hits is None:  # the rest from disk (or memory)
-            n += self.disk.load_into(self, seq, prompt)
         self.prefix_queries += len(found)
         self.prefix_hits += n
         return seq

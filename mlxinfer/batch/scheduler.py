@@ -117,7 +117,7 @@ class Scheduler:
                 self._prefill()
                 self._decode()
                 if self.pool.disk is not None:  # the turn's new full blocks, to the writer
-                    self.pool.disk.save_fresh(self.pool)
+                    self.pool.disk.save_fresh()
                 self._shrink()
                 self.draft_kv_bytes = sum(rows_mod.draft_nbytes(r) for r in self._running) + sum(
                     p.bytes_in_use for p in self._draft_pools.values()
@@ -160,6 +160,8 @@ class Scheduler:
         """Sequences for ``request`` in every pool (the same prefix shared in each: as much of
         it as the window pool has the windows of), or False, holding nothing, if one lacks room."""
         room = request.max_tokens + self.max_draft
+        if self.pool.disk is not None:  # the prefix's blocks on disk join the pools' cached ones
+            self.pool.disk.promote(request.ids)
         # A recurrent model shares what a snapshot of its states can resume (snapshots.py).
         share = not self.recurrent or self.snapshots is not None
         hits = None
