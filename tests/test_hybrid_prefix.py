@@ -67,17 +67,32 @@ class Reference:
         return out
 
 
+_BUILT: dict[str, tuple] = {}
+
+
+def _build(name: str, tmp_path_factory) -> tuple:
+    """(name, model, Reference) of a tiny random checkpoint of that family, made once."""
+    if name not in _BUILT:
+        spec = {k: v for k, v in FAMILIES[name].items() if v is not None}
+        path, torch_model = make_tiny(
+            tmp_path_factory.mktemp(name),
+            perturb_vectors=True,
+            max_position_embeddings=2048,
+            **spec,
+        )
+        _BUILT[name] = name, load_model(path)[0], Reference(torch_model)
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    spec = {k: v for k, v in FAMILIES[request.param].items() if v is not None}
-    path, torch_model = make_tiny(
-        tmp_path_factory.mktemp(request.param),
-        perturb_vectors=True,
-        max_position_embeddings=2048,
-        **spec,
-    )
-    model, _ = load_model(path)
-    return request.param, model, Reference(torch_model)
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    """One family for the scheduler's rules, which are the same whatever the layers."""
+    return _build("qwen3_5_text", tmp_path_factory)
 
 
 def run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[int], int]:
@@ -114,14 +129,12 @@ def test_a_shared_prefix_is_resumed_from_a_state_snapshot_in_a_mixed_batch(famil
     assert tokens[2] == cold_tokens[2], name
 
 
-def test_divergence_mid_block_and_the_branch_point(family):
+def test_divergence_mid_block_and_the_branch_point(qwen35):
     """A prompt diverging from a cached one mid-block (at 300: 18 full blocks and 12 tokens).
     With a snapshot every block (``state_every=1``) it resumes at 288. With the default ones
     (every prefill chunk: 256) it resumes at 256 and leaves a snapshot where the blocks it
     shared end (288), from which the next prompt diverging there resumes."""
-    name, model, reference = family
-    if name != "qwen3_5_text":
-        pytest.skip("the scheduler's rule, whatever the layers: one family is enough")
+    name, model, reference = qwen35
     first, second, third = (PREFIX[:300] + _ids(20, seed) for seed in (4, 5, 6))
     expected = [reference.greedy(p) for p in (first, second, third)]
     with Engine(model, block_size=BS, state_every=1) as engine:
@@ -139,13 +152,11 @@ def test_divergence_mid_block_and_the_branch_point(family):
     assert got == expected[1:], name
 
 
-def test_the_next_turn_resumes_after_the_reply(family):
+def test_the_next_turn_resumes_after_the_reply(qwen35):
     """A request's decoding fills a block (500 prompt tokens, 20 generated: the block ending at
     512): that state is kept when it retires, so the next turn (the prompt, the reply, a new
     message) resumes at 512, not at its prompt's last full block (496)."""
-    name, model, reference = family
-    if name != "qwen3_5_text":
-        pytest.skip("the scheduler's rule, whatever the layers: one family is enough")
+    name, model, reference = qwen35
     turn = PREFIX[:500]
     with Engine(model, block_size=BS) as engine:
         handle = engine.submit(turn, max_tokens=20)
@@ -185,8 +196,8 @@ def test_blocks_evicted_under_a_small_kv_budget(family):
     name, model, reference = family
     with Engine(model, block_size=BS) as probe:
         per_block = probe.pool.bytes_per_block
-        run(probe, [PREFIX])
-        snapshot_bytes = probe.metrics()["state_snapshot_bytes"]
+        run(probe, [_ids(40, 7)])  # one snapshot; PREFIX leaves two (256, 512)
+        snapshot_bytes = 2 * probe.metrics()["state_snapshot_bytes"]
     kv_budget = 48 * per_block + snapshot_bytes
     extend = PREFIX + _ids(30, 9)
     expected = reference.greedy(extend)
@@ -200,10 +211,15 @@ def test_blocks_evicted_under_a_small_kv_budget(family):
     assert tokens == [expected], name
 
 
-def test_the_default_split_of_kv_budget():
+def test_the_default_split_of_kv_budget(qwen35):
     """A recurrent model's snapshots get a quarter of kv_budget unless told; 0 turns prefix
-    reuse off; more than the budget is refused."""
+    reuse off; more than the budget is refused, and so is a snapshot every 0 blocks."""
     from mlxinfer.batch.snapshots import split_budget
+
+    with pytest.raises(ValueError, match="state_every"):
+        Engine(qwen35[1], state_every=0)
+    with pytest.raises(ValueError, match="state_budget"):
+        Engine(qwen35[1], kv_budget=1 << 20, state_budget=2 << 20)
 
     assert split_budget(1000, None) == (750, 250)
     assert split_budget(1000, 0) == (1000, 0)

@@ -111,6 +111,8 @@ class Engine(TextRequests, Scheduler):
             raise ValueError(f"attention: expected 'pages' or 'gather', found {attention!r}")
         if max_draft < 0:
             raise ValueError(f"max_draft must be >= 0, got {max_draft}")
+        if state_every is not None and state_every < 1:
+            raise ValueError(f"state_every must be >= 1 (blocks), got {state_every}")
         self.model = model
         # Rows of one regime share a forward (None: all rows; see check_batchable).
         self.regime, self.windows = check_batchable(model)
@@ -134,7 +136,7 @@ class Engine(TextRequests, Scheduler):
             hold_windows=hold_windows,
         )
         self.snapshots = Snapshots(state_bytes, self.pool.holds) if state_bytes else None
-        self.state_every = max(1, state_every or prefill_step // block_size)
+        self.state_every = state_every or max(1, prefill_step // block_size)
         if prefix_cache_dir is not None:
             self.pool.disk = disk_mod.attach(
                 model,
