@@ -222,18 +222,29 @@ def server(checkpoint, loaded):
 
     model, tokenizer = loaded  # the same weights serve as a generative model too
     app = make_app(
-        model, tokenizer, GEN, api_key=KEY, max_batch=2, embedding_model=str(checkpoint[0])
+        model,
+        tokenizer,
+        GEN,
+        api_key=KEY,
+        max_batch=2,
+        kv_budget=1 << 22,
+        embedding_model=str(checkpoint[0]),
     )
     with serving(app) as url:
         yield url, checkpoint[0].name
+    while _http:
+        _http.pop().close()
+
+
+_http = []  # one client for the module: making one (its TLS context) costs ~0.2 s
 
 
 def _post(url, path, body):
     import httpx
 
-    return httpx.post(
-        f"{url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
-    )
+    if not _http:
+        _http.append(httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=60))
+    return _http[0].post(f"{url}{path}", json=body)
 
 
 def test_the_openai_client_gets_transformers_vectors(server, checkpoint):
