@@ -225,3 +225,44 @@ def test_the_default_split_of_kv_budget(qwen35):
     assert split_budget(1000, 0) == (1000, 0)
     with pytest.raises(ValueError, match="state_budget"):
         split_budget(1000, 1001)
+
+
+def test_the_snapshot_store_is_an_lru_of_copies_inside_its_bytes():
+    """get() hands out copies (a row writing into its restored state leaves the snapshot as
+    it was); the least recently used goes first, a snapshot whose blocks are gone before it;
+    one larger than the store is not kept."""
+    import mlx.core as mx
+
+    from mlxinfer.batch.snapshots import Snapshots
+
+    def state(value: float) -> list[mx.array]:
+        return [mx.full((1, 4), value), mx.full((1, 2, 2), value)]  # 32 bytes
+
+    gone = {b"c"}
+    store = Snapshots(96, alive=lambda h: h not in gone)
+    for h, v in ((b"a", 1.0), (b"b", 2.0), (b"c", 3.0)):
+        assert store.put(h, state(v))
+    restored = store.get(b"a")  # now the most recent
+    restored[0][0, 0] = 42.0
+    assert store.get(b"a")[0].tolist() == [[1.0] * 4]
+    assert store.put(b"d", state(4.0))  # "c" (blocks gone) goes, not "b" (the oldest)
+    assert b"c" not in store and b"b" in store and store.nbytes == 96
+    assert store.put(b"e", state(5.0))  # then the least recently used: "b"
+    assert b"b" not in store and b"a" in store and len(store) == 3
+    assert not store.put(b"f", state(6.0) * 4)  # 128 bytes: never fits
+    assert store.nbytes <= store.max_bytes
+
+
+def test_where_a_prefill_chunk_stops():
+    """Chunks stop at every `every`-th block boundary, the prompt's last full block (of the
+    n - 1 tokens prefill feeds) and the branch point, whichever comes first."""
+    from mlxinfer.batch.snapshots import chunk_end, wanted
+
+    # blocks of 16, every 4 blocks (64), a prompt of 150 (last full block at 144), no branch
+    assert chunk_end(0, 149, 16, 4, 0, 150) == 64
+    assert chunk_end(64, 149, 16, 4, 0, 150) == 128
+    assert chunk_end(128, 149, 16, 4, 0, 150) == 144
+    assert chunk_end(144, 149, 16, 4, 0, 150) == 149
+    assert chunk_end(70, 100, 16, 4, 96, 150) == 96  # a branch point first
+    assert chunk_end(10, 40, 16, 4, 0, 150) == 40  # a short budget: no point in reach
+    assert [p for p in range(150) if wanted(p, 16, 4, 96, 150)] == [64, 96, 128, 144]

@@ -221,14 +221,7 @@ class Scheduler:
                 start = request.seq.length
                 end = start + min(left, budget)
                 if self.snapshots is not None:  # a chunk ends where a snapshot is wanted
-                    end = snap.chunk_end(
-                        start,
-                        end,
-                        self.pool.block_size,
-                        self.state_every,
-                        request.branch,
-                        len(request.ids),
-                    )
+                    end = snap.chunk_end(start, end, *self._points(request))
                 chunks.append((request, request.ids[start:end]))
                 budget -= len(chunks[-1][1])
         for group in self._prefill_groups(chunks):
@@ -292,15 +285,14 @@ class Scheduler:
         """Keep ``r``'s states if its prefill stopped where a snapshot is wanted (a block
         boundary: every ``state_every``-th, the prompt's last full one, or its branch point),
         under the chain hash of the block ending there."""
-        length, bs = r.seq.length, self.pool.block_size
-        if length == 0 or length % bs:
-            return
-        last = (len(r.ids) - 1) // bs * bs
-        if length % (bs * self.state_every) and length not in (r.branch, last):
-            return
-        arrays = snap.capture(r.states)
+        wanted = snap.wanted(r.seq.length, *self._points(r))
+        arrays = snap.capture(r.states) if wanted else None
         if arrays is not None:
             self.snapshots.put(r.seq.hashes[-1], arrays)
+
+    def _points(self, r: _Request) -> tuple[int, int, int, int]:
+        """Where ``r``'s snapshots go (``snapshots.chunk_end``'s and ``wanted``'s arguments)."""
+        return self.pool.block_size, self.state_every, r.branch, len(r.ids)
 
     def _feed_draft(self, request: _Request) -> None:
         t0 = time.perf_counter()

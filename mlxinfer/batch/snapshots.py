@@ -18,7 +18,7 @@ its decoding filled (for the next turn: this prompt, the reply, a new message).
 The store (:class:`Snapshots`) is an LRU of at most ``max_bytes``: the engine gives it a part
 of ``kv_budget`` (``state_budget``, a quarter by default) and the pool the rest, so the two
 never hold more than the budget. A snapshot whose blocks the pool no longer holds (``alive``)
-is evicted before any other; a snapshot larger than the whole store is not kept.
+is evicted before others (among the oldest 64); one larger than the whole store is not kept.
 
 Its interface is small, for a tier that would keep snapshots elsewhere (on disk):
 ``get(chain_hash) -> list[mx.array] | None`` (copies), ``put(chain_hash, arrays)`` (copied in),
@@ -30,6 +30,7 @@ in float32, as the layer computes it, the convolution's last inputs in the model
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from typing import Callable
 
 import mlx.core as mx
@@ -37,6 +38,7 @@ import mlx.core as mx
 from .pool import block_hash
 
 DEFAULT_STATE_SHARE = 4  # a recurrent model's snapshots get kv_budget // 4 unless told
+_DEAD_SCAN = 64  # the oldest snapshots looked at for dead ones before evicting (bounded work)
 
 
 class Snapshots:
@@ -76,8 +78,8 @@ class Snapshots:
         size = sum(a.nbytes for a in arrays)
         if size > self.max_bytes:
             return False
-        if self.nbytes + size > self.max_bytes:
-            for h in [h for h in self._items if not self.alive(h)]:
+        if self.nbytes + size > self.max_bytes:  # the oldest whose blocks are gone go first
+            for h in [h for h in islice(self._items, _DEAD_SCAN) if not self.alive(h)]:
                 self._drop(h)
         while self.nbytes + size > self.max_bytes:
             self._drop(next(iter(self._items)))
@@ -136,6 +138,14 @@ def chunk_end(start: int, end: int, block_size: int, every: int, branch: int, n_
     period = every * block_size
     points = [(start // period + 1) * period, (n_ids - 1) // block_size * block_size, branch]
     return min([end] + [p for p in points if start < p < end])
+
+
+def wanted(length: int, block_size: int, every: int, branch: int, n_ids: int) -> bool:
+    """Whether a row whose prefill stopped at ``length`` is at a point ``chunk_end`` aims for."""
+    if length == 0 or length % block_size:
+        return False
+    last = (n_ids - 1) // block_size * block_size
+    return length % (every * block_size) == 0 or length in (branch, last)
 
 
 def split_budget(kv_budget: int, state_budget: int | None) -> tuple[int, int]:
