@@ -594,3 +594,10 @@ def test_the_official_clients_send_agent_fields_and_read_the_usage(tiny):
             extra_body={"x_future_field": True},
         )
         assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 0
+
+
+def test_head_on_the_base_url_is_answered(client):
+    # Claude Code probes ANTHROPIC_BASE_URL with HEAD before its first request (it was a 405).
+    r = client.head("/")
+    assert r.status_code in (200, 404)  # 404: the chat page is not built in this checkout
+    assert r.content == b""

@@ -25,7 +25,8 @@ def add_page(app: FastAPI) -> None:
     """Serve the chat page at ``/`` and its assets under ``/static``."""
     index = STATIC / "index.html"
 
-    @app.get("/", include_in_schema=False)
+    # HEAD too: Claude Code probes the base URL with one before its first request.
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     def page():
         if not index.is_file():
             return PlainTextResponse(
