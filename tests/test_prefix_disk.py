@@ -85,6 +85,38 @@ def test_sliding_window_models_read_their_prefix_back_too(gemma3, layers, blocks
     assert tokens == _cold(model, second)
 
 
+LFM2 = dict(
+    model_type="lfm2",
+    layer_types=["conv", "full_attention", "conv", "conv"],
+    conv_L_cache=3,
+    block_multiple_of=64,
+)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_recurrent_model_resumes_from_a_state_snapshot_on_disk(damaged, tmp_path):
+    """LFM2: the blocks and the snapshot of the states after them come back from disk. The
+    first prompt (320 tokens) leaves snapshots after 256 tokens (a prefill chunk) and after
+    its last full block (304); the next turn extends it past 304. A damaged snapshot file is
+    removed, and the request resumes from the one before."""
+    path = write_checkpoint(tmp_path / "m", **{**SHAPE, "num_hidden_layers": 4, **LFM2})
+    model, _ = load_model(path)
+    first = _ids(320, 14)
+    second = first[:310] + _ids(17, 16)
+    with Engine(model, block_size=BS, prefix_cache_dir=tmp_path / "d") as engine:
+        _run(engine, first)
+        snapshots = engine.snapshots
+    state_file = snapshots.tier.path(_hashes(first)[304 // BS - 1], snapshots.format)
+    assert state_file.is_file()
+    if damaged:
+        state_file.write_bytes(state_file.read_bytes()[:-1] + b"\0")
+    with Engine(model, block_size=BS, prefix_cache_dir=tmp_path / "d") as engine:
+        tokens, cached = _run(engine, second)
+        rejected = engine.pool.disk.rejected
+    assert (cached, rejected) == ((256, 1) if damaged else (304, 0))
+    assert tokens == _cold(model, second)
+
+
 def _run(engine, prompt, n=6):
     handle = engine.submit(prompt, max_tokens=n)
     return [s.token for s in handle.steps()], handle.cached_tokens

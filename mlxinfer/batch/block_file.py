@@ -76,6 +76,18 @@ def _pool_layout(layers: list[LayerShape], block_size: int, prefix: str) -> list
     return out
 
 
+def listed_layout(tensors: list[tuple[str, mx.Dtype, tuple[int, ...]]]) -> list[Tensor]:
+    """The layout of a file of these (name, dtype, shape) tensors, in this order."""
+    out, offset = [], 0
+    for name, dtype, shape in tensors:
+        if dtype not in _DTYPES:
+            raise DiskTierError(f"prefix cache on disk: dtype {dtype} is not stored")
+        nbytes = int(np.prod(shape)) * dtype.size
+        out.append(Tensor(name, _DTYPES[dtype], tuple(shape), offset, nbytes))
+        offset += nbytes
+    return out
+
+
 def _no_duplicates(pairs):
     out = {}
     for key, value in pairs:
@@ -89,9 +101,15 @@ class BlockFormat:
     """The files of one engine's blocks: ``pools`` (each a list of layer shapes), ``block_size``
     tokens, the model ``fingerprint``."""
 
-    def __init__(self, pools: list[list[LayerShape]], block_size: int, fingerprint: str) -> None:
+    def __init__(
+        self,
+        pools: list[list[LayerShape]],
+        block_size: int,
+        fingerprint: str,
+        layout: list[Tensor] | None = None,
+    ) -> None:
         self.fingerprint = fingerprint
-        self.layout = tensor_layout(pools, block_size)
+        self.layout = layout if layout is not None else tensor_layout(pools, block_size)
         self.data_bytes = sum(t.nbytes for t in self.layout)
         self.max_bytes = 8 + _MAX_HEADER + self.data_bytes
         self._tensors = {  # the header's tensor entries, as written and as expected

@@ -24,9 +24,9 @@ thread writes them. The queue holds at most ``queue_bytes``: past that, blocks a
 files go, down to 90 % of it. :meth:`DiskTier.close` (``Engine.close``) writes what is
 queued first.
 
-Hook for recurrent state (models with recurrent layers are not on disk yet): a state
-snapshot taken at a block boundary would be a second file beside the block's, named by the
-same hash with its own tensor list (``snapshot.{layer}.{i}``), read only where the block is.
+A model with recurrent layers keeps its state snapshots on disk too, as files of their own
+beside the blocks' (``disk_states.py``: :meth:`DiskTier.read` and :meth:`DiskTier.offer` with
+their :class:`~.block_file.BlockFormat`).
 """
 
 from __future__ import annotations
@@ -121,8 +121,10 @@ class DiskTier:
         self._thread = threading.Thread(target=self._run, name="mlxinfer-prefix-disk", daemon=True)
         self._thread.start()
 
-    def path(self, h: bytes) -> Path:
-        name = hashlib.sha256(self.fingerprint.encode() + h).hexdigest()
+    def path(self, h: bytes, fmt: BlockFormat | None = None) -> Path:
+        """Where the file of ``h`` (a block; or in ``fmt``, e.g. a state snapshot) lives."""
+        fmt = fmt or self.format
+        name = hashlib.sha256(fmt.fingerprint.encode() + h).hexdigest()
         return self.root / name[:2] / f"{name}.safetensors"
 
     # -- the engine thread: admission -------------------------------------------------------
@@ -173,10 +175,11 @@ class DiskTier:
         start = sum(sizes[:k])
         return arrays[start : start + sizes[k]]
 
-    def read(self, h: bytes) -> list[np.ndarray] | None:
-        """The arrays of block ``h``'s file, or None: no file, or one that is not this block
-        of this model (then it is removed)."""
-        path = self.path(h)
+    def read(self, h: bytes, fmt: BlockFormat | None = None) -> list[np.ndarray] | None:
+        """The arrays of block ``h``'s file (``fmt``: another kind's), or None: no file, or
+        one that is not this block of this model (then it is removed)."""
+        fmt = fmt or self.format
+        path = self.path(h, fmt)
         try:  # non-blocking: a FIFO planted under the name must not hang the engine
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
@@ -188,8 +191,8 @@ class DiskTier:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 self._reject(path, "not a regular file")
                 return None
-            blob = f.read(self.format.max_bytes + 1)
-        arrays = self.format.decode(blob, h)
+            blob = f.read(fmt.max_bytes + 1)
+        arrays = fmt.decode(blob, h)
         if isinstance(arrays, str):
             self._reject(path, arrays)
             return None
@@ -227,15 +230,27 @@ class DiskTier:
         per_pool = [p.export_blocks([p._by_hash[h] for h in keep]) for p in self.pools]
         with self._cond:
             for j, h in enumerate(keep):
-                self._queue.append((h, [a for contents in per_pool for a in contents[j]]))
+                arrays = [a for contents in per_pool for a in contents[j]]
+                self._queue.append((h, arrays, self.format))
                 self._pending += self.data_bytes
             self._cond.notify_all()
+
+    def offer(self, h: bytes, arrays: list[np.ndarray], fmt: BlockFormat) -> bool:
+        """Queue one file of ``fmt`` for the writer; False (dropped) if the queue is full."""
+        with self._cond:
+            if self._pending + fmt.data_bytes > self.queue_bytes or len(self._queue) >= _MAX_QUEUED:
+                self.dropped += 1
+                return False
+            self._queue.append((h, arrays, fmt))
+            self._pending += fmt.data_bytes
+            self._cond.notify_all()
+        return True
 
     def touch(self, hashes: list[bytes]) -> None:
         """Mark these blocks' files used now (their place in the LRU), on the writer thread."""
         with self._cond:
             if hashes and len(self._queue) < _MAX_QUEUED:  # a touch is dropped rather than kept
-                self._queue.append((None, hashes))
+                self._queue.append((None, hashes, None))
                 self._cond.notify_all()
 
     # -- the writer thread -------------------------------------------------------------------
@@ -247,7 +262,7 @@ class DiskTier:
                     self._cond.wait()
                 if not self._queue:
                     return
-                h, arrays = self._queue.popleft()
+                h, arrays, fmt = self._queue.popleft()
             try:
                 if h is None:
                     for t in arrays:
@@ -256,7 +271,7 @@ class DiskTier:
                         except OSError:
                             pass
                 else:
-                    self._write(h, arrays)
+                    self._write(h, arrays, fmt)
             except Exception as e:  # a full disk, a removed directory: the block is not kept
                 self.failed += 1
                 if self.failed == 1:
@@ -264,15 +279,15 @@ class DiskTier:
             finally:
                 if h is not None:
                     with self._cond:
-                        self._pending -= self.data_bytes
+                        self._pending -= fmt.data_bytes
                         self._cond.notify_all()
 
-    def _write(self, h: bytes, arrays: list[np.ndarray]) -> None:
-        path = self.path(h)
+    def _write(self, h: bytes, arrays: list[np.ndarray], fmt: BlockFormat) -> None:
+        path = self.path(h, fmt)
         if path.exists():  # another engine wrote it meanwhile
             os.utime(path)
             return
-        blob = self.format.encode(h, arrays)
+        blob = fmt.encode(h, arrays)
         with writing_file(path) as tmp:
             tmp.write_bytes(blob)
         self.written += 1

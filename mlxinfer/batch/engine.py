@@ -22,6 +22,7 @@ from ..generation.drafts import Draft
 from ..generation.prefill import check_token_ids, token_ids
 from ..generation.sampling import LogitsProcessor, SamplingParams
 from . import disk as disk_mod
+from . import disk_states
 from . import pool as pool_mod
 from . import rows as rows_mod
 from .draft_pool import DraftPool, poolable
@@ -76,8 +77,8 @@ class Engine(TextRequests, Scheduler):
             of prefill (and at each prompt's last full block). None: a prefill chunk's blocks.
         prefix_cache_dir: keep the prefix cache's full blocks on disk here too (``disk.py``):
             a later engine of the same model (a restart, another server sharing the directory)
-            reads them back instead of computing them (not yet for models with recurrent
-            layers: a warning, then memory only).
+            reads them back instead of computing them; a recurrent model's state snapshots
+            too (``disk_states.py``).
         prefix_cache_disk_bytes: most bytes of block files in ``prefix_cache_dir`` (every
             model's: the oldest go first); None: 10 GiB.
     """
@@ -145,6 +146,9 @@ class Engine(TextRequests, Scheduler):
                 budget=prefix_cache_disk_bytes,
                 refusal=_disk_refusal(self),
             )
+            if self.pool.disk is not None and self.snapshots is not None:  # states on disk too
+                template = disk_states.state_template(model)
+                self.snapshots = disk_states.DiskSnapshots(self.snapshots, self.pool.disk, template)
         if reserve:
             for pool in (self.pool, self.window_pool):
                 if pool is not None:
@@ -346,8 +350,8 @@ def _disk_metrics(disk) -> dict[str, int]:
 
 def _disk_refusal(engine: Engine) -> str | None:
     """Why ``engine``'s prefixes cannot go to disk yet, or None."""
-    if engine.recurrent:
-        return "recurrent layers: their state snapshots are not written to disk yet"
+    if engine.recurrent and engine.snapshots is None:
+        return "recurrent layers without state snapshots (state_budget=0) share no prefix"
     return None
 
 
