@@ -357,3 +357,27 @@ def test_models_dir_serves_an_embedding_checkpoint_under_its_name(checkpoint, tm
         metrics = client.get("/metrics").text
         assert 'mlxinfer_requests_done_total{model="emb"} 1' in metrics
         assert client.get("/health").json()["models"]["emb"]["loaded"]
+
+
+def test_concurrent_requests_each_get_their_own_vectors(server, checkpoint):
+    """Embedding requests from several threads (one forward at a time) while a chat request
+    runs on the generative model's engine: each gets the vectors of its own inputs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, name = server
+    expected = reference(checkpoint, TEXTS)
+    chat = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+    def one(i):
+        if i == 0:
+            return _post(url, "/v1/chat/completions", chat).status_code
+        texts = [TEXTS[i % 4], TEXTS[(i + 1) % 4]]
+        r = _post(
+            url, "/v1/embeddings", {"model": name, "input": texts, "encoding_format": "float"}
+        )
+        got = [d["embedding"] for d in r.json()["data"]]
+        np.testing.assert_allclose(got, expected[[i % 4, (i + 1) % 4]], atol=1e-4)
+        return r.status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(one, range(6))) == [200] * 6
