@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import mlx.core as mx
+
 from .cache import StateCache
 from .errors import MlxInferError
 from .fingerprint import model_fingerprint
@@ -47,7 +49,15 @@ def open_cache(
         return fresh, fingerprint, None
     try:
         pc = _read(path, model, fingerprint, kv_bits, max_kv_size)
-    except (MlxInferError, KeyError, ValueError, TypeError, IndexError, OSError) as e:
+    except (
+        MlxInferError,
+        KeyError,
+        ValueError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        OSError,
+    ) as e:
         reason = " ".join(str(e).removeprefix(f"{path}: ").split())[:300]
         return fresh, fingerprint, f"{path}: not used ({reason}); starting cold"
     return pc, fingerprint, None
@@ -67,10 +77,29 @@ def _read(path: Path, model, fingerprint: str, kv_bits, max_kv_size) -> PromptCa
     kinds = [type(c).__name__ for c in cache]
     if kinds != [type(c).__name__ for c in expected]:
         raise ValueError(f"its {len(kinds)} layer caches are not the model's")
-    for i, c in enumerate(cache):
+    model(mx.array([[0]], dtype=mx.int32), expected)  # each layer's arrays, one token long
+    for i, (c, e) in enumerate(zip(cache, expected)):
         if not isinstance(c, StateCache) and c.offset != len(tokens):
             raise ValueError(f"layer {i} holds {c.offset} tokens, the file lists {len(tokens)}")
+        _same_arrays(i, c, e)
     return PromptCache(cache, tokens)
+
+
+def _same_arrays(i: int, found, expected) -> None:
+    """Layer ``i``'s arrays as the model's own: the same count, dtypes and shapes (but the
+    length, axis 2, of a cache that grows per token)."""
+    a_all = [a for a in found.state if a is not None]
+    b_all = [b for b in expected.state if b is not None]
+    grows = not isinstance(expected, StateCache)
+    ok = len(a_all) == len(b_all) and all(
+        a.dtype == b.dtype
+        and a.ndim == b.ndim
+        and all(x == y for k, (x, y) in enumerate(zip(a.shape, b.shape)) if not (grows and k == 2))
+        for a, b in zip(a_all, b_all)
+    )
+    if not ok:
+        shapes = [(tuple(a.shape), str(a.dtype)) for a in a_all]
+        raise ValueError(f"layer {i}'s arrays {shapes} are not the model's")
 
 
 def save(path: str | os.PathLike, pc: PromptCache, fingerprint: str) -> None:

@@ -413,3 +413,19 @@ def test_the_fingerprint_follows_the_weight_files(tmp_path):
     data["files"]["model.safetensors"]["sha256"] = "0" * 64  # the manifest is what is read
     manifest.write_text(json.dumps(data))
     assert digest().fingerprint not in (third.fingerprint, second.fingerprint)
+
+
+def test_chat_resumes_from_its_prompt_cache_file(tiny_dirs, tmp_path):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import cli
+
+    path = tmp_path / "chat.safetensors"
+    args = ["chat", "-m", str(tiny_dirs[0]), "--chat-template", "chatml", "-n", "4", "-v"]
+    cached = []
+    for _ in range(2):  # the same first message: all but its last token from the file
+        result = CliRunner().invoke(cli, [*args, "--prompt-cache-file", str(path)], input=PROMPT)
+        assert result.exit_code == 0, result.output
+        found = re.search(r"prompt tokens\s+(\d+) \((\d+) cached\)", result.stderr)
+        cached.append((int(found.group(1)), int(found.group(2))))
+    assert cached[0][1] == 0 and cached[1][1] == cached[1][0] - 1
