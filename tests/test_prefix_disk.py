@@ -429,3 +429,14 @@ def test_chat_resumes_from_its_prompt_cache_file(tiny_dirs, tmp_path):
         found = re.search(r"prompt tokens\s+(\d+) \((\d+) cached\)", result.stderr)
         cached.append((int(found.group(1)), int(found.group(2))))
     assert cached[0][1] == 0 and cached[1][1] == cached[1][0] - 1
+
+
+def test_an_unusable_prefix_cache_dir_is_a_one_line_error(tiny, tmp_path):
+    from mlxinfer.errors import MlxInferError
+
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    with pytest.raises(
+        MlxInferError, match=rf"{re.escape(str(taken))}: cannot be the prefix cache"
+    ):
+        Engine(tiny, block_size=BS, prefix_cache_dir=taken)

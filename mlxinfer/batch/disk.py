@@ -36,7 +36,8 @@ import logging
 import os
 import stat
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,8 @@ from .pool import Sequence, block_hash
 DEFAULT_DISK_BYTES = 10 << 30  # 10 GiB
 DEFAULT_QUEUE_BYTES = 256 << 20  # blocks waiting for the writer, at most
 _EVICT_TO = 0.9  # past the budget, the oldest files go down to this part of it
+_TOUCH_EVERY_S = 60.0  # a block's file is touched at most this often (the LRU's resolution)
+_TOUCHED_KEPT = 1 << 16  # hashes whose last touch is remembered
 _MAX_QUEUED = 4096  # queued writes and touches, at most (the writes: queue_bytes too)
 
 log = logging.getLogger("mlxinfer.prefix_cache")
@@ -118,6 +121,7 @@ class DiskTier:
         self._cond = threading.Condition()
         self._closed = False
         self._total: int | None = None  # bytes of block files on disk (the writer's count)
+        self._touched: OrderedDict[bytes, float] = OrderedDict()  # hash -> last touch (engine)
         self._thread = threading.Thread(target=self._run, name="mlxinfer-prefix-disk", daemon=True)
         self._thread.start()
 
@@ -247,10 +251,19 @@ class DiskTier:
         return True
 
     def touch(self, hashes: list[bytes]) -> None:
-        """Mark these blocks' files used now (their place in the LRU), on the writer thread."""
+        """Mark these blocks' files used now (their place in the LRU), on the writer thread;
+        a block touched in the last minute is not touched again (a request waiting for room
+        looks its prefix up every turn)."""
+        now = time.monotonic()
+        fresh = [h for h in hashes if now - self._touched.get(h, -_TOUCH_EVERY_S) >= _TOUCH_EVERY_S]
+        for h in fresh:
+            self._touched[h] = now
+            self._touched.move_to_end(h)
+        while len(self._touched) > _TOUCHED_KEPT:
+            self._touched.popitem(last=False)
         with self._cond:
-            if hashes and len(self._queue) < _MAX_QUEUED:  # a touch is dropped rather than kept
-                self._queue.append((None, hashes, None))
+            if fresh and len(self._queue) < _MAX_QUEUED:  # a touch is dropped rather than kept
+                self._queue.append((None, fresh, None))
                 self._cond.notify_all()
 
     # -- the writer thread -------------------------------------------------------------------
