@@ -205,12 +205,14 @@ def run_claude(binary: Path, url: str, home: Path, timeout: float) -> tuple[int,
             "HOME": str(home),
             "ANTHROPIC_BASE_URL": url,
             "ANTHROPIC_API_KEY": "dummy",
-            # Its request timeout (600 s by default) and its stream idle watchdog (300 s at
-            # least): a 19k-token prefill on 2 loaded cores takes longer, and the server sends
-            # nothing, headers included, before the first token.
+            # A 19k-token prefill on 2 loaded cores outlasts the client's timers, and the server
+            # sends nothing, headers included, before the first token: its request timeout
+            # (600 s), its stream idle watchdog (300 s at least), and, for a base URL other than
+            # Anthropic's, its fetch's own idle timeout (Bun's 300 s; "0" turns it off).
             "API_TIMEOUT_MS": str(int(timeout * 1000)),
             "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(int(timeout * 1000)),
             "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": str(int(timeout * 1000)),
+            "API_FORCE_IDLE_TIMEOUT": "0",
             "CLAUDE_CODE_MAX_RETRIES": "0",
         }
     )
