@@ -4,11 +4,13 @@ Spec: on tiny random LFM2 (convolutions), Qwen3-Next and Qwen3.5 (Gated DeltaNet
 a request sharing a long prefix with an earlier one resumes from a snapshot of the recurrent
 states at a block boundary: it prefills at most its suffix plus one block (the engine's prefill
 counter, its ``cached_tokens``), in a batch of rows at mixed depths, and its greedy tokens are
-transformers' for it alone and a cold engine's (no snapshots). Divergence mid-block, a prefix
-ending on a block boundary, the branch point a diverging request leaves for the next, and
-eviction (of snapshots under a small ``state_budget``, of the blocks under a small
-``kv_budget``: the request is still right, only less is cached). Snapshots and the pool together
-stay inside ``kv_budget``.
+transformers' for it alone and a cold engine's (no snapshots); divergence mid-block and a prefix
+ending on a block boundary. On Qwen3.5 (the scheduler's rules, whatever the layers): the branch
+point a diverging request leaves for the next, the next turn resuming after the reply, eviction
+(of snapshots under a small ``state_budget``, of the blocks under a small ``kv_budget``: the
+request is still right, only less is cached; snapshots and pool stay inside ``kv_budget``), and
+rows drafting in the batch (their states restored after rejected drafts). The snapshot store and
+the chunking arithmetic, by hand.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def family(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
-    """One family for the scheduler's rules, which are the same whatever the layers."""
+    """One family (Gated DeltaNet: a convolution's inputs and a recurrent state per layer) for
+    the scheduler's rules, which are the same whatever the layers."""
     return _build("qwen3_5_text", tmp_path_factory)
 
 
@@ -167,11 +170,11 @@ def test_the_next_turn_resumes_after_the_reply(qwen35):
     assert tokens == [reference.greedy(following)], name
 
 
-def test_snapshots_evicted_under_a_small_state_budget(family):
+def test_snapshots_evicted_under_a_small_state_budget(qwen35):
     """Room for one snapshot: the prompt's last (512) pushes out the earlier one (256); a prompt
     diverging at 300 then finds none at or before its shared blocks and prefills everything,
     with the same tokens. The snapshots never hold more than their budget."""
-    name, model, reference = family
+    name, model, reference = qwen35
     with Engine(model, block_size=BS) as sized:
         run(sized, [_ids(40, 7)])  # one snapshot: at 32, its last full block
         one = sized.metrics()["state_snapshot_bytes"]
@@ -189,11 +192,11 @@ def test_snapshots_evicted_under_a_small_state_budget(family):
     assert tokens == [expected], name
 
 
-def test_blocks_evicted_under_a_small_kv_budget(family):
+def test_blocks_evicted_under_a_small_kv_budget(qwen35):
     """A pool of 48 blocks: an unrelated prompt of 300 tokens takes cached blocks of the
     first (its first block among them); its snapshots (whose blocks are gone) cannot serve, and the prompt extending it is
     prefilled whole, with the same tokens. The pool and the snapshots stay inside kv_budget."""
-    name, model, reference = family
+    name, model, reference = qwen35
     with Engine(model, block_size=BS) as probe:
         per_block = probe.pool.bytes_per_block
         run(probe, [_ids(40, 7)])  # one snapshot; PREFIX leaves two (256, 512)
@@ -266,3 +269,25 @@ def test_where_a_prefill_chunk_stops():
     assert chunk_end(70, 100, 16, 4, 96, 150) == 96  # a branch point first
     assert chunk_end(10, 40, 16, 4, 0, 150) == 40  # a short budget: no point in reach
     assert [p for p in range(150) if wanted(p, 16, 4, 96, 150)] == [64, 96, 128, 144]
+
+
+def test_hybrid_rows_draft_in_the_batch(qwen35):
+    """Rows of a recurrent model draft beside a plain row: one with the model itself as its draft
+    model (its drafts accepted, but near the end, where it drafts fewer than the others), one by
+    prompt lookup (rejected ones). A row that kept fewer tokens than the step fed (rejected
+    drafts, padding) gets its states back from before the step and the kept tokens fed again:
+    each row gets transformers' greedy tokens."""
+    from hf_models import torch_greedy
+
+    from mlxinfer.generation.drafts import DraftModel, PromptLookup
+
+    name, model, reference = qwen35
+    prompts = [_ids(30, 20), _ids(20, 21) * 3, _ids(25, 22)]
+    expected = [torch_greedy(reference.model, p, 12) for p in prompts]
+    drafts = [DraftModel(model), PromptLookup(), None]
+    with Engine(model, block_size=BS, max_draft=4) as engine:
+        handles = [engine.submit(p, max_tokens=12, draft=d) for p, d in zip(prompts, drafts)]
+        tokens = [[s.token for s in h.steps()] for h in handles]
+        drafted, accepted = engine.draft_tokens, engine.accepted_tokens
+    assert tokens == expected, name
+    assert 0 < accepted < drafted, name

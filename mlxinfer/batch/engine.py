@@ -117,11 +117,10 @@ class Engine(TextRequests, Scheduler):
         self.model = model
         # Rows of one regime share a forward (None: all rows; see check_batchable).
         self.regime, self.windows = check_batchable(model)
-        # Recurrent layers' states live with each request (no drafts); prefixes are shared from
-        # snapshots of the states at block boundaries (snapshots.py), inside kv_budget.
+        # Recurrent layers' states live with each request; prefixes are shared from snapshots
+        # of the states at block boundaries (snapshots.py), inside kv_budget, and a drafting
+        # row's states go back to before a step whose drafts were rejected (the scheduler's).
         self.recurrent = STATE in self.windows
-        if self.recurrent:
-            max_draft = 0
         shapes = layer_shapes(model, kv_bits, kv_group_size)
         drafts = [m for m in draft_models if poolable(m)] if max_draft > 0 else []
         target_budget = _target_budget(shapes, drafts, kv_budget, block_size)

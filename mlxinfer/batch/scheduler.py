@@ -27,7 +27,8 @@ own fixed-size state for those layers beside its blocks, and the step stacks the
 A state holds the whole prefix it has read, so a request shares a prefix only where a snapshot
 of the states after it is kept (``snapshots``: taken at block boundaries during prefill, its
 chunks cut there); it resumes from the deepest prefix with both its blocks and a snapshot.
-Such a model drafts nothing (``max_draft`` is 0).
+A drafting row's states go back to before a verification step that fed more than it kept
+(``_refeed_states``), and the kept tokens are fed again.
 
 A request may draft (speculative decoding): by prompt lookup, or with a draft model, whose keys
 the request keeps in that model's own pool (``draft_pool``: the rows drafting with it share each
@@ -365,6 +366,9 @@ class Scheduler:
         L = 1 + max(len(d) for d in drafts)
         tokens = [[r.pending] + d + [r.pending] * (L - 1 - len(d)) for r, d in zip(rows, drafts)]
         starts = [r.seq.length for r in rows]
+        # A recurrent row's states before the step: they will read every token fed, padding and
+        # rejected drafts too (a state is never written in place: references are a snapshot).
+        saved = [[c.snapshot() for c in r.states] for r in rows] if self.recurrent else None
         batch = self._batch(rows, tokens, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
         picks = [rows_mod.verify(r, logits[b], p) for b, (r, p) in enumerate(zip(rows, proposals))]
@@ -373,14 +377,36 @@ class Scheduler:
         per_token = [[lp[j] for j in range(lp.shape[0])] for _, _, lp in picks]
         mx.eval(picks, per_token, self._stores(), [rows_mod.draft_state(r) for r in rows])
         self.steps_run += 1
-        for r, d, start, (a, t, _), logprobs in zip(rows, drafts, starts, picks, per_token):
-            a = int(a.item())
-            emitted = d[:a] + [int(t.item())]
+        kept = [int(a.item()) for a, _, _ in picks]
+        for r, start, a in zip(rows, starts, kept):
             self._rewind(r, start + 1 + a)  # the fed token and the accepted drafts
+        if saved is not None:
+            self._refeed_states(rows, drafts, saved, starts, kept, L)
+        for r, d, a, (_, t, _), logprobs in zip(rows, drafts, kept, picks, per_token):
+            emitted = d[:a] + [int(t.item())]
             if r.draft_length is not None:
                 r.draft_length.update(a, len(d))
                 rows_mod.rewind_draft(r, r.tokens + emitted[:-1])  # what the pool now holds
             self._emit(r, emitted, logprobs, a, len(d))
+
+    def _refeed_states(self, rows, drafts, saved, starts, kept, L: int) -> None:
+        """After a verification step of a recurrent model: a row that kept fewer than the ``L``
+        tokens it fed (rejected drafts, padding) gets its states back from before the step and
+        the kept tokens fed again, the rows keeping as many in one forward (its keys, rewritten
+        the same, stay)."""
+        groups: dict[int, list[int]] = {}
+        for b, a in enumerate(kept):
+            if 1 + a < L:
+                groups.setdefault(1 + a, []).append(b)
+        for group in groups.values():
+            rs = [rows[b] for b in group]
+            tokens = [[rows[b].pending] + drafts[b][: kept[b]] for b in group]
+            for b in group:
+                self._rewind(rows[b], starts[b])
+                for c, snapshot in zip(rows[b].states, saved[b]):
+                    c.restore(snapshot)
+            self.model(mx.array(tokens, dtype=mx.int32), self._batch(rs, tokens).views())
+            mx.eval(self._stores(), [_arrays(r) for r in rs])
 
     def _emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:
         """Hand the step's tokens to the consumer, up to EOS or max_tokens; retire if done."""
