@@ -7,6 +7,8 @@
 - :mod:`.frontend` — a prompt in, ``stream_generate``'s results out (``Engine.start``, ``stream``);
 - :mod:`.draft_pool` — a draft model's own pool, whose rows propose together;
 - :mod:`.requests` — a request as the engine keeps it, and the caller's handle on it;
+- :mod:`.snapshots`, :mod:`.recurrent` — recurrent states at block boundaries: prefix reuse and
+  drafting for models with recurrent layers;
 
 ``batch_generate`` runs a list of prompts through one engine and returns their texts.
 """

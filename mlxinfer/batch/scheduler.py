@@ -44,18 +44,18 @@ from typing import Any
 import mlx.core as mx
 
 from ..backends import prefill_schedule
-from ..cache import StateCache
 from ..generation.results import Step
 from ..models.layers.rope import prompt_reach
 from ..threads import release_at_thread_exit
 from . import rows as rows_mod
 from . import snapshots as snap
 from .draft_pool import DraftPool
+from .recurrent import RecurrentRows, state_arrays
 from .requests import POLL_S, EngineError, _Request
 from .views import StepBatch
 
 
-class Scheduler:
+class Scheduler(RecurrentRows):
     """The loop of :class:`~.engine.Engine`'s thread (mixed into it): admit, prefill in chunks,
     decode B rows, retire; the pools' bookkeeping for a request."""
 
@@ -170,11 +170,8 @@ class Scheduler:
             hits = self.pool.shareable(self.pool.lookup(request.ids))
             if self.window_pool is not None:
                 hits = self.window_pool.shareable(self.window_pool.lookup(request.ids)[:hits])
-            if self.recurrent:
-                full, bs = hits, self.pool.block_size
-                hits = snap.resume_point(self.snapshots, request.ids, bs, full)
-                # The shared blocks past the snapshot: their end gets one for the next request.
-                request.branch = full * bs if full > hits else 0
+            if self.recurrent:  # as far as a snapshot of its states lets it resume
+                hits = self._resume_point(request, hits)
         request.seq = self.pool.admit(request.ids, room, share, hits=hits)
         ok = request.seq is not None
         if ok and self.window_pool is not None:
@@ -186,10 +183,7 @@ class Scheduler:
             self._release(request)
             request.seq = request.wseq = None
         elif self.recurrent:
-            request.states = [c for c in self.model.make_cache() if isinstance(c, StateCache)]
-            if request.seq.length:  # resume: the states after the shared blocks, copied
-                arrays = self.snapshots.get(request.seq.hashes[-1])
-                snap.restore(request.states, arrays, request.seq.length)
+            self._start_states(request)
         return ok
 
     def _retire(self, request: _Request) -> None:
@@ -273,7 +267,7 @@ class Scheduler:
         # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE: one row then).
         with prefill_schedule(self.model), prompt_reach(len(rows[0].ids)):
             self.model(mx.array(padded, dtype=mx.int32), batch.views())
-            mx.eval(self._stores(), [_arrays(r) for r in rows])
+            mx.eval(self._stores(), [state_arrays(r) for r in rows])
         for r, end in zip(rows, ends):
             self._rewind(r, end)
             if self.snapshots is not None:
@@ -281,19 +275,6 @@ class Scheduler:
         self.prefill_s += time.perf_counter() - t0
         self.prefill_tokens += sum(len(c) for _, c in group)
         self.prefill_steps += 1
-
-    def _snapshot(self, r: _Request) -> None:
-        """Keep ``r``'s states if its prefill stopped where a snapshot is wanted (a block
-        boundary: every ``state_every``-th, the prompt's last full one, or its branch point),
-        under the chain hash of the block ending there."""
-        wanted = snap.wanted(r.seq.length, *self._points(r))
-        arrays = snap.capture(r.states) if wanted else None
-        if arrays is not None:
-            self.snapshots.put(r.seq.hashes[-1], arrays)
-
-    def _points(self, r: _Request) -> tuple[int, int, int, int]:
-        """Where ``r``'s snapshots go (``snapshots.chunk_end``'s and ``wanted``'s arguments)."""
-        return self.pool.block_size, self.state_every, r.branch, len(r.ids)
 
     def _feed_draft(self, request: _Request) -> None:
         t0 = time.perf_counter()
@@ -335,14 +316,11 @@ class Scheduler:
         picked, logprobs = rows_mod.sample_rows(rows, logits)
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
-        mx.eval(picked, logprobs, self._stores(), [_arrays(r) for r in rows])
+        mx.eval(picked, logprobs, self._stores(), [state_arrays(r) for r in rows])
         self.steps_run += 1
         for request, t, lp in zip(rows, picked.tolist(), logprobs):
             request.generated += 1
-            if self.snapshots is not None and request.seq.length % self.pool.block_size == 0:
-                # Its states after a full block of its output (references: a state is never
-                # written in place), kept when it retires for the turn that extends it.
-                request.last_block = (request.seq.hashes[-1], snap.capture(request.states))
+            self._mark_block(request)
             if request.history is not None:
                 request.history = mx.concatenate([request.history, mx.array([t], mx.int32)])
             request.out.put(Step(t, lp))
@@ -382,31 +360,14 @@ class Scheduler:
             self._rewind(r, start + 1 + a)  # the fed token and the accepted drafts
         if saved is not None:
             self._refeed_states(rows, drafts, saved, starts, kept, L)
+            for r in rows:
+                self._mark_block(r)
         for r, d, a, (_, t, _), logprobs in zip(rows, drafts, kept, picks, per_token):
             emitted = d[:a] + [int(t.item())]
             if r.draft_length is not None:
                 r.draft_length.update(a, len(d))
                 rows_mod.rewind_draft(r, r.tokens + emitted[:-1])  # what the pool now holds
             self._emit(r, emitted, logprobs, a, len(d))
-
-    def _refeed_states(self, rows, drafts, saved, starts, kept, L: int) -> None:
-        """After a verification step of a recurrent model: a row that kept fewer than the ``L``
-        tokens it fed (rejected drafts, padding) gets its states back from before the step and
-        the kept tokens fed again, the rows keeping as many in one forward (its keys, rewritten
-        the same, stay)."""
-        groups: dict[int, list[int]] = {}
-        for b, a in enumerate(kept):
-            if 1 + a < L:
-                groups.setdefault(1 + a, []).append(b)
-        for group in groups.values():
-            rs = [rows[b] for b in group]
-            tokens = [[rows[b].pending] + drafts[b][: kept[b]] for b in group]
-            for b in group:
-                self._rewind(rows[b], starts[b])
-                for c, snapshot in zip(rows[b].states, saved[b]):
-                    c.restore(snapshot)
-            self.model(mx.array(tokens, dtype=mx.int32), self._batch(rs, tokens).views())
-            mx.eval(self._stores(), [_arrays(r) for r in rs])
 
     def _emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:
         """Hand the step's tokens to the consumer, up to EOS or max_tokens; retire if done."""
@@ -424,8 +385,3 @@ class Scheduler:
                 self._retire(r)
                 return
         r.pending = emitted[-1]
-
-
-def _arrays(request: _Request) -> list[mx.array]:
-    """The request's recurrent states, to evaluate with the step that wrote them."""
-    return [a for c in request.states for a in c.arrays if a is not None]

@@ -1,0 +1,77 @@
+"""The scheduler's side of rows with recurrent layers (LFM2, Qwen3-Next, Qwen3.5): where their
+states are snapshotted, how a request resumes from a snapshot, and how a drafting row's states go
+back after a verification step. The snapshot store and its arithmetic are ``snapshots.py``'s.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..cache import StateCache
+from . import snapshots as snap
+from .requests import _Request
+
+
+def state_arrays(request: _Request) -> list[mx.array]:
+    """The request's recurrent states, to evaluate with the step that wrote them."""
+    return [a for c in request.states for a in c.arrays if a is not None]
+
+
+class RecurrentRows:
+    """Mixed into :class:`~.scheduler.Scheduler` (which has the model, the pools, ``snapshots``
+    and ``state_every``)."""
+
+    def _resume_point(self, request: _Request, full: int) -> int:
+        """Of the ``full`` leading blocks the pools share with ``request``, how many it can
+        resume after (the deepest with a snapshot); the end of the rest is its branch point."""
+        bs = self.pool.block_size
+        hits = snap.resume_point(self.snapshots, request.ids, bs, full)
+        # The shared blocks past the snapshot: their end gets one for the next request.
+        request.branch = full * bs if full > hits else 0
+        return hits
+
+    def _start_states(self, request: _Request) -> None:
+        """Fresh states for an admitted request, or a copy of the snapshot after the blocks it
+        shares."""
+        request.states = [c for c in self.model.make_cache() if isinstance(c, StateCache)]
+        if request.seq.length:
+            arrays = self.snapshots.get(request.seq.hashes[-1])
+            snap.restore(request.states, arrays, request.seq.length)
+
+    def _snapshot(self, r: _Request) -> None:
+        """Keep ``r``'s states if its prefill stopped where a snapshot is wanted (a block
+        boundary: every ``state_every``-th, the prompt's last full one, or its branch point),
+        under the chain hash of the block ending there."""
+        wanted = snap.wanted(r.seq.length, *self._points(r))
+        arrays = snap.capture(r.states) if wanted else None
+        if arrays is not None:
+            self.snapshots.put(r.seq.hashes[-1], arrays)
+
+    def _points(self, r: _Request) -> tuple[int, int, int, int]:
+        """Where ``r``'s snapshots go (``snapshots.chunk_end``'s and ``wanted``'s arguments)."""
+        return self.pool.block_size, self.state_every, r.branch, len(r.ids)
+
+    def _mark_block(self, r: _Request) -> None:
+        """A recurrent row that ends a full block of its output: its states there (references: a
+        state is never written in place), kept when it retires, for the turn that extends it."""
+        if self.snapshots is not None and r.seq.length % self.pool.block_size == 0:
+            r.last_block = (r.seq.hashes[-1], snap.capture(r.states))
+
+    def _refeed_states(self, rows, drafts, saved, starts, kept, L: int) -> None:
+        """After a verification step of a recurrent model: a row that kept fewer than the ``L``
+        tokens it fed (rejected drafts, padding) gets its states back from before the step and
+        the kept tokens fed again, the rows keeping as many in one forward (its keys, rewritten
+        the same, stay)."""
+        groups: dict[int, list[int]] = {}
+        for b, a in enumerate(kept):
+            if 1 + a < L:
+                groups.setdefault(1 + a, []).append(b)
+        for group in groups.values():
+            rs = [rows[b] for b in group]
+            tokens = [[rows[b].pending] + drafts[b][: kept[b]] for b in group]
+            for b in group:
+                self._rewind(rows[b], starts[b])
+                for c, snapshot in zip(rows[b].states, saved[b]):
+                    c.restore(snapshot)
+            self.model(mx.array(tokens, dtype=mx.int32), self._batch(rs, tokens).views())
+            mx.eval(self._stores(), [state_arrays(r) for r in rs])
