@@ -53,12 +53,18 @@ def hf_ids(tokenizer, messages):
     )
 
 
+_GREEDY: dict = {}  # (model, ids, n) -> tokens: tests asking for the same reference share it
+
+
 def hf_greedy(model, ids, n):
     import torch
 
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids) :].tolist()
+    key = (id(model), tuple(ids), n)
+    if key not in _GREEDY:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+        _GREEDY[key] = out[0, len(ids) :].tolist()
+    return list(_GREEDY[key])
 
 
 def test_config_uses_transformers5_rope_parameters(smollm2_hf_dir):
