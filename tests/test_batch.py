@@ -612,6 +612,27 @@ def test_generate_batch_with_a_draft_model_prints_the_plain_texts(tmp_path):
     assert str(other) in result.output and str(target) in result.output
 
 
+def test_a_long_prefill_making_progress_is_not_a_timeout(llama, monkeypatch):
+    """``timeout`` bounds a wait with no progress, not a whole prefill: a prompt whose eight
+    chunks take 0.3 s each (2.4 s in all) is answered under a 1 s timeout (a 19k-token agent
+    prompt on a loaded CPU once took past the server's 600 s and failed with a 500)."""
+    import time
+
+    from mlxinfer.batch import engine as engine_module
+
+    model, _ = llama
+    slow = engine_module.Engine._prefill_rows
+
+    def crawling(self, group):
+        time.sleep(0.3)
+        slow(self, group)
+
+    monkeypatch.setattr(engine_module.Engine, "_prefill_rows", crawling)
+    with Engine(model, prefill_step=16) as engine:
+        handle = engine.submit(_prompt(128, 3), max_tokens=2)
+        assert len(list(handle.steps(timeout=1.0))) == 2
+
+
 def test_waits_on_the_engine_are_bounded(llama, monkeypatch):
     """A token that does not come within ``timeout`` is a TimeoutError (and cancels the request);
     a request left when the engine stops ends with EngineError instead of waiting forever."""

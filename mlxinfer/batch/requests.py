@@ -71,15 +71,24 @@ class Handle:
         self._request.cancelled.set()
         self._engine._wake()
 
+    def _stored(self) -> int:
+        """Tokens whose keys the request has stored so far (0 before its admission)."""
+        seq = self._request.seq
+        return seq.length if seq is not None else 0
+
     def steps(self, timeout: float | None = None) -> Iterator[Step]:
         """The request's tokens as they come; ends after its last one. ``timeout``: most
-        seconds to wait for any one token (None: as long as the engine is alive)."""
-        waited = 0.0
+        seconds to wait with no progress: no token, and no prefill chunk stored (a long
+        prompt's prefill may take longer than ``timeout`` in all; None: as long as the engine
+        is alive)."""
+        waited, stored = 0.0, self._stored()
         while True:
             try:
                 item = self._request.out.get(timeout=POLL_S)
             except queue.Empty:
                 waited += POLL_S
+                if self._stored() != stored:  # a prefill chunk went in: progress
+                    waited, stored = 0.0, self._stored()
                 if not self._engine.alive:
                     raise EngineError(
                         f"engine stopped: {self._engine.failure or 'closed'}"
@@ -88,7 +97,7 @@ class Handle:
                     self.cancel()
                     raise TimeoutError(f"request {self.id}: no token within {timeout} s") from None
                 continue
-            waited = 0.0
+            waited, stored = 0.0, self._stored()
             if item is None:
                 return
             if isinstance(item, BaseException):

@@ -54,7 +54,7 @@ from .shapes import error_response
 from .sse import streamed
 from .templating import fit_messages, prefix_block, templated
 
-WAIT_S = 600.0  # most seconds a request waits for any one token before it fails
+WAIT_S = 600.0  # most seconds a request waits with no progress (no token, no prefill chunk)
 BODY_IN_THREAD = 1 << 18  # bodies larger than this are parsed off the event loop
 ANTHROPIC_HEADERS = ["anthropic-version", "anthropic-beta"]  # the beta values: accepted, ignored
 
