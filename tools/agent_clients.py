@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -333,6 +334,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per client turn")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here too")
     args = ap.parse_args(argv)
+    # SIGTERM (a timeout, a CI job cancelled) unwinds like Ctrl-C: the servers, in sessions of
+    # their own, are stopped by the `finally` blocks instead of being left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = [n.strip() for n in args.clients.split(",") if n.strip()]
     if unknown := [n for n in names if n not in RUNNERS]:
         ap.error(f"--clients: unknown {', '.join(unknown)} (expected claude, codex)")

@@ -31,6 +31,7 @@ import argparse
 import json
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -298,6 +299,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     import os
+
+    # SIGTERM (a timeout, a CI job cancelled) unwinds like Ctrl-C: the servers, in sessions of
+    # their own, are stopped by the `finally` blocks instead of being left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     result = {"machine": f"{cpu_name()}, {os.cpu_count()} cores", "models": {}}
     print(f"machine: {result['machine']}", flush=True)
