@@ -223,7 +223,8 @@ def load(
     force: bool = False,
     kv_budget: int | None = None,
 ):
-    """Load a model directory, a Hub repo id, or (``None``) the default model.
+    """Load a model directory, a ``.gguf`` file (imported once into the cache), a Hub repo id,
+    or (``None``) the default model.
 
     Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
@@ -253,7 +254,12 @@ def load(
         from .default_model import load_default_model
 
         return load_default_model(load_dir, log=log)
-    return load_dir(resolve_model_path(path_or_repo))
+    path = resolve_model_path(path_or_repo)
+    if path.is_file():  # a .gguf: imported once into the cache (gguf_models.py)
+        from .gguf_models import model_dir_for
+
+        path = model_dir_for(path, log=log)
+    return load_dir(path)
 
 
 def check_vocabulary(model: nn.Module, tokenizer, log: Callable[[str], None] | None = None):
