@@ -176,7 +176,11 @@ def serve(
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
         llm, tokenizer = _load(model, verbose, force, kv_budget or DEFAULT_KV_BUDGET)
-        name = Path(model).name if model else "SmolLM2-135M-Instruct"
+        name = (
+            (Path(model).stem if model.endswith(".gguf") else Path(model).name)
+            if model
+            else "SmolLM2-135M-Instruct"
+        )
     options = {"max_batch": max_batch, "kv_budget": kv_budget}
     options = {k: v for k, v in options.items() if v is not None}
     options["reserve"] = not kv_grow
