@@ -18,12 +18,14 @@ REPLY = (
 
 class ScriptedEngine:
     """Answers every request with ``REPLY``, in pieces ``delay`` seconds apart (``LONG`` for a
-    prompt containing "long") and ``pause`` seconds after the first, and records what was asked and which streams were closed."""
+    prompt containing "long") and ``pause`` seconds after the first (``first_pause`` before
+    it: a long prefill), and records what was asked and which streams were closed."""
 
     LONG = "word " * 400
 
-    def __init__(self, delay: float = 0.01, pause: float = 0.0) -> None:
+    def __init__(self, delay: float = 0.01, pause: float = 0.0, first_pause: float = 0.0) -> None:
         self.delay, self.pause, self.prompts = delay, pause, []
+        self.first_pause = first_pause
         self.closed = threading.Event()
         self.alive, self.failure = True, None
 
@@ -34,6 +36,8 @@ class ScriptedEngine:
         stats = GenerationStats(prompt_tokens=7)
         try:
             for i, piece in enumerate(pieces):
+                if i == 0 and self.first_pause:
+                    time.sleep(self.first_pause)
                 time.sleep(self.pause if i == 1 else self.delay if text is REPLY else 0.05)
                 last = i == len(pieces) - 1
                 yield GenerationResult(

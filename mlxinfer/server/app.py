@@ -261,9 +261,11 @@ def make_app(
         return streamed(request, out, *keep_alive, on_close=release)
 
     def start(entry, prompt, ask, chat_template: bool, bad, failed, streams, sampling=None):
-        """The request's results and its first one: a prompt that does not fit fails here,
-        before any byte is sent (``bad``: a 400 of the API's shape, ``failed``: a 500). The
-        engine's stream goes to ``streams``, to be cancelled if the client hangs up."""
+        """The request's results and its first one (None for a stream: its headers and
+        keep-alives go out during the prefill, so that clients with idle timeouts wait for a
+        long prompt): a prompt that does not fit fails here, before any byte is sent
+        (``bad``: a 400 of the API's shape, ``failed``: a 500). The engine's stream goes to
+        ``streams``, to be cancelled if the client hangs up."""
         try:
             if draft is not None and checked.get(entry.name) != entry.loads:
                 draft.check(entry.model, entry.tokenizer)  # a directory's model, loaded now
@@ -287,6 +289,8 @@ def make_app(
             )
             streams.add(stream)
             results = _cancelling(stream)
+            if getattr(ask, "stream", False):  # headers and keep-alives during the prefill
+                return None, results
             return next(results, None), results
         except (PromptTooLongError, PoolFullError, ValueError, TokenizerError) as e:
             raise bad(e) from None  # TokenizerError: the chat template refused the messages

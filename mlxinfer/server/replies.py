@@ -220,6 +220,13 @@ class AnthropicReply:
         yield anr.event("content_block_start", {"index": index, "content_block": block})
 
     def events(self) -> Iterator[str]:
+        if self.first is None:  # a stream starts before its first token: pings until it comes
+            try:
+                self.first = self.last = next(self.results, None)
+            except (EngineError, TimeoutError) as e:
+                self.results.close()
+                yield anr.event("error", {"error": an.APIError(500, str(e)).body()["error"]})
+                return
         stats = self.first.stats if self.first is not None else GenerationStats()
         start = anr.message(self.ask, "", None, None, anr.usage(stats, 0, self.ask.cache_block))
         yield anr.event("message_start", {"message": start})
