@@ -291,3 +291,41 @@ def test_hybrid_rows_draft_in_the_batch(qwen35):
         drafted, accepted = engine.draft_tokens, engine.accepted_tokens
     assert tokens == expected, name
     assert 0 < accepted < drafted, name
+
+
+def test_a_tool_call_prompt_that_hits_the_cache_makes_the_same_call(tmp_path):
+    """Qwen3.5 with a Hermes tools template and ``tool_choice="required"``: the same agent
+    prompt (a long system prompt, the tools, a question) asked again resumes from a snapshot
+    and gives the same call, token for token, as an engine that keeps no snapshots."""
+    import json
+
+    from hf_models import add_tokenizer
+    from test_toolcalls import TOOLS
+    from tool_templates import HERMES
+
+    from mlxinfer import load
+
+    spec = dict(DENSE, model_type="qwen3_5_text", vocab_size=320, max_position_embeddings=2048)
+    path, _ = make_tiny(tmp_path, **spec)
+    add_tokenizer(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES}))
+    model, tok = load(str(path))
+    system = "You are a careful agent. Use the tools. " * 4
+    ask = [{"role": "system", "content": system}, {"role": "user", "content": "Paris weather?"}]
+
+    def call(engine: Engine) -> tuple[str, int]:
+        results = list(
+            engine.stream(
+                tok, ask, max_tokens=120, tools=TOOLS, tool_choice="required", chat_template=True
+            )
+        )
+        return "".join(r.text for r in results), results[-1].stats.cached_tokens
+
+    with Engine(model, state_budget=0) as engine:
+        cold, cached = call(engine)
+    assert cached == 0 and cold.startswith("<tool_call>") and "</tool_call>" in cold
+    with Engine(model) as engine:
+        assert call(engine) == (cold, 0)
+        again, cached = call(engine)
+    assert cached >= BS and again == cold
