@@ -45,6 +45,22 @@ def is_model_dir(path: Path) -> bool:
     return all((Path(path) / name).is_file() for name in _MODEL_FILES)
 
 
+def intact_import(dst: Path, say: Callable[[str], None], damaged: str) -> bool:
+    """True when ``dst`` holds a whole import whose files have their manifest's sizes; a
+    damaged one (``say(damaged.format(error))``) or a killed import's debris is removed."""
+    if is_model_dir(dst):
+        try:
+            check_sizes(dst)
+            return True
+        except WeightsError as e:
+            say(damaged.format(e))
+            discard_dir(dst)
+    if dst.exists():  # imports are atomic, so this is someone else's debris
+        say(f"Removing incomplete {dst}")
+        discard_dir(dst)
+    return False
+
+
 def default_model_path(
     cache_dir: Path | None = None, *, log: Callable[[str], None] | None = None
 ) -> Path:
@@ -60,16 +76,8 @@ def default_model_path(
     say = log or (lambda message: None)
     root = Path(cache_dir) if cache_dir is not None else user_cache_dir()
     dst = root / "models" / DEFAULT_MODEL_NAME
-    if is_model_dir(dst):
-        try:
-            check_sizes(dst)
-            return dst
-        except WeightsError as e:
-            say(f"Damaged default model ({e}); fetching it again")
-            discard_dir(dst)
-    if dst.exists():  # imports are atomic, so this is someone else's debris
-        say(f"Removing incomplete {dst}")
-        discard_dir(dst)
+    if intact_import(dst, say, "Damaged default model ({}); fetching it again"):
+        return dst
 
     with scratch_dir(root, "download") as work:  # a killed run's is removed by the next
         gguf = fetch_smollm2_gguf(work, log=say)

@@ -9,11 +9,9 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
-from .atomic import discard_dir
-from .default_model import is_model_dir
-from .errors import ConfigError, MlxInferError, WeightsError
+from .default_model import intact_import, is_model_dir
+from .errors import ConfigError, MlxInferError
 from .machine import user_cache_dir
-from .manifest import check_sizes
 
 MAGIC = b"GGUF"
 
@@ -47,15 +45,8 @@ def model_dir_for(
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     root = Path(cache_dir) if cache_dir is not None else user_cache_dir()
     dst = root / "models" / "gguf" / f"{path.stem}-{key}"
-    if is_model_dir(dst):
-        try:
-            check_sizes(dst)
-            return dst
-        except WeightsError as e:
-            say(f"Damaged import of {path.name} ({e}); importing it again")
-            discard_dir(dst)
-    elif dst.exists():  # imports are atomic, so this is a killed import's debris
-        discard_dir(dst)
+    if intact_import(dst, say, f"Damaged import of {path.name} ({{}}); importing it again"):
+        return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
     say(f"Importing {path} into {dst} (once)")
     try:
