@@ -1,0 +1,74 @@
+// Python face of the kernels: module _mlxinfer_kernels.
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/version.h"
+
+#include "kernels.h"
+#include "primitives.h"
+#include "threadpool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+#define MLXINFER_STR2(x) #x
+#define MLXINFER_STR(x) MLXINFER_STR2(x)
+#define MLXINFER_BUILT_FOR                                      \
+  MLXINFER_STR(MLX_VERSION_MAJOR)                               \
+  "." MLXINFER_STR(MLX_VERSION_MINOR) "." MLXINFER_STR(MLX_VERSION_PATCH)
+
+NB_MODULE(_mlxinfer_kernels, m) {
+  m.doc() = "mlxinfer's compiled CPU kernels for MLX (quantized and f32 matrix x vector)";
+
+  // The primitives' layout and the array ABI are MLX-version specific: refuse to load
+  // against another libmlx than the headers this was compiled with.
+  const std::string runtime = mlx::core::version();
+  const std::string built_for = MLXINFER_BUILT_FOR;
+  if (runtime.rfind(built_for, 0) != 0) {
+    throw nb::import_error(
+        ("_mlxinfer_kernels: built for MLX " + built_for + ", found MLX " + runtime +
+         "; rebuild with tools/build_kernels.py")
+            .c_str());
+  }
+  m.attr("mlx_version") = built_for;
+  m.attr("isa") = mlxinfer::kernel_isa();
+
+  m.def(
+      "quantized_matvec",
+      &mlxinfer::quantized_matvec,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x (..., K) @ dequantize(w, scales, biases).T, as "
+      "mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits) "
+      "(affine mode, bits 4 or 8, group_size 32/64/128).");
+  m.def(
+      "matvec",
+      &mlxinfer::matvec,
+      "x"_a,
+      "w"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x (..., K) @ w.T with w (N, K) float32.");
+  m.def("set_num_threads", &mlxinfer::set_num_threads, "n"_a,
+        "Threads per kernel call, the caller included; n <= 0: the CPUs this process may use.");
+  m.def("num_threads", &mlxinfer::num_threads);
+  m.def("available_cpus", &mlxinfer::available_cpus);
+  m.def(
+      "set_spin_us",
+      [](int us) { mlxinfer::ThreadPool::instance().set_spin_us(us); },
+      "us"_a,
+      "How long idle pool threads spin before sleeping, in microseconds.");
+  m.def("set_force_scalar", &mlxinfer::set_force_scalar, "on"_a,
+        "Force the portable scalar kernels (to test them against the vector ones).");
+  m.def("simd_enabled", &mlxinfer::simd_enabled);
+}

@@ -1,0 +1,337 @@
+// The kernels. Each output row n streams its packed weights once and multiplies them
+// with up to four rows of x held in cache; the 4-bit and 8-bit codes are widened to
+// f32 in registers (never written out dequantized).
+//
+// Per group g of a row: sum_k x_k (s_g q_k + b_g) = s_g * sum_k x_k q_k + b_g * sum_k x_k,
+// so the inner loop is one FMA per weight and the bias term costs one FMA per group.
+#include "kernels.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MLXINFER_X86 1
+#endif
+
+namespace mlxinfer {
+
+namespace {
+
+std::atomic<bool> g_force_scalar{false};
+
+bool detect_avx2_fma() {
+#if defined(MLXINFER_X86)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+const bool g_has_avx2_fma = detect_avx2_fma();
+
+// ----------------------------------------------------------------------------
+// Portable path
+// ----------------------------------------------------------------------------
+
+void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
+  const int G = p.K / p.group_size;
+  const int per_word = 32 / p.bits;
+  const uint32_t mask = (1u << p.bits) - 1u;
+  const int words_per_row = p.K / per_word;
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = p.w + static_cast<size_t>(n) * words_per_row;
+    const float* s = p.scales + static_cast<size_t>(n) * G;
+    const float* b = p.biases + static_cast<size_t>(n) * G;
+    for (int m = 0; m < p.M; ++m) {
+      const float* x = p.x + static_cast<size_t>(m) * p.K;
+      const float* xs = p.xsum + static_cast<size_t>(m) * G;
+      float total = 0.0f;
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.0f;
+        const int k0 = g * p.group_size;
+        for (int k = k0; k < k0 + p.group_size; ++k) {
+          uint32_t word = wr[k / per_word];
+          float q = static_cast<float>((word >> ((k % per_word) * p.bits)) & mask);
+          acc += x[k] * q;
+        }
+        total += s[g] * acc + b[g] * xs[g];
+      }
+      p.y[static_cast<size_t>(m) * p.N + n] = total;
+    }
+  }
+}
+
+void matvec_rows_scalar(const MatvecProblem& p, int n0, int n1) {
+  for (int n = n0; n < n1; ++n) {
+    const float* wr = p.w + static_cast<size_t>(n) * p.K;
+    for (int m = 0; m < p.M; ++m) {
+      const float* x = p.x + static_cast<size_t>(m) * p.K;
+      float acc = 0.0f;
+      for (int k = 0; k < p.K; ++k) {
+        acc += x[k] * wr[k];
+      }
+      p.y[static_cast<size_t>(m) * p.N + n] = acc;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// AVX2 + FMA path (compiled for that target, chosen at run time)
+// ----------------------------------------------------------------------------
+#if defined(MLXINFER_X86)
+
+#define MLXINFER_AVX2 __attribute__((target("avx2,fma")))
+
+MLXINFER_AVX2 inline float hsum256(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  s = _mm_add_ss(s, sh);
+  return _mm_cvtss_f32(s);
+}
+
+// One 16-weight chunk as two vectors of 8 f32 codes, matched with xp[0:8], xp[8:16].
+// 4-bit: 8 bytes hold 16 codes; low nibbles are the even k, high nibbles the odd k
+// (xp is x de-interleaved to match). 8-bit: two runs of 8 bytes, k in order (xp == x).
+template <int BITS>
+MLXINFER_AVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
+  if constexpr (BITS == 4) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+    a = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+    b = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  } else {
+    a = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+    b = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8))));
+  }
+}
+
+// M rows of x against one output row. U chunks of 16 per step (independent
+// accumulators hide the FMA latency when M is small).
+template <int BITS, int M, int U>
+MLXINFER_AVX2 void qmv_row_avx2(
+    const QmvProblem& p,
+    const uint8_t* wr,
+    const float* s,
+    const float* b,
+    int m0,
+    int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  constexpr int bytes16 = 16 * BITS / 8; // bytes per 16 codes
+  __m256 tot[M];
+  float bias_part[M];
+  for (int m = 0; m < M; ++m) {
+    tot[m] = _mm256_setzero_ps();
+    bias_part[m] = 0.0f;
+  }
+  const float* xrow[M];
+  for (int m = 0; m < M; ++m) {
+    xrow[m] = p.xp + static_cast<size_t>(m0 + m) * p.K;
+  }
+  for (int g = 0; g < G; ++g) {
+    __m256 acc[M][2 * U];
+    for (int m = 0; m < M; ++m) {
+      for (int u = 0; u < 2 * U; ++u) {
+        acc[m][u] = _mm256_setzero_ps();
+      }
+    }
+    const int k0 = g * gs;
+    const uint8_t* wg = wr + static_cast<size_t>(k0) * BITS / 8;
+    for (int c = 0; c < gs; c += 16 * U) {
+      for (int u = 0; u < U; ++u) {
+        __m256 qa, qb;
+        unpack16<BITS>(wg + (c / 16 + u) * bytes16, qa, qb);
+        for (int m = 0; m < M; ++m) {
+          const float* xk = xrow[m] + k0 + c + 16 * u;
+          acc[m][2 * u] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(xk), acc[m][2 * u]);
+          acc[m][2 * u + 1] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(xk + 8), acc[m][2 * u + 1]);
+        }
+      }
+    }
+    const __m256 sv = _mm256_set1_ps(s[g]);
+    for (int m = 0; m < M; ++m) {
+      __m256 a = acc[m][0];
+      for (int u = 1; u < 2 * U; ++u) {
+        a = _mm256_add_ps(a, acc[m][u]);
+      }
+      tot[m] = _mm256_fmadd_ps(a, sv, tot[m]);
+      bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * G + g];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    p.y[static_cast<size_t>(m0 + m) * p.N + n] = hsum256(tot[m]) + bias_part[m];
+  }
+}
+
+template <int BITS>
+MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
+  const int G = p.K / p.group_size;
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* s = p.scales + static_cast<size_t>(n) * G;
+    const float* b = p.biases + static_cast<size_t>(n) * G;
+    // The row's weights stay in L1 across the chunks of x rows.
+    int m = 0;
+    for (; m + 4 <= p.M; m += 4) {
+      qmv_row_avx2<BITS, 4, 1>(p, wr, s, b, m, n);
+    }
+    switch (p.M - m) {
+      case 3:
+        qmv_row_avx2<BITS, 3, 1>(p, wr, s, b, m, n);
+        break;
+      case 2:
+        qmv_row_avx2<BITS, 2, 2>(p, wr, s, b, m, n);
+        break;
+      case 1:
+        qmv_row_avx2<BITS, 1, 2>(p, wr, s, b, m, n);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+template <int M>
+MLXINFER_AVX2 void matvec_row_avx2(const MatvecProblem& p, const float* wr, int m0, int n) {
+  constexpr int U = M <= 2 ? 4 : 2; // accumulators per x row
+  __m256 acc[M][U];
+  for (int m = 0; m < M; ++m) {
+    for (int u = 0; u < U; ++u) {
+      acc[m][u] = _mm256_setzero_ps();
+    }
+  }
+  const float* xrow[M];
+  for (int m = 0; m < M; ++m) {
+    xrow[m] = p.x + static_cast<size_t>(m0 + m) * p.K;
+  }
+  int k = 0;
+  for (; k + 8 * U <= p.K; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      __m256 wv = _mm256_loadu_ps(wr + k + 8 * u);
+      for (int m = 0; m < M; ++m) {
+        acc[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xrow[m] + k + 8 * u), acc[m][u]);
+      }
+    }
+  }
+  for (; k + 8 <= p.K; k += 8) {
+    __m256 wv = _mm256_loadu_ps(wr + k);
+    for (int m = 0; m < M; ++m) {
+      acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xrow[m] + k), acc[m][0]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m256 a = acc[m][0];
+    for (int u = 1; u < U; ++u) {
+      a = _mm256_add_ps(a, acc[m][u]);
+    }
+    float r = hsum256(a);
+    for (int kk = k; kk < p.K; ++kk) {
+      r += xrow[m][kk] * wr[kk];
+    }
+    p.y[static_cast<size_t>(m0 + m) * p.N + n] = r;
+  }
+}
+
+MLXINFER_AVX2 void matvec_rows_avx2(const MatvecProblem& p, int n0, int n1) {
+  for (int n = n0; n < n1; ++n) {
+    const float* wr = p.w + static_cast<size_t>(n) * p.K;
+    int m = 0;
+    for (; m + 4 <= p.M; m += 4) {
+      matvec_row_avx2<4>(p, wr, m, n);
+    }
+    switch (p.M - m) {
+      case 3:
+        matvec_row_avx2<3>(p, wr, m, n);
+        break;
+      case 2:
+        matvec_row_avx2<2>(p, wr, m, n);
+        break;
+      case 1:
+        matvec_row_avx2<1>(p, wr, m, n);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+#endif // MLXINFER_X86
+
+} // namespace
+
+const char* kernel_isa() {
+  return g_has_avx2_fma ? "avx2+fma" : "scalar";
+}
+
+bool simd_enabled() {
+  return g_has_avx2_fma && !g_force_scalar.load(std::memory_order_relaxed);
+}
+
+void set_force_scalar(bool on) {
+  g_force_scalar.store(on);
+}
+
+bool force_scalar() {
+  return g_force_scalar.load();
+}
+
+void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
+  const int G = p.K / p.group_size;
+  for (int m = 0; m < p.M; ++m) {
+    const float* x = p.x + static_cast<size_t>(m) * p.K;
+    float* dst = xp + static_cast<size_t>(m) * p.K;
+    if (p.bits == 4) {
+      // Per 16: the even k first, then the odd k (low nibbles, then high nibbles).
+      for (int c = 0; c < p.K; c += 16) {
+        for (int i = 0; i < 8; ++i) {
+          dst[c + i] = x[c + 2 * i];
+          dst[c + 8 + i] = x[c + 2 * i + 1];
+        }
+      }
+    } else {
+      std::memcpy(dst, x, sizeof(float) * p.K);
+    }
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.0f;
+      for (int k = g * p.group_size; k < (g + 1) * p.group_size; ++k) {
+        acc += x[k];
+      }
+      xsum[static_cast<size_t>(m) * G + g] = acc;
+    }
+  }
+}
+
+void qmv_rows(const QmvProblem& p, int n0, int n1) {
+#if defined(MLXINFER_X86)
+  if (simd_enabled()) {
+    if (p.bits == 4) {
+      return qmv_rows_avx2<4>(p, n0, n1);
+    }
+    if (p.bits == 8) {
+      return qmv_rows_avx2<8>(p, n0, n1);
+    }
+  }
+#endif
+  qmv_rows_scalar(p, n0, n1);
+}
+
+void matvec_rows(const MatvecProblem& p, int n0, int n1) {
+#if defined(MLXINFER_X86)
+  if (simd_enabled()) {
+    return matvec_rows_avx2(p, n0, n1);
+  }
+#endif
+  matvec_rows_scalar(p, n0, n1);
+}
+
+} // namespace mlxinfer

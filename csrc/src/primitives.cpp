@@ -1,0 +1,365 @@
+#include "primitives.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+
+#include "kernels.h"
+#include "threadpool.h"
+
+namespace mlxinfer {
+
+namespace {
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream o;
+  o << "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    o << (i ? ", " : "") << s[i];
+  }
+  o << (s.size() == 1 ? ",)" : ")");
+  return o.str();
+}
+
+// Element i (row-major over a's shape) of a strided array, as float.
+template <typename T>
+void strided_to_f32(const mx::array& a, float* dst) {
+  const T* src = a.data<T>();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = a.ndim();
+  if (a.flags().row_contiguous) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      dst[i] = static_cast<float>(src[i]);
+    }
+    return;
+  }
+  std::vector<int> idx(nd, 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) {
+      off += static_cast<int64_t>(idx[d]) * strides[d];
+    }
+    dst[i] = static_cast<float>(src[off]);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        break;
+      }
+      idx[d] = 0;
+    }
+  }
+}
+
+void to_f32(const mx::array& a, float* dst) {
+  switch (a.dtype()) {
+    case mx::float32:
+      return strided_to_f32<float>(a, dst);
+    case mx::float16:
+      return strided_to_f32<mx::float16_t>(a, dst);
+    case mx::bfloat16:
+      return strided_to_f32<mx::bfloat16_t>(a, dst);
+    default:
+      throw std::runtime_error("[mlxinfer kernels] expected a float16/bfloat16/float32 array");
+  }
+}
+
+// w's uint32 words, contiguous (a copy only when w is a strided view).
+const uint32_t* contiguous_words(const mx::array& w, std::vector<uint32_t>& copy) {
+  if (w.flags().row_contiguous) {
+    return w.data<uint32_t>();
+  }
+  copy.resize(w.size());
+  const uint32_t* src = w.data<uint32_t>();
+  for (int64_t r = 0; r < w.shape(0); ++r) {
+    for (int64_t c = 0; c < w.shape(1); ++c) {
+      copy[r * w.shape(1) + c] = src[r * w.strides()[0] + c * w.strides()[1]];
+    }
+  }
+  return copy.data();
+}
+
+void write_out(const float* y, mx::array& out) {
+  switch (out.dtype()) {
+    case mx::float32:
+      std::memcpy(out.data<float>(), y, out.size() * sizeof(float));
+      return;
+    case mx::float16: {
+      auto* o = out.data<mx::float16_t>();
+      for (size_t i = 0; i < out.size(); ++i) {
+        o[i] = static_cast<mx::float16_t>(y[i]);
+      }
+      return;
+    }
+    case mx::bfloat16: {
+      auto* o = out.data<mx::bfloat16_t>();
+      for (size_t i = 0; i < out.size(); ++i) {
+        o[i] = static_cast<mx::bfloat16_t>(y[i]);
+      }
+      return;
+    }
+    default:
+      throw std::runtime_error("[mlxinfer kernels] unsupported output dtype");
+  }
+}
+
+// Splits [0, N) into tasks of whole blocks of `align` rows, about four per thread (so a
+// thread that starts late or is preempted leaves its share to the others).
+template <typename F>
+void parallel_rows(int N, int align, size_t bytes, F&& f) {
+  auto& pool = ThreadPool::instance();
+  const int blocks = (N + align - 1) / align;
+  // Below ~64 KiB of weights a fan-out costs more than it saves.
+  const int nt = bytes < (64u << 10) ? 1 : pool.size();
+  const int tasks = std::min(blocks, 4 * nt);
+  if (nt <= 1 || tasks <= 1) {
+    f(0, N);
+    return;
+  }
+  pool.run(tasks, [&](int i) {
+    int n0 = std::min(N, static_cast<int>(static_cast<int64_t>(blocks) * i / tasks) * align);
+    int n1 = std::min(N, static_cast<int>(static_cast<int64_t>(blocks) * (i + 1) / tasks) * align);
+    if (n0 < n1) {
+      f(n0, n1);
+    }
+  });
+}
+
+bool is_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+} // namespace
+
+void set_num_threads(int n) {
+  ThreadPool::instance().resize(n);
+}
+
+int num_threads() {
+  return ThreadPool::instance().size();
+}
+
+// ----------------------------------------------------------------------------
+// Quantized
+// ----------------------------------------------------------------------------
+
+mx::array quantized_matvec(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument(
+        "[mlxinfer quantized_matvec] bits: expected 4 or 8, found " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument(
+        "[mlxinfer quantized_matvec] group_size: expected 32, 64 or 128, found " +
+        std::to_string(group_size));
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument(
+        "[mlxinfer quantized_matvec] w: expected a 2-D uint32 array, found shape " +
+        shape_str(w.shape()));
+  }
+  const int N = w.shape(0);
+  const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  if (K % group_size != 0) {
+    throw std::invalid_argument(
+        "[mlxinfer quantized_matvec] w: K = " + std::to_string(K) +
+        " is not a multiple of group_size " + std::to_string(group_size));
+  }
+  const mx::Shape sshape = {N, static_cast<int>(K / group_size)};
+  if (scales.shape() != sshape || biases.shape() != sshape || !is_float(scales.dtype()) ||
+      !is_float(biases.dtype())) {
+    throw std::invalid_argument(
+        "[mlxinfer quantized_matvec] scales/biases: expected float arrays of shape " +
+        shape_str(sshape) + ", found " + shape_str(scales.shape()) + " and " +
+        shape_str(biases.shape()));
+  }
+  if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
+    throw std::invalid_argument(
+        "[mlxinfer quantized_matvec] x: expected a float array of shape (..., " +
+        std::to_string(K) + "), found " + shape_str(x.shape()));
+  }
+  if (stream.device == mx::Device::gpu) {
+    return mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", stream);
+  }
+  auto out_shape = x.shape();
+  out_shape.back() = N;
+  auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
+  return mx::array(
+      out_shape,
+      out_dtype,
+      std::make_shared<QuantizedMatvec>(stream, group_size, bits),
+      {x, w, scales, biases});
+}
+
+bool QuantizedMatvec::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedMatvec&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> QuantizedMatvec::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[mlxinfer quantized_matvec] has no GPU kernel (the op hands GPU "
+                           "streams to mx.quantized_matmul)");
+}
+
+void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+                    w = mx::array::unsafe_weak_copy(inputs[1]),
+                    sc = mx::array::unsafe_weak_copy(inputs[2]),
+                    bi = mx::array::unsafe_weak_copy(inputs[3]),
+                    out = mx::array::unsafe_weak_copy(out),
+                    gs = group_size_,
+                    bits = bits_]() mutable {
+    QmvProblem p;
+    p.N = w.shape(0);
+    p.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / bits);
+    p.M = p.K == 0 ? 0 : static_cast<int>(x.size() / p.K);
+    p.group_size = gs;
+    p.bits = bits;
+    const int G = p.K / gs;
+    if (p.M == 0 || p.N == 0) {
+      return;
+    }
+    // x as f32 rows, plus its de-interleaved copy and group sums (small: M * K).
+    std::vector<float> xf(static_cast<size_t>(p.M) * p.K);
+    std::vector<float> xp(xf.size());
+    std::vector<float> xsum(static_cast<size_t>(p.M) * G);
+    to_f32(x, xf.data());
+    p.x = xf.data();
+    qmv_prepare(p, xp.data(), xsum.data());
+    p.xp = xp.data();
+    p.xsum = xsum.data();
+    std::vector<uint32_t> wcopy;
+    p.w = contiguous_words(w, wcopy);
+    std::vector<float> yf;
+    const bool direct = out.dtype() == mx::float32;
+    if (!direct) {
+      yf.resize(out.size());
+    }
+    p.y = direct ? out.data<float>() : yf.data();
+    // f32 contiguous scales and biases are used in place; others are converted.
+    std::vector<float> sf, bf;
+    const bool scales_f32 = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
+        bi.dtype() == mx::float32 && bi.flags().row_contiguous;
+    if (scales_f32) {
+      p.scales = sc.data<float>();
+      p.biases = bi.data<float>();
+    } else {
+      sf.resize(sc.size());
+      bf.resize(bi.size());
+      to_f32(sc, sf.data());
+      to_f32(bi, bf.data());
+      p.scales = sf.data();
+      p.biases = bf.data();
+    }
+    const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
+    parallel_rows(p.N, 8, bytes, [&](int n0, int n1) { qmv_rows(p, n0, n1); });
+    if (!direct) {
+      write_out(yf.data(), out);
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------
+// f32
+// ----------------------------------------------------------------------------
+
+mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (w.ndim() != 2 || w.dtype() != mx::float32) {
+    throw std::invalid_argument(
+        "[mlxinfer matvec] w: expected a 2-D float32 array, found shape " +
+        shape_str(w.shape()));
+  }
+  if (x.ndim() < 1 || x.shape(-1) != w.shape(1) || !is_float(x.dtype())) {
+    throw std::invalid_argument(
+        "[mlxinfer matvec] x: expected a float array of shape (..., " +
+        std::to_string(w.shape(1)) + "), found " + shape_str(x.shape()));
+  }
+  if (stream.device == mx::Device::gpu) {
+    return mx::matmul(x, mx::transpose(w, stream), stream);
+  }
+  auto out_shape = x.shape();
+  out_shape.back() = w.shape(0);
+  return mx::array(
+      out_shape,
+      mx::promote_types(x.dtype(), w.dtype()),
+      std::make_shared<Matvec>(stream),
+      {x, w});
+}
+
+std::vector<mx::Shape> Matvec::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+void Matvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "[mlxinfer matvec] has no GPU kernel (the op hands GPU streams to mx.matmul)");
+}
+
+void Matvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+                    w = mx::array::unsafe_weak_copy(inputs[1]),
+                    out = mx::array::unsafe_weak_copy(out)]() mutable {
+    MatvecProblem p;
+    p.N = w.shape(0);
+    p.K = w.shape(1);
+    p.M = p.K == 0 ? 0 : static_cast<int>(x.size() / p.K);
+    if (p.M == 0 || p.N == 0) {
+      return;
+    }
+    std::vector<float> xf(static_cast<size_t>(p.M) * p.K);
+    to_f32(x, xf.data());
+    p.x = xf.data();
+    std::vector<float> wf;
+    if (w.flags().row_contiguous) {
+      p.w = w.data<float>();
+    } else {
+      wf.resize(w.size());
+      to_f32(w, wf.data());
+      p.w = wf.data();
+    }
+    std::vector<float> yf;
+    const bool direct = out.dtype() == mx::float32;
+    if (!direct) {
+      yf.resize(out.size());
+    }
+    p.y = direct ? out.data<float>() : yf.data();
+    const size_t bytes = static_cast<size_t>(p.N) * p.K * sizeof(float);
+    parallel_rows(p.N, 8, bytes, [&](int n0, int n1) { matvec_rows(p, n0, n1); });
+    if (!direct) {
+      write_out(yf.data(), out);
+    }
+  });
+}
+
+} // namespace mlxinfer

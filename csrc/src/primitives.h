@@ -1,0 +1,65 @@
+// MLX primitives around the kernels: lazy in the graph, usable inside mx.compile.
+// On a GPU stream the ops hand the work to MLX's own quantized_matmul / matmul at
+// graph-construction time, so eval_gpu is never reached.
+#pragma once
+
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace mlxinfer {
+
+namespace mx = mlx::core;
+
+// x (..., K) @ dequantize(w_q, scales, biases).T -> (..., N), MLX's affine packing.
+mx::array quantized_matvec(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+// x (..., K) @ w.T -> (..., N), w (N, K) float32.
+mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+
+// Threads the kernels run on (the caller included); n <= 0: the CPUs we may use.
+void set_num_threads(int n);
+int num_threads();
+
+class QuantizedMatvec : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatvec(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "MlxinferQuantizedMatvec";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+class Matvec : public mx::UnaryPrimitive {
+ public:
+  explicit Matvec(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "MlxinferMatvec";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
+} // namespace mlxinfer
