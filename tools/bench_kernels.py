@@ -67,11 +67,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--isa", default="best", help="cap: scalar, avx2, avx512 or best")
     args = ap.parse_args()
+    K.set_max_isa(args.isa)
 
     print(
         f"CPU: {cpu_name()}; {os.cpu_count()} CPUs ({K.available_cpus()} usable); "
-        f"kernel ISA {K.isa}; mlx {mx.__version__}; load average at start "
+        f"kernel ISA {K.isa()} (best {K.best_isa}); mlx {mx.__version__}; load average at start "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}"
     )
     head = ["shape", "rows", "kind", "MLX µs", "MLX GB/s"]

@@ -17,9 +17,13 @@ using namespace nb::literals;
 
 #define MLXINFER_STR2(x) #x
 #define MLXINFER_STR(x) MLXINFER_STR2(x)
+// The MLX version of the headers compiled against; a test build overrides it (with
+// -DMLXINFER_BUILT_FOR='"0.0.0"') to check that the import refuses a mismatch.
+#ifndef MLXINFER_BUILT_FOR
 #define MLXINFER_BUILT_FOR                                      \
   MLXINFER_STR(MLX_VERSION_MAJOR)                               \
   "." MLXINFER_STR(MLX_VERSION_MINOR) "." MLXINFER_STR(MLX_VERSION_PATCH)
+#endif
 
 NB_MODULE(_mlxinfer_kernels, m) {
   m.doc() = "mlxinfer's compiled CPU kernels for MLX (quantized and f32 matrix x vector)";
@@ -28,14 +32,15 @@ NB_MODULE(_mlxinfer_kernels, m) {
   // against another libmlx than the headers this was compiled with.
   const std::string runtime = mlx::core::version();
   const std::string built_for = MLXINFER_BUILT_FOR;
-  if (runtime.rfind(built_for, 0) != 0) {
+  // Exact, or a dev build of that version ("0.32.4.dev20260101+abc").
+  if (runtime != built_for && runtime.rfind(built_for + ".", 0) != 0) {
     throw nb::import_error(
         ("_mlxinfer_kernels: built for MLX " + built_for + ", found MLX " + runtime +
          "; rebuild with tools/build_kernels.py")
             .c_str());
   }
   m.attr("mlx_version") = built_for;
-  m.attr("isa") = mlxinfer::kernel_isa();
+  m.attr("best_isa") = mlxinfer::isa_name(mlxinfer::best_isa());
 
   m.def(
       "quantized_matvec",
@@ -68,7 +73,22 @@ NB_MODULE(_mlxinfer_kernels, m) {
       [](int us) { mlxinfer::ThreadPool::instance().set_spin_us(us); },
       "us"_a,
       "How long idle pool threads spin before sleeping, in microseconds.");
-  m.def("set_force_scalar", &mlxinfer::set_force_scalar, "on"_a,
-        "Force the portable scalar kernels (to test them against the vector ones).");
-  m.def("simd_enabled", &mlxinfer::simd_enabled);
+  m.def(
+      "set_max_isa",
+      [](const std::string& name) {
+        if (name == "scalar") {
+          mlxinfer::set_max_isa(mlxinfer::kScalar);
+        } else if (name == "avx2") {
+          mlxinfer::set_max_isa(mlxinfer::kAvx2);
+        } else if (name == "avx512" || name == "best") {
+          mlxinfer::set_max_isa(mlxinfer::kAvx512);
+        } else {
+          throw std::invalid_argument(
+              "set_max_isa: expected 'scalar', 'avx2', 'avx512' or 'best', found '" + name + "'");
+        }
+      },
+      "name"_a,
+      "Cap the kernels' instruction set (to test each path against the others).");
+  m.def("isa", [] { return mlxinfer::isa_name(mlxinfer::current_isa()); },
+        "The instruction set the kernels use now.");
 }

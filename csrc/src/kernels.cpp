@@ -19,18 +19,18 @@ namespace mlxinfer {
 
 namespace {
 
-std::atomic<bool> g_force_scalar{false};
-
-bool detect_avx2_fma() {
+Isa detect_isa() {
 #if defined(MLXINFER_X86)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
+  }
 #endif
+  return kScalar;
 }
 
-const bool g_has_avx2_fma = detect_avx2_fma();
+const Isa g_best = detect_isa();
+std::atomic<int> g_max{kAvx512};
 
 // ----------------------------------------------------------------------------
 // Portable path
@@ -201,6 +201,112 @@ MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
   }
 }
 
+#define MLXINFER_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+// One 32-weight chunk as two vectors of 16 f32 codes, matched with xp[0:16], xp[16:32]
+// (4-bit: xp de-interleaved per 32; 8-bit: in order).
+template <int BITS>
+MLXINFER_AVX512 inline void unpack32(const uint8_t* src, __m512& a, __m512& b) {
+  if constexpr (BITS == 4) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else {
+    a = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+    b = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  }
+}
+
+template <int BITS, int M, int U>
+MLXINFER_AVX512 void qmv_row_avx512(
+    const QmvProblem& p,
+    const uint8_t* wr,
+    const float* s,
+    const float* b,
+    int m0,
+    int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  constexpr int bytes32 = 32 * BITS / 8;
+  // Two running totals per row, alternating by group (the FMA latency chain per group).
+  __m512 tot[M][2];
+  float bias_part[M];
+  const float* xrow[M];
+  for (int m = 0; m < M; ++m) {
+    tot[m][0] = tot[m][1] = _mm512_setzero_ps();
+    bias_part[m] = 0.0f;
+    xrow[m] = p.xp + static_cast<size_t>(m0 + m) * p.K;
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[M][2 * U];
+    for (int m = 0; m < M; ++m) {
+      for (int u = 0; u < 2 * U; ++u) {
+        acc[m][u] = _mm512_setzero_ps();
+      }
+    }
+    const int k0 = g * gs;
+    const uint8_t* wg = wr + static_cast<size_t>(k0) * BITS / 8;
+    for (int c = 0; c < gs; c += 32 * U) {
+      for (int u = 0; u < U; ++u) {
+        __m512 qa, qb;
+        unpack32<BITS>(wg + (c / 32 + u) * bytes32, qa, qb);
+        for (int m = 0; m < M; ++m) {
+          const float* xk = xrow[m] + k0 + c + 32 * u;
+          acc[m][2 * u] = _mm512_fmadd_ps(qa, _mm512_loadu_ps(xk), acc[m][2 * u]);
+          acc[m][2 * u + 1] = _mm512_fmadd_ps(qb, _mm512_loadu_ps(xk + 16), acc[m][2 * u + 1]);
+        }
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(s[g]);
+    for (int m = 0; m < M; ++m) {
+      __m512 a = acc[m][0];
+      for (int u = 1; u < 2 * U; ++u) {
+        a = _mm512_add_ps(a, acc[m][u]);
+      }
+      tot[m][g & 1] = _mm512_fmadd_ps(a, sv, tot[m][g & 1]);
+      bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * G + g];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    p.y[static_cast<size_t>(m0 + m) * p.N + n] =
+        _mm512_reduce_add_ps(_mm512_add_ps(tot[m][0], tot[m][1])) + bias_part[m];
+  }
+}
+
+template <int BITS>
+MLXINFER_AVX512 void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
+  const int G = p.K / p.group_size;
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
+  const bool wide = p.group_size >= 64; // two 32-chunks per step fit in a group
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* s = p.scales + static_cast<size_t>(n) * G;
+    const float* b = p.biases + static_cast<size_t>(n) * G;
+    int m = 0;
+    for (; m + 4 <= p.M; m += 4) {
+      qmv_row_avx512<BITS, 4, 1>(p, wr, s, b, m, n);
+    }
+    switch (p.M - m) {
+      case 3:
+        qmv_row_avx512<BITS, 3, 1>(p, wr, s, b, m, n);
+        break;
+      case 2:
+        wide ? qmv_row_avx512<BITS, 2, 2>(p, wr, s, b, m, n)
+             : qmv_row_avx512<BITS, 2, 1>(p, wr, s, b, m, n);
+        break;
+      case 1:
+        wide ? qmv_row_avx512<BITS, 1, 2>(p, wr, s, b, m, n)
+             : qmv_row_avx512<BITS, 1, 1>(p, wr, s, b, m, n);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
 template <int M>
 MLXINFER_AVX2 void matvec_row_avx2(const MatvecProblem& p, const float* wr, int m0, int n) {
   constexpr int U = M <= 2 ? 4 : 2; // accumulators per x row
@@ -269,20 +375,27 @@ MLXINFER_AVX2 void matvec_rows_avx2(const MatvecProblem& p, int n0, int n1) {
 
 } // namespace
 
-const char* kernel_isa() {
-  return g_has_avx2_fma ? "avx2+fma" : "scalar";
+Isa best_isa() {
+  return g_best;
 }
 
-bool simd_enabled() {
-  return g_has_avx2_fma && !g_force_scalar.load(std::memory_order_relaxed);
+Isa current_isa() {
+  return static_cast<Isa>(std::min<int>(g_best, g_max.load(std::memory_order_relaxed)));
 }
 
-void set_force_scalar(bool on) {
-  g_force_scalar.store(on);
+void set_max_isa(Isa isa) {
+  g_max.store(isa);
 }
 
-bool force_scalar() {
-  return g_force_scalar.load();
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case kAvx512:
+      return "avx512";
+    case kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
 }
 
 void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
@@ -290,12 +403,14 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
   for (int m = 0; m < p.M; ++m) {
     const float* x = p.x + static_cast<size_t>(m) * p.K;
     float* dst = xp + static_cast<size_t>(m) * p.K;
-    if (p.bits == 4) {
-      // Per 16: the even k first, then the odd k (low nibbles, then high nibbles).
-      for (int c = 0; c < p.K; c += 16) {
-        for (int i = 0; i < 8; ++i) {
+    if (p.bits == 4 && p.isa != kScalar) {
+      // Per chunk (16 codes for AVX2, 32 for AVX-512): the even k first, then the odd k
+      // (low nibbles, then high nibbles).
+      const int chunk = p.isa == kAvx512 ? 32 : 16;
+      for (int c = 0; c < p.K; c += chunk) {
+        for (int i = 0; i < chunk / 2; ++i) {
           dst[c + i] = x[c + 2 * i];
-          dst[c + 8 + i] = x[c + 2 * i + 1];
+          dst[c + chunk / 2 + i] = x[c + 2 * i + 1];
         }
       }
     } else {
@@ -313,7 +428,15 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
 
 void qmv_rows(const QmvProblem& p, int n0, int n1) {
 #if defined(MLXINFER_X86)
-  if (simd_enabled()) {
+  if (p.isa == kAvx512) {
+    if (p.bits == 4) {
+      return qmv_rows_avx512<4>(p, n0, n1);
+    }
+    if (p.bits == 8) {
+      return qmv_rows_avx512<8>(p, n0, n1);
+    }
+  }
+  if (p.isa == kAvx2) {
     if (p.bits == 4) {
       return qmv_rows_avx2<4>(p, n0, n1);
     }
@@ -327,7 +450,7 @@ void qmv_rows(const QmvProblem& p, int n0, int n1) {
 
 void matvec_rows(const MatvecProblem& p, int n0, int n1) {
 #if defined(MLXINFER_X86)
-  if (simd_enabled()) {
+  if (p.isa != kScalar) {
     return matvec_rows_avx2(p, n0, n1);
   }
 #endif

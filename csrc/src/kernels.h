@@ -6,17 +6,20 @@
 
 namespace mlxinfer {
 
-// "avx2+fma" where the CPU has them (checked once at run time), else "scalar".
-const char* kernel_isa();
-bool simd_enabled();
-// Tests force the portable path to check it against the vector one.
-void set_force_scalar(bool on);
-bool force_scalar();
+// Instruction-set levels of the kernels, checked once at run time.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// The best level this CPU has, and the level in use (the best unless capped).
+Isa best_isa();
+Isa current_isa();
+// Tests and benchmarks cap the level to check each path against the others.
+void set_max_isa(Isa isa);
+const char* isa_name(Isa isa);
 
 // y[m, n] = sum_k x[m, k] * (scales[n, g(k)] * q[n, k] + biases[n, g(k)])
 // for m in [0, M), n in [n0, n1): MLX's affine quantization (mx.quantize), w packed
 // LSB-first, 32 / bits values per uint32 word, groups of group_size along k.
 struct QmvProblem {
+  Isa isa = kScalar; // the path; qmv_prepare lays out xp for it
   int M = 0, N = 0, K = 0, group_size = 0, bits = 0;
   const float* x = nullptr; // (M, K) row-major
   const float* xp = nullptr; // (M, K) x in the order the vector 4-bit unpack yields
@@ -33,6 +36,7 @@ void qmv_rows(const QmvProblem& p, int n0, int n1);
 
 // y[m, n] = sum_k x[m, k] * w[n, k], w (N, K) row-major f32.
 struct MatvecProblem {
+  Isa isa = kScalar;
   int M = 0, N = 0, K = 0;
   const float* x = nullptr; // (M, K)
   const float* w = nullptr; // (N, K)

@@ -232,6 +232,7 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
                     gs = group_size_,
                     bits = bits_]() mutable {
     QmvProblem p;
+    p.isa = current_isa();
     p.N = w.shape(0);
     p.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / bits);
     p.M = p.K == 0 ? 0 : static_cast<int>(x.size() / p.K);
@@ -331,6 +332,7 @@ void Matvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     w = mx::array::unsafe_weak_copy(inputs[1]),
                     out = mx::array::unsafe_weak_copy(out)]() mutable {
     MatvecProblem p;
+    p.isa = current_isa();
     p.N = w.shape(0);
     p.K = w.shape(1);
     p.M = p.K == 0 ? 0 : static_cast<int>(x.size() / p.K);

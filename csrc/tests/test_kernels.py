@@ -31,13 +31,18 @@ def rel_err(y, ref):
     return (mx.abs(y - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-30)).item()
 
 
-@pytest.fixture(params=["simd", "scalar"])
+LEVELS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(params=LEVELS)
 def path(request):
-    if request.param == "simd" and K.isa == "scalar":
-        pytest.skip("no AVX2+FMA on this CPU")
-    K.set_force_scalar(request.param == "scalar")
+    """Each instruction-set path the CPU has (the level is capped, then restored)."""
+    if LEVELS.index(request.param) > LEVELS.index(K.best_isa):
+        pytest.skip(f"this CPU has no {request.param}")
+    K.set_max_isa(request.param)
+    assert K.isa() == request.param
     yield request.param
-    K.set_force_scalar(False)
+    K.set_max_isa("best")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -153,6 +158,11 @@ def test_shape_mismatches_are_value_errors():
         K.quantized_matvec(mx.zeros((1, 64)), wq, s[:, :1], b, 32, 4)
     with pytest.raises(ValueError, match="w: expected"):
         K.matvec(mx.zeros((1, 64)), w.astype(mx.float16))
+
+
+def test_bad_isa_name():
+    with pytest.raises(ValueError, match="set_max_isa"):
+        K.set_max_isa("neon")
 
 
 def test_version_recorded():
