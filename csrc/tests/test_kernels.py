@@ -167,3 +167,27 @@ def test_bad_isa_name():
 
 def test_version_recorded():
     assert K.mlx_version == mx.__version__.split(".dev")[0]
+
+
+def test_two_streams_at_once():
+    """Two MLX CPU streams (the backend's two-stream split) calling the kernels in one eval:
+    the second caller finds the pool busy and runs inline; both results stay exact."""
+    mx.random.seed(4)
+    w = mx.random.normal((2048, 576))
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    xs = [mx.random.normal((1, 576)) for _ in range(8)]
+    streams = [mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)]
+    before = K.num_threads()
+    try:
+        K.set_num_threads(2)
+        outs = [
+            K.quantized_matvec(x, wq, s, b, 64, 4, stream=streams[i % 2]) for i, x in enumerate(xs)
+        ] + [K.matvec(x, w, stream=streams[i % 2]) for i, x in enumerate(xs)]
+        mx.eval(outs)
+    finally:
+        K.set_num_threads(before)
+    for x, y in zip(xs, outs[:8]):
+        ref = mx.quantized_matmul(x, wq, s, b, group_size=64, bits=4)
+        assert rel_err(y, ref) <= 1e-4
+    for x, y in zip(xs, outs[8:]):
+        assert rel_err(y, x @ w.T) <= 1e-4
