@@ -41,8 +41,8 @@ def test_cli_exits_after_generation_ends_early(smollm2_f32_dir, stop):
     """Before the fix a stop string hung 8 of 12 runs and EOS at 96 tokens 1 of 6 (this machine);
     a hang shows as a failure here, never as a stuck suite."""
     # An EOS run decodes ~70 tokens; a stop-string run a handful. Four stop-string runs miss a
-    # hang that strikes 8 runs in 12 once in 81 suites.
-    runs = 2 if not stop else 4
+    # hang that strikes 8 runs in 12 once in 81 suites (the EOS hang, 1 in 6, is left to luck).
+    runs = 1 if not stop else 4
     for _ in range(runs):
         out = _run(
             [
