@@ -44,7 +44,7 @@ from .limits import (
     is_json_type,
     parse_json,
 )
-from .metrics import PROMETHEUS, prometheus
+from .metrics import add_status
 from .models import Models
 from .page import add_page
 from .quoting import shown
@@ -196,30 +196,7 @@ def make_app(
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
 
-    @app.get("/health")
-    async def health():  # on the event loop: answered while every worker thread is busy
-        report, ok, errors = {}, True, []
-        for entry in list(registry.entries.values()):
-            if entry.loaded and not entry.engine.alive and entry.engine.failure is not None:
-                await anyio.to_thread.run_sync(registry.get, entry.name)  # replaced now
-            item = {"loaded": entry.loaded, "restarts": len(entry.failures)}
-            if entry.failures:
-                item["last_failure"] = entry.failures[-1]
-            if entry.loaded and not entry.engine.alive:
-                ok = False
-                errors.append(f"{entry.name}: {entry.engine.failure or 'engine closed'}")
-            report[entry.name] = item
-        if ok:
-            return {"status": "ok", "models": report}
-        return JSONResponse(
-            {"status": "error", "error": "; ".join(errors), "models": report}, status_code=503
-        )
-
-    @app.get("/metrics")
-    async def metrics():  # reads counters only: on the event loop, never waiting for a thread
-        from fastapi.responses import PlainTextResponse
-
-        return PlainTextResponse(prometheus(registry, work), media_type=PROMETHEUS)
+    add_status(app, registry, work)  # /health and /metrics, on the event loop (metrics.py)
 
     @app.get("/v1/models")
     def models():

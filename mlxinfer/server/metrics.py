@@ -1,7 +1,13 @@
-"""``/metrics``: each loaded model's engine counters, the server's own and MLX's memory, in
-Prometheus' text format."""
+"""The server's status routes, answered on the event loop (while every worker thread is busy):
+``/health`` (is each loaded model's engine alive; a failed one is replaced) and ``/metrics``
+(each loaded model's engine counters, the server's own and MLX's memory, in Prometheus' text
+format)."""
 
 from __future__ import annotations
+
+import anyio
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .limits import Work
 from .models import Models
@@ -104,3 +110,30 @@ def _mlx_memory() -> list[tuple[str, int, str]]:
 
 def _metric(key: str, kinds: dict) -> str:
     return f"mlxinfer_{key}" + ("_total" if kinds[key][0] == "counter" else "")
+
+
+def add_status(app: FastAPI, registry: Models, work: Work) -> None:
+    """``GET /health`` and ``GET /metrics`` on ``app``."""
+
+    @app.get("/health")
+    async def health():  # on the event loop: answered while every worker thread is busy
+        report, ok, errors = {}, True, []
+        for entry in list(registry.entries.values()):
+            if entry.loaded and not entry.engine.alive and entry.engine.failure is not None:
+                await anyio.to_thread.run_sync(registry.get, entry.name)  # replaced now
+            item = {"loaded": entry.loaded, "restarts": len(entry.failures)}
+            if entry.failures:
+                item["last_failure"] = entry.failures[-1]
+            if entry.loaded and not entry.engine.alive:
+                ok = False
+                errors.append(f"{entry.name}: {entry.engine.failure or 'engine closed'}")
+            report[entry.name] = item
+        if ok:
+            return {"status": "ok", "models": report}
+        return JSONResponse(
+            {"status": "error", "error": "; ".join(errors), "models": report}, status_code=503
+        )
+
+    @app.get("/metrics")
+    async def metrics():  # reads counters only: on the event loop, never waiting for a thread
+        return PlainTextResponse(prometheus(registry, work), media_type=PROMETHEUS)
