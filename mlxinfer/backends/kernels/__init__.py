@@ -1,0 +1,101 @@
+"""The compiled CPU kernels (``csrc/``): a quantized and an f32 matrix × vector product,
+vectorised (AVX-512 / AVX2+FMA, chosen at run time) and threaded, as MLX primitives.
+
+Optional: a machine without a C++ compiler and CMake runs without them, on MLX's own
+ops. :func:`load` finds the extension module (``_mlxinfer_kernels``) and imports it once;
+where it is missing, or was built against another MLX (its import refuses), it returns
+``None`` and :func:`reason` says why in one line. The CPU backend (``backends.cpu``) calls
+them; model modules never import this package.
+
+Where the module is looked for, in order: ``$MLXINFER_KERNELS_DIR``; this package's own
+folder (an install that built them); a source checkout's ``build/kernels``
+(``tools/build_kernels.py``). ``MLXINFER_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx  # the extension links libmlx and uses mlx.core's array type
+
+ENV = "MLXINFER_KERNELS"  # "0": never use the kernels
+ENV_DIR = "MLXINFER_KERNELS_DIR"  # a folder holding _mlxinfer_kernels*.so
+NAME = "_mlxinfer_kernels"
+
+_loaded: tuple[ModuleType | None, str | None] | None = None
+
+
+def candidates() -> list[Path]:
+    """The folders searched for the module, in order."""
+    dirs = []
+    if os.environ.get(ENV_DIR):
+        dirs.append(Path(os.environ[ENV_DIR]))
+    here = Path(__file__).resolve().parent
+    dirs.append(here)
+    checkout = here.parents[2]
+    if (checkout / "csrc" / "CMakeLists.txt").is_file():
+        dirs.append(checkout / "build" / "kernels")
+    return dirs
+
+
+def _find() -> Path | None:
+    for d in candidates():
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            p = d / (NAME + suffix)
+            if p.is_file():
+                return p
+    return None
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load() -> ModuleType | None:
+    """The kernels' module, or None where they are off, not built or refuse this MLX."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded[0]
+
+
+def reason() -> str | None:
+    """Why :func:`load` gives None, in one line (None where the kernels are loaded)."""
+    load()
+    return _loaded[1]
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    if os.environ.get(ENV, "") == "0":
+        return None, f"kernels off ({ENV}=0)"
+    path = _find()
+    if path is None:
+        where = ", ".join(str(d) for d in candidates())
+        return None, f"kernels not built (no {NAME} module in {where}); MLX's own ops are used"
+    try:
+        module = _import(path)
+    except ImportError as e:  # built against another MLX: the module's own check
+        return (
+            None,
+            f"kernels at {path} not usable: {str(e).splitlines()[0]}; MLX's own ops are used",
+        )
+    except OSError as e:
+        return None, f"kernels at {path} did not load: {e}; MLX's own ops are used"
+    return module, None
+
+
+def describe() -> str:
+    """One line for ``--verbose``: the kernels in use (instruction set, threads) or why not."""
+    k = load()
+    if k is None:
+        return reason()
+    return (
+        f"kernels: {k.isa()} on {k.num_threads()} threads (MLX {k.mlx_version}, {mx.__version__})"
+    )
