@@ -9,7 +9,8 @@ them; model modules never import this package.
 
 Where the module is looked for, in order: ``$MLXINFER_KERNELS_DIR``; this package's own
 folder (an install that built them); a source checkout's ``build/kernels``
-(``tools/build_kernels.py``). ``MLXINFER_KERNELS=0`` turns them off.
+(``tools/build_kernels.py``). ``MLXINFER_KERNELS=0`` turns them off. ``pip install`` builds
+them into this folder where it can (``setup.py``), else leaves its reason here (``NOT_BUILT``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import mlx.core as mx  # the extension links libmlx and uses mlx.core's array ty
 ENV = "MLXINFER_KERNELS"  # "0": never use the kernels
 ENV_DIR = "MLXINFER_KERNELS_DIR"  # a folder holding _mlxinfer_kernels*.so
 NAME = "_mlxinfer_kernels"
+NOT_BUILT = NAME + ".not-built"  # an install's one line saying why it did not build them
 
 _loaded: tuple[ModuleType | None, str | None] | None = None
 
@@ -77,6 +79,11 @@ def _load() -> tuple[ModuleType | None, str | None]:
         return None, f"kernels off ({ENV}=0)"
     path = _find()
     if path is None:
+        note = Path(__file__).resolve().parent / NOT_BUILT
+        if note.is_file():  # the install tried and said why (setup.py)
+            why = note.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+            if why:
+                return None, f"{why[0].removeprefix('mlxinfer: ')}; MLX's own ops are used"
         where = ", ".join(str(d) for d in candidates())
         return None, f"kernels not built (no {NAME} module in {where}); MLX's own ops are used"
     try:

@@ -1,0 +1,168 @@
+"""Builds mlxinfer's compiled CPU kernels (csrc/) while installing, where it can.
+
+`pip install .` and `pip install -e .` run this through setuptools (the rest of the
+package's metadata is in pyproject.toml). The kernels are configured with CMake and built
+(`cmake -S csrc -B <tmp> -DPython_EXECUTABLE=<python>`, Ninja when present) into
+`mlxinfer/backends/kernels/` (the source tree's folder for an editable install). They need a
+C++20 compiler, CMake >= 3.24 and nanobind >= 3; pyproject's build requirements bring CMake,
+Ninja, nanobind and mlx. Any failure prints one line, leaves that line beside the package
+(`kernels.reason()` reports it), and the package installs without them: mlxinfer then runs on
+MLX's own ops. `MLXINFER_BUILD_KERNELS=0` skips the build.
+
+Which mlx: the module must be compiled against the mlx the runtime imports (it refuses another
+at import). pip builds in an isolated environment with its own mlx; when the environment being
+installed into already has an mlx satisfying the runtime requirement, that one is built
+against instead (pip keeps it); otherwise the isolated one, which is the version pip's
+resolver installs for the runtime too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+NAME = "_mlxinfer_kernels"
+PACKAGE = "mlxinfer.backends.kernels"
+NOT_BUILT = NAME + ".not-built"  # the failure's one line, read by kernels.reason()
+ENV = "MLXINFER_BUILD_KERNELS"  # "0": do not build them
+MIN_CMAKE = (3, 24)
+MIN_MLX = (0, 29)  # pyproject's runtime requirement
+
+
+class NotBuilt(Exception):
+    """Why the kernels were not built, in one line."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def _run(cmd: list[str], what: str, env: dict | None = None) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode:
+        out = (p.stdout + p.stderr).splitlines()
+        errors = [line.strip() for line in out if re.search(r"error|Error|ERROR", line)]
+        last = errors[0] if errors else (out[-1].strip() if out else f"exit status {p.returncode}")
+        raise NotBuilt(f"{what} failed: {last[:300]}")
+    return p.stdout
+
+
+def _target_mlx() -> str | None:
+    """The CMake folder of the mlx installed where this package is being installed, if any.
+
+    pip runs the build with the target's interpreter, the isolated build environment put in
+    front by PYTHONPATH (and PYTHONNOUSERSITE): without them that interpreter sees the target.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    code = (
+        "import importlib.metadata as m, subprocess, sys; v = m.version('mlx');"
+        "d = subprocess.run([sys.executable, '-m', 'mlx', '--cmake-dir'], capture_output=True,"
+        " text=True, check=True).stdout.strip(); print(v); print(d)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    lines = p.stdout.split()
+    if p.returncode or len(lines) != 2 or _version(lines[0]) < MIN_MLX:
+        return None
+    return lines[1]
+
+
+def _check_tools() -> list[str]:
+    """The configure options the tools found allow; NotBuilt when one is missing."""
+    if os.environ.get(ENV, "") == "0":
+        raise NotBuilt(f"{ENV}=0")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise NotBuilt("cmake not found on PATH (CMake >= 3.24 needed)")
+    found = _version(_run([cmake, "--version"], "cmake --version").splitlines()[0])
+    if found < MIN_CMAKE:
+        raise NotBuilt(f"CMake {'.'.join(map(str, found))} found, >= 3.24 needed")
+    compilers = [os.environ.get("CXX", "")] + ["c++", "g++", "clang++"]
+    if not any(c and shutil.which(c.split()[0]) for c in compilers):
+        raise NotBuilt("no C++ compiler found ($CXX, c++, g++ or clang++; C++20 needed)")
+    try:
+        import nanobind
+    except ImportError:
+        raise NotBuilt("nanobind not installed (nanobind >= 3 needed)") from None
+    if _version(nanobind.__version__) < (3,):
+        raise NotBuilt(f"nanobind {nanobind.__version__} found, >= 3 needed")
+    options = [f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"]
+    if shutil.which("ninja"):
+        options += ["-G", "Ninja"]
+    mlx_dir = _target_mlx()
+    if mlx_dir:
+        options.append(f"-DMLX_ROOT={mlx_dir}")
+    return options
+
+
+def build_kernels(out_dir: Path) -> Path:
+    """Configure and build csrc/ in a temporary folder; the module copied into ``out_dir``."""
+    options = _check_tools()
+    with tempfile.TemporaryDirectory(prefix="mlxinfer-kernels-") as tmp:
+        _run(["cmake", "-S", str(ROOT / "csrc"), "-B", tmp, *options], "cmake configure")
+        jobs = str(os.cpu_count() or 1)
+        _run(["cmake", "--build", tmp, "-j", jobs], "cmake build")
+        built = sorted(Path(tmp).glob(NAME + "*.so")) + sorted(Path(tmp).glob(NAME + "*.pyd"))
+        if not built:
+            raise NotBuilt(f"the build made no {NAME} module")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        target = out_dir / built[0].name
+        shutil.copyfile(built[0], target)
+    return target
+
+
+class BuildKernels(build_ext):
+    """build_ext for the one pseudo-extension below: CMake, never a failed install."""
+
+    def run(self):
+        if self.editable_mode or self.inplace:  # the source tree's folder (load() looks there)
+            out_dir = Path(self.get_finalized_command("build_py").get_package_dir(PACKAGE))
+            out_dir = ROOT / out_dir if not out_dir.is_absolute() else out_dir
+        else:
+            out_dir = Path(self.build_lib, *PACKAGE.split("."))
+        for old in [
+            *out_dir.glob(NAME + "*.so"),
+            *out_dir.glob(NAME + "*.pyd"),
+            out_dir / NOT_BUILT,
+        ]:
+            old.unlink(missing_ok=True)  # a previous build's, maybe for another mlx
+        self._outputs = []
+        start = time.monotonic()
+        try:
+            target = build_kernels(out_dir)
+        except Exception as e:  # any failure: the package installs without them
+            line = f"mlxinfer: compiled CPU kernels not built ({e}); installing without them"
+            print(line, file=sys.stderr, flush=True)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / NOT_BUILT).write_text(line + "\n", encoding="utf-8")
+            self._outputs = [str(out_dir / NOT_BUILT)]
+            return
+        print(
+            f"mlxinfer: compiled CPU kernels built in {time.monotonic() - start:.0f} s: {target}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._outputs = [str(target)]
+
+    def get_outputs(self):
+        return list(getattr(self, "_outputs", []))
+
+    def get_output_mapping(self):
+        return {}
+
+
+setup(
+    # A placeholder: it makes setuptools run build_ext and tag the wheel for this platform;
+    # BuildKernels builds csrc/ with CMake instead of compiling these (no) sources.
+    ext_modules=[Extension(f"{PACKAGE}.{NAME}", sources=[])],
+    cmdclass={"build_ext": BuildKernels},
+)
