@@ -3,7 +3,7 @@
 Its options map onto :func:`mlxinfer.server.make_app`'s keyword arguments: the engine's
 (batch, KV pool), the request limits (``limit_options``) and the agent-serving ones
 (``agent_options``: chat template, model aliases, output cap, embeddings, the disk prefix
-tier). An option left unset is not passed, so the server's own default applies.
+tier, the recurrent-state snapshots). An option left unset is not passed, so the server's own default applies.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .cli_options import (
 def agent_options(fn):
     """What serving coding agents needs: a chat template for a model without one, the model
     names clients send, a cap on every request's output, an embedding model, the prefix
-    cache's disk tier."""
+    cache's disk tier, and for a model with recurrent layers its snapshots' budget and spacing."""
     options = [
         click.option(
             "--chat-template",
@@ -68,6 +68,23 @@ def agent_options(fn):
             callback=_size,
             metavar="N",
             help="Most bytes the disk prefix tier keeps (K/M/G suffixes) [default: 10G].",
+        ),
+        click.option(
+            "--prefix-state-bytes",
+            default=None,
+            callback=_size,
+            metavar="N",
+            help="For a model with recurrent layers: bytes of --kv-budget kept for snapshots of "
+            "their states, which let requests share prefixes (K/M/G suffixes; 0: no sharing) "
+            "[default: a quarter].",
+        ),
+        click.option(
+            "--prefix-state-every",
+            default=None,
+            type=click.IntRange(min=1),
+            metavar="BLOCKS",
+            help="For a model with recurrent layers: snapshot their states every BLOCKS blocks "
+            "of prefill, and at each prompt's last full block [default: a prefill chunk's].",
         ),
     ]
     for option in reversed(options):
@@ -157,6 +174,8 @@ def serve(
     embedding_model,
     prefix_cache_dir,
     prefix_cache_disk_bytes,
+    prefix_state_bytes,
+    prefix_state_every,
     **limits,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
@@ -172,10 +191,16 @@ def serve(
     from .batch.pool import DEFAULT_KV_BUDGET
     from .server import serve as run
 
+    budget = kv_budget or DEFAULT_KV_BUDGET
+    if prefix_state_bytes is not None and prefix_state_bytes > budget:
+        raise click.BadParameter(
+            f"expected at most the KV budget ({budget} bytes), found {prefix_state_bytes}",
+            param_hint="'--prefix-state-bytes'",
+        )
     draft = _make_draft(draft_model, prompt_lookup, None)
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
-        llm, tokenizer = _load(model, verbose, force, kv_budget or DEFAULT_KV_BUDGET)
+        llm, tokenizer = _load(model, verbose, force, budget)
         name = (
             (Path(model).stem if model.endswith(".gguf") else Path(model).name)
             if model
@@ -193,6 +218,8 @@ def serve(
         "embedding_model": embedding_model,
         "prefix_cache_dir": prefix_cache_dir,
         "prefix_cache_disk_bytes": prefix_cache_disk_bytes,
+        "state_budget": prefix_state_bytes,  # the Engine's
+        "state_every": prefix_state_every,
     }
     served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)
     _log(f"serving {served} on http://{host}:{port} (OpenAI and Anthropic APIs under /v1)")
