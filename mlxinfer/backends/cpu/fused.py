@@ -8,7 +8,8 @@ others, which find it by the identity of ``x``. Each sibling's weight
 becomes a view of the stacked one, so memory does not grow.
 
 Whether it pays is measured (``plans``: kind ``fuse``); with it off each
-sibling runs its own product (or its own plan: ``parallel.CPULinear``).
+sibling runs its own product (or its own plan: ``parallel.CPULinear``). With the
+``matvec=kernel`` plan the stacked product of a few rows is one call of the compiled kernel.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import ops
+from . import compiled, ops
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -42,10 +43,15 @@ class FusedGroup:
         self.on = True
         self.last: tuple = (None, None)  # (input, product) of the sibling call in progress
 
-    def output(self, x: mx.array, index: int, pad_rows: int = ops.NO_PADDING) -> mx.array:
+    def output(
+        self, x: mx.array, index: int, pad_rows: int = ops.NO_PADDING, kernel: bool = False
+    ) -> mx.array:
         seen, y = self.last  # one read: another thread may replace it
         if seen is not x:
-            y = ops.padded_product(x, lambda z: z @ self.weight.T, pad_rows)
+            if kernel:  # the compiled kernel (``compiled``): its caller checked the rows
+                y = compiled.matvec(x, self.weight)
+            else:
+                y = ops.padded_product(x, lambda z: z @ self.weight.T, pad_rows)
             if self.bias is not None:
                 y = y + self.bias
             self.last = (x, y)
@@ -61,7 +67,8 @@ class CPUFusedSibling:
     def __call__(self, x: mx.array) -> mx.array:
         group, index = self.cpu_fused
         if group.on:
-            return group.output(x, index, getattr(self, "cpu_pad_rows", ops.NO_PADDING))
+            pad_rows = getattr(self, "cpu_pad_rows", ops.NO_PADDING)
+            return group.output(x, index, pad_rows, compiled.runs(self, x))
         return super().__call__(x)
 
 

@@ -1,14 +1,17 @@
 """The kinds of CPU decode plan, the layers each acts on, and how to set and read them.
 
-Which option each kind takes on this machine is decided in ``plans`` (by ``timing``).
+Which option each kind takes on this machine is decided in ``plans`` (by ``timing``). The
+``kernel`` options (and the kinds ``matvec``, ``kernel_threads``) are the compiled kernels'
+(``compiled``): offered only where they are loaded and cover some of the kind's layers.
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import layers as model_layers
-from . import ops, parallel, quantized
+from . import compiled, ops, parallel, quantized
 
 NEVER = 1 << 30  # a threshold never reached: the plainer form always
 
@@ -16,16 +19,26 @@ NEVER = 1 << 30  # a threshold never reached: the plainer form always
 OPTIONS: dict[str, tuple[str, ...]] = {
     "cut": ("one", "two"),
     "halves": ("one", "two"),
-    "head": ("one", "two"),
+    "head": ("one", "two", "kernel"),
     "fuse": ("separate", "fused"),
-    "quantized": ("one", "halves", "siblings", "balanced"),
+    "quantized": ("one", "halves", "siblings", "balanced", "kernel"),
+    "matvec": ("blas", "kernel"),  # the blocks' float Linears: MLX's matmul, or the kernel
+    "kernel_threads": ("all", "one"),  # the kernels' pool: every usable CPU, or one thread
 }
-MOST_PARALLEL = {
+MOST_PARALLEL = {  # MLXINFER_CPU_PLANS=on: the two-stream plans, MLX's ops (no kernels)
     "cut": "two",
     "halves": "two",
     "head": "two",
     "fuse": "fused",
     "quantized": "siblings",
+    "matvec": "blas",
+    "kernel_threads": "all",
+}
+KERNELS = {  # MLXINFER_CPU_PLANS=kernels: every kernel plan (the rest as ``on``)
+    **MOST_PARALLEL,
+    "head": "kernel",
+    "quantized": "kernel",
+    "matvec": "kernel",
 }
 
 
@@ -50,7 +63,41 @@ def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
         found["head"].append(head)
     elif head is not None and "scales" in head and not isinstance(head, nn.QuantizedLinear):
         found["quantized"].append(head)  # a quantized tied embedding, by parts
+    if compiled.loaded() is not None:
+        float_kinds = (parallel.CPULinear, parallel.PaddedLinear, parallel.TransposedLinear)
+        found["matvec"] = [
+            m
+            for m in model.modules()
+            if m is not head and isinstance(m, float_kinds) and compiled.float_fits(_weight(m))
+        ]
+        if found["matvec"] or any(
+            kernel_fits(kind, m) for kind in ("head", "quantized") for m in found[kind]
+        ):
+            found["kernel_threads"] = [model]  # the pool is the process's, not a layer's
     return found
+
+
+def _weight(layer: nn.Module) -> mx.array:
+    return layer["weight"] if "weight" in layer else layer["weight_t"]
+
+
+def kernel_fits(kind: str, layer: nn.Module) -> bool:
+    """Whether the compiled kernels compute ``layer``'s products (of a kind with a ``kernel``
+    option)."""
+    if kind == "quantized":
+        return compiled.quantized_fits(layer)
+    return kind in ("head", "matvec") and compiled.float_fits(_weight(layer))
+
+
+def options_of(model: nn.Module, kind: str, found: dict | None = None) -> tuple[str, ...]:
+    """The options of ``kind`` timed on this model: ``kernel`` only where the kernels are loaded
+    and cover one of the kind's layers."""
+    layers_of = (found or plan_layers(model))[kind]
+    if "kernel" in OPTIONS[kind] and not (
+        compiled.loaded() is not None and any(kernel_fits(kind, m) for m in layers_of)
+    ):
+        return tuple(o for o in OPTIONS[kind] if o != "kernel")
+    return OPTIONS[kind]
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -119,8 +166,17 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
             if kind == "fuse":
                 layer.cpu_fused[0].on = option == "fused"
                 continue
+            if kind == "kernel_threads":
+                compiled.set_threads(option)
+                continue
             plan = parallel.plan_of(layer)
-            plan.two_streams = option != "one"
+            if "kernel" in OPTIONS[kind]:
+                plan.kernel = option == "kernel" and kernel_fits(kind, layer)
+            if kind == "matvec":  # the kernel reads (out, in); the MLP in halves (in, out)
+                if isinstance(layer, parallel.TransposedLinear):
+                    layer.hold_transposed(not plan.kernel)
+                continue
+            plan.two_streams = option not in ("one", "kernel")
             if kind == "quantized":
                 parts = {"siblings": plan.sibling_parts, "balanced": plan.balanced_parts}
                 plan.parts = parts.get(option)

@@ -20,6 +20,9 @@ worker streams (:func:`worker_streams`):
   half is one contiguous block. The two streams meet once, in the sum of the
   halves, instead of once per projection.
 
+Where the compiled kernels are loaded (``compiled``) and a layer's plan says ``kernel``, its
+few-row product is one kernel call instead: the kernel threads itself, so no split.
+
 On Metal none of this is used: one kernel uses the whole GPU.
 """
 
@@ -31,7 +34,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import ops
+from . import compiled, ops
 
 Part = tuple[int, int, int]  # (worker stream, first output row, end row) of one layer's product
 
@@ -47,6 +50,7 @@ class LayerPlan:
     sibling_parts: tuple[Part, ...] | None = None  # the siblings' plan: each layer whole
     balanced_parts: tuple[Part, ...] | None = None  # ... with the largest cut to balance streams
     blocks: dict = dataclasses.field(default_factory=dict)  # row blocks, see row_block
+    kernel: bool = False  # few rows through the compiled kernel (``compiled``): one call, no split
 
 
 def plan_of(layer: nn.Module) -> LayerPlan:
@@ -118,8 +122,11 @@ def quantized_product(x: mx.array, layer: nn.Module) -> mx.array:
     """``layer(x)`` for a quantized layer (or a quantized embedding used as the LM head), by parts.
 
     MLX's CPU quantized matmul is a scalar loop on one thread; by parts it runs
-    on two (one 4-bit SmolLM2 layer cut in half: 1.55–1.9× as fast).
+    on two (one 4-bit SmolLM2 layer cut in half: 1.55–1.9× as fast). With the ``kernel``
+    plan, one call of the compiled kernel instead (``compiled``).
     """
+    if compiled.runs(layer, x):
+        return compiled.quantized_product(x, layer)
     streams = worker_streams()
     outs = [
         mx.quantized_matmul(
@@ -149,6 +156,8 @@ class CPULinear(nn.Linear):
     MAX_ROWS = 16
 
     def __call__(self, x: mx.array) -> mx.array:
+        if compiled.runs(self, x):
+            return _kernel_linear(x, self)
         if x.size // x.shape[-1] > self.MAX_ROWS or not two_streams(self):
             return ops.padded_product(x, super().__call__, pad_rows_of(self))
         streams = worker_streams()
@@ -168,6 +177,9 @@ class TransposedLinear(nn.Module):
     contiguous block, which MLX's matmul reads in place (a column block of an
     (out, in) weight is strided: MLX would copy it on every call). For many
     rows the product is one BLAS call, as for ``nn.Linear``.
+
+    The compiled kernel reads an (out, in) weight: the ``matvec=kernel`` plan has the layer
+    hold ``weight`` instead (:meth:`hold_transposed`), and its MLP then runs whole.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -180,8 +192,25 @@ class TransposedLinear(nn.Module):
             self.bias = linear.bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = ops.padded_product(x, lambda z: z @ self.weight_t, pad_rows_of(self))
+        if "weight" in self:  # held as (out, in) for the kernel
+            if compiled.runs(self, x):
+                return _kernel_linear(x, self)
+            y = ops.padded_product(x, lambda z: z @ self.weight.T, pad_rows_of(self))
+        else:
+            y = ops.padded_product(x, lambda z: z @ self.weight_t, pad_rows_of(self))
         return y + self.bias if "bias" in self else y
+
+    def hold_transposed(self, transposed: bool) -> None:
+        """Hold the weight as ``weight_t`` (in, out: the MLP in halves) or as ``weight``
+        (out, in: the compiled kernel); one copy, the other layout freed."""
+        if transposed == ("weight_t" in self):
+            return
+        old = "weight" if transposed else "weight_t"
+        new = mx.contiguous(self[old].T)
+        mx.eval(new)
+        del self[old]
+        self["weight_t" if transposed else "weight"] = new
+        plan_of(self).blocks.clear()
 
 
 class PaddedLinear(nn.Linear):
@@ -189,7 +218,15 @@ class PaddedLinear(nn.Linear):
     run padded (``ops.padded_product``)."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        if compiled.runs(self, x):
+            return _kernel_linear(x, self)
         return ops.padded_product(x, super().__call__, pad_rows_of(self))
+
+
+def _kernel_linear(x: mx.array, layer: nn.Module) -> mx.array:
+    """A float Linear's few-row product (``layer["weight"]`` (out, in)) as one kernel call."""
+    y = compiled.matvec(x, layer["weight"])
+    return y + layer["bias"] if "bias" in layer else y
 
 
 def pad_rows_of(layer: nn.Module) -> int:
@@ -221,6 +258,7 @@ def runs_in_halves(x: mx.array, down: nn.Module) -> bool:
     (not when its plan says one stream: ``plans``)."""
     return (
         isinstance(down, TransposedLinear)
+        and "weight_t" in down
         and two_streams(down)
         and x.size // x.shape[-1] <= CPULinear.MAX_ROWS
     )
@@ -299,8 +337,11 @@ def project(x: mx.array, head: nn.Module) -> mx.array:
     for a one-row product costs more than the product: SmolLM2's 49,152 × 576
     head ran at ~8 GB/s in one call and ~13 GB/s in blocks of 1,024 rows that
     stay in cache while packed; alternating the blocks over two CPU streams
-    (two threads) took it from 9.4 to 6.0 ms.
+    (two threads) took it from 9.4 to 6.0 ms. With the ``kernel`` plan: one call of the
+    compiled kernel (``compiled``).
     """
+    if compiled.runs(head, x):
+        return compiled.matvec(x, head["weight"])
     n = head["weight"].shape[0]
     if not two_streams(head) or n <= 2 * HEAD_CHUNK or x.size // x.shape[-1] > CPULinear.MAX_ROWS:
         return ops.padded_product(x, lambda z: z @ head["weight"].T, pad_rows_of(head))

@@ -9,12 +9,21 @@ keeping an option only if it beats the plainer one by 3%:
 
 - ``cut``: large float Linears cut by rows over the two streams, or one call;
 - ``halves``: float gated MLPs as two half MLPs side by side, or one MLP;
-- ``head``: the float LM head in blocks over the two streams, or one product;
+- ``head``: the float LM head in blocks over the two streams, one product, or one call of the
+  compiled kernel (``kernel``, where the kernels are loaded: ``compiled``);
 - ``fuse``: float siblings (q/k/v, gate/up) as one stacked product, or one product each
   (``fused``);
 - ``quantized``: quantized layers in one call, cut in halves over the two streams, with
   siblings (q/k/v, gate/up) whole side by side, or side by side with the largest cut to
-  balance the streams (``parallel.plan_siblings``);
+  balance the streams (``parallel.plan_siblings``), or the compiled kernel in one call
+  (``kernel``: affine 4-/8-bit layers, a quantized tied head included);
+- ``matvec`` (kernels loaded): the blocks' float32 Linears through MLX's matmul (``blas``:
+  the plans above) or the compiled kernel (``kernel``, which has a split MLP's down projection
+  hold its weight as (out, in) again, so that MLP runs whole);
+- ``kernel_threads`` (kernels loaded, timed only if a ``kernel`` option won): the kernels'
+  pool on ``all`` the CPUs the process may use, or ``one`` thread (on a loaded 2-core machine
+  one beat two). A layer on a kernel never takes the two-stream split, so the pool and
+  MLX's two worker streams do not ask for more threads than there are cores;
 - ``long_keys``: from how many cached keys decode attention takes its long-context
   form (``ops._attend``), timed on the model's attention shapes alone;
 - ``dequantize_rows``: from how many rows a quantized layer dequantizes its weight for
@@ -34,13 +43,17 @@ timing in ``timing``; this module chooses, caches and reads the setting. The
 choices are made one after the other (each with the ones before it settled),
 in interleaved rounds, in about half a second for SmolLM2. The answer is cached in
 the user cache (``cpu-plans.json``), keyed by the CPU, the number of CPUs, MLX,
-the BLAS and the model's shapes, so the timing runs once per machine and model.
+the BLAS, the kernels (none, or their instruction set and usable CPUs) and the model's
+shapes, so the timing runs once per machine and model.
 
 ``MLXINFER_CPU_PLANS`` skips the measurement: ``off`` (every plan at its
-plainest: one stream, no long-context form), ``on`` (every plan at its most
-parallel, long-context form from ``ops.DECODE_LONG_KEYS`` keys), or a list
-such as ``cut=two,halves=one,quantized=siblings,long_keys=2048`` (the kinds
-not named are measured).
+plainest: one stream, MLX's ops, no kernel, no long-context form), ``on`` (every
+two-stream plan at its most parallel, MLX's ops, no kernel, long-context form from
+``ops.DECODE_LONG_KEYS`` keys), ``kernels`` (as ``on``, but every layer the compiled
+kernels cover on them, on all usable CPUs), or a list such as
+``cut=two,halves=one,quantized=kernel,kernel_threads=one,long_keys=2048`` (the kinds not
+named are measured). A ``kernel`` option where the kernels are not loaded is the ``one`` /
+``blas`` path.
 """
 
 from __future__ import annotations
@@ -56,7 +69,9 @@ import mlx.nn as nn
 from ...atomic import write_text
 from ...blas import preloaded_blas
 from ...machine import cpu_name, user_cache_dir
+from . import compiled
 from .kinds import (
+    KERNELS,
     MOST_PARALLEL,
     NEVER,
     NUMERIC,
@@ -74,6 +89,7 @@ from .kinds import (
 from .timing import attention_shapes, measure
 
 __all__ = [
+    "KERNELS",
     "MOST_PARALLEL",
     "NEVER",
     "NUMERIC",
@@ -91,11 +107,11 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 8  # of the cached entries: bump when the kinds or options change
+VERSION = 9  # of the cached entries: bump when the kinds or options change
 
 
 def cache_key(model: nn.Module) -> str:
-    """The machine, MLX, the BLAS and the shapes the plans act on."""
+    """The machine, MLX, the BLAS, the kernels and the shapes the plans act on."""
     shapes = sorted(
         (kind, type(m).__name__, tuple(m[k].shape), str(m[k].dtype))
         for kind, found in plan_layers(model).items()
@@ -109,6 +125,7 @@ def cache_key(model: nn.Module) -> str:
         os.cpu_count(),
         mx.__version__,
         preloaded_blas(),
+        compiled.key(),
         shapes,
         attention_shapes(model) and [str(s) for s in attention_shapes(model)],
     ]
@@ -131,6 +148,8 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
         return {**plainest, **defaults, "long_keys": NEVER}
     if value == "on":
         return {**MOST_PARALLEL, **defaults}
+    if value == "kernels":
+        return {**KERNELS, **defaults}
     plans: dict[str, str | int] = {}
     for item in value.split(","):
         kind, _, option = item.strip().partition("=")
@@ -141,7 +160,7 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
         else:
             kinds = "; ".join(f"{k}: {'/'.join(o)}" for k, o in OPTIONS.items())
             raise ValueError(
-                f"{ENV}={value!r}: expected 'on', 'off', 'measure' or kind=option items "
+                f"{ENV}={value!r}: expected 'on', 'off', 'kernels', 'measure' or kind=option items "
                 f"({kinds}; {', '.join(NUMERIC)}: a number), found {item!r}"
             )
     return plans

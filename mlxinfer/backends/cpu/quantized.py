@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import parallel
+from . import compiled, parallel
 
 
 def dequantize(
@@ -221,7 +221,10 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
         return y
 
     def _few_rows(self, x: mx.array) -> mx.array:
-        """Decode: the quantized kernel, on two CPU threads by parts (``parallel``)."""
+        """Decode: the quantized kernel, on two CPU threads by parts (``parallel``), or the
+        compiled kernel in one call (the ``kernel`` plan, up to ``compiled.MAX_ROWS`` rows)."""
+        if compiled.runs(self, x):
+            return compiled.quantized_product(x, self)
         plan = parallel.plan_of(self)
         if not plan.two_streams or (self["weight"].shape[0] < 2 * 64 and plan.parts is None):
             return super().__call__(x)  # one stream, or too small to cut with no siblings beside

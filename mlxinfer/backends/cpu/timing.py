@@ -28,6 +28,7 @@ from .kinds import (
     exponential_users,
     float_products,
     numeric_kinds,
+    options_of,
     plan_layers,
     quantized_linears,
     set_plan,
@@ -111,14 +112,19 @@ class DecodeStep:
 
 
 def pick(
-    options: tuple, time_option: Callable[[object], float], rounds: int | None = None
+    options: tuple,
+    time_option: Callable[[object], float],
+    rounds: int | None = None,
+    *,
+    alternate: bool = False,
 ) -> tuple[object, dict]:
     """The plainest option unless a later one is ``KEEP_IF_FASTER`` faster than the best so far;
-    options timed in ``rounds`` (default ``ROUNDS``) interleaved rounds. Returns (option, median
-    seconds by option)."""
+    options timed in ``rounds`` (default ``ROUNDS``) interleaved rounds (with ``alternate``, every
+    other round in reverse order: one switch per round, for options that are costly to switch).
+    Returns (option, median seconds by option)."""
     seconds: dict = {option: [] for option in options}
-    for _ in range(ROUNDS if rounds is None else rounds):
-        for option in options:
+    for n in range(ROUNDS if rounds is None else rounds):
+        for option in options[::-1] if alternate and n % 2 else options:
             seconds[option].append(time_option(option))
     medians = {option: statistics.median(s) for option, s in seconds.items()}
     best = options[0]
@@ -135,6 +141,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
     fixed = dict(fixed or {})
     found = plan_layers(model)
     kinds = [kind for kind in OPTIONS if found[kind] and kind not in fixed]
+    options = {kind: options_of(model, kind, found) for kind in kinds}
     chosen: dict[str, str | int] = {kind: OPTIONS[kind][0] for kind in OPTIONS if found[kind]}
     chosen.update({k: v for k, v in fixed.items() if k in NUMERIC or found.get(k)})
     set_plans(model, chosen)
@@ -146,13 +153,16 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
         head = whole.head_seconds(3)
         timed = max(2, math.ceil(BLOCKS_S / max(one_block, 1e-5)))
         step = DecodeStep(model, timed=timed)
-        n_options = sum(len(OPTIONS[kind]) for kind in kinds)
+        n_options = sum(len(options[kind]) for kind in kinds)
         if n_options * ROUNDS * (step.timed * one_block + head) > MAX_MEASURE_S:
             step_s = len(step.layers) * one_block + head
             kinds, seconds["skipped"] = [], {"step_s": step_s}
     # The head first: the blocks' timings add the chosen head's time to their estimate.
     for kind in sorted(kinds, key=lambda kind: kind != "head"):
-        with_head = any(layer is model.head for layer in found[kind])
+        if kind == "kernel_threads" and "kernel" not in chosen.values():
+            continue  # no kernel in use: its threads do not matter
+        # The kernels' threads act on the head too.
+        with_head = kind == "kernel_threads" or any(layer is model.head for layer in found[kind])
         with_blocks = kind != "head"
         blocks = None if with_blocks else step.scale * step.blocks_seconds(3)
 
@@ -161,7 +171,8 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
             b = step.scale * step.blocks_seconds() if blocks is None else blocks
             return b + (step.head_seconds() if with_head else head)
 
-        chosen[kind], seconds[kind] = pick(OPTIONS[kind], time_option)
+        # matvec switches a split MLP's down projection between two layouts (a copy): alternated
+        chosen[kind], seconds[kind] = pick(options[kind], time_option, alternate=kind == "matvec")
         set_plan(model, kind, chosen[kind])
         if kind == "head":
             head = seconds[kind][chosen[kind]] - blocks
