@@ -44,3 +44,8 @@ class ConstraintError(MlxInferError, ValueError):
 class InsufficientMemoryError(WeightsError):
     """A model whose weights and KV budget exceed the memory the machine can give (memory.py);
     a WeightsError, as the working-set refusal it replaces was."""
+
+
+class DistributedError(MlxInferError):
+    """A distributed run that cannot go on: a bad hostfile or environment, a rank that died,
+    stalled past the rank timeout, or fed other tokens than rank 0 (mlxinfer/distributed)."""

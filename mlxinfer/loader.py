@@ -99,6 +99,24 @@ def read_weights(model_dir: Path, progress: Progress | None = None) -> dict[str,
     return weights
 
 
+def headless_embedding(model: nn.Module, weights: dict[str, mx.array], model_dir: Path) -> bool:
+    """An embedding checkpoint (sentence-transformers' modules.json) whose weights have no LM
+    head for an untied model. Only these load without one: a generative checkpoint lacking
+    ``lm_head.weight`` is still a missing weight (:func:`load_weights_into`)."""
+    return (
+        "lm_head" in model
+        and not any(k.startswith("lm_head.") for k in weights)
+        and (model_dir / "modules.json").is_file()
+    )
+
+
+def weights_source(model_dir: Path) -> Path:
+    """What a weight error names: the index, else the one weights file, else the directory."""
+    index = model_dir / "model.safetensors.index.json"
+    files = list(model_dir.glob("*.safetensors"))
+    return index if index.is_file() else files[0] if len(files) == 1 else model_dir
+
+
 def load_weights_into(model: nn.Module, weights: dict[str, mx.array], source: Path) -> None:
     """Load with a clear error for any unexpected, missing or mis-shaped key."""
     params = dict(tree_flatten(model.parameters()))
@@ -165,6 +183,12 @@ def load_model(
             )
         weights = language_model_weights(weights)
     weights = get_family(config, source).Model.sanitize(weights, model.args)
+    if headless_embedding(model, weights, model_dir):
+        # Saved without its LM head (sentence-transformers' Qwen3-Embedding-4B/8B): embedding
+        # reads the states before it, so the token embedding stands in (tied: no new weights).
+        if log is not None:
+            log(f"{model_dir}: an embedding checkpoint without an LM head; not needed to embed")
+        model = build_model({**config, "tie_word_embeddings": True}, source)
     if (record := quantization_record(config)) is not None:
         apply_quantization(model, record, weights)
     if dtype is not None:
@@ -172,7 +196,7 @@ def load_model(
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
             for k, v in weights.items()
         }
-    load_weights_into(model, weights, model_dir)
+    load_weights_into(model, weights, weights_source(model_dir))
     model.eval()
     model.source_dir = model_dir  # what the prefix cache on disk fingerprints (batch/disk.py)
     materialize(model)
@@ -222,9 +246,15 @@ def load(
     progress: Progress | None = None,
     force: bool = False,
     kv_budget: int | None = None,
+    distributed: str | None = None,
+    rank_timeout: float | None = None,
 ):
     """Load a model directory, a ``.gguf`` file (imported once into the cache), a Hub repo id,
     or (``None``) the default model.
+
+    ``distributed``: "pipeline" or "tensor": this rank's part of the model, run across the
+    ranks of MLX's environment, each step bounded by ``rank_timeout`` seconds
+    (docs/distributed.md).
 
     Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
@@ -245,6 +275,13 @@ def load(
             warnings.warn(warning, RuntimeWarning, stacklevel=2)
 
     def load_dir(model_dir: Path):
+        if distributed is not None:  # this rank's part (mlxinfer/distributed)
+            from .distributed import current
+            from .distributed.load import load_model as load_part
+
+            ranks = current(rank_timeout)
+            model = load_part(model_dir, distributed, ranks, dtype=dtype, log=log)
+            return model, Tokenizer.from_dir(model_dir)
         model, _ = load_model(
             model_dir, dtype=dtype, log=log, progress=progress, force=force, kv_budget=kv_budget
         )

@@ -1,0 +1,40 @@
+"""Running one model across processes (ranks) with MLX's distributed engine (``mx.distributed``:
+ring over TCP, JACCL over Thunderbolt RDMA, MPI). docs/distributed.md says how to run it.
+
+- ``group``: joining the ranks (hostfile checks) and every wait on them, bounded;
+- ``watchdog``: the bound: a step that overruns ``rank_timeout`` ends the process;
+- ``placement``: which rank holds which layers, heads and weights;
+- ``loading``: reading only this rank's tensors of a checkpoint;
+- ``pipeline`` and ``tensor``: the two splits, applied to a loaded model from the outside
+  (the model modules never learn about ranks);
+- ``load``: ``mlxinfer.load(path, distributed=...)``'s work on each rank;
+- ``launch``: ``mlxinfer launch``, local ranks started and taken down together.
+
+Library use, one process per rank::
+
+    model, tokenizer = mlxinfer.load(path, distributed="pipeline")   # or "tensor"
+    seed = mlxinfer.distributed.shared_seed()    # for sampling at temperature > 0
+    text = mlxinfer.generate(model, tokenizer, prompt, seed=seed)     # on every rank
+"""
+
+from __future__ import annotations
+
+from .group import Ranks, connect, current, read_hostfile
+from .watchdog import DEFAULT_RANK_TIMEOUT, Watchdog
+
+
+def shared_seed(seed: int | None = None) -> int:
+    """``seed``, or one drawn by rank 0: the same on every rank (each rank's sampler must draw
+    the same numbers, or the ranks part ways; the token check then stops them all)."""
+    return current().shared_seed(seed)
+
+
+__all__ = [
+    "DEFAULT_RANK_TIMEOUT",
+    "Ranks",
+    "Watchdog",
+    "connect",
+    "current",
+    "read_hostfile",
+    "shared_seed",
+]

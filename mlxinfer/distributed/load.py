@@ -1,0 +1,125 @@
+"""``load(path, distributed="pipeline"|"tensor")`` on each rank: this rank's part of the model.
+
+The CPU backend's decode plans are forced off first (``MLXINFER_CPU_PLANS=off``: one stream):
+its plans spread products over two worker streams, and collectives issued from two streams
+corrupt each other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .. import backends
+from ..errors import DistributedError
+from ..loader import default_dtype
+from ..quant import quantization_record
+from . import loading
+from .group import Ranks
+from .pipeline import PipelineModel, keep_parts
+from .placement import WeightNames, layer_ranges, tensor_split_reason
+from .tensor import TensorModel, shard, sum_outputs
+
+MODES = ("pipeline", "tensor")
+_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _one_stream(log: Callable[[str], None] | None) -> None:
+    if backends.name() != "cpu":
+        return
+    from ..backends.cpu import plans
+
+    if os.environ.get(plans.ENV) != "off" and log is not None:
+        log(f"distributed: the CPU backend's decode plans are off ({plans.ENV}=off: one stream)")
+    os.environ[plans.ENV] = "off"
+
+
+def load_model(
+    model_dir: Path,
+    mode: str,
+    ranks: Ranks,
+    *,
+    dtype: mx.Dtype | None | str = "auto",
+    log: Callable[[str], None] | None = None,
+):
+    """This rank's model for ``mode``: a :class:`PipelineModel` or a :class:`TensorModel`,
+    called as the whole model is. ``mode="tensor"`` falls back to the pipeline, with one
+    line to ``log``, where the model's sizes do not divide over the ranks."""
+    if mode not in MODES:
+        raise DistributedError(f"distributed={mode!r}: expected one of {', '.join(MODES)}")
+    model_dir = Path(model_dir)
+    _one_stream(log)
+    if isinstance(dtype, str):
+        dtype = default_dtype()
+    model, config = loading.build(model_dir)
+    if mode == "tensor":
+        reason = tensor_split_reason(model, ranks.size)
+        if reason is None and quantization_record(config):
+            reason = "the checkpoint is quantized (not yet split by heads)"
+        if reason is None:
+            return _tensor(model, config, model_dir, ranks, dtype, log)
+        if log is not None and ranks.first:
+            log(f"distributed: tensor parallelism falls back to the pipeline: {reason}")
+    return _pipeline(model, config, model_dir, ranks, dtype, log)
+
+
+def _tensor(model, config, model_dir, ranks, dtype, log) -> TensorModel:
+    weights = loading.lazy_weights(model_dir, model, config, log)
+    loading.load_into(model, weights, config, model_dir, dtype)
+    summed = shard(model, ranks)
+    mx.eval(model.parameters())  # the shares: the full tensors are dropped after this
+    backends.apply(model, log=log)
+    sum_outputs(summed, ranks)
+    wrapper = TensorModel(model, ranks)
+    wrapper.weight_bytes = _nbytes(model)
+    return wrapper
+
+
+def _pipeline(model, config, model_dir, ranks, dtype, log) -> PipelineModel:
+    names = WeightNames(model)
+    n_layers = len(model.layers)
+    layers = layer_ranges(n_layers, ranks.size)[ranks.rank]
+    hidden = int(model.embedding.weight.shape[-1])  # built, not yet loaded: never packed
+    weights = loading.lazy_weights(model_dir, model, config, log)
+    keep = keep_parts(model, ranks, layers, dtype or mx.float32)
+    weights = names.for_pipeline(weights, layers, **keep)
+    weights.update(  # the stubs' empty weights (pipeline.Absent)
+        (k, v) for k, v in tree_flatten(model.parameters()) if v.size == 0 and k not in weights
+    )
+    record = quantization_record(config)
+    if record:  # per-layer entries name the blocks by their number in the whole model
+        record = {names.renumber(k, layers): v for k, v in record.items()}
+        record = {k: v for k, v in record.items() if k is not None}
+    loading.load_into(model, weights, config, model_dir, dtype, record)
+    backends.apply(model, log=log)
+    wrapper = PipelineModel(model, ranks, layers, n_layers)
+    # The ranks agree on what they exchange: rank 0's float dtype, the last rank's head rows.
+    code = _DTYPES.index(_float_dtype(model)) if ranks.first else 0
+    rows = int(model.head.weight.shape[0]) if ranks.last else 0
+    code, rows = ranks.broadcast_pair(code, rows)
+    wrapper.activation_dtype = wrapper.logits_dtype = _DTYPES[code]
+    wrapper.activation_width = hidden
+    wrapper.vocab_rows = rows
+    wrapper.weight_bytes = _nbytes(model)
+    if log is not None:
+        log(
+            f"distributed: rank {ranks.rank}/{ranks.size} runs layers {layers.start}-"
+            f"{layers.stop - 1} of {n_layers} ({wrapper.weight_bytes / 1e6:.1f} MB of weights)"
+        )
+    return wrapper
+
+
+def _float_dtype(model: nn.Module) -> mx.Dtype:
+    for _, v in tree_flatten(model.layers[0].parameters()):
+        if v.dtype in _DTYPES:
+            return v.dtype
+    return mx.float32
+
+
+def _nbytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -1,0 +1,174 @@
+"""Pipeline parallelism: each rank runs a contiguous range of the blocks.
+
+The split is applied to a loaded model from the outside, as the CPU backend's layers are:
+the family module never learns about ranks. Rank r keeps only its blocks (``layer_ranges``),
+the embedding if it is first (or last, with a tied head) and the LM head if it is last; in
+their place it holds :class:`Absent` stubs, so the family's own forward still runs on every
+rank, with nothing of weight in the parts it does not hold.
+
+A step (one call of the model) on rank r:
+
+1. every rank's input tokens are compared with rank 0's (``Ranks.check_same``): all ranks
+   feed the same tokens, or all fail together;
+2. rank r > 0 receives the (B, L, hidden) activations from rank r-1 and evaluates them;
+   its first block takes them in place of its input (:class:`Entry`);
+3. its blocks run; rank r < last sends its last block's output to rank r+1 (:class:`Exit`);
+   one evaluation of the step's graph (activations and cache writes). A lazily built graph
+   of several steps deadlocks: ``recv`` has no inputs, so ranks would reach the
+   collectives in different orders;
+4. the last rank's logits reach every rank (an exact all-sum with zeros elsewhere), so
+   that every rank's sampler sees the same numbers and picks the same token (with the
+   seed the ranks share). Up to :data:`SYNC_ROWS` positions this happens within the step;
+   a longer chunk (prefill, whose logits nobody reads) leaves it lazy and so never runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import Cache
+from .group import Ranks
+
+SYNC_ROWS = 64  # positions whose logits are shared within the step (decode, verification)
+
+
+class Absent(nn.Module):
+    """A part of the model this rank does not hold: an embedding gives zeros of the right
+    shape, a head returns its input. Neither is ever evaluated. Its ``weight`` has no rows
+    (what reads the model's head, such as the CPU backend's plans, finds nothing to plan)."""
+
+    def __init__(self, hidden: int, dtype: mx.Dtype):
+        super().__init__()
+        self._hidden, self._dtype = hidden, dtype
+        self.weight = mx.zeros((0, hidden), dtype=dtype)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if mx.issubdtype(x.dtype, mx.integer):
+            return mx.zeros((*x.shape, self._hidden), dtype=self._dtype)  # (B, L, hidden)
+        return x
+
+
+class Entry(nn.Module):
+    """The rank's first block, fed the activations received from the rank before."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        self.incoming: mx.array | None = None
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        return self.block(self.incoming, *args, **kwargs)
+
+
+class Exit(nn.Module):
+    """The rank's last block, whose output it keeps for the rank after."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        self.outgoing: mx.array | None = None
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        self.outgoing = self.block(x, *args, **kwargs)
+        return self.outgoing
+
+
+def local_args(args: Any, layers: range, n_layers: int) -> Any:
+    """``args`` for the rank's blocks: ``num_hidden_layers`` and per-layer ``layer_types``
+    cut to its range (its caches and masks are made from them)."""
+    args = copy.copy(args)
+    if hasattr(args, "num_hidden_layers"):
+        args.num_hidden_layers = len(layers)
+    kinds = getattr(args, "layer_types", None)
+    if isinstance(kinds, (list, tuple)) and len(kinds) == n_layers:
+        args.layer_types = list(kinds)[layers.start : layers.stop]
+    return args
+
+
+def keep_parts(model: nn.Module, ranks: Ranks, layers: range, dtype: mx.Dtype) -> dict:
+    """Cut ``model`` (built, unloaded) to this rank's part; returns which of the embedding and
+    head it keeps (``{"embedding": bool, "head": bool}``)."""
+    inner = model[model.inner_name]
+    n_layers = len(model.layers)
+    hidden = int(model.embedding.weight.shape[-1])
+    inner[model.layers_name] = model.layers[layers.start : layers.stop]
+    keep = {"embedding": ranks.first or (ranks.last and model.tied), "head": ranks.last}
+    if not keep["embedding"]:
+        inner[model.embed_name] = Absent(hidden, dtype)
+    if not model.tied and not keep["head"]:
+        model.lm_head = Absent(hidden, dtype)
+    args = local_args(model.args, layers, n_layers)
+    model.args = args
+    if getattr(inner, "args", None) is not None:
+        inner.args = args
+    return keep
+
+
+class PipelineModel:
+    """The model of one pipeline rank, called as the whole model is: ``model(inputs, cache)
+    -> logits (B, L, V)`` on every rank; ``make_cache`` gives the caches of its blocks only."""
+
+    def __init__(self, model: nn.Module, ranks: Ranks, layers: range, n_layers: int):
+        self.model, self.ranks, self.layers_range, self.n_layers = model, ranks, layers, n_layers
+        self.args = model.args
+        self.backend = "distributed"  # the prefill runs unscheduled (backends.prefill_schedule)
+        self.source_dir = getattr(model, "source_dir", None)
+        blocks = model.layers
+        if not ranks.first:
+            blocks[0] = self.entry = Entry(blocks[0])
+        if not ranks.last:
+            blocks[-1] = self.exit = Exit(blocks[-1])
+        self.steps = 0
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    def make_cache(self, **kwargs) -> list[Cache]:
+        return self.model.make_cache(**kwargs)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        r, ranks = self.ranks.rank, self.ranks
+        B, L = inputs.shape
+        self.steps += 1
+        step = f"pipeline step {self.steps}"
+        ranks.check_same(inputs, step)
+        if not ranks.first:
+            h = mx.distributed.recv(
+                (B, L, self.activation_width), self.activation_dtype, r - 1, group=ranks.group
+            )
+            ranks.run(f"{step}: receiving activations", h, peer=r - 1)
+            self.entry.incoming = h
+        logits = self.model(inputs, cache)
+        if ranks.last:
+            logits = logits.astype(self.logits_dtype)
+        states = [c.state for c in cache] if cache is not None else []
+        if ranks.last:
+            ranks.run(f"{step}: the last blocks", [logits, *states] if L <= SYNC_ROWS else states)
+        else:
+            outgoing = self.exit.outgoing.astype(self.activation_dtype)
+            sent = mx.distributed.send(outgoing, r + 1, group=ranks.group)
+            ranks.run(f"{step}: sending activations", [sent, *states], peer=r + 1)
+            self.exit.outgoing = None
+        if not ranks.first:
+            self.entry.incoming = None
+        shared = ranks.all_sum(logits if ranks.last else self._zeros(B, L))
+        if L <= SYNC_ROWS:
+            ranks.run(f"{step}: sharing logits", shared, peer=self.ranks.size - 1)
+        return shared
+
+    def _zeros(self, B: int, L: int) -> mx.array:
+        return mx.zeros((B, L, self.vocab_rows), dtype=self.logits_dtype)
+
+    # The shapes and dtypes the ranks exchange, fixed at load (``distribute``).
+    activation_width: int
+    activation_dtype: mx.Dtype
+    logits_dtype: mx.Dtype
+    vocab_rows: int

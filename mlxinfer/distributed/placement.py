@@ -1,0 +1,110 @@
+"""Which rank holds what: contiguous layer ranges for the pipeline, head slices for tensor
+parallelism, and the weight names each rank reads.
+
+Nothing here knows a family: a model is ``models.base.CausalLM`` (``inner_name``,
+``layers_name``, ``embed_name``, an optional ``lm_head``), and the weights of block ``i`` are
+those named ``{inner}.{layers}.{i}.…``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mlx.utils import tree_flatten
+
+from ..errors import DistributedError
+
+
+def layer_ranges(n_layers: int, size: int) -> list[range]:
+    """``n_layers`` blocks in ``size`` contiguous ranges, every block in exactly one; the
+    first ``n_layers % size`` ranks take one block more (8 over 3: 3, 3, 2)."""
+    if n_layers < size:
+        raise DistributedError(
+            f"pipeline: {n_layers} layer(s) cannot be split over {size} ranks (each rank needs "
+            "at least one)"
+        )
+    base, extra = divmod(n_layers, size)
+    ranges, start = [], 0
+    for r in range(size):
+        stop = start + base + (1 if r < extra else 0)
+        ranges.append(range(start, stop))
+        start = stop
+    return ranges
+
+
+class WeightNames:
+    """Sorts a checkpoint's weight names by the part of the model they belong to."""
+
+    def __init__(self, model):
+        prefix = f"{model.inner_name}.{model.layers_name}."
+        self.layer = re.compile(rf"^{re.escape(prefix)}(\d+)\.(.*)$")
+        self.prefix = prefix
+        self.embedding = f"{model.inner_name}.{model.embed_name}."
+
+    def layer_of(self, key: str) -> int | None:
+        m = self.layer.match(key)
+        return int(m.group(1)) if m else None
+
+    def renumber(self, key: str, layers: range) -> str | None:
+        """``key`` (a weight or module path) with its block renumbered within ``layers``; None
+        for a block outside them; other keys as they are."""
+        m = self.layer.match(key + ".") if not key.endswith(".") else self.layer.match(key)
+        if m is None:
+            return key
+        i = int(m.group(1))
+        if i not in layers:
+            return None
+        return f"{self.prefix}{i - layers.start}.{m.group(2)}".rstrip(".")
+
+    def for_pipeline(self, weights: dict, layers: range, *, embedding: bool, head: bool) -> dict:
+        """The weights a pipeline rank holding ``layers`` reads, its blocks renumbered from 0:
+        the embedding and LM head only where asked for, every other non-block weight (norms:
+        small) everywhere. Arrays left out are never evaluated, so never read from disk."""
+        out = {}
+        for key, value in weights.items():
+            if self.layer_of(key) is not None:
+                if (local := self.renumber(key, layers)) is not None:
+                    out[local] = value
+            elif key.startswith(self.embedding):
+                if embedding:
+                    out[key] = value
+            elif key.startswith("lm_head."):
+                if head:
+                    out[key] = value
+            else:
+                out[key] = value
+        return out
+
+
+def tensor_split_reason(model, size: int) -> str | None:
+    """Why ``model`` cannot run with its heads split over ``size`` ranks (None: it can).
+
+    Each block must hold one grouped-query attention (``RopeAttention``: separate q/k/v, no
+    output gate or sinks) and one gated MLP, with the attention heads, the KV heads and the
+    MLP's hidden size divisible by ``size``; its other parts may only be norms (vectors).
+    """
+    from ..models.layers.attention import RopeAttention
+    from ..models.layers.mlp import GatedMLP
+
+    for i, layer in enumerate(model.layers):
+        attn = [m for m in layer.children().values() if isinstance(m, RopeAttention)]
+        mlp = [m for m in layer.children().values() if type(m) is GatedMLP]
+        if len(attn) != 1 or len(mlp) != 1:
+            return f"layer {i} is not one attention and one gated MLP"
+        a, m = attn[0], mlp[0]
+        if a.fused_qkv or a.output_gate or "sinks" in a:
+            return f"layer {i}'s attention has fused q/k/v, an output gate or sinks"
+        for name, count in (
+            ("attention heads", a.n_heads),
+            ("KV heads", a.n_kv_heads),
+            ("MLP hidden size", m.gate_proj.weight.shape[0]),
+        ):
+            if count % size:
+                return f"{count} {name} do not divide over {size} ranks"
+        for name, child in layer.children().items():
+            if child is a or child is m:
+                continue
+            params = child.parameters() if hasattr(child, "parameters") else {}
+            if any(v.ndim > 1 for _, v in tree_flatten(params)):
+                return f"layer {i}'s '{name}' is neither attention, MLP nor a norm"
+    return None

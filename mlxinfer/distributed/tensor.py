@@ -1,0 +1,113 @@
+"""Tensor parallelism: every rank runs every block on its share of the heads.
+
+Megatron's split, applied to a loaded float model from the outside: rank r keeps query heads
+``[r·n/s, (r+1)·n/s)`` (rows of ``q_proj``, and the matching KV heads' rows of ``k_proj`` and
+``v_proj``: grouped-query attention keeps its grouping, since n/s and n_kv/s are whole), the
+same columns of ``o_proj``, and its share of the gated MLP's hidden units (rows of
+``gate_proj``/``up_proj``, columns of ``down_proj``). The attention output and the MLP output
+are then partial sums; :class:`Summed` adds them over the ranks (``all_sum``) before the
+residual. A bias of ``o_proj`` or ``down_proj`` stays on rank 0 only, so it is added once.
+Where the sizes do not divide (``placement.tensor_split_reason``) the model runs as a
+pipeline instead, with one line saying why.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import Cache
+from ..models.layers.attention import RopeAttention
+from ..models.layers.mlp import GatedMLP
+from .group import Ranks
+from .pipeline import SYNC_ROWS
+
+
+def _rows(w: mx.array, r: int, s: int) -> mx.array:
+    n = w.shape[0] // s
+    return w[r * n : (r + 1) * n]
+
+
+def _cols(w: mx.array, r: int, s: int) -> mx.array:
+    n = w.shape[-1] // s
+    return w[..., r * n : (r + 1) * n]
+
+
+def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
+    """Cut every block's attention and MLP weights (loaded, float) to this rank's share;
+    returns the (block, child name) pairs whose outputs must be summed over the ranks."""
+    r, s = ranks.rank, ranks.size
+    summed = []
+    for block in model.layers:
+        for name, child in block.children().items():
+            if isinstance(child, RopeAttention):
+                outputs = [child.q_proj, child.k_proj, child.v_proj]
+                child.n_heads //= s
+                child.n_kv_heads //= s
+                final = child.o_proj
+            elif type(child) is GatedMLP:
+                outputs = [child.gate_proj, child.up_proj]
+                final = child.down_proj
+            else:
+                continue
+            for linear in outputs:
+                linear.weight = _rows(linear.weight, r, s)
+                if "bias" in linear:
+                    linear.bias = _rows(linear.bias, r, s)
+            final.weight = _cols(final.weight, r, s)
+            if "bias" in final and r != 0:
+                final.bias = mx.zeros_like(final.bias)
+            summed.append((block, name))
+    return summed
+
+
+class Summed(nn.Module):
+    """A block's attention or MLP whose partial outputs are added over the ranks."""
+
+    def __init__(self, part: nn.Module, ranks: Ranks):
+        super().__init__()
+        self.part = part
+        self._group = ranks.group
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        return mx.distributed.all_sum(self.part(*args, **kwargs), group=self._group)
+
+
+def sum_outputs(summed: list[tuple[nn.Module, str]], ranks: Ranks) -> None:
+    """Put :class:`Summed` around each part (after the backend has swapped its layers in)."""
+    for block, name in summed:
+        block[name] = Summed(block[name], ranks)
+
+
+class TensorModel:
+    """The model of one tensor-parallel rank, called as the whole model is. Every rank holds
+    the embedding and the head, so every rank computes the same logits."""
+
+    def __init__(self, model: nn.Module, ranks: Ranks):
+        self.model, self.ranks = model, ranks
+        self.args = model.args
+        self.backend = "distributed"  # the prefill runs unscheduled (backends.prefill_schedule)
+        self.source_dir = getattr(model, "source_dir", None)
+        self.embedding = model.embedding
+        self.steps = 0
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    def make_cache(self, **kwargs) -> list[Cache]:
+        return self.model.make_cache(**kwargs)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        self.steps += 1
+        step = f"tensor step {self.steps}"
+        self.ranks.check_same(inputs, step)
+        logits = self.model(inputs, cache)
+        states = [c.state for c in cache] if cache is not None else []
+        # One evaluation per step, the collectives inside it; a long chunk's logits (a
+        # prefill's) are left lazy: nobody reads them.
+        self.ranks.run(step, [logits, *states] if inputs.shape[1] <= SYNC_ROWS else states)
+        return logits

@@ -1,0 +1,32 @@
+"""One rank of the distributed tests (tests/test_distributed.py starts two of these).
+
+``python distributed_rank.py MODEL_DIR MODE IDS N OUT``: loads MODEL_DIR with
+``distributed=MODE``, decodes N greedy tokens after the comma-separated prompt IDS, and (rank 0)
+writes {"tokens": [...], "logprobs": [[...], ...]} to OUT as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import mlxinfer
+from mlxinfer.generation import generate_step
+
+
+def main() -> None:
+    model_dir, mode, ids, n, out = sys.argv[1:6]
+    model, _ = mlxinfer.load(model_dir, distributed=mode, log=lambda m: print(m, file=sys.stderr))
+    prompt = [int(i) for i in ids.split(",")]
+    tokens, logprobs = [], []
+    for token, lp in generate_step(prompt, model, max_tokens=int(n)):
+        tokens.append(token)
+        logprobs.append(lp.tolist())
+    if os.environ.get("MLX_RANK") == "0":
+        with open(out, "w") as f:
+            json.dump({"tokens": tokens, "logprobs": logprobs}, f)
+
+
+if __name__ == "__main__":
+    main()
