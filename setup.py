@@ -7,7 +7,8 @@ package's metadata is in pyproject.toml). The kernels are configured with CMake 
 C++20 compiler, CMake >= 3.24 and nanobind >= 3; pyproject's build requirements bring CMake,
 Ninja, nanobind and mlx. Any failure prints one line, leaves that line beside the package
 (`kernels.reason()` reports it), and the package installs without them: mlxinfer then runs on
-MLX's own ops. `MLXINFER_BUILD_KERNELS=0` skips the build.
+MLX's own ops. `MLXINFER_BUILD_KERNELS=0` skips the build. An editable install run again keeps
+the module it built when nothing it depends on changed (csrc/, mlx, nanobind, Python).
 
 Which mlx: the module must be compiled against the mlx the runtime imports (it refuses another
 at import). pip builds in an isolated environment with its own mlx; when the environment being
@@ -18,6 +19,8 @@ resolver installs for the runtime too.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import os
 import re
 import shutil
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parent
 NAME = "_mlxinfer_kernels"
 PACKAGE = "mlxinfer.backends.kernels"
 NOT_BUILT = NAME + ".not-built"  # the failure's one line, read by kernels.reason()
+STAMP = NAME + ".stamp"  # what the module beside it was built from (editable reinstalls)
 ENV = "MLXINFER_BUILD_KERNELS"  # "0": do not build them
 MIN_CMAKE = (3, 24)
 MIN_MLX = (0, 29)  # pyproject's runtime requirement
@@ -57,8 +61,9 @@ def _run(cmd: list[str], what: str, env: dict | None = None) -> str:
     return p.stdout
 
 
-def _target_mlx() -> str | None:
-    """The CMake folder of the mlx installed where this package is being installed, if any.
+def _target_mlx() -> tuple[str, str] | None:
+    """The version and CMake folder of the mlx installed where this package is being
+    installed, if any (and it satisfies the runtime requirement).
 
     pip runs the build with the target's interpreter, the isolated build environment put in
     front by PYTHONPATH (and PYTHONNOUSERSITE): without them that interpreter sees the target.
@@ -70,14 +75,15 @@ def _target_mlx() -> str | None:
         " text=True, check=True).stdout.strip(); print(v); print(d)"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    lines = p.stdout.split()
+    lines = p.stdout.splitlines()
     if p.returncode or len(lines) != 2 or _version(lines[0]) < MIN_MLX:
         return None
-    return lines[1]
+    return lines[0], lines[1]
 
 
-def _check_tools() -> list[str]:
-    """The configure options the tools found allow; NotBuilt when one is missing."""
+def _configure_options() -> tuple[list[str], str]:
+    """The configure options and a key of what the module depends on; NotBuilt when a tool
+    is missing."""
     if os.environ.get(ENV, "") == "0":
         raise NotBuilt(f"{ENV}=0")
     cmake = shutil.which("cmake")
@@ -98,59 +104,78 @@ def _check_tools() -> list[str]:
     options = [f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja"):
         options += ["-G", "Ninja"]
-    mlx_dir = _target_mlx()
-    if mlx_dir:
-        options.append(f"-DMLX_ROOT={mlx_dir}")
-    return options
+    target = _target_mlx()
+    if target:
+        mlx_version = target[0]
+        options.append(f"-DMLX_ROOT={target[1]}")
+    else:
+        try:
+            mlx_version = importlib.metadata.version("mlx")
+        except importlib.metadata.PackageNotFoundError:
+            raise NotBuilt("mlx not installed in the build environment") from None
+    key = hashlib.sha256()
+    for part in [sys.version, sys.executable, mlx_version, nanobind.__version__, *options]:
+        key.update(part.encode() + b"\0")
+    for f in sorted((ROOT / "csrc").rglob("*")):
+        if f.is_file() and f.suffix in (".cpp", ".h", ".txt"):
+            key.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    return options, key.hexdigest()
 
 
-def build_kernels(out_dir: Path) -> Path:
-    """Configure and build csrc/ in a temporary folder; the module copied into ``out_dir``."""
-    options = _check_tools()
+def _modules(folder: Path) -> list[Path]:
+    return sorted(folder.glob(NAME + "*.so")) + sorted(folder.glob(NAME + "*.pyd"))
+
+
+def build_kernels(out_dir: Path, reuse: bool) -> tuple[Path, bool]:
+    """Configure and build csrc/ in a temporary folder, the module copied into ``out_dir``;
+    with ``reuse``, one built there before from the same sources, mlx, nanobind and Python
+    is kept (an editable install run again). Returns the module and whether it was built."""
+    options, key = _configure_options()
+    stamp = out_dir / STAMP
+    old = _modules(out_dir)
+    if reuse and len(old) == 1 and stamp.is_file() and stamp.read_text().strip() == key:
+        return old[0], False
+    for f in [*old, stamp]:
+        f.unlink(missing_ok=True)  # a previous build's, maybe for another mlx
     with tempfile.TemporaryDirectory(prefix="mlxinfer-kernels-") as tmp:
         _run(["cmake", "-S", str(ROOT / "csrc"), "-B", tmp, *options], "cmake configure")
         jobs = str(os.cpu_count() or 1)
         _run(["cmake", "--build", tmp, "-j", jobs], "cmake build")
-        built = sorted(Path(tmp).glob(NAME + "*.so")) + sorted(Path(tmp).glob(NAME + "*.pyd"))
+        built = _modules(Path(tmp))
         if not built:
             raise NotBuilt(f"the build made no {NAME} module")
         out_dir.mkdir(parents=True, exist_ok=True)
         target = out_dir / built[0].name
         shutil.copyfile(built[0], target)
-    return target
+    stamp.write_text(key + "\n")
+    return target, True
 
 
 class BuildKernels(build_ext):
     """build_ext for the one pseudo-extension below: CMake, never a failed install."""
 
     def run(self):
-        if self.editable_mode or self.inplace:  # the source tree's folder (load() looks there)
+        editable = bool(self.editable_mode or self.inplace)
+        if editable:  # the source tree's folder (load() looks there)
             out_dir = Path(self.get_finalized_command("build_py").get_package_dir(PACKAGE))
             out_dir = ROOT / out_dir if not out_dir.is_absolute() else out_dir
         else:
             out_dir = Path(self.build_lib, *PACKAGE.split("."))
-        for old in [
-            *out_dir.glob(NAME + "*.so"),
-            *out_dir.glob(NAME + "*.pyd"),
-            out_dir / NOT_BUILT,
-        ]:
-            old.unlink(missing_ok=True)  # a previous build's, maybe for another mlx
-        self._outputs = []
+        (out_dir / NOT_BUILT).unlink(missing_ok=True)
         start = time.monotonic()
         try:
-            target = build_kernels(out_dir)
+            target, built = build_kernels(out_dir, reuse=editable)
         except Exception as e:  # any failure: the package installs without them
-            line = f"mlxinfer: compiled CPU kernels not built ({e}); installing without them"
-            print(line, file=sys.stderr, flush=True)
+            for f in [*_modules(out_dir), out_dir / STAMP]:
+                f.unlink(missing_ok=True)  # not one built for another mlx or other sources
+            why = f"kernels not built at install ({' '.join(str(e).split())})"
+            print(f"mlxinfer: {why}; installing without them", file=sys.stderr, flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / NOT_BUILT).write_text(line + "\n", encoding="utf-8")
+            (out_dir / NOT_BUILT).write_text(why + "\n", encoding="utf-8")
             self._outputs = [str(out_dir / NOT_BUILT)]
             return
-        print(
-            f"mlxinfer: compiled CPU kernels built in {time.monotonic() - start:.0f} s: {target}",
-            file=sys.stderr,
-            flush=True,
-        )
+        done = f"built in {time.monotonic() - start:.0f} s" if built else "up to date"
+        print(f"mlxinfer: compiled CPU kernels {done}: {target}", file=sys.stderr, flush=True)
         self._outputs = [str(target)]
 
     def get_outputs(self):

@@ -138,9 +138,11 @@ def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int 
     from .progress import Bars
 
     if verbose:
+        from .backends import kernels
         from .blas import blas_in_use
 
         _log(f"BLAS: {blas_in_use()}")
+        _log(kernels.describe())  # the compiled CPU kernels in use, or why not (one line)
     if not sys.stderr.isatty():
         return load(model, log=_log, force=force, kv_budget=kv_budget)
     with Bars() as bars:

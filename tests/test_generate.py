@@ -130,6 +130,9 @@ def test_cli_generate_raw_and_stdin_and_verbose(tiny):
     assert result.exit_code == 0
     assert result.stdout == expected + "\n"
     assert "decode" in result.stderr and "time to first token" in result.stderr
+    from mlxinfer.backends import kernels
+
+    assert kernels.describe() in result.stderr.splitlines()  # the compiled kernels, or why not
 
 
 def test_cli_prefill_step_size_chunks_the_prompt_with_the_same_output(tiny, monkeypatch):

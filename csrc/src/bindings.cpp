@@ -36,7 +36,7 @@ NB_MODULE(_mlxinfer_kernels, m) {
   if (runtime != built_for && runtime.rfind(built_for + ".", 0) != 0) {
     throw nb::import_error(
         ("_mlxinfer_kernels: built for MLX " + built_for + ", found MLX " + runtime +
-         "; rebuild with tools/build_kernels.py")
+         "; reinstall mlxinfer (pip install) or rebuild with tools/build_kernels.py")
             .c_str());
   }
   m.attr("mlx_version") = built_for;

@@ -83,7 +83,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
         if note.is_file():  # the install tried and said why (setup.py)
             why = note.read_text(encoding="utf-8", errors="replace").strip().splitlines()
             if why:
-                return None, f"{why[0].removeprefix('mlxinfer: ')}; MLX's own ops are used"
+                return None, f"{why[0]}; MLX's own ops are used"
         where = ", ".join(str(d) for d in candidates())
         return None, f"kernels not built (no {NAME} module in {where}); MLX's own ops are used"
     try:

@@ -1,0 +1,289 @@
+"""The compiled CPU kernels (csrc/, ``mlxinfer.backends.kernels``) against MLX's own ops
+(``mx.quantized_matmul``, ``x @ w.T``), and how their absence is reported.
+
+``pip install -e .`` builds them (setup.py); ``python tools/build_kernels.py`` builds them
+into a checkout's build/kernels. Where they are not built these tests skip with the reason,
+except under ``MLXINFER_REQUIRE_KERNELS=1`` (CI), where that is an error. The suite runs a
+representative subset (every instruction-set path this CPU has, 4 and 8 bits, group sizes
+32/64/128, 1/4/16 rows, SmolLM2-135M's shapes and an odd one); ``MLXINFER_SLOW=1`` runs the
+whole matrix.
+"""
+
+import os
+
+import mlx.core as mx
+import pytest
+
+from mlxinfer.backends import kernels
+
+K = kernels.load()
+REQUIRE = "MLXINFER_REQUIRE_KERNELS"
+SLOW = pytest.mark.skipif(
+    os.environ.get("MLXINFER_SLOW") != "1",
+    reason="the whole shape x bits x group x rows x ISA matrix: set MLXINFER_SLOW=1 to run",
+)
+
+# SmolLM2-135M's projections (gate/up 576->1536, down 1536->576, q/o 576->576, head
+# 576->49152) and odd sizes (N not a multiple of the 8-row blocks, K of 16).
+SMOLLM2 = [(576, 1536), (1536, 576), (576, 576)]
+HEAD = (576, 49152)
+ODD = [(96, 13), (192, 1001), (1088, 7), (384, 1001)]
+LEVELS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(scope="module")
+def k():
+    """The kernels' module; a skip naming why it is absent (an error under CI's REQUIRE)."""
+    if K is None:
+        if os.environ.get(REQUIRE) == "1":
+            pytest.fail(f"{REQUIRE}=1 but {kernels.reason()}", pytrace=False)
+        pytest.skip(kernels.reason())
+    return K
+
+
+def paths(k) -> list[str]:
+    """Each instruction-set path this CPU has."""
+    return LEVELS[: LEVELS.index(k.best_isa) + 1]
+
+
+def rel_err(y, ref):
+    """max |y - ref| / max |ref|, in f32."""
+    y, ref = y.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.abs(y - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-30)).item()
+
+
+def check_quantized(k, K_in, N, bits, group_size, rows, levels):
+    mx.random.seed(K_in * 7 + N)
+    w = mx.random.normal((N, K_in)) * 0.05
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    for m in rows:
+        x = mx.random.normal((m, K_in))
+        ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group_size, bits=bits)
+        try:
+            for level in levels:
+                k.set_max_isa(level)
+                assert k.isa() == level
+                y = k.quantized_matvec(x, wq, s, b, group_size, bits)
+                assert y.shape == ref.shape and y.dtype == ref.dtype
+                assert rel_err(y, ref) <= 1e-4, (level, m, rel_err(y, ref))
+        finally:
+            k.set_max_isa("best")
+
+
+def check_f32(k, K_in, N, rows, levels):
+    mx.random.seed(K_in + N)
+    w = mx.random.normal((N, K_in))
+    for m in rows:
+        x = mx.random.normal((m, K_in))
+        ref = x @ w.T
+        try:
+            for level in levels:
+                k.set_max_isa(level)
+                assert rel_err(k.matvec(x, w), ref) <= 1e-4, (level, m)
+        finally:
+            k.set_max_isa("best")
+
+
+# Each bits x group size once, on the SmolLM2 shapes and an odd one in turn (the LM head,
+# 576 -> 49152, takes seconds to set up: in the slow matrix only).
+SUITE = [
+    (4, 32, 576, 1536),
+    (4, 64, 1536, 576),
+    (4, 128, 384, 1001),
+    (8, 32, 576, 576),
+    (8, 64, 576, 1536),
+    (8, 128, 1536, 576),
+]
+
+
+@pytest.mark.parametrize("bits,group_size,K_in,N", SUITE)
+def test_quantized_matches_mlx(k, bits, group_size, K_in, N):
+    check_quantized(k, K_in, N, bits, group_size, [1, 4, 16], paths(k))
+
+
+@pytest.mark.parametrize("K_in,N", [(576, 1536), (1536, 576), (1088, 7)])
+def test_f32_matvec_matches_mlx(k, K_in, N):
+    check_f32(k, K_in, N, [1, 4, 16], paths(k))
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("K_in,N", [*SMOLLM2, HEAD, *ODD])
+def test_quantized_matrix(k, bits, group_size, K_in, N):
+    if K_in % group_size:
+        pytest.skip("K not a multiple of the group size (mx.quantize refuses it too)")
+    big = N > 4096
+    levels = paths(k)[1:] if big else paths(k)  # the scalar path on the smaller shapes
+    check_quantized(k, K_in, N, bits, group_size, [1, 4] if big else [1, 2, 3, 4, 5, 16], levels)
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.parametrize("K_in,N", [*SMOLLM2, HEAD, *ODD])
+def test_f32_matrix(k, K_in, N):
+    check_f32(k, K_in, N, [1, 4] if N > 4096 else [1, 2, 3, 4, 5, 16], paths(k))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_quantized_half_scales_and_inputs(k, dtype):
+    mx.random.seed(1)
+    w = (mx.random.normal((320, 256)) * 0.05).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    assert s.dtype == dtype
+    # f32 x with half scales: f32 output.
+    x = mx.random.normal((3, 256))
+    ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4)
+    y = k.quantized_matvec(x, wq, s, b, 64, 4)
+    assert y.dtype == ref.dtype and rel_err(y, ref) <= 1e-4
+    # half x: half output. MLX accumulates in the half type; we accumulate in f32, so the
+    # reference is the same product in f32 and the tolerance is one output rounding
+    # (2^-8 relative for bf16, 2^-11 for f16), with a factor 2 of headroom.
+    xh = x.astype(dtype)
+    f32 = mx.float32
+    ref = mx.quantized_matmul(
+        xh.astype(f32), wq, s.astype(f32), b.astype(f32), group_size=64, bits=4
+    )
+    y = k.quantized_matvec(xh, wq, s, b, 64, 4)
+    eps = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+    assert y.dtype == dtype and rel_err(y, ref) <= 2 * eps
+    mlx_own = mx.quantized_matmul(xh, wq, s, b, group_size=64, bits=4)
+    assert rel_err(y, ref) <= rel_err(mlx_own, ref)
+
+
+def test_quantized_batched_strided_and_compiled(k):
+    mx.random.seed(2)
+    w = mx.random.normal((256, 128))
+    wq, s, b = mx.quantize(w, group_size=32, bits=4)
+    x = mx.random.normal((2, 3, 128))
+    ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=32, bits=4)
+    assert rel_err(k.quantized_matvec(x, wq, s, b, 32, 4), ref) <= 1e-4
+    xt = mx.random.normal((128, 3)).T  # a transposed view: not row-contiguous
+    ref = mx.quantized_matmul(xt, wq, s, b, transpose=True, group_size=32, bits=4)
+    assert rel_err(k.quantized_matvec(xt, wq, s, b, 32, 4), ref) <= 1e-4
+    f = mx.compile(lambda x: k.quantized_matvec(x, wq, s, b, 32, 4) + 1.0)
+    assert rel_err(f(x), mx.quantized_matmul(x, wq, s, b, group_size=32, bits=4) + 1.0) <= 1e-4
+
+
+def test_threads_agree(k):
+    """Rows are split between threads, never a row's sum: 1 and 2 threads agree exactly."""
+    mx.random.seed(3)
+    w = mx.random.normal((4096, 576))
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((2, 576))
+    before = k.num_threads()
+    try:
+        k.set_num_threads(1)
+        y1 = k.quantized_matvec(x, wq, s, b, 64, 4)
+        f1 = k.matvec(x, w)
+        mx.eval(y1, f1)
+        k.set_num_threads(2)
+        assert k.num_threads() == 2
+        y2 = k.quantized_matvec(x, wq, s, b, 64, 4)
+        f2 = k.matvec(x, w)
+        assert mx.array_equal(y1, y2).item() and mx.array_equal(f1, f2).item()
+    finally:
+        k.set_num_threads(before)
+
+
+def test_two_streams_at_once(k):
+    """Two MLX CPU streams (the backend's two-stream split) calling the kernels in one eval:
+    the second caller finds the pool busy and runs inline; both results stay exact."""
+    mx.random.seed(4)
+    w = mx.random.normal((2048, 576))
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    xs = [mx.random.normal((1, 576)) for _ in range(8)]
+    streams = [mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)]
+    before = k.num_threads()
+    try:
+        k.set_num_threads(2)
+        outs = [
+            k.quantized_matvec(x, wq, s, b, 64, 4, stream=streams[i % 2]) for i, x in enumerate(xs)
+        ] + [k.matvec(x, w, stream=streams[i % 2]) for i, x in enumerate(xs)]
+        mx.eval(outs)
+    finally:
+        k.set_num_threads(before)
+    for x, y in zip(xs, outs[:8]):
+        assert rel_err(y, mx.quantized_matmul(x, wq, s, b, group_size=64, bits=4)) <= 1e-4
+    for x, y in zip(xs, outs[8:]):
+        assert rel_err(y, x @ w.T) <= 1e-4
+
+
+@pytest.mark.parametrize("bits,group_size,match", [(3, 32, "bits"), (4, 16, "group_size")])
+def test_bad_arguments_are_value_errors(k, bits, group_size, match):
+    w = mx.random.normal((64, 64))
+    wq, s, b = mx.quantize(w, group_size=32, bits=4)
+    with pytest.raises(ValueError, match=match):
+        k.quantized_matvec(mx.zeros((1, 64)), wq, s, b, group_size, bits)
+
+
+def test_shape_mismatches_are_value_errors(k):
+    w = mx.random.normal((64, 64))
+    wq, s, b = mx.quantize(w, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="x: expected"):
+        k.quantized_matvec(mx.zeros((1, 65)), wq, s, b, 32, 4)
+    with pytest.raises(ValueError, match="scales/biases"):
+        k.quantized_matvec(mx.zeros((1, 64)), wq, s[:, :1], b, 32, 4)
+    with pytest.raises(ValueError, match="w: expected"):
+        k.matvec(mx.zeros((1, 64)), w.astype(mx.float16))
+    with pytest.raises(ValueError, match="set_max_isa"):
+        k.set_max_isa("neon")
+
+
+def test_version_recorded(k):
+    assert k.mlx_version == mx.__version__.split(".dev")[0]
+    assert kernels.describe().startswith(f"kernels: {k.isa()} on {k.num_threads()} threads")
+
+
+# Loading: what load() and reason() say where the module is absent, off or refuses this MLX.
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """kernels.load() re-run in the test (its result restored after)."""
+    monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    return monkeypatch
+
+
+def test_a_version_mismatch_is_none_and_a_reason_naming_both(fresh, tmp_path):
+    """The module's own import refusal (bindings.cpp), as a build for another MLX raises it."""
+    fake = tmp_path / "_mlxinfer_kernels.cpython-311-x86_64-linux-gnu.so"
+    message = (
+        f"_mlxinfer_kernels: built for MLX 0.0.0, found MLX {mx.__version__}; "
+        "reinstall mlxinfer (pip install) or rebuild with tools/build_kernels.py"
+    )
+
+    def refuse(path):
+        assert path == fake
+        raise ImportError(message)
+
+    fresh.setattr(kernels, "_find", lambda: fake)
+    fresh.setattr(kernels, "_import", refuse)
+    assert kernels.load() is None
+    why = kernels.reason()
+    assert "0.0.0" in why and mx.__version__ in why and str(fake) in why
+    assert kernels.describe() == why and "\n" not in why
+
+
+def test_off_and_not_built_are_reasons(fresh, tmp_path):
+    fresh.setenv(kernels.ENV, "0")
+    assert kernels.load() is None and "MLXINFER_KERNELS=0" in kernels.reason()
+    fresh.setattr(kernels, "_loaded", None)
+    fresh.delenv(kernels.ENV)
+    fresh.setattr(kernels, "_find", lambda: None)
+    assert kernels.load() is None and "not built" in kernels.reason()
+
+
+def test_the_installs_note_is_the_reason(fresh, tmp_path):
+    """setup.py leaves its one line beside the package when it could not build them."""
+    note = tmp_path / "kernels" / kernels.NOT_BUILT
+    note.parent.mkdir()
+    note.write_text("kernels not built at install (cmake not found on PATH)\n")
+    fresh.setattr(kernels, "__file__", str(note.parent / "__init__.py"))
+    fresh.setattr(kernels, "_find", lambda: None)
+    assert kernels.load() is None
+    assert kernels.reason() == (
+        "kernels not built at install (cmake not found on PATH); MLX's own ops are used"
+    )
