@@ -18,7 +18,13 @@ from hf_models import TINY, add_tokenizer
 
 from mlxinfer import embed, load
 from mlxinfer.embeddings import EmbeddingError, Pooling, embed_ids, read_pooling
-from mlxinfer.errors import ConfigError, PromptTooLongError, TokenIdError
+from mlxinfer.errors import (
+    ConfigError,
+    MlxInferError,
+    PromptTooLongError,
+    TokenIdError,
+    WeightsError,
+)
 
 TEXTS = [
     "Hello world",
@@ -54,13 +60,12 @@ def write_pooling(path: Path, modules=MODULES, config=None) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(directory, transformers' tokenizer and base model) of the embedding checkpoint."""
-    path = tmp_path_factory.mktemp("embedding") / "tiny-embedding"
+def write_checkpoint(path: Path, tied: bool = True) -> tuple:
+    """(directory, transformers' tokenizer and base model) of an embedding checkpoint saved by
+    ``AutoModel`` (``Qwen3Model``: no LM head), its embedding tied or not."""
     path.mkdir()
     torch.manual_seed(0)
-    overrides = {**TINY, "vocab_size": 320, "tie_word_embeddings": True}
+    overrides = {**TINY, "vocab_size": 320, "tie_word_embeddings": tied}
     config = transformers.AutoConfig.for_model("qwen3", **overrides)
     model = transformers.AutoModel.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -87,6 +92,18 @@ def checkpoint(tmp_path_factory):
     write_pooling(path)
     reference_tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return path, reference_tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The embedding checkpoint, its embedding tied (Qwen3-Embedding-0.6B)."""
+    return write_checkpoint(tmp_path_factory.mktemp("embedding") / "tiny-embedding")
+
+
+@pytest.fixture(scope="module")
+def headless(tmp_path_factory):
+    """Untied, and saved without an LM head (Qwen3-Embedding-4B and -8B)."""
+    return write_checkpoint(tmp_path_factory.mktemp("headless") / "tiny-untied", tied=False)
 
 
 def reference(checkpoint, texts, mode="lasttoken", dimensions=None) -> np.ndarray:
@@ -126,6 +143,47 @@ def test_embed_matches_transformers_in_one_batch_of_mixed_lengths(checkpoint, lo
     )
     ids = [tokenizer.encode(t) for t in TEXTS]
     np.testing.assert_allclose(np.array(embed(model, tokenizer, ids)), vectors, atol=1e-6)
+
+
+def test_an_untied_checkpoint_without_lm_head_embeds_as_transformers(headless):
+    """Its weights have no ``lm_head.weight`` (nor the ``model.`` prefix): it loads, and its
+    vectors are transformers' last-token pooled, normalised ones."""
+    from safetensors import safe_open
+
+    path = headless[0]
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3Model"] and config["tie_word_embeddings"] is False
+    with safe_open(path / "model.safetensors", "np") as f:
+        keys = set(f.keys())
+    assert "embed_tokens.weight" in keys and not any(k.startswith("lm_head") for k in keys)
+    model, tokenizer = load(str(path))
+    vectors = np.array(embed(model, tokenizer, TEXTS))
+    np.testing.assert_allclose(vectors, reference(headless, TEXTS), atol=1e-4)
+
+
+def test_without_a_head_only_an_embedding_checkpoint_loads(headless, tmp_path):
+    """The same weights without sentence-transformers' files are a generative checkpoint
+    missing its head; weights with no usable body are an error too: one line each, naming the
+    file and the key."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    plain = tmp_path / "plain"
+    shutil.copytree(headless[0], plain, ignore=shutil.ignore_patterns("modules.json"))
+    with pytest.raises(WeightsError) as e:
+        load(str(plain))
+    assert str(e.value) == f"{plain / 'model.safetensors'}: missing weight 'lm_head.weight'"
+    bodiless = tmp_path / "bodiless"
+    shutil.copytree(headless[0], bodiless)
+    weights = load_file(bodiless / "model.safetensors")
+    weights = {f"encoder.{k}": v for k, v in weights.items()}  # no body our model knows
+    save_file(weights, bodiless / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MlxInferError) as e:
+        load(str(bodiless))
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"{bodiless / 'model.safetensors'}: unexpected weight 'encoder.")
 
 
 @pytest.mark.parametrize("mode", ["lasttoken", "mean", "cls"])
