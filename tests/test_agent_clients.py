@@ -1,5 +1,6 @@
-"""Real agent clients: the tool-capable Gemma template they are served with, and (slow, opt-in)
-one turn of Claude Code and Codex CLI from npm against `mlxinfer serve` (tools/agent_clients.py).
+"""Real agent clients: the tool-capable templates they are served with (Gemma's turn format,
+SmolLM2's ChatML), and (slow, opt-in) one turn of Claude Code and Codex CLI from npm against
+`mlxinfer serve` (tools/agent_clients.py).
 
 The template (tests/templates/gemma_tools.jinja) is Gemma 3's turn format as Google's own
 template writes it, with the tools listed in the first user turn and calls in the Hermes form
@@ -121,6 +122,71 @@ def test_calls_and_results_round_trip_through_the_parser():
     assert isinstance(tool_format(Source()), Hermes)
 
 
+# SmolLM2-135M-Instruct's own template (its tokenizer_config.json): ChatML with a default system
+# message, no tools.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_TOOLS = ROOT / "tests" / "templates" / "chatml_tools.jinja"
+
+
+def render_chatml(template, messages, tools=None):
+    variables = (
+        {} if tools is None else {"tools": [{"type": "function", "function": f} for f in tools]}
+    )
+    return template.render(messages, add_generation_prompt=True, variables=variables)
+
+
+def test_chatml_tools_is_smollm2s_format_and_lists_the_tools():
+    """tests/templates/chatml_tools.jinja (Claude Code against SmolLM2): without tools, what
+    SmolLM2's own template writes (with and without a system message); with tools, their
+    schemas listed in the system turn; calls read back by the parser its source selects."""
+    from mlxinfer.tokenization.chat_template import ChatTemplate
+
+    ours, theirs = named_chat_template(str(CHATML_TOOLS)), ChatTemplate(SMOLLM2_TEMPLATE, "smollm2")
+    for messages in (
+        [{"role": "user", "content": "Hi"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Who are you?"},
+        ],
+    ):
+        assert render_chatml(ours, messages) == render_chatml(theirs, messages)
+    calls = [{"type": "function", "function": {"name": "now", "arguments": {}}}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Time?"}]},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "content": "noon"},
+        {"role": "system", "content": "Answer in French."},
+    ]
+    out = render_chatml(ours, messages, tools=[WEATHER, CLOCK])
+    system = out.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    listed = system.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert [json.loads(line) for line in listed] == [WEATHER, CLOCK]
+    turns = out.split("<|im_start|>")[2:]
+    assert turns[0] == "user\nTime?<|im_end|>\n"
+    text, parsed = Hermes().parse(turns[1].removeprefix("assistant\n").removesuffix("<|im_end|>\n"))
+    assert (text, [(c.name, c.arguments) for c in parsed]) == ("", [("now", {})])
+    assert turns[2:] == [
+        "user\n<tool_response>\nnoon\n</tool_response><|im_end|>\n",
+        "system\nAnswer in French.<|im_end|>\n",
+        "assistant\n",
+    ]
+
+    class Source:
+        def chat_template_source(self, tools=False):
+            return CHATML_TOOLS.read_text()
+
+    assert isinstance(tool_format(Source()), Hermes)
+
+
 @pytest.mark.real
 def test_claude_codes_first_request_fits_gemma3():
     """Claude Code's captured first request (system, 24 tools, a mid-conversation system
@@ -164,7 +230,8 @@ def test_claude_codes_first_request_fits_gemma3():
 )
 def test_claude_code_and_codex_complete_a_turn(tmp_path):
     """tools/agent_clients.py: pinned Claude Code and Codex from npm, one turn each against
-    `mlxinfer serve` on Gemma-3-270M, each exiting 0 with a non-empty reply."""
+    `mlxinfer serve` (Claude Code on SmolLM2-135M-Instruct with one tool, Codex on
+    Gemma-3-270M), each exiting 0 with a non-empty reply."""
     rows = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "agent_clients.py"), "--json", str(rows)],

