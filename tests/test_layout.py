@@ -11,15 +11,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "mlxinfer"
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the mlxinfer modules it imports."""
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of the package at ``root`` it imports.
+
+    ``from P import x`` imports the submodule ``P.x`` where there is one, and the package
+    ``P``. Inside ``P`` (``P`` the importer's own package or an ancestor), naming a submodule
+    (``from . import sibling``) is no dependency on ``P``: ``P`` is being imported already,
+    its ``__init__`` perhaps not to the end. Any other name comes from ``P``'s ``__init__``
+    and is one: ``from . import helper``, ``helper`` defined in the ``__init__``, is a cycle
+    when that ``__init__`` imports the module back.
+    """
     modules = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
         found = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom):
@@ -29,15 +38,15 @@ def import_graph() -> dict[str, set[str]]:
                     else []
                 )
                 target = ".".join(base + ([node.module] if node.module else []))
-                found |= {
-                    t for t in [target, *(f"{target}.{a.name}" for a in node.names)] if t in modules
-                }
+                if target not in modules:
+                    continue
+                submodules = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+                found |= submodules
+                if len(submodules) < len(node.names) or target not in ancestors:
+                    found.add(target)
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name in modules}
-        # `from . import sibling` names the package a module belongs to, which is being imported
-        # already: an edge to one's own package is not a dependency.
-        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
-        graph[name] = found - {name} - ancestors
+        graph[name] = found - {name}
     return graph
 
 
@@ -72,6 +81,25 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_import_graph_finds_a_cycle_when_there_is_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_name_from_the_packages_init_is_an_import_of_the_package(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from . import a, b\n\ndef helper(): ...\n")
+    (pkg / "a.py").write_text("from . import helper\n")  # pkg's own function: a cycle
+    (pkg / "b.py").write_text("from . import a\nfrom .sub import c\n")  # submodules only
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import helper, b\n")  # an ancestor's name
+    graph = import_graph(pkg)
+    assert graph == {
+        "pkg": {"pkg.a", "pkg.b"},
+        "pkg.a": {"pkg"},
+        "pkg.b": {"pkg.a", "pkg.sub", "pkg.sub.c"},
+        "pkg.sub": set(),
+        "pkg.sub.c": {"pkg", "pkg.b"},
+    }
+    assert cycles(graph) == [["pkg", "pkg.a", "pkg.b", "pkg.sub.c"]]
 
 
 def test_no_import_cycle_in_mlxinfer():
