@@ -13,6 +13,7 @@ import sys
 import click
 
 from .blas import preload_openblas
+from .cli_distributed import register as register_distributed
 from .cli_options import (
     CHAT_TEMPLATE_HELP,
     REASONING,
@@ -505,6 +506,7 @@ def _bench_batch(llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare
 
 
 cli.add_command(serve)
+register_distributed(cli)  # generate --distributed, launch
 
 
 def main() -> None:

@@ -6,10 +6,15 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from contextvars import ContextVar
 
 import click
 
 from .errors import MlxInferError
+
+# More keyword arguments of ``load`` for the commands run inside a setting (cli_distributed.py:
+# ``distributed``, ``rank_timeout``).
+LOAD_OPTIONS: ContextVar[dict | None] = ContextVar("LOAD_OPTIONS", default=None)
 
 
 def _errors_to_click(fn):
@@ -143,10 +148,11 @@ def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int 
 
         _log(f"BLAS: {blas_in_use()}")
         _log(kernels.describe())  # the compiled CPU kernels in use, or why not (one line)
+    extra = LOAD_OPTIONS.get() or {}
     if not sys.stderr.isatty():
-        return load(model, log=_log, force=force, kv_budget=kv_budget)
+        return load(model, log=_log, force=force, kv_budget=kv_budget, **extra)
     with Bars() as bars:
-        return load(model, log=_log, progress=bars, force=force, kv_budget=kv_budget)
+        return load(model, log=_log, progress=bars, force=force, kv_budget=kv_budget, **extra)
 
 
 REASONING = click.option(

@@ -279,9 +279,18 @@ def load(
             from .distributed import current
             from .distributed.load import load_model as load_part
 
-            ranks = current(rank_timeout)
-            model = load_part(model_dir, distributed, ranks, dtype=dtype, log=log)
-            return model, Tokenizer.from_dir(model_dir)
+            ranks, files = current(rank_timeout), weight_files(model_dir)
+            resolved = default_dtype() if isinstance(dtype, str) else dtype
+            model = load_part(
+                model_dir,
+                distributed,
+                ranks,
+                files=files,
+                load_weights=load_weights_into,
+                dtype=resolved,
+                log=log,
+            )
+            return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
         model, _ = load_model(
             model_dir, dtype=dtype, log=log, progress=progress, force=force, kv_budget=kv_budget
         )

@@ -136,6 +136,17 @@ class Ranks:
                 "as the CLI does; or the prompt differs per rank)"
             )
 
+    def share_text(self, text: str, limit: int = 16 << 20) -> str:
+        """Rank 0's ``text`` on every rank (a prompt read from rank 0's stdin)."""
+        data = text.encode() if self.first else b""
+        if len(data) > limit:
+            raise DistributedError(f"prompt: {len(data)} bytes, more than the {limit} shared")
+        n = int(self.broadcast(mx.array(len(data), dtype=mx.int32), "sharing the prompt"))
+        if n == 0:
+            return ""
+        raw = mx.array(list(data) if self.first else [0] * n, dtype=mx.uint8)
+        return bytes(self.broadcast(raw, "sharing the prompt").tolist()).decode()
+
     def shared_seed(self, seed: int | None = None) -> int:
         """``seed``, or one drawn by rank 0, the same on every rank."""
         mine = secrets.randbits(31) if seed is None else seed

@@ -17,7 +17,6 @@ from mlx.utils import tree_flatten
 
 from .. import backends
 from ..errors import DistributedError
-from ..loader import default_dtype
 from ..quant import quantization_record
 from . import loading
 from .group import Ranks
@@ -44,48 +43,58 @@ def load_model(
     mode: str,
     ranks: Ranks,
     *,
-    dtype: mx.Dtype | None | str = "auto",
+    files: list[Path],
+    load_weights: Callable,
+    dtype: mx.Dtype | None = None,
     log: Callable[[str], None] | None = None,
 ):
     """This rank's model for ``mode``: a :class:`PipelineModel` or a :class:`TensorModel`,
     called as the whole model is. ``mode="tensor"`` falls back to the pipeline, with one
-    line to ``log``, where the model's sizes do not divide over the ranks."""
+    line to ``log``, where the model's sizes do not divide over the ranks. ``files``: the
+    checkpoint's safetensors files; ``load_weights``: the loader's strict
+    ``load_weights_into``."""
     if mode not in MODES:
         raise DistributedError(f"distributed={mode!r}: expected one of {', '.join(MODES)}")
     model_dir = Path(model_dir)
     _one_stream(log)
-    if isinstance(dtype, str):
-        dtype = default_dtype()
+    read = {"files": files, "load_weights": load_weights, "dtype": dtype, "log": log}
     model, config = loading.build(model_dir)
     if mode == "tensor":
         reason = tensor_split_reason(model, ranks.size)
         if reason is None and quantization_record(config):
             reason = "the checkpoint is quantized (not yet split by heads)"
         if reason is None:
-            return _tensor(model, config, model_dir, ranks, dtype, log)
+            return _tensor(model, config, model_dir, ranks, **read)
         if log is not None and ranks.first:
             log(f"distributed: tensor parallelism falls back to the pipeline: {reason}")
-    return _pipeline(model, config, model_dir, ranks, dtype, log)
+    return _pipeline(model, config, model_dir, ranks, **read)
 
 
-def _tensor(model, config, model_dir, ranks, dtype, log) -> TensorModel:
-    weights = loading.lazy_weights(model_dir, model, config, log)
-    loading.load_into(model, weights, config, model_dir, dtype)
+def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log) -> TensorModel:
+    tensor_heads = _heads(model)
+    weights = loading.lazy_weights(files, model_dir, model, config, log)
+    loading.load_into(model, weights, config, model_dir, dtype, load_weights)
     summed = shard(model, ranks)
     mx.eval(model.parameters())  # the shares: the full tensors are dropped after this
     backends.apply(model, log=log)
     sum_outputs(summed, ranks)
     wrapper = TensorModel(model, ranks)
     wrapper.weight_bytes = _nbytes(model)
+    if log is not None:
+        n, s, r = tensor_heads, ranks.size, ranks.rank
+        log(
+            f"distributed: rank {r}/{s} runs heads {r * n // s}-{(r + 1) * n // s - 1} of {n} "
+            f"in every layer ({wrapper.weight_bytes / 1e6:.1f} MB of weights)"
+        )
     return wrapper
 
 
-def _pipeline(model, config, model_dir, ranks, dtype, log) -> PipelineModel:
+def _pipeline(model, config, model_dir, ranks, *, files, load_weights, dtype, log) -> PipelineModel:
     names = WeightNames(model)
     n_layers = len(model.layers)
     layers = layer_ranges(n_layers, ranks.size)[ranks.rank]
     hidden = int(model.embedding.weight.shape[-1])  # built, not yet loaded: never packed
-    weights = loading.lazy_weights(model_dir, model, config, log)
+    weights = loading.lazy_weights(files, model_dir, model, config, log)
     keep = keep_parts(model, ranks, layers, dtype or mx.float32)
     weights = names.for_pipeline(weights, layers, **keep)
     weights.update(  # the stubs' empty weights (pipeline.Absent)
@@ -95,7 +104,7 @@ def _pipeline(model, config, model_dir, ranks, dtype, log) -> PipelineModel:
     if record:  # per-layer entries name the blocks by their number in the whole model
         record = {names.renumber(k, layers): v for k, v in record.items()}
         record = {k: v for k, v in record.items() if k is not None}
-    loading.load_into(model, weights, config, model_dir, dtype, record)
+    loading.load_into(model, weights, config, model_dir, dtype, load_weights, record)
     backends.apply(model, log=log)
     wrapper = PipelineModel(model, ranks, layers, n_layers)
     # The ranks agree on what they exchange: rank 0's float dtype, the last rank's head rows.
@@ -112,6 +121,14 @@ def _pipeline(model, config, model_dir, ranks, dtype, log) -> PipelineModel:
             f"{layers.stop - 1} of {n_layers} ({wrapper.weight_bytes / 1e6:.1f} MB of weights)"
         )
     return wrapper
+
+
+def _heads(model: nn.Module) -> int:
+    from ..models.layers.attention import RopeAttention
+
+    return next(
+        m.n_heads for m in model.layers[0].children().values() if isinstance(m, RopeAttention)
+    )
 
 
 def _float_dtype(model: nn.Module) -> mx.Dtype:

@@ -4,6 +4,9 @@
 So a rank reads every file's header (each checked, as the loader does), keeps the names its
 part of the model needs, and evaluates only those: the other layers' bytes are never read.
 No index file is needed; a sharded checkpoint's files are simply all listed.
+
+The loader hands this package its file list and its strict ``load_weights_into`` (this
+package sits below the loader, as the backends do).
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..config import read_config
-from ..loader import default_dtype, load_weights_into, materialize, weight_files
 from ..manifest import check_sizes
 from ..models import build_model, get_family
 from ..models.base import language_model_weights
@@ -31,11 +34,15 @@ def build(model_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def lazy_weights(
-    model_dir: Path, model: nn.Module, config: dict[str, Any], log: Callable | None
+    files: list[Path],
+    model_dir: Path,
+    model: nn.Module,
+    config: dict[str, Any],
+    log: Callable | None,
 ) -> dict[str, mx.array]:
-    """Every tensor of the checkpoint, unread (lazy), under the names the model uses."""
+    """Every tensor of the checkpoint's ``files``, unread (lazy), under the model's names."""
     weights: dict[str, mx.array] = {}
-    for f in weight_files(model_dir):
+    for f in files:
         check_safetensors(f)
         weights.update(mx.load(str(f)))
     if config.get("language_model_of"):
@@ -51,13 +58,12 @@ def load_into(
     weights: dict[str, mx.array],
     config: dict[str, Any],
     model_dir: Path,
-    dtype: mx.Dtype | None | str = "auto",
+    dtype: mx.Dtype | None,
+    load_weights: Callable,
     record: dict[str, Any] | None = None,
-) -> int:
-    """Quantize (as the config records, or ``record``), cast, load (strict) and evaluate
-    ``weights``; returns the bytes the rank now holds in them."""
-    if isinstance(dtype, str):
-        dtype = default_dtype()
+) -> None:
+    """Quantize (as the config records, or ``record``), cast, load with ``load_weights``
+    (the loader's strict ``load_weights_into``) and evaluate ``weights``."""
     record = quantization_record(config) if record is None else record
     if record:
         apply_quantization(model, record, weights)
@@ -66,8 +72,8 @@ def load_into(
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
             for k, v in weights.items()
         }
-    load_weights_into(model, weights, model_dir)
+    load_weights(model, weights, model_dir)
     model.eval()
     model.source_dir = model_dir
-    materialize(model)
-    return sum(v.nbytes for v in weights.values())
+    # Every array the model holds, evaluated (as loader.materialize): weights, RoPE tables.
+    mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])

@@ -1,0 +1,140 @@
+"""``mlxinfer generate --distributed`` and ``mlxinfer launch`` (docs/distributed.md).
+
+``--distributed pipeline|tensor`` and ``--rank-timeout`` are added to ``generate`` from here
+(:func:`with_distributed`), so that cli.py stays a list of commands. Each rank runs the same
+command; rank 0's prompt (``--prompt``, or its stdin) and a shared seed reach every rank;
+only rank 0 prints the output. A rank ends with ``os._exit``: a ring group's teardown could
+otherwise wait on a peer that died.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+
+import click
+
+from .cli_options import LOAD_OPTIONS, _errors_to_click, _log
+
+MODES = ("pipeline", "tensor")
+UNSUPPORTED = {  # generate's options that do not run across ranks yet
+    "batch_file": "--batch",
+    "prompt_cache_file": "--prompt-cache-file",
+    "draft_model": "--draft-model",
+}
+
+
+def with_distributed(command: click.Command) -> click.Command:
+    """Add ``--distributed`` and ``--rank-timeout`` to ``command`` (``generate``)."""
+    from .distributed.watchdog import DEFAULT_RANK_TIMEOUT
+
+    command.params += [
+        click.Option(
+            ["--distributed"],
+            type=click.Choice(MODES),
+            default=None,
+            help="Run across the ranks of MLX's environment (mlxinfer launch, mlx.launch, or "
+            "MLX_RANK + MLX_HOSTFILE): the layers split (pipeline) or the heads (tensor).",
+        ),
+        click.Option(
+            ["--rank-timeout"],
+            type=click.FloatRange(min=0, min_open=True),
+            default=DEFAULT_RANK_TIMEOUT,
+            show_default=True,
+            help="Seconds a step may wait on the other ranks before this rank gives up and exits.",
+        ),
+    ]
+    run = command.callback
+
+    @functools.wraps(run)
+    def callback(*args, distributed=None, rank_timeout=DEFAULT_RANK_TIMEOUT, **kwargs):
+        if distributed is None:
+            return run(*args, **kwargs)
+        return _run_rank(run, distributed, rank_timeout, args, kwargs)
+
+    command.callback = callback
+    return command
+
+
+def _run_rank(run, mode: str, rank_timeout: float, args, kwargs) -> None:
+    from .distributed import current
+    from .errors import DistributedError
+
+    for key, flag in UNSUPPORTED.items():
+        if kwargs.get(key):
+            raise click.UsageError(f"{flag} does not run with --distributed yet")
+    try:
+        ranks = current(rank_timeout)
+        if kwargs.get("prompt") is None:
+            kwargs["prompt"] = sys.stdin.read() if ranks.first else ""
+        kwargs["prompt"] = ranks.share_text(kwargs["prompt"])
+        if kwargs.get("temperature") and kwargs.get("seed") is None:
+            kwargs["seed"] = ranks.shared_seed()  # each rank's sampler draws the same numbers
+    except DistributedError as e:
+        raise click.ClickException(str(e)) from None
+    if not ranks.first:
+        sys.stdout = open(os.devnull, "w")  # only rank 0 prints the output
+    token = LOAD_OPTIONS.set({"distributed": mode, "rank_timeout": rank_timeout})
+    code = 0
+    try:
+        run(*args, **kwargs)
+    except click.ClickException as e:
+        e.show()
+        code = e.exit_code
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except BaseException:  # noqa: BLE001 (a rank must never hang its peers: report, then exit)
+        traceback.print_exc()
+        code = 1
+    finally:
+        LOAD_OPTIONS.reset(token)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-n", "ranks", type=click.IntRange(1, 64), required=True, help="How many ranks.")
+@click.option(
+    "--hostfile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A ring hostfile of n local ranks (JSON: one ['host:port'] per rank); "
+    "default: 127.0.0.1 with free ports.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Seconds the other ranks get to exit after one failed, before SIGKILL.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="End every rank after this many seconds (exit code 124).",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@_errors_to_click
+def launch(ranks, hostfile, grace, timeout, command):
+    """Run COMMAND as RANKS local ranks (ring backend on 127.0.0.1), e.g.
+    ``mlxinfer launch -n 2 -- mlxinfer generate --distributed pipeline -p Hi``.
+
+    Exits with the first failing rank's code, ending the others; ends every rank when
+    interrupted.
+    """
+    from .distributed.launch import launch as run_ranks
+
+    command = list(command)
+    if command and command[0] == "--":
+        command = command[1:]
+    sys.exit(run_ranks(command, ranks, hostfile=hostfile, grace=grace, timeout=timeout, log=_log))
+
+
+def register(cli: click.Group) -> None:
+    """``launch`` as a command of ``cli``, and the distributed options on its ``generate``."""
+    with_distributed(cli.commands["generate"])
+    cli.add_command(launch)

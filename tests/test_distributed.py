@@ -1,0 +1,232 @@
+"""Distributed inference (mlxinfer/distributed) on MLX's ring backend: two ranks on 127.0.0.1.
+
+Each test starts one process per rank with MLX's own environment (MLX_RANK, MLX_HOSTFILE with
+free ports), as ``mlx.launch`` would, every wait bounded and the ranks killed in a ``finally``.
+The reference is transformers on the same tiny random checkpoint; the faults are a rank
+killed (SIGKILL) or stopped (SIGSTOP) mid-generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RANK_SCRIPT = Path(__file__).resolve().parent / "distributed_rank.py"
+PROMPT = [1, 5, 9, 30, 7, 44]
+N_TOKENS = 8
+WAIT_S = 60  # the most any one run of two ranks may take here (2 shared cores)
+
+
+def _checkpoint(path: Path, **overrides):
+    """A tiny random llama (transformers) with a tokenizer; EOS rows of the head zeroed, so
+    greedy decoding never ends early (the fault tests need a long generation)."""
+    import torch
+    from hf_models import make_tiny
+    from tiny_checkpoint import tokenizer_json
+
+    config = dict(vocab_size=300, num_hidden_layers=3, max_position_embeddings=32768)
+    _, model = make_tiny(path, "llama", **{**config, **overrides})
+    with torch.no_grad():
+        model.lm_head.weight[:3] = 0  # <s>, </s>, <|im_end|>: logit 0, below the maximum
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json(300)))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
+    )
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """4 heads, 2 KV heads, 3 layers (2 + 1 over two ranks): both splits apply."""
+    return _checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def odd_llama(tmp_path_factory):
+    """6 heads but 3 KV heads: the heads cannot be split over two ranks."""
+    return _checkpoint(
+        tmp_path_factory.mktemp("odd"),
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        intermediate_size=96,
+        num_hidden_layers=2,
+    )
+
+
+def _hostfile(tmp_path: Path, n: int = 2) -> Path:
+    from mlxinfer.distributed.launch import local_hostfile
+
+    return local_hostfile(n, tmp_path)
+
+
+class Ranks:
+    """Two rank processes of ``command``, their output in files; killed on exit."""
+
+    def __init__(self, tmp_path: Path, command: list[str], n: int = 2):
+        hostfile = _hostfile(tmp_path, n)
+        self.logs = [(tmp_path / f"r{r}.out", tmp_path / f"r{r}.err") for r in range(n)]
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
+        self.procs = []
+        for r in range(n):
+            out, err = (open(p, "w") for p in self.logs[r])
+            self.procs.append(
+                subprocess.Popen(
+                    command,
+                    env={**env, "MLX_RANK": str(r)},
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    cwd=ROOT,
+                )
+            )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+    def wait(self, rank: int, timeout: float = WAIT_S) -> int:
+        return self.procs[rank].wait(timeout=timeout)
+
+    def text(self, rank: int, stream: int = 1) -> str:
+        return self.logs[rank][stream].read_text()
+
+    def wait_for(self, rank: int, needle: str, timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.text(rank):
+            assert self.procs[rank].poll() is None, self.text(rank)
+            assert time.monotonic() < deadline, f"no {needle!r} from rank {rank}"
+            time.sleep(0.05)
+
+
+def _run_rank_script(tmp_path, model_dir, mode):
+    out = tmp_path / "out.json"
+    command = [sys.executable, str(RANK_SCRIPT), str(model_dir), mode]
+    command += [",".join(map(str, PROMPT)), str(N_TOKENS), str(out)]
+    with Ranks(tmp_path, command) as ranks:
+        codes = [ranks.wait(0), ranks.wait(1)]
+        assert codes == [0, 0], ranks.text(0) + ranks.text(1)
+        return json.loads(out.read_text()), ranks.text(0)
+
+
+def _reference(model, n=N_TOKENS):
+    """transformers' greedy tokens and f32 log-probabilities of each step's choice."""
+    import torch
+    from hf_models import torch_greedy
+
+    tokens = torch_greedy(model, PROMPT, n)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + tokens[:-1]])).logits[0]
+    logprobs = torch.log_softmax(logits, -1).numpy()[len(PROMPT) - 1 :]
+    return tokens, logprobs
+
+
+def _check_parity(result, model):
+    tokens, logprobs = _reference(model)
+    assert result["tokens"] == tokens
+    np.testing.assert_allclose(np.array(result["logprobs"]), logprobs, atol=1e-3)
+
+
+def test_pipeline_matches_transformers(llama, tmp_path):
+    path, model = llama
+    result, log = _run_rank_script(tmp_path, path, "pipeline")
+    assert "rank 0/2 runs layers 0-1 of 3" in log  # uneven: 2 + 1, no layer dropped
+    _check_parity(result, model)
+
+
+def test_tensor_matches_transformers(llama, tmp_path):
+    path, model = llama
+    result, log = _run_rank_script(tmp_path, path, "tensor")
+    assert "falls back" not in log and "runs heads 0-1 of 4" in log
+    _check_parity(result, model)
+
+
+def test_tensor_falls_back_to_pipeline_when_heads_do_not_divide(odd_llama, tmp_path):
+    path, model = odd_llama
+    result, log = _run_rank_script(tmp_path, path, "tensor")
+    line = "tensor parallelism falls back to the pipeline: 3 KV heads do not divide over 2 ranks"
+    assert log.count(line) == 1
+    _check_parity(result, model)
+
+
+def _generate(model_dir, *extra):
+    command = [sys.executable, "-m", "mlxinfer", "generate", "-m", str(model_dir)]
+    command += ["--distributed", "pipeline", "-p", "Hello world", "--no-chat-template"]
+    return command + ["-n", "30000", *extra]
+
+
+def test_killed_peer_is_a_clear_error(llama, tmp_path):
+    with Ranks(tmp_path, _generate(llama[0])) as ranks:
+        ranks.wait_for(0, "runs layers")
+        time.sleep(0.5)
+        assert ranks.procs[0].poll() is None  # still generating
+        ranks.procs[1].kill()
+        start = time.monotonic()
+        assert ranks.wait(0, timeout=30) != 0
+        assert time.monotonic() - start < 30
+        err = ranks.text(0)
+        assert "Error: rank 0: lost rank 1 during pipeline step" in err, err
+
+
+def test_stalled_peer_ends_within_the_rank_timeout(llama, tmp_path):
+    with Ranks(tmp_path, _generate(llama[0], "--rank-timeout", "3")) as ranks:
+        ranks.wait_for(0, "runs layers")
+        time.sleep(0.5)
+        ranks.procs[1].send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        assert ranks.wait(0, timeout=30) == 3
+        assert time.monotonic() - start < 15
+        err = ranks.text(0)
+        assert "did not finish within the rank timeout (3 s, --rank-timeout)" in err, err
+        assert "waiting on rank" in err
+
+
+def _launch(tmp_path, *args, timeout=WAIT_S):
+    command = [sys.executable, "-m", "mlxinfer", "launch", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_launcher_fails_with_a_failing_rank_and_ends_the_others(tmp_path):
+    pid_file = tmp_path / "rank0.pid"
+    script = (
+        "import os, sys, time\n"
+        f"if os.environ['MLX_RANK'] == '0':\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(60)\n"
+        "else:\n    time.sleep(0.5); sys.exit(7)\n"
+    )
+    start = time.monotonic()
+    done = _launch(tmp_path, "-n", "2", "--grace", "2", "--", sys.executable, "-c", script)
+    assert done.returncode == 7, done.stderr
+    assert time.monotonic() - start < 20
+    assert "rank 1 exited with 7" in done.stderr
+    with pytest.raises(ProcessLookupError):  # rank 0 was ended with the launcher
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_a_hostfile_of_the_wrong_size_is_a_clear_error(tmp_path):
+    hostfile = _hostfile(tmp_path, 3)
+    done = _launch(tmp_path, "-n", "2", "--hostfile", str(hostfile), "--", "true")
+    assert done.returncode == 1
+    assert f"Error: {hostfile}: 3 ranks, but -n 2 (expected one entry per rank)" in done.stderr
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_HOSTFILE": str(hostfile), "MLX_RANK": "5"}
+    command = [sys.executable, "-m", "mlxinfer", "generate", "--distributed", "pipeline", "-p", "x"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S, env=env)
+    assert done.returncode == 1
+    assert f"Error: MLX_RANK='5': expected 0..2 (the ranks of {hostfile})" in done.stderr
