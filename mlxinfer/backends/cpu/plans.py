@@ -24,6 +24,8 @@ keeping an option only if it beats the plainer one by 3%:
   pool on ``all`` the CPUs the process may use, or ``one`` thread (on a loaded 2-core machine
   one beat two). A layer on a kernel never takes the two-stream split, so the pool and
   MLX's two worker streams do not ask for more threads than there are cores;
+  a model too slow for every plan to be timed (``timing.MAX_MEASURE_S``) still has its
+  ``kernel`` options timed, against the plainest option alone;
 - ``long_keys``: from how many cached keys decode attention takes its long-context
   form (``ops._attend``), timed on the model's attention shapes alone;
 - ``dequantize_rows``: from how many rows a quantized layer dequantizes its weight for
@@ -107,7 +109,7 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 9  # of the cached entries: bump when the kinds or options change
+VERSION = 10  # of the cached entries: bump when the kinds or options change
 
 
 def cache_key(model: nn.Module) -> str:
@@ -193,7 +195,8 @@ def describe(entry: dict) -> str:
     parts = []
     skipped = entry.get("seconds", {}).get("skipped")
     if skipped:
-        parts.append(f"not timed, a decode step takes {skipped['step_s']:.2f} s")
+        what = "only the kernels timed" if skipped.get("kernels_timed") else "not timed"
+        parts.append(f"{what}, a decode step takes {skipped['step_s']:.2f} s")
     for kind, option in entry["plans"].items():
         times = entry.get("seconds", {}).get(kind, {})
         if kind in NUMERIC:

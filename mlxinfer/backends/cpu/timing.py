@@ -49,6 +49,11 @@ BLOCKS_S = 0.003
 # Past this estimate (slow models: float16 on the CPU, large ones) nothing is timed and the plans
 # stay at their plainest: a step is then long enough that the plans are noise in it.
 MAX_MEASURE_S = 4.0
+# ... except the compiled kernels (``compiled``): each a several-fold gain where it wins (on the
+# slow steps most), so past that estimate they are still timed against the plainest option alone,
+# in fewer rounds, unless that too would take longer than this.
+KERNEL_ROUNDS = 3
+MAX_KERNEL_MEASURE_S = 15.0
 KEEP_IF_FASTER = 0.97  # a plan must save at least 3% of a step over the plainer option
 LONG_KEYS_TRIED = (512, 1024, 2048, 4096, 8192)
 # Rows tried for dequantize_rows; from 64 rows on the BLAS product won by far on every machine
@@ -146,7 +151,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
     chosen.update({k: v for k, v in fixed.items() if k in NUMERIC or found.get(k)})
     set_plans(model, chosen)
     seconds: dict[str, dict] = {}
-    timed = 0
+    timed, rounds = 0, None
     if kinds:
         whole = DecodeStep(model, timed=1)
         one_block = whole.blocks_seconds(3)  # the first is also a warm-up
@@ -154,9 +159,19 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
         timed = max(2, math.ceil(BLOCKS_S / max(one_block, 1e-5)))
         step = DecodeStep(model, timed=timed)
         n_options = sum(len(options[kind]) for kind in kinds)
-        if n_options * ROUNDS * (step.timed * one_block + head) > MAX_MEASURE_S:
+        part_s = step.timed * one_block + head  # one timing of a decode step, by its parts
+        if n_options * ROUNDS * part_s > MAX_MEASURE_S:
             step_s = len(step.layers) * one_block + head
-            kinds, seconds["skipped"] = [], {"step_s": step_s}
+            seconds["skipped"] = {"step_s": step_s}
+            kinds = [k for k in kinds if "kernel" in options[k] or k == "kernel_threads"]
+            options = {
+                k: (OPTIONS[k][0], "kernel") if "kernel" in options[k] else options[k]
+                for k in kinds
+            }
+            rounds = KERNEL_ROUNDS
+            if sum(len(options[k]) for k in kinds) * rounds * part_s > MAX_KERNEL_MEASURE_S:
+                kinds = []
+            seconds["skipped"]["kernels_timed"] = bool(kinds)
     # The head first: the blocks' timings add the chosen head's time to their estimate.
     for kind in sorted(kinds, key=lambda kind: kind != "head"):
         if kind == "kernel_threads" and "kernel" not in chosen.values():
@@ -172,7 +187,9 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
             return b + (step.head_seconds() if with_head else head)
 
         # matvec switches a split MLP's down projection between two layouts (a copy): alternated
-        chosen[kind], seconds[kind] = pick(options[kind], time_option, alternate=kind == "matvec")
+        chosen[kind], seconds[kind] = pick(
+            options[kind], time_option, rounds, alternate=kind == "matvec"
+        )
         set_plan(model, kind, chosen[kind])
         if kind == "head":
             head = seconds[kind][chosen[kind]] - blocks
