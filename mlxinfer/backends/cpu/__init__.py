@@ -11,6 +11,8 @@ plans by timing them on this machine (``plans``). The modules:
 - ``quantized``: quantized layers that dequantize for prefill and run decode
   on two threads, and the stepwise prefill schedule;
 - ``parallel``: one-row products over two worker streams;
+- ``compiled``: products of up to 16 rows through the compiled kernels (``backends.kernels``,
+  from ``csrc/``) where they are built and their plan wins here;
 - ``plans``: which of those pay here, measured (``timing``, over the ``kinds`` of plan) and
   cached;
 - ``layers``: the mixins that put all of it into the model's own classes.

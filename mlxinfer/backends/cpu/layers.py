@@ -115,7 +115,8 @@ class CPUGatedMLP:
 
 class CPUTiedHead:
     """A token embedding used as the LM head: float rows in blocks on the worker streams
-    (``parallel.project``); a quantized one by parts."""
+    (``parallel.project``); a quantized one by parts; either as one compiled-kernel call where
+    its plan says ``kernel`` (``compiled``)."""
 
     def as_linear(self, x: mx.array) -> mx.array:
         if "scales" not in self:
@@ -126,7 +127,8 @@ class CPUTiedHead:
 
 
 class CPUHead:
-    """A separate float LM head: its rows in blocks on the worker streams (``parallel.project``)."""
+    """A separate float LM head: its rows in blocks on the worker streams (``parallel.project``),
+    or one compiled-kernel call (the ``head=kernel`` plan)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         logits = parallel.project(x, self)
