@@ -1,8 +1,8 @@
 """One rank of the distributed tests (tests/test_distributed.py starts two of these).
 
 ``python distributed_rank.py MODEL_DIR MODE IDS N OUT``: loads MODEL_DIR with
-``distributed=MODE``, decodes N greedy tokens after the comma-separated prompt IDS, and (rank 0)
-writes {"tokens": [...], "logprobs": [[...], ...]} to OUT as JSON.
+``distributed=MODE``, decodes N greedy tokens after the comma-separated prompt IDS, and writes
+{"tokens": [...], "logprobs": [[...], ...], "weight_bytes": int} to OUT.rank<r> as JSON.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def main() -> None:
     for token, lp in generate_step(prompt, model, max_tokens=int(n)):
         tokens.append(token)
         logprobs.append(lp.tolist())
-    if os.environ.get("MLX_RANK") == "0":
-        with open(out, "w") as f:
-            json.dump({"tokens": tokens, "logprobs": logprobs}, f)
+    result = {"tokens": tokens, "logprobs": logprobs, "weight_bytes": model.weight_bytes}
+    with open(f"{out}.rank{os.environ['MLX_RANK']}", "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -47,13 +47,24 @@ def _checkpoint(path: Path, **overrides):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """4 heads, 2 KV heads, 3 layers (2 + 1 over two ranks): both splits apply."""
-    return _checkpoint(tmp_path_factory.mktemp("llama"))
+    """4 heads, 2 KV heads, 3 layers (2 + 1 over two ranks): both splits apply. Sharded in
+    two files with no index file."""
+    import mlx.core as mx
+
+    path, model = _checkpoint(tmp_path_factory.mktemp("llama"))
+    weights = mx.load(str(path / "model.safetensors"))
+    first = {k: v for k, v in weights.items() if k.startswith("model.layers.0.")}
+    mx.save_safetensors(str(path / "part-1.safetensors"), first)
+    rest = {k: v for k, v in weights.items() if k not in first}
+    mx.save_safetensors(str(path / "part-2.safetensors"), rest)
+    (path / "model.safetensors").unlink()
+    assert not list(path.glob("*.index.json"))
+    return path, model
 
 
 @pytest.fixture(scope="module")
 def odd_llama(tmp_path_factory):
-    """6 heads but 3 KV heads: the heads cannot be split over two ranks."""
+    """6 heads but 3 KV heads: the heads cannot be split over two ranks; a tied head."""
     return _checkpoint(
         tmp_path_factory.mktemp("odd"),
         hidden_size=48,
@@ -61,7 +72,28 @@ def odd_llama(tmp_path_factory):
         num_key_value_heads=3,
         intermediate_size=96,
         num_hidden_layers=2,
+        tie_word_embeddings=True,
     )
+
+
+def _stored_bytes(model_dir: Path, rank: int, layers: range, tied: bool, last: bool) -> int:
+    """The bytes of the checkpoint's tensors a pipeline rank should hold, from the files."""
+    import mlx.core as mx
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        for key, value in mx.load(str(f)).items():
+            parts = key.split(".")
+            if key.startswith("model.layers."):
+                keep = int(parts[2]) in layers
+            elif key.startswith("model.embed_tokens."):
+                keep = rank == 0 or (tied and last)
+            elif key.startswith("lm_head."):
+                keep = last
+            else:
+                keep = True  # the final norm
+            total += value.nbytes if keep else 0
+    return total
 
 
 def _hostfile(tmp_path: Path, n: int = 2) -> Path:
@@ -121,7 +153,9 @@ def _run_rank_script(tmp_path, model_dir, mode):
     with Ranks(tmp_path, command) as ranks:
         codes = [ranks.wait(0), ranks.wait(1)]
         assert codes == [0, 0], ranks.text(0) + ranks.text(1)
-        return json.loads(out.read_text()), ranks.text(0)
+        results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+        assert results[0]["tokens"] == results[1]["tokens"]  # every rank yields the same
+        return results, ranks.text(0)
 
 
 def _reference(model, n=N_TOKENS):
@@ -144,24 +178,30 @@ def _check_parity(result, model):
 
 def test_pipeline_matches_transformers(llama, tmp_path):
     path, model = llama
-    result, log = _run_rank_script(tmp_path, path, "pipeline")
+    results, log = _run_rank_script(tmp_path, path, "pipeline")
     assert "rank 0/2 runs layers 0-1 of 3" in log  # uneven: 2 + 1, no layer dropped
-    _check_parity(result, model)
+    _check_parity(results[0], model)
+    for rank, layers in enumerate((range(0, 2), range(2, 3))):  # only its own tensors
+        expected = _stored_bytes(path, rank, layers, tied=False, last=rank == 1)
+        assert results[rank]["weight_bytes"] == expected
 
 
 def test_tensor_matches_transformers(llama, tmp_path):
     path, model = llama
-    result, log = _run_rank_script(tmp_path, path, "tensor")
+    results, log = _run_rank_script(tmp_path, path, "tensor")
     assert "falls back" not in log and "runs heads 0-1 of 4" in log
-    _check_parity(result, model)
+    _check_parity(results[0], model)
 
 
 def test_tensor_falls_back_to_pipeline_when_heads_do_not_divide(odd_llama, tmp_path):
     path, model = odd_llama
-    result, log = _run_rank_script(tmp_path, path, "tensor")
+    results, log = _run_rank_script(tmp_path, path, "tensor")
     line = "tensor parallelism falls back to the pipeline: 3 KV heads do not divide over 2 ranks"
     assert log.count(line) == 1
-    _check_parity(result, model)
+    _check_parity(results[0], model)
+    # A tied head: the embedding lives on both ends.
+    expected = _stored_bytes(path, 1, range(1, 2), tied=True, last=True)
+    assert results[1]["weight_bytes"] == expected
 
 
 def _generate(model_dir, *extra):
@@ -230,3 +270,13 @@ def test_a_hostfile_of_the_wrong_size_is_a_clear_error(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S, env=env)
     assert done.returncode == 1
     assert f"Error: MLX_RANK='5': expected 0..2 (the ranks of {hostfile})" in done.stderr
+
+
+def test_launcher_runs_a_sampled_generation_on_two_ranks(llama, tmp_path):
+    """At temperature > 0 without --seed, rank 0 draws the seed every rank samples with: the
+    ranks stay in step (a rank that sampled another token would stop them all)."""
+    command = _generate(llama[0], "--temp", "0.9")
+    command[command.index("30000")] = "24"
+    done = _launch(tmp_path, "-n", "2", "--", *command)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()

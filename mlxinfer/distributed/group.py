@@ -22,6 +22,7 @@ from ..errors import DistributedError
 from .watchdog import DEFAULT_RANK_TIMEOUT, Watchdog
 
 MAX_HOSTFILE_BYTES = 1 << 20
+LOAD_WAIT_S = 1800.0  # how long ranks wait for each other to finish loading
 
 
 def read_hostfile(path: str | os.PathLike) -> list[list[str]]:
@@ -87,11 +88,12 @@ class Ranks:
     def others(self) -> str:
         return ", ".join(str(r) for r in range(self.size) if r != self.rank)
 
-    def run(self, what: str, arrays, peer: int | None = None) -> None:
-        """Evaluate ``arrays`` (whose graph holds this step's collectives) within the rank
-        timeout. A peer that died is a DistributedError naming it (``peer``, or the others)."""
+    def run(self, what: str, arrays, peer: int | None = None, timeout: float | None = None) -> None:
+        """Evaluate ``arrays`` (whose graph holds this step's collectives) within ``timeout``
+        seconds (default: the rank timeout). A peer that died is a DistributedError naming it
+        (``peer``, or the others)."""
         waits_on = f"rank {peer}" if peer is not None else f"rank(s) {self.others()}"
-        with self.watchdog.step(f"{what} (waiting on {waits_on})"):
+        with self.watchdog.step(f"{what} (waiting on {waits_on})", timeout):
             try:
                 mx.eval(arrays)
             except RuntimeError as e:
@@ -114,7 +116,11 @@ class Ranks:
         """Rank 0's ``first`` and the last rank's ``last``, on every rank."""
         pair = mx.array([first if self.first else 0, last if self.last else 0], dtype=mx.int32)
         out = self.all_sum(pair)
-        self.run("agreeing on shapes", out)
+        # The first wait after loading: a rank reading a large checkpoint from a slow disk
+        # may be minutes behind the others.
+        self.run(
+            "waiting for every rank to load", out, timeout=max(self.watchdog.timeout, LOAD_WAIT_S)
+        )
         a, b = out.tolist()
         return a, b
 
@@ -131,8 +137,8 @@ class Ranks:
         if any(differ):
             bad = differ.index(True)
             raise DistributedError(
-                f"rank {self.rank}: rank {bad} fed other tokens than rank 0 at {what} "
-                "(sampling at temperature > 0 needs a seed shared by every rank: pass seed=, "
+                f"rank {bad} fed other tokens than rank 0 at {what} (seen by rank {self.rank}; "
+                "sampling at temperature > 0 needs a seed shared by every rank: pass seed=, "
                 "as the CLI does; or the prompt differs per rank)"
             )
 

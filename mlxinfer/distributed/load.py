@@ -78,6 +78,7 @@ def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log)
     mx.eval(model.parameters())  # the shares: the full tensors are dropped after this
     backends.apply(model, log=log)
     sum_outputs(summed, ranks)
+    ranks.broadcast_pair(0, 0)  # every rank loaded (the long wait: group.LOAD_WAIT_S)
     wrapper = TensorModel(model, ranks)
     wrapper.weight_bytes = _nbytes(model)
     if log is not None:
