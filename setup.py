@@ -54,11 +54,24 @@ def _version(text: str) -> tuple[int, ...]:
 def _run(cmd: list[str], what: str, env: dict | None = None) -> str:
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
-        out = (p.stdout + p.stderr).splitlines()
-        errors = [line.strip() for line in out if re.search(r"error|Error|ERROR", line)]
-        last = errors[0] if errors else (out[-1].strip() if out else f"exit status {p.returncode}")
-        raise NotBuilt(f"{what} failed: {last[:300]}")
+        raise NotBuilt(f"{what} failed: {_first_error((p.stdout + p.stderr).splitlines())}")
     return p.stdout
+
+
+def _first_error(lines: list[str]) -> str:
+    """The first error of a CMake or compiler log, on one line (at most 300 characters)."""
+    for i, line in enumerate(lines):
+        if "CMake Error" in line:  # its message follows on indented lines
+            detail = []
+            for d in lines[i + 1 :]:
+                if d.strip() and not d[0].isspace():
+                    break
+                detail += [d.strip()] if d.strip() else []
+            return " ".join([line.strip(), *detail])[:300]
+        if re.search(r"(^|\s|:)(fatal )?error:", line):  # file:line:col: error: ...
+            return line.strip()[:300]
+    rest = [line.strip() for line in lines if line.strip()]
+    return rest[-1][:300] if rest else "no output"
 
 
 def _target_mlx() -> tuple[str, str] | None:
@@ -113,8 +126,9 @@ def _configure_options() -> tuple[list[str], str]:
             mlx_version = importlib.metadata.version("mlx")
         except importlib.metadata.PackageNotFoundError:
             raise NotBuilt("mlx not installed in the build environment") from None
-    key = hashlib.sha256()
-    for part in [sys.version, sys.executable, mlx_version, nanobind.__version__, *options]:
+    key = hashlib.sha256()  # not MLX_ROOT's path: the isolated one differs in every build
+    kept = [o for o in options if not o.startswith("-DMLX_ROOT")]
+    for part in [sys.version, sys.executable, mlx_version, nanobind.__version__, *kept]:
         key.update(part.encode() + b"\0")
     for f in sorted((ROOT / "csrc").rglob("*")):
         if f.is_file() and f.suffix in (".cpp", ".h", ".txt"):
