@@ -109,7 +109,7 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 10  # of the cached entries: bump when the kinds or options change
+VERSION = 11  # of the cached entries: bump when the kinds or options change
 
 
 def cache_key(model: nn.Module) -> str:
