@@ -161,7 +161,8 @@ def build_kernels(out_dir: Path, reuse: bool) -> tuple[Path, bool]:
         out_dir.mkdir(parents=True, exist_ok=True)
         target = out_dir / built[0].name
         shutil.copyfile(built[0], target)
-    stamp.write_text(key + "\n")
+    if reuse:
+        stamp.write_text(key + "\n")
     return target, True
 
 
