@@ -280,3 +280,93 @@ def test_launcher_runs_a_sampled_generation_on_two_ranks(llama, tmp_path):
     done = _launch(tmp_path, "-n", "2", "--", *command)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
+
+
+# Placement, hostfiles and the watchdog, without ranks.
+
+
+def test_layer_ranges_cover_every_layer_once():
+    from mlxinfer.distributed.placement import layer_ranges
+    from mlxinfer.errors import DistributedError
+
+    assert layer_ranges(8, 3) == [range(0, 3), range(3, 6), range(6, 8)]
+    assert layer_ranges(3, 2) == [range(0, 2), range(2, 3)]
+    assert layer_ranges(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    with pytest.raises(DistributedError, match="2 layer\\(s\\) cannot be split over 3 ranks"):
+        layer_ranges(2, 3)
+
+
+def test_a_pipeline_rank_reads_its_layers_renumbered():
+    from tiny_checkpoint import CONFIG
+
+    from mlxinfer.distributed.placement import WeightNames
+    from mlxinfer.models import build_model
+
+    model = build_model({**CONFIG, "num_hidden_layers": 4})
+    names = WeightNames(model)
+    weights = {
+        "model.embed_tokens.weight": 0,
+        "model.layers.1.mlp.up_proj.weight": 1,
+        "model.layers.2.mlp.up_proj.weight": 2,
+        "model.layers.12.mlp.up_proj.weight": 12,
+        "model.norm.weight": 3,
+        "lm_head.weight": 4,
+    }
+    assert names.for_pipeline(weights, range(2, 4), embedding=False, head=True) == {
+        "model.layers.0.mlp.up_proj.weight": 2,
+        "model.norm.weight": 3,
+        "lm_head.weight": 4,
+    }
+    assert names.renumber("model.layers.3.mlp", range(2, 4)) == "model.layers.1.mlp"
+    assert names.renumber("model.layers.1.mlp", range(2, 4)) is None
+
+
+def test_which_sizes_split_by_heads():
+    from tiny_checkpoint import CONFIG  # 4 heads, 2 KV heads, MLP 64
+
+    from mlxinfer.distributed.placement import tensor_split_reason
+    from mlxinfer.models import build_model
+
+    model = build_model(CONFIG)
+    assert tensor_split_reason(model, 2) is None
+    assert tensor_split_reason(model, 4) == "2 KV heads do not divide over 4 ranks"
+    assert tensor_split_reason(model, 3) == "4 attention heads do not divide over 3 ranks"
+
+
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("not json", "unreadable hostfile"),
+        ("[]", "expected a JSON list with one entry per rank"),
+        ('[["127.0.0.1"]]', "rank 0's entry should be a list of 'host:port' strings"),
+        ('[["127.0.0.1:5000"], [7]]', "rank 1's entry should be a list"),
+        ('{"hosts": 1}', "expected a JSON list"),
+        (" " * (1 << 20) + "[]", "hostfile larger than 1 MB"),
+    ],
+    ids=["not-json", "empty", "no-port", "not-strings", "not-a-list", "too-large"],
+)
+def test_a_bad_hostfile_is_a_clear_error(tmp_path, text, found):
+    from mlxinfer.distributed import read_hostfile
+    from mlxinfer.errors import DistributedError
+
+    path = tmp_path / "hosts.json"
+    path.write_text(text)
+    with pytest.raises(DistributedError, match=f"^{path}: .*{found[:30]}"):
+        read_hostfile(path)
+
+
+def test_the_watchdog_fires_only_past_its_bound():
+    from mlxinfer.distributed import Watchdog
+
+    fired = []
+    dog = Watchdog(1, timeout=0.3, on_timeout=fired.append)
+    with dog.step("a quick step"):
+        time.sleep(0.05)
+    time.sleep(0.4)
+    assert fired == []
+    with dog.step("pipeline step 3 (waiting on rank 0)"):
+        time.sleep(0.6)
+    assert fired == [
+        "rank 1: pipeline step 3 (waiting on rank 0) did not finish within the rank timeout "
+        "(0.3 s, --rank-timeout): a rank stalled or is unreachable; exiting"
+    ]

@@ -86,13 +86,15 @@ class Ranks:
         return self.rank == self.size - 1
 
     def others(self) -> str:
-        return ", ".join(str(r) for r in range(self.size) if r != self.rank)
+        """The other ranks, named: "rank 1", "ranks 0, 2"."""
+        others = [str(r) for r in range(self.size) if r != self.rank]
+        return ("rank " if len(others) == 1 else "ranks ") + ", ".join(others)
 
     def run(self, what: str, arrays, peer: int | None = None, timeout: float | None = None) -> None:
         """Evaluate ``arrays`` (whose graph holds this step's collectives) within ``timeout``
         seconds (default: the rank timeout). A peer that died is a DistributedError naming it
         (``peer``, or the others)."""
-        waits_on = f"rank {peer}" if peer is not None else f"rank(s) {self.others()}"
+        waits_on = f"rank {peer}" if peer is not None else self.others()
         with self.watchdog.step(f"{what} (waiting on {waits_on})", timeout):
             try:
                 mx.eval(arrays)
