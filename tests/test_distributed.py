@@ -259,7 +259,7 @@ def test_launcher_fails_with_a_failing_rank_and_ends_the_others(tmp_path):
         os.kill(int(pid_file.read_text()), 0)
 
 
-def test_a_hostfile_of_the_wrong_size_is_a_clear_error(tmp_path):
+def test_a_wrong_hostfile_or_a_missing_rank_is_a_clear_error(tmp_path):
     hostfile = _hostfile(tmp_path, 3)
     done = _launch(tmp_path, "-n", "2", "--hostfile", str(hostfile), "--", "true")
     assert done.returncode == 1
@@ -270,6 +270,18 @@ def test_a_hostfile_of_the_wrong_size_is_a_clear_error(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S, env=env)
     assert done.returncode == 1
     assert f"Error: MLX_RANK='5': expected 0..2 (the ranks of {hostfile})" in done.stderr
+
+    # Rank 0 alone of three: joining them is bounded by the rank timeout too.
+    command += ["-m", str(tmp_path), "--rank-timeout", "2"]
+    start = time.monotonic()
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=WAIT_S, env=env | {"MLX_RANK": "0"}
+    )
+    assert done.returncode != 0 and time.monotonic() - start < 20
+    assert (
+        f"Error: rank 0: joining the 3 ranks of {hostfile} (are they all started?) did not finish "
+        "within the rank timeout (2 s, --rank-timeout)"
+    ) in done.stderr
 
 
 def test_launcher_runs_a_sampled_generation_on_two_ranks(llama, tmp_path):
@@ -370,3 +382,77 @@ def test_the_watchdog_fires_only_past_its_bound():
         "rank 1: pipeline step 3 (waiting on rank 0) did not finish within the rank timeout "
         "(0.3 s, --rank-timeout): a rank stalled or is unreachable; exiting"
     ]
+
+
+# Longer: more families, and the real SmolLM2 (MLXINFER_SLOW=1).
+
+SLOW = pytest.mark.skipif(
+    os.environ.get("MLXINFER_SLOW") != "1",
+    reason="more two-rank launches than the suite's share: set MLXINFER_SLOW=1 to run",
+)
+FAMILIES = {
+    "qwen2": dict(  # full and sliding layers, split between the ranks; a 4-token window
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # tensor: falls back
+}
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_match_transformers(tmp_path, family, mode):
+    from hf_models import make_tiny
+    from tiny_checkpoint import tokenizer_json
+
+    config = dict(vocab_size=300, num_hidden_layers=3, **FAMILIES[family])
+    path, model = make_tiny(tmp_path / family, family, **config)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json(300)))
+    results, log = _run_rank_script(tmp_path, path, mode)
+    assert ("falls back" in log) == (mode == "tensor" and family == "mixtral")
+    _check_parity(results[0], model)
+
+
+@SLOW
+@pytest.mark.slow
+def test_smollm2_falls_back_and_matches_transformers(smollm2_hf_dir, tmp_path):
+    """9 heads, 3 KV heads: tensor parallelism falls back to the pipeline on two ranks."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_hf_dir, dtype=torch.float32
+    ).eval()
+    results, log = _run_rank_script(tmp_path, smollm2_hf_dir, "tensor")
+    assert "falls back to the pipeline: 9 attention heads do not divide over 2 ranks" in log
+    _check_parity(results[0], model)
+
+
+def test_an_interrupted_launcher_ends_its_ranks(tmp_path):
+    script = (
+        "import os, time\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['MLX_RANK']), 'w')"
+        ".write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    command = [sys.executable, "-m", "mlxinfer", "launch", "-n", "2", "--grace", "2", "--"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen([*command, sys.executable, "-c", script], env=env)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not all((tmp_path / f"pid{r}").is_file() for r in range(2)):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.2)  # the pids written (a file may exist before its text)
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=20) == 130
+        for r in range(2):
+            with pytest.raises(ProcessLookupError):
+                os.kill(int((tmp_path / f"pid{r}").read_text()), 0)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

@@ -179,7 +179,8 @@ def connect(
     kwargs = {} if on_timeout is None else {"on_timeout": on_timeout}
     watchdog = Watchdog(rank, rank_timeout, **kwargs)
     hosts = os.environ.get("MLX_HOSTFILE", "MLX's environment")
-    with watchdog.step(f"joining the ranks of {hosts}"):
+    ranks = f"the {env[1]} ranks" if env is not None else "the ranks"
+    with watchdog.outside(f"joining {ranks} of {hosts} (are they all started?)"):
         try:
             group = mx.distributed.init(strict=True, backend=backend)
         except RuntimeError as e:

@@ -8,8 +8,10 @@ own with ``MLX_RANK`` and ``MLX_HOSTFILE`` set, and then:
 - exits with the first failing rank's code (128 + the signal for a rank killed by one) as
   soon as a rank fails, after ending the others (SIGTERM to their groups, SIGKILL after
   ``grace`` seconds), or with 0 once every rank has exited with 0;
-- on SIGINT or SIGTERM ends every rank the same way; on Linux the ranks also get SIGKILL if
-  the launcher itself is killed (``PR_SET_PDEATHSIG``);
+- on SIGINT, SIGTERM or SIGHUP ends every rank the same way (exit code 128 + the signal).
+  SIGKILL cannot be caught: on Linux the ranks ask for SIGKILL when their parent dies
+  (``PR_SET_PDEATHSIG``), but that did not take effect on the sandboxed test machine, where
+  the ranks of a SIGKILLed launcher ran on to their own end;
 - with ``timeout``, ends everything after that many seconds (exit code 124).
 """
 
@@ -122,7 +124,9 @@ def launch(
     def on_term(signum, frame):
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    # Set even where a shell started the launcher with SIGINT ignored (a background job).
+    caught = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, on_term) for sig in caught}
     try:
         with tempfile.TemporaryDirectory(prefix="mlxinfer-launch-") as tmp:
             path = check_local(hostfile, n) if hostfile else local_hostfile(n, tmp)
@@ -158,4 +162,5 @@ def launch(
         raise DistributedError(f"launch: cannot run {command[0]!r} ({e.strerror})") from None
     finally:
         _end(procs, grace)
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

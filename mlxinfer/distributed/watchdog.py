@@ -7,12 +7,15 @@ and the accepting side of the ring waits forever. So each step runs inside
 running then, writes one line naming the rank, the step, the peer waited on and the timeout
 to stderr and ends the process with ``os._exit`` (exit code :data:`EXIT_CODE`). A peer
 that *died* needs no watchdog: MLX raises a catchable error about 50 ms later (``group``
-turns it into a DistributedError).
+turns it into a DistributedError). MLX releases the GIL while it evaluates, so the thread can
+run then; ``mx.distributed.init`` does not, and is bounded by a child process instead
+(:meth:`Watchdog.outside`).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -62,14 +65,35 @@ class Watchdog:
                 if left > 0:
                     self._lock.wait(left)
                     continue
-                message = (
-                    f"rank {self.rank}: {self._what} did not finish within the rank timeout "
-                    f"({self.timeout:g} s, --rank-timeout): a rank stalled or is unreachable; "
-                    "exiting"
-                )
+                message = self._message(self._what)
                 self._deadline, self._thread = None, None
                 break
         self.on_timeout(message)
+
+    @contextmanager
+    def outside(self, what: str) -> Iterator[None]:
+        """Bound a block that holds the GIL while it waits (``mx.distributed.init``: the
+        watchdog's thread could never run): a child process waits on a pipe for the block to
+        end and, past the timeout, writes the message and kills this process (SIGKILL)."""
+        message = self._message(what)
+        code = (
+            "import os, select, signal, sys\n"
+            f"if not select.select([sys.stdin], [], [], {self.timeout!r})[0]:\n"
+            f"    sys.stderr.write({('Error: ' + message + chr(10))!r}); sys.stderr.flush()\n"
+            f"    os.kill({os.getpid()}, signal.SIGKILL)\n"
+        )
+        child = subprocess.Popen([sys.executable, "-I", "-S", "-c", code], stdin=subprocess.PIPE)
+        try:
+            yield
+        finally:
+            child.stdin.close()  # EOF: the child exits
+            child.wait()
+
+    def _message(self, what: str) -> str:
+        return (
+            f"rank {self.rank}: {what} did not finish within the rank timeout "
+            f"({self.timeout:g} s, --rank-timeout): a rank stalled or is unreachable; exiting"
+        )
 
     @contextmanager
     def step(self, what: str, timeout: float | None = None) -> Iterator[None]:
