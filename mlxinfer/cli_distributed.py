@@ -80,6 +80,8 @@ def _run_rank(run, mode: str, rank_timeout: float, args, kwargs) -> None:
     code = 0
     try:
         run(*args, **kwargs)
+        if kwargs.get("verbose"):
+            _log(ranks.summary())  # every rank's own line, on its stderr
     except click.ClickException as e:
         e.show()
         code = e.exit_code

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,11 +288,17 @@ def test_a_wrong_hostfile_or_a_missing_rank_is_a_clear_error(tmp_path):
 def test_launcher_runs_a_sampled_generation_on_two_ranks(llama, tmp_path):
     """At temperature > 0 without --seed, rank 0 draws the seed every rank samples with: the
     ranks stay in step (a rank that sampled another token would stop them all)."""
-    command = _generate(llama[0], "--temp", "0.9")
+    command = _generate(llama[0], "--temp", "0.9", "--verbose")
     command[command.index("30000")] = "24"
     done = _launch(tmp_path, "-n", "2", "--", *command)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
+    # --verbose: each rank's own statistics; the ranks took the same steps (sampling may reach
+    # EOS before 24 tokens).
+    stats = re.findall(r"rank (\d)/2: ([\d.]+) MB of weights, (\d+) steps, .* waiting", done.stderr)
+    assert sorted(r for r, _, _ in stats) == ["0", "1"]
+    assert {mb for _, mb, _ in stats} == {"0.4", "0.2"}
+    assert len({n for _, _, n in stats}) == 1 and int(stats[0][2]) > 2
 
 
 # Placement, hostfiles and the watchdog, without ranks.

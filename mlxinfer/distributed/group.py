@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -76,6 +77,21 @@ class Ranks:
     def __init__(self, group: mx.distributed.Group, watchdog: Watchdog):
         self.group, self.watchdog = group, watchdog
         self.rank, self.size = group.rank(), group.size()
+        # Per-rank statistics: the model's steps, the weight bytes this rank holds, and the
+        # seconds spent computing (its layers, with their sends or all-reduces) or waiting
+        # (receives, the token check, the shared logits).
+        self.steps, self.weight_bytes = 0, 0
+        self.seconds = {"computing": 0.0, "waiting": 0.0}
+
+    def summary(self) -> str:
+        """One line of this rank's statistics (``--verbose``)."""
+        busy, wait = self.seconds["computing"], self.seconds["waiting"]
+        share = 100 * wait / (busy + wait) if busy + wait else 0.0
+        return (
+            f"rank {self.rank}/{self.size}: {self.weight_bytes / 1e6:.1f} MB of weights, "
+            f"{self.steps} steps, {busy:.2f} s computing, {wait:.2f} s waiting on other ranks "
+            f"({share:.0f}%)"
+        )
 
     @property
     def first(self) -> bool:
@@ -90,14 +106,24 @@ class Ranks:
         others = [str(r) for r in range(self.size) if r != self.rank]
         return ("rank " if len(others) == 1 else "ranks ") + ", ".join(others)
 
-    def run(self, what: str, arrays, peer: int | None = None, timeout: float | None = None) -> None:
+    def run(
+        self,
+        what: str,
+        arrays,
+        peer: int | None = None,
+        timeout: float | None = None,
+        kind: str = "waiting",
+    ) -> None:
         """Evaluate ``arrays`` (whose graph holds this step's collectives) within ``timeout``
-        seconds (default: the rank timeout). A peer that died is a DistributedError naming it
-        (``peer``, or the others)."""
+        seconds (default: the rank timeout), the time counted as ``kind`` ("computing" or
+        "waiting"). A peer that died is a DistributedError naming it (``peer``, or the
+        others)."""
         waits_on = f"rank {peer}" if peer is not None else self.others()
+        start = time.perf_counter()
         with self.watchdog.step(f"{what} (waiting on {waits_on})", timeout):
             try:
                 mx.eval(arrays)
+                self.seconds[kind] += time.perf_counter() - start
             except RuntimeError as e:
                 reason = " ".join(str(e).split())[:200]
                 raise DistributedError(

@@ -80,7 +80,7 @@ def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log)
     sum_outputs(summed, ranks)
     ranks.broadcast_pair(0, 0)  # every rank loaded (the long wait: group.LOAD_WAIT_S)
     wrapper = TensorModel(model, ranks)
-    wrapper.weight_bytes = _nbytes(model)
+    wrapper.weight_bytes = ranks.weight_bytes = _nbytes(model)
     if log is not None:
         n, s, r = tensor_heads, ranks.size, ranks.rank
         log(
@@ -115,7 +115,7 @@ def _pipeline(model, config, model_dir, ranks, *, files, load_weights, dtype, lo
     wrapper.activation_dtype = wrapper.logits_dtype = _DTYPES[code]
     wrapper.activation_width = hidden
     wrapper.vocab_rows = rows
-    wrapper.weight_bytes = _nbytes(model)
+    wrapper.weight_bytes = ranks.weight_bytes = _nbytes(model)
     if log is not None:
         log(
             f"distributed: rank {ranks.rank}/{ranks.size} runs layers {layers.start}-"

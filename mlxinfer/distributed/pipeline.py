@@ -138,6 +138,7 @@ class PipelineModel:
         r, ranks = self.ranks.rank, self.ranks
         B, L = inputs.shape
         self.steps += 1
+        ranks.steps += 1
         step = f"pipeline step {self.steps}"
         ranks.check_same(inputs, step)
         if not ranks.first:
@@ -151,11 +152,12 @@ class PipelineModel:
             logits = logits.astype(self.logits_dtype)
         states = [c.state for c in cache] if cache is not None else []
         if ranks.last:
-            ranks.run(f"{step}: the last blocks", [logits, *states] if L <= SYNC_ROWS else states)
+            todo = [logits, *states] if L <= SYNC_ROWS else states
+            ranks.run(f"{step}: the last blocks", todo, kind="computing")
         else:
             outgoing = self.exit.outgoing.astype(self.activation_dtype)
             sent = mx.distributed.send(outgoing, r + 1, group=ranks.group)
-            ranks.run(f"{step}: sending activations", [sent, *states], peer=r + 1)
+            ranks.run(f"{step}: sending activations", [sent, *states], peer=r + 1, kind="computing")
             self.exit.outgoing = None
         if not ranks.first:
             self.entry.incoming = None

@@ -103,11 +103,13 @@ class TensorModel:
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         self.steps += 1
+        self.ranks.steps += 1
         step = f"tensor step {self.steps}"
         self.ranks.check_same(inputs, step)
         logits = self.model(inputs, cache)
         states = [c.state for c in cache] if cache is not None else []
         # One evaluation per step, the collectives inside it; a long chunk's logits (a
         # prefill's) are left lazy: nobody reads them.
-        self.ranks.run(step, [logits, *states] if inputs.shape[1] <= SYNC_ROWS else states)
+        todo = [logits, *states] if inputs.shape[1] <= SYNC_ROWS else states
+        self.ranks.run(step, todo, kind="computing")
         return logits
