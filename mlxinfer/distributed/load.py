@@ -73,9 +73,10 @@ def load_model(
 def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log) -> TensorModel:
     tensor_heads = _heads(model)
     weights = loading.lazy_weights(files, model_dir, model, config, log)
-    loading.load_into(model, weights, config, model_dir, dtype, load_weights)
+    loading.load_into(model, weights, config, model_dir, dtype, load_weights, evaluate=False)
+    del weights  # the model holds the (lazy) tensors now; after the cut, only its share
     summed = shard(model, ranks)
-    mx.eval(model.parameters())  # the shares: the full tensors are dropped after this
+    loading.evaluate_all(model)
     backends.apply(model, log=log)
     sum_outputs(summed, ranks)
     ranks.broadcast_pair(0, 0)  # every rank loaded (the long wait: group.LOAD_WAIT_S)
@@ -105,7 +106,9 @@ def _pipeline(model, config, model_dir, ranks, *, files, load_weights, dtype, lo
     if record:  # per-layer entries name the blocks by their number in the whole model
         record = {names.renumber(k, layers): v for k, v in record.items()}
         record = {k: v for k, v in record.items() if k is not None}
-    loading.load_into(model, weights, config, model_dir, dtype, load_weights, record)
+    loading.load_into(model, weights, config, model_dir, dtype, load_weights, record, False)
+    del weights  # the model holds the tensors: each is read, then held once
+    loading.evaluate_all(model)
     backends.apply(model, log=log)
     wrapper = PipelineModel(model, ranks, layers, n_layers)
     # The ranks agree on what they exchange: rank 0's float dtype, the last rank's head rows.

@@ -61,19 +61,30 @@ def load_into(
     dtype: mx.Dtype | None,
     load_weights: Callable,
     record: dict[str, Any] | None = None,
+    evaluate: bool = True,
 ) -> None:
     """Quantize (as the config records, or ``record``), cast, load with ``load_weights``
-    (the loader's strict ``load_weights_into``) and evaluate ``weights``."""
+    (the loader's strict ``load_weights_into``) and (``evaluate``) evaluate ``weights``:
+    tensor parallelism first cuts them to the rank's share, then evaluates (:func:`evaluate`)."""
     record = quantization_record(config) if record is None else record
     if record:
         apply_quantization(model, record, weights)
-    if dtype is not None:
+    if dtype is not None:  # (a cast to the same dtype would copy: both alive at evaluation)
         weights = {
-            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype else v
             for k, v in weights.items()
         }
     load_weights(model, weights, model_dir)
     model.eval()
     model.source_dir = model_dir
-    # Every array the model holds, evaluated (as loader.materialize): weights, RoPE tables.
+    if evaluate:
+        evaluate_all(model)
+
+
+def evaluate_all(model: nn.Module) -> None:
+    """Every array the model holds, evaluated (as loader.materialize: weights, RoPE tables),
+    one block at a time: a tensor read whole to be cut to a rank's share is freed before the
+    next block's are read."""
+    for block in model.layers:
+        mx.eval([v for _, v in tree_flatten(block) if isinstance(v, mx.array)])
     mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])

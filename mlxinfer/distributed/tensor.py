@@ -23,14 +23,16 @@ from .group import Ranks
 from .pipeline import SYNC_ROWS
 
 
+# The shares are copied (``mx.contiguous``): a slice is a view that would keep the whole
+# tensor it was cut from alive.
 def _rows(w: mx.array, r: int, s: int) -> mx.array:
     n = w.shape[0] // s
-    return w[r * n : (r + 1) * n]
+    return mx.contiguous(w[r * n : (r + 1) * n])
 
 
 def _cols(w: mx.array, r: int, s: int) -> mx.array:
     n = w.shape[-1] // s
-    return w[..., r * n : (r + 1) * n]
+    return mx.contiguous(w[..., r * n : (r + 1) * n])
 
 
 def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
