@@ -150,9 +150,18 @@ def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int 
         _log(kernels.describe())  # the compiled CPU kernels in use, or why not (one line)
     extra = LOAD_OPTIONS.get() or {}
     if not sys.stderr.isatty():
-        return load(model, log=_log, force=force, kv_budget=kv_budget, **extra)
-    with Bars() as bars:
-        return load(model, log=_log, progress=bars, force=force, kv_budget=kv_budget, **extra)
+        loaded = load(model, log=_log, force=force, kv_budget=kv_budget, **extra)
+    else:
+        with Bars() as bars:
+            loaded = load(model, log=_log, progress=bars, force=force, kv_budget=kv_budget, **extra)
+    if verbose:
+        from .backends import describe
+        from .backends.cpu import plans
+
+        chosen = describe(loaded[0]).get("cpu_plans")
+        if chosen:  # the CPU backend's decode plans in use (timed at load, or cached, or forced)
+            _log(f"CPU decode plans: {plans.describe({'plans': chosen})}")
+    return loaded
 
 
 REASONING = click.option(
