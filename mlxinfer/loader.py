@@ -276,7 +276,7 @@ def load(
 
     def load_dir(model_dir: Path):
         if distributed is not None:  # this rank's part (mlxinfer/distributed)
-            from .distributed import current
+            from .distributed.group import current
             from .distributed.load import load_model as load_part
 
             ranks, files = current(rank_timeout), weight_files(model_dir)

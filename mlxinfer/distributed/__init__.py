@@ -19,22 +19,30 @@ Library use, one process per rank::
 
 from __future__ import annotations
 
-from .group import Ranks, connect, current, read_hostfile
-from .watchdog import DEFAULT_RANK_TIMEOUT, Watchdog
+from importlib import import_module
+
+# Loaded on first use (the CLI imports this package to add its options: no MLX at start-up).
+_EXPORTS = {
+    "DEFAULT_RANK_TIMEOUT": "watchdog",
+    "Watchdog": "watchdog",
+    "Ranks": "group",
+    "connect": "group",
+    "current": "group",
+    "read_hostfile": "group",
+}
+
+__all__ = sorted([*_EXPORTS, "shared_seed"])
 
 
 def shared_seed(seed: int | None = None) -> int:
     """``seed``, or one drawn by rank 0: the same on every rank (each rank's sampler must draw
     the same numbers, or the ranks part ways; the token check then stops them all)."""
+    from .group import current
+
     return current().shared_seed(seed)
 
 
-__all__ = [
-    "DEFAULT_RANK_TIMEOUT",
-    "Ranks",
-    "Watchdog",
-    "connect",
-    "current",
-    "read_hostfile",
-    "shared_seed",
-]
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'mlxinfer.distributed' has no attribute '{name}'")
