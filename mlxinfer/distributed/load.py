@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import backends
+from ..cache import StateCache
 from ..errors import DistributedError
 from ..quant import quantization_record
 from . import loading
@@ -59,6 +60,12 @@ def load_model(
     _one_stream(log)
     read = {"files": files, "load_weights": load_weights, "dtype": dtype, "log": log}
     model, config = loading.build(model_dir)
+    if any(isinstance(c, StateCache) for c in model.make_cache()):
+        # Such families find their first attention layer by its index in the whole model.
+        raise DistributedError(
+            f"{model_dir / 'config.json'}: model_type '{config.get('model_type')}' has "
+            "recurrent layers (a state cache): splitting it over ranks is not built yet"
+        )
     if mode == "tensor":
         reason = tensor_split_reason(model, ranks.size)
         if reason is None and quantization_record(config):
