@@ -108,20 +108,15 @@ def keep_parts(model: nn.Module, ranks: Ranks, layers: range, dtype: mx.Dtype) -
     return keep
 
 
-class PipelineModel:
-    """The model of one pipeline rank, called as the whole model is: ``model(inputs, cache)
-    -> logits (B, L, V)`` on every rank; ``make_cache`` gives the caches of its blocks only."""
+class RankModel:
+    """What one rank's model shares whatever the split: called as the whole model is, with
+    the loaded model's arguments, blocks, caches and parameters."""
 
-    def __init__(self, model: nn.Module, ranks: Ranks, layers: range, n_layers: int):
-        self.model, self.ranks, self.layers_range, self.n_layers = model, ranks, layers, n_layers
+    def __init__(self, model: nn.Module, ranks: Ranks):
+        self.model, self.ranks = model, ranks
         self.args = model.args
         self.backend = "distributed"  # the prefill runs unscheduled (backends.prefill_schedule)
         self.source_dir = getattr(model, "source_dir", None)
-        blocks = model.layers
-        if not ranks.first:
-            blocks[0] = self.entry = Entry(blocks[0])
-        if not ranks.last:
-            blocks[-1] = self.exit = Exit(blocks[-1])
         self.steps = 0
 
     @property
@@ -133,6 +128,20 @@ class PipelineModel:
 
     def parameters(self):
         return self.model.parameters()
+
+
+class PipelineModel(RankModel):
+    """The model of one pipeline rank, called as the whole model is: ``model(inputs, cache)
+    -> logits (B, L, V)`` on every rank; ``make_cache`` gives the caches of its blocks only."""
+
+    def __init__(self, model: nn.Module, ranks: Ranks, layers: range, n_layers: int):
+        super().__init__(model, ranks)
+        self.layers_range, self.n_layers = layers, n_layers
+        blocks = model.layers
+        if not ranks.first:
+            blocks[0] = self.entry = Entry(blocks[0])
+        if not ranks.last:
+            blocks[-1] = self.exit = Exit(blocks[-1])
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         r, ranks = self.ranks.rank, self.ranks

@@ -20,7 +20,7 @@ from ..cache import Cache
 from ..models.layers.attention import RopeAttention
 from ..models.layers.mlp import GatedMLP
 from .group import Ranks
-from .pipeline import SYNC_ROWS
+from .pipeline import SYNC_ROWS, RankModel
 
 
 # The shares are copied (``mx.contiguous``): a slice is a view that would keep the whole
@@ -81,27 +81,13 @@ def sum_outputs(summed: list[tuple[nn.Module, str]], ranks: Ranks) -> None:
         block[name] = Summed(block[name], ranks)
 
 
-class TensorModel:
+class TensorModel(RankModel):
     """The model of one tensor-parallel rank, called as the whole model is. Every rank holds
     the embedding and the head, so every rank computes the same logits."""
 
     def __init__(self, model: nn.Module, ranks: Ranks):
-        self.model, self.ranks = model, ranks
-        self.args = model.args
-        self.backend = "distributed"  # the prefill runs unscheduled (backends.prefill_schedule)
-        self.source_dir = getattr(model, "source_dir", None)
+        super().__init__(model, ranks)
         self.embedding = model.embedding
-        self.steps = 0
-
-    @property
-    def layers(self) -> list[nn.Module]:
-        return self.model.layers
-
-    def make_cache(self, **kwargs) -> list[Cache]:
-        return self.model.make_cache(**kwargs)
-
-    def parameters(self):
-        return self.model.parameters()
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         self.steps += 1
