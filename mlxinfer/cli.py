@@ -13,11 +13,11 @@ import sys
 import click
 
 from .blas import preload_openblas
+from .cli_bench import bench
 from .cli_distributed import register as register_distributed
 from .cli_options import (
     CHAT_TEMPLATE_HELP,
     REASONING,
-    _batch_sizes,
     _constraint,
     _errors_to_click,
     _load,
@@ -367,145 +367,8 @@ def verify(model_dir):
     click.echo(f"{result.path}: OK ({result.files} files, {size}, sizes and SHA-256 match)")
 
 
-@cli.command()
-@click.option(
-    "--model",
-    "-m",
-    default=None,
-    help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]",
-)
-@click.option(
-    "--prompt-tokens",
-    "-p",
-    default="128,512,2048",
-    show_default=True,
-    metavar="P[,P...]",
-    help="Prompt lengths, comma-separated (seeded random token ids).",
-)
-@click.option(
-    "--max-tokens",
-    "-n",
-    default="128",
-    show_default=True,
-    metavar="N",
-    help="Tokens generated per run (at least 2).",
-)
-@click.option(
-    "--reps",
-    default="3",
-    show_default=True,
-    metavar="R",
-    help="Timed runs per prompt length, after one warm-up.",
-)
-@click.option(
-    "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize mlxinfer's KV cache."
-)
-@click.option(
-    "--prefill-step-size",
-    default=None,
-    type=click.IntRange(1),
-    help="Prompt tokens per prefill chunk, for both engines [default: each engine's own: "
-    "mlxinfer 512, mlx-lm 2048].",
-)
-@click.option(
-    "--compare",
-    default=None,
-    type=click.Choice(["mlx-lm"]),
-    help="Also run mlx-lm's own benchmark (a child process) and print mlxinfer / mlx-lm.",
-)
-@click.option(
-    "--plot",
-    default=None,
-    metavar="PATH",
-    help="Write prefill and decode tok/s against prompt length (PNG).",
-)
-@click.option(
-    "--json",
-    "json_path",
-    default=None,
-    metavar="PATH",
-    help="Write every run, medians, ratios and the roofline.",
-)
-@click.option(
-    "--batch",
-    "batch_sizes",
-    default=None,
-    metavar="B[,B...]",
-    callback=lambda ctx, param, v: None if v is None else _batch_sizes(v),
-    help="Benchmark the batching engine at these batch sizes (aggregate decode tok/s) "
-    "with one prompt length.",
-)
-@_errors_to_click
-def bench(
-    model,
-    prompt_tokens,
-    max_tokens,
-    reps,
-    kv_bits,
-    prefill_step_size,
-    compare,
-    plot,
-    json_path,
-    batch_sizes,
-):
-    """Benchmark prefill, decode, TTFT and peak memory per prompt length.
-
-    Progress goes to stderr, the tables alone to stdout.
-    """
-    from . import bench as b
-    from .bench import report
-    from .default_model import default_model_path
-    from .loader import resolve_model_path
-
-    lengths = b.parse_lengths(prompt_tokens, "-p/--prompt-tokens")
-    max_tokens = b.parse_count(max_tokens, "-n/--max-tokens", 2)
-    reps = b.parse_count(reps, "--reps", 1)
-    # Every check that can fail runs before the (long) measurement.
-    if compare:
-        b.require_mlx_lm()
-    if plot:
-        report.require_matplotlib()
-        plot = report.check_writable(plot, "--plot")
-    if json_path:
-        json_path = report.check_writable(json_path, "--json")
-    model_dir = default_model_path(log=_log) if model is None else resolve_model_path(model)
-    llm, _ = _load(str(model_dir), verbose=True)
-    if batch_sizes is not None:
-        return _bench_batch(
-            llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare, json_path
-        )
-    result = b.run_benchmark(
-        llm,
-        model_dir,
-        lengths,
-        max_tokens=max_tokens,
-        reps=reps,
-        kv_bits=int(kv_bits) if kv_bits else None,
-        prefill_step=prefill_step_size,
-        compare=compare,
-        log=_log,
-    )
-    click.echo(report.tables(result))
-    if json_path:
-        _log(f"wrote {report.write_json(result, json_path)}")
-    if plot:
-        _log(f"wrote {report.write_plot(result, plot)}")
-
-
-def _bench_batch(llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare, json_path):
-    from .bench import batch, report
-
-    if len(lengths) != 1:
-        raise click.UsageError("--batch takes one prompt length (-p P)")
-    result = batch.run_batch_benchmark(
-        llm, model_dir, batch_sizes, lengths[0], max_tokens, reps, compare, _log
-    )
-    click.echo(batch.batch_tables(result))
-    if json_path:
-        _log(f"wrote {report.write_json(result, json_path)}")
-
-
 cli.add_command(serve)
+cli.add_command(bench)
 register_distributed(cli)  # generate --distributed, launch
 
 
