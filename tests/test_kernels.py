@@ -84,6 +84,32 @@ def check_f32(k, K_in, N, rows, levels):
             k.set_max_isa("best")
 
 
+# One output rounding of each dtype (2^-8 relative for bf16, 2^-11 for f16), with a factor 2.
+ROUNDING = {mx.float32: 0.0, mx.bfloat16: 2 * 2.0**-8, mx.float16: 2 * 2.0**-11}
+
+
+def check_half(k, K_in, N, wdtype, rows, levels, xdtypes=(mx.float32,), scale=1.0):
+    """``K.matvec`` with bf16 / f16 weights against the product in f32 of the same values
+    (the kernel widens them exactly and accumulates in f32): within 1e-4 of the largest, plus
+    one rounding of the output dtype, which is ``x @ w.T``'s (promote_types(x, w))."""
+    mx.random.seed(K_in * 3 + N)
+    w = (mx.random.normal((N, K_in)) * scale).astype(wdtype)
+    for xdtype in xdtypes:
+        for m in rows:
+            x = mx.random.normal((m, K_in)).astype(xdtype)
+            ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+            dtype = (x[:1] @ w[:1].T).dtype  # MLX's own output dtype for these inputs
+            try:
+                for level in levels:
+                    k.set_max_isa(level)
+                    y = k.matvec(x, w)
+                    assert y.shape == ref.shape and y.dtype == dtype, (level, y.dtype, dtype)
+                    err = rel_err(y, ref)
+                    assert err <= 1e-4 + ROUNDING[dtype], (level, xdtype, m, err)
+            finally:
+                k.set_max_isa("best")
+
+
 # Each bits x group size once, on the SmolLM2 shapes and an odd one in turn (the LM head,
 # 576 -> 49152, takes seconds to set up: in the slow matrix only).
 SUITE = [
@@ -106,6 +132,30 @@ def test_f32_matvec_matches_mlx(k, K_in, N):
     check_f32(k, K_in, N, [1, 4, 16], paths(k))
 
 
+# bf16 / f16 weights: a SmolLM2 shape, and odd ones (N not a multiple of the 4-row blocks, K
+# with a tail past the last 16 / 32 weights: the scalar remainder, x's de-interleaving).
+HALF = [
+    (mx.bfloat16, 576, 1536),
+    (mx.float16, 1088, 7),
+    (mx.bfloat16, 100, 13),
+    (mx.float16, 37, 5),
+]
+
+
+@pytest.mark.parametrize("wdtype,K_in,N", HALF, ids=lambda v: str(v).split(".")[-1])
+def test_half_weight_matvec_matches_f32(k, wdtype, K_in, N):
+    rows = [1, 4, 16] if N > 1000 else [1, 2, 5, 16]
+    xdtypes = (mx.float32, wdtype) if N > 1000 else (mx.float32, mx.bfloat16, mx.float16)
+    check_half(k, K_in, N, wdtype, rows, paths(k), xdtypes)
+
+
+def test_f16_subnormal_and_large_weights(k):
+    """f16 weights below the normal range (2^-14) and near its top, widened exactly on every
+    path (the scalar widening handles subnormals apart)."""
+    check_half(k, 200, 24, mx.float16, [1, 3], paths(k), scale=1e-5)
+    check_half(k, 200, 24, mx.float16, [1, 3], paths(k), scale=1e4)
+
+
 @SLOW
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [4, 8])
@@ -124,6 +174,17 @@ def test_quantized_matrix(k, bits, group_size, K_in, N):
 @pytest.mark.parametrize("K_in,N", [*SMOLLM2, HEAD, *ODD])
 def test_f32_matrix(k, K_in, N):
     check_f32(k, K_in, N, [1, 4] if N > 4096 else [1, 2, 3, 4, 5, 16], paths(k))
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.parametrize("wdtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("K_in,N", [*SMOLLM2, HEAD, *ODD, (100, 13), (37, 5)])
+def test_half_weight_matrix(k, wdtype, K_in, N):
+    big = N > 4096
+    levels = paths(k)[1:] if big else paths(k)
+    rows = [1, 4] if big else [1, 2, 3, 4, 5, 16]
+    check_half(k, K_in, N, wdtype, rows, levels, (mx.float32, mx.bfloat16, mx.float16))
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
@@ -164,6 +225,36 @@ def test_quantized_batched_strided_and_compiled(k):
     assert rel_err(k.quantized_matvec(xt, wq, s, b, 32, 4), ref) <= 1e-4
     f = mx.compile(lambda x: k.quantized_matvec(x, wq, s, b, 32, 4) + 1.0)
     assert rel_err(f(x), mx.quantized_matmul(x, wq, s, b, group_size=32, bits=4) + 1.0) <= 1e-4
+
+
+def test_half_weights_batched_strided_compiled_and_threaded(k):
+    mx.random.seed(5)
+    w = mx.random.normal((1000, 96)).astype(mx.bfloat16)
+    f32 = mx.float32
+
+    def ref(x, w):
+        return x.astype(f32) @ w.astype(f32).T
+
+    x = mx.random.normal((2, 3, 96)).astype(mx.bfloat16)  # batched: bf16 out
+    y = k.matvec(x, w)
+    assert y.shape == (2, 3, 1000) and y.dtype == mx.bfloat16
+    assert rel_err(y, ref(x, w)) <= 1e-4 + ROUNDING[mx.bfloat16]
+    wt = mx.random.normal((96, 40)).astype(mx.float16).T  # a transposed view: not row-contiguous
+    assert rel_err(k.matvec(x[0].astype(f32), wt), ref(x[0], wt)) <= 1e-4
+    f = mx.compile(lambda x: k.matvec(x, w) + 1.0)
+    assert rel_err(f(x[0].astype(f32)), ref(x[0], w) + 1.0) <= 1e-4
+    # rows split between threads, never a row's sum: 1 and 2 threads agree exactly
+    big = mx.random.normal((4096, 576)).astype(mx.bfloat16)
+    x1 = mx.random.normal((1, 576))
+    before = k.num_threads()
+    try:
+        k.set_num_threads(1)
+        y1 = k.matvec(x1, big)
+        mx.eval(y1)
+        k.set_num_threads(2)
+        assert mx.array_equal(y1, k.matvec(x1, big)).item()
+    finally:
+        k.set_num_threads(before)
 
 
 def test_threads_agree(k):
@@ -226,7 +317,9 @@ def test_shape_mismatches_are_value_errors(k):
     with pytest.raises(ValueError, match="scales/biases"):
         k.quantized_matvec(mx.zeros((1, 64)), wq, s[:, :1], b, 32, 4)
     with pytest.raises(ValueError, match="w: expected"):
-        k.matvec(mx.zeros((1, 64)), w.astype(mx.float16))
+        k.matvec(mx.zeros((1, 64)), w.astype(mx.int32))
+    with pytest.raises(ValueError, match="w: expected"):
+        k.matvec(mx.zeros((1, 64)), w.astype(mx.bfloat16)[None])
     with pytest.raises(ValueError, match="set_max_isa"):
         k.set_max_isa("neon")
 

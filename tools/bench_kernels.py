@@ -3,8 +3,9 @@
     python tools/build_kernels.py && python tools/bench_kernels.py [--rows 1 4] [--bits 4 8]
 
 Per shape: microseconds per call and GB/s of weight bytes streamed (packed weights +
-scales + biases, or the f32 matrix) for mx.quantized_matmul, the kernel at 1 and 2
-threads, x @ w.T in f32 and the f32 kernel. Calls are timed in batches of --calls
+scales + biases, or the float matrix) for mx.quantized_matmul, the kernel at 1 and 2
+threads, x @ w.T and the float kernel (--float: f32, and bf16 / f16 weights with x in the
+same dtype, as in a model loaded in that dtype: MLX's own half-precision product). Calls are timed in batches of --calls
 independent products per mx.eval (so the per-eval overhead is spread), median of
 --repeat. Prints a Markdown table with the CPU, cores and load average.
 """
@@ -35,6 +36,7 @@ SHAPES = [
     ("q/o 576->576", 576, 576),
     ("head 576->49152", 576, 49152),
 ]
+FLOATS = {"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}
 
 
 def cpu_name() -> str:
@@ -62,12 +64,14 @@ def time_call(fn, calls: int, repeat: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--bits", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--isa", default="best", help="cap: scalar, avx2, avx512 or best")
+    ap.add_argument("--float", nargs="*", default=["f32"], choices=list(FLOATS))
+    ap.add_argument("--shapes", nargs="+", help="only these shapes (their first word: head, down…)")
     args = ap.parse_args()
     K.set_max_isa(args.isa)
 
@@ -83,6 +87,8 @@ def main() -> None:
     print("|" + "---|" * len(head))
     gs = args.group_size
     for name, k_in, n_out in SHAPES:
+        if args.shapes and name.split()[0] not in args.shapes:
+            continue
         mx.random.seed(0)
         w = mx.random.normal((n_out, k_in)) * 0.05
         mx.eval(w)
@@ -106,9 +112,17 @@ def main() -> None:
                         ),
                     )
                 )
-            kinds.append(
-                ("f32", w.nbytes, lambda x=x, w=w: x @ w.T, lambda x=x, w=w: K.matvec(x, w))
-            )
+            for kind in args.float:
+                wf, xf = w.astype(FLOATS[kind]), x.astype(FLOATS[kind])
+                mx.eval(wf, xf)
+                kinds.append(
+                    (
+                        kind,
+                        wf.nbytes,
+                        lambda x=xf, w=wf: x @ w.T,
+                        lambda x=xf, w=wf: K.matvec(x, w),
+                    )
+                )
             for kind, nbytes, ref_fn, ker_fn in kinds:
                 calls = max(2, min(args.calls, int(2e8 // nbytes)))
                 t_ref = time_call(ref_fn, calls, args.repeat)

@@ -63,7 +63,8 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "w"_a,
       nb::kw_only(),
       "stream"_a = nb::none(),
-      "x (..., K) @ w.T with w (N, K) float32.");
+      "x (..., K) @ w.T with w (N, K) float32, bfloat16 or float16 (f32 accumulation; "
+      "output dtype promote_types(x, w)).");
   m.def("set_num_threads", &mlxinfer::set_num_threads, "n"_a,
         "Threads per kernel call, the caller included; n <= 0: the CPUs this process may use.");
   m.def("num_threads", &mlxinfer::num_threads);

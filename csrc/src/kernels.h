@@ -34,14 +34,22 @@ struct QmvProblem {
 void qmv_prepare(const QmvProblem& p, float* xp, float* xsum);
 void qmv_rows(const QmvProblem& p, int n0, int n1);
 
-// y[m, n] = sum_k x[m, k] * w[n, k], w (N, K) row-major f32.
+// y[m, n] = sum_k x[m, k] * w[n, k], w (N, K) row-major float32, bfloat16 or float16,
+// accumulated in f32.
+enum WeightType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 struct MatvecProblem {
-  Isa isa = kScalar;
+  Isa isa = kScalar; // the path (matvec_path); matvec_prepare lays out x for it
+  WeightType wtype = kF32;
   int M = 0, N = 0, K = 0;
-  const float* x = nullptr; // (M, K)
-  const float* w = nullptr; // (N, K)
+  const float* x = nullptr; // (M, K), as matvec_prepare left it
+  const void* w = nullptr; // (N, K) of wtype
   float* y = nullptr; // (M, N)
 };
+// The path that runs at this level: the vector paths need F16C (every AVX2 CPU has it).
+Isa matvec_path(Isa isa);
+// Reorders x (M, K) in place for the path: bfloat16 weights are widened even k / odd k
+// per vector chunk, so x is de-interleaved to match (as for the 4-bit codes).
+void matvec_prepare(const MatvecProblem& p, float* x);
 void matvec_rows(const MatvecProblem& p, int n0, int n1);
 
 } // namespace mlxinfer

@@ -283,15 +283,17 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
 }
 
 // ----------------------------------------------------------------------------
-// f32
+// Float weights (f32, bf16, f16; f32 accumulation)
 // ----------------------------------------------------------------------------
 
 mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (w.ndim() != 2 || w.dtype() != mx::float32) {
+  if (w.ndim() != 2 || !is_float(w.dtype())) {
+    std::ostringstream found;
+    found << shape_str(w.shape()) << " " << w.dtype();
     throw std::invalid_argument(
-        "[mlxinfer matvec] w: expected a 2-D float32 array, found shape " +
-        shape_str(w.shape()));
+        "[mlxinfer matvec] w: expected a 2-D float32, bfloat16 or float16 array, found " +
+        found.str());
   }
   if (x.ndim() < 1 || x.shape(-1) != w.shape(1) || !is_float(x.dtype())) {
     throw std::invalid_argument(
@@ -332,31 +334,37 @@ void Matvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     w = mx::array::unsafe_weak_copy(inputs[1]),
                     out = mx::array::unsafe_weak_copy(out)]() mutable {
     MatvecProblem p;
-    p.isa = current_isa();
     p.N = w.shape(0);
     p.K = w.shape(1);
     p.M = p.K == 0 ? 0 : static_cast<int>(x.size() / p.K);
     if (p.M == 0 || p.N == 0) {
       return;
     }
-    std::vector<float> xf(static_cast<size_t>(p.M) * p.K);
-    to_f32(x, xf.data());
-    p.x = xf.data();
+    // Contiguous weights are read in place in their own type; a strided view is copied
+    // (to f32: views are the rare case, e.g. a transposed weight).
     std::vector<float> wf;
-    if (w.flags().row_contiguous) {
-      p.w = w.data<float>();
-    } else {
+    if (!w.flags().row_contiguous) {
       wf.resize(w.size());
       to_f32(w, wf.data());
       p.w = wf.data();
+    } else if (w.dtype() == mx::float32) {
+      p.w = w.data<float>();
+    } else {
+      p.wtype = w.dtype() == mx::bfloat16 ? kBF16 : kF16;
+      p.w = w.data<uint16_t>();
     }
+    p.isa = matvec_path(current_isa());
+    std::vector<float> xf(static_cast<size_t>(p.M) * p.K);
+    to_f32(x, xf.data());
+    matvec_prepare(p, xf.data());
+    p.x = xf.data();
     std::vector<float> yf;
     const bool direct = out.dtype() == mx::float32;
     if (!direct) {
       yf.resize(out.size());
     }
     p.y = direct ? out.data<float>() : yf.data();
-    const size_t bytes = static_cast<size_t>(p.N) * p.K * sizeof(float);
+    const size_t bytes = static_cast<size_t>(p.N) * p.K * (p.wtype == kF32 ? 4 : 2);
     parallel_rows(p.N, 8, bytes, [&](int n0, int n1) { matvec_rows(p, n0, n1); });
     if (!direct) {
       write_out(yf.data(), out);

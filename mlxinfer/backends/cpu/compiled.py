@@ -3,7 +3,10 @@
 A layer whose plan says ``kernel`` (``parallel.LayerPlan.kernel``, set by ``kinds.set_plan``
 for the kinds ``quantized``, ``head`` and ``matvec``) runs a product of at most
 :data:`MAX_ROWS` rows (decode, batched decode, speculative verification) as one kernel
-call: ``quantized_matvec`` for an affine 4-/8-bit layer, ``matvec`` for a float32 one. The
+call: ``quantized_matvec`` for an affine 4-/8-bit layer, ``matvec`` for a float one (float32,
+bfloat16 or float16 weights, accumulated in float32: MLX's own half-precision product on the
+CPU has no BLAS, one row 6-20x (bf16) and 13-44x (f16) the kernel's time on SmolLM2's shapes,
+csrc/README.md). The
 kernel threads itself (its pool: the ``kernel_threads`` plan), so such a layer never takes
 the two-stream split: the pool and MLX's two worker streams would ask for more threads
 than there are cores. More rows (prefill), a layer the kernels do not cover, or no kernels
@@ -23,6 +26,7 @@ from .. import kernels
 
 MAX_ROWS = 16  # the kernels' rows: up to 16 they beat MLX's products by far (csrc/README.md)
 QUANTIZED_BITS = (4, 8)
+FLOAT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)  # the float kernel's weights
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -43,8 +47,9 @@ def quantized_fits(layer: nn.Module) -> bool:
 
 
 def float_fits(weight: mx.array) -> bool:
-    """Whether the f32 kernel computes products with ``weight`` (2-D float32)."""
-    return weight.ndim == 2 and weight.dtype == mx.float32
+    """Whether the float kernel computes products with ``weight`` (2-D float32, bfloat16 or
+    float16)."""
+    return weight.ndim == 2 and weight.dtype in FLOAT_DTYPES
 
 
 def runs(layer: nn.Module, x: mx.array) -> bool:
@@ -68,7 +73,8 @@ def quantized_product(x: mx.array, layer: nn.Module) -> mx.array:
 
 
 def matvec(x: mx.array, weight: mx.array) -> mx.array:
-    """``x @ weight.T`` for an (out, in) float32 ``weight``, one call."""
+    """``x @ weight.T`` for an (out, in) float ``weight`` (:func:`float_fits`), one call; the
+    output dtype is ``x @ weight.T``'s."""
     return kernels.load().matvec(x, weight)
 
 
