@@ -132,11 +132,17 @@ class KVCache:
             return self.reserved, 1
         return needed, self.step
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def make_room(self, keys: mx.array, values: mx.array) -> None:
+        """Grow the buffers (made like ``keys``/``values`` if there are none yet) to hold these
+        (B, n_kv_heads, L, head_dim) new tokens after the cached ones."""
         prev, L = self.offset, keys.shape[2]
         needed, step = self._growth(prev + L, self.keys)
         self.keys = _grow(self.keys, prev, needed, step, keys)
         self.values = _grow(self.values, prev, needed, step, values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev, L = self.offset, keys.shape[2]
+        self.make_room(keys, values)
         self.offset = prev + L
         self.keys = _write(self.keys, prev, keys)
         self.values = _write(self.values, prev, values)

@@ -5,15 +5,18 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 
+#include "fused.h"
 #include "kernels.h"
 #include "primitives.h"
 #include "threadpool.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
+namespace mx = mlx::core;
 
 #define MLXINFER_STR2(x) #x
 #define MLXINFER_STR(x) MLXINFER_STR2(x)
@@ -65,6 +68,47 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "stream"_a = nb::none(),
       "x (..., K) @ w.T with w (N, K) float32, bfloat16 or float16 (f32 accumulation; "
       "output dtype promote_types(x, w)).");
+  m.def(
+      "rms_norm",
+      &mlxinfer::rms_norm,
+      "x"_a,
+      "w"_a,
+      "eps"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "RMSNorm of x's rows (float32 statistics, rounded to x's dtype, then times w), as "
+      "mx.fast.rms_norm(x, w, eps).");
+  m.def(
+      "cache_write",
+      [](const mx::array& buffer, const mx::array& x, const mx::array& cos, const mx::array& sin,
+         int offset, int dims, bool traditional, bool reference, mx::StreamOrDevice s) {
+        return mlxinfer::cache_write(buffer, x, cos, sin,
+                                     {0, buffer.ndim() == 4 ? buffer.shape(1) : 0, offset, 0.0f,
+                                      dims, traditional},
+                                     reference, s);
+      },
+      "buffer"_a, "x"_a, "cos"_a, "sin"_a, nb::kw_only(), "offset"_a, "dims"_a = 0,
+      "traditional"_a = false, "reference"_a = false, "stream"_a = nb::none(),
+      "A (1, n_kv, capacity, head_dim) cache buffer with one token's x (n_kv * head_dim values, "
+      "its first dims features rotated by the (dims/2) cos/sin table) written at offset; in "
+      "place where MLX may donate the buffer. reference: MLX's own ops.");
+  m.def(
+      "decode_attention",
+      [](const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
+         const mx::array& sin, int n_q, int offset, float scale, int dims, bool traditional,
+         bool reference, mx::StreamOrDevice s) {
+        return mlxinfer::decode_attention(
+            q, keys, values, cos, sin,
+            {n_q, keys.ndim() == 4 ? keys.shape(1) : 0, offset, scale, dims, traditional},
+            reference, s);
+      },
+      "q"_a, "keys"_a, "values"_a, "cos"_a, "sin"_a, nb::kw_only(), "n_q"_a, "offset"_a,
+      "scale"_a, "dims"_a, "traditional"_a = false, "reference"_a = false, "stream"_a = nb::none(),
+      "One token's attention: softmax(rope(q) k^T scale) v over the offset + 1 first tokens of the "
+      "(1, n_kv, capacity, head_dim) buffers; (..., n_q * D) -> (..., n_q * Dv). reference: "
+      "MLX's own ops.");
+  m.def("attention_buffer_copies", &mlxinfer::attention_buffer_copies,
+        "How many times cache_write copied a buffer it could not update in place.");
   m.def("set_num_threads", &mlxinfer::set_num_threads, "n"_a,
         "Threads per kernel call, the caller included; n <= 0: the CPUs this process may use.");
   m.def("num_threads", &mlxinfer::num_threads);

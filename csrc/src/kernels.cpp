@@ -294,12 +294,16 @@ MLXINFER_AVX512 void qmv_row_avx512(
   const int G = p.K / p.group_size;
   const int gs = p.group_size;
   constexpr int bytes32 = 32 * BITS / 8;
-  // Two running totals per row, alternating by group (the FMA latency chain per group).
-  __m512 tot[M][2];
+  // A running total per accumulator: each group's partial products are scaled into it
+  // (no dependent adds per group, and registers only: indexing totals by the group's
+  // parity kept them on the stack, a store-to-load chain per group).
+  __m512 tot[M][2 * U];
   float bias_part[M];
   const float* xrow[M];
   for (int m = 0; m < M; ++m) {
-    tot[m][0] = tot[m][1] = _mm512_setzero_ps();
+    for (int u = 0; u < 2 * U; ++u) {
+      tot[m][u] = _mm512_setzero_ps();
+    }
     bias_part[m] = 0.0f;
     xrow[m] = p.xp + static_cast<size_t>(m0 + m) * p.K;
   }
@@ -325,17 +329,18 @@ MLXINFER_AVX512 void qmv_row_avx512(
     }
     const __m512 sv = _mm512_set1_ps(s[g]);
     for (int m = 0; m < M; ++m) {
-      __m512 a = acc[m][0];
-      for (int u = 1; u < 2 * U; ++u) {
-        a = _mm512_add_ps(a, acc[m][u]);
+      for (int u = 0; u < 2 * U; ++u) {
+        tot[m][u] = _mm512_fmadd_ps(acc[m][u], sv, tot[m][u]);
       }
-      tot[m][g & 1] = _mm512_fmadd_ps(a, sv, tot[m][g & 1]);
       bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * G + g];
     }
   }
   for (int m = 0; m < M; ++m) {
-    p.y[static_cast<size_t>(m0 + m) * p.N + n] =
-        _mm512_reduce_add_ps(_mm512_add_ps(tot[m][0], tot[m][1])) + bias_part[m];
+    __m512 t = tot[m][0];
+    for (int u = 1; u < 2 * U; ++u) {
+      t = _mm512_add_ps(t, tot[m][u]);
+    }
+    p.y[static_cast<size_t>(m0 + m) * p.N + n] = _mm512_reduce_add_ps(t) + bias_part[m];
   }
 }
 

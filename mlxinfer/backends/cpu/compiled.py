@@ -22,6 +22,8 @@ from types import ModuleType
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...cache import KVCache
+from ...models import layers as model_layers
 from .. import kernels
 
 MAX_ROWS = 16  # the kernels' rows: up to 16 they beat MLX's products by far (csrc/README.md)
@@ -76,6 +78,75 @@ def matvec(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ weight.T`` for an (out, in) float ``weight`` (:func:`float_fits`), one call; the
     output dtype is ``x @ weight.T``'s."""
     return kernels.load().matvec(x, weight)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
+    """RMSNorm of ``x``'s rows as one kernel call where the layer's ``decode`` plan is
+    ``kernel`` and ``x`` has at most ``MAX_ROWS`` rows; None otherwise (the caller's path)."""
+    if x.size // max(1, x.shape[-1]) > MAX_ROWS or kernels.load() is None:
+        return None
+    return kernels.load().rms_norm(x, weight, eps)
+
+
+def family(module: nn.Module) -> type:
+    """``module``'s own class, under the CPU backend's mixins (``layers.with_mixin``)."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith(__package__))
+
+
+def attention_fits(layer: nn.Module) -> bool:
+    """Whether ``layer`` is plain RoPE attention that :func:`decode_attention` computes: the
+    shared ``RopeAttention`` steps (its projection, rotation and call not a family's own), an
+    unscaled ``RoPE`` rotating an even number of features, no soft-capping, sinks or output
+    gate."""
+    if not isinstance(layer, model_layers.RopeAttention) or kernels.load() is None:
+        return False
+    base = model_layers.RopeAttention
+    rope = layer.rope
+    return (
+        all(
+            getattr(family(layer), f) is getattr(base, f) for f in ("__call__", "project", "rotate")
+        )
+        and layer.softcap is None
+        and "sinks" not in layer
+        and not layer.output_gate
+        and isinstance(rope, model_layers.RoPE)
+        and family(rope) is model_layers.RoPE  # not a subclass (LongRoPE)
+        and rope.input_scale == 1.0
+        and rope.dims % 2 == 0
+        and rope.dims <= layer.head_dim
+    )
+
+
+def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | None:
+    """``layer(x, mask, cache)`` for one token over a plain ``KVCache``, its steps between the
+    projections as three kernel calls (the key written RoPE'd, the value written, attention);
+    None where that does not apply (more tokens or rows, another cache, an empty one, a mask)."""
+    if (
+        x.shape[0] != 1
+        or x.shape[1] != 1
+        or mask is not None
+        or type(cache) is not KVCache
+        or cache.keys is None
+    ):
+        return None
+    k_ = kernels.load()
+    n_q, n_kv, D = layer.n_heads, layer.n_kv_heads, layer.head_dim
+    q, k, v = layer.project(x)
+    if layer.has_qk_norm:
+        q = layer.q_norm(q.reshape(1, 1, n_q, D)).reshape(1, 1, -1)
+        k = layer.k_norm(k.reshape(1, 1, n_kv, D))
+    offset, rope = cache.offset, layer.rope
+    cos, sin = rope.table(offset, 1, rope.base_at(offset, 1))
+    rotation = {"dims": rope.dims, "traditional": rope.traditional}
+    heads = (1, n_kv, 1, -1)  # only their shapes and dtype matter, if the buffers must grow
+    cache.make_room(k.reshape(heads), v.reshape(heads))
+    cache.keys = k_.cache_write(cache.keys, k, cos, sin, offset=offset, **rotation)
+    cache.values = k_.cache_write(cache.values, v, cos, sin, offset=offset)
+    cache.offset = offset + 1
+    out = k_.decode_attention(
+        q, cache.keys, cache.values, cos, sin, n_q=n_q, offset=offset, scale=layer.scale, **rotation
+    )
+    return layer.o_proj(out)  # (1, 1, n_q * Dv), as q
 
 
 def set_threads(option: str) -> None:

@@ -24,6 +24,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "quantized": ("one", "halves", "siblings", "balanced", "kernel"),
     "matvec": ("blas", "kernel"),  # the blocks' float Linears: MLX's matmul, or the kernel
     "kernel_threads": ("all", "one"),  # the kernels' pool: every usable CPU, or one thread
+    "decode": ("ops", "kernel"),  # decode's norms and attention: MLX's ops, or fused kernels
 }
 MOST_PARALLEL = {  # MLXINFER_CPU_PLANS=on: the two-stream plans, MLX's ops (no kernels)
     "cut": "two",
@@ -33,12 +34,14 @@ MOST_PARALLEL = {  # MLXINFER_CPU_PLANS=on: the two-stream plans, MLX's ops (no 
     "quantized": "siblings",
     "matvec": "blas",
     "kernel_threads": "all",
+    "decode": "ops",
 }
 KERNELS = {  # MLXINFER_CPU_PLANS=kernels: every kernel plan (the rest as ``on``)
     **MOST_PARALLEL,
     "head": "kernel",
     "quantized": "kernel",
     "matvec": "kernel",
+    "decode": "kernel",
 }
 
 
@@ -70,6 +73,11 @@ def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
             for m in model.modules()
             if m is not head and isinstance(m, float_kinds) and compiled.float_fits(_weight(m))
         ]
+        found["decode"] = [
+            m
+            for m in model.modules()
+            if isinstance(m, model_layers.RMSNorm) or compiled.attention_fits(m)
+        ]
         if found["matvec"] or any(
             kernel_fits(kind, m) for kind in ("head", "quantized") for m in found[kind]
         ):
@@ -86,6 +94,8 @@ def kernel_fits(kind: str, layer: nn.Module) -> bool:
     option)."""
     if kind == "quantized":
         return compiled.quantized_fits(layer)
+    if kind == "decode":
+        return True  # plan_layers lists only the layers the kernels compute
     return kind in ("head", "matvec") and compiled.float_fits(_weight(layer))
 
 
@@ -168,6 +178,9 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
                 continue
             if kind == "kernel_threads":
                 compiled.set_threads(option)
+                continue
+            if kind == "decode":
+                object.__setattr__(layer, "cpu_decode_kernel", option == "kernel")
                 continue
             plan = parallel.plan_of(layer)
             if "kernel" in OPTIONS[kind]:

@@ -17,13 +17,19 @@ import numpy as np
 
 from ...cache import Cache, Mask
 from ...models import layers
-from . import fused, ops, parallel, quantized
+from . import compiled, fused, ops, parallel, quantized
 
 
 class CPUNorm:
     """RMSNorm (either form) as one compiled kernel instead of ``mx.fast.rms_norm``'s graph."""
 
+    cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
+
     def normalize(self, x: mx.array, weight: mx.array) -> mx.array:
+        if self.cpu_decode_kernel:  # the ``decode`` plan: one kernel call for a few rows
+            y = compiled.rms_norm(x, weight, self.eps)
+            if y is not None:
+                return y
         return ops.rms_norm(x, weight, self.eps)
 
 
@@ -31,12 +37,16 @@ class CPURoPE:
     """RoPE from a cos/sin table shared by every layer of a forward pass (see ``ops``)."""
 
     def rotate(self, x: mx.array, offset: int | mx.array, base: float) -> mx.array:
+        cos, sin = self.table(offset, x.shape[-2], base)
+        return ops.apply_rope(x, cos, sin, dims=self.dims, traditional=self.traditional)
+
+    def table(self, offset: int | mx.array, length: int, base: float) -> tuple[mx.array, mx.array]:
+        """(cos, sin) for ``length`` positions after ``offset`` (an int, or a batch's (B,) offsets:
+        ``ops.rope_rows_table``), shared by the layers of a forward pass."""
         key, inv_freq = self._table_source(base)
         if isinstance(offset, mx.array):  # a batch's rows, each at its own position
-            cos, sin = ops.rope_rows_table(inv_freq, key, offset, x.shape[-2], self.scale)
-        else:
-            cos, sin = ops.rope_table(inv_freq, key, offset, x.shape[-2], self.scale)
-        return ops.apply_rope(x, cos, sin, dims=self.dims, traditional=self.traditional)
+            return ops.rope_rows_table(inv_freq, key, offset, length, self.scale)
+        return ops.rope_table(inv_freq, key, offset, length, self.scale)
 
     def _table_source(self, base: float) -> tuple[tuple, mx.array]:
         """(key, inv_freq): the frequencies, and a key that layers with the same ones share.
@@ -55,9 +65,19 @@ class CPURoPE:
 
 class CPUAttention:
     """Attention through ``ops.attention``: grouped heads without copies, the fast exponential,
-    causal blocks that skip the masked triangle; a quantized cache is dequantized for prefill."""
+    causal blocks that skip the masked triangle; a quantized cache is dequantized for prefill;
+    a decode step of plain RoPE attention as one compiled-kernel call (the ``decode`` plan)."""
+
+    cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
 
     exp = staticmethod(ops.exp)
+
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        if self.cpu_decode_kernel:  # the ``decode`` plan: RoPE, cache write, attention in one
+            y = compiled.decode_attention(self, x, mask, cache)
+            if y is not None:
+                return y
+        return super().__call__(x, mask, cache)
 
     def attend_keys(
         self,

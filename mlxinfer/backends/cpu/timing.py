@@ -163,7 +163,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
         n_options = sum(
             sum(o != "kernel" for o in options[kind])
             for kind in kinds
-            if kind not in ("matvec", "kernel_threads")
+            if kind not in ("matvec", "kernel_threads", "decode")
         )
         part_s = step.timed * one_block + head  # one timing of a decode step, by its parts
         if n_options * ROUNDS * part_s > MAX_MEASURE_S:

@@ -85,14 +85,17 @@ class RoPE(nn.Module):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if self.input_scale != 1.0:
             x = x * self.input_scale
-        base = self.base
-        if self.dynamic is not None:
-            factor, max_pos = self.dynamic
-            seq_len = self.regime(reach(offset, x.shape[-2]))
-            base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (
-                self.dims / (self.dims - 2)
-            )
-        return self.rotate(x, offset, base)
+        return self.rotate(x, offset, self.base_at(offset, x.shape[-2]))
+
+    def base_at(self, offset: int | mx.array, n: int) -> float:
+        """The base that ``n`` tokens after ``offset`` rotate with (dynamic NTK grows it)."""
+        if self.dynamic is None:
+            return self.base
+        factor, max_pos = self.dynamic
+        seq_len = self.regime(reach(offset, n))
+        return self.base * ((factor * seq_len / max_pos) - (factor - 1)) ** (
+            self.dims / (self.dims - 2)
+        )
 
     def regime(self, reach: int) -> int | None:
         """What the frequencies depend on for a sequence reaching ``reach`` (its furthest

@@ -1,0 +1,109 @@
+// Fused decode primitives: the small ops around the products of one decode step, each
+// as one MLX primitive instead of the tens of MLX's CPU backend schedules one by one
+// (~10 us each on the machines measured; a SmolLM2-135M decode step had ~1,460 of them).
+//
+// - rms_norm: RMSNorm of a few rows (x * rsqrt(mean(x^2) + eps), rounded to x's dtype,
+//   times the weight), one primitive instead of three.
+// - cache_write: one new token's key (RoPE'd from the forward pass's cos/sin table) or value
+//   written into a standard KV cache's buffer at `offset`, in place where MLX lets the
+//   buffer be donated (as slice_update does; one output per primitive, so the donation
+//   check is MLX's own), else into a copy.
+// - decode_attention: that token's attention: RoPE on its query, softmax(q k^T * scale) v
+//   over the offset + 1 cached tokens, query heads sharing their kv head, out in q's layout
+//   (..., n_q * Dv), ready for the output projection.
+//
+// On a GPU stream the ops build MLX's own graph (mx.fast.rms_norm; RoPE by the table,
+// slice_update, mx.fast.scaled_dot_product_attention), so eval_gpu is never reached.
+#pragma once
+
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace mlxinfer {
+
+namespace mx = mlx::core;
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s = {});
+
+struct AttentionShape {
+  int n_q; // query heads (decode_attention)
+  int n_kv; // key/value heads
+  int offset; // cached tokens before this one (its position in the buffers)
+  float scale; // multiplies q k^T (decode_attention)
+  int dims; // features RoPE rotates (<= head dim; 0: none)
+  bool traditional; // RoPE pairs (2i, 2i+1) instead of (i, i + dims/2)
+  bool operator==(const AttentionShape&) const = default;
+};
+
+// buffer (1, n_kv, cap, D) with one token's x (n_kv * D values, rotated by the (dims/2)
+// cos/sin table where dims > 0) written at `offset` < cap. `reference`: MLX's own ops.
+mx::array cache_write(const mx::array& buffer, const mx::array& x, const mx::array& cos,
+                      const mx::array& sin, const AttentionShape& a, bool reference = false,
+                      mx::StreamOrDevice s = {});
+
+// softmax(rope(q) k^T * scale) v over the offset + 1 first tokens of keys (1, n_kv, cap, D)
+// and values (1, n_kv, cap, Dv), the n_q / n_kv query heads of a group sharing their kv
+// head: (..., n_q * D) -> (..., n_q * Dv) in q's dtype. `reference`: MLX's own ops.
+mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
+                           const mx::array& cos, const mx::array& sin, const AttentionShape& a,
+                           bool reference = false, mx::StreamOrDevice s = {});
+
+// How many times cache_write copied a buffer it could not update in place.
+int64_t attention_buffer_copies();
+
+class RMSNorm : public mx::UnaryPrimitive {
+ public:
+  RMSNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferRMSNorm";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RMSNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+class CacheWrite : public mx::UnaryPrimitive {
+ public:
+  CacheWrite(mx::Stream stream, AttentionShape a) : mx::UnaryPrimitive(stream), a_(a) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferCacheWrite";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return a_ == static_cast<const CacheWrite&>(other).a_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  AttentionShape a_;
+};
+
+class DecodeAttention : public mx::UnaryPrimitive {
+ public:
+  DecodeAttention(mx::Stream stream, AttentionShape a) : mx::UnaryPrimitive(stream), a_(a) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferDecodeAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return a_ == static_cast<const DecodeAttention&>(other).a_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  AttentionShape a_;
+};
+
+} // namespace mlxinfer

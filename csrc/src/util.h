@@ -1,0 +1,138 @@
+// Helpers the primitives share: argument messages, float conversion of (strided) arrays,
+// and splitting rows over the thread pool.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/mlx.h"
+
+#include "threadpool.h"
+
+namespace mlxinfer {
+
+namespace mx = mlx::core;
+
+inline std::string shape_str(const mx::Shape& s) {
+  std::ostringstream o;
+  o << "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    o << (i ? ", " : "") << s[i];
+  }
+  o << (s.size() == 1 ? ",)" : ")");
+  return o.str();
+}
+
+// Element i (row-major over a's shape) of a strided array, as float.
+template <typename T>
+void strided_to_f32(const mx::array& a, float* dst) {
+  const T* src = a.data<T>();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = a.ndim();
+  if (a.flags().row_contiguous) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      dst[i] = static_cast<float>(src[i]);
+    }
+    return;
+  }
+  std::vector<int> idx(nd, 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) {
+      off += static_cast<int64_t>(idx[d]) * strides[d];
+    }
+    dst[i] = static_cast<float>(src[off]);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        break;
+      }
+      idx[d] = 0;
+    }
+  }
+}
+
+inline void to_f32(const mx::array& a, float* dst) {
+  switch (a.dtype()) {
+    case mx::float32:
+      return strided_to_f32<float>(a, dst);
+    case mx::float16:
+      return strided_to_f32<mx::float16_t>(a, dst);
+    case mx::bfloat16:
+      return strided_to_f32<mx::bfloat16_t>(a, dst);
+    default:
+      throw std::runtime_error("[mlxinfer kernels] expected a float16/bfloat16/float32 array");
+  }
+}
+
+// w's uint32 words, contiguous (a copy only when w is a strided view).
+inline const uint32_t* contiguous_words(const mx::array& w, std::vector<uint32_t>& copy) {
+  if (w.flags().row_contiguous) {
+    return w.data<uint32_t>();
+  }
+  copy.resize(w.size());
+  const uint32_t* src = w.data<uint32_t>();
+  for (int64_t r = 0; r < w.shape(0); ++r) {
+    for (int64_t c = 0; c < w.shape(1); ++c) {
+      copy[r * w.shape(1) + c] = src[r * w.strides()[0] + c * w.strides()[1]];
+    }
+  }
+  return copy.data();
+}
+
+inline void write_out(const float* y, mx::array& out) {
+  switch (out.dtype()) {
+    case mx::float32:
+      std::memcpy(out.data<float>(), y, out.size() * sizeof(float));
+      return;
+    case mx::float16: {
+      auto* o = out.data<mx::float16_t>();
+      for (size_t i = 0; i < out.size(); ++i) {
+        o[i] = static_cast<mx::float16_t>(y[i]);
+      }
+      return;
+    }
+    case mx::bfloat16: {
+      auto* o = out.data<mx::bfloat16_t>();
+      for (size_t i = 0; i < out.size(); ++i) {
+        o[i] = static_cast<mx::bfloat16_t>(y[i]);
+      }
+      return;
+    }
+    default:
+      throw std::runtime_error("[mlxinfer kernels] unsupported output dtype");
+  }
+}
+
+// Splits [0, N) into tasks of whole blocks of `align` rows, about four per thread (so a
+// thread that starts late or is preempted leaves its share to the others).
+template <typename F>
+void parallel_rows(int N, int align, size_t bytes, F&& f) {
+  auto& pool = ThreadPool::instance();
+  const int blocks = (N + align - 1) / align;
+  // Below ~64 KiB of weights a fan-out costs more than it saves.
+  const int nt = bytes < (64u << 10) ? 1 : pool.size();
+  const int tasks = std::min(blocks, 4 * nt);
+  if (nt <= 1 || tasks <= 1) {
+    f(0, N);
+    return;
+  }
+  pool.run(tasks, [&](int i) {
+    int n0 = std::min(N, static_cast<int>(static_cast<int64_t>(blocks) * i / tasks) * align);
+    int n1 = std::min(N, static_cast<int>(static_cast<int64_t>(blocks) * (i + 1) / tasks) * align);
+    if (n0 < n1) {
+      f(n0, n1);
+    }
+  });
+}
+
+inline bool is_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+
+} // namespace mlxinfer

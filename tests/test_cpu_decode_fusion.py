@@ -1,0 +1,250 @@
+"""The fused decode kernels (csrc/src/fused.cpp; issue 32, item 4 "fewer primitives per step"):
+``rms_norm``, ``cache_write`` and ``decode_attention`` against numpy derivations and MLX's own
+ops, the cache buffers updated in place only where MLX may donate them, and the ``decode``
+plan in whole models: every decoded token's logits within 1e-3 of transformers and greedy
+tokens identical, for the RoPE variants and attention options the kernel takes (GQA, per-head
+q/k norms, a fused q/k/v projection with partial rotary, llama3 and dynamic NTK frequencies).
+Every test forces the plan it checks."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hf_models import make_tiny, torch_greedy, torch_logits_chunked
+
+from mlxinfer.backends import kernels
+from mlxinfer.backends.cpu import compiled, kinds
+from mlxinfer.backends.cpu import plans as cpu_plans
+from mlxinfer.generation import generate_step
+from mlxinfer.loader import load_model
+
+K = kernels.load()
+pytestmark = [
+    pytest.mark.skipif(K is None, reason=f"compiled kernels absent: {kernels.reason()}"),
+    pytest.mark.skipif(
+        mx.default_device().type != mx.DeviceType.cpu, reason="the CPU backend's kernels"
+    ),
+]
+RNG = np.random.default_rng(0)
+TOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}  # of max |reference|
+
+
+def rand(*shape, dtype=mx.float32):
+    return mx.array(RNG.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def f32(a) -> np.ndarray:
+    return np.array(a.astype(mx.float32))
+
+
+def rotate(x: np.ndarray, angles: np.ndarray, dims: int, traditional: bool) -> np.ndarray:
+    """RoPE by its definition on (heads, D) rows: pair i is (2i, 2i+1) or (i, i + dims/2)."""
+    x = x.copy()
+    half = dims // 2
+    for i, angle in enumerate(angles[:half]):
+        a, b = (2 * i, 2 * i + 1) if traditional else (i, i + half)
+        xa, xb = x[:, a].copy(), x[:, b].copy()
+        x[:, a] = xa * np.cos(angle) - xb * np.sin(angle)
+        x[:, b] = xb * np.cos(angle) + xa * np.sin(angle)
+    return x
+
+
+CASES = [  # n_q, n_kv, D, Dv, capacity, offset, dims, traditional, dtype
+    (9, 3, 64, 64, 300, 17, 64, False, mx.float32),  # SmolLM2's heads
+    (9, 3, 64, 64, 40, 0, 64, True, mx.float32),  # the first token
+    (8, 2, 128, 128, 700, 699, 64, False, mx.float32),  # partial rotary, the buffer's last slot
+    (4, 4, 32, 48, 40, 39, 32, True, mx.float32),  # no grouping, Dv != D
+    (8, 1, 64, 64, 2100, 2050, 64, False, mx.float32),  # long: the heads on the pool
+    (9, 3, 64, 64, 300, 100, 64, False, mx.bfloat16),
+    (9, 3, 64, 64, 300, 100, 64, False, mx.float16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])) + str(c[8])[-4:])
+def test_cache_write_and_attention_match_their_definition_and_mlx_ops(case):
+    n_q, n_kv, D, Dv, cap, offset, dims, trad, dtype = case
+    q, k, v = (
+        rand(1, 1, n_q * D, dtype=dtype),
+        rand(1, 1, n_kv * D, dtype=dtype),
+        rand(1, 1, n_kv * Dv, dtype=dtype),
+    )
+    keys, values = rand(1, n_kv, cap, D, dtype=dtype), rand(1, n_kv, cap, Dv, dtype=dtype)
+    angles = RNG.uniform(0, 6, dims // 2).astype(np.float32)
+    cos, sin = mx.array(np.cos(angles)), mx.array(np.sin(angles))
+    K.set_num_threads(0)
+    got = {}
+    for reference in (False, True):
+        k2 = K.cache_write(
+            keys, k, cos, sin, offset=offset, dims=dims, traditional=trad, reference=reference
+        )
+        v2 = K.cache_write(values, v, cos, sin, offset=offset, reference=reference)
+        out = K.decode_attention(
+            q,
+            k2,
+            v2,
+            cos,
+            sin,
+            n_q=n_q,
+            offset=offset,
+            scale=D**-0.5,
+            dims=dims,
+            traditional=trad,
+            reference=reference,
+        )
+        got[reference] = [f32(a) for a in (out, k2, v2)]
+    # The definition, in float64 from the same (rounded) inputs.
+    qr = rotate(f32(q).reshape(n_q, D).astype(np.float64), angles, dims, trad)
+    kr = rotate(f32(k).reshape(n_kv, D).astype(np.float64), angles, dims, trad)
+    K_, V_ = f32(keys)[0].astype(np.float64), f32(values)[0].astype(np.float64)
+    K_[:, offset], V_[:, offset] = kr, f32(v).reshape(n_kv, Dv)
+    want = []
+    for j in range(n_q):
+        h = j // (n_q // n_kv)
+        s = (qr[j] * D**-0.5) @ K_[h, : offset + 1].T
+        p = np.exp(s - s.max())
+        want.append((p / p.sum()) @ V_[h, : offset + 1])
+    want = np.concatenate(want)
+    ours, mlx_ops = got[False], got[True]
+    tol = TOL[dtype]
+    assert np.abs(ours[0].ravel() - want).max() <= tol * np.abs(want).max()
+    assert np.abs(ours[0] - mlx_ops[0]).max() <= tol * np.abs(want).max()
+    for buf, ref, written in ((ours[1], mlx_ops[1], kr), (ours[2], mlx_ops[2], V_[:, offset])):
+        assert np.array_equal(buf, ref)  # the same rounding, the other slots untouched
+        assert np.abs(buf[0, :, offset] - written).max() <= tol * np.abs(written).max()
+    before = f32(keys)
+    assert np.array_equal(np.delete(ours[1], offset, axis=2), np.delete(before, offset, axis=2))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_rms_norm_matches_its_definition(dtype, rows):
+    x, w = rand(rows, 1, 576, dtype=dtype), rand(576)
+    got = f32(K.rms_norm(x, w, 1e-5))
+    xf = f32(x).astype(np.float64)
+    normed = xf / np.sqrt((xf * xf).mean(-1, keepdims=True) + 1e-5)
+    want = f32(mx.array(normed.astype(np.float32)).astype(dtype)) * f32(w)
+    assert np.abs(got - want).max() <= TOL[dtype] * np.abs(want).max()
+    assert np.allclose(got, f32(mx.fast.rms_norm(x, w, 1e-5)), atol=TOL[dtype] * np.abs(want).max())
+
+
+def test_the_cache_buffer_is_updated_in_place_only_where_nobody_else_holds_it():
+    n_kv, D = 2, 16
+    keys = mx.zeros((1, n_kv, 8, D))
+    mx.eval(keys)
+    cos, sin = mx.ones((D // 2,)), mx.zeros((D // 2,))
+    start = K.attention_buffer_copies()
+    for offset in range(3):  # as a cache does: the buffer replaced by the written one
+        keys = K.cache_write(keys, mx.full((1, 1, n_kv * D), offset + 1.0), cos, sin, offset=offset)
+        mx.eval(keys)
+    assert K.attention_buffer_copies() == start  # donated every time: no copy of the buffer
+    held = keys  # somebody else keeps the buffer: it must not change under them
+    written = K.cache_write(keys, mx.full((1, 1, n_kv * D), 9.0), cos, sin, offset=3)
+    mx.eval(written)
+    assert K.attention_buffer_copies() == start + 1
+    assert float(held[0, 0, 3, 0]) == 0.0 and float(written[0, 0, 3, 0]) == 9.0
+    assert f32(written)[0, :, :3].tolist() == f32(held)[0, :, :3].tolist()
+
+
+def test_bad_arguments_are_value_errors_naming_them():
+    keys, cos = mx.zeros((1, 2, 8, 16)), mx.ones((8,))
+    with pytest.raises(ValueError, match="offset"):
+        K.cache_write(keys, mx.zeros((32,)), cos, cos, offset=8)
+    with pytest.raises(ValueError, match="x: expected one token's 2 x 16"):
+        K.cache_write(keys, mx.zeros((31,)), cos, cos, offset=0)
+    with pytest.raises(ValueError, match="heads"):
+        K.decode_attention(
+            mx.zeros((48,)), keys, keys, cos, cos, n_q=3, offset=0, scale=1.0, dims=16
+        )
+    with pytest.raises(ValueError, match="rope"):
+        K.decode_attention(
+            mx.zeros((64,)), keys, keys, cos, cos, n_q=4, offset=0, scale=1.0, dims=18
+        )
+    with pytest.raises(ValueError, match="w: expected a float array of shape \\(16,\\)"):
+        K.rms_norm(mx.zeros((1, 16)), mx.zeros((15,)), 1e-5)
+
+
+# Whole models: tiny random checkpoints, each decoded token by token through the cache.
+SHAPES = dict(num_hidden_layers=2, vocab_size=512)
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "llama3-rope": dict(
+        model_type="llama",
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "dynamic-ntk": dict(
+        model_type="llama",
+        rope_scaling=dict(rope_type="dynamic", factor=2.0),
+        max_position_embeddings=16,
+    ),
+    "qwen3": dict(model_type="qwen3", head_dim=32),  # per-head q/k norms
+    "phi3-partial": dict(
+        model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0
+    ),  # fused qkv_proj
+}
+IDS = [(5 + 37 * i) % 512 for i in range(20)]
+
+
+class Counting:
+    def __init__(self, module):
+        self.module, self.calls = (
+            module,
+            dict.fromkeys(("rms_norm", "cache_write", "decode_attention"), 0),
+        )
+
+    def __getattr__(self, name):
+        attr = getattr(self.module, name)
+        if name in self.calls:
+
+            def counted(*a, **k):
+                self.calls[name] += 1
+                return attr(*a, **k)
+
+            return counted
+        return attr
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decode_with_the_fused_kernels_matches_transformers(family, tmp_path, monkeypatch):
+    path, torch_model = make_tiny(
+        tmp_path / "m", perturb_vectors=True, **{**SHAPES, **FAMILIES[family]}
+    )
+    model, _ = load_model(path)
+    attention = [m for m in model.modules() if compiled.attention_fits(m)]
+    assert len(attention) == SHAPES["num_hidden_layers"]
+    assert {"decode"} <= set(cpu_plans.plan_layers(model)) and cpu_plans.plan_layers(model)[
+        "decode"
+    ]
+    ref = torch_logits_chunked(torch_model, [[t] for t in IDS])  # its cache, a token a step
+    greedy = torch_greedy(torch_model, IDS[:4], 10)
+    counter = Counting(K)
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    for option in ("kernel", "ops"):
+        kinds.set_plan(model, "decode", option)
+        cache = model.make_cache()
+        rows = [np.array(model(mx.array([[t]]), cache)[0, -1]) for t in IDS]  # one token a step
+        assert np.abs(np.stack(rows) - ref).max() <= 1e-3, option
+        ours = [t for t, _ in generate_step(IDS[:4], model, max_tokens=10, prefill_step_size=2)]
+        assert ours == greedy, option
+        calls, counter.calls = counter.calls, dict.fromkeys(counter.calls, 0)
+        # every token after the first; generate_step: the 1-token prefill chunk and 10 steps
+        steps = len(IDS) - 1 + 1 + 10
+        layers = SHAPES["num_hidden_layers"]
+        on = option == "kernel"
+        assert calls["decode_attention"] == steps * layers * on
+        assert calls["cache_write"] == 2 * steps * layers * on
+        assert calls["rms_norm"] >= steps * (2 * layers + 1) * on
+
+
+def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch):
+    path, _ = make_tiny(tmp_path / "m", **SHAPES)
+    model, _ = load_model(path)
+    assert "kernel" in kinds.options_of(model, "decode")
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    plain, _ = load_model(path)
+    assert not cpu_plans.plan_layers(plain)["decode"]
+    assert not any(compiled.attention_fits(m) for m in plain.modules())
