@@ -266,6 +266,11 @@ MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
 }
 
 #define MLXINFER_AVX512 __attribute__((target("avx512f,avx2,fma")))
+// Output rows per pass of a one-row (decode) product: 2 beat 1 and 4 on this machine
+// (csrc/README.md, "Measured").
+#ifndef QMV_R
+#define QMV_R 2
+#endif
 
 // One 32-weight chunk as two vectors of 16 f32 codes, matched with xp[0:16], xp[16:32]
 // (4-bit: xp de-interleaved per 32; 8-bit: in order).
@@ -344,12 +349,85 @@ MLXINFER_AVX512 void qmv_row_avx512(
   }
 }
 
+// One row of x against R output rows at once (decode): x's two vectors per chunk are
+// loaded once for the R rows, and the per-group work (scale, bias) of the R rows overlaps.
+template <int BITS, int R, int U>
+MLXINFER_AVX512 void qmv_rows1_avx512(
+    const QmvProblem& p,
+    const uint8_t* w,
+    size_t row_bytes,
+    int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  __m512 tot[R][2 * U];
+  float bias_part[R];
+  const uint8_t* wr[R];
+  const float* sr[R];
+  const float* br[R];
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < 2 * U; ++u) {
+      tot[r][u] = _mm512_setzero_ps();
+    }
+    bias_part[r] = 0.0f;
+    wr[r] = w + (n + r) * row_bytes;
+    sr[r] = p.scales + static_cast<size_t>(n + r) * G;
+    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[R][2 * U];
+    for (int r = 0; r < R; ++r) {
+      for (int u = 0; u < 2 * U; ++u) {
+        acc[r][u] = _mm512_setzero_ps();
+      }
+    }
+    const int k0 = g * gs;
+    for (int c = 0; c < gs; c += 32 * U) {
+      for (int u = 0; u < U; ++u) {
+        const float* xk = p.xp + k0 + c + 32 * u;
+        const __m512 xa = _mm512_loadu_ps(xk), xb = _mm512_loadu_ps(xk + 16);
+        const size_t off = static_cast<size_t>(k0 + c + 32 * u) * BITS / 8;
+        for (int r = 0; r < R; ++r) {
+          __m512 qa, qb;
+          unpack32<BITS>(wr[r] + off, qa, qb);
+          acc[r][2 * u] = _mm512_fmadd_ps(qa, xa, acc[r][2 * u]);
+          acc[r][2 * u + 1] = _mm512_fmadd_ps(qb, xb, acc[r][2 * u + 1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sv = _mm512_set1_ps(sr[r][g]);
+      for (int u = 0; u < 2 * U; ++u) {
+        tot[r][u] = _mm512_fmadd_ps(acc[r][u], sv, tot[r][u]);
+      }
+      bias_part[r] += br[r][g] * p.xsum[g];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 t = tot[r][0];
+    for (int u = 1; u < 2 * U; ++u) {
+      t = _mm512_add_ps(t, tot[r][u]);
+    }
+    p.y[n + r] = _mm512_reduce_add_ps(t) + bias_part[r];
+  }
+}
+
 template <int BITS>
 MLXINFER_AVX512 void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
   const bool wide = p.group_size >= 64; // two 32-chunks per step fit in a group
+  if (p.M == 1) { // decode: output rows R at a time
+    int n = n0;
+    for (; n + QMV_R <= n1; n += QMV_R) {
+      wide ? qmv_rows1_avx512<BITS, QMV_R, 2>(p, w, row_bytes, n)
+           : qmv_rows1_avx512<BITS, QMV_R, 1>(p, w, row_bytes, n);
+    }
+    for (; n < n1; ++n) {
+      qmv_rows1_avx512<BITS, 1, 1>(p, w, row_bytes, n);
+    }
+    return;
+  }
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     const float* s = p.scales + static_cast<size_t>(n) * G;
