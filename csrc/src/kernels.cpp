@@ -235,11 +235,67 @@ MLXINFER_AVX2 void qmv_row_avx2(
   }
 }
 
+// One row of x against R output rows at once (decode), as qmv_rows1_avx512.
+template <int BITS, int R>
+MLXINFER_AVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  __m256 tot[R][2];
+  float bias_part[R];
+  const uint8_t* wr[R];
+  const float* sr[R];
+  const float* br[R];
+  for (int r = 0; r < R; ++r) {
+    tot[r][0] = tot[r][1] = _mm256_setzero_ps();
+    bias_part[r] = 0.0f;
+    wr[r] = w + (n + r) * row_bytes;
+    sr[r] = p.scales + static_cast<size_t>(n + r) * G;
+    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+  }
+  for (int g = 0; g < G; ++g) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    const int k0 = g * gs;
+    for (int c = 0; c < gs; c += 16) {
+      const float* xk = p.xp + k0 + c;
+      const __m256 xa = _mm256_loadu_ps(xk), xb = _mm256_loadu_ps(xk + 8);
+      const size_t off = static_cast<size_t>(k0 + c) * BITS / 8;
+      for (int r = 0; r < R; ++r) {
+        __m256 qa, qb;
+        unpack16<BITS>(wr[r] + off, qa, qb);
+        acc[r][0] = _mm256_fmadd_ps(qa, xa, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qb, xb, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 sv = _mm256_set1_ps(sr[r][g]);
+      tot[r][0] = _mm256_fmadd_ps(acc[r][0], sv, tot[r][0]);
+      tot[r][1] = _mm256_fmadd_ps(acc[r][1], sv, tot[r][1]);
+      bias_part[r] += br[r][g] * p.xsum[g];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    p.y[n + r] = hsum256(_mm256_add_ps(tot[r][0], tot[r][1])) + bias_part[r];
+  }
+}
+
 template <int BITS>
 MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
+  if (p.M == 1) { // decode: two output rows per pass
+    int n = n0;
+    for (; n + 2 <= n1; n += 2) {
+      qmv_rows1_avx2<BITS, 2>(p, w, row_bytes, n);
+    }
+    if (n < n1) {
+      qmv_rows1_avx2<BITS, 1>(p, w, row_bytes, n);
+    }
+    return;
+  }
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     const float* s = p.scales + static_cast<size_t>(n) * G;
