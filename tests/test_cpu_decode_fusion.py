@@ -14,6 +14,7 @@ from hf_models import make_tiny, torch_greedy, torch_logits_chunked
 from mlxinfer.backends import kernels
 from mlxinfer.backends.cpu import compiled, kinds
 from mlxinfer.backends.cpu import plans as cpu_plans
+from mlxinfer.batch import Engine
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
 
@@ -191,10 +192,8 @@ IDS = [(5 + 37 * i) % 512 for i in range(20)]
 
 class Counting:
     def __init__(self, module):
-        self.module, self.calls = (
-            module,
-            dict.fromkeys(("rms_norm", "cache_write", "decode_attention"), 0),
-        )
+        names = ("rms_norm", "cache_write", "decode_attention", "paged_attention")
+        self.module, self.calls = module, dict.fromkeys(names, 0)
 
     def __getattr__(self, name):
         attr = getattr(self.module, name)
@@ -248,3 +247,65 @@ def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch)
     plain, _ = load_model(path)
     assert not cpu_plans.plan_layers(plain)["decode"]
     assert not any(compiled.attention_fits(m) for m in plain.modules())
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 9, 3, 64, 16, 5), (3, 8, 2, 32, 32, 4), (2, 4, 4, 16, 8, 1)])
+def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
+    """Rows of a batch over pool blocks in any order, each seeing its own keys (the last block
+    partly, padding blocks not at all), against the definition and MLX's ops."""
+    B, n_q, n_kv, D, block, n = shape
+    n_blocks = B * n + 3
+    keys, values = (
+        rand(n_blocks, n_kv, block, D, dtype=dtype),
+        rand(n_blocks, n_kv, block, D, dtype=dtype),
+    )
+    q = rand(B, n_q, 1, D, dtype=dtype)
+    order = RNG.permutation(n_blocks)[: B * n].reshape(B, n)
+    lengths = [max(1, n * block - 3 * b - (block // 2) * (b % 2)) for b in range(B)]
+    table = np.stack([order * n_kv + h for h in range(n_kv)], axis=1).astype(
+        np.uint32
+    )  # (B, n_kv, n)
+    seen = np.zeros((B, n * block), bool)
+    for b, length in enumerate(lengths):
+        seen[b, :length] = True
+    visible = mx.array(seen.reshape(B, 1, n, 1, block))
+    args = (q, keys, values, mx.array(table), visible)
+    ours, mlx_ops = (
+        f32(K.paged_attention(*args, scale=D**-0.5, reference=r)) for r in (False, True)
+    )
+    kf, vf, qf = f32(keys), f32(values), f32(q)
+    want = np.zeros((B, n_q, 1, D))
+    for b in range(B):
+        for j in range(n_q):
+            h = j // (n_q // n_kv)
+            K_ = np.concatenate([kf[i, h] for i in order[b]])[seen[b]]
+            V_ = np.concatenate([vf[i, h] for i in order[b]])[seen[b]]
+            s = (qf[b, j, 0] * D**-0.5) @ K_.T
+            p = np.exp(s - s.max())
+            want[b, j, 0] = (p / p.sum()) @ V_
+    tol = TOL[dtype] * np.abs(want).max()
+    assert np.abs(ours - want).max() <= tol
+    assert np.abs(ours - mlx_ops).max() <= tol
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_batching_engine_decodes_over_pages_with_the_kernel(family, tmp_path, monkeypatch):
+    """The engine's decode steps (the "pages" form: rows of mixed lengths, joined mid-batch) with
+    the decode plan on: each row's greedy tokens transformers' for its prompt alone, and one
+    paged-attention call per attention layer and step."""
+    path, torch_model = make_tiny(
+        tmp_path / "m", perturb_vectors=True, **{**SHAPES, **FAMILIES[family]}
+    )
+    model, _ = load_model(path)
+    prompts = [[(3 + 17 * i + 5 * n) % 512 for i in range(n)] for n in (5, 40, 19)]
+    expected = [torch_greedy(torch_model, p, 6) for p in prompts]
+    counter = Counting(K)
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    kinds.set_plan(model, "decode", "kernel")
+    with Engine(model, max_batch=4, block_size=16) as engine:
+        handles = [engine.submit(p, max_tokens=6) for p in prompts]
+        got = [[s.token for s in h.steps(timeout=60)] for h in handles]
+        steps = engine.steps_run
+    assert got == expected
+    assert 0 < counter.calls["paged_attention"] <= steps * SHAPES["num_hidden_layers"]

@@ -107,6 +107,18 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "One token's attention: softmax(rope(q) k^T scale) v over the offset + 1 first tokens of the "
       "(1, n_kv, capacity, head_dim) buffers; (..., n_q * D) -> (..., n_q * Dv). reference: "
       "MLX's own ops.");
+  m.def(
+      "paged_attention",
+      [](const mx::array& q, const mx::array& keys, const mx::array& values,
+         const mx::array& blocks, const mx::array& visible, float scale, bool reference,
+         mx::StreamOrDevice s) {
+        return mlxinfer::paged_attention(q, keys, values, blocks, visible, scale, reference, s);
+      },
+      "q"_a, "keys"_a, "values"_a, "blocks"_a, "visible"_a, nb::kw_only(), "scale"_a,
+      "reference"_a = false, "stream"_a = nb::none(),
+      "One decode token per row over a paged pool: q (B, n_q, 1, D); keys/values (n_blocks, n_kv, "
+      "block, D); blocks (B, n_kv, n) uint32 (block * n_kv + head); visible (B, 1, n, 1, block) "
+      "bool. -> (B, n_q, 1, Dv). reference: MLX's own ops.");
   m.def("attention_buffer_copies", &mlxinfer::attention_buffer_copies,
         "How many times cache_write copied a buffer it could not update in place.");
   m.def("set_num_threads", &mlxinfer::set_num_threads, "n"_a,

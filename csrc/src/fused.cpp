@@ -6,6 +6,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/fast.h"
 
+#include "kernels.h"
 #include "threadpool.h"
 #include "util.h"
 
@@ -79,8 +80,10 @@ void rotate(float* x, int heads, int d, int dims, bool traditional, const float*
   }
 }
 
+#define MLXINFER_INLINE inline __attribute__((always_inline))
+
 template <typename C>
-float dot(const float* q, const C* k, int d) {
+MLXINFER_INLINE float dot(const float* q, const C* k, int d) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
   for (; i + 8 <= d; i += 8) {
@@ -98,32 +101,114 @@ float dot(const float* q, const C* k, int d) {
   return total;
 }
 
+// Four keys' dot products with q at once: four independent accumulator chains, q's loads
+// shared (one key at a time is bound by the latency of its one chain).
+template <typename C>
+MLXINFER_INLINE void dot4(const float* q, const C* k, size_t stride, int d, float* out) {
+  float acc[4][8] = {};
+  int i = 0;
+  for (; i + 8 <= d; i += 8) {
+    for (int r = 0; r < 4; ++r) {
+      for (int l = 0; l < 8; ++l) {
+        acc[r][l] += q[i + l] * static_cast<float>(k[r * stride + i + l]);
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    float total = 0;
+    for (int j = i; j < d; ++j) {
+      total += q[j] * static_cast<float>(k[r * stride + j]);
+    }
+    for (int l = 0; l < 8; ++l) {
+      total += acc[r][l];
+    }
+    out[r] = total;
+  }
+}
+
+// exp(x) for x <= 0 (a softmax's shifted logits): 2^n e^r with n = round(x / ln 2), a
+// degree-6 polynomial for e^r (relative error ~1.5e-7, as ops.exp); vectorisable, unlike
+// std::exp. Below -87.3 it is 0.
+MLXINFER_INLINE float exp_neg(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.4426950408889634f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 0.0013836845755577087f;
+  p = p * r + 0.008374815806746483f;
+  p = p * r + 0.04166822507977486f;
+  p = p * r + 0.16666419804096222f;
+  p = p * r + 0.49999991059303284f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 // One query head over T cached tokens: y (Dv) = softmax(q . K[t]) V (q already scaled).
 template <typename C>
-void attend_head(const float* q, const C* K, const C* V, int T, int D, int Dv, bool round_probs,
-                 float* scores, float* y) {
-  float top = -INFINITY;
-  for (int t = 0; t < T; ++t) {
+MLXINFER_INLINE void attend_head_impl(const float* q, const C* K, const C* V, int T, int D,
+                                      int Dv, bool round_probs, float* scores, float* y) {
+  int t = 0;
+  for (; t + 4 <= T; t += 4) {
+    dot4(q, K + static_cast<size_t>(t) * D, D, D, scores + t);
+  }
+  for (; t < T; ++t) {
     scores[t] = dot(q, K + static_cast<size_t>(t) * D, D);
+  }
+  float top = -INFINITY;
+  for (t = 0; t < T; ++t) {
     top = std::max(top, scores[t]);
   }
   float total = 0;
-  for (int t = 0; t < T; ++t) {
-    scores[t] = std::exp(scores[t] - top);
+  for (t = 0; t < T; ++t) {
+    scores[t] = exp_neg(scores[t] - top);
     total += scores[t];
   }
   const float inv = 1.0f / total;
-  std::fill(y, y + Dv, 0.0f);
-  for (int t = 0; t < T; ++t) {
+  for (t = 0; t < T; ++t) {
     float p = scores[t] * inv;
-    if (round_probs) {
-      p = static_cast<float>(static_cast<C>(p));
-    }
-    const C* vr = V + static_cast<size_t>(t) * Dv;
+    scores[t] = round_probs ? static_cast<float>(static_cast<C>(p)) : p;
+  }
+  std::fill(y, y + Dv, 0.0f);
+  t = 0;
+  for (; t + 4 <= T; t += 4) { // four keys' values per pass over y
+    const C* v0 = V + static_cast<size_t>(t) * Dv;
+    const float p0 = scores[t], p1 = scores[t + 1], p2 = scores[t + 2], p3 = scores[t + 3];
     for (int i = 0; i < Dv; ++i) {
-      y[i] += p * static_cast<float>(vr[i]);
+      y[i] += p0 * static_cast<float>(v0[i]) + p1 * static_cast<float>(v0[Dv + i]) +
+          p2 * static_cast<float>(v0[2 * Dv + i]) + p3 * static_cast<float>(v0[3 * Dv + i]);
     }
   }
+  for (; t < T; ++t) {
+    const C* vr = V + static_cast<size_t>(t) * Dv;
+    for (int i = 0; i < Dv; ++i) {
+      y[i] += scores[t] * static_cast<float>(vr[i]);
+    }
+  }
+}
+
+// The loops above compiled for AVX2+FMA (auto-vectorised: the module's baseline is plain
+// x86-64), chosen at run time as the products' kernels are.
+#if defined(__x86_64__)
+template <typename C>
+__attribute__((target("avx2,fma"))) void attend_head_avx2(const float* q, const C* K, const C* V,
+                                                          int T, int D, int Dv, bool round_probs,
+                                                          float* scores, float* y) {
+  attend_head_impl<C>(q, K, V, T, D, Dv, round_probs, scores, y);
+}
+#endif
+
+template <typename C>
+void attend_head(const float* q, const C* K, const C* V, int T, int D, int Dv, bool round_probs,
+                 float* scores, float* y) {
+#if defined(__x86_64__)
+  if (current_isa() >= kAvx2) {
+    return attend_head_avx2<C>(q, K, V, T, D, Dv, round_probs, scores, y);
+  }
+#endif
+  attend_head_impl<C>(q, K, V, T, D, Dv, round_probs, scores, y);
 }
 
 template <typename C>
@@ -484,6 +569,212 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
         break;
       default:
         break; // the op accepts float buffers only
+    }
+    write_out(y.data(), out);
+  });
+}
+
+// ----------------------------------------------------------------------------
+// Paged decode attention (the batching engine's pool)
+// ----------------------------------------------------------------------------
+
+namespace {
+
+// Row b, kv head h: its visible keys' scores for the group's `reps` queries, then the
+// softmax-weighted values. scores: reps * n * block floats.
+template <typename C>
+MLXINFER_INLINE void paged_head_impl(const float* q, const C* K, const C* V, const uint32_t* table,
+                const bool* seen, int reps, int n, int block, int D, int Dv, bool round_probs,
+                float* scores, float* y) {
+  const int T = n * block;
+  for (int j = 0; j < reps; ++j) {
+    float* s = scores + static_cast<size_t>(j) * T;
+    float top = -INFINITY;
+    for (int i = 0; i < n; ++i) {
+      const C* kb = K + static_cast<size_t>(table[i]) * block * D;
+      for (int t = 0; t < block; ++t) {
+        const int at = i * block + t;
+        if (!seen[at]) {
+          s[at] = -INFINITY;
+          continue;
+        }
+        s[at] = dot(q + static_cast<size_t>(j) * D, kb + static_cast<size_t>(t) * D, D);
+        top = std::max(top, s[at]);
+      }
+    }
+    float total = 0;
+    for (int at = 0; at < T; ++at) {
+      s[at] = seen[at] ? exp_neg(s[at] - top) : 0.0f;
+      total += s[at];
+    }
+    float* yj = y + static_cast<size_t>(j) * Dv;
+    std::fill(yj, yj + Dv, 0.0f);
+    const float inv = total > 0 ? 1.0f / total : 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const C* vb = V + static_cast<size_t>(table[i]) * block * Dv;
+      for (int t = 0; t < block; ++t) {
+        const int at = i * block + t;
+        if (!seen[at]) {
+          continue;
+        }
+        float p = s[at];
+        if (round_probs) {
+          p = static_cast<float>(static_cast<C>(p));
+        }
+        const C* vr = vb + static_cast<size_t>(t) * Dv;
+        for (int d = 0; d < Dv; ++d) {
+          yj[d] += p * static_cast<float>(vr[d]);
+        }
+      }
+    }
+    for (int d = 0; d < Dv; ++d) {
+      yj[d] *= inv;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+template <typename C>
+__attribute__((target("avx2,fma"))) void paged_head_avx2(
+    const float* q, const C* K, const C* V, const uint32_t* table, const bool* seen, int reps,
+    int n, int block, int D, int Dv, bool round_probs, float* scores, float* y) {
+  paged_head_impl<C>(q, K, V, table, seen, reps, n, block, D, Dv, round_probs, scores, y);
+}
+#endif
+
+template <typename C>
+void paged_head(const float* q, const C* K, const C* V, const uint32_t* table, const bool* seen,
+                int reps, int n, int block, int D, int Dv, bool round_probs, float* scores,
+                float* y) {
+#if defined(__x86_64__)
+  if (current_isa() >= kAvx2) {
+    return paged_head_avx2<C>(q, K, V, table, seen, reps, n, block, D, Dv, round_probs, scores, y);
+  }
+#endif
+  paged_head_impl<C>(q, K, V, table, seen, reps, n, block, D, Dv, round_probs, scores, y);
+}
+
+} // namespace
+
+mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
+                          const mx::array& blocks, const mx::array& visible, float scale,
+                          bool reference, mx::StreamOrDevice s) {
+  const char* op = "paged_attention";
+  if (keys.ndim() != 4 || values.ndim() != 4 || keys.shape(0) != values.shape(0) ||
+      keys.shape(1) != values.shape(1) || keys.shape(2) != values.shape(2) ||
+      keys.dtype() != values.dtype()) {
+    fail(op, "keys/values: expected (n_blocks, n_kv, block, head_dim) pools of one dtype, found " +
+                 shape_str(keys.shape()) + " and " + shape_str(values.shape()));
+  }
+  check_float(keys, "keys");
+  const int n_kv = keys.shape(1), block = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
+  if (q.ndim() != 4 || q.shape(2) != 1 || q.shape(3) != D || q.shape(1) % n_kv != 0) {
+    fail(op, "q: expected (B, n_q, 1, " + std::to_string(D) + ") with n_q a multiple of " +
+                 std::to_string(n_kv) + ", found " + shape_str(q.shape()));
+  }
+  check_float(q, "q");
+  const int B = q.shape(0);
+  if (blocks.ndim() != 3 || blocks.shape(0) != B || blocks.shape(1) != n_kv ||
+      blocks.dtype() != mx::uint32) {
+    fail(op, "blocks: expected a (" + std::to_string(B) + ", " + std::to_string(n_kv) +
+                 ", n) uint32 array, found " + shape_str(blocks.shape()));
+  }
+  const int n = blocks.shape(2);
+  if (visible.shape() != mx::Shape{B, 1, n, 1, block} || visible.dtype() != mx::bool_) {
+    fail(op, "visible: expected a (" + std::to_string(B) + ", 1, " + std::to_string(n) + ", 1, " +
+                 std::to_string(block) + ") bool array, found " + shape_str(visible.shape()));
+  }
+  auto stream = mx::to_stream(s);
+  if (reference || stream.device == mx::Device::gpu) {
+    const int nb = keys.shape(0);
+    auto gathered = [&](const mx::array& pool, int d) {
+      auto flat = mx::reshape(pool, {nb * n_kv, block, d}, stream);
+      auto rows = mx::take(flat, mx::reshape(blocks, {B * n_kv * n}, stream), 0, stream);
+      return mx::reshape(rows, {B, n_kv, n * block, d}, stream);
+    };
+    auto mask = mx::reshape(visible, {B, 1, 1, n * block}, stream);
+    auto o = mx::fast::scaled_dot_product_attention(q, gathered(keys, D), gathered(values, Dv),
+                                                    scale, "", mask, {}, false, stream);
+    return mx::astype(o, q.dtype(), stream);
+  }
+  return mx::array({B, q.shape(1), 1, Dv}, q.dtype(), std::make_shared<PagedAttention>(stream, scale),
+                   {q, keys, values, blocks, visible});
+}
+
+std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1), 1, inputs[2].shape(3)}};
+}
+
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[mlxinfer paged_attention] has no GPU kernel (the op hands GPU "
+                           "streams to MLX's own ops)");
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
+                    keys = mx::array::unsafe_weak_copy(inputs[1]),
+                    values = mx::array::unsafe_weak_copy(inputs[2]),
+                    blocks = mx::array::unsafe_weak_copy(inputs[3]),
+                    visible = mx::array::unsafe_weak_copy(inputs[4]),
+                    out = mx::array::unsafe_weak_copy(out), scale = scale_]() mutable {
+    const int B = q.shape(0), n_q = q.shape(1), D = q.shape(3);
+    const int n_kv = keys.shape(1), block = keys.shape(2), Dv = values.shape(3);
+    const int n = blocks.shape(2), reps = n_q / n_kv;
+    std::vector<float> qf(q.size());
+    to_f32(q, qf.data()); // (B, n_q, D): the group's queries are consecutive
+    round_to(q.dtype(), qf.data(), qf.size());
+    for (auto& x : qf) {
+      x *= scale; // as the reference: the queries scaled in their own dtype
+    }
+    round_to(q.dtype(), qf.data(), qf.size());
+    std::vector<char> kcopy, vcopy, tcopy, mcopy;
+    const char* kp = contiguous_bytes(keys, kcopy);
+    const char* vp = contiguous_bytes(values, vcopy);
+    const auto* table = reinterpret_cast<const uint32_t*>(contiguous_bytes(blocks, tcopy));
+    const auto* seen = reinterpret_cast<const bool*>(contiguous_bytes(visible, mcopy));
+    std::vector<float> y(static_cast<size_t>(B) * n_q * Dv);
+    const bool round_probs = keys.dtype() != mx::float32;
+    const size_t kv_slots = static_cast<size_t>(keys.shape(0)) * n_kv;
+    auto task = [&](int i) { // one (row, kv head)
+      const int b = i / n_kv, h = i % n_kv;
+      std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n, table + static_cast<size_t>(i + 1) * n);
+      for (auto& r : rows) {
+        r = r < kv_slots ? r : 0; // out of the pool: a masked padding block (the op's contract)
+      }
+      std::vector<float> scores(static_cast<size_t>(reps) * n * block);
+      const float* qh = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
+      float* yh = y.data() + (static_cast<size_t>(b) * n_q + h * reps) * Dv;
+      const bool* sb = seen + static_cast<size_t>(b) * n * block;
+      switch (keys.dtype()) {
+        case mx::float32:
+          return paged_head(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
+                            rows.data(), sb, reps, n, block, D, Dv, round_probs, scores.data(), yh);
+        case mx::float16:
+          return paged_head(qh, reinterpret_cast<const mx::float16_t*>(kp),
+                            reinterpret_cast<const mx::float16_t*>(vp), rows.data(), sb, reps, n,
+                            block, D, Dv, round_probs, scores.data(), yh);
+        case mx::bfloat16:
+          return paged_head(qh, reinterpret_cast<const mx::bfloat16_t*>(kp),
+                            reinterpret_cast<const mx::bfloat16_t*>(vp), rows.data(), sb, reps, n,
+                            block, D, Dv, round_probs, scores.data(), yh);
+        default:
+          return;
+      }
+    };
+    auto& pool = ThreadPool::instance();
+    const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
+    if (pool.size() <= 1 || work < (1 << 17)) {
+      for (int i = 0; i < B * n_kv; ++i) {
+        task(i);
+      }
+    } else {
+      pool.run(B * n_kv, task);
     }
     write_out(y.data(), out);
   });

@@ -48,6 +48,15 @@ mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::
                            const mx::array& cos, const mx::array& sin, const AttentionShape& a,
                            bool reference = false, mx::StreamOrDevice s = {});
 
+// One decode token per row over a paged KV pool (the batching engine): q (B, n_q, 1, D);
+// keys (n_blocks, n_kv, block, D), values (n_blocks, n_kv, block, Dv); blocks (B, n_kv, n)
+// uint32, each row's blocks in order as block * n_kv + head; visible (B, 1, n, 1, block) bool,
+// which of those keys the row sees. softmax(q k^T * scale) v over the visible keys, query heads
+// sharing their kv head: (B, n_q, 1, Dv) in q's dtype. `reference`: MLX's own ops.
+mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
+                          const mx::array& blocks, const mx::array& visible, float scale,
+                          bool reference = false, mx::StreamOrDevice s = {});
+
 // How many times cache_write copied a buffer it could not update in place.
 int64_t attention_buffer_copies();
 
@@ -104,6 +113,23 @@ class DecodeAttention : public mx::UnaryPrimitive {
 
  private:
   AttentionShape a_;
+};
+
+class PagedAttention : public mx::UnaryPrimitive {
+ public:
+  PagedAttention(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferPagedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const PagedAttention&>(other).scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
 };
 
 } // namespace mlxinfer

@@ -149,6 +149,14 @@ def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | N
     return layer.o_proj(out)  # (1, 1, n_q * Dv), as q
 
 
+def paged_attention(q: mx.array, pages, scale: float) -> mx.array:
+    """Decode attention of (B, n_heads, 1, D) queries over a batch's pool pages (``Pages``) as
+    one kernel call, instead of ``layers.attention.paged_attention``'s ~20 primitives."""
+    return kernels.load().paged_attention(
+        q, pages.keys, pages.values, pages.blocks, pages.visible, scale=scale
+    )
+
+
 def set_threads(option: str) -> None:
     """The ``kernel_threads`` plan: ``one`` thread, or ``all`` the CPUs this process may use.
     The pool is the process's: the last model loaded sets it."""

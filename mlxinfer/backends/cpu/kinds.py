@@ -76,7 +76,7 @@ def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
         found["decode"] = [
             m
             for m in model.modules()
-            if isinstance(m, model_layers.RMSNorm) or compiled.attention_fits(m)
+            if isinstance(m, (model_layers.RMSNorm, model_layers.Attention))
         ]
         if found["matvec"] or any(
             kernel_fits(kind, m) for kind in ("head", "quantized") for m in found[kind]
@@ -181,6 +181,8 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
                 continue
             if kind == "decode":
                 object.__setattr__(layer, "cpu_decode_kernel", option == "kernel")
+                if isinstance(layer, model_layers.Attention):  # plain RoPE attention: fused
+                    object.__setattr__(layer, "cpu_decode_fits", compiled.attention_fits(layer))
                 continue
             plan = parallel.plan_of(layer)
             if "kernel" in OPTIONS[kind]:

@@ -66,18 +66,38 @@ class CPURoPE:
 class CPUAttention:
     """Attention through ``ops.attention``: grouped heads without copies, the fast exponential,
     causal blocks that skip the masked triangle; a quantized cache is dequantized for prefill;
-    a decode step of plain RoPE attention as one compiled-kernel call (the ``decode`` plan)."""
+    under the ``decode`` plan, a decode step of plain RoPE attention over a ``KVCache`` as three
+    compiled-kernel calls, and any decode attention over a batch's pool pages as one."""
 
     cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
+    cpu_decode_fits = False  # ... with ``compiled.attention_fits``
 
     exp = staticmethod(ops.exp)
 
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
-        if self.cpu_decode_kernel:  # the ``decode`` plan: RoPE, cache write, attention in one
+        if self.cpu_decode_kernel and self.cpu_decode_fits:  # the ``decode`` plan (``compiled``)
             y = compiled.decode_attention(self, x, mask, cache)
             if y is not None:
                 return y
         return super().__call__(x, mask, cache)
+
+    def attend(
+        self,
+        q: mx.array,
+        k: Any,
+        v: Any,
+        *,
+        scale: float,
+        mask: Mask,
+        cache: Cache | None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        if self.cpu_decode_kernel and sinks is None:  # the ``decode`` plan: a pool's pages
+            pages = getattr(cache, "pages", None)
+            pages = pages(mask) if pages is not None else None
+            if pages is not None and q.shape[2] == 1:
+                return compiled.paged_attention(q, pages, scale)
+        return super().attend(q, k, v, scale=scale, mask=mask, cache=cache, sinks=sinks)
 
     def attend_keys(
         self,
