@@ -12,6 +12,8 @@
 //   over the offset + 1 cached tokens, query heads sharing their kv head, out in q's layout
 //   (..., n_q * Dv), ready for the output projection.
 //
+// - paged_attention (paged.cpp): the batching engine's decode step over its pool's blocks.
+//
 // On a GPU stream the ops build MLX's own graph (mx.fast.rms_norm; RoPE by the table,
 // slice_update, mx.fast.scaled_dot_product_attention), so eval_gpu is never reached.
 #pragma once
