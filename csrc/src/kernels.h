@@ -14,6 +14,8 @@ Isa current_isa();
 // Tests and benchmarks cap the level to check each path against the others.
 void set_max_isa(Isa isa);
 const char* isa_name(Isa isa);
+// Whether the CPU has F16C (the float kernels' vector paths are compiled with it).
+bool has_f16c();
 
 // y[m, n] = sum_k x[m, k] * (scales[n, g(k)] * q[n, k] + biases[n, g(k)])
 // for m in [0, M), n in [n0, n1): MLX's affine quantization (mx.quantize), w packed

@@ -1,0 +1,457 @@
+// The kernels. Each output row n streams its packed weights once and multiplies them
+// with up to four rows of x held in cache; the 4-bit and 8-bit codes are widened to
+// f32 in registers (never written out dequantized).
+//
+// Per group g of a row: sum_k x_k (s_g q_k + b_g) = s_g * sum_k x_k q_k + b_g * sum_k x_k,
+// so the inner loop is one FMA per weight and the bias term costs one FMA per group.
+#include "kernels.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace mlxinfer {
+
+namespace {
+
+// ----------------------------------------------------------------------------
+// Portable path
+// ----------------------------------------------------------------------------
+
+void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
+  const int G = p.K / p.group_size;
+  const int per_word = 32 / p.bits;
+  const uint32_t mask = (1u << p.bits) - 1u;
+  const int words_per_row = p.K / per_word;
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = p.w + static_cast<size_t>(n) * words_per_row;
+    const float* s = p.scales + static_cast<size_t>(n) * G;
+    const float* b = p.biases + static_cast<size_t>(n) * G;
+    for (int m = 0; m < p.M; ++m) {
+      const float* x = p.x + static_cast<size_t>(m) * p.K;
+      const float* xs = p.xsum + static_cast<size_t>(m) * G;
+      float total = 0.0f;
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.0f;
+        const int k0 = g * p.group_size;
+        for (int k = k0; k < k0 + p.group_size; ++k) {
+          uint32_t word = wr[k / per_word];
+          float q = static_cast<float>((word >> ((k % per_word) * p.bits)) & mask);
+          acc += x[k] * q;
+        }
+        total += s[g] * acc + b[g] * xs[g];
+      }
+      p.y[static_cast<size_t>(m) * p.N + n] = total;
+    }
+  }
+}
+
+
+#if defined(MLXINFER_X86)
+
+// One 16-weight chunk as two vectors of 8 f32 codes, matched with xp[0:8], xp[8:16].
+// 4-bit: 8 bytes hold 16 codes; low nibbles are the even k, high nibbles the odd k
+// (xp is x de-interleaved to match). 8-bit: two runs of 8 bytes, k in order (xp == x).
+template <int BITS>
+MLXINFER_AVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
+  if constexpr (BITS == 4) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+    a = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+    b = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  } else {
+    a = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+    b = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8))));
+  }
+}
+
+// M rows of x against one output row. U chunks of 16 per step (independent
+// accumulators hide the FMA latency when M is small).
+template <int BITS, int M, int U>
+MLXINFER_AVX2 void qmv_row_avx2(
+    const QmvProblem& p,
+    const uint8_t* wr,
+    const float* s,
+    const float* b,
+    int m0,
+    int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  constexpr int bytes16 = 16 * BITS / 8; // bytes per 16 codes
+  __m256 tot[M];
+  float bias_part[M];
+  for (int m = 0; m < M; ++m) {
+    tot[m] = _mm256_setzero_ps();
+    bias_part[m] = 0.0f;
+  }
+  const float* xrow[M];
+  for (int m = 0; m < M; ++m) {
+    xrow[m] = p.xp + static_cast<size_t>(m0 + m) * p.K;
+  }
+  for (int g = 0; g < G; ++g) {
+    __m256 acc[M][2 * U];
+    for (int m = 0; m < M; ++m) {
+      for (int u = 0; u < 2 * U; ++u) {
+        acc[m][u] = _mm256_setzero_ps();
+      }
+    }
+    const int k0 = g * gs;
+    const uint8_t* wg = wr + static_cast<size_t>(k0) * BITS / 8;
+    for (int c = 0; c < gs; c += 16 * U) {
+      for (int u = 0; u < U; ++u) {
+        __m256 qa, qb;
+        unpack16<BITS>(wg + (c / 16 + u) * bytes16, qa, qb);
+        for (int m = 0; m < M; ++m) {
+          const float* xk = xrow[m] + k0 + c + 16 * u;
+          acc[m][2 * u] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(xk), acc[m][2 * u]);
+          acc[m][2 * u + 1] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(xk + 8), acc[m][2 * u + 1]);
+        }
+      }
+    }
+    const __m256 sv = _mm256_set1_ps(s[g]);
+    for (int m = 0; m < M; ++m) {
+      __m256 a = acc[m][0];
+      for (int u = 1; u < 2 * U; ++u) {
+        a = _mm256_add_ps(a, acc[m][u]);
+      }
+      tot[m] = _mm256_fmadd_ps(a, sv, tot[m]);
+      bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * G + g];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    p.y[static_cast<size_t>(m0 + m) * p.N + n] = hsum256(tot[m]) + bias_part[m];
+  }
+}
+
+// One row of x against R output rows at once (decode), as qmv_rows1_avx512.
+template <int BITS, int R>
+MLXINFER_AVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  __m256 tot[R][2];
+  float bias_part[R];
+  const uint8_t* wr[R];
+  const float* sr[R];
+  const float* br[R];
+  for (int r = 0; r < R; ++r) {
+    tot[r][0] = tot[r][1] = _mm256_setzero_ps();
+    bias_part[r] = 0.0f;
+    wr[r] = w + (n + r) * row_bytes;
+    sr[r] = p.scales + static_cast<size_t>(n + r) * G;
+    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+  }
+  for (int g = 0; g < G; ++g) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    const int k0 = g * gs;
+    for (int c = 0; c < gs; c += 16) {
+      const float* xk = p.xp + k0 + c;
+      const __m256 xa = _mm256_loadu_ps(xk), xb = _mm256_loadu_ps(xk + 8);
+      const size_t off = static_cast<size_t>(k0 + c) * BITS / 8;
+      for (int r = 0; r < R; ++r) {
+        __m256 qa, qb;
+        unpack16<BITS>(wr[r] + off, qa, qb);
+        acc[r][0] = _mm256_fmadd_ps(qa, xa, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qb, xb, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 sv = _mm256_set1_ps(sr[r][g]);
+      tot[r][0] = _mm256_fmadd_ps(acc[r][0], sv, tot[r][0]);
+      tot[r][1] = _mm256_fmadd_ps(acc[r][1], sv, tot[r][1]);
+      bias_part[r] += br[r][g] * p.xsum[g];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    p.y[n + r] = hsum256(_mm256_add_ps(tot[r][0], tot[r][1])) + bias_part[r];
+  }
+}
+
+template <int BITS>
+MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
+  const int G = p.K / p.group_size;
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
+  if (p.M == 1) { // decode: two output rows per pass
+    int n = n0;
+    for (; n + 2 <= n1; n += 2) {
+      qmv_rows1_avx2<BITS, 2>(p, w, row_bytes, n);
+    }
+    if (n < n1) {
+      qmv_rows1_avx2<BITS, 1>(p, w, row_bytes, n);
+    }
+    return;
+  }
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* s = p.scales + static_cast<size_t>(n) * G;
+    const float* b = p.biases + static_cast<size_t>(n) * G;
+    // The row's weights stay in L1 across the chunks of x rows.
+    int m = 0;
+    for (; m + 4 <= p.M; m += 4) {
+      qmv_row_avx2<BITS, 4, 1>(p, wr, s, b, m, n);
+    }
+    switch (p.M - m) {
+      case 3:
+        qmv_row_avx2<BITS, 3, 1>(p, wr, s, b, m, n);
+        break;
+      case 2:
+        qmv_row_avx2<BITS, 2, 2>(p, wr, s, b, m, n);
+        break;
+      case 1:
+        qmv_row_avx2<BITS, 1, 2>(p, wr, s, b, m, n);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+// Output rows per pass of a one-row (decode) product: 2 beat 1 and 4 on this machine
+// (csrc/README.md, "Measured").
+#ifndef QMV_R
+#define QMV_R 2
+#endif
+
+// One 32-weight chunk as two vectors of 16 f32 codes, matched with xp[0:16], xp[16:32]
+// (4-bit: xp de-interleaved per 32; 8-bit: in order).
+template <int BITS>
+MLXINFER_AVX512 inline void unpack32(const uint8_t* src, __m512& a, __m512& b) {
+  if constexpr (BITS == 4) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else {
+    a = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+    b = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  }
+}
+
+template <int BITS, int M, int U>
+MLXINFER_AVX512 void qmv_row_avx512(
+    const QmvProblem& p,
+    const uint8_t* wr,
+    const float* s,
+    const float* b,
+    int m0,
+    int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  constexpr int bytes32 = 32 * BITS / 8;
+  // A running total per accumulator: each group's partial products are scaled into it
+  // (no dependent adds per group, and registers only: indexing totals by the group's
+  // parity kept them on the stack, a store-to-load chain per group).
+  __m512 tot[M][2 * U];
+  float bias_part[M];
+  const float* xrow[M];
+  for (int m = 0; m < M; ++m) {
+    for (int u = 0; u < 2 * U; ++u) {
+      tot[m][u] = _mm512_setzero_ps();
+    }
+    bias_part[m] = 0.0f;
+    xrow[m] = p.xp + static_cast<size_t>(m0 + m) * p.K;
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[M][2 * U];
+    for (int m = 0; m < M; ++m) {
+      for (int u = 0; u < 2 * U; ++u) {
+        acc[m][u] = _mm512_setzero_ps();
+      }
+    }
+    const int k0 = g * gs;
+    const uint8_t* wg = wr + static_cast<size_t>(k0) * BITS / 8;
+    for (int c = 0; c < gs; c += 32 * U) {
+      for (int u = 0; u < U; ++u) {
+        __m512 qa, qb;
+        unpack32<BITS>(wg + (c / 32 + u) * bytes32, qa, qb);
+        for (int m = 0; m < M; ++m) {
+          const float* xk = xrow[m] + k0 + c + 32 * u;
+          acc[m][2 * u] = _mm512_fmadd_ps(qa, _mm512_loadu_ps(xk), acc[m][2 * u]);
+          acc[m][2 * u + 1] = _mm512_fmadd_ps(qb, _mm512_loadu_ps(xk + 16), acc[m][2 * u + 1]);
+        }
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(s[g]);
+    for (int m = 0; m < M; ++m) {
+      for (int u = 0; u < 2 * U; ++u) {
+        tot[m][u] = _mm512_fmadd_ps(acc[m][u], sv, tot[m][u]);
+      }
+      bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * G + g];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 t = tot[m][0];
+    for (int u = 1; u < 2 * U; ++u) {
+      t = _mm512_add_ps(t, tot[m][u]);
+    }
+    p.y[static_cast<size_t>(m0 + m) * p.N + n] = _mm512_reduce_add_ps(t) + bias_part[m];
+  }
+}
+
+// One row of x against R output rows at once (decode): x's two vectors per chunk are
+// loaded once for the R rows, and the per-group work (scale, bias) of the R rows overlaps.
+template <int BITS, int R, int U>
+MLXINFER_AVX512 void qmv_rows1_avx512(
+    const QmvProblem& p,
+    const uint8_t* w,
+    size_t row_bytes,
+    int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  __m512 tot[R][2 * U];
+  float bias_part[R];
+  const uint8_t* wr[R];
+  const float* sr[R];
+  const float* br[R];
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < 2 * U; ++u) {
+      tot[r][u] = _mm512_setzero_ps();
+    }
+    bias_part[r] = 0.0f;
+    wr[r] = w + (n + r) * row_bytes;
+    sr[r] = p.scales + static_cast<size_t>(n + r) * G;
+    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[R][2 * U];
+    for (int r = 0; r < R; ++r) {
+      for (int u = 0; u < 2 * U; ++u) {
+        acc[r][u] = _mm512_setzero_ps();
+      }
+    }
+    const int k0 = g * gs;
+    for (int c = 0; c < gs; c += 32 * U) {
+      for (int u = 0; u < U; ++u) {
+        const float* xk = p.xp + k0 + c + 32 * u;
+        const __m512 xa = _mm512_loadu_ps(xk), xb = _mm512_loadu_ps(xk + 16);
+        const size_t off = static_cast<size_t>(k0 + c + 32 * u) * BITS / 8;
+        for (int r = 0; r < R; ++r) {
+          __m512 qa, qb;
+          unpack32<BITS>(wr[r] + off, qa, qb);
+          acc[r][2 * u] = _mm512_fmadd_ps(qa, xa, acc[r][2 * u]);
+          acc[r][2 * u + 1] = _mm512_fmadd_ps(qb, xb, acc[r][2 * u + 1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sv = _mm512_set1_ps(sr[r][g]);
+      for (int u = 0; u < 2 * U; ++u) {
+        tot[r][u] = _mm512_fmadd_ps(acc[r][u], sv, tot[r][u]);
+      }
+      bias_part[r] += br[r][g] * p.xsum[g];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 t = tot[r][0];
+    for (int u = 1; u < 2 * U; ++u) {
+      t = _mm512_add_ps(t, tot[r][u]);
+    }
+    p.y[n + r] = _mm512_reduce_add_ps(t) + bias_part[r];
+  }
+}
+
+template <int BITS>
+MLXINFER_AVX512 void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
+  const int G = p.K / p.group_size;
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
+  const bool wide = p.group_size >= 64; // two 32-chunks per step fit in a group
+  if (p.M == 1) { // decode: output rows R at a time
+    int n = n0;
+    for (; n + QMV_R <= n1; n += QMV_R) {
+      wide ? qmv_rows1_avx512<BITS, QMV_R, 2>(p, w, row_bytes, n)
+           : qmv_rows1_avx512<BITS, QMV_R, 1>(p, w, row_bytes, n);
+    }
+    for (; n < n1; ++n) {
+      qmv_rows1_avx512<BITS, 1, 1>(p, w, row_bytes, n);
+    }
+    return;
+  }
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* s = p.scales + static_cast<size_t>(n) * G;
+    const float* b = p.biases + static_cast<size_t>(n) * G;
+    int m = 0;
+    for (; m + 4 <= p.M; m += 4) {
+      qmv_row_avx512<BITS, 4, 1>(p, wr, s, b, m, n);
+    }
+    switch (p.M - m) {
+      case 3:
+        qmv_row_avx512<BITS, 3, 1>(p, wr, s, b, m, n);
+        break;
+      case 2:
+        wide ? qmv_row_avx512<BITS, 2, 2>(p, wr, s, b, m, n)
+             : qmv_row_avx512<BITS, 2, 1>(p, wr, s, b, m, n);
+        break;
+      case 1:
+        wide ? qmv_row_avx512<BITS, 1, 2>(p, wr, s, b, m, n)
+             : qmv_row_avx512<BITS, 1, 1>(p, wr, s, b, m, n);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+#endif // MLXINFER_X86
+
+} // namespace
+
+void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
+  const int G = p.K / p.group_size;
+  for (int m = 0; m < p.M; ++m) {
+    const float* x = p.x + static_cast<size_t>(m) * p.K;
+    float* dst = xp + static_cast<size_t>(m) * p.K;
+    if (p.bits == 4 && p.isa != kScalar) {
+      // Per chunk (16 codes for AVX2, 32 for AVX-512): the even k first, then the odd k
+      // (low nibbles, then high nibbles).
+      const int chunk = p.isa == kAvx512 ? 32 : 16;
+      for (int c = 0; c < p.K; c += chunk) {
+        for (int i = 0; i < chunk / 2; ++i) {
+          dst[c + i] = x[c + 2 * i];
+          dst[c + chunk / 2 + i] = x[c + 2 * i + 1];
+        }
+      }
+    } else {
+      std::memcpy(dst, x, sizeof(float) * p.K);
+    }
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.0f;
+      for (int k = g * p.group_size; k < (g + 1) * p.group_size; ++k) {
+        acc += x[k];
+      }
+      xsum[static_cast<size_t>(m) * G + g] = acc;
+    }
+  }
+}
+
+void qmv_rows(const QmvProblem& p, int n0, int n1) {
+#if defined(MLXINFER_X86)
+  if (p.isa == kAvx512) {
+    if (p.bits == 4) {
+      return qmv_rows_avx512<4>(p, n0, n1);
+    }
+    if (p.bits == 8) {
+      return qmv_rows_avx512<8>(p, n0, n1);
+    }
+  }
+  if (p.isa == kAvx2) {
+    if (p.bits == 4) {
+      return qmv_rows_avx2<4>(p, n0, n1);
+    }
+    if (p.bits == 8) {
+      return qmv_rows_avx2<8>(p, n0, n1);
+    }
+  }
+#endif
+  qmv_rows_scalar(p, n0, n1);
+}
+
+} // namespace mlxinfer
