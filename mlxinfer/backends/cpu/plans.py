@@ -113,7 +113,7 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 12  # of the cached entries: bump when the kinds or options change
+VERSION = 13  # of the cached entries: bump when the kinds or options change
 
 
 def cache_key(model: nn.Module) -> str:
