@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 import click
 
@@ -20,7 +23,6 @@ from .cli_options import LOAD_OPTIONS, _errors_to_click, _log
 
 MODES = ("pipeline", "tensor")
 UNSUPPORTED = {  # generate's options that do not run across ranks yet
-    "batch_file": "--batch",
     "prompt_cache_file": "--prompt-cache-file",
     "draft_model": "--draft-model",
 }
@@ -59,17 +61,23 @@ def with_distributed(command: click.Command) -> click.Command:
 
 
 def _run_rank(run, mode: str, rank_timeout: float, args, kwargs) -> None:
+    from .batch.requests import EngineError
     from .distributed import current
     from .errors import DistributedError
 
     for key, flag in UNSUPPORTED.items():
         if kwargs.get(key):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
+    shared_dir = None
     try:
         ranks = current(rank_timeout)
-        if kwargs.get("prompt") is None:
+        if kwargs.get("batch_file"):  # rank 0's file, on every rank
+            shared_dir = tempfile.mkdtemp(prefix="mlxinfer-batch-")
+            kwargs["batch_file"] = _share_file(ranks, kwargs["batch_file"], shared_dir)
+        elif kwargs.get("prompt") is None:
             kwargs["prompt"] = sys.stdin.read() if ranks.first else ""
-        kwargs["prompt"] = ranks.share_text(kwargs["prompt"])
+        if not kwargs.get("batch_file"):
+            kwargs["prompt"] = ranks.share_text(kwargs["prompt"])
         if kwargs.get("temperature") and kwargs.get("seed") is None:
             kwargs["seed"] = ranks.shared_seed()  # each rank's sampler draws the same numbers
     except DistributedError as e:
@@ -87,14 +95,37 @@ def _run_rank(run, mode: str, rank_timeout: float, args, kwargs) -> None:
         code = e.exit_code
     except click.exceptions.Exit as e:
         code = e.exit_code
+    except EngineError as e:  # the batching engine stopped: a rank lost, say
+        _log(f"Error: {e}")
+        code = 1
     except BaseException:  # noqa: BLE001 (a rank must never hang its peers: report, then exit)
         traceback.print_exc()
         code = 1
     finally:
         LOAD_OPTIONS.reset(token)
+        if shared_dir is not None:
+            shutil.rmtree(shared_dir, ignore_errors=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _share_file(ranks, path: str, directory: str) -> str:
+    """Rank 0's ``path`` (``--batch FILE``) on every rank: its text, shared and written to
+    ``directory`` on the others (rank 0 keeps its own path: an unreadable file is its error,
+    and the others read an empty copy)."""
+    text = ""
+    if ranks.first:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            text = ""
+    text = ranks.share_text(text)
+    if ranks.first:
+        return path
+    copy = Path(directory) / Path(path).name
+    copy.write_text(text, encoding="utf-8")
+    return str(copy)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

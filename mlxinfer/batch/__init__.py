@@ -10,7 +10,9 @@
 - :mod:`.snapshots`, :mod:`.recurrent` — recurrent states at block boundaries: prefix reuse and
   drafting for models with recurrent layers;
 
-``batch_generate`` runs a list of prompts through one engine and returns their texts.
+``batch_generate`` runs a list of prompts through one engine and returns their texts. With a
+model loaded across ranks (``load(path, distributed=...)``), every rank runs the same call and
+the engines take rank 0's turns (``mlxinfer/distributed/batching.py``, docs/distributed.md).
 """
 
 from __future__ import annotations

@@ -115,6 +115,11 @@ class Engine(TextRequests, Scheduler):
         if state_every is not None and state_every < 1:
             raise ValueError(f"state_every must be >= 1 (blocks), got {state_every}")
         self.model = model
+        # Across ranks (load(distributed=...)): every rank's engine takes the same turns.
+        self.turns = None
+        if hasattr(model, "engine_turns"):
+            options = {"draft_models": draft_models, "prefix_cache_dir": prefix_cache_dir}
+            self.turns = model.engine_turns(**options)
         # Rows of one regime share a forward (None: all rows; see check_batchable).
         self.regime, self.windows = check_batchable(model)
         # Recurrent layers' states live with each request; prefixes are shared from snapshots
@@ -124,6 +129,10 @@ class Engine(TextRequests, Scheduler):
         shapes = layer_shapes(model, kv_bits, kv_group_size)
         drafts = [m for m in draft_models if poolable(m)] if max_draft > 0 else []
         target_budget = _target_budget(shapes, drafts, kv_budget, block_size)
+        if self.turns is not None:  # as many blocks on every rank; never shrunk
+            per_block = block_bytes(shapes, block_size)
+            target_budget = self.turns.equal_budget(per_block, target_budget)
+            shrink_every = self.turns.shrink_every
         state_bytes = 0
         if self.recurrent:
             target_budget, state_bytes = split_budget(target_budget, state_budget)
@@ -226,6 +235,9 @@ class Engine(TextRequests, Scheduler):
         sampling = sampling or SamplingParams()
         sampling.check()
         self.pool.check_fits(len(ids) + max_tokens, self.max_draft)
+        if self.turns is not None:
+            self.turns.check_draft(draft)
+            sampling = self.turns.seeded(sampling)
         processors = sampling.processors() + list(logits_processors)
         request = _Request(ids, max_tokens, sampling.sampler(), processors, frozenset(eos))
         if (draft is not None or num_draft is not None) and self.max_draft > 0:
@@ -319,6 +331,8 @@ class Engine(TextRequests, Scheduler):
         with self._cond:
             self._closed = True
             self._cond.notify()
+        if self.turns is not None:  # its last turn waits on the other ranks' (bounded)
+            timeout = max(timeout, self.turns.ranks.watchdog.timeout + 5)
         self._thread.join(timeout)
         if self.pool.disk is not None:  # what is queued for the disk is written first
             self.pool.disk.close()

@@ -110,11 +110,18 @@ class Scheduler(RecurrentRows):
                     while not self._closed and not self._waiting and not self._running:
                         self._cond.wait(POLL_S)
                         self._shrink()
-                    if self._closed:
+                    if self._closed and self.turns is None:
                         break
                     waiting, self._waiting = self._waiting, []
+                if self.turns is not None:  # rank 0 decides what the turn takes (batching.py)
+                    waiting = self.turns.agree(self, waiting)
+                    if waiting is None:
+                        break
                 self._admit(waiting)
-                self._retire_cancelled()
+                if self.turns is not None:
+                    self.turns.check_admitted(waiting)
+                else:
+                    self._retire_cancelled()
                 self._prefill()
                 self._decode()
                 if self.pool.disk is not None:  # the turn's new full blocks, to the writer
@@ -139,7 +146,7 @@ class Scheduler(RecurrentRows):
     def _admit(self, waiting: list[_Request]) -> None:
         held = []
         for request in waiting:
-            if request.cancelled.is_set():
+            if request.cancelled.is_set() and self.turns is None:
                 request.out.put(None)
                 continue
             if len(self._running) >= self.max_batch:

@@ -8,6 +8,7 @@ ring over TCP, JACCL over Thunderbolt RDMA, MPI). docs/distributed.md says how t
 - ``pipeline`` and ``tensor``: the two splits, applied to a loaded model from the outside
   (the model modules never learn about ranks);
 - ``load``: ``mlxinfer.load(path, distributed=...)``'s work on each rank;
+- ``batching``: the batching engine's turns, decided by rank 0 and taken by every rank;
 - ``launch``: ``mlxinfer launch``, local ranks started and taken down together.
 
 Library use, one process per rank::

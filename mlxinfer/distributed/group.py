@@ -152,10 +152,11 @@ class Ranks:
         a, b = out.tolist()
         return a, b
 
-    def check_same(self, tokens: mx.array, what: str) -> None:
+    def check_same(self, tokens: mx.array, what: str, why: str | None = None) -> None:
         """Every rank must feed the same tokens: one all-sum of a (size, n) table whose row r
         is rank r's; a DistributedError on every rank at once if any row differs from rank
-        0's (sampling without a shared seed, a prompt that differs per rank)."""
+        0's (sampling without a shared seed, a prompt that differs per rank). ``why``: what
+        differed, for other integers than tokens."""
         flat = tokens.reshape(-1).astype(mx.int32)
         table = mx.zeros((self.size, flat.size), dtype=mx.int32)
         table[self.rank] = flat
@@ -164,6 +165,8 @@ class Ranks:
         differ = mx.any(table != table[:1], axis=1).tolist()
         if any(differ):
             bad = differ.index(True)
+            if why is not None:
+                raise DistributedError(f"rank {bad} at {what}: {why} (seen by rank {self.rank})")
             raise DistributedError(
                 f"rank {bad} fed other tokens than rank 0 at {what} (seen by rank {self.rank}; "
                 "sampling at temperature > 0 needs a seed shared by every rank: pass seed=, "

@@ -129,6 +129,20 @@ class RankModel:
     def parameters(self):
         return self.model.parameters()
 
+    def named_modules(self):
+        return self.model.named_modules()
+
+    @property
+    def positions_from_offset(self) -> bool:
+        return getattr(self.model, "positions_from_offset", True)
+
+    def engine_turns(self, **options):
+        """The batching engine's agreement with the other ranks (``batching.Turns``; its
+        ``options``: the engine's, for what does not run across ranks yet)."""
+        from .batching import Turns
+
+        return Turns(self.ranks, **options)
+
 
 class PipelineModel(RankModel):
     """The model of one pipeline rank, called as the whole model is: ``model(inputs, cache)

@@ -1,0 +1,175 @@
+"""The batching engine across ranks: every rank's engine takes the same turns.
+
+Each rank runs an :class:`~mlxinfer.batch.Engine` over its part of the model (a pipeline rank's
+pool holds only its own layers' blocks), fed the same requests in the same order. An engine's
+turn (admit, prefill chunks, one decode step) makes the model's forwards, and every forward is
+a step all ranks must take with the same shapes; what a turn does depends on things that are
+not the same on every rank: when each request was submitted, when its consumer cancelled it
+(a stop string found, a caller gone), when the engine was closed. So rank 0 decides those and
+the others follow (:meth:`Turns.agree`, one small collective a turn):
+
+- how many waiting requests the turn takes (the others wait, within the rank timeout, for
+  their own copies of them: same program, same prompts, same order);
+- which running requests are cancelled (rank 0's consumers; the others' cancellations are
+  ignored: theirs come at the same tokens, at other times);
+- whether the engine closes (every rank's loop ends at the same turn).
+
+The rest is the same on every rank by construction: the pools have the same number of blocks
+(the fewest any rank's ``kv_budget`` buys: :meth:`Turns.equal_budget`), the store is never
+shrunk (a shrink on a timer forgets cached prefixes at different turns), requests without a
+seed that sample get rank 0's seed plus their number. After admission the ranks compare what
+each admitted (:meth:`Turns.check_admitted`: prompt, room, whether it fit, the prefix it
+shares): a difference is a DistributedError on every rank, before any forward of other shapes.
+Every model forward then compares its tokens with rank 0's and shares the last rank's logits
+(pipeline.py), all under the watchdog.
+
+Not across ranks yet (DistributedError at once): drafting with a draft model (prompt lookup
+drafts from the tokens alone, the same on every rank), the prefix cache on disk.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import DistributedError
+from .group import Ranks
+
+
+class Turns:
+    """One engine's agreement with its peers on the other ranks."""
+
+    def __init__(self, ranks: Ranks, **options: Any) -> None:
+        refused = {
+            "draft_models": "draft models (speculative decoding)",
+            "prefix_cache_dir": "the prefix cache on disk (prefix_cache_dir)",
+        }
+        for key, what in refused.items():
+            if options.get(key):
+                raise DistributedError(f"batching across ranks: {what} is not built yet")
+        self.ranks = ranks
+        self.turn = 0
+        self.submitted = 0
+        # Requests that sample without a seed: rank 0's seed plus their number, everywhere.
+        self.base_seed = ranks.shared_seed()
+
+    shrink_every = math.inf  # the store keeps its size (see the module's docstring)
+
+    def equal_budget(self, bytes_per_block: int, kv_budget: int) -> int:
+        """The part of ``kv_budget`` that buys as many blocks as every other rank's pool has:
+        the fewest any rank's budget buys for its own layers (``bytes_per_block``)."""
+        mine = kv_budget // bytes_per_block if bytes_per_block else 1 << 30
+        fewest = mx.distributed.all_min(
+            mx.array(min(mine, 1 << 30), mx.int32), group=self.ranks.group
+        )
+        self.ranks.run("engine start: the pools' blocks", fewest)
+        if int(fewest.item()) < 1:  # on every rank alike
+            raise DistributedError(
+                f"kv_budget: a rank's budget holds no block of its layers' keys and values "
+                f"(this rank's block: {bytes_per_block} bytes)"
+            )
+        return int(fewest.item()) * bytes_per_block
+
+    def check_draft(self, draft) -> None:
+        """Prompt lookup drafts from the tokens alone, the same on every rank; a draft model's
+        forwards are not across ranks yet."""
+        if getattr(draft, "model", None) is not None:
+            raise DistributedError(
+                "batching across ranks: drafting with a draft model (DraftModel, "
+                "--draft-model) is not built yet; prompt lookup is"
+            )
+
+    def seeded(self, sampling):
+        """``sampling`` with a seed the same on every rank (a request that samples without one
+        gets rank 0's seed plus its number)."""
+        number = self.submitted
+        self.submitted += 1
+        if sampling.greedy or sampling.seed is not None:
+            return sampling
+        from dataclasses import replace
+
+        return replace(sampling, seed=(self.base_seed + number) % (1 << 31))
+
+    def agree(self, engine, waiting: list) -> list | None:
+        """Rank 0's decisions for this turn, applied: rank 0's cancelled requests retired on
+        every rank; the turn's waiting requests (this rank's copies of the ones rank 0
+        takes; the rest stay queued), or None when rank 0 closed the engine."""
+        self.turn += 1
+        ranks, running = self.ranks, engine._running
+        what = f"engine turn {self.turn}"
+        cancelled = [int(r.cancelled.is_set()) for r in running]
+        row = [int(engine._closed), len(waiting), len(running), sum(cancelled)]
+        table = mx.zeros((ranks.size, len(row)), dtype=mx.int32)
+        table[ranks.rank] = mx.array(row, dtype=mx.int32)
+        table = ranks.all_sum(table)
+        ranks.run(f"{what}: rank 0's decisions", table)
+        table = np.array(table)
+        closing, take, n_running, n_cancelled = (int(v) for v in table[0])
+        if (table[:, 2] != n_running).any():
+            bad = int(np.flatnonzero(table[:, 2] != n_running)[0])
+            raise DistributedError(
+                f"rank {bad} runs {int(table[bad, 2])} requests at {what}, rank 0 {n_running} "
+                f"(seen by rank {ranks.rank}): the ranks' engines were fed differently"
+            )
+        if n_cancelled:
+            flags = ranks.broadcast(mx.array(cancelled, dtype=mx.int32), f"{what}: cancellations")
+            for request, flag in zip(list(running), flags.tolist()):
+                if flag:
+                    engine._retire(request)
+        if len(waiting) < take and not closing:
+            waiting = waiting + self._more(engine, take - len(waiting), what)
+        if closing or len(waiting) > take:  # the rest stays queued, in order
+            keep = 0 if closing else take
+            with engine._cond:
+                engine._waiting[:0] = waiting[keep:]
+            waiting = waiting[:keep]
+        return None if closing else waiting
+
+    def _more(self, engine, n: int, what: str) -> list:
+        """The next ``n`` requests submitted on this rank (rank 0's turn takes them), waited
+        for within the rank timeout."""
+        deadline = time.monotonic() + ranks_timeout(self.ranks)
+        with engine._cond:
+            while len(engine._waiting) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DistributedError(
+                        f"rank {self.ranks.rank}: {what}: rank 0 took {n} more request(s) than "
+                        f"were submitted here within the rank timeout "
+                        f"({ranks_timeout(self.ranks):g} s): every rank must submit the same "
+                        "requests in the same order"
+                    )
+                engine._cond.wait(min(left, 0.05))
+            more, engine._waiting[:n] = engine._waiting[:n], []
+        return more
+
+    def check_admitted(self, requests: list) -> None:
+        """The ranks compare what this turn admitted: each request's prompt (length and a
+        checksum), its room, whether it was admitted, and the prefix tokens it shares."""
+        if not requests:
+            return
+        rows = [
+            [
+                len(r.ids),
+                zlib.crc32(np.asarray(r.ids, np.int64).tobytes()) & 0x7FFFFFFF,
+                r.max_tokens,
+                int(r.seq is not None),
+                r.cached_tokens if r.seq is not None else -1,
+            ]
+            for r in requests
+        ]
+        self.ranks.check_same(
+            mx.array(rows, dtype=mx.int32),
+            f"engine turn {self.turn}",
+            why="requests (prompt, max_tokens, admission or shared prefix) other than rank 0's: "
+            "every rank must submit the same requests in the same order",
+        )
+
+
+def ranks_timeout(ranks: Ranks) -> float:
+    return ranks.watchdog.timeout

@@ -1,0 +1,324 @@
+"""The batching engine across ranks (mlxinfer/distributed/batching.py): ``batch_generate`` with
+a model loaded with ``distributed="pipeline"|"tensor"``, two ranks on 127.0.0.1 (ring backend),
+started as tests/test_distributed.py starts them.
+
+The reference is one process on the same checkpoint: its ``batch_generate`` and, prompt by
+prompt, its ``generate`` (the rest of the suite holds both to transformers). Run as a script,
+this file is one rank: ``python test_distributed_batch.py MODEL_DIR MODE N PROMPTS OUT``
+loads MODEL_DIR with ``distributed=MODE``, runs ``batch_generate`` over PROMPTS (a JSON list of
+token-id lists) for N greedy tokens each, and writes {"texts": [...]} to OUT.rank<r>.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve()
+N_TOKENS = 8
+CANCELLED = 5  # the request rank 0 alone cancels (a 70-token prompt), of LONG tokens
+LONG = 48
+
+
+def _prompts() -> list[list[int]]:
+    """8 prompts of mixed lengths (1 to 90 tokens: prefill chunks longer than the 64 positions
+    whose logits a pipeline step shares, several chunks in one forward); the last begins with
+    the 33 tokens of another (two full 16-token blocks of the pool to share)."""
+    lengths = [6, 1, 90, 13, 33, 70, 2, 45]
+    prompts = [[(7 * i + 11 * n + 3) % 290 + 3 for i in range(n)] for n in lengths]
+    prompts[7] = prompts[4] + [5, 6, 7, 8, 9]
+    return prompts
+
+
+def _run_ranks(tmp_path, model_dir, mode, job, wait=None):
+    from test_distributed import WAIT_S, Ranks
+
+    wait = wait or WAIT_S + 30
+
+    out = tmp_path / "out.json"
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    command = [sys.executable, str(SCRIPT), str(model_dir), mode, str(tmp_path / "job.json")]
+    with Ranks(tmp_path, command + [str(out)]) as ranks:
+        codes = [ranks.wait(0, wait), ranks.wait(1, 30)]
+        assert codes == [0, 0], ranks.text(0) + ranks.text(1)
+        results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+        return results, ranks.text(0) + ranks.text(1)
+
+
+def _stop_string(texts: list[str]) -> str:
+    """Two letters from the middle of one of the texts: a stop string that cuts it short."""
+    for text in texts:
+        for i in range(2, len(text) - 3):
+            if text[i : i + 2].isascii() and text[i : i + 2].isalpha():
+                return text[i : i + 2]
+    raise AssertionError(f"no two letters in {texts}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A tiny random llama (4 heads, 2 KV heads, 3 layers: both splits apply) and what one
+    process gives for the prompts: ``generate``'s tokens and texts one prompt at a time, which
+    ``batch_generate``'s texts must equal; the same with a stop string."""
+    from test_distributed import _checkpoint
+
+    import mlxinfer
+    from mlxinfer.generation import generate_step
+
+    path, _ = _checkpoint(tmp_path_factory.mktemp("llama"))
+    model, tokenizer = mlxinfer.load(path)
+    prompts = _prompts()
+    texts = [mlxinfer.generate(model, tokenizer, p, max_tokens=N_TOKENS) for p in prompts]
+    tokens = [
+        [t for t, _ in generate_step(p, model, max_tokens=LONG if i == CANCELLED else N_TOKENS)]
+        for i, p in enumerate(prompts)
+    ]
+    assert mlxinfer.batch_generate(model, tokenizer, prompts, max_tokens=N_TOKENS) == texts
+    assert len(set(map(tuple, tokens))) == len(tokens)  # distinct: a row given another's shows
+    stop = _stop_string(texts)
+    cut = [
+        mlxinfer.generate(model, tokenizer, p, max_tokens=N_TOKENS, stop=[stop]) for p in prompts
+    ]
+    assert (
+        mlxinfer.batch_generate(model, tokenizer, prompts, max_tokens=N_TOKENS, stop=[stop]) == cut
+    )
+    assert cut != texts
+    sampled = mlxinfer.batch_generate(
+        model, tokenizer, prompts, max_tokens=N_TOKENS, temperature=0.9, seed=7
+    )
+    assert sampled != texts
+    job = {"prompts": prompts, "n": N_TOKENS, "stop": stop, "cancel": CANCELLED}
+    short = [t[:N_TOKENS] for t in tokens]
+    lookup, accepted = _lookup(model, prompts, N_TOKENS)
+    assert lookup == short and accepted > 0  # prompt lookup: greedy, the same tokens
+    expected = {"texts": texts, "tokens": tokens, "cut": cut, "sampled": sampled, "short": short}
+    return path, job, {**expected, "accepted": accepted}
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path, mode):
+    """Both ranks' ``batch_generate`` texts (and an engine's tokens) equal one process's, with
+    and without a stop string (whose cancellations rank 0 decides for every rank)."""
+    path, job, expected = reference
+    results, log = _run_ranks(tmp_path, path, mode, job)
+    split = "runs layers 0-1 of 3" if mode == "pipeline" else "runs heads 0-1 of 4"
+    assert split in log and "falls back" not in log, log
+    for result in results:  # every rank's engines took the same turns
+        assert result["texts"] == expected["texts"]
+        assert result["cut"] == expected["cut"]
+        assert result["sampled"] == expected["sampled"]
+        assert result["lookup"] == expected["short"] and result["accepted"] > 0
+        assert result["again"] == [expected["tokens"][-1], 32]  # two 16-token blocks shared
+        tokens = result["tokens"]
+        assert tokens[:CANCELLED] + tokens[CANCELLED + 1 :] == (
+            expected["tokens"][:CANCELLED] + expected["tokens"][CANCELLED + 1 :]
+        )
+    # The request rank 0 alone cancelled (after reading 2 tokens) ended at the same token on
+    # both ranks, before its last.
+    cancelled = results[0]["tokens"][CANCELLED]
+    assert results[1]["tokens"][CANCELLED] == cancelled
+    assert (
+        2 <= len(cancelled) < LONG and cancelled == expected["tokens"][CANCELLED][: len(cancelled)]
+    )
+    # The same steps on both ranks: the engine's forwards (and one at its start, for the
+    # pool's shapes); batched: one prompt at a time would take at least 8 x 8 forwards.
+    steps, forwards = results[0]["engine_steps"]
+    assert results[1]["engine_steps"] == [steps, forwards] and steps == forwards + 1
+    assert forwards < len(job["prompts"]) * N_TOKENS
+    assert results[0]["steps"] == results[1]["steps"]
+    assert results[0]["unseeded"] == results[1]["unseeded"] != expected["sampled"]
+
+
+SLOW = pytest.mark.skipif(
+    os.environ.get("MLXINFER_SLOW") != "1",
+    reason="more two-rank launches than the suite's share: set MLXINFER_SLOW=1 to run",
+)
+
+
+@SLOW
+@pytest.mark.slow
+def test_a_killed_rank_during_batch_generate_is_a_clear_error(reference, tmp_path):
+    from test_distributed import Ranks
+
+    path, job, _ = reference
+    (tmp_path / "job.json").write_text(json.dumps({**job, "n": 30000}))
+    command = [sys.executable, str(SCRIPT), str(path), "pipeline", str(tmp_path / "job.json")]
+    with Ranks(tmp_path, command + [str(tmp_path / "out.json")]) as ranks:
+        ranks.wait_for(0, "batch_generate: started")
+        time.sleep(1.0)
+        assert ranks.procs[0].poll() is None  # still generating
+        ranks.procs[1].kill()
+        start = time.monotonic()
+        assert ranks.wait(0, timeout=60) != 0
+        assert time.monotonic() - start < 60
+        err = ranks.text(0)
+        assert "rank 0: lost rank 1 during" in err, err
+
+
+@SLOW
+@pytest.mark.slow
+def test_generate_batch_across_two_ranks_from_the_cli(reference, tmp_path):
+    """``mlxinfer launch -n 2 -- mlxinfer generate --distributed pipeline --batch FILE``: rank 0
+    prints one JSON line per prompt, the texts of one process."""
+    from test_distributed import WAIT_S, _launch
+
+    path, job, expected = reference
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hi", "The cat sat")))
+    command = [sys.executable, "-m", "mlxinfer", "generate", "-m", str(path), "--batch"]
+    command += [str(prompts), "--no-chat-template", "-n", str(N_TOKENS)]
+    one = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S)
+    assert one.returncode == 0, one.stderr
+    for extra in ([], ["--prompt-lookup"]):  # greedy: drafts change no token
+        done = _launch(tmp_path, "-n", "2", "--", *command, "--distributed", "pipeline", *extra)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == one.stdout and len(done.stdout.splitlines()) == 2
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, mode", [("qwen2", "tensor"), ("mixtral", "pipeline"), ("deepseek_v3", "pipeline")]
+)
+def test_families_batch_generate_across_two_ranks(tmp_path, family, mode):
+    """Sliding and full layers split by heads (qwen2), MoE (mixtral) and MLA's latent caches
+    in the pool (deepseek_v3): one process's texts."""
+    from hf_models import make_tiny
+    from test_distributed import FAMILIES
+    from tiny_checkpoint import tokenizer_json
+
+    import mlxinfer
+    from mlxinfer.generation import generate_step
+
+    config = dict(vocab_size=300, num_hidden_layers=3, **FAMILIES[family])
+    path, _ = make_tiny(tmp_path / family, family, **config)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json(300)))
+    model, tokenizer = mlxinfer.load(path)
+    prompts = _prompts()
+    texts = [mlxinfer.generate(model, tokenizer, p, max_tokens=N_TOKENS) for p in prompts]
+    tokens = [[t for t, _ in generate_step(p, model, max_tokens=N_TOKENS)] for p in prompts]
+    job = {"prompts": prompts, "n": N_TOKENS, "stop": _stop_string(texts), "more": False}
+    results, log = _run_ranks(tmp_path, path, mode, job)
+    assert "falls back" not in log and "runs " in log, log
+    for result in results:
+        assert result["texts"] == texts and result["tokens"] == tokens
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.real
+def test_smollm2_batch_generate_across_two_ranks(smollm2_hf_dir, tmp_path):
+    """The real SmolLM2-135M (30 layers; 9 heads: tensor falls back to the pipeline)."""
+    import mlxinfer
+    from mlxinfer.generation import generate_step
+
+    model, tokenizer = mlxinfer.load(smollm2_hf_dir)
+    texts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    expected = [mlxinfer.generate(model, tokenizer, p, max_tokens=12) for p in prompts]
+    tokens = [[t for t, _ in generate_step(p, model, max_tokens=12)] for p in prompts]
+    del model
+    job = {"prompts": prompts, "n": 12, "stop": "\n\n", "more": False}
+    results, log = _run_ranks(tmp_path, smollm2_hf_dir, "tensor", job, wait=240)
+    assert "falls back to the pipeline: 9 attention heads do not divide over 2 ranks" in log
+    for result in results:
+        assert result["tokens"] == tokens
+        assert result["texts"] == expected
+
+
+def test_what_does_not_run_across_ranks_is_refused_without_ranks():
+    """What does not run across ranks yet is a one-line DistributedError (no ranks needed:
+    the refusal comes before any collective)."""
+    from mlxinfer.distributed.batching import Turns
+    from mlxinfer.errors import DistributedError
+    from mlxinfer.generation.drafts import DraftModel, PromptLookup
+
+    with pytest.raises(DistributedError, match="^batching across ranks: draft models"):
+        Turns(None, draft_models=[object()])
+    with pytest.raises(DistributedError, match="^batching across ranks: the prefix cache on disk"):
+        Turns(None, prefix_cache_dir="/tmp/x")
+    turns = Turns.__new__(Turns)
+    turns.check_draft(None)
+    turns.check_draft(PromptLookup())
+    with pytest.raises(DistributedError, match="^batching across ranks: drafting with a draft"):
+        turns.check_draft(DraftModel(object()))
+
+
+def _lookup(model, prompts, n):
+    """Each prompt's tokens through an engine drafting by prompt lookup, and the drafts kept."""
+    from mlxinfer.batch import Engine
+    from mlxinfer.generation.drafts import PromptLookup
+
+    with Engine(model) as engine:
+        handles = [engine.submit(p, max_tokens=n, draft=PromptLookup()) for p in prompts]
+        steps = [list(h.steps()) for h in handles]
+    return [[s.token for s in row] for row in steps], sum(s.from_draft for r in steps for s in r)
+
+
+def _more_runs(model, tokenizer, prompts, n, stop, result) -> None:
+    """A stop string, drafts by prompt lookup, and sampling: with a seed (every request alike,
+    as in one process), and without one (each request gets rank 0's seed plus its number)."""
+    import mlxinfer
+
+    run = functools.partial(mlxinfer.batch_generate, model, tokenizer, prompts, max_tokens=n)
+    result["cut"] = run(stop=[stop])
+    result["lookup"], result["accepted"] = _lookup(model, prompts, n)
+    result["sampled"] = run(temperature=0.9, seed=7)
+    result["unseeded"] = run(temperature=0.9)
+
+
+def _rank_main() -> None:
+    import mlxinfer
+    from mlxinfer.batch import Engine
+
+    model_dir, mode, job, out = sys.argv[1:5]
+    job = json.loads(Path(job).read_text())
+    prompts, n = job["prompts"], job["n"]
+    model, tokenizer = mlxinfer.load(
+        model_dir, distributed=mode, log=lambda m: print(m, file=sys.stderr)
+    )
+    print("batch_generate: started", file=sys.stderr, flush=True)
+    result = {"texts": mlxinfer.batch_generate(model, tokenizer, prompts, max_tokens=n)}
+    # An engine whose requests reach the ranks at other times (rank 1's later, one by one),
+    # one of which rank 0 alone cancels after its second token: rank 0 decides for all.
+    rank = model.ranks.rank
+    before = model.ranks.steps
+    with Engine(model) as engine:
+        handles = []
+        cancel = job.get("cancel")
+        for i, p in enumerate(prompts):
+            handles.append(engine.submit(p, max_tokens=LONG if i == cancel else n))
+            time.sleep(0.15 * rank)
+        tokens = {}
+        if rank == 0 and cancel is not None:
+            steps = handles[cancel].steps()
+            tokens[cancel] = [next(steps).token, next(steps).token]
+            handles[cancel].cancel()
+            tokens[cancel] += [s.token for s in steps]  # those made before the cancel
+        for i, h in enumerate(handles):
+            if i not in tokens:
+                tokens[i] = [s.token for s in h.steps()]
+        result["tokens"] = [tokens[i] for i in range(len(handles))]
+        again = engine.submit(prompts[-1], max_tokens=n)  # its prefix's blocks are cached now
+        result["again"] = [[s.token for s in again.steps()], again.cached_tokens]
+        forwards = engine.steps_run + engine.prefill_steps
+    result["engine_steps"] = [model.ranks.steps - before, forwards]
+    if job.get("more", True):
+        _more_runs(model, tokenizer, prompts, n, job["stop"], result)
+    result["steps"] = model.ranks.steps
+    print(model.ranks.summary(), file=sys.stderr)
+    with open(f"{out}.rank{os.environ['MLX_RANK']}", "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a ring group's teardown could wait on a peer that already left
+
+
+if __name__ == "__main__":
+    _rank_main()
