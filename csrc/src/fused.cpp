@@ -89,11 +89,7 @@ void RMSNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
+  auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
                     w = mx::array::unsafe_weak_copy(inputs[1]),
                     out = mx::array::unsafe_weak_copy(out), eps = eps_]() mutable {
@@ -248,11 +244,7 @@ void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   } else {
     out.copy_shared_buffer(in);
   }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
+  auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([buffer = mx::array::unsafe_weak_copy(inputs[0]),
                     x = mx::array::unsafe_weak_copy(inputs[1]),
                     cos = mx::array::unsafe_weak_copy(inputs[2]),
@@ -326,11 +318,7 @@ void DecodeAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
+  auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
                     keys = mx::array::unsafe_weak_copy(inputs[1]),
                     values = mx::array::unsafe_weak_copy(inputs[2]),

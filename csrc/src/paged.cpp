@@ -66,11 +66,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
+  auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
                     keys = mx::array::unsafe_weak_copy(inputs[1]),
                     values = mx::array::unsafe_weak_copy(inputs[2]),

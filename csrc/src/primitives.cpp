@@ -100,11 +100,7 @@ void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
+  auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
                     w = mx::array::unsafe_weak_copy(inputs[1]),
                     sc = mx::array::unsafe_weak_copy(inputs[2]),
@@ -206,11 +202,7 @@ void Matvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void Matvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
+  auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
                     w = mx::array::unsafe_weak_copy(inputs[1]),
                     out = mx::array::unsafe_weak_copy(out)]() mutable {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 
 #include "threadpool.h"
@@ -16,6 +17,18 @@
 namespace mlxinfer {
 
 namespace mx = mlx::core;
+
+// The stream's CPU command encoder with a primitive's inputs and output registered, ready for
+// the primitive's dispatch.
+inline mx::cpu::CommandEncoder& encoder_for(mx::Stream stream, const std::vector<mx::array>& inputs,
+                                            mx::array& out) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  return encoder;
+}
 
 inline std::string shape_str(const mx::Shape& s) {
   std::ostringstream o;
