@@ -110,6 +110,10 @@ def bench(
     if json_path:
         json_path = report.check_writable(json_path, "--json")
     model_dir = default_model_path(log=_log) if model is None else resolve_model_path(model)
+    if model_dir.is_file():  # a .gguf: its import (made once), which mlx-lm can read too
+        from .gguf_models import model_dir_for
+
+        model_dir = model_dir_for(model_dir, log=_log)
     llm, _ = _load(str(model_dir), verbose=True)
     if batch_sizes is not None:
         return _bench_batch(

@@ -50,3 +50,22 @@ def test_another_file_is_our_error_naming_it(tmp_path):
     r = CliRunner().invoke(cli, ["generate", "-m", str(other), "-p", "hi"])
     assert r.exit_code == 1 and "notes.txt: a file, expected a model directory" in r.output
     assert "Traceback" not in r.output
+
+
+def test_bench_takes_a_gguf_file_as_its_import(tiny_gguf, tmp_path, monkeypatch):
+    """``bench -m FILE.gguf``: the import's directory is what the bench (and mlx-lm, with
+    ``--compare``) reads; the file itself was a bare NotADirectoryError in the notes."""
+    from mlxinfer import bench
+
+    seen = {}
+
+    def fake_run(llm, model_dir, *args, **kwargs):
+        seen["dir"] = model_dir
+        bench.machine.comparison_notes(llm, model_dir, None)  # read the checkpoint's files
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench, "run_benchmark", fake_run)
+    r = CliRunner().invoke(cli, ["bench", "-m", str(tiny_gguf), "-p", "4", "-n", "2"])
+    assert r.exit_code == 0, r.output
+    (made,) = _imports(tmp_path)
+    assert seen["dir"] == made and (made / "config.json").is_file()
