@@ -179,6 +179,7 @@ def test_the_page_sends_a_servers_api_key(page_server, browser, tmp_path):
         assert page.locator("#model option").count() == 0
         page.fill("#key", "sk-page")
         page.dispatch_event("#key", "change")
+        _models_listed(page)  # the key opened the model list: asking before it fills races it
         _ask(page, "Hello")
         assert "Done." in _replies_done(page, 1).inner_text()
         page.close()
