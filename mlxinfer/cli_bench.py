@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import click
 
-from .cli_options import _batch_sizes, _errors_to_click, _load, _log
+from .cli_options import _batch_sizes, _errors_to_click, _load, _log, model_option
 
 
 @click.command()
-@click.option(
-    "--model",
-    "-m",
-    default=None,
-    help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]",
-)
+@model_option
 @click.option(
     "--prompt-tokens",
     "-p",

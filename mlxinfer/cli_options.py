@@ -57,14 +57,18 @@ def _template_args(ctx, param, values) -> dict | None:
     return out or None
 
 
+# Every command's model: a directory, a .gguf file (imported once) or a Hub repo id.
+model_option = click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="Model directory, .gguf file or Hub repo id [default: SmolLM2-135M-Instruct]",
+)
+
+
 def generation_options(fn):
     options = [
-        click.option(
-            "--model",
-            "-m",
-            default=None,
-            help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]",
-        ),
+        model_option,
         click.option(
             "--max-tokens", "-n", default=256, show_default=True, help="Most tokens to generate."
         ),

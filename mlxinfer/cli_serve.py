@@ -19,6 +19,7 @@ from .cli_options import (
     _make_draft,
     _size,
     limit_options,
+    model_option,
 )
 
 
@@ -93,12 +94,7 @@ def agent_options(fn):
 
 
 @click.command()
-@click.option(
-    "--model",
-    "-m",
-    default=None,
-    help="Model directory or Hub repo id [default: SmolLM2-135M-Instruct]",
-)
+@model_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option(
