@@ -81,23 +81,12 @@ class CPUAttention:
                 return y
         return super().__call__(x, mask, cache)
 
-    def attend(
-        self,
-        q: mx.array,
-        k: Any,
-        v: Any,
-        *,
-        scale: float,
-        mask: Mask,
-        cache: Cache | None,
-        sinks: mx.array | None = None,
+    def attend_pages(
+        self, q: mx.array, pages: Any, *, scale: float, sinks: mx.array | None = None
     ) -> mx.array:
-        if self.cpu_decode_kernel and sinks is None:  # the ``decode`` plan: a pool's pages
-            pages = getattr(cache, "pages", None)
-            pages = pages(mask) if pages is not None else None
-            if pages is not None and q.shape[2] == 1:
-                return compiled.paged_attention(q, pages, scale)
-        return super().attend(q, k, v, scale=scale, mask=mask, cache=cache, sinks=sinks)
+        if self.cpu_decode_kernel and sinks is None and q.shape[2] == 1:  # the ``decode`` plan
+            return compiled.paged_attention(q, pages, scale)
+        return super().attend_pages(q, pages, scale=scale, sinks=sinks)
 
     def attend_keys(
         self,

@@ -135,8 +135,14 @@ class Attention(nn.Module):
         pages = getattr(cache, "pages", None)
         pages = pages(mask) if pages is not None else None
         if pages is not None:
-            return paged_attention(q, pages, scale=scale, exp=self.exp, sinks=sinks)
+            return self.attend_pages(q, pages, scale=scale, sinks=sinks)
         return self.attend_keys(q, k, v, scale=scale, mask=mask, cache=cache, sinks=sinks)
+
+    def attend_pages(
+        self, q: mx.array, pages: Pages, *, scale: float, sinks: mx.array | None = None
+    ) -> mx.array:
+        """:meth:`attend` over a paged cache's blocks where they lie (decode)."""
+        return paged_attention(q, pages, scale=scale, exp=self.exp, sinks=sinks)
 
     def attend_keys(
         self,
