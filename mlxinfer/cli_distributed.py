@@ -22,14 +22,18 @@ import click
 from .cli_options import LOAD_OPTIONS, _errors_to_click, _log
 
 MODES = ("pipeline", "tensor")
-UNSUPPORTED = {  # generate's options that do not run across ranks yet
+UNSUPPORTED = {  # the commands' options that do not run across ranks yet
     "prompt_cache_file": "--prompt-cache-file",
     "draft_model": "--draft-model",
+    "prompt_lookup": "--prompt-lookup",  # serve's (generate's runs)
+    "models_dir": "--models-dir",
+    "embedding_model": "--embedding-model",
+    "prefix_cache_dir": "--prefix-cache-dir",
 }
 
 
 def with_distributed(command: click.Command) -> click.Command:
-    """Add ``--distributed`` and ``--rank-timeout`` to ``command`` (``generate``)."""
+    """Add ``--distributed`` and ``--rank-timeout`` to ``command`` (``generate``, ``serve``)."""
     from .distributed.watchdog import DEFAULT_RANK_TIMEOUT
 
     command.params += [
@@ -66,17 +70,19 @@ def _run_rank(run, mode: str, rank_timeout: float, args, kwargs) -> None:
     from .errors import DistributedError
 
     for key, flag in UNSUPPORTED.items():
-        if kwargs.get(key):
+        if kwargs.get(key) and not (key == "prompt_lookup" and "prompt" in kwargs):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
     shared_dir = None
     try:
         ranks = current(rank_timeout)
-        if kwargs.get("batch_file"):  # rank 0's file, on every rank
+        if "prompt" not in kwargs:  # serve: rank 0's server feeds the others
+            pass
+        elif kwargs.get("batch_file"):  # rank 0's file, on every rank
             shared_dir = tempfile.mkdtemp(prefix="mlxinfer-batch-")
             kwargs["batch_file"] = _share_file(ranks, kwargs["batch_file"], shared_dir)
         elif kwargs.get("prompt") is None:
             kwargs["prompt"] = sys.stdin.read() if ranks.first else ""
-        if not kwargs.get("batch_file"):
+        if "prompt" in kwargs and not kwargs.get("batch_file"):
             kwargs["prompt"] = ranks.share_text(kwargs["prompt"])
         if kwargs.get("temperature") and kwargs.get("seed") is None:
             kwargs["seed"] = ranks.shared_seed()  # each rank's sampler draws the same numbers
@@ -168,6 +174,8 @@ def launch(ranks, hostfile, grace, timeout, command):
 
 
 def register(cli: click.Group) -> None:
-    """``launch`` as a command of ``cli``, and the distributed options on its ``generate``."""
+    """``launch`` as a command of ``cli``, and the distributed options on its ``generate``
+    and ``serve``."""
     with_distributed(cli.commands["generate"])
+    with_distributed(cli.commands["serve"])
     cli.add_command(launch)

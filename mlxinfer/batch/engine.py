@@ -81,6 +81,9 @@ class Engine(TextRequests, Scheduler):
             too (``disk_states.py``).
         prefix_cache_disk_bytes: most bytes of block files in ``prefix_cache_dir`` (every
             model's: the oldest go first); None: 10 GiB.
+        rank0_requests: for a model across ranks (``load(distributed=...)``), requests are
+            submitted on rank 0 only (``serve``): the other ranks' engines receive them, and
+            rank 0's tokens, at each turn (``distributed/batching.py``).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Engine(TextRequests, Scheduler):
         state_every: int | None = None,
         prefix_cache_dir: str | os.PathLike | None = None,
         prefix_cache_disk_bytes: int | None = None,
+        rank0_requests: bool = False,
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -119,7 +123,9 @@ class Engine(TextRequests, Scheduler):
         self.turns = None
         if hasattr(model, "engine_turns"):
             options = {"draft_models": draft_models, "prefix_cache_dir": prefix_cache_dir}
-            self.turns = model.engine_turns(**options)
+            self.turns = model.engine_turns(rank0_requests=rank0_requests, **options)
+        elif rank0_requests:
+            raise ValueError("rank0_requests: the model does not run across ranks")
         # Rows of one regime share a forward (None: all rows; see check_batchable).
         self.regime, self.windows = check_batchable(model)
         # Recurrent layers' states live with each request; prefixes are shared from snapshots
@@ -264,6 +270,16 @@ class Engine(TextRequests, Scheduler):
             self._waiting.append(request)
             self._cond.notify()
         return Handle(self, request, next(self._ids))
+
+    def mirror(self, ids: list[int], max_tokens: int, eos: list[int]) -> _Request:
+        """Across ranks (``rank0_requests``), on a rank other than 0: this engine's copy of a
+        request rank 0 sent, fed rank 0's tokens (its sampler is never asked)."""
+        ids = token_ids(ids)
+        check_token_ids(self.model, ids)
+        if not ids or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"a request of {len(ids)} tokens and max_tokens {max_tokens!r}")
+        eos = frozenset(token_ids(eos)) if eos else frozenset()
+        return _Request(ids, max_tokens, SamplingParams().sampler(), [], eos)
 
     def _draft_pool(self, draft) -> DraftPool | None:
         """The pool of ``draft``'s model (made on its first request), or None for a model

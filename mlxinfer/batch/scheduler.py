@@ -108,6 +108,8 @@ class Scheduler(RecurrentRows):
             while True:
                 with self._cond:
                     while not self._closed and not self._waiting and not self._running:
+                        if self.turns is not None and self.turns.due():  # (batching.py)
+                            break
                         self._cond.wait(POLL_S)
                         self._shrink()
                     if self._closed and self.turns is None:
@@ -321,6 +323,8 @@ class Scheduler(RecurrentRows):
         batch = self._batch(rows, tokens, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
         picked, logprobs = rows_mod.sample_rows(rows, logits)
+        if self.turns is not None:  # rank 0's tokens, where only rank 0 samples (batching.py)
+            picked = self.turns.adopt(picked)
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
         mx.eval(picked, logprobs, self._stores(), [state_arrays(r) for r in rows])

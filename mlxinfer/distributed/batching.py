@@ -23,12 +23,22 @@ shares): a difference is a DistributedError on every rank, before any forward of
 Every model forward then compares its tokens with rank 0's and shares the last rank's logits
 (pipeline.py), all under the watchdog.
 
+With ``rank0_requests`` (``serve``: rank 0 owns the HTTP server) the requests are submitted on
+rank 0 only: each turn rank 0 sends the others the requests it has not sent yet (prompt,
+``max_tokens``, EOS tokens: :meth:`Turns.agree`), and after each decode step the tokens rank 0
+picked (:meth:`Turns.adopt`): its sampling, processors and constraints run there alone. Rank
+0 also turns at least every :data:`HEARTBEAT_S` seconds while idle (the others wait in the
+turn's collective, within the rank timeout), and each turn's table carries every rank's
+statistics (KV bytes, weight bytes, seconds computing and waiting) to rank 0's ``/metrics``.
+
 Not across ranks yet (DistributedError at once): drafting with a draft model (prompt lookup
-drafts from the tokens alone, the same on every rank), the prefix cache on disk.
+drafts from the tokens alone, the same on every rank; with ``rank0_requests`` not at all), the
+prefix cache on disk.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import zlib
@@ -37,14 +47,19 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..errors import DistributedError
+from ..errors import DistributedError, MlxInferError
 from .group import Ranks
+
+HEARTBEAT_S = 1.0  # with rank0_requests: rank 0 turns at least this often, idle or not
+MAX_SENT_BYTES = 64 << 20  # the most request bytes rank 0 sends in one turn
+ROW = ("closing", "waiting", "running", "cancelled", "new", "kv_kib", "weight_kib", "busy_ms")
+ROW += ("wait_ms",)
 
 
 class Turns:
     """One engine's agreement with its peers on the other ranks."""
 
-    def __init__(self, ranks: Ranks, **options: Any) -> None:
+    def __init__(self, ranks: Ranks, *, rank0_requests: bool = False, **options: Any) -> None:
         refused = {
             "draft_models": "draft models (speculative decoding)",
             "prefix_cache_dir": "the prefix cache on disk (prefix_cache_dir)",
@@ -53,12 +68,17 @@ class Turns:
             if options.get(key):
                 raise DistributedError(f"batching across ranks: {what} is not built yet")
         self.ranks = ranks
+        self.rank0_requests = rank0_requests
         self.turn = 0
         self.submitted = 0
+        self.last_turn = time.monotonic()
+        # Every rank's row of the last turn's table (``ROW``): the per-rank statistics.
+        self.table: np.ndarray | None = None
         # Requests that sample without a seed: rank 0's seed plus their number, everywhere.
         self.base_seed = ranks.shared_seed()
 
     shrink_every = math.inf  # the store keeps its size (see the module's docstring)
+    rank0_requests = False
 
     def equal_budget(self, bytes_per_block: int, kv_budget: int) -> int:
         """The part of ``kv_budget`` that buys as many blocks as every other rank's pool has:
@@ -77,7 +97,12 @@ class Turns:
 
     def check_draft(self, draft) -> None:
         """Prompt lookup drafts from the tokens alone, the same on every rank; a draft model's
-        forwards are not across ranks yet."""
+        forwards are not across ranks yet, nor any drafting of requests sent by rank 0."""
+        if draft is not None and self.rank0_requests:
+            raise DistributedError(
+                "serving across ranks: speculative decoding (--prompt-lookup, --draft-model) "
+                "is not built yet"
+            )
         if getattr(draft, "model", None) is not None:
             raise DistributedError(
                 "batching across ranks: drafting with a draft model (DraftModel, "
@@ -100,16 +125,19 @@ class Turns:
         every rank; the turn's waiting requests (this rank's copies of the ones rank 0
         takes; the rest stay queued), or None when rank 0 closed the engine."""
         self.turn += 1
+        self.last_turn = time.monotonic()
         ranks, running = self.ranks, engine._running
         what = f"engine turn {self.turn}"
         cancelled = [int(r.cancelled.is_set()) for r in running]
-        row = [int(engine._closed), len(waiting), len(running), sum(cancelled)]
+        fresh = [r for r in waiting if not getattr(r, "sent", False)] if ranks.first else []
+        row = [int(engine._closed), len(waiting), len(running), sum(cancelled), len(fresh)]
+        row += self._statistics(engine)
         table = mx.zeros((ranks.size, len(row)), dtype=mx.int32)
         table[ranks.rank] = mx.array(row, dtype=mx.int32)
         table = ranks.all_sum(table)
         ranks.run(f"{what}: rank 0's decisions", table)
-        table = np.array(table)
-        closing, take, n_running, n_cancelled = (int(v) for v in table[0])
+        self.table = table = np.array(table)
+        closing, take, n_running, n_cancelled, n_new = (int(v) for v in table[0, :5])
         if (table[:, 2] != n_running).any():
             bad = int(np.flatnonzero(table[:, 2] != n_running)[0])
             raise DistributedError(
@@ -121,7 +149,9 @@ class Turns:
             for request, flag in zip(list(running), flags.tolist()):
                 if flag:
                     engine._retire(request)
-        if len(waiting) < take and not closing:
+        if self.rank0_requests and not closing:
+            waiting = self._sent(engine, waiting, fresh, take - n_new, n_new, what)
+        elif len(waiting) < take and not closing:
             waiting = waiting + self._more(engine, take - len(waiting), what)
         if closing or len(waiting) > take:  # the rest stays queued, in order
             keep = 0 if closing else take
@@ -129,6 +159,86 @@ class Turns:
                 engine._waiting[:0] = waiting[keep:]
             waiting = waiting[:keep]
         return None if closing else waiting
+
+    def due(self) -> bool:
+        """Whether the engine's idle loop must turn now: with ``rank0_requests`` a rank other
+        than 0 always (it waits in the turn's collective for rank 0's), rank 0 every
+        :data:`HEARTBEAT_S` seconds (the others' wait stays within the rank timeout, and a
+        rank lost while idle shows at once)."""
+        if not self.rank0_requests:
+            return False
+        return not self.ranks.first or time.monotonic() - self.last_turn >= HEARTBEAT_S
+
+    def adopt(self, picked: mx.array) -> mx.array:
+        """With ``rank0_requests``: the tokens rank 0 picked for the step's rows, on every
+        rank (its sampling, processors and constraints ran there alone)."""
+        if not self.rank0_requests:
+            return picked
+        return self.ranks.broadcast(picked, f"engine turn {self.turn}: rank 0's tokens")
+
+    def _sent(self, engine, waiting: list, fresh: list, held: int, n_new: int, what: str):
+        """With ``rank0_requests``: the turn's waiting requests, rank 0's new ones sent to the
+        others (which build theirs from them, after the ones they hold as rank 0 does)."""
+        ranks = self.ranks
+        if len(waiting) != held + (n_new if ranks.first else 0):
+            raise DistributedError(
+                f"rank {ranks.rank} holds {len(waiting) - (n_new if ranks.first else 0)} "
+                f"waiting requests at {what}, rank 0 {held}: the ranks' engines part ways"
+            )
+        if not n_new:
+            return waiting
+        data = b""
+        if ranks.first:
+            described = [
+                {"ids": r.ids, "max_tokens": r.max_tokens, "eos": sorted(r.eos)} for r in fresh
+            ]
+            data = json.dumps(described, separators=(",", ":")).encode()
+            for r in fresh:
+                r.sent = True
+        size = int(ranks.broadcast(mx.array(len(data), dtype=mx.int32), f"{what}: requests"))
+        if not 0 < size <= MAX_SENT_BYTES:
+            raise DistributedError(
+                f"{what}: rank 0's new requests take {size} bytes, expected 1..{MAX_SENT_BYTES}"
+            )
+        raw = np.frombuffer(data, np.uint8) if ranks.first else np.zeros(size, np.uint8)
+        raw = ranks.broadcast(mx.array(raw), f"{what}: requests")
+        if ranks.first:
+            return waiting
+        try:
+            described = json.loads(bytes(np.array(raw)))
+            made = [engine.mirror(d["ids"], d["max_tokens"], d["eos"]) for d in described]
+        except (ValueError, KeyError, TypeError, MlxInferError) as e:
+            raise DistributedError(f"{what}: rank 0's requests do not read ({e})") from None
+        if len(made) != n_new:
+            raise DistributedError(f"{what}: rank 0 sent {len(made)} requests, expected {n_new}")
+        return waiting + made
+
+    def _statistics(self, engine) -> list[int]:
+        """This rank's statistics for the turn's table (``ROW``'s last four: KiB, ms)."""
+        ranks = self.ranks
+        kv = engine.pool.nbytes + (engine.window_pool.nbytes if engine.window_pool else 0)
+        cap = (1 << 31) - 1
+        return [
+            min(kv >> 10, cap),
+            min(ranks.weight_bytes >> 10, cap),
+            min(int(ranks.seconds["computing"] * 1000), cap),
+            min(int(ranks.seconds["waiting"] * 1000), cap),
+        ]
+
+    def rank_metrics(self) -> dict[int, dict[str, float]]:
+        """Every rank's statistics as of the last turn (rank 0's ``/metrics``)."""
+        if self.table is None:
+            return {}
+        out = {}
+        for r, row in enumerate(self.table):
+            values = dict(zip(ROW, (int(v) for v in row)))
+            out[r] = {
+                "kv_bytes": values["kv_kib"] << 10,
+                "weight_bytes": values["weight_kib"] << 10,
+                "computing_seconds": values["busy_ms"] / 1000,
+                "waiting_seconds": values["wait_ms"] / 1000,
+            }
+        return out
 
     def _more(self, engine, n: int, what: str) -> list:
         """The next ``n`` requests submitted on this rank (rank 0's turn takes them), waited

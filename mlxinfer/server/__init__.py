@@ -32,10 +32,19 @@ def serve(
     process ends within seconds). Bound to a loopback address, only requests naming this
     machine in ``Host`` are answered, unless ``allowed_hosts`` names more; bound to another
     address, any host is (``allowed_hosts`` defaults to ``["*"]``)."""
+    from ..distributed import serving
     from .limits import is_loopback
     from .run import server
 
+    if serving.across_ranks(model):  # rank 0 serves, the others follow (distributed/serving.py)
+        serving.check_options(options)
+        options["rank0_requests"] = True
+        if not model.ranks.first:
+            serving.follow(model, serving.engine_options(options))
+            return
     if allowed_hosts is None and not is_loopback(host):
         allowed_hosts = ["*"]
     app = make_app(model, tokenizer, name, allowed_hosts=allowed_hosts, **options)
+    if serving.across_ranks(model):
+        serving.lead(model, app)
     server(app, host, port).run()

@@ -91,10 +91,39 @@ def prometheus(registry: Models, work: Work | None = None) -> str:
     for key, (kind, text) in kinds.items():
         name = _metric(key, kinds)
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples[key]]
+    lines += _rank_lines(registry)
     for key, value, text in _mlx_memory():
         lines += [f"# HELP mlxinfer_{key} {text}", f"# TYPE mlxinfer_{key} gauge"]
         lines.append(f"mlxinfer_{key} {value}")
     return "\n".join(lines) + "\n"
+
+
+RANK_METRICS = {  # across ranks: each rank's, as of the engine's last turn
+    "kv_bytes": ("gauge", "Bytes of the rank's KV pool (its own layers or heads)."),
+    "weight_bytes": ("gauge", "Bytes of the weights the rank holds."),
+    "computing_seconds": ("counter", "Seconds the rank spent computing its part of the steps."),
+    "waiting_seconds": ("counter", "Seconds the rank spent waiting on the other ranks."),
+}
+
+
+def _rank_lines(registry: Models) -> list[str]:
+    """``mlxinfer_rank_<name>{model=..., rank=...}`` for the engines that run across ranks."""
+    samples: dict[str, list[str]] = {key: [] for key in RANK_METRICS}
+    for entry in list(registry.entries.values()):
+        turns = getattr(entry.engine, "turns", None)
+        if turns is None:
+            continue
+        model = entry.name.replace("\\", "\\\\").replace('"', '\\"')
+        for rank, values in turns.rank_metrics().items():
+            for key, value in values.items():
+                samples[key].append(f'{{model="{model}",rank="{rank}"}} {value:.15g}')
+    lines: list[str] = []
+    for key, (kind, text) in RANK_METRICS.items():
+        if samples[key]:
+            name = f"mlxinfer_rank_{key}" + ("_total" if kind == "counter" else "")
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            lines += [name + sample for sample in samples[key]]
+    return lines
 
 
 def _mlx_memory() -> list[tuple[str, int, str]]:

@@ -93,7 +93,12 @@ class Models:
             if entry is None:
                 return None
             if entry.engine is not None and not entry.engine.alive:
-                if entry.engine.failure is not None:
+                # Across ranks a failed engine stays (the ranks it ran with are gone): /health
+                # and the requests say why.
+                if (
+                    entry.engine.failure is not None
+                    and getattr(entry.engine, "turns", None) is None
+                ):
                     failure = entry.engine.failure
                     entry.failures.append(f"{type(failure).__name__}: {failure}")
                     entry.engine = Engine(entry.model, **self.engine_options)

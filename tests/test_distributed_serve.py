@@ -1,0 +1,166 @@
+"""``mlxinfer serve --distributed``: rank 0 owns the HTTP server, rank 1 follows its engine
+(mlxinfer/distributed/serving.py, batching.py's ``rank0_requests``). Two ranks on 127.0.0.1,
+started as tests/test_distributed.py starts them (MLX_RANK, MLX_HOSTFILE), every wait bounded.
+
+The reference is one process serving the same checkpoint (the rest of the suite holds its
+server to ``generate`` and ``generate`` to transformers): the same requests, greedy and seeded,
+must give the same texts from two ranks, sent by four clients at once.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the server tests need httpx (the test extras)")
+pytest.importorskip("fastapi", reason="serve needs FastAPI (mlxinfer[server])")
+
+from servers import free_port  # noqa: E402
+from test_distributed import WAIT_S, Ranks, _checkpoint  # noqa: E402
+
+NAME = "llama"
+ASKS = [
+    {"prompt": "hello there", "max_tokens": 8, "temperature": 0},
+    {"prompt": "abc def ghi jkl mno pqr", "max_tokens": 12, "temperature": 0},
+    {"prompt": "x", "max_tokens": 5, "temperature": 0},
+    {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0.9, "seed": 7},
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny random llama (3 layers: 2 + 1 over two ranks; EOS never picked) and one process's
+    answers to ``ASKS``, whole and streamed."""
+    from fastapi.testclient import TestClient
+
+    import mlxinfer
+    from mlxinfer.server import make_app
+
+    path, _ = _checkpoint(tmp_path_factory.mktemp("served") / NAME)
+    model, tokenizer = mlxinfer.load(path)
+    with TestClient(make_app(model, tokenizer, NAME)) as client:
+        texts = [_text(client.post("/v1/completions", json={"model": NAME, **a})) for a in ASKS]
+        streamed = _streamed(client.post("/v1/completions", json=_stream(ASKS[1])).text)
+    assert len(set(texts)) == len(texts) and all(texts)  # distinct: a swapped answer shows
+    assert streamed == texts[1]
+    return path, texts
+
+
+def _text(response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def _stream(ask: dict) -> dict:
+    return {"model": NAME, **ask, "stream": True}
+
+
+def _streamed(body: str) -> str:
+    """The text of an SSE stream of completion chunks."""
+    text = ""
+    for line in body.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            text += "".join(c.get("text", "") for c in event.get("choices", []))
+    return text
+
+
+def _serve(path, port: int) -> list[str]:
+    command = [sys.executable, "-m", "mlxinfer", "serve", "-m", str(path), "--port", str(port)]
+    return command + ["--distributed", "pipeline", "--rank-timeout", "60", "--kv-budget", "8000000"]
+
+
+def _wait_healthy(ranks: Ranks, url: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        for r in (0, 1):
+            assert ranks.procs[r].poll() is None, ranks.text(0) + ranks.text(1)
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "rank 0's server did not start"
+        time.sleep(0.2)
+
+
+def _metric(text: str, name: str, rank: int) -> float:
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{model="{NAME}",rank="{rank}"}} '):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} for rank {rank} in /metrics")
+
+
+def test_serve_across_two_ranks_matches_one_process(served, tmp_path):
+    """Four clients at once get one process's texts (greedy and seeded) and a stream; rank 0's
+    /metrics has both ranks' KV and weight bytes; a SIGTERM to rank 0 ends both, cleanly."""
+    path, texts = served
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with Ranks(tmp_path, _serve(path, port)) as ranks:
+        _wait_healthy(ranks, url)
+        assert "follows rank 0's server" in ranks.text(1)
+
+        def ask(a: dict) -> str:
+            return _text(httpx.post(f"{url}/v1/completions", json={"model": NAME, **a}, timeout=60))
+
+        with ThreadPoolExecutor(len(ASKS) + 1) as pool:
+            answers = pool.map(ask, ASKS)
+            stream = pool.submit(
+                lambda: httpx.post(f"{url}/v1/completions", json=_stream(ASKS[1]), timeout=60)
+            )
+            assert list(answers) == texts
+            assert _streamed(stream.result().text) == texts[1]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        kv = [_metric(metrics, "mlxinfer_rank_kv_bytes", r) for r in (0, 1)]
+        weights = [_metric(metrics, "mlxinfer_rank_weight_bytes", r) for r in (0, 1)]
+        # The same number of blocks on both ranks, of 2 layers on rank 0 and 1 on rank 1.
+        assert kv[1] > 0 and kv[0] == 2 * kv[1]
+        assert all(w > 0 for w in weights)
+        # uvicorn ends its process with the signal it caught, after its shutdown (as one
+        # process's serve does); the follower ends with rank 0's engine, cleanly.
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        assert ranks.wait(0, 30) in (0, -signal.SIGTERM) and ranks.wait(1, 30) == 0
+        assert "Finished server process" in ranks.text(0), ranks.text(0)
+
+
+def test_a_lost_rank_fails_the_running_request_and_health(served, tmp_path):
+    """Rank 1 killed during a stream: the stream ends with an error naming it, /health answers
+    503 with it, and a new request gets the API's error; rank 0's server stays up."""
+    path, _ = served
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with Ranks(tmp_path, _serve(path, port)) as ranks:
+        _wait_healthy(ranks, url)
+        long = {**ASKS[0], "max_tokens": 20000}
+        with httpx.stream("POST", f"{url}/v1/completions", json=_stream(long), timeout=60) as r:
+            lines = r.iter_lines()
+            body = [next(lines) for _ in range(3)]  # generation under way
+            ranks.procs[1].kill()
+            start = time.monotonic()
+            body += list(lines)
+        assert time.monotonic() - start < 30
+        assert "lost rank 1" in "\n".join(body[3:]), body[-3:]
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and "lost rank 1" in health.json()["error"]
+        after = httpx.post(f"{url}/v1/completions", json={"model": NAME, **ASKS[0]}, timeout=30)
+        assert after.status_code >= 500 and "error" in after.json(), after.text
+        assert ranks.procs[0].poll() is None
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        ranks.wait(0, 30)
+
+
+@pytest.mark.parametrize("flag", [["--prompt-lookup"], ["--models-dir", "."]])
+def test_what_does_not_serve_across_ranks_is_refused_in_one_line(flag):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import cli
+
+    result = CliRunner().invoke(cli, ["serve", "--distributed", "pipeline", *flag])
+    assert result.exit_code == 2
+    assert f"{flag[0]} does not run with --distributed yet" in result.output
