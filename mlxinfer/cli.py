@@ -14,6 +14,7 @@ import click
 
 from .blas import preload_openblas
 from .cli_bench import bench
+from .cli_distributed import read_line
 from .cli_distributed import register as register_distributed
 from .cli_options import (
     CHAT_TEMPLATE_HELP,
@@ -277,7 +278,7 @@ def chat(
         session.prompt_cache = pc
     while True:
         try:
-            line = input(">> ")
+            line = read_line(">> ")  # in chat --distributed, rank 0's on every rank
         except EOFError:
             break
         if line.strip() in ("/exit", "/quit"):

@@ -25,7 +25,8 @@ MODES = ("pipeline", "tensor")
 UNSUPPORTED = {  # the commands' options that do not run across ranks yet
     "prompt_cache_file": "--prompt-cache-file",
     "draft_model": "--draft-model",
-    "prompt_lookup": "--prompt-lookup",  # serve's (generate's runs)
+    "self_draft_layers": "--self-draft-layers",
+    "prompt_lookup": "--prompt-lookup",  # serve's (generate's and chat's run)
     "models_dir": "--models-dir",
     "embedding_model": "--embedding-model",
     "prefix_cache_dir": "--prefix-cache-dir",
@@ -33,7 +34,8 @@ UNSUPPORTED = {  # the commands' options that do not run across ranks yet
 
 
 def with_distributed(command: click.Command) -> click.Command:
-    """Add ``--distributed`` and ``--rank-timeout`` to ``command`` (``generate``, ``serve``)."""
+    """Add ``--distributed`` and ``--rank-timeout`` to ``command`` (``generate``, ``chat``,
+    ``serve``)."""
     from .distributed.watchdog import DEFAULT_RANK_TIMEOUT
 
     command.params += [
@@ -58,24 +60,27 @@ def with_distributed(command: click.Command) -> click.Command:
     def callback(*args, distributed=None, rank_timeout=DEFAULT_RANK_TIMEOUT, **kwargs):
         if distributed is None:
             return run(*args, **kwargs)
-        return _run_rank(run, distributed, rank_timeout, args, kwargs)
+        return _run_rank(run, distributed, rank_timeout, args, kwargs, command.name)
 
     command.callback = callback
     return command
 
 
-def _run_rank(run, mode: str, rank_timeout: float, args, kwargs) -> None:
+def _run_rank(run, mode: str, rank_timeout: float, args, kwargs, name: str) -> None:
     from .batch.requests import EngineError
     from .distributed import current
     from .errors import DistributedError
 
+    global _RANKS
     for key, flag in UNSUPPORTED.items():
-        if kwargs.get(key) and not (key == "prompt_lookup" and "prompt" in kwargs):
+        if kwargs.get(key) and not (key == "prompt_lookup" and name != "serve"):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
     shared_dir = None
     try:
         ranks = current(rank_timeout)
-        if "prompt" not in kwargs:  # serve: rank 0's server feeds the others
+        if name == "chat":  # rank 0's lines reach every rank (read_line)
+            _RANKS = ranks
+        elif "prompt" not in kwargs:  # serve: rank 0's server feeds the others
             pass
         elif kwargs.get("batch_file"):  # rank 0's file, on every rank
             shared_dir = tempfile.mkdtemp(prefix="mlxinfer-batch-")
@@ -114,6 +119,25 @@ def _run_rank(run, mode: str, rank_timeout: float, args, kwargs) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+_RANKS = None  # chat across ranks: the ranks its lines are shared with
+
+
+def read_line(prompt: str) -> str:
+    """``input(prompt)``; in ``chat --distributed``, rank 0's line on every rank (the others
+    read nothing), EOFError on every rank at rank 0's end of input."""
+    if _RANKS is None:
+        return input(prompt)
+    from .errors import DistributedError
+
+    try:
+        line = _RANKS.share_line(lambda: input(prompt))
+    except DistributedError as e:
+        raise click.ClickException(str(e)) from None
+    if line is None:
+        raise EOFError
+    return line
 
 
 def _share_file(ranks, path: str, directory: str) -> str:
@@ -174,8 +198,8 @@ def launch(ranks, hostfile, grace, timeout, command):
 
 
 def register(cli: click.Group) -> None:
-    """``launch`` as a command of ``cli``, and the distributed options on its ``generate``
-    and ``serve``."""
-    with_distributed(cli.commands["generate"])
-    with_distributed(cli.commands["serve"])
+    """``launch`` as a command of ``cli``, and the distributed options on its ``generate``,
+    ``chat`` and ``serve``."""
+    for name in ("generate", "chat", "serve"):
+        with_distributed(cli.commands[name])
     cli.add_command(launch)

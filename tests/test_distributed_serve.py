@@ -164,3 +164,33 @@ def test_what_does_not_serve_across_ranks_is_refused_in_one_line(flag):
     result = CliRunner().invoke(cli, ["serve", "--distributed", "pipeline", *flag])
     assert result.exit_code == 2
     assert f"{flag[0]} does not run with --distributed yet" in result.output
+
+
+def test_chat_across_two_ranks_answers_as_one_process(served, tmp_path):
+    """``chat --distributed``: rank 0's lines reach rank 1; a pause longer than the rank timeout
+    between two lines (a person typing) keeps both ranks waiting, not failing."""
+    import subprocess
+
+    path, _ = served
+    chat = [sys.executable, "-m", "mlxinfer", "chat", "-m", str(path), "--max-tokens", "6"]
+    chat += ["--chat-template", "chatml"]
+
+    def run(command: list[str], pause: float) -> subprocess.CompletedProcess:
+        process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            process.stdin.write(b"hello there\n")
+            process.stdin.flush()
+            time.sleep(pause)
+            out, err = process.communicate(b"abc def\n", timeout=WAIT_S)
+        finally:
+            process.kill()
+        return subprocess.CompletedProcess(command, process.returncode, out.decode(), err.decode())
+
+    one = run(chat, 0)
+    assert one.returncode == 0 and one.stdout.count(">> ") == 3, one.stderr
+    launch = [sys.executable, "-m", "mlxinfer", "launch", "-n", "2", "--timeout", str(WAIT_S)]
+    two = run([*launch, "--", *chat, "--distributed", "pipeline", "--rank-timeout", "3"], 6)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -183,6 +185,34 @@ class Ranks:
             return ""
         raw = mx.array(list(data) if self.first else [0] * n, dtype=mx.uint8)
         return bytes(self.broadcast(raw, "sharing the prompt").tolist()).decode()
+
+    def share_line(self, read: Callable[[], str], beat: float = 0.5) -> str | None:
+        """Rank 0's next line from ``read`` (a person typing in ``chat``) on every rank, None
+        at its end (EOFError, Ctrl-D). While rank 0 waits for it, the ranks exchange whether
+        it came every ``beat`` seconds: each wait stays bounded however long the typing."""
+        box: queue.Queue = queue.Queue()
+        if self.first:
+
+            def reader() -> None:
+                try:
+                    box.put(read())
+                except (EOFError, KeyboardInterrupt):
+                    box.put(None)
+
+            threading.Thread(target=reader, name="mlxinfer-read-line", daemon=True).start()
+        while True:
+            status, line = 0, None  # 0: still waiting, 1: a line, 2: the end
+            if self.first:
+                try:
+                    line = box.get(timeout=beat)
+                    status = 1 if line is not None else 2
+                except queue.Empty:
+                    pass
+            status = int(self.broadcast(mx.array(status, dtype=mx.int32), "waiting for a line"))
+            if status == 1:
+                return self.share_text(line or "")
+            if status == 2:
+                return None
 
     def shared_seed(self, seed: int | None = None) -> int:
         """``seed``, or one drawn by rank 0, the same on every rank."""
