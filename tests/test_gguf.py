@@ -1435,7 +1435,7 @@ def test_stacked_kquant_experts_keep_their_codes_per_expert():
     """A (E, out, in) Q4_K expert tensor (as Qwen3-30B-A3B's Q4_K_M stores ffn_gate_exps)
     keeps its codes as (E, out, in*4/32) MLX groups; only scales and biases round to float16."""
     from mlxinfer.gguf.container import GGUFTensor
-    from mlxinfer.gguf.importer import _convert_tensor
+    from mlxinfer.gguf.tensors import convert_tensor
 
     rng = np.random.default_rng(0)  # (gguf cannot quantize to Q4_K: random blocks, sane d/dmin)
     blocks = rng.integers(0, 256, (3 * 4, 144), dtype=np.uint8)
@@ -1443,7 +1443,7 @@ def test_stacked_kquant_experts_keep_their_codes_per_expert():
     data = blocks.reshape(3, 4, 144)
     buf = data.tobytes()
     t = GGUFTensor("blk.0.ffn_gate_exps.weight", (3, 4, 256), "Q4_K", 0, len(buf))
-    _, a, loss = _convert_tensor(buf, t, None)
+    _, a, loss = convert_tensor(buf, t, None)
     assert (a.weight.shape, a.scales.shape, a.biases.shape) == ((3, 4, 32), (3, 4, 8), (3, 4, 8))
     assert loss["codes_kept"] and loss["rel_rmse"] < 1e-3
     values = np.array(mx.dequantize(mx.array(a.weight), mx.array(a.scales.astype(np.float32)),

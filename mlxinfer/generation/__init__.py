@@ -3,6 +3,9 @@
 - ``prefill``: the one function that feeds a prompt into a cache, for every loop;
 - ``loop``: ``generate_step`` (the token loop), ``stream_generate`` (prepare → steps →
   results) and ``generate``;
+- ``request``: one request around the loop: its prompt prepared (``prepare_prompt``, fitted
+  in the context and the KV budget) and its steps turned into text results (stop strings, EOS,
+  the timeline), shared with the batch engine;
 - ``speculative``: the sibling loop that drafts, verifies and accepts, with the same outputs;
 - ``drafts``: where drafts come from (a draft model, prompt lookup, a self-draft);
 - ``sampling``: a request's sampling settings (``SamplingParams``), samplers and processors;

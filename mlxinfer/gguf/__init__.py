@@ -3,10 +3,13 @@
 - ``container.py``: the file's header (metadata, tensor directory) and each tensor's bytes,
   every size and offset checked against the file (a hostile file is a one-line error);
 - ``metadata.py``: typed, range-checked reads of the metadata that becomes config and vocabulary;
-- ``importer.py``: the import itself (``import_gguf``): tensors converted, the directory written;
+- ``importer.py``: the import itself (``import_gguf``): the file checked, the directory written;
+- ``tensors.py``: one tensor into the arrays stored (kept quantized, K-quant losses measured,
+  fused experts joined);
 - ``quants.py``: every supported block type decoded, and turned into MLX affine groups;
-- ``arch.py``: architecture names, config and per-architecture fixes (llama, gemma3, qwen3,
-  qwen3moe, gpt-oss);
+- ``arch.py``: architecture names, tensor names and per-architecture weight fixes (llama,
+  gemma3, qwen3, qwen3moe, gpt-oss);
+- ``arch_config.py``: config.json from the metadata, per architecture, every size bounded;
 - ``vocab.py``: the vocabulary rebuilt as a ``tokenizer.json``;
 - ``dense.py``: the import to a float dtype (``--dtype``), optionally quantized afresh.
 """

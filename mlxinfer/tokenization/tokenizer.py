@@ -13,12 +13,13 @@ decoding match what transformers 5's ``AutoTokenizer`` does for the same directo
 * With tokenizer.model, ``add_bos_token`` / ``add_eos_token`` decide (default
   False, as in transformers 5); see sentencepiece_backend.py for the rest.
 
-Streaming text comes from detokenizer.py, chat templates from chat_template.py.
+The side files are read in tokenizer_config.py, tokenizer.json is run by
+tokenizers_backend.py; streaming text comes from detokenizer.py, chat templates
+from chat_template.py.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -33,20 +34,12 @@ from .chat_template import (
 from .detokenizer import StreamingDetokenizer
 from .sentencepiece_backend import SentencePieceBackend
 from .tiktoken_backend import TiktokenBackend, find_tiktoken_file
+from .tokenizer_config import added_tokens, config_flag, id_list, named_special_tokens, read_json
+from .tokenizers_backend import TokenizersBackend
 
 T = TypeVar("T")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "*.tiktoken")
 MAX_VOCAB = 2**24  # token ids, added tokens included: config_check's bound on vocab_size
-# The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
-_NAMED_TOKENS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
 
 
 class Tokenizer:
@@ -101,23 +94,23 @@ class Tokenizer:
             raise TokenizerError(
                 f"{path}: expected a checkpoint directory with tokenizer files, found {found}"
             )
-        config = _read_json(path / "tokenizer_config.json")
-        special_tokens = _named_special_tokens(path, config)
+        config = read_json(path / "tokenizer_config.json")
+        special_tokens = named_special_tokens(path, config)
 
         if (path / "tokenizer.json").is_file():
             file = path / "tokenizer.json"
-            backend: _Backend = library_call(file, "load", _TokenizersBackend, file)
+            backend: _Backend = library_call(file, "load", TokenizersBackend, file)
         elif (tiktoken_file := find_tiktoken_file(path)) is not None:
             backend = library_call(
                 tiktoken_file,
                 "load",
                 TiktokenBackend,
                 tiktoken_file,
-                added_tokens=_added_tokens(path, config, special_tokens),
+                added_tokens=added_tokens(path, config, special_tokens),
                 special_tokens=special_tokens,
                 pattern=config.get("pat_str"),
-                add_bos=_flag(path, config, "add_bos_token"),
-                add_eos=_flag(path, config, "add_eos_token"),
+                add_bos=config_flag(path, config, "add_bos_token"),
+                add_eos=config_flag(path, config, "add_eos_token"),
             )
         elif (path / "tokenizer.model").is_file():
             backend = library_call(
@@ -125,10 +118,10 @@ class Tokenizer:
                 "load",
                 SentencePieceBackend,
                 path / "tokenizer.model",
-                added_tokens=_added_tokens(path, config, special_tokens),
+                added_tokens=added_tokens(path, config, special_tokens),
                 special_tokens=special_tokens,
-                add_bos=_flag(path, config, "add_bos_token"),
-                add_eos=_flag(path, config, "add_eos_token"),
+                add_bos=config_flag(path, config, "add_bos_token"),
+                add_eos=config_flag(path, config, "add_eos_token"),
             )
             # Like transformers, the model's own <s> / </s> serve when the config names none.
             for key, piece in (("bos_token", backend.bos_piece), ("eos_token", backend.eos_piece)):
@@ -143,9 +136,7 @@ class Tokenizer:
         if (eos_id := _lookup(backend, special_tokens.get("eos_token"))) is not None:
             eos_token_ids.add(eos_id)
         for file in (path / "generation_config.json", path / "config.json"):
-            eos_token_ids.update(
-                _token_ids(_read_json(file).get("eos_token_id"), file, "eos_token_id")
-            )
+            eos_token_ids.update(id_list(read_json(file).get("eos_token_id"), file, "eos_token_id"))
 
         return cls(
             backend,
@@ -271,9 +262,6 @@ class Tokenizer:
         )
 
 
-# --- backends ------------------------------------------------------------------------------------
-
-
 class _Backend(Protocol):
     file: Path  # the file the library reads, named in errors
     vocab_size: int
@@ -285,156 +273,6 @@ class _Backend(Protocol):
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, token_id: int) -> str | None: ...
     def token_bytes(self) -> list[bytes]: ...
-
-
-class _TokenizersBackend:
-    """tokenizer.json, run by the `tokenizers` library exactly as serialized."""
-
-    def __init__(self, file: Path) -> None:
-        import tokenizers
-
-        self.file = file
-        try:
-            self._tokenizer = tokenizers.Tokenizer.from_file(str(file))
-        except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
-            raise TokenizerError(f"{file}: cannot load ({' '.join(str(exc).split())})") from exc
-        # A truncation/padding block saved in tokenizer.json would silently cut prompts.
-        self._tokenizer.no_truncation()
-        self._tokenizer.no_padding()
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        added = self._tokenizer.get_added_tokens_decoder()
-        self.special_ids = frozenset(i for i, token in added.items() if token.special)
-        self.byte_fallback_ids: frozenset[int] = frozenset()
-        decoder = self._tokenizer.decoder
-        if decoder is not None and _has_byte_fallback(json.loads(decoder.__getstate__())):
-            ids = (self._tokenizer.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
-            self.byte_fallback_ids = frozenset(i for i in ids if i is not None)
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
-        ids = list(ids)
-        if ids and (min(ids) < 0 or max(ids) >= 2**32):
-            # tokenizers skips unknown ids but cannot take ones outside its u32
-            ids = [i for i in ids if 0 <= i < 2**32]
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tokenizer.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._tokenizer.id_to_token(token_id)
-
-    def to_str(self) -> str:
-        return self._tokenizer.to_str()
-
-    def token_bytes(self) -> list[bytes]:
-        raise NotImplementedError("tokenizer.json: its token table is read from to_str()")
-
-
-def _has_byte_fallback(decoder: Any) -> bool:
-    """Whether a serialized `tokenizers` decoder (possibly a Sequence) contains ByteFallback."""
-    if isinstance(decoder, dict):
-        return decoder.get("type") == "ByteFallback" or any(
-            map(_has_byte_fallback, decoder.values())
-        )
-    if isinstance(decoder, list):
-        return any(map(_has_byte_fallback, decoder))
-    return False
-
-
-# --- side files ----------------------------------------------------------------------------------
-
-
-def _read_json(file: Path) -> dict[str, Any]:
-    """A JSON object from ``file``, or {} when the file does not exist."""
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"{file}: cannot read as JSON ({' '.join(str(exc).split())})") from exc
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{file}: expected a JSON object, found {type(data).__name__}")
-    return data
-
-
-def _named_special_tokens(path: Path, config: dict[str, Any]) -> dict[str, str]:
-    """``bos_token``, ``eos_token``, ... as strings.
-
-    transformers' rule: when tokenizer_config.json has no ``added_tokens_decoder``
-    (older checkpoints), special_tokens_map.json overrides its values.
-    """
-    sources = [(path / "tokenizer_config.json", config)]
-    if "added_tokens_decoder" not in config:
-        sources.append(
-            (path / "special_tokens_map.json", _read_json(path / "special_tokens_map.json"))
-        )
-    tokens = {}
-    for file, data in sources:
-        for key in _NAMED_TOKENS:
-            if data.get(key) is not None:
-                tokens[key] = _token_content(data[key], file, key)
-    return tokens
-
-
-def _added_tokens(
-    path: Path, config: dict[str, Any], special_tokens: dict[str, str]
-) -> dict[int, tuple[str, bool]]:
-    """id -> (content, special) from tokenizer_config.json's added_tokens_decoder, or legacy added_tokens.json."""
-    added = {}
-    for key, entry in (config.get("added_tokens_decoder") or {}).items():
-        content = _token_content(
-            entry, path / "tokenizer_config.json", f"added_tokens_decoder.{key}"
-        )
-        if content is None or not str(key).isdigit():
-            raise TokenizerError(
-                f"{path / 'tokenizer_config.json'}: 'added_tokens_decoder' should map integer ids to tokens, "
-                f"found {key!r}"
-            )
-        added[int(key)] = (content, not (isinstance(entry, dict) and entry.get("special") is False))
-    if not added:
-        for content, token_id in _read_json(path / "added_tokens.json").items():
-            if not isinstance(token_id, int) or isinstance(token_id, bool):
-                raise TokenizerError(
-                    f"{path / 'added_tokens.json'}: {content!r} should map to an integer id, found {token_id!r}"
-                )
-            added[token_id] = (content, content in special_tokens.values())
-    return added
-
-
-def _flag(path: Path, config: dict[str, Any], key: str) -> bool:
-    value = config.get(key, False)  # transformers 5 defaults both to False
-    if not isinstance(value, bool):
-        raise TokenizerError(
-            f"{path / 'tokenizer_config.json'}: '{key}' should be true or false, found {value!r}"
-        )
-    return value
-
-
-def _token_content(value: Any, file: Path, key: str) -> str | None:
-    """A special token given as a string or as a serialized AddedToken ``{"content": ...}``."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    raise TokenizerError(
-        f"{file}: '{key}' should be a string or an object with 'content', found {value!r}"
-    )
-
-
-def _token_ids(value: Any, file: Path, key: str) -> list[int]:
-    """An id field that may be absent, an int, or a list of ints."""
-    if value is None:
-        return []
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, list) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        return list(value)
-    raise TokenizerError(f"{file}: '{key}' should be an int or a list of ints, found {value!r}")
 
 
 def _lookup(backend: _Backend, token: str | None) -> int | None:

@@ -1,0 +1,311 @@
+"""config.json from a GGUF file's metadata, in transformers 5's form, for each architecture.
+
+``make_config`` reads the ``<arch>.*`` keys through typed, range-checked lookups (metadata.py;
+a wrong type or range is a ConfigError naming the key, a needed key that is absent a
+WeightsError), checks them against the tensors (embedding rows and width, head sizes), and
+adds what llama.cpp hard-codes for each family (arch.py's notes list it). Every size is
+bounded (``MAX_*`` below), so nothing sized from the metadata is a hostile allocation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, WeightsError
+from . import metadata as meta
+
+
+def _f32(x) -> float:
+    """A float32 metadata value as the short decimal it was written from (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(x)))
+
+
+# Bounds on what a file's metadata may ask for: far above every published model (Llama 3.1
+# 405B: 126 layers, 16384 wide, 128 heads; Kimi K2: 384 experts; Llama 4 Scout: 10M tokens of
+# context), low enough that nothing sized from them (per-layer lists, RoPE tables, a KV
+# budget) is a hostile allocation. Every tensor's own size is bounded by the file.
+MAX_LAYERS = 1 << 12
+MAX_WIDTH = 1 << 20  # hidden, FFN, head and window sizes
+MAX_HEADS = 1 << 12
+MAX_CONTEXT = 1 << 26
+MAX_EXPERTS = 1 << 16
+MAX_VOCAB = 1 << 24
+MAX_ROPE = 1e12  # rope.freq_base, scaling factors, YaRN betas
+
+
+class _Meta:
+    """Typed metadata lookups under the architecture's prefix (metadata.py): a wrong type or
+    range is a ConfigError naming the key; a needed key that is absent, a WeightsError."""
+
+    def __init__(self, path: Path, md: dict, arch: str):
+        self.path, self.md, self.arch = path, md, arch
+
+    def integer(self, key: str, *, lo: int = 1, hi: int, default=meta.REQUIRED) -> int:
+        return meta.integer(self.path, self.md, f"{self.arch}.{key}", lo=lo, hi=hi, default=default)
+
+    def number(self, key: str, *, hi: float = MAX_ROPE, default=meta.REQUIRED) -> float:
+        return meta.number(self.path, self.md, f"{self.arch}.{key}", hi=hi, default=default)
+
+    def string(self, key: str, default=meta.REQUIRED) -> str | None:
+        return meta.string(self.path, self.md, f"{self.arch}.{key}", default=default)
+
+    def flag(self, key: str, default: bool) -> bool:
+        return meta.boolean(self.path, self.md, f"{self.arch}.{key}", default=default)
+
+    def error(self, key: str, expected: str, found) -> ConfigError:
+        return ConfigError(f"{self.path}: {self.arch}.{key}: expected {expected}, found {found}")
+
+
+def _rope_scaling(m: _Meta, **yarn_defaults) -> dict | None:
+    """``rope.scaling.*`` as HF's ``rope_scaling`` (none, linear or yarn)."""
+    kind = m.string("rope.scaling.type", default=None)
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _f32(m.number("rope.scaling.factor"))}
+    if kind == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": _f32(m.number("rope.scaling.factor", default=1.0)),
+        }
+        original = m.integer("rope.scaling.original_context_length", hi=MAX_CONTEXT, default=None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+        for key in ("beta_fast", "beta_slow"):
+            value = m.number(f"rope.scaling.yarn_{key}", default=yarn_defaults.get(key))
+            if value is not None:
+                scaling[key] = _f32(value)
+        return {**yarn_defaults, **scaling}
+    raise WeightsError(
+        f"{m.path}: {m.arch}.rope.scaling.type={kind!r:.80} not supported "
+        "(expected none, linear or yarn)"
+    )
+
+
+def _token_ids(path: Path, md: dict, config: dict, rows: int) -> None:
+    """BOS, EOS and padding ids. BOS is fed to the model, so it must be an embedding row;
+    EOS and padding are only compared against, so one past the rows is dropped with a warning."""
+    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("pad_token_id", "padding_token_id")):  # fmt: skip
+        full = f"tokenizer.ggml.{gguf_key}"
+        i = meta.integer(path, md, full, lo=-(2**63), hi=2**64, default=None)
+        if i is None:
+            continue
+        if not 0 <= i < rows and key == "bos_token_id":
+            raise ConfigError(
+                f"{path}: {full}: expected a token id in [0, {rows}) (token_embd.weight's rows; "
+                f"BOS is fed to the model), found {i}"
+            )
+        if not 0 <= i < rows:
+            warnings.warn(
+                f"{path}: {full} is {i}, past the {rows} embedding rows; ignored",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            continue
+        config[key] = i
+
+
+def _embedding(path: Path, md: dict, tensors: dict) -> tuple[int, int]:
+    """token_embd.weight's (rows, width); the vocabulary may not name more tokens than rows."""
+    shape = tensors["token_embd.weight"].shape
+    if len(shape) != 2:
+        raise WeightsError(
+            f"{path}: tensor token_embd.weight has shape {shape}; expected (vocab, hidden)"
+        )
+    tokens = md.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) > shape[0]:
+        raise ConfigError(
+            f"{path}: tokenizer.ggml.tokens: expected at most {shape[0]} tokens "
+            f"(token_embd.weight's rows), found {len(tokens)}"
+        )
+    return shape
+
+
+def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
+    """config.json for the model the GGUF describes, in transformers 5's form."""
+    m = _Meta(path, md, arch)
+    moe = arch in ("qwen3moe", "gpt-oss")
+    experts = m.integer("expert_count", lo=0, hi=MAX_EXPERTS, default=0)
+    if experts and not moe:
+        raise WeightsError(
+            f"{path}: {arch}.expert_count={experts}: mixture-of-experts GGUF not supported"
+        )
+    rows, width = _embedding(path, md, tensors)
+    hidden = m.integer("embedding_length", hi=MAX_WIDTH)
+    if hidden != width:
+        raise m.error("embedding_length", f"{width} (token_embd.weight's width)", hidden)
+    n_heads = m.integer("attention.head_count", hi=MAX_HEADS)
+    n_kv = m.integer("attention.head_count_kv", hi=n_heads, default=n_heads)
+    if n_heads % n_kv:
+        raise m.error("attention.head_count_kv", f"a divisor of the {n_heads} heads", n_kv)
+    # RoPE turns pairs of channels: every head size is even
+    if f"{arch}.attention.key_length" in md:
+        head_dim = m.integer("attention.key_length", hi=MAX_WIDTH)
+        if head_dim % 2:
+            raise m.error("attention.key_length", "an even head size", head_dim)
+    elif hidden % n_heads or hidden // n_heads % 2:
+        expected = f"a divisor of the width {hidden} giving an even head size"
+        raise m.error("attention.head_count", expected, n_heads)
+    else:
+        head_dim = hidden // n_heads
+    vocab = m.integer("vocab_size", hi=MAX_VOCAB, default=rows)
+    if vocab != rows:
+        raise m.error("vocab_size", f"{rows} (token_embd.weight's rows)", vocab)
+    eps_default = 1e-5 if arch in ("llama", "gpt-oss") else 1e-6
+    config = {
+        "hidden_size": hidden,
+        "num_hidden_layers": m.integer("block_count", hi=MAX_LAYERS),
+        # a mixture of experts may have no dense FFN at all
+        "intermediate_size": m.integer("feed_forward_length", lo=0 if moe else 1, hi=MAX_WIDTH),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(
+            m.number("attention.layer_norm_rms_epsilon", hi=1.0, default=eps_default)
+        ),
+        "vocab_size": vocab,
+        "max_position_embeddings": m.integer("context_length", hi=MAX_CONTEXT),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+    rope_theta = _f32(m.number("rope.freq_base", default=10000.0))
+    config = _ARCH_CONFIG[arch](m, tensors, config, rope_theta)
+    _token_ids(path, md, config, rows)
+    return config
+
+
+def _llama(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    head_dim = config["head_dim"]
+    # q and k rows are put back in HF's order head by head (unpermute_rows): they must split
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for name, t in tensors.items():
+        n = heads.get(name.split(".")[2]) if name.count(".") == 3 else None
+        if n and t.shape[0] % (2 * n):
+            raise WeightsError(
+                f"{m.path}: tensor {name} has {t.shape[0]} rows; expected a multiple of "
+                f"2 x {n} heads"
+            )
+    rope_dims = m.integer("rope.dimension_count", hi=MAX_WIDTH, default=head_dim)
+    if rope_dims != head_dim:
+        raise WeightsError(
+            f"{m.path}: llama.rope.dimension_count={rope_dims}, expected head_dim={head_dim}"
+        )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **config,
+        "hidden_act": "silu",
+        "mlp_bias": False,
+        "rope_theta": rope_theta,
+    }
+    scaling = _rope_scaling(m)
+    if scaling:
+        if scaling["rope_type"] != "linear":
+            raise WeightsError(
+                f"{m.path}: llama.rope.scaling.type='yarn' not supported (expected none or linear)"
+            )
+        config["rope_scaling"] = {"type": "linear", "factor": scaling["factor"]}
+    return config
+
+
+def _gemma3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    n_layers, hidden, n_heads = (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+    )
+    # llama.cpp's hard-coded default: every 6th layer global
+    pattern = m.integer("attention.sliding_window_pattern", hi=MAX_LAYERS, default=6)
+    global_rope = {"rope_type": "default", "rope_theta": rope_theta}
+    scaling = _rope_scaling(m)
+    if scaling:
+        global_rope = {**scaling, "rope_theta": rope_theta}
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        **config,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": m.integer("attention.sliding_window", hi=MAX_CONTEXT),
+        "layer_types": [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ],
+        "rope_parameters": {
+            "full_attention": global_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "query_pre_attn_scalar": hidden // n_heads if n_layers == 62 else config["head_dim"],
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+    }
+
+
+def _qwen3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **config,
+        "hidden_act": "silu",
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(m),
+    }
+
+
+def _qwen3moe(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    n_layers = config["num_hidden_layers"]
+    n_experts = m.integer("expert_count", hi=MAX_EXPERTS)
+    return {
+        **_qwen3(m, tensors, config, rope_theta),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": n_experts,
+        "num_experts_per_tok": m.integer("expert_used_count", hi=n_experts),
+        "moe_intermediate_size": m.integer("expert_feed_forward_length", hi=MAX_WIDTH),
+        "norm_topk_prob": m.flag("expert_weights_norm", True),  # llama.cpp: always
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(n_layers) if f"blk.{i}.ffn_gate.weight" in tensors],
+    }
+
+
+# HF's gpt-oss YaRN settings the file does not carry (llama.cpp hard-codes its own).
+_GPT_OSS_YARN = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+
+
+def _gpt_oss(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    n_layers = config["num_hidden_layers"]
+    window = m.integer("attention.sliding_window", lo=0, hi=MAX_CONTEXT, default=None)
+    n_experts = m.integer("expert_count", hi=MAX_EXPERTS)
+    ffn = m.integer("expert_feed_forward_length", hi=MAX_WIDTH, default=None)
+    scaling = _rope_scaling(m, **_GPT_OSS_YARN)
+    # No scaling type in the file: the family's default YaRN, as transformers' reader leaves it.
+    rope = {} if scaling is None else {"rope_scaling": scaling}
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        **config,
+        "intermediate_size": config["intermediate_size"] if ffn is None else ffn,
+        "num_local_experts": n_experts,
+        "num_experts_per_tok": m.integer("expert_used_count", hi=n_experts),
+        "sliding_window": window,
+        "layer_types": [  # llama.cpp's swa pattern 2: even layers slide
+            "sliding_attention" if i % 2 == 0 and window else "full_attention"
+            for i in range(n_layers)
+        ],
+        "rope_theta": rope_theta,
+        **rope,
+        "hidden_act": "silu",
+        "swiglu_limit": 7.0,
+    }
+
+
+_ARCH_CONFIG = {
+    "llama": _llama,
+    "gemma3": _gemma3,
+    "qwen3": _qwen3,
+    "qwen3moe": _qwen3moe,
+    "gpt-oss": _gpt_oss,
+}
