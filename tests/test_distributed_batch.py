@@ -184,11 +184,18 @@ def test_generate_batch_across_two_ranks_from_the_cli(reference, tmp_path):
 @SLOW
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family, mode", [("qwen2", "tensor"), ("mixtral", "pipeline"), ("deepseek_v3", "pipeline")]
+    "family, mode",
+    [
+        ("qwen2", "tensor"),
+        ("mixtral", "pipeline"),
+        ("mixtral", "tensor"),
+        ("deepseek_v3", "pipeline"),
+    ],
 )
 def test_families_batch_generate_across_two_ranks(tmp_path, family, mode):
-    """Sliding and full layers split by heads (qwen2), MoE (mixtral) and MLA's latent caches
-    in the pool (deepseek_v3): one process's texts."""
+    """Sliding and full layers split by heads (qwen2), MoE (mixtral: over the pipeline, and
+    split by heads and experts) and MLA's latent caches in the pool (deepseek_v3): one
+    process's texts."""
     from hf_models import make_tiny
     from test_distributed import FAMILIES
     from tiny_checkpoint import tokenizer_json

@@ -84,16 +84,21 @@ class Turns:
         """The part of ``kv_budget`` that buys as many blocks as every other rank's pool has:
         the fewest any rank's budget buys for its own layers (``bytes_per_block``)."""
         mine = kv_budget // bytes_per_block if bytes_per_block else 1 << 30
-        fewest = mx.distributed.all_min(
-            mx.array(min(mine, 1 << 30), mx.int32), group=self.ranks.group
-        )
-        self.ranks.run("engine start: the pools' blocks", fewest)
-        if int(fewest.item()) < 1:  # on every rank alike
+        local = mx.array([min(mine, 1 << 30), int(bytes_per_block > 0)], mx.int32)
+        both = mx.distributed.all_min(local, group=self.ranks.group)
+        self.ranks.run("engine start: the pools' blocks", both)
+        fewest, pooled = both.tolist()
+        if not pooled:  # on every rank alike
+            raise DistributedError(
+                "batching across ranks: a rank holds recurrent layers only (no attention layer "
+                "for its pool): not built yet (generate runs such a split)"
+            )
+        if fewest < 1:  # on every rank alike
             raise DistributedError(
                 f"kv_budget: a rank's budget holds no block of its layers' keys and values "
                 f"(this rank's block: {bytes_per_block} bytes)"
             )
-        return int(fewest.item()) * bytes_per_block
+        return fewest * bytes_per_block
 
     def check_draft(self, draft) -> None:
         """Prompt lookup drafts from the tokens alone, the same on every rank; a draft model's

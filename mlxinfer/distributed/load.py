@@ -20,6 +20,7 @@ from ..cache import StateCache
 from ..errors import DistributedError
 from ..quant import quantization_record
 from . import loading
+from .experts import expert_share
 from .group import Ranks
 from .pipeline import PipelineModel, keep_parts
 from .placement import WeightNames, layer_ranges, tensor_split_reason
@@ -60,14 +61,12 @@ def load_model(
     _one_stream(log)
     read = {"files": files, "load_weights": load_weights, "dtype": dtype, "log": log}
     model, config = loading.build(model_dir)
-    if any(isinstance(c, StateCache) for c in model.make_cache()):
-        # Such families find their first attention layer by its index in the whole model.
-        raise DistributedError(
-            f"{model_dir / 'config.json'}: model_type '{config.get('model_type')}' has "
-            "recurrent layers (a state cache): splitting it over ranks is not built yet"
-        )
     if mode == "tensor":
-        reason = tensor_split_reason(model, ranks.size)
+        # Recurrent layers (a state cache: lfm2, qwen3_next) run in the pipeline, each rank's
+        # states in its own caches; they are not split by heads.
+        recurrent = any(isinstance(c, StateCache) for c in model.make_cache())
+        reason = "recurrent layers (a state cache) are not split by heads" if recurrent else None
+        reason = reason or tensor_split_reason(model, ranks.size)
         if reason is None and quantization_record(config):
             reason = "the checkpoint is quantized (not yet split by heads)"
         if reason is None:
@@ -79,6 +78,7 @@ def load_model(
 
 def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log) -> TensorModel:
     tensor_heads = _heads(model)
+    experts = expert_share(model, ranks.rank, ranks.size)  # before the cut: the whole sizes
     weights = loading.lazy_weights(files, model_dir, model, config, log)
     loading.load_into(model, weights, config, model_dir, dtype, load_weights, evaluate=False)
     del weights  # the model holds the (lazy) tensors now; after the cut, only its share
@@ -93,7 +93,7 @@ def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log)
         n, s, r = tensor_heads, ranks.size, ranks.rank
         log(
             f"distributed: rank {r}/{s} runs heads {r * n // s}-{(r + 1) * n // s - 1} of {n} "
-            f"in every layer ({wrapper.weight_bytes / 1e6:.1f} MB of weights)"
+            f"in every layer{experts} ({wrapper.weight_bytes / 1e6:.1f} MB of weights)"
         )
     return wrapper
 

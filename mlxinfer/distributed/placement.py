@@ -80,27 +80,31 @@ def tensor_split_reason(model, size: int) -> str | None:
     """Why ``model`` cannot run with its heads split over ``size`` ranks (None: it can).
 
     Each block must hold one grouped-query attention (``RopeAttention``: separate q/k/v, no
-    output gate or sinks) and one gated MLP, with the attention heads, the KV heads and the
-    MLP's hidden size divisible by ``size``; its other parts may only be norms (vectors).
+    output gate or sinks) and one gated MLP or mixture of experts (``experts.is_moe``), with
+    the attention heads, the KV heads and the MLP's (each expert's, each shared expert's)
+    hidden size divisible by ``size``; its other parts may only be norms (vectors).
     """
     from ..models.layers.attention import RopeAttention
     from ..models.layers.mlp import GatedMLP
+    from .experts import is_moe, moe_split_reason
 
     for i, layer in enumerate(model.layers):
-        attn = [m for m in layer.children().values() if isinstance(m, RopeAttention)]
-        mlp = [m for m in layer.children().values() if type(m) is GatedMLP]
+        children = layer.children().values()
+        attn = [m for m in children if isinstance(m, RopeAttention)]
+        mlp = [m for m in children if type(m) is GatedMLP or is_moe(m)]
         if len(attn) != 1 or len(mlp) != 1:
-            return f"layer {i} is not one attention and one gated MLP"
+            return f"layer {i} is not one attention and one gated MLP or mixture of experts"
         a, m = attn[0], mlp[0]
         if a.fused_qkv or a.output_gate or "sinks" in a:
             return f"layer {i}'s attention has fused q/k/v, an output gate or sinks"
-        for name, count in (
-            ("attention heads", a.n_heads),
-            ("KV heads", a.n_kv_heads),
-            ("MLP hidden size", m.gate_proj.weight.shape[0]),
-        ):
+        sizes = [("attention heads", a.n_heads), ("KV heads", a.n_kv_heads)]
+        if type(m) is GatedMLP:
+            sizes.append(("MLP hidden size", m.gate_proj.weight.shape[0]))
+        for name, count in sizes:
             if count % size:
                 return f"{count} {name} do not divide over {size} ranks"
+        if type(m) is not GatedMLP and (reason := moe_split_reason(m, size)):
+            return reason
         for name, child in layer.children().items():
             if child is a or child is m:
                 continue

@@ -1,14 +1,16 @@
-"""Tensor parallelism: every rank runs every block on its share of the heads.
+"""Tensor parallelism: every rank runs every block on its share of the heads and hidden units.
 
 Megatron's split, applied to a loaded float model from the outside: rank r keeps query heads
 ``[r·n/s, (r+1)·n/s)`` (rows of ``q_proj``, and the matching KV heads' rows of ``k_proj`` and
-``v_proj``: grouped-query attention keeps its grouping, since n/s and n_kv/s are whole), the
-same columns of ``o_proj``, and its share of the gated MLP's hidden units (rows of
-``gate_proj``/``up_proj``, columns of ``down_proj``). The attention output and the MLP output
-are then partial sums; :class:`Summed` adds them over the ranks (``all_sum``) before the
-residual. A bias of ``o_proj`` or ``down_proj`` stays on rank 0 only, so it is added once.
-Where the sizes do not divide (``placement.tensor_split_reason``) the model runs as a
-pipeline instead, with one line saying why.
+``v_proj``: grouped-query attention keeps its grouping, since n/s and n_kv/s are whole) and
+the same columns of ``o_proj``; and its share of the feed-forward's hidden units
+(``experts.py``): of the gated MLP (rows of ``gate_proj``/``up_proj``, columns of
+``down_proj``), or in a mixture of experts, of every routed and shared expert, the router
+whole on every rank. The attention output and the MLP or MoE output are then partial sums;
+:class:`Summed` adds them over the ranks (``all_sum``) before the residual. A bias of
+``o_proj`` or of a down projection stays on rank 0 only, so it is added once. Where the sizes
+do not divide (``placement.tensor_split_reason``) the model runs as a pipeline instead, with
+one line saying why.
 """
 
 from __future__ import annotations
@@ -19,52 +21,36 @@ import mlx.nn as nn
 from ..cache import Cache
 from ..models.layers.attention import RopeAttention
 from ..models.layers.mlp import GatedMLP
+from .experts import is_moe, split_gated_mlp, split_linears, split_moe
 from .group import Ranks
 from .pipeline import SYNC_ROWS, RankModel
 
 
-# The shares are copied (``mx.contiguous``): a slice is a view that would keep the whole
-# tensor it was cut from alive.
-def _rows(w: mx.array, r: int, s: int) -> mx.array:
-    n = w.shape[0] // s
-    return mx.contiguous(w[r * n : (r + 1) * n])
-
-
-def _cols(w: mx.array, r: int, s: int) -> mx.array:
-    n = w.shape[-1] // s
-    return mx.contiguous(w[..., r * n : (r + 1) * n])
-
-
 def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
-    """Cut every block's attention and MLP weights (loaded, float) to this rank's share;
+    """Cut every block's attention and MLP or MoE weights (loaded, float) to this rank's share;
     returns the (block, child name) pairs whose outputs must be summed over the ranks."""
     r, s = ranks.rank, ranks.size
     summed = []
     for block in model.layers:
         for name, child in block.children().items():
             if isinstance(child, RopeAttention):
-                outputs = [child.q_proj, child.k_proj, child.v_proj]
+                q, k, v = child.q_proj, child.k_proj, child.v_proj
+                split_linears([q, k, v], child.o_proj, r, s)
                 child.n_heads //= s
                 child.n_kv_heads //= s
-                final = child.o_proj
             elif type(child) is GatedMLP:
-                outputs = [child.gate_proj, child.up_proj]
-                final = child.down_proj
+                split_gated_mlp(child, r, s)
+            elif is_moe(child):
+                split_moe(child, r, s)
             else:
                 continue
-            for linear in outputs:
-                linear.weight = _rows(linear.weight, r, s)
-                if "bias" in linear:
-                    linear.bias = _rows(linear.bias, r, s)
-            final.weight = _cols(final.weight, r, s)
-            if "bias" in final and r != 0:
-                final.bias = mx.zeros_like(final.bias)
             summed.append((block, name))
     return summed
 
 
 class Summed(nn.Module):
-    """A block's attention or MLP whose partial outputs are added over the ranks."""
+    """A block's attention, MLP or mixture of experts whose partial outputs are added over the
+    ranks."""
 
     def __init__(self, part: nn.Module, ranks: Ranks):
         super().__init__()

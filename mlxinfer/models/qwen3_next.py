@@ -124,10 +124,13 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        # The attention layers share one mask, made by the first one's cache.
-        self.first_attention = next(
-            (i for i, kind in enumerate(args.layer_types) if kind == FULL), None
-        )
+
+    @property
+    def first_attention(self) -> int | None:
+        """The first attention layer: its cache makes the mask the attention layers share.
+        Read from ``args`` at each call, as the caches are made from them (a model cut to some
+        of its layers from the outside gets ``args`` of those layers)."""
+        return next((i for i, k in enumerate(self.args.layer_types) if k == FULL), None)
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)

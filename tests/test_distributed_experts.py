@@ -1,0 +1,151 @@
+"""Tensor parallelism's split of the experts (mlxinfer/distributed/experts.py), without ranks.
+
+Each rank keeps its share of every routed and shared expert's hidden units, the router whole;
+the shares' outputs, summed over simulated ranks in one process, must be the whole layer's
+output. The two-rank launches against transformers are in tests/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxinfer.distributed.placement import tensor_split_reason
+from mlxinfer.distributed.tensor import shard
+from mlxinfer.models import build_model
+
+BASE = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    max_position_embeddings=128,
+)
+MOE = {  # family -> (config, the routed experts' and shared experts' hidden sizes)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # A routed and a shared expert, the shared one times a whole per-token sigmoid gate.
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+    ),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True
+    ),
+    # DeepseekMoE: V3's grouped router, shared experts added; a dense first layer.
+    "glm4_moe": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
+    # Biased experts (the down bias must be added once) and a clamped SwiGLU.
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, intermediate_size=16),
+}
+
+
+def _model(family: str, **overrides):
+    mx.random.seed(1)
+    model = build_model({"model_type": family, **BASE, **MOE[family], **overrides})
+    # Random biases (zero at init: a down bias added on every rank would not show otherwise).
+    params = [
+        (k, mx.random.normal(v.shape) * 0.1 if k.endswith("bias") else v)
+        for k, v in tree_flatten(model.parameters())
+    ]
+    model.load_weights(params)
+    return model, params
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_the_expert_shares_add_up_to_the_whole_layer(family, size):
+    model, params = _model(family)
+    x = mx.random.normal((2, 7, BASE["hidden_size"]))  # 28 (token, expert) pairs: unsorted
+    layer = len(model.layers) - 1
+    whole = model.layers[layer].mlp(x)
+    parts = []
+    for r in range(size):
+        rank_model = build_model({"model_type": family, **BASE, **MOE[family]})
+        rank_model.load_weights(params)
+        summed = shard(rank_model, SimpleNamespace(rank=r, size=size))
+        block = rank_model.layers[layer]
+        assert any(b is block and name == "mlp" for b, name in summed)
+        experts = block.mlp.experts
+        assert (
+            experts.down_proj.weight.shape[-1] * size
+            == model.layers[layer].mlp.experts.down_proj.weight.shape[-1]
+        )
+        parts.append(block.mlp(x))
+    np.testing.assert_allclose(np.array(sum(parts)), np.array(whole), atol=2e-6, rtol=1e-5)
+    # Each share alone is not the whole (the test would pass with nothing split otherwise).
+    assert float(mx.abs(parts[0] - whole).max()) > 1e-3
+
+
+def test_a_larger_batch_takes_the_sorted_path_too():
+    """64 or more (token, expert) pairs: SwitchGLU sorts them by expert; the shares still add up."""
+    model, params = _model("mixtral")
+    x = mx.random.normal((1, 40, BASE["hidden_size"]))
+    whole = model.layers[0].mlp(x)
+    parts = []
+    for r in range(2):
+        rank_model = build_model({"model_type": "mixtral", **BASE, **MOE["mixtral"]})
+        rank_model.load_weights(params)
+        shard(rank_model, SimpleNamespace(rank=r, size=2))
+        parts.append(rank_model.layers[0].mlp(x))
+    np.testing.assert_allclose(np.array(sum(parts)), np.array(whole), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family, overrides, size, reason",
+    [
+        ("mixtral", {}, 2, None),
+        ("qwen2_moe", {}, 2, None),
+        ("glm4_moe", {}, 2, None),  # a dense first layer, then experts
+        (
+            "mixtral",
+            dict(num_key_value_heads=4, intermediate_size=6),
+            4,
+            "6 hidden units of each expert do not divide over 4 ranks",
+        ),
+        (
+            "qwen2_moe",
+            dict(num_key_value_heads=4, shared_expert_intermediate_size=18),
+            4,
+            "18 hidden units of 'shared_expert' do not divide over 4 ranks",
+        ),
+        ("mixtral", {}, 3, "4 attention heads do not divide over 3 ranks"),
+        ("gpt_oss", {}, 2, "layer 0's attention has fused q/k/v, an output gate or sinks"),
+    ],
+)
+def test_which_mixtures_of_experts_split(family, overrides, size, reason):
+    model, _ = _model(family, **overrides)
+    assert tensor_split_reason(model, size) == reason
+
+
+def test_deepseek_attention_is_not_split():
+    config = dict(
+        model_type="deepseek_v3",
+        **BASE,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+    )
+    reason = "layer 0 is not one attention and one gated MLP or mixture of experts"
+    assert tensor_split_reason(build_model(config), 2) == reason
