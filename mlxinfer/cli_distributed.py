@@ -26,7 +26,6 @@ UNSUPPORTED = {  # the commands' options that do not run across ranks yet
     "prompt_cache_file": "--prompt-cache-file",
     "draft_model": "--draft-model",
     "self_draft_layers": "--self-draft-layers",
-    "prompt_lookup": "--prompt-lookup",  # serve's (generate's and chat's run)
     "models_dir": "--models-dir",
     "embedding_model": "--embedding-model",
     "prefix_cache_dir": "--prefix-cache-dir",
@@ -73,7 +72,7 @@ def _run_rank(run, mode: str, rank_timeout: float, args, kwargs, name: str) -> N
 
     global _RANKS
     for key, flag in UNSUPPORTED.items():
-        if kwargs.get(key) and not (key == "prompt_lookup" and name != "serve"):
+        if kwargs.get(key):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
     shared_dir = None
     try:

@@ -24,6 +24,8 @@ from servers import free_port  # noqa: E402
 from test_distributed import WAIT_S, Ranks, _checkpoint  # noqa: E402
 
 NAME = "llama"
+# A prompt that repeats itself, so that prompt lookup finds drafts.
+LOOKUP = {"prompt": "ab ab ab ab ab ab ab ab", "max_tokens": 16, "temperature": 0}
 ASKS = [
     {"prompt": "hello there", "max_tokens": 8, "temperature": 0},
     {"prompt": "abc def ghi jkl mno pqr", "max_tokens": 12, "temperature": 0},
@@ -39,6 +41,7 @@ def served(tmp_path_factory):
     from fastapi.testclient import TestClient
 
     import mlxinfer
+    from mlxinfer.generation.drafts import PromptLookup
     from mlxinfer.server import make_app
 
     path, _ = _checkpoint(tmp_path_factory.mktemp("served") / NAME)
@@ -48,7 +51,12 @@ def served(tmp_path_factory):
         streamed = _streamed(client.post("/v1/completions", json=_stream(ASKS[1])).text)
     assert len(set(texts)) == len(texts) and all(texts)  # distinct: a swapped answer shows
     assert streamed == texts[1]
-    return path, texts
+    with TestClient(make_app(model, tokenizer, NAME, draft=PromptLookup())) as client:
+        drafted = [_text(client.post("/v1/completions", json={"model": NAME, **a})) for a in ASKS]
+        usage = client.post("/v1/completions", json={"model": NAME, **LOOKUP}).json()
+    assert drafted[:3] == texts[:3]  # greedy: the same tokens with drafts
+    LOOKUP["text"] = usage["choices"][0]["text"]
+    return path, texts, drafted
 
 
 def _text(response) -> str:
@@ -70,9 +78,10 @@ def _streamed(body: str) -> str:
     return text
 
 
-def _serve(path, port: int) -> list[str]:
+def _serve(path, port: int, *more: str) -> list[str]:
     command = [sys.executable, "-m", "mlxinfer", "serve", "-m", str(path), "--port", str(port)]
-    return command + ["--distributed", "pipeline", "--rank-timeout", "60", "--kv-budget", "8000000"]
+    command += ["--distributed", "pipeline", "--rank-timeout", "60", "--kv-budget", "8000000"]
+    return command + list(more)
 
 
 def _wait_healthy(ranks: Ranks, url: str) -> None:
@@ -96,10 +105,17 @@ def _metric(text: str, name: str, rank: int) -> float:
     raise AssertionError(f"no {name} for rank {rank} in /metrics")
 
 
+def _engine_metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{model="{NAME}"}} '):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
 def test_serve_across_two_ranks_matches_one_process(served, tmp_path):
     """Four clients at once get one process's texts (greedy and seeded) and a stream; rank 0's
     /metrics has both ranks' KV and weight bytes; a SIGTERM to rank 0 ends both, cleanly."""
-    path, texts = served
+    path, texts, _ = served
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with Ranks(tmp_path, _serve(path, port)) as ranks:
@@ -130,13 +146,22 @@ def test_serve_across_two_ranks_matches_one_process(served, tmp_path):
 
 
 def test_a_lost_rank_fails_the_running_request_and_health(served, tmp_path):
-    """Rank 1 killed during a stream: the stream ends with an error naming it, /health answers
-    503 with it, and a new request gets the API's error; rank 0's server stays up."""
-    path, _ = served
+    """Drafting by prompt lookup across ranks gives one process's texts (greedy and seeded);
+    then rank 1 killed during a stream: the stream ends with an error naming it, /health
+    answers 503 with it, and a new request gets the API's error; rank 0's server stays up."""
+    path, _, drafted = served
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with Ranks(tmp_path, _serve(path, port)) as ranks:
+    with Ranks(tmp_path, _serve(path, port, "--prompt-lookup")) as ranks:
         _wait_healthy(ranks, url)
+        for ask, expected in [(ASKS[0], drafted[0]), (ASKS[3], drafted[3])]:
+            answer = httpx.post(f"{url}/v1/completions", json={"model": NAME, **ask}, timeout=60)
+            assert _text(answer) == expected
+        ask = {k: v for k, v in LOOKUP.items() if k != "text"}
+        answer = httpx.post(f"{url}/v1/completions", json={"model": NAME, **ask}, timeout=60)
+        assert _text(answer) == LOOKUP["text"]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert _engine_metric(metrics, "mlxinfer_draft_accepted_tokens_total") > 0
         long = {**ASKS[0], "max_tokens": 20000}
         with httpx.stream("POST", f"{url}/v1/completions", json=_stream(long), timeout=60) as r:
             lines = r.iter_lines()
@@ -155,7 +180,7 @@ def test_a_lost_rank_fails_the_running_request_and_health(served, tmp_path):
         ranks.wait(0, 30)
 
 
-@pytest.mark.parametrize("flag", [["--prompt-lookup"], ["--models-dir", "."]])
+@pytest.mark.parametrize("flag", [["--draft-model", "x"], ["--models-dir", "."]])
 def test_what_does_not_serve_across_ranks_is_refused_in_one_line(flag):
     from click.testing import CliRunner
 
@@ -171,7 +196,7 @@ def test_chat_across_two_ranks_answers_as_one_process(served, tmp_path):
     between two lines (a person typing) keeps both ranks waiting, not failing."""
     import subprocess
 
-    path, _ = served
+    path, _, _ = served
     chat = [sys.executable, "-m", "mlxinfer", "chat", "-m", str(path), "--max-tokens", "6"]
     chat += ["--chat-template", "chatml"]
 

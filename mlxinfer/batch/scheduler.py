@@ -367,14 +367,17 @@ class Scheduler(RecurrentRows):
         mx.eval(picks, per_token, self._stores(), [rows_mod.draft_state(r) for r in rows])
         self.steps_run += 1
         kept = [int(a.item()) for a, _, _ in picks]
+        after = [int(t.item()) for _, t, _ in picks]
+        if self.turns is not None:  # rank 0's, where only rank 0 samples (batching.py)
+            kept, after = self.turns.adopt_kept(kept, after)
         for r, start, a in zip(rows, starts, kept):
             self._rewind(r, start + 1 + a)  # the fed token and the accepted drafts
         if saved is not None:
             self._refeed_states(rows, drafts, saved, starts, kept, L)
             for r in rows:
                 self._mark_block(r)
-        for r, d, a, (_, t, _), logprobs in zip(rows, drafts, kept, picks, per_token):
-            emitted = d[:a] + [int(t.item())]
+        for r, d, a, t, logprobs in zip(rows, drafts, kept, after, per_token):
+            emitted = d[:a] + [t]
             if r.draft_length is not None:
                 r.draft_length.update(a, len(d))
                 rows_mod.rewind_draft(r, r.tokens + emitted[:-1])  # what the pool now holds

@@ -25,15 +25,16 @@ Every model forward then compares its tokens with rank 0's and shares the last r
 
 With ``rank0_requests`` (``serve``: rank 0 owns the HTTP server) the requests are submitted on
 rank 0 only: each turn rank 0 sends the others the requests it has not sent yet (prompt,
-``max_tokens``, EOS tokens: :meth:`Turns.agree`), and after each decode step the tokens rank 0
-picked (:meth:`Turns.adopt`): its sampling, processors and constraints run there alone. Rank
+``max_tokens``, EOS tokens, how it drafts by prompt lookup: :meth:`Turns.agree`), and after
+each decode step the tokens rank 0 picked (:meth:`Turns.adopt`), or the drafts it kept and
+the token after them (:meth:`Turns.adopt_kept`): its sampling, processors and constraints
+run there alone. Prompt lookup drafts from the tokens only, so every rank drafts the same. Rank
 0 also turns at least every :data:`HEARTBEAT_S` seconds while idle (the others wait in the
 turn's collective, within the rank timeout), and each turn's table carries every rank's
 statistics (KV bytes, weight bytes, seconds computing and waiting) to rank 0's ``/metrics``.
 
 Not across ranks yet (DistributedError at once): drafting with a draft model (prompt lookup
-drafts from the tokens alone, the same on every rank; with ``rank0_requests`` not at all), the
-prefix cache on disk.
+drafts from the tokens alone, the same on every rank), the prefix cache on disk.
 """
 
 from __future__ import annotations
@@ -103,10 +104,10 @@ class Turns:
     def check_draft(self, draft) -> None:
         """Prompt lookup drafts from the tokens alone, the same on every rank; a draft model's
         forwards are not across ranks yet, nor any drafting of requests sent by rank 0."""
-        if draft is not None and self.rank0_requests:
+        if getattr(draft, "model", None) is not None and self.rank0_requests:
             raise DistributedError(
-                "serving across ranks: speculative decoding (--prompt-lookup, --draft-model) "
-                "is not built yet"
+                "serving across ranks: drafting with a draft model (--draft-model) is not "
+                "built yet; prompt lookup is"
             )
         if getattr(draft, "model", None) is not None:
             raise DistributedError(
@@ -181,6 +182,16 @@ class Turns:
             return picked
         return self.ranks.broadcast(picked, f"engine turn {self.turn}: rank 0's tokens")
 
+    def adopt_kept(self, kept: list[int], tokens: list[int]) -> tuple[list[int], list[int]]:
+        """With ``rank0_requests``: how many drafts rank 0 kept of each row's, and the token
+        after them (its acceptance sampled there alone), on every rank."""
+        if not self.rank0_requests:
+            return kept, tokens
+        pairs = mx.array([kept, tokens], dtype=mx.int32)
+        pairs = self.ranks.broadcast(pairs, f"engine turn {self.turn}: rank 0's drafts kept")
+        kept, tokens = pairs.tolist()
+        return kept, tokens
+
     def _sent(self, engine, waiting: list, fresh: list, held: int, n_new: int, what: str):
         """With ``rank0_requests``: the turn's waiting requests, rank 0's new ones sent to the
         others (which build theirs from them, after the ones they hold as rank 0 does)."""
@@ -195,7 +206,8 @@ class Turns:
         data = b""
         if ranks.first:
             described = [
-                {"ids": r.ids, "max_tokens": r.max_tokens, "eos": sorted(r.eos)} for r in fresh
+                {"ids": r.ids, "max_tokens": r.max_tokens, "eos": sorted(r.eos), **_lookup(r)}
+                for r in fresh
             ]
             data = json.dumps(described, separators=(",", ":")).encode()
             for r in fresh:
@@ -211,7 +223,10 @@ class Turns:
             return waiting
         try:
             described = json.loads(bytes(np.array(raw)))
-            made = [engine.mirror(d["ids"], d["max_tokens"], d["eos"]) for d in described]
+            made = [
+                engine.mirror(d["ids"], d["max_tokens"], d["eos"], d.get("lookup"))
+                for d in described
+            ]
         except (ValueError, KeyError, TypeError, MlxInferError) as e:
             raise DistributedError(f"{what}: rank 0's requests do not read ({e})") from None
         if len(made) != n_new:
@@ -284,6 +299,15 @@ class Turns:
             why="requests (prompt, max_tokens, admission or shared prefix) other than rank 0's: "
             "every rank must submit the same requests in the same order",
         )
+
+
+def _lookup(request) -> dict:
+    """How ``request`` drafts by prompt lookup, for the other ranks' copies (none: {})."""
+    drafter = request.drafter
+    if drafter is None or not hasattr(drafter, "index"):
+        return {}
+    sizes = sorted(drafter.index)
+    return {"lookup": [sizes[-1], sizes[0], request.draft_length.fixed or 0]}
 
 
 def ranks_timeout(ranks: Ranks) -> float:

@@ -27,7 +27,6 @@ from .watchdog import EXIT_CODE
 
 REFUSED = {  # serve's options that do not run across ranks yet
     "models_dir": "--models-dir",
-    "draft": "--prompt-lookup and --draft-model",
     "embedding_model": "--embedding-model",
     "prefix_cache_dir": "--prefix-cache-dir",
 }
@@ -43,6 +42,8 @@ def check_options(options: dict[str, Any]) -> None:
     for key, flag in REFUSED.items():
         if options.get(key):
             raise DistributedError(f"serving across ranks: {flag} is not built yet")
+    if getattr(options.get("draft"), "model", None) is not None:  # prompt lookup runs
+        raise DistributedError("serving across ranks: --draft-model is not built yet")
 
 
 def engine_options(options: dict[str, Any]) -> dict[str, Any]:
