@@ -46,6 +46,15 @@ def with_distributed(command: click.Command) -> click.Command:
             "MLX_RANK + MLX_HOSTFILE): the layers split (pipeline) or the heads (tensor).",
         ),
         click.Option(
+            ["--rank-memory"],
+            default=None,
+            callback=_rank_memory,
+            metavar="auto|SIZE[,SIZE...]",
+            help="Pipeline: give each rank layers in proportion to its memory: 'auto' (what each "
+            "machine can give now) or sizes (K/M/G; one per rank, e.g. 48G,96G). Default: "
+            "the same number of layers each.",
+        ),
+        click.Option(
             ["--rank-timeout"],
             type=click.FloatRange(min=0, min_open=True),
             default=DEFAULT_RANK_TIMEOUT,
@@ -56,16 +65,32 @@ def with_distributed(command: click.Command) -> click.Command:
     run = command.callback
 
     @functools.wraps(run)
-    def callback(*args, distributed=None, rank_timeout=DEFAULT_RANK_TIMEOUT, **kwargs):
+    def callback(
+        *args, distributed=None, rank_timeout=DEFAULT_RANK_TIMEOUT, rank_memory=None, **kwargs
+    ):
         if distributed is None:
+            if rank_memory is not None:
+                raise click.UsageError("--rank-memory is for --distributed pipeline")
             return run(*args, **kwargs)
-        return _run_rank(run, distributed, rank_timeout, args, kwargs, command.name)
+        load = {"distributed": distributed, "rank_timeout": rank_timeout}
+        if rank_memory is not None:
+            load["rank_memory"] = rank_memory
+        return _run_rank(run, load, args, kwargs, command.name)
 
     command.callback = callback
     return command
 
 
-def _run_rank(run, mode: str, rank_timeout: float, args, kwargs, name: str) -> None:
+def _rank_memory(ctx, param, value: str | None) -> str | list[int] | None:
+    """``auto``, or a comma-separated list of byte counts (``--rank-memory``)."""
+    from .cli_limits import _size
+
+    if value is None or value.strip() == "auto":
+        return None if value is None else "auto"
+    return [_size(ctx, param, part) for part in value.split(",")]
+
+
+def _run_rank(run, load: dict, args, kwargs, name: str) -> None:
     from .batch.requests import EngineError
     from .distributed import current
     from .errors import DistributedError
@@ -76,7 +101,7 @@ def _run_rank(run, mode: str, rank_timeout: float, args, kwargs, name: str) -> N
             raise click.UsageError(f"{flag} does not run with --distributed yet")
     shared_dir = None
     try:
-        ranks = current(rank_timeout)
+        ranks = current(load["rank_timeout"])
         if name == "chat":  # rank 0's lines reach every rank (read_line)
             _RANKS = ranks
         elif "prompt" not in kwargs:  # serve: rank 0's server feeds the others
@@ -94,7 +119,7 @@ def _run_rank(run, mode: str, rank_timeout: float, args, kwargs, name: str) -> N
         raise click.ClickException(str(e)) from None
     if not ranks.first:
         sys.stdout = open(os.devnull, "w")  # only rank 0 prints the output
-    token = LOAD_OPTIONS.set({"distributed": mode, "rank_timeout": rank_timeout})
+    token = LOAD_OPTIONS.set(load)
     code = 0
     try:
         run(*args, **kwargs)

@@ -248,13 +248,15 @@ def load(
     kv_budget: int | None = None,
     distributed: str | None = None,
     rank_timeout: float | None = None,
+    rank_memory: str | list[int] | None = None,
 ):
     """Load a model directory, a ``.gguf`` file (imported once into the cache), a Hub repo id,
     or (``None``) the default model.
 
     ``distributed``: "pipeline" or "tensor": this rank's part of the model, run across the
-    ranks of MLX's environment, each step bounded by ``rank_timeout`` seconds
-    (docs/distributed.md).
+    ranks of MLX's environment, each step bounded by ``rank_timeout`` seconds; the pipeline's
+    layers in proportion to each rank's memory with ``rank_memory`` ("auto", or bytes: one
+    figure, or one per rank), else by count (docs/distributed.md).
 
     Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
@@ -289,6 +291,7 @@ def load(
                 load_weights=load_weights_into,
                 dtype=resolved,
                 log=log,
+                rank_memory=rank_memory,
             )
             return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
         model, _ = load_model(

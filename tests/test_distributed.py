@@ -313,16 +313,23 @@ def test_a_wrong_hostfile_or_a_missing_rank_is_a_clear_error(tmp_path):
 def test_launcher_runs_a_sampled_generation_on_two_ranks(llama, tmp_path):
     """At temperature > 0 without --seed, rank 0 draws the seed every rank samples with: the
     ranks stay in step (a rank that sampled another token would stop them all)."""
-    command = _generate(llama[0], "--temp", "0.9", "--verbose")
+    path = llama[0]
+    command = _generate(path, "--temp", "0.9", "--verbose", "--rank-memory", "1G,3G")
     command[command.index("30000")] = "24"
     done = _launch(tmp_path, "-n", "2", "--", *command)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
+    # --rank-memory: layers in proportion to 1:3 (at least one each): 1 + 2, not 2 + 1.
+    assert "rank 0/2 runs layers 0-0 of 3" in done.stderr
     # --verbose: each rank's own statistics; the ranks took the same steps (sampling may reach
     # EOS before 24 tokens).
     stats = re.findall(r"rank (\d)/2: ([\d.]+) MB of weights, (\d+) steps, .* waiting", done.stderr)
     assert sorted(r for r, _, _ in stats) == ["0", "1"]
-    assert {mb for _, mb, _ in stats} == {"0.4", "0.2"}
+    expected = [_stored_bytes(path, 0, range(0, 1), False, False), 0]
+    expected[1] = _stored_bytes(path, 1, range(1, 3), False, True)
+    assert {r: mb for r, mb, _ in stats} == {
+        str(r): f"{b / 1e6:.1f}" for r, b in enumerate(expected)
+    }
     assert len({n for _, _, n in stats}) == 1 and int(stats[0][2]) > 2
 
 
@@ -338,6 +345,13 @@ def test_layer_ranges_cover_every_layer_once():
     assert layer_ranges(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
     with pytest.raises(DistributedError, match="2 layer\\(s\\) cannot be split over 3 ranks"):
         layer_ranges(2, 3)
+    # In proportion to each rank's memory, each rank at least one layer: 64 GB and 128 GB
+    # share 30 layers 10 + 20; 1:1:100 leaves the small ranks one each.
+    assert layer_ranges(30, 2, [64, 128]) == [range(0, 10), range(10, 30)]
+    assert layer_ranges(10, 3, [1, 1, 100]) == [range(0, 1), range(1, 2), range(2, 10)]
+    assert layer_ranges(8, 3, [5, 5, 5]) == layer_ranges(8, 3)
+    with pytest.raises(DistributedError, match="expected 2 positive shares"):
+        layer_ranges(4, 2, [1, 0])
 
 
 def test_a_pipeline_rank_reads_its_layers_renumbered():

@@ -49,12 +49,15 @@ def load_model(
     load_weights: Callable,
     dtype: mx.Dtype | None = None,
     log: Callable[[str], None] | None = None,
+    rank_memory: str | list[int] | None = None,
 ):
     """This rank's model for ``mode``: a :class:`PipelineModel` or a :class:`TensorModel`,
     called as the whole model is. ``mode="tensor"`` falls back to the pipeline, with one
     line to ``log``, where the model's sizes do not divide over the ranks. ``files``: the
     checkpoint's safetensors files; ``load_weights``: the loader's strict
-    ``load_weights_into``."""
+    ``load_weights_into``. ``rank_memory``: the pipeline's layer ranges in proportion to each
+    rank's memory: ``"auto"`` (what each machine can give now), or bytes, one figure for
+    every rank or one per rank (the same list on every rank); None: by layer count."""
     if mode not in MODES:
         raise DistributedError(f"distributed={mode!r}: expected one of {', '.join(MODES)}")
     model_dir = Path(model_dir)
@@ -73,7 +76,36 @@ def load_model(
             return _tensor(model, config, model_dir, ranks, **read)
         if log is not None and ranks.first:
             log(f"distributed: tensor parallelism falls back to the pipeline: {reason}")
-    return _pipeline(model, config, model_dir, ranks, **read)
+    return _pipeline(model, config, model_dir, ranks, shares=_shares(ranks, rank_memory), **read)
+
+
+def _shares(ranks: Ranks, rank_memory: str | list[int] | None) -> list[int] | None:
+    """Each rank's memory in MiB (``rank_memory``, see ``load_model``), the same on every
+    rank, or None (layer ranges by count)."""
+    if rank_memory is None:
+        return None
+    if rank_memory == "auto":
+        from .. import memory
+
+        room = memory.capacity(memory.recommended_working_set())
+        if room is None:
+            raise DistributedError("rank_memory='auto': this machine's free memory is unknown")
+        mine = mx.zeros((ranks.size,), dtype=mx.int32)
+        mine[ranks.rank] = max(1, min(room.bytes >> 20, (1 << 31) - 1))
+        table = ranks.all_sum(mine)
+        ranks.run("sharing each rank's memory", table)
+        return table.tolist()
+    sizes = list(rank_memory) if isinstance(rank_memory, (list, tuple)) else None
+    if (
+        not sizes
+        or len(sizes) not in (1, ranks.size)
+        or not all(isinstance(b, int) and b > 0 for b in sizes)
+    ):
+        raise DistributedError(
+            f"rank_memory: expected 'auto', or one size in bytes or one per rank ({ranks.size}), "
+            f"found {rank_memory!r:.80}"
+        )
+    return [max(1, b >> 20) for b in sizes * (ranks.size // len(sizes))]
 
 
 def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log) -> TensorModel:
@@ -98,10 +130,12 @@ def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log)
     return wrapper
 
 
-def _pipeline(model, config, model_dir, ranks, *, files, load_weights, dtype, log) -> PipelineModel:
+def _pipeline(
+    model, config, model_dir, ranks, *, files, load_weights, dtype, log, shares=None
+) -> PipelineModel:
     names = WeightNames(model)
     n_layers = len(model.layers)
-    layers = layer_ranges(n_layers, ranks.size)[ranks.rank]
+    layers = layer_ranges(n_layers, ranks.size, shares)[ranks.rank]
     hidden = int(model.embedding.weight.shape[-1])  # built, not yet loaded: never packed
     weights = loading.lazy_weights(files, model_dir, model, config, log)
     keep = keep_parts(model, ranks, layers, dtype or mx.float32)

@@ -15,20 +15,32 @@ from mlx.utils import tree_flatten
 from ..errors import DistributedError
 
 
-def layer_ranges(n_layers: int, size: int) -> list[range]:
-    """``n_layers`` blocks in ``size`` contiguous ranges, every block in exactly one; the
-    first ``n_layers % size`` ranks take one block more (8 over 3: 3, 3, 2)."""
+def layer_ranges(n_layers: int, size: int, shares: list[int] | None = None) -> list[range]:
+    """``n_layers`` blocks in ``size`` contiguous ranges, every block in exactly one, each rank
+    at least one. Without ``shares`` the first ``n_layers % size`` ranks take one block more
+    (8 over 3: 3, 3, 2); with them (each rank's memory, say) the blocks go in proportion to
+    them, the blocks left by rounding down to the largest remainders, the first rank first
+    on a tie (30 over 64 GB and 128 GB: 10, 20)."""
     if n_layers < size:
         raise DistributedError(
             f"pipeline: {n_layers} layer(s) cannot be split over {size} ranks (each rank needs "
             "at least one)"
         )
-    base, extra = divmod(n_layers, size)
+    if shares is None:
+        shares = [1] * size
+    if len(shares) != size or min(shares) <= 0:
+        raise DistributedError(f"pipeline: expected {size} positive shares, found {shares}")
+    # Each rank's first block is its own; the rest go in proportion to the shares.
+    spare, total = n_layers - size, sum(shares)
+    exact = [spare * w / total for w in shares]
+    counts = [1 + int(e) for e in exact]
+    order = sorted(range(size), key=lambda r: (-(exact[r] - int(exact[r])), r))
+    for r in order[: n_layers - sum(counts)]:
+        counts[r] += 1
     ranges, start = [], 0
-    for r in range(size):
-        stop = start + base + (1 if r < extra else 0)
-        ranges.append(range(start, stop))
-        start = stop
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
     return ranges
 
 
