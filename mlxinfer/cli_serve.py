@@ -218,7 +218,8 @@ def serve(
         "state_every": prefix_state_every,
     }
     served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)
-    _log(f"serving {served} on http://{host}:{port} (OpenAI and Anthropic APIs under /v1)")
+    if getattr(getattr(llm, "ranks", None), "first", True):  # across ranks: rank 0 serves
+        _log(f"serving {served} on http://{host}:{port} (OpenAI and Anthropic APIs under /v1)")
     run(
         llm,
         tokenizer,
