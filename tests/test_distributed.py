@@ -194,6 +194,25 @@ def test_tensor_matches_transformers(llama, tmp_path):
     _check_parity(results[0], model)
 
 
+def test_tensor_splits_a_quantized_checkpoint(llama, tmp_path):
+    """A 4-bit conversion (groups of 32) split by heads: rows of the packed weights, scales
+    and biases, columns at group boundaries; the same greedy tokens as one process on the
+    same quantized checkpoint, log-probabilities within 1e-4."""
+    import mlxinfer
+    from mlxinfer.conversion import convert
+    from mlxinfer.generation import generate_step
+
+    quantized = tmp_path / "q4"
+    convert(llama[0], quantized, quantize=True, bits=4, group_size=32)
+    model, _ = mlxinfer.load(quantized)
+    steps = list(generate_step(PROMPT, model, max_tokens=N_TOKENS))
+    results, log = _run_rank_script(tmp_path, quantized, "tensor")
+    assert "falls back" not in log and "runs heads 0-1 of 4" in log, log
+    assert results[0]["tokens"] == [t for t, _ in steps]
+    expected = np.array([lp.tolist() for _, lp in steps])
+    np.testing.assert_allclose(np.array(results[0]["logprobs"]), expected, atol=1e-4)
+
+
 def test_tensor_splits_the_experts_of_mixtral(tmp_path):
     """Every rank holds half of each expert's hidden units (and half the heads), the router
     whole: f32 log-probabilities within 1e-4 of transformers, the same greedy tokens."""
@@ -389,6 +408,19 @@ def test_which_sizes_split_by_heads():
     assert tensor_split_reason(model, 2) is None
     assert tensor_split_reason(model, 4) == "2 KV heads do not divide over 4 ranks"
     assert tensor_split_reason(model, 3) == "4 attention heads do not divide over 3 ranks"
+    # Quantized: each rank's share of o_proj's and down_proj's inputs must be whole groups.
+    from mlxinfer.distributed.placement import quantized_split_reason
+
+    inputs = model.layers[0].self_attn.o_proj.weight.shape[-1]
+    assert quantized_split_reason(model, {"group_size": inputs // 2}, 2) is None
+    reason = quantized_split_reason(model, {"group_size": inputs}, 2)
+    assert reason.startswith("layer 0's model.layers.0.self_attn.o_proj: ") and (
+        f"{inputs} quantized inputs in groups of {inputs} do not split" in reason
+    )
+    path = "model.layers.0.self_attn.o_proj"  # a per-layer entry overrides the default
+    assert quantized_split_reason(
+        model, {"group_size": inputs // 2, path: {"group_size": inputs}}, 2
+    )
 
 
 @pytest.mark.parametrize(

@@ -50,14 +50,21 @@ def cols(w: mx.array, r: int, s: int) -> mx.array:
     return mx.contiguous(w[..., r * n : (r + 1) * n])
 
 
+QUANTIZED = ("scales", "biases")  # a quantized layer's arrays beside its packed weight
+
+
 def split_linears(outputs: list[nn.Linear], final: nn.Linear, r: int, s: int) -> None:
     """Rank r's rows of ``outputs`` (weights and biases), its columns of ``final``; the bias
-    of ``final`` on rank 0 only."""
+    of ``final`` on rank 0 only. A quantized layer's scales and biases (per group of inputs)
+    split with its packed weight: rows alike, columns at a group boundary (checked by
+    ``placement.quantized_split_reason``)."""
     for linear in outputs:
-        linear.weight = rows(linear.weight, r, s)
-        if "bias" in linear:
-            linear.bias = rows(linear.bias, r, s)
-    final.weight = cols(final.weight, r, s)
+        for key in ("weight", "bias", *QUANTIZED):
+            if key in linear:
+                linear[key] = rows(linear[key], r, s)
+    for key in ("weight", *QUANTIZED):
+        if key in final:
+            final[key] = cols(final[key], r, s)
     if "bias" in final and r != 0:
         final.bias = mx.zeros_like(final.bias)
 

@@ -23,7 +23,7 @@ from . import loading
 from .experts import expert_share
 from .group import Ranks
 from .pipeline import PipelineModel, keep_parts
-from .placement import WeightNames, layer_ranges, tensor_split_reason
+from .placement import WeightNames, layer_ranges, quantized_split_reason, tensor_split_reason
 from .tensor import TensorModel, shard, sum_outputs
 
 MODES = ("pipeline", "tensor")
@@ -70,8 +70,8 @@ def load_model(
         recurrent = any(isinstance(c, StateCache) for c in model.make_cache())
         reason = "recurrent layers (a state cache) are not split by heads" if recurrent else None
         reason = reason or tensor_split_reason(model, ranks.size)
-        if reason is None and quantization_record(config):
-            reason = "the checkpoint is quantized (not yet split by heads)"
+        if reason is None and (record := quantization_record(config)):
+            reason = quantized_split_reason(model, record, ranks.size)
         if reason is None:
             return _tensor(model, config, model_dir, ranks, **read)
         if log is not None and ranks.first:

@@ -124,3 +124,35 @@ def tensor_split_reason(model, size: int) -> str | None:
             if any(v.ndim > 1 for _, v in tree_flatten(params)):
                 return f"layer {i}'s '{name}' is neither attention, MLP nor a norm"
     return None
+
+
+def quantized_split_reason(model, record: dict, size: int) -> str | None:
+    """Why ``model``'s quantized layers (as ``record``, the config's quantization) cannot be
+    split over ``size`` ranks (None: they can). Rows of a quantized layer split as a float
+    layer's; columns (``o_proj``, ``down_proj``) only at a group boundary: each rank's share of
+    the inputs must be a whole number of groups. Quantized experts are not split yet."""
+    from ..models.layers.attention import RopeAttention
+    from ..models.layers.mlp import GatedMLP
+    from .experts import is_moe
+
+    paths = {id(m): path for path, m in model.named_modules()}
+    default = record.get("group_size", 64)
+    for i, layer in enumerate(model.layers):
+        for child in layer.children().values():
+            if is_moe(child):
+                return "the checkpoint is quantized and its experts are not yet split quantized"
+            if isinstance(child, RopeAttention):
+                final = child.o_proj
+            elif type(child) is GatedMLP:
+                final = child.down_proj
+            else:
+                continue
+            entry = record.get(paths.get(id(final), ""))
+            group = entry.get("group_size", default) if isinstance(entry, dict) else default
+            inputs = final.weight.shape[-1]
+            if inputs % size or (inputs // size) % group:
+                return (
+                    f"layer {i}'s {paths.get(id(final), 'output projection')}: {inputs} quantized "
+                    f"inputs in groups of {group} do not split into whole groups over {size} ranks"
+                )
+    return None
