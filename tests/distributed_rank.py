@@ -28,5 +28,15 @@ def main() -> None:
         json.dump(result, f)
 
 
+def finish(out: str, result: dict) -> None:
+    """Write this rank's ``result`` to OUT.rank<r> and end the process at once (``os._exit``:
+    a ring group's teardown could wait on a peer that already left)."""
+    with open(f"{out}.rank{os.environ['MLX_RANK']}", "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()

@@ -324,11 +324,9 @@ def _rank_main() -> None:
         _more_runs(model, tokenizer, prompts, n, job["stop"], result)
     result["steps"] = model.ranks.steps
     print(model.ranks.summary(), file=sys.stderr)
-    with open(f"{out}.rank{os.environ['MLX_RANK']}", "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # a ring group's teardown could wait on a peer that already left
+    from distributed_rank import finish
+
+    finish(out, result)
 
 
 if __name__ == "__main__":

@@ -167,11 +167,9 @@ def _rank_main() -> None:
     except DistributedError as e:  # refused on every rank alike
         texts = str(e)
     result = {"tokens": tokens, "logprobs": logprobs, "texts": texts}
-    with open(f"{out}.rank{os.environ['MLX_RANK']}", "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # a ring group's teardown could wait on a peer that already left
+    from distributed_rank import finish
+
+    finish(out, result)
 
 
 if __name__ == "__main__":
