@@ -28,7 +28,6 @@ UNSUPPORTED = {  # the commands' options that do not run across ranks yet
     "self_draft_layers": "--self-draft-layers",
     "models_dir": "--models-dir",
     "embedding_model": "--embedding-model",
-    "prefix_cache_dir": "--prefix-cache-dir",
 }
 
 

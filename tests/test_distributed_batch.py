@@ -106,6 +106,7 @@ def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path
     """Both ranks' ``batch_generate`` texts (and an engine's tokens) equal one process's, with
     and without a stop string (whose cancellations rank 0 decides for every rank)."""
     path, job, expected = reference
+    job = {**job, "disk": str(tmp_path / "prefix-cache")}
     results, log = _run_ranks(tmp_path, path, mode, job)
     split = "runs layers 0-1 of 3" if mode == "pipeline" else "runs heads 0-1 of 4"
     assert split in log and "falls back" not in log, log
@@ -133,6 +134,18 @@ def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path
     assert forwards < len(job["prompts"]) * N_TOKENS
     assert results[0]["steps"] == results[1]["steps"]
     assert results[0]["unseeded"] == results[1]["unseeded"] != expected["sampled"]
+    # The prefix cache on disk: each rank wrote its own part's full blocks (the 90-token
+    # prompt's 5 and the one its first decoded tokens filled: 12 files in the shared directory)
+    # and, restarted, read its own prompt's back.
+    from mlxinfer.batch.pool import DEFAULT_BLOCK_SIZE
+
+    blocks = (len(job["prompts"][2]) - 1) // DEFAULT_BLOCK_SIZE
+    for result in results:
+        disk = result["disk"]
+        assert disk["tokens"] == [expected["tokens"][2]] * 2
+        assert disk["loaded"] == blocks and disk["cached"] == blocks * DEFAULT_BLOCK_SIZE
+        written = (len(job["prompts"][2]) + job["n"] - 1) // DEFAULT_BLOCK_SIZE  # keys held
+        assert len(disk["files"]) == 2 * written
 
 
 SLOW = pytest.mark.skipif(
@@ -248,8 +261,6 @@ def test_what_does_not_run_across_ranks_is_refused_without_ranks():
 
     with pytest.raises(DistributedError, match="^batching across ranks: draft models"):
         Turns(None, draft_models=[object()])
-    with pytest.raises(DistributedError, match="^batching across ranks: the prefix cache on disk"):
-        Turns(None, prefix_cache_dir="/tmp/x")
     turns = Turns.__new__(Turns)
     turns.check_draft(None)
     turns.check_draft(PromptLookup())
@@ -270,6 +281,21 @@ def _lookup(model, prompts, n):
         handles = [engine.submit(p, max_tokens=n, draft=PromptLookup()) for p in prompts]
         steps = [list(h.steps()) for h in handles]
     return [[s.token for s in row] for row in steps], sum(s.from_draft for r in steps for s in r)
+
+
+def _disk_runs(model, prompt, n, directory) -> dict:
+    """The prefix cache on disk across ranks: an engine writes ``prompt``'s blocks (each rank
+    its own part's), a second one (a restart: an empty pool) reads them back."""
+    from mlxinfer.batch import Engine
+
+    tokens = []
+    for _ in range(2):
+        with Engine(model, prefix_cache_dir=directory) as engine:
+            handle = engine.submit(prompt, max_tokens=n)
+            tokens.append([s.token for s in handle.steps()])
+            loaded = engine.metrics()["prefix_disk_blocks_loaded"]
+    files = sorted(str(f) for f in Path(directory).rglob("*.safetensors"))
+    return {"tokens": tokens, "loaded": loaded, "cached": handle.cached_tokens, "files": files}
 
 
 def _more_runs(model, tokenizer, prompts, n, stop, result) -> None:
@@ -320,6 +346,8 @@ def _rank_main() -> None:
         result["again"] = [[s.token for s in again.steps()], again.cached_tokens]
         forwards = engine.steps_run + engine.prefill_steps
     result["engine_steps"] = [model.ranks.steps - before, forwards]
+    if job.get("disk"):
+        result["disk"] = _disk_runs(model, prompts[2], n, job["disk"])
     if job.get("more", True):
         _more_runs(model, tokenizer, prompts, n, job["stop"], result)
     result["steps"] = model.ranks.steps

@@ -39,6 +39,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -78,6 +79,8 @@ def attach(
             for p in pools
         ],
         "windows": [p.window for p in pools],
+        # Across ranks, each rank's part (its layers or heads): its own files.
+        "part": getattr(model, "part", None),
     }
     digest = model_fingerprint(model, storage, root)
     budget = DEFAULT_DISK_BYTES if budget is None else budget
@@ -133,13 +136,15 @@ class DiskTier:
 
     # -- the engine thread: admission -------------------------------------------------------
 
-    def promote(self, prompt: list[int]) -> int:
+    def promote(self, prompt: list[int], agree: Callable[[int], int] | None = None) -> int:
         """Bring the blocks of ``prompt``'s prefix that the pools lack, and disk has, into the
         pools as cached blocks (hashed, unreferenced: what a prefix hit takes), up to the first
         block neither holds; the pools' own lookup then shares them. Returns the blocks read.
 
         A window pool needs only the blocks the deepest one's window sees. Blocks memory holds
-        are made the most recently used first, so these allocations evict other prefixes."""
+        are made the most recently used first, so these allocations evict other prefixes.
+        ``agree(n)``: across ranks, the fewest any rank has (each rank's files are its own:
+        one may lack a block another holds), so that every rank's pools take the same blocks."""
         pool = self.pools[0]
         bs = pool.block_size
         hashes, parent = [], b""
@@ -151,6 +156,8 @@ class DiskTier:
             if not pool.holds(h) and not self.path(h).exists():
                 break
             n += 1
+        if agree is not None:
+            n = agree(n)
         wanted = [(p, range(p.first_seen(n * bs) if p.window else 0, n)) for p in self.pools]
         for p, span in wanted:
             _freshen(p, [hashes[i] for i in span])
@@ -163,6 +170,8 @@ class DiskTier:
             if arrays is None:  # gone, or bad (removed): the prefix ends before it
                 break
             read[i] = arrays
+        if agree is not None:  # the same missing blocks everywhere: keep the fewest read
+            read = dict(list(read.items())[: agree(len(read))])
         for k, (p, span) in enumerate(wanted):
             at = [i for i in span if i in read and not p.holds(hashes[i])]
             blocks = [_cached_block(p, hashes[i]) for i in at]

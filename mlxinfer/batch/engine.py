@@ -18,6 +18,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..errors import DistributedError
 from ..generation.drafts import Draft, PromptLookup
 from ..generation.prefill import check_token_ids, token_ids
 from ..generation.sampling import LogitsProcessor, SamplingParams
@@ -152,6 +153,11 @@ class Engine(TextRequests, Scheduler):
         )
         self.snapshots = Snapshots(state_bytes, self.pool.holds) if state_bytes else None
         self.state_every = state_every or max(1, prefill_step // block_size)
+        if prefix_cache_dir is not None and self.turns is not None and self.recurrent:
+            raise DistributedError(
+                "batching across ranks: the prefix cache on disk of a model with recurrent "
+                "layers (its state snapshots) is not built yet"
+            )
         if prefix_cache_dir is not None:
             self.pool.disk = disk_mod.attach(
                 model,

@@ -171,7 +171,8 @@ class Scheduler(RecurrentRows):
         it as the window pool has the windows of), or False, holding nothing, if one lacks room."""
         room = request.max_tokens + self.max_draft
         if self.pool.disk is not None:  # the prefix's blocks on disk join the pools' cached ones
-            self.pool.disk.promote(request.ids)
+            # Across ranks, the blocks every rank's files hold (batching.py's fewest).
+            self.pool.disk.promote(request.ids, self.turns.fewest if self.turns else None)
         # A recurrent model shares what a snapshot of its states can resume (snapshots.py).
         share = not self.recurrent or self.snapshots is not None
         hits = None

@@ -33,8 +33,14 @@ run there alone. Prompt lookup drafts from the tokens only, so every rank drafts
 turn's collective, within the rank timeout), and each turn's table carries every rank's
 statistics (KV bytes, weight bytes, seconds computing and waiting) to rank 0's ``/metrics``.
 
+The prefix cache on disk (``prefix_cache_dir``) keeps each rank's blocks of its own layers
+(or heads) in files of its own (the rank's part is in the files' fingerprint); at admission
+the ranks agree on the prefix blocks every rank's disk holds (:meth:`Turns.fewest`), so that
+their pools take the same ones.
+
 Not across ranks yet (DistributedError at once): drafting with a draft model (prompt lookup
-drafts from the tokens alone, the same on every rank), the prefix cache on disk.
+drafts from the tokens alone, the same on every rank), and the disk tier of a model with
+recurrent layers (its state snapshots).
 """
 
 from __future__ import annotations
@@ -61,10 +67,7 @@ class Turns:
     """One engine's agreement with its peers on the other ranks."""
 
     def __init__(self, ranks: Ranks, *, rank0_requests: bool = False, **options: Any) -> None:
-        refused = {
-            "draft_models": "draft models (speculative decoding)",
-            "prefix_cache_dir": "the prefix cache on disk (prefix_cache_dir)",
-        }
+        refused = {"draft_models": "draft models (speculative decoding)"}
         for key, what in refused.items():
             if options.get(key):
                 raise DistributedError(f"batching across ranks: {what} is not built yet")
@@ -165,6 +168,13 @@ class Turns:
                 engine._waiting[:0] = waiting[keep:]
             waiting = waiting[:keep]
         return None if closing else waiting
+
+    def fewest(self, n: int) -> int:
+        """The smallest ``n`` of every rank's (the prefix blocks each rank's disk tier holds,
+        or read: each rank's files are its own)."""
+        out = mx.distributed.all_min(mx.array(n, dtype=mx.int32), group=self.ranks.group)
+        self.ranks.run(f"engine turn {self.turn}: the prefix blocks on every rank's disk", out)
+        return int(out.item())
 
     def due(self) -> bool:
         """Whether the engine's idle loop must turn now: with ``rank0_requests`` a rank other

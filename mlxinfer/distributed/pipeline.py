@@ -195,6 +195,12 @@ class PipelineModel(RankModel):
             ranks.run(f"{step}: sharing logits", shared, peer=self.ranks.size - 1)
         return shared
 
+    @property
+    def part(self) -> str:
+        """This rank's part of the model (the disk prefix tier's files are per part)."""
+        r, s, layers = self.ranks.rank, self.ranks.size, self.layers_range
+        return f"pipeline rank {r}/{s}: layers {layers.start}-{layers.stop - 1} of {self.n_layers}"
+
     def _check_tokens(self, inputs: mx.array, step: str) -> None:
         """Compare ``inputs`` with rank 0's now (a short step), or fold them into the checksum
         the next short step compares (a long chunk: no collective, so the ranks stagger)."""

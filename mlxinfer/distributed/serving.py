@@ -28,7 +28,6 @@ from .watchdog import EXIT_CODE
 REFUSED = {  # serve's options that do not run across ranks yet
     "models_dir": "--models-dir",
     "embedding_model": "--embedding-model",
-    "prefix_cache_dir": "--prefix-cache-dir",
 }
 GOODBYE_S = 1.0  # how long failed streams get to send their error before a stalled rank ends us
 

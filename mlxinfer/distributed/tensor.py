@@ -75,6 +75,11 @@ class TensorModel(RankModel):
         super().__init__(model, ranks)
         self.embedding = model.embedding
 
+    @property
+    def part(self) -> str:
+        """This rank's part of the model (the disk prefix tier's files are per part)."""
+        return f"tensor rank {self.ranks.rank}/{self.ranks.size}"
+
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         self.steps += 1
         self.ranks.steps += 1
