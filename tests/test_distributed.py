@@ -342,7 +342,11 @@ def test_launcher_runs_a_sampled_generation_on_two_ranks(llama, tmp_path):
     assert "rank 0/2 runs layers 0-0 of 3" in done.stderr
     # --verbose: each rank's own statistics; the ranks took the same steps (sampling may reach
     # EOS before 24 tokens).
-    stats = re.findall(r"rank (\d)/2: ([\d.]+) MB of weights, (\d+) steps, .* waiting", done.stderr)
+    pattern = (
+        r"rank (\d)/2: ([\d.]+) MB of weights, ([\d.]+) (?:bytes|kB|MB) of keys and values "
+        r"at most, (\d+) steps, .* waiting"
+    )
+    stats = [(r, mb, n) for r, mb, kv, n in re.findall(pattern, done.stderr) if float(kv) > 0]
     assert sorted(r for r, _, _ in stats) == ["0", "1"]
     expected = [_stored_bytes(path, 0, range(0, 1), False, False), 0]
     expected[1] = _stored_bytes(path, 1, range(1, 3), False, True)

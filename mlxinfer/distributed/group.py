@@ -22,6 +22,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..errors import DistributedError
+from ..memory import size_text
 from .watchdog import DEFAULT_RANK_TIMEOUT, Watchdog
 
 MAX_HOSTFILE_BYTES = 1 << 20
@@ -79,10 +80,11 @@ class Ranks:
     def __init__(self, group: mx.distributed.Group, watchdog: Watchdog):
         self.group, self.watchdog = group, watchdog
         self.rank, self.size = group.rank(), group.size()
-        # Per-rank statistics: the model's steps, the weight bytes this rank holds, and the
-        # seconds spent computing (its layers, with their sends or all-reduces) or waiting
-        # (receives, the token check, the shared logits).
-        self.steps, self.weight_bytes = 0, 0
+        # Per-rank statistics: the model's steps, the weight bytes this rank holds, the most
+        # bytes its caches held after a step, and the seconds spent computing (its layers,
+        # with their sends or all-reduces) or waiting (receives, the token check, the shared
+        # logits).
+        self.steps, self.weight_bytes, self.kv_bytes = 0, 0, 0
         self.seconds = {"computing": 0.0, "waiting": 0.0}
 
     def summary(self) -> str:
@@ -91,6 +93,7 @@ class Ranks:
         share = 100 * wait / (busy + wait) if busy + wait else 0.0
         return (
             f"rank {self.rank}/{self.size}: {self.weight_bytes / 1e6:.1f} MB of weights, "
+            f"{size_text(self.kv_bytes)} of keys and values at most, "
             f"{self.steps} steps, {busy:.2f} s computing, {wait:.2f} s waiting on other ranks "
             f"({share:.0f}%)"
         )

@@ -42,6 +42,11 @@ from .group import Ranks
 SYNC_ROWS = 64  # positions whose logits are shared within the step (decode, verification)
 
 
+def kv_nbytes(cache: list) -> int:
+    """The bytes ``cache`` holds (a rank's caches, or the batching engine's views of its pool)."""
+    return sum(getattr(c, "nbytes", 0) for c in cache)
+
+
 class Absent(nn.Module):
     """A part of the model this rank does not hold: an embedding gives zeros of the right
     shape, a head returns its input. Neither is ever evaluated. Its ``weight`` has no rows
@@ -180,6 +185,8 @@ class PipelineModel(RankModel):
         if ranks.last:
             logits = logits.astype(self.logits_dtype)
         states = [c.state for c in cache] if cache is not None else []
+        if cache is not None:
+            ranks.kv_bytes = max(ranks.kv_bytes, kv_nbytes(cache))
         if ranks.last:
             todo = [logits, *states] if L <= SYNC_ROWS else states
             ranks.run(f"{step}: the last blocks", todo, kind="computing")

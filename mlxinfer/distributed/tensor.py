@@ -23,7 +23,7 @@ from ..models.layers.attention import RopeAttention
 from ..models.layers.mlp import GatedMLP
 from .experts import is_moe, split_gated_mlp, split_linears, split_moe
 from .group import Ranks
-from .pipeline import SYNC_ROWS, RankModel
+from .pipeline import SYNC_ROWS, RankModel, kv_nbytes
 
 
 def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
@@ -87,6 +87,8 @@ class TensorModel(RankModel):
         self.ranks.check_same(inputs, step)
         logits = self.model(inputs, cache)
         states = [c.state for c in cache] if cache is not None else []
+        if cache is not None:
+            self.ranks.kv_bytes = max(self.ranks.kv_bytes, kv_nbytes(cache))
         # One evaluation per step, the collectives inside it; a long chunk's logits (a
         # prefill's) are left lazy: nobody reads them.
         todo = [logits, *states] if inputs.shape[1] <= SYNC_ROWS else states
