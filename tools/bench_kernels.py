@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--isa", default="best", help="cap: scalar, avx2, avx512 or best")
+    ap.add_argument("--isa", default="best", help="cap: scalar, avx2, avx512 (arm64: neon) or best")
     ap.add_argument("--float", nargs="*", default=["f32"], choices=list(FLOATS))
     ap.add_argument("--shapes", nargs="+", help="only these shapes (their first word: head, down…)")
     args = ap.parse_args()

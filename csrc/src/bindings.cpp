@@ -135,6 +135,14 @@ NB_MODULE(_mlxinfer_kernels, m) {
       [](const std::string& name) {
         if (name == "scalar") {
           mlxinfer::set_max_isa(mlxinfer::kScalar);
+#if defined(__aarch64__)
+        } else if (name == "neon" || name == "best") {
+          mlxinfer::set_max_isa(mlxinfer::kNeon);
+        } else {
+          throw std::invalid_argument(
+              "set_max_isa: expected 'scalar', 'neon' or 'best', found '" + name + "'");
+        }
+#else
         } else if (name == "avx2") {
           mlxinfer::set_max_isa(mlxinfer::kAvx2);
         } else if (name == "avx512" || name == "best") {
@@ -143,6 +151,7 @@ NB_MODULE(_mlxinfer_kernels, m) {
           throw std::invalid_argument(
               "set_max_isa: expected 'scalar', 'avx2', 'avx512' or 'best', found '" + name + "'");
         }
+#endif
       },
       "name"_a,
       "Cap the kernels' instruction set (to test each path against the others).");

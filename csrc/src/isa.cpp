@@ -17,11 +17,14 @@ Isa detect_isa() {
     return __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
   }
 #endif
+#if defined(__aarch64__)
+  return kNeon; // Advanced SIMD is part of the AArch64 base ISA
+#endif
   return kScalar;
 }
 
 const Isa g_best = detect_isa();
-std::atomic<int> g_max{kAvx512};
+std::atomic<int> g_max{kNeon}; // the highest value: no cap
 
 bool detect_f16c() {
 #if defined(MLXINFER_X86)
@@ -41,7 +44,12 @@ Isa best_isa() {
 }
 
 Isa current_isa() {
-  return static_cast<Isa>(std::min<int>(g_best, g_max.load(std::memory_order_relaxed)));
+  const int cap = g_max.load(std::memory_order_relaxed);
+#if defined(__aarch64__)
+  return cap >= kNeon ? g_best : kScalar; // the levels here: scalar < neon
+#else
+  return static_cast<Isa>(std::min<int>(g_best, cap));
+#endif
 }
 
 void set_max_isa(Isa isa) {
@@ -54,6 +62,8 @@ const char* isa_name(Isa isa) {
       return "avx512";
     case kAvx2:
       return "avx2";
+    case kNeon:
+      return "neon";
     default:
       return "scalar";
   }

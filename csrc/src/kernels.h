@@ -6,8 +6,9 @@
 
 namespace mlxinfer {
 
-// Instruction-set levels of the kernels, checked once at run time.
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// Instruction-set levels of the kernels, checked once at run time: scalar < avx2 < avx512
+// on x86-64, scalar < neon on arm64 (NEON is in the AArch64 base ISA).
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 // The best level this CPU has, and the level in use (the best unless capped).
 Isa best_isa();
 Isa current_isa();
@@ -53,5 +54,12 @@ Isa matvec_path(Isa isa);
 // per vector chunk, so x is de-interleaved to match (as for the 4-bit codes).
 void matvec_prepare(const MatvecProblem& p, float* x);
 void matvec_rows(const MatvecProblem& p, int n0, int n1);
+
+#if defined(__aarch64__)
+// The NEON paths (neon.cpp), called by qmv_rows / matvec_rows at kNeon. qmv_rows_neon
+// returns false for a problem it has no path for (bits other than 4 / 8).
+bool qmv_rows_neon(const QmvProblem& p, int n0, int n1);
+void matvec_rows_neon(const MatvecProblem& p, int n0, int n1);
+#endif
 
 } // namespace mlxinfer

@@ -373,6 +373,9 @@ MLXINFER_AVX512_F16C void matvec_rows_avx512(const MatvecProblem& p, int n0, int
 } // namespace
 
 Isa matvec_path(Isa isa) {
+#if defined(__aarch64__)
+  return isa; // NEON widens f16 in its base ISA
+#endif
   return has_f16c() ? isa : kScalar; // the vector paths are compiled with F16C, whatever the type
 }
 
@@ -380,6 +383,9 @@ void matvec_prepare(const MatvecProblem& p, float* x) {
   if (p.wtype != kBF16 || p.isa == kScalar) {
     return;
   }
+#if defined(__aarch64__)
+  return; // NEON widens bf16 in order (vshll)
+#endif
   const int chunk = p.isa == kAvx512 ? 32 : 16;
   const int whole = p.K - p.K % chunk; // the tail stays in order (summed in scalar code)
   float tmp[32];
@@ -396,6 +402,11 @@ void matvec_prepare(const MatvecProblem& p, float* x) {
 }
 
 void matvec_rows(const MatvecProblem& p, int n0, int n1) {
+#if defined(__aarch64__)
+  if (p.isa == kNeon) {
+    return matvec_rows_neon(p, n0, n1);
+  }
+#endif
 #if defined(MLXINFER_X86)
   if (p.isa == kAvx512) {
     switch (p.wtype) {

@@ -412,7 +412,11 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
     if (p.bits == 4 && p.isa != kScalar) {
       // Per chunk (16 codes for AVX2, 32 for AVX-512): the even k first, then the odd k
       // (low nibbles, then high nibbles).
+#if defined(__aarch64__)
+      const int chunk = 32; // NEON: one 16-byte load's low nibbles, then its high nibbles
+#else
       const int chunk = p.isa == kAvx512 ? 32 : 16;
+#endif
       for (int c = 0; c < p.K; c += chunk) {
         for (int i = 0; i < chunk / 2; ++i) {
           dst[c + i] = x[c + 2 * i];
@@ -433,6 +437,11 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
 }
 
 void qmv_rows(const QmvProblem& p, int n0, int n1) {
+#if defined(__aarch64__)
+  if (p.isa == kNeon && qmv_rows_neon(p, n0, n1)) {
+    return;
+  }
+#endif
 #if defined(MLXINFER_X86)
   if (p.isa == kAvx512) {
     if (p.bits == 4) {
