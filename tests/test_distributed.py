@@ -27,6 +27,12 @@ N_TOKENS = 8
 WAIT_S = 60  # the most any one run of two ranks may take here (2 shared cores)
 
 
+SLOW_LAUNCH = pytest.mark.skipif(
+    os.environ.get("MLXINFER_SLOW") != "1",
+    reason="one more two-rank launch than the suite's share: set MLXINFER_SLOW=1 to run",
+)
+
+
 def _checkpoint(path: Path, **overrides):
     """A tiny random llama (transformers) with a tokenizer; EOS rows of the head zeroed, so
     greedy decoding never ends early (the fault tests need a long generation)."""
@@ -194,6 +200,34 @@ def test_tensor_matches_transformers(llama, tmp_path):
     _check_parity(results[0], model)
 
 
+def test_quantized_shares_add_up_to_the_whole_layer():
+    """A quantized gated MLP cut to two ranks' shares (rows of gate and up, columns of down at
+    a group boundary, its bias on rank 0 only): the shares' outputs sum to the whole layer's."""
+    import copy
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlxinfer.distributed.experts import split_linears
+
+    mx.random.seed(0)
+
+    def quantized(n_out: int, n_in: int) -> nn.QuantizedLinear:
+        return nn.QuantizedLinear.from_linear(nn.Linear(n_in, n_out), group_size=32, bits=4)
+
+    gate, up, down = quantized(128, 64), quantized(128, 64), quantized(64, 128)
+    x = mx.random.normal((3, 64))
+    whole = down(nn.silu(gate(x)) * up(x))
+    total = mx.zeros_like(whole)
+    for r in range(2):
+        g, u, d = (copy.copy(m) for m in (gate, up, down))
+        split_linears([g, u], d, r, 2)
+        assert g.weight.shape == (64, 8) and d.scales.shape == (64, 2)  # halves, whole groups
+        total = total + d(nn.silu(g(x)) * u(x))
+    np.testing.assert_allclose(np.array(total), np.array(whole), atol=1e-5)
+
+
+@SLOW_LAUNCH
 def test_tensor_splits_a_quantized_checkpoint(llama, tmp_path):
     """A 4-bit conversion (groups of 32) split by heads: rows of the packed weights, scales
     and biases, columns at group boundaries; the same greedy tokens as one process on the
