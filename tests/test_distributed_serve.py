@@ -219,3 +219,49 @@ def test_chat_across_two_ranks_answers_as_one_process(served, tmp_path):
     two = run([*launch, "--", *chat, "--distributed", "pipeline", "--rank-timeout", "3"], 6)
     assert two.returncode == 0, two.stderr
     assert two.stdout == one.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.real
+@pytest.mark.skipif(
+    __import__("os").environ.get("MLXINFER_SLOW") != "1",
+    reason="the real SmolLM2 served over two ranks: set MLXINFER_SLOW=1 to run",
+)
+def test_real_smollm2_served_over_two_pipeline_ranks(smollm2_mlx_dir, tmp_path):
+    """The real SmolLM2-135M-Instruct (4-bit import, 30 layers, 9 heads / 3 KV heads) served
+    over two pipeline ranks: four chat clients at once get one process's server's replies."""
+    from fastapi.testclient import TestClient
+
+    import mlxinfer
+    from mlxinfer.server import make_app
+
+    questions = ["What is the capital of France?", "Name a primary colour.", "Say hi.", "2+2?"]
+    asks = [
+        {"messages": [{"role": "user", "content": q}], "max_tokens": 24, "temperature": 0}
+        for q in questions
+    ]
+    name = "smollm2"
+    model, tokenizer = mlxinfer.load(smollm2_mlx_dir)
+    with TestClient(make_app(model, tokenizer, name)) as client:
+        expected = [
+            client.post("/v1/chat/completions", json={"model": name, **a}).json() for a in asks
+        ]
+    expected = [e["choices"][0]["message"]["content"] for e in expected]
+    assert "Paris" in expected[0]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = _serve(smollm2_mlx_dir, port)
+    with Ranks(tmp_path, command) as ranks:
+        _wait_healthy(ranks, url)
+        model_name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+        def ask(a: dict) -> str:
+            r = httpx.post(
+                f"{url}/v1/chat/completions", json={"model": model_name, **a}, timeout=120
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(len(asks)) as pool:
+            assert list(pool.map(ask, asks)) == expected
+        assert "runs layers 0-14 of 30" in ranks.text(0)
