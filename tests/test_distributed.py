@@ -530,6 +530,7 @@ FAMILIES = {
         topk_group=1,
         first_k_dense_replace=1,
     ),
+    "phi3": dict(pad_token_id=0, eos_token_id=2),  # fused qkv and gate_up: each part cut
     "deepseek_v3": dict(  # MLA caches; a dense first layer, then MoE (built by global index)
         kv_lora_rank=32,
         qk_rope_head_dim=8,

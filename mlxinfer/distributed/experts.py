@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..models.layers.mlp import GatedMLP
 from ..models.layers.moe import Gate, SwitchGLU, SwitchLinear
@@ -69,7 +70,37 @@ def split_linears(outputs: list[nn.Linear], final: nn.Linear, r: int, s: int) ->
         final.bias = mx.zeros_like(final.bias)
 
 
-def split_gated_mlp(mlp: GatedMLP, r: int, s: int) -> None:
+def split_fused_rows(linear: nn.Linear, parts: list[int], r: int, s: int) -> None:
+    """Rank r's rows of each of the ``parts`` (row counts, in order) of one fused ``linear``
+    (Phi-3's ``qkv_proj``: q, k, v; its ``gate_up_proj``: gate, up), put together again."""
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    for key in ("weight", "bias", *QUANTIZED):
+        if key in linear:
+            shares = [
+                linear[key][a + r * (n // s) : a + (r + 1) * (n // s)]
+                for a, n in zip(starts, parts)
+            ]
+            linear[key] = mx.contiguous(mx.concatenate(shares))
+
+
+def is_fused_gated_mlp(module: nn.Module) -> bool:
+    """A gated MLP whose gate and up are the two halves of one ``gate_up_proj`` (Phi-3), beside
+    a ``down_proj``, and nothing else that holds weights."""
+    children = module.children()
+    linears = ("gate_up_proj", "down_proj")
+    if not all(isinstance(children.get(k), (nn.Linear, nn.QuantizedLinear)) for k in linears):
+        return False
+    others = [v for k, v in children.items() if k not in linears]
+    return not any(isinstance(v, nn.Module) and tree_flatten(v.parameters()) for v in others)
+
+
+def split_gated_mlp(mlp: nn.Module, r: int, s: int) -> None:
+    """Rank r's share of a gated MLP's hidden units (separate gate and up, or fused)."""
+    if is_fused_gated_mlp(mlp):
+        hidden = mlp.gate_up_proj.weight.shape[0] // 2
+        split_fused_rows(mlp.gate_up_proj, [hidden, hidden], r, s)
+        split_linears([], mlp.down_proj, r, s)
+        return
     split_linears([mlp.gate_proj, mlp.up_proj], mlp.down_proj, r, s)
 
 

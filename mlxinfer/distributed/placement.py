@@ -91,31 +91,34 @@ class WeightNames:
 def tensor_split_reason(model, size: int) -> str | None:
     """Why ``model`` cannot run with its heads split over ``size`` ranks (None: it can).
 
-    Each block must hold one grouped-query attention (``RopeAttention``: separate q/k/v, no
-    output gate or sinks) and one gated MLP or mixture of experts (``experts.is_moe``), with
+    Each block must hold one grouped-query attention (``RopeAttention``: separate or fused
+    q/k/v, no output gate or sinks) and one gated MLP (gate and up separate or fused) or
+    mixture of experts (``experts.is_moe``), with
     the attention heads, the KV heads and the MLP's (each expert's, each shared expert's)
     hidden size divisible by ``size``; its other parts may only be norms (vectors).
     """
     from ..models.layers.attention import RopeAttention
     from ..models.layers.mlp import GatedMLP
-    from .experts import is_moe, moe_split_reason
+    from .experts import is_fused_gated_mlp, is_moe, moe_split_reason
 
     for i, layer in enumerate(model.layers):
         children = layer.children().values()
         attn = [m for m in children if isinstance(m, RopeAttention)]
-        mlp = [m for m in children if type(m) is GatedMLP or is_moe(m)]
+        mlp = [m for m in children if type(m) is GatedMLP or is_fused_gated_mlp(m) or is_moe(m)]
         if len(attn) != 1 or len(mlp) != 1:
             return f"layer {i} is not one attention and one gated MLP or mixture of experts"
         a, m = attn[0], mlp[0]
-        if a.fused_qkv or a.output_gate or "sinks" in a:
-            return f"layer {i}'s attention has fused q/k/v, an output gate or sinks"
+        if a.output_gate or "sinks" in a:
+            return f"layer {i}'s attention has an output gate or sinks"
         sizes = [("attention heads", a.n_heads), ("KV heads", a.n_kv_heads)]
         if type(m) is GatedMLP:
             sizes.append(("MLP hidden size", m.gate_proj.weight.shape[0]))
+        elif is_fused_gated_mlp(m):
+            sizes.append(("MLP hidden size", m.gate_up_proj.weight.shape[0] // 2))
         for name, count in sizes:
             if count % size:
                 return f"{count} {name} do not divide over {size} ranks"
-        if type(m) is not GatedMLP and (reason := moe_split_reason(m, size)):
+        if is_moe(m) and (reason := moe_split_reason(m, size)):
             return reason
         for name, child in layer.children().items():
             if child is a or child is m:
@@ -133,7 +136,7 @@ def quantized_split_reason(model, record: dict, size: int) -> str | None:
     the inputs must be a whole number of groups. Quantized experts are not split yet."""
     from ..models.layers.attention import RopeAttention
     from ..models.layers.mlp import GatedMLP
-    from .experts import is_moe
+    from .experts import is_fused_gated_mlp, is_moe
 
     paths = {id(m): path for path, m in model.named_modules()}
     default = record.get("group_size", 64)
@@ -143,7 +146,7 @@ def quantized_split_reason(model, record: dict, size: int) -> str | None:
                 return "the checkpoint is quantized and its experts are not yet split quantized"
             if isinstance(child, RopeAttention):
                 final = child.o_proj
-            elif type(child) is GatedMLP:
+            elif type(child) is GatedMLP or is_fused_gated_mlp(child):
                 final = child.down_proj
             else:
                 continue

@@ -6,7 +6,8 @@ Megatron's split, applied to a loaded float model from the outside: rank r keeps
 the same columns of ``o_proj``; and its share of the feed-forward's hidden units
 (``experts.py``): of the gated MLP (rows of ``gate_proj``/``up_proj``, columns of
 ``down_proj``), or in a mixture of experts, of every routed and shared expert, the router
-whole on every rank. The attention output and the MLP or MoE output are then partial sums;
+whole on every rank. A fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) is cut part
+by part (``experts.split_fused_rows``). The attention output and the MLP or MoE output are then partial sums;
 :class:`Summed` adds them over the ranks (``all_sum``) before the residual. A bias of
 ``o_proj`` or of a down projection stays on rank 0 only, so it is added once. Where the sizes
 do not divide (``placement.tensor_split_reason``) the model runs as a pipeline instead, with
@@ -21,7 +22,14 @@ import mlx.nn as nn
 from ..cache import Cache
 from ..models.layers.attention import RopeAttention
 from ..models.layers.mlp import GatedMLP
-from .experts import is_moe, split_gated_mlp, split_linears, split_moe
+from .experts import (
+    is_fused_gated_mlp,
+    is_moe,
+    split_fused_rows,
+    split_gated_mlp,
+    split_linears,
+    split_moe,
+)
 from .group import Ranks
 from .pipeline import SYNC_ROWS, RankModel, kv_nbytes
 
@@ -34,11 +42,18 @@ def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
     for block in model.layers:
         for name, child in block.children().items():
             if isinstance(child, RopeAttention):
-                q, k, v = child.q_proj, child.k_proj, child.v_proj
-                split_linears([q, k, v], child.o_proj, r, s)
+                if child.fused_qkv:  # rows: [q heads | k heads | v heads]
+                    q_rows, kv_rows = (
+                        n * child.head_dim for n in (child.n_heads, child.n_kv_heads)
+                    )
+                    split_fused_rows(child.qkv_proj, [q_rows, kv_rows, kv_rows], r, s)
+                    split_linears([], child.o_proj, r, s)
+                else:
+                    q, k, v = child.q_proj, child.k_proj, child.v_proj
+                    split_linears([q, k, v], child.o_proj, r, s)
                 child.n_heads //= s
                 child.n_kv_heads //= s
-            elif type(child) is GatedMLP:
+            elif type(child) is GatedMLP or is_fused_gated_mlp(child):
                 split_gated_mlp(child, r, s)
             elif is_moe(child):
                 split_moe(child, r, s)
