@@ -531,6 +531,9 @@ FAMILIES = {
         first_k_dense_replace=1,
     ),
     "phi3": dict(pad_token_id=0, eos_token_id=2),  # fused qkv and gate_up: each part cut
+    "gpt_oss": dict(  # attention sinks (split by heads), experts with biases, sliding layers
+        num_local_experts=4, num_experts_per_tok=2, head_dim=8, intermediate_size=16
+    ),
     "deepseek_v3": dict(  # MLA caches; a dense first layer, then MoE (built by global index)
         kv_lora_rank=32,
         qk_rope_head_dim=8,

@@ -92,7 +92,7 @@ def tensor_split_reason(model, size: int) -> str | None:
     """Why ``model`` cannot run with its heads split over ``size`` ranks (None: it can).
 
     Each block must hold one grouped-query attention (``RopeAttention``: separate or fused
-    q/k/v, no output gate or sinks) and one gated MLP (gate and up separate or fused) or
+    q/k/v, with or without sinks, no output gate) and one gated MLP (gate and up separate or fused) or
     mixture of experts (``experts.is_moe``), with
     the attention heads, the KV heads and the MLP's (each expert's, each shared expert's)
     hidden size divisible by ``size``; its other parts may only be norms (vectors).
@@ -108,8 +108,8 @@ def tensor_split_reason(model, size: int) -> str | None:
         if len(attn) != 1 or len(mlp) != 1:
             return f"layer {i} is not one attention and one gated MLP or mixture of experts"
         a, m = attn[0], mlp[0]
-        if a.output_gate or "sinks" in a:
-            return f"layer {i}'s attention has an output gate or sinks"
+        if a.output_gate:
+            return f"layer {i}'s attention has an output gate"
         sizes = [("attention heads", a.n_heads), ("KV heads", a.n_kv_heads)]
         if type(m) is GatedMLP:
             sizes.append(("MLP hidden size", m.gate_proj.weight.shape[0]))

@@ -25,6 +25,7 @@ from ..models.layers.mlp import GatedMLP
 from .experts import (
     is_fused_gated_mlp,
     is_moe,
+    rows,
     split_fused_rows,
     split_gated_mlp,
     split_linears,
@@ -51,6 +52,8 @@ def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
                 else:
                     q, k, v = child.q_proj, child.k_proj, child.v_proj
                     split_linears([q, k, v], child.o_proj, r, s)
+                if "sinks" in child:  # one per query head (gpt-oss)
+                    child.sinks = rows(child.sinks, r, s)
                 child.n_heads //= s
                 child.n_kv_heads //= s
             elif type(child) is GatedMLP or is_fused_gated_mlp(child):
