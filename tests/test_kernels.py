@@ -381,3 +381,44 @@ def test_the_installs_note_is_the_reason(fresh, tmp_path):
     assert kernels.reason() == (
         "kernels not built at install (cmake not found on PATH); MLX's own ops are used"
     )
+
+
+def test_quantized_every_row_count_of_a_batched_step(k):
+    """Batched decode's row counts 2..9 (the passes of 8 rows and each remainder) against
+    MLX's quantized product, on each instruction-set path."""
+    check_quantized(k, 576, 576, 4, 32, [2, 3, 5, 6, 7, 8, 9], paths(k))
+    check_quantized(k, 576, 200, 8, 64, [3, 8], paths(k))
+
+
+def test_log_softmax_matches_float64(k):
+    """Log-probs of a few rows of logits against the float64 computation (numpy), within
+    2e-5 (relative past 1; MLX's own f32 logsumexp was 5e-5 off on the vocabulary-sized rows):
+    a vocabulary-sized row, a length off the 16-lane blocks, -inf logits, bf16 input."""
+    import numpy as np
+
+    def ref(x):
+        x = np.asarray(x.astype(mx.float32), np.float64)
+        top = x.max(-1, keepdims=True)
+        return x - (top + np.log(np.exp(x - top).sum(-1, keepdims=True)))
+
+    mx.random.seed(7)
+    cases = [
+        mx.random.normal((3, 49152)) * 8,
+        mx.random.normal((2, 37)),
+        mx.array([[0.0, -float("inf"), 3.0, -1e4]]),
+        mx.random.normal((2, 100)).astype(mx.bfloat16),
+    ]
+    try:
+        for level in paths(k):
+            k.set_max_isa(level)
+            for x in cases:
+                y = k.log_softmax(x)
+                assert y.dtype == mx.float32 and y.shape == x.shape
+                expected = ref(x)
+                got = np.asarray(y, np.float64)
+                assert np.array_equal(np.isinf(got), np.isinf(expected)), level
+                finite = np.isfinite(expected)
+                err = np.abs(got - expected) / np.maximum(1.0, np.abs(expected))
+                assert err[finite].max() <= 2e-5, (level, x.shape)
+    finally:
+        k.set_max_isa("best")

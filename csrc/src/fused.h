@@ -13,6 +13,7 @@
 //   (..., n_q * Dv), ready for the output projection.
 //
 // - paged_attention (paged.cpp): the batching engine's decode step over its pool's blocks.
+// - log_softmax (log_softmax.cpp): a few rows of logits normalised to log-probs, in f32.
 //
 // On a GPU stream the ops build MLX's own graph (mx.fast.rms_norm; RoPE by the table,
 // slice_update, mx.fast.scaled_dot_product_attention), so eval_gpu is never reached.
@@ -61,6 +62,24 @@ mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::a
 
 // How many times cache_write copied a buffer it could not update in place.
 int64_t attention_buffer_copies();
+
+mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s = {});
+
+class LogSoftmax : public mx::UnaryPrimitive {
+ public:
+  explicit LogSoftmax(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferLogSoftmax";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
 
 class RMSNorm : public mx::UnaryPrimitive {
  public:

@@ -295,6 +295,47 @@ MLXINFER_AVX512 void qmv_row_avx512(
   }
 }
 
+// Several rows of x against one output row (batched decode, verification, short prompts):
+// each 32-weight chunk is widened and dequantized (s q + b, one FMA per 16) once, in
+// registers, and multiplied with M rows of x, so the rows share the unpacking and the
+// per-group scale and bias instead of repeating them per row; up to 8 rows a pass.
+template <int BITS, int M>
+MLXINFER_AVX512 void qmv_row_dq_avx512(
+    const QmvProblem& p,
+    const uint8_t* wr,
+    const float* s,
+    const float* b,
+    int m0,
+    int n) {
+  const int gs = p.group_size;
+  constexpr int bytes32 = 32 * BITS / 8;
+  __m512 tot[M][2];
+  const float* xrow[M];
+  for (int m = 0; m < M; ++m) {
+    tot[m][0] = tot[m][1] = _mm512_setzero_ps();
+    xrow[m] = p.xp + static_cast<size_t>(m0 + m) * p.K;
+  }
+  // One loop over the row's 32-weight chunks (a loop per group would have the totals
+  // stored to the stack at each group's end: a store per total per group).
+  for (int k = 0; k < p.K; k += 32) {
+    const int g = k / gs;
+    const __m512 sv = _mm512_set1_ps(s[g]), bv = _mm512_set1_ps(b[g]);
+    __m512 qa, qb;
+    unpack32<BITS>(wr + (k / 32) * bytes32, qa, qb);
+    qa = _mm512_fmadd_ps(qa, sv, bv);
+    qb = _mm512_fmadd_ps(qb, sv, bv);
+    for (int m = 0; m < M; ++m) {
+      const float* xk = xrow[m] + k;
+      tot[m][0] = _mm512_fmadd_ps(qa, _mm512_loadu_ps(xk), tot[m][0]);
+      tot[m][1] = _mm512_fmadd_ps(qb, _mm512_loadu_ps(xk + 16), tot[m][1]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    p.y[static_cast<size_t>(m0 + m) * p.N + n] =
+        _mm512_reduce_add_ps(_mm512_add_ps(tot[m][0], tot[m][1]));
+  }
+}
+
 // One row of x against R output rows at once (decode): x's two vectors per chunk are
 // loaded once for the R rows, and the per-group work (scale, bias) of the R rows overlaps.
 template <int BITS, int R, int U>
@@ -378,17 +419,29 @@ MLXINFER_AVX512 void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
     const uint8_t* wr = w + n * row_bytes;
     const float* s = p.scales + static_cast<size_t>(n) * G;
     const float* b = p.biases + static_cast<size_t>(n) * G;
+    // The row's weights stay in L1 across the passes of 8 x rows.
     int m = 0;
-    for (; m + 4 <= p.M; m += 4) {
-      qmv_row_avx512<BITS, 4, 1>(p, wr, s, b, m, n);
+    for (; m + 8 <= p.M; m += 8) {
+      qmv_row_dq_avx512<BITS, 8>(p, wr, s, b, m, n);
     }
     switch (p.M - m) {
+      case 7:
+        qmv_row_dq_avx512<BITS, 7>(p, wr, s, b, m, n);
+        break;
+      case 6:
+        qmv_row_dq_avx512<BITS, 6>(p, wr, s, b, m, n);
+        break;
+      case 5:
+        qmv_row_dq_avx512<BITS, 5>(p, wr, s, b, m, n);
+        break;
+      case 4:
+        qmv_row_dq_avx512<BITS, 4>(p, wr, s, b, m, n);
+        break;
       case 3:
-        qmv_row_avx512<BITS, 3, 1>(p, wr, s, b, m, n);
+        qmv_row_dq_avx512<BITS, 3>(p, wr, s, b, m, n);
         break;
       case 2:
-        wide ? qmv_row_avx512<BITS, 2, 2>(p, wr, s, b, m, n)
-             : qmv_row_avx512<BITS, 2, 1>(p, wr, s, b, m, n);
+        qmv_row_dq_avx512<BITS, 2>(p, wr, s, b, m, n);
         break;
       case 1:
         wide ? qmv_row_avx512<BITS, 1, 2>(p, wr, s, b, m, n)

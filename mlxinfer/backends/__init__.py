@@ -46,6 +46,18 @@ def prefill_schedule(model: nn.Module) -> AbstractContextManager:
     return nullcontext()
 
 
+def log_probs(logits: mx.array) -> mx.array:
+    """``logits - logsumexp(logits)`` over the last axis: on the CPU backend one compiled
+    kernel where the kernels are built (``cpu.compiled.log_softmax``), else MLX's ops."""
+    if name() == "cpu":
+        from .cpu import compiled
+
+        out = compiled.log_softmax(logits)
+        if out is not None:
+            return out
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def describe(model: nn.Module) -> dict:
     """The model's backend and, on the CPU, the decode plans it runs with (for reports)."""
     backend = getattr(model, "backend", None)

@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
+from ..backends import log_probs
 from ..generation.drafts import Draft, DraftModel, PromptLookup
 from ..generation.speculative import DraftLength, _draft_sampler, accept_drafts, allowed_drafts
 from .draft_pool import DraftPool
@@ -174,7 +175,7 @@ def row_logprobs(r: _Request, logits: mx.array, drafts: list[int]) -> mx.array:
                 row = process(seen, row)
             rows.append(row)
         logits = mx.concatenate(rows)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return log_probs(logits)
 
 
 def sample_rows(rows: list[_Request], logits: mx.array) -> tuple[mx.array, list[mx.array]]:
@@ -198,5 +199,5 @@ def sample_rows(rows: list[_Request], logits: mx.array) -> tuple[mx.array, list[
                 for b, r in enumerate(rows)
             ]
         )
-    normalised = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    normalised = log_probs(logits)
     return picked, [normalised[b] for b in range(len(rows))]
