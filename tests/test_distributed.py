@@ -247,6 +247,31 @@ def test_tensor_splits_a_quantized_checkpoint(llama, tmp_path):
     np.testing.assert_allclose(np.array(results[0]["logprobs"]), expected, atol=1e-4)
 
 
+@SLOW_LAUNCH
+def test_tensor_splits_quantized_experts(tmp_path):
+    """A 4-bit conversion (groups of 32) of a tiny mixtral split by heads and experts' hidden
+    units: one process's greedy tokens on the same checkpoint, log-probabilities within 1e-4."""
+    from hf_models import make_tiny
+    from tiny_checkpoint import tokenizer_json
+
+    import mlxinfer
+    from mlxinfer.conversion import convert
+    from mlxinfer.generation import generate_step
+
+    config = dict(vocab_size=300, num_hidden_layers=3, **FAMILIES["mixtral"])
+    path, _ = make_tiny(tmp_path / "mixtral", "mixtral", **config)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json(300)))
+    quantized = tmp_path / "q4"
+    convert(path, quantized, quantize=True, bits=4, group_size=32)
+    model, _ = mlxinfer.load(quantized)
+    steps = list(generate_step(PROMPT, model, max_tokens=N_TOKENS))
+    results, log = _run_rank_script(tmp_path, quantized, "tensor")
+    assert "falls back" not in log and "experts" in log, log
+    assert results[0]["tokens"] == [t for t, _ in steps]
+    expected = np.array([lp.tolist() for _, lp in steps])
+    np.testing.assert_allclose(np.array(results[0]["logprobs"]), expected, atol=1e-4)
+
+
 def test_tensor_splits_the_experts_of_mixtral(tmp_path):
     """Every rank holds half of each expert's hidden units (and half the heads), the router
     whole: f32 log-probabilities within 1e-4 of transformers, the same greedy tokens."""

@@ -91,6 +91,47 @@ def test_the_expert_shares_add_up_to_the_whole_layer(family, size):
     assert float(mx.abs(parts[0] - whole).max()) > 1e-3
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_quantized_expert_shares_add_up_to_the_whole_layer(family):
+    """Quantized experts (4-bit, groups of 32; gpt-oss's with biases) cut to two ranks' shares:
+    the packed weights, scales and biases of gate/up by hidden units, of down at a group
+    boundary; the shares' outputs sum to the whole quantized layer's."""
+    import mlx.nn as nn
+
+    from mlxinfer.models.layers.moe import SwitchLinear
+
+    sizes = dict(hidden_size=32, intermediate_size=64)
+
+    def quantized_model():
+        model = build_model({"model_type": family, **BASE, **MOE[family], **sizes})
+        nn.quantize(model, 32, 4, class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+        return model
+
+    mx.random.seed(3)
+    model = quantized_model()
+    params = [
+        (k, mx.random.normal(v.shape) * 0.1 if mx.issubdtype(v.dtype, mx.floating) else v)
+        for k, v in tree_flatten(model.parameters())
+    ]
+    params = [  # the packed weights: random codes
+        (k, mx.random.randint(0, 1 << 31, v.shape).astype(mx.uint32) if v.dtype == mx.uint32 else v)
+        for k, v in params
+    ]
+    model.load_weights(params)
+    x = mx.random.normal((2, 7, sizes["hidden_size"]))
+    whole = model.layers[0].mlp(x)
+    parts = []
+    for r in range(2):
+        rank_model = quantized_model()
+        rank_model.load_weights(params)
+        shard(rank_model, SimpleNamespace(rank=r, size=2))
+        down = rank_model.layers[0].mlp.experts.down_proj
+        assert down.scales.shape[-1] == 1  # 32 of the 64 hidden units: one group each
+        parts.append(rank_model.layers[0].mlp(x))
+    np.testing.assert_allclose(np.array(sum(parts)), np.array(whole), atol=1e-4, rtol=1e-4)
+    assert float(mx.abs(parts[0] - whole).max()) > 1e-3
+
+
 def test_a_larger_batch_takes_the_sorted_path_too():
     """64 or more (token, expert) pairs: SwitchGLU sorts them by expert; the shares still add up."""
     model, params = _model("mixtral")

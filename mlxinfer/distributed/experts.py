@@ -36,7 +36,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..models.layers.mlp import GatedMLP
-from ..models.layers.moe import Gate, SwitchGLU, SwitchLinear
+from ..models.layers.moe import Gate, SwitchGLU
 
 
 # The shares are copied (``mx.contiguous``): a slice is a view that would keep the whole
@@ -110,10 +110,15 @@ def split_switch_glu(experts: SwitchGLU, r: int, s: int) -> None:
     hidden = gate_up.weight.shape[1] // 2  # (E, 2I, H): [gate; up]
     n = hidden // s
     gate, up = slice(r * n, (r + 1) * n), slice(hidden + r * n, hidden + (r + 1) * n)
-    gate_up.weight = mx.concatenate([gate_up.weight[:, gate], gate_up.weight[:, up]], axis=1)
-    if "bias" in gate_up:  # (E, 2I)
-        gate_up.bias = mx.concatenate([gate_up.bias[:, gate], gate_up.bias[:, up]], axis=1)
-    down.weight = cols(down.weight, r, s)  # (E, H, I/s)
+    # (E, 2I, H) weights, or quantized: packed (E, 2I, H·bits/32), scales and biases
+    # (E, 2I, H/group); a bias (E, 2I). Each cut along the hidden units, axis 1.
+    for key in ("weight", "bias", *QUANTIZED):
+        if key in gate_up:
+            w = gate_up[key]
+            gate_up[key] = mx.contiguous(mx.concatenate([w[:, gate], w[:, up]], axis=1))
+    for key in ("weight", *QUANTIZED):  # (E, H, I/s): at a group boundary when quantized
+        if key in down:
+            down[key] = cols(down[key], r, s)
     if "bias" in down and r != 0:  # (E, H): each routed expert's, added once
         down.bias = mx.zeros_like(down.bias)
 
@@ -143,8 +148,6 @@ def moe_split_reason(moe: nn.Module, size: int) -> str | None:
     for name, child in moe.children().items():
         kind = _kind(child)
         if kind == "experts":
-            if type(child.gate_up_proj) is not SwitchLinear:
-                return "the experts are quantized (not yet split by hidden units)"
             count, what = child.down_proj.weight.shape[-1], "hidden units of each expert"
         elif kind == "shared":
             count, what = child.gate_proj.weight.shape[0], f"hidden units of '{name}'"

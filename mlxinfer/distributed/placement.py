@@ -133,7 +133,7 @@ def quantized_split_reason(model, record: dict, size: int) -> str | None:
     """Why ``model``'s quantized layers (as ``record``, the config's quantization) cannot be
     split over ``size`` ranks (None: they can). Rows of a quantized layer split as a float
     layer's; columns (``o_proj``, ``down_proj``) only at a group boundary: each rank's share of
-    the inputs must be a whole number of groups. Quantized experts are not split yet."""
+    the inputs must be a whole number of groups; each expert's too."""
     from ..models.layers.attention import RopeAttention
     from ..models.layers.mlp import GatedMLP
     from .experts import is_fused_gated_mlp, is_moe
@@ -141,15 +141,15 @@ def quantized_split_reason(model, record: dict, size: int) -> str | None:
     paths = {id(m): path for path, m in model.named_modules()}
     default = record.get("group_size", 64)
     for i, layer in enumerate(model.layers):
+        finals = []  # the layers whose inputs are cut: attention output, MLPs' down projections
         for child in layer.children().values():
-            if is_moe(child):
-                return "the checkpoint is quantized and its experts are not yet split quantized"
             if isinstance(child, RopeAttention):
-                final = child.o_proj
+                finals.append(child.o_proj)
             elif type(child) is GatedMLP or is_fused_gated_mlp(child):
-                final = child.down_proj
-            else:
-                continue
+                finals.append(child.down_proj)
+            elif is_moe(child):  # each routed expert's down projection, each shared one's
+                finals += [m.down_proj for m in child.children().values() if "down_proj" in m]
+        for final in finals:
             entry = record.get(paths.get(id(final), ""))
             group = entry.get("group_size", default) if isinstance(entry, dict) else default
             inputs = final.weight.shape[-1]
