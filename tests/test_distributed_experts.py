@@ -91,11 +91,14 @@ def test_the_expert_shares_add_up_to_the_whole_layer(family, size):
     assert float(mx.abs(parts[0] - whole).max()) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-def test_quantized_expert_shares_add_up_to_the_whole_layer(family):
-    """Quantized experts (4-bit, groups of 32; gpt-oss's with biases) cut to two ranks' shares:
-    the packed weights, scales and biases of gate/up by hidden units, of down at a group
-    boundary; the shares' outputs sum to the whole quantized layer's."""
+@pytest.mark.parametrize(
+    "family, mode", [("mixtral", "affine"), ("gpt_oss", "affine"), ("gpt_oss", "mxfp4")]
+)
+def test_quantized_expert_shares_add_up_to_the_whole_layer(family, mode):
+    """Quantized experts (4-bit, groups of 32: affine, or MXFP4 with uint8 scales only, as
+    gpt-oss stores them; gpt-oss's with biases) cut to two ranks' shares: the packed weights,
+    scales and biases of gate/up by hidden units, of down at a group boundary; the shares'
+    outputs sum to the whole quantized layer's."""
     import mlx.nn as nn
 
     from mlxinfer.models.layers.moe import SwitchLinear
@@ -104,13 +107,16 @@ def test_quantized_expert_shares_add_up_to_the_whole_layer(family):
 
     def quantized_model():
         model = build_model({"model_type": family, **BASE, **MOE[family], **sizes})
-        nn.quantize(model, 32, 4, class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+        is_experts = lambda _, m: isinstance(m, SwitchLinear)  # noqa: E731
+        nn.quantize(model, 32, 4, mode=mode, class_predicate=is_experts)
         return model
 
     mx.random.seed(3)
     model = quantized_model()
     params = [
         (k, mx.random.normal(v.shape) * 0.1 if mx.issubdtype(v.dtype, mx.floating) else v)
+        if not k.endswith("scales") or mode == "affine"
+        else (k, mx.random.randint(118, 124, v.shape).astype(mx.uint8))  # powers of two near 1
         for k, v in tree_flatten(model.parameters())
     ]
     params = [  # the packed weights: random codes
