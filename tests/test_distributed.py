@@ -227,49 +227,41 @@ def test_quantized_shares_add_up_to_the_whole_layer():
     np.testing.assert_allclose(np.array(total), np.array(whole), atol=1e-5)
 
 
-@SLOW_LAUNCH
-def test_tensor_splits_a_quantized_checkpoint(llama, tmp_path):
-    """A 4-bit conversion (groups of 32) split by heads: rows of the packed weights, scales
-    and biases, columns at group boundaries; the same greedy tokens as one process on the
-    same quantized checkpoint, log-probabilities within 1e-4."""
+def _quantized_tensor_run(tmp_path, source) -> str:
+    """``source`` converted to 4 bits (groups of 32) and split by heads over two ranks: one
+    process's greedy tokens on the same checkpoint, log-probabilities within 1e-4; the log."""
     import mlxinfer
     from mlxinfer.conversion import convert
     from mlxinfer.generation import generate_step
 
     quantized = tmp_path / "q4"
-    convert(llama[0], quantized, quantize=True, bits=4, group_size=32)
+    convert(source, quantized, quantize=True, bits=4, group_size=32)
     model, _ = mlxinfer.load(quantized)
     steps = list(generate_step(PROMPT, model, max_tokens=N_TOKENS))
     results, log = _run_rank_script(tmp_path, quantized, "tensor")
-    assert "falls back" not in log and "runs heads 0-1 of 4" in log, log
+    assert "falls back" not in log, log
     assert results[0]["tokens"] == [t for t, _ in steps]
     expected = np.array([lp.tolist() for _, lp in steps])
     np.testing.assert_allclose(np.array(results[0]["logprobs"]), expected, atol=1e-4)
+    return log
+
+
+@SLOW_LAUNCH
+def test_tensor_splits_a_quantized_checkpoint(llama, tmp_path):
+    """Rows of the packed weights, scales and biases, columns at group boundaries."""
+    assert "runs heads 0-1 of 4" in _quantized_tensor_run(tmp_path, llama[0])
 
 
 @SLOW_LAUNCH
 def test_tensor_splits_quantized_experts(tmp_path):
-    """A 4-bit conversion (groups of 32) of a tiny mixtral split by heads and experts' hidden
-    units: one process's greedy tokens on the same checkpoint, log-probabilities within 1e-4."""
+    """A tiny mixtral: its quantized experts split by hidden units, its heads by rank."""
     from hf_models import make_tiny
     from tiny_checkpoint import tokenizer_json
-
-    import mlxinfer
-    from mlxinfer.conversion import convert
-    from mlxinfer.generation import generate_step
 
     config = dict(vocab_size=300, num_hidden_layers=3, **FAMILIES["mixtral"])
     path, _ = make_tiny(tmp_path / "mixtral", "mixtral", **config)
     (path / "tokenizer.json").write_text(json.dumps(tokenizer_json(300)))
-    quantized = tmp_path / "q4"
-    convert(path, quantized, quantize=True, bits=4, group_size=32)
-    model, _ = mlxinfer.load(quantized)
-    steps = list(generate_step(PROMPT, model, max_tokens=N_TOKENS))
-    results, log = _run_rank_script(tmp_path, quantized, "tensor")
-    assert "falls back" not in log and "experts" in log, log
-    assert results[0]["tokens"] == [t for t, _ in steps]
-    expected = np.array([lp.tolist() for _, lp in steps])
-    np.testing.assert_allclose(np.array(results[0]["logprobs"]), expected, atol=1e-4)
+    assert "experts" in _quantized_tensor_run(tmp_path, path)
 
 
 def test_tensor_splits_the_experts_of_mixtral(tmp_path):
