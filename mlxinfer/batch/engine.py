@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..errors import DistributedError
-from ..generation.drafts import Draft, PromptLookup
+from ..generation.drafts import Draft
 from ..generation.prefill import check_token_ids, token_ids
 from ..generation.sampling import LogitsProcessor, SamplingParams
 from . import disk as disk_mod
@@ -276,22 +276,6 @@ class Engine(TextRequests, Scheduler):
             self._waiting.append(request)
             self._cond.notify()
         return Handle(self, request, next(self._ids))
-
-    def mirror(self, ids: list[int], max_tokens: int, eos: list[int], lookup=None) -> _Request:
-        """Across ranks (``rank0_requests``), on a rank other than 0: this engine's copy of a
-        request rank 0 sent, fed rank 0's tokens (its sampler is never asked); ``lookup``:
-        ``[max_ngram, min_ngram, num_draft or 0]`` where it drafts by prompt lookup."""
-        ids = token_ids(ids)
-        check_token_ids(self.model, ids)
-        if not ids or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"a request of {len(ids)} tokens and max_tokens {max_tokens!r}")
-        eos = frozenset(token_ids(eos)) if eos else frozenset()
-        request = _Request(ids, max_tokens, SamplingParams().sampler(), [], eos)
-        if lookup is not None:
-            longest, shortest, fixed = token_ids(lookup, "lookup")
-            draft = PromptLookup(longest, shortest)
-            rows_mod.start_drafting(request, self.model, draft, fixed or None, 0, self.max_draft)
-        return request
 
     def _draft_pool(self, draft) -> DraftPool | None:
         """The pool of ``draft``'s model (made on its first request), or None for a model

@@ -234,7 +234,7 @@ class Turns:
         try:
             described = json.loads(bytes(np.array(raw)))
             made = [
-                engine.mirror(d["ids"], d["max_tokens"], d["eos"], d.get("lookup"))
+                _mirror(engine, d["ids"], d["max_tokens"], d["eos"], d.get("lookup"))
                 for d in described
             ]
         except (ValueError, KeyError, TypeError, MlxInferError) as e:
@@ -309,6 +309,29 @@ class Turns:
             why="requests (prompt, max_tokens, admission or shared prefix) other than rank 0's: "
             "every rank must submit the same requests in the same order",
         )
+
+
+def _mirror(engine, ids: list[int], max_tokens: int, eos: list[int], lookup=None):
+    """On a rank other than 0 (``rank0_requests``): ``engine``'s copy of a request rank 0 sent,
+    fed rank 0's tokens (its sampler is never asked); ``lookup``: ``[max_ngram, min_ngram,
+    num_draft or 0]`` where it drafts by prompt lookup. A ValueError (or the prompt's own
+    error) for what does not read as a request."""
+    from ..batch import rows
+    from ..batch.requests import _Request
+    from ..generation.drafts import PromptLookup
+    from ..generation.prefill import check_token_ids, token_ids
+    from ..generation.sampling import SamplingParams
+
+    ids = token_ids(ids)
+    check_token_ids(engine.model, ids)
+    if not ids or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"a request of {len(ids)} tokens and max_tokens {max_tokens!r}")
+    request = _Request(ids, max_tokens, SamplingParams().sampler(), [], frozenset(token_ids(eos)))
+    if lookup is not None:
+        longest, shortest, fixed = token_ids(lookup, "lookup")
+        draft = PromptLookup(longest, shortest)
+        rows.start_drafting(request, engine.model, draft, fixed or None, 0, engine.max_draft)
+    return request
 
 
 def _lookup(request) -> dict:

@@ -102,8 +102,8 @@ def _shares(ranks: Ranks, rank_memory: str | list[int] | None) -> list[int] | No
         or not all(isinstance(b, int) and b > 0 for b in sizes)
     ):
         raise DistributedError(
-            f"rank_memory: expected 'auto', or one size in bytes or one per rank ({ranks.size}), "
-            f"found {rank_memory!r:.80}"
+            f"rank_memory: expected 'auto', or positive sizes in bytes: one for every rank or "
+            f"one per rank ({ranks.size}), found {rank_memory!r:.80}"
         )
     return [max(1, b >> 20) for b in sizes * (ranks.size // len(sizes))]
 
