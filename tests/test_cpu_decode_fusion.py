@@ -249,11 +249,22 @@ def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch)
     assert not any(compiled.attention_fits(m) for m in plain.modules())
 
 
+def isa_levels() -> list[str]:
+    """Each instruction-set path this CPU has, lowest first (arm64: scalar and neon)."""
+    levels = ["scalar", "neon"] if K.best_isa == "neon" else ["scalar", "avx2", "avx512"]
+    return levels[: levels.index(K.best_isa) + 1]
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 9, 3, 64, 16, 5), (3, 8, 2, 32, 32, 4), (2, 4, 4, 16, 8, 1)])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 9, 3, 64, 16, 5), (3, 8, 2, 32, 32, 4), (2, 4, 4, 16, 8, 1), (2, 6, 3, 40, 8, 3)],
+)
 def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
     """Rows of a batch over pool blocks in any order, each seeing its own keys (the last block
-    partly, padding blocks not at all), against the definition and MLX's ops."""
+    partly, padding blocks not at all), against the definition and MLX's ops, on every
+    instruction-set path (float32 head dims that are multiples of 16 take the vector path of
+    attention_simd.h; 40 the generic loops). The hidden slots hold NaN: never read into y."""
     B, n_q, n_kv, D, block, n = shape
     n_blocks = B * n + 3
     keys, values = (
@@ -271,10 +282,25 @@ def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
         seen[b, :length] = True
     visible = mx.array(seen.reshape(B, 1, n, 1, block))
     args = (q, keys, values, mx.array(table), visible)
-    ours, mlx_ops = (
-        f32(K.paged_attention(*args, scale=D**-0.5, reference=r)) for r in (False, True)
-    )
+    mlx_ops = f32(K.paged_attention(*args, scale=D**-0.5, reference=True))
     kf, vf, qf = f32(keys), f32(values), f32(q)
+    hidden_k, hidden_v = kf.copy(), vf.copy()
+    for b in range(B):  # NaN in every slot row b does not see, in its own blocks and the rest
+        flat = seen[b].reshape(n, block)
+        for i, blk in enumerate(order[b]):
+            hidden_k[blk][:, ~flat[i]] = np.nan
+            hidden_v[blk][:, ~flat[i]] = np.nan
+    unused = np.setdiff1d(np.arange(n_blocks), order)
+    hidden_k[unused], hidden_v[unused] = np.nan, np.nan
+    nan_args = (q, mx.array(hidden_k).astype(dtype), mx.array(hidden_v).astype(dtype), *args[3:])
+    runs = {}
+    try:
+        for level in isa_levels():
+            K.set_max_isa(level)
+            runs[level] = f32(K.paged_attention(*args, scale=D**-0.5))
+            runs[level + " (NaN hidden)"] = f32(K.paged_attention(*nan_args, scale=D**-0.5))
+    finally:
+        K.set_max_isa("best")
     want = np.zeros((B, n_q, 1, D))
     for b in range(B):
         for j in range(n_q):
@@ -285,8 +311,10 @@ def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
             p = np.exp(s - s.max())
             want[b, j, 0] = (p / p.sum()) @ V_
     tol = TOL[dtype] * np.abs(want).max()
-    assert np.abs(ours - want).max() <= tol
-    assert np.abs(ours - mlx_ops).max() <= tol
+    assert np.abs(mlx_ops - want).max() <= tol
+    for level, ours in runs.items():
+        assert np.abs(ours - want).max() <= tol, level
+        assert np.abs(ours - mlx_ops).max() <= tol, level
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

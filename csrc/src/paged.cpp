@@ -5,10 +5,60 @@
 #include "mlx/fast.h"
 
 #include "attention_math.h"
+#include "attention_simd.h"
+#include "simd.h"
 #include "threadpool.h"
 #include "util.h"
 
 namespace mlxinfer {
+
+namespace {
+
+// attention_simd.h's float32 path, compiled per instruction set and chosen at run time.
+#if defined(MLXINFER_X86)
+MLXINFER_AVX512 void paged_f32_avx512(const float* q, const float* K, const float* V,
+                                      const uint32_t* table, const bool* seen, int reps, int n,
+                                      int block, int D, int Dv, float* scores, float* y) {
+  paged_head_f32x16(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
+}
+
+MLXINFER_AVX2 void paged_f32_avx2(const float* q, const float* K, const float* V,
+                                  const uint32_t* table, const bool* seen, int reps, int n,
+                                  int block, int D, int Dv, float* scores, float* y) {
+  paged_head_f32x16(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
+}
+#endif
+
+// False where the float32 path does not apply (head dims not multiples of 16, or an x86 CPU
+// below AVX2, whose loops attention_math.h's generic path runs as well).
+bool paged_f32(const float* q, const float* K, const float* V, const uint32_t* table,
+               const bool* seen, int reps, int n, int block, int D, int Dv, float* scores,
+               float* y) {
+  if (D % 16 != 0 || Dv % 16 != 0) {
+    return false;
+  }
+#if defined(MLXINFER_X86)
+  if (current_isa() >= kAvx512) {
+    paged_f32_avx512(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
+    return true;
+  }
+  if (current_isa() >= kAvx2) {
+    paged_f32_avx2(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
+    return true;
+  }
+  return false;
+#elif defined(__aarch64__)
+  if (current_isa() < kNeon) {
+    return false;
+  }
+  paged_head_f32x16(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
+  return true;
+#else
+  return false;
+#endif
+}
+
+} // namespace
 
 mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
                           const mx::array& blocks, const mx::array& visible, float scale,
@@ -103,6 +153,10 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
       const bool* sb = seen + static_cast<size_t>(b) * n * block;
       switch (keys.dtype()) {
         case mx::float32:
+          if (paged_f32(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
+                        rows.data(), sb, reps, n, block, D, Dv, scores.data(), yh)) {
+            return;
+          }
           return paged_head(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
                             rows.data(), sb, reps, n, block, D, Dv, round_probs, scores.data(), yh);
         case mx::float16:

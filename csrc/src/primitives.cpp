@@ -120,8 +120,8 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       return;
     }
     // x as f32 rows, plus its de-interleaved copy and group sums (small: M * K).
-    std::vector<float> xf(static_cast<size_t>(p.M) * p.K);
-    std::vector<float> xp(xf.size());
+    aligned_vector<float> xf(static_cast<size_t>(p.M) * p.K);
+    aligned_vector<float> xp(xf.size());
     std::vector<float> xsum(static_cast<size_t>(p.M) * G);
     to_f32(x, xf.data());
     p.x = xf.data();
@@ -227,7 +227,7 @@ void Matvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       p.w = w.data<uint16_t>();
     }
     p.isa = matvec_path(current_isa());
-    std::vector<float> xf(static_cast<size_t>(p.M) * p.K);
+    aligned_vector<float> xf(static_cast<size_t>(p.M) * p.K);
     to_f32(x, xf.data());
     matvec_prepare(p, xf.data());
     p.x = xf.data();

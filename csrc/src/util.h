@@ -3,7 +3,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -17,6 +19,30 @@
 namespace mlxinfer {
 
 namespace mx = mlx::core;
+
+// A std::vector allocator on 64-byte (cache line) boundaries: a kernel's x rows loaded 16
+// floats at a time from a 16-byte aligned malloc block straddle two lines on every load (the
+// 8-row quantized product ran ~28% slower so, measured with csrc/ kernels on this project's
+// Xeon VM).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) {
+    ::operator delete(p, std::align_val_t(64));
+  }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const {
+    return true;
+  }
+};
+template <typename T>
+using aligned_vector = std::vector<T, CacheLineAllocator<T>>;
 
 // The stream's CPU command encoder with a primitive's inputs and output registered, ready for
 // the primitive's dispatch.
