@@ -55,6 +55,7 @@ CASES = [  # n_q, n_kv, D, Dv, capacity, offset, dims, traditional, dtype
     (8, 2, 128, 128, 700, 699, 64, False, mx.float32),  # partial rotary, the buffer's last slot
     (4, 4, 32, 48, 40, 39, 32, True, mx.float32),  # no grouping, Dv != D
     (8, 1, 64, 64, 2100, 2050, 64, False, mx.float32),  # long: the heads on the pool
+    (6, 3, 40, 40, 90, 70, 40, False, mx.float32),  # head dims not in 16s: the generic loops
     (9, 3, 64, 64, 300, 100, 64, False, mx.bfloat16),
     (9, 3, 64, 64, 300, 100, 64, False, mx.float16),
 ]
@@ -107,6 +108,25 @@ def test_cache_write_and_attention_match_their_definition_and_mlx_ops(case):
     ours, mlx_ops = got[False], got[True]
     tol = TOL[dtype]
     assert np.abs(ours[0].ravel() - want).max() <= tol * np.abs(want).max()
+    k2, v2 = (mx.array(a).astype(dtype) for a in ours[1:])
+    try:  # every instruction-set path (f32 head dims in 16s: attention_simd.h's vectors)
+        for level in isa_levels():
+            K.set_max_isa(level)
+            out = K.decode_attention(
+                q,
+                k2,
+                v2,
+                cos,
+                sin,
+                n_q=n_q,
+                offset=offset,
+                scale=D**-0.5,
+                dims=dims,
+                traditional=trad,
+            )
+            assert np.abs(f32(out).ravel() - want).max() <= tol * np.abs(want).max(), level
+    finally:
+        K.set_max_isa("best")
     assert np.abs(ours[0] - mlx_ops[0]).max() <= tol * np.abs(want).max()
     for buf, ref, written in ((ours[1], mlx_ops[1], kr), (ours[2], mlx_ops[2], V_[:, offset])):
         assert np.array_equal(buf, ref)  # the same rounding, the other slots untouched

@@ -141,4 +141,11 @@ MLXINFER_INLINE void paged_head_f32x16(const float* q, const float* K, const flo
   }
 }
 
+// paged_head_f32x16 on the best vector path this CPU has (paged.cpp). False where it does not
+// apply: head dims not multiples of 16, or an x86 CPU below AVX2 (attention_math.h's loops run
+// there as well). Also one query head over a plain cache's T tokens: one block of T.
+bool attention_f32x16(const float* q, const float* K, const float* V, const uint32_t* table,
+                      const bool* seen, int reps, int n, int block, int D, int Dv, float* scores,
+                      float* y);
+
 } // namespace mlxinfer

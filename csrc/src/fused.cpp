@@ -2,11 +2,13 @@
 
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/fast.h"
 
 #include "attention_math.h"
+#include "attention_simd.h"
 #include "threadpool.h"
 #include "util.h"
 
@@ -32,8 +34,20 @@ template <typename C>
 void attend_cpu(const AttentionShape& a, std::vector<float>& q, const C* K, const C* V, int cap,
                 int D, int Dv, bool round_probs, std::vector<float>& y) {
   const int T = a.offset + 1, reps = a.n_q / a.n_kv;
+  // float32 with head dims in 16s: the batching engine's vector path, over one block of T keys
+  // all visible (attention_simd.h).
+  std::vector<char> all_seen(std::is_same_v<C, float> ? T : 0, 1);
   auto head = [&](int j, std::vector<float>& scores) {
     const int h = j / reps;
+    if constexpr (std::is_same_v<C, float>) {
+      const uint32_t first = 0;
+      if (attention_f32x16(q.data() + static_cast<size_t>(j) * D, K + static_cast<size_t>(h) * cap * D,
+                           V + static_cast<size_t>(h) * cap * Dv, &first,
+                           reinterpret_cast<const bool*>(all_seen.data()), 1, 1, T, D, Dv,
+                           scores.data(), y.data() + static_cast<size_t>(j) * Dv)) {
+        return;
+      }
+    }
     attend_head<C>(q.data() + static_cast<size_t>(j) * D, K + static_cast<size_t>(h) * cap * D,
                    V + static_cast<size_t>(h) * cap * Dv, T, D, Dv, round_probs, scores.data(),
                    y.data() + static_cast<size_t>(j) * Dv);

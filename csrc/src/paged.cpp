@@ -29,11 +29,12 @@ MLXINFER_AVX2 void paged_f32_avx2(const float* q, const float* K, const float* V
 }
 #endif
 
-// False where the float32 path does not apply (head dims not multiples of 16, or an x86 CPU
-// below AVX2, whose loops attention_math.h's generic path runs as well).
-bool paged_f32(const float* q, const float* K, const float* V, const uint32_t* table,
-               const bool* seen, int reps, int n, int block, int D, int Dv, float* scores,
-               float* y) {
+} // namespace
+
+// attention_simd.h's declaration: false where the float32 path does not apply.
+bool attention_f32x16(const float* q, const float* K, const float* V, const uint32_t* table,
+                      const bool* seen, int reps, int n, int block, int D, int Dv, float* scores,
+                      float* y) {
   if (D % 16 != 0 || Dv % 16 != 0) {
     return false;
   }
@@ -57,8 +58,6 @@ bool paged_f32(const float* q, const float* K, const float* V, const uint32_t* t
   return false;
 #endif
 }
-
-} // namespace
 
 mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
                           const mx::array& blocks, const mx::array& visible, float scale,
@@ -153,7 +152,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
       const bool* sb = seen + static_cast<size_t>(b) * n * block;
       switch (keys.dtype()) {
         case mx::float32:
-          if (paged_f32(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
+          if (attention_f32x16(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
                         rows.data(), sb, reps, n, block, D, Dv, scores.data(), yh)) {
             return;
           }
