@@ -27,7 +27,6 @@ UNSUPPORTED = {  # the commands' options that do not run across ranks yet
     "draft_model": "--draft-model",
     "self_draft_layers": "--self-draft-layers",
     "models_dir": "--models-dir",
-    "embedding_model": "--embedding-model",
 }
 
 

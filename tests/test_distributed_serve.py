@@ -15,6 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx", reason="the server tests need httpx (the test extras)")
@@ -113,25 +114,38 @@ def _engine_metric(text: str, name: str) -> float:
 
 
 def test_serve_across_two_ranks_matches_one_process(served, tmp_path):
-    """Four clients at once get one process's texts (greedy and seeded) and a stream; rank 0's
+    """Four clients at once get one process's texts (greedy and seeded) and a stream, while a
+    fifth asks rank 0's embedding model (--embedding-model: transformers' vectors); rank 0's
     /metrics has both ranks' KV and weight bytes; a SIGTERM to rank 0 ends both, cleanly."""
+    pytest.importorskip("transformers", reason="the embedding reference is transformers")
+    from test_embeddings import TEXTS, reference, write_checkpoint
+
     path, texts, _ = served
+    embedder = write_checkpoint(tmp_path / "tiny-embedding")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with Ranks(tmp_path, _serve(path, port)) as ranks:
+    with Ranks(tmp_path, _serve(path, port, "--embedding-model", str(embedder[0]))) as ranks:
         _wait_healthy(ranks, url)
         assert "follows rank 0's server" in ranks.text(1)
 
         def ask(a: dict) -> str:
             return _text(httpx.post(f"{url}/v1/completions", json={"model": NAME, **a}, timeout=60))
 
-        with ThreadPoolExecutor(len(ASKS) + 1) as pool:
+        def embed() -> list:
+            body = {"model": "tiny-embedding", "input": TEXTS}
+            response = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return [d["embedding"] for d in response.json()["data"]]
+
+        with ThreadPoolExecutor(len(ASKS) + 2) as pool:
             answers = pool.map(ask, ASKS)
             stream = pool.submit(
                 lambda: httpx.post(f"{url}/v1/completions", json=_stream(ASKS[1]), timeout=60)
             )
+            vectors = pool.submit(embed)
             assert list(answers) == texts
             assert _streamed(stream.result().text) == texts[1]
+            np.testing.assert_allclose(vectors.result(), reference(embedder, TEXTS), atol=1e-4)
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         kv = [_metric(metrics, "mlxinfer_rank_kv_bytes", r) for r in (0, 1)]
         weights = [_metric(metrics, "mlxinfer_rank_weight_bytes", r) for r in (0, 1)]

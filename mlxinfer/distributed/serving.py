@@ -6,6 +6,10 @@ requests, and each decode step's tokens, to the others (``batching.py``), whose 
 the same forwards and discard what they produce. They end when rank 0's engine closes (a
 SIGTERM to rank 0, say) or fails.
 
+An embedding model (``--embedding-model``) is rank 0's alone: small, it is not split, and its
+forwards run on the request's own thread and stream, with no collective (the engine's thread
+issues every one), so they neither wait on the ranks nor interleave with their collectives.
+
 Faults: a rank that dies surfaces in rank 0's engine within a turn (it turns at least every
 second, idle or not): its running requests end with an error naming the rank, ``/health``
 answers 503 with it, and new requests get the API's error; the engine is not remade (the
@@ -27,7 +31,6 @@ from .watchdog import EXIT_CODE
 
 REFUSED = {  # serve's options that do not run across ranks yet
     "models_dir": "--models-dir",
-    "embedding_model": "--embedding-model",
 }
 GOODBYE_S = 1.0  # how long failed streams get to send their error before a stalled rank ends us
 
