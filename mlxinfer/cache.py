@@ -7,8 +7,9 @@ and the CPU can read them without a copy. Kinds:
   tokens and written in place.
 - :class:`RotatingKVCache` — keeps at most ``max_size`` tokens (sliding-window
   attention, or ``--max-kv-size`` with ``keep`` leading "sink" tokens).
-- :class:`QuantizedKVCache` — keys and values stored 8- or 4-bit (``--kv-bits``);
-  attention over it goes through ``mx.quantized_matmul``.
+- :class:`~mlxinfer.quantized_cache.QuantizedKVCache` (its own module) — keys and
+  values stored 8- or 4-bit (``--kv-bits``); attention over it goes through
+  ``mx.quantized_matmul``.
 - :class:`~mlxinfer.state_cache.StateCache` (its own module, named here too) — a
   recurrent layer's fixed-size state (LFM2's short convolution): no entry per token,
   so it cannot be trimmed; ``snapshot`` and ``restore`` take it back instead
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from .state_cache import StateCache
+from .state_cache import StateCache  # noqa: F401 (named with the KV caches: imported from here)
 
 Mask = None | str | mx.array
 
@@ -341,84 +342,6 @@ class RotatingKVCache:
         return B * H * self._size * (Dk + self.values.shape[-1]) * self.keys.itemsize
 
 
-class QuantizedKVCache:
-    """Keys and values stored as affine ``bits``-bit groups of ``group_size``."""
-
-    quantized = True
-    step = 256
-
-    def __init__(self, group_size: int = 64, bits: int = 8) -> None:
-        if bits not in (4, 8):
-            raise ValueError(f"kv bits must be 4 or 8, got {bits}")
-        self.group_size, self.bits = group_size, bits
-        self.keys: list[mx.array] | None = None  # [packed, scales, biases]
-        self.values: list[mx.array] | None = None
-        self.offset = 0
-        self.reserved = 0
-
-    def update_and_fetch(
-        self, keys: mx.array, values: mx.array
-    ) -> tuple[list[mx.array], list[mx.array]]:
-        prev, L = self.offset, keys.shape[2]
-        new_k = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-        new_v = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-        if self.keys is None:
-            self.keys = [None] * 3
-            self.values = [None] * 3
-        needed, step = self._growth(prev + L, self.keys[0])
-        for bufs, new in ((self.keys, new_k), (self.values, new_v)):
-            for i in range(3):
-                bufs[i] = _write(_grow(bufs[i], prev, needed, step, new[i]), prev, new[i])
-        self.offset = prev + L
-        return (
-            [a[..., : self.offset, :] for a in self.keys],
-            [a[..., : self.offset, :] for a in self.values],
-        )
-
-    make_mask = KVCache.make_mask
-    is_trimmable = KVCache.is_trimmable
-    trim = KVCache.trim
-    snapshot = KVCache.snapshot
-    restore = KVCache.restore
-    reserve = KVCache.reserve
-    _growth = KVCache._growth
-
-    def grow(self, n_tokens: int) -> None:
-        """As :meth:`KVCache.grow`, for each of the packed, scales and biases buffers."""
-        self.reserve(n_tokens)
-        if self.keys is None or n_tokens <= self.keys[0].shape[2]:
-            return
-        for bufs in (self.keys, self.values):
-            bufs[:] = [_grow(a, self.offset, n_tokens, 1, a) for a in bufs]
-        mx.eval(self.keys, self.values)
-
-    @property
-    def state(self) -> list[mx.array]:
-        if self.keys is None:
-            return []
-        return [a[..., : self.offset, :] for a in self.keys + self.values]
-
-    @state.setter
-    def state(self, arrays: list[mx.array]) -> None:
-        self.keys, self.values = list(arrays[:3]), list(arrays[3:])
-        self.offset = self.keys[0].shape[2]
-
-    @property
-    def meta_state(self) -> dict[str, str]:
-        return {"group_size": str(self.group_size), "bits": str(self.bits)}
-
-    @meta_state.setter
-    def meta_state(self, meta: dict[str, str]) -> None:
-        self.group_size, self.bits = int(meta["group_size"]), int(meta["bits"])
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        per_token = sum(a.nbytes // a.shape[2] for a in self.keys + self.values)
-        return per_token * self.offset
-
-
 class LatentKVCache(KVCache):
     """Multi-head latent attention's cache (DeepSeek-V2/V3): per token and layer, the
     compressed latent (``kv_lora_rank`` values, after ``kv_a_layernorm``) and the one RoPE
@@ -429,12 +352,6 @@ class LatentKVCache(KVCache):
     (kv_lora_rank + qk_rope_head_dim) × tokens × itemsize (× batch); models/layers/mla.py says
     how attention reads it.
     """
-
-
-_KINDS = {
-    cls.__name__: cls
-    for cls in (KVCache, RotatingKVCache, QuantizedKVCache, LatentKVCache, StateCache)
-}
 
 
 def cache_nbytes(cache: list[Cache]) -> int:

@@ -20,9 +20,9 @@ import mlx.core as mx
 
 from .atomic import writing_file
 from .cache import (
-    _KINDS,
     Cache,
-    QuantizedKVCache,
+    KVCache,
+    LatentKVCache,
     RotatingKVCache,
     StateCache,
     is_trimmable,
@@ -31,12 +31,19 @@ from .cache import (
     trim_cache,
 )
 from .errors import WeightsError
+from .quantized_cache import QuantizedKVCache
 
 # Checkpoints a cache list with state caches keeps (the newest): one per prompt prefilled,
 # each the state arrays' references plus an offset per KV layer, so a few are cheap.
 MAX_CHECKPOINTS = 8
 
 Snapshot = tuple[int, list[Any]]  # (tokens held, each layer's snapshot)
+
+# The kinds a cache file may name (save_cache writes each layer's class name).
+_KINDS = {
+    cls.__name__: cls
+    for cls in (KVCache, RotatingKVCache, QuantizedKVCache, LatentKVCache, StateCache)
+}
 
 
 class PromptCache:

@@ -3,7 +3,8 @@
 It keeps the :class:`~mlxinfer.cache.Cache` protocol's bookkeeping (``offset``,
 ``is_trimmable``/``trim``, ``snapshot``/``restore``, ``state``, ``nbytes``) and, in place of
 ``update_and_fetch`` and ``make_mask``, its ``arrays`` and ``update``. ``mlxinfer.cache``
-names it with the KV caches (prompt-cache files, the cache helpers).
+names it with the KV caches (the cache helpers), and ``prompt_cache``'s table of cache kinds
+(prompt-cache files) lists it with them.
 """
 
 from __future__ import annotations

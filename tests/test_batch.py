@@ -523,7 +523,7 @@ def test_fork_copies_the_shared_partial_block_on_write():
 
 
 def test_a_cache_the_pool_does_not_hold_is_named(llama, monkeypatch):
-    from mlxinfer.cache import QuantizedKVCache
+    from mlxinfer.quantized_cache import QuantizedKVCache
 
     model, _ = llama
     monkeypatch.setattr(model, "make_cache", lambda: [QuantizedKVCache(bits=8)])

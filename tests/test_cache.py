@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 from hf_models import make_tiny, torch_logits
 
-from mlxinfer.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_nbytes
+from mlxinfer.cache import KVCache, RotatingKVCache, cache_nbytes
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
 from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.quantized_cache import QuantizedKVCache
 
 IDS = [5, 17, 99, 3, 240, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255, 4]
 

@@ -311,7 +311,8 @@ def gemma3(tmp_path_factory):
 
 
 def test_local_layers_rotate_and_global_layers_follow_the_flags(gemma3):
-    from mlxinfer.cache import KVCache, QuantizedKVCache, RotatingKVCache
+    from mlxinfer.cache import KVCache, RotatingKVCache
+    from mlxinfer.quantized_cache import QuantizedKVCache
 
     model, torch_model = gemma3
     kinds = model.args.layer_types

@@ -17,9 +17,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache, KVCache, Mask, QuantizedKVCache, RotatingKVCache, StateCache
+from ..cache import Cache, KVCache, Mask, RotatingKVCache, StateCache
 from ..config import normalize_rope, require
 from ..errors import ConfigError
+from ..quantized_cache import QuantizedKVCache
 from .layers import masks
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import MlxInferError
 from ..generation.sampling import SamplingParams
-from .anthropic_replies import event  # noqa: F401 (app.py's PING)
+from .anthropic_replies import event  # noqa: F401 (routes.py's PING)
 from .fields import Fields, log_once
 from .quoting import shown
 
