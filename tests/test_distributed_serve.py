@@ -34,6 +34,8 @@ ASKS = [
     {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0.9, "seed": 7},
 ]
 
+MODEL_DRAFTED: list[str] = []  # one process's answers to ASKS drafting with a draft model
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
@@ -42,7 +44,7 @@ def served(tmp_path_factory):
     from fastapi.testclient import TestClient
 
     import mlxinfer
-    from mlxinfer.generation.drafts import PromptLookup
+    from mlxinfer.generation.drafts import DraftModel, PromptLookup
     from mlxinfer.server import make_app
 
     path, _ = _checkpoint(tmp_path_factory.mktemp("served") / NAME)
@@ -57,6 +59,12 @@ def served(tmp_path_factory):
         usage = client.post("/v1/completions", json={"model": NAME, **LOOKUP}).json()
     assert drafted[:3] == texts[:3]  # greedy: the same tokens with drafts
     LOOKUP["text"] = usage["choices"][0]["text"]
+    # The checkpoint drafting for itself: its greedy drafts are all kept.
+    with TestClient(make_app(model, tokenizer, NAME, draft=DraftModel(model, tokenizer))) as client:
+        MODEL_DRAFTED[:] = [
+            _text(client.post("/v1/completions", json={"model": NAME, **a})) for a in ASKS
+        ]
+    assert MODEL_DRAFTED[:3] == texts[:3]
     return path, texts, drafted
 
 
@@ -194,7 +202,24 @@ def test_a_lost_rank_fails_the_running_request_and_health(served, tmp_path):
         ranks.wait(0, 30)
 
 
-@pytest.mark.parametrize("flag", [["--draft-model", "x"], ["--models-dir", "."]])
+def test_a_draft_model_on_rank_0_drafts_for_both_ranks(served, tmp_path):
+    """--draft-model across ranks: rank 0 drafts, each verification step's drafts reach rank 1;
+    greedy and seeded answers are one process's with the same draft model, drafts are kept."""
+    path, texts, _ = served
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with Ranks(tmp_path, _serve(path, port, "--draft-model", str(path))) as ranks:
+        _wait_healthy(ranks, url)
+        for ask, expected in zip(ASKS, MODEL_DRAFTED):
+            answer = httpx.post(f"{url}/v1/completions", json={"model": NAME, **ask}, timeout=60)
+            assert _text(answer) == expected
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert _engine_metric(metrics, "mlxinfer_draft_accepted_tokens_total") > 0
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        assert ranks.wait(0, 30) in (0, -signal.SIGTERM) and ranks.wait(1, 30) == 0
+
+
+@pytest.mark.parametrize("flag", [["--models-dir", "."]])
 def test_what_does_not_serve_across_ranks_is_refused_in_one_line(flag):
     from click.testing import CliRunner
 

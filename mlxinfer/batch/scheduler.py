@@ -349,6 +349,8 @@ class Scheduler(RecurrentRows):
         t0 = time.perf_counter()
         # The rows of one draft pool propose together (k forwards of all of them).
         proposals, forwards = rows_mod.propose(rows, self.max_draft)
+        if self.turns is not None:  # rank 0's draft model's, where it drafts alone (batching.py)
+            proposals = self.turns.adopt_drafts(rows, proposals)
         if forwards:
             self.draft_steps += forwards
             self.draft_s += time.perf_counter() - t0

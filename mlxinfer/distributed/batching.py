@@ -28,7 +28,9 @@ rank 0 only: each turn rank 0 sends the others the requests it has not sent yet 
 ``max_tokens``, EOS tokens, how it drafts by prompt lookup: :meth:`Turns.agree`), and after
 each decode step the tokens rank 0 picked (:meth:`Turns.adopt`), or the drafts it kept and
 the token after them (:meth:`Turns.adopt_kept`): its sampling, processors and constraints
-run there alone. Prompt lookup drafts from the tokens only, so every rank drafts the same. Rank
+run there alone. Prompt lookup drafts from the tokens only, so every rank drafts the same; a
+draft model drafts on rank 0 alone, which sends each verification step's drafts
+(:meth:`Turns.adopt_drafts`; the others' copies hold a :class:`Rank0Drafts`). Rank
 0 also turns at least every :data:`HEARTBEAT_S` seconds while idle (the others wait in the
 turn's collective, within the rank timeout), and each turn's table carries every rank's
 statistics (KV bytes, weight bytes, seconds computing and waiting) to rank 0's ``/metrics``.
@@ -38,8 +40,8 @@ The prefix cache on disk (``prefix_cache_dir``) keeps each rank's blocks of its 
 the ranks agree on the prefix blocks every rank's disk holds (:meth:`Turns.fewest`), so that
 their pools take the same ones.
 
-Not across ranks yet (DistributedError at once): drafting with a draft model (prompt lookup
-drafts from the tokens alone, the same on every rank), and the disk tier of a model with
+Not across ranks yet (DistributedError at once): drafting with a draft model where every rank
+submits (prompt lookup drafts from the tokens alone, the same on every rank), and the disk tier of a model with
 recurrent layers (its state snapshots).
 """
 
@@ -105,14 +107,10 @@ class Turns:
         return fewest * bytes_per_block
 
     def check_draft(self, draft) -> None:
-        """Prompt lookup drafts from the tokens alone, the same on every rank; a draft model's
-        forwards are not across ranks yet, nor any drafting of requests sent by rank 0."""
-        if getattr(draft, "model", None) is not None and self.rank0_requests:
-            raise DistributedError(
-                "serving across ranks: drafting with a draft model (--draft-model) is not "
-                "built yet; prompt lookup is"
-            )
-        if getattr(draft, "model", None) is not None:
+        """Prompt lookup drafts from the tokens alone, the same on every rank. A draft model
+        runs on rank 0 alone where rank 0 sends the requests (``rank0_requests``: it sends each
+        step's drafts, :meth:`adopt_drafts`); in a batch every rank submits, not yet."""
+        if getattr(draft, "model", None) is not None and not self.rank0_requests:
             raise DistributedError(
                 "batching across ranks: drafting with a draft model (DraftModel, "
                 "--draft-model) is not built yet; prompt lookup is"
@@ -202,6 +200,36 @@ class Turns:
         kept, tokens = pairs.tolist()
         return kept, tokens
 
+    def adopt_drafts(self, rows: list, proposals: list) -> list:
+        """With ``rank0_requests``: the drafts of the rows that draft with rank 0's draft model,
+        sent by rank 0 (the others' copies hold a :class:`Rank0Drafts`, which proposes none).
+        Which rows those are is the same on every rank; none: no collective."""
+        from ..batch.rows import Proposal
+
+        drafting = [
+            b
+            for b, r in enumerate(rows)
+            if r.draft_model is not None or isinstance(r.drafter, Rank0Drafts)
+        ]
+        if not self.rank0_requests or not drafting:
+            return proposals
+        width = 1 + max(len(proposals[b].tokens) for b in drafting) if self.ranks.first else 0
+        width = int(self.ranks.broadcast(mx.array(width, mx.int32), f"engine turn {self.turn}"))
+        table = np.zeros((len(drafting), width), np.int32)
+        if self.ranks.first:
+            for i, b in enumerate(drafting):
+                tokens = proposals[b].tokens
+                table[i, 0] = len(tokens)
+                table[i, 1 : 1 + len(tokens)] = tokens
+        table = self.ranks.broadcast(mx.array(table), f"engine turn {self.turn}: rank 0's drafts")
+        if self.ranks.first:
+            return proposals
+        out = list(proposals)
+        for i, b in enumerate(drafting):
+            row = table[i].tolist()
+            out[b] = Proposal(row[1 : 1 + row[0]], None)
+        return out
+
     def _sent(self, engine, waiting: list, fresh: list, held: int, n_new: int, what: str):
         """With ``rank0_requests``: the turn's waiting requests, rank 0's new ones sent to the
         others (which build theirs from them, after the ones they hold as rank 0 does)."""
@@ -216,7 +244,7 @@ class Turns:
         data = b""
         if ranks.first:
             described = [
-                {"ids": r.ids, "max_tokens": r.max_tokens, "eos": sorted(r.eos), **_lookup(r)}
+                {"ids": r.ids, "max_tokens": r.max_tokens, "eos": sorted(r.eos), **_drafting(r)}
                 for r in fresh
             ]
             data = json.dumps(described, separators=(",", ":")).encode()
@@ -234,7 +262,9 @@ class Turns:
         try:
             described = json.loads(bytes(np.array(raw)))
             made = [
-                _mirror(engine, d["ids"], d["max_tokens"], d["eos"], d.get("lookup"))
+                _mirror(
+                    engine, d["ids"], d["max_tokens"], d["eos"], d.get("lookup"), d.get("rank0")
+                )
                 for d in described
             ]
         except (ValueError, KeyError, TypeError, MlxInferError) as e:
@@ -311,11 +341,24 @@ class Turns:
         )
 
 
-def _mirror(engine, ids: list[int], max_tokens: int, eos: list[int], lookup=None):
+class Rank0Drafts:
+    """The drafter of a rank's copy of a request that drafts with rank 0's draft model: it
+    proposes nothing itself (:meth:`Turns.adopt_drafts` puts rank 0's drafts in its place) and
+    holds no cache to rewind."""
+
+    def propose(self, tokens, k, sampler):
+        return mx.array([], dtype=mx.int32), None
+
+    def rewind(self, kept) -> None:
+        pass
+
+
+def _mirror(engine, ids: list[int], max_tokens: int, eos: list[int], lookup=None, rank0=None):
     """On a rank other than 0 (``rank0_requests``): ``engine``'s copy of a request rank 0 sent,
     fed rank 0's tokens (its sampler is never asked); ``lookup``: ``[max_ngram, min_ngram,
-    num_draft or 0]`` where it drafts by prompt lookup. A ValueError (or the prompt's own
-    error) for what does not read as a request."""
+    num_draft or 0]`` where it drafts by prompt lookup; ``rank0``: ``[num_draft or 0]`` where
+    it drafts with rank 0's draft model. A ValueError (or the prompt's own error) for what does
+    not read as a request."""
     from ..batch import rows
     from ..batch.requests import _Request
     from ..generation.drafts import PromptLookup
@@ -331,14 +374,27 @@ def _mirror(engine, ids: list[int], max_tokens: int, eos: list[int], lookup=None
         longest, shortest, fixed = token_ids(lookup, "lookup")
         draft = PromptLookup(longest, shortest)
         rows.start_drafting(request, engine.model, draft, fixed or None, 0, engine.max_draft)
+    elif rank0 is not None:
+        from ..generation.speculative import DraftLength
+
+        (fixed,) = token_ids(rank0, "rank0")
+        if engine.max_draft == 0 or not 0 <= fixed <= engine.max_draft:
+            raise ValueError(f"num_draft {fixed} (max_draft {engine.max_draft})")
+        request.drafter = Rank0Drafts()
+        request.draft_length = DraftLength(fixed or None)
+        request.key = mx.random.key(0)  # its acceptance is rank 0's (Turns.adopt_kept)
+        request.tokens = list(ids)
     return request
 
 
-def _lookup(request) -> dict:
-    """How ``request`` drafts by prompt lookup, for the other ranks' copies (none: {})."""
+def _drafting(request) -> dict:
+    """How ``request`` drafts, for the other ranks' copies: by prompt lookup (its sizes), with
+    rank 0's draft model, or not ({})."""
     drafter = request.drafter
-    if drafter is None or not hasattr(drafter, "index"):
+    if drafter is None:
         return {}
+    if request.draft_model is not None:
+        return {"rank0": [request.draft_length.fixed or 0]}
     sizes = sorted(drafter.index)
     return {"lookup": [sizes[-1], sizes[0], request.draft_length.fixed or 0]}
 

@@ -6,6 +6,11 @@ requests, and each decode step's tokens, to the others (``batching.py``), whose 
 the same forwards and discard what they produce. They end when rank 0's engine closes (a
 SIGTERM to rank 0, say) or fails.
 
+A draft model (``--draft-model``) drafts on rank 0 alone (every rank loads it, so that a bad one
+fails them all alike), in a pool of its own outside the KV budget with as many blocks as the
+target's: it admits whatever the target's pool admits, so the ranks' admissions stay equal.
+Each verification step sends its drafts to the others (``batching.py``).
+
 An embedding model (``--embedding-model``) is rank 0's alone: small, it is not split, and its
 forwards run on the request's own thread and stream, with no collective (the engine's thread
 issues every one), so they neither wait on the ranks nor interleave with their collectives.
@@ -44,8 +49,6 @@ def check_options(options: dict[str, Any]) -> None:
     for key, flag in REFUSED.items():
         if options.get(key):
             raise DistributedError(f"serving across ranks: {flag} is not built yet")
-    if getattr(options.get("draft"), "model", None) is not None:  # prompt lookup runs
-        raise DistributedError("serving across ranks: --draft-model is not built yet")
 
 
 def engine_options(options: dict[str, Any]) -> dict[str, Any]:
