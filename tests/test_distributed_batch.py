@@ -97,8 +97,11 @@ def reference(tmp_path_factory):
     short = [t[:N_TOKENS] for t in tokens]
     lookup, accepted = _lookup(model, prompts, N_TOKENS)
     assert lookup == short and accepted > 0  # prompt lookup: greedy, the same tokens
+    drafted = _drafted(model, model, prompts, N_TOKENS)  # the checkpoint drafting for itself
+    assert drafted["greedy"] == short and drafted["greedy_accepted"] > 0
+    assert drafted["seeded"] != short
     expected = {"texts": texts, "tokens": tokens, "cut": cut, "sampled": sampled, "short": short}
-    return path, job, {**expected, "accepted": accepted}
+    return path, job, {**expected, "accepted": accepted, "drafted": drafted}
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
@@ -115,6 +118,7 @@ def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path
         assert result["cut"] == expected["cut"]
         assert result["sampled"] == expected["sampled"]
         assert result["lookup"] == expected["short"] and result["accepted"] > 0
+        assert result["drafted"] == expected["drafted"]  # rank 0's draft model, one process's
         assert result["again"] == [expected["tokens"][-1], 32]  # two 16-token blocks shared
         tokens = result["tokens"]
         assert tokens[:CANCELLED] + tokens[CANCELLED + 1 :] == (
@@ -261,14 +265,23 @@ def test_what_does_not_run_across_ranks_is_refused_without_ranks():
 
     with pytest.raises(DistributedError, match="^batching across ranks: draft models"):
         Turns(None, draft_models=[object()])
+    # A draft model drafts on rank 0 alone: another rank's request takes rank 0's drafts.
+    from types import SimpleNamespace
+
+    from mlxinfer.batch.requests import _Request
+    from mlxinfer.distributed.batching import Rank0Drafts
+    from mlxinfer.generation.sampling import SamplingParams
+
     turns = Turns.__new__(Turns)
-    turns.check_draft(None)
-    turns.check_draft(PromptLookup())
-    with pytest.raises(DistributedError, match="^batching across ranks: drafting with a draft"):
-        turns.check_draft(DraftModel(object()))
-    turns.rank0_requests = True  # serve: prompt lookup runs, and a draft model on rank 0
-    turns.check_draft(PromptLookup())
-    turns.check_draft(DraftModel(object()))
+    for first in (True, False):
+        turns.ranks = SimpleNamespace(first=first)
+        for draft in (None, PromptLookup(), DraftModel(object())):
+            request = _Request([1, 2], 4, SamplingParams().sampler(), [], frozenset())
+            follows = turns.follow_drafts(request, draft, None, 8)
+            assert follows == (not first and isinstance(draft, DraftModel))
+            assert isinstance(request.drafter, Rank0Drafts) == follows
+    with pytest.raises(ValueError, match="num_draft must be in 1..8"):  # as rank 0's check
+        turns.follow_drafts(request, DraftModel(object()), 9, 8)
 
 
 def _lookup(model, prompts, n):
@@ -280,6 +293,26 @@ def _lookup(model, prompts, n):
         handles = [engine.submit(p, max_tokens=n, draft=PromptLookup()) for p in prompts]
         steps = [list(h.steps()) for h in handles]
     return [[s.token for s in row] for row in steps], sum(s.from_draft for r in steps for s in r)
+
+
+def _drafted(model, draft_model, prompts, n) -> dict:
+    """Each prompt's tokens through an engine drafting with ``draft_model`` (a whole copy,
+    loaded plain), greedy and seeded (temperature 0.9, seed 7), and the drafts kept."""
+    from mlxinfer.batch import Engine
+    from mlxinfer.generation.drafts import DraftModel
+    from mlxinfer.generation.sampling import SamplingParams
+
+    out = {}
+    for name, sampling in [("greedy", None), ("seeded", SamplingParams(temperature=0.9, seed=7))]:
+        with Engine(model) as engine:
+            draft = DraftModel(draft_model)
+            handles = [
+                engine.submit(p, max_tokens=n, draft=draft, sampling=sampling) for p in prompts
+            ]
+            steps = [list(h.steps()) for h in handles]
+        out[name] = [[s.token for s in row] for row in steps]
+        out[name + "_accepted"] = sum(s.from_draft for r in steps for s in r)
+    return out
 
 
 def _disk_runs(model, prompt, n, directory) -> dict:
@@ -297,14 +330,15 @@ def _disk_runs(model, prompt, n, directory) -> dict:
     return {"tokens": tokens, "loaded": loaded, "cached": handle.cached_tokens, "files": files}
 
 
-def _more_runs(model, tokenizer, prompts, n, stop, result) -> None:
-    """A stop string, drafts by prompt lookup, and sampling: with a seed (every request alike,
+def _more_runs(model, tokenizer, draft_model, prompts, n, stop, result) -> None:
+    """A stop string, drafts by prompt lookup and by a draft model (rank 0's), and sampling: with a seed (every request alike,
     as in one process), and without one (each request gets rank 0's seed plus its number)."""
     import mlxinfer
 
     run = functools.partial(mlxinfer.batch_generate, model, tokenizer, prompts, max_tokens=n)
     result["cut"] = run(stop=[stop])
     result["lookup"], result["accepted"] = _lookup(model, prompts, n)
+    result["drafted"] = _drafted(model, draft_model, prompts, n)
     result["sampled"] = run(temperature=0.9, seed=7)
     result["unseeded"] = run(temperature=0.9)
 
@@ -348,7 +382,8 @@ def _rank_main() -> None:
     if job.get("disk"):
         result["disk"] = _disk_runs(model, prompts[2], n, job["disk"])
     if job.get("more", True):
-        _more_runs(model, tokenizer, prompts, n, job["stop"], result)
+        draft_model, _ = mlxinfer.load(model_dir)  # whole, on every rank; rank 0's drafts
+        _more_runs(model, tokenizer, draft_model, prompts, n, job["stop"], result)
     result["steps"] = model.ranks.steps
     print(model.ranks.summary(), file=sys.stderr)
     from distributed_rank import finish

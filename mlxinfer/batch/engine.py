@@ -248,11 +248,14 @@ class Engine(TextRequests, Scheduler):
         sampling.check()
         self.pool.check_fits(len(ids) + max_tokens, self.max_draft)
         if self.turns is not None:
-            self.turns.check_draft(draft)
             sampling = self.turns.seeded(sampling)
         processors = sampling.processors() + list(logits_processors)
         request = _Request(ids, max_tokens, sampling.sampler(), processors, frozenset(eos))
-        if (draft is not None or num_draft is not None) and self.max_draft > 0:
+        drafting = (draft is not None or num_draft is not None) and self.max_draft > 0
+        # Across ranks a draft model drafts on rank 0 alone (distributed/batching.py).
+        if drafting and not (
+            self.turns and self.turns.follow_drafts(request, draft, num_draft, self.max_draft)
+        ):
             rows_mod.start_drafting(
                 request,
                 self.model,

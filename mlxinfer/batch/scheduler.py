@@ -372,7 +372,7 @@ class Scheduler(RecurrentRows):
         kept = [int(a.item()) for a, _, _ in picks]
         after = [int(t.item()) for _, t, _ in picks]
         if self.turns is not None:  # rank 0's, where only rank 0 samples (batching.py)
-            kept, after = self.turns.adopt_kept(kept, after)
+            kept, after = self.turns.adopt_kept(rows, kept, after)
         for r, start, a in zip(rows, starts, kept):
             self._rewind(r, start + 1 + a)  # the fed token and the accepted drafts
         if saved is not None:

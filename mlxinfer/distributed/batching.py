@@ -40,9 +40,12 @@ The prefix cache on disk (``prefix_cache_dir``) keeps each rank's blocks of its 
 the ranks agree on the prefix blocks every rank's disk holds (:meth:`Turns.fewest`), so that
 their pools take the same ones.
 
-Not across ranks yet (DistributedError at once): drafting with a draft model where every rank
-submits (prompt lookup drafts from the tokens alone, the same on every rank), and the disk tier of a model with
-recurrent layers (its state snapshots).
+A request drafting with a draft model, submitted on every rank (``batch_generate``), drafts on
+rank 0 alone too (:meth:`Turns.follow_drafts`): the others take each step's drafts and what rank
+0 kept of them (:meth:`Turns.adopt_kept`), since only rank 0 has the drafts' probabilities.
+
+Not across ranks yet (DistributedError at once): the disk tier of a model with recurrent layers
+(its state snapshots).
 """
 
 from __future__ import annotations
@@ -106,15 +109,18 @@ class Turns:
             )
         return fewest * bytes_per_block
 
-    def check_draft(self, draft) -> None:
-        """Prompt lookup drafts from the tokens alone, the same on every rank. A draft model
-        runs on rank 0 alone where rank 0 sends the requests (``rank0_requests``: it sends each
-        step's drafts, :meth:`adopt_drafts`); in a batch every rank submits, not yet."""
-        if getattr(draft, "model", None) is not None and not self.rank0_requests:
-            raise DistributedError(
-                "batching across ranks: drafting with a draft model (DraftModel, "
-                "--draft-model) is not built yet; prompt lookup is"
-            )
+    def follow_drafts(self, request, draft, num_draft: int | None, max_draft: int) -> bool:
+        """On a rank other than 0, for a request submitted here drafting with a draft model:
+        make it take rank 0's drafts (:class:`Rank0Drafts`; rank 0 alone runs the draft model,
+        and sends each step's drafts and what it kept of them) and say so; else False (the
+        engine starts the drafting itself: prompt lookup drafts from the tokens alone, the
+        same on every rank)."""
+        if self.ranks.first or getattr(draft, "model", None) is None:
+            return False
+        if num_draft is not None and not 1 <= num_draft <= max_draft:
+            raise ValueError(f"num_draft must be in 1..{max_draft} (max_draft), got {num_draft}")
+        _take_rank0_drafts(request, num_draft)
+        return True
 
     def seeded(self, sampling):
         """``sampling`` with a seed the same on every rank (a request that samples without one
@@ -190,10 +196,13 @@ class Turns:
             return picked
         return self.ranks.broadcast(picked, f"engine turn {self.turn}: rank 0's tokens")
 
-    def adopt_kept(self, kept: list[int], tokens: list[int]) -> tuple[list[int], list[int]]:
-        """With ``rank0_requests``: how many drafts rank 0 kept of each row's, and the token
-        after them (its acceptance sampled there alone), on every rank."""
-        if not self.rank0_requests:
+    def adopt_kept(
+        self, rows: list, kept: list[int], tokens: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """With ``rank0_requests``, or rows drafting with rank 0's draft model (whose drafts'
+        probabilities rank 0 alone has): how many drafts rank 0 kept of each row's, and the
+        token after them (its acceptance sampled there alone), on every rank."""
+        if not self.rank0_requests and not _model_drafting(rows):
             return kept, tokens
         pairs = mx.array([kept, tokens], dtype=mx.int32)
         pairs = self.ranks.broadcast(pairs, f"engine turn {self.turn}: rank 0's drafts kept")
@@ -206,12 +215,8 @@ class Turns:
         Which rows those are is the same on every rank; none: no collective."""
         from ..batch.rows import Proposal
 
-        drafting = [
-            b
-            for b, r in enumerate(rows)
-            if r.draft_model is not None or isinstance(r.drafter, Rank0Drafts)
-        ]
-        if not self.rank0_requests or not drafting:
+        drafting = _model_drafting(rows)
+        if not drafting:
             return proposals
         width = 1 + max(len(proposals[b].tokens) for b in drafting) if self.ranks.first else 0
         width = int(self.ranks.broadcast(mx.array(width, mx.int32), f"engine turn {self.turn}"))
@@ -341,6 +346,15 @@ class Turns:
         )
 
 
+def _model_drafting(rows: list) -> list[int]:
+    """The rows of a step drafting with rank 0's draft model (the same on every rank)."""
+    return [
+        b
+        for b, r in enumerate(rows)
+        if r.draft_model is not None or isinstance(r.drafter, Rank0Drafts)
+    ]
+
+
 class Rank0Drafts:
     """The drafter of a rank's copy of a request that drafts with rank 0's draft model: it
     proposes nothing itself (:meth:`Turns.adopt_drafts` puts rank 0's drafts in its place) and
@@ -375,16 +389,21 @@ def _mirror(engine, ids: list[int], max_tokens: int, eos: list[int], lookup=None
         draft = PromptLookup(longest, shortest)
         rows.start_drafting(request, engine.model, draft, fixed or None, 0, engine.max_draft)
     elif rank0 is not None:
-        from ..generation.speculative import DraftLength
-
         (fixed,) = token_ids(rank0, "rank0")
         if engine.max_draft == 0 or not 0 <= fixed <= engine.max_draft:
             raise ValueError(f"num_draft {fixed} (max_draft {engine.max_draft})")
-        request.drafter = Rank0Drafts()
-        request.draft_length = DraftLength(fixed or None)
-        request.key = mx.random.key(0)  # its acceptance is rank 0's (Turns.adopt_kept)
-        request.tokens = list(ids)
+        _take_rank0_drafts(request, fixed or None)
     return request
+
+
+def _take_rank0_drafts(request, num_draft: int | None) -> None:
+    """``request`` (a rank's copy) drafts with rank 0's draft model: :class:`Rank0Drafts`."""
+    from ..generation.speculative import DraftLength
+
+    request.drafter = Rank0Drafts()
+    request.draft_length = DraftLength(num_draft)
+    request.key = mx.random.key(0)  # its acceptance is rank 0's (Turns.adopt_kept)
+    request.tokens = list(request.ids)
 
 
 def _drafting(request) -> dict:
