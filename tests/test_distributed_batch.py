@@ -269,7 +269,7 @@ def test_what_does_not_run_across_ranks_is_refused_without_ranks():
     from types import SimpleNamespace
 
     from mlxinfer.batch.requests import _Request
-    from mlxinfer.distributed.batching import Rank0Drafts
+    from mlxinfer.distributed.copies import Rank0Drafts
     from mlxinfer.generation.sampling import SamplingParams
 
     turns = Turns.__new__(Turns)

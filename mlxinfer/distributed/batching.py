@@ -25,12 +25,12 @@ Every model forward then compares its tokens with rank 0's and shares the last r
 
 With ``rank0_requests`` (``serve``: rank 0 owns the HTTP server) the requests are submitted on
 rank 0 only: each turn rank 0 sends the others the requests it has not sent yet (prompt,
-``max_tokens``, EOS tokens, how it drafts by prompt lookup: :meth:`Turns.agree`), and after
+``max_tokens``, EOS tokens, how it drafts: :meth:`Turns.agree`, ``copies.py``), and after
 each decode step the tokens rank 0 picked (:meth:`Turns.adopt`), or the drafts it kept and
 the token after them (:meth:`Turns.adopt_kept`): its sampling, processors and constraints
 run there alone. Prompt lookup drafts from the tokens only, so every rank drafts the same; a
 draft model drafts on rank 0 alone, which sends each verification step's drafts
-(:meth:`Turns.adopt_drafts`; the others' copies hold a :class:`Rank0Drafts`). Rank
+(:meth:`Turns.adopt_drafts`; the others' copies hold a :class:`~.copies.Rank0Drafts`). Rank
 0 also turns at least every :data:`HEARTBEAT_S` seconds while idle (the others wait in the
 turn's collective, within the rank timeout), and each turn's table carries every rank's
 statistics (KV bytes, weight bytes, seconds computing and waiting) to rank 0's ``/metrics``.
@@ -60,6 +60,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DistributedError, MlxInferError
+from .copies import drafting, mirror, model_drafting, take_rank0_drafts
 from .group import Ranks
 
 HEARTBEAT_S = 1.0  # with rank0_requests: rank 0 turns at least this often, idle or not
@@ -111,15 +112,15 @@ class Turns:
 
     def follow_drafts(self, request, draft, num_draft: int | None, max_draft: int) -> bool:
         """On a rank other than 0, for a request submitted here drafting with a draft model:
-        make it take rank 0's drafts (:class:`Rank0Drafts`; rank 0 alone runs the draft model,
-        and sends each step's drafts and what it kept of them) and say so; else False (the
-        engine starts the drafting itself: prompt lookup drafts from the tokens alone, the
-        same on every rank)."""
+        make it take rank 0's drafts (:class:`~.copies.Rank0Drafts`; rank 0 alone runs the
+        draft model, and sends each step's drafts and what it kept of them) and say so; else
+        False (the engine starts the drafting itself: prompt lookup drafts from the tokens
+        alone, the same on every rank)."""
         if self.ranks.first or getattr(draft, "model", None) is None:
             return False
         if num_draft is not None and not 1 <= num_draft <= max_draft:
             raise ValueError(f"num_draft must be in 1..{max_draft} (max_draft), got {num_draft}")
-        _take_rank0_drafts(request, num_draft)
+        take_rank0_drafts(request, num_draft)
         return True
 
     def seeded(self, sampling):
@@ -202,7 +203,7 @@ class Turns:
         """With ``rank0_requests``, or rows drafting with rank 0's draft model (whose drafts'
         probabilities rank 0 alone has): how many drafts rank 0 kept of each row's, and the
         token after them (its acceptance sampled there alone), on every rank."""
-        if not self.rank0_requests and not _model_drafting(rows):
+        if not self.rank0_requests and not model_drafting(rows):
             return kept, tokens
         pairs = mx.array([kept, tokens], dtype=mx.int32)
         pairs = self.ranks.broadcast(pairs, f"engine turn {self.turn}: rank 0's drafts kept")
@@ -210,19 +211,19 @@ class Turns:
         return kept, tokens
 
     def adopt_drafts(self, rows: list, proposals: list) -> list:
-        """With ``rank0_requests``: the drafts of the rows that draft with rank 0's draft model,
-        sent by rank 0 (the others' copies hold a :class:`Rank0Drafts`, which proposes none).
-        Which rows those are is the same on every rank; none: no collective."""
+        """The drafts of the rows that draft with rank 0's draft model, sent by rank 0 (the
+        others' copies hold a :class:`~.copies.Rank0Drafts`, which proposes none). Which rows
+        those are is the same on every rank; none: no collective."""
         from ..batch.rows import Proposal
 
-        drafting = _model_drafting(rows)
-        if not drafting:
+        rows_drafting = model_drafting(rows)
+        if not rows_drafting:
             return proposals
-        width = 1 + max(len(proposals[b].tokens) for b in drafting) if self.ranks.first else 0
+        width = 1 + max(len(proposals[b].tokens) for b in rows_drafting) if self.ranks.first else 0
         width = int(self.ranks.broadcast(mx.array(width, mx.int32), f"engine turn {self.turn}"))
-        table = np.zeros((len(drafting), width), np.int32)
+        table = np.zeros((len(rows_drafting), width), np.int32)
         if self.ranks.first:
-            for i, b in enumerate(drafting):
+            for i, b in enumerate(rows_drafting):
                 tokens = proposals[b].tokens
                 table[i, 0] = len(tokens)
                 table[i, 1 : 1 + len(tokens)] = tokens
@@ -230,7 +231,7 @@ class Turns:
         if self.ranks.first:
             return proposals
         out = list(proposals)
-        for i, b in enumerate(drafting):
+        for i, b in enumerate(rows_drafting):
             row = table[i].tolist()
             out[b] = Proposal(row[1 : 1 + row[0]], None)
         return out
@@ -249,7 +250,7 @@ class Turns:
         data = b""
         if ranks.first:
             described = [
-                {"ids": r.ids, "max_tokens": r.max_tokens, "eos": sorted(r.eos), **_drafting(r)}
+                {"ids": r.ids, "max_tokens": r.max_tokens, "eos": sorted(r.eos), **drafting(r)}
                 for r in fresh
             ]
             data = json.dumps(described, separators=(",", ":")).encode()
@@ -267,9 +268,7 @@ class Turns:
         try:
             described = json.loads(bytes(np.array(raw)))
             made = [
-                _mirror(
-                    engine, d["ids"], d["max_tokens"], d["eos"], d.get("lookup"), d.get("rank0")
-                )
+                mirror(engine, d["ids"], d["max_tokens"], d["eos"], d.get("lookup"), d.get("rank0"))
                 for d in described
             ]
         except (ValueError, KeyError, TypeError, MlxInferError) as e:
@@ -344,78 +343,6 @@ class Turns:
             why="requests (prompt, max_tokens, admission or shared prefix) other than rank 0's: "
             "every rank must submit the same requests in the same order",
         )
-
-
-def _model_drafting(rows: list) -> list[int]:
-    """The rows of a step drafting with rank 0's draft model (the same on every rank)."""
-    return [
-        b
-        for b, r in enumerate(rows)
-        if r.draft_model is not None or isinstance(r.drafter, Rank0Drafts)
-    ]
-
-
-class Rank0Drafts:
-    """The drafter of a rank's copy of a request that drafts with rank 0's draft model: it
-    proposes nothing itself (:meth:`Turns.adopt_drafts` puts rank 0's drafts in its place) and
-    holds no cache to rewind."""
-
-    def propose(self, tokens, k, sampler):
-        return mx.array([], dtype=mx.int32), None
-
-    def rewind(self, kept) -> None:
-        pass
-
-
-def _mirror(engine, ids: list[int], max_tokens: int, eos: list[int], lookup=None, rank0=None):
-    """On a rank other than 0 (``rank0_requests``): ``engine``'s copy of a request rank 0 sent,
-    fed rank 0's tokens (its sampler is never asked); ``lookup``: ``[max_ngram, min_ngram,
-    num_draft or 0]`` where it drafts by prompt lookup; ``rank0``: ``[num_draft or 0]`` where
-    it drafts with rank 0's draft model. A ValueError (or the prompt's own error) for what does
-    not read as a request."""
-    from ..batch import rows
-    from ..batch.requests import _Request
-    from ..generation.drafts import PromptLookup
-    from ..generation.prefill import check_token_ids, token_ids
-    from ..generation.sampling import SamplingParams
-
-    ids = token_ids(ids)
-    check_token_ids(engine.model, ids)
-    if not ids or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"a request of {len(ids)} tokens and max_tokens {max_tokens!r}")
-    request = _Request(ids, max_tokens, SamplingParams().sampler(), [], frozenset(token_ids(eos)))
-    if lookup is not None:
-        longest, shortest, fixed = token_ids(lookup, "lookup")
-        draft = PromptLookup(longest, shortest)
-        rows.start_drafting(request, engine.model, draft, fixed or None, 0, engine.max_draft)
-    elif rank0 is not None:
-        (fixed,) = token_ids(rank0, "rank0")
-        if engine.max_draft == 0 or not 0 <= fixed <= engine.max_draft:
-            raise ValueError(f"num_draft {fixed} (max_draft {engine.max_draft})")
-        _take_rank0_drafts(request, fixed or None)
-    return request
-
-
-def _take_rank0_drafts(request, num_draft: int | None) -> None:
-    """``request`` (a rank's copy) drafts with rank 0's draft model: :class:`Rank0Drafts`."""
-    from ..generation.speculative import DraftLength
-
-    request.drafter = Rank0Drafts()
-    request.draft_length = DraftLength(num_draft)
-    request.key = mx.random.key(0)  # its acceptance is rank 0's (Turns.adopt_kept)
-    request.tokens = list(request.ids)
-
-
-def _drafting(request) -> dict:
-    """How ``request`` drafts, for the other ranks' copies: by prompt lookup (its sizes), with
-    rank 0's draft model, or not ({})."""
-    drafter = request.drafter
-    if drafter is None:
-        return {}
-    if request.draft_model is not None:
-        return {"rank0": [request.draft_length.fixed or 0]}
-    sizes = sorted(drafter.index)
-    return {"lookup": [sizes[-1], sizes[0], request.draft_length.fixed or 0]}
 
 
 def ranks_timeout(ranks: Ranks) -> float:
