@@ -95,8 +95,8 @@ def _run_rank(run, load: dict, args, kwargs, name: str) -> None:
 
     global _RANKS
     for key, flag in UNSUPPORTED.items():
-        if key == "draft_model" and name == "serve":  # rank 0 drafts (distributed/serving.py)
-            continue
+        if key == "draft_model" and (name == "serve" or kwargs.get("batch_file")):
+            continue  # the batching engine's: rank 0 drafts (distributed/copies.py)
         if kwargs.get(key):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
     shared_dir = None

@@ -119,6 +119,7 @@ def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path
         assert result["sampled"] == expected["sampled"]
         assert result["lookup"] == expected["short"] and result["accepted"] > 0
         assert result["drafted"] == expected["drafted"]  # rank 0's draft model, one process's
+        assert result["drafted_texts"] == expected["texts"]
         assert result["again"] == [expected["tokens"][-1], 32]  # two 16-token blocks shared
         tokens = result["tokens"]
         assert tokens[:CANCELLED] + tokens[CANCELLED + 1 :] == (
@@ -192,7 +193,8 @@ def test_generate_batch_across_two_ranks_from_the_cli(reference, tmp_path):
     command += [str(prompts), "--no-chat-template", "-n", str(N_TOKENS)]
     one = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S)
     assert one.returncode == 0, one.stderr
-    for extra in ([], ["--prompt-lookup"]):  # greedy: drafts change no token
+    lookup, model = ["--prompt-lookup"], ["--draft-model", str(path)]  # rank 0's drafts
+    for extra in ([], lookup, model):  # greedy: drafts change no token
         done = _launch(tmp_path, "-n", "2", "--", *command, "--distributed", "pipeline", *extra)
         assert done.returncode == 0, done.stderr
         assert done.stdout == one.stdout and len(done.stdout.splitlines()) == 2
@@ -339,6 +341,9 @@ def _more_runs(model, tokenizer, draft_model, prompts, n, stop, result) -> None:
     result["cut"] = run(stop=[stop])
     result["lookup"], result["accepted"] = _lookup(model, prompts, n)
     result["drafted"] = _drafted(model, draft_model, prompts, n)
+    from mlxinfer.generation.drafts import DraftModel
+
+    result["drafted_texts"] = run(draft=DraftModel(draft_model))  # greedy: the same texts
     result["sampled"] = run(temperature=0.9, seed=7)
     result["unseeded"] = run(temperature=0.9)
 
