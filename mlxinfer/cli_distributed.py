@@ -24,7 +24,6 @@ from .cli_options import LOAD_OPTIONS, _errors_to_click, _log
 MODES = ("pipeline", "tensor")
 UNSUPPORTED = {  # the commands' options that do not run across ranks yet
     "prompt_cache_file": "--prompt-cache-file",
-    "draft_model": "--draft-model",
     "self_draft_layers": "--self-draft-layers",
     "models_dir": "--models-dir",
 }
@@ -95,8 +94,6 @@ def _run_rank(run, load: dict, args, kwargs, name: str) -> None:
 
     global _RANKS
     for key, flag in UNSUPPORTED.items():
-        if key == "draft_model" and (name == "serve" or kwargs.get("batch_file")):
-            continue  # the batching engine's: rank 0 drafts (distributed/copies.py)
         if kwargs.get(key):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
     shared_dir = None

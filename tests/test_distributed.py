@@ -599,6 +599,25 @@ def test_smollm2_falls_back_and_matches_transformers(smollm2_hf_dir, tmp_path):
     _check_parity(results[0], model)
 
 
+@SLOW_LAUNCH
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_generate_with_a_draft_model_across_ranks_matches_one_process(llama, tmp_path, mode):
+    """``generate --distributed --draft-model`` for one prompt: every rank drafts with its own
+    whole copy of the draft model (the same inputs and seed: the same drafts, the token check
+    holding them to it), greedy and sampled: one process's text."""
+    path = llama[0]
+    for extra in ([], ["--temp", "0.9", "--seed", "3"]):
+        command = _generate(path, "--draft-model", str(path), *extra)
+        command[command.index("30000")] = "40"
+        alone = [c for c in command if c not in ("--distributed", "pipeline")]
+        one = subprocess.run(alone, capture_output=True, text=True, timeout=WAIT_S)
+        assert one.returncode == 0 and one.stdout.strip(), one.stderr
+        command[command.index("pipeline")] = mode
+        done = _launch(tmp_path, "-n", "2", "--", *command)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == one.stdout
+
+
 def test_an_interrupted_launcher_ends_its_ranks(tmp_path):
     script = (
         "import os, time\n"
