@@ -73,26 +73,18 @@ def test_cache_write_and_attention_match_their_definition_and_mlx_ops(case):
     angles = RNG.uniform(0, 6, dims // 2).astype(np.float32)
     cos, sin = mx.array(np.cos(angles)), mx.array(np.sin(angles))
     K.set_num_threads(0)
+    rope = {"offset": offset, "dims": dims, "traditional": trad}
+
+    def attend(k2, v2, reference=False):
+        return K.decode_attention(
+            q, k2, v2, cos, sin, n_q=n_q, scale=D**-0.5, reference=reference, **rope
+        )
+
     got = {}
     for reference in (False, True):
-        k2 = K.cache_write(
-            keys, k, cos, sin, offset=offset, dims=dims, traditional=trad, reference=reference
-        )
+        k2 = K.cache_write(keys, k, cos, sin, reference=reference, **rope)
         v2 = K.cache_write(values, v, cos, sin, offset=offset, reference=reference)
-        out = K.decode_attention(
-            q,
-            k2,
-            v2,
-            cos,
-            sin,
-            n_q=n_q,
-            offset=offset,
-            scale=D**-0.5,
-            dims=dims,
-            traditional=trad,
-            reference=reference,
-        )
-        got[reference] = [f32(a) for a in (out, k2, v2)]
+        got[reference] = [f32(a) for a in (attend(k2, v2, reference), k2, v2)]
     # The definition, in float64 from the same (rounded) inputs.
     qr = rotate(f32(q).reshape(n_q, D).astype(np.float64), angles, dims, trad)
     kr = rotate(f32(k).reshape(n_kv, D).astype(np.float64), angles, dims, trad)
@@ -112,19 +104,8 @@ def test_cache_write_and_attention_match_their_definition_and_mlx_ops(case):
     try:  # every instruction-set path (f32 head dims in 16s: attention_simd.h's vectors)
         for level in isa_levels():
             K.set_max_isa(level)
-            out = K.decode_attention(
-                q,
-                k2,
-                v2,
-                cos,
-                sin,
-                n_q=n_q,
-                offset=offset,
-                scale=D**-0.5,
-                dims=dims,
-                traditional=trad,
-            )
-            assert np.abs(f32(out).ravel() - want).max() <= tol * np.abs(want).max(), level
+            out = f32(attend(k2, v2))
+            assert np.abs(out.ravel() - want).max() <= tol * np.abs(want).max(), level
     finally:
         K.set_max_isa("best")
     assert np.abs(ours[0] - mlx_ops[0]).max() <= tol * np.abs(want).max()
