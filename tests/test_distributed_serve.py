@@ -122,17 +122,19 @@ def _engine_metric(text: str, name: str) -> float:
 
 
 def test_serve_across_two_ranks_matches_one_process(served, tmp_path):
-    """Four clients at once get one process's texts (greedy and seeded) and a stream, while a
-    fifth asks rank 0's embedding model (--embedding-model: transformers' vectors); rank 0's
-    /metrics has both ranks' KV and weight bytes; a SIGTERM to rank 0 ends both, cleanly."""
+    """Drafting by prompt lookup, four clients at once get one process's texts (greedy and
+    seeded) and a stream, while a fifth asks rank 0's embedding model (--embedding-model:
+    transformers' vectors); a repetitive prompt's drafts are kept; rank 0's /metrics has both
+    ranks' KV and weight bytes; a SIGTERM to rank 0 ends both, cleanly."""
     pytest.importorskip("transformers", reason="the embedding reference is transformers")
     from test_embeddings import TEXTS, reference, write_checkpoint
 
-    path, texts, _ = served
+    path, texts, drafted = served
     embedder = write_checkpoint(tmp_path / "tiny-embedding")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with Ranks(tmp_path, _serve(path, port, "--embedding-model", str(embedder[0]))) as ranks:
+    more = ["--prompt-lookup", "--embedding-model", str(embedder[0])]
+    with Ranks(tmp_path, _serve(path, port, *more)) as ranks:
         _wait_healthy(ranks, url)
         assert "follows rank 0's server" in ranks.text(1)
 
@@ -151,10 +153,12 @@ def test_serve_across_two_ranks_matches_one_process(served, tmp_path):
                 lambda: httpx.post(f"{url}/v1/completions", json=_stream(ASKS[1]), timeout=60)
             )
             vectors = pool.submit(embed)
-            assert list(answers) == texts
+            assert list(answers) == drafted  # greedy: no-draft texts; seeded: drafting's
             assert _streamed(stream.result().text) == texts[1]
             np.testing.assert_allclose(vectors.result(), reference(embedder, TEXTS), atol=1e-4)
+        assert ask({k: v for k, v in LOOKUP.items() if k != "text"}) == LOOKUP["text"]
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert _engine_metric(metrics, "mlxinfer_draft_accepted_tokens_total") > 0
         kv = [_metric(metrics, "mlxinfer_rank_kv_bytes", r) for r in (0, 1)]
         weights = [_metric(metrics, "mlxinfer_rank_weight_bytes", r) for r in (0, 1)]
         # The same number of blocks on both ranks, of 2 layers on rank 0 and 1 on rank 1.
@@ -168,20 +172,18 @@ def test_serve_across_two_ranks_matches_one_process(served, tmp_path):
 
 
 def test_a_lost_rank_fails_the_running_request_and_health(served, tmp_path):
-    """Drafting by prompt lookup across ranks gives one process's texts (greedy and seeded);
+    """--draft-model across ranks (rank 0 drafts, each verification step's drafts reach rank 1):
+    greedy and seeded answers are one process's with the same draft model, drafts are kept;
     then rank 1 killed during a stream: the stream ends with an error naming it, /health
     answers 503 with it, and a new request gets the API's error; rank 0's server stays up."""
-    path, _, drafted = served
+    path = served[0]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with Ranks(tmp_path, _serve(path, port, "--prompt-lookup")) as ranks:
+    with Ranks(tmp_path, _serve(path, port, "--draft-model", str(path))) as ranks:
         _wait_healthy(ranks, url)
-        for ask, expected in [(ASKS[0], drafted[0]), (ASKS[3], drafted[3])]:
+        for ask, expected in zip(ASKS, MODEL_DRAFTED):
             answer = httpx.post(f"{url}/v1/completions", json={"model": NAME, **ask}, timeout=60)
             assert _text(answer) == expected
-        ask = {k: v for k, v in LOOKUP.items() if k != "text"}
-        answer = httpx.post(f"{url}/v1/completions", json={"model": NAME, **ask}, timeout=60)
-        assert _text(answer) == LOOKUP["text"]
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert _engine_metric(metrics, "mlxinfer_draft_accepted_tokens_total") > 0
         long = {**ASKS[0], "max_tokens": 20000}
@@ -200,23 +202,6 @@ def test_a_lost_rank_fails_the_running_request_and_health(served, tmp_path):
         assert ranks.procs[0].poll() is None
         ranks.procs[0].send_signal(signal.SIGTERM)
         ranks.wait(0, 30)
-
-
-def test_a_draft_model_on_rank_0_drafts_for_both_ranks(served, tmp_path):
-    """--draft-model across ranks: rank 0 drafts, each verification step's drafts reach rank 1;
-    greedy and seeded answers are one process's with the same draft model, drafts are kept."""
-    path, texts, _ = served
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with Ranks(tmp_path, _serve(path, port, "--draft-model", str(path))) as ranks:
-        _wait_healthy(ranks, url)
-        for ask, expected in zip(ASKS, MODEL_DRAFTED):
-            answer = httpx.post(f"{url}/v1/completions", json={"model": NAME, **ask}, timeout=60)
-            assert _text(answer) == expected
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        assert _engine_metric(metrics, "mlxinfer_draft_accepted_tokens_total") > 0
-        ranks.procs[0].send_signal(signal.SIGTERM)
-        assert ranks.wait(0, 30) in (0, -signal.SIGTERM) and ranks.wait(1, 30) == 0
 
 
 @pytest.mark.parametrize("flag", [["--models-dir", "."]])
