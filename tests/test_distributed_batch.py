@@ -258,20 +258,16 @@ def test_smollm2_batch_generate_across_two_ranks(smollm2_hf_dir, tmp_path):
         assert result["texts"] == expected
 
 
-def test_what_does_not_run_across_ranks_is_refused_without_ranks():
-    """What does not run across ranks yet is a one-line DistributedError (no ranks needed:
-    the refusal comes before any collective)."""
-    from mlxinfer.distributed.batching import Turns
-    from mlxinfer.errors import DistributedError
-    from mlxinfer.generation.drafts import DraftModel, PromptLookup
-
-    with pytest.raises(DistributedError, match="^batching across ranks: draft models"):
-        Turns(None, draft_models=[object()])
-    # A draft model drafts on rank 0 alone: another rank's request takes rank 0's drafts.
+def test_another_ranks_request_takes_rank_0s_drafts_from_a_draft_model():
+    """A draft model drafts on rank 0 alone: on another rank a request drafting with one holds
+    a Rank0Drafts (no ranks needed: decided at submission, before any collective); prompt
+    lookup, no draft, or rank 0 itself start their own drafting."""
     from types import SimpleNamespace
 
     from mlxinfer.batch.requests import _Request
+    from mlxinfer.distributed.batching import Turns
     from mlxinfer.distributed.copies import Rank0Drafts
+    from mlxinfer.generation.drafts import DraftModel, PromptLookup
     from mlxinfer.generation.sampling import SamplingParams
 
     turns = Turns.__new__(Turns)

@@ -80,9 +80,7 @@ def batch_generate(
         options["max_batch"] = max_batch
     if kv_bits is not None:
         options["kv_bits"] = kv_bits
-    # Its pool inside kv_budget; across ranks rank 0 drafts alone, its pool outside the budget
-    # (distributed/copies.py).
-    if isinstance(draft, DraftModel) and not hasattr(model, "engine_turns"):
+    if isinstance(draft, DraftModel):  # its pool inside kv_budget (the Engine's rule)
         options["draft_models"] = [draft.model]
     with Engine(model, **options) as engine:
         streams = [

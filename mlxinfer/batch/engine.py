@@ -123,8 +123,7 @@ class Engine(TextRequests, Scheduler):
         # Across ranks (load(distributed=...)): every rank's engine takes the same turns.
         self.turns = None
         if hasattr(model, "engine_turns"):
-            options = {"draft_models": draft_models, "prefix_cache_dir": prefix_cache_dir}
-            self.turns = model.engine_turns(rank0_requests=rank0_requests, **options)
+            self.turns = model.engine_turns(rank0_requests=rank0_requests)
         elif rank0_requests:
             raise ValueError("rank0_requests: the model does not run across ranks")
         # Rows of one regime share a forward (None: all rows; see check_batchable).
@@ -134,7 +133,12 @@ class Engine(TextRequests, Scheduler):
         # row's states go back to before a step whose drafts were rejected (the scheduler's).
         self.recurrent = STATE in self.windows
         shapes = layer_shapes(model, kv_bits, kv_group_size)
+        # A draft model's pool inside kv_budget; across ranks none: rank 0 alone drafts
+        # (distributed/copies.py), its pool made on the first request outside the budget, so
+        # that every rank's pool keeps the same blocks.
         drafts = [m for m in draft_models if poolable(m)] if max_draft > 0 else []
+        if self.turns is not None:
+            drafts = []
         target_budget = _target_budget(shapes, drafts, kv_budget, block_size)
         if self.turns is not None:  # as many blocks on every rank; never shrunk
             per_block = block_bytes(shapes, block_size)

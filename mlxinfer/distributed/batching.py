@@ -54,7 +54,6 @@ import json
 import math
 import time
 import zlib
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -72,11 +71,7 @@ ROW += ("wait_ms",)
 class Turns:
     """One engine's agreement with its peers on the other ranks."""
 
-    def __init__(self, ranks: Ranks, *, rank0_requests: bool = False, **options: Any) -> None:
-        refused = {"draft_models": "draft models (speculative decoding)"}
-        for key, what in refused.items():
-            if options.get(key):
-                raise DistributedError(f"batching across ranks: {what} is not built yet")
+    def __init__(self, ranks: Ranks, *, rank0_requests: bool = False) -> None:
         self.ranks = ranks
         self.rank0_requests = rank0_requests
         self.turn = 0

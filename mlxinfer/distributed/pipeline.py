@@ -148,8 +148,7 @@ class RankModel:
         return getattr(self.model, "positions_from_offset", True)
 
     def engine_turns(self, **options):
-        """The batching engine's agreement with the other ranks (``batching.Turns``; its
-        ``options``: the engine's, for what does not run across ranks yet)."""
+        """The batching engine's agreement with the other ranks (``batching.Turns``)."""
         from .batching import Turns
 
         return Turns(self.ranks, **options)

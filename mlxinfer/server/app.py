@@ -84,9 +84,7 @@ def make_app(
     if draft is not None and model is not None:
         draft.check(model, tokenizer)  # a draft model's vocabulary: DraftError naming both
     checked = {name: 1} if draft is not None and model is not None else {}  # name -> loads
-    # Its pool inside each engine's kv_budget; across ranks (rank 0 drafts alone) the engine
-    # makes it outside the budget on the first request (distributed/serving.py).
-    if isinstance(draft, DraftModel) and not engine_options.get("rank0_requests"):
+    if isinstance(draft, DraftModel):  # its pool inside each engine's kv_budget (the Engine's)
         engine_options = {**engine_options, "draft_models": [draft.model]}
     if load is None:
         from ..loader import load
