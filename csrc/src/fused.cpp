@@ -36,12 +36,15 @@ void attend_cpu(const AttentionShape& a, std::vector<float>& q, const C* K, cons
   const int T = a.offset + 1, reps = a.n_q / a.n_kv;
   // float32 with head dims in 16s: the batching engine's vector path, over one block of T keys
   // all visible (attention_simd.h).
-  std::vector<char> all_seen(std::is_same_v<C, float> ? T : 0, 1);
+  const bool vectors = std::is_same_v<C, float> && D % 16 == 0 && Dv % 16 == 0;
+  std::vector<char> all_seen(vectors ? T : 0, 1);
   auto head = [&](int j, std::vector<float>& scores) {
     const int h = j / reps;
     if constexpr (std::is_same_v<C, float>) {
       const uint32_t first = 0;
-      if (attention_f32x16(q.data() + static_cast<size_t>(j) * D, K + static_cast<size_t>(h) * cap * D,
+      if (vectors &&
+          attention_f32x16(q.data() + static_cast<size_t>(j) * D,
+                           K + static_cast<size_t>(h) * cap * D,
                            V + static_cast<size_t>(h) * cap * Dv, &first,
                            reinterpret_cast<const bool*>(all_seen.data()), 1, 1, T, D, Dv,
                            scores.data(), y.data() + static_cast<size_t>(j) * Dv)) {
