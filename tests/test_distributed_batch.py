@@ -209,12 +209,13 @@ def test_generate_batch_across_two_ranks_from_the_cli(reference, tmp_path):
         ("mixtral", "pipeline"),
         ("mixtral", "tensor"),
         ("deepseek_v3", "pipeline"),
+        ("deepseek_v3", "tensor"),
     ],
 )
 def test_families_batch_generate_across_two_ranks(tmp_path, family, mode):
     """Sliding and full layers split by heads (qwen2), MoE (mixtral: over the pipeline, and
-    split by heads and experts) and MLA's latent caches in the pool (deepseek_v3): one
-    process's texts."""
+    split by heads and experts) and MLA's latent caches in the pool (deepseek_v3: over the
+    pipeline, and split by heads, the latent whole on each rank): one process's texts."""
     from hf_models import make_tiny
     from test_distributed import FAMILIES
     from tiny_checkpoint import tokenizer_json

@@ -51,6 +51,24 @@ MOE = {  # family -> (config, the routed experts' and shared experts' hidden siz
     ),
     # Biased experts (the down bias must be added once) and a clamped SwiGLU.
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, intermediate_size=16),
+    # DeepseekMoE (V3's router, a shared expert added) after a dense first layer, beside
+    # multi-head latent attention (split by heads, its latent path whole; biased: o_proj's bias
+    # must be added once).
+    "deepseek_v3": dict(
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        attention_bias=True,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
 }
 
 
@@ -179,20 +197,89 @@ def test_which_mixtures_of_experts_split(family, overrides, size, reason):
     assert tensor_split_reason(model, size) == reason
 
 
-def test_deepseek_attention_is_not_split():
-    config = dict(
-        model_type="deepseek_v3",
-        **BASE,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
-    )
-    reason = "layer 0 is not one attention and one gated MLP or mixture of experts"
-    assert tensor_split_reason(build_model(config), 2) == reason
+def test_which_latent_attentions_split():
+    """Multi-head latent attention splits by heads (one latent for all: no KV heads to divide)."""
+    model, _ = _model("deepseek_v3")
+    assert tensor_split_reason(model, 2) is None
+    assert tensor_split_reason(model, 4) is None
+    assert tensor_split_reason(model, 3) == "4 attention heads do not divide over 3 ranks"
+    v2 = dict(MOE["deepseek_v3"], model_type="deepseek_v2", q_lora_rank=None, n_group=None)
+    assert tensor_split_reason(build_model({**BASE, **v2}), 2) is None  # q_proj, no q LoRA
+
+
+def _quantize_attention(model) -> None:
+    """4-bit, groups of 32, every projection of the latent attention (its per-head k_b_proj
+    and v_b_proj too: ``QuantizedPerHeadLinear``)."""
+    import mlx.nn as nn
+
+    for layer in model.layers:
+        nn.quantize(layer.self_attn, 32, 4)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_the_latent_attention_shares_add_up_to_the_whole_layer(quantized, q_lora_rank):
+    """Each simulated rank runs its heads of one MLA block with its own latent cache: a
+    prefill (expanded keys and values), then two decode steps (absorbed into the query and
+    output). The shares sum to the whole block's output at every step, and every rank's latent
+    cache equals the whole block's (the latent path is not split)."""
+    from mlxinfer.cache import LatentKVCache
+    from mlxinfer.distributed.placement import quantized_split_reason
+
+    config = {"model_type": "deepseek_v3", **BASE, **MOE["deepseek_v3"], "q_lora_rank": q_lora_rank}
+    config.update(intermediate_size=64, moe_intermediate_size=64)  # whole groups of 32 a rank
+
+    def built():
+        model = build_model(config)
+        if quantized:
+            _quantize_attention(model)
+        return model
+
+    mx.random.seed(2)
+    model = built()
+    params = [  # random biases, norm weights and (quantized) codes, scales and biases
+        (
+            k,
+            mx.random.randint(0, 1 << 31, v.shape).astype(mx.uint32)
+            if v.dtype == mx.uint32
+            else mx.random.normal(v.shape) * 0.1 + (k.endswith("norm.weight"))
+            if v.ndim == 1 or k.endswith(("scales", "biases"))
+            else v,
+        )
+        for k, v in tree_flatten(model.parameters())
+    ]
+    model.load_weights(params)
+    if quantized:  # o_proj's 64 inputs: 32 a rank, one group of 32 each; not on 4 ranks
+        record, float_model = {"group_size": 32, "bits": 4}, build_model(config)  # as load.py
+        assert quantized_split_reason(float_model, record, 2) is None
+        assert quantized_split_reason(float_model, record, 4) == (
+            "layer 0's model.layers.0.self_attn.o_proj: 64 quantized inputs in groups of 32 "
+            "do not split into whole groups over 4 ranks"
+        )
+    x = mx.random.normal((2, 9, BASE["hidden_size"]))
+    steps = [x[:, :7], x[:, 7:8], x[:, 8:9]]  # prefill (L > 1), then decode (L == 1)
+
+    def run(attn):
+        cache, outs = LatentKVCache(), []
+        for chunk in steps:
+            outs.append(attn(chunk, cache.make_mask(chunk.shape[1]), cache))
+        return outs, cache.state
+
+    whole, whole_cache = run(model.layers[1].self_attn)
+    parts = []
+    for r in range(2):
+        rank_model = built()
+        rank_model.load_weights(params)
+        summed = shard(rank_model, SimpleNamespace(rank=r, size=2))
+        block = rank_model.layers[1]
+        assert any(b is block and name == "self_attn" for b, name in summed)
+        assert block.self_attn.n_heads == 2 and block.self_attn.k_b_proj.weight.shape[0] == 2
+        outs, cache = run(block.self_attn)
+        for a, b in zip(cache, whole_cache):  # the same latents and RoPE keys on every rank
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+        parts.append(outs)
+    for step, full in enumerate(whole):
+        total = parts[0][step] + parts[1][step]
+        np.testing.assert_allclose(np.array(total), np.array(full), atol=1e-5, rtol=1e-5)
+        # Each share alone is not the whole (the test would pass with nothing split otherwise).
+        assert float(mx.abs(parts[0][step] - full).max()) > 1e-3

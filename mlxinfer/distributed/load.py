@@ -170,10 +170,10 @@ def _pipeline(
 
 def _heads(model: nn.Module) -> int:
     from ..models.layers.attention import RopeAttention
+    from ..models.layers.mla import MultiHeadLatentAttention
 
-    return next(
-        m.n_heads for m in model.layers[0].children().values() if isinstance(m, RopeAttention)
-    )
+    kinds = (RopeAttention, MultiHeadLatentAttention)
+    return next(m.n_heads for m in model.layers[0].children().values() if isinstance(m, kinds))
 
 
 def _float_dtype(model: nn.Module) -> mx.Dtype:

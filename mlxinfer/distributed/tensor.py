@@ -3,7 +3,9 @@
 Megatron's split, applied to a loaded float model from the outside: rank r keeps query heads
 ``[r·n/s, (r+1)·n/s)`` (rows of ``q_proj``, and the matching KV heads' rows of ``k_proj`` and
 ``v_proj``: grouped-query attention keeps its grouping, since n/s and n_kv/s are whole) and
-the same columns of ``o_proj``; and its share of the feed-forward's hidden units
+the same columns of ``o_proj``; in multi-head latent attention (DeepSeek V2/V3,
+:func:`split_mla`) the same heads' rows of its query and per-head key and value projections and
+columns of its ``o_proj``, the latent path whole; and its share of the feed-forward's hidden units
 (``experts.py``): of the gated MLP (rows of ``gate_proj``/``up_proj``, columns of
 ``down_proj``), or in a mixture of experts, of every routed and shared expert, the router
 whole on every rank. A fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) is cut part
@@ -21,6 +23,7 @@ import mlx.nn as nn
 
 from ..cache import Cache
 from ..models.layers.attention import RopeAttention
+from ..models.layers.mla import MultiHeadLatentAttention
 from ..models.layers.mlp import GatedMLP
 from .experts import (
     is_fused_gated_mlp,
@@ -56,6 +59,8 @@ def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
                     child.sinks = rows(child.sinks, r, s)
                 child.n_heads //= s
                 child.n_kv_heads //= s
+            elif isinstance(child, MultiHeadLatentAttention):
+                split_mla(child, r, s)
             elif type(child) is GatedMLP or is_fused_gated_mlp(child):
                 split_gated_mlp(child, r, s)
             elif is_moe(child):
@@ -64,6 +69,22 @@ def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
                 continue
             summed.append((block, name))
     return summed
+
+
+def split_mla(attn: MultiHeadLatentAttention, r: int, s: int) -> None:
+    """Rank r's heads ``[r·n/s, (r+1)·n/s)`` of multi-head latent attention: rows of the query's
+    last projection (``q_proj`` or ``q_b_proj``: head h's ``qk_head_dim`` rows are rows
+    ``[h·qk_head_dim, (h+1)·qk_head_dim)``), the first axis of ``k_b_proj`` and ``v_b_proj``
+    ((n_heads, out, in), float or quantized), the matching columns of ``o_proj`` (head h's
+    ``v_head_dim`` inputs). The latent path (``q_a_proj``, ``q_a_layernorm``,
+    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``) stays whole on every rank: every rank computes
+    and caches the same latent (the latent KV cache is replicated, not split), and each head
+    reads all of it, so ``o_proj``'s partial sums over the ranks' heads make the output."""
+    q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+    # ``rows`` cuts axis 0: a Linear's output rows, a PerHeadLinear's heads (its packed weight,
+    # scales and biases alike when quantized).
+    split_linears([q, attn.k_b_proj, attn.v_b_proj], attn.o_proj, r, s)
+    attn.n_heads //= s
 
 
 class Summed(nn.Module):
