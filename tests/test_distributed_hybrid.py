@@ -1,5 +1,7 @@
-"""A hybrid family (recurrent layers beside attention) over two pipeline ranks on 127.0.0.1,
-started as tests/test_distributed.py starts them.
+"""A hybrid family (recurrent layers beside attention) over two ranks on 127.0.0.1, started as
+tests/test_distributed.py starts them: as a pipeline, and split by heads (tensor: every rank
+runs every layer on its share of the attention heads, conv channels or Gated DeltaNet key
+heads, its recurrent layers' state caches holding that share's state).
 
 LFM2 with layers [attention, conv, conv, attention]: rank 0 runs an attention and a conv
 layer, rank 1 a conv and an attention layer, so each rank's attention mask comes from its own
@@ -105,15 +107,23 @@ SLOW = pytest.mark.skipif(
 
 @SLOW
 @pytest.mark.slow
-def test_lfm2_tensor_falls_back_to_the_pipeline(tmp_path):
+def test_lfm2_tensor_matches_transformers_and_batches(tmp_path):
+    """Split by heads and conv channels: each rank runs half of every layer (its attention
+    heads, its conv channels, its MLP hidden units), its conv layers' state caches holding its
+    channels only."""
     from test_distributed_batch import _prompts
 
     path, model = _lfm2(tmp_path / "lfm2")
     prompts = _prompts()[:3]
     texts = _one_process(path, prompts)
     results, log = _run(tmp_path, path, "tensor", prompts)
-    line = "tensor parallelism falls back to the pipeline: recurrent layers (a state cache)"
-    assert log.count(line) == 1, log
+    assert "falls back" not in log, log
+    for r, (heads, channels) in enumerate([("0-1", "0-31"), ("2-3", "32-63")]):
+        line = (
+            f"rank {r}/2 runs heads {heads} of 4 in every attention layer and channels "
+            f"{channels} of 64 of each conv layer"
+        )
+        assert line in log, log
     _check(results, model, texts)
 
 
@@ -145,6 +155,34 @@ def test_qwen3_next_pipeline_matches_transformers(tmp_path, layer_types):
             "its pool): not built yet (generate runs such a split)"
         )
     results, _ = _run(tmp_path, path, "pipeline", prompts)
+    _check(results, model, texts)
+
+
+@SLOW
+@pytest.mark.slow  # a two-rank launch: the shares are checked in the default suite
+# (test_distributed_recurrent.py)
+def test_qwen3_next_tensor_matches_transformers_and_batches(tmp_path):
+    """Split by heads: the output-gated attention by query heads (each head's [queries | gate]
+    rows together), Gated DeltaNet by key heads (their value heads with them: each rank's state
+    cache holds its heads' conv inputs and states), the experts by hidden units."""
+    from hf_models import add_tokenizer, make_tiny
+    from test_distributed_batch import _prompts
+    from test_qwen3_next import TINY
+
+    config = {**TINY, "vocab_size": 320}  # recurrent layers first: every rank holds attention
+    path, model = make_tiny(tmp_path / "qwen3_next", perturb_vectors=True, **config)
+    add_tokenizer(path)
+    prompts = _prompts()[:4]
+    texts = _one_process(path, prompts)
+    results, log = _run(tmp_path, path, "tensor", prompts)
+    assert "falls back" not in log, log
+    for r in range(2):
+        line = (
+            f"rank {r}/2 runs heads {2 * r}-{2 * r + 1} of 4 in every attention layer and "
+            f"hidden units {16 * r}-{16 * r + 15} of 32 of each layer's 8 experts and key head "
+            f"{r} of 2 of each linear-attention layer"
+        )
+        assert line in log, log
     _check(results, model, texts)
 
 

@@ -16,7 +16,6 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import backends
-from ..cache import StateCache
 from ..errors import DistributedError
 from ..quant import quantization_record
 from . import loading
@@ -24,6 +23,7 @@ from .experts import expert_share
 from .group import Ranks
 from .pipeline import PipelineModel, keep_parts
 from .placement import WeightNames, layer_ranges, quantized_split_reason, tensor_split_reason
+from .recurrent import recurrent_share
 from .tensor import TensorModel, shard, sum_outputs
 
 MODES = ("pipeline", "tensor")
@@ -65,11 +65,7 @@ def load_model(
     read = {"files": files, "load_weights": load_weights, "dtype": dtype, "log": log}
     model, config = loading.build(model_dir)
     if mode == "tensor":
-        # Recurrent layers (a state cache: lfm2, qwen3_next) run in the pipeline, each rank's
-        # states in its own caches; they are not split by heads.
-        recurrent = any(isinstance(c, StateCache) for c in model.make_cache())
-        reason = "recurrent layers (a state cache) are not split by heads" if recurrent else None
-        reason = reason or tensor_split_reason(model, ranks.size)
+        reason = tensor_split_reason(model, ranks.size)
         if reason is None and (record := quantization_record(config)):
             reason = quantized_split_reason(model, record, ranks.size)
         if reason is None:
@@ -110,7 +106,10 @@ def _shares(ranks: Ranks, rank_memory: str | list[int] | None) -> list[int] | No
 
 def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log) -> TensorModel:
     tensor_heads = _heads(model)
-    experts = expert_share(model, ranks.rank, ranks.size)  # before the cut: the whole sizes
+    # before the cut: the whole sizes
+    shares = expert_share(model, ranks.rank, ranks.size) + recurrent_share(
+        model, ranks.rank, ranks.size
+    )
     weights = loading.lazy_weights(files, model_dir, model, config, log)
     loading.load_into(model, weights, config, model_dir, dtype, load_weights, evaluate=False)
     del weights  # the model holds the (lazy) tensors now; after the cut, only its share
@@ -122,10 +121,12 @@ def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log)
     wrapper = TensorModel(model, ranks)
     wrapper.weight_bytes = ranks.weight_bytes = _nbytes(model)
     if log is not None:
-        n, s, r = tensor_heads, ranks.size, ranks.rank
+        (n, kind), s, r = tensor_heads, ranks.size, ranks.rank
+        runs = f"heads {r * n // s}-{(r + 1) * n // s - 1} of {n} in every {kind}{shares}"
+        runs = runs if n else shares.removeprefix(" and ")  # no attention layer
         log(
-            f"distributed: rank {r}/{s} runs heads {r * n // s}-{(r + 1) * n // s - 1} of {n} "
-            f"in every layer{experts} ({wrapper.weight_bytes / 1e6:.1f} MB of weights)"
+            f"distributed: rank {r}/{s} runs {runs} ({wrapper.weight_bytes / 1e6:.1f} MB of "
+            "weights)"
         )
     return wrapper
 
@@ -168,12 +169,16 @@ def _pipeline(
     return wrapper
 
 
-def _heads(model: nn.Module) -> int:
+def _heads(model: nn.Module) -> tuple[int, str]:
+    """The attention heads of the model's attention layers, and "layer" or, in a hybrid model
+    (where some layers are recurrent), "attention layer"."""
     from ..models.layers.attention import RopeAttention
     from ..models.layers.mla import MultiHeadLatentAttention
 
     kinds = (RopeAttention, MultiHeadLatentAttention)
-    return next(m.n_heads for m in model.layers[0].children().values() if isinstance(m, kinds))
+    heads = [m.n_heads for b in model.layers for m in b.children().values() if isinstance(m, kinds)]
+    kind = "layer" if len(heads) == len(model.layers) else "attention layer"
+    return (heads[0] if heads else 0), kind
 
 
 def _float_dtype(model: nn.Module) -> mx.Dtype:

@@ -91,30 +91,39 @@ class WeightNames:
 def tensor_split_reason(model, size: int) -> str | None:
     """Why ``model`` cannot run with its heads split over ``size`` ranks (None: it can).
 
-    Each block must hold one grouped-query attention (``RopeAttention``: separate or fused
-    q/k/v, with or without sinks, no output gate) or multi-head latent attention (DeepSeek
-    V2/V3: split by heads, the latent path whole) and one gated MLP (gate and up separate or
-    fused) or mixture of experts (``experts.is_moe``), with the attention heads, the KV heads
-    and the MLP's (each expert's, each shared expert's) hidden size divisible by ``size``; its
-    other parts may only be norms (vectors).
+    Each block must hold one token mixer: a grouped-query attention (``RopeAttention``:
+    separate or fused q/k/v, with or without sinks or an output gate), multi-head latent
+    attention (DeepSeek V2/V3: split by heads, the latent path whole) or a recurrent layer
+    (``recurrent.RECURRENT``: LFM2's short convolution, by channels; Gated DeltaNet, by key
+    heads), and one gated MLP (gate and up separate or fused) or mixture of experts
+    (``experts.is_moe``), with the attention heads, the KV heads, the conv channels or key
+    heads and the MLP's (each expert's, each shared expert's) hidden size divisible by
+    ``size``; its other parts may only be norms (vectors).
     """
     from ..models.layers.attention import RopeAttention
     from ..models.layers.mla import MultiHeadLatentAttention
     from ..models.layers.mlp import GatedMLP
     from .experts import is_fused_gated_mlp, is_moe, moe_split_reason
+    from .recurrent import RECURRENT, recurrent_split_reason
 
+    mixers = (RopeAttention, MultiHeadLatentAttention, *RECURRENT)
     for i, layer in enumerate(model.layers):
         children = layer.children().values()
-        attn = [m for m in children if isinstance(m, (RopeAttention, MultiHeadLatentAttention))]
+        attn = [m for m in children if isinstance(m, mixers)]
         mlp = [m for m in children if type(m) is GatedMLP or is_fused_gated_mlp(m) or is_moe(m)]
         if len(attn) != 1 or len(mlp) != 1:
-            return f"layer {i} is not one attention and one gated MLP or mixture of experts"
+            return (
+                f"layer {i} is not one attention (or recurrent layer) and one gated MLP or "
+                "mixture of experts"
+            )
         a, m = attn[0], mlp[0]
-        if isinstance(a, MultiHeadLatentAttention):  # one latent for all heads: no KV heads
+        if isinstance(a, RECURRENT):
+            if reason := recurrent_split_reason(a, size):
+                return reason
+            sizes = []
+        elif isinstance(a, MultiHeadLatentAttention):  # one latent for all heads: no KV heads
             sizes = [("attention heads", a.n_heads)]
-        elif a.output_gate:
-            return f"layer {i}'s attention has an output gate"
-        else:
+        else:  # an output gate: each head's q_proj rows are [queries | gate], cut with it
             sizes = [("attention heads", a.n_heads), ("KV heads", a.n_kv_heads)]
         if type(m) is GatedMLP:
             sizes.append(("MLP hidden size", m.gate_proj.weight.shape[0]))
@@ -138,20 +147,23 @@ def quantized_split_reason(model, record: dict, size: int) -> str | None:
     """Why ``model``'s quantized layers (as ``record``, the config's quantization) cannot be
     split over ``size`` ranks (None: they can). Rows of a quantized layer split as a float
     layer's (MLA's per-head ``k_b_proj``/``v_b_proj`` by heads); columns (``o_proj``, MLA's
-    too, ``down_proj``) only at a group boundary: each rank's share of the inputs must be a
-    whole number of groups; each expert's too."""
+    too, a recurrent layer's ``out_proj``, ``down_proj``) only at a group boundary: each rank's
+    share of the inputs must be a whole number of groups; each expert's too."""
     from ..models.layers.attention import RopeAttention
     from ..models.layers.mla import MultiHeadLatentAttention
     from ..models.layers.mlp import GatedMLP
     from .experts import is_fused_gated_mlp, is_moe
+    from .recurrent import RECURRENT
 
     paths = {id(m): path for path, m in model.named_modules()}
     default = record.get("group_size", 64)
     for i, layer in enumerate(model.layers):
-        finals = []  # the layers whose inputs are cut: attention output, MLPs' down projections
+        finals = []  # the layers whose inputs are cut: the mixer's output, MLPs' down projections
         for child in layer.children().values():
             if isinstance(child, (RopeAttention, MultiHeadLatentAttention)):
                 finals.append(child.o_proj)
+            elif isinstance(child, RECURRENT):  # short conv, Gated DeltaNet
+                finals.append(child.out_proj)
             elif type(child) is GatedMLP or is_fused_gated_mlp(child):
                 finals.append(child.down_proj)
             elif is_moe(child):  # each routed expert's down projection, each shared one's

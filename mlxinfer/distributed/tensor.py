@@ -1,19 +1,23 @@
 """Tensor parallelism: every rank runs every block on its share of the heads and hidden units.
 
-Megatron's split, applied to a loaded float model from the outside: rank r keeps query heads
+Megatron's split, applied to a loaded model from the outside: rank r keeps query heads
 ``[r·n/s, (r+1)·n/s)`` (rows of ``q_proj``, and the matching KV heads' rows of ``k_proj`` and
 ``v_proj``: grouped-query attention keeps its grouping, since n/s and n_kv/s are whole) and
-the same columns of ``o_proj``; in multi-head latent attention (DeepSeek V2/V3,
-:func:`split_mla`) the same heads' rows of its query and per-head key and value projections and
-columns of its ``o_proj``, the latent path whole; and its share of the feed-forward's hidden units
-(``experts.py``): of the gated MLP (rows of ``gate_proj``/``up_proj``, columns of
-``down_proj``), or in a mixture of experts, of every routed and shared expert, the router
-whole on every rank. A fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) is cut part
-by part (``experts.split_fused_rows``). The attention output and the MLP or MoE output are then partial sums;
+the same columns of ``o_proj``; an output gate (Qwen3-Next's) comes from each head's own
+``q_proj`` rows, ``[queries | gate]``, so it goes with its head. In multi-head latent
+attention (DeepSeek V2/V3, :func:`split_mla`) the same heads' rows of its query and per-head
+key and value projections and columns of its ``o_proj``, the latent path whole. In a
+recurrent layer (``recurrent.py``: LFM2's short convolution, Gated DeltaNet) its share of the
+channels or key heads, each rank's state cache holding that share's state only. And its share
+of the feed-forward's hidden units (``experts.py``): of the gated MLP (rows of
+``gate_proj``/``up_proj``, columns of ``down_proj``), or in a mixture of experts, of every
+routed and shared expert, the router whole on every rank. A fused projection (Phi-3's
+``qkv_proj``, ``gate_up_proj``) is cut part by part (``experts.split_fused_rows``). The
+attention (or recurrent) output and the MLP or MoE output are then partial sums;
 :class:`Summed` adds them over the ranks (``all_sum``) before the residual. A bias of
-``o_proj`` or of a down projection stays on rank 0 only, so it is added once. Where the sizes
-do not divide (``placement.tensor_split_reason``) the model runs as a pipeline instead, with
-one line saying why.
+``o_proj``, ``out_proj`` or a down projection stays on rank 0 only, so it is added once. Where
+the sizes do not divide (``placement.tensor_split_reason``) the model runs as a pipeline
+instead, with one line saying why.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ from .experts import (
 )
 from .group import Ranks
 from .pipeline import SYNC_ROWS, RankModel, kv_nbytes
+from .recurrent import RECURRENT, split_recurrent
 
 
 def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
-    """Cut every block's attention and MLP or MoE weights (loaded, float) to this rank's share;
-    returns the (block, child name) pairs whose outputs must be summed over the ranks."""
+    """Cut every block's attention (or recurrent layer) and MLP or MoE weights (loaded) to this
+    rank's share; returns the (block, child name) pairs whose outputs must be summed over the ranks."""
     r, s = ranks.rank, ranks.size
     summed = []
     for block in model.layers:
@@ -61,6 +66,8 @@ def shard(model: nn.Module, ranks: Ranks) -> list[tuple[nn.Module, str]]:
                 child.n_kv_heads //= s
             elif isinstance(child, MultiHeadLatentAttention):
                 split_mla(child, r, s)
+            elif isinstance(child, RECURRENT):
+                split_recurrent(child, r, s)
             elif type(child) is GatedMLP or is_fused_gated_mlp(child):
                 split_gated_mlp(child, r, s)
             elif is_moe(child):

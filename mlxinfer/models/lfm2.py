@@ -116,16 +116,18 @@ class ShortConv(nn.Module):
         self.out_proj = nn.Linear(dim, dim, bias=args.conv_bias)
 
     def __call__(self, x: mx.array, cache: StateCache | None) -> mx.array:
-        B, L, dim = x.shape
-        b, c, x = mx.split(self.in_proj(x), 3, axis=-1)  # (B, L, hidden) each
+        B, L, _ = x.shape
+        b, c, x = mx.split(self.in_proj(x), 3, axis=-1)  # (B, L, channels) each
         bx = b * x
         past = None if cache is None else cache.arrays[0]
         if past is None:  # the start of the sequence: zeros before it, as the conv's padding
-            past = mx.zeros((B, self.width - 1, dim), bx.dtype)
-        window = mx.concatenate([past, bx], axis=1)  # (B, K - 1 + L, hidden)
+            # as many channels as in_proj gives (not the config's hidden size: the state
+            # follows the layer's own weights)
+            past = mx.zeros((B, self.width - 1, bx.shape[-1]), bx.dtype)
+        window = mx.concatenate([past, bx], axis=1)  # (B, K - 1 + L, channels)
         if cache is not None:
             cache.update([window[:, L:]], L)  # the last K - 1 inputs
-        return self.out_proj(c * self.conv(window))  # conv: (B, L, hidden), no padding
+        return self.out_proj(c * self.conv(window))  # conv: (B, L, channels), no padding
 
 
 class DecoderLayer(nn.Module):
