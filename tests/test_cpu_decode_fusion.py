@@ -259,7 +259,13 @@ def isa_levels() -> list[str]:
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(
     "shape",
-    [(1, 9, 3, 64, 16, 5), (3, 8, 2, 32, 32, 4), (2, 4, 4, 16, 8, 1), (2, 6, 3, 40, 8, 3)],
+    [
+        (1, 9, 3, 64, 16, 5),
+        (3, 8, 2, 32, 32, 4),
+        (2, 4, 4, 16, 8, 1),
+        (2, 6, 3, 40, 8, 3),
+        (2, 12, 2, 48, 6, 3),  # 6 heads a KV head (4 + 2), blocks of 6: the vector tails
+    ],
 )
 def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
     """Rows of a batch over pool blocks in any order, each seeing its own keys (the last block

@@ -2,13 +2,16 @@
 // Clang vector extensions: the same source is AVX-512 in an AVX-512 function, two AVX2
 // registers in an AVX2 one, four NEON registers on arm64), for head dims that are multiples
 // of 16. attention_math.h's paged_head_impl is the path for every other case; this one does
-// the same arithmetic with the work laid out for registers:
-// - scores: four keys against one query at a time, each a chain of D / 16 fused
-//   multiply-adds in one vector, summed across its lanes once;
-// - values: each query's output held in up to four vectors (64 floats) while the visible
-//   keys' values stream past, instead of a load and a store of y per key.
-// Measured (tools/bench_batch_step.py; docs/performance.md): the auto-vectorised loops kept
-// their accumulators on the stack and rebuilt q from scalars.
+// the same arithmetic with the work laid out for registers, for up to four query heads of
+// one KV head at a time (grouped-query attention), so each key and value vector is loaded
+// once for the group:
+// - scores: four keys a pass, each a chain of D / 16 fused multiply-adds per head, the four
+//   keys' lane sums in one reduction tree;
+// - softmax weights: max, exp and total over 16 scores a vector (exp_neg16);
+// - values: each head's output held in registers while the visible keys' values stream past.
+// Measured (tools/bench_paged_attention.py; docs/performance.md): the auto-vectorised loops
+// kept their accumulators on the stack and rebuilt q from scalars; one head at a time read
+// every key and value once per head, and the softmax's exp ran one score at a time.
 #pragma once
 
 #include <algorithm>
@@ -42,100 +45,246 @@ MLXINFER_INLINE float sum16(vf16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// y (NC vectors of query j's output, from column 16 * c0) += the visible keys' p * values.
-template <int NC>
-MLXINFER_INLINE void paged_values16(const float* V, const uint32_t* table, const bool* seen,
-                                    const float* s, int n, int block, int Dv, int c0, float inv,
-                                    float* y) {
-  vf16 acc[NC];
-  for (int u = 0; u < NC; ++u) {
-    acc[u] = vf16{};
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// exp_neg (attention_math.h) on 16 lanes: the same clamp, rounding to nearest and polynomial
+// (a lane may differ from the scalar function in its last bit where x / ln 2 is a tie).
+MLXINFER_INLINE vf16 exp_neg16(vf16 x) {
+  const vf16 lo = vf16{} - 87.3f;
+  x = x < lo ? lo : x;
+  const vf16 magic = vf16{} + 12582912.0f; // 1.5 * 2^23: adding it rounds to an integer
+  const vf16 n = (x * 1.4426950408889634f + magic) - magic;
+  const vf16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  vf16 p = vf16{} + 0.0013836845755577087f;
+  p = p * r + 0.008374815806746483f;
+  p = p * r + 0.04166822507977486f;
+  p = p * r + 0.16666419804096222f;
+  p = p * r + 0.49999991059303284f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  vf16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// 16 visibility flags (bools) as a lane mask: -1 where seen.
+MLXINFER_INLINE vi16 seen16(const bool* seen) {
+  typedef uint8_t vu8 __attribute__((vector_size(16)));
+  vu8 b;
+  std::memcpy(&b, seen, sizeof(b));
+  return __builtin_convertvector(b, vi16) != 0;
+}
+
+// Scores to probabilities times their total's inverse left to the caller: s[at] becomes
+// exp(s[at] - max over the visible) where seen, else 0; returns 1 / the total (0 if none).
+MLXINFER_INLINE float softmax_weights16(float* s, const bool* seen, int T) {
+  const vf16 ninf = vf16{} - INFINITY;
+  vf16 top16 = ninf;
+  int at = 0;
+  for (; at + 16 <= T; at += 16) {
+    const vf16 v = load16(s + at);
+    const vf16 m = seen16(seen + at) ? v : ninf;
+    top16 = m > top16 ? m : top16;
   }
+  float top = -INFINITY;
+  for (int u = 0; u < 16; ++u) {
+    top = std::max(top, top16[u]);
+  }
+  for (int t = at; t < T; ++t) {
+    top = seen[t] ? std::max(top, s[t]) : top;
+  }
+  vf16 total16{};
+  for (at = 0; at + 16 <= T; at += 16) {
+    const vf16 e = exp_neg16(load16(s + at) - top);
+    const vf16 w = seen16(seen + at) ? e : vf16{};
+    store16(s + at, w);
+    total16 += w;
+  }
+  float total = sum16(total16);
+  for (int t = at; t < T; ++t) {
+    const float e = exp_neg(s[t] - top);
+    s[t] = seen[t] ? e : 0.0f;
+    total += s[t];
+  }
+  return total > 0 ? 1.0f / total : 0.0f;
+}
+
+// The sums of four vectors' lanes, as four floats: one reduction tree for the four.
+MLXINFER_INLINE void sum16x4(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float* out) {
+  typedef float vf8 __attribute__((vector_size(32)));
+  typedef float vf4 __attribute__((vector_size(16)));
+  const vf8 h0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3, 4, 5, 6, 7) +
+      __builtin_shufflevector(a0, a0, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf8 h1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3, 4, 5, 6, 7) +
+      __builtin_shufflevector(a1, a1, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf8 h2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3, 4, 5, 6, 7) +
+      __builtin_shufflevector(a2, a2, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf8 h3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3, 4, 5, 6, 7) +
+      __builtin_shufflevector(a3, a3, 8, 9, 10, 11, 12, 13, 14, 15);
+  // [a0's four | a1's four], [a2's | a3's]
+  const vf8 p01 = __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 8, 9, 10, 11) +
+      __builtin_shufflevector(h0, h1, 4, 5, 6, 7, 12, 13, 14, 15);
+  const vf8 p23 = __builtin_shufflevector(h2, h3, 0, 1, 2, 3, 8, 9, 10, 11) +
+      __builtin_shufflevector(h2, h3, 4, 5, 6, 7, 12, 13, 14, 15);
+  // [a0 a0 a2 a2 a1 a1 a3 a3] pairs
+  const vf8 q = __builtin_shufflevector(p01, p23, 0, 1, 8, 9, 4, 5, 12, 13) +
+      __builtin_shufflevector(p01, p23, 2, 3, 10, 11, 6, 7, 14, 15);
+  const vf4 r = __builtin_shufflevector(q, q, 0, 4, 2, 6) + __builtin_shufflevector(q, q, 1, 5, 3, 7);
+  std::memcpy(out, &r, sizeof(r));
+}
+
+// R query heads' scores against the keys of n blocks (q already scaled): four keys a pass,
+// each key's vectors loaded once for the R heads.
+template <int R>
+MLXINFER_INLINE void paged_scores16(const float* q, const float* K, const uint32_t* table, int n,
+                                    int block, int D, int T, float* scores) {
+  const int cd = D / 16;
   for (int i = 0; i < n; ++i) {
-    const float* vb = V + static_cast<size_t>(table[i]) * block * Dv + 16 * c0;
-    const float* si = s + static_cast<size_t>(i) * block;
-    const bool* sb = seen + static_cast<size_t>(i) * block;
-    for (int t = 0; t < block; ++t) {
-      if (!sb[t]) {
-        continue; // a hidden slot's values are never read
+    const float* kb = K + static_cast<size_t>(table[i]) * block * D;
+    int t = 0;
+    for (; t + 4 <= block; t += 4) {
+      const float* k0 = kb + static_cast<size_t>(t) * D;
+      vf16 a[R][4];
+      for (int j = 0; j < R; ++j) {
+        a[j][0] = a[j][1] = a[j][2] = a[j][3] = vf16{};
       }
-      const vf16 p = vf16{} + si[t];
-      const float* vr = vb + static_cast<size_t>(t) * Dv;
-      for (int u = 0; u < NC; ++u) {
-        acc[u] += p * load16(vr + 16 * u);
+      for (int c = 0; c < cd; ++c) {
+        const vf16 x0 = load16(k0 + 16 * c), x1 = load16(k0 + D + 16 * c),
+                   x2 = load16(k0 + 2 * D + 16 * c), x3 = load16(k0 + 3 * D + 16 * c);
+        for (int j = 0; j < R; ++j) {
+          const vf16 qv = load16(q + static_cast<size_t>(j) * D + 16 * c);
+          a[j][0] += qv * x0;
+          a[j][1] += qv * x1;
+          a[j][2] += qv * x2;
+          a[j][3] += qv * x3;
+        }
+      }
+      for (int j = 0; j < R; ++j) {
+        sum16x4(a[j][0], a[j][1], a[j][2], a[j][3],
+                scores + static_cast<size_t>(j) * T + static_cast<size_t>(i) * block + t);
       }
     }
-  }
-  for (int u = 0; u < NC; ++u) {
-    store16(y + 16 * (c0 + u), acc[u] * inv);
+    for (; t < block; ++t) {
+      const float* kr = kb + static_cast<size_t>(t) * D;
+      for (int j = 0; j < R; ++j) {
+        vf16 a{};
+        for (int c = 0; c < cd; ++c) {
+          a += load16(q + static_cast<size_t>(j) * D + 16 * c) * load16(kr + 16 * c);
+        }
+        scores[static_cast<size_t>(j) * T + static_cast<size_t>(i) * block + t] = sum16(a);
+      }
+    }
   }
 }
 
-// paged_head_impl for float32 keys and values, D and Dv multiples of 16 (q already scaled).
-MLXINFER_INLINE void paged_head_f32x16(const float* q, const float* K, const float* V,
-                                       const uint32_t* table, const bool* seen, int reps, int n,
-                                       int block, int D, int Dv, float* scores, float* y) {
-  const int T = n * block, cd = D / 16, cv = Dv / 16;
+// y (NC vectors from column 16 * c0, for each of R heads) = the visible keys' weights times
+// their values, times inv[j]: each value vector loaded once for the R heads.
+template <int R, int NC>
+MLXINFER_INLINE void paged_values16(const float* V, const uint32_t* table, const bool* seen,
+                                    const float* s, int n, int block, int T, int Dv, int c0,
+                                    const float* inv, float* y) {
+  vf16 acc[R][NC];
+  for (int j = 0; j < R; ++j) {
+    for (int u = 0; u < NC; ++u) {
+      acc[j][u] = vf16{};
+    }
+  }
   for (int i = 0; i < n; ++i) {
-    const float* kb = K + static_cast<size_t>(table[i]) * block * D;
-    for (int j = 0; j < reps; ++j) {
-      const float* qj = q + static_cast<size_t>(j) * D;
-      float* si = scores + static_cast<size_t>(j) * T + static_cast<size_t>(i) * block;
-      int t = 0;
-      for (; t + 4 <= block; t += 4) {
-        const float* k0 = kb + static_cast<size_t>(t) * D;
-        vf16 a0{}, a1{}, a2{}, a3{};
-        for (int c = 0; c < cd; ++c) {
-          const vf16 qv = load16(qj + 16 * c);
-          a0 += qv * load16(k0 + 16 * c);
-          a1 += qv * load16(k0 + D + 16 * c);
-          a2 += qv * load16(k0 + 2 * D + 16 * c);
-          a3 += qv * load16(k0 + 3 * D + 16 * c);
-        }
-        si[t] = sum16(a0);
-        si[t + 1] = sum16(a1);
-        si[t + 2] = sum16(a2);
-        si[t + 3] = sum16(a3);
+    const float* vb = V + static_cast<size_t>(table[i]) * block * Dv + 16 * c0;
+    const size_t at0 = static_cast<size_t>(i) * block;
+    for (int t = 0; t < block; ++t) {
+      if (!seen[at0 + t]) {
+        continue; // a hidden slot's values are never read
       }
-      for (; t < block; ++t) {
-        const float* kr = kb + static_cast<size_t>(t) * D;
-        vf16 a{};
-        for (int c = 0; c < cd; ++c) {
-          a += load16(qj + 16 * c) * load16(kr + 16 * c);
+      const float* vr = vb + static_cast<size_t>(t) * Dv;
+      vf16 v[NC];
+      for (int u = 0; u < NC; ++u) {
+        v[u] = load16(vr + 16 * u);
+      }
+      for (int j = 0; j < R; ++j) {
+        const vf16 p = vf16{} + s[static_cast<size_t>(j) * T + at0 + t];
+        for (int u = 0; u < NC; ++u) {
+          acc[j][u] += p * v[u];
         }
-        si[t] = sum16(a);
       }
     }
   }
-  for (int j = 0; j < reps; ++j) {
-    float* s = scores + static_cast<size_t>(j) * T;
-    float top = -INFINITY;
-    for (int at = 0; at < T; ++at) {
-      top = seen[at] ? std::max(top, s[at]) : top;
+  for (int j = 0; j < R; ++j) {
+    for (int u = 0; u < NC; ++u) {
+      store16(y + static_cast<size_t>(j) * Dv + 16 * (c0 + u), acc[j][u] * inv[j]);
     }
-    float total = 0;
-    for (int at = 0; at < T; ++at) {
-      const float e = exp_neg(s[at] - top);
-      s[at] = seen[at] ? e : 0.0f;
-      total += s[at];
-    }
-    const float inv = total > 0 ? 1.0f / total : 0.0f;
+  }
+}
+
+template <int R, int NC>
+MLXINFER_INLINE void paged_values_cols(const float* V, const uint32_t* table, const bool* seen,
+                                       const float* s, int n, int block, int T, int Dv,
+                                       const float* inv, float* y) {
+  const int cv = Dv / 16;
+  int c = 0;
+  for (; c + NC <= cv; c += NC) {
+    paged_values16<R, NC>(V, table, seen, s, n, block, T, Dv, c, inv, y);
+  }
+  switch (cv - c) {
+    case 3:
+      paged_values16<R, 3>(V, table, seen, s, n, block, T, Dv, c, inv, y);
+      break;
+    case 2:
+      paged_values16<R, 2>(V, table, seen, s, n, block, T, Dv, c, inv, y);
+      break;
+    case 1:
+      paged_values16<R, 1>(V, table, seen, s, n, block, T, Dv, c, inv, y);
+      break;
+    default:
+      break;
+  }
+}
+
+// R query heads sharing one KV head: scores, softmax weights, values.
+template <int R, bool WIDE>
+MLXINFER_INLINE void paged_group_f32x16(const float* q, const float* K, const float* V,
+                                        const uint32_t* table, const bool* seen, int n, int block,
+                                        int D, int Dv, float* scores, float* y) {
+  const int T = n * block;
+  paged_scores16<R>(q, K, table, n, block, D, T, scores);
+  float inv[R];
+  for (int j = 0; j < R; ++j) {
+    inv[j] = softmax_weights16(scores + static_cast<size_t>(j) * T, seen, T);
+  }
+  // Four value vectors (64 columns) a pass for up to two heads, two for three or four, or
+  // four with 32 registers (AVX-512, WIDE): the totals stay in registers.
+  if constexpr (R <= 2 || WIDE) {
+    paged_values_cols<R, 4>(V, table, seen, scores, n, block, T, Dv, inv, y);
+  } else {
+    paged_values_cols<R, 2>(V, table, seen, scores, n, block, T, Dv, inv, y);
+  }
+}
+
+// paged_head_impl for float32 keys and values, D and Dv multiples of 16 (q already scaled):
+// the reps query heads of one KV head, up to four at a time. WIDE: 32 vector registers of 16
+// floats (AVX-512).
+template <bool WIDE>
+MLXINFER_INLINE void paged_head_f32x16(const float* q, const float* K, const float* V,
+                                       const uint32_t* table, const bool* seen, int reps, int n,
+                                       int block, int D, int Dv, float* scores, float* y) {
+  const size_t T = static_cast<size_t>(n) * block;
+  for (int j = 0; j < reps; j += 4) {
+    const float* qj = q + static_cast<size_t>(j) * D;
+    float* sj = scores + static_cast<size_t>(j) * T;
     float* yj = y + static_cast<size_t>(j) * Dv;
-    int c = 0;
-    for (; c + 4 <= cv; c += 4) {
-      paged_values16<4>(V, table, seen, s, n, block, Dv, c, inv, yj);
-    }
-    switch (cv - c) {
+    switch (std::min(4, reps - j)) {
+      case 4:
+        paged_group_f32x16<4, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        break;
       case 3:
-        paged_values16<3>(V, table, seen, s, n, block, Dv, c, inv, yj);
+        paged_group_f32x16<3, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
         break;
       case 2:
-        paged_values16<2>(V, table, seen, s, n, block, Dv, c, inv, yj);
-        break;
-      case 1:
-        paged_values16<1>(V, table, seen, s, n, block, Dv, c, inv, yj);
+        paged_group_f32x16<2, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
         break;
       default:
+        paged_group_f32x16<1, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
         break;
     }
   }

@@ -19,13 +19,13 @@ namespace {
 MLXINFER_AVX512 void paged_f32_avx512(const float* q, const float* K, const float* V,
                                       const uint32_t* table, const bool* seen, int reps, int n,
                                       int block, int D, int Dv, float* scores, float* y) {
-  paged_head_f32x16(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
+  paged_head_f32x16<true>(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
 }
 
 MLXINFER_AVX2 void paged_f32_avx2(const float* q, const float* K, const float* V,
                                   const uint32_t* table, const bool* seen, int reps, int n,
                                   int block, int D, int Dv, float* scores, float* y) {
-  paged_head_f32x16(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
+  paged_head_f32x16<false>(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
 }
 #endif
 
@@ -52,7 +52,7 @@ bool attention_f32x16(const float* q, const float* K, const float* V, const uint
   if (current_isa() < kNeon) {
     return false;
   }
-  paged_head_f32x16(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
+  paged_head_f32x16<false>(q, K, V, table, seen, reps, n, block, D, Dv, scores, y);
   return true;
 #else
   return false;
