@@ -17,6 +17,7 @@ from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.batch import Engine
 from mlxinfer.generation import generate_step
 from mlxinfer.loader import load_model
+from mlxinfer.models.layers import GatedMLP
 
 K = kernels.load()
 pytestmark = [
@@ -128,6 +129,31 @@ def test_rms_norm_matches_its_definition(dtype, rows):
     assert np.allclose(got, f32(mx.fast.rms_norm(x, w, 1e-5)), atol=TOL[dtype] * np.abs(want).max())
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (8, 1, 1536), (3, 37)])
+def test_swiglu_matches_its_definition(shape):
+    """silu(gate) * up against float64, on every instruction-set path, for gates from -120 to
+    120 (exp(-|gate|) under- and overflows on either side), a tail of fewer than 16 values
+    (37), and gate and up read through strided views (the halves of one product)."""
+    both = RNG.standard_normal((*shape[:-1], 2 * shape[-1])).astype(np.float32) * 8
+    both[..., :3] = [-120.0, 120.0, 0.0]
+    both_mx = mx.array(both)
+    gate, up = both_mx[..., : shape[-1]], both_mx[..., shape[-1] :]
+    g, u = both[..., : shape[-1]].astype(np.float64), both[..., shape[-1] :].astype(np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    runs = {}
+    try:
+        for level in isa_levels():
+            K.set_max_isa(level)
+            runs[level] = f32(K.swiglu(gate, up))
+    finally:
+        K.set_max_isa("best")
+    for level, got in runs.items():
+        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), level
+        assert np.allclose(got, want, rtol=1e-6, atol=1e-30), level
+    with pytest.raises(ValueError, match="gate, up: expected float32 arrays of one shape"):
+        K.swiglu(gate, up[..., 1:])
+
+
 def test_the_cache_buffer_is_updated_in_place_only_where_nobody_else_holds_it():
     n_kv, D = 2, 16
     keys = mx.zeros((1, n_kv, 8, D))
@@ -193,7 +219,7 @@ IDS = [(5 + 37 * i) % 512 for i in range(20)]
 
 class Counting:
     def __init__(self, module):
-        names = ("rms_norm", "cache_write", "decode_attention", "paged_attention")
+        names = ("rms_norm", "cache_write", "decode_attention", "paged_attention", "swiglu")
         self.module, self.calls = module, dict.fromkeys(names, 0)
 
     def __getattr__(self, name):
@@ -216,6 +242,8 @@ def test_decode_with_the_fused_kernels_matches_transformers(family, tmp_path, mo
     model, _ = load_model(path)
     attention = [m for m in model.modules() if compiled.attention_fits(m)]
     assert len(attention) == SHAPES["num_hidden_layers"]
+    mlps = sum(isinstance(m, GatedMLP) for m in model.modules())  # phi3's fused MLP: its own
+    assert mlps == (0 if family.startswith("phi3") else SHAPES["num_hidden_layers"])
     assert {"decode"} <= set(cpu_plans.plan_layers(model)) and cpu_plans.plan_layers(model)[
         "decode"
     ]
@@ -238,6 +266,7 @@ def test_decode_with_the_fused_kernels_matches_transformers(family, tmp_path, mo
         assert calls["decode_attention"] == steps * layers * on
         assert calls["cache_write"] == 2 * steps * layers * on
         assert calls["rms_norm"] >= steps * (2 * layers + 1) * on
+        assert calls["swiglu"] >= steps * mlps * on  # the shared gated MLPs' SwiGLU too
 
 
 def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch):

@@ -87,6 +87,15 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "x - logsumexp(x) over the last axis, in float32 (a vectorised exp, relative error "
       "~1.5e-7).");
   m.def(
+      "swiglu",
+      &mlxinfer::swiglu,
+      "gate"_a,
+      "up"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "silu(gate) * up for float32 gate and up of one shape (a vectorised exp, relative error "
+      "~1.5e-7).");
+  m.def(
       "cache_write",
       [](const mx::array& buffer, const mx::array& x, const mx::array& cos, const mx::array& sin,
          int offset, int dims, bool traditional, bool reference, mx::StreamOrDevice s) {

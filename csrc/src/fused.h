@@ -14,6 +14,7 @@
 //
 // - paged_attention (paged.cpp): the batching engine's decode step over its pool's blocks.
 // - log_softmax (log_softmax.cpp): a few rows of logits normalised to log-probs, in f32.
+// - swiglu (swiglu.cpp): silu(gate) * up of a decode step's gated MLPs, in f32.
 //
 // On a GPU stream the ops build MLX's own graph (mx.fast.rms_norm; RoPE by the table,
 // slice_update, mx.fast.scaled_dot_product_attention), so eval_gpu is never reached.
@@ -72,6 +73,25 @@ class LogSoftmax : public mx::UnaryPrimitive {
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
     return "MlxinferLogSoftmax";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+// silu(gate) * up for float32 gate and up of one shape.
+mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+
+class SwiGLU : public mx::UnaryPrimitive {
+ public:
+  explicit SwiGLU(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferSwiGLU";
   }
   bool is_equivalent(const mx::Primitive&) const override {
     return true;

@@ -99,6 +99,22 @@ def log_softmax(logits: mx.array) -> mx.array | None:
     return k.log_softmax(logits)
 
 
+def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
+    """``silu(gate) * up`` of at most ``MAX_ROWS`` float32 rows as one kernel call (a
+    vectorised exp: MLX's sigmoid does not vectorise here, and the fast exponential takes
+    three kernels); None otherwise, or from a module built before the kernel was added."""
+    k = kernels.load()
+    if (
+        k is None
+        or not hasattr(k, "swiglu")
+        or gate.dtype != mx.float32
+        or up.dtype != mx.float32
+        or gate.size // max(1, gate.shape[-1]) > MAX_ROWS
+    ):
+        return None
+    return k.swiglu(gate, up)
+
+
 def family(module: nn.Module) -> type:
     """``module``'s own class, under the CPU backend's mixins (``layers.with_mixin``)."""
     return next(c for c in type(module).__mro__ if not c.__module__.startswith(__package__))

@@ -24,7 +24,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "quantized": ("one", "halves", "siblings", "balanced", "kernel"),
     "matvec": ("blas", "kernel"),  # the blocks' float Linears: MLX's matmul, or the kernel
     "kernel_threads": ("all", "one"),  # the kernels' pool: every usable CPU, or one thread
-    "decode": ("ops", "kernel"),  # decode's norms and attention: MLX's ops, or fused kernels
+    "decode": ("ops", "kernel"),  # decode's norms, attention, SwiGLU: MLX's ops, or fused kernels
 }
 MOST_PARALLEL = {  # MLXINFER_CPU_PLANS=on: the two-stream plans, MLX's ops (no kernels)
     "cut": "two",
@@ -76,7 +76,7 @@ def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
         found["decode"] = [
             m
             for m in model.modules()
-            if isinstance(m, (model_layers.RMSNorm, model_layers.Attention))
+            if isinstance(m, (model_layers.RMSNorm, model_layers.Attention, model_layers.GatedMLP))
         ]
         if found["matvec"] or any(
             kernel_fits(kind, m) for kind in ("head", "quantized") for m in found[kind]

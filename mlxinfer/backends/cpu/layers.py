@@ -126,7 +126,10 @@ class CPUAttention:
 
 class CPUGatedMLP:
     """A gated MLP sliced through a stepwise quantized prefill, or run as two half MLPs on the
-    worker streams in decode (float); SwiGLU through the fast exponential."""
+    worker streams in decode (float); SwiGLU through the fast exponential, or under the
+    ``decode`` plan one compiled kernel for a few rows."""
+
+    cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
@@ -138,6 +141,10 @@ class CPUGatedMLP:
 
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:
         if self.act is nn.silu:
+            if self.cpu_decode_kernel:  # the ``decode`` plan: one kernel call for a few rows
+                y = compiled.swiglu(gate, up)
+                if y is not None:
+                    return y
             return ops.swiglu(gate, up, small=getattr(self, "cpu_small", ops.SMALL))
         return super().combine(gate, up)
 

@@ -26,9 +26,10 @@ keeping an option only if it beats the plainer one by 3%:
   MLX's two worker streams do not ask for more threads than there are cores;
   a model too slow for every plan to be timed (``timing.MAX_MEASURE_S``) still has its
   ``kernel`` options timed, against the plainest option alone;
-- ``decode`` (kernels loaded): a decode step's RMSNorms and plain RoPE attention through
-  MLX's ops (``ops``: the norm's three primitives, RoPE, the cache write and attention's
-  ~thirty) or one compiled kernel each (``kernel``: ``compiled.rms_norm`` for up to 16 rows,
+- ``decode`` (kernels loaded): a decode step's RMSNorms, plain RoPE attention and SwiGLU
+  through MLX's ops (``ops``: the norm's three primitives, RoPE, the cache write and
+  attention's ~thirty, SwiGLU's one to three) or one compiled kernel each (``kernel``:
+  ``compiled.rms_norm`` and ``compiled.swiglu`` for up to 16 rows,
   ``compiled.decode_attention`` for one token over a plain ``KVCache``);
 - ``long_keys``: from how many cached keys decode attention takes its long-context
   form (``ops._attend``), timed on the model's attention shapes alone;
@@ -113,7 +114,7 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 13  # of the cached entries: bump when the kinds or options change
+VERSION = 14  # of the cached entries: bump when the kinds or options change
 
 
 def cache_key(model: nn.Module) -> str:
