@@ -33,7 +33,8 @@ struct QmvProblem {
   float* y = nullptr; // (M, N) row-major
 };
 
-// Fills xp and xsum from x (xp only matters for bits == 4).
+// Fills xp and xsum from x (xp only matters for bits == 4 off the scalar path; elsewhere xp
+// may be x itself).
 void qmv_prepare(const QmvProblem& p, float* xp, float* xsum);
 void qmv_rows(const QmvProblem& p, int n0, int n1);
 

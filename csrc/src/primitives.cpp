@@ -121,12 +121,14 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     }
     // x as f32 rows, plus its de-interleaved copy and group sums (small: M * K).
     aligned_vector<float> xf(static_cast<size_t>(p.M) * p.K);
-    aligned_vector<float> xp(xf.size());
+    // The 4-bit vector paths read x de-interleaved (a copy); the others read x as it is.
+    const bool reorder = bits == 4 && p.isa != kScalar;
+    aligned_vector<float> xp(reorder ? xf.size() : 0);
     std::vector<float> xsum(static_cast<size_t>(p.M) * G);
     to_f32(x, xf.data());
     p.x = xf.data();
-    qmv_prepare(p, xp.data(), xsum.data());
-    p.xp = xp.data();
+    p.xp = reorder ? xp.data() : xf.data();
+    qmv_prepare(p, const_cast<float*>(p.xp), xsum.data());
     p.xsum = xsum.data();
     std::vector<uint32_t> wcopy;
     p.w = contiguous_words(w, wcopy);

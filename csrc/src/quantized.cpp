@@ -529,7 +529,7 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
           dst[c + chunk / 2 + i] = x[c + 2 * i + 1];
         }
       }
-    } else {
+    } else if (dst != x) { // x itself may serve as xp (the caller's choice)
       std::memcpy(dst, x, sizeof(float) * p.K);
     }
     for (int g = 0; g < G; ++g) {

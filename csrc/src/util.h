@@ -9,6 +9,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -23,7 +24,9 @@ namespace mx = mlx::core;
 // A std::vector allocator on 64-byte (cache line) boundaries: a kernel's x rows loaded 16
 // floats at a time from a 16-byte aligned malloc block straddle two lines on every load (the
 // 8-row quantized product ran ~28% slower so, measured with csrc/ kernels on this project's
-// Xeon VM).
+// Xeon VM). Its elements are left uninitialised (default-initialised, not zeroed): the
+// kernels' buffers are written whole before they are read, and zeroing them was a memset
+// per product (8 rows x K floats, twice).
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
@@ -35,6 +38,14 @@ struct CacheLineAllocator {
   }
   void deallocate(T* p, size_t) {
     ::operator delete(p, std::align_val_t(64));
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    if constexpr (sizeof...(Args) == 0) {
+      ::new (static_cast<void*>(p)) U; // default-initialised: no zeroing
+    } else {
+      ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+    }
   }
   template <typename U>
   bool operator==(const CacheLineAllocator<U>&) const {
