@@ -154,6 +154,19 @@ def test_swiglu_matches_its_definition(shape):
         K.swiglu(gate, up[..., 1:])
 
 
+def test_the_kernels_read_transposed_views():
+    """Inputs whose last axis is not contiguous (transposed views) are read element by element
+    along it: swiglu and rms_norm against their definitions."""
+    a, b = rand(3, 40, 24), rand(3, 40, 24)
+    gate, up = a.transpose(0, 2, 1), b.transpose(0, 2, 1)  # (3, 24, 40), last stride 24
+    g, u = f32(gate).astype(np.float64), f32(up).astype(np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    assert np.abs(f32(K.swiglu(gate, up)) - want).max() <= 1e-6 * np.abs(want).max()
+    w = rand(40)
+    normed = g / np.sqrt((g * g).mean(-1, keepdims=True) + 1e-5) * f32(w)
+    assert np.abs(f32(K.rms_norm(gate, w, 1e-5)) - normed).max() <= 1e-5 * np.abs(normed).max()
+
+
 def test_the_cache_buffer_is_updated_in_place_only_where_nobody_else_holds_it():
     n_kv, D = 2, 16
     keys = mx.zeros((1, n_kv, 8, D))

@@ -53,15 +53,23 @@ inline void copy_elements(const mx::array& a, char* dst) {
     std::memcpy(dst, src, a.nbytes());
     return;
   }
+  // Runs along the last axis, one memcpy each where that axis is contiguous.
   const int nd = a.ndim();
+  const int64_t run = a.shape(nd - 1), step = a.strides()[nd - 1];
   std::vector<int> idx(nd, 0);
-  for (size_t i = 0; i < a.size(); ++i) {
+  for (size_t i = 0; i < a.size(); i += run) {
     int64_t off = 0;
-    for (int d = 0; d < nd; ++d) {
+    for (int d = 0; d + 1 < nd; ++d) {
       off += static_cast<int64_t>(idx[d]) * a.strides()[d];
     }
-    std::memcpy(dst + i * item, src + off * item, item);
-    for (int d = nd - 1; d >= 0; --d) {
+    if (step == 1) {
+      std::memcpy(dst + i * item, src + off * item, run * item);
+    } else {
+      for (int64_t j = 0; j < run; ++j) {
+        std::memcpy(dst + (i + j) * item, src + (off + j * step) * item, item);
+      }
+    }
+    for (int d = nd - 2; d >= 0; --d) {
       if (++idx[d] < a.shape(d)) {
         break;
       }

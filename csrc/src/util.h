@@ -90,14 +90,20 @@ void strided_to_f32(const mx::array& a, float* dst) {
     }
     return;
   }
+  // Runs along the last axis (a transposed view's rows: contiguous where its stride is 1),
+  // the other axes' offset recomputed once a run.
+  const int64_t run = nd ? shape[nd - 1] : 1, step = nd ? strides[nd - 1] : 0;
   std::vector<int> idx(nd, 0);
-  for (size_t i = 0; i < a.size(); ++i) {
+  for (size_t i = 0; i < a.size(); i += run) {
     int64_t off = 0;
-    for (int d = 0; d < nd; ++d) {
+    for (int d = 0; d + 1 < nd; ++d) {
       off += static_cast<int64_t>(idx[d]) * strides[d];
     }
-    dst[i] = static_cast<float>(src[off]);
-    for (int d = nd - 1; d >= 0; --d) {
+    const T* r = src + off;
+    for (int64_t j = 0; j < run; ++j) {
+      dst[i + j] = static_cast<float>(r[j * step]);
+    }
+    for (int d = nd - 2; d >= 0; --d) {
       if (++idx[d] < shape[d]) {
         break;
       }
