@@ -9,7 +9,9 @@ first attention layer (in the whole model, the first is layer 0: on rank 1 that 
 layer's state cache). One launch runs ``generate_step`` (the reference: transformers' greedy
 tokens and float32 log-probabilities) and ``batch_generate`` with 8 prompts of mixed lengths,
 whose recurrent rows keep their states per request (the reference: one process's texts, which
-tests/test_hybrid.py holds to transformers). Run as a script, this file is one rank:
+tests/test_hybrid.py holds to transformers). The same launch writes the prefix cache on disk
+(each rank its own part's KV blocks and state snapshots) and a second one, new processes, reads
+them back (``_check_disk``). Run as a script, this file is one rank:
 ``python test_distributed_hybrid.py MODEL_DIR MODE JOB OUT``.
 """
 
@@ -65,11 +67,12 @@ def _one_process(path: Path, prompts: list[list[int]]) -> list[str]:
     return texts
 
 
-def _run(tmp_path: Path, path: Path, mode: str, prompts: list[list[int]]):
+def _run(tmp_path: Path, path: Path, mode: str, prompts: list[list[int]], **more):
     from test_distributed import WAIT_S, Ranks
 
+    tmp_path.mkdir(exist_ok=True)
     out, job = tmp_path / "out.json", tmp_path / "job.json"
-    job.write_text(json.dumps({"prompt": PROMPT, "n": N_TOKENS, "prompts": prompts}))
+    job.write_text(json.dumps({"prompt": PROMPT, "n": N_TOKENS, "prompts": prompts, **more}))
     command = [sys.executable, str(SCRIPT), str(path), mode, str(job), str(out)]
     with Ranks(tmp_path, command) as ranks:
         codes = [ranks.wait(0, WAIT_S + 30), ranks.wait(1, 30)]
@@ -94,9 +97,86 @@ def test_lfm2_pipeline_matches_transformers_and_batches(tmp_path):
     path, model = _lfm2(tmp_path / "lfm2")
     prompts = _prompts()
     texts = _one_process(path, prompts)
-    results, log = _run(tmp_path, path, "pipeline", prompts)
+    disk = tmp_path / "prefix-cache"
+    results, log = _run(tmp_path, path, "pipeline", prompts, disk=str(disk), write=DISK_PROMPTS)
     assert "rank 0/2 runs layers 0-1 of 4" in log and "rank 1/2 runs layers 2-3 of 4" in log
     _check(results, model, texts)
+    _check_disk(tmp_path, path, "pipeline", results)
+
+
+# The prefix cache on disk: two 70-token prompts (4 full blocks of 16 each; snapshots every 2
+# blocks: after 32 and 64 tokens), then, restarted, each extended past its 4th block.
+BS, EVERY = 16, 2
+DISK_PROMPTS = [[(7 * i + 3 * k + 5) % 290 + 3 for i in range(70)] for k in range(2)]
+EXTENDED = [p[:66] + [5, 6, 7, 8, 9, 10 + k] for k, p in enumerate(DISK_PROMPTS)]
+
+
+def _greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    import mlxinfer
+    from mlxinfer.generation import generate_step
+
+    model, _ = mlxinfer.load(path)
+    return [[t for t, _ in generate_step(p, model, max_tokens=N_TOKENS)] for p in prompts]
+
+
+def _check_disk(tmp_path: Path, path: Path, mode: str, results, stateless=()) -> None:
+    """The first launch's engine wrote each rank's own files: its part's 4 blocks of each
+    prompt and its states after 32 and 64 tokens (``stateless``: the ranks without a recurrent
+    layer, which write none); the ranks' files never share a name. Rank 1's snapshot after the
+    second prompt's 64 tokens is removed, then a restart (new processes) reads back: the first
+    extended prompt resumes after 64 tokens on both ranks (4 blocks and a snapshot read), the
+    second after 32 (the deepest snapshot every rank holds: 4 blocks read, a snapshot after 32
+    on the ranks with states). The tokens are one process's."""
+    expected = _greedy(path, DISK_PROMPTS + EXTENDED)
+    files = {r: result["files"] for r, result in enumerate(results)}
+    for r, result in enumerate(results):
+        assert result["written"] == expected[:2], r
+        states = [] if r in stateless else [[32, 64]] * 2
+        assert [sorted(map(int, s)) for s in files[r]["states"]] == states, r
+        assert [len(b) for b in files[r]["blocks"]] == [4, 4], r
+    named = [f for r in files for kind in files[r].values() for p in kind for f in p.values()]
+    assert len(set(named)) == len(named)  # no two ranks' (or kinds') files share a name
+    on_disk = sorted(str(f) for f in (tmp_path / "prefix-cache").rglob("*.safetensors"))
+    assert on_disk == sorted(named)
+    if 1 not in stateless:
+        Path(files[1]["states"][1]["64"]).unlink()
+    again, _ = _run(tmp_path / "restart", path, mode, [], disk=results[0]["disk"], read=EXTENDED)
+    for r, result in enumerate(again):
+        assert result["read"] == expected[2:], r
+        assert result["cached"] == [64, 64 if 1 in stateless else 32], r
+        assert result["loaded"] == [4 + (r not in stateless), 4 + (r not in stateless)], r
+
+
+def test_unlike_ranks_snapshot_stores_keep_the_same_snapshots():
+    """Across ranks each store's budget is a number of snapshots, the fewest any rank's bytes
+    buy (``Turns.fewest_snapshots``, an all-min at engine start): a rank whose states take 4 KiB
+    and one whose take 1 KiB, each with 16 KiB, keep 4 each and evict the same ones (by bytes
+    alone the second would keep 16). A rank without states asks too (None) and keeps none."""
+    import mlx.core as mx
+
+    from mlxinfer.batch.snapshots import Stateless, make_store
+
+    class Turns:  # both ranks' requests, answered as the all-min answers them
+        asked: list = []
+
+        def fewest_snapshots(self, mine):
+            self.asked.append(mine)
+            return 4
+
+    turns = Turns()
+    templates = [[mx.zeros((1, 256)), mx.zeros((1, 768))], [mx.zeros((1, 256))], []]
+    stores = [make_store(16 << 10, t, lambda h: True, turns) for t in templates]
+    assert turns.asked == [4, 16, None]
+    for k in range(6):
+        for t, store in zip(templates, stores):
+            assert store.put(bytes([k]), t)
+    assert [list(s._items) for s in stores[:2]] == [[bytes([k]) for k in range(2, 6)]] * 2
+    assert isinstance(stores[2], Stateless) and len(stores[2]) == 0
+    assert bytes([9]) in stores[2] and stores[2].get(bytes([9])) == []
+    alone = make_store(16 << 10, templates[1], lambda h: True)  # one process: bytes
+    for k in range(20):
+        alone.put(bytes([k]), templates[1])
+    assert len(alone) == 16
 
 
 SLOW = pytest.mark.skipif(
@@ -125,6 +205,32 @@ def test_lfm2_tensor_matches_transformers_and_batches(tmp_path):
         )
         assert line in log, log
     _check(results, model, texts)
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, layer_types, stateless",
+    [
+        ("tensor", LAYER_TYPES, ()),
+        # rank 1: attention layers only (no state to keep; it takes the others' turns)
+        ("pipeline", ["full_attention", "conv", "full_attention", "full_attention"], (1,)),
+    ],
+    ids=["tensor", "pipeline-rank-1-without-states"],
+)
+def test_lfm2_prefix_cache_on_disk_across_ranks(tmp_path, mode, layer_types, stateless):
+    """The prefix cache on disk as above, split by heads and channels (each rank's files hold
+    its channels' states), and as a pipeline whose rank 1 holds no recurrent layer (it writes
+    no snapshot and resumes wherever rank 0's snapshots let it)."""
+    from test_distributed_batch import _prompts
+
+    path, model = _lfm2(tmp_path / "lfm2", layer_types=layer_types)
+    prompts = _prompts()[:4]
+    texts = _one_process(path, prompts)
+    disk = tmp_path / "prefix-cache"
+    results, _ = _run(tmp_path, path, mode, prompts, disk=str(disk), write=DISK_PROMPTS)
+    _check(results, model, texts)
+    _check_disk(tmp_path, path, mode, results, stateless)
 
 
 @SLOW
@@ -196,6 +302,10 @@ def _rank_main() -> None:
     model, tokenizer = mlxinfer.load(
         model_dir, distributed=mode, log=lambda m: print(m, file=sys.stderr)
     )
+    from distributed_rank import finish
+
+    if job.get("read"):  # a restart: the prefix cache on disk only
+        finish(out, _disk_reads(model, job["disk"], job["read"], job["n"]))
     tokens, logprobs = [], []
     for token, lp in generate_step(job["prompt"], model, max_tokens=job["n"]):
         tokens.append(token)
@@ -205,9 +315,45 @@ def _rank_main() -> None:
     except DistributedError as e:  # refused on every rank alike
         texts = str(e)
     result = {"tokens": tokens, "logprobs": logprobs, "texts": texts}
-    from distributed_rank import finish
-
+    if job.get("write"):
+        result.update(_disk_writes(model, job["disk"], job["write"], job["n"]))
     finish(out, result)
+
+
+def _disk_writes(model, directory: str, prompts: list[list[int]], n: int) -> dict:
+    """An engine with the prefix cache on disk runs ``prompts``; this rank's files of each
+    (its blocks' and its snapshots', by the tokens they end) as its engine names them."""
+    from mlxinfer.batch import Engine
+    from mlxinfer.batch.snapshots import chain
+
+    with Engine(model, block_size=BS, state_every=EVERY, prefix_cache_dir=directory) as engine:
+        written = [[s.token for s in engine.submit(p, max_tokens=n).steps()] for p in prompts]
+    disk, states = engine.pool.disk, getattr(engine.snapshots, "format", None)
+    files = {"blocks": [], "states": []}
+    for p in prompts:
+        hashes = chain(p, BS, (len(p) - 1) // BS)
+        paths = {(k + 1) * BS: disk.path(h) for k, h in enumerate(hashes)}
+        files["blocks"].append({t: str(f) for t, f in paths.items() if f.exists()})
+        if states is not None:  # a rank without recurrent layers keeps none
+            paths = {(k + 1) * BS: disk.path(h, states) for k, h in enumerate(hashes)}
+            files["states"].append({t: str(f) for t, f in paths.items() if f.exists()})
+    return {"disk": directory, "written": written, "files": files}
+
+
+def _disk_reads(model, directory: str, prompts: list[list[int]], n: int) -> dict:
+    """A restarted engine runs ``prompts`` one at a time: their tokens, the prefix tokens each
+    resumed after, the files each read (blocks and snapshots)."""
+    from mlxinfer.batch import Engine
+
+    result = {"read": [], "cached": [], "loaded": []}
+    with Engine(model, block_size=BS, state_every=EVERY, prefix_cache_dir=directory) as engine:
+        for p in prompts:
+            before = engine.metrics()["prefix_disk_blocks_loaded"]
+            handle = engine.submit(p, max_tokens=n)
+            result["read"].append([s.token for s in handle.steps()])
+            result["cached"].append(handle.cached_tokens)
+            result["loaded"].append(engine.metrics()["prefix_disk_blocks_loaded"] - before)
+    return result
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ blocks' names; a chain hash the memory lacks is looked for on disk, read back (e
 checked as a block's is: size, header, fingerprint, hash, digest) and kept in memory again.
 So after a restart the blocks come back from disk at admission (``DiskTier.promote``) and the
 deepest snapshot among them with them.
+
+Across ranks each rank's files hold its own layers' states (or its share of their channels or
+heads): the rank's part is in the tier's fingerprint, and so in these files' names and
+headers, so the ranks of one machine can share the directory. A pipeline rank without a
+recurrent layer writes none. At admission the ranks agree on the deepest snapshot every rank
+holds, in memory or on disk (``held``; ``distributed/batching.py``).
 """
 
 from __future__ import annotations
@@ -15,31 +21,25 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..cache import StateCache
 from .block_file import BlockFormat, listed_layout
 from .disk import DiskTier
-from .snapshots import Snapshots
-
-
-def state_template(model) -> list[mx.array]:
-    """The arrays of one row's snapshot (``snapshots.capture``'s order), from a one-token
-    forward: their shapes and dtypes are fixed."""
-    cache = model.make_cache()
-    model(mx.array([[0]], dtype=mx.int32), cache)
-    arrays = [a for c in cache if isinstance(c, StateCache) for a in c.arrays]
-    mx.eval(arrays)
-    return arrays
+from .snapshots import ELSEWHERE, Snapshots
 
 
 class DiskSnapshots(Snapshots):
     """:class:`Snapshots` whose entries are kept on disk too (the interface unchanged)."""
 
     def __init__(self, memory: Snapshots, tier: DiskTier, template: list[mx.array]) -> None:
-        super().__init__(memory.max_bytes, memory.alive)
+        super().__init__(memory.max_bytes, memory.alive, memory.max_count)
         self.tier = tier
         tensors = [(f"s{i}", a.dtype, tuple(a.shape)) for i, a in enumerate(template)]
         self.format = BlockFormat([], 0, tier.fingerprint + ":states", listed_layout(tensors))
         self._bf16 = [a.dtype == mx.bfloat16 for a in template]
+
+    def held(self, chain_hash: bytes) -> int:
+        if held := super().held(chain_hash):
+            return held
+        return ELSEWHERE if self.tier.path(chain_hash, self.format).exists() else 0
 
     def __contains__(self, chain_hash: bytes) -> bool:
         if super().__contains__(chain_hash):

@@ -18,7 +18,6 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..errors import DistributedError
 from ..generation.drafts import Draft
 from ..generation.prefill import check_token_ids, token_ids
 from ..generation.sampling import LogitsProcessor, SamplingParams
@@ -28,11 +27,11 @@ from . import pool as pool_mod
 from . import rows as rows_mod
 from .draft_pool import DraftPool, poolable
 from .frontend import TextRequests
-from .layout import STATE, check_batchable, layer_shapes, make_pools
+from .layout import STATE, check_batchable, layer_shapes, make_pools, shapes_and_states
 from .pool import PoolStats
 from .requests import EngineError, Handle, _Request
 from .scheduler import Scheduler
-from .snapshots import Snapshots, split_budget
+from .snapshots import make_store, split_budget
 from .store import block_bytes
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
@@ -132,7 +131,9 @@ class Engine(TextRequests, Scheduler):
         # of the states at block boundaries (snapshots.py), inside kv_budget, and a drafting
         # row's states go back to before a step whose drafts were rejected (the scheduler's).
         self.recurrent = STATE in self.windows
-        shapes = layer_shapes(model, kv_bits, kv_group_size)
+        if self.turns is not None:  # a rank without recurrent layers takes the others' turns
+            self.recurrent = self.turns.any_recurrent(self.recurrent)
+        shapes, template = shapes_and_states(model, kv_bits, kv_group_size)
         # A draft model's pool inside kv_budget; across ranks none: rank 0 alone drafts
         # (distributed/copies.py), its pool made on the first request outside the budget, so
         # that every rank's pool keeps the same blocks.
@@ -140,13 +141,13 @@ class Engine(TextRequests, Scheduler):
         if self.turns is not None:
             drafts = []
         target_budget = _target_budget(shapes, drafts, kv_budget, block_size)
+        state_bytes = 0
+        if self.recurrent:
+            target_budget, state_bytes = split_budget(target_budget, state_budget)
         if self.turns is not None:  # as many blocks on every rank; never shrunk
             per_block = block_bytes(shapes, block_size)
             target_budget = self.turns.equal_budget(per_block, target_budget)
             shrink_every = self.turns.shrink_every
-        state_bytes = 0
-        if self.recurrent:
-            target_budget, state_bytes = split_budget(target_budget, state_budget)
         # Sliding-window layers hold only their windows, in a pool of their own (make_pools).
         self.pool, self.window_pool = make_pools(
             shapes,
@@ -155,13 +156,10 @@ class Engine(TextRequests, Scheduler):
             kv_budget=target_budget,
             hold_windows=hold_windows,
         )
-        self.snapshots = Snapshots(state_bytes, self.pool.holds) if state_bytes else None
+        self.snapshots = None
+        if state_bytes:  # across ranks as many snapshots on every rank (snapshots.py)
+            self.snapshots = make_store(state_bytes, template, self.pool.holds, self.turns)
         self.state_every = state_every or max(1, prefill_step // block_size)
-        if prefix_cache_dir is not None and self.turns is not None and self.recurrent:
-            raise DistributedError(
-                "batching across ranks: the prefix cache on disk of a model with recurrent "
-                "layers (its state snapshots) is not built yet"
-            )
         if prefix_cache_dir is not None:
             self.pool.disk = disk_mod.attach(
                 model,
@@ -170,8 +168,8 @@ class Engine(TextRequests, Scheduler):
                 budget=prefix_cache_disk_bytes,
                 refusal=_disk_refusal(self),
             )
-            if self.pool.disk is not None and self.snapshots is not None:  # states on disk too
-                template = disk_states.state_template(model)
+            if self.pool.disk is not None and self.snapshots is not None and template:
+                # states on disk too (a pipeline rank without recurrent layers has none)
                 self.snapshots = disk_states.DiskSnapshots(self.snapshots, self.pool.disk, template)
         if reserve:
             for pool in (self.pool, self.window_pool):

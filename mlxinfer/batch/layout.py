@@ -27,8 +27,23 @@ def layer_shapes(model, kv_bits: int | None = None, kv_group_size: int = 64) -> 
     """Each layer's cached key and value shapes, read from a one-token forward; stored with
     ``kv_bits`` in groups of ``kv_group_size`` if given (checked as the model's own
     quantized cache checks it)."""
+    return shapes_and_states(model, kv_bits, kv_group_size)[0]
+
+
+def shapes_and_states(
+    model, kv_bits: int | None = None, kv_group_size: int = 64
+) -> tuple[list[LayerShape], list[mx.array]]:
+    """``layer_shapes`` and, from the same forward (across ranks every forward is every
+    rank's), the arrays of one row's recurrent states (``snapshots.capture``'s order: their
+    shapes and dtypes are fixed; none without a recurrent layer)."""
     cache = model.make_cache()
     model(mx.array([[0]], dtype=mx.int32), cache)
+    states = [a for c in cache if isinstance(c, StateCache) for a in c.arrays]
+    mx.eval(states)
+    return _shapes(cache, model, kv_bits, kv_group_size), states
+
+
+def _shapes(cache, model, kv_bits, kv_group_size) -> list[LayerShape]:
     if kv_bits is not None:
         if kv_bits not in (4, 8):
             raise ValueError(f"kv_bits must be 4 or 8, got {kv_bits}")

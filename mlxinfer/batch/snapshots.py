@@ -22,7 +22,13 @@ is evicted before others (among the oldest 64); one larger than the whole store 
 
 Its interface is small, for a tier that would keep snapshots elsewhere (on disk):
 ``get(chain_hash) -> list[mx.array] | None`` (copies), ``put(chain_hash, arrays)`` (copied in),
-``chain_hash in snapshots``. A snapshot is the flat list of every recurrent layer's arrays, in
+``chain_hash in snapshots`` (a tier elsewhere reads it back), ``held(chain_hash)`` (where, read
+nothing: across ranks the ranks agree on the deepest snapshot every rank holds).
+
+Across ranks (``distributed/batching.py``) each rank's store holds its own layers' states, so
+its budget is a number of snapshots, the fewest any rank's bytes buy (``max_count``, agreed at
+engine start): the stores keep and evict the same snapshots. A pipeline rank without a
+recurrent layer keeps none and resumes anywhere (:class:`Stateless`). A snapshot is the flat list of every recurrent layer's arrays, in
 layer order (``capture``), each ``(1, ...)``, in the dtype the layer keeps: the recurrent state
 in float32, as the layer computes it, the convolution's last inputs in the model's dtype.
 """
@@ -38,6 +44,7 @@ import mlx.core as mx
 from .pool import block_hash
 
 DEFAULT_STATE_SHARE = 4  # a recurrent model's snapshots get kv_budget // 4 unless told
+MEMORY, ELSEWHERE = 2, 1  # ``Snapshots.held``: in memory, or read back from elsewhere (disk)
 _DEAD_SCAN = 64  # the oldest snapshots looked at for dead ones before evicting (bounded work)
 
 
@@ -46,10 +53,15 @@ class Snapshots:
     out, at most ``max_bytes`` in all. ``alive(chain_hash)``: whether the pool still holds
     that block (a snapshot without it cannot serve; such snapshots go first)."""
 
-    def __init__(self, max_bytes: int, alive: Callable[[bytes], bool] = lambda h: True) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        alive: Callable[[bytes], bool] = lambda h: True,
+        max_count: int | None = None,
+    ) -> None:
         if max_bytes < 0:
             raise ValueError(f"state_budget must be >= 0, got {max_bytes}")
-        self.max_bytes, self.alive = max_bytes, alive
+        self.max_bytes, self.alive, self.max_count = max_bytes, alive, max_count
         self._items: OrderedDict[bytes, list[mx.array]] = OrderedDict()
         self.nbytes = 0
         self.puts = self.hits = self.evictions = 0
@@ -59,6 +71,11 @@ class Snapshots:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def held(self, chain_hash: bytes) -> int:
+        """Where the snapshot of ``chain_hash`` is, read nothing: ``MEMORY``, ``ELSEWHERE``
+        (``in`` reads it back) or 0."""
+        return MEMORY if chain_hash in self._items else 0
 
     def get(self, chain_hash: bytes) -> list[mx.array] | None:
         """Copies of the arrays kept for ``chain_hash`` (now the most recently used), or None."""
@@ -76,12 +93,12 @@ class Snapshots:
             self._items.move_to_end(chain_hash)
             return True
         size = sum(a.nbytes for a in arrays)
-        if size > self.max_bytes:
+        if size > self.max_bytes or self.max_count == 0:
             return False
-        if self.nbytes + size > self.max_bytes:  # the oldest whose blocks are gone go first
+        if self._full(size):  # the oldest whose blocks are gone go first
             for h in [h for h in islice(self._items, _DEAD_SCAN) if not self.alive(h)]:
                 self._drop(h)
-        while self.nbytes + size > self.max_bytes:
+        while self._full(size):
             self._drop(next(iter(self._items)))
         copies = [mx.array(a) for a in arrays]
         mx.eval(copies)
@@ -90,10 +107,44 @@ class Snapshots:
         self.puts += 1
         return True
 
+    def _full(self, size: int) -> bool:
+        """Whether one more snapshot of ``size`` bytes needs room."""
+        count = self.max_count is not None and len(self._items) >= self.max_count
+        return count or self.nbytes + size > self.max_bytes
+
     def _drop(self, chain_hash: bytes) -> None:
         arrays = self._items.pop(chain_hash)
         self.nbytes -= sum(a.nbytes for a in arrays)
         self.evictions += 1
+
+
+class Stateless(Snapshots):
+    """The store of a pipeline rank without a recurrent layer, across ranks: it has no state
+    to keep, so it resumes wherever the pool's blocks go (the others' snapshots decide)."""
+
+    def __contains__(self, chain_hash: bytes) -> bool:
+        return True
+
+    def held(self, chain_hash: bytes) -> int:
+        return MEMORY
+
+    def get(self, chain_hash: bytes) -> list[mx.array]:
+        return []
+
+    def put(self, chain_hash: bytes, arrays: list[mx.array]) -> bool:
+        return True
+
+
+def make_store(state_bytes: int, template: list[mx.array], alive, turns=None) -> Snapshots:
+    """The snapshot store of ``state_bytes`` for states like ``template`` (one row's arrays).
+    Across ranks (``turns``), as many snapshots as the fewest any rank's bytes buy."""
+    size = sum(a.nbytes for a in template)
+    count = None
+    if turns is not None:  # every rank asks, a rank without states too
+        count = turns.fewest_snapshots(state_bytes // size if size else None)
+        if not template:
+            return Stateless(state_bytes, alive)
+    return Snapshots(state_bytes, alive, count)
 
 
 def chain(ids: list[int], block_size: int, n: int) -> list[bytes]:

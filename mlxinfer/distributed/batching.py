@@ -35,17 +35,23 @@ draft model drafts on rank 0 alone, which sends each verification step's drafts
 turn's collective, within the rank timeout), and each turn's table carries every rank's
 statistics (KV bytes, weight bytes, seconds computing and waiting) to rank 0's ``/metrics``.
 
+A model with recurrent layers shares prefixes from snapshots of their states
+(``batch/snapshots.py``), each rank's of its own layers (or channels, or heads). Every rank's
+engine takes a recurrent model's turns, a pipeline rank without a recurrent layer too
+(:meth:`Turns.any_recurrent`; its store keeps nothing and resumes anywhere); every rank's store
+keeps as many snapshots, the fewest any rank's ``state_budget`` buys
+(:meth:`Turns.fewest_snapshots`), so the stores evict the same ones; at admission a request
+resumes after the deepest snapshot every rank holds (:meth:`Turns.resume_point`).
+
 The prefix cache on disk (``prefix_cache_dir``) keeps each rank's blocks of its own layers
-(or heads) in files of its own (the rank's part is in the files' fingerprint); at admission
-the ranks agree on the prefix blocks every rank's disk holds (:meth:`Turns.fewest`), so that
-their pools take the same ones.
+(or heads), and its state snapshots, in files of its own (the rank's part is in the files'
+fingerprint); at admission the ranks agree on the prefix blocks every rank's disk holds
+(:meth:`Turns.fewest`), so that their pools take the same ones, and on the deepest snapshot
+every rank holds in memory or on disk (:meth:`Turns.resume_point`).
 
 A request drafting with a draft model, submitted on every rank (``batch_generate``), drafts on
 rank 0 alone too (:meth:`Turns.follow_drafts`): the others take each step's drafts and what rank
 0 kept of them (:meth:`Turns.adopt_kept`), since only rank 0 has the drafts' probabilities.
-
-Not across ranks yet (DistributedError at once): the disk tier of a model with recurrent layers
-(its state snapshots).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ import zlib
 import mlx.core as mx
 import numpy as np
 
+from ..batch.snapshots import MEMORY
 from ..errors import DistributedError, MlxInferError
 from .copies import drafting, mirror, model_drafting, take_rank0_drafts
 from .group import Ranks
@@ -104,6 +111,47 @@ class Turns:
                 f"(this rank's block: {bytes_per_block} bytes)"
             )
         return fewest * bytes_per_block
+
+    def any_recurrent(self, mine: bool) -> bool:
+        """Whether any rank holds a recurrent layer: then every rank's engine takes the turns
+        of a recurrent model (snapshot points cut its prefill chunks, one chunk a forward,
+        states fed again after rejected drafts), a pipeline rank without one too."""
+        out = self._least([int(not mine)], "engine start: recurrent layers")
+        return not out[0]
+
+    def fewest_snapshots(self, mine: int | None) -> int:
+        """The fewest recurrent-state snapshots any rank's ``state_budget`` buys (``mine``:
+        this rank's; None: a rank without states, which keeps none): every rank's store keeps
+        as many, so that they evict the same ones."""
+        mine = (1 << 30) if mine is None else min(mine, 1 << 30)
+        return self._least([mine], "engine start: the state snapshots")[0]
+
+    def resume_point(self, snapshots, hashes: list[bytes]) -> int:
+        """How many of the blocks of ``hashes`` (the shared prefix: the same on every rank) a
+        request resumes after: the deepest with a snapshot of the states after it that every
+        rank holds, in memory or on disk (each rank's files are its own: one may lack a
+        snapshot another holds). One collective; a second where a rank reads its snapshot from
+        disk (a file found damaged there: the next deepest)."""
+        held = np.array([snapshots.held(h) for h in hashes], np.int32)
+        what = f"engine turn {self.turn}: the state snapshots on every rank"
+        while len(held):
+            common = np.array(self._least(held.tolist(), what))
+            at = np.flatnonzero(common)
+            if not len(at):
+                return 0
+            n = int(at[-1]) + 1
+            if common[n - 1] == MEMORY:  # every rank's in memory
+                return n
+            if self._least([int(hashes[n - 1] in snapshots)], what)[0]:  # read back (disk)
+                return n
+            held[n - 1] = 0
+        return 0
+
+    def _least(self, values: list[int], what: str) -> list[int]:
+        """The smallest of each of ``values`` over the ranks."""
+        out = mx.distributed.all_min(mx.array(values, dtype=mx.int32), group=self.ranks.group)
+        self.ranks.run(what, out)
+        return out.tolist()
 
     def follow_drafts(self, request, draft, num_draft: int | None, max_draft: int) -> bool:
         """On a rank other than 0, for a request submitted here drafting with a draft model:
