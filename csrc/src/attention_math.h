@@ -153,17 +153,23 @@ MLXINFER_INLINE void dot4(const float* q, const C* k, size_t stride, int d, floa
 // exp(x) for x <= 0 (a softmax's shifted logits): 2^n e^r with n = round(x / ln 2), a
 // degree-6 polynomial for e^r (relative error ~1.5e-7, as ops.exp); vectorisable, unlike
 // std::exp. Below -87.3 it is 0.
-MLXINFER_INLINE float exp_neg(float x) {
-  x = std::max(x, -87.3f);
-  const float n = std::nearbyint(x * 1.4426950408889634f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 0.0013836845755577087f;
-  p = p * r + 0.008374815806746483f;
+// e^r on |r| <= ln(2)/2 from x and n (T: float, or a vector of floats: attention_simd.h's
+// exp_neg16 shares it).
+template <typename T>
+MLXINFER_INLINE T exp_reduced(T x, T n) {
+  const T r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  T p = r * 0.0013836845755577087f + 0.008374815806746483f;
   p = p * r + 0.04166822507977486f;
   p = p * r + 0.16666419804096222f;
   p = p * r + 0.49999991059303284f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+MLXINFER_INLINE float exp_neg(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.4426950408889634f);
+  const float p = exp_reduced(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));

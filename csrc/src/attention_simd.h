@@ -36,11 +36,17 @@ MLXINFER_INLINE void store16(float* p, vf16 v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
-MLXINFER_INLINE float sum16(vf16 v) {
-  typedef float vf8 __attribute__((vector_size(32)));
-  typedef float vf4 __attribute__((vector_size(16)));
-  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+// v's two halves added: 8 lanes.
+MLXINFER_INLINE vf8 fold16(vf16 v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+MLXINFER_INLINE float sum16(vf16 v) {
+  const vf8 a = fold16(v);
   const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
@@ -54,14 +60,7 @@ MLXINFER_INLINE vf16 exp_neg16(vf16 x) {
   x = x < lo ? lo : x;
   const vf16 magic = vf16{} + 12582912.0f; // 1.5 * 2^23: adding it rounds to an integer
   const vf16 n = (x * 1.4426950408889634f + magic) - magic;
-  const vf16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  vf16 p = vf16{} + 0.0013836845755577087f;
-  p = p * r + 0.008374815806746483f;
-  p = p * r + 0.04166822507977486f;
-  p = p * r + 0.16666419804096222f;
-  p = p * r + 0.49999991059303284f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  const vf16 p = exp_reduced(x, n);
   const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
   vf16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -112,16 +111,7 @@ MLXINFER_INLINE float softmax_weights16(float* s, const bool* seen, int T) {
 
 // The sums of four vectors' lanes, as four floats: one reduction tree for the four.
 MLXINFER_INLINE void sum16x4(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float* out) {
-  typedef float vf8 __attribute__((vector_size(32)));
-  typedef float vf4 __attribute__((vector_size(16)));
-  const vf8 h0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3, 4, 5, 6, 7) +
-      __builtin_shufflevector(a0, a0, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf8 h1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3, 4, 5, 6, 7) +
-      __builtin_shufflevector(a1, a1, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf8 h2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3, 4, 5, 6, 7) +
-      __builtin_shufflevector(a2, a2, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf8 h3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3, 4, 5, 6, 7) +
-      __builtin_shufflevector(a3, a3, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf8 h0 = fold16(a0), h1 = fold16(a1), h2 = fold16(a2), h3 = fold16(a3);
   // [a0's four | a1's four], [a2's | a3's]
   const vf8 p01 = __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 8, 9, 10, 11) +
       __builtin_shufflevector(h0, h1, 4, 5, 6, 7, 12, 13, 14, 15);
