@@ -393,7 +393,8 @@ def test_quantized_every_row_count_of_a_batched_step(k):
 def test_log_softmax_matches_float64(k):
     """Log-probs of a few rows of logits against the float64 computation (numpy), within
     2e-5 (relative past 1; MLX's own f32 logsumexp was 5e-5 off on the vocabulary-sized rows):
-    a vocabulary-sized row, a length off the 16-lane blocks, -inf logits, bf16 input."""
+    a vocabulary-sized row, a length off the 16-lane blocks, -inf logits, bf16 input, a
+    transposed view."""
     import numpy as np
 
     def ref(x):
@@ -407,6 +408,7 @@ def test_log_softmax_matches_float64(k):
         mx.random.normal((2, 37)),
         mx.array([[0.0, -float("inf"), 3.0, -1e4]]),
         mx.random.normal((2, 100)).astype(mx.bfloat16),
+        mx.random.normal((40, 3)).T,  # f32 through a transposed view: converted, not read in place
     ]
     try:
         for level in paths(k):

@@ -17,7 +17,7 @@ namespace mlxinfer {
 namespace {
 
 // Max and sum over 16 lanes (vectorised without reassociating a single running value).
-MLXINFER_INLINE void log_softmax_row_impl(float* x, int V) {
+MLXINFER_INLINE void log_softmax_row_impl(const float* x, float* y, int V) {
   constexpr int W = 16;
   float top_lanes[W], sum_lanes[W];
   for (int j = 0; j < W; ++j) {
@@ -51,29 +51,30 @@ MLXINFER_INLINE void log_softmax_row_impl(float* x, int V) {
   }
   const float lse = top + std::log(total);
   for (i = 0; i < V; ++i) {
-    x[i] -= lse;
+    y[i] = x[i] - lse;
   }
 }
 
 #if defined(MLXINFER_X86)
-MLXINFER_AVX512 void log_softmax_row_avx512(float* x, int V) {
-  log_softmax_row_impl(x, V);
+MLXINFER_AVX512 void log_softmax_row_avx512(const float* x, float* y, int V) {
+  log_softmax_row_impl(x, y, V);
 }
-MLXINFER_AVX2 void log_softmax_row_avx2(float* x, int V) {
-  log_softmax_row_impl(x, V);
+MLXINFER_AVX2 void log_softmax_row_avx2(const float* x, float* y, int V) {
+  log_softmax_row_impl(x, y, V);
 }
 #endif
 
-void log_softmax_row(float* x, int V) {
+// y = x - logsumexp(x) for one row (y may be x).
+void log_softmax_row(const float* x, float* y, int V) {
 #if defined(MLXINFER_X86)
   if (current_isa() == kAvx512) {
-    return log_softmax_row_avx512(x, V);
+    return log_softmax_row_avx512(x, y, V);
   }
   if (current_isa() >= kAvx2) {
-    return log_softmax_row_avx2(x, V);
+    return log_softmax_row_avx2(x, y, V);
   }
 #endif
-  log_softmax_row_impl(x, V);
+  log_softmax_row_impl(x, y, V);
 }
 
 } // namespace
@@ -105,8 +106,17 @@ void LogSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
     const int V = x.shape(-1);
     const int rows = static_cast<int>(x.size() / V);
     float* y = out.data<float>();
-    to_f32(x, y); // out is f32, contiguous: the rows are normalised in place
-    auto task = [&](int r) { log_softmax_row(y + static_cast<size_t>(r) * V, V); };
+    // float32 rows in place are read as they are; others are converted into out first and
+    // normalised there.
+    const bool direct = x.dtype() == mx::float32 && x.flags().row_contiguous;
+    if (!direct) {
+      to_f32(x, y);
+    }
+    const float* src = direct ? x.data<float>() : y;
+    auto task = [&](int r) {
+      const size_t at = static_cast<size_t>(r) * V;
+      log_softmax_row(src + at, y + at, V);
+    };
     auto& pool = ThreadPool::instance();
     if (pool.size() <= 1 || rows == 1) {
       for (int r = 0; r < rows; ++r) {
