@@ -128,7 +128,7 @@ def generate(
     if cache_file is not None:
         from .prompt_cache_file import save
 
-        save(cache_file, pc, fingerprint)
+        save(cache_file, pc, fingerprint, llm)  # across ranks, each rank's own file
 
 
 def _session_cache(path, llm, kv_bits, max_kv_size):
@@ -290,7 +290,7 @@ def chat(
     if cache_file is not None:
         from .prompt_cache_file import save
 
-        save(cache_file, session.prompt_cache, fingerprint)
+        save(cache_file, session.prompt_cache, fingerprint, llm)
 
 
 @cli.command()

@@ -23,7 +23,6 @@ from .cli_options import LOAD_OPTIONS, _errors_to_click, _log
 
 MODES = ("pipeline", "tensor")
 UNSUPPORTED = {  # the commands' options that do not run across ranks yet
-    "prompt_cache_file": "--prompt-cache-file",
     "self_draft_layers": "--self-draft-layers",
     "models_dir": "--models-dir",
 }

@@ -10,14 +10,23 @@ when the new prompt extends every token it holds). After the run the cache is wr
 A file that is not such a cache (truncated, corrupted, another model's or other settings') is
 not an error: :func:`open_cache` says why in one line and the run starts cold; the file is
 replaced after it.
+
+Across ranks (``--distributed``) each rank holds only its own layers' caches (pipeline) or its
+heads' share (tensor), so each rank reads and writes a file of its own, ``F.rank<r>of<s>``
+(:func:`rank_path`), whose fingerprint holds the rank's part of the model (``model.part``): a
+file written under another split is refused as another model's is. The ranks resume together
+or not at all: one all-min over the ranks says whether every rank read its file and all hold
+the same tokens; if not, every rank starts cold.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .cache import StateCache
 from .errors import MlxInferError
@@ -29,11 +38,24 @@ from .safetensors_check import read_header
 FORMAT = "mlxinfer-prompt-cache"
 VERSION = "1"
 MAX_BYTES = 64 << 30  # a cache file larger than this is not read
+_UNREADABLE = (MlxInferError, KeyError, ValueError, TypeError, IndexError, AttributeError, OSError)
 
 
 def cache_fingerprint(model, kv_bits: int | None, max_kv_size: int | None) -> str:
     storage = {"prompt_cache": VERSION, "kv_bits": kv_bits, "max_kv_size": max_kv_size}
+    part = getattr(model, "part", None)  # across ranks: this rank's layers or heads
+    if part is not None:
+        storage["part"] = part
     return model_fingerprint(model, storage, user_cache_dir())
+
+
+def rank_path(path: str | os.PathLike, model) -> Path:
+    """This process's file for ``path``: ``path`` itself in one process, ``path.rank<r>of<s>``
+    on rank r of s (``model.ranks``, a distributed model's)."""
+    ranks = getattr(model, "ranks", None)
+    if ranks is None or ranks.size == 1:
+        return Path(path)
+    return Path(f"{path}.rank{ranks.rank}of{ranks.size}")
 
 
 def open_cache(
@@ -41,29 +63,50 @@ def open_cache(
 ) -> tuple[PromptCache, str, str | None]:
     """(the cache to run with, the model's fingerprint for :func:`save`, a warning or None):
     the file's cache when it is this model's, else a fresh one (and why, unless there was no
-    file)."""
+    file). Across ranks: this rank's file (:func:`rank_path`), used only if every rank's is."""
     fingerprint = cache_fingerprint(model, kv_bits, max_kv_size)
     fresh = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
-    path = Path(path)
-    if not path.exists():
-        return fresh, fingerprint, None
-    try:
-        pc = _read(path, model, fingerprint, kv_bits, max_kv_size)
-    except (
-        MlxInferError,
-        KeyError,
-        ValueError,
-        TypeError,
-        IndexError,
-        AttributeError,
-        OSError,
-    ) as e:
-        reason = " ".join(str(e).removeprefix(f"{path}: ").split())[:300]
-        return fresh, fingerprint, f"{path}: not used ({reason}); starting cold"
-    return pc, fingerprint, None
+    path = rank_path(path, model)
+    ranks = getattr(model, "ranks", None)
+    # Across ranks a step of the model is a collective: every rank takes the one-token step
+    # that gives the arrays a file's must match, whether its own file is there or not.
+    expected = _expected(model, kv_bits, max_kv_size) if ranks is not None else None
+    pc, warning = fresh, None
+    if path.exists():
+        try:
+            if expected is None:
+                expected = _expected(model, kv_bits, max_kv_size)
+            pc = _read(path, model, fingerprint, expected)
+        except _UNREADABLE as e:
+            reason = " ".join(str(e).removeprefix(f"{path}: ").split())[:300]
+            warning = f"{path}: not used ({reason}); starting cold"
+    if ranks is not None and ranks.size > 1 and not _all_resume(ranks, pc is not fresh, pc.tokens):
+        if pc is not fresh:
+            reason = "another rank's file is missing, refused or holds other tokens"
+            pc, warning = fresh, f"{path}: not used ({reason}); starting cold"
+    return pc, fingerprint, warning
 
 
-def _read(path: Path, model, fingerprint: str, kv_bits, max_kv_size) -> PromptCache:
+def _all_resume(ranks, read: bool, tokens: list[int]) -> bool:
+    """Whether every rank read its file and all hold the same tokens: one all-min of
+    (read, n, -n, h, -h), n the count of the tokens and h their checksum (the minima of x and
+    of -x are each other's negation only when every rank has the same x)."""
+    h = zlib.crc32(np.asarray(tokens, dtype=np.int32).tobytes()) & 0x7FFFFFFF
+    mine = mx.array([int(read), len(tokens), -len(tokens), h, -h], dtype=mx.int32)
+    out = mx.distributed.all_min(mine, group=ranks.group)
+    ranks.run("agreeing on the prompt cache files", out)
+    both_read, n, minus_n, h_min, minus_h = out.tolist()
+    return both_read == 1 and n == -minus_n and h_min == -minus_h
+
+
+def _expected(model, kv_bits, max_kv_size) -> list:
+    """The model's own layer caches after one token: the arrays a file's must match."""
+    expected = model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits)
+    model(mx.array([[0]], dtype=mx.int32), expected)  # each layer's arrays, one token long
+    return expected
+
+
+def _read(path: Path, model, fingerprint: str, expected: list) -> PromptCache:
     if path.stat().st_size > MAX_BYTES:
         raise ValueError(f"{path.stat().st_size} bytes, over {MAX_BYTES}")
     read_header(path)  # its structure, before MLX reads a byte of it
@@ -71,13 +114,14 @@ def _read(path: Path, model, fingerprint: str, kv_bits, max_kv_size) -> PromptCa
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"not an {FORMAT} v{VERSION} file")
     if meta.get("fingerprint") != fingerprint:
-        raise ValueError("written for another model or other --kv-bits / --max-kv-size")
+        raise ValueError(
+            "written for another model, other --kv-bits / --max-kv-size or another split of "
+            "the model over ranks (--distributed)"
+        )
     tokens = [int(t) for t in meta.get("tokens", "").split(",") if t]
-    expected = model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits)
     kinds = [type(c).__name__ for c in cache]
     if kinds != [type(c).__name__ for c in expected]:
         raise ValueError(f"its {len(kinds)} layer caches are not the model's")
-    model(mx.array([[0]], dtype=mx.int32), expected)  # each layer's arrays, one token long
     for i, (c, e) in enumerate(zip(cache, expected)):
         if not isinstance(c, StateCache) and c.offset != len(tokens):
             raise ValueError(f"layer {i} holds {c.offset} tokens, the file lists {len(tokens)}")
@@ -102,8 +146,9 @@ def _same_arrays(i: int, found, expected) -> None:
         raise ValueError(f"layer {i}'s arrays {shapes} are not the model's")
 
 
-def save(path: str | os.PathLike, pc: PromptCache, fingerprint: str) -> None:
-    """Write ``pc`` to ``path`` for a later :func:`open_cache` (atomically)."""
+def save(path: str | os.PathLike, pc: PromptCache, fingerprint: str, model=None) -> None:
+    """Write ``pc`` to ``path`` for a later :func:`open_cache` (atomically); across ranks
+    (``model`` a distributed one), to this rank's file of ``path`` (:func:`rank_path`)."""
     meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint}
     meta["tokens"] = ",".join(map(str, pc.tokens))
-    save_cache(Path(path), pc.cache, meta)
+    save_cache(rank_path(path, model), pc.cache, meta)
