@@ -23,7 +23,6 @@ from .cli_options import LOAD_OPTIONS, _errors_to_click, _log
 
 MODES = ("pipeline", "tensor")
 UNSUPPORTED = {  # the commands' options that do not run across ranks yet
-    "self_draft_layers": "--self-draft-layers",
     "models_dir": "--models-dir",
 }
 
@@ -95,6 +94,11 @@ def _run_rank(run, load: dict, args, kwargs, name: str) -> None:
     for key, flag in UNSUPPORTED.items():
         if kwargs.get(key):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
+    if load["distributed"] == "pipeline" and kwargs.get("self_draft_layers") is not None:
+        from .distributed.pipeline import SELF_DRAFT_REFUSED
+
+        # (A tensor run that falls back to the pipeline refuses it at SelfDraft's check.)
+        raise click.ClickException(SELF_DRAFT_REFUSED)
     shared_dir = None
     try:
         ranks = current(load["rank_timeout"])

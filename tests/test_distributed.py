@@ -619,6 +619,107 @@ def test_generate_with_a_draft_model_across_ranks_matches_one_process(llama, tmp
         assert done.stdout == one.stdout
 
 
+def _one_rank():
+    """A group of one rank (MLX's singleton group: no launch), its waits bounded as two ranks'."""
+    import mlx.core as mx
+
+    from mlxinfer.distributed.group import Ranks
+    from mlxinfer.distributed.watchdog import Watchdog
+
+    return Ranks(mx.distributed.init(), Watchdog(0, WAIT_S))
+
+
+def test_a_tensor_rank_self_drafts_each_step_under_the_watchdog(llama):
+    """``SelfDraft`` on a tensor rank's model (here one rank: no launch): the rank's own first
+    block drafts, each draft forward one evaluation of its own under ``Ranks.run``, and the
+    tokens and every step's drafted / accepted counts are one process's with the same draft;
+    a pipeline rank refuses it in one line (the loop's check, before the prefill)."""
+    from mlxinfer import load, stream_generate
+    from mlxinfer.distributed.pipeline import SELF_DRAFT_REFUSED, PipelineModel
+    from mlxinfer.distributed.tensor import TensorModel
+    from mlxinfer.errors import DraftError
+    from mlxinfer.generation.drafts import SelfDraft
+
+    model, tok = load(llama[0])
+    ranks = _one_rank()
+    evaluated = []
+    run = ranks.run
+    ranks.run = lambda what, arrays, **kw: (evaluated.append(what), run(what, arrays, **kw))
+
+    def steps(m, draft=None):
+        results = list(stream_generate(m, tok, "Hello world", max_tokens=24, draft=draft))
+        return [r.token for r in results], results[-1].stats
+
+    plain, _ = steps(model)
+    alone, alone_stats = steps(model, SelfDraft(1))
+    tokens, stats = steps(TensorModel(model, ranks), SelfDraft(1))
+    assert tokens == alone == plain
+    assert stats.accepted_tokens > 0 and stats.speculative_steps > 1
+    assert (stats.draft_tokens, stats.accepted_tokens, stats.speculative_steps) == (
+        alone_stats.draft_tokens,
+        alone_stats.accepted_tokens,
+        alone_stats.speculative_steps,
+    )
+    drafted = [w for w in evaluated if w.startswith("tensor draft step")]
+    assert len(drafted) == stats.draft_tokens  # one evaluation per drafted token
+    assert drafted[-1] == f"tensor draft step {stats.draft_tokens} (the first 1 blocks)"
+
+    pipeline = PipelineModel(model, ranks, range(0, 3), 3)
+    with pytest.raises(DraftError) as refused:
+        SelfDraft(1).check(pipeline, tok)
+    assert str(refused.value) == SELF_DRAFT_REFUSED
+
+
+def test_self_drafting_across_a_pipeline_is_refused_before_the_ranks_start(llama):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import cli
+
+    command = _generate(llama[0], "--self-draft-layers", "1")[3:]  # generate -m DIR ...
+    result = CliRunner().invoke(cli, command)
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "Error: --self-draft-layers across ranks: tensor only "
+        "(the pipeline's first blocks and head are on different ranks)\n"
+    )
+
+
+@SLOW
+@pytest.mark.slow
+def test_generate_self_drafting_across_tensor_ranks_matches_one_process(llama, odd_llama, tmp_path):
+    """``generate --distributed tensor --self-draft-layers 1``: each rank drafts with its own
+    first block (its share of the heads, summed over the ranks), greedy and seeded: one
+    process's text with the same flag (greedy: and without a draft), and the same drafts
+    accepted of the same drafted (the verbose lines of every rank). A model whose heads do not
+    divide falls back to the pipeline: every rank refuses the self-draft in one line."""
+    path = llama[0]
+    for extra in ([], ["--temp", "0.9", "--seed", "3"]):
+        command = _generate(path, "--self-draft-layers", "1", "--verbose", *extra)
+        command[command.index("30000")] = "40"
+        command[command.index("pipeline")] = "tensor"
+        alone = [c for c in command if c not in ("--distributed", "tensor")]
+        one = subprocess.run(alone, capture_output=True, text=True, timeout=WAIT_S)
+        assert one.returncode == 0 and one.stdout.strip(), one.stderr
+        if not extra:  # speculative decoding changes no greedy token
+            plain = [c for c in alone if c not in ("--self-draft-layers", "1")]
+            plain = subprocess.run(plain, capture_output=True, text=True, timeout=WAIT_S)
+            assert plain.stdout == one.stdout
+        done = _launch(tmp_path, "-n", "2", "--", *command, timeout=2 * WAIT_S)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == one.stdout
+        [accepted] = re.findall(r"draft accepted +(\d+)/(\d+)", one.stderr)
+        assert int(accepted[1]) > 0  # it drafted
+        assert re.findall(r"draft accepted +(\d+)/(\d+)", done.stderr) == [accepted] * 2
+
+    command = _generate(odd_llama[0], "--self-draft-layers", "1")
+    command[command.index("pipeline")] = "tensor"
+    done = _launch(tmp_path, "-n", "2", "--", *command)
+    assert done.returncode == 1 and done.stdout == ""
+    assert "falls back to the pipeline" in done.stderr and "Traceback" not in done.stderr
+    refused = "Error: --self-draft-layers across ranks: tensor only (the pipeline's first"
+    assert done.stderr.count(refused) == 2, done.stderr
+
+
 def test_an_interrupted_launcher_ends_its_ranks(tmp_path):
     script = (
         "import os, time\n"

@@ -37,9 +37,14 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import Cache
+from ..errors import DraftError
 from .group import Ranks
 
 SYNC_ROWS = 64  # positions whose logits are shared within the step (decode, verification)
+SELF_DRAFT_REFUSED = (
+    "--self-draft-layers across ranks: tensor only "
+    "(the pipeline's first blocks and head are on different ranks)"
+)
 
 
 def kv_nbytes(cache: list) -> int:
@@ -200,6 +205,10 @@ class PipelineModel(RankModel):
         if L <= SYNC_ROWS:
             ranks.run(f"{step}: sharing logits", shared, peer=self.ranks.size - 1)
         return shared
+
+    def first_blocks(self, n: int):
+        """A self-draft's view (``SelfDraft``): refused, on every rank alike (before a forward)."""
+        raise DraftError(SELF_DRAFT_REFUSED)
 
     @property
     def part(self) -> str:

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import Cache
+from ..generation.drafts import first_blocks
 from ..models.layers.attention import RopeAttention
 from ..models.layers.mla import MultiHeadLatentAttention
 from ..models.layers.mlp import GatedMLP
@@ -139,4 +140,29 @@ class TensorModel(RankModel):
         # prefill's) are left lazy: nobody reads them.
         todo = [logits, *states] if inputs.shape[1] <= SYNC_ROWS else states
         self.ranks.run(step, todo, kind="computing")
+        return logits
+
+    def first_blocks(self, n: int) -> DraftView:
+        """A self-draft's view (``SelfDraft``): the rank's first ``n`` blocks (their outputs
+        summed over the ranks), the final norm and the head, each step evaluated at once."""
+        return DraftView(first_blocks(self.model, n), self.ranks, n)
+
+
+class DraftView:
+    """The first blocks of a tensor rank's model, called as the model is. Their all-sums make
+    each call a collective: every rank drafts the same number of tokens from the same ones
+    (the logits, and so the tokens drawn with the shared seed, are equal on every rank; the
+    verification's token check compares the drafts). Each call is one evaluation under the
+    watchdog, as a step of :class:`TensorModel` is, so a dead or stalled peer ends the draft."""
+
+    def __init__(self, view: nn.Module, ranks: Ranks, n: int):
+        self.view, self.ranks, self.n = view, ranks, n
+        self.steps = 0
+
+    def __call__(self, inputs: mx.array, cache: list[Cache]) -> mx.array:
+        self.steps += 1
+        logits = self.view(inputs, cache)  # (B, L, V); only the first n caches are written
+        states = [c.state for c in cache[: self.n]]
+        step = f"tensor draft step {self.steps} (the first {self.n} blocks)"
+        self.ranks.run(step, [logits, *states], kind="computing")
         return logits

@@ -241,23 +241,29 @@ class SelfDraft(Draft):
         self.layers = layers
 
     def check(self, model, tokenizer) -> None:
-        n = len(model.layers)
-        if not 1 <= self.layers < n:
-            raise DraftError(
-                f"self-draft layers must be between 1 and {n - 1} for this {n}-layer model, "
-                f"got {self.layers}"
-            )
+        self.view(model)
 
     def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
-        self.check(model, None)
-        return _SelfDrafter(_first_blocks(model, self.layers), cache, self.layers)
+        return _SelfDrafter(self.view(model), cache, self.layers)
+
+    def view(self, model):
+        """The model that drafts: ``model``'s first ``layers`` blocks, then its final norm and
+        head. A model split across ranks (``distributed/``) makes its own view, whose every
+        step is a collective, or refuses with a DraftError: its ``first_blocks(n)``."""
+        own = getattr(model, "first_blocks", None)
+        return own(self.layers) if own is not None else first_blocks(model, self.layers)
 
 
-def _first_blocks(model, n: int):
+def first_blocks(model, n: int):
     """A view of ``model`` that runs only its first ``n`` blocks, then its own final norm
     and head: shallow copies of the model and of the module holding the blocks, with
     that list cut. The weights are shared; the family's own forward pass runs."""
     blocks = model.layers
+    if not 1 <= n < len(blocks):
+        raise DraftError(
+            f"self-draft layers must be between 1 and {len(blocks) - 1} for this "
+            f"{len(blocks)}-layer model, got {n}"
+        )
     for (
         name,
         inner,
