@@ -179,6 +179,59 @@ def test_unlike_ranks_snapshot_stores_keep_the_same_snapshots():
     assert len(alone) == 16
 
 
+def test_a_rank_without_attention_layers_keeps_the_others_blocks_in_no_bytes():
+    """Across ranks every pool has the fewest blocks any rank's budget buys
+    (``Turns.equal_blocks``, an all-min at engine start). A pipeline rank of conv layers only
+    has blocks of 0 bytes: it buys any number, so both ranks get the 6 that the other's 1536
+    bytes buy for its 256-byte blocks (4 tokens x 2 heads x (4 + 4) float32s), and its pool,
+    holding no bytes, admits, shares and evicts as the other's does. No rank with a pool: a
+    one-line refusal on every rank."""
+    import mlx.core as mx
+
+    from mlxinfer.batch.layout import STATE, make_pools
+    from mlxinfer.batch.pool import KVPool, LayerShape
+    from mlxinfer.distributed.batching import Turns
+    from mlxinfer.errors import DistributedError
+
+    class Two(Turns):  # this rank and one other, answered as the all-min answers them
+        def __init__(self, other):
+            self.other, self.asked = other, []
+
+        def _least(self, values, what):
+            self.asked.append(values)
+            return [min(a, b) for a, b in zip(values, self.other)]
+
+    shapes = [LayerShape(2, 4, 4, mx.float32)]
+    budget = 6 * 256
+    pooled, stateless = Two(other=[1 << 30]), Two(other=[budget // 256])
+    assert pooled.equal_blocks(256, budget) == 6  # the other rank's pool holds no bytes
+    assert stateless.equal_blocks(0, budget) == 6  # (with any budget of its own)
+    assert stateless.asked[0][0] > 6 and pooled.asked == [[6]]
+    assert Two(other=[3]).equal_blocks(256, budget) == 3  # the other's budget buys fewer
+    with pytest.raises(DistributedError, match="no rank holds an attention layer"):
+        Two(other=[1 << 30]).equal_blocks(0, budget)
+    with pytest.raises(DistributedError, match="holds no block"):
+        Two(other=[1 << 30]).equal_blocks(256, 100)
+    with pytest.raises(ValueError, match="number of blocks"):
+        KVPool([], block_size=4, kv_budget=budget)
+
+    empty, window_pool = make_pools([], [STATE, STATE], block_size=4, kv_budget=0, blocks=6)
+    full = KVPool(shapes, block_size=4, kv_budget=budget)
+    assert window_pool is None and empty.max_blocks == full.max_blocks == 6
+    tables = []
+    for pool in (full, empty):
+        pool.reserve()
+        a = pool.admit(list(range(9)), max_tokens=3)  # 12 tokens: 3 blocks
+        pool.append_slots(a, list(range(9)))
+        pool.release(a)
+        b = pool.admit(list(range(9)), max_tokens=7)  # 2 full blocks shared, 2 more
+        c = pool.admit(list(range(50, 62)), max_tokens=4)  # 4 blocks: no room now
+        pool.append_slots(b, list(range(8, 12)))
+        tables.append((b.blocks, c, pool.stats().prefix_hits, pool.available()))
+    assert tables[0] == tables[1] == ([0, 1, 2], None, 2, 2)  # block 2: freed, lowest
+    assert empty.nbytes == 0 and full.nbytes == 6 * 256
+
+
 SLOW = pytest.mark.skipif(
     os.environ.get("MLXINFER_SLOW") != "1",
     reason="more two-rank launches than the suite's share: set MLXINFER_SLOW=1 to run",
@@ -215,13 +268,16 @@ def test_lfm2_tensor_matches_transformers_and_batches(tmp_path):
         ("tensor", LAYER_TYPES, ()),
         # rank 1: attention layers only (no state to keep; it takes the others' turns)
         ("pipeline", ["full_attention", "conv", "full_attention", "full_attention"], (1,)),
+        # rank 1: conv layers only (a pool of no bytes), rank 0 no recurrent layer
+        ("pipeline", ["full_attention", "full_attention", "conv", "conv"], (0,)),
     ],
-    ids=["tensor", "pipeline-rank-1-without-states"],
+    ids=["tensor", "pipeline-rank-1-without-states", "pipeline-rank-1-without-attention"],
 )
 def test_lfm2_prefix_cache_on_disk_across_ranks(tmp_path, mode, layer_types, stateless):
     """The prefix cache on disk as above, split by heads and channels (each rank's files hold
     its channels' states), and as a pipeline whose rank 1 holds no recurrent layer (it writes
-    no snapshot and resumes wherever rank 0's snapshots let it)."""
+    no snapshot and resumes wherever rank 0's snapshots let it), or whose rank 1 holds conv
+    layers only (its pool holds no bytes, its blocks' files no keys; rank 0 no snapshot)."""
     from test_distributed_batch import _prompts
 
     path, model = _lfm2(tmp_path / "lfm2", layer_types=layer_types)
@@ -231,6 +287,42 @@ def test_lfm2_prefix_cache_on_disk_across_ranks(tmp_path, mode, layer_types, sta
     results, _ = _run(tmp_path, path, mode, prompts, disk=str(disk), write=DISK_PROMPTS)
     _check(results, model, texts)
     _check_disk(tmp_path, path, mode, results, stateless)
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layer_types, convs_only",
+    [
+        (["full_attention", "full_attention", "conv", "conv"], 1),
+        (["conv", "conv", "full_attention", "full_attention"], 0),
+    ],
+    ids=["rank-1-conv-only", "rank-0-conv-only"],
+)
+def test_lfm2_pipeline_batches_with_a_rank_of_conv_layers_only(tmp_path, layer_types, convs_only):
+    """A pipeline rank of conv layers only has no attention layer for a pool: its engine keeps
+    one of no bytes with the other rank's blocks (the same block tables, prefix sharing and
+    admissions, compared every turn). ``generate_step`` gives transformers' greedy tokens and
+    ``batch_generate`` one process's texts, on both ranks, with a budget of 12 blocks for the
+    8 prompts' 24 (admissions wait for room: a pool of more blocks admits sooner, which the
+    ranks' comparison of each turn's admissions refuses)."""
+    from test_distributed_batch import _prompts
+
+    import mlxinfer
+    from mlxinfer.batch.layout import layer_shapes
+    from mlxinfer.batch.store import block_bytes
+
+    path, model = _lfm2(tmp_path / "lfm2", layer_types=layer_types)
+    prompts = _prompts()
+    texts = _one_process(path, prompts)
+    # Both attention layers are on one rank: its block is the whole model's. A quarter of
+    # kv_budget goes to the state snapshots (snapshots.split_budget): 12 blocks are left.
+    per_block = block_bytes(layer_shapes(mlxinfer.load(path)[0]), 16)
+    job = {"kv_budget": 16 * per_block}
+    results, log = _run(tmp_path, path, "pipeline", prompts, **job)
+    first = 2 * convs_only
+    assert f"rank {convs_only}/2 runs layers {first}-{first + 1} of 4" in log, log
+    _check(results, model, texts)
 
 
 @SLOW
@@ -254,12 +346,7 @@ def test_qwen3_next_pipeline_matches_transformers(tmp_path, layer_types):
     path, model = make_tiny(tmp_path / "qwen3_next", perturb_vectors=True, **config)
     add_tokenizer(path)
     prompts = _prompts()[:4]
-    texts = _one_process(path, prompts)
-    if "full_attention" not in layer_types[:2]:  # rank 0's pool would hold no layer
-        texts = (
-            "batching across ranks: a rank holds recurrent layers only (no attention layer for "
-            "its pool): not built yet (generate runs such a split)"
-        )
+    texts = _one_process(path, prompts)  # rank 0 without attention: a pool of no bytes
     results, _ = _run(tmp_path, path, "pipeline", prompts)
     _check(results, model, texts)
 
@@ -311,7 +398,9 @@ def _rank_main() -> None:
         tokens.append(token)
         logprobs.append(lp.tolist())
     try:
-        texts = mlxinfer.batch_generate(model, tokenizer, job["prompts"], max_tokens=job["n"])
+        texts = mlxinfer.batch_generate(
+            model, tokenizer, job["prompts"], max_tokens=job["n"], kv_budget=job.get("kv_budget")
+        )
     except DistributedError as e:  # refused on every rank alike
         texts = str(e)
     result = {"tokens": tokens, "logprobs": logprobs, "texts": texts}

@@ -144,10 +144,11 @@ class Engine(TextRequests, Scheduler):
         state_bytes = 0
         if self.recurrent:
             target_budget, state_bytes = split_budget(target_budget, state_budget)
-        if self.turns is not None:  # as many blocks on every rank; never shrunk
+        blocks = None
+        if self.turns is not None:  # as many blocks on every rank (of no bytes without attention)
             per_block = block_bytes(shapes, block_size)
-            target_budget = self.turns.equal_budget(per_block, target_budget)
-            shrink_every = self.turns.shrink_every
+            blocks = self.turns.equal_blocks(per_block, target_budget)
+            target_budget, shrink_every = blocks * per_block, self.turns.shrink_every
         # Sliding-window layers hold only their windows, in a pool of their own (make_pools).
         self.pool, self.window_pool = make_pools(
             shapes,
@@ -155,6 +156,7 @@ class Engine(TextRequests, Scheduler):
             block_size=block_size,
             kv_budget=target_budget,
             hold_windows=hold_windows,
+            blocks=blocks,
         )
         self.snapshots = None
         if state_bytes:  # across ranks as many snapshots on every rank (snapshots.py)

@@ -123,6 +123,7 @@ def make_pools(
     block_size: int,
     kv_budget: int,
     hold_windows: bool = True,
+    blocks: int | None = None,
 ) -> tuple[KVPool, KVPool | None]:
     """The pools of a model's attention layers: (its pool, its window pool or None).
 
@@ -131,11 +132,12 @@ def make_pools(
     windows), so their memory is the windows, not the sequences. Both pools have the blocks
     ``kv_budget`` buys for every layer together, so admission is as without it and the two
     never hold more than the budget. A model whose every attention layer slides keeps one pool,
-    a window pool."""
+    a window pool. ``blocks``: the pool's blocks, given (a model part without attention layers
+    across ranks: a pool of no bytes with the other ranks' blocks)."""
     layer_windows = [w for w in windows if w != STATE]
     sliding = [w for w in layer_windows if w is not None]
     if not hold_windows or not sliding:
-        return KVPool(shapes, block_size=block_size, kv_budget=kv_budget), None
+        return KVPool(shapes, block_size=block_size, kv_budget=kv_budget, blocks=blocks), None
     if len(sliding) == len(layer_windows):
         return KVPool(shapes, block_size=block_size, kv_budget=kv_budget, window=max(sliding)), None
     blocks = kv_budget // block_bytes(shapes, block_size)

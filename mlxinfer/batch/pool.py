@@ -94,6 +94,7 @@ class KVPool(BlockStore):
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_budget: int = DEFAULT_KV_BUDGET,
         window: int | None = None,
+        blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -101,7 +102,11 @@ class KVPool(BlockStore):
         # sees (drop_before), and a cached block is reused before the store grows.
         self.window = window
         BlockStore.__init__(self, layers, block_size)
-        self.max_blocks = kv_budget // self.bytes_per_block
+        # ``blocks``: the most blocks, given (across ranks a pipeline rank of recurrent layers
+        # only has a pool of no layer: no bytes, the others' block tables; batching.py).
+        if blocks is None and not self.bytes_per_block:
+            raise ValueError("a pool of no layer's bytes needs its number of blocks")
+        self.max_blocks = kv_budget // self.bytes_per_block if blocks is None else blocks
         if self.max_blocks < 1:
             raise PoolFullError(
                 f"kv_budget: {kv_budget} bytes hold no block of {self.bytes_per_block} bytes "

@@ -15,7 +15,8 @@ the others follow (:meth:`Turns.agree`, one small collective a turn):
 - whether the engine closes (every rank's loop ends at the same turn).
 
 The rest is the same on every rank by construction: the pools have the same number of blocks
-(the fewest any rank's ``kv_budget`` buys: :meth:`Turns.equal_budget`), the store is never
+(the fewest any rank's ``kv_budget`` buys: :meth:`Turns.equal_blocks`; a pipeline rank of
+recurrent layers only has a pool of no bytes with as many blocks), the store is never
 shrunk (a shrink on a timer forgets cached prefixes at different turns), requests without a
 seed that sample get rank 0's seed plus their number. After admission the ranks compare what
 each admitted (:meth:`Turns.check_admitted`: prompt, room, whether it fit, the prefix it
@@ -71,6 +72,7 @@ from .group import Ranks
 
 HEARTBEAT_S = 1.0  # with rank0_requests: rank 0 turns at least this often, idle or not
 MAX_SENT_BYTES = 64 << 20  # the most request bytes rank 0 sends in one turn
+NO_BYTES = 1 << 30  # the blocks a rank without attention layers buys (any number: the others')
 ROW = ("closing", "waiting", "running", "cancelled", "new", "kv_kib", "weight_kib", "busy_ms")
 ROW += ("wait_ms",)
 
@@ -92,25 +94,23 @@ class Turns:
     shrink_every = math.inf  # the store keeps its size (see the module's docstring)
     rank0_requests = False
 
-    def equal_budget(self, bytes_per_block: int, kv_budget: int) -> int:
-        """The part of ``kv_budget`` that buys as many blocks as every other rank's pool has:
-        the fewest any rank's budget buys for its own layers (``bytes_per_block``)."""
-        mine = kv_budget // bytes_per_block if bytes_per_block else 1 << 30
-        local = mx.array([min(mine, 1 << 30), int(bytes_per_block > 0)], mx.int32)
-        both = mx.distributed.all_min(local, group=self.ranks.group)
-        self.ranks.run("engine start: the pools' blocks", both)
-        fewest, pooled = both.tolist()
-        if not pooled:  # on every rank alike
+    def equal_blocks(self, bytes_per_block: int, kv_budget: int) -> int:
+        """The blocks every rank's pool has: the fewest any rank's ``kv_budget`` buys for its
+        own layers (``bytes_per_block``). A pipeline rank of recurrent layers only (a block of
+        no bytes) buys any number: its pool holds no bytes and keeps the others' count."""
+        mine = min(kv_budget // bytes_per_block, NO_BYTES - 1) if bytes_per_block else NO_BYTES
+        fewest = self._least([mine], "engine start: the pools' blocks")[0]
+        if fewest == NO_BYTES:  # on every rank alike
             raise DistributedError(
-                "batching across ranks: a rank holds recurrent layers only (no attention layer "
-                "for its pool): not built yet (generate runs such a split)"
+                "batching across ranks: no rank holds an attention layer (recurrent layers "
+                "only: no pool to size the blocks by)"
             )
         if fewest < 1:  # on every rank alike
             raise DistributedError(
                 f"kv_budget: a rank's budget holds no block of its layers' keys and values "
                 f"(this rank's block: {bytes_per_block} bytes)"
             )
-        return fewest * bytes_per_block
+        return fewest
 
     def any_recurrent(self, mine: bool) -> bool:
         """Whether any rank holds a recurrent layer: then every rank's engine takes the turns
