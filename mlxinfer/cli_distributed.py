@@ -50,6 +50,12 @@ def with_distributed(command: click.Command) -> click.Command:
             "the same number of layers each.",
         ),
         click.Option(
+            ["--no-micro-batches"],
+            is_flag=True,
+            help="Pipeline: the batching engine (--batch, serve) passes every decoding row "
+            "through the ranks one after another, not in flights of rows, one at each rank.",
+        ),
+        click.Option(
             ["--rank-timeout"],
             type=click.FloatRange(min=0, min_open=True),
             default=DEFAULT_RANK_TIMEOUT,
@@ -61,13 +67,21 @@ def with_distributed(command: click.Command) -> click.Command:
 
     @functools.wraps(run)
     def callback(
-        *args, distributed=None, rank_timeout=DEFAULT_RANK_TIMEOUT, rank_memory=None, **kwargs
+        *args,
+        distributed=None,
+        rank_timeout=DEFAULT_RANK_TIMEOUT,
+        rank_memory=None,
+        no_micro_batches=False,
+        **kwargs,
     ):
         if distributed is None:
-            if rank_memory is not None:
-                raise click.UsageError("--rank-memory is for --distributed pipeline")
+            if rank_memory is not None or no_micro_batches:
+                flag = "--rank-memory" if rank_memory is not None else "--no-micro-batches"
+                raise click.UsageError(f"{flag} is for --distributed pipeline")
             return run(*args, **kwargs)
         load = {"distributed": distributed, "rank_timeout": rank_timeout}
+        if no_micro_batches:
+            load["micro_batches"] = False
         if rank_memory is not None:
             load["rank_memory"] = rank_memory
         return _run_rank(run, load, args, kwargs, command.name)

@@ -249,6 +249,7 @@ def load(
     distributed: str | None = None,
     rank_timeout: float | None = None,
     rank_memory: str | list[int] | None = None,
+    micro_batches: bool = True,
 ):
     """Load a model directory, a ``.gguf`` file (imported once into the cache), a Hub repo id,
     or (``None``) the default model.
@@ -256,7 +257,9 @@ def load(
     ``distributed``: "pipeline" or "tensor": this rank's part of the model, run across the
     ranks of MLX's environment, each step bounded by ``rank_timeout`` seconds; the pipeline's
     layers in proportion to each rank's memory with ``rank_memory`` ("auto", or bytes: one
-    figure, or one per rank), else by count (docs/distributed.md).
+    figure, or one per rank), else by count (docs/distributed.md); ``micro_batches``: a
+    pipeline's batching engines decode in flights of rows, one at each rank's stage (False:
+    every row through the ranks one after another; ``Engine(micro_batches=)`` per engine).
 
     Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
@@ -293,6 +296,7 @@ def load(
                 log=log,
                 rank_memory=rank_memory,
             )
+            model.micro_batches = micro_batches
             return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
         model, _ = load_model(
             model_dir, dtype=dtype, log=log, progress=progress, force=force, kv_budget=kv_budget

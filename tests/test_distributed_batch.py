@@ -138,6 +138,8 @@ def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path
     assert results[1]["engine_steps"] == [steps, forwards] and steps == forwards + 1
     assert forwards < len(job["prompts"]) * N_TOKENS
     assert results[0]["steps"] == results[1]["steps"]
+    # A pipeline's engine decoded in flights of rows, one at each rank (distributed/micro.py).
+    assert (results[0]["flights"] > 0) == (mode == "pipeline"), results[0]["flights"]
     assert results[0]["unseeded"] == results[1]["unseeded"] != expected["sampled"]
     # The prefix cache on disk: each rank wrote its own part's full blocks (the 90-token
     # prompt's 5 and the one its first decoded tokens filled: 12 files in the shared directory)
@@ -380,6 +382,7 @@ def _rank_main() -> None:
         again = engine.submit(prompts[-1], max_tokens=n)  # its prefix's blocks are cached now
         result["again"] = [[s.token for s in again.steps()], again.cached_tokens]
         forwards = engine.steps_run + engine.prefill_steps
+        result["flights"] = engine.micro.ticks if engine.micro is not None else 0
     result["engine_steps"] = [model.ranks.steps - before, forwards]
     if job.get("disk"):
         result["disk"] = _disk_runs(model, prompts[2], n, job["disk"])

@@ -12,7 +12,9 @@ faster than one here: what the figures show is the cost of the collectives per t
 ``--batch B``: the batching engine instead: B prompts of mixed lengths submitted together, n
 tokens each, timed on rank 0 (loading and a warm-up request left out): the aggregate tok/s
 (prefill included) of one process, then of two ranks (this file run as each rank by
-``mlxinfer launch``).
+``mlxinfer launch``): the pipeline with micro-batched decode (flights of rows, one at each rank:
+the default), without it (``micro_batches=False``: every row through the ranks one after
+another), and tensor.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def batch_rank(model: str, n: int, b: int, mode: str) -> None:
     import mlxinfer
     from mlxinfer.batch import Engine
 
-    distributed = None if mode == "none" else mode
-    llm, tokenizer = mlxinfer.load(model, distributed=distributed)
+    distributed = None if mode == "none" else mode.split("/")[0]
+    options = {"micro_batches": False} if mode.endswith("/plain") else {}
+    llm, tokenizer = mlxinfer.load(model, distributed=distributed, **options)
     prompts = [tokenizer.encode(BATCH_PROMPTS[i % len(BATCH_PROMPTS)]) for i in range(b)]
     with Engine(llm) as engine:  # no EOS given: every request makes its n tokens
         list(engine.submit(prompts[0], max_tokens=2).steps())  # warm up
@@ -107,7 +110,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank is not None:
         return batch_rank(args.model, args.n, args.batch, args.rank)
-    modes = [None, "pipeline", "tensor"]
+    modes = [None, "pipeline", "pipeline/plain", "tensor"] if args.batch else [None, "pipeline"]
+    modes += [] if args.batch else ["tensor"]
     results: dict = {m: [] for m in modes}
     for _ in range(args.rounds):
         for mode in modes:  # alternated: a loaded machine drifts
@@ -122,7 +126,8 @@ def main() -> None:
         decode = statistics.median(r["decode"] for r in results[mode])
         last = results[mode][-1]["ranks"]
         share = "; ".join(f"rank {r}: {c} s / {w} s" for r, c, w in last) or "-"
-        print(f"| {mode or 'one process'} | {decode:.1f} | {share} |")
+        name = {None: "one process", "pipeline/plain": "pipeline, micro_batches=False"}
+        print(f"| {name.get(mode, mode)} | {decode:.1f} | {share} |")
 
 
 if __name__ == "__main__":

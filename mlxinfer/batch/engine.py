@@ -84,6 +84,11 @@ class Engine(TextRequests, Scheduler):
         rank0_requests: for a model across ranks (``load(distributed=...)``), requests are
             submitted on rank 0 only (``serve``): the other ranks' engines receive them, and
             rank 0's tokens, at each turn (``distributed/batching.py``).
+        micro_batches: for a model across pipeline ranks, decode in flights of about 1/S of
+            the rows, one at each rank's stage (``distributed/micro.py``), not every row through
+            the ranks one after another; None: as loaded (``load(micro_batches=)``, default
+            on). Not for recurrent models or frequencies that follow the length, and not for
+            drafting rows (they take the plain step).
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class Engine(TextRequests, Scheduler):
         prefix_cache_dir: str | os.PathLike | None = None,
         prefix_cache_disk_bytes: int | None = None,
         rank0_requests: bool = False,
+        micro_batches: bool | None = None,
     ) -> None:
         if max_batch < 1 or prefill_step < 1:
             raise ValueError(
@@ -180,6 +186,13 @@ class Engine(TextRequests, Scheduler):
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.shrink_every, self._looked_at = shrink_every, time.monotonic()
         self.attention = attention
+        # Across pipeline ranks: one flight of rows at each rank's stage (flights.py).
+        self.micro = None
+        if micro_batches is None:
+            micro_batches = getattr(model, "micro_batches", True)
+        if micro_batches and hasattr(model, "micro_pipeline") and model.ranks.size > 1:
+            if not self.recurrent and self.regime is None:
+                self.micro = model.micro_pipeline()
         # Every request reserves room for max_draft more tokens: a step that verifies drafts
         # writes up to that many past a row's last token before rejected ones are rewound.
         self.max_draft = max_draft

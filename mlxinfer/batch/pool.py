@@ -313,9 +313,10 @@ class KVPool(BlockStore):
             self._reserved -= 1
         return block
 
-    def append_slots(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
+    def append_slots(self, seq: Sequence, tokens: list[int], hashed: bool = True) -> np.ndarray:
         """Slots for ``tokens`` appended to ``seq`` (blocks allocated as needed, a shared
-        partial block copied first); the tokens are recorded and full blocks hashed."""
+        partial block copied first); the tokens are recorded and full blocks hashed (with
+        ``hashed=False`` not yet: :meth:`hash_full`, once every rank has written them)."""
         bs = self.block_size
         start = seq.length
         slots = np.empty(len(tokens), np.int32)
@@ -333,6 +334,14 @@ class KVPool(BlockStore):
                     seq.blocks[index] = fresh
             slots[j] = seq.blocks[index] * bs + within
         seq.tokens.extend(tokens)
+        if hashed:
+            self.hash_full(seq)
+        return slots
+
+    def hash_full(self, seq: Sequence) -> None:
+        """Hash ``seq``'s full blocks not hashed yet: from now on a prefix may share them (and
+        the disk tier save them), so their keys must be written by then."""
+        bs = self.block_size
         for index in range(len(seq.hashes), seq.length // bs):
             parent = seq.hashes[-1] if seq.hashes else b""
             h = block_hash(parent, seq.tokens[index * bs : (index + 1) * bs])
@@ -343,7 +352,6 @@ class KVPool(BlockStore):
                 self._hash_of[block] = h
                 if self.disk is not None:  # written to disk after the step (save_fresh)
                     self.disk.fresh.append((h, block))
-        return slots
 
     def rewind(self, seq: Sequence, length: int) -> None:
         """Keep ``seq``'s first ``length`` tokens (rejected drafts go): blocks past them return

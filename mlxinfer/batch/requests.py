@@ -55,6 +55,9 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     # A recurrent model's per-request states (StateCache per recurrent layer, in order).
     states: list[Any] = field(default_factory=list)
+    # Micro-batched decode across pipeline ranks (flights.py): in a flight, and cancelled there.
+    flying: bool = False
+    dropped: bool = False
 
 
 class Handle:

@@ -50,17 +50,20 @@ from ..threads import release_at_thread_exit
 from . import rows as rows_mod
 from . import snapshots as snap
 from .draft_pool import DraftPool
+from .flights import FlyingRows
 from .recurrent import RecurrentRows, state_arrays
 from .requests import POLL_S, EngineError, _Request
 from .verification import DraftingRows
 from .views import StepBatch
 
 
-class Scheduler(RecurrentRows, DraftingRows):
+class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
     """The loop of :class:`~.engine.Engine`'s thread (mixed into it): admit, prefill in chunks,
     decode B rows, retire; the pools' bookkeeping for a request."""
 
-    def _batch(self, rows: list[_Request], tokens: list[list[int]], form: str = "gather"):
+    def _batch(
+        self, rows: list[_Request], tokens: list[list[int]], form: str = "gather", hashed=True
+    ):
         """The StepBatch of one forward feeding ``tokens`` to ``rows``, over every pool."""
         window = None if self.window_pool is None else (self.window_pool, [r.wseq for r in rows])
         return StepBatch(
@@ -71,6 +74,7 @@ class Scheduler(RecurrentRows, DraftingRows):
             form,
             states=[r.states for r in rows],
             window=window,
+            hashed=hashed,
         )
 
     def _rewind(self, request: _Request, length: int) -> None:
@@ -208,8 +212,8 @@ class Scheduler(RecurrentRows, DraftingRows):
         request.out.put(None)
 
     def _retire_cancelled(self) -> None:
-        for request in [r for r in self._running if r.cancelled.is_set()]:
-            self._retire(request)
+        for request in [r for r in self._running if r.cancelled.is_set() and not r.dropped]:
+            self._cancel(request)  # (at its landing if it flies: flights.py)
 
     def _prefill(self) -> None:
         """At most ``prefill_step`` prompt tokens between two decode steps: chunks of the
@@ -219,7 +223,7 @@ class Scheduler(RecurrentRows, DraftingRows):
         for request in self._running:
             if budget <= 0:
                 break
-            if request.pending is not None:
+            if request.pending is not None or request.flying:
                 continue
             visited.append(request)
             left = len(request.ids) - 1 - request.seq.length
@@ -289,9 +293,12 @@ class Scheduler(RecurrentRows, DraftingRows):
 
     def _decode(self) -> None:
         rows = [r for r in self._running if r.pending is not None]
-        if not rows:
-            return
         t0 = time.perf_counter()
+        if self.micro is not None and (rows or self.micro.flying()):  # (flights.py)
+            rows = self._decode_micro(rows)
+        if not rows:
+            self.decode_s += time.perf_counter() - t0
+            return
         for group in self._groups(rows):
             if any(r.drafter is not None for r in group):
                 self._verify_rows(group)
@@ -315,17 +322,21 @@ class Scheduler(RecurrentRows, DraftingRows):
         return [*groups.values(), *alone]
 
     def _decode_rows(self, rows: list[_Request]) -> None:
-        self.decode_tokens += len(rows)
         tokens = [[r.pending] for r in rows]
         batch = self._batch(rows, tokens, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
+        self.steps_run += 1
+        self._emit_rows(rows, logits)
+
+    def _emit_rows(self, rows: list[_Request], logits: mx.array) -> None:
+        """Each row's token sampled from its logits (B, V), handed to its consumer."""
+        self.decode_tokens += len(rows)
         picked, logprobs = rows_mod.sample_rows(rows, logits)
         if self.turns is not None:  # rank 0's tokens, where only rank 0 samples (batching.py)
             picked = self.turns.adopt(picked)
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
         mx.eval(picked, logprobs, self._stores(), [state_arrays(r) for r in rows])
-        self.steps_run += 1
         for request, t, lp in zip(rows, picked.tolist(), logprobs):
             request.generated += 1
             self._mark_block(request)

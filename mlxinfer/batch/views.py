@@ -33,7 +33,8 @@ from .pool import KVPool, Sequence
 
 class StepBatch:
     """The slots, the block table and the mask of one forward: ``n_new`` tokens for each
-    of ``seqs`` (their tokens are recorded in the pool by :meth:`KVPool.append_slots`).
+    of ``seqs`` (their tokens are recorded in the pool by :meth:`KVPool.append_slots`; with
+    ``hashed=False`` their full blocks are hashed later, by :meth:`KVPool.hash_full`).
 
     ``form`` is how a decode step's attention reads the pool: ``"pages"``, over the blocks
     where they lie (:meth:`LayerView.pages`), or ``"gather"``, over a contiguous copy of each
@@ -52,6 +53,7 @@ class StepBatch:
         form: str = "gather",
         states: list[list[StateCache]] | None = None,
         window: tuple[KVPool, list[Sequence]] | None = None,
+        hashed: bool = True,
     ) -> None:
         self.pool = pool
         # Per model layer: None (full attention), its sliding window (keys within the last
@@ -65,8 +67,8 @@ class StepBatch:
         self.n_rows, self.n_new = len(seqs), n_new
         self.form = form if n_new == 1 else "gather"
         self._starts = starts
-        self.main = _Slots(pool, seqs, tokens, self.form)
-        self.windowed = None if window is None else _Slots(*window, tokens, self.form)
+        self.main = _Slots(pool, seqs, tokens, self.form, hashed)
+        self.windowed = None if window is None else _Slots(*window, tokens, self.form, hashed)
         self.offset: int | mx.array = (
             starts[0] if len(seqs) == 1 else mx.array(starts, dtype=mx.int32)
         )
@@ -131,14 +133,16 @@ class _Slots:
     starts at its first block still seen (``base``: that block's first position), so the
     sliding layers' attention reads about a window of keys per row, not the whole sequence."""
 
-    def __init__(self, pool: KVPool, seqs: list[Sequence], tokens: list[list[int]], form: str):
+    def __init__(
+        self, pool: KVPool, seqs: list[Sequence], tokens: list[list[int]], form: str, hashed: bool
+    ):
         bs = pool.block_size
         first = [0] * len(seqs)
         if pool.window is not None:
             for b, s in enumerate(seqs):
                 pool.drop_before(s, s.length)
                 first[b] = pool.first_seen(s.length)
-        write = np.concatenate([pool.append_slots(s, t) for s, t in zip(seqs, tokens)])
+        write = np.concatenate([pool.append_slots(s, t, hashed) for s, t in zip(seqs, tokens)])
         self.pool = pool
         self.write_blocks, self.write_within = mx.array(write // bs), mx.array(write % bs)
         tables = [pool.block_table(s, s.length)[f:] for s, f in zip(seqs, first)]

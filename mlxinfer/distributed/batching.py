@@ -204,8 +204,8 @@ class Turns:
         if n_cancelled:
             flags = ranks.broadcast(mx.array(cancelled, dtype=mx.int32), f"{what}: cancellations")
             for request, flag in zip(list(running), flags.tolist()):
-                if flag:
-                    engine._retire(request)
+                if flag:  # a request in a flight at its landing (batch/flights.py)
+                    engine._cancel(request)
         if self.rank0_requests and not closing:
             waiting = self._sent(engine, waiting, fresh, take - n_new, n_new, what)
         elif len(waiting) < take and not closing:

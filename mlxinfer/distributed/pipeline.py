@@ -206,6 +206,12 @@ class PipelineModel(RankModel):
             ranks.run(f"{step}: sharing logits", shared, peer=self.ranks.size - 1)
         return shared
 
+    def micro_pipeline(self):
+        """The flights of micro-batched decode (``micro.py``) for the batching engine."""
+        from .micro import MicroPipeline
+
+        return MicroPipeline(self)
+
     def first_blocks(self, n: int):
         """A self-draft's view (``SelfDraft``): refused, on every rank alike (before a forward)."""
         raise DraftError(SELF_DRAFT_REFUSED)
