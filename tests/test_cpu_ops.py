@@ -276,3 +276,26 @@ def test_attention_in_float16_matches_definition():
         np.abs(np.array(out.astype(mx.float32)) - attention_reference(q, k, v, 0.25, allowed)).max()
         <= 2e-3
     )
+
+
+def test_a_quantized_tied_head_over_many_rows_matches_its_dequantized_weight(monkeypatch):
+    """More rows than the kernels take (a prompt's positions): the head's vocabulary blocks
+    dequantized one after another (a partial last block too) and multiplied by the BLAS,
+    never MLX's scalar quantized matmul; equal to the float64 product with the weight MLX's
+    own dequantization gives."""
+    from mlxinfer.backends.cpu import quantized
+    from mlxinfer.backends.cpu.layers import CPUTiedHead
+
+    monkeypatch.setattr(quantized, "HEAD_BLOCK", 96)  # 300 rows: blocks of 96, 96, 96, 12
+    head = nn.QuantizedEmbedding(300, 128, group_size=64, bits=4)
+    head.update({"weight": head.weight, "scales": mx.random.uniform(0.01, 0.1, (300, 2))})
+    with_mixin(head, CPUTiedHead)
+    calls = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = mx.random.normal((2, 20, 128))
+    y = head.as_linear(x)
+    w = mx.dequantize(head["weight"], head["scales"], head["biases"], group_size=64, bits=4)
+    expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert y.shape == (2, 20, 300) and not calls
+    np.testing.assert_allclose(np.asarray(y), expected, atol=1e-4, rtol=1e-5)

@@ -312,3 +312,38 @@ def test_a_crossover_won_by_far_twice_times_no_larger_size(monkeypatch):
 
     assert timing.crossover((2, 4, 8, 16, 32), timer, "plain", "other")[0] == 4
     assert timed == [2, 4, 8]
+
+
+@pytest.mark.parametrize("weights", ["4-bit", "float without kernels"])
+def test_single_runs_on_one_stream_with_the_kernels(weights, tmp_path, monkeypatch):
+    """``single`` (what a distributed load sets: collectives from two streams corrupt each other):
+    a model's prefill and decode never ask for the worker streams; a 4-bit model's products run
+    on the compiled kernels where they are built; the logits are the plain MLX path's. A float
+    model whose layers the two-stream plans would cut, with no kernels to take them: one stream
+    still."""
+    from mlxinfer.backends.cpu import compiled, parallel
+
+    path, _ = make_tiny(tmp_path / "hf", tie_word_embeddings=True, **SHAPES)
+    add_tokenizer(path)
+    if weights == "4-bit":
+        convert(path, tmp_path / "q", quantize=True, bits=4, group_size=64, dtype="float32")
+        path = tmp_path / "q"
+    else:
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    ids = [(3 + 29 * i) % SHAPES["vocab_size"] for i in range(12)]
+    monkeypatch.setenv(backends.ENV, "0")
+    ref_prefill, ref_decode = decode_logits(load_model(path)[0], ids)
+    monkeypatch.delenv(backends.ENV)
+    monkeypatch.setenv(cpu_plans.ENV, "single")
+    model, _ = load_model(path)
+    asked, kernel_calls = [], []
+    monkeypatch.setattr(parallel, "worker_streams", lambda: asked.append(1) or parallel._STREAMS)
+    real = compiled.quantized_product
+    monkeypatch.setattr(
+        compiled, "quantized_product", lambda *a: kernel_calls.append(1) or real(*a)
+    )
+    prefill, decode = decode_logits(model, ids)
+    assert not asked
+    assert bool(kernel_calls) == (weights == "4-bit" and kernels.load() is not None)
+    assert np.abs(prefill - ref_prefill).max() <= 1e-3
+    assert np.abs(decode - ref_decode).max() <= 1e-4

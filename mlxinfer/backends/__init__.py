@@ -38,7 +38,10 @@ def apply(model: nn.Module, *, log: Callable[[str], None] | None = None) -> str:
 
 
 def prefill_schedule(model: nn.Module) -> AbstractContextManager:
-    """The context the model's prefill runs in, as its backend wants it."""
+    """The context the model's prefill runs in, as its backend wants it (a model across ranks:
+    its own, ``distributed.pipeline.RankModel.prefilling``)."""
+    if hasattr(model, "prefilling"):
+        return model.prefilling()
     if getattr(model, "backend", None) == "cpu":
         from . import cpu
 

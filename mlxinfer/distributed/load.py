@@ -1,8 +1,8 @@
 """``load(path, distributed="pipeline"|"tensor")`` on each rank: this rank's part of the model.
 
-The CPU backend's decode plans are forced off first (``MLXINFER_CPU_PLANS=off``: one stream):
-its plans spread products over two worker streams, and collectives issued from two streams
-corrupt each other.
+The CPU backend's two-stream plans are forced off first (``MLXINFER_CPU_PLANS=single``: one
+stream, the compiled kernels where built): they spread products over two worker streams, and
+collectives issued from two streams corrupt each other. The kernels run on MLX's one CPU stream.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ def _one_stream(log: Callable[[str], None] | None) -> None:
         return
     from ..backends.cpu import plans
 
-    if os.environ.get(plans.ENV) != "off" and log is not None:
-        log(f"distributed: the CPU backend's decode plans are off ({plans.ENV}=off: one stream)")
-    os.environ[plans.ENV] = "off"
+    if os.environ.get(plans.ENV) == "off":
+        return
+    if log is not None:
+        log(
+            f"distributed: the CPU backend's two-stream plans are off ({plans.ENV}=single: one "
+            "stream, the compiled kernels where built)"
+        )
+    os.environ[plans.ENV] = "single"
 
 
 def load_model(

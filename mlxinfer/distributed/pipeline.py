@@ -9,11 +9,11 @@ rank, with nothing of weight in the parts it does not hold.
 A step (one call of the model) on rank r:
 
 1. every rank's input tokens are compared with rank 0's (``Ranks.check_same``): all ranks
-   feed the same tokens, or all fail together. A chunk longer than :data:`SYNC_ROWS` (a
-   prefill's) is not compared at once: a checksum of it joins the next short step's
-   comparison, so that no collective ties the ranks together during a prefill, and rank 0
-   runs chunk k+1 while rank 1 runs chunk k (staggered prefill: a long prompt's chunks
-   pass through the ranks as through a pipeline);
+   feed the same tokens, or all fail together. A prefill's chunk (a forward under
+   :meth:`RankModel.prefilling`, or longer than :data:`SYNC_ROWS`) is not compared at once:
+   a checksum of it joins the next comparison, so that no collective ties the ranks together
+   during a prefill, and rank 0 runs chunk k+1 while rank 1 runs chunk k (staggered prefill:
+   a long prompt's chunks pass through the ranks as through a pipeline);
 2. rank r > 0 receives the (B, L, hidden) activations from rank r-1 and evaluates them;
    its first block takes them in place of its input (:class:`Entry`);
 3. its blocks run; rank r < last sends its last block's output to rank r+1 (:class:`Exit`);
@@ -23,14 +23,15 @@ A step (one call of the model) on rank r:
 4. the last rank's logits reach every rank (an exact all-sum with zeros elsewhere), so
    that every rank's sampler sees the same numbers and picks the same token (with the
    seed the ranks share). Up to :data:`SYNC_ROWS` positions this happens within the step;
-   a longer chunk (prefill, whose logits nobody reads) leaves it lazy and so never runs.
+   a prefill's chunk (whose logits nobody reads) leaves it lazy and so never runs.
 """
 
 from __future__ import annotations
 
 import copy
 import zlib
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -152,6 +153,18 @@ class RankModel:
     def positions_from_offset(self) -> bool:
         return getattr(self.model, "positions_from_offset", True)
 
+    @contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """The forwards of a prefill (``generate``'s chunks, the engine's): their logits are
+        never read, so a pipeline neither computes nor shares them (``backends.prefill_schedule``)."""
+        self.in_prefill = True
+        try:
+            yield
+        finally:
+            self.in_prefill = False
+
+    in_prefill = False
+
     def engine_turns(self, **options):
         """The batching engine's agreement with the other ranks (``batching.Turns``)."""
         from .batching import Turns
@@ -178,7 +191,8 @@ class PipelineModel(RankModel):
         self.steps += 1
         ranks.steps += 1
         step = f"pipeline step {self.steps}"
-        self._check_tokens(inputs, step)
+        share = L <= SYNC_ROWS and not self.in_prefill  # logits someone reads
+        self._check_tokens(inputs, step, now=share)
         if not ranks.first:
             h = mx.distributed.recv(
                 (B, L, self.activation_width), self.activation_dtype, r - 1, group=ranks.group
@@ -192,7 +206,7 @@ class PipelineModel(RankModel):
         if cache is not None:
             ranks.kv_bytes = max(ranks.kv_bytes, kv_nbytes(cache))
         if ranks.last:
-            todo = [logits, *states] if L <= SYNC_ROWS else states
+            todo = [logits, *states] if share else states
             ranks.run(f"{step}: the last blocks", todo, kind="computing")
         else:
             outgoing = self.exit.outgoing.astype(self.activation_dtype)
@@ -202,7 +216,7 @@ class PipelineModel(RankModel):
         if not ranks.first:
             self.entry.incoming = None
         shared = ranks.all_sum(logits if ranks.last else self._zeros(B, L))
-        if L <= SYNC_ROWS:
+        if share:
             ranks.run(f"{step}: sharing logits", shared, peer=self.ranks.size - 1)
         return shared
 
@@ -222,10 +236,11 @@ class PipelineModel(RankModel):
         r, s, layers = self.ranks.rank, self.ranks.size, self.layers_range
         return f"pipeline rank {r}/{s}: layers {layers.start}-{layers.stop - 1} of {self.n_layers}"
 
-    def _check_tokens(self, inputs: mx.array, step: str) -> None:
-        """Compare ``inputs`` with rank 0's now (a short step), or fold them into the checksum
-        the next short step compares (a long chunk: no collective, so the ranks stagger)."""
-        if inputs.shape[1] > SYNC_ROWS:
+    def _check_tokens(self, inputs: mx.array, step: str, now: bool = True) -> None:
+        """Compare ``inputs`` with rank 0's ``now`` (a step whose logits are shared), or fold
+        them into the checksum the next such step compares (a prefill chunk: no collective, so
+        the ranks stagger)."""
+        if not now:
             data = np.asarray(inputs, dtype=np.int32).tobytes()
             self.unchecked = zlib.crc32(data, self.unchecked or 0)
             return

@@ -157,8 +157,11 @@ class CPUTiedHead:
     def as_linear(self, x: mx.array) -> mx.array:
         if "scales" not in self:
             return parallel.project(x, self)
-        if x.size // x.shape[-1] <= parallel.CPULinear.MAX_ROWS and self["weight"].shape[0] >= 128:
+        rows = x.size // x.shape[-1]
+        if rows <= parallel.CPULinear.MAX_ROWS and self["weight"].shape[0] >= 128:
             return parallel.quantized_product(x, self)
+        if rows > parallel.CPULinear.MAX_ROWS:
+            return quantized.head_rows(x, self)
         return super().as_linear(x)
 
 

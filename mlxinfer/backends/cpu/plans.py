@@ -56,7 +56,9 @@ shapes, so the timing runs once per machine and model.
 ``MLXINFER_CPU_PLANS`` skips the measurement: ``off`` (every plan at its
 plainest: one stream, MLX's ops, no kernel, no long-context form), ``on`` (every
 two-stream plan at its most parallel, MLX's ops, no kernel, long-context form from
-``ops.DECODE_LONG_KEYS`` keys), ``kernels`` (as ``on``, but every layer the compiled
+``ops.DECODE_LONG_KEYS`` keys), ``single`` (as ``off``, but every layer the compiled kernels
+cover on them: one MLX stream, what a distributed load sets), ``kernels`` (as ``on``, but every
+layer the compiled
 kernels cover on them, on all usable CPUs), or a list such as
 ``cut=two,halves=one,quantized=kernel,kernel_threads=one,long_keys=2048`` (the kinds not
 named are measured). A ``kernel`` option where the kernels are not loaded is the ``one`` /
@@ -157,6 +159,10 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
         return {**MOST_PARALLEL, **defaults}
     if value == "kernels":
         return {**KERNELS, **defaults}
+    if value == "single":  # as off, but the kernels (one MLX stream: a distributed run's)
+        plainest = {kind: options[0] for kind, options in OPTIONS.items()}
+        kernels = {kind: "kernel" for kind in ("head", "quantized", "matvec", "decode")}
+        return {**plainest, **kernels, **defaults, "long_keys": NEVER}
     plans: dict[str, str | int] = {}
     for item in value.split(","):
         kind, _, option = item.strip().partition("=")
@@ -167,8 +173,8 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
         else:
             kinds = "; ".join(f"{k}: {'/'.join(o)}" for k, o in OPTIONS.items())
             raise ValueError(
-                f"{ENV}={value!r}: expected 'on', 'off', 'kernels', 'measure' or kind=option items "
-                f"({kinds}; {', '.join(NUMERIC)}: a number), found {item!r}"
+                f"{ENV}={value!r}: expected 'on', 'off', 'single', 'kernels', 'measure' or "
+                f"kind=option items ({kinds}; {', '.join(NUMERIC)}: a number), found {item!r}"
             )
     return plans
 
