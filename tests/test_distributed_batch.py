@@ -101,6 +101,7 @@ def reference(tmp_path_factory):
     assert drafted["greedy"] == short and drafted["greedy_accepted"] > 0
     assert drafted["seeded"] != short
     expected = {"texts": texts, "tokens": tokens, "cut": cut, "sampled": sampled, "short": short}
+    expected["rank0"] = _seeded_tokens(model, prompts[:4], N_TOKENS)
     return path, job, {**expected, "accepted": accepted, "drafted": drafted}
 
 
@@ -138,8 +139,12 @@ def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path
     assert results[1]["engine_steps"] == [steps, forwards] and steps == forwards + 1
     assert forwards < len(job["prompts"]) * N_TOKENS
     assert results[0]["steps"] == results[1]["steps"]
-    # A pipeline's engine decoded in flights of rows, one at each rank (distributed/micro.py).
+    # A pipeline's engine decoded in flights of rows, one at each rank (distributed/micro.py),
+    # also with requests submitted and sampled on rank 0 alone (serve's way).
     assert (results[0]["flights"] > 0) == (mode == "pipeline"), results[0]["flights"]
+    assert results[0]["rank0"] == expected["rank0"] and "rank0" not in results[1]
+    assert results[0]["rank0_flights"] == results[1]["rank0_flights"]
+    assert (results[0]["rank0_flights"] > 0) == (mode == "pipeline")
     assert results[0]["unseeded"] == results[1]["unseeded"] != expected["sampled"]
     # The prefix cache on disk: each rank wrote its own part's full blocks (the 90-token
     # prompt's 5 and the one its first decoded tokens filled: 12 files in the shared directory)
@@ -285,6 +290,36 @@ def test_another_ranks_request_takes_rank_0s_drafts_from_a_draft_model():
         turns.follow_drafts(request, DraftModel(object()), 9, 8)
 
 
+def _seeded_tokens(model, prompts, n) -> list[list[int]]:
+    """Each prompt's tokens through an engine, sampled at temperature 0.9 with seed 7."""
+    from mlxinfer.batch import Engine
+
+    with Engine(model) as engine:
+        return _seeded_tokens_in(engine, prompts, n)
+
+
+def _rank0_requests(model, prompts, n, result) -> None:
+    """Requests submitted on rank 0 alone (``serve``'s way: ``rank0_requests``), sampled there:
+    the other rank's engine follows until rank 0 closes it."""
+    from mlxinfer.batch import Engine
+
+    engine = Engine(model, rank0_requests=True)
+    if model.ranks.first:
+        result["rank0"] = _seeded_tokens_in(engine, prompts, n)
+        engine.close()
+    while engine._thread.is_alive():
+        engine._thread.join(0.5)
+    result["rank0_flights"] = engine.micro.ticks if engine.micro is not None else 0
+
+
+def _seeded_tokens_in(engine, prompts, n) -> list[list[int]]:
+    from mlxinfer.generation.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=0.9, seed=7)
+    handles = [engine.submit(p, max_tokens=n, sampling=sampling) for p in prompts]
+    return [[s.token for s in h.steps()] for h in handles]
+
+
 def _lookup(model, prompts, n):
     """Each prompt's tokens through an engine drafting by prompt lookup, and the drafts kept."""
     from mlxinfer.batch import Engine
@@ -384,6 +419,7 @@ def _rank_main() -> None:
         forwards = engine.steps_run + engine.prefill_steps
         result["flights"] = engine.micro.ticks if engine.micro is not None else 0
     result["engine_steps"] = [model.ranks.steps - before, forwards]
+    _rank0_requests(model, prompts[:4], n, result)
     if job.get("disk"):
         result["disk"] = _disk_runs(model, prompts[2], n, job["disk"])
     if job.get("more", True):

@@ -14,7 +14,10 @@ tokens each, timed on rank 0 (loading and a warm-up request left out): the aggre
 (prefill included) of one process, then of two ranks (this file run as each rank by
 ``mlxinfer launch``): the pipeline with micro-batched decode (flights of rows, one at each rank:
 the default), without it (``micro_batches=False``: every row through the ranks one after
-another), and tensor.
+another), and tensor. ``--pin``: each rank (and the one process) on one CPU of its own
+(``sched_setaffinity``: rank r on CPU r), as if each were a machine of one core: two ranks then
+do not take each other's cores, and what micro-batched decode does with the second rank's time
+shows (their memory bandwidth is still shared).
 """
 
 from __future__ import annotations
@@ -60,8 +63,10 @@ BATCH_PROMPTS = [
 ]
 
 
-def batch_rank(model: str, n: int, b: int, mode: str) -> None:
+def batch_rank(model: str, n: int, b: int, mode: str, pin: bool = False) -> None:
     """One rank (or the one process, ``mode`` "none") of ``--batch``: prints rank 0's line."""
+    if pin:  # before MLX and the BLAS start their threads
+        os.sched_setaffinity(0, {int(os.environ.get("MLX_RANK", "0")) % os.cpu_count()})
     import mlxinfer
     from mlxinfer.batch import Engine
 
@@ -84,9 +89,9 @@ def batch_rank(model: str, n: int, b: int, mode: str) -> None:
     os._exit(0)
 
 
-def run_batch(model: str, n: int, b: int, mode: str | None) -> dict:
+def run_batch(model: str, n: int, b: int, mode: str | None, pin: bool = False) -> dict:
     rank = [sys.executable, __file__, "--rank", mode or "none", "-m", model, "-n", str(n)]
-    rank += ["--batch", str(b)]
+    rank += ["--batch", str(b)] + (["--pin"] if pin else [])
     command = rank if mode is None else [sys.executable, "-m", "mlxinfer", "launch", "-n", "2"]
     if mode is not None:
         command += ["--", *rank]
@@ -106,17 +111,23 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=64, help="tokens per run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=None, help="prompts per batch_generate")
+    parser.add_argument("--pin", action="store_true", help="--batch: rank r on CPU r alone")
+    parser.add_argument(
+        "--modes", default=None, help="a subset, e.g. one,pipeline,pipeline/plain (--batch)"
+    )
     parser.add_argument("--rank", default=None, help=argparse.SUPPRESS)  # one rank of --batch
     args = parser.parse_args()
     if args.rank is not None:
-        return batch_rank(args.model, args.n, args.batch, args.rank)
+        return batch_rank(args.model, args.n, args.batch, args.rank, args.pin)
     modes = [None, "pipeline", "pipeline/plain", "tensor"] if args.batch else [None, "pipeline"]
     modes += [] if args.batch else ["tensor"]
+    if args.modes:
+        modes = [None if m == "one" else m for m in args.modes.split(",")]
     results: dict = {m: [] for m in modes}
     for _ in range(args.rounds):
         for mode in modes:  # alternated: a loaded machine drifts
             if args.batch:
-                results[mode].append(run_batch(args.model, args.n, args.batch, mode))
+                results[mode].append(run_batch(args.model, args.n, args.batch, mode, args.pin))
             else:
                 results[mode].append(run(args.model, args.n, mode))
     what = f"batch of {args.batch}, tok/s" if args.batch else "decode tok/s"

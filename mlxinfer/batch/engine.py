@@ -28,6 +28,7 @@ from . import rows as rows_mod
 from .draft_pool import DraftPool, poolable
 from .frontend import TextRequests
 from .layout import STATE, check_batchable, layer_shapes, make_pools, shapes_and_states
+from .metrics import engine_metrics
 from .pool import PoolStats
 from .requests import EngineError, Handle, _Request
 from .scheduler import Scheduler
@@ -319,42 +320,8 @@ class Engine(TextRequests, Scheduler):
 
     def metrics(self) -> dict[str, float]:
         """A snapshot of the engine's counters (for ``/metrics``; read without a lock, so
-        each value is current but they may be a step apart)."""
-        pool = self.pool.stats()
-        return {
-            "requests_running": len(self._running),
-            "requests_waiting": len(self._waiting),
-            "requests_done": self.requests_done,
-            "prompt_tokens": self.prefill_tokens,
-            "generated_tokens": self.decode_tokens,
-            "prefill_tokens_per_second": self.prefill_tokens / self.prefill_s
-            if self.prefill_s
-            else 0.0,
-            "decode_tokens_per_second": self.decode_tokens / self.decode_s
-            if self.decode_s
-            else 0.0,
-            "decode_steps": self.steps_run,
-            "prefill_steps": self.prefill_steps,
-            "kv_blocks_in_use": pool.blocks_in_use,
-            "kv_blocks_cached": pool.blocks_cached,
-            "kv_blocks_free": pool.blocks_free,
-            "kv_window_blocks_in_use": self.window_pool.stats().blocks_in_use
-            if self.window_pool is not None
-            else 0,
-            "kv_bytes": pool.nbytes + (self.window_pool.nbytes if self.window_pool else 0),
-            "prefix_hit_ratio": pool.prefix_hits / pool.prefix_queries
-            if pool.prefix_queries
-            else 0.0,
-            "draft_tokens": self.draft_tokens,
-            "draft_accepted_tokens": self.accepted_tokens,
-            "draft_steps": self.draft_steps,
-            "draft_seconds": self.draft_s,
-            "draft_kv_bytes": self.draft_kv_bytes,
-            "draft_model_bytes": sum(self._draft_weights.values()),
-            "state_snapshots": len(self.snapshots) if self.snapshots is not None else 0,
-            "state_snapshot_bytes": self.snapshots.nbytes if self.snapshots is not None else 0,
-            **_disk_metrics(self.pool.disk),
-        }
+        each value is current but they may be a step apart): ``metrics.engine_metrics``."""
+        return engine_metrics(self)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine: requests still running end with EngineError. Engines still open
@@ -385,12 +352,6 @@ def _weight_bytes(model) -> int:
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def _disk_metrics(disk) -> dict[str, int]:
-    """The prefix cache's disk tier's counters (zeros without one)."""
-    names = ("loaded", "written", "dropped", "rejected", "evicted")
-    return {f"prefix_disk_blocks_{n}": getattr(disk, n, 0) for n in names}
 
 
 def _disk_refusal(engine: Engine) -> str | None:

@@ -23,6 +23,10 @@ METRICS = {
     "prefill_tokens_per_second": ("gauge", "Prefill throughput since start."),
     "decode_tokens_per_second": ("gauge", "Aggregate decode throughput since start."),
     "decode_steps": ("counter", "Batched decode forwards."),
+    "decode_flights": (
+        "counter",
+        "Ticks of micro-batched decode across pipeline ranks (a flight of rows at each rank).",
+    ),
     "prefill_steps": ("counter", "Prefill forwards (short prompt chunks share one)."),
     "kv_blocks_in_use": ("gauge", "KV blocks referenced by running requests."),
     "kv_blocks_cached": ("gauge", "Unreferenced KV blocks kept for prefix hits."),
