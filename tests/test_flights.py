@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hf_models import make_tiny
-from test_batch import LONG, _prompt
+from test_batch import FAMILIES, LONG, _prompt
 
 from mlxinfer.batch import Engine
 from mlxinfer.distributed.micro import Flight
@@ -65,11 +65,23 @@ def _alone(model, prompt, n):
     return [(t, np.array(lp)) for t, lp in generate_step(prompt, model, max_tokens=n)]
 
 
-def test_rows_in_flights_decode_as_alone(model):
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    """Sliding layers (window 6) beside full ones: a window pool, whose blocks a row gives back
+    as its window moves on (at a flight's forming)."""
+    config = {**LONG, **FAMILIES["gemma2"]}
+    path, _ = make_tiny(tmp_path_factory.mktemp("gemma2"), perturb_vectors=True, **config)
+    return load_model(path)[0]
+
+
+@pytest.mark.parametrize("name", ["model", "gemma2"])
+def test_rows_in_flights_decode_as_alone(name, request):
     """Prompts of mixed lengths, decoded in flights of about half the rows each: every row's
     tokens and log-probs are its plain decoding's."""
+    model = request.getfixturevalue(name)
     prompts = [_prompt(n, 40 + n) for n in (5, 9, 33, 70, 2)]
     with _engine(model, block_size=8, prefill_step=32) as engine:
+        assert (engine.window_pool is not None) == (name == "gemma2")
         with engine._cond:  # every request in the engine's first turn
             handles = [engine.submit(p, max_tokens=6) for p in prompts]
         got = [list(h.steps()) for h in handles]
