@@ -32,7 +32,7 @@ class LateFlights:
     def __init__(self, model) -> None:
         self.model = model
         self.stages: list[Flight | None] = [None, None]
-        self.ticks = self.most_rows = 0
+        self.ticks = self.most_rows = self.widest = 0
 
     def flying(self) -> list[Flight]:
         return [f for f in self.stages[:-1] if f is not None]
@@ -44,7 +44,8 @@ class LateFlights:
         if landing is None:
             return None
         self.most_rows = max(self.most_rows, len(landing.rows))
-        logits = self.model(landing.tokens, landing.views)[:, -1, :]
+        self.widest = max(self.widest, landing.tokens.shape[1])
+        logits = self.model(landing.tokens, landing.views)
         mx.eval(logits, [c.state for c in landing.views])
         return landing, logits
 
@@ -90,6 +91,30 @@ def test_rows_in_flights_decode_as_alone(name, request):
     assert flights.ticks > 6 and 2 <= flights.most_rows <= 3
     for prompt, steps in zip(prompts, got):
         alone = _alone(model, prompt, 6)
+        assert [s.token for s in steps] == [t for t, _ in alone]
+        for s, (_, lp) in zip(steps, alone):
+            np.testing.assert_allclose(np.array(s.logprobs), lp, atol=1e-4)
+
+
+def test_rows_drafting_by_prompt_lookup_verify_in_flights(model):
+    """Rows drafting by prompt lookup beside a plain row: their flights feed their drafts, the
+    acceptance (and the rewind of the rejected ones) at the landing; greedy, every row's
+    tokens and log-probs are its plain decoding's, and drafts are kept."""
+    from mlxinfer.generation.drafts import PromptLookup
+
+    loop = _prompt(12, 7)
+    prompts = [loop * 4, _prompt(30, 8) * 2, _prompt(9, 9), loop * 3 + _prompt(5, 1)]
+    with _engine(model, block_size=8) as engine:
+        with engine._cond:
+            handles = [
+                engine.submit(p, max_tokens=10, draft=None if i == 2 else PromptLookup())
+                for i, p in enumerate(prompts)
+            ]
+        got = [list(h.steps()) for h in handles]
+        assert engine.stats().blocks_in_use == 0
+        assert engine.micro.widest > 1 and engine.accepted_tokens > 0
+    for prompt, steps in zip(prompts, got):
+        alone = _alone(model, prompt, 10)
         assert [s.token for s in steps] == [t for t, _ in alone]
         for s, (_, lp) in zip(steps, alone):
             np.testing.assert_allclose(np.array(s.logprobs), lp, atol=1e-4)

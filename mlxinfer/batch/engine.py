@@ -89,7 +89,7 @@ class Engine(TextRequests, Scheduler):
             the rows, one at each rank's stage (``distributed/micro.py``), not every row through
             the ranks one after another; None: as loaded (``load(micro_batches=)``, default
             on). Not for recurrent models or frequencies that follow the length, and not for
-            drafting rows (they take the plain step).
+            rows drafting with a draft model (they take the plain step).
     """
 
     def __init__(

@@ -3,11 +3,13 @@ which decoding rows form the next flight, and what happens when a flight lands.
 
 Each turn is one tick of the pipeline: the rows ready to decode (their last token sampled) form a
 flight of about 1/S of the decoding rows, which enters rank 0's stage while the flights formed at
-the previous S - 1 ticks move one stage on; the flight that leaves the last rank lands, and its
-rows are sampled as a plain step's are. A row is *flying* from its flight's forming to its
-landing: its prompt is not prefilled further, its cancellation waits for the landing (its blocks
-stay its own while a rank has still to write their keys), and its full blocks are hashed at the
-landing only (``KVPool.hash_full``). Rows that draft take the plain step beside the flights.
+the previous S - 1 turns move one stage on; the flight that leaves the last rank lands, and its
+rows are sampled as a plain step's are. A flight with rows drafting by prompt lookup verifies
+their drafts: their proposals are made at its forming, their acceptance (and the rewind of the
+rejected drafts) at its landing. A row is *flying* from its flight's forming to its landing: its
+prompt is not prefilled further, its cancellation waits for the landing (its blocks stay its own
+while a rank has still to write their keys), and its full blocks are hashed at the landing only
+(``KVPool.hash_full``). Rows drafting with a draft model take the plain step beside the flights.
 """
 
 from __future__ import annotations
@@ -17,50 +19,80 @@ import mlx.core as mx
 from .requests import _Request
 
 
+def flies(request: _Request) -> bool:
+    """Whether ``request`` decodes in flights: plainly, or drafting by prompt lookup (a draft
+    model's rows, whose draft pool rewinds with the target's, take the plain step)."""
+    return request.draft_model is None and not getattr(request.drafter, "rank0", False)
+
+
 class FlyingRows:
     """Mixed into :class:`~.scheduler.Scheduler` (``micro``: the model's ``MicroPipeline``,
     or None where the engine does not micro-batch)."""
 
     def _decode_micro(self, rows: list[_Request]) -> list[_Request]:
-        """One tick over the rows ready to decode; the rows left to the plain step (drafting
-        rows; every ready row while fewer than one per rank decode and nothing flies)."""
+        """One tick over the rows ready to decode; the rows left to the plain step (a draft
+        model's; every ready row while fewer than one per rank decode and nothing flies)."""
         micro = self.micro
-        plain = [r for r in rows if r.drafter is None]
+        ready = [r for r in rows if flies(r)]
         flying = sum(len(f.rows) for f in micro.flying())
-        if not flying and len(plain) < micro.size:
+        if not flying and len(ready) < micro.size:
             return rows
-        take = plain[: -(-(len(plain) + flying) // micro.size)]  # about 1/S of the rows
+        take = ready[: -(-(len(ready) + flying) // micro.size)]  # about 1/S of the rows
         new = None
         if take:
-            tokens = [[r.pending] for r in take]
-            batch = self._batch(take, tokens, self.attention, hashed=False)
-            new = micro.flight(take, mx.array(tokens, dtype=mx.int32), batch.views())
-            for r in take:
-                r.pending, r.flying = None, True
+            new = self._form(take)
         landed = micro.tick(new)
         self.steps_run += 1
         if landed is not None:
             self._land(*landed)
-        return [r for r in rows if r.drafter is not None]
+        return [r for r in rows if not flies(r)]
+
+    def _form(self, rows: list[_Request]):
+        """A flight of ``rows``: their tokens (and drafts, if any row drafts) fed, their views
+        of the pools made now, at the positions they have now."""
+        proposals = None
+        if any(r.drafter is not None for r in rows):
+            proposals, tokens = self._drafts_for(rows)
+        else:
+            tokens = [[r.pending] for r in rows]
+        starts = [r.seq.length for r in rows]
+        batch = self._batch(rows, tokens, self.attention, hashed=False)
+        flight = self.micro.flight(rows, mx.array(tokens, dtype=mx.int32), batch.views())
+        flight.proposals, flight.starts = proposals, starts
+        for r in rows:
+            r.pending, r.flying = None, True
+        return flight
 
     def _land(self, flight, logits: mx.array) -> None:
-        """A flight's rows sampled from its logits (B, V), as a plain step's; a row cancelled
-        while it flew retires now, sampling nothing."""
+        """A flight's rows sampled from its logits (B, L, V), as a plain or a verification
+        step's; a row cancelled while it flew retires now, sampling nothing."""
         live = []
         for b, r in enumerate(flight.rows):
             r.flying = False
-            self.pool.hash_full(r.seq)  # every rank has written its keys now
-            if r.wseq is not None:
-                self.window_pool.hash_full(r.wseq)
             if r.dropped:
+                self._rewind(r, flight.starts[b])  # what it fed in flight is not its own
+                self._hash_full(r)
                 self._retire(r)
             else:
                 live.append(b)
-        if live:
-            rows = [flight.rows[b] for b in live]
-            if len(live) < len(flight.rows):
-                logits = logits[mx.array(live)]
-            self._emit_rows(rows, logits)
+        if not live:
+            return
+        rows = [flight.rows[b] for b in live]
+        if len(live) < len(flight.rows):
+            logits = logits[mx.array(live)]
+        if flight.proposals is not None:
+            proposals = [flight.proposals[b] for b in live]
+            starts = [flight.starts[b] for b in live]
+            self._verified(rows, logits, proposals, starts, None, flown=True)
+            return
+        for r in rows:
+            self._hash_full(r)  # every rank has written its keys now
+        self._emit_rows(rows, logits[:, -1, :])
+
+    def _hash_full(self, request: _Request) -> None:
+        self.pool.hash_full(request.seq)
+        if request.wseq is not None:
+            self.window_pool.hash_full(request.wseq)
 
     def _cancel(self, request: _Request) -> None:
         """Retire ``request`` (rank 0's cancellation), or at its flight's landing if it flies."""

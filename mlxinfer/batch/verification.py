@@ -29,6 +29,19 @@ class DraftingRows:
         token, its drafts and padding up to the longest (one forward), keeps the drafts its
         acceptance keeps plus one token of the target's, and the rest is rewound from the pool.
         Each row's acceptance reads only its own logits and its own key."""
+        proposals, tokens = self._drafts_for(rows)
+        starts = [r.seq.length for r in rows]
+        # A recurrent row's states before the step: they will read every token fed, padding and
+        # rejected drafts too (a state is never written in place: references are a snapshot).
+        saved = [[c.snapshot() for c in r.states] for r in rows] if self.recurrent else None
+        batch = self._batch(rows, tokens, self.attention)
+        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
+        self.steps_run += 1
+        self._verified(rows, logits, proposals, starts, saved)
+
+    def _drafts_for(self, rows: list[_Request]) -> tuple[list, list[list[int]]]:
+        """The rows' proposals (rank 0's where it drafts alone) and the tokens each row feeds:
+        its token, its drafts, and padding up to the longest."""
         t0 = time.perf_counter()
         # The rows of one draft pool propose together (k forwards of all of them).
         proposals, forwards = rows_mod.propose(rows, self.max_draft)
@@ -37,29 +50,34 @@ class DraftingRows:
         if forwards:
             self.draft_steps += forwards
             self.draft_s += time.perf_counter() - t0
+        L = 1 + max(len(p.tokens) for p in proposals)
+        tokens = [
+            [r.pending] + p.tokens + [r.pending] * (L - 1 - len(p.tokens))
+            for r, p in zip(rows, proposals)
+        ]
+        return proposals, tokens
+
+    def _verified(self, rows, logits, proposals, starts, saved, flown: bool = False) -> None:
+        """The rows' acceptance of their drafts from the step's ``logits`` (B, L, V); the
+        rejected ones rewound (``starts``: each row's length before the step); the kept tokens
+        emitted. ``flown``: a flight's rows (flights.py), whose blocks are hashed after the
+        rewind."""
         drafts = [p.tokens for p in proposals]
-        L = 1 + max(len(d) for d in drafts)
-        tokens = [[r.pending] + d + [r.pending] * (L - 1 - len(d)) for r, d in zip(rows, drafts)]
-        starts = [r.seq.length for r in rows]
-        # A recurrent row's states before the step: they will read every token fed, padding and
-        # rejected drafts too (a state is never written in place: references are a snapshot).
-        saved = [[c.snapshot() for c in r.states] for r in rows] if self.recurrent else None
-        batch = self._batch(rows, tokens, self.attention)
-        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
         picks = [rows_mod.verify(r, logits[b], p) for b, (r, p) in enumerate(zip(rows, proposals))]
         # Each token's log-probs as an array of its own, evaluated here like the rest: a slice
         # made later, on this thread, would fail in the consumer's thread (not its stream).
         per_token = [[lp[j] for j in range(lp.shape[0])] for _, _, lp in picks]
         mx.eval(picks, per_token, self._stores(), [rows_mod.draft_state(r) for r in rows])
-        self.steps_run += 1
         kept = [int(a.item()) for a, _, _ in picks]
         after = [int(t.item()) for _, t, _ in picks]
         if self.turns is not None:  # rank 0's, where only rank 0 samples (batching.py)
             kept, after = self.turns.adopt_kept(rows, kept, after)
         for r, start, a in zip(rows, starts, kept):
             self._rewind(r, start + 1 + a)  # the fed token and the accepted drafts
+            if flown:
+                self._hash_full(r)
         if saved is not None:
-            self._refeed_states(rows, drafts, saved, starts, kept, L)
+            self._refeed_states(rows, drafts, saved, starts, kept, logits.shape[1])
             for r in rows:
                 self._mark_block(r)
         for r, d, a, t, logprobs in zip(rows, drafts, kept, after, per_token):

@@ -35,10 +35,11 @@ import mlx.core as mx
 
 
 class Flight:
-    """One micro-batch of decoding rows on its way through the ranks."""
+    """One micro-batch of decoding rows on its way through the ranks (``tokens``: (B, L), L > 1
+    where rows verify drafts; the engine keeps what it needs at the landing beside them)."""
 
     def __init__(self, rows: list, tokens: mx.array, views: list) -> None:
-        self.rows, self.tokens, self.views = rows, tokens, views  # tokens: (B, 1)
+        self.rows, self.tokens, self.views = rows, tokens, views
         self.incoming: mx.array | None = None  # this rank's input, from the rank before
 
 
@@ -62,7 +63,7 @@ class MicroPipeline:
 
     def tick(self, new: Flight | None) -> tuple[Flight, mx.array] | None:
         """Advance every flight one stage, ``new`` entering at stage 0; the flight that lands
-        with its logits (B, V), the same on every rank, or None."""
+        with its logits (B, L, V), the same on every rank, or None."""
         ranks, model = self.ranks, self.model
         r, last = ranks.rank, ranks.size - 1
         self.stages = [new, *self.stages[:-1]]
@@ -77,13 +78,13 @@ class MicroPipeline:
             out = self._run(mine, what)
         logits = None
         if landing is not None:
-            B = landing.tokens.shape[0]
-            logits = out[:, -1, :] if ranks.last else mx.zeros((B, model.vocab_rows))
+            shape = (*landing.tokens.shape, model.vocab_rows)
+            logits = out if ranks.last else mx.zeros(shape, dtype=model.logits_dtype)
             logits = ranks.all_sum(logits.astype(model.logits_dtype))
             ranks.run(f"{what}: sharing logits", logits, peer=last)
         before = self.stages[r - 1] if r > 0 else None
         if before is not None:  # the flight rank r-1 ran: rank r's at the next tick
-            shape = (before.tokens.shape[0], 1, model.activation_width)
+            shape = (*before.tokens.shape, model.activation_width)
             h = mx.distributed.recv(shape, model.activation_dtype, r - 1, group=ranks.group)
             ranks.run(f"{what}: receiving activations", h, peer=r - 1)
             before.incoming = h
@@ -96,7 +97,7 @@ class MicroPipeline:
 
     def _run(self, flight: Flight, what: str) -> mx.array:
         """This rank's blocks over ``flight``, evaluated with its keys' writes: the logits
-        (B, 1, V) on the last rank, else the activations for the next."""
+        (B, L, V) on the last rank, else the activations for the next."""
         model, ranks = self.model, self.ranks
         if not ranks.first:
             model.entry.incoming = flight.incoming
