@@ -108,11 +108,8 @@ def _run_rank(run, load: dict, args, kwargs, name: str) -> None:
     for key, flag in UNSUPPORTED.items():
         if kwargs.get(key):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
-    if load["distributed"] == "pipeline" and kwargs.get("self_draft_layers") is not None:
-        from .distributed.pipeline import SELF_DRAFT_REFUSED
-
-        # (A tensor run that falls back to the pipeline refuses it at SelfDraft's check.)
-        raise click.ClickException(SELF_DRAFT_REFUSED)
+    if kwargs.get("self_draft_layers") is not None:  # a pipeline's rank 0 drafts: its head
+        load["head_on_first"] = True  # (where tensor falls back to the pipeline too)
     shared_dir = None
     try:
         ranks = current(load["rank_timeout"])

@@ -250,6 +250,7 @@ def load(
     rank_timeout: float | None = None,
     rank_memory: str | list[int] | None = None,
     micro_batches: bool = True,
+    head_on_first: bool = False,
 ):
     """Load a model directory, a ``.gguf`` file (imported once into the cache), a Hub repo id,
     or (``None``) the default model.
@@ -259,7 +260,9 @@ def load(
     layers in proportion to each rank's memory with ``rank_memory`` ("auto", or bytes: one
     figure, or one per rank), else by count (docs/distributed.md); ``micro_batches``: a
     pipeline's batching engines decode in flights of rows, one at each rank's stage (False:
-    every row through the ranks one after another; ``Engine(micro_batches=)`` per engine).
+    every row through the ranks one after another; ``Engine(micro_batches=)`` per engine);
+    ``head_on_first``: a pipeline's rank 0 holds an untied LM head too (self-drafting with its
+    first blocks, ``SelfDraft``; a tied head is there anyway).
 
     Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
@@ -295,6 +298,7 @@ def load(
                 dtype=resolved,
                 log=log,
                 rank_memory=rank_memory,
+                head_on_first=head_on_first,
             )
             model.micro_batches = micro_batches
             return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)

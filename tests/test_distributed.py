@@ -633,9 +633,11 @@ def test_a_tensor_rank_self_drafts_each_step_under_the_watchdog(llama):
     """``SelfDraft`` on a tensor rank's model (here one rank: no launch): the rank's own first
     block drafts, each draft forward one evaluation of its own under ``Ranks.run``, and the
     tokens and every step's drafted / accepted counts are one process's with the same draft;
-    a pipeline rank refuses it in one line (the loop's check, before the prefill)."""
+    the same through a pipeline, whose rank 0 drafts (``PipelineModel.first_blocks``), and which
+    refuses in one line (the loop's check, before the prefill) a draft deeper than rank 0's
+    blocks or without a head on rank 0."""
     from mlxinfer import load, stream_generate
-    from mlxinfer.distributed.pipeline import SELF_DRAFT_REFUSED, PipelineModel
+    from mlxinfer.distributed.pipeline import PipelineModel
     from mlxinfer.distributed.tensor import TensorModel
     from mlxinfer.errors import DraftError
     from mlxinfer.generation.drafts import SelfDraft
@@ -665,39 +667,41 @@ def test_a_tensor_rank_self_drafts_each_step_under_the_watchdog(llama):
     assert drafted[-1] == f"tensor draft step {stats.draft_tokens} (the first 1 blocks)"
 
     pipeline = PipelineModel(model, ranks, range(0, 3), 3)
-    with pytest.raises(DraftError) as refused:
-        SelfDraft(1).check(pipeline, tok)
-    assert str(refused.value) == SELF_DRAFT_REFUSED
-
-
-def test_self_drafting_across_a_pipeline_is_refused_before_the_ranks_start(llama):
-    from click.testing import CliRunner
-
-    from mlxinfer.cli import cli
-
-    command = _generate(llama[0], "--self-draft-layers", "1")[3:]  # generate -m DIR ...
-    result = CliRunner().invoke(cli, command)
-    assert result.exit_code == 1
-    assert result.stderr == (
-        "Error: --self-draft-layers across ranks: tensor only "
-        "(the pipeline's first blocks and head are on different ranks)\n"
+    pipeline.logits_dtype, pipeline.vocab_rows = model.head.weight.dtype, model.head.weight.shape[0]
+    pipeline.first_range = range(0, 2)  # rank 0's blocks, as on the first of two ranks
+    for n, head, why in [(2, True, "at most 1 .*fewer than its 2"), (1, False, "no LM head")]:
+        pipeline.head_on_first = head
+        with pytest.raises(DraftError, match=why):
+            SelfDraft(n).check(pipeline, tok)
+    pipeline.head_on_first = True
+    evaluated.clear()
+    tokens, stats = steps(pipeline, SelfDraft(1))
+    assert tokens == plain
+    assert (stats.draft_tokens, stats.accepted_tokens) == (
+        alone_stats.draft_tokens,
+        alone_stats.accepted_tokens,
     )
+    drafted = [w for w in evaluated if w.startswith("pipeline draft step")]
+    assert len(drafted) == 2 * stats.draft_tokens  # its blocks, then its logits shared
 
 
 @SLOW
 @pytest.mark.slow
-def test_generate_self_drafting_across_tensor_ranks_matches_one_process(llama, odd_llama, tmp_path):
-    """``generate --distributed tensor --self-draft-layers 1``: each rank drafts with its own
-    first block (its share of the heads, summed over the ranks), greedy and seeded: one
-    process's text with the same flag (greedy: and without a draft), and the same drafts
-    accepted of the same drafted (the verbose lines of every rank). A model whose heads do not
-    divide falls back to the pipeline: every rank refuses the self-draft in one line."""
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_generate_self_drafting_across_ranks_matches_one_process(llama, odd_llama, tmp_path, mode):
+    """``generate --distributed tensor|pipeline --self-draft-layers 1``: under tensor each rank
+    drafts with its own first block (its share of the heads, summed over the ranks), over the
+    pipeline rank 0 drafts with its first block and its head, its logits shared; greedy and
+    seeded: one process's text with the same flag (greedy: and without a draft), and the same
+    drafts accepted of the same drafted (the verbose lines of every rank). A model whose heads
+    do not divide falls back to the pipeline, where rank 0's one block leaves none to draft
+    with: every rank refuses in one line."""
     path = llama[0]
     for extra in ([], ["--temp", "0.9", "--seed", "3"]):
         command = _generate(path, "--self-draft-layers", "1", "--verbose", *extra)
         command[command.index("30000")] = "40"
-        command[command.index("pipeline")] = "tensor"
-        alone = [c for c in command if c not in ("--distributed", "tensor")]
+        command[command.index("pipeline")] = mode
+        alone = [c for c in command if c not in ("--distributed", mode)]
         one = subprocess.run(alone, capture_output=True, text=True, timeout=WAIT_S)
         assert one.returncode == 0 and one.stdout.strip(), one.stderr
         if not extra:  # speculative decoding changes no greedy token
@@ -711,12 +715,14 @@ def test_generate_self_drafting_across_tensor_ranks_matches_one_process(llama, o
         assert int(accepted[1]) > 0  # it drafted
         assert re.findall(r"draft accepted +(\d+)/(\d+)", done.stderr) == [accepted] * 2
 
+    if mode == "pipeline":
+        return
     command = _generate(odd_llama[0], "--self-draft-layers", "1")
     command[command.index("pipeline")] = "tensor"
     done = _launch(tmp_path, "-n", "2", "--", *command)
     assert done.returncode == 1 and done.stdout == ""
     assert "falls back to the pipeline" in done.stderr and "Traceback" not in done.stderr
-    refused = "Error: --self-draft-layers across ranks: tensor only (the pipeline's first"
+    refused = "Error: --self-draft-layers 1 across a pipeline: at most 0 (the drafting blocks"
     assert done.stderr.count(refused) == 2, done.stderr
 
 

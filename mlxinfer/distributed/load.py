@@ -55,6 +55,7 @@ def load_model(
     dtype: mx.Dtype | None = None,
     log: Callable[[str], None] | None = None,
     rank_memory: str | list[int] | None = None,
+    head_on_first: bool = False,
 ):
     """This rank's model for ``mode``: a :class:`PipelineModel` or a :class:`TensorModel`,
     called as the whole model is. ``mode="tensor"`` falls back to the pipeline, with one
@@ -62,7 +63,9 @@ def load_model(
     checkpoint's safetensors files; ``load_weights``: the loader's strict
     ``load_weights_into``. ``rank_memory``: the pipeline's layer ranges in proportion to each
     rank's memory: ``"auto"`` (what each machine can give now), or bytes, one figure for
-    every rank or one per rank (the same list on every rank); None: by layer count."""
+    every rank or one per rank (the same list on every rank); None: by layer count.
+    ``head_on_first``: a pipeline's rank 0 holds an untied LM head too, for self-drafting with
+    its first blocks (``PipelineModel.first_blocks``)."""
     if mode not in MODES:
         raise DistributedError(f"distributed={mode!r}: expected one of {', '.join(MODES)}")
     model_dir = Path(model_dir)
@@ -77,7 +80,10 @@ def load_model(
             return _tensor(model, config, model_dir, ranks, **read)
         if log is not None and ranks.first:
             log(f"distributed: tensor parallelism falls back to the pipeline: {reason}")
-    return _pipeline(model, config, model_dir, ranks, shares=_shares(ranks, rank_memory), **read)
+    shares = _shares(ranks, rank_memory)
+    return _pipeline(
+        model, config, model_dir, ranks, shares=shares, head_on_first=head_on_first, **read
+    )
 
 
 def _shares(ranks: Ranks, rank_memory: str | list[int] | None) -> list[int] | None:
@@ -137,14 +143,24 @@ def _tensor(model, config, model_dir, ranks, *, files, load_weights, dtype, log)
 
 
 def _pipeline(
-    model, config, model_dir, ranks, *, files, load_weights, dtype, log, shares=None
+    model,
+    config,
+    model_dir,
+    ranks,
+    *,
+    files,
+    load_weights,
+    dtype,
+    log,
+    shares=None,
+    head_on_first=False,
 ) -> PipelineModel:
     names = WeightNames(model)
     n_layers = len(model.layers)
     layers = layer_ranges(n_layers, ranks.size, shares)[ranks.rank]
     hidden = int(model.embedding.weight.shape[-1])  # built, not yet loaded: never packed
     weights = loading.lazy_weights(files, model_dir, model, config, log)
-    keep = keep_parts(model, ranks, layers, dtype or mx.float32)
+    keep = keep_parts(model, ranks, layers, dtype or mx.float32, head_on_first)
     weights = names.for_pipeline(weights, layers, **keep)
     weights.update(  # the stubs' empty weights (pipeline.Absent)
         (k, v) for k, v in tree_flatten(model.parameters()) if v.size == 0 and k not in weights
@@ -158,6 +174,8 @@ def _pipeline(
     loading.evaluate_all(model)
     backends.apply(model, log=log)
     wrapper = PipelineModel(model, ranks, layers, n_layers)
+    wrapper.first_range = layer_ranges(n_layers, ranks.size, shares)[0]  # the same everywhere
+    wrapper.head_on_first = model.tied or head_on_first
     # The ranks agree on what they exchange: rank 0's float dtype, the last rank's head rows.
     code = _DTYPES.index(_float_dtype(model)) if ranks.first else 0
     rows = int(model.head.weight.shape[0]) if ranks.last else 0

@@ -39,13 +39,10 @@ import numpy as np
 
 from ..cache import Cache
 from ..errors import DraftError
+from ..generation.drafts import first_blocks
 from .group import Ranks
 
 SYNC_ROWS = 64  # positions whose logits are shared within the step (decode, verification)
-SELF_DRAFT_REFUSED = (
-    "--self-draft-layers across ranks: tensor only "
-    "(the pipeline's first blocks and head are on different ranks)"
-)
 
 
 def kv_nbytes(cache: list) -> int:
@@ -106,14 +103,18 @@ def local_args(args: Any, layers: range, n_layers: int) -> Any:
     return args
 
 
-def keep_parts(model: nn.Module, ranks: Ranks, layers: range, dtype: mx.Dtype) -> dict:
+def keep_parts(
+    model: nn.Module, ranks: Ranks, layers: range, dtype: mx.Dtype, head_on_first: bool = False
+) -> dict:
     """Cut ``model`` (built, unloaded) to this rank's part; returns which of the embedding and
-    head it keeps (``{"embedding": bool, "head": bool}``)."""
+    head it keeps (``{"embedding": bool, "head": bool}``). ``head_on_first``: rank 0 keeps an
+    untied LM head too (a self-draft's: :meth:`PipelineModel.first_blocks`)."""
     inner = model[model.inner_name]
     n_layers = len(model.layers)
     hidden = int(model.embedding.weight.shape[-1])
     inner[model.layers_name] = model.layers[layers.start : layers.stop]
-    keep = {"embedding": ranks.first or (ranks.last and model.tied), "head": ranks.last}
+    head = ranks.last or (ranks.first and head_on_first)
+    keep = {"embedding": ranks.first or (ranks.last and model.tied), "head": head}
     if not keep["embedding"]:
         inner[model.embed_name] = Absent(hidden, dtype)
     if not model.tied and not keep["head"]:
@@ -226,9 +227,23 @@ class PipelineModel(RankModel):
 
         return MicroPipeline(self)
 
-    def first_blocks(self, n: int):
-        """A self-draft's view (``SelfDraft``): refused, on every rank alike (before a forward)."""
-        raise DraftError(SELF_DRAFT_REFUSED)
+    def first_blocks(self, n: int) -> PipelineDraft:
+        """A self-draft's view (``SelfDraft``): the first ``n`` blocks, which must be rank 0's,
+        its final norm and its head (the embedding where tied; else the head rank 0 holds when
+        loaded with ``head_on_first``). Refused on every rank alike, before a forward."""
+        first = self.first_range
+        if not 1 <= n < len(first):
+            raise DraftError(
+                f"--self-draft-layers {n} across a pipeline: at most {len(first) - 1} (the "
+                f"drafting blocks must be rank 0's, fewer than its {len(first)}: layers "
+                f"{first.start}-{first.stop - 1})"
+            )
+        if not self.head_on_first:
+            raise DraftError(
+                "--self-draft-layers across a pipeline: rank 0 holds no LM head (an untied head "
+                "lives on the last rank: load with head_on_first=True, as the CLI does)"
+            )
+        return PipelineDraft(first_blocks(self.model, n) if self.ranks.first else None, self, n)
 
     @property
     def part(self) -> str:
@@ -261,3 +276,31 @@ class PipelineModel(RankModel):
     activation_dtype: mx.Dtype
     logits_dtype: mx.Dtype
     vocab_rows: int
+    # Rank 0's layers, and whether it holds the LM head (tied, or loaded with head_on_first).
+    first_range: range = range(0)
+    head_on_first: bool = False
+
+
+class PipelineDraft:
+    """The first blocks of a pipeline, called as the model is: rank 0 runs them with its final
+    norm and head, and its logits reach every rank (an exact all-sum), so that every rank draws
+    the same drafts with the shared seed (the verification's token check compares them). Each
+    call is two evaluations under the watchdog; the other ranks' caches are not touched."""
+
+    def __init__(self, view: nn.Module | None, model: PipelineModel, n: int):
+        self.view, self.model, self.n = view, model, n
+        self.steps = 0
+
+    def __call__(self, inputs: mx.array, cache: list[Cache]) -> mx.array:
+        model, ranks = self.model, self.model.ranks
+        self.steps += 1
+        step = f"pipeline draft step {self.steps} (the first {self.n} blocks, on rank 0)"
+        B, L = inputs.shape
+        if self.view is not None:
+            logits = self.view(inputs, cache).astype(model.logits_dtype)  # (B, L, V)
+            ranks.run(step, [logits, *(c.state for c in cache[: self.n])], kind="computing")
+        else:
+            logits = mx.zeros((B, L, model.vocab_rows), dtype=model.logits_dtype)
+        shared = ranks.all_sum(logits)
+        ranks.run(f"{step}: sharing its logits", shared, peer=0)
+        return shared
