@@ -173,3 +173,33 @@ def test_a_block_filled_in_flight_reaches_the_disk_tier_with_its_keys(model, tmp
     for s, (t, lp) in zip(steps, _alone(model, again, 3)):
         assert s.token == t
         np.testing.assert_allclose(np.array(s.logprobs), lp, atol=1e-4)
+
+
+def test_rows_drafting_with_a_draft_model_verify_in_flights(model):
+    """Rows drafting with a draft model (here the model itself, whose drafts the target keeps)
+    beside a plain row: the draft pool proposes for a flight's rows at its forming and rewinds
+    at its landing; greedy, every row's tokens and log-probs are its plain decoding's."""
+    from mlxinfer.generation.drafts import DraftModel
+
+    draft = DraftModel(model)
+    prompts = [_prompt(n, 60 + n) for n in (7, 20, 3, 41)]
+    runs = []
+    for flights in (True, False):
+        engine = _engine(model, block_size=8) if flights else Engine(model, block_size=8)
+        with engine:
+            with engine._cond:
+                handles = [
+                    engine.submit(p, max_tokens=10, draft=None if i == 2 else draft)
+                    for i, p in enumerate(prompts)
+                ]
+            runs.append([list(h.steps()) for h in handles])
+            assert engine.stats().blocks_in_use == 0 and engine.accepted_tokens > 0
+            assert not flights or engine.micro.widest > 1
+    got, plain = runs
+    # Each row's drafts depend on its own tokens alone: the same kept, in flights or not.
+    assert [[s.from_draft for s in r] for r in got] == [[s.from_draft for s in r] for r in plain]
+    for prompt, steps in zip(prompts, got):
+        alone = _alone(model, prompt, 10)
+        assert [s.token for s in steps] == [t for t, _ in alone]
+        for s, (_, lp) in zip(steps, alone):
+            np.testing.assert_allclose(np.array(s.logprobs), lp, atol=1e-4)

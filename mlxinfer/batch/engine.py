@@ -88,8 +88,7 @@ class Engine(TextRequests, Scheduler):
         micro_batches: for a model across pipeline ranks, decode in flights of about 1/S of
             the rows, one at each rank's stage (``distributed/micro.py``), not every row through
             the ranks one after another; None: as loaded (``load(micro_batches=)``, default
-            on). Not for recurrent models or frequencies that follow the length, and not for
-            rows drafting with a draft model (they take the plain step).
+            on). Not for recurrent models or frequencies that follow the length.
     """
 
     def __init__(

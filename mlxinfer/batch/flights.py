@@ -4,12 +4,12 @@ which decoding rows form the next flight, and what happens when a flight lands.
 Each turn is one tick of the pipeline: the rows ready to decode (their last token sampled) form a
 flight of about 1/S of the decoding rows, which enters rank 0's stage while the flights formed at
 the previous S - 1 turns move one stage on; the flight that leaves the last rank lands, and its
-rows are sampled as a plain step's are. A flight with rows drafting by prompt lookup verifies
-their drafts: their proposals are made at its forming, their acceptance (and the rewind of the
-rejected drafts) at its landing. A row is *flying* from its flight's forming to its landing: its
-prompt is not prefilled further, its cancellation waits for the landing (its blocks stay its own
-while a rank has still to write their keys), and its full blocks are hashed at the landing only
-(``KVPool.hash_full``). Rows drafting with a draft model take the plain step beside the flights.
+rows are sampled as a plain step's are. A flight with drafting rows (prompt lookup, a draft
+model) verifies their drafts: their proposals are made at its forming (a draft model's forwards,
+rank 0's drafts shared), their acceptance and the rewind of the rejected drafts at its landing.
+A row is *flying* from its flight's forming to its landing: its prompt is not prefilled further,
+its cancellation waits for the landing (its blocks stay its own while a rank has still to write
+their keys), and its full blocks are hashed at the landing only (``KVPool.hash_full``).
 """
 
 from __future__ import annotations
@@ -19,25 +19,18 @@ import mlx.core as mx
 from .requests import _Request
 
 
-def flies(request: _Request) -> bool:
-    """Whether ``request`` decodes in flights: plainly, or drafting by prompt lookup (a draft
-    model's rows, whose draft pool rewinds with the target's, take the plain step)."""
-    return request.draft_model is None and not getattr(request.drafter, "rank0", False)
-
-
 class FlyingRows:
     """Mixed into :class:`~.scheduler.Scheduler` (``micro``: the model's ``MicroPipeline``,
     or None where the engine does not micro-batch)."""
 
     def _decode_micro(self, rows: list[_Request]) -> list[_Request]:
-        """One tick over the rows ready to decode; the rows left to the plain step (a draft
-        model's; every ready row while fewer than one per rank decode and nothing flies)."""
+        """One tick over the rows ready to decode; the rows left to the plain step (every
+        ready row while fewer than one per rank decode and nothing flies; else none)."""
         micro = self.micro
-        ready = [r for r in rows if flies(r)]
         flying = sum(len(f.rows) for f in micro.flying())
-        if not flying and len(ready) < micro.size:
+        if not flying and len(rows) < micro.size:
             return rows
-        take = ready[: -(-(len(ready) + flying) // micro.size)]  # about 1/S of the rows
+        take = rows[: -(-(len(rows) + flying) // micro.size)]  # about 1/S of the rows
         new = None
         if take:
             new = self._form(take)
@@ -45,7 +38,7 @@ class FlyingRows:
         self.steps_run += 1
         if landed is not None:
             self._land(*landed)
-        return [r for r in rows if not flies(r)]
+        return []
 
     def _form(self, rows: list[_Request]):
         """A flight of ``rows``: their tokens (and drafts, if any row drafts) fed, their views

@@ -26,8 +26,6 @@ class Rank0Drafts:
     proposes nothing itself (:meth:`Turns.adopt_drafts` puts rank 0's drafts in its place) and
     holds no cache to rewind."""
 
-    rank0 = True  # (batch/flights.py: such a row takes the plain step, as rank 0's does)
-
     def propose(self, tokens, k, sampler):
         return mx.array([], dtype=mx.int32), None
 
