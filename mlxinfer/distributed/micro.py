@@ -6,7 +6,7 @@ micro-batch of its decoding rows) at each stage: at a tick, rank r runs its bloc
 flight at stage r, so with S ranks S flights advance at once. A flight formed at tick t is at
 stage r at tick t + r; its logits reach every rank at the end of tick t + S - 1 (its *landing*),
 when the engine samples its rows, which may then join the next flight. The engine's bookkeeping
-for a flight is so one turn behind per stage (``batch/scheduler.py``: ``_decode_micro``).
+for a flight is so one turn behind per stage (``batch/flights.py``).
 
 What every rank agrees on by construction (the engine's state is the same on every rank): which
 flight is at which stage, and each flight's rows, tokens and views of the pool (built once, at
@@ -41,6 +41,9 @@ class Flight:
     def __init__(self, rows: list, tokens: mx.array, views: list) -> None:
         self.rows, self.tokens, self.views = rows, tokens, views
         self.incoming: mx.array | None = None  # this rank's input, from the rank before
+        # The engine's, for the landing: the rows' drafts (None: no row drafts) and lengths.
+        self.proposals: list | None = None
+        self.starts: list[int] = []
 
 
 class MicroPipeline:

@@ -233,9 +233,10 @@ class PipelineModel(RankModel):
         loaded with ``head_on_first``). Refused on every rank alike, before a forward."""
         first = self.first_range
         if not 1 <= n < len(first):
+            allowed = f"expected 1 to {len(first) - 1}" if len(first) > 1 else "none allowed"
             raise DraftError(
-                f"--self-draft-layers {n} across a pipeline: at most {len(first) - 1} (the "
-                f"drafting blocks must be rank 0's, fewer than its {len(first)}: layers "
+                f"--self-draft-layers {n} across a pipeline: {allowed} (the drafting blocks "
+                f"must be rank 0's, fewer than its {len(first)}: layers "
                 f"{first.start}-{first.stop - 1})"
             )
         if not self.head_on_first:
