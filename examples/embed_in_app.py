@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from mlxinfer.blas import preload_openblas
+from mlxinfer.platform.blas import preload_openblas
 
 preload_openblas()  # Linux only, before MLX loads: use the system OpenBLAS if there is one
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from mlxinfer.blas import preload_openblas
+from mlxinfer.platform.blas import preload_openblas
 
 preload_openblas()  # Linux only, before MLX loads
 

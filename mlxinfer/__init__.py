@@ -18,40 +18,40 @@ Public API::
 Importing this package loads nothing heavy: the modules (and MLX) load on first
 use of an attribute. On Linux it does one thing first: it loads a fast BLAS for
 MLX's CPU backend when one is installed, which only works before MLX is imported
-(blas.py; docs/blas.md).
+(platform/blas.py; docs/blas.md).
 """
 
 from importlib import import_module
 
-from .blas import preload_openblas
+from .platform.blas import preload_openblas
 
 preload_openblas()
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load": "loader",
+    "load": "loading.loader",
     "generate": "generation",
     "stream_generate": "generation",
     "GenerationResult": "generation.results",
     "GenerationStats": "generation.results",
     "SamplingParams": "generation.sampling",
-    "convert": "conversion",
-    "verify": "manifest",
+    "convert": "loading.convert",
+    "verify": "files.manifest",
     "make_sampler": "generation.sampling",
     "make_logits_processors": "generation.sampling",
-    "PromptCache": "prompt_cache",
+    "PromptCache": "cache.prompt",
     "DraftModel": "generation.drafts",
     "PromptLookup": "generation.drafts",
     "SelfDraft": "generation.drafts",
-    "ChatSession": "chat",
+    "ChatSession": "generation.chat",
     "Tokenizer": "tokenization",
     "MlxInferError": "errors",
     "batch_generate": "batch",
     "Engine": "batch",
-    "ModelHandle": "app",
-    "astream_generate": "app",
-    "Constraint": "constraints",
+    "ModelHandle": "handle",
+    "astream_generate": "handle",
+    "Constraint": "output.constraints",
     "embed": "embeddings",
     "Pooling": "embeddings",
     "read_pooling": "embeddings",

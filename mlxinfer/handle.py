@@ -24,7 +24,7 @@ from .batch import Engine, Stream
 from .batch.pool import DEFAULT_KV_BUDGET
 from .generation.results import GenerationResult
 from .generation.sampling import SAMPLING_FIELDS, SamplingParams
-from .progress import Progress
+from .platform.progress import Progress
 
 # stream_generate's options the engine takes as they are (sampling ones become a SamplingParams)
 ENGINE_OPTIONS = {
@@ -53,7 +53,7 @@ class ModelHandle:
     :meth:`unload` or after ``keep_alive`` idle seconds (no request running).
 
     ``path``: a model directory, a Hub repo id, or None for the default model.
-    ``progress``: a ``(stage, done, total)`` callback for loads (:mod:`mlxinfer.progress`).
+    ``progress``: a ``(stage, done, total)`` callback for loads (:mod:`mlxinfer.platform.progress`).
     ``force``: load even if the weights and the engine's ``kv_budget`` exceed the memory the
     machine can give (an InsufficientMemoryError naming the numbers otherwise).
     ``engine_options``: for the :class:`~mlxinfer.batch.Engine` (``max_batch``, ``kv_budget``...).
@@ -91,7 +91,7 @@ class ModelHandle:
         """Load now (a no-op when loaded); returns the handle."""
         from mlx.utils import tree_flatten
 
-        from .loader import load
+        from .loading.loader import load
 
         with self._lock:
             if self.engine is None:

@@ -12,7 +12,7 @@ os.environ.setdefault("MLXINFER_CACHE", tempfile.mkdtemp(prefix="mlxinfer-test-c
 # here), and every option rounds differently. The plans' own tests set their options themselves.
 os.environ.setdefault("MLXINFER_CPU_PLANS", "off")
 
-from mlxinfer.blas import preload_openblas  # noqa: E402
+from mlxinfer.platform.blas import preload_openblas  # noqa: E402
 
 preload_openblas()
 
@@ -38,7 +38,7 @@ def smollm2_mlx_dir():
 @pytest.fixture(scope="session")
 def smollm2_f32_dir(smollm2_hf_dir, tmp_path_factory):
     """The HF reference checkpoint converted by `mlxinfer.convert` at float32."""
-    from mlxinfer.conversion import convert
+    from mlxinfer.loading.convert import convert
 
     out = tmp_path_factory.mktemp("smollm2") / "f32"
     convert(smollm2_hf_dir, out, dtype="float32")

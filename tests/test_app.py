@@ -1,4 +1,4 @@
-"""The app API (mlxinfer/app.py): the model handle, cancellation from another thread, the async
+"""The app API (mlxinfer/handle.py): the model handle, cancellation from another thread, the async
 stream, progress, residency, the memory guard and the thread-safety contract."""
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_several_threads_share_one_handle(handle, tiny_dir):
 
 
 def test_a_model_larger_than_the_working_set_is_refused_unless_forced(tiny_dir, monkeypatch):
-    import mlxinfer.loader as loader
+    import mlxinfer.loading.loader as loader
 
     monkeypatch.setattr(loader, "recommended_working_set", lambda: 1000)
     with pytest.raises(WeightsError, match="recommended working set is 0.0 GB") as e:

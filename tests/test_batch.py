@@ -26,7 +26,7 @@ from mlxinfer.batch.layout import layer_shapes
 from mlxinfer.batch.pool import LayerShape
 from mlxinfer.generation import generate_step
 from mlxinfer.generation.sampling import SamplingParams
-from mlxinfer.loader import load_model
+from mlxinfer.loading.loader import load_model
 
 LONG = dict(max_position_embeddings=1024)
 FAMILIES = {
@@ -523,7 +523,7 @@ def test_fork_copies_the_shared_partial_block_on_write():
 
 
 def test_a_cache_the_pool_does_not_hold_is_named(llama, monkeypatch):
-    from mlxinfer.quantized_cache import QuantizedKVCache
+    from mlxinfer.cache.quantized import QuantizedKVCache
 
     model, _ = llama
     monkeypatch.setattr(model, "make_cache", lambda: [QuantizedKVCache(bits=8)])
@@ -558,7 +558,7 @@ def test_prompt_file_lines_and_json_lines(tmp_path):
 def test_a_bad_prompt_file_names_the_file_and_line(tmp_path, text, message):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     path = tmp_path / "p.jsonl"
     path.write_text(text)
@@ -570,7 +570,7 @@ def test_a_bad_prompt_file_names_the_file_and_line(tmp_path, text, message):
 def test_batch_refuses_options_it_does_not_take_yet(tmp_path):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     path = tmp_path / "p.txt"
     path.write_text("Hello\n")
@@ -592,7 +592,7 @@ def test_generate_batch_with_a_draft_model_prints_the_plain_texts(tmp_path):
     from click.testing import CliRunner
     from hf_models import add_tokenizer
 
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     target, _ = make_tiny(tmp_path / "target", vocab_size=320)
     draft, _ = make_tiny(tmp_path / "draft", vocab_size=320, num_hidden_layers=1, seed=1)
@@ -672,7 +672,7 @@ def test_attention_over_pages_is_attention_over_the_rows_keys(window, cpu_exp, w
     sink logit per head (gpt-oss) or none."""
     from mlxinfer.backends.cpu import ops
     from mlxinfer.batch.views import _page_index
-    from mlxinfer.cache import Pages
+    from mlxinfer.cache.kv import Pages
     from mlxinfer.models.layers.attention import paged_attention
 
     rng = np.random.default_rng(0)
@@ -799,8 +799,8 @@ def test_rewinding_a_sequence_returns_its_draft_blocks():
 
 
 def test_the_engine_drafts_by_prompt_lookup_or_a_draft_model_only(llama):
+    from mlxinfer.cache.prompt import PromptCache
     from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
-    from mlxinfer.prompt_cache import PromptCache
 
     model, _ = llama
     with Engine(model) as engine:
@@ -1053,7 +1053,7 @@ def test_a_quantized_pool_gives_the_quantized_caches_logits(llama64, bits):
     """``Engine(kv_bits=)`` stores keys and values as ``QuantizedKVCache`` does (per token, per
     group of 64): each row's log-probs equal the single-request loop's over that cache (1e-4), and
     8-bit greedy tokens are still transformers'."""
-    from mlxinfer.prompt_cache import PromptCache
+    from mlxinfer.cache.prompt import PromptCache
 
     model, torch_model = llama64
     prompts = [_prompt(n, 30 + n) for n in (9, 40, 75)]

@@ -18,8 +18,8 @@ from hf_models import add_tokenizer, make_tiny
 
 from mlxinfer import bench as b
 from mlxinfer.bench import report as bench_report
-from mlxinfer.cli import cli
-from mlxinfer.conversion import convert
+from mlxinfer.cli.main import cli
+from mlxinfer.loading.convert import convert
 
 P, N, REPS = (8, 16), 4, 2
 METRICS = ("prefill_tps", "decode_tps", "ttft_s", "peak_memory_gb")
@@ -296,7 +296,7 @@ def test_parse_trials_without_trials_quotes_the_output_tail():
 
 
 def test_child_gets_our_blas_preloaded(monkeypatch):
-    monkeypatch.setattr("mlxinfer.blas._loaded", "/opt/lib/libopenblas.so.0")
+    monkeypatch.setattr("mlxinfer.platform.blas._loaded", "/opt/lib/libopenblas.so.0")
     monkeypatch.setenv("LD_PRELOAD", "/other.so")
     assert b.child_env()["LD_PRELOAD"] == "/opt/lib/libopenblas.so.0:/other.so"
     cmd = b.mlx_lm_command(Path("/m"), 64, 8, 3)

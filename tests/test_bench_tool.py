@@ -9,7 +9,7 @@ import pytest
 from fixtures import load_script
 from hf_models import add_tokenizer, make_tiny
 
-from mlxinfer.conversion import convert
+from mlxinfer.loading.convert import convert
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import sys
 import pytest
 from hf_models import add_tokenizer, make_tiny
 
-from mlxinfer.blas import find_fast_blas
+from mlxinfer.platform.blas import find_fast_blas
 
 pytestmark = [
     pytest.mark.skipif(

@@ -1,5 +1,5 @@
 """The check that the fast BLAS multiplies right on this machine, run once before it is loaded
-(mlxinfer/blas_check.py, blas_probe.py; docs/blas.md).
+(mlxinfer/platform/blas_check.py, blas_probe.py; docs/blas.md).
 
 The probe's judgement is tested on a stand-in ``cblas_sgemm`` whose products are right, or one
 entry off; the choice of kernels on probe results given to it; the load itself, in a fresh
@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from mlxinfer import blas_check, blas_probe
-from mlxinfer.blas import find_fast_blas
+from mlxinfer.platform import blas_check, blas_probe
+from mlxinfer.platform.blas import find_fast_blas
 
 LIBRARY = find_fast_blas() if sys.platform.startswith("linux") else None
 

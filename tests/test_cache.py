@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from hf_models import make_tiny, torch_logits
 
-from mlxinfer.cache import KVCache, RotatingKVCache, cache_nbytes
+from mlxinfer.cache.kv import KVCache, RotatingKVCache, cache_nbytes
+from mlxinfer.cache.prompt import PromptCache
+from mlxinfer.cache.quantized import QuantizedKVCache
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
-from mlxinfer.prompt_cache import PromptCache
-from mlxinfer.quantized_cache import QuantizedKVCache
+from mlxinfer.loading.loader import load_model
 
 IDS = [5, 17, 99, 3, 240, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255, 4]
 
@@ -162,9 +162,9 @@ def test_save_and_load_round_trip(tiny, tmp_path, kind):
 def test_prefill_allocates_the_whole_prompt_once():
     """A reserved cache grows once for the whole prompt instead of once per prefill chunk,
     and gets the decode's room only after the prompt, keeping what it holds."""
-    from mlxinfer.cache import KVCache
+    from mlxinfer.cache.kv import KVCache
+    from mlxinfer.cache.prompt import PromptCache
     from mlxinfer.generation.prefill import MAX_RESERVED_DECODE, prefill
-    from mlxinfer.prompt_cache import PromptCache
 
     class Recorder:  # a one-layer "model" that writes its tokens' ids as keys
         def __call__(self, tokens, cache):

@@ -1,4 +1,4 @@
-"""Structured output (mlxinfer/constraints/): JSON Schemas, regexes, choices and grammars
+"""Structured output (mlxinfer/output/constraints/): JSON Schemas, regexes, choices and grammars
 enforced token by token.
 
 Each sampled token is checked against a matcher of the library's own, built here from the
@@ -23,9 +23,9 @@ jsonschema = pytest.importorskip(
 )
 
 from mlxinfer import Engine, PromptLookup, generate, load, stream_generate  # noqa: E402
-from mlxinfer.constraints import Constraint, from_options  # noqa: E402
-from mlxinfer.constraints.matcher import vocabulary  # noqa: E402
 from mlxinfer.errors import ConstraintError  # noqa: E402
+from mlxinfer.output.constraints import Constraint, from_options  # noqa: E402
+from mlxinfer.output.constraints.matcher import vocabulary  # noqa: E402
 
 PERSON = {
     "type": "object",
@@ -427,7 +427,7 @@ def test_sentencepiece_and_tiktoken_vocabularies(kind, tmp_path):
 def test_cli_json_schema_regex_and_choice(tiny, tmp_path):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     model_dir = str(tiny[1].path)
     schema = tmp_path / "person.json"

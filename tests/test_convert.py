@@ -13,12 +13,12 @@ import torch
 from click.testing import CliRunner
 from hf_models import add_tokenizer, make_tiny, torch_logits
 
-from mlxinfer.cli import cli
-from mlxinfer.conversion import convert
+from mlxinfer.cache.prompt import PromptCache
+from mlxinfer.cli.main import cli
 from mlxinfer.errors import ConfigError, TokenizerError, WeightsError
 from mlxinfer.generation.prefill import prefill
-from mlxinfer.loader import load_model
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 
 IDS = [5, 17, 99, 3, 240, 8, 61, 130, 2, 77, 19, 200]
 

@@ -16,7 +16,7 @@ from mlxinfer.backends.cpu import compiled, kinds
 from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.batch import Engine
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.loader import load_model
 from mlxinfer.models.layers import GatedMLP
 
 K = kernels.load()

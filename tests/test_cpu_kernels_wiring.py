@@ -14,9 +14,9 @@ from mlxinfer import backends
 from mlxinfer.backends import kernels
 from mlxinfer.backends.cpu import compiled, kinds, parallel, timing
 from mlxinfer.backends.cpu import plans as cpu_plans
-from mlxinfer.conversion import convert
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 
 K = kernels.load()
 pytestmark = [

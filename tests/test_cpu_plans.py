@@ -13,8 +13,8 @@ from mlxinfer import backends
 from mlxinfer.backends import kernels
 from mlxinfer.backends.cpu import kinds, layers, timing
 from mlxinfer.backends.cpu import plans as cpu_plans
-from mlxinfer.conversion import convert
-from mlxinfer.loader import load_model
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 from mlxinfer.models.layers.attention import quantized_attention
 
 pytestmark = pytest.mark.skipif(

@@ -19,12 +19,13 @@ from fixtures import load_script
 from hf_models import add_tokenizer, make_tiny
 
 import mlxinfer
-from mlxinfer import atomic, default_model, loader
-from mlxinfer.cli import cli
-from mlxinfer.conversion import convert
+from mlxinfer.cli.main import cli
 from mlxinfer.errors import ConfigError, WeightsError
-from mlxinfer.loader import load_model
-from mlxinfer.manifest import MANIFEST_NAME
+from mlxinfer.files import atomic
+from mlxinfer.files.manifest import MANIFEST_NAME
+from mlxinfer.loading import default_model, loader
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 
 kc = load_script("tools/kill_convert.py")
 
@@ -113,8 +114,8 @@ def test_convert_flushes_every_file_and_directory_before_the_rename_and_the_pare
 
 def test_prompt_cache_and_plan_cache_files_are_flushed_before_their_rename(tmp_path, monkeypatch):
     from mlxinfer.backends.cpu import plans
-    from mlxinfer.cache import KVCache
-    from mlxinfer.prompt_cache import load_cache, save_cache
+    from mlxinfer.cache.kv import KVCache
+    from mlxinfer.cache.prompt import load_cache, save_cache
 
     cache = KVCache()
     cache.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
@@ -139,7 +140,7 @@ def test_prompt_cache_and_plan_cache_files_are_flushed_before_their_rename(tmp_p
 WRITER = """
 import sys, time
 from pathlib import Path
-from mlxinfer.atomic import writing_dir, writing_file
+from mlxinfer.files.atomic import writing_dir, writing_file
 with (writing_dir if sys.argv[1] == "dir" else writing_file)(Path(sys.argv[2])) as tmp:
     (tmp / "half" if sys.argv[1] == "dir" else tmp).write_bytes(b"half")
     print("writing", flush=True)
@@ -417,7 +418,7 @@ def test_sigkill_during_the_default_model_import_leaves_nothing_and_the_next_use
         "MLXINFER_SMOLLM2_WHEEL": str(smollm2_gguf_path()),
     }
     dst = tmp_path / "cache" / "models" / default_model.DEFAULT_MODEL_NAME
-    code = "from mlxinfer.default_model import default_model_path; default_model_path()"
+    code = "from mlxinfer.loading.default_model import default_model_path; default_model_path()"
     proc = kc.start([sys.executable, "-c", code], env)
     assert kc.kill_when(proc, kc.writing(dst)), "exited before the moment"  # mid-import
     assert not dst.exists() and len(debris(dst)) == 1

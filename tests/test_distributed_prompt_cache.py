@@ -1,4 +1,4 @@
-"""``generate --distributed pipeline --prompt-cache-file F`` (mlxinfer/prompt_cache_file.py):
+"""``generate --distributed pipeline --prompt-cache-file F`` (mlxinfer/cache/prompt_file.py):
 each rank keeps its own layers' caches in a file of its own, ``F.rank<r>of<s>``.
 
 The ranks are started as tests/test_distributed.py starts them (MLX_RANK, MLX_HOSTFILE, one
@@ -121,7 +121,7 @@ def test_a_file_of_another_split_is_refused_in_one_line(llama, tmp_path):
     under another split (tensor rank 0/2 against pipeline rank 0/2), is refused with the
     module's one-line warning and a fresh cache; the same part's file is read."""
     import mlxinfer
-    from mlxinfer.prompt_cache_file import open_cache, rank_path, save
+    from mlxinfer.cache.prompt_file import open_cache, rank_path, save
 
     model, tokenizer = mlxinfer.load(llama)
     path = tmp_path / "s.cache"

@@ -19,7 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 from test_distributed_experts import BASE
 
-from mlxinfer.cache import KVCache, StateCache
+from mlxinfer.cache.kv import KVCache, StateCache
 from mlxinfer.distributed.placement import quantized_split_reason, tensor_split_reason
 from mlxinfer.distributed.tensor import shard
 from mlxinfer.models import build_model

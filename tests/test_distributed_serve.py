@@ -208,7 +208,7 @@ def test_a_lost_rank_fails_the_running_request_and_health(served, tmp_path):
 def test_what_does_not_serve_across_ranks_is_refused_in_one_line(flag):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     result = CliRunner().invoke(cli, ["serve", "--distributed", "pipeline", *flag])
     assert result.exit_code == 2

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from hf_models import add_tokenizer, make_tiny, torch_greedy, torch_logits, torch_logits_chunked
 
-from mlxinfer.conversion import convert
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 
 TOL = 1e-3
 IDS = [3, 17, 99, 5, 240, 8, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255, 4, 60, 91, 101]
@@ -311,8 +311,8 @@ def gemma3(tmp_path_factory):
 
 
 def test_local_layers_rotate_and_global_layers_follow_the_flags(gemma3):
-    from mlxinfer.cache import KVCache, RotatingKVCache
-    from mlxinfer.quantized_cache import QuantizedKVCache
+    from mlxinfer.cache.kv import KVCache, RotatingKVCache
+    from mlxinfer.cache.quantized import QuantizedKVCache
 
     model, torch_model = gemma3
     kinds = model.args.layer_types

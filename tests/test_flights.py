@@ -19,7 +19,7 @@ from test_batch import FAMILIES, LONG, _prompt
 from mlxinfer.batch import Engine
 from mlxinfer.distributed.micro import Flight
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.loader import load_model
 
 
 class LateFlights:

@@ -85,7 +85,7 @@ import mlx.core as mx
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mlxinfer.errors import MlxInferError, WeightsError
-from mlxinfer.safetensors_check import read_header
+from mlxinfer.files.safetensors_check import read_header
 
 try:
     import safetensors

@@ -6,9 +6,9 @@ from fixtures import load_script
 from hf_models import add_tokenizer, make_tiny, torch_greedy
 
 from mlxinfer import generate, load, stream_generate
-from mlxinfer.chat import ChatSession
-from mlxinfer.cli import cli
+from mlxinfer.cli.main import cli
 from mlxinfer.errors import PromptTooLongError
+from mlxinfer.generation.chat import ChatSession
 
 
 @pytest.fixture(scope="module")

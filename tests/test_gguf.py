@@ -21,9 +21,9 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from mlxinfer.conversion import convert  # noqa: E402
 from mlxinfer.errors import MlxInferError, TokenizerError, WeightsError  # noqa: E402
 from mlxinfer.gguf import import_gguf  # noqa: E402
+from mlxinfer.loading.convert import convert  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -242,8 +242,8 @@ def test_dtype_import_dequantizes_every_tensor(tiny, tmp_path, dtype):
 def test_dtype_import_with_q_quantizes_like_a_hf_checkpoint(tiny, tmp_path):
     """``--dtype float32 -q``: the file's float values quantized as ``convert -q`` quantizes a
     Hugging Face checkpoint: the same record, and each weight exactly ``mx.quantize`` of its value."""
-    from mlxinfer.loader import load_model
-    from mlxinfer.quant import quantize_model
+    from mlxinfer.loading.loader import load_model
+    from mlxinfer.quant.transform import quantize_model
 
     gguf_path, stored, _, _ = tiny
     report = convert(
@@ -732,7 +732,7 @@ def test_gemma3_config_matches_transformers(gemma3_tiny):
 def test_gemma3_tokenizer_and_logits_match_transformers(gemma3_tiny):
     import torch
 
-    from mlxinfer.loader import load
+    from mlxinfer.loading.loader import load
 
     ours_dir, ref, ref_tok = gemma3_tiny
     model, tok = load(ours_dir, dtype=mx.float32)
@@ -968,7 +968,7 @@ def test_real_gemma3_runs_in_float16_as_stored(gemma3):
     """Loaded as stored (float16 scales, so float16 activations), Gemma's residual stream would
     overflow to inf and NaN; the float16 path clips it and stays close to float32. (Hidden states
     only: float16 quantized matmuls over the 262k-row head are very slow on the CPU backend.)"""
-    from mlxinfer.loader import load_model
+    from mlxinfer.loading.loader import load_model
     from mlxinfer.tokenization import Tokenizer as OurTokenizer
 
     _, mlx_dir = gemma3
@@ -1320,7 +1320,7 @@ def test_arch_quantized_types_keep_their_codes(arch_tiny):
 
 
 def test_arch_config_matches_the_source(arch_tiny):
-    from mlxinfer.config import normalize_rope
+    from mlxinfer.models.config import normalize_rope
 
     arch, spec, _, root, hf = arch_tiny
     ours = json.loads((root / "ours" / "config.json").read_text())
@@ -1351,7 +1351,7 @@ def test_arch_logits_match_transformers(arch_tiny):
     (past gpt-oss's sliding window of 4)."""
     import torch
 
-    from mlxinfer.loader import load_model
+    from mlxinfer.loading.loader import load_model
 
     _, _, _, root, hf = arch_tiny
     model, _ = load_model(root / "ours", dtype=mx.float32)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from gguf_bytes import gguf_file, tiny_llama
 
 from mlxinfer import generate, load
-from mlxinfer.cli import cli
+from mlxinfer.cli.main import cli
 from mlxinfer.errors import ConfigError
 from mlxinfer.gguf import import_gguf
 

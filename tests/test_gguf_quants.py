@@ -27,9 +27,9 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from test_gguf import byte_alphabet, dequantized, hf_order, llama_cpp_permute  # noqa: E402
 
 import mlxinfer.gguf.quants as gq  # noqa: E402
-from mlxinfer.conversion import convert  # noqa: E402
 from mlxinfer.errors import WeightsError  # noqa: E402
 from mlxinfer.gguf import import_gguf  # noqa: E402
+from mlxinfer.loading.convert import convert  # noqa: E402
 
 EXACT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
@@ -249,7 +249,7 @@ def test_kquant_loss_is_reported_and_true(kquant_model):
 
 
 def test_imported_kquant_model_runs(kquant_model):
-    from mlxinfer.loader import load_model
+    from mlxinfer.loading.loader import load_model
 
     root, _, _, _ = kquant_model
     model, _ = load_model(root / "model", dtype=mx.float32)

@@ -22,9 +22,9 @@ import transformers
 from hf_models import add_tokenizer, make_tiny, torch_greedy, torch_logits, torch_logits_chunked
 from safetensors.numpy import load_file, save_file
 
-from mlxinfer.conversion import convert
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 from mlxinfer.models.layers.attention import quantized_attention
 
 TOL = 1e-3

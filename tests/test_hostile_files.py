@@ -19,9 +19,9 @@ import pytest
 from tiny_checkpoint import CONFIG, VOCAB, safetensors_bytes, tokenizer_json, write_checkpoint
 
 from mlxinfer.errors import ConfigError, TokenIdError, TokenizerError, WeightsError
-from mlxinfer.loader import load, load_model, read_weights
+from mlxinfer.files.safetensors_check import MAX_HEADER_BYTES, read_header
+from mlxinfer.loading.loader import load, load_model, read_weights
 from mlxinfer.models import build_model
-from mlxinfer.safetensors_check import MAX_HEADER_BYTES, read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +65,7 @@ def test_an_overflowing_shape_with_empty_offsets_is_refused_before_mlx_reads_it(
         from pathlib import Path
         import mlx.core as mx
         from mlxinfer.errors import WeightsError
-        from mlxinfer.loader import read_weights
+        from mlxinfer.loading.loader import read_weights
         try:
             w = read_weights(Path({str(tmp_path)!r}))["w"]
             mx.eval(w.sum(axis=0))

@@ -307,7 +307,7 @@ def test_an_eos_id_past_the_embedding_is_dropped_with_a_warning(tmp_path):
     """EOS is only compared against, so the file still imports (and loads), without it.
     Old code: config.json carried eos_token_id 1000000. (Every other case here differs from
     this file in one key or tensor: this is also their control.)"""
-    from mlxinfer.loader import load_model
+    from mlxinfer.loading.loader import load_model
 
     g = tiny_llama().set("tokenizer.ggml.eos_token_id", U32, 10**6)
     with pytest.warns(RuntimeWarning, match="tokenizer.ggml.eos_token_id"):

@@ -19,16 +19,16 @@ from hf_models import add_tokenizer, make_tiny, torch_greedy, torch_logits, torc
 from mlx.utils import tree_map
 
 from mlxinfer.batch import Engine
-from mlxinfer.cache import KVCache, StateCache
-from mlxinfer.cli import cli
-from mlxinfer.conversion import convert
+from mlxinfer.cache.kv import KVCache, StateCache
+from mlxinfer.cache.prompt import PromptCache
+from mlxinfer.cli.main import cli
 from mlxinfer.errors import ConfigError
 from mlxinfer.generation import generate_step
 from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
 from mlxinfer.generation.speculative import speculative_generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 from mlxinfer.models import build_model
-from mlxinfer.prompt_cache import PromptCache
 
 # Conv first, two convs in a row, attention in between: every kind of neighbour.
 LAYER_TYPES = ["conv", "full_attention", "conv", "conv"]

@@ -24,7 +24,7 @@ from hf_models import make_tiny, torch_cache
 from test_qwen3_next import DENSE, TINY
 
 from mlxinfer.batch import Engine
-from mlxinfer.loader import load_model
+from mlxinfer.loading.loader import load_model
 
 BS = 16  # block size
 NEW = 5  # tokens generated per request

@@ -113,7 +113,7 @@ def test_generation_is_one_way():
     graph = import_graph()
     assert graph["mlxinfer.generation.results"] == set()  # a leaf
     assert "mlxinfer.generation.loop" not in graph["mlxinfer.generation.speculative"]
-    assert not any(m.startswith("mlxinfer.backends") for m in graph["mlxinfer.prompt_cache"])
+    assert not any(m.startswith("mlxinfer.backends") for m in graph["mlxinfer.cache.prompt"])
     assert {"mlxinfer.generation.prefill", "mlxinfer.generation.results"} <= graph[
         "mlxinfer.generation.loop"
     ]

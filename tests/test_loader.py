@@ -7,7 +7,7 @@ from hf_models import add_tokenizer, make_tiny
 
 from mlxinfer import load
 from mlxinfer.errors import ConfigError
-from mlxinfer.loader import resolve_model_path
+from mlxinfer.loading.loader import resolve_model_path
 
 
 @pytest.fixture

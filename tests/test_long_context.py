@@ -11,7 +11,7 @@ import pytest
 from fixtures import load_script
 from hf_models import CORPUS, add_tokenizer, make_tiny
 
-from mlxinfer.conversion import convert
+from mlxinfer.loading.convert import convert
 
 # head_dim 64 (one quantization group of 64 per head), 1 KV head, 2 layers
 TINY = {

@@ -13,13 +13,14 @@ from click.testing import CliRunner
 from hf_models import TINY, add_tokenizer, make_tiny
 from mlx.utils import tree_flatten
 
-from mlxinfer import load, memory
-from mlxinfer.cache import KVCache, cache_nbytes
-from mlxinfer.chat import ChatSession
+from mlxinfer import load
+from mlxinfer.cache.kv import KVCache, cache_nbytes
+from mlxinfer.cache.prompt import PromptCache
 from mlxinfer.errors import InsufficientMemoryError, PromptTooLongError
 from mlxinfer.generation import stream_generate
-from mlxinfer.loader import weight_files
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.generation.chat import ChatSession
+from mlxinfer.loading import memory
+from mlxinfer.loading.loader import weight_files
 from mlxinfer.server.models import Models
 
 # One token's keys and values in TINY's cache on the CPU (float32): per layer, keys and values
@@ -82,7 +83,7 @@ def test_a_model_that_does_not_fit_is_refused_with_the_numbers_unless_forced(tin
 
 
 def test_the_cli_refuses_with_the_numbers_and_force_loads(tiny_dir, monkeypatch):
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     machine(monkeypatch, 1000)
     args = ["generate", "--model", str(tiny_dir), "-p", "hi", "-n", "3", "--no-chat-template"]

@@ -19,13 +19,13 @@ import pytest
 import torch
 from hf_models import add_tokenizer, make_tiny, torch_greedy, torch_logits, torch_logits_chunked
 
-from mlxinfer.cache import LatentKVCache, RotatingKVCache, cache_nbytes
-from mlxinfer.conversion import convert
+from mlxinfer.cache.kv import LatentKVCache, RotatingKVCache, cache_nbytes
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 from mlxinfer.models import build_model
 from mlxinfer.models.layers.mla import cache_bytes_per_token
-from mlxinfer.quant import quantize_model
+from mlxinfer.quant.transform import quantize_model
 
 TOL = 1e-3
 IDS = [3, 17, 99, 5, 240, 8, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255, 4, 60, 91, 101]
@@ -486,7 +486,7 @@ def test_mla_bounded_cache_and_refused_kv_bits(deepseek):
 
 
 def test_latent_cache_round_trips_through_a_prompt_cache_file(deepseek, tmp_path):
-    from mlxinfer.prompt_cache import load_cache, save_cache
+    from mlxinfer.cache.prompt import load_cache, save_cache
 
     model, _ = deepseek
     cache = model.make_cache()

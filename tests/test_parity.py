@@ -11,7 +11,7 @@ from hf_models import make_tiny, torch_greedy, torch_logits, torch_logits_chunke
 
 from mlxinfer import backends
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.loader import load_model
 
 TOL = 1e-3
 IDS = [3, 17, 99, 5, 240, 8, 8, 61, 130, 2, 77, 19, 200, 45, 1, 33, 150, 9, 12, 255, 4, 60, 91, 101]

@@ -19,7 +19,7 @@ from tiny_checkpoint import write_checkpoint
 
 from mlxinfer.batch import Engine
 from mlxinfer.batch.pool import block_hash
-from mlxinfer.loader import load_model
+from mlxinfer.loading.loader import load_model
 
 BS = 16
 # head_dim 64: one whole group of kv_group_size 64 for the kv_bits=8 pool
@@ -305,7 +305,7 @@ def tiny_dirs(tmp_path_factory):
 def _generate(model_dir, prompt, *extra):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     args = ["generate", "-m", str(model_dir), "-p", prompt, "-n", "5", "-v", *map(str, extra)]
     result = CliRunner().invoke(cli, args)
@@ -357,7 +357,7 @@ def test_a_restarted_server_reports_the_prefix_read_from_disk(tiny_dirs, tmp_pat
     server's shutdown writes the queued blocks; the next server's usage counts them cached."""
     from fastapi.testclient import TestClient
 
-    from mlxinfer.loader import load
+    from mlxinfer.loading.loader import load
     from mlxinfer.server import make_app
 
     model, tokenizer = load(tiny_dirs[0])
@@ -384,7 +384,7 @@ def test_the_fingerprint_follows_the_weight_files(tmp_path):
     """The manifest's sums where there is one; else each file's, cached by size and mtime (a
     rewritten weight file is another model)."""
     from mlxinfer.batch.disk import attach
-    from mlxinfer.manifest import write_manifest
+    from mlxinfer.files.manifest import write_manifest
 
     path = write_checkpoint(tmp_path / "m", **SHAPE)
     model, _ = load_model(path)
@@ -418,7 +418,7 @@ def test_the_fingerprint_follows_the_weight_files(tmp_path):
 def test_chat_resumes_from_its_prompt_cache_file(tiny_dirs, tmp_path):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     path = tmp_path / "chat.safetensors"
     args = ["chat", "-m", str(tiny_dirs[0]), "--chat-template", "chatml", "-n", "4", "-v"]

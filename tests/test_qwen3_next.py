@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from hf_models import add_tokenizer, make_tiny, torch_greedy, torch_logits, torch_logits_chunked
 
-from mlxinfer.cache import StateCache
-from mlxinfer.conversion import convert
+from mlxinfer.cache.kv import StateCache
 from mlxinfer.generation import generate_step
-from mlxinfer.loader import load_model
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
 from mlxinfer.models.layers.gated_delta import gated_delta_chunked, gated_delta_step
 
 TOL = 1e-3

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mlxinfer import generate, load, stream_generate
-from mlxinfer.conversion import convert
+from mlxinfer.loading.convert import convert
 
 pytestmark = pytest.mark.real
 

@@ -1,4 +1,4 @@
-"""Reasoning told apart from the answer (mlxinfer/reasoning.py): think tags and gpt-oss's harmony.
+"""Reasoning told apart from the answer (mlxinfer/output/reasoning.py): think tags and gpt-oss's harmony.
 
 Spec: the splitters give the same (reasoning, answer) however the text is cut into pieces, hold
 back only what may still become a marker, and leave text that is not theirs alone; a tiny model
@@ -24,18 +24,12 @@ pytest.importorskip("llguidance", reason="llguidance (the constraints that force
 import httpx  # noqa: E402
 
 from mlxinfer import stream_generate  # noqa: E402
-from mlxinfer.chat import ChatSession  # noqa: E402
-from mlxinfer.cli import cli  # noqa: E402
+from mlxinfer.cli.main import cli  # noqa: E402
+from mlxinfer.generation.chat import ChatSession  # noqa: E402
 from mlxinfer.generation.results import GenerationResult, GenerationStats  # noqa: E402
-from mlxinfer.reasoning import (  # noqa: E402
-    Harmony,
-    Plain,
-    ThinkTags,
-    reasoning_format,
-    splitter_for,
-)
+from mlxinfer.output.reasoning import Harmony, Plain, ThinkTags, reasoning_format, splitter_for
+from mlxinfer.output.toolcalls import Harmony as HarmonyCalls  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
-from mlxinfer.toolcalls import Harmony as HarmonyCalls  # noqa: E402
 
 THOUGHT = "<think>\nThe capital is\nParis.\n</think>\n\nParis."
 CHANNELS = (

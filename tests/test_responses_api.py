@@ -472,7 +472,7 @@ def _codex() -> Path | None:
     ``MLXINFER_CACHE`` elsewhere, so the default one is looked in too), or None."""
     import os
 
-    from mlxinfer.machine import user_cache_dir
+    from mlxinfer.platform.machine import user_cache_dir
 
     xdg = os.environ.get("XDG_CACHE_HOME")
     default = (Path(xdg) if xdg else Path.home() / ".cache") / "mlxinfer"

@@ -14,7 +14,7 @@ from tiny_checkpoint import write_checkpoint
 
 from mlxinfer.batch.pool import DEFAULT_KV_BUDGET
 from mlxinfer.batch.snapshots import DEFAULT_STATE_SHARE
-from mlxinfer.cli import cli
+from mlxinfer.cli.main import cli
 
 LFM2 = dict(
     model_type="lfm2",

@@ -545,7 +545,7 @@ def _serve_app(monkeypatch, *args) -> tuple:
     from click.testing import CliRunner
 
     import mlxinfer.server
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     apps = []
 
@@ -627,7 +627,7 @@ def test_serve_takes_its_kv_budget_at_start_unless_told_to_grow(draft_dirs, monk
 def test_serve_binds_loopback_by_default():
     from click.testing import CliRunner
 
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     result = CliRunner().invoke(cli, ["serve", "--help"])
     assert result.exit_code == 0 and "127.0.0.1" in result.output
@@ -721,7 +721,7 @@ def test_models_from_a_directory_load_on_first_use_and_unload_when_idle(tiny, tm
     name that is not one of them (a path included) is a 404."""
     from fastapi.testclient import TestClient
 
-    from mlxinfer.conversion import convert
+    from mlxinfer.loading.convert import convert
 
     src, _ = make_tiny(tmp_path / "hf", vocab_size=320, hidden_size=64)
     add_tokenizer(src)

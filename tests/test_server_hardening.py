@@ -270,7 +270,7 @@ def test_serve_allows_any_host_only_when_bound_past_loopback(tiny_dir, monkeypat
     from click.testing import CliRunner
 
     import mlxinfer.server.run as run
-    from mlxinfer.cli import cli
+    from mlxinfer.cli.main import cli
 
     apps = []
 

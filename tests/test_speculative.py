@@ -18,13 +18,13 @@ from hf_models import add_tokenizer, make_tiny
 from mlx.utils import tree_map
 
 from mlxinfer import load, stream_generate
-from mlxinfer.cli import cli
+from mlxinfer.cache.prompt import PromptCache
+from mlxinfer.cli.main import cli
 from mlxinfer.errors import DraftError
 from mlxinfer.generation import generate_step, speculative
 from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
 from mlxinfer.generation.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
 from mlxinfer.generation.speculative import DraftLength, speculative_generate_step
-from mlxinfer.prompt_cache import PromptCache
 
 # Repeats, so prompt lookup finds matches; ids only (no tokenizer in the token loop).
 PROMPT = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 20, 21, 11, 12]

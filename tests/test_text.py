@@ -5,8 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlxinfer.errors import PromptTooLongError
+from mlxinfer.generation.prompt import clean_prompt, fit_context
 from mlxinfer.generation.stop import StopMatcher
-from mlxinfer.text import clean_prompt, fit_context
 
 
 def test_clean_prompt_normalises_newlines_and_drops_controls():

@@ -246,7 +246,7 @@ def test_bad_vocabulary_files(tmp_path, content, expected):
 def test_conversion_keeps_the_tiktoken_file(tmp_path, vocab_dir):
     from hf_models import make_tiny
 
-    from mlxinfer.conversion import convert
+    from mlxinfer.loading.convert import convert
 
     path, _ = make_tiny(tmp_path / "hf")
     shutil.copy(vocab_dir / "tokenizer_config.json", path / "tokenizer_config.json")

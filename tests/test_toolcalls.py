@@ -1,4 +1,4 @@
-"""Tool calls (mlxinfer/toolcalls.py): each family's call format parsed, tools rendered by the
+"""Tool calls (mlxinfer/output/toolcalls.py): each family's call format parsed, tools rendered by the
 chat template, and ``tool_choice`` constraining a call to the function's schema."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ jsonschema = pytest.importorskip(
 )
 
 from mlxinfer import Engine, load, stream_generate  # noqa: E402
-from mlxinfer.toolcalls import (  # noqa: E402
+from mlxinfer.output.toolcalls import (  # noqa: E402
     FORMATS,
     Hermes,
     Llama3,

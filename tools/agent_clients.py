@@ -67,7 +67,7 @@ class Served(NamedTuple):
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, the default model (imported once from its PyPI wheel)."""
     sys.path.insert(0, str(ROOT))
-    from mlxinfer.default_model import default_model_path
+    from mlxinfer.loading.default_model import default_model_path
 
     return default_model_path(cache_dir=user_cache(), log=print)
 
@@ -85,7 +85,7 @@ class CannotRun(Exception):
 
 def user_cache() -> Path:
     sys.path.insert(0, str(ROOT))
-    from mlxinfer.machine import user_cache_dir
+    from mlxinfer.platform.machine import user_cache_dir
 
     return user_cache_dir()
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import mlxinfer  # noqa: E402,F401  (the fast BLAS)
 import httpx  # noqa: E402
 
-from mlxinfer.machine import user_cache_dir  # noqa: E402
+from mlxinfer.platform.machine import user_cache_dir  # noqa: E402
 
 TOOLS = [
     {
@@ -122,7 +122,7 @@ def count(tokenizer, messages: list[dict]) -> int:
 # ---------------------------------------------------------------- models
 def dense_model() -> Path:
     """SmolLM2-135M-Instruct's GGUF dequantized to float32, imported once (as tools/soak.py)."""
-    from mlxinfer.default_model import fetch_smollm2_gguf
+    from mlxinfer.loading.default_model import fetch_smollm2_gguf
     from mlxinfer.gguf import import_gguf
 
     dst = user_cache_dir() / "models" / "SmolLM2-135M-Instruct-f32"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlxinfer
 from mlxinfer.batch import Engine
-from mlxinfer.bench.machine import report_runs
+from mlxinfer.bench.bandwidth import report_runs
 from mlxinfer.generation.drafts import DraftModel, PromptLookup
 
 PROMPT = "Rewrite this sentence in the passive voice, then explain the change: the cat {i} chased the mouse."

@@ -15,13 +15,13 @@ from __future__ import annotations
 import statistics
 import time
 
-from mlxinfer.blas import blas_in_use, preload_openblas
+from mlxinfer.platform.blas import blas_in_use, preload_openblas
 
 preload_openblas()  # before the first `import mlx` (import mlxinfer does it too)
 
 import mlx.core as mx
 
-from mlxinfer.machine import cpu_name
+from mlxinfer.platform.machine import cpu_name
 
 
 def median_seconds(fn, reps: int) -> float:

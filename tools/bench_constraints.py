@@ -21,8 +21,8 @@ from pathlib import Path
 
 import mlxinfer
 from mlxinfer import Engine, SamplingParams, load, stream_generate
-from mlxinfer.bench.machine import environment, measure_bandwidth
-from mlxinfer.constraints import Constraint
+from mlxinfer.bench.bandwidth import environment, measure_bandwidth
+from mlxinfer.output.constraints import Constraint
 
 SCHEMA = {
     "type": "array",

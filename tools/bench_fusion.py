@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from mlxinfer.blas import blas_in_use, preload_openblas  # noqa: E402
+from mlxinfer.platform.blas import blas_in_use, preload_openblas  # noqa: E402
 
 preload_openblas()
 

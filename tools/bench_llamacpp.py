@@ -70,8 +70,8 @@ sys.path.insert(0, str(ROOT))
 
 from mlxinfer.bench import prompt_ids  # noqa: E402
 from mlxinfer.gguf.container import read_gguf_header  # noqa: E402
-from mlxinfer.gguf_models import model_dir_for  # noqa: E402
-from mlxinfer.machine import cpu_name  # noqa: E402
+from mlxinfer.loading.gguf_files import model_dir_for  # noqa: E402
+from mlxinfer.platform.machine import cpu_name  # noqa: E402
 
 DEFAULT_GGUF = "~/.cache/mlxinfer-tests/smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -58,7 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from mlxinfer.blas import blas_in_use, preload_openblas
+from mlxinfer.platform.blas import blas_in_use, preload_openblas
 
 preload_openblas()  # before the first `import mlx`: MLX's CPU matmuls must bind to OpenBLAS
 
@@ -167,8 +167,8 @@ def run_once(
     the (max_tokens, vocab) log-probs along that continuation, so that runs can
     be compared step by step on the same context even after they diverge.
     """
+    from mlxinfer.cache.prompt import PromptCache
     from mlxinfer.generation import generate_step
-    from mlxinfer.prompt_cache import PromptCache
 
     gc.collect()
     mx.synchronize()
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from fixtures import smollm2_hf_dir
 
-        from mlxinfer.conversion import convert
+        from mlxinfer.loading.convert import convert
 
         log("reference checkpoint (built once, cached) …")
         src = smollm2_hf_dir()

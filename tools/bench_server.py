@@ -30,7 +30,7 @@ import mlxinfer  # noqa: F401  (the fast BLAS, for the environment passed to mlx
 import httpx
 
 from mlxinfer.bench import child_env
-from mlxinfer.bench.machine import environment
+from mlxinfer.bench.bandwidth import environment
 
 PROMPT = "Tell me a short story about the number {i}, in three sentences."
 

@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from mlxinfer.blas import blas_in_use, preload_openblas  # noqa: E402
+from mlxinfer.platform.blas import blas_in_use, preload_openblas  # noqa: E402
 
 preload_openblas()  # before the first `import mlx`
 
@@ -122,7 +122,7 @@ class Result:
 def convert_models(work: Path) -> tuple[Path, Path]:
     from fixtures import smollm2_hf_dir
 
-    from mlxinfer.conversion import convert
+    from mlxinfer.loading.convert import convert
 
     hf = smollm2_hf_dir()
     target, draft = work / "smollm2-f32", work / "smollm2-4bit"
@@ -138,11 +138,11 @@ def convert_models(work: Path) -> tuple[Path, Path]:
 def ours(target_dir: Path, draft_dir: Path, n: int):
     """mlxinfer: name -> (draft description, prepare, GenerationStats the run fills or None)."""
     import mlxinfer
+    from mlxinfer.cache.prompt import PromptCache
     from mlxinfer.generation import GenerationStats, generate_step
     from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
     from mlxinfer.generation.prefill import prefill
     from mlxinfer.generation.speculative import speculative_generate_step
-    from mlxinfer.prompt_cache import PromptCache
 
     model, _ = mlxinfer.load(target_dir)
     draft, _ = mlxinfer.load(draft_dir)

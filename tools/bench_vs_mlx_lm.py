@@ -1,7 +1,7 @@
 """Side-by-side benchmark: mlxinfer vs mlx-lm on the same converted weights.
 
 SmolLM2-135M-Instruct (the transformers checkpoint from tests/fixtures.py) is
-converted by ``mlxinfer.conversion.convert`` — float32, and 4-bit (group 64,
+converted by ``mlxinfer.loading.convert.convert`` — float32, and 4-bit (group 64,
 float16 scales; float32 scales on MLX's CPU backend, see MODELS) — and each
 directory is loaded by both engines, unchanged, in one process.
 
@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from mlxinfer.blas import blas_in_use, preload_openblas  # noqa: E402
+from mlxinfer.platform.blas import blas_in_use, preload_openblas  # noqa: E402
 
 preload_openblas()  # before the first `import mlx`: MLX's CPU matmuls must bind to OpenBLAS
 
@@ -54,7 +54,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 ENGINES = ("mlxinfer", "mlx-lm")
-# --models name -> mlxinfer.conversion.convert options
+# --models name -> mlxinfer.loading.convert.convert options
 MODELS = {
     "f32": dict(dtype="float32"),
     "4bit": dict(quantize=True, bits=4, group_size=64, dtype="float16"),
@@ -317,7 +317,7 @@ def benchmark(
     log: Callable[[str], None] = print,
 ) -> dict[str, dict]:
     """Convert the reference checkpoint for each of ``models`` and measure both engines on it."""
-    from mlxinfer.conversion import convert
+    from mlxinfer.loading.convert import convert
 
     if src is None:
         from fixtures import smollm2_hf_dir

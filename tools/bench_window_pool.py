@@ -21,7 +21,7 @@ import numpy as np
 
 import mlxinfer
 from mlxinfer.batch import Engine
-from mlxinfer.bench.machine import report_runs
+from mlxinfer.bench.bandwidth import report_runs
 
 
 def run(model, prompts, max_tokens: int, hold_windows: bool) -> dict:

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("MLXINFER_CPU_PLANS", "off")  # loads here check files, not speed
 
-from mlxinfer.blas import preload_openblas  # noqa: E402
+from mlxinfer.platform.blas import preload_openblas  # noqa: E402
 
 preload_openblas()
 
@@ -138,8 +138,8 @@ def check_model(path: Path) -> str | None:
     import numpy as np
 
     from mlxinfer.errors import MlxInferError
-    from mlxinfer.loader import load_model
-    from mlxinfer.manifest import verify
+    from mlxinfer.files.manifest import verify
+    from mlxinfer.loading.loader import load_model
 
     try:
         result = verify(path)

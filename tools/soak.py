@@ -92,9 +92,9 @@ def free_port() -> int:
 
 def default_f32_model() -> Path:
     """SmolLM2-135M-Instruct's GGUF dequantized to float32, imported once into the user cache."""
-    from mlxinfer.default_model import fetch_smollm2_gguf
     from mlxinfer.gguf import import_gguf
-    from mlxinfer.machine import user_cache_dir
+    from mlxinfer.loading.default_model import fetch_smollm2_gguf
+    from mlxinfer.platform.machine import user_cache_dir
 
     dst = user_cache_dir() / "models" / "SmolLM2-135M-Instruct-f32"
     if not (dst / "config.json").is_file():
@@ -578,7 +578,7 @@ def main(argv=None) -> int:
         "seed": args.seed,
         "ranks": args.ranks,
     }
-    from mlxinfer.bench.machine import environment
+    from mlxinfer.bench.bandwidth import environment
 
     r["machine"] = environment(None)
     misses = failures(r, args.minutes, args.ranks)

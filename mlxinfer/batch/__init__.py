@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..constraints import Constraint
 from ..generation.drafts import Draft, DraftModel
 from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
+from ..output.constraints import Constraint
 from .engine import Engine
 from .pool import KVPool, PoolFullError, PoolStats
 from .requests import EngineError, Handle, Stream

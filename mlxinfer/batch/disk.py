@@ -1,12 +1,12 @@
 """The prefix cache's disk tier: full KV blocks kept as files, so a restart starts warm.
 
 Layout. ``DIR/blocks/<xx>/<name>.safetensors``, one file per block, ``name`` the SHA-256 of
-the model's fingerprint (:mod:`~mlxinfer.fingerprint`) and the block's chain hash
+the model's fingerprint (:mod:`~mlxinfer.cache.fingerprint`) and the block's chain hash
 (:func:`~.pool.block_hash`): two models, or one model with other KV bits, never share a
 name; two engines of one model share every block. There is no index: the least recently
 used blocks are the files with the oldest mtimes (a read touches its file, and so does a
 hit in memory), so engines sharing a directory share nothing mutable but whole files,
-each written to a temporary sibling, fsynced and renamed (:mod:`~mlxinfer.atomic`).
+each written to a temporary sibling, fsynced and renamed (:mod:`~mlxinfer.files.atomic`).
 
 A file holds one block of every layer of the engine's pools, with the model's fingerprint,
 the block's hash and its data's SHA-256 (``block_file.py``). A read checks all of it before a
@@ -43,8 +43,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..atomic import writing_file
-from ..fingerprint import model_fingerprint
+from ..cache.fingerprint import model_fingerprint
+from ..files.atomic import writing_file
 from .block_file import BlockFormat, DiskTierError
 from .pool import Sequence, block_hash
 

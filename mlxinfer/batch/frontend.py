@@ -13,16 +13,16 @@ from __future__ import annotations
 import time
 from typing import Any, Iterator, Sequence
 
-from ..constraints.spec import Constraint
 from ..generation.drafts import Draft
 from ..generation.loop import _Request as _Prepared
 from ..generation.loop import _results, prepare_prompt
+from ..generation.prompt import fit_context
 from ..generation.results import GenerationResult, GenerationStats
 from ..generation.sampling import SamplingParams
 from ..generation.stop import StopMatcher
-from ..reasoning import split_results, splitter_for
-from ..text import fit_context
-from ..toolcalls import output_rules
+from ..output.constraints.spec import Constraint
+from ..output.reasoning import split_results, splitter_for
+from ..output.toolcalls import output_rules
 from .requests import Stream
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache import StateCache
+from ..cache.kv import StateCache
 from . import snapshots as snap
 from .requests import _Request
 

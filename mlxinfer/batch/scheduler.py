@@ -46,7 +46,7 @@ import mlx.core as mx
 from ..backends import prefill_schedule
 from ..generation.results import Step
 from ..models.layers.rope import prompt_reach
-from ..threads import release_at_thread_exit
+from ..platform.threads import release_at_thread_exit
 from . import rows as rows_mod
 from . import snapshots as snap
 from .draft_pool import DraftPool

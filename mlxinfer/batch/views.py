@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..cache import Mask, Pages, StateCache
+from ..cache.kv import Mask, Pages, StateCache
 from .layout import STATE
 from .pool import KVPool, Sequence
 
@@ -159,7 +159,7 @@ class _Slots:
 
 
 class RowStates:
-    """The :class:`~mlxinfer.cache.StateCache` protocol for one recurrent layer of a step
+    """The :class:`~mlxinfer.cache.kv.StateCache` protocol for one recurrent layer of a step
     over B rows, each with its own state: the layer reads the rows' arrays stacked, (B, ...),
     and :meth:`update` hands each row its own slice back. A row with no state yet (nothing
     fed) reads zeros, which is what a fresh state is."""
@@ -205,7 +205,7 @@ class RowStates:
 
 
 class LayerView:
-    """The :class:`~mlxinfer.cache.Cache` protocol for one layer of a :class:`StepBatch`; in a
+    """The :class:`~mlxinfer.cache.kv.Cache` protocol for one layer of a :class:`StepBatch`; in a
     quantized pool it answers as a quantized cache (packed triples, ``group_size``, ``bits``)."""
 
     def __init__(

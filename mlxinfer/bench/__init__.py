@@ -27,8 +27,8 @@ prefill chunk (mlxinfer 512 tokens, mlx-lm's benchmark 2048), unless
 ``--prefill-step-size`` sets one for both.
 """
 
+from .bandwidth import comparison_notes, environment, measure_bandwidth, roofline
 from .common import ENGINES, METRICS, BenchError
-from .machine import comparison_notes, environment, measure_bandwidth, roofline
 from .peer import child_env, mlx_lm_command, parse_trials, require_mlx_lm, run_mlx_lm
 from .runs import parse_count, parse_lengths, prompt_ids, run_benchmark, summarize, time_run
 

@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from ..blas import blas_in_use
-from ..machine import cpu_name
+from ..platform.blas import blas_in_use
+from ..platform.machine import cpu_name
 
 # ---------------------------------------------------------------- roofline
 
@@ -137,7 +137,7 @@ def environment(compare: str | None) -> dict:
 
 def stored_half_dtypes(model_dir: Path) -> set[str]:
     """The 16-bit float dtypes (``F16``, ``BF16``) in the checkpoint's safetensors headers."""
-    from ..loader import weight_files
+    from ..loading.loader import weight_files
 
     found = set()
     for path in weight_files(model_dir):

@@ -140,7 +140,7 @@ def run_batch_benchmark(
     compare: str | None,
     log: Log,
 ) -> dict:
-    from .machine import environment, measure_bandwidth
+    from .bandwidth import environment, measure_bandwidth
     from .peer import run_mlx_lm
 
     log("measuring memory bandwidth …")

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..blas import preloaded_blas
 from ..errors import MlxInferError
+from ..platform.blas import preloaded_blas
 from .common import BenchError, Run
 
 # ---------------------------------------------------------------- mlx-lm (child process)

@@ -12,8 +12,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..atomic import writing_file
 from ..errors import MlxInferError
+from ..files.atomic import writing_file
 from .common import ENGINES
 
 # metric -> (column title, unit scale, format)

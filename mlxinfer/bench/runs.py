@@ -11,15 +11,15 @@ import mlx.core as mx
 from mlx import nn
 
 from .. import backends
-from ..device import wired_limit
-from .common import ENGINES, METRICS, Log, Run
-from .machine import (
+from ..platform.device import wired_limit
+from .bandwidth import (
     comparison_notes,
     environment,
     measure_bandwidth,
     roofline,
     weight_bytes_per_token,
 )
+from .common import ENGINES, METRICS, Log, Run
 from .peer import require_mlx_lm, run_mlx_lm
 
 # ---------------------------------------------------------------- input
@@ -70,9 +70,9 @@ def time_run(
     Returns ``(run, cache bytes, cached tokens)`` as the cache ends (it holds
     the prompt and all generated tokens but the last).
     """
+    from ..cache.prompt import PromptCache
     from ..generation import generate_step
     from ..generation.prefill import DEFAULT_PREFILL_STEP
-    from ..prompt_cache import PromptCache
 
     mx.synchronize()
     mx.reset_peak_memory()

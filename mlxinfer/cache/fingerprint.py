@@ -24,9 +24,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .atomic import write_text
-from .errors import WeightsError
-from .manifest import read_manifest, sha256_file
+from ..errors import WeightsError
+from ..files.atomic import write_text
+from ..files.manifest import read_manifest, sha256_file
 
 # The files of a model directory that decide its outputs (the rest: READMEs, a GGUF beside).
 _PATTERNS = ("*.safetensors", "*.json", "tokenizer.model", "*.tiktoken", "*.jinja", "*.txt")

@@ -7,10 +7,10 @@ and the CPU can read them without a copy. Kinds:
   tokens and written in place.
 - :class:`RotatingKVCache` — keeps at most ``max_size`` tokens (sliding-window
   attention, or ``--max-kv-size`` with ``keep`` leading "sink" tokens).
-- :class:`~mlxinfer.quantized_cache.QuantizedKVCache` (its own module) — keys and
+- :class:`~mlxinfer.cache.quantized.QuantizedKVCache` (its own module) — keys and
   values stored 8- or 4-bit (``--kv-bits``); attention over it goes through
   ``mx.quantized_matmul``.
-- :class:`~mlxinfer.state_cache.StateCache` (its own module, named here too) — a
+- :class:`~mlxinfer.cache.state.StateCache` (its own module, named here too) — a
   recurrent layer's fixed-size state (LFM2's short convolution): no entry per token,
   so it cannot be trimmed; ``snapshot`` and ``restore`` take it back instead
   (speculative rewinds, prompt-cache reuse).
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from .state_cache import StateCache  # noqa: F401 (named with the KV caches: imported from here)
+from .state import StateCache  # noqa: F401 (named with the KV caches: imported from here)
 
 Mask = None | str | mx.array
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from .atomic import writing_file
-from .cache import (
+from ..errors import WeightsError
+from ..files.atomic import writing_file
+from .kv import (
     Cache,
     KVCache,
     LatentKVCache,
@@ -30,8 +31,7 @@ from .cache import (
     snapshot_cache,
     trim_cache,
 )
-from .errors import WeightsError
-from .quantized_cache import QuantizedKVCache
+from .quantized import QuantizedKVCache
 
 # Checkpoints a cache list with state caches keeps (the newest): one per prompt prefilled,
 # each the state arrays' references plus an offset per KV layer, so a few are cheap.

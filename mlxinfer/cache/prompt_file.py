@@ -1,7 +1,7 @@
 """``--prompt-cache-file F``: one session's prompt cache kept in a file between runs.
 
 ``mlxinfer generate`` and ``chat`` resume from ``F`` when it exists and holds this model's
-cache: its fingerprint (:mod:`~mlxinfer.fingerprint`: the model, its weights, ``kv_bits`` and
+cache: its fingerprint (:mod:`~mlxinfer.cache.fingerprint`: the model, its weights, ``kv_bits`` and
 ``max_kv_size``) must match, and only the longest common prefix of the tokens it holds and the
 new prompt is reused (:meth:`PromptCache.reuse`: a model with recurrent layers reuses it only
 when the new prompt extends every token it holds). After the run the cache is written back to
@@ -28,12 +28,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cache import StateCache
-from .errors import MlxInferError
+from ..errors import MlxInferError
+from ..files.safetensors_check import read_header
+from ..platform.machine import user_cache_dir
 from .fingerprint import model_fingerprint
-from .machine import user_cache_dir
-from .prompt_cache import PromptCache, load_cache, save_cache
-from .safetensors_check import read_header
+from .kv import StateCache
+from .prompt import PromptCache, load_cache, save_cache
 
 FORMAT = "mlxinfer-prompt-cache"
 VERSION = "1"

@@ -1,11 +1,11 @@
 """The quantized KV cache (``--kv-bits``): keys and values stored as 8- or 4-bit affine groups,
-for attention through ``mx.quantized_matmul``; the other cache kinds are :mod:`mlxinfer.cache`'s."""
+for attention through ``mx.quantized_matmul``; the other cache kinds are :mod:`mlxinfer.cache.kv`'s."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import KVCache, _grow, _write
+from .kv import KVCache, _grow, _write
 
 
 class QuantizedKVCache:

@@ -1,8 +1,8 @@
 """A recurrent layer's cache: a fixed-size state per sequence, not an entry per token.
 
-It keeps the :class:`~mlxinfer.cache.Cache` protocol's bookkeeping (``offset``,
+It keeps the :class:`~mlxinfer.cache.kv.Cache` protocol's bookkeeping (``offset``,
 ``is_trimmable``/``trim``, ``snapshot``/``restore``, ``state``, ``nbytes``) and, in place of
-``update_and_fetch`` and ``make_mask``, its ``arrays`` and ``update``. ``mlxinfer.cache``
+``update_and_fetch`` and ``make_mask``, its ``arrays`` and ``update``. ``mlxinfer.cache.kv``
 names it with the KV caches (the cache helpers), and ``prompt_cache``'s table of cache kinds
 (prompt-cache files) lists it with them.
 """

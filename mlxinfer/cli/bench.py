@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .cli_options import _batch_sizes, _errors_to_click, _load, _log, model_option
+from .options import _batch_sizes, _errors_to_click, _load, _log, model_option
 
 
 @click.command()
@@ -88,10 +88,10 @@ def bench(
 
     Progress goes to stderr, the tables alone to stdout.
     """
-    from . import bench as b
-    from .bench import report
-    from .default_model import default_model_path
-    from .loader import resolve_model_path
+    from .. import bench as b
+    from ..bench import report
+    from ..loading.default_model import default_model_path
+    from ..loading.loader import resolve_model_path
 
     lengths = b.parse_lengths(prompt_tokens, "-p/--prompt-tokens")
     max_tokens = b.parse_count(max_tokens, "-n/--max-tokens", 2)
@@ -106,7 +106,7 @@ def bench(
         json_path = report.check_writable(json_path, "--json")
     model_dir = default_model_path(log=_log) if model is None else resolve_model_path(model)
     if model_dir.is_file():  # a .gguf: its import (made once), which mlx-lm can read too
-        from .gguf_models import model_dir_for
+        from ..loading.gguf_files import model_dir_for
 
         model_dir = model_dir_for(model_dir, log=_log)
     llm, _ = _load(str(model_dir), verbose=True)
@@ -133,7 +133,7 @@ def bench(
 
 
 def _bench_batch(llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare, json_path):
-    from .bench import batch, report
+    from ..bench import batch, report
 
     if len(lengths) != 1:
         raise click.UsageError("--batch takes one prompt length (-p P)")

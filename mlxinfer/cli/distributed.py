@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from .cli_options import LOAD_OPTIONS, _errors_to_click, _log
+from .options import LOAD_OPTIONS, _errors_to_click, _log
 
 MODES = ("pipeline", "tensor")
 UNSUPPORTED = {  # the commands' options that do not run across ranks yet
@@ -30,7 +30,7 @@ UNSUPPORTED = {  # the commands' options that do not run across ranks yet
 def with_distributed(command: click.Command) -> click.Command:
     """Add ``--distributed`` and ``--rank-timeout`` to ``command`` (``generate``, ``chat``,
     ``serve``)."""
-    from .distributed.watchdog import DEFAULT_RANK_TIMEOUT
+    from ..distributed.watchdog import DEFAULT_RANK_TIMEOUT
 
     command.params += [
         click.Option(
@@ -92,7 +92,7 @@ def with_distributed(command: click.Command) -> click.Command:
 
 def _rank_memory(ctx, param, value: str | None) -> str | list[int] | None:
     """``auto``, or a comma-separated list of byte counts (``--rank-memory``)."""
-    from .cli_limits import _size
+    from .limits import _size
 
     if value is None or value.strip() == "auto":
         return None if value is None else "auto"
@@ -100,9 +100,9 @@ def _rank_memory(ctx, param, value: str | None) -> str | list[int] | None:
 
 
 def _run_rank(run, load: dict, args, kwargs, name: str) -> None:
-    from .batch.requests import EngineError
-    from .distributed import current
-    from .errors import DistributedError
+    from ..batch.requests import EngineError
+    from ..distributed import current
+    from ..errors import DistributedError
 
     global _RANKS
     for key, flag in UNSUPPORTED.items():
@@ -164,7 +164,7 @@ def read_line(prompt: str) -> str:
     read nothing), EOFError on every rank at rank 0's end of input."""
     if _RANKS is None:
         return input(prompt)
-    from .errors import DistributedError
+    from ..errors import DistributedError
 
     try:
         line = _RANKS.share_line(lambda: input(prompt))
@@ -224,7 +224,7 @@ def launch(ranks, hostfile, grace, timeout, command):
     Exits with the first failing rank's code, ending the others; ends every rank when
     interrupted.
     """
-    from .distributed.launch import launch as run_ranks
+    from ..distributed.launch import launch as run_ranks
 
     command = list(command)
     if command and command[0] == "--":

@@ -12,11 +12,11 @@ import sys
 
 import click
 
-from .blas import preload_openblas
-from .cli_bench import bench
-from .cli_distributed import read_line
-from .cli_distributed import register as register_distributed
-from .cli_options import (
+from ..platform.blas import preload_openblas
+from .bench import bench
+from .distributed import read_line
+from .distributed import register as register_distributed
+from .options import (
     CHAT_TEMPLATE_HELP,
     REASONING,
     _constraint,
@@ -29,7 +29,7 @@ from .cli_options import (
     speculative_options,
     structured_options,
 )
-from .cli_serve import serve
+from .serve import serve
 
 
 @click.group()
@@ -81,7 +81,7 @@ def generate(
     The prompt goes through the model's chat template when it has one; a
     model without one (a base model) gets the prompt as raw text.
     """
-    from .generation import stream_generate
+    from ..generation import stream_generate
 
     if chat_template and no_chat_template:
         raise click.UsageError("choose --chat-template or --no-chat-template, not both")
@@ -126,7 +126,7 @@ def generate(
         reasoning,
     )
     if cache_file is not None:
-        from .prompt_cache_file import save
+        from ..cache.prompt_file import save
 
         save(cache_file, pc, fingerprint, llm)  # across ranks, each rank's own file
 
@@ -136,7 +136,7 @@ def _session_cache(path, llm, kv_bits, max_kv_size):
     None) without one (prompt_cache_file.py)."""
     if path is None:
         return None, None
-    from .prompt_cache_file import open_cache
+    from ..cache.prompt_file import open_cache
 
     pc, fingerprint, warning = open_cache(path, llm, kv_bits=kv_bits, max_kv_size=max_kv_size)
     if warning:
@@ -187,8 +187,8 @@ def _generate_batch(
     """``generate --batch FILE``: every prompt through one engine, a JSON line each, in order;
     drafts by prompt lookup or with a draft model."""
 
-    from .batch import batch_generate
-    from .batch.prompts import read_prompts
+    from ..batch import batch_generate
+    from ..batch.prompts import read_prompts
 
     draft_model, prompt_lookup, self_draft_layers = drafts
     num_draft = options.pop("num_draft", None)
@@ -249,7 +249,7 @@ def chat(
 
     Type /reset to clear the history, /exit (or Ctrl-D) to quit.
     """
-    from .chat import ChatSession
+    from ..generation.chat import ChatSession
 
     llm, tokenizer = _load(model, verbose, options["force"])
     if options.pop("force"):  # lifts the KV budget too (what the machine can give now)
@@ -288,7 +288,7 @@ def chat(
             continue
         _print_stream(session.send(line), verbose, reasoning)
     if cache_file is not None:
-        from .prompt_cache_file import save
+        from ..cache.prompt_file import save
 
         save(cache_file, session.prompt_cache, fingerprint, llm)
 
@@ -319,7 +319,7 @@ def chat(
 @_errors_to_click
 def convert(src, dst, quantize, bits, group_size, dtype):
     """Convert a Hugging Face checkpoint (directory or repo id) or a GGUF file."""
-    from .conversion import convert as run_convert
+    from ..loading.convert import convert as run_convert
 
     report = run_convert(
         src,
@@ -347,8 +347,8 @@ def verify(model_dir):
     is not a model directory; 3 DIR has no manifest (converted before manifests, or by
     another tool), so there is nothing to check against.
     """
-    from .manifest import MANIFEST_NAME
-    from .manifest import verify as run_verify
+    from ..files.manifest import MANIFEST_NAME
+    from ..files.manifest import verify as run_verify
 
     result = run_verify(model_dir)
     if not result.has_manifest:

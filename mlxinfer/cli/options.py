@@ -12,10 +12,10 @@ from contextvars import ContextVar
 
 import click
 
-from .cli_limits import _hosts as _hosts
-from .cli_limits import _size as _size
-from .cli_limits import limit_options as limit_options
-from .errors import MlxInferError
+from ..errors import MlxInferError
+from .limits import _hosts as _hosts
+from .limits import _size as _size
+from .limits import limit_options as limit_options
 
 # More keyword arguments of ``load`` for the commands run inside a setting (cli_distributed.py:
 # ``distributed``, ``rank_timeout``).
@@ -36,7 +36,7 @@ def _errors_to_click(fn):
 
 
 def _batch_sizes(text: str) -> list[int]:
-    from .bench import parse_lengths
+    from ..bench import parse_lengths
 
     try:
         return parse_lengths(text, "--batch")
@@ -148,12 +148,12 @@ FORCE = click.option(
 def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int | None = None):
     """The model and tokenizer, with progress bars on a terminal; ``kv_budget``: the KV bytes
     its engine will hold (``serve``), None for a single generation's (loader.check_fits)."""
-    from .loader import load
-    from .progress import Bars
+    from ..loading.loader import load
+    from ..platform.progress import Bars
 
     if verbose:
-        from .backends import kernels
-        from .blas import blas_in_use
+        from ..backends import kernels
+        from ..platform.blas import blas_in_use
 
         _log(f"BLAS: {blas_in_use()}")
         _log(kernels.describe())  # the compiled CPU kernels in use, or why not (one line)
@@ -164,8 +164,8 @@ def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int 
         with Bars() as bars:
             loaded = load(model, log=_log, progress=bars, force=force, kv_budget=kv_budget, **extra)
     if verbose:
-        from .backends import describe
-        from .backends.cpu import plans
+        from ..backends import describe
+        from ..backends.cpu import plans
 
         chosen = describe(loaded[0]).get("cpu_plans")
         if chosen:  # the CPU backend's decode plans in use (timed at load, or cached, or forced)
@@ -240,7 +240,7 @@ def speculative_options(fn):
 
 def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers: int | None):
     """The draft source the speculative flags ask for (at most one), or None."""
-    from .generation.drafts import DraftModel, PromptLookup, SelfDraft
+    from ..generation.drafts import DraftModel, PromptLookup, SelfDraft
 
     chosen = [
         flag
@@ -254,7 +254,7 @@ def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers:
     if len(chosen) > 1:
         raise click.UsageError(f"choose one draft source, got {' and '.join(chosen)}")
     if draft_model is not None:
-        from .loader import load
+        from ..loading.loader import load
 
         return DraftModel(*load(draft_model, log=_log))
     if prompt_lookup:
@@ -297,8 +297,8 @@ def _constraint(json_schema, json_object, regex, choices, grammar):
     """The constraint the structured-output flags ask for (at most one), or None."""
     from pathlib import Path
 
-    from .constraints import Constraint
-    from .errors import ConstraintError
+    from ..errors import ConstraintError
+    from ..output.constraints import Constraint
 
     chosen = [
         flag

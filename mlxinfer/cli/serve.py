@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from .cli_options import (
+from .options import (
     CHAT_TEMPLATE_HELP,
     FORCE,
     _errors_to_click,
@@ -184,8 +184,8 @@ def serve(
         ) from None
     from pathlib import Path
 
-    from .batch.pool import DEFAULT_KV_BUDGET
-    from .server import serve as run
+    from ..batch.pool import DEFAULT_KV_BUDGET
+    from ..server import serve as run
 
     budget = kv_budget or DEFAULT_KV_BUDGET
     if prefix_state_bytes is not None and prefix_state_bytes > budget:

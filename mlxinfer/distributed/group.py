@@ -22,7 +22,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..errors import DistributedError
-from ..memory import size_text
+from ..loading.memory import size_text
 from .watchdog import DEFAULT_RANK_TIMEOUT, Watchdog
 
 MAX_HOSTFILE_BYTES = 1 << 20

@@ -17,8 +17,8 @@ from mlx.utils import tree_flatten
 
 from .. import backends
 from ..errors import DistributedError
-from ..quant import quantization_record
-from . import loading
+from ..quant.transform import quantization_record
+from . import reading as loading
 from .experts import expert_share
 from .group import Ranks
 from .pipeline import PipelineModel, keep_parts
@@ -92,7 +92,7 @@ def _shares(ranks: Ranks, rank_memory: str | list[int] | None) -> list[int] | No
     if rank_memory is None:
         return None
     if rank_memory == "auto":
-        from .. import memory
+        from ..loading import memory
 
         room = memory.capacity(memory.recommended_working_set())
         if room is None:

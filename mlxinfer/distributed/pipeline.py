@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from ..errors import DraftError
 from ..generation.drafts import first_blocks
 from .group import Ranks

@@ -18,12 +18,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..config import read_config
-from ..manifest import check_sizes
+from ..files.manifest import check_sizes
+from ..files.safetensors_check import check_safetensors
 from ..models import build_model, get_family
 from ..models.base import language_model_weights
-from ..quant import apply_quantization, quantization_record
-from ..safetensors_check import check_safetensors
+from ..models.config import read_config
+from ..quant.transform import apply_quantization, quantization_record
 
 
 def build(model_dir: Path) -> tuple[nn.Module, dict[str, Any]]:

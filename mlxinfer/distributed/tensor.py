@@ -25,7 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from ..generation.drafts import first_blocks
 from ..models.layers.attention import RopeAttention
 from ..models.layers.mla import MultiHeadLatentAttention

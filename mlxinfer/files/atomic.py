@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .errors import MlxInferError
+from ..errors import MlxInferError
 
 
 def fsync_path(path: Path) -> None:

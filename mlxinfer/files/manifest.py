@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .errors import WeightsError
+from ..errors import WeightsError
 
 MANIFEST_NAME = "mlxinfer-manifest.json"
 FORMAT = "mlxinfer-manifest"

@@ -31,7 +31,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from .errors import WeightsError
+from ..errors import WeightsError
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's MAX_HEADER_SIZE
 MAX_INDEX_BYTES = 64 << 20  # a shard index lists names: the largest known are a few MB

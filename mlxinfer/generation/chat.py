@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .generation import stream_generate
-from .generation.results import GenerationResult
-from .prompt_cache import PromptCache
+from ..cache.prompt import PromptCache
+from . import stream_generate
+from .results import GenerationResult
 
 
 class ChatSession:

@@ -22,9 +22,9 @@ from typing import Callable, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache, RotatingKVCache, is_trimmable, restore_cache, snapshot_cache
+from ..cache.kv import Cache, RotatingKVCache, is_trimmable, restore_cache, snapshot_cache
+from ..cache.prompt import PromptCache
 from ..errors import DraftError
-from ..prompt_cache import PromptCache
 from .prefill import prefill, rewind
 
 # (1, V) draft logits -> (token (1,) int32, log-probs it was drawn from (1, V), or None when greedy)

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..device import wired_limit
-from ..prompt_cache import PromptCache
-from ..reasoning import split_results, splitter_for
-from ..threads import release_at_thread_exit
-from ..toolcalls import output_rules
+from ..cache.prompt import PromptCache
+from ..output.reasoning import split_results, splitter_for
+from ..output.toolcalls import output_rules
+from ..platform.device import wired_limit
+from ..platform.threads import release_at_thread_exit
 from .prefill import DEFAULT_PREFILL_STEP, check_token_ids, prefill, token_ids
 from .request import _prepare, _Request, _results, prepare_prompt
 from .results import GenerationResult, Step
@@ -37,7 +37,7 @@ from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams,
 from .speculative import speculative_generate_step
 
 if TYPE_CHECKING:
-    from ..constraints import Constraint
+    from ..output.constraints import Constraint
     from .drafts import Draft
 
 # Imported from here too: the batch engine's text side (_Request, _results), the server
@@ -185,7 +185,7 @@ def stream_generate(
         response_format, json_schema, regex, choices, grammar, constraint: structured output,
             enforced token by token (at most one): OpenAI's ``response_format``, a JSON Schema,
             a regular expression, a list of strings to choose from, a Lark or GBNF grammar,
-            or a :class:`~mlxinfer.constraints.Constraint`. Generation ends when the output
+            or a :class:`~mlxinfer.output.constraints.Constraint`. Generation ends when the output
             is complete and the model ends it (EOS is masked until then).
         tools: functions the model may call (OpenAI's shape), shown to it by its chat template;
             the last result's ``tool_calls`` holds the calls parsed from the output.
@@ -195,7 +195,7 @@ def stream_generate(
         split_reasoning: for a model that reasons before it answers (``<think>`` tags, gpt-oss's
             harmony channels; read from its chat template): each result's ``reasoning`` gets the
             reasoning's text and ``text`` only the answer's, the markers in neither
-            (:mod:`mlxinfer.reasoning`). Off: ``text`` is the output as the model wrote it.
+            (:mod:`mlxinfer.output.reasoning`). Off: ``text`` is the output as the model wrote it.
         chat_template_kwargs: more variables for the chat template, as transformers'
             ``apply_chat_template(**kwargs)`` takes them: ``{"enable_thinking": False}``
             (Qwen3), ``{"reasoning_effort": "high"}`` (gpt-oss).

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 import mlx.core as mx
 
 from ..backends import prefill_schedule
+from ..cache.prompt import PromptCache, Snapshot
 from ..errors import TokenIdError
 from ..models.layers.rope import prompt_reach
-from ..prompt_cache import PromptCache, Snapshot
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
 # Most tokens after the prompt given room up front; past it the cache grows in steps.

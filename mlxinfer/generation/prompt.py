@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from .errors import PromptTooLongError
+from ..errors import PromptTooLongError
 
 
 def clean_prompt(text: str) -> str:

@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
+from ..cache.prompt import PromptCache
 from ..errors import PromptTooLongError
-from ..memory import KVLimit, kv_limit, size_text
-from ..prompt_cache import PromptCache
-from ..text import clean_prompt, fit_context
+from ..loading.memory import KVLimit, kv_limit, size_text
 from .prefill import check_token_ids, token_ids
+from .prompt import clean_prompt, fit_context
 from .results import GenerationResult, GenerationStats, Step
 from .sampling import LogitsProcessor, SamplingParams
 from .speculative import MAX_DRAFT
 from .stop import StopMatcher
 
 if TYPE_CHECKING:
-    from ..constraints import Constraint
+    from ..output.constraints import Constraint
     from .drafts import Draft
 
 

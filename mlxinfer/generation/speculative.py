@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..cache import Cache, RotatingKVCache, StateCache, is_trimmable
+from ..cache.kv import Cache, RotatingKVCache, StateCache, is_trimmable
+from ..cache.prompt import PromptCache
 from ..errors import DraftError
-from ..prompt_cache import PromptCache
-from ..threads import release_at_thread_exit
+from ..platform.threads import release_at_thread_exit
 from .prefill import DEFAULT_PREFILL_STEP, prefill, rewind
 from .results import Step
 from .sampling import LogitsProcessor, Sampler, SamplingParams

@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..models import build_model
-from ..progress import Progress, counted
-from ..quant import quantize_model
+from ..platform.progress import Progress, counted
+from ..quant.transform import quantize_model
 from . import quants as gq
 from .arch import fix_float, fused_part, permuted_heads, unpermute_rows
 from .container import tensor_bytes

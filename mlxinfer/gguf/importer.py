@@ -40,10 +40,10 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..atomic import writing_dir
 from ..errors import MlxInferError, WeightsError
-from ..manifest import existing_output_error, write_manifest
-from ..progress import Progress, counted, finished, resolve
+from ..files.atomic import writing_dir
+from ..files.manifest import existing_output_error, write_manifest
+from ..platform.progress import Progress, counted, finished, resolve
 from .arch import SUPPORTED, check_fused, fused_part, hf_module
 from .arch_config import make_config
 from .container import read_gguf_header

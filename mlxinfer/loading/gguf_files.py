@@ -9,9 +9,9 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
+from ..errors import ConfigError, MlxInferError
+from ..platform.machine import user_cache_dir
 from .default_model import intact_import, is_model_dir
-from .errors import ConfigError, MlxInferError
-from .machine import user_cache_dir
 
 MAGIC = b"GGUF"
 
@@ -38,7 +38,7 @@ def model_dir_for(
             f"{path}: a file, expected a model directory (config.json, weights, tokenizer) or a "
             ".gguf file"
         )
-    from .gguf import import_gguf
+    from ..gguf import import_gguf
 
     say = log or (lambda message: None)
     stat = path.stat()

@@ -18,17 +18,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import backends, memory
-from .config import read_config
-from .errors import ConfigError, WeightsError
-from .manifest import check_sizes
+from .. import backends
+from ..errors import ConfigError, WeightsError
+from ..files.manifest import check_sizes
+from ..files.safetensors_check import check_safetensors, index_files, inside
+from ..models import build_model, get_family
+from ..models.base import language_model_weights
+from ..models.config import read_config
+from ..platform.progress import Progress
+from ..platform.threads import release_at_thread_exit
+from ..quant.transform import apply_quantization, quantization_record
+from . import memory
 from .memory import recommended_working_set  # noqa: F401  (loader's API; tests patch it here)
-from .models import build_model, get_family
-from .models.base import language_model_weights
-from .progress import Progress
-from .quant import apply_quantization, quantization_record
-from .safetensors_check import check_safetensors, index_files, inside
-from .threads import release_at_thread_exit
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.tiktoken", "*.txt"]
@@ -160,7 +161,7 @@ def load_model(
     """Build the model in ``model_dir`` and load its weights (evaluated: see :func:`materialize`).
 
     ``dtype``: cast float weights to it; None keeps the stored dtypes; "auto"
-    is :func:`default_dtype`. ``progress``: see :mod:`mlxinfer.progress`. ``force``: load
+    is :func:`default_dtype`. ``progress``: see :mod:`mlxinfer.platform.progress`. ``force``: load
     even when the weights and ``kv_budget`` exceed the memory the machine can give
     (:func:`check_fits`).
     """
@@ -268,13 +269,13 @@ def load(
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
     dtypes; or an ``mx`` float dtype. ``log`` receives progress messages (the
     library itself never prints). ``progress(stage, done, total)``: the weights read, in
-    bytes (:mod:`mlxinfer.progress`). ``force``: load even if the weights, the KV cache
+    bytes (:mod:`mlxinfer.platform.progress`). ``force``: load even if the weights, the KV cache
     and headroom exceed what the machine can give (an InsufficientMemoryError naming the
     numbers otherwise: :func:`check_fits`); ``kv_budget``: the KV bytes the caller will give
     the model (a batch engine's ``kv_budget``), None for a single generation's.
     """
-    from .blas import late_warning
-    from .tokenization import Tokenizer
+    from ..platform.blas import late_warning
+    from ..tokenization import Tokenizer
 
     if warning := late_warning():
         if log is not None:
@@ -284,8 +285,8 @@ def load(
 
     def load_dir(model_dir: Path):
         if distributed is not None:  # this rank's part (mlxinfer/distributed)
-            from .distributed.group import current
-            from .distributed.load import load_model as load_part
+            from ..distributed.group import current
+            from ..distributed.part import load_model as load_part
 
             ranks, files = current(rank_timeout), weight_files(model_dir)
             resolved = default_dtype() if isinstance(dtype, str) else dtype
@@ -313,7 +314,7 @@ def load(
         return load_default_model(load_dir, log=log)
     path = resolve_model_path(path_or_repo)
     if path.is_file():  # a .gguf: imported once into the cache (gguf_models.py)
-        from .gguf_models import model_dir_for
+        from .gguf_files import model_dir_for
 
         path = model_dir_for(path, log=log)
     return load_dir(path)
@@ -328,7 +329,7 @@ def check_vocabulary(model: nn.Module, tokenizer, log: Callable[[str], None] | N
     their small test vocabulary lacks still load. The LM head may not have more rows than the
     embedding either: its sampled ids are fed back unchecked. Returns ``tokenizer``.
     """
-    from .generation.prefill import embedding_rows
+    from ..generation.prefill import embedding_rows
 
     rows = embedding_rows(model)
     head = getattr(getattr(model, "head", None), "weight", None)

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import mlx.core as mx
 
-from .errors import InsufficientMemoryError
+from ..errors import InsufficientMemoryError
 
 GB = 1e9
 # Left free beyond weights and KV: activations of a prefill chunk, logits, the tokenizer,
@@ -113,7 +113,7 @@ def _psutil() -> Capacity | None:
 def weights_bytes(files: Iterable[Path], dtype: mx.Dtype | None) -> int:
     """The bytes the tensors of ``files`` take once loaded: as stored, or float tensors at
     ``dtype`` when the loader casts them (bfloat16 doubles in float32 on the CPU)."""
-    from .safetensors_check import read_header
+    from ..files.safetensors_check import read_header
 
     total = 0
     for file in files:
@@ -218,7 +218,7 @@ _costs: dict[int, tuple[weakref.ref, dict]] = {}
 def kv_cost(model, *, max_kv_size: int | None = None, kv_bits: int | None = None) -> KVCost:
     """The model's :class:`KVCost` for these cache settings, read from a one-token forward
     (each cache's ``nbytes`` after one token); computed once per model and settings."""
-    from .cache import RotatingKVCache, StateCache
+    from ..cache.kv import RotatingKVCache, StateCache
 
     key = (max_kv_size, kv_bits)
     ref, known = _costs.get(id(model), (None, {}))

@@ -5,8 +5,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from ..config_check import check_args, check_built, check_config
 from ..errors import ConfigError
+from .config_check import check_args, check_built, check_config
 
 # model_type -> module in this package. Aliases differ only in config.
 FAMILIES = {

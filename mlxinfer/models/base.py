@@ -17,10 +17,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache, KVCache, Mask, RotatingKVCache, StateCache
-from ..config import normalize_rope, require
+from ..cache.kv import Cache, KVCache, Mask, RotatingKVCache, StateCache
+from ..cache.quantized import QuantizedKVCache
 from ..errors import ConfigError
-from ..quantized_cache import QuantizedKVCache
+from .config import normalize_rope, require
 from .layers import masks
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from . import layers
 from .base import BaseArgs, CausalLM, alibi_slopes, make_layer_caches
 

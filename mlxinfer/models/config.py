@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 ROPE_DEFAULT_THETA = 10000.0
 MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KB; a multimodal one with its tables, < 1 MB

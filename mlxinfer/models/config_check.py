@@ -21,7 +21,7 @@ import types
 import typing
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # key -> (least, most), inclusive. A key is checked only where the family declares it.
 _SIZES = {
@@ -249,7 +249,7 @@ def check_built(model: Any, source: str = "config.json") -> None:
     """What only the built model shows: every rotary embedding rotates an even number (>= 2)
     of features (``mx.fast.rope`` refuses others at the first forward), however the family
     derived it (head_dim, times partial_rotary_factor, MLA's qk_rope_head_dim)."""
-    from .models.layers.rope import LongRoPE, RoPE
+    from .layers.rope import LongRoPE, RoPE
 
     for _, module in model.named_modules():
         if isinstance(module, (RoPE, LongRoPE)) and (module.dims < 2 or module.dims % 2):

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from ..errors import ConfigError, WeightsError
 from .base import BaseArgs, CausalLM, causal_mask
 from .layers import GatedMLP, RMSNorm, activation, make_rope

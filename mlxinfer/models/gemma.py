@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from ..errors import ConfigError
 from .base import BaseArgs, CausalLM, causal_mask, scaled_embedding
 from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from .base import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,

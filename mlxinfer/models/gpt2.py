@@ -16,7 +16,7 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from . import layers
 from .base import BaseArgs, CausalLM, causal_mask, positions
 from .layers import activation

@@ -12,7 +12,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from . import llama
 
 

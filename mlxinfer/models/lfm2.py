@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache, StateCache
+from ..cache.kv import Cache, StateCache
 from ..errors import ConfigError
 from .base import BaseArgs, CausalLM, causal_mask, make_hybrid_caches
 from .layers import GatedMLP, RMSNorm, RopeAttention, make_rope

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from .base import BaseArgs, CausalLM, causal_mask
 from .layers import GatedMLP, RMSNorm, RopeAttention, make_rope
 

@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from . import llama
 from .base import BaseArgs
 from .layers import RMSNorm, RopeAttention, activation, make_rope

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from . import llama
 from .base import (
     FULL_ATTENTION,

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from . import qwen2
 from .base import FULL_ATTENTION, SLIDING_ATTENTION, BaseArgs, check_layer_types
 from .layers import GatedMLP, RMSNorm, RopeAttention, activation, make_rope

@@ -21,7 +21,7 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import Cache, StateCache
+from ..cache.kv import Cache, StateCache
 from ..errors import ConfigError
 from . import qwen2_moe
 from .base import CausalLM, causal_mask, make_hybrid_caches

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache import Cache
+from ..cache.kv import Cache
 from . import layers
 from .base import BaseArgs, CausalLM, causal_mask, positions
 from .layers import activation

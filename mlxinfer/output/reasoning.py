@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import MlxInferError
+from ..errors import MlxInferError
 
 REASONING, CONTENT = "reasoning", "content"
 

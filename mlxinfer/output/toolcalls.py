@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConstraintError
+from ..errors import ConstraintError
 
 
 @dataclass

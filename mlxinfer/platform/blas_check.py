@@ -102,8 +102,8 @@ def read_entries() -> dict:
 def store_entry(key: str, entry: dict) -> None:
     """Add one verdict to the cache file (temporary file, fsync, rename); a cache that cannot be
     written is skipped: the check then runs again next time, and the library prints nothing."""
-    from . import atomic
-    from .errors import MlxInferError
+    from ..errors import MlxInferError
+    from ..files import atomic
 
     try:
         text = json.dumps({**read_entries(), key: entry}, indent=1, sort_keys=True)

@@ -202,8 +202,8 @@ def _format(body: dict):
         return None
     if not isinstance(spec, dict) or spec.get("type") != "json_schema":
         raise APIError(400, f"{where}: {{'type': 'json_schema', 'schema': {{...}}}} is required")
-    from ..constraints import Constraint
     from ..errors import ConstraintError
+    from ..output.constraints import Constraint
 
     schema = spec.get("schema")
     if not isinstance(schema, dict):
@@ -217,7 +217,7 @@ def _format(body: dict):
 def _tools(body: dict) -> tuple[list[dict] | None, Any]:
     """Anthropic's ``tools`` (name, description, input_schema) in OpenAI's shape, and its
     ``tool_choice`` in OpenAI's terms (any: required; tool: that function)."""
-    from ..toolcalls import check_tools
+    from ..output.toolcalls import check_tools
 
     tools = body.get("tools")
     if tools is None:

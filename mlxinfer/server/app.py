@@ -87,7 +87,7 @@ def make_app(
     if isinstance(draft, DraftModel):  # its pool inside each engine's kv_budget (the Engine's)
         engine_options = {**engine_options, "draft_models": [draft.model]}
     if load is None:
-        from ..loader import load
+        from ..loading.loader import load
     aliases = parse_aliases(model_aliases)
     if chat_template is not None:
         named_chat_template(chat_template)  # a bad name or file fails at start

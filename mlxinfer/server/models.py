@@ -123,9 +123,9 @@ class Models:
         an InsufficientMemoryError names the numbers. ``force`` skips the check."""
         if self.force:
             return
-        from .. import memory
         from ..batch.pool import DEFAULT_KV_BUDGET
-        from ..loader import default_dtype, recommended_working_set, weight_files
+        from ..loading import memory
+        from ..loading.loader import default_dtype, recommended_working_set, weight_files
 
         budget = self.engine_options.get("kv_budget", DEFAULT_KV_BUDGET)
         weights = memory.weights_bytes(weight_files(entry.path), default_dtype())

@@ -222,8 +222,8 @@ def parse(body: Any, *, chat: bool) -> Ask:
     if chat:
         ask.template_kwargs = _template_kwargs(body)
     if body.get("response_format") is not None:
-        from ..constraints import Constraint
         from ..errors import ConstraintError
+        from ..output.constraints import Constraint
 
         try:
             ask.constraint = Constraint.from_response_format(body["response_format"])
@@ -321,7 +321,7 @@ def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> in
 
 
 def _tools(body: dict) -> tuple[list[dict], Any]:
-    from ..toolcalls import check_tools
+    from ..output.toolcalls import check_tools
 
     try:
         tools = check_tools(body["tools"])
@@ -349,7 +349,7 @@ def _tools(body: dict) -> tuple[list[dict], Any]:
 
 
 def _messages(messages: Any) -> list[dict]:
-    from ..toolcalls import template_messages
+    from ..output.toolcalls import template_messages
 
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")

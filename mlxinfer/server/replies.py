@@ -6,7 +6,7 @@ prefilled once and shared from the prefix cache); its chunks are interleaved, ea
 choice's ``index``.
 
 A chat reply's text passes the tool-call stream first (calls held back), then the reasoning
-splitter (:mod:`mlxinfer.reasoning`): what a reasoning model thinks goes to OpenAI's
+splitter (:mod:`mlxinfer.output.reasoning`): what a reasoning model thinks goes to OpenAI's
 ``reasoning_content`` and Anthropic's ``thinking`` block, its answer to the content.
 """
 
@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse
 
 from ..batch import EngineError
 from ..generation.results import GenerationResult, GenerationStats
-from ..reasoning import Plain, Splitter, splitter_for
-from ..toolcalls import ToolStream, tool_format
+from ..output.reasoning import Plain, Splitter, splitter_for
+from ..output.toolcalls import ToolStream, tool_format
 from . import anthropic as an
 from . import anthropic_replies as anr
 from . import openai as oa

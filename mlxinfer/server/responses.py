@@ -288,8 +288,8 @@ def _text(text: Any) -> tuple[Any, dict]:
         raise bad(
             "text.format.type", f"expected text, json_object or json_schema, found {shown(kind)}"
         )
-    from ..constraints import Constraint
     from ..errors import ConstraintError
+    from ..output.constraints import Constraint
 
     try:
         return Constraint.from_response_format(response_format), text

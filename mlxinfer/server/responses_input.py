@@ -130,7 +130,7 @@ def _items(value: Any, names: dict) -> list[dict]:
                 f"expected message, function_call, function_call_output, custom_tool_call, "
                 f"custom_tool_call_output or reasoning, found {shown(kind)}",
             )
-    from ..toolcalls import template_messages
+    from ..output.toolcalls import template_messages
 
     return template_messages(out)
 

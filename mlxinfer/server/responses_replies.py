@@ -30,8 +30,8 @@ from fastapi import Request
 
 from ..batch import EngineError
 from ..generation.results import GenerationStats
-from ..reasoning import splitter_for
-from ..toolcalls import ToolCall, ToolStream, tool_format
+from ..output.reasoning import splitter_for
+from ..output.toolcalls import ToolCall, ToolStream, tool_format
 from .responses import Ask
 
 

@@ -22,7 +22,7 @@ from types import ModuleType
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache import KVCache
+from ...cache.kv import KVCache
 from ...models import layers as model_layers
 from .. import kernels
 

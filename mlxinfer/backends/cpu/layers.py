@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...cache import Cache, Mask
+from ...cache.kv import Cache, Mask
 from ...models import layers
 from . import compiled, fused, ops, parallel, quantized
 

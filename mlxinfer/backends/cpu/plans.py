@@ -75,9 +75,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...atomic import write_text
-from ...blas import preloaded_blas
-from ...machine import cpu_name, user_cache_dir
+from ...files.atomic import write_text
+from ...platform.blas import preloaded_blas
+from ...platform.machine import cpu_name, user_cache_dir
 from . import compiled
 from .kinds import (
     KERNELS,

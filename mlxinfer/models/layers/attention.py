@@ -15,7 +15,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache import Cache, Mask, Pages
+from ...cache.kv import Cache, Mask, Pages
 from . import masks
 
 

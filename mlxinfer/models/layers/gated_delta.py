@@ -25,7 +25,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache import StateCache
+from ...cache.kv import StateCache
 from .norms import RMSNorm
 
 CHUNK = 64

@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache import Cache, LatentKVCache, Mask, RotatingKVCache
+from ...cache.kv import Cache, LatentKVCache, Mask, RotatingKVCache
 from . import masks
 from .attention import Attention
 from .norms import RMSNorm

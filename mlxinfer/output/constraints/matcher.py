@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ConstraintError
+from ...errors import ConstraintError
 
 _VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BITS: dict[int, tuple[mx.array, mx.array]] = {}  # vocabulary size -> (word index, bit) per id

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import ConstraintError
+from ...errors import ConstraintError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
