@@ -122,6 +122,73 @@ def test_generation_is_one_way():
     ]
 
 
+# The packages in pipeline order: a module may import its own package and those before it,
+# never one after. Files and the machine first (importable before MLX), then the network and its
+# caches, reading models in, what their text means, generating, batching, across ranks, the
+# surfaces (app handle, server, benchmarks) and the command line last.
+PACKAGE_ORDER = [
+    "errors",
+    "files",
+    "platform",
+    "cache",
+    "models",
+    "quant",
+    "backends",
+    "tokenization",
+    "gguf",
+    "loading",
+    "output",
+    "generation",
+    "batch",
+    "distributed",
+    "embeddings",
+    "handle",
+    "app",
+    "server",
+    "bench",
+    "cli",
+    "__main__",
+]
+
+
+def layer_of(module: str) -> int:
+    """The rank in PACKAGE_ORDER of the top-level package (or module) ``module`` belongs to;
+    the package's own ``__init__`` (``mlxinfer``) sits above everything it lazily exports."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return len(PACKAGE_ORDER)
+    return PACKAGE_ORDER.index(parts[1])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m)
+    )
+
+
+def test_every_top_level_module_has_a_place_in_the_order():
+    tops = {m.split(".")[1] for m in import_graph() if "." in m}
+    assert tops <= set(PACKAGE_ORDER), tops - set(PACKAGE_ORDER)
+    single = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    assert len(single) <= 6, single  # packages, not a flat list of modules
+
+
+def test_the_order_check_finds_an_upward_import():
+    graph = {"mlxinfer.cache.kv": {"mlxinfer.batch.pool"}, "mlxinfer.batch.pool": set()}
+    assert upward_imports(graph) == ["mlxinfer.cache.kv -> mlxinfer.batch.pool"]
+
+
+# Being removed (distributed made explicit: the CLI calls distributed.load).
+KNOWN_UPWARD = {
+    "mlxinfer.loading.loader -> mlxinfer.distributed.group",
+    "mlxinfer.loading.loader -> mlxinfer.distributed.part",
+}
+
+
+def test_packages_import_in_pipeline_order():
+    assert [u for u in upward_imports(import_graph()) if u not in KNOWN_UPWARD] == []
+
+
 # What a backend check looks like: asking which device runs, or the old per-call CPU switches.
 # (Imports of mlxinfer.backends are checked on the import graph.)
 BACKEND_CHECKS = (

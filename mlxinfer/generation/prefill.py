@@ -15,20 +15,12 @@ import mlx.core as mx
 from ..backends import prefill_schedule
 from ..cache.prompt import PromptCache, Snapshot
 from ..errors import TokenIdError
+from ..models.base import embedding_rows
 from ..models.layers.rope import prompt_reach
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
 # Most tokens after the prompt given room up front; past it the cache grows in steps.
 MAX_RESERVED_DECODE = 2048
-
-
-def embedding_rows(model) -> int | None:
-    """How many token ids ``model`` can be fed (its embedding's rows; None for a model without
-    the ``embedding`` of models.base.CausalLM and without ``args.vocab_size``)."""
-    embedding = getattr(model, "embedding", None)
-    if embedding is not None:
-        return int(embedding.weight.shape[0])
-    return getattr(getattr(model, "args", None), "vocab_size", None)
 
 
 def token_ids(items: Iterable, what: str = "prompt") -> list[int]:

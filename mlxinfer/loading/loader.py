@@ -23,7 +23,7 @@ from ..errors import ConfigError, WeightsError
 from ..files.manifest import check_sizes
 from ..files.safetensors_check import check_safetensors, index_files, inside
 from ..models import build_model, get_family
-from ..models.base import language_model_weights
+from ..models.base import embedding_rows, language_model_weights
 from ..models.config import read_config
 from ..platform.progress import Progress
 from ..platform.threads import release_at_thread_exit
@@ -329,8 +329,6 @@ def check_vocabulary(model: nn.Module, tokenizer, log: Callable[[str], None] | N
     their small test vocabulary lacks still load. The LM head may not have more rows than the
     embedding either: its sampled ids are fed back unchecked. Returns ``tokenizer``.
     """
-    from ..generation.prefill import embedding_rows
-
     rows = embedding_rows(model)
     head = getattr(getattr(model, "head", None), "weight", None)
     if rows is None:

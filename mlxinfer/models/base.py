@@ -297,3 +297,12 @@ def language_model_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
                 break
         out[key] = value
     return out
+
+
+def embedding_rows(model) -> int | None:
+    """How many token ids ``model`` can be fed (its embedding's rows; None for a model without
+    the ``embedding`` of models.base.CausalLM and without ``args.vocab_size``)."""
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None:
+        return int(embedding.weight.shape[0])
+    return getattr(getattr(model, "args", None), "vocab_size", None)
