@@ -164,7 +164,7 @@ def fresh_import(code: str, tmp_path, **env) -> list[str]:
 SIMULATED = """
 import os
 os.environ["MLXINFER_BLAS"] = "reference"  # imported without loading a BLAS, to stand the probe in
-from mlxinfer import blas, blas_check
+from mlxinfer.platform import blas, blas_check
 del os.environ["MLXINFER_BLAS"]
 def probe(path, core):  # the library's own kernels fail, Haswell's pass
     if core is None:
@@ -180,7 +180,7 @@ print(blas.blas_in_use())
 
 REPORT = """
 import os, mlxinfer
-from mlxinfer import blas
+from mlxinfer.platform import blas
 print(os.environ.get("OPENBLAS_CORETYPE"))
 print(blas.blas_in_use())
 """

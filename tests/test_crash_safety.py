@@ -21,7 +21,7 @@ from hf_models import add_tokenizer, make_tiny
 import mlxinfer
 from mlxinfer.cli.main import cli
 from mlxinfer.errors import ConfigError, WeightsError
-from mlxinfer.files import atomic
+from mlxinfer.files import atomic, entries
 from mlxinfer.files.manifest import MANIFEST_NAME
 from mlxinfer.loading import default_model, loader
 from mlxinfer.loading.convert import convert
@@ -113,7 +113,6 @@ def test_convert_flushes_every_file_and_directory_before_the_rename_and_the_pare
 
 
 def test_prompt_cache_and_plan_cache_files_are_flushed_before_their_rename(tmp_path, monkeypatch):
-    from mlxinfer.backends.cpu import plans
     from mlxinfer.cache.kv import KVCache
     from mlxinfer.cache.prompt import load_cache, save_cache
 
@@ -127,7 +126,7 @@ def test_prompt_cache_and_plan_cache_files_are_flushed_before_their_rename(tmp_p
 
     stored = tmp_path / "cpu-plans.json"
     calls = record_fsyncs(monkeypatch, stored)
-    plans._store(stored, {"k": {"cut": "one"}})
+    entries.write_entries(stored, {"k": {"cut": "one"}})
     assert (inode(stored), False) in calls and (inode(tmp_path), True) in calls
     assert json.loads(stored.read_text()) == {"k": {"cut": "one"}}
     assert files_of(tmp_path) == {"c.safetensors", "cpu-plans.json"}

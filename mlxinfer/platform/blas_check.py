@@ -25,6 +25,7 @@ import sys
 import zlib
 from pathlib import Path
 
+from ..files import entries
 from .machine import user_cache_dir
 
 VERSION = 1  # of the probe and the cached entries: bump when either changes
@@ -92,24 +93,13 @@ def cache_path() -> Path:
 
 
 def read_entries() -> dict:
-    try:
-        known = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
+    return entries.read_entries(cache_path())
 
 
 def store_entry(key: str, entry: dict) -> None:
-    """Add one verdict to the cache file (temporary file, fsync, rename); a cache that cannot be
-    written is skipped: the check then runs again next time, and the library prints nothing."""
-    from ..errors import MlxInferError
-    from ..files import atomic
-
-    try:
-        text = json.dumps({**read_entries(), key: entry}, indent=1, sort_keys=True)
-        atomic.write_text(cache_path(), text)
-    except (OSError, MlxInferError):
-        pass
+    """Add one verdict to the cache file (``files/entries.py``: atomic; skipped if it cannot be
+    written, and the check then runs again next time)."""
+    entries.store_entry(cache_path(), key, entry)
 
 
 def probe(path: str, core: str | None) -> dict:

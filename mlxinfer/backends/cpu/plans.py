@@ -75,7 +75,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...files.atomic import write_text
+from ...files import entries
 from ...platform.blas import preloaded_blas
 from ...platform.machine import cpu_name, user_cache_dir
 from . import compiled
@@ -222,21 +222,10 @@ def describe(entry: dict) -> str:
 
 def read_entries() -> dict:
     """What the plan cache holds, {key: entry} (empty if it is missing or unreadable)."""
-    try:
-        known = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
+    return entries.read_entries(cache_path())
 
 
 def store_entry(key: str, entry: dict) -> None:
-    _store(cache_path(), {**read_entries(), key: entry})
-
-
-def _store(path: Path, data: dict) -> None:
-    """Write to a temporary file, fsync and rename it into place (atomic.py). A cache that cannot
-    be written is skipped (the plans are measured again next time); the library prints nothing."""
-    try:
-        write_text(path, json.dumps(data, indent=1, sort_keys=True, default=str))
-    except OSError:
-        pass
+    """Add one machine's plans (``files/entries.py``: atomic; skipped if it cannot be written,
+    and the plans are measured again next time)."""
+    entries.store_entry(cache_path(), key, entry)
