@@ -30,7 +30,6 @@ preload_openblas()
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load": "loading.loader",
     "generate": "generation",
     "stream_generate": "generation",
     "GenerationResult": "generation.results",
@@ -57,7 +56,33 @@ _EXPORTS = {
     "read_pooling": "embeddings",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "load"])
+
+# ``load``'s keywords that only one rank's part takes, or only the whole model's.
+_RANK_OPTIONS = ("rank_timeout", "rank_memory", "micro_batches", "head_on_first")
+_WHOLE_OPTIONS = ("progress", "force", "kv_budget")
+
+
+def load(path_or_repo=None, *, distributed: str | None = None, **options):
+    """The model ``path_or_repo`` names and its tokenizer: ``(model, tokenizer)``.
+
+    A model directory, a ``.gguf`` file, a Hub repo id, or None (the default model): the whole
+    model (:func:`mlxinfer.loading.loader.load`: ``dtype``, ``log``, ``progress``, ``force``,
+    ``kv_budget``); with ``distributed="pipeline"|"tensor"`` this rank's part of it
+    (:func:`mlxinfer.distributed.load`: ``rank_timeout``, ``rank_memory``, ``micro_batches``,
+    ``head_on_first``, ``dtype``, ``log``). The other's keywords are accepted and ignored.
+    """
+    if distributed is None:
+        from .loading.loader import load as load_whole
+
+        return load_whole(path_or_repo, **_without(options, _RANK_OPTIONS))
+    from .distributed import load as load_part
+
+    return load_part(path_or_repo, distributed, **_without(options, _WHOLE_OPTIONS))
+
+
+def _without(options: dict, names: tuple[str, ...]) -> dict:
+    return {k: v for k, v in options.items() if k not in names}
 
 
 def __getattr__(name: str):

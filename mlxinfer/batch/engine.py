@@ -87,8 +87,8 @@ class Engine(TextRequests, Scheduler):
             rank 0's tokens, at each turn (``distributed/batching.py``).
         micro_batches: for a model across pipeline ranks, decode in flights of about 1/S of
             the rows, one at each rank's stage (``distributed/micro.py``), not every row through
-            the ranks one after another; None: as loaded (``load(micro_batches=)``, default
-            on). Not for recurrent models or frequencies that follow the length.
+            the ranks one after another; None: as loaded (``distributed.load(micro_batches=)``,
+            default on). Not for recurrent models or frequencies that follow the length.
     """
 
     def __init__(
@@ -188,11 +188,8 @@ class Engine(TextRequests, Scheduler):
         self.attention = attention
         # Across pipeline ranks: one flight of rows at each rank's stage (flights.py).
         self.micro = None
-        if micro_batches is None:
-            micro_batches = getattr(model, "micro_batches", True)
-        if micro_batches and hasattr(model, "micro_pipeline") and model.ranks.size > 1:
-            if not self.recurrent and self.regime is None:
-                self.micro = model.micro_pipeline()
+        if hasattr(model, "micro_pipeline") and not self.recurrent and self.regime is None:
+            self.micro = model.micro_pipeline(micro_batches)  # None: off, or one rank
         # Every request reserves room for max_draft more tokens: a step that verifies drafts
         # writes up to that many past a row's last token before rejected ones are rewound.
         self.max_draft = max_draft

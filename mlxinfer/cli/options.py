@@ -158,11 +158,15 @@ def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int 
         _log(f"BLAS: {blas_in_use()}")
         _log(kernels.describe())  # the compiled CPU kernels in use, or why not (one line)
     extra = LOAD_OPTIONS.get() or {}
-    if not sys.stderr.isatty():
-        loaded = load(model, log=_log, force=force, kv_budget=kv_budget, **extra)
+    if extra:  # this rank's part (a rank reads only its tensors: no bars)
+        from ..distributed import load as load_part
+
+        loaded = load_part(model, log=_log, **extra)
+    elif not sys.stderr.isatty():
+        loaded = load(model, log=_log, force=force, kv_budget=kv_budget)
     else:
         with Bars() as bars:
-            loaded = load(model, log=_log, progress=bars, force=force, kv_budget=kv_budget, **extra)
+            loaded = load(model, log=_log, progress=bars, force=force, kv_budget=kv_budget)
     if verbose:
         from ..backends import describe
         from ..backends.cpu import plans

@@ -4,16 +4,16 @@ ring over TCP, JACCL over Thunderbolt RDMA, MPI). docs/distributed.md says how t
 - ``group``: joining the ranks (hostfile checks) and every wait on them, bounded;
 - ``watchdog``: the bound: a step that overruns ``rank_timeout`` ends the process;
 - ``placement``: which rank holds which layers, heads and weights;
-- ``loading``: reading only this rank's tensors of a checkpoint;
 - ``pipeline`` and ``tensor``: the two splits, applied to a loaded model from the outside
   (the model modules never learn about ranks);
-- ``load``: ``mlxinfer.load(path, distributed=...)``'s work on each rank;
+- ``part``: :func:`load`, this rank's part of a model (``mlxinfer.load(path, distributed=...)``);
+- ``reading``: reading only this rank's tensors of a checkpoint;
 - ``batching``: the batching engine's turns, decided by rank 0 and taken by every rank;
 - ``launch``: ``mlxinfer launch``, local ranks started and taken down together.
 
 Library use, one process per rank::
 
-    model, tokenizer = mlxinfer.load(path, distributed="pipeline")   # or "tensor"
+    model, tokenizer = mlxinfer.distributed.load(path, "pipeline")   # or "tensor"
     seed = mlxinfer.distributed.shared_seed()    # for sampling at temperature > 0
     text = mlxinfer.generate(model, tokenizer, prompt, seed=seed)     # on every rank
 """
@@ -30,6 +30,7 @@ _EXPORTS = {
     "connect": "group",
     "current": "group",
     "read_hostfile": "group",
+    "load": "part",
 }
 
 __all__ = sorted([*_EXPORTS, "shared_seed"])

@@ -1,5 +1,8 @@
 """``load(path, distributed="pipeline"|"tensor")`` on each rank: this rank's part of the model.
 
+:func:`load` is ``mlxinfer.load(path, distributed=...)``: the loader's way to the model's
+directory (a Hub repo, a ``.gguf``, the default model), then :func:`load_model` here.
+
 The CPU backend's two-stream plans are forced off first (``MLXINFER_CPU_PLANS=single``: one
 stream, the compiled kernels where built): they spread products over two worker streams, and
 collectives issued from two streams corrupt each other. The kernels run on MLX's one CPU stream.
@@ -17,6 +20,13 @@ from mlx.utils import tree_flatten
 
 from .. import backends
 from ..errors import DistributedError
+from ..loading.loader import (
+    check_vocabulary,
+    default_dtype,
+    load_weights_into,
+    open_model,
+    weight_files,
+)
 from ..quant.transform import quantization_record
 from . import reading as loading
 from .experts import expert_share
@@ -45,6 +55,55 @@ def _one_stream(log: Callable[[str], None] | None) -> None:
     os.environ[plans.ENV] = "single"
 
 
+def load(
+    path_or_repo: str | os.PathLike | None = None,
+    distributed: str = "pipeline",
+    *,
+    rank_timeout: float | None = None,
+    rank_memory: str | list[int] | None = None,
+    micro_batches: bool = True,
+    head_on_first: bool = False,
+    dtype: mx.Dtype | None | str = "auto",
+    log: Callable[[str], None] | None = None,
+):
+    """This rank's part of the model ``path_or_repo`` names (as ``mlxinfer.load``'s), and the
+    tokenizer: ``(model, tokenizer)``, run across the ranks of MLX's environment.
+
+    Args:
+        distributed: "pipeline" (each rank a range of layers) or "tensor" (each rank a share
+            of every layer's heads; the pipeline where the sizes do not divide).
+        rank_timeout: seconds any step may wait on the other ranks (None: the watchdog's
+            default, ``DEFAULT_RANK_TIMEOUT``).
+        rank_memory: the pipeline's layers in proportion to each rank's memory: "auto", or
+            bytes (one figure, or one per rank); None: by count (docs/distributed.md).
+        micro_batches: whether a batching engine over a pipeline decodes in flights of rows,
+            one at each rank's stage, unless the engine says otherwise
+            (``Engine(micro_batches=)``).
+        head_on_first: a pipeline's rank 0 holds an untied LM head too (self-drafting with its
+            first blocks, ``SelfDraft``; a tied head is there anyway).
+        dtype, log: as ``mlxinfer.load``'s.
+    """
+    from ..tokenization import Tokenizer
+    from .group import current
+
+    def load_dir(model_dir: Path):
+        model = load_model(
+            model_dir,
+            distributed,
+            current(rank_timeout),
+            files=weight_files(model_dir),
+            load_weights=load_weights_into,
+            dtype=default_dtype() if isinstance(dtype, str) else dtype,
+            log=log,
+            rank_memory=rank_memory,
+            head_on_first=head_on_first,
+            micro_batches=micro_batches,
+        )
+        return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
+
+    return open_model(path_or_repo, load_dir, log=log)
+
+
 def load_model(
     model_dir: Path,
     mode: str,
@@ -56,6 +115,7 @@ def load_model(
     log: Callable[[str], None] | None = None,
     rank_memory: str | list[int] | None = None,
     head_on_first: bool = False,
+    micro_batches: bool = True,
 ):
     """This rank's model for ``mode``: a :class:`PipelineModel` or a :class:`TensorModel`,
     called as the whole model is. ``mode="tensor"`` falls back to the pipeline, with one
@@ -65,7 +125,8 @@ def load_model(
     rank's memory: ``"auto"`` (what each machine can give now), or bytes, one figure for
     every rank or one per rank (the same list on every rank); None: by layer count.
     ``head_on_first``: a pipeline's rank 0 holds an untied LM head too, for self-drafting with
-    its first blocks (``PipelineModel.first_blocks``)."""
+    its first blocks (``PipelineModel.first_blocks``). ``micro_batches``: a pipeline's batching
+    engines decode in flights unless they say otherwise (``PipelineModel.micro_pipeline``)."""
     if mode not in MODES:
         raise DistributedError(f"distributed={mode!r}: expected one of {', '.join(MODES)}")
     model_dir = Path(model_dir)
@@ -82,7 +143,14 @@ def load_model(
             log(f"distributed: tensor parallelism falls back to the pipeline: {reason}")
     shares = _shares(ranks, rank_memory)
     return _pipeline(
-        model, config, model_dir, ranks, shares=shares, head_on_first=head_on_first, **read
+        model,
+        config,
+        model_dir,
+        ranks,
+        shares=shares,
+        head_on_first=head_on_first,
+        micro_batches=micro_batches,
+        **read,
     )
 
 
@@ -154,6 +222,7 @@ def _pipeline(
     log,
     shares=None,
     head_on_first=False,
+    micro_batches=True,
 ) -> PipelineModel:
     names = WeightNames(model)
     n_layers = len(model.layers)
@@ -173,7 +242,7 @@ def _pipeline(
     del weights  # the model holds the tensors: each is read, then held once
     loading.evaluate_all(model)
     backends.apply(model, log=log)
-    wrapper = PipelineModel(model, ranks, layers, n_layers)
+    wrapper = PipelineModel(model, ranks, layers, n_layers, micro_batches=micro_batches)
     wrapper.first_range = layer_ranges(n_layers, ranks.size, shares)[0]  # the same everywhere
     wrapper.head_on_first = model.tied or head_on_first
     # The ranks agree on what they exchange: rank 0's float dtype, the last rank's head rows.

@@ -177,9 +177,18 @@ class PipelineModel(RankModel):
     """The model of one pipeline rank, called as the whole model is: ``model(inputs, cache)
     -> logits (B, L, V)`` on every rank; ``make_cache`` gives the caches of its blocks only."""
 
-    def __init__(self, model: nn.Module, ranks: Ranks, layers: range, n_layers: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        ranks: Ranks,
+        layers: range,
+        n_layers: int,
+        *,
+        micro_batches: bool = True,
+    ):
         super().__init__(model, ranks)
         self.layers_range, self.n_layers = layers, n_layers
+        self._micro_batches = micro_batches  # engines' default: load(micro_batches=)
         blocks = model.layers
         if not ranks.first:
             blocks[0] = self.entry = Entry(blocks[0])
@@ -221,11 +230,13 @@ class PipelineModel(RankModel):
             ranks.run(f"{step}: sharing logits", shared, peer=self.ranks.size - 1)
         return shared
 
-    def micro_pipeline(self):
-        """The flights of micro-batched decode (``micro.py``) for the batching engine."""
+    def micro_pipeline(self, wanted: bool | None = None):
+        """The flights of micro-batched decode (``micro.py``) for a batching engine, or None:
+        ``wanted`` False, or None where loaded with ``micro_batches=False``, or one rank."""
         from .micro import MicroPipeline
 
-        return MicroPipeline(self)
+        on = self._micro_batches if wanted is None else wanted
+        return MicroPipeline(self) if on and self.ranks.size > 1 else None
 
     def first_blocks(self, n: int) -> PipelineDraft:
         """A self-draft's view (``SelfDraft``): the first ``n`` blocks, which must be rank 0's,

@@ -5,8 +5,8 @@ So a rank reads every file's header (each checked, as the loader does), keeps th
 part of the model needs, and evaluates only those: the other layers' bytes are never read.
 No index file is needed; a sharded checkpoint's files are simply all listed.
 
-The loader hands this package its file list and its strict ``load_weights_into`` (this
-package sits below the loader, as the backends do).
+``part.load`` hands these steps the checkpoint's file list and the loader's strict
+``load_weights_into``.
 """
 
 from __future__ import annotations

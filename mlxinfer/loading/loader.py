@@ -247,23 +247,9 @@ def load(
     progress: Progress | None = None,
     force: bool = False,
     kv_budget: int | None = None,
-    distributed: str | None = None,
-    rank_timeout: float | None = None,
-    rank_memory: str | list[int] | None = None,
-    micro_batches: bool = True,
-    head_on_first: bool = False,
 ):
     """Load a model directory, a ``.gguf`` file (imported once into the cache), a Hub repo id,
     or (``None``) the default model.
-
-    ``distributed``: "pipeline" or "tensor": this rank's part of the model, run across the
-    ranks of MLX's environment, each step bounded by ``rank_timeout`` seconds; the pipeline's
-    layers in proportion to each rank's memory with ``rank_memory`` ("auto", or bytes: one
-    figure, or one per rank), else by count (docs/distributed.md); ``micro_batches``: a
-    pipeline's batching engines decode in flights of rows, one at each rank's stage (False:
-    every row through the ranks one after another; ``Engine(micro_batches=)`` per engine);
-    ``head_on_first``: a pipeline's rank 0 holds an untied LM head too (self-drafting with its
-    first blocks, ``SelfDraft``; a tied head is there anyway).
 
     Returns ``(model, tokenizer)``. ``dtype``: "auto" computes in float32 on
     the CPU backend and in the stored dtypes on Metal; None keeps the stored
@@ -273,47 +259,41 @@ def load(
     and headroom exceed what the machine can give (an InsufficientMemoryError naming the
     numbers otherwise: :func:`check_fits`); ``kv_budget``: the KV bytes the caller will give
     the model (a batch engine's ``kv_budget``), None for a single generation's.
+    ``mlxinfer.load(path, distributed=...)`` loads one rank's part instead
+    (:func:`mlxinfer.distributed.load`).
     """
-    from ..platform.blas import late_warning
     from ..tokenization import Tokenizer
 
-    if warning := late_warning():
-        if log is not None:
-            log(f"warning: {warning}")
-        else:
-            warnings.warn(warning, RuntimeWarning, stacklevel=2)
-
     def load_dir(model_dir: Path):
-        if distributed is not None:  # this rank's part (mlxinfer/distributed)
-            from ..distributed.group import current
-            from ..distributed.part import load_model as load_part
-
-            ranks, files = current(rank_timeout), weight_files(model_dir)
-            resolved = default_dtype() if isinstance(dtype, str) else dtype
-            model = load_part(
-                model_dir,
-                distributed,
-                ranks,
-                files=files,
-                load_weights=load_weights_into,
-                dtype=resolved,
-                log=log,
-                rank_memory=rank_memory,
-                head_on_first=head_on_first,
-            )
-            model.micro_batches = micro_batches
-            return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
         model, _ = load_model(
             model_dir, dtype=dtype, log=log, progress=progress, force=force, kv_budget=kv_budget
         )
         return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
 
+    return open_model(path_or_repo, load_dir, log=log)
+
+
+def open_model(
+    path_or_repo: str | os.PathLike | None, load_dir: Callable[[Path], Any], *, log=None
+):
+    """``load_dir(model_dir)`` for the model ``path_or_repo`` names: a directory, a ``.gguf``
+    file (imported once into the cache), a Hub repo id, or ``None``: the default model (fetched
+    again if damaged). A fast BLAS found too late to load is a warning first (``log``, else
+    ``warnings``). :func:`load` loads the whole model in the directory;
+    ``mlxinfer.distributed.load`` one rank's part."""
+    from ..platform.blas import late_warning
+
+    if warning := late_warning():
+        if log is not None:
+            log(f"warning: {warning}")
+        else:
+            warnings.warn(warning, RuntimeWarning, stacklevel=3)
     if path_or_repo is None:  # a damaged default model is fetched again (default_model.py)
         from .default_model import load_default_model
 
         return load_default_model(load_dir, log=log)
     path = resolve_model_path(path_or_repo)
-    if path.is_file():  # a .gguf: imported once into the cache (gguf_models.py)
+    if path.is_file():  # a .gguf: imported once into the cache (gguf_files.py)
         from .gguf_files import model_dir_for
 
         path = model_dir_for(path, log=log)
