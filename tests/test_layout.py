@@ -178,15 +178,8 @@ def test_the_order_check_finds_an_upward_import():
     assert upward_imports(graph) == ["mlxinfer.cache.kv -> mlxinfer.batch.pool"]
 
 
-# Being removed (distributed made explicit: the CLI calls distributed.load).
-KNOWN_UPWARD = {
-    "mlxinfer.loading.loader -> mlxinfer.distributed.group",
-    "mlxinfer.loading.loader -> mlxinfer.distributed.part",
-}
-
-
 def test_packages_import_in_pipeline_order():
-    assert [u for u in upward_imports(import_graph()) if u not in KNOWN_UPWARD] == []
+    assert upward_imports(import_graph()) == []
 
 
 # What a backend check looks like: asking which device runs, or the old per-call CPU switches.
