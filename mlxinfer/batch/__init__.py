@@ -55,6 +55,7 @@ def batch_generate(
     num_draft: int | None = None,
     constraint: Constraint | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    micro_batches: bool | None = None,
     **sampling_options,
 ) -> list[str]:
     """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
@@ -64,7 +65,7 @@ def batch_generate(
     prompt lookup or with that draft model, whose steps the requests share (``num_draft``
     tokens per step, or adaptive). ``constraint``: every request's output must match it
     (each request has its own matcher). ``chat_template_kwargs``: more chat-template variables,
-    as for ``stream_generate``."""
+    as for ``stream_generate``. ``micro_batches``: the engine's (a pipeline's flights)."""
     unknown = set(sampling_options) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"batch_generate: unexpected option(s) {', '.join(sorted(unknown))}")
@@ -80,6 +81,8 @@ def batch_generate(
         options["max_batch"] = max_batch
     if kv_bits is not None:
         options["kv_bits"] = kv_bits
+    if micro_batches is not None:
+        options["micro_batches"] = micro_batches
     if isinstance(draft, DraftModel):  # its pool inside kv_budget (the Engine's rule)
         options["draft_models"] = [draft.model]
     with Engine(model, **options) as engine:

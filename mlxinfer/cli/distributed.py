@@ -1,9 +1,13 @@
-"""``mlxinfer generate --distributed`` and ``mlxinfer launch`` (docs/distributed.md).
+"""``--distributed`` on ``generate``, ``chat`` and ``serve``, and ``mlxinfer launch``
+(docs/distributed.md).
 
-``--distributed pipeline|tensor`` and ``--rank-timeout`` are added to ``generate`` from here
-(:func:`with_distributed`), so that cli.py stays a list of commands. Each rank runs the same
-command; rank 0's prompt (``--prompt``, or its stdin) and a shared seed reach every rank;
-only rank 0 prints the output. A rank ends with ``os._exit``: a ring group's teardown could
+A command declares the distributed options with ``@distributed_options`` and takes a
+:class:`Setting`: where it runs. Without ``--distributed`` that is one process (the whole
+model, stdout, ``input``). With it every rank runs the same command: the setting carries this
+rank's ``load`` keywords (:func:`mlxinfer.distributed.load`), the engine's (``micro_batches``),
+where the output goes (stdout on rank 0, a quiet writer on the others) and how a line is read
+(rank 0's, on every rank); rank 0's prompt (``--prompt``, or its stdin), ``--batch`` file and a
+shared seed reach every rank first. A rank ends with ``os._exit``: a ring group's teardown could
 otherwise wait on a peer that died.
 """
 
@@ -15,11 +19,14 @@ import shutil
 import sys
 import tempfile
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 import click
 
-from .options import LOAD_OPTIONS, _errors_to_click, _log
+from ..distributed.watchdog import DEFAULT_RANK_TIMEOUT
+from .options import _errors_to_click, _log
 
 MODES = ("pipeline", "tensor")
 UNSUPPORTED = {  # the commands' options that do not run across ranks yet
@@ -27,67 +34,33 @@ UNSUPPORTED = {  # the commands' options that do not run across ranks yet
 }
 
 
-def with_distributed(command: click.Command) -> click.Command:
-    """Add ``--distributed`` and ``--rank-timeout`` to ``command`` (``generate``, ``chat``,
-    ``serve``)."""
-    from ..distributed.watchdog import DEFAULT_RANK_TIMEOUT
+@dataclass
+class Setting:
+    """Where a command runs: one process (the default), or one rank of several.
 
-    command.params += [
-        click.Option(
-            ["--distributed"],
-            type=click.Choice(MODES),
-            default=None,
-            help="Run across the ranks of MLX's environment (mlxinfer launch, mlx.launch, or "
-            "MLX_RANK + MLX_HOSTFILE): the layers split (pipeline) or the heads (tensor).",
-        ),
-        click.Option(
-            ["--rank-memory"],
-            default=None,
-            callback=_rank_memory,
-            metavar="auto|SIZE[,SIZE...]",
-            help="Pipeline: give each rank layers in proportion to its memory: 'auto' (what each "
-            "machine can give now) or sizes (K/M/G; one per rank, e.g. 48G,96G). Default: "
-            "the same number of layers each.",
-        ),
-        click.Option(
-            ["--no-micro-batches"],
-            is_flag=True,
-            help="Pipeline: the batching engine (--batch, serve) passes every decoding row "
-            "through the ranks one after another, not in flights of rows, one at each rank.",
-        ),
-        click.Option(
-            ["--rank-timeout"],
-            type=click.FloatRange(min=0, min_open=True),
-            default=DEFAULT_RANK_TIMEOUT,
-            show_default=True,
-            help="Seconds a step may wait on the other ranks before this rank gives up and exits.",
-        ),
-    ]
-    run = command.callback
+    ``load``: more keywords for the load (``mlxinfer.distributed.load``'s; empty: the whole
+    model); ``engine``: more for the batching engine (``micro_batches``); ``out``: where the
+    output goes (None: stdout); ``ranks``: the ranks, or None."""
 
-    @functools.wraps(run)
-    def callback(
-        *args,
-        distributed=None,
-        rank_timeout=DEFAULT_RANK_TIMEOUT,
-        rank_memory=None,
-        no_micro_batches=False,
-        **kwargs,
-    ):
-        if distributed is None:
-            if rank_memory is not None or no_micro_batches:
-                flag = "--rank-memory" if rank_memory is not None else "--no-micro-batches"
-                raise click.UsageError(f"{flag} is for --distributed pipeline")
-            return run(*args, **kwargs)
-        load = {"distributed": distributed, "rank_timeout": rank_timeout}
-        if no_micro_batches:
-            load["micro_batches"] = False
-        if rank_memory is not None:
-            load["rank_memory"] = rank_memory
-        return _run_rank(run, load, args, kwargs, command.name)
+    load: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    out: TextIO | None = None
+    ranks: Any = None
 
-    command.callback = callback
-    return command
+    def read_line(self, prompt: str) -> str:
+        """``input(prompt)``; across ranks rank 0's line on every rank (the others read
+        nothing), EOFError on every rank at rank 0's end of input."""
+        if self.ranks is None:
+            return input(prompt)
+        from ..errors import DistributedError
+
+        try:
+            line = self.ranks.share_line(lambda: input(prompt))
+        except DistributedError as e:
+            raise click.ClickException(str(e)) from None
+        if line is None:
+            raise EOFError
+        return line
 
 
 def _rank_memory(ctx, param, value: str | None) -> str | list[int] | None:
@@ -99,41 +72,94 @@ def _rank_memory(ctx, param, value: str | None) -> str | list[int] | None:
     return [_size(ctx, param, part) for part in value.split(",")]
 
 
-def _run_rank(run, load: dict, args, kwargs, name: str) -> None:
+OPTIONS = [
+    click.option(
+        "--distributed",
+        type=click.Choice(MODES),
+        default=None,
+        help="Run across the ranks of MLX's environment (mlxinfer launch, mlx.launch, or "
+        "MLX_RANK + MLX_HOSTFILE): the layers split (pipeline) or the heads (tensor).",
+    ),
+    click.option(
+        "--rank-memory",
+        default=None,
+        callback=_rank_memory,
+        metavar="auto|SIZE[,SIZE...]",
+        help="Pipeline: give each rank layers in proportion to its memory: 'auto' (what each "
+        "machine can give now) or sizes (K/M/G; one per rank, e.g. 48G,96G). Default: "
+        "the same number of layers each.",
+    ),
+    click.option(
+        "--no-micro-batches",
+        is_flag=True,
+        help="Pipeline: the batching engine (--batch, serve) passes every decoding row "
+        "through the ranks one after another, not in flights of rows, one at each rank.",
+    ),
+    click.option(
+        "--rank-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=DEFAULT_RANK_TIMEOUT,
+        show_default=True,
+        help="Seconds a step may wait on the other ranks before this rank gives up and exits.",
+    ),
+]
+
+
+def distributed_options(run):
+    """``--distributed``, ``--rank-memory``, ``--no-micro-batches`` and ``--rank-timeout`` on a
+    command (``generate``, ``chat``, ``serve``), which takes a ``setting`` (:class:`Setting`)
+    in their place. Across ranks every rank runs it (:func:`_run_rank`)."""
+
+    @functools.wraps(run)
+    def command(*args, distributed, rank_timeout, rank_memory, no_micro_batches, **kwargs):
+        if distributed is None:
+            if rank_memory is not None or no_micro_batches:
+                flag = "--rank-memory" if rank_memory is not None else "--no-micro-batches"
+                raise click.UsageError(f"{flag} is for --distributed pipeline")
+            return run(*args, setting=Setting(), **kwargs)
+        load = {"distributed": distributed, "rank_timeout": rank_timeout}
+        if rank_memory is not None:
+            load["rank_memory"] = rank_memory
+        if kwargs.get("self_draft_layers") is not None:  # a pipeline's rank 0 drafts: its head
+            load["head_on_first"] = True  # (where tensor falls back to the pipeline too)
+        engine = {"micro_batches": False} if no_micro_batches else {}
+        return _run_rank(run, Setting(load, engine), args, kwargs)
+
+    for option in reversed(OPTIONS):
+        command = option(command)
+    return command
+
+
+def _run_rank(run, setting: Setting, args, kwargs) -> None:
+    """``run`` as one rank: rank 0's prompt, ``--batch`` file and seed on every rank, the
+    output on rank 0 alone; every error reported, then ``os._exit``."""
     from ..batch.requests import EngineError
     from ..distributed import current
     from ..errors import DistributedError
 
-    global _RANKS
     for key, flag in UNSUPPORTED.items():
         if kwargs.get(key):
             raise click.UsageError(f"{flag} does not run with --distributed yet")
-    if kwargs.get("self_draft_layers") is not None:  # a pipeline's rank 0 drafts: its head
-        load["head_on_first"] = True  # (where tensor falls back to the pipeline too)
     shared_dir = None
     try:
-        ranks = current(load["rank_timeout"])
-        if name == "chat":  # rank 0's lines reach every rank (read_line)
-            _RANKS = ranks
-        elif "prompt" not in kwargs:  # serve: rank 0's server feeds the others
-            pass
-        elif kwargs.get("batch_file"):  # rank 0's file, on every rank
+        setting.ranks = ranks = current(setting.load["rank_timeout"])
+        if kwargs.get("batch_file"):  # rank 0's file, on every rank
             shared_dir = tempfile.mkdtemp(prefix="mlxinfer-batch-")
             kwargs["batch_file"] = _share_file(ranks, kwargs["batch_file"], shared_dir)
-        elif kwargs.get("prompt") is None:
-            kwargs["prompt"] = sys.stdin.read() if ranks.first else ""
-        if "prompt" in kwargs and not kwargs.get("batch_file"):
+        elif "prompt" in kwargs:  # generate (chat shares its lines; serve's rank 0 feeds all)
+            if kwargs["prompt"] is None:
+                kwargs["prompt"] = sys.stdin.read() if ranks.first else ""
             kwargs["prompt"] = ranks.share_text(kwargs["prompt"])
         if kwargs.get("temperature") and kwargs.get("seed") is None:
             kwargs["seed"] = ranks.shared_seed()  # each rank's sampler draws the same numbers
     except DistributedError as e:
         raise click.ClickException(str(e)) from None
-    if not ranks.first:
-        sys.stdout = open(os.devnull, "w")  # only rank 0 prints the output
-    token = LOAD_OPTIONS.set(load)
+    quiet = None
+    if not ranks.first:  # only rank 0 prints the output
+        setting.out = quiet = open(os.devnull, "w")  # noqa: SIM115 (closed by os._exit)
     code = 0
     try:
-        run(*args, **kwargs)
+        run(*args, setting=setting, **kwargs)
         if kwargs.get("verbose"):
             _log(ranks.summary())  # every rank's own line, on its stderr
     except click.ClickException as e:
@@ -148,31 +174,12 @@ def _run_rank(run, load: dict, args, kwargs, name: str) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        LOAD_OPTIONS.reset(token)
         if shared_dir is not None:
             shutil.rmtree(shared_dir, ignore_errors=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (quiet, sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
         os._exit(code)
-
-
-_RANKS = None  # chat across ranks: the ranks its lines are shared with
-
-
-def read_line(prompt: str) -> str:
-    """``input(prompt)``; in ``chat --distributed``, rank 0's line on every rank (the others
-    read nothing), EOFError on every rank at rank 0's end of input."""
-    if _RANKS is None:
-        return input(prompt)
-    from ..errors import DistributedError
-
-    try:
-        line = _RANKS.share_line(lambda: input(prompt))
-    except DistributedError as e:
-        raise click.ClickException(str(e)) from None
-    if line is None:
-        raise EOFError
-    return line
 
 
 def _share_file(ranks, path: str, directory: str) -> str:
@@ -230,11 +237,3 @@ def launch(ranks, hostfile, grace, timeout, command):
     if command and command[0] == "--":
         command = command[1:]
     sys.exit(run_ranks(command, ranks, hostfile=hostfile, grace=grace, timeout=timeout, log=_log))
-
-
-def register(cli: click.Group) -> None:
-    """``launch`` as a command of ``cli``, and the distributed options on its ``generate``,
-    ``chat`` and ``serve``."""
-    for name in ("generate", "chat", "serve"):
-        with_distributed(cli.commands[name])
-    cli.add_command(launch)

@@ -14,8 +14,7 @@ import click
 
 from ..platform.blas import preload_openblas
 from .bench import bench
-from .distributed import read_line
-from .distributed import register as register_distributed
+from .distributed import distributed_options, launch
 from .options import (
     CHAT_TEMPLATE_HELP,
     REASONING,
@@ -55,6 +54,7 @@ def cli():
     help="Run every prompt of FILE (one per line, or JSON lines) in one batch; "
     "prints one JSON line per prompt.",
 )
+@distributed_options
 @_errors_to_click
 def generate(
     model,
@@ -74,6 +74,7 @@ def generate(
     regex,
     choices,
     grammar,
+    setting,
     **options,
 ):
     """Generate a completion and stream it to stdout.
@@ -102,10 +103,11 @@ def generate(
             verbose,
             (draft_model, prompt_lookup, self_draft_layers),
             options,
+            setting,
         )
     if prompt is None:
         prompt = sys.stdin.read()
-    llm, tokenizer = _load(model, verbose, options["force"])
+    llm, tokenizer = _load(model, verbose, options["force"], distributed=setting.load)
     if options.pop("force"):  # lifts the KV budget too (what the machine can give now)
         options["kv_budget"] = float("inf")
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
@@ -124,6 +126,7 @@ def generate(
         ),
         verbose,
         reasoning,
+        setting.out,
     )
     if cache_file is not None:
         from ..cache.prompt_file import save
@@ -183,6 +186,7 @@ def _generate_batch(
     verbose,
     drafts,
     options,
+    setting,
 ):
     """``generate --batch FILE``: every prompt through one engine, a JSON line each, in order;
     drafts by prompt lookup or with a draft model."""
@@ -206,7 +210,7 @@ def _generate_batch(
         )
     draft = _make_draft(draft_model, prompt_lookup, None)
     prompts = read_prompts(batch_file)
-    llm, tokenizer = _load(model, verbose, options.pop("force"))
+    llm, tokenizer = _load(model, verbose, options.pop("force"), distributed=setting.load)
     prompts = _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose)
     stop = options.pop("stop")
     kv_bits = int(kv_bits) if kv_bits else None
@@ -219,10 +223,11 @@ def _generate_batch(
         draft=draft,
         num_draft=num_draft,
         kv_bits=kv_bits,
+        **setting.engine,
         **options,
     )
     for i, text in enumerate(texts):
-        click.echo(json.dumps({"index": i, "text": text}, ensure_ascii=False))
+        click.echo(json.dumps({"index": i, "text": text}, ensure_ascii=False), setting.out)
 
 
 @cli.command()
@@ -231,6 +236,7 @@ def _generate_batch(
 @click.option("--system", default=None, help="System message.")
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
 @REASONING
+@distributed_options
 @_errors_to_click
 def chat(
     model,
@@ -243,6 +249,7 @@ def chat(
     draft_model,
     prompt_lookup,
     self_draft_layers,
+    setting,
     **options,
 ):
     """Interactive chat; keeps history and reuses the KV cache across turns.
@@ -251,7 +258,7 @@ def chat(
     """
     from ..generation.chat import ChatSession
 
-    llm, tokenizer = _load(model, verbose, options["force"])
+    llm, tokenizer = _load(model, verbose, options["force"], distributed=setting.load)
     if options.pop("force"):  # lifts the KV budget too (what the machine can give now)
         options["kv_budget"] = float("inf")
     if chat_template:
@@ -278,7 +285,7 @@ def chat(
         session.prompt_cache = pc
     while True:
         try:
-            line = read_line(">> ")  # in chat --distributed, rank 0's on every rank
+            line = setting.read_line(">> ")  # in chat --distributed, rank 0's on every rank
         except EOFError:
             break
         if line.strip() in ("/exit", "/quit"):
@@ -286,7 +293,7 @@ def chat(
         if line.strip() == "/reset":
             session.reset()
             continue
-        _print_stream(session.send(line), verbose, reasoning)
+        _print_stream(session.send(line), verbose, reasoning, setting.out)
     if cache_file is not None:
         from ..cache.prompt_file import save
 
@@ -370,7 +377,7 @@ def verify(model_dir):
 
 cli.add_command(serve)
 cli.add_command(bench)
-register_distributed(cli)  # generate --distributed, launch
+cli.add_command(launch)
 
 
 def main() -> None:

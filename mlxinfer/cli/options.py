@@ -1,14 +1,13 @@
 """The CLI's shared pieces: option groups (generation, speculative decoding, structured output,
 reasoning), how their values become the API's arguments, and loading and printing.
 
-``serve``'s request limits are in cli_limits.py (importable from here too)."""
+``serve``'s request limits are in limits.py (importable from here too)."""
 
 from __future__ import annotations
 
 import functools
 import json
 import sys
-from contextvars import ContextVar
 
 import click
 
@@ -16,10 +15,6 @@ from ..errors import MlxInferError
 from .limits import _hosts as _hosts
 from .limits import _size as _size
 from .limits import limit_options as limit_options
-
-# More keyword arguments of ``load`` for the commands run inside a setting (cli_distributed.py:
-# ``distributed``, ``rank_timeout``).
-LOAD_OPTIONS: ContextVar[dict | None] = ContextVar("LOAD_OPTIONS", default=None)
 
 
 def _errors_to_click(fn):
@@ -145,9 +140,17 @@ FORCE = click.option(
 )
 
 
-def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int | None = None):
+def _load(
+    model: str | None,
+    verbose: bool,
+    force: bool = False,
+    kv_budget: int | None = None,
+    distributed: dict | None = None,
+):
     """The model and tokenizer, with progress bars on a terminal; ``kv_budget``: the KV bytes
-    its engine will hold (``serve``), None for a single generation's (loader.check_fits)."""
+    its engine will hold (``serve``), None for a single generation's (loader.check_fits).
+    ``distributed``: this rank's part instead, ``mlxinfer.distributed.load``'s keywords
+    (a command's ``Setting.load``, cli/distributed.py)."""
     from ..loading.loader import load
     from ..platform.progress import Bars
 
@@ -157,11 +160,10 @@ def _load(model: str | None, verbose: bool, force: bool = False, kv_budget: int 
 
         _log(f"BLAS: {blas_in_use()}")
         _log(kernels.describe())  # the compiled CPU kernels in use, or why not (one line)
-    extra = LOAD_OPTIONS.get() or {}
-    if extra:  # this rank's part (a rank reads only its tensors: no bars)
+    if distributed:  # this rank's part (a rank reads only its tensors: no bars)
         from ..distributed import load as load_part
 
-        loaded = load_part(model, log=_log, **extra)
+        loaded = load_part(model, log=_log, **distributed)
     elif not sys.stderr.isatty():
         loaded = load(model, log=_log, force=force, kv_budget=kv_budget)
     else:
@@ -187,24 +189,27 @@ REASONING = click.option(
 )
 
 
-def _print_stream(results, verbose: bool, reasoning: str = "show") -> None:
-    """Text to stdout as it comes (a reasoning model's thoughts first, dimmed on a terminal,
-    unless hidden); with --verbose, the timeline to stderr at the end."""
+def _print_stream(results, verbose: bool, reasoning: str = "show", out=None) -> None:
+    """Text to ``out`` (None: stdout) as it comes (a reasoning model's thoughts first, dimmed
+    on a terminal, unless hidden); with --verbose, the timeline to stderr at the end."""
     result, thought = None, False
-    dim = sys.stdout.isatty()
+    out = sys.stdout if out is None else out
+    dim = out.isatty()
     for result in results:
         if result.reasoning and reasoning == "show":
             click.echo(
-                click.style(result.reasoning, dim=True) if dim else result.reasoning, nl=False
+                click.style(result.reasoning, dim=True) if dim else result.reasoning,
+                out,
+                nl=False,
             )
             thought = True
         if result.text:
             if thought:
-                click.echo("\n")  # a blank line between the thoughts and the answer
+                click.echo("\n", out)  # a blank line between the thoughts and the answer
                 thought = False
-            click.echo(result.text, nl=False)
-        sys.stdout.flush()
-    click.echo()
+            click.echo(result.text, out, nl=False)
+        out.flush()
+    click.echo(file=out)
     if verbose and result is not None:
         _log(result.stats.table())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import click
 
+from .distributed import distributed_options
 from .options import (
     CHAT_TEMPLATE_HELP,
     FORCE,
@@ -147,6 +148,7 @@ def agent_options(fn):
 @limit_options
 @click.option("--verbose", "-v", is_flag=True)
 @FORCE
+@distributed_options
 @_errors_to_click
 def serve(
     model,
@@ -172,6 +174,7 @@ def serve(
     prefix_cache_disk_bytes,
     prefix_state_bytes,
     prefix_state_every,
+    setting,
     **limits,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
@@ -196,7 +199,7 @@ def serve(
     draft = _make_draft(draft_model, prompt_lookup, None)
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
-        llm, tokenizer = _load(model, verbose, force, budget)
+        llm, tokenizer = _load(model, verbose, force, budget, distributed=setting.load)
         name = (
             (Path(model).stem if model.endswith(".gguf") else Path(model).name)
             if model
@@ -205,6 +208,7 @@ def serve(
     options = {"max_batch": max_batch, "kv_budget": kv_budget}
     options = {k: v for k, v in options.items() if v is not None}
     options["reserve"] = not kv_grow
+    options.update(setting.engine)  # across ranks: micro_batches
     if kv_bits:
         options["kv_bits"] = int(kv_bits)
     agent = {
