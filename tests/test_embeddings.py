@@ -1,4 +1,4 @@
-"""Embeddings (mlxinfer/embeddings.py, mlxinfer/server/embeddings.py): a tiny random ``qwen3``
+"""Embeddings (mlxinfer/embeddings.py, mlxinfer/server/embeddings/): a tiny random ``qwen3``
 embedding checkpoint saved by transformers' ``AutoModel`` (bare weight names, as
 Qwen3-Embedding ships), with sentence-transformers' pooling files and a tokenizer whose
 post-processor appends ``<|endoftext|>``. The reference is transformers itself: each text
@@ -377,7 +377,7 @@ def test_hostile_requests_are_400s_in_openais_shape(server, body, param, message
 
 
 def test_too_many_tokens_in_all_and_the_other_kinds_of_request(server, monkeypatch):
-    from mlxinfer.server import embeddings as routes
+    from mlxinfer.server.embeddings import routes
 
     url, name = server
     monkeypatch.setattr(routes, "MAX_REQUEST_TOKENS", 5)

@@ -1,11 +1,12 @@
 """Fuzzing both APIs' request parsers: hostile JSON bodies end in an answer, never a 5xx.
 
-Two levels. The parsers themselves (``server/openai.py``'s and ``server/anthropic.py``'s
-``parse``): any JSON value for any field they use (NaN, Infinity, huge integers, wrong types,
-nesting) returns a checked request or raises the API's error, a 4xx with a one-line message,
-quickly. The whole app (FastAPI's test client on a tiny model and the real batching engine):
-near-valid bodies with fields replaced, and raw bytes, on every POST route: each answered 2xx or
-4xx in the route's API shape within a time bound, and a 2xx is a well-formed reply.
+Two levels. The parsers themselves (``parse`` of ``server/openai/request.py`` and
+``server/anthropic/request.py``): any JSON value for any field they use (NaN, Infinity, huge
+integers, wrong types, nesting) returns a checked request or raises the API's error, a 4xx with
+a one-line message, quickly. The whole app (FastAPI's test client on a tiny model and the real
+batching engine): near-valid bodies with fields replaced, and raw bytes, on every POST route:
+each answered 2xx or 4xx in the route's API shape within a time bound, and a 2xx is a
+well-formed reply.
 
 ``MLXINFER_FUZZ_EXAMPLES`` sets the examples per target (default 100; ``tools/fuzz.py`` runs
 thousands), ``MLXINFER_FUZZ_RANDOM=1`` draws new ones instead of the suite's fixed set.
@@ -29,9 +30,9 @@ pytest.importorskip("httpx", reason="httpx (FastAPI's test client) is not instal
 from fastapi.testclient import TestClient  # noqa: E402
 
 from mlxinfer import load  # noqa: E402
-from mlxinfer.server import anthropic as an  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
-from mlxinfer.server import openai as oa  # noqa: E402
+from mlxinfer.server.anthropic import request as anthropic_request  # noqa: E402
+from mlxinfer.server.openai import request as openai_request  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MLXINFER_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(
@@ -280,14 +281,14 @@ def test_fuzz_openai_parser(case):
     chat, body = case
     t = time.perf_counter()
     try:
-        ask = oa.parse(body, chat=chat)
-    except oa.APIError as e:
+        ask = openai_request.parse(body, chat=chat)
+    except openai_request.OpenAIError as e:
         assert 400 <= e.status < 500, e.message
         _one_line(e.message)
         event(f"refused {e.status}")
     else:
         event("accepted")
-        assert ask.max_tokens >= 1 and 1 <= ask.n <= oa.MAX_N
+        assert ask.max_tokens >= 1 and 1 <= ask.n <= openai_request.MAX_N
         assert 0 <= ask.sampling.temperature <= 2 and 0 < ask.sampling.top_p <= 1
         assert 0 <= ask.sampling.min_p < 1 and ask.sampling.top_k >= 0
     assert time.perf_counter() - t < PARSE_S
@@ -301,8 +302,8 @@ def test_fuzz_openai_parser(case):
 def test_fuzz_anthropic_parser(body, count_only):
     t = time.perf_counter()
     try:
-        ask = an.parse(body, count_only=count_only)
-    except an.APIError as e:
+        ask = anthropic_request.parse(body, count_only=count_only)
+    except anthropic_request.AnthropicError as e:
         assert 400 <= e.status < 500, e.message
         _one_line(e.message)
         event(f"refused {e.status}")

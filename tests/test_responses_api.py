@@ -1,4 +1,4 @@
-"""``POST /v1/responses`` (mlxinfer/server/responses*.py) through the official ``openai`` client.
+"""``POST /v1/responses`` (mlxinfer/server/responses/) through the official ``openai`` client.
 
 Spec: text, a function-call round trip and a JSON Schema ``text.format`` on a tiny model (its
 greedy text equal to the library's, its calls and JSON valid against their schemas); a

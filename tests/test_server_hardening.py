@@ -30,9 +30,9 @@ from scripted import ScriptedEngine  # noqa: E402
 from servers import free_port  # noqa: E402
 
 from mlxinfer import load  # noqa: E402
-from mlxinfer.server import anthropic as an  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
-from mlxinfer.server import openai as oa  # noqa: E402
+from mlxinfer.server.anthropic import request as anthropic_request  # noqa: E402
+from mlxinfer.server.openai import request as openai_request  # noqa: E402
 
 NAME = "tiny"
 MESSAGES = [{"role": "user", "content": "Hello there, how are you?"}]
@@ -330,11 +330,11 @@ def test_every_error_is_json_in_the_apis_shape(tiny, monkeypatch):
         assert _openai_error(r, 400)["param"] == "seed"
         assert _openai_error(client.get("/v1/nothing"), 404)["message"] == "Not Found"
         assert _anthropic_error(client.get("/v1/messages"), 405)
-        monkeypatch.setattr(oa, "parse", lambda *a, **k: 1 / 0)
+        monkeypatch.setattr(openai_request, "parse", lambda *a, **k: 1 / 0)
         r = client.post("/v1/chat/completions", json=CHAT)
         error = _openai_error(r, 500)
         assert error["type"] == "server_error" and "ZeroDivisionError" in error["message"]
-        monkeypatch.setattr(an, "parse", lambda *a, **k: [][1])
+        monkeypatch.setattr(anthropic_request, "parse", lambda *a, **k: [][1])
         r = client.post("/v1/messages", json=ANTHROPIC)
         assert "IndexError" in _anthropic_error(r, 500)["message"]
 
@@ -388,20 +388,22 @@ def test_sampling_fields_are_range_checked_with_their_json_types():
     through (NaN, Infinity and floats past range never get past it: checked again here). The
     edges of each range pass: MLX takes seeds below 2**64, and choice i samples with seed + i."""
     for field, value in OPENAI_BAD:
-        with pytest.raises(oa.APIError) as e:
-            oa.parse({**CHAT, field: value}, chat=True)
+        with pytest.raises(openai_request.OpenAIError) as e:
+            openai_request.parse({**CHAT, field: value}, chat=True)
         assert e.value.status == 400 and e.value.param == field, (field, e.value.message)
         assert len(e.value.message) < 200
     for field, value in ANTHROPIC_BAD:
-        with pytest.raises(an.APIError) as e:
-            an.parse({**ANTHROPIC, field: value})
+        with pytest.raises(anthropic_request.AnthropicError) as e:
+            anthropic_request.parse({**ANTHROPIC, field: value})
         assert e.value.status == 400 and e.value.message.startswith(f"{field}:"), e.value.message
         assert len(e.value.message) < 200
     edges = {"temperature": 2, "top_p": 1, "top_k": 40, "min_p": 0.05, "seed": 2**63 - 1}
-    ask = oa.parse({**CHAT, **edges, "n": 16}, chat=True)
+    ask = openai_request.parse({**CHAT, **edges, "n": 16}, chat=True)
     assert ask.sampling.seed == 2**63 - 1 and ask.sampling.temperature == 2.0
-    assert oa.choice_sampling(ask.sampling, 15).seed < 2**64
-    ask = an.parse({**ANTHROPIC, "temperature": 1, "top_p": 0.5, "top_k": 5, "stream": True})
+    assert openai_request.choice_sampling(ask.sampling, 15).seed < 2**64
+    ask = anthropic_request.parse(
+        {**ANTHROPIC, "temperature": 1, "top_p": 0.5, "top_k": 5, "stream": True}
+    )
     assert (ask.sampling.top_k, ask.sampling.temperature, ask.stream) == (5, 1.0, True)
 
 

@@ -1,5 +1,5 @@
 """The HTTP app (:func:`make_app`): the served models, the API key, errors in each API's shape,
-and the route modules wired in (the generation routes are :mod:`.routes`').
+and each API's routes (its folder's ``routes``, on the shared :class:`~.routes.Routes`).
 
 What a request may be (size, headers, host, body time, queue) is ``limits``'.
 """
@@ -19,16 +19,18 @@ from starlette.exceptions import HTTPException
 from ..batch import Engine
 from ..generation.drafts import DraftModel
 from ..tokenization.chat_template import named_chat_template
-from . import anthropic as an
-from . import openai as oa
 from .aliases import check_targets, parse_aliases
-from .embeddings import add_embeddings
+from .anthropic.request import AnthropicError
+from .anthropic.routes import AnthropicRoutes
+from .embeddings.routes import EmbeddingsRoutes, add_embedding_model
 from .limits import Guard, Limits, Work
 from .metrics import add_status
 from .models import Models
+from .openai.request import OpenAIError
+from .openai.routes import OpenAIRoutes
 from .page import add_page
-from .responses_replies import add_route as add_responses
-from .routes import add_routes
+from .responses.routes import ResponsesRoutes
+from .routes import Routes
 from .shapes import error_response
 from .templating import templated
 
@@ -125,12 +127,12 @@ def make_app(
             allow_headers=["authorization", "content-type", "x-api-key", *ANTHROPIC_HEADERS],
         )
 
-    @app.exception_handler(oa.APIError)
-    async def api_error(request: Request, e: oa.APIError):
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    @app.exception_handler(an.APIError)
-    async def anthropic_error(request: Request, e: an.APIError):
+    @app.exception_handler(AnthropicError)
+    async def anthropic_error(request: Request, e: AnthropicError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
@@ -151,26 +153,19 @@ def make_app(
             given = request.headers.get("x-api-key") or bearer
             if not hmac.compare_digest(given.encode(), api_key.encode()):
                 if path.startswith("/v1/messages"):
-                    return JSONResponse(an.APIError(401, "invalid x-api-key").body(), 401)
-                e = oa.APIError(
+                    return JSONResponse(AnthropicError(401, "invalid x-api-key").body(), 401)
+                e = OpenAIError(
                     401, "invalid API key", type="authentication_error", code="invalid_api_key"
                 )
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
 
     add_status(app, registry, work)  # /health and /metrics, on the event loop (metrics.py)
-
-    @app.get("/v1/models")
-    def models():
-        data = [
-            {"id": n, "object": "model", "created": app.state.started, "owned_by": "mlxinfer"}
-            for n in registry.names()
-        ]
-        return {"object": "list", "data": data}
-
-    add_routes(app, aliases, draft, checked, max_output_tokens)  # the generation routes (routes.py)
-    add_embeddings(app, embedding_model, load)  # /v1/embeddings; serve --embedding-model DIR
-    add_responses(app)  # /v1/responses (responses.py, responses_replies.py)
+    if embedding_model is not None:  # serve --embedding-model DIR
+        add_embedding_model(registry, embedding_model, load)
+    routes = Routes(app, aliases, draft, checked, max_output_tokens)
+    for api in (OpenAIRoutes, AnthropicRoutes, EmbeddingsRoutes, ResponsesRoutes):
+        api(routes).add_to(app)  # each API's folder: /v1/models, /v1/chat/completions ...
     app.add_middleware(Guard, limits=limits)  # added last: the outermost, before CORS and keys
     return app
 

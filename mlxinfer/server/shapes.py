@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from . import anthropic as an
-from . import openai as oa
+from .anthropic.request import AnthropicError
+from .openai.request import OpenAIError
 
 
 def is_anthropic(path: str) -> bool:
@@ -20,9 +20,9 @@ def is_anthropic(path: str) -> bool:
 
 def error_body(path: str, status: int, message: str, code: str | None = None) -> dict:
     if is_anthropic(path):
-        return an.APIError(status, message).body()
+        return AnthropicError(status, message).body()
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    return oa.APIError(status, message, type=kind, code=code).body()
+    return OpenAIError(status, message, type=kind, code=code).body()
 
 
 def error_response(

@@ -1,12 +1,12 @@
 """The JSON the Anthropic route sends back: a message, its content blocks, ``usage`` with the
-prefix cache's counts, the stream's events (the request side is :mod:`.anthropic`)."""
+prefix cache's counts, the stream's events (the request side is :mod:`.request`)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from ..generation.results import GenerationStats
+from ...generation.results import GenerationStats
 
 
 def stop_reason(finish: str, eos: bool, matched: str | None, calls=()) -> str:
@@ -46,7 +46,7 @@ def tool_use(call) -> dict:
 
 
 def message(
-    ask: Any,  # an anthropic.Ask: its id and model
+    ask: Any,  # a MessagesRequest: its id and model
     text: str,
     reason: str | None,
     matched: str | None,

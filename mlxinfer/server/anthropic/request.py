@@ -1,4 +1,5 @@
-"""Anthropic's Messages API: what a /v1/messages body asks for, checked, and what is sent back.
+"""Anthropic's Messages API: what a /v1/messages body asks for, checked (the JSON sent back is
+:mod:`.objects`).
 
 Fields follow the server's rule (``fields``, docs/server.md "Fields"): those acted on are
 checked (a malformed value is a 400 naming it); those with no local meaning (``IGNORED``) and
@@ -16,11 +17,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import MlxInferError
-from ..generation.sampling import SamplingParams
-from .anthropic_replies import event  # noqa: F401 (routes.py's PING)
-from .fields import Fields, log_once
-from .quoting import shown
+from ...errors import MlxInferError
+from ...generation.sampling import SamplingParams
+from ..fields import Fields, log_once
+from ..quoting import shown
 
 USED = {
     "model",
@@ -68,7 +68,7 @@ ERROR_TYPES = {
 }
 
 
-class APIError(MlxInferError):
+class AnthropicError(MlxInferError):
     """An error in Anthropic's shape, with its HTTP status (and headers, such as Retry-After)."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
@@ -82,7 +82,7 @@ class APIError(MlxInferError):
 
 
 @dataclass
-class Ask:
+class MessagesRequest:
     model: str
     messages: list[dict]  # system first, if any: ready for the chat template
     max_tokens: int
@@ -98,20 +98,20 @@ class Ask:
     cache_block: int = 0  # the engine's prefix-cache block (0: it caches no prefix): usage
 
 
-def parse(body: Any, *, count_only: bool = False) -> Ask:
-    """Check a /v1/messages (or /v1/messages/count_tokens) body; APIError (400) naming the
+def parse(body: Any, *, count_only: bool = False) -> MessagesRequest:
+    """Check a /v1/messages (or /v1/messages/count_tokens) body; AnthropicError (400) naming the
     first bad field."""
     if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+        raise AnthropicError(400, "the request body must be a JSON object")
     (COUNT_FIELDS if count_only else FIELDS).screen(body)
     model = body.get("model")
     if not isinstance(model, str):
-        raise APIError(400, "model: a string is required")
+        raise AnthropicError(400, "model: a string is required")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
     tools, choice = _tools(body)
     kwargs = {**_thinking(body.get("thinking")), **_effort(body.get("output_config"))}
     if count_only:
-        return Ask(
+        return MessagesRequest(
             model,
             messages,
             0,
@@ -126,15 +126,15 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
         or isinstance(max_tokens, bool)
         or not 1 <= max_tokens <= MAX_INT
     ):
-        raise APIError(
+        raise AnthropicError(
             400, f"max_tokens: an integer in 1..{MAX_INT} is required, got {shown(max_tokens)}"
         )
     stop = body.get("stop_sequences") or []
     if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise APIError(400, "stop_sequences: a list of strings is required")
+        raise AnthropicError(400, "stop_sequences: a list of strings is required")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise APIError(400, f"stream: true or false is required, got {shown(stream)}")
+        raise AnthropicError(400, f"stream: true or false is required, got {shown(stream)}")
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, above=True),
@@ -143,8 +143,8 @@ def parse(body: Any, *, count_only: bool = False) -> Ask:
     try:
         sampling.check()
     except ValueError as e:
-        raise APIError(400, str(e)) from None
-    return Ask(
+        raise AnthropicError(400, str(e)) from None
+    return MessagesRequest(
         model,
         messages,
         max_tokens,
@@ -166,7 +166,9 @@ def _thinking(thinking: Any) -> dict:
         return {}
     kinds = ("enabled", "adaptive", "disabled")
     if not isinstance(thinking, dict) or thinking.get("type") not in kinds:
-        raise APIError(400, "thinking: {'type': 'enabled' | 'adaptive' | 'disabled'} is required")
+        raise AnthropicError(
+            400, "thinking: {'type': 'enabled' | 'adaptive' | 'disabled'} is required"
+        )
     return {"enable_thinking": thinking["type"] != "disabled"}
 
 
@@ -176,7 +178,7 @@ def _effort(config: Any) -> dict:
     if config is None:
         return {}
     if not isinstance(config, dict):
-        raise APIError(400, f"output_config: an object is required, got {shown(config)}")
+        raise AnthropicError(400, f"output_config: an object is required, got {shown(config)}")
     for key in config:
         if key not in ("effort", "format"):
             log_once("/v1/messages", f"output_config.{key}", known=False)
@@ -184,7 +186,7 @@ def _effort(config: Any) -> dict:
     if effort is None:
         return {}
     if effort not in EFFORTS:
-        raise APIError(
+        raise AnthropicError(
             400,
             f"output_config.effort: one of {', '.join(EFFORTS)} is required, got {shown(effort)}",
         )
@@ -201,29 +203,31 @@ def _format(body: dict):
     if spec is None:
         return None
     if not isinstance(spec, dict) or spec.get("type") != "json_schema":
-        raise APIError(400, f"{where}: {{'type': 'json_schema', 'schema': {{...}}}} is required")
-    from ..errors import ConstraintError
-    from ..output.constraints import Constraint
+        raise AnthropicError(
+            400, f"{where}: {{'type': 'json_schema', 'schema': {{...}}}} is required"
+        )
+    from ...errors import ConstraintError
+    from ...output.constraints import Constraint
 
     schema = spec.get("schema")
     if not isinstance(schema, dict):
-        raise APIError(400, f"{where}.schema: a JSON Schema object is required")
+        raise AnthropicError(400, f"{where}.schema: a JSON Schema object is required")
     try:
         return Constraint.json_schema(schema)
     except ConstraintError as e:
-        raise APIError(400, f"{where}: {e}") from None
+        raise AnthropicError(400, f"{where}: {e}") from None
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, Any]:
     """Anthropic's ``tools`` (name, description, input_schema) in OpenAI's shape, and its
     ``tool_choice`` in OpenAI's terms (any: required; tool: that function)."""
-    from ..output.toolcalls import check_tools
+    from ...output.toolcalls import check_tools
 
     tools = body.get("tools")
     if tools is None:
         return None, None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise APIError(400, "tools: a list of tools is required")
+        raise AnthropicError(400, "tools: a list of tools is required")
     hosted = [t for t in tools if t.get("type") not in (None, "custom")]
     for t in hosted:  # web_search, code_execution, bash_...: run by Anthropic's servers
         log_once("/v1/messages", f"tools[type={str(t.get('type'))[:40]}]", known=True)
@@ -244,7 +248,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any]:
     try:
         checked = check_tools(shaped)
     except ValueError as e:
-        raise APIError(400, str(e).replace(".function.parameters", ".input_schema")) from None
+        raise AnthropicError(400, str(e).replace(".function.parameters", ".input_schema")) from None
     choice = body.get("tool_choice") or {"type": "auto"}
     kind = choice.get("type") if isinstance(choice, dict) else None
     names = [t["function"]["name"] for t in checked]
@@ -254,7 +258,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any]:
         return checked, "required"
     if kind == "tool" and choice.get("name") in names:
         return checked, {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError(
+    raise AnthropicError(
         400,
         f"tool_choice: expected type auto, any, none, or tool with a name among the tools "
         f"({', '.join(names)}), got {shown(choice)}",
@@ -269,12 +273,12 @@ def _number(
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(400, f"{name}: a number is required, got {type(value).__name__}")
+        raise AnthropicError(400, f"{name}: a number is required, got {type(value).__name__}")
     if isinstance(value, int):  # an int past float range is out of any range here
         value = float(value) if abs(value) < 1e300 else math.inf if value > 0 else -math.inf
     if not (lo < value if above else lo <= value) or not value <= hi:
         span = f"{'(' if above else '['}{lo:g}, {hi:g}]"
-        raise APIError(400, f"{name}: a number in {span} is required, got {value:g}")
+        raise AnthropicError(400, f"{name}: a number in {span} is required, got {value:g}")
     return value
 
 
@@ -283,7 +287,7 @@ def _integer(body: dict, name: str, default: int, hi: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
-        raise APIError(400, f"{name}: an integer in 0..{hi} is required, got {shown(value)}")
+        raise AnthropicError(400, f"{name}: an integer in 0..{hi} is required, got {shown(value)}")
     return value
 
 
@@ -295,7 +299,7 @@ def _text(content: Any, where: str) -> str:
         for b in content
     ):
         return "".join(b["text"] for b in content)
-    raise APIError(400, f"{where}: a string or a list of text blocks is required")
+    raise AnthropicError(400, f"{where}: a string or a list of text blocks is required")
 
 
 def _system(system: Any) -> list[dict]:
@@ -322,11 +326,13 @@ def _messages(messages: Any) -> list[dict]:
     ``system`` turn (the mid-conversation-system beta) as a system message in its place
     (``templating.fit_messages`` folds it where the template cannot take it there)."""
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages: a non-empty list is required")
+        raise AnthropicError(400, "messages: a non-empty list is required")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
-            raise APIError(400, f"messages.{i}.role: 'user', 'assistant' or 'system' is required")
+            raise AnthropicError(
+                400, f"messages.{i}.role: 'user', 'assistant' or 'system' is required"
+            )
         content, where = m.get("content"), f"messages.{i}.content"
         if not isinstance(content, list) or m["role"] == "system":
             out.append({"role": m["role"], "content": _text(content, where)})
@@ -353,7 +359,7 @@ def _messages(messages: Any) -> list[dict]:
                     {"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id")}
                 )
             else:
-                raise APIError(
+                raise AnthropicError(
                     400,
                     f"{where}.{j}: text blocks, tool_use and thinking blocks (assistant) or "
                     "tool_result blocks (user) are supported",

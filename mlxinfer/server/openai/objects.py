@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..generation.results import GenerationStats
-from .openai import Ask
+from ...generation.results import GenerationStats
+from .request import CompletionRequest
 
 
-def logprobs_field(ask: Ask, entries: list[dict], offset: int = 0) -> tuple[Any, int]:
+def logprobs_field(ask: CompletionRequest, entries: list[dict], offset: int = 0) -> tuple[Any, int]:
     """A choice's ``logprobs`` for these tokens' entries (from :func:`token_logprobs`) and the
     text offset after them. Chat: ``{"content": entries}``; completions: the legacy shape,
     ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> log-prob) and ``text_offset``
@@ -73,7 +73,7 @@ def timings(stats: GenerationStats, completion_tokens: int) -> dict:
 
 
 def choice(
-    ask: Ask,
+    ask: CompletionRequest,
     index: int,
     text: str,
     finish: str,
@@ -100,7 +100,9 @@ def choice(
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
-def response(ask: Ask, choices: list[dict], stats: GenerationStats, n_tokens: int) -> dict:
+def response(
+    ask: CompletionRequest, choices: list[dict], stats: GenerationStats, n_tokens: int
+) -> dict:
     """The whole (non-streamed) response; ``n_tokens``: generated over all choices."""
     return {
         "id": ask.id,
@@ -114,7 +116,7 @@ def response(ask: Ask, choices: list[dict], stats: GenerationStats, n_tokens: in
 
 
 def chunk(
-    ask: Ask,
+    ask: CompletionRequest,
     text: str | None,
     finish: str | None = None,
     *,

@@ -1,5 +1,5 @@
 """The OpenAI API's requests: what a body asks for, checked (the JSON sent back is
-:mod:`.openai_replies`).
+:mod:`.objects`).
 
 Only what is parsed here reaches the engine. Fields follow the server's rule (``fields``,
 docs/server.md "Fields"): those acted on are checked (a malformed value is a 400 naming it);
@@ -17,10 +17,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import MlxInferError
-from ..generation.sampling import SamplingParams
-from .fields import Fields
-from .quoting import shown
+from ...errors import MlxInferError
+from ...generation.sampling import SamplingParams
+from ..fields import Fields
+from ..quoting import shown
 
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -91,7 +91,7 @@ MAX_SEED = 2**63 - 1  # MLX takes seeds below 2**64; choice i samples with seed 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
-class APIError(MlxInferError):
+class OpenAIError(MlxInferError):
     """An error in OpenAI's shape, with its HTTP status (and headers, such as Retry-After)."""
 
     def __init__(
@@ -126,7 +126,7 @@ class APIError(MlxInferError):
 
 
 @dataclass
-class Ask:
+class CompletionRequest:
     """One request, checked: the prompt (chat messages or text), how much to generate, how."""
 
     model: str
@@ -150,14 +150,14 @@ class Ask:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def parse(body: Any, *, chat: bool) -> Ask:
-    """Check a /v1/chat/completions (``chat``) or /v1/completions body; APIError (400) naming
+def parse(body: Any, *, chat: bool) -> CompletionRequest:
+    """Check a /v1/chat/completions (``chat``) or /v1/completions body; OpenAIError (400) naming
     the first bad field."""
     if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+        raise OpenAIError(400, "the request body must be a JSON object")
     refusal = (CHAT if chat else COMPLETION).screen(body)
     if refusal is not None:
-        raise APIError(400, refusal.message, param=refusal.field, code="unsupported_parameter")
+        raise OpenAIError(400, refusal.message, param=refusal.field, code="unsupported_parameter")
     model = _typed(body, "model", str, required=True)
     if chat:
         prompt = _messages(body.get("messages"))
@@ -165,11 +165,11 @@ def parse(body: Any, *, chat: bool) -> Ask:
         prompt = _typed(body, "prompt", str, required=True)
     n = _typed(body, "n", int, default=1)
     if not 1 <= n <= MAX_N:
-        raise APIError(400, f"'n' must be in 1..{MAX_N}, got {shown(n)}", param="n")
+        raise OpenAIError(400, f"'n' must be in 1..{MAX_N}, got {shown(n)}", param="n")
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _typed(body, name, int, default=DEFAULT_MAX_TOKENS)
     if not 1 <= max_tokens <= MAX_INT:
-        raise APIError(
+        raise OpenAIError(
             400, f"'{name}' must be in 1..{MAX_INT}, got {shown(max_tokens)}", param=name
         )
     stop = body.get("stop")
@@ -178,12 +178,16 @@ def parse(body: Any, *, chat: bool) -> Ask:
     elif isinstance(stop, str):
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4):
-        raise APIError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
+        raise OpenAIError(
+            400, "'stop' must be a string or a list of at most 4 strings", param="stop"
+        )
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):  # its other keys (include_obfuscation ...) are ignored
-        raise APIError(400, "'stream_options' must be an object", param="stream_options")
+        raise OpenAIError(400, "'stream_options' must be an object", param="stream_options")
     if not isinstance(options.get("include_usage", False), bool):
-        raise APIError(400, "'stream_options.include_usage' must be bool", param="stream_options")
+        raise OpenAIError(
+            400, "'stream_options.include_usage' must be bool", param="stream_options"
+        )
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, above=True),
@@ -194,8 +198,8 @@ def parse(body: Any, *, chat: bool) -> Ask:
     try:
         sampling.check()
     except ValueError as e:
-        raise APIError(400, str(e)) from None
-    ask = Ask(
+        raise OpenAIError(400, str(e)) from None
+    ask = CompletionRequest(
         model,
         prompt,
         chat,
@@ -210,31 +214,31 @@ def parse(body: Any, *, chat: bool) -> Ask:
         ask.logprobs = bool(_typed(body, "logprobs", bool, default=False))
         ask.top_logprobs = _typed(body, "top_logprobs", int, default=0)
         if not 0 <= ask.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError(
+            raise OpenAIError(
                 400,
                 f"'top_logprobs' must be in 0..{MAX_TOP_LOGPROBS}, got {shown(ask.top_logprobs)}",
                 param="top_logprobs",
             )
         if ask.top_logprobs and not ask.logprobs:
-            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if chat and body.get("tools") is not None:
         ask.tools, ask.tool_choice = _tools(body)
     if chat:
         ask.template_kwargs = _template_kwargs(body)
     if body.get("response_format") is not None:
-        from ..errors import ConstraintError
-        from ..output.constraints import Constraint
+        from ...errors import ConstraintError
+        from ...output.constraints import Constraint
 
         try:
             ask.constraint = Constraint.from_response_format(body["response_format"])
         except ConstraintError as e:
-            raise APIError(400, str(e), param="response_format") from None
+            raise OpenAIError(400, str(e), param="response_format") from None
     if not chat:
         ask.id = ask.id.replace("chatcmpl-", "cmpl-")
         top = _typed(body, "logprobs", int, default=None)
         if top is not None:
             if not 0 <= top <= MAX_LEGACY_LOGPROBS:
-                raise APIError(
+                raise OpenAIError(
                     400,
                     f"'logprobs' must be in 0..{MAX_LEGACY_LOGPROBS}, got {shown(top)}",
                     param="logprobs",
@@ -246,7 +250,7 @@ def parse(body: Any, *, chat: bool) -> Ask:
 def _template_kwargs(body: dict) -> dict:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise APIError(
+        raise OpenAIError(
             400,
             "'chat_template_kwargs' must be an object of template variables",
             param="chat_template_kwargs",
@@ -254,7 +258,7 @@ def _template_kwargs(body: dict) -> dict:
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in ("minimal", "low", "medium", "high"):
-            raise APIError(
+            raise OpenAIError(
                 400,
                 "'reasoning_effort' must be one of minimal, low, medium, high, got "
                 f"{shown(effort)}",
@@ -279,11 +283,11 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
 def _typed(body: dict, name: str, kind: type, *, default: Any = None, required: bool = False):
     if name not in body or body[name] is None:
         if required:
-            raise APIError(400, f"'{name}' is required", param=name)
+            raise OpenAIError(400, f"'{name}' is required", param=name)
         return default
     value = body[name]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise APIError(
+        raise OpenAIError(
             400, f"'{name}' must be {kind.__name__}, got {type(value).__name__}", param=name
         )
     return value
@@ -304,34 +308,34 @@ def _number(
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name)
+        raise OpenAIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name)
     if isinstance(value, int):  # an int past float range is out of any range here
         value = float(value) if abs(value) < 1e300 else math.inf if value > 0 else -math.inf
     if not (lo < value if above else lo <= value) or not (value < hi if below else value <= hi):
         span = f"{'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
-        raise APIError(400, f"'{name}' must be in {span}, got {value:g}", param=name)
+        raise OpenAIError(400, f"'{name}' must be in {span}, got {value:g}", param=name)
     return value
 
 
 def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
     value = _typed(body, name, int, default=default)
     if value is not None and not lo <= value <= hi:
-        raise APIError(400, f"'{name}' must be in {lo}..{hi}, got {shown(value)}", param=name)
+        raise OpenAIError(400, f"'{name}' must be in {lo}..{hi}, got {shown(value)}", param=name)
     return value
 
 
 def _tools(body: dict) -> tuple[list[dict], Any]:
-    from ..output.toolcalls import check_tools
+    from ...output.toolcalls import check_tools
 
     try:
         tools = check_tools(body["tools"])
     except ValueError as e:
-        raise APIError(400, str(e), param="tools") from None
+        raise OpenAIError(400, str(e), param="tools") from None
     choice = body.get("tool_choice", "auto")
     names = [t["function"]["name"] for t in tools]
     named = isinstance(choice, dict) and isinstance(choice.get("function"), dict)
     if named and choice["function"].get("name") not in names:
-        raise APIError(
+        raise OpenAIError(
             400,
             f"'tool_choice': function {shown(choice['function'].get('name'))} is not among the "
             "tools "
@@ -339,7 +343,7 @@ def _tools(body: dict) -> tuple[list[dict], Any]:
             param="tool_choice",
         )
     if not named and choice not in ("none", "auto", "required"):
-        raise APIError(
+        raise OpenAIError(
             400,
             "'tool_choice' must be 'none', 'auto', 'required' or "
             "{'type': 'function', 'function': {'name': ...}}",
@@ -349,31 +353,31 @@ def _tools(body: dict) -> tuple[list[dict], Any]:
 
 
 def _messages(messages: Any) -> list[dict]:
-    from ..output.toolcalls import template_messages
+    from ...output.toolcalls import template_messages
 
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+        raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise APIError(400, f"{where}: expected a role of {', '.join(ROLES)}", param=where)
+            raise OpenAIError(400, f"{where}: expected a role of {', '.join(ROLES)}", param=where)
         content = m.get("content")
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
         if calls is not None and not (
             isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
         ):
-            raise APIError(400, f"{where}.tool_calls must be a list of calls", param=where)
+            raise OpenAIError(400, f"{where}.tool_calls must be a list of calls", param=where)
         if content is None and calls:
             content = ""
         if isinstance(content, list):  # text parts only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise APIError(
+                raise OpenAIError(
                     400, f"{where}.content: only text parts are supported", param=f"{where}.content"
                 )
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
-            raise APIError(400, f"{where}.content must be a string", param=f"{where}.content")
+            raise OpenAIError(400, f"{where}.content must be a string", param=f"{where}.content")
         role = "system" if m["role"] == "developer" else m["role"]
         item = {"role": role, "content": content}
         if calls:

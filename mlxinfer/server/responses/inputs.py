@@ -8,16 +8,16 @@ a developer's is a system message; content a string or text parts: ``input_text`
 ``function_call_output`` / ``custom_tool_call_output`` (a ``tool`` message), and ``reasoning``
 (checked, left out of the prompt: templates drop past thoughts). ``instructions`` is a system
 message first. System messages a template cannot take where they stand (Codex sends two
-developer messages) are folded by ``app.state.routes.start``, as for every chat route
-(:mod:`.templating`).
+developer messages) are folded by ``Routes.start``, as for every chat route
+(:mod:`mlxinfer.server.templating`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import openai as oa
-from .quoting import shown
+from ..openai.request import OpenAIError
+from ..quoting import shown
 
 MAX_ITEMS = 10_000  # input items: hours of an agent's turns
 MAX_PARTS = 1_000  # content parts of one message
@@ -27,9 +27,9 @@ MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
 
 
-def bad(where: str, message: str) -> oa.APIError:
+def bad(where: str, message: str) -> OpenAIError:
     """A 400 naming the field ``where`` (``input[3].content[0].text``)."""
-    return oa.APIError(400, f"{where}: {message}", param=where)
+    return OpenAIError(400, f"{where}: {message}", param=where)
 
 
 def flat_name(space: str, name: str) -> str:
@@ -130,7 +130,7 @@ def _items(value: Any, names: dict) -> list[dict]:
                 f"expected message, function_call, function_call_output, custom_tool_call, "
                 f"custom_tool_call_output or reasoning, found {shown(kind)}",
             )
-    from ..output.toolcalls import template_messages
+    from ...output.toolcalls import template_messages
 
     return template_messages(out)
 

@@ -1,8 +1,8 @@
 """A /v1/responses reply: the ``response`` object whole, or its stream of events.
 
 The engine's text passes the tool-call stream (calls held back) and the reasoning splitter, as
-a chat reply's does (:mod:`.replies`); what comes out is ``output`` items in order: a
-``reasoning`` item (the thoughts as ``reasoning_text`` content), a ``message`` (its
+a chat reply's does (:mod:`mlxinfer.server.openai.reply`); what comes out is ``output`` items in
+order: a ``reasoning`` item (the thoughts as ``reasoning_text`` content), a ``message`` (its
 ``output_text``), then each call, a ``function_call`` (with the ``namespace`` of a namespaced
 tool) or a ``custom_tool_call``.
 
@@ -26,13 +26,12 @@ import time
 import uuid
 from typing import Iterator
 
-from fastapi import Request
-
-from ..batch import EngineError
-from ..generation.results import GenerationStats
-from ..output.reasoning import splitter_for
-from ..output.toolcalls import ToolCall, ToolStream, tool_format
-from .responses import Ask
+from ...batch import EngineError
+from ...generation.results import GenerationStats
+from ...output.reasoning import splitter_for
+from ...output.toolcalls import ToolCall, ToolStream, tool_format
+from ..openai.request import OpenAIError
+from .request import ResponsesRequest
 
 
 def _id(prefix: str) -> str:
@@ -42,7 +41,7 @@ def _id(prefix: str) -> str:
 class Reply:
     """One response: :meth:`events` streams it, :meth:`whole` returns the object."""
 
-    def __init__(self, ask: Ask, tokenizer, first, results: Iterator) -> None:
+    def __init__(self, ask: ResponsesRequest, tokenizer, first, results: Iterator) -> None:
         self.ask, self.first, self.results = ask, first, results
         offered = ask.tools is not None and ask.tool_choice != "none"
         self.tools = ToolStream(tool_format(tokenizer)) if offered else None
@@ -102,9 +101,7 @@ class Reply:
         for _ in self.events():
             pass
         if self.error is not None:
-            from .openai import APIError
-
-            raise APIError(500, self.error, type="server_error")
+            raise OpenAIError(500, self.error, type="server_error")
         return self.response(self.status())
 
     # -- the events -----------------------------------------------------------------------
@@ -240,39 +237,3 @@ def _chain(first, results: Iterator):
     if first is not None:
         yield first
     yield from results
-
-
-def add_route(app) -> None:
-    """``POST /v1/responses`` on ``app``, built from ``app.state.routes``."""
-    from fastapi.responses import JSONResponse
-
-    from ..errors import PromptTooLongError
-    from . import openai as oa
-    from .responses import parse
-
-    routes = app.state.routes
-
-    def bad(e: Exception) -> oa.APIError:
-        code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
-        return oa.APIError(400, str(e), code=code)
-
-    def respond(ask: Ask, streams):
-        entry = routes.served(
-            ask.model, lambda m: oa.APIError(404, m, param="model", code="model_not_found")
-        )
-        first, results = routes.start(
-            entry,
-            ask.messages,
-            ask,
-            True,
-            bad,
-            lambda e: oa.APIError(500, str(e), type="server_error"),
-            streams,
-        )
-        reply = Reply(ask, entry.tokenizer, first, results)
-        return reply.events() if ask.stream else JSONResponse(reply.whole())
-
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        ask = parse(await routes.body_of(request))
-        return await routes.generation(request, 1, respond, ask, routes.oa_busy)

@@ -1,5 +1,5 @@
 """OpenAI's Responses API (``POST /v1/responses``), stateless: a body checked into what the
-engine is asked (the reply and its events are :mod:`.responses_replies`).
+engine is asked (the reply and its events are :mod:`.reply`).
 
 ``instructions`` and ``input`` (a string, or items: ``message``, ``function_call``,
 ``function_call_output``, ``custom_tool_call`` / ``_output``, ``reasoning``) become chat
@@ -19,11 +19,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..generation.sampling import SamplingParams
-from . import openai as oa
-from .fields import Fields, log_once
-from .quoting import shown
-from .responses_input import bad, flat_name, input_messages, resolve
+from ...generation.sampling import SamplingParams
+from ..fields import Fields, log_once
+from ..openai import request as openai_request
+from ..openai.request import OpenAIError
+from ..quoting import shown
+from .inputs import bad, flat_name, input_messages, resolve
 
 MAX_TOOLS = 1_000  # tools, a namespace's counted one by one
 MAX_NAME = 256  # a tool's name (a namespace's flat name included)
@@ -81,8 +82,8 @@ class Tool:
 
 
 @dataclass
-class Ask:
-    """A /v1/responses request, checked: what ``app.state.routes.start`` reads, and what the
+class ResponsesRequest:
+    """A /v1/responses request, checked: what ``Routes.start`` reads, and what the
     reply echoes back."""
 
     model: str
@@ -101,32 +102,34 @@ class Ask:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def parse(body: Any) -> Ask:
-    """Check a /v1/responses body; APIError (400) naming the first bad field."""
+def parse(body: Any) -> ResponsesRequest:
+    """Check a /v1/responses body; OpenAIError (400) naming the first bad field."""
     if not isinstance(body, dict):
-        raise oa.APIError(400, "the request body must be a JSON object")
+        raise OpenAIError(400, "the request body must be a JSON object")
     refusal = FIELDS.screen(body)
     if refusal is not None:
-        raise oa.APIError(400, refusal.message, param=refusal.field, code="unsupported_field")
-    model = oa._typed(body, "model", str, required=True)
-    instructions = oa._typed(body, "instructions", str)
+        raise OpenAIError(400, refusal.message, param=refusal.field, code="unsupported_field")
+    model = openai_request._typed(body, "model", str, required=True)
+    instructions = openai_request._typed(body, "instructions", str)
     tools, names = _tools(body.get("tools"))
     messages = input_messages(body.get("input"), instructions, names)
     if not messages:
         raise bad("input", "expected a non-empty string or list of items")
-    limit = oa._typed(body, "max_output_tokens", int, default=oa.MAX_INT)
-    if not 1 <= limit <= oa.MAX_INT:
-        raise bad("max_output_tokens", f"expected 1..{oa.MAX_INT}, found {shown(limit)}")
+    limit = openai_request._typed(body, "max_output_tokens", int, default=openai_request.MAX_INT)
+    if not 1 <= limit <= openai_request.MAX_INT:
+        raise bad(
+            "max_output_tokens", f"expected 1..{openai_request.MAX_INT}, found {shown(limit)}"
+        )
     sampling = SamplingParams(
-        temperature=oa._number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=oa._number(body, "top_p", 1.0, 0.0, 1.0, above=True),
+        temperature=openai_request._number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=openai_request._number(body, "top_p", 1.0, 0.0, 1.0, above=True),
     )
-    ask = Ask(
+    ask = ResponsesRequest(
         model,
         messages,
         limit,
         sampling,
-        stream=bool(oa._typed(body, "stream", bool, default=False)),
+        stream=bool(openai_request._typed(body, "stream", bool, default=False)),
         names=names,
     )
     if tools:
@@ -233,7 +236,7 @@ def _freeform(tool: dict) -> str:
     return "Freeform text (not JSON)"
 
 
-def _tool_choice(choice: Any, ask: Ask) -> Any:
+def _tool_choice(choice: Any, ask: ResponsesRequest) -> Any:
     if choice is None or choice in ("auto", "none", "required"):
         return choice or "auto"
     where = "tool_choice"
@@ -288,8 +291,8 @@ def _text(text: Any) -> tuple[Any, dict]:
         raise bad(
             "text.format.type", f"expected text, json_object or json_schema, found {shown(kind)}"
         )
-    from ..errors import ConstraintError
-    from ..output.constraints import Constraint
+    from ...errors import ConstraintError
+    from ...output.constraints import Constraint
 
     try:
         return Constraint.from_response_format(response_format), text
