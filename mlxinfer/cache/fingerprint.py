@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -43,9 +43,13 @@ def model_fingerprint(model, storage: dict[str, Any], cache_dir: Path) -> str:
 
     part("model", f"{type(model).__module__}.{type(model).__name__}")
     args = getattr(model, "args", None)
-    part("args", dataclasses.asdict(args) if dataclasses.is_dataclass(args) else repr(args))
+    if dataclasses.is_dataclass(args) and not isinstance(args, type):  # an instance, not a class
+        part("args", dataclasses.asdict(args))
+    else:
+        part("args", repr(args))
     part("storage", storage)
-    params = tree_flatten(model.parameters())
+    # cast: tree_flatten returns a list of (name, leaf) here (a dict only given a destination)
+    params = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
     part("dtypes", sorted({str(a.dtype) for _, a in params}))
     source = getattr(model, "source_dir", None)
     if source is not None:

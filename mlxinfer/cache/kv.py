@@ -19,11 +19,14 @@ Each cache also builds the attention mask for the queries about to be added
 (``make_mask``), because only the cache knows which positions it holds. A batched
 or paged cache will add its own kinds behind the same protocol.
 
-A :class:`StateCache` serves a recurrent layer, not attention (``state_cache.py``).
+A :class:`StateCache` serves a recurrent layer, not attention (``state.py``): it has the
+protocol's bookkeeping but neither ``update_and_fetch`` nor ``make_mask``, so a model's list
+of caches is a list of :data:`LayerCache` (a :class:`Cache` or a :class:`StateCache`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -49,7 +52,22 @@ class Cache(Protocol):
     @property
     def state(self) -> list[mx.array]: ...
     @property
+    def meta_state(self) -> dict[str, str]: ...  # settings a cache file keeps (prompt.py)
+    @property
     def nbytes(self) -> int: ...
+
+
+class QuantizedCache(Cache, Protocol):
+    """A cache whose ``quantized`` is True: its keys and values are (packed, scales, biases)
+    triples of ``bits``-bit affine groups of ``group_size`` (``QuantizedKVCache``)."""
+
+    group_size: int
+    bits: int
+
+
+# Any layer's cache: an attention layer's (the protocol above) or a recurrent layer's state. Both
+# have the bookkeeping (offset, trim, snapshot/restore, state, nbytes) the cache helpers use.
+LayerCache = Cache | StateCache
 
 
 class Pages(NamedTuple):
@@ -91,17 +109,12 @@ def _write(buf: mx.array, start: int, new: mx.array) -> mx.array:
     return buf
 
 
-class KVCache:
-    """Standard cache: (B, n_kv_heads, capacity, head_dim) buffers written in place."""
+class Reserving:
+    """Growth of preallocated buffers, shared by :class:`KVCache` and ``QuantizedKVCache``: in
+    ``step``-token chunks, or at once to what :meth:`reserve` asked for."""
 
-    quantized = False
     step = 256  # tokens added per growth; large enough that growth is rare
-
-    def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.offset = 0
-        self.reserved = 0  # capacity to allocate at the next growth (see reserve)
+    reserved: int  # capacity to allocate at the next growth (see reserve)
 
     def reserve(self, n_tokens: int) -> None:
         """Make the next growth room for ``n_tokens`` at once (a prompt about to be prefilled).
@@ -110,6 +123,29 @@ class KVCache:
         briefly holds two copies of it.
         """
         self.reserved = max(self.reserved, n_tokens)
+
+    def _growth(self, needed: int, buf: mx.array | None) -> tuple[int, int]:
+        """``(capacity, step)`` for holding ``needed`` tokens: the reservation exactly
+        while it covers them, else growth in ``step`` chunks."""
+        if buf is not None and needed <= buf.shape[2]:
+            return needed, self.step
+        if needed <= self.reserved:
+            return self.reserved, 1
+        return needed, self.step
+
+
+class KVCache(Reserving):
+    """Standard cache: (B, n_kv_heads, capacity, head_dim) buffers written in place."""
+
+    quantized = False
+    step = 256  # tokens added per growth; large enough that growth is rare
+
+    def __init__(self) -> None:
+        # Both None before the first tokens, both arrays after.
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.reserved = 0  # capacity to allocate at the next growth (see reserve)
 
     def grow(self, n_tokens: int) -> None:
         """Give the buffers room for ``n_tokens`` now, copying what is cached.
@@ -120,18 +156,10 @@ class KVCache:
         self.reserve(n_tokens)
         if self.keys is None or n_tokens <= self.keys.shape[2]:
             return
+        assert self.values is not None  # set with the keys
         self.keys = _grow(self.keys, self.offset, n_tokens, 1, self.keys)
         self.values = _grow(self.values, self.offset, n_tokens, 1, self.values)
         mx.eval(self.keys, self.values)
-
-    def _growth(self, needed: int, buf: mx.array | None) -> tuple[int, int]:
-        """``(capacity, step)`` for holding ``needed`` tokens: the reservation exactly
-        while it covers them, else growth in ``step`` chunks."""
-        if buf is not None and needed <= buf.shape[2]:
-            return needed, self.step
-        if needed <= self.reserved:
-            return self.reserved, 1
-        return needed, self.step
 
     def make_room(self, keys: mx.array, values: mx.array) -> None:
         """Grow the buffers (made like ``keys``/``values`` if there are none yet) to hold these
@@ -144,6 +172,7 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, L = self.offset, keys.shape[2]
         self.make_room(keys, values)
+        assert self.keys is not None and self.values is not None  # made by make_room
         self.offset = prev + L
         self.keys = _write(self.keys, prev, keys)
         self.values = _write(self.values, prev, values)
@@ -176,7 +205,7 @@ class KVCache:
 
     @property
     def state(self) -> list[mx.array]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # both or neither
             return []
         return [self.keys[..., : self.offset, :], self.values[..., : self.offset, :]]
 
@@ -196,7 +225,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the cached tokens: 2 × kv_heads × head_dim × tokens × itemsize (× batch)."""
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # both or neither
             return 0
         B, H, _, Dk = self.keys.shape
         Dv = self.values.shape[-1]
@@ -217,6 +246,7 @@ class RotatingKVCache:
         if max_size <= keep:
             raise ValueError(f"max_size ({max_size}) must exceed keep ({keep})")
         self.max_size, self.keep = max_size, keep
+        # Both None before the first tokens, both arrays after.
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
@@ -244,7 +274,7 @@ class RotatingKVCache:
             return self._update_one(keys, values)
         # Several tokens: attend over everything cached plus the new tokens (the
         # mask limits the window), then store only what the next step needs.
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # both or neither
             full_k, full_v = keys, values
         else:
             full_k = mx.concatenate([self._in_order(self.keys), keys], axis=2)
@@ -267,6 +297,7 @@ class RotatingKVCache:
         return full_k, full_v
 
     def _update_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        assert self.keys is not None and self.values is not None  # update_and_fetch checked
         if self._size < self.max_size:
             cap = min(self.max_size, self._size + self.step)
             if self.keys.shape[2] < self._size + 1:
@@ -313,7 +344,7 @@ class RotatingKVCache:
 
     @property
     def state(self) -> list[mx.array]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # both or neither
             return []
         return [self._in_order(self.keys), self._in_order(self.values)]
 
@@ -336,7 +367,7 @@ class RotatingKVCache:
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # both or neither
             return 0
         B, H, _, Dk = self.keys.shape
         return B * H * self._size * (Dk + self.values.shape[-1]) * self.keys.itemsize
@@ -354,25 +385,25 @@ class LatentKVCache(KVCache):
     """
 
 
-def cache_nbytes(cache: list[Cache]) -> int:
+def cache_nbytes(cache: Sequence[LayerCache]) -> int:
     return sum(c.nbytes for c in cache)
 
 
-def trim_cache(cache: list[Cache], n: int) -> int:
+def trim_cache(cache: Sequence[LayerCache], n: int) -> int:
     """Drop the last ``n`` tokens from every layer (speculative rewind, chat edits)."""
     return min((c.trim(n) for c in cache), default=0)
 
 
-def is_trimmable(cache: list[Cache]) -> bool:
+def is_trimmable(cache: Sequence[LayerCache]) -> bool:
     """Whether every layer can drop tokens; else (a state cache among them) going back
     takes a snapshot restored and the kept tokens fed again."""
     return all(c.is_trimmable() for c in cache)
 
 
-def snapshot_cache(cache: list[Cache]) -> list[Any]:
+def snapshot_cache(cache: Sequence[LayerCache]) -> list[Any]:
     return [c.snapshot() for c in cache]
 
 
-def restore_cache(cache: list[Cache], snapshot: list[Any]) -> None:
+def restore_cache(cache: Sequence[LayerCache], snapshot: list[Any]) -> None:
     for c, s in zip(cache, snapshot, strict=True):
         c.restore(s)

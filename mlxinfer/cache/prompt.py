@@ -13,17 +13,18 @@ latest checkpoint within the common prefix, feeding the rest again.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
 from ..errors import WeightsError
 from ..files.atomic import writing_file
 from .kv import (
-    Cache,
     KVCache,
     LatentKVCache,
+    LayerCache,
     RotatingKVCache,
     StateCache,
     is_trimmable,
@@ -39,17 +40,19 @@ MAX_CHECKPOINTS = 8
 
 Snapshot = tuple[int, list[Any]]  # (tokens held, each layer's snapshot)
 
-# The kinds a cache file may name (save_cache writes each layer's class name).
-_KINDS = {
-    cls.__name__: cls
-    for cls in (KVCache, RotatingKVCache, QuantizedKVCache, LatentKVCache, StateCache)
+# The kinds a cache file may name (save_cache writes each layer's class name), each with the
+# meta_state and state setters load_cache uses.
+Stored = KVCache | RotatingKVCache | QuantizedKVCache | StateCache
+# Those made without arguments; a RotatingKVCache takes its size from the file (load_cache).
+_KINDS: dict[str, Callable[[], Stored]] = {
+    cls.__name__: cls for cls in (KVCache, QuantizedKVCache, LatentKVCache, StateCache)
 }
 
 
 class PromptCache:
     """Per-layer caches and the token ids they were filled with."""
 
-    def __init__(self, cache: list[Cache], tokens: list[int] | None = None):
+    def __init__(self, cache: list[LayerCache], tokens: list[int] | None = None):
         self.cache = cache
         self.tokens: list[int] = list(tokens or [])
         self.checkpoints: list[Snapshot] = []  # where reuse() may go back to (state caches)
@@ -141,7 +144,7 @@ class PromptCache:
         return cls(cache, tokens)
 
 
-def _fresh(c: Cache) -> Cache:
+def _fresh(c: LayerCache) -> LayerCache:
     """An empty cache of the same kind and settings."""
     if isinstance(c, RotatingKVCache):
         return RotatingKVCache(c.max_size, c.keep)
@@ -152,7 +155,7 @@ def _fresh(c: Cache) -> Cache:
     return type(c)()
 
 
-def save_cache(path: Path, cache: list[Cache], metadata: dict[str, str] | None = None) -> None:
+def save_cache(path: Path, cache: list[LayerCache], metadata: dict[str, str] | None = None) -> None:
     """Write a cache to a safetensors file (atomically: temp file, fsync, rename; atomic.py)."""
     path = Path(path)
     arrays = {f"{i}.{j}": a for i, c in enumerate(cache) for j, a in enumerate(c.state)}
@@ -166,16 +169,20 @@ def save_cache(path: Path, cache: list[Cache], metadata: dict[str, str] | None =
             os.replace(f"{tmp}.safetensors", tmp)
 
 
-def load_cache(path: Path) -> tuple[list[Cache], dict[str, str]]:
+def load_cache(path: Path) -> tuple[list[LayerCache], dict[str, str]]:
     """Read a cache written by :func:`save_cache`; returns (cache, user metadata)."""
     try:
-        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        # cast: with return_metadata, mlx returns (arrays, metadata) and no other of its kinds
+        arrays, meta = cast(
+            "tuple[dict[str, mx.array], dict[str, str]]",
+            mx.load(str(path), format="safetensors", return_metadata=True),
+        )
     except Exception as e:  # mlx raises RuntimeError/ValueError for bad files
         raise WeightsError(f"{path}: not a readable cache file ({e})") from None
-    cache: list[Cache] = []
+    cache: list[LayerCache] = []
     for i, kind in enumerate(meta["kinds"].split(",")):
         layer_meta = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith(f"{i}.")}
-        c = (
+        c: Stored = (
             RotatingKVCache(int(layer_meta["max_size"]))
             if kind == "RotatingKVCache"
             else _KINDS[kind]()

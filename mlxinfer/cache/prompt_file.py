@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import zlib
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -95,7 +96,7 @@ def _all_resume(ranks, read: bool, tokens: list[int]) -> bool:
     mine = mx.array([int(read), len(tokens), -len(tokens), h, -h], dtype=mx.int32)
     out = mx.distributed.all_min(mine, group=ranks.group)
     ranks.run("agreeing on the prompt cache files", out)
-    both_read, n, minus_n, h_min, minus_h = out.tolist()
+    both_read, n, minus_n, h_min, minus_h = cast("list[int]", out.tolist())  # (5,) int32
     return both_read == 1 and n == -minus_n and h_min == -minus_h
 
 

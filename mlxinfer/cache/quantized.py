@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kv import KVCache, _grow, _write
+from .kv import KVCache, Reserving, _grow, _write
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(Reserving):
     """Keys and values stored as affine ``bits``-bit groups of ``group_size``."""
 
     quantized = True
@@ -18,7 +18,8 @@ class QuantizedKVCache:
         if bits not in (4, 8):
             raise ValueError(f"kv bits must be 4 or 8, got {bits}")
         self.group_size, self.bits = group_size, bits
-        self.keys: list[mx.array] | None = None  # [packed, scales, biases]
+        # [packed, scales, biases] each: both None before the first tokens, both lists after.
+        self.keys: list[mx.array] | None = None
         self.values: list[mx.array] | None = None
         self.offset = 0
         self.reserved = 0
@@ -29,13 +30,14 @@ class QuantizedKVCache:
         prev, L = self.offset, keys.shape[2]
         new_k = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         new_v = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-        if self.keys is None:
-            self.keys = [None] * 3
-            self.values = [None] * 3
-        needed, step = self._growth(prev + L, self.keys[0])
-        for bufs, new in ((self.keys, new_k), (self.values, new_v)):
-            for i in range(3):
-                bufs[i] = _write(_grow(bufs[i], prev, needed, step, new[i]), prev, new[i])
+        needed, step = self._growth(prev + L, None if self.keys is None else self.keys[0])
+        if self.keys is None or self.values is None:  # both or neither: the first tokens
+            self.keys = [_write(_grow(None, prev, needed, step, a), prev, a) for a in new_k]
+            self.values = [_write(_grow(None, prev, needed, step, a), prev, a) for a in new_v]
+        else:
+            for bufs, new in ((self.keys, new_k), (self.values, new_v)):
+                for i in range(3):
+                    bufs[i] = _write(_grow(bufs[i], prev, needed, step, new[i]), prev, new[i])
         self.offset = prev + L
         return (
             [a[..., : self.offset, :] for a in self.keys],
@@ -47,21 +49,20 @@ class QuantizedKVCache:
     trim = KVCache.trim
     snapshot = KVCache.snapshot
     restore = KVCache.restore
-    reserve = KVCache.reserve
-    _growth = KVCache._growth
 
     def grow(self, n_tokens: int) -> None:
         """As :meth:`KVCache.grow`, for each of the packed, scales and biases buffers."""
         self.reserve(n_tokens)
         if self.keys is None or n_tokens <= self.keys[0].shape[2]:
             return
+        assert self.values is not None  # set with the keys
         for bufs in (self.keys, self.values):
             bufs[:] = [_grow(a, self.offset, n_tokens, 1, a) for a in bufs]
         mx.eval(self.keys, self.values)
 
     @property
     def state(self) -> list[mx.array]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # both or neither
             return []
         return [a[..., : self.offset, :] for a in self.keys + self.values]
 
@@ -80,7 +81,7 @@ class QuantizedKVCache:
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # both or neither
             return 0
         per_token = sum(a.nbytes // a.shape[2] for a in self.keys + self.values)
         return per_token * self.offset

@@ -9,6 +9,8 @@ names it with the KV caches (the cache helpers), and ``prompt_cache``'s table of
 
 from __future__ import annotations
 
+from typing import cast
+
 import mlx.core as mx
 
 
@@ -57,7 +59,8 @@ class StateCache:
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.arrays[0] is None else list(self.arrays)
+        # All None before the first update, all arrays after it.
+        return [] if self.arrays[0] is None else cast("list[mx.array]", list(self.arrays))
 
     @state.setter
     def state(self, arrays: list[mx.array]) -> None:

@@ -57,6 +57,7 @@ def get_family(config: dict[str, Any], source: str = "config.json"):
 
 
 # What a family's constructor may raise for a value the checks let through.
+_BUILD_ERRORS: tuple[type[Exception], ...]
 _BUILD_ERRORS = (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError)
 _BUILD_ERRORS += (RecursionError, MemoryError, RuntimeError)
 

@@ -2,8 +2,8 @@
 
 A model's whole contract is::
 
-    model(inputs: (B, L) int array, cache: list[Cache] | None) -> logits (B, L, V)
-    model.make_cache(max_kv_size=None, kv_bits=None) -> list[Cache]
+    model(inputs: (B, L) int array, cache: list[LayerCache] | None) -> logits (B, L, V)
+    model.make_cache(max_kv_size=None, kv_bits=None) -> list[LayerCache]
     Model.sanitize(weights) -> weights           # checkpoint fix-ups, HF names kept
     model.layers                                 # the transformer blocks, in order
 """
@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache, KVCache, Mask, RotatingKVCache, StateCache
+from ..cache.kv import Cache, KVCache, LayerCache, Mask, RotatingKVCache, StateCache
 from ..cache.quantized import QuantizedKVCache
 from ..errors import ConfigError
 from .config import normalize_rope, require
 from .layers import masks
+
+Args = TypeVar("Args", bound="BaseArgs")
+C = TypeVar("C")
 
 
 @dataclasses.dataclass
@@ -37,7 +40,7 @@ class BaseArgs:
         ]
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> "BaseArgs":
+    def from_dict(cls: type[Args], config: dict[str, Any]) -> Args:
         require(config, cls.required())
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names and v is not None})
@@ -50,7 +53,7 @@ def make_layer_caches(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     sliding_window: int | None = None,
-) -> list[Cache]:
+) -> list[LayerCache]:
     """The standard per-layer caches for a decoder, as chosen by the user's flags.
 
     A model with sliding-window attention always gets rotating caches of its
@@ -77,7 +80,7 @@ def make_hybrid_caches(
     max_kv_size: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
-) -> list[Cache]:
+) -> list[LayerCache]:
     """Caches for a hybrid decoder: a ``StateCache`` of ``state_arrays`` arrays for each
     recurrent layer, the attention layers' caches as the user's flags choose."""
     kv = iter(
@@ -138,7 +141,7 @@ class CausalLM(nn.Module):
     def embedding(self) -> nn.Module:
         return self[self.inner_name][self.embed_name]
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
         h = self[self.inner_name](inputs, cache)
         return lm_head(h, self.head)  # (B, L, V)
 
@@ -153,7 +156,7 @@ class CausalLM(nn.Module):
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
-    ) -> list[Cache]:
+    ) -> list[LayerCache]:
         return make_layer_caches(
             len(self.layers),
             max_kv_size=max_kv_size,
@@ -196,7 +199,7 @@ def make_typed_caches(
     max_kv_size: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
-) -> list[Cache]:
+) -> list[LayerCache]:
     """Caches for a decoder whose layers mix sliding-window and full attention.
 
     Sliding layers always get a rotating cache of their window (float: it is
@@ -232,6 +235,13 @@ def layer_type_rope(
         {"rope_parameters": params}, source=f"config.json rope_parameters.{kind}"
     )
     return params["rope_theta"], params["rope_scaling"]
+
+
+def per_layer(cache: list[C] | None, n_layers: int) -> list[C] | list[None]:
+    """``cache``, or a None for each of ``n_layers`` layers (a forward without a cache)."""
+    if cache is not None:
+        return cache
+    return [None] * n_layers
 
 
 def positions(offset: int | mx.array, n: int) -> mx.array:
@@ -281,6 +291,7 @@ _LANGUAGE_PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
+_VISION_PREFIXES: tuple[str, ...]
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
 _VISION_PREFIXES += ("model.multi_modal_projector.", "model.visual.", "visual.")
 

@@ -22,9 +22,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache
+from ..cache.kv import Cache, LayerCache
 from . import layers
-from .base import BaseArgs, CausalLM, alibi_slopes, make_layer_caches
+from .base import BaseArgs, CausalLM, alibi_slopes, make_layer_caches, per_layer
 
 
 @dataclasses.dataclass
@@ -133,7 +133,7 @@ class BloomModel(nn.Module):
         else:  # a batch's rows, each at its own position
             visible = cache[0].make_mask(inputs.shape[1])
             mask = alibi_rows_mask(self._slopes, offset, visible, h.dtype)
-        for block, c in zip(self.h, cache or [None] * len(self.h)):
+        for block, c in zip(self.h, per_layer(cache, len(self.h))):
             h = block(h, mask, c)
         return self.ln_f(h)
 
@@ -144,7 +144,7 @@ class Model(CausalLM):
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
-    ) -> list[Cache]:
+    ) -> list[LayerCache]:
         if max_kv_size is not None or kv_bits is not None:
             raise ValueError(
                 "--max-kv-size and --kv-bits are not supported with ALiBi attention (BLOOM)"

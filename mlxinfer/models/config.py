@@ -87,8 +87,8 @@ def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[
                 f"{source}: key 'rope_parameters' must be an object, found {params!r}"
             )
         config.setdefault("rope_theta", params.get("rope_theta", ROPE_DEFAULT_THETA))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        config["rope_scaling"] = scaling if _rope_type(scaling) != "default" else None
+        given = {k: v for k, v in params.items() if k != "rope_theta"}
+        config["rope_scaling"] = given if _rope_type(given) != "default" else None
         if "partial_rotary_factor" in params:
             config.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
     scaling = config.get("rope_scaling")

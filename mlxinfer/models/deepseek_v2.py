@@ -28,9 +28,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache
+from ..cache.kv import Cache, LayerCache
 from ..errors import ConfigError, WeightsError
-from .base import BaseArgs, CausalLM, causal_mask
+from .base import BaseArgs, CausalLM, causal_mask, per_layer
 from .layers import GatedMLP, RMSNorm, activation, make_rope
 from .layers.mla import MultiHeadLatentAttention, make_latent_caches, split_kv_b_proj
 from .layers.moe import (
@@ -106,6 +106,7 @@ class ModelArgs(BaseArgs):
 class DeepseekMoE(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
+        assert args.n_routed_experts  # an MoE layer's (ModelArgs.is_moe)
         self.args = args
         act = activation(args.hidden_act)
         self.gate = Gate(args.hidden_size, args.n_routed_experts, correction_bias=args.v3)
@@ -122,7 +123,9 @@ class DeepseekMoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         a, logits = self.args, self.gate(x)
+        assert a.num_experts_per_tok is not None  # checked with the experts (config_check)
         if a.v3:
+            assert a.n_group is not None and a.topk_group is not None  # V3's default 1
             weights, idx = deepseek_v3_route(
                 logits,
                 a.num_experts_per_tok,
@@ -172,6 +175,7 @@ class DecoderLayer(nn.Module):
             rope=rope,
             scale=args.softmax_scale,
         )
+        self.mlp: DeepseekMoE | GatedMLP
         if args.is_moe(layer):
             self.mlp = DeepseekMoE(args)
         else:
@@ -200,7 +204,7 @@ class DeepseekModel(nn.Module):
         h = self.embed_tokens(inputs)  # (B, L, hidden)
         L = inputs.shape[1]
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
-        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
+        for layer, c in zip(self.layers, per_layer(cache, len(self.layers))):
             h = layer(h, mask, c)
         return self.norm(h)
 
@@ -210,7 +214,7 @@ class Model(CausalLM):
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
-    ) -> list[Cache]:
+    ) -> list[LayerCache]:
         """A latent cache per layer (models/layers/mla.py): kv_lora_rank + qk_rope_head_dim values per token."""
         return make_latent_caches(len(self.layers), max_kv_size=max_kv_size, kv_bits=kv_bits)
 

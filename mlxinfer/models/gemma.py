@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from ..cache.kv import Cache
 from ..errors import ConfigError
-from .base import BaseArgs, CausalLM, causal_mask, scaled_embedding
+from .base import BaseArgs, CausalLM, causal_mask, per_layer, scaled_embedding
 from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope
 
 
@@ -33,7 +33,7 @@ class ModelArgs(BaseArgs):
     num_attention_heads: int
     vocab_size: int
     head_dim: int = 256
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 8192
     rope_theta: float = 10000.0
@@ -92,7 +92,7 @@ class GemmaModel(nn.Module):
         )  # (B, L, hidden)
         L = inputs.shape[1]
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
-        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
+        for layer, c in zip(self.layers, per_layer(cache, len(self.layers))):
             h = layer(h, mask, c)
         return self.norm(h)
 

@@ -22,13 +22,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache
+from ..cache.kv import Cache, LayerCache
 from .base import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     CausalLM,
     check_layer_types,
     make_typed_caches,
+    per_layer,
     scaled_embedding,
     typed_masks,
 )
@@ -128,6 +129,7 @@ class Gemma2Model(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        assert args.layer_types is not None  # derived by ModelArgs.__post_init__
         self.layers = [DecoderLayer(args, kind) for kind in args.layer_types]
         self.norm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -136,8 +138,9 @@ class Gemma2Model(nn.Module):
             self.embed_tokens(inputs), math.sqrt(self.args.hidden_size)
         )  # (B, L, hidden)
         kinds = self.args.layer_types
+        assert kinds is not None  # derived by ModelArgs.__post_init__
         masks = typed_masks(kinds, cache, inputs.shape[1], self.args.sliding_window)
-        for layer, kind, c in zip(self.layers, kinds, cache or [None] * len(self.layers)):
+        for layer, kind, c in zip(self.layers, kinds, per_layer(cache, len(self.layers))):
             h = layer(h, masks[kind], c)
         return self.norm(h)
 
@@ -145,14 +148,14 @@ class Gemma2Model(nn.Module):
 class Model(CausalLM):
     Inner = Gemma2Model
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
         logits = super().__call__(inputs, cache)
         cap = self.args.final_logit_softcapping
         return logits if cap is None else mx.tanh(logits / cap) * cap
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
-    ) -> list[Cache]:
+    ) -> list[LayerCache]:
         if kv_bits is not None and self.args.attn_logit_softcapping is not None:
             raise ValueError("--kv-bits is not supported with attention soft-capping (Gemma 2)")
         return make_typed_caches(

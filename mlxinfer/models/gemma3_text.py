@@ -49,6 +49,7 @@ class ModelArgs(Gemma2Args):
         ]
 
     def rope_parameters(self, kind: str) -> tuple[float, dict[str, Any] | None]:
+        default: tuple[float, dict[str, Any] | None]
         if kind == SLIDING_ATTENTION:
             default = (self.rope_local_base_freq, None)
         else:

@@ -48,8 +48,8 @@ class ModelArgs(BaseArgs):
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
+    head_dim: int = 0  # 0 or absent: hidden_size // num_attention_heads (__post_init__)
     partial_rotary_factor: float = 0.5  # transformers' default for this family
     use_qk_norm: bool = False
     attention_bias: bool = False

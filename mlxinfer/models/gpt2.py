@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ..cache.kv import Cache
 from . import layers
-from .base import BaseArgs, CausalLM, causal_mask, positions
+from .base import BaseArgs, CausalLM, causal_mask, per_layer, positions
 from .layers import activation
 from .layers.rope import reach
 
@@ -33,7 +33,7 @@ class ModelArgs(BaseArgs):
     n_head: int
     vocab_size: int
     n_positions: int = 1024
-    n_inner: int | None = None
+    n_inner: int = 0  # 0 or absent: 4 * n_embd (__post_init__)
     activation_function: str = "gelu_new"
     layer_norm_epsilon: float = 1e-5
     scale_attn_weights: bool = True
@@ -115,7 +115,7 @@ class GPT2Model(nn.Module):
             )
         h = self.wte(inputs) + self.wpe(positions(offset, L))  # (B, L, n_embd)
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
-        for block, c in zip(self.h, cache or [None] * len(self.h)):
+        for block, c in zip(self.h, per_layer(cache, len(self.h))):
             h = block(h, mask, c)
         return self.ln_f(h)
 

@@ -50,7 +50,7 @@ class ModelArgs(BaseArgs):
     num_local_experts: int
     num_experts_per_tok: int = 4
     head_dim: int = 64
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
     sliding_window: int | None = 128
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 131072

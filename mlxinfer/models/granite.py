@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 
-from ..cache.kv import Cache
+from ..cache.kv import Cache, LayerCache
 from . import llama
 
 
@@ -37,7 +39,7 @@ class TransformerBlock(llama.TransformerBlock):
 
 
 class GraniteModel(llama.LlamaModel):
-    Block = TransformerBlock
+    Block: Callable[..., nn.Module] = TransformerBlock
 
     def embed(self, inputs: mx.array) -> mx.array:
         return self.embed_tokens(inputs) * self.args.embedding_multiplier
@@ -46,5 +48,5 @@ class GraniteModel(llama.LlamaModel):
 class Model(llama.Model):
     Inner = GraniteModel
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
         return super().__call__(inputs, cache) / self.args.logits_scaling

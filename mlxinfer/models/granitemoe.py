@@ -41,7 +41,8 @@ class ModelArgs(granite.ModelArgs):
 class TransformerBlock(granite.TransformerBlock):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.mlp = mixtral.SparseMoE(args)
+        # ignore: granitemoe's ModelArgs (a Granite one) has every field mixtral's SparseMoE reads
+        self.mlp = mixtral.SparseMoE(args)  # type: ignore[arg-type]
 
 
 class GraniteMoeModel(granite.GraniteModel):

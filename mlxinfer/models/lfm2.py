@@ -20,14 +20,14 @@ is ⅔ of it, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache, StateCache
+from ..cache.kv import Cache, LayerCache, StateCache
 from ..errors import ConfigError
-from .base import BaseArgs, CausalLM, causal_mask, make_hybrid_caches
+from .base import BaseArgs, CausalLM, causal_mask, make_hybrid_caches, per_layer
 from .layers import GatedMLP, RMSNorm, RopeAttention, make_rope
 
 ATTENTION, CONV = "full_attention", "conv"
@@ -42,8 +42,8 @@ class ModelArgs(BaseArgs):
     vocab_size: int
     intermediate_size: int | None = None
     block_ff_dim: int | None = None  # older configs' name for intermediate_size (it wins)
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
+    head_dim: int = 0  # 0 or absent: hidden_size // num_attention_heads (__post_init__)
     norm_eps: float = 1e-5
     max_position_embeddings: int = 128_000
     rope_theta: float = 1e6
@@ -94,6 +94,7 @@ class ModelArgs(BaseArgs):
     def ff_dim(self) -> int:
         """The SwiGLU's hidden width, as transformers derives it."""
         dim = self.intermediate_size
+        assert dim is not None  # __post_init__ refuses a config without it
         if self.block_auto_adjust_ff_dim:
             dim = int(2 * dim / 3)
             if self.block_ffn_dim_multiplier is not None:
@@ -152,9 +153,13 @@ class DecoderLayer(nn.Module):
         self.operator_norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
 
-    def __call__(self, x: mx.array, mask, cache: Cache | StateCache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask, cache: LayerCache | None) -> mx.array:
         h = self.operator_norm(x)
-        h = x + (self.self_attn(h, mask, cache) if self.is_attention else self.conv(h, cache))
+        # casts: make_cache gives an attention layer a KV cache, a conv layer a StateCache
+        if self.is_attention:
+            h = x + self.self_attn(h, mask, cast("Cache | None", cache))
+        else:
+            h = x + self.conv(h, cast("StateCache | None", cache))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -163,6 +168,7 @@ class Lfm2Model(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        assert args.layer_types is not None  # derived by ModelArgs.__post_init__
         self.layers = [DecoderLayer(args, kind) for kind in args.layer_types]
         self.embedding_norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
 
@@ -171,19 +177,19 @@ class Lfm2Model(nn.Module):
         """The first attention layer: its cache makes the mask the attention layers share.
         Read from ``args`` at each call, as the caches are made from them (a model cut to some
         of its layers from the outside gets ``args`` of those layers)."""
-        return next((i for i, k in enumerate(self.args.layer_types) if k == ATTENTION), None)
+        kinds = self.args.layer_types
+        assert kinds is not None  # derived by ModelArgs.__post_init__
+        return next((i for i, k in enumerate(kinds) if k == ATTENTION), None)
 
-    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
         L = inputs.shape[1]
         if cache is None:
-            cache = [None] * len(self.layers)
             mask = causal_mask(L)
-        elif self.first_attention is not None:
-            mask = cache[self.first_attention].make_mask(L)
         else:
-            mask = None  # convolutions only: no mask
-        for layer, c in zip(self.layers, cache):
+            first = self.first_attention  # its cache is a KV cache; None: convolutions only
+            mask = cast(Cache, cache[first]).make_mask(L) if first is not None else None
+        for layer, c in zip(self.layers, per_layer(cache, len(self.layers))):
             h = layer(h, mask, c)
         return self.embedding_norm(h)
 
@@ -193,7 +199,7 @@ class Model(CausalLM):
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
-    ) -> list:
+    ) -> list[LayerCache]:
         """A ``StateCache`` per conv layer; the attention layers' caches as the flags choose."""
         return make_hybrid_caches(
             [kind == CONV for kind in self.args.layer_types],

@@ -8,13 +8,14 @@ same network plus optional sliding-window attention (rotating caches).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.kv import Cache
-from .base import BaseArgs, CausalLM, causal_mask
+from .base import BaseArgs, CausalLM, causal_mask, per_layer
 from .layers import GatedMLP, RMSNorm, RopeAttention, make_rope
 
 
@@ -27,8 +28,8 @@ class ModelArgs(BaseArgs):
     num_attention_heads: int
     vocab_size: int
     rms_norm_eps: float = 1e-6
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
+    head_dim: int = 0  # 0 or absent: hidden_size // num_attention_heads (__post_init__)
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -64,7 +65,7 @@ class TransformerBlock(nn.Module):
             qkv_bias=args.attention_bias,
             o_bias=args.attention_bias,
         )
-        self.mlp = GatedMLP(
+        self.mlp: nn.Module = GatedMLP(
             args.hidden_size, args.intermediate_size, nn.silu, bias=args.mlp_bias
         )  # SwiGLU
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -79,7 +80,7 @@ class LlamaModel(nn.Module):
     """Embedding → blocks → final norm. A family whose blocks differ (e.g. MoE
     MLPs) subclasses this and sets ``Block``."""
 
-    Block = TransformerBlock
+    Block: Callable[..., nn.Module] = TransformerBlock  # (args) -> a block
 
     def __init__(self, args):
         super().__init__()
@@ -95,11 +96,10 @@ class LlamaModel(nn.Module):
         h = self.embed(inputs)
         L = inputs.shape[1]
         if cache is None:
-            cache = [None] * len(self.layers)
             mask = causal_mask(L, window=self.args.sliding_window)
         else:
             mask = cache[0].make_mask(L)
-        for layer, c in zip(self.layers, cache):
+        for layer, c in zip(self.layers, per_layer(cache, len(self.layers))):
             h = layer(h, mask, c)
         return self.norm(h)
 
@@ -107,4 +107,4 @@ class LlamaModel(nn.Module):
 class Model(CausalLM):
     """The causal LM: ``Inner`` (a :class:`LlamaModel`) plus a tied or separate head."""
 
-    Inner = LlamaModel
+    Inner: type[nn.Module] = LlamaModel

@@ -38,8 +38,8 @@ class ModelArgs(BaseArgs):
     num_local_experts: int
     num_experts_per_tok: int
     rms_norm_eps: float = 1e-5
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
+    head_dim: int = 0  # 0 or absent: hidden_size // num_attention_heads (__post_init__)
     max_position_embeddings: int = 32768
     rope_theta: float = 1e6
     rope_scaling: dict[str, Any] | None = None

@@ -49,6 +49,7 @@ class ModelArgs(olmo2.ModelArgs):
 class TransformerBlock(olmo2.TransformerBlock):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__(args)
+        assert args.layer_types is not None  # derived by ModelArgs.__post_init__
         base, scaling = args.rope_parameters(args.layer_types[layer])
         self.self_attn.rope = make_rope(args.head_dim, base, scaling, args.max_position_embeddings)
 

@@ -31,8 +31,8 @@ class ModelArgs(BaseArgs):
     num_attention_heads: int
     vocab_size: int
     rms_norm_eps: float = 1e-5
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
+    head_dim: int = 0  # 0 or absent: hidden_size // num_attention_heads (__post_init__)
     max_position_embeddings: int = 4096
     original_max_position_embeddings: int | None = None
     rope_theta: float = 10000.0

@@ -14,12 +14,13 @@ Llama's block (RMSNorm → GQA attention with RoPE → RMSNorm → SwiGLU) with:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache
+from ..cache.kv import Cache, LayerCache
 from . import llama
 from .base import (
     FULL_ATTENTION,
@@ -27,6 +28,7 @@ from .base import (
     BaseArgs,
     check_layer_types,
     make_typed_caches,
+    per_layer,
     typed_masks,
 )
 from .layers import GatedMLP, RMSNorm, RopeAttention, activation, make_rope
@@ -41,8 +43,8 @@ class ModelArgs(BaseArgs):
     num_attention_heads: int
     vocab_size: int
     rms_norm_eps: float = 1e-6
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
+    head_dim: int = 0  # 0 or absent: hidden_size // num_attention_heads (__post_init__)
     max_position_embeddings: int = 32768
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -104,7 +106,7 @@ class TransformerBlock(nn.Module):
 class Qwen2Model(nn.Module):
     """Embedding → blocks (each on its layer type's mask) → norm; subclasses set ``Block``."""
 
-    Block = TransformerBlock
+    Block: Callable[..., nn.Module] = TransformerBlock  # (args, layer) -> a block
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -116,8 +118,9 @@ class Qwen2Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
         kinds = self.args.layer_types
+        assert kinds is not None  # derived by ModelArgs.__post_init__
         masks = typed_masks(kinds, cache, inputs.shape[1], self.args.sliding_window)
-        for layer, kind, c in zip(self.layers, kinds, cache or [None] * len(self.layers)):
+        for layer, kind, c in zip(self.layers, kinds, per_layer(cache, len(self.layers))):
             h = layer(h, masks[kind], c)
         return self.norm(h)
 
@@ -129,7 +132,7 @@ class Model(llama.Model):
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
-    ) -> list[Cache]:
+    ) -> list[LayerCache]:
         return make_typed_caches(
             self.args.layer_types,
             self.args.sliding_window,

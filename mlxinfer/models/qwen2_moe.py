@@ -13,6 +13,7 @@ Per-expert checkpoint weights are stacked by ``sanitize`` (see moe.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -40,7 +41,7 @@ class ModelArgs(BaseArgs):
     moe_intermediate_size: int
     shared_expert_intermediate_size: int
     rms_norm_eps: float = 1e-6
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int = 0  # 0 or absent: num_attention_heads (__post_init__)
     max_position_embeddings: int = 32768
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -106,7 +107,7 @@ class TransformerBlock(nn.Module):
     :meth:`attention`, :meth:`rotary_dims` or ``SparseMoE`` (qwen3_moe, gpt_oss, glm4_moe);
     ``args.is_sparse(layer)`` says which layers route."""
 
-    SparseMoE = SparseMoE
+    SparseMoE: Callable[..., nn.Module] = SparseMoE  # (args) -> the routed MLP
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -123,13 +124,15 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
+    # The hooks take Any: a family that overrides one passes its own ModelArgs (glm4_moe's is
+    # no subclass of this one).
     @staticmethod
-    def rotary_dims(args: ModelArgs) -> int:
+    def rotary_dims(args: Any) -> int:
         """How many features of each head RoPE rotates."""
         return args.head_dim
 
     @staticmethod
-    def attention(args: ModelArgs, rope) -> RopeAttention:
+    def attention(args: Any, rope) -> RopeAttention:
         return RopeAttention(
             args.hidden_size,
             args.num_attention_heads,

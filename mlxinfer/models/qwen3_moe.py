@@ -24,7 +24,7 @@ from .layers.moe import Gate, SwitchGLU, combine, softmax_top_k
 @dataclasses.dataclass
 class ModelArgs(qwen2_moe.ModelArgs):
     shared_expert_intermediate_size: int = 0
-    head_dim: int | None = None
+    head_dim: int = 0  # 0 or absent: qwen2_moe's hidden_size // num_attention_heads
     attention_bias: bool = False
 
     @classmethod

@@ -17,14 +17,15 @@ The checkpoints' multi-token-prediction weights (``mtp.*``) are not used.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache, StateCache
+from ..cache.kv import Cache, LayerCache, StateCache
 from ..errors import ConfigError
 from . import qwen2_moe
-from .base import CausalLM, causal_mask, make_hybrid_caches
+from .base import CausalLM, causal_mask, make_hybrid_caches, per_layer
 from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope
 from .layers.gated_delta import GatedDeltaNet, sanitize_conv
 from .layers.moe import keep_routers_float, stack_experts
@@ -74,6 +75,7 @@ class ModelArgs(qwen2_moe.ModelArgs):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        assert args.layer_types is not None  # derived by ModelArgs.__post_init__
         self.is_linear = args.layer_types[layer] == LINEAR
         eps = args.rms_norm_eps
         if self.is_linear:
@@ -104,6 +106,7 @@ class DecoderLayer(nn.Module):
                 output_gate=True,
             )
         act = activation(args.hidden_act)
+        self.mlp: qwen2_moe.SparseMoE | GatedMLP
         if args.is_sparse(layer):
             self.mlp = qwen2_moe.SparseMoE(args)
         else:
@@ -111,9 +114,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = OffsetRMSNorm(args.hidden_size, eps=eps)
         self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, eps=eps)
 
-    def __call__(self, x: mx.array, mask, cache: Cache | StateCache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask, cache: LayerCache | None) -> mx.array:
         h = self.input_layernorm(x)
-        h = x + (self.linear_attn(h, cache) if self.is_linear else self.self_attn(h, mask, cache))
+        # casts: make_cache gives a linear layer a StateCache, an attention layer a KV cache
+        if self.is_linear:
+            h = x + self.linear_attn(h, cast("StateCache | None", cache))
+        else:
+            h = x + self.self_attn(h, mask, cast("Cache | None", cache))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -130,17 +137,20 @@ class Qwen3NextModel(nn.Module):
         """The first attention layer: its cache makes the mask the attention layers share.
         Read from ``args`` at each call, as the caches are made from them (a model cut to some
         of its layers from the outside gets ``args`` of those layers)."""
-        return next((i for i, k in enumerate(self.args.layer_types) if k == FULL), None)
+        kinds = self.args.layer_types
+        assert kinds is not None  # derived by ModelArgs.__post_init__
+        return next((i for i, k in enumerate(kinds) if k == FULL), None)
 
-    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
         L = inputs.shape[1]
         if cache is None:
-            cache, mask = [None] * len(self.layers), causal_mask(L)
+            mask = causal_mask(L)
         else:
             first = self.first_attention
-            mask = cache[first].make_mask(L) if first is not None else None
-        for layer, c in zip(self.layers, cache):
+            # the first attention layer's cache: a KV cache
+            mask = cast(Cache, cache[first]).make_mask(L) if first is not None else None
+        for layer, c in zip(self.layers, per_layer(cache, len(self.layers))):
             h = layer(h, mask, c)
         return self.norm(h)
 
@@ -152,7 +162,7 @@ class Model(CausalLM):
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
-    ) -> list:
+    ) -> list[LayerCache]:
         """A ``StateCache`` (conv inputs, recurrent state) per Gated DeltaNet layer; the
         attention layers' caches as the flags choose."""
         return make_hybrid_caches(

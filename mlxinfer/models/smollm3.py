@@ -53,6 +53,7 @@ class NoRoPE(nn.Module):
 class Model(llama.Model):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
+        assert args.no_rope_layers is not None  # derived by ModelArgs.__post_init__
         for layer, rotates in zip(self.layers, args.no_rope_layers):
             if not rotates:
                 layer.self_attn.rope = NoRoPE()

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..cache.kv import Cache
 from . import layers
-from .base import BaseArgs, CausalLM, causal_mask, positions
+from .base import BaseArgs, CausalLM, causal_mask, per_layer, positions
 from .layers import activation
 from .layers.rope import reach
 
@@ -121,7 +121,7 @@ class XGLMModel(nn.Module):
         h = self.embed_tokens(inputs) * self.embed_scale  # (B, L, d_model)
         h = h + self._positions[positions(offset, L) + POSITION_OFFSET].astype(h.dtype)
         mask = causal_mask(L) if cache is None else cache[0].make_mask(L)
-        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
+        for layer, c in zip(self.layers, per_layer(cache, len(self.layers))):
             h = layer(h, mask, c)
         return self.layer_norm(h)
 

@@ -10,12 +10,13 @@ here never ask which backend runs them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache.kv import Cache, Mask, Pages
+from ...cache.kv import Cache, Mask, Pages, QuantizedCache
 from . import masks
 
 
@@ -31,8 +32,8 @@ def with_sinks(scores: mx.array, sinks: mx.array | None) -> mx.array:
 
 def quantized_attention(
     q: mx.array,
-    k: tuple,
-    v: tuple,
+    k: Sequence[mx.array],
+    v: Sequence[mx.array],
     *,
     scale: float,
     mask: Mask,
@@ -46,16 +47,20 @@ def quantized_attention(
     n_kv = k[0].shape[1]
     reps = n_q // n_kv
     q = (q * scale).reshape(B, n_kv, reps, L, D)  # (B, n_kv, reps, L, D): groups share a kv head
-    k = [a[:, :, None] for a in k]
-    v = [a[:, :, None] for a in v]
+    k_packed, k_scales, k_biases = (a[:, :, None] for a in k)
+    v_packed, v_scales, v_biases = (a[:, :, None] for a in v)
     scores = masks.apply(
-        mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits),
+        mx.quantized_matmul(
+            q, k_packed, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits
+        ),
         masks.for_groups(mask),
     )
     probs = mx.softmax(with_sinks(scores, sinks), axis=-1, precise=True)
     if sinks is not None:
         probs = probs[..., :-1]
-    out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)
+    out = mx.quantized_matmul(
+        probs, v_packed, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits
+    )
     return out.reshape(B, n_q, L, -1)
 
 
@@ -157,14 +162,15 @@ class Attention(nn.Module):
     ) -> mx.array:
         """:meth:`attend` over keys and values as arrays (or quantized triples)."""
         if cache is not None and cache.quantized:
+            quantized = cast(QuantizedCache, cache)  # it says so: it has group_size and bits
             return quantized_attention(
                 q,
                 k,
                 v,
                 scale=scale,
                 mask=mask,
-                group_size=cache.group_size,
-                bits=cache.bits,
+                group_size=quantized.group_size,
+                bits=quantized.bits,
                 sinks=sinks,
             )
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
@@ -225,9 +231,10 @@ class RopeAttention(Attention):
         """q, k, v as the projections give them: (B, L, heads * head_dim) each."""
         if self.fused_qkv:
             q_end = self.n_heads * self.head_dim
-            return tuple(
-                mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], -1)
+            q, k, v = mx.split(
+                self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], -1
             )
+            return q, k, v
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rotate(self, q: mx.array, k: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:

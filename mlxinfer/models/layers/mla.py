@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache.kv import Cache, LatentKVCache, Mask, RotatingKVCache
+from ...cache.kv import Cache, LatentKVCache, LayerCache, Mask, RotatingKVCache
 from . import masks
 from .attention import Attention
 from .norms import RMSNorm
@@ -210,7 +210,7 @@ def split_kv_b_proj(
 
 def make_latent_caches(
     n_layers: int, *, max_kv_size: int | None = None, kv_bits: int | None = None, **_
-) -> list[Cache]:
+) -> list[LayerCache]:
     """One :class:`LatentKVCache` per layer; ``max_kv_size`` bounds it (with 4 sink tokens) instead."""
     if kv_bits is not None:
         raise ValueError(

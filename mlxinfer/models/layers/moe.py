@@ -254,6 +254,7 @@ def deepseek_v2_route(
     scores = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
     choice = scores
     if method == "group_limited_greedy":
+        assert n_group is not None and topk_group is not None  # this method's config gives both
         *lead, E = scores.shape
         group_best = scores.reshape(*lead, n_group, E // n_group).max(axis=-1)  # (..., n_group)
         choice = _keep_top_groups(scores, group_best, topk_group, 0.0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,7 +37,8 @@ _PROMPT = threading.local()
 def reach(offset: int | mx.array, n: int) -> int:
     """The furthest position + 1 that ``n`` new tokens after ``offset`` reach (for a batch's
     (B,) offsets, its furthest row's); inside :func:`prompt_reach`, at least the prompt's."""
-    furthest = offset + n if isinstance(offset, int) else int(offset.max().item()) + n
+    # cast: item() of an integer array is an int
+    furthest = offset + n if isinstance(offset, int) else int(cast(int, offset.max().item())) + n
     return max(furthest, getattr(_PROMPT, "reach", 0))
 
 
@@ -93,6 +94,7 @@ class RoPE(nn.Module):
             return self.base
         factor, max_pos = self.dynamic
         seq_len = self.regime(reach(offset, n))
+        assert seq_len is not None  # dynamic NTK's regime is a length
         return self.base * ((factor * seq_len / max_pos) - (factor - 1)) ** (
             self.dims / (self.dims - 2)
         )
@@ -106,7 +108,7 @@ class RoPE(nn.Module):
             return None
         return max(reach, self.dynamic[1])
 
-    def rotate(self, x: mx.array, offset: int, base: float) -> mx.array:
+    def rotate(self, x: mx.array, offset: int | mx.array, base: float) -> mx.array:
         """The rotation itself: ``mx.fast.rope`` (one Metal kernel); a backend may replace it."""
         if self._freqs is not None:
             return mx.fast.rope(
@@ -129,12 +131,12 @@ def make_rope(
     scaling: dict[str, Any] | None,
     max_position_embeddings: int,
     traditional: bool = False,
-) -> RoPE:
+) -> RoPE | LongRoPE:
     """Build the RoPE a config asks for (``scaling`` is normalised ``rope_scaling``)."""
     if scaling is None:
         return RoPE(dims, base, traditional=traditional)
     kind = scaling["rope_type"]
-    factor = scaling.get("factor")
+    factor: Any = scaling.get("factor")  # a number (config_check) where the kind needs one
     if kind in ("linear", "dynamic", "llama3") and factor is None:
         raise ConfigError(f"config.json: rope_scaling type '{kind}' needs key 'factor'")
     if kind == "linear":
