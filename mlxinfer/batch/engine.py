@@ -34,6 +34,7 @@ from .requests import EngineError, Handle, _Request
 from .scheduler import Scheduler
 from .snapshots import make_store, split_budget
 from .store import block_bytes
+from .turns import LocalTurns
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
 DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode steps
@@ -126,9 +127,9 @@ class Engine(TextRequests, Scheduler):
             raise ValueError(f"state_every must be >= 1 (blocks), got {state_every}")
         self.model = model
         # Across ranks (load(distributed=...)): every rank's engine takes the same turns.
-        self.turns = None
+        turns = None
         if hasattr(model, "engine_turns"):
-            self.turns = model.engine_turns(rank0_requests=rank0_requests)
+            turns = model.engine_turns(rank0_requests=rank0_requests)
         elif rank0_requests:
             raise ValueError("rank0_requests: the model does not run across ranks")
         # Rows of one regime share a forward (None: all rows; see check_batchable).
@@ -137,24 +138,24 @@ class Engine(TextRequests, Scheduler):
         # of the states at block boundaries (snapshots.py), inside kv_budget, and a drafting
         # row's states go back to before a step whose drafts were rejected (the scheduler's).
         self.recurrent = STATE in self.windows
-        if self.turns is not None:  # a rank without recurrent layers takes the others' turns
-            self.recurrent = self.turns.any_recurrent(self.recurrent)
+        if turns is not None:  # a rank without recurrent layers takes the others' turns
+            self.recurrent = turns.any_recurrent(self.recurrent)
         shapes, template = shapes_and_states(model, kv_bits, kv_group_size)
         # A draft model's pool inside kv_budget; across ranks none: rank 0 alone drafts
         # (distributed/copies.py), its pool made on the first request outside the budget, so
         # that every rank's pool keeps the same blocks.
         drafts = [m for m in draft_models if poolable(m)] if max_draft > 0 else []
-        if self.turns is not None:
+        if turns is not None:
             drafts = []
         target_budget = _target_budget(shapes, drafts, kv_budget, block_size)
         state_bytes = 0
         if self.recurrent:
             target_budget, state_bytes = split_budget(target_budget, state_budget)
         blocks = None
-        if self.turns is not None:  # as many blocks on every rank (of no bytes without attention)
+        if turns is not None:  # as many blocks on every rank (of no bytes without attention)
             per_block = block_bytes(shapes, block_size)
-            blocks = self.turns.equal_blocks(per_block, target_budget)
-            target_budget, shrink_every = blocks * per_block, self.turns.shrink_every
+            blocks = turns.equal_blocks(per_block, target_budget)
+            target_budget, shrink_every = blocks * per_block, turns.shrink_every
         # Sliding-window layers hold only their windows, in a pool of their own (make_pools).
         self.pool, self.window_pool = make_pools(
             shapes,
@@ -166,7 +167,7 @@ class Engine(TextRequests, Scheduler):
         )
         self.snapshots = None
         if state_bytes:  # across ranks as many snapshots on every rank (snapshots.py)
-            self.snapshots = make_store(state_bytes, template, self.pool.holds, self.turns)
+            self.snapshots = make_store(state_bytes, template, self.pool.holds, turns)
         self.state_every = state_every or max(1, prefill_step // block_size)
         if prefix_cache_dir is not None:
             self.pool.disk = disk_mod.attach(
@@ -186,6 +187,7 @@ class Engine(TextRequests, Scheduler):
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.shrink_every, self._looked_at = shrink_every, time.monotonic()
         self.attention = attention
+        self.turns = LocalTurns() if turns is None else turns  # the scheduler asks them always
         # Across pipeline ranks: one flight of rows at each rank's stage (flights.py).
         self.micro = None
         if hasattr(model, "micro_pipeline") and not self.recurrent and self.regime is None:
@@ -261,15 +263,12 @@ class Engine(TextRequests, Scheduler):
         sampling = sampling or SamplingParams()
         sampling.check()
         self.pool.check_fits(len(ids) + max_tokens, self.max_draft)
-        if self.turns is not None:
-            sampling = self.turns.seeded(sampling)
+        sampling = self.turns.seeded(sampling)  # across ranks, the same seed on every rank
         processors = sampling.processors() + list(logits_processors)
         request = _Request(ids, max_tokens, sampling.sampler(), processors, frozenset(eos))
         drafting = (draft is not None or num_draft is not None) and self.max_draft > 0
         # Across ranks a draft model drafts on rank 0 alone (distributed/batching.py).
-        if drafting and not (
-            self.turns and self.turns.follow_drafts(request, draft, num_draft, self.max_draft)
-        ):
+        if drafting and not self.turns.follow_drafts(request, draft, num_draft, self.max_draft):
             rows_mod.start_drafting(
                 request,
                 self.model,
@@ -326,8 +325,7 @@ class Engine(TextRequests, Scheduler):
         with self._cond:
             self._closed = True
             self._cond.notify()
-        if self.turns is not None:  # its last turn waits on the other ranks' (bounded)
-            timeout = max(timeout, self.turns.ranks.watchdog.timeout + 5)
+        timeout = max(timeout, self.turns.close_s)  # across ranks, the last turn's wait
         self._thread.join(timeout)
         if self.pool.disk is not None:  # what is queued for the disk is written first
             self.pool.disk.close()

@@ -25,10 +25,8 @@ class RecurrentRows:
         """Of the ``full`` leading blocks the pools share with ``request``, how many it can
         resume after (the deepest with a snapshot); the end of the rest is its branch point."""
         bs = self.pool.block_size
-        if self.turns is not None:  # the deepest snapshot every rank holds (batching.py)
-            hits = self.turns.resume_point(self.snapshots, snap.chain(request.ids, bs, full))
-        else:
-            hits = snap.resume_point(self.snapshots, request.ids, bs, full)
+        # The deepest snapshot kept (across ranks, that every rank holds: batching.py).
+        hits = self.turns.resume_point(self.snapshots, snap.chain(request.ids, bs, full))
         # The shared blocks past the snapshot: their end gets one for the next request.
         request.branch = full * bs if full > hits else 0
         return hits

@@ -113,22 +113,17 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
             while True:
                 with self._cond:
                     while not self._closed and not self._waiting and not self._running:
-                        if self.turns is not None and self.turns.due():  # (batching.py)
+                        if self.turns.due():  # across ranks, rank 0's heartbeat (batching.py)
                             break
                         self._cond.wait(POLL_S)
                         self._shrink()
-                    if self._closed and self.turns is None:
-                        break
                     waiting, self._waiting = self._waiting, []
-                if self.turns is not None:  # rank 0 decides what the turn takes (batching.py)
-                    waiting = self.turns.agree(self, waiting)
-                    if waiting is None:
-                        break
+                # What the turn takes (across ranks rank 0 decides: batching.py); None: closed.
+                waiting = self.turns.agree(self, waiting)
+                if waiting is None:
+                    break
                 self._admit(waiting)
-                if self.turns is not None:
-                    self.turns.check_admitted(waiting)
-                else:
-                    self._retire_cancelled()
+                self.turns.admitted(self, waiting)  # cancellations retire (or ranks compare)
                 self._prefill()
                 self._decode()
                 if self.pool.disk is not None:  # the turn's new full blocks, to the writer
@@ -153,7 +148,7 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
     def _admit(self, waiting: list[_Request]) -> None:
         held = []
         for request in waiting:
-            if request.cancelled.is_set() and self.turns is None:
+            if request.cancelled.is_set() and self.turns.cancels_here:
                 request.out.put(None)
                 continue
             if len(self._running) >= self.max_batch:
@@ -177,7 +172,7 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
         room = request.max_tokens + self.max_draft
         if self.pool.disk is not None:  # the prefix's blocks on disk join the pools' cached ones
             # Across ranks, the blocks every rank's files hold (batching.py's fewest).
-            self.pool.disk.promote(request.ids, self.turns.fewest if self.turns else None)
+            self.pool.disk.promote(request.ids, self.turns.fewest)
         # A recurrent model shares what a snapshot of its states can resume (snapshots.py).
         share = not self.recurrent or self.snapshots is not None
         hits = None
@@ -332,8 +327,7 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
         """Each row's token sampled from its logits (B, V), handed to its consumer."""
         self.decode_tokens += len(rows)
         picked, logprobs = rows_mod.sample_rows(rows, logits)
-        if self.turns is not None:  # rank 0's tokens, where only rank 0 samples (batching.py)
-            picked = self.turns.adopt(picked)
+        picked = self.turns.adopt(picked)  # across ranks rank 0's, where it alone samples
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
         mx.eval(picked, logprobs, self._stores(), [state_arrays(r) for r in rows])

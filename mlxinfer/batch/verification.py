@@ -45,8 +45,8 @@ class DraftingRows:
         t0 = time.perf_counter()
         # The rows of one draft pool propose together (k forwards of all of them).
         proposals, forwards = rows_mod.propose(rows, self.max_draft)
-        if self.turns is not None:  # rank 0's draft model's, where it drafts alone (batching.py)
-            proposals = self.turns.adopt_drafts(rows, proposals)
+        # Across ranks, rank 0's draft model's, where it drafts alone (batching.py).
+        proposals = self.turns.adopt_drafts(rows, proposals)
         if forwards:
             self.draft_steps += forwards
             self.draft_s += time.perf_counter() - t0
@@ -70,8 +70,7 @@ class DraftingRows:
         mx.eval(picks, per_token, self._stores(), [rows_mod.draft_state(r) for r in rows])
         kept = [int(a.item()) for a, _, _ in picks]
         after = [int(t.item()) for _, t, _ in picks]
-        if self.turns is not None:  # rank 0's, where only rank 0 samples (batching.py)
-            kept, after = self.turns.adopt_kept(rows, kept, after)
+        kept, after = self.turns.adopt_kept(rows, kept, after)  # across ranks, rank 0's
         for r, start, a in zip(rows, starts, kept):
             self._rewind(r, start + 1 + a)  # the fed token and the accepted drafts
             if flown:

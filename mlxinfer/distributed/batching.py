@@ -93,6 +93,13 @@ class Turns:
 
     shrink_every = math.inf  # the store keeps its size (see the module's docstring)
     rank0_requests = False
+    cancels_here = False  # a request is cancelled when rank 0's is (agree), on every rank
+
+    @property
+    def close_s(self) -> float:
+        """How long a closing engine waits for its thread: the last turn waits on the other
+        ranks' (bounded by the watchdog)."""
+        return self.ranks.watchdog.timeout + 5
 
     def equal_blocks(self, bytes_per_block: int, kv_budget: int) -> int:
         """The blocks every rank's pool has: the fewest any rank's ``kv_budget`` buys for its
@@ -364,6 +371,10 @@ class Turns:
                 engine._cond.wait(min(left, 0.05))
             more, engine._waiting[:n] = engine._waiting[:n], []
         return more
+
+    def admitted(self, engine, requests: list) -> None:
+        """After admission (``batch/turns.py``'s interface): :meth:`check_admitted`."""
+        self.check_admitted(requests)
 
     def check_admitted(self, requests: list) -> None:
         """The ranks compare what this turn admitted: each request's prompt (length and a
