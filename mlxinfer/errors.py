@@ -42,7 +42,7 @@ class ConstraintError(MlxInferError, ValueError):
 
 
 class InsufficientMemoryError(WeightsError):
-    """A model whose weights and KV budget exceed the memory the machine can give (memory.py);
+    """A model whose weights and KV budget exceed the memory the machine can give (loading/memory.py);
     a WeightsError, as the working-set refusal it replaces was."""
 
 

@@ -78,7 +78,7 @@ def record_fsyncs(monkeypatch, watched: Path) -> list[tuple[tuple[int, int], boo
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    if sys.platform == "darwin":  # atomic.py flushes with F_FULLFSYNC there
+    if sys.platform == "darwin":  # files/atomic.py flushes with F_FULLFSYNC there
         import fcntl
 
         real_fcntl = fcntl.fcntl

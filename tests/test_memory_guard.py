@@ -1,4 +1,4 @@
-"""The memory guard (memory.py): a model is weighed against what the machine can give before
+"""The memory guard (loading/memory.py): a model is weighed against what the machine can give before
 it loads, and refused with the numbers unless forced; a generation's KV cache holds to its
 budget and ends with a finish reason when it reaches it; a --models-dir server counts the
 models it holds and unloads idle ones before another loads."""

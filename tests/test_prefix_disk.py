@@ -291,7 +291,7 @@ def test_smollm2_restart_reuses_a_1500_token_prefix(smollm2_f32_dir, tmp_path):
     assert warm == cold
 
 
-# -- --prompt-cache-file (prompt_cache_file.py) ----------------------------------------------
+# -- --prompt-cache-file (cache/prompt_file.py) ----------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def pieces(fmt, text: str, size: int, started: bool = False) -> tuple[str, str]:
         (ThinkTags(), "<think>never closed  ", False, ("never closed  ", "")),
         (ThinkTags(), "  <thi", False, ("", "<thi")),  # a tag that never completed is text
         (Harmony(), CHANNELS, False, ("User asks. Answer.", "Hello <b> a<|x y!")),
-        (Harmony(), CALL, False, ("Need the weather.", "")),  # the call is toolcalls.py's
+        (Harmony(), CALL, False, ("Need the weather.", "")),  # the call is output/toolcalls.py's
         (Harmony(), "text outside the format", False, ("", None)),
     ],
 )
