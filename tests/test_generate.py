@@ -299,3 +299,41 @@ def test_sampling_settings_as_one_object(tiny):
         list(stream_generate(model, tok, "x", sampling=SamplingParams(temperature=1.0, top_p=0.0)))
     with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
         list(stream_generate(model, tok, "x", repetition_penalty=-1.0))
+
+
+def test_prepare_request_fits_the_prompt_in_the_context_and_the_kv_room(tiny):
+    """``prepare_request``, which ``stream_generate`` and ``Engine.start`` share: the chat
+    template's ids; a prompt past the context refused in one line, or left-truncated to its last
+    ``context - min(max_tokens, context // 2)`` tokens; a KV room with a budget refuses or
+    truncates likewise and says it cut the length, one without (the engine's pool) only caps."""
+    from mlxinfer.generation.request import KVRoom, prepare_request
+    from mlxinfer.loading.memory import KVLimit
+
+    _, model, tok, _ = tiny
+    messages = [{"role": "user", "content": "Hello there"}]
+    request = prepare_request(model, tok, messages, max_tokens=8)
+    expected = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert request.ids == expected and request.stats.prompt_tokens == len(expected)
+    assert request.max_tokens == 8 and request.logits_processors == [] and request.tooling is None
+
+    with pytest.raises(PromptTooLongError) as e:
+        prepare_request(model, tok, list(range(80)), max_tokens=4)
+    assert "\n" not in str(e.value) and "80 tokens" in str(e.value) and "64 tokens" in str(e.value)
+    request = prepare_request(model, tok, list(range(80)), max_tokens=4, truncate_prompt=True)
+    assert request.ids == list(range(20, 80)) and request.max_tokens == 4  # 64 - 4 kept
+
+    budget = KVRoom(30, KVLimit(30, 3000, "kv_budget"))
+    with pytest.raises(PromptTooLongError, match="prompt: 40 tokens, but the KV budget holds 30"):
+        prepare_request(model, tok, list(range(40)), max_tokens=100, kv_room=budget)
+    request = prepare_request(
+        model, tok, list(range(40)), max_tokens=100, kv_room=budget, truncate_prompt=True
+    )
+    # 30 - min(100, 30 // 2) = 15 kept; the 15 left in the room cap max_tokens, and say so
+    assert request.ids == list(range(25, 40)) and request.max_tokens == 15
+    assert request.stats.limited_by == "kv_budget"
+
+    pool = KVRoom(20)  # the engine's: caps max_tokens; a prompt past it is submit's to refuse
+    request = prepare_request(model, tok, list(range(10)), max_tokens=100, kv_room=pool)
+    assert request.max_tokens == 10 and request.stats.limited_by == ""
+    request = prepare_request(model, tok, list(range(40)), max_tokens=4, kv_room=pool)
+    assert request.ids == list(range(40)) and request.max_tokens == 4

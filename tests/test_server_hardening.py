@@ -184,8 +184,8 @@ def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(tiny, monkey
     """A million characters for a 32768-token context: a 400 (``context_length_exceeded``)
     counted in characters, the tokenizer never called (it takes seconds on such a prompt, minutes
     on 50 MB)."""
-    import mlxinfer.batch.frontend as frontend
     import mlxinfer.generation.loop as loop
+    import mlxinfer.generation.request as request
 
     calls = []
 
@@ -196,7 +196,7 @@ def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(tiny, monkey
 
         return prepare
 
-    monkeypatch.setattr(frontend, "prepare_prompt", counted(frontend.prepare_prompt))
+    monkeypatch.setattr(request, "prepare_prompt", counted(request.prepare_prompt))
     monkeypatch.setattr(loop, "prepare_prompt", counted(loop.prepare_prompt))
     long = [{"role": "user", "content": "word " * 200_000}]
     with TestClient(make_app(*tiny, NAME)) as client:

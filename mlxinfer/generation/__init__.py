@@ -3,9 +3,10 @@
 - ``prefill``: the one function that feeds a prompt into a cache, for every loop;
 - ``loop``: ``generate_step`` (the token loop), ``stream_generate`` (prepare → steps →
   results) and ``generate``;
-- ``request``: one request around the loop: its prompt prepared (``prepare_prompt``, fitted
-  in the context and the KV budget) and its steps turned into text results (stop strings, EOS,
-  the timeline), shared with the batch engine;
+- ``request``: one request around the loop, shared with the batch engine: ``prepare_request``
+  (output rules, the prompt's ids through ``prepare_prompt``, fitted in the context and the KV
+  room) gives a ``PreparedRequest``, whose ``results`` turns the loop's steps into text results
+  (stop strings, EOS, the timeline, tool calls, reasoning);
 - ``speculative``: the sibling loop that drafts, verifies and accepts, with the same outputs;
 - ``drafts``: where drafts come from (a draft model, prompt lookup, a self-draft);
 - ``sampling``: a request's sampling settings (``SamplingParams``), samplers and processors;
@@ -17,5 +18,13 @@ did in what they yield.
 """
 
 from .loop import generate, generate_step, prepare_prompt, stream_generate
+from .request import PreparedRequest, prepare_request
 
-__all__ = ["generate", "generate_step", "prepare_prompt", "stream_generate"]
+__all__ = [
+    "PreparedRequest",
+    "generate",
+    "generate_step",
+    "prepare_prompt",
+    "prepare_request",
+    "stream_generate",
+]

@@ -3,12 +3,13 @@
 ``generate_step`` is the engine: chunked prefill (prefill.py), then a decode
 loop that builds step n+1's graph and starts it (``mx.async_eval``) before
 handing step n's token to the caller. ``stream_generate`` wraps it, or the
-speculative loop, with the tokenizer, in three parts: ``_prepare`` (prompt
-cleaning, template, context checks, the cache), ``_steps`` (the token loop,
-yielding ``results.Step``) and ``_results`` (the UTF-8-safe detokenizer, stop
-strings, and the per-request timeline, finished on the last result); the first
-and the last are the request's, in request.py. Sampling settings travel as one
-``SamplingParams``. ``generate`` just joins the stream.
+speculative loop, with the tokenizer, in three parts: ``prepare_request``
+(output rules, prompt cleaning, template, context and KV checks), ``_steps``
+(the token loop, yielding ``results.Step``) and ``PreparedRequest.results``
+(the UTF-8-safe detokenizer, stop strings, the per-request timeline, tool calls
+and reasoning); the first and the last are the request's, in request.py, shared
+with the batch engine. Sampling settings travel as one ``SamplingParams``.
+``generate`` just joins the stream.
 Data flows one way: the loops import the shared types (results.py) and
 prefill, and report what they did in what they yield.
 
@@ -26,22 +27,20 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import mlx.core as mx
 
 from ..cache.prompt import PromptCache
-from ..output.reasoning import split_results, splitter_for
-from ..output.toolcalls import output_rules
+from ..loading.memory import kv_limit
 from ..platform.device import wired_limit
 from ..platform.threads import release_at_thread_exit
 from .prefill import DEFAULT_PREFILL_STEP, check_token_ids, prefill, token_ids
-from .request import _prepare, _Request, _results, prepare_prompt
+from .request import KVRoom, PreparedRequest, prepare_prompt, prepare_request
 from .results import GenerationResult, Step
 from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams, make_sampler
-from .speculative import speculative_generate_step
+from .speculative import MAX_DRAFT, speculative_generate_step
 
 if TYPE_CHECKING:
     from ..output.constraints import Constraint
     from .drafts import Draft
 
-# Imported from here too: the batch engine's text side (_Request, _results), the server
-# (prepare_prompt).
+# prepare_prompt is imported from here too (the server).
 __all__ = ["generate", "generate_step", "prepare_prompt", "stream_generate"]
 
 
@@ -215,47 +214,53 @@ def stream_generate(
         sampling = SamplingParams(**given)
     elif clash := [k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k]]:
         raise ValueError(f"sampling: given as one SamplingParams, and also as {', '.join(clash)}")
-    constraint, tooling = output_rules(
+    # The request's cache, and what its budget holds: a prompt past it is refused or truncated.
+    if prompt_cache is None:
+        prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
+    limit = kv_limit(
+        model,
+        prompt_cache.cache,
+        kv_budget,
+        max_kv_size=max_kv_size,
+        kv_bits=kv_bits,
+        draft_model=getattr(draft, "model", None),
+    )
+    # A speculative step holds its drafted tokens until it rewinds: room for them too.
+    reserve = max(num_draft or 0, MAX_DRAFT) if draft is not None else 0
+    request = prepare_request(
+        model,
         tokenizer,
-        tools,
-        tool_choice,
+        prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=stop,
+        chat_template=chat_template,
+        truncate_prompt=truncate_prompt,
+        kv_room=KVRoom(limit.tokens - reserve, limit),
         constraint=constraint,
         response_format=response_format,
         json_schema=json_schema,
         regex=regex,
         choices=choices,
         grammar=grammar,
+        tools=tools,
+        tool_choice=tool_choice,
+        split_reasoning=split_reasoning,
+        chat_template_kwargs=chat_template_kwargs,
     )
-    request = _prepare(
+    request.stats.cached_tokens = len(request.ids) - len(prompt_cache.reuse(request.ids))
+    steps = _steps(
         model,
         tokenizer,
-        prompt,
-        max_tokens=max_tokens,
-        sampling=sampling,
-        constraint=constraint,
-        tools=tooling.tools if tooling is not None else None,
-        chat_template_kwargs=chat_template_kwargs,
-        stop=stop,
-        chat_template=chat_template,
-        truncate_prompt=truncate_prompt,
-        prompt_cache=prompt_cache,
-        max_kv_size=max_kv_size,
-        kv_bits=kv_bits,
-        kv_budget=kv_budget,
-        draft=draft,
-        num_draft=num_draft,
-    )
-    steps = _steps(
-        model, tokenizer, request, prefill_step_size or DEFAULT_PREFILL_STEP, draft, num_draft
+        request,
+        prompt_cache,
+        prefill_step_size or DEFAULT_PREFILL_STEP,
+        draft,
+        num_draft,
     )
     with wired_limit():  # Metal: keep the weights resident for the run (no-op elsewhere)
         try:
-            results = _results(request, steps, count_passes=draft is not None)
-            if tooling is not None:
-                results = tooling.results(results)
-            if split_reasoning:
-                results = split_results(results, splitter_for(tokenizer, request.ids))
-            yield from results
+            yield from request.results(steps, count_passes=draft is not None)
         finally:
             steps.close()
 
@@ -263,17 +268,18 @@ def stream_generate(
 def _steps(
     model,
     tokenizer,
-    request: _Request,
+    request: PreparedRequest,
+    prompt_cache: PromptCache,
     prefill_step_size: int,
     draft: Draft | None,
     num_draft: int | None,
 ) -> Iterator[Step]:
     """The token loop for the request: plain decoding, or speculative with ``draft``."""
     options = dict(
-        prompt_cache=request.prompt_cache,
+        prompt_cache=prompt_cache,
         max_tokens=request.max_tokens,
         sampler=request.sampling.sampler(),
-        logits_processors=request.processors,
+        logits_processors=request.sampling.processors() + request.logits_processors,
         prefill_step_size=prefill_step_size,
     )
     if draft is None:

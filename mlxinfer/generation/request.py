@@ -1,12 +1,13 @@
 """One request around the token loop: its prompt prepared, its tokens turned into text.
 
-Before the loop, ``_prepare`` turns a prompt (text, token ids or chat messages, through
-``prepare_prompt``) into a ``_Request``: the ids fitted in the context and the KV budget,
-the sampling settings checked, the processors built, the cache found. After it, ``_results``
-turns the loop's ``Step``s into ``GenerationResult``s: the UTF-8-safe detokenizer, stop
-strings, EOS and the length, and the per-request timeline, finished on the last result.
-The single-request loop (loop.py) and the batch engine's text side share both, so a request
-reads the same whichever runs it.
+Before the loop, :func:`prepare_request` turns a prompt (text, token ids or chat messages,
+through :func:`prepare_prompt`) and its options into a :class:`PreparedRequest`: the output
+rules (a constraint, tools), the ids fitted in the context and the KV room, the sampling settings
+checked. After it, :meth:`PreparedRequest.results` turns the loop's ``Step``s into
+``GenerationResult``s: the UTF-8-safe detokenizer, stop strings, EOS and the length, the
+per-request timeline (finished on the last result), then tool calls and reasoning. The
+single-request loop (loop.py) and the batch engine's text side (batch/frontend.py) both prepare
+a request here, so a request reads the same whichever runs it.
 """
 
 from __future__ import annotations
@@ -17,19 +18,18 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..cache.prompt import PromptCache
 from ..errors import PromptTooLongError
-from ..loading.memory import KVLimit, kv_limit, size_text
+from ..loading.memory import KVLimit, size_text
+from ..output.reasoning import split_results, splitter_for
+from ..output.toolcalls import Tooling, output_rules
 from .prefill import check_token_ids, token_ids
 from .prompt import clean_prompt, fit_context
 from .results import GenerationResult, GenerationStats, Step
 from .sampling import LogitsProcessor, SamplingParams
-from .speculative import MAX_DRAFT
 from .stop import StopMatcher
 
 if TYPE_CHECKING:
     from ..output.constraints import Constraint
-    from .drafts import Draft
 
 
 def prepare_prompt(
@@ -74,88 +74,127 @@ def prepare_prompt(
     return token_ids(items)
 
 
+@dataclass(frozen=True)
+class KVRoom:
+    """The tokens a request's KV cache may hold: its prompt and its new tokens (a speculative
+    step's drafts already taken off).
+
+    ``limit`` is the single-request loop's budget (``memory.kv_limit``): a prompt that leaves no
+    room is left-truncated or refused here (PromptTooLongError), and a generation the room cuts
+    short says so (``stats.limited_by``). Without one (the batch engine's pool), the room only
+    caps ``max_tokens``: the pool refuses a prompt it could never hold when it is submitted
+    (PoolFullError).
+    """
+
+    tokens: float
+    limit: KVLimit | None = None
+
+
 @dataclass
-class _Request:
-    """One request, prepared: its prompt ids, settings and the per-request state of its stream."""
+class PreparedRequest:
+    """One request, prepared: its prompt ids fitted, its settings checked, and what turns the
+    token loop's steps into its results (:meth:`results`)."""
 
-    ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    processors: list[LogitsProcessor]  # the sampling's, then the constraint's
-    prompt_cache: PromptCache
-    stats: GenerationStats
-    detok: Any  # the tokenizer's StreamingDetokenizer
-    stops: StopMatcher
-    eos: frozenset[int]
-    t0: float
+    tokenizer: Any
+    ids: list[int]  # the prompt, fitted in the context and the KV room
+    max_tokens: int  # new tokens at most: as asked, capped by the context and the KV room
+    sampling: SamplingParams  # checked
+    # The request's own processors, run after its sampling's: a constraint's, when it has one.
+    logits_processors: list[LogitsProcessor]
+    stop: Sequence[str]
+    tooling: Tooling | None  # the tools shown to the model, and how its calls are parsed
+    split_reasoning: bool
+    stats: GenerationStats  # the prompt's part now; the rest filled in as the results stream
+    t0: float  # when the request started (perf_counter)
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return self.tokenizer.eos_token_ids
+
+    def results(
+        self, steps: Iterator[Step], *, count_passes: bool = False
+    ) -> Iterator[GenerationResult]:
+        """The token loop's ``steps`` as results: text cut at stop strings and ended at EOS or
+        the length, then tool calls parsed and reasoning split when asked. ``count_passes``: add
+        each step's speculative counts to the stats."""
+        results = _results(self, steps, count_passes=count_passes)
+        if self.tooling is not None:
+            results = self.tooling.results(results)
+        if self.split_reasoning:
+            results = split_results(results, splitter_for(self.tokenizer, self.ids))
+        return results
 
 
-def _prepare(
+def prepare_request(
     model,
     tokenizer,
-    prompt,
+    prompt: str | Sequence[int] | Sequence[dict[str, Any]],
     *,
-    max_tokens: int,
-    sampling: SamplingParams,
-    stop: Sequence[str],
-    chat_template: bool,
-    truncate_prompt: bool,
-    prompt_cache: PromptCache | None,
-    max_kv_size: int | None,
-    kv_bits: int | None,
+    max_tokens: int = 256,
+    sampling: SamplingParams | None = None,
+    stop: Sequence[str] = (),
+    chat_template: bool = False,
+    truncate_prompt: bool = False,
+    kv_room: KVRoom | None = None,
     constraint: Constraint | None = None,
     tools: list[dict] | None = None,
+    tool_choice: Any = None,
+    split_reasoning: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
-    kv_budget: float | None = None,
-    draft: Draft | None = None,
-    num_draft: int | None = None,
-) -> _Request:
-    """Tokenize and fit the prompt (in the context and the KV budget), check the settings,
-    and find the request's cache."""
+    **constraint_options,
+) -> PreparedRequest:
+    """Prepare one request for a token loop: ``stream_generate``'s and the batch engine's.
+
+    The output rules first (the constraint, or the call ``tool_choice`` asks for, and the
+    tools), then the prompt's token ids (:func:`prepare_prompt`, with the tools), fitted in the
+    model's context and in ``kv_room`` (left-truncated with ``truncate_prompt``, else refused
+    with PromptTooLongError), the sampling settings checked and the constraint's processor built.
+
+    Args:
+        max_tokens: new tokens at most; capped by what the context and ``kv_room`` leave.
+        sampling: the request's :class:`SamplingParams` (None: greedy).
+        kv_room: what the request's KV cache may hold (None: the context only).
+        constraint, and ``response_format``, ``json_schema``, ``regex``, ``choices``,
+            ``grammar`` in ``constraint_options``: structured output, at most one.
+        stop, chat_template, truncate_prompt, tools, tool_choice, split_reasoning,
+            chat_template_kwargs: as for ``stream_generate``.
+    """
     t0 = time.perf_counter()
+    constraint, tooling = output_rules(
+        tokenizer, tools, tool_choice, constraint=constraint, **constraint_options
+    )
     ids = prepare_prompt(
         tokenizer,
         prompt,
         chat_template=chat_template,
-        tools=tools,
+        tools=tooling.tools if tooling is not None else None,
         chat_template_kwargs=chat_template_kwargs,
     )
     context = model.args.max_position_embeddings
     ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
     check_token_ids(model, ids)  # from the tokenizer (a BOS it adds) or the caller's ids
     stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(time.perf_counter() - t0) * 1000)
+    sampling = sampling or SamplingParams()
     sampling.check()
-    processors = sampling.processors()
-    if constraint is not None:
-        processors.append(constraint.processor(tokenizer))
-    if prompt_cache is None:
-        prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
-    limit = kv_limit(
-        model,
-        prompt_cache.cache,
-        kv_budget,
-        max_kv_size=max_kv_size,
-        kv_bits=kv_bits,
-        draft_model=getattr(draft, "model", None),
-    )
-    # A speculative step holds its drafted tokens until it rewinds: room for them too.
-    room = limit.tokens - (max(num_draft or 0, MAX_DRAFT) if draft is not None else 0)
-    ids = _fit_kv(ids, room, limit, max_tokens, truncate_prompt)
-    stats.prompt_tokens = len(ids)
-    stats.cached_tokens = len(ids) - len(prompt_cache.reuse(ids))
+    processors = [constraint.processor(tokenizer)] if constraint is not None else []
+    if kv_room is not None and kv_room.limit is not None:
+        ids = _fit_kv(ids, kv_room.tokens, kv_room.limit, max_tokens, truncate_prompt)
+        stats.prompt_tokens = len(ids)
     n_new = min(max_tokens, context - len(ids))
-    if room - len(ids) < n_new:
-        n_new, stats.limited_by = int(room - len(ids)), "kv_budget"
-    return _Request(
+    if kv_room is not None and 0 < kv_room.tokens - len(ids) < n_new:
+        n_new = int(kv_room.tokens - len(ids))
+        if kv_room.limit is not None:
+            stats.limited_by = "kv_budget"
+    return PreparedRequest(
+        tokenizer,
         ids,
         n_new,
         sampling,
         processors,
-        prompt_cache,
+        stop,
+        tooling,
+        split_reasoning,
         stats,
-        tokenizer.detokenizer(),
-        StopMatcher(stop),
-        tokenizer.eos_token_ids,
         t0,
     )
 
@@ -176,11 +215,12 @@ def _fit_kv(ids: list[int], room: float, limit: KVLimit, max_tokens: int, trunca
 
 
 def _results(
-    request: _Request, steps: Iterator[Step], *, count_passes: bool
+    request: PreparedRequest, steps: Iterator[Step], *, count_passes: bool
 ) -> Iterator[GenerationResult]:
     """Tokens to text: detokenize, hold back and cut at stop strings, end at EOS or the length,
     and keep the timeline (finished on the last result)."""
-    stats, detok, stops = request.stats, request.detok, request.stops
+    stats, detok, stops = request.stats, request.tokenizer.detokenizer(), StopMatcher(request.stop)
+    eos = request.eos
     mx.reset_peak_memory()
     t_prefill = t_first = time.perf_counter()
     n = 0
@@ -193,7 +233,7 @@ def _results(
         if count_passes:
             stats.count(step)
         finish = None
-        if step.token in request.eos:
+        if step.token in eos:
             text, finish = detok.finalize(), "stop"
         else:
             text = detok.add_token(step.token)
