@@ -47,6 +47,10 @@ class LocalTurns:
         """The most of the blocks of ``hashes`` after which ``snapshots`` keeps one (0: none)."""
         return next((n for n in range(len(hashes), 0, -1) if hashes[n - 1] in snapshots), 0)
 
+    def rank_metrics(self) -> dict[int, dict[str, float]]:
+        """No ranks, so no per-rank lines in ``/metrics``."""
+        return {}
+
     def adopt(self, picked):
         return picked
 

@@ -111,7 +111,8 @@ RANK_METRICS = {  # across ranks: each rank's, as of the engine's last turn
 
 
 def _rank_lines(registry: Models) -> list[str]:
-    """``mlxinfer_rank_<name>{model=..., rank=...}`` for the engines that run across ranks."""
+    """``mlxinfer_rank_<name>{model=..., rank=...}`` for the engines that run across ranks (one
+    process's turns have no ranks; an embedding model's engine has no turns)."""
     samples: dict[str, list[str]] = {key: [] for key in RANK_METRICS}
     for entry in list(registry.entries.values()):
         turns = getattr(entry.engine, "turns", None)
