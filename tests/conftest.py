@@ -1,7 +1,20 @@
 """Shared fixtures. OpenBLAS is preloaded before anything imports mlx (speed only)."""
 
 import os
+import sys
 import tempfile
+from pathlib import Path
+
+# The tests' helpers (tests/support/) are importable by name, here and in every subprocess a test
+# starts (a rank, a CLI run, a script that imports them). So are the test modules of the other
+# folders: a few tests share another's tiny checkpoints and prompts (``from test_qwen3_next
+# import TINY``).
+HERE = Path(__file__).resolve().parent
+PATHS = [str(HERE / "support")] + sorted(
+    str(d) for d in HERE.iterdir() if d.is_dir() and any(d.glob("test_*.py"))
+)
+sys.path[:0] = PATHS
+os.environ["PYTHONPATH"] = os.pathsep.join(PATHS + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 # The user cache (the default model, the CPU plans measured at load, the BLAS check's verdict)
 # of this test run only: tests never write the developer's own; subprocesses (the CLI) inherit

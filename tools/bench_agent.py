@@ -134,7 +134,7 @@ def dense_model() -> Path:
 
 def hybrid_model(work: Path) -> Path:
     """A tiny random Qwen3.5 checkpoint (Gated DeltaNet x3, attention x1), 8k positions."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from hf_models import add_tokenizer, make_tiny
 
     path = work / "tiny-qwen3_5"

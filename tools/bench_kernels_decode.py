@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("MLXINFER_KERNELS_DIR", str(ROOT / "build" / "kernels")))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 os.environ.setdefault("MLXINFER_CPU_PLANS", "off")  # loads here check files, not speed
 
 from mlxinfer.platform.blas import preload_openblas  # noqa: E402

@@ -82,7 +82,7 @@ GEMMA3_TOKENS = 16
 
 
 def _tests_fixtures():
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     import fixtures
 
     return fixtures

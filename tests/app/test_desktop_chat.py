@@ -20,7 +20,7 @@ QtWidgets = pytest.importorskip(
 )
 from PySide6.QtCore import QTimer  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "desktop_chat.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "desktop_chat.py"
 ARTIFACTS = Path(os.environ.get("MLXINFER_ARTIFACTS", "test-artifacts"))
 
 

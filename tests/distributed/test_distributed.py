@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-RANK_SCRIPT = Path(__file__).resolve().parent / "distributed_rank.py"
+ROOT = Path(__file__).resolve().parents[2]
+RANK_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "distributed_rank.py"
 PROMPT = [1, 5, 9, 30, 7, 44]
 N_TOKENS = 8
 WAIT_S = 60  # the most any one run of two ranks may take here (2 shared cores)

@@ -52,7 +52,7 @@ FUZZ = settings(
 )
 BOUND_S = 10.0  # each example: a tiny file or model, milliseconds when all is well
 AS_LIMIT = 3 << 30  # bytes of address space for the safetensors subprocess
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 INTS = st.sampled_from(
     [0, 1, 2, 3, 4, 7, 8, 16, 31, 64, -1, -2, 2**15, 2**16, 2**24, 2**31 - 1, 2**31, 2**32]

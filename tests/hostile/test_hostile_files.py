@@ -23,7 +23,7 @@ from mlxinfer.files.safetensors_check import MAX_HEADER_BYTES, read_header
 from mlxinfer.loading.loader import load, load_model, read_weights
 from mlxinfer.models import build_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_python(code: str, timeout: float = 120) -> tuple[int, str]:

@@ -20,7 +20,7 @@ import pytest
 from mlxinfer.output.toolcalls import Hermes, tool_format
 from mlxinfer.tokenization.chat_template import named_chat_template
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "tests" / "templates" / "gemma_tools.jinja"
 FIXTURES = ROOT / "tests" / "fixtures"
 

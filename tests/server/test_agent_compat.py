@@ -33,7 +33,7 @@ from mlxinfer.server.aliases import AliasError  # noqa: E402
 from mlxinfer.server.fields import forget_logged  # noqa: E402
 from mlxinfer.server.templating import fold_system  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 NAME = "tiny"
 HEADERS = {"anthropic-version": "2023-06-01", "anthropic-beta": "context-1m-2025-08-07,x-y-1"}
 ASK = [{"role": "user", "content": "Hello there, how are you?"}]

