@@ -191,7 +191,7 @@ def test_debris_of_killed_writers_is_cleared_and_a_live_writers_kept(hf_dir, tmp
 
 
 def test_every_converted_or_imported_model_carries_a_manifest_of_its_files(hf_dir, tmp_path):
-    from test_gguf import write_tiny_gguf
+    from gguf_tiny import write_tiny_gguf
 
     from mlxinfer.gguf import import_gguf
 
@@ -324,7 +324,7 @@ def test_converting_over_a_complete_model_says_so_in_one_line(hf_dir, model_dir,
 def tiny_default(tmp_path, monkeypatch):
     """The default model's fetch replaced by a tiny GGUF (the import is the real one); returns
     (its directory, the list of imports made)."""
-    from test_gguf import write_tiny_gguf
+    from gguf_tiny import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path / "cache"))

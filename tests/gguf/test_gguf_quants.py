@@ -24,7 +24,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from test_gguf import byte_alphabet, dequantized, hf_order, llama_cpp_permute  # noqa: E402
+from gguf_tiny import byte_alphabet, dequantized, hf_order, llama_cpp_permute  # noqa: E402
 
 import mlxinfer.gguf.quants as gq  # noqa: E402
 from mlxinfer.errors import WeightsError  # noqa: E402

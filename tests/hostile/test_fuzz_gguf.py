@@ -97,7 +97,7 @@ def _fields(data: bytes) -> list[tuple[int, int]]:
 def seeds() -> list[tuple[bytes, list[tuple[int, int]]]]:
     """The seed files and their header fields; each imports, so that mutations reach past
     the header into the config, the vocabulary and the tensors."""
-    from test_gguf import write_tiny_gguf
+    from gguf_tiny import write_tiny_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tiny_gguf(Path(tmp) / "q.gguf")
