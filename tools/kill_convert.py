@@ -18,7 +18,7 @@ durations come from two unkilled runs first (the longer run, the shorter writing
     python tools/kill_convert.py -n 100 --seed 7
 
 The last line is the summary, e.g. ``20/20 kills left nothing or a complete model ...``;
-the exit status is 1 if any moment failed. tests/test_crash_safety.py uses these helpers
+the exit status is 1 if any moment failed. tests/files/test_crash_safety.py uses these helpers
 with a few chosen moments.
 """
 

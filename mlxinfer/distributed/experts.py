@@ -25,7 +25,7 @@ What counts as a mixture of experts is read from the module, not from its family
 children are a router (``Gate``), the routed experts (``SwitchGLU``, float), and optionally
 dense shared experts (``GatedMLP``) and one-output gates (``nn.Linear`` to width 1). Every MoE
 of ``mlxinfer/models`` is ``combine(experts(x, idx), weights)`` plus its shared experts, linear
-in each expert's down projection (``tests/test_distributed_experts.py`` checks the shares' sum
+in each expert's down projection (``tests/distributed/test_distributed_experts.py`` checks the shares' sum
 against the whole layer for each). Anything else in such a block makes it run as a pipeline.
 """
 

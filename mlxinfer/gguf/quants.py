@@ -34,10 +34,10 @@ fp4(q)`` in both (ggml writes it as ``2**(e - 128)`` times doubled E2M1 values).
 Only the nibble order differs: ggml puts weight j in the low nibble of byte j
 and weight j + 16 in its high nibble, MLX packs weights in order, two per byte
 (:func:`to_mxfp4`). Every exponent 0-254 decodes to the same float32 in both
-(tests/test_gguf.py); 255 (NaN in the OCP spec) never comes out of ggml's quantizer.
+(tests/gguf/test_gguf.py); 255 (NaN in the OCP spec) never comes out of ggml's quantizer.
 
 Every decoder here is checked bit for bit against ``gguf.quants.dequantize``
-in tests/test_gguf_quants.py and tests/test_gguf.py.
+in tests/gguf/test_gguf_quants.py and tests/gguf/test_gguf.py.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def test_attention_over_a_quantized_cache_is_the_same_in_either_form(big_tiny, m
 def test_the_fastest_option_of_each_kind_is_kept(big_tiny, monkeypatch):
     """``measure`` keeps a plan only when it saves 3% of a decode step: the step estimated as the
     timed blocks scaled to all of them, plus the LM head timed alone. Without the compiled
-    kernels (their options: tests/test_cpu_kernels_wiring.py)."""
+    kernels (their options: tests/backends/test_cpu_kernels_wiring.py)."""
     monkeypatch.setattr(kernels, "load", lambda: None)
     model, _ = load_model(big_tiny[0])
     cost = {"cut": 0.5, "halves": 2.0}  # relative cost of the blocks with the plan on

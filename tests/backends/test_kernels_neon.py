@@ -7,7 +7,7 @@ finite bf16 and f16 value widened bit for bit (tools/check_kernels_cross.py buil
 Under qemu the arm64 build must pick NEON and agree within 1e-4 of the largest output on
 every case. It skips, naming the tool, without aarch64-linux-gnu-g++ or qemu-aarch64 (Debian:
 ``apt-get install g++-aarch64-linux-gnu qemu-user``). The native build (the x86 paths against the
-same reference; tests/test_kernels.py checks them against MLX in the suite) runs under
+same reference; tests/backends/test_kernels.py checks them against MLX in the suite) runs under
 MLXINFER_SLOW=1. Builds are cached by a hash of the sources in the test cache.
 """
 

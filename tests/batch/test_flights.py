@@ -5,7 +5,7 @@ t + r and lands (its logits sampled) at the last rank's tick. ``LateFlights`` re
 timing in one process with the whole model: a flight's forward (its keys' writes and its logits)
 runs only when it lands, a tick after its forming, as on the last of two ranks. The references
 are one process's plain decoding (``generate_step``, which the suite holds to transformers).
-The two-rank runs are tests/test_distributed_batch.py's and test_distributed_serve.py's.
+The two-rank runs are tests/distributed/test_distributed_batch.py's and test_distributed_serve.py's.
 """
 
 from __future__ import annotations

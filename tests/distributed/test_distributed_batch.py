@@ -1,6 +1,6 @@
 """The batching engine across ranks (mlxinfer/distributed/batching.py): ``batch_generate`` with
 a model loaded with ``distributed="pipeline"|"tensor"``, two ranks on 127.0.0.1 (ring backend),
-started as tests/test_distributed.py starts them.
+started as tests/distributed/test_distributed.py starts them.
 
 The reference is one process on the same checkpoint: its ``batch_generate`` and, prompt by
 prompt, its ``generate`` (the rest of the suite holds both to transformers). Run as a script,

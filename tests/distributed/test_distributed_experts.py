@@ -2,7 +2,7 @@
 
 Each rank keeps its share of every routed and shared expert's hidden units, the router whole;
 the shares' outputs, summed over simulated ranks in one process, must be the whole layer's
-output. The two-rank launches against transformers are in tests/test_distributed.py.
+output. The two-rank launches against transformers are in tests/distributed/test_distributed.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A hybrid family (recurrent layers beside attention) over two ranks on 127.0.0.1, started as
-tests/test_distributed.py starts them: as a pipeline, and split by heads (tensor: every rank
+tests/distributed/test_distributed.py starts them: as a pipeline, and split by heads (tensor: every rank
 runs every layer on its share of the attention heads, conv channels or Gated DeltaNet key
 heads, its recurrent layers' state caches holding that share's state).
 
@@ -9,7 +9,7 @@ first attention layer (in the whole model, the first is layer 0: on rank 1 that 
 layer's state cache). One launch runs ``generate_step`` (the reference: transformers' greedy
 tokens and float32 log-probabilities) and ``batch_generate`` with 8 prompts of mixed lengths,
 whose recurrent rows keep their states per request (the reference: one process's texts, which
-tests/test_hybrid.py holds to transformers). The same launch writes the prefix cache on disk
+tests/models/test_hybrid.py holds to transformers). The same launch writes the prefix cache on disk
 (each rank its own part's KV blocks and state snapshots) and a second one, new processes, reads
 them back (``_check_disk``). Run as a script, this file is one rank:
 ``python test_distributed_hybrid.py MODEL_DIR MODE JOB OUT``.

@@ -1,7 +1,7 @@
 """``generate --distributed pipeline --prompt-cache-file F`` (mlxinfer/cache/prompt_file.py):
 each rank keeps its own layers' caches in a file of its own, ``F.rank<r>of<s>``.
 
-The ranks are started as tests/test_distributed.py starts them (MLX_RANK, MLX_HOSTFILE, one
+The ranks are started as tests/distributed/test_distributed.py starts them (MLX_RANK, MLX_HOSTFILE, one
 process each). The reference is one process with its own ``--prompt-cache-file`` on the same
 prompts: the same text, and the same count of tokens read from the file (the longest common
 prefix of the tokens the first run held and the second prompt).
@@ -23,7 +23,7 @@ CACHED = re.compile(r"prompt tokens\s+(\d+) \((\d+) cached\)")
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """The 3-layer llama of tests/test_distributed.py: layers 0-1 on rank 0, 2 on rank 1."""
+    """The 3-layer llama of tests/distributed/test_distributed.py: layers 0-1 on rank 0, 2 on rank 1."""
     from test_distributed import _checkpoint
 
     return _checkpoint(tmp_path_factory.mktemp("llama"))[0]

@@ -5,7 +5,7 @@ LFM2's short convolution splits by channels, Gated DeltaNet (Qwen3-Next, Qwen3.5
 heads, Qwen3-Next's output-gated attention by query heads (each head's [queries | gate] rows
 together). Simulated ranks' shares, run in one process each with its own cache, must add up to
 the whole layer's output, and each rank's recurrent state must be its slice of the whole
-layer's. The two-rank launches against transformers are in tests/test_distributed_hybrid.py.
+layer's. The two-rank launches against transformers are in tests/distributed/test_distributed_hybrid.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``mlxinfer serve --distributed``: rank 0 owns the HTTP server, rank 1 follows its engine
 (mlxinfer/distributed/serving.py, batching.py's ``rank0_requests``). Two ranks on 127.0.0.1,
-started as tests/test_distributed.py starts them (MLX_RANK, MLX_HOSTFILE), every wait bounded.
+started as tests/distributed/test_distributed.py starts them (MLX_RANK, MLX_HOSTFILE), every wait bounded.
 
 The reference is one process serving the same checkpoint (the rest of the suite holds its
 server to ``generate`` and ``generate`` to transformers): the same requests, greedy and seeded,

@@ -1,7 +1,7 @@
 """Fuzz target: mutated GGUF files end in success or our own error, within a time bound.
 
 Seeded from two small working files: the byte-written tiny llama (tests/gguf_bytes.py, F32)
-and the suite's tiny llama written by the ``gguf`` package (tests/test_gguf.py: Q4_0, Q4_1,
+and the suite's tiny llama written by the ``gguf`` package (tests/gguf/test_gguf.py: Q4_0, Q4_1,
 Q8_0, F16, BF16, F32). Each example rewrites header fields (counts, lengths, type codes,
 dimensions, offsets) with boundary values, flips bytes, truncates or splices the file, then
 reads the header (``read_gguf_header``) and imports it (``import_gguf``): both must end in

@@ -252,7 +252,7 @@ def test_q_rows_that_do_not_split_into_heads_are_refused_before_a_float_import(t
 
 def test_linear_rope_scaling_without_a_factor_is_refused(tmp_path):
     """Old code: imported with factor NaN. (A needed key that is absent is a WeightsError,
-    as tests/test_gguf.py has it for gemma3.attention.sliding_window.)"""
+    as tests/gguf/test_gguf.py has it for gemma3.attention.sliding_window.)"""
     g = tiny_llama().set("llama.rope.scaling.type", STRING, "linear")
     msg = import_error(tmp_path, g, kind=WeightsError)
     assert "GGUF metadata lacks llama.rope.scaling.factor" in msg

@@ -7,7 +7,7 @@ conversion runs with the routers in float. An MXFP4-stored checkpoint (``*_block
 ``*_scales``, as the Hub ships gpt-oss) loads into MLX's ``mxfp4`` experts without a float
 round trip and matches transformers' own dequantized load of the same files; converting it
 keeps the experts MXFP4. Sinks hold in every attention path: the fused kernel, the
-quantized cache's and the paged pool's (tests/test_batch.py).
+quantized cache's and the paged pool's (tests/batch/test_batch.py).
 """
 
 from __future__ import annotations

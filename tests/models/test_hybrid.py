@@ -293,8 +293,8 @@ def test_in_the_batch_each_row_keeps_its_own_state(hybrid, tmp_path):
     """Rows of a recurrent model in one batch: each gets the tokens it gets alone, though two
     share a long prefix (submitted together: neither finds the other's blocks yet) and one
     drafts by prompt lookup. (Rows joining at different times, against transformers:
-    tests/test_batch.py; prefixes resumed from state snapshots and drafting rows:
-    tests/test_hybrid_prefix.py.)"""
+    tests/batch/test_batch.py; prefixes resumed from state snapshots and drafting rows:
+    tests/batch/test_hybrid_prefix.py.)"""
     path, model = hybrid
     prefix = [(5 * i + 1) % 256 for i in range(40)]
     prompts = [prefix + [1, 2, 3], prefix + [9, 8], PROMPT, [7]]

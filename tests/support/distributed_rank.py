@@ -1,4 +1,4 @@
-"""One rank of the distributed tests (tests/test_distributed.py starts two of these).
+"""One rank of the distributed tests (tests/distributed/test_distributed.py starts two of these).
 
 ``python distributed_rank.py MODEL_DIR MODE IDS N OUT``: loads MODEL_DIR with
 ``distributed=MODE``, decodes N greedy tokens after the comma-separated prompt IDS, and writes

@@ -1,5 +1,5 @@
 """Twenty JSON Schemas of different shapes, each with a prompt asking for such data, for the
-structured-output tests on the real model (tests/test_constraints.py)."""
+structured-output tests on the real model (tests/output/test_constraints.py)."""
 
 S = {"type": "string", "maxLength": 40}
 
