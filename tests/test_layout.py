@@ -234,3 +234,15 @@ def test_every_relative_import_names_a_module():
                 if target not in modules:
                     missing.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {target}")
     assert missing == []
+
+
+def test_the_tests_mirror_the_packages():
+    """Each test file sits in the folder of the package it checks (or real/, hostile/ or app/);
+    helpers in support/; only this file at the top."""
+    tests = ROOT.parent / "tests"
+    allowed = set(PACKAGE_ORDER) | {"real", "hostile", "app", "support", "fixtures", "templates"}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders <= allowed, folders - allowed
+    top = sorted(p.name for p in tests.glob("*.py"))
+    assert top == ["conftest.py", "test_layout.py"], top
+    assert not list((tests / "support").glob("test_*.py"))
