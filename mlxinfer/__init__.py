@@ -48,6 +48,7 @@ _EXPORTS = {
     "MlxInferError": "errors",
     "batch_generate": "batch",
     "Engine": "batch",
+    "EngineConfig": "batch",
     "ModelHandle": "handle",
     "astream_generate": "handle",
     "Constraint": "output.constraints",

@@ -2,6 +2,7 @@
 
 - :mod:`.pool` — the blocks, block tables, prefix sharing and accounting;
 - :mod:`.views` — one forward over the pool, behind the cache protocol;
+- :mod:`.config` — the engine's settings (:class:`EngineConfig`);
 - :mod:`.engine` — the engine, the caller's side: submit, statistics, metrics, close;
 - :mod:`.scheduler` — its thread: admit, prefill in chunks, decode B rows, retire;
 - :mod:`.frontend` — a prompt in, ``stream_generate``'s results out (``Engine.start``, ``stream``);
@@ -22,12 +23,14 @@ from typing import Any, Sequence
 from ..generation.drafts import Draft, DraftModel
 from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
 from ..output.constraints import Constraint
+from .config import EngineConfig
 from .engine import Engine
 from .pool import KVPool, PoolFullError, PoolStats
 from .requests import EngineError, Handle, Stream
 
 __all__ = [
     "Engine",
+    "EngineConfig",
     "EngineError",
     "Handle",
     "KVPool",

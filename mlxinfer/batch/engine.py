@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import threading
 import time
 import weakref
@@ -25,6 +24,7 @@ from . import disk as disk_mod
 from . import disk_states
 from . import pool as pool_mod
 from . import rows as rows_mod
+from .config import EngineConfig
 from .draft_pool import DraftPool, poolable
 from .frontend import TextRequests
 from .layout import STATE, check_batchable, layer_shapes, make_pools, shapes_and_states
@@ -36,101 +36,28 @@ from .snapshots import make_store, split_budget
 from .store import block_bytes
 from .turns import LocalTurns
 
-DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
-DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill chunk between decode steps
-DEFAULT_MAX_DRAFT = 8  # tokens a drafting request may propose per step
-
 
 class Engine(TextRequests, Scheduler):
     """Continuous batching over one model: ``submit`` from any thread, read each
     request's steps as they come.
 
     Args:
-        kv_budget: bytes the KV pool may hold (keys and values of every layer).
-        block_size: tokens per KV block.
-        max_batch: most sequences decoded in one step.
-        kv_bits: store keys and values with 8 or 4 bits (groups of ``kv_group_size``), as
-            ``--kv-bits`` does for one request (float32 keys in 64-wide heads: 3.6x / 6.4x the
-            tokens for the same ``kv_budget``).
-        max_draft: most tokens a drafting request (``submit(draft=...)``: prompt lookup or a
-            draft model) may propose per step; 0 turns drafting off. Each request reserves
-            this many more tokens of KV room.
-        prefill_step: most prompt tokens prefilled between two decode steps (one or more
-            requests' chunks).
-        attention: how decode steps read the pool: ``"pages"``, over its blocks in place
-            (the faster measured on the CPU backend, docs/batching.md), or ``"gather"``, over a
-            contiguous copy of each row's keys. Both give the same logits (1e-4).
-        hold_windows: sliding-window layers keep only the blocks their window still sees (in a
-            pool of their own, as many blocks as the pool: ``kv_budget`` holds both), not every
-            key of the sequence.
-        draft_models: the draft models requests will draft with (``DraftModel(m)``), whose
-            pools ``kv_budget`` then holds too: each has as many blocks as the target's pool,
-            and the budget buys that many for all of them together. A draft model not named
-            here gets its pool at its first request, on top of ``kv_budget``.
-        shrink_every: seconds between two looks at the pool's store: one that is at least
-            four times what the busiest moment since the last look needed is cut to twice
-            that (a burst's memory goes back to the system); ``math.inf`` never cuts.
-        reserve: take the whole ``kv_budget`` at start (``serve`` does): memory is flat from
-            the first request on instead of growing with the load (and the prefixes kept).
-        state_budget: for a model with recurrent layers, the bytes of ``kv_budget`` kept for
-            snapshots of their states at block boundaries, which let requests share prefixes
-            (``snapshots.py``; the pool gets the rest). None: a quarter; 0: no prefix sharing.
-        state_every: a recurrent model's rows snapshot their states every this many blocks
-            of prefill (and at each prompt's last full block). None: a prefill chunk's blocks.
-        prefix_cache_dir: keep the prefix cache's full blocks on disk here too (``disk.py``):
-            a later engine of the same model (a restart, another server sharing the directory)
-            reads them back instead of computing them; a recurrent model's state snapshots
-            too (``disk_states.py``).
-        prefix_cache_disk_bytes: most bytes of block files in ``prefix_cache_dir`` (every
-            model's: the oldest go first); None: 10 GiB.
-        rank0_requests: for a model across ranks (``load(distributed=...)``), requests are
-            submitted on rank 0 only (``serve``): the other ranks' engines receive them, and
-            rank 0's tokens, at each turn (``distributed/batching.py``).
-        micro_batches: for a model across pipeline ranks, decode in flights of about 1/S of
-            the rows, one at each rank's stage (``distributed/micro.py``), not every row through
-            the ranks one after another; None: as loaded (``distributed.load(micro_batches=)``,
-            default on). Not for recurrent models or frequencies that follow the length.
+        config: the engine's settings (:class:`~.config.EngineConfig`; its defaults without).
+        options: settings by keyword, over ``config``'s: ``EngineConfig``'s fields (``kv_budget``,
+            ``max_batch``, ``kv_bits``, ...), or their old names (``reserve``, ``state_budget``,
+            ``state_every``).
     """
 
-    def __init__(
-        self,
-        model,
-        *,
-        kv_budget: int = pool_mod.DEFAULT_KV_BUDGET,
-        block_size: int = pool_mod.DEFAULT_BLOCK_SIZE,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        prefill_step: int = DEFAULT_PREFILL_STEP,
-        attention: str = "pages",
-        max_draft: int = DEFAULT_MAX_DRAFT,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        hold_windows: bool = True,
-        draft_models: Sequence = (),
-        shrink_every: float = 20.0,
-        reserve: bool = False,
-        state_budget: int | None = None,
-        state_every: int | None = None,
-        prefix_cache_dir: str | os.PathLike | None = None,
-        prefix_cache_disk_bytes: int | None = None,
-        rank0_requests: bool = False,
-        micro_batches: bool | None = None,
-    ) -> None:
-        if max_batch < 1 or prefill_step < 1:
-            raise ValueError(
-                f"max_batch and prefill_step must be >= 1, got {max_batch}, {prefill_step}"
-            )
-        if attention not in ("pages", "gather"):
-            raise ValueError(f"attention: expected 'pages' or 'gather', found {attention!r}")
-        if max_draft < 0:
-            raise ValueError(f"max_draft must be >= 0, got {max_draft}")
-        if state_every is not None and state_every < 1:
-            raise ValueError(f"state_every must be >= 1 (blocks), got {state_every}")
+    def __init__(self, model, *, config: EngineConfig | None = None, **options) -> None:
+        self.config = c = (config or EngineConfig()).with_options(**options)
+        kv_budget, block_size, prefill_step = c.kv_budget, c.block_size, c.prefill_step
+        shrink_every = c.shrink_every
         self.model = model
         # Across ranks (load(distributed=...)): every rank's engine takes the same turns.
         turns = None
         if hasattr(model, "engine_turns"):
-            turns = model.engine_turns(rank0_requests=rank0_requests)
-        elif rank0_requests:
+            turns = model.engine_turns(rank0_requests=c.rank0_requests)
+        elif c.rank0_requests:
             raise ValueError("rank0_requests: the model does not run across ranks")
         # Rows of one regime share a forward (None: all rows; see check_batchable).
         self.regime, self.windows = check_batchable(model)
@@ -140,17 +67,17 @@ class Engine(TextRequests, Scheduler):
         self.recurrent = STATE in self.windows
         if turns is not None:  # a rank without recurrent layers takes the others' turns
             self.recurrent = turns.any_recurrent(self.recurrent)
-        shapes, template = shapes_and_states(model, kv_bits, kv_group_size)
+        shapes, template = shapes_and_states(model, c.kv_bits, c.kv_group_size)
         # A draft model's pool inside kv_budget; across ranks none: rank 0 alone drafts
         # (distributed/copies.py), its pool made on the first request outside the budget, so
         # that every rank's pool keeps the same blocks.
-        drafts = [m for m in draft_models if poolable(m)] if max_draft > 0 else []
+        drafts = [m for m in c.draft_models if poolable(m)] if c.max_draft > 0 else []
         if turns is not None:
             drafts = []
         target_budget = _target_budget(shapes, drafts, kv_budget, block_size)
         state_bytes = 0
         if self.recurrent:
-            target_budget, state_bytes = split_budget(target_budget, state_budget)
+            target_budget, state_bytes = split_budget(target_budget, c.prefix_state_bytes)
         blocks = None
         if turns is not None:  # as many blocks on every rank (of no bytes without attention)
             per_block = block_bytes(shapes, block_size)
@@ -162,39 +89,39 @@ class Engine(TextRequests, Scheduler):
             self.windows,
             block_size=block_size,
             kv_budget=target_budget,
-            hold_windows=hold_windows,
+            hold_windows=c.hold_windows,
             blocks=blocks,
         )
         self.snapshots = None
         if state_bytes:  # across ranks as many snapshots on every rank (snapshots.py)
             self.snapshots = make_store(state_bytes, template, self.pool.holds, turns)
-        self.state_every = state_every or max(1, prefill_step // block_size)
-        if prefix_cache_dir is not None:
+        self.state_every = c.state_every
+        if c.prefix_cache_dir is not None:
             self.pool.disk = disk_mod.attach(
                 model,
                 [p for p in (self.pool, self.window_pool) if p is not None],
-                directory=prefix_cache_dir,
-                budget=prefix_cache_disk_bytes,
+                directory=c.prefix_cache_dir,
+                budget=c.prefix_cache_disk_bytes,
                 refusal=_disk_refusal(self),
             )
             if self.pool.disk is not None and self.snapshots is not None and template:
                 # states on disk too (a pipeline rank without recurrent layers has none)
                 self.snapshots = disk_states.DiskSnapshots(self.snapshots, self.pool.disk, template)
-        if reserve:
+        if c.kv_reserve:
             for pool in (self.pool, self.window_pool):
                 if pool is not None:
                     pool.reserve()
-        self.max_batch, self.prefill_step = max_batch, prefill_step
+        self.max_batch, self.prefill_step = c.max_batch, prefill_step
         self.shrink_every, self._looked_at = shrink_every, time.monotonic()
-        self.attention = attention
+        self.attention = c.attention
         self.turns = LocalTurns() if turns is None else turns  # the scheduler asks them always
         # Across pipeline ranks: one flight of rows at each rank's stage (flights.py).
         self.micro = None
         if hasattr(model, "micro_pipeline") and not self.recurrent and self.regime is None:
-            self.micro = model.micro_pipeline(micro_batches)  # None: off, or one rank
+            self.micro = model.micro_pipeline(c.micro_batches)  # None: off, or one rank
         # Every request reserves room for max_draft more tokens: a step that verifies drafts
         # writes up to that many past a row's last token before rejected ones are rewound.
-        self.max_draft = max_draft
+        self.max_draft = c.max_draft
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._cond = threading.Condition()

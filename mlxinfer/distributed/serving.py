@@ -25,7 +25,6 @@ streams a moment to say so, and ends the process (exit code 3).
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import time
@@ -53,10 +52,9 @@ def check_options(options: dict[str, Any]) -> None:
 
 def engine_options(options: dict[str, Any]) -> dict[str, Any]:
     """The part of serve's ``options`` that is the engine's (the same on every rank)."""
-    from ..batch import Engine
+    from ..batch.config import ALIASES, NAMES
 
-    names = set(inspect.signature(Engine.__init__).parameters) - {"self", "model"}
-    return {k: v for k, v in options.items() if k in names}
+    return {k: v for k, v in options.items() if k in NAMES or k in ALIASES}
 
 
 def follow(model, options: dict[str, Any]) -> None:
