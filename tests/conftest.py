@@ -3,6 +3,7 @@
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # The tests' helpers (tests/support/) are importable by name, here and in every subprocess a test
@@ -56,3 +57,49 @@ def smollm2_f32_dir(smollm2_hf_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "f32"
     convert(smollm2_hf_dir, out, dtype="float32")
     return out
+
+
+# --- the per-test budget -------------------------------------------------------------------------
+# The suite must fit 10 minutes on 2 cores, so each test's call (setup and teardown not counted:
+# session fixtures build once) gets a budget, checked as CI runs (CI=true) or whenever
+# MLXINFER_TEST_BUDGET is set (seconds; default 20). A loaded developer machine runs without it.
+# Marked `real`: three budgets (a real model's prompt on 2 cores); marked `slow`: none (they are
+# opt-in, MLXINFER_SLOW=1). A test over its budget fails by name; mark it slow or make it faster.
+BUDGET_S = float(os.environ.get("MLXINFER_TEST_BUDGET") or 20)
+REAL_BUDGETS = 3
+# Tests allowed more, each with its reason: node id without parameters -> (budgets, reason).
+# Empty: measured on a loaded 2-core VM (timings ~2x), no unmarked call took over 20 s (the
+# slowest: hostile/test_soak.py's short soak, 18 s) and no `real` one over 60 s (the slowest:
+# real/test_gguf_gemma3.py's greedy output, 50 s; output/test_constraints.py's twenty schemas, 35 s).
+OVER_BUDGET: dict[str, tuple[float, str]] = {}
+
+
+def _budget_s(item) -> float | None:
+    if not (os.environ.get("CI") == "true" or os.environ.get("MLXINFER_TEST_BUDGET")):
+        return None
+    if item.get_closest_marker("slow"):
+        return None
+    budgets = 1.0
+    if item.get_closest_marker("real"):
+        budgets = REAL_BUDGETS
+    allowed = OVER_BUDGET.get(item.nodeid.split("[")[0])
+    if allowed:
+        budgets = max(budgets, allowed[0])
+    return budgets * BUDGET_S
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    start = time.perf_counter()
+    result = yield  # a failing test fails as it is
+    budget = _budget_s(item)
+    took = time.perf_counter() - start
+    if budget is not None and took > budget:
+        pytest.fail(
+            f"{item.nodeid} took {took:.1f} s, over its budget of {budget:.0f} s "
+            f"(MLXINFER_TEST_BUDGET={BUDGET_S:g}): mark it `slow` (it then runs only under "
+            "MLXINFER_SLOW=1) when another default test checks the same, or make it faster; "
+            "else list it in OVER_BUDGET in tests/conftest.py with its reason",
+            pytrace=False,
+        )
+    return result

@@ -31,7 +31,7 @@ OUT = ROOT / "tests" / "fixtures" / "reference"
 FORMAT = 1  # bump (here and in tests/fixtures.py) when the layout of the files changes
 
 # ---------------------------------------------------------------------------
-# the prompts (tests/real/test_real_model.py and tests/gguf/test_gguf.py ask for these, by content)
+# the prompts (tests/real/test_real_model.py and tests/real/test_gguf_gemma3.py ask for these)
 
 TEXT = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
