@@ -61,7 +61,7 @@ def test_bench_takes_a_gguf_file_as_its_import(tiny_gguf, tmp_path, monkeypatch)
 
     def fake_run(llm, model_dir, *args, **kwargs):
         seen["dir"] = model_dir
-        bench.machine.comparison_notes(llm, model_dir, None)  # read the checkpoint's files
+        bench.bandwidth.comparison_notes(llm, model_dir, None)  # read the checkpoint's files
         raise SystemExit(0)
 
     monkeypatch.setattr(bench, "run_benchmark", fake_run)
