@@ -90,8 +90,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
 
 def log_softmax(logits: mx.array) -> mx.array | None:
     """``logits - logsumexp(logits)`` over the last axis of float32 logits as one kernel call
-    (a vectorised exp: MLX's logsumexp took 10 ms for 8 rows of a 49,152-token vocabulary on
-    the Intel Xeon VM, the kernel 0.5 ms); None without the kernels, for other dtypes, or
+    (a vectorised exp, many times faster than MLX's logsumexp on the CPU: docs/performance.md);
+    None without the kernels, for other dtypes, or
     from a module built before the kernel was added (an install not rebuilt since)."""
     k = kernels.load()
     if k is None or logits.dtype != mx.float32 or not hasattr(k, "log_softmax"):

@@ -268,15 +268,14 @@ def _causal(n_queries: int, n_keys: int) -> mx.array:
 DEQUANTIZED_ATTENTION_ROWS = 16
 QUERY_BLOCK = 128  # most queries per attention block in prefill (see attention)
 # Decode attention over at least this many keys takes the long-context form (see _attend), unless
-# ``plans`` measured another crossover on this machine. It has more ops; on the first machine
-# measured SmolLM2 f32 decoded 6% slower with it at a 512-token prompt, 2% slower at 1,024, 5.5%
-# faster at 2,048, 9% at 4,000 and 13% at 8,000.
+# ``plans`` measured another crossover on this machine. It has more ops, so it pays only past a
+# length (docs/performance.md, "The figures behind the CPU backend's defaults").
 DECODE_LONG_KEYS = 1536
 
 # A float product of fewer than PAD_ROWS rows runs as PAD_ROWS rows (zeros added, then cut off)
-# from ``pad_rows`` rows on: OpenBLAS's sgemm is not monotonic in the rows (SmolLM2's projections
-# of a decode step: 40 ms at 8 rows, 59 at 12, 32 at 16 on the AMD EPYC measured;
-# docs/batching.md). ``plans`` measures ``pad_rows`` (kind ``pad_rows``); never by default.
+# from ``pad_rows`` rows on: OpenBLAS's sgemm is not monotonic in the rows (docs/performance.md,
+# "The figures behind the CPU backend's defaults"). ``plans`` measures ``pad_rows`` (kind
+# ``pad_rows``); never by default.
 PAD_ROWS = 16
 NO_PADDING = 1 << 30
 

@@ -304,9 +304,8 @@ def plan_siblings(layers: list[nn.Module], in_features: int) -> None:
     whole to the stream with fewer weights so far. Balanced
     (``balanced_parts``): the same, but the largest layer on the heavier stream
     is cut so that both streams hold the same. A cut costs a second kernel call
-    and a concatenation (~0.2 ms in SmolLM2's 4-bit decode on the first machine
-    measured, where q beside k + v decoded 6% faster whole), so which pays is
-    measured on the machine (``plans``: quantized=siblings or =balanced).
+    and a concatenation, so which pays is measured on the machine (``plans``:
+    quantized=siblings or =balanced; docs/performance.md has the first machine's figures).
     """
     rows = [layer["weight"].shape[0] for layer in layers]
     load, stream_of = [0, 0], {}

@@ -1,9 +1,8 @@
 """Which of the CPU backend's decode plans pay on this machine: measured, not assumed.
 
 The plans (``parallel``) spread a decode step's one-row products over two CPU
-streams. Tuned on one machine (bandwidth probe 23.6 GB/s) they decoded
-SmolLM2-135M f32 1.45–1.58× as fast as mlx-lm; on an AMD EPYC (33.6 GB/s) they
-made it 0.60–0.80× as fast (docs/performance.md). So each is a *choice*, and
+streams. Tuned on one machine they paid well; on another they made decode slower
+(docs/performance.md). So each is a *choice*, and
 at load :func:`choose` times the model's own decode step under each option,
 keeping an option only if it beats the plainer one by 3%:
 

@@ -73,10 +73,8 @@ def stepwise_prefill(model: nn.Module, *, floats: bool = False) -> Iterator[None
     evaluates each many-row product as it is built, attention each block of
     queries (``ops.attention``), and a gated MLP runs one slice of its
     hidden units at a time (:func:`sliced_mlp`). With ``floats`` a float model
-    runs stepwise too, where only attention has blocks to evaluate: SmolLM2 f32
-    on the AMD EPYC, 512-token prefill 62.4 → 57.2 MB above the weights and
-    469–501 → 501–516 tok/s; 2,048 tokens 133.6 → 131.0 MB, 302–309 → 322–344
-    tok/s (two runs each). Outside the block every layer stays lazy, so it can
+    runs stepwise too, where only attention has blocks to evaluate (less memory
+    at the same speed or better: docs/performance.md). Outside the block every layer stays lazy, so it can
     still be traced (``mx.compile``).
     """
     quantized = isinstance(model, nn.Module) and any(
@@ -125,11 +123,10 @@ def sliced_mlp(
     needs only rows j of ``gate`` and ``up`` and columns j of ``down``; the
     partial products add up to the whole. Every weight is still dequantized
     once, but the gate, up and activation buffers are a slice wide, and one
-    slice of dequantized matrix is alive at a time: SmolLM2's 4-bit 512-token
-    prefill holds 10.6 MB of transient memory instead of 23 at the same speed.
-    Float layers take views of their weights instead: SmolLM2 f32's 512-token
-    prefill 57.2 → 38.6 MB above the weights at the same speed (AMD EPYC; from
-    128 rows it would cost 20% of prefill speed, hence ``MLP_SLICE_ROWS``).
+    slice of dequantized matrix is alive at a time: about half the transient
+    memory at the same speed. Float layers take views of their weights instead
+    (past ``MLP_SLICE_ROWS`` rows slicing would cost prefill speed; the figures:
+    docs/performance.md).
     """
     hidden = gate["weight"].shape[0]
     out = None

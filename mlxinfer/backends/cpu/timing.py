@@ -234,7 +234,7 @@ def measure_long_keys(model: nn.Module) -> tuple[int, dict]:
     n_q, n_kv, d, dtype = shapes
     q = mx.random.normal((1, n_q, 1, d)).astype(dtype)
     # Random keys of the shortest length, repeated: MLX's CPU normal sampler would take longer
-    # than the timings (67 ms for 8,192 keys of SmolLM2 here).
+    # than the timings themselves.
     block = [mx.random.normal((1, n_kv, LONG_KEYS_TRIED[0], d)).astype(dtype) for _ in range(2)]
 
     def timer(t):
