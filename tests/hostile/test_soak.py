@@ -1,7 +1,7 @@
 """The soak tool's short version: `serve` under mixed clients, hang-ups, hostile requests, slow
 bodies and a burst. What it checks is the server's (every request answered or refused in shape,
 the pool drained, /health answered, SIGTERM), not the model's, so it runs on a tiny random
-checkpoint with a chat template (on the real SmolLM2 it cost ~100 s of the suite's 15 minutes);
+checkpoint with a chat template (on the real SmolLM2 it cost ~100 s of the suite's then 15 minutes);
 `python tools/soak.py --minutes 5 --check` runs the long one on SmolLM2."""
 
 import json

@@ -461,7 +461,7 @@ def test_twenty_schemas_on_smollm2_greedy_and_sampled(smollm2_f32_dir, record_pr
     """SmolLM2-135M-Instruct, 20 schemas of different shapes, each asked for in the prompt:
     every constrained output parses and validates, greedy and at temperature 1.0 (the 40
     requests in one batch); without the constraint the same prompts mostly fail (the count is
-    reported). The suite runs every other schema (10: ~45 s of its 15 minutes); all 20 with
+    reported). The suite runs every other schema (10: ~45 s of its 10 minutes); all 20 with
     MLXINFER_SLOW=1."""
     from schemas import CASES, prompt
 

@@ -205,7 +205,7 @@ def test_real_gemma3_greedy_output_matches_transformers(gemma3):
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("MLXINFER_SLOW") != "1",
-    reason="~40 s on 2 cores, outside the suite's 15 minutes (test_families.py checks the clip on "
+    reason="~40 s on 2 cores, outside the suite's 10 minutes (test_families.py checks the clip on "
     "a tiny Gemma): set MLXINFER_SLOW=1 to run",
 )
 def test_real_gemma3_runs_in_float16_as_stored(gemma3):
@@ -274,7 +274,7 @@ def test_real_gemma3_base_model_gets_the_raw_prompt_from_the_cli(gemma3):
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("MLXINFER_SLOW") != "1",
-    reason="~30 s on 2 cores, outside the suite's 15 minutes (the exact dequantization is checked "
+    reason="~30 s on 2 cores, outside the suite's 10 minutes (the exact dequantization is checked "
     "by test_real_gemma3_weights_vs_gguf_reference, the greedy tokens of the import by "
     "test_real_gemma3_greedy_output_matches_transformers): set MLXINFER_SLOW=1 to run",
 )
