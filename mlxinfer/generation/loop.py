@@ -169,7 +169,8 @@ def stream_generate(
         temperature, top_p, top_k, min_p, seed: sampling (temperature 0 is greedy).
         repetition_penalty, repetition_context_size: transformers' repetition penalty.
         sampling: all of the above as one :class:`SamplingParams` (then leave them unset).
-        stop: strings that end generation; they never appear in the output.
+        stop: strings that end generation; they never appear in the output (the last
+            result's ``stop_string`` names the one that ended it).
         truncate_prompt: left-truncate a prompt longer than the context instead of raising.
         prompt_cache: reuse (and update) caches across calls, e.g. chat turns.
         max_kv_size, kv_bits: bound the cache (rotating) or quantize it.
@@ -187,7 +188,8 @@ def stream_generate(
             or a :class:`~mlxinfer.output.constraints.Constraint`. Generation ends when the output
             is complete and the model ends it (EOS is masked until then).
         tools: functions the model may call (OpenAI's shape), shown to it by its chat template;
-            the last result's ``tool_calls`` holds the calls parsed from the output.
+            the last result's ``tool_calls`` holds the calls parsed from the output, whose text
+            is held back from ``text`` (``in_tool_call`` once a call has begun).
         tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or
             ``{"type": "function", "function": {"name": ...}}``: the last two generate a call
             constrained by the function's parameter schema.

@@ -4,8 +4,9 @@ Before the loop, :func:`prepare_request` turns a prompt (text, token ids or chat
 through :func:`prepare_prompt`) and its options into a :class:`PreparedRequest`: the output
 rules (a constraint, tools), the ids fitted in the context and the KV room, the sampling settings
 checked. After it, :meth:`PreparedRequest.results` turns the loop's ``Step``s into
-``GenerationResult``s: the UTF-8-safe detokenizer, stop strings, EOS and the length, the
-per-request timeline (finished on the last result), then tool calls and reasoning. The
+``GenerationResult``s: the UTF-8-safe detokenizer, stop strings (the one hit named), EOS and the
+length, the per-request timeline (finished on the last result), then tool calls (held back
+from the text while streaming) and reasoning. The
 single-request loop (loop.py) and the batch engine's text side (batch/frontend.py) both prepare
 a request here, so a request reads the same whichever runs it.
 """
@@ -115,9 +116,16 @@ class PreparedRequest:
         self, steps: Iterator[Step], *, count_passes: bool = False
     ) -> Iterator[GenerationResult]:
         """The token loop's ``steps`` as results: text cut at stop strings and ended at EOS or
-        the length, then tool calls parsed and reasoning split when asked. ``count_passes``: add
-        each step's speculative counts to the stats."""
-        results = _results(self, steps, count_passes=count_passes)
+        the length, then :meth:`shaped`. ``count_passes``: add each step's speculative counts
+        to the stats."""
+        return self.shaped(_results(self, steps, count_passes=count_passes))
+
+    def shaped(self, results: Iterator[GenerationResult]) -> Iterator[GenerationResult]:
+        """``results`` (their ``text`` as the model wrote it) with the tool calls held back and
+        parsed (with tools), then the reasoning split from the answer (``split_reasoning``),
+        told from the prompt's real ids (a template switch such as ``enable_thinking=False``
+        decides whether the reply starts inside the reasoning). The one place a request's
+        output is parsed: the library's streams and the server's replies read these fields."""
         if self.tooling is not None:
             results = self.tooling.results(results)
         if self.split_reasoning:
@@ -240,7 +248,7 @@ def _results(
             if n == request.max_tokens:
                 text, finish = text + detok.finalize(), "length"
         text, hit = stops.push(text)
-        if hit:
+        if hit is not None:
             finish = "stop"
         elif finish is not None:
             text += stops.flush()
@@ -248,7 +256,7 @@ def _results(
         if finish is not None:
             _finish_stats(stats, n, t_first)
         yield GenerationResult(
-            text, step.token, step.logprobs, finish, step.from_draft, stats=stats
+            text, step.token, step.logprobs, finish, step.from_draft, stats=stats, stop_string=hit
         )
         if finish is not None:
             return

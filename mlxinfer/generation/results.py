@@ -95,9 +95,15 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
     from_draft: bool = False  # speculative decoding: proposed by the draft and accepted
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # On the last result: the stop string that ended the output (not part of ``text``), or None
+    # (EOS, the length, or no stop strings).
+    stop_string: str | None = None
     # With tools: on the last result, the calls parsed from the whole output (a list of
-    # ``toolcalls.ToolCall``, empty when it made none); None without tools.
+    # ``toolcalls.ToolCall``, empty when it made none); None without tools. A call's text is
+    # held back from ``text`` (released on the last result if it did not parse as a call).
     tool_calls: list | None = None
+    # With tools: a call has begun by this token (its text is being held back).
+    in_tool_call: bool = False
     # With split_reasoning: this token's part of the model's reasoning (``text`` is then only
     # the answer's part); "" otherwise (reasoning.py)
     reasoning: str = ""

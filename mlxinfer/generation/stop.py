@@ -2,7 +2,7 @@
 
 Text that could still be the start of a stop string is held back until the
 next segment decides it; once a stop string appears, only the text before it
-is released.
+is released, and the matcher says which stop string it was.
 """
 
 from __future__ import annotations
@@ -13,18 +13,21 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self._pending = ""
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add a segment; returns (text safe to emit, whether a stop string was hit)."""
+    def push(self, text: str) -> tuple[str, str | None]:
+        """Add a segment; returns (text safe to emit, the stop string hit or None). Of two stop
+        strings found in the same segment, the one that starts first is hit (at the same
+        place: the lesser, as ``min`` orders strings)."""
         if not self.stops:
-            return text, False
+            return text, None
         buf = self._pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self._pending = ""
-            return buf[: min(hits)], True
+            at, stop = min(hits)
+            return buf[:at], stop
         hold = self._longest_prefix_suffix(buf)
         self._pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False
+        return buf[: len(buf) - hold], None
 
     def flush(self) -> str:
         """Release held-back text at the end of the stream (no stop came)."""

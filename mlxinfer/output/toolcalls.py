@@ -255,7 +255,9 @@ def call_constraint(fmt: ToolFormat, tools: list[dict], choice: Any, tokenizer):
 
 class ToolStream:
     """Streamed text with the calls held back: :meth:`feed` gives the text to show now (up to
-    where a call may start), :meth:`finish` what is left and the calls."""
+    where a call may start, and the whitespace before it: a parse drops it when a call follows),
+    :meth:`finish` what is left and the calls: joined, the text :meth:`ToolFormat.parse` leaves
+    of the whole output (but for whitespace the text starts with, when a call follows)."""
 
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt, self.text, self.shown = fmt, "", 0
@@ -265,6 +267,8 @@ class ToolStream:
         self.text += piece
         if self.holding:
             return ""
+        if isinstance(self.fmt, Harmony):
+            return self._harmony()
         opener = self.fmt.opener
         rest = self.text[self.shown :]
         if isinstance(self.fmt, Llama3):  # a call is the whole output: decided at its start
@@ -283,11 +287,33 @@ class ToolStream:
         if at >= 0:
             self.holding = True
             return self._show(self.shown + at)
-        keep = next((k for k in range(len(opener) - 1, 0, -1) if rest.endswith(opener[:k])), 0)
-        return self._show(len(self.text) - keep)
+        return self._show(len(self.text) - _prefix_at_end(rest, opener))
+
+    def _harmony(self) -> str:
+        """gpt-oss: a message's head (from ``<|start|>`` or ``<|channel|>`` to ``<|message|>``)
+        is held until it is whole; one that names a function (``to=functions.``) begins a
+        call, held from its head on."""
+        end, heads = self.shown, ("<|start|>", "<|channel|>")
+        while True:
+            rest = self.text[end:]
+            found = [i for i in (rest.find(h) for h in heads) if i >= 0]
+            if not found:
+                keep = max(_prefix_at_end(rest, h) for h in heads)
+                return self._show(len(self.text) - keep)
+            at = end + min(found)
+            body = self.text.find("<|message|>", at)
+            if body < 0:
+                return self._show(at)
+            if self.fmt.opener in self.text[at:body]:
+                self.holding = True
+                return self._show(at)
+            end = body + len("<|message|>")
 
     def _show(self, end: int) -> str:
-        out, self.shown = self.text[self.shown : end], end
+        out = self.text[self.shown : end]
+        if not isinstance(self.fmt, (Llama3, Harmony)):  # hold the whitespace a call may follow
+            out = out.rstrip()
+        self.shown += len(out)
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -297,6 +323,11 @@ class ToolStream:
             return self.text[self.shown :], []
         shown = self.text[: self.shown]
         return (content[len(shown) :] if content.startswith(shown) else ""), calls
+
+
+def _prefix_at_end(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` begin ``marker`` (a marker that may be coming)."""
+    return next((k for k in range(len(marker) - 1, 0, -1) if text.endswith(marker[:k])), 0)
 
 
 def _call(raw: Any) -> ToolCall | None:
@@ -358,12 +389,17 @@ class Tooling:
         return cls(tools, fmt, call_constraint(fmt, tools, tool_choice, tokenizer))
 
     def results(self, results):
-        """``results`` with the calls parsed from the whole output on the last one."""
-        text = []
+        """``results`` with their calls held back (:class:`ToolStream`): each one's ``text`` is
+        what may be shown now (``in_tool_call`` once a call has begun); the last one also has
+        the text held back that is not a call, and ``tool_calls`` the calls parsed from the
+        whole output."""
+        stream = ToolStream(self.fmt)
         for r in results:
-            text.append(r.text)
+            r.text = stream.feed(r.text)
+            r.in_tool_call = stream.holding
             if r.finish_reason is not None:
-                r.tool_calls = self.fmt.parse("".join(text))[1]
+                rest, r.tool_calls = stream.finish()
+                r.text += rest
             yield r
 
 

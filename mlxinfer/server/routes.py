@@ -119,7 +119,10 @@ class Routes:
     ):
         """The request's results and its first one (None for a stream: its headers and
         keep-alives go out during the prefill, so that clients with idle timeouts wait for a
-        long prompt): a prompt that does not fit fails here, before any byte is sent
+        long prompt). The results come parsed, as the library's are: a chat reply's reasoning
+        split from its answer, its tool calls held back and parsed (``reasoning``, ``text``,
+        ``tool_calls``), the stop string that ended it named: the replies only shape them into
+        each API's JSON. A prompt that does not fit fails here, before any byte is sent
         (``bad``: a 400 of the API's shape, ``failed``: a 500). The engine's stream goes to
         ``streams``, to be cancelled if the client hangs up."""
         draft, cap = self.draft, self.max_output_tokens
@@ -142,6 +145,7 @@ class Routes:
                 constraint=getattr(ask, "constraint", None),
                 tools=ask.tools,
                 tool_choice=ask.tool_choice,
+                split_reasoning=chat_template,  # a chat reply's thoughts apart from its answer
                 chat_template_kwargs=getattr(ask, "template_kwargs", None),
             )
             streams.add(stream)

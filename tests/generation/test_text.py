@@ -24,8 +24,9 @@ def test_fit_context_left_truncates():
 
 
 def run(stops, pieces):
+    """The text a matcher releases for ``pieces``, and the stop string it hit (None: none)."""
     m = StopMatcher(stops)
-    out, hit = [], False
+    out, hit = [], None
     for p in pieces:
         text, hit = m.push(p)
         out.append(text)
@@ -38,12 +39,19 @@ def run(stops, pieces):
 
 def test_stop_string_split_across_segments_never_leaks():
     out, hit = run(["</s>"], ["Hello <", "/", "s> more"])
-    assert hit and "".join(out) == "Hello " and out[0] == "Hello "
+    assert hit == "</s>" and "".join(out) == "Hello " and out[0] == "Hello "
+
+
+def test_the_matcher_names_the_stop_string_hit():
+    """The one the text reached first; of two found in one segment, the one that starts first."""
+    assert run(["END", "</s>", "x"], ["ab </", "s> END x"]) == (["ab ", ""], "</s>")
+    assert run(["later", "sooner"], ["a sooner or later"]) == (["a "], "sooner")
+    assert run(["abc", "ab"], ["xabc"]) == (["x"], "ab")  # same start: the lesser string
 
 
 def test_false_alarm_prefix_is_released():
     out, hit = run(["STOP"], ["a ST", "ART b"])
-    assert not hit and "".join(out) == "a START b"
+    assert hit is None and "".join(out) == "a START b"
 
 
 @given(st.text(alphabet="abS T", max_size=30), st.lists(st.integers(1, 5), max_size=10))
@@ -54,6 +62,6 @@ def test_stream_output_is_text_before_first_stop(text, cuts):
         i += c
     pieces.append(text[i:])
     out, hit = run(["ST", "bb"], pieces)
-    idx = [j for j in (text.find("ST"), text.find("bb")) if j >= 0]
-    expected = text[: min(idx)] if idx else text
-    assert "".join(out) == expected and hit == bool(idx)
+    idx = [(j, s) for s in ("ST", "bb") if (j := text.find(s)) >= 0]
+    expected = text[: min(idx)[0]] if idx else text
+    assert "".join(out) == expected and hit == (min(idx)[1] if idx else None)

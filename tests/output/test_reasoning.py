@@ -329,7 +329,8 @@ def test_a_required_harmony_call_is_a_message_to_one_of_the_tools(harmony):
     for choice in ("required", {"type": "function", "function": {"name": "add"}}):
         _, text, results = run(model, tokenizer, tools=TOOLS, tool_choice=choice)
         [call] = results[-1].tool_calls
-        assert text.startswith("<|channel|>commentary to=functions." + call.name)
+        assert text == "" and not any(r.text for r in results)  # the call's text held back
+        assert results[-1].in_tool_call
         jsonschema.validate(call.arguments, schemas[call.name])
         assert choice == "required" or call.name == "add"
     with serving(make_app(model, tokenizer, "oss")) as url:
@@ -385,6 +386,52 @@ def test_template_variables_reach_the_template(think, tmp_path):
             f"{url}/v1/chat/completions", json={**ask, "reasoning_effort": "huge"}, timeout=60
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_a_template_switch_splits_the_same_through_the_servers_as_the_library(tmp_path):
+    """DeepSeek-R1's template opens the thought in its prompt, unless ``enable_thinking=False``
+    closes it there: whether a reply starts inside the reasoning is read from the request's own
+    prompt, so both servers split a reply as ``stream_generate`` does with the same switch."""
+    model, tokenizer = _tiny(tmp_path, THINK_OPENED)
+    messages = [{"role": "user", "content": "Where?"}]
+    headers = {"anthropic-version": "2023-06-01"}
+    with serving(make_app(model, tokenizer, "o")) as url:
+        for thinking in (True, False):
+            kwargs = {} if thinking else {"enable_thinking": False}
+            results = list(
+                stream_generate(
+                    model,
+                    tokenizer,
+                    messages,
+                    chat_template=True,
+                    max_tokens=8,
+                    split_reasoning=True,
+                    chat_template_kwargs=kwargs,
+                )
+            )
+            split = ("".join(r.reasoning for r in results), "".join(r.text for r in results))
+            assert split[0 if thinking else 1]  # the random reply is a thought, or an answer
+            ask = {"model": "o", "messages": messages, "max_tokens": 8, "temperature": 0}
+            openai = {**ask, "chat_template_kwargs": kwargs}
+            r = httpx.post(f"{url}/v1/chat/completions", json=openai, timeout=60).json()
+            message = r["choices"][0]["message"]
+            assert (message.get("reasoning_content", ""), message["content"]) == split
+            chunks = _events(
+                httpx.post(
+                    f"{url}/v1/chat/completions", json={**openai, "stream": True}, timeout=60
+                )
+            )
+            deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+            streamed = tuple(
+                "".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")
+            )
+            assert streamed == split
+            anthropic = {**ask, "thinking": {"type": "enabled" if thinking else "disabled"}}
+            if thinking:
+                anthropic["thinking"]["budget_tokens"] = 1024
+            r = httpx.post(f"{url}/v1/messages", json=anthropic, headers=headers, timeout=60)
+            blocks = {b["type"]: b.get("thinking", b.get("text")) for b in r.json()["content"]}
+            assert (blocks.get("thinking", ""), blocks.get("text", "")) == split
 
 
 def test_split_reasoning_through_the_engine(think):

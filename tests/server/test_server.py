@@ -23,6 +23,7 @@ from scripted import ScriptedEngine  # noqa: E402
 from servers import serving  # noqa: E402
 
 from mlxinfer import generate, load  # noqa: E402
+from mlxinfer.generation.results import GenerationResult, GenerationStats  # noqa: E402
 from mlxinfer.server import make_app  # noqa: E402
 
 NAME, KEY = "tiny", "sk-local-test"
@@ -681,6 +682,33 @@ def test_a_stop_sequence_is_named(server, tiny):
     )
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == text[: text.index(stop)]
+
+
+class Stopped(ScriptedEngine):
+    """Writes "It is sunny." and ends at a stop string, which its last result names (its token
+    ids decode to other text: a reply that looked for the stop in them would miss it)."""
+
+    def stream(self, tokenizer, prompt, *, max_tokens, **options):
+        stats = GenerationStats(prompt_tokens=7)
+        yield GenerationResult("It is ", 100, stats=stats)
+        yield GenerationResult("sunny.", 101, finish_reason="stop", stop_string="STOP", stats=stats)
+
+
+def test_the_stop_sequence_is_the_stop_string_the_result_names(tiny):
+    """Anthropic's ``stop_sequence`` is the result's ``stop_string`` (the one the matcher hit),
+    whole and streamed, though another of the request's stop strings is in the text."""
+    with serving(make_app(*tiny, NAME, engine=Stopped())) as url:
+        client = _anthropic(url)
+        ask = dict(model=NAME, messages=MESSAGES, max_tokens=12, stop_sequences=["It", "STOP"])
+        m = client.messages.create(**ask)
+        assert (m.stop_reason, m.stop_sequence, m.content[0].text) == (
+            "stop_sequence",
+            "STOP",
+            "It is sunny.",
+        )
+        with client.messages.stream(**ask) as stream:
+            final = stream.get_final_message()
+        assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "STOP")
 
 
 def test_count_tokens_and_anthropic_errors(server):

@@ -1,11 +1,16 @@
 """A stand-in for the batching engine that answers every request with a fixed text, for the
-tests of what the server and the chat page do with a stream (not of what a model writes)."""
+tests of what the server and the chat page do with a stream (not of what a model writes).
+
+Its text is parsed as the engine's is (``PreparedRequest.shaped``: tool calls held back and
+parsed, reasoning split from the real prompt's ids), so the server reads the same fields."""
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
+from mlxinfer.generation.request import prepare_request
 from mlxinfer.generation.results import GenerationResult, GenerationStats
 
 REPLY = (
@@ -47,9 +52,12 @@ class ScriptedEngine:
             self.closed.set()
 
     def start(self, tokenizer, prompt, **options) -> _Stream:
-        """:meth:`stream`'s results as ``Engine.start`` gives them: a stream any thread may
-        cancel (it ends before its next piece)."""
-        return _Stream(self.stream(tokenizer, prompt, **options))
+        """:meth:`stream`'s results as ``Engine.start`` gives them: parsed as the engine's are
+        (the options ``tools``, ``tool_choice``, ``split_reasoning``, ``chat_template``,
+        ``chat_template_kwargs``), a stream any thread may cancel (it ends before its next
+        piece)."""
+        raw = self.stream(tokenizer, prompt, **options)
+        return _Stream(shaped(tokenizer, prompt, raw, options), raw)
 
     def metrics(self) -> dict:
         return {}
@@ -58,22 +66,45 @@ class ScriptedEngine:
         self.alive = False
 
 
+# The model ``prepare_request`` sees: any prompt fits, any id is in its vocabulary.
+UNBOUNDED = SimpleNamespace(args=SimpleNamespace(max_position_embeddings=1 << 30))
+OUTPUT_OPTIONS = (
+    "chat_template",
+    "tools",
+    "tool_choice",
+    "split_reasoning",
+    "chat_template_kwargs",
+)
+
+
+def shaped(tokenizer, prompt, results, options: dict):
+    """``results`` (raw text) parsed as the engine parses a request's with these options."""
+    given = {k: options[k] for k in OUTPUT_OPTIONS if k in options}
+    return prepare_request(UNBOUNDED, tokenizer, prompt, **given).shaped(results)
+
+
 class _Stream:
-    def __init__(self, results) -> None:
+    def __init__(self, results, raw=None) -> None:
         self._results, self._cancelled = results, threading.Event()
+        self._raw = raw  # the unparsed results under ``results``: closed with them
 
     def __iter__(self) -> _Stream:
         return self
 
     def __next__(self) -> GenerationResult:
         if self._cancelled.is_set():
-            self._results.close()
+            self._close()
             raise StopIteration
         return next(self._results)
 
     def cancel(self) -> None:
         self._cancelled.set()
         try:
-            self._results.close()
+            self._close()
         except ValueError:  # being read on another thread: it ends at its next piece
             pass
+
+    def _close(self) -> None:
+        self._results.close()
+        if self._raw is not None:
+            self._raw.close()

@@ -1,9 +1,10 @@
 """Engine results turned into an Anthropic message: whole, or Anthropic's stream of events
 (the JSON objects themselves are :mod:`.objects`').
 
-The text passes the tool-call stream first (calls held back), then the reasoning splitter
-(:mod:`mlxinfer.output.reasoning`): what a reasoning model thinks goes to a ``thinking``
-block, its answer to a ``text`` block.
+The engine's results come parsed (``Routes.start``): what a reasoning model thinks
+(``reasoning``) goes to a ``thinking`` block, its answer (``text``, the calls held back) to a
+``text`` block, the calls of its last result (``tool_calls``) to ``tool_use`` blocks, the stop
+string that ended it (``stop_string``) to ``stop_sequence``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from typing import Iterator
 
 from ...batch import EngineError
 from ...generation.results import GenerationStats
-from ...output.reasoning import splitter_for
-from ...output.toolcalls import ToolStream, tool_format
 from . import objects
 from .request import AnthropicError, MessagesRequest
 
@@ -24,39 +23,36 @@ class AnthropicReply:
 
     def __init__(self, ask: MessagesRequest, tokenizer, first, results: Iterator):
         self.ask, self.tokenizer, self.first, self.results = ask, tokenizer, first, results
-        self.tokens: list[int] = []
+        self.tokens = 0
         self.finish, self.last = "stop", first
         self.calls: list = []
-        offered = ask.tools is not None and ask.tool_choice != "none"
-        self.tools = ToolStream(tool_format(tokenizer)) if offered else None
-        self.thinking = splitter_for(tokenizer)
         self.block: tuple[int, str] | None = None  # the content block being streamed
 
-    def _pieces(self) -> Iterator[str]:
+    def _pieces(self) -> Iterator[tuple[str, str]]:
+        """Each result's ``(reasoning, text)``; its calls, on the last one, to ``calls``."""
         try:
             for r in _chain(self.first, self.results):
-                self.tokens.append(r.token)
+                self.tokens += 1
                 self.last, self.finish = r, r.finish_reason or self.finish
-                yield r.text
+                self.calls = r.tool_calls or []
+                yield r.reasoning, r.text
         finally:
             self.results.close()
 
     def _end(self) -> tuple[str, str | None, dict]:
-        eos = bool(self.tokens) and self.tokens[-1] in self.tokenizer.eos_token_ids
-        matched = None
-        if self.finish == "stop" and not eos and self.ask.stop:
-            raw = self.tokenizer.decode(self.tokens)
-            found = [(raw.find(s), s) for s in self.ask.stop if s in raw]
-            matched = min(found)[1] if found else None
-        stats = self.last.stats if self.last is not None else GenerationStats()
+        last = self.last
+        eos = last is not None and last.token in self.tokenizer.eos_token_ids
+        matched = last.stop_string if last is not None and not eos else None
+        stats = last.stats if last is not None else GenerationStats()
         reason = objects.stop_reason(self.finish, eos, matched, self.calls)
-        return reason, matched, objects.usage(stats, len(self.tokens), self.ask.cache_block)
+        return reason, matched, objects.usage(stats, self.tokens, self.ask.cache_block)
 
     def whole(self) -> dict:
-        text = "".join(self._pieces())
-        if self.tools is not None:
-            text, self.calls = self.tools.fmt.parse(text)
-        reasoning, text = self.thinking.split(text)
+        reasoning, text = [], []
+        for thought, piece in self._pieces():
+            reasoning.append(thought)
+            text.append(piece)
+        reasoning, text = "".join(reasoning), "".join(text)
         reason, matched, usage = self._end()
         return objects.message(self.ask, text, reason, matched, usage, self.calls, reasoning)
 
@@ -99,17 +95,11 @@ class AnthropicReply:
         yield objects.event("message_start", {"message": start})
         yield objects.event("ping", {})
         try:
-            for text in self._pieces():
-                if self.tools is not None:
-                    text = self.tools.feed(text)
-                yield from self._deltas(*self.thinking.feed(text))
+            for reasoning, text in self._pieces():
+                yield from self._deltas(reasoning, text)
         except (EngineError, TimeoutError) as e:
             yield objects.event("error", {"error": AnthropicError(500, str(e)).body()["error"]})
             return
-        if self.tools is not None:
-            rest, self.calls = self.tools.finish()
-            yield from self._deltas(*self.thinking.feed(rest))
-        yield from self._deltas(*self.thinking.finish())
         if self.block is None or (self.block[1] != "text" and not self.calls):
             yield from self._open("text")  # the message's text block, even if empty
         reason, matched, usage = self._end()

@@ -5,9 +5,10 @@ An OpenAI request with ``n`` > 1 is ``n`` requests in the engine (decoded togeth
 prefilled once and shared from the prefix cache); its chunks are interleaved, each with its
 choice's ``index``.
 
-A chat reply's text passes the tool-call stream first (calls held back), then the reasoning
-splitter (:mod:`mlxinfer.output.reasoning`): what a reasoning model thinks goes to OpenAI's
-``reasoning_content``, its answer to the content.
+The engine's results come parsed (``Routes.start``): a chat reply's calls held back from its
+text and parsed on its last result (``tool_calls``), what a reasoning model thinks apart from its
+answer (``reasoning``). Here they become OpenAI's ``tool_calls``, ``reasoning_content`` and
+content.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from fastapi.responses import JSONResponse
 
 from ...batch import EngineError
 from ...generation.results import GenerationResult, GenerationStats
-from ...output.reasoning import Plain, Splitter, splitter_for
-from ...output.toolcalls import ToolStream, tool_format
 from . import objects
 from .request import CompletionRequest, OpenAIError
 
@@ -38,8 +37,6 @@ class Choice:
     last: GenerationResult | None = None
     entries: list[dict] = field(default_factory=list)  # log-prob entries not yet sent
     offset: int = 0  # the legacy completions log-probs: text offset of the next token
-    tools: ToolStream | None = None  # with tools: the text shown, the calls held back
-    thinking: Splitter = field(default_factory=Plain)  # the reasoning told from the answer
 
     def __post_init__(self) -> None:
         self.last = self.first
@@ -77,37 +74,26 @@ def _close(choices: list[Choice]) -> None:
         c.close()
 
 
-def tool_streams(ask: CompletionRequest, tokenizer, choices: list[Choice]) -> None:
-    """Give each choice a :class:`ToolStream` when the request offers tools."""
-    if ask.tools is not None and ask.tool_choice != "none":
-        fmt = tool_format(tokenizer)
-        for c in choices:
-            c.tools = ToolStream(fmt)
-
-
-def _splitters(ask: CompletionRequest, tokenizer, choices: list[Choice]) -> None:
-    """Give each chat choice the splitter of this model's reasoning format."""
-    if ask.chat:
-        for c in choices:
-            c.thinking = splitter_for(tokenizer)
-
-
 def openai_whole(ask: CompletionRequest, tokenizer, choices: list[Choice]) -> JSONResponse:
     out = []
-    tool_streams(ask, tokenizer, choices)
-    _splitters(ask, tokenizer, choices)
     try:
         for c in choices:
-            text = []
+            text, reasoning = [], []
             for r in c.each():
                 c.take(ask, tokenizer, r)
                 text.append(r.text)
-            text, calls = "".join(text), None
-            if c.tools is not None:
-                text, calls = c.tools.fmt.parse(text)
-            reasoning, text = c.thinking.split(text)
+                reasoning.append(r.reasoning)
+            calls = c.last.tool_calls if c.last is not None else None
             out.append(
-                objects.choice(ask, c.index, text, c.finish, c.logprobs(ask), calls, reasoning)
+                objects.choice(
+                    ask,
+                    c.index,
+                    "".join(text),
+                    c.finish,
+                    c.logprobs(ask),
+                    calls,
+                    "".join(reasoning),
+                )
             )
     except (EngineError, TimeoutError) as e:
         raise OpenAIError(500, str(e), type="server_error") from None
@@ -121,8 +107,6 @@ def openai_events(ask: CompletionRequest, tokenizer, choices: list[Choice]) -> I
     """SSE ``data:`` lines: a first chunk per choice (with the role), one per piece of text
     (with the log-probs of the tokens since the last, if asked), each choice's finish, the
     usage if asked, then ``[DONE]``. The choices' streams are read in turn, a token each."""
-    tool_streams(ask, tokenizer, choices)
-    _splitters(ask, tokenizer, choices)
     for c in choices:
         yield sse(objects.chunk(ask, None, index=c.index, first=True))
     running = [(c, c.each()) for c in choices]
@@ -135,13 +119,11 @@ def openai_events(ask: CompletionRequest, tokenizer, choices: list[Choice]) -> I
                     yield from _ended(ask, c)
                     continue
                 c.take(ask, tokenizer, r)
-                text = c.tools.feed(r.text) if c.tools is not None else r.text
-                reasoning, text = c.thinking.feed(text)
-                if text or reasoning:
+                if r.text or r.reasoning:
                     logprobs = c.logprobs(ask)
                     yield sse(
                         objects.chunk(
-                            ask, text, index=c.index, logprobs=logprobs, reasoning=reasoning
+                            ask, r.text, index=c.index, logprobs=logprobs, reasoning=r.reasoning
                         )
                     )
     except (EngineError, TimeoutError) as e:
@@ -157,18 +139,11 @@ def openai_events(ask: CompletionRequest, tokenizer, choices: list[Choice]) -> I
 
 
 def _ended(ask: CompletionRequest, c: Choice) -> Iterator[str]:
-    """A choice's last chunks: the text held back that is not a call, its calls (one delta,
-    each call whole), its finish."""
-    finish, calls, rest = c.finish, None, ""
-    if c.tools is not None:
-        rest, calls = c.tools.finish()
-    reasoning, text = c.thinking.split(rest)
-    if text or reasoning:
-        yield sse(objects.chunk(ask, text, index=c.index, reasoning=reasoning))
-    if c.tools is not None:
-        if calls:
-            yield sse(objects.chunk(ask, None, index=c.index, tool_calls=calls))
-            finish = "tool_calls"
+    """A choice's last chunks: its calls (one delta, each call whole), its finish."""
+    finish, calls = c.finish, c.last.tool_calls if c.last is not None else None
+    if calls:
+        yield sse(objects.chunk(ask, None, index=c.index, tool_calls=calls))
+        finish = "tool_calls"
     yield sse(objects.chunk(ask, None, finish, index=c.index, logprobs=c.logprobs(ask)))
 
 

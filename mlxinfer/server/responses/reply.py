@@ -1,8 +1,8 @@
 """A /v1/responses reply: the ``response`` object whole, or its stream of events.
 
-The engine's text passes the tool-call stream (calls held back) and the reasoning splitter, as
-a chat reply's does (:mod:`mlxinfer.server.openai.reply`); what comes out is ``output`` items in
-order: a ``reasoning`` item (the thoughts as ``reasoning_text`` content), a ``message`` (its
+The engine's results come parsed, as a chat reply's do (:mod:`mlxinfer.server.openai.reply`):
+the reasoning apart from the answer, the calls held back and parsed on the last result. They
+become ``output`` items in order: a ``reasoning`` item (the thoughts as ``reasoning_text`` content), a ``message`` (its
 ``output_text``), then each call, a ``function_call`` (with the ``namespace`` of a namespaced
 tool) or a ``custom_tool_call``.
 
@@ -28,8 +28,7 @@ from typing import Iterator
 
 from ...batch import EngineError
 from ...generation.results import GenerationStats
-from ...output.reasoning import splitter_for
-from ...output.toolcalls import ToolCall, ToolStream, tool_format
+from ...output.toolcalls import ToolCall
 from ..openai.request import OpenAIError
 from .request import ResponsesRequest
 
@@ -43,9 +42,6 @@ class Reply:
 
     def __init__(self, ask: ResponsesRequest, tokenizer, first, results: Iterator) -> None:
         self.ask, self.first, self.results = ask, first, results
-        offered = ask.tools is not None and ask.tool_choice != "none"
-        self.tools = ToolStream(tool_format(tokenizer)) if offered else None
-        self.thinking = splitter_for(tokenizer)
         self.seq, self.quiet = 0, False
         self.output: list[dict] = []  # the items done
         self.current: dict | None = None  # the reasoning or message item being streamed
@@ -116,21 +112,17 @@ class Reply:
     def events(self) -> Iterator[str]:
         yield self._event("response.created", response=self.response("in_progress"))
         yield self._event("response.in_progress", response=self.response("in_progress"))
+        calls: list[ToolCall] = []
         try:
             for r in _chain(self.first, self.results):
                 self.tokens += 1
                 self.last, self.finish = r, r.finish_reason or self.finish
-                text = self.tools.feed(r.text) if self.tools is not None else r.text
-                yield from self._pieces(*self.thinking.feed(text))
-                if self.tools is not None and self.tools.holding:
+                yield from self._pieces(r.reasoning, r.text)
+                if r.in_tool_call:  # a call is an answer too
                     self.answered = True
                 if not self.answered:
                     self.before_answer += 1
-            calls: list[ToolCall] = []
-            if self.tools is not None:
-                rest, calls = self.tools.finish()
-                yield from self._pieces(*self.thinking.feed(rest))
-            yield from self._pieces(*self.thinking.finish())
+                calls = r.tool_calls or []
         except (EngineError, TimeoutError) as e:
             self.error = str(e) or type(e).__name__
             yield from self._close()
