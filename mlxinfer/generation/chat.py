@@ -34,7 +34,7 @@ class ChatSession:
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.split_reasoning = split_reasoning
         self.max_kv_size, self.kv_bits = max_kv_size, kv_bits
-        self.messages: list[dict[str, str]] = (
+        self.messages: list[dict[str, Any]] = (
             [{"role": "system", "content": system}] if system else []
         )
         self.prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
@@ -42,7 +42,7 @@ class ChatSession:
     def send(self, text: str) -> Iterator[GenerationResult]:
         """Add a user turn and stream the reply; the reply joins the history when done."""
         self.messages.append({"role": "user", "content": text})
-        reply = []
+        reply, calls = [], None
         try:
             for r in stream_generate(
                 self.model,
@@ -56,9 +56,22 @@ class ChatSession:
                 **self.options,
             ):
                 reply.append(r.text)
+                calls = r.tool_calls if r.tool_calls is not None else calls
                 yield r
         finally:
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            # With tools, the text holds no call: the calls join the message as the Hugging
+            # Face chat templates take them back (arguments as objects: toolcalls.template_messages).
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(reply)}
+            if calls:
+                message["tool_calls"] = [
+                    {
+                        "type": "function",
+                        "id": c.id,
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in calls
+                ]
+            self.messages.append(message)
 
     def reset(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]

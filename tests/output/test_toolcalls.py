@@ -272,3 +272,37 @@ def test_a_conversation_with_a_call_and_its_result_renders(family):
 
 def test_the_default_is_hermes_and_every_format_is_listed():
     assert [f.name for f in FORMATS] == ["hermes", "mistral", "llama3", "harmony"]
+
+
+def test_a_chat_session_keeps_its_calls_for_the_next_turn(family):
+    """The streamed text holds no call markup, so ChatSession keeps the parsed calls as the
+    assistant message's tool_calls: the next turn's prompt renders the call back, as the
+    template renders a call it is given."""
+    from mlxinfer import ChatSession
+
+    _, model, tokenizer = family
+    chat = ChatSession(
+        model,
+        tokenizer,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=300,
+    )
+    results = list(chat.send(ASK[0]["content"]))
+    (call,) = results[-1].tool_calls
+    kept = chat.messages[-1]
+    assert kept["role"] == "assistant" and kept["content"] == "".join(r.text for r in results)
+    assert kept["tool_calls"] == [
+        {
+            "type": "function",
+            "id": call.id,
+            "function": {"name": "add", "arguments": call.arguments},
+        }
+    ]
+    rendered = tokenizer.apply_chat_template(chat.messages, tools=TOOLS)
+    without = tokenizer.apply_chat_template(
+        [*chat.messages[:-1], {"role": "assistant", "content": kept["content"]}], tools=TOOLS
+    )
+    # the call is rendered back: its arguments, as the templates write JSON
+    arguments = json.dumps(call.arguments)[1:-1]  # '"a": 12, "b": 7'
+    assert arguments in rendered and arguments not in without
