@@ -29,7 +29,6 @@ from ..platform.progress import Progress
 from ..platform.threads import release_at_thread_exit
 from ..quant.transform import apply_quantization, quantization_record
 from . import memory
-from .memory import recommended_working_set  # noqa: F401  (loader's API; tests patch it here)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.tiktoken", "*.txt"]
@@ -226,7 +225,7 @@ def check_fits(
         "KV budget": kv_budget or 0,
         "headroom": memory.HEADROOM,
     }
-    memory.check_fits(str(model_dir), parts, memory.capacity(recommended_working_set()))
+    memory.check_fits(str(model_dir), parts, memory.capacity(memory.recommended_working_set()))
 
 
 def materialize(model: nn.Module) -> None:

@@ -125,7 +125,8 @@ class Models:
             return
         from ..batch.pool import DEFAULT_KV_BUDGET
         from ..loading import memory
-        from ..loading.loader import default_dtype, recommended_working_set, weight_files
+        from ..loading.loader import default_dtype, weight_files
+        from ..loading.memory import recommended_working_set
 
         budget = self.engine_options.get("kv_budget", DEFAULT_KV_BUDGET)
         weights = memory.weights_bytes(weight_files(entry.path), default_dtype())
