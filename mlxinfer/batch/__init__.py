@@ -5,6 +5,9 @@
 - :mod:`.config` — the engine's settings (:class:`EngineConfig`);
 - :mod:`.engine` — the engine, the caller's side: submit, statistics, metrics, close;
 - :mod:`.scheduler` — its thread: admit, prefill in chunks, decode B rows, retire;
+- :mod:`.parts`, :mod:`.pools` — what a config makes of a model: its pools, snapshots, draft pools;
+- :mod:`.verification`, :mod:`.flights` — the scheduler's members for drafting rows and for
+  flights across pipeline ranks;
 - :mod:`.frontend` — a prompt in, ``stream_generate``'s results out (``Engine.start``, ``stream``);
 - :mod:`.draft_pool` — a draft model's own pool, whose rows propose together;
 - :mod:`.requests` — a request as the engine keeps it, and the caller's handle on it;

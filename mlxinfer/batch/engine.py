@@ -1,45 +1,46 @@
 """The engine: requests join and leave a running batch at token granularity.
 
 :class:`Engine` is the caller's side: ``submit`` from any thread (``start`` and ``stream``, the
-text side, are :mod:`.frontend`'s), the pools' statistics and ``metrics``, ``close``. Its thread
-runs :class:`~.scheduler.Scheduler`'s loop over the requests, which owns the model and the pools.
+text side, are its ``frontend``'s: :mod:`.frontend`), the pools' statistics and ``metrics``,
+``close``. Its thread runs :class:`~.scheduler.Scheduler`'s loop over the requests, which owns
+the model and the pools; what its config makes of the model is :mod:`.parts`'.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import threading
-import time
 import weakref
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..generation.drafts import Draft
 from ..generation.prefill import check_token_ids, token_ids
+from ..generation.results import GenerationResult
 from ..generation.sampling import LogitsProcessor, SamplingParams
-from . import disk as disk_mod
-from . import disk_states
-from . import pool as pool_mod
 from . import rows as rows_mod
 from .config import EngineConfig
 from .draft_pool import DraftPool, poolable
 from .frontend import TextRequests
-from .layout import STATE, check_batchable, layer_shapes, make_pools, shapes_and_states
-from .metrics import engine_metrics
+from .metrics import COUNTERS, engine_metrics
+from .parts import make_parts, rank_turns
 from .pool import PoolStats
-from .requests import EngineError, Handle, _Request
+from .requests import EngineError, Handle, Stream, _Request
 from .scheduler import Scheduler
-from .snapshots import make_store, split_budget
-from .store import block_bytes
 from .turns import LocalTurns
 
 
-class Engine(TextRequests, Scheduler):
+class Engine(Scheduler):
     """Continuous batching over one model: ``submit`` from any thread, read each
     request's steps as they come.
+
+    The engine is its scheduler's loop (``scheduler.py``) over its members: ``pools``,
+    ``recurrent``, ``verification``, ``flights`` (the rows' parts), ``turns`` and ``frontend``
+    (``start`` and ``stream``: text in, ``stream_generate``'s results out).
 
     Args:
         config: the engine's settings (:class:`~.config.EngineConfig`; its defaults without).
@@ -49,103 +50,32 @@ class Engine(TextRequests, Scheduler):
     """
 
     def __init__(self, model, *, config: EngineConfig | None = None, **options) -> None:
-        self.config = c = (config or EngineConfig()).with_options(**options)
-        kv_budget, block_size, prefill_step = c.kv_budget, c.block_size, c.prefill_step
-        shrink_every = c.shrink_every
-        self.model = model
-        # Across ranks (load(distributed=...)): every rank's engine takes the same turns.
-        turns = None
-        if hasattr(model, "engine_turns"):
-            turns = model.engine_turns(rank0_requests=c.rank0_requests)
-        elif c.rank0_requests:
-            raise ValueError("rank0_requests: the model does not run across ranks")
-        # Rows of one regime share a forward (None: all rows; see check_batchable).
-        self.regime, self.windows = check_batchable(model)
-        # Recurrent layers' states live with each request; prefixes are shared from snapshots
-        # of the states at block boundaries (snapshots.py), inside kv_budget, and a drafting
-        # row's states go back to before a step whose drafts were rejected (the scheduler's).
-        self.recurrent = STATE in self.windows
-        if turns is not None:  # a rank without recurrent layers takes the others' turns
-            self.recurrent = turns.any_recurrent(self.recurrent)
-        shapes, template = shapes_and_states(model, c.kv_bits, c.kv_group_size)
-        # A draft model's pool inside kv_budget; across ranks none: rank 0 alone drafts
-        # (distributed/copies.py), its pool made on the first request outside the budget, so
-        # that every rank's pool keeps the same blocks.
-        drafts = [m for m in c.draft_models if poolable(m)] if c.max_draft > 0 else []
-        if turns is not None:
-            drafts = []
-        target_budget = _target_budget(shapes, drafts, kv_budget, block_size)
-        state_bytes = 0
-        if self.recurrent:
-            target_budget, state_bytes = split_budget(target_budget, c.prefix_state_bytes)
-        blocks = None
-        if turns is not None:  # as many blocks on every rank (of no bytes without attention)
-            per_block = block_bytes(shapes, block_size)
-            blocks = turns.equal_blocks(per_block, target_budget)
-            target_budget, shrink_every = blocks * per_block, turns.shrink_every
-        # Sliding-window layers hold only their windows, in a pool of their own (make_pools).
-        self.pool, self.window_pool = make_pools(
-            shapes,
-            self.windows,
-            block_size=block_size,
-            kv_budget=target_budget,
-            hold_windows=c.hold_windows,
-            blocks=blocks,
-        )
-        self.snapshots = None
-        if state_bytes:  # across ranks as many snapshots on every rank (snapshots.py)
-            self.snapshots = make_store(state_bytes, template, self.pool.holds, turns)
-        self.state_every = c.state_every
-        if c.prefix_cache_dir is not None:
-            self.pool.disk = disk_mod.attach(
-                model,
-                [p for p in (self.pool, self.window_pool) if p is not None],
-                directory=c.prefix_cache_dir,
-                budget=c.prefix_cache_disk_bytes,
-                refusal=_disk_refusal(self),
-            )
-            if self.pool.disk is not None and self.snapshots is not None and template:
-                # states on disk too (a pipeline rank without recurrent layers has none)
-                self.snapshots = disk_states.DiskSnapshots(self.snapshots, self.pool.disk, template)
-        if c.kv_reserve:
-            for pool in (self.pool, self.window_pool):
-                if pool is not None:
-                    pool.reserve()
-        self.max_batch, self.prefill_step = c.max_batch, prefill_step
-        self.shrink_every, self._looked_at = shrink_every, time.monotonic()
-        self.attention = c.attention
-        self.turns = LocalTurns() if turns is None else turns  # the scheduler asks them always
-        # Across pipeline ranks: one flight of rows at each rank's stage (flights.py).
-        self.micro = None
-        if hasattr(model, "micro_pipeline") and not self.recurrent and self.regime is None:
-            self.micro = model.micro_pipeline(c.micro_batches)  # None: off, or one rank
-        # Every request reserves room for max_draft more tokens: a step that verifies drafts
-        # writes up to that many past a row's last token before rejected ones are rewound.
-        self.max_draft = c.max_draft
-        self._waiting: list[_Request] = []
-        self._running: list[_Request] = []
-        self._cond = threading.Condition()
-        self._closed = False
-        self.failure: BaseException | None = None
+        config = (config or EngineConfig()).with_options(**options)
+        turns = rank_turns(model, config.rank0_requests)  # across ranks, the same turns
+        parts = make_parts(model, config, turns)
+        super().__init__(model, config, turns or LocalTurns(), parts)
+        room = self.pool.max_blocks * self.pool.block_size - config.max_draft
+        self.frontend = TextRequests(model, self.submit, room)
         self._ids = itertools.count()
-        self.steps_run = 0  # decode forwards so far
-        self.prefill_steps = 0  # prefill forwards so far (short chunks share one)
-        # Time spent in each kind of forward, and the tokens it fed (the bench's rates).
-        self.prefill_s = self.decode_s = 0.0
-        self.prefill_tokens = self.decode_tokens = 0
-        self.requests_done = 0  # requests retired (finished or cancelled)
-        self.draft_tokens = self.accepted_tokens = 0  # drafts proposed, kept
-        # Draft models: their forwards (a token each for each row in it, prefill chunks aside),
-        # the time spent in them, the bytes of the draft keys held for the running requests,
-        # each model's weights, and each model's pool (by id; made on first use).
-        self.draft_steps, self.draft_s, self.draft_kv_bytes = 0, 0.0, 0
-        self._draft_weights: dict[int, int] = {}
-        self._draft_pools: dict[int, DraftPool] = {
-            id(m): DraftPool(m, model, self.pool.max_blocks, block_size) for m in drafts
-        }
+        self._draft_weights: dict[int, int] = {}  # each draft model's weights' bytes
         self._thread = threading.Thread(target=self._loop, name="mlxinfer-engine", daemon=True)
         self._thread.start()
         _LIVE.add(self)
+
+    def __getattr__(self, name: str):
+        """The counters (``steps_run``, ``decode_tokens``, ...), read as the engine's own."""
+        counters = self.__dict__.get("counters")
+        if counters is not None and name in COUNTERS:
+            return getattr(counters, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @functools.wraps(TextRequests.stream)
+    def stream(self, tokenizer, prompt, **options) -> Iterator[GenerationResult]:
+        return self.frontend.stream(tokenizer, prompt, **options)
+
+    @functools.wraps(TextRequests.start)
+    def start(self, tokenizer, prompt, **options) -> Stream:
+        return self.frontend.start(tokenizer, prompt, **options)
 
     # -- the caller's side -----------------------------------------------------------------
 
@@ -275,31 +205,7 @@ def _weight_bytes(model) -> int:
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-def _disk_refusal(engine: Engine) -> str | None:
-    """Why ``engine``'s prefixes cannot go to disk yet, or None."""
-    if engine.recurrent and engine.snapshots is None:
-        return "recurrent layers without state snapshots (state_budget=0) share no prefix"
-    return None
-
-
 @atexit.register
 def _close_all() -> None:
     for engine in list(_LIVE):
         engine.close(timeout=5.0)
-
-
-def _target_budget(shapes, draft_models, kv_budget: int, block_size: int) -> int:
-    """The part of ``kv_budget`` for the target's pools when ``draft_models``' pools share it:
-    the bytes of the blocks the budget buys for every pool at once (the whole budget without
-    drafts)."""
-    if not draft_models:
-        return kv_budget
-    per_block = block_bytes(shapes, block_size)
-    draft_per_block = [block_bytes(layer_shapes(m), block_size) for m in draft_models]
-    blocks = kv_budget // (per_block + sum(draft_per_block))
-    if blocks < 1:
-        raise pool_mod.PoolFullError(
-            f"kv_budget: {kv_budget} bytes hold no block of {per_block} bytes for the model and "
-            f"{' + '.join(map(str, draft_per_block))} for its draft model(s)"
-        )
-    return blocks * per_block

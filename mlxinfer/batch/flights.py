@@ -14,16 +14,38 @@ their keys), and its full blocks are hashed at the landing only (``KVPool.hash_f
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 
+from .metrics import Counters
+from .pools import Pools
 from .requests import _Request
+from .verification import Verification
 
 
-class FlyingRows:
-    """Mixed into :class:`~.scheduler.Scheduler` (``micro``: the model's ``MicroPipeline``,
-    or None where the engine does not micro-batch)."""
+class Flights:
+    """The flights of an engine's rows (its ``flights`` member): ``micro``, the model's
+    ``MicroPipeline``, or None where the engine does not micro-batch; over ``pools``, read with
+    ``attention``; a flight with drafting rows verified by ``verification``; a landed flight's
+    plain rows sampled by ``emit`` (the scheduler's), a row dropped in flight handed to
+    ``retire``."""
 
-    def _decode_micro(self, rows: list[_Request]) -> list[_Request]:
+    def __init__(
+        self,
+        micro,
+        pools: Pools,
+        verification: Verification,
+        counters: Counters,
+        *,
+        attention: str,
+        emit: Callable[[list[_Request], mx.array], None],
+        retire: Callable[[_Request], None],
+    ) -> None:
+        self.micro, self.pools, self.verification = micro, pools, verification
+        self.counters, self.attention, self.emit, self.retire = counters, attention, emit, retire
+
+    def decode(self, rows: list[_Request]) -> list[_Request]:
         """One tick over the rows ready to decode; the rows left to the plain step (every
         ready row while fewer than one per rank decode and nothing flies; else none)."""
         micro = self.micro
@@ -33,39 +55,39 @@ class FlyingRows:
         take = rows[: -(-(len(rows) + flying) // micro.size)]  # about 1/S of the rows
         new = None
         if take:
-            new = self._form(take)
+            new = self.form(take)
         landed = micro.tick(new)
-        self.steps_run += 1
+        self.counters.steps_run += 1
         if landed is not None:
-            self._land(*landed)
+            self.land(*landed)
         return []
 
-    def _form(self, rows: list[_Request]):
+    def form(self, rows: list[_Request]):
         """A flight of ``rows``: their tokens (and drafts, if any row drafts) fed, their views
         of the pools made now, at the positions they have now."""
         proposals = None
         if any(r.drafter is not None for r in rows):
-            proposals, tokens = self._drafts_for(rows)
+            proposals, tokens = self.verification.drafts_for(rows)
         else:
             tokens = [[r.pending] for r in rows]
         starts = [r.seq.length for r in rows]
-        batch = self._batch(rows, tokens, self.attention, hashed=False)
+        batch = self.pools.batch(rows, tokens, self.attention, hashed=False)
         flight = self.micro.flight(rows, mx.array(tokens, dtype=mx.int32), batch.views())
         flight.proposals, flight.starts = proposals, starts
         for r in rows:
             r.pending, r.flying = None, True
         return flight
 
-    def _land(self, flight, logits: mx.array) -> None:
+    def land(self, flight, logits: mx.array) -> None:
         """A flight's rows sampled from its logits (B, L, V), as a plain or a verification
         step's; a row cancelled while it flew retires now, sampling nothing."""
         live = []
         for b, r in enumerate(flight.rows):
             r.flying = False
             if r.dropped:
-                self._rewind(r, flight.starts[b])  # what it fed in flight is not its own
-                self._hash_full(r)
-                self._retire(r)
+                self.pools.rewind(r, flight.starts[b])  # what it fed in flight is not its own
+                self.pools.hash_full(r)
+                self.retire(r)
             else:
                 live.append(b)
         if not live:
@@ -76,20 +98,8 @@ class FlyingRows:
         if flight.proposals is not None:
             proposals = [flight.proposals[b] for b in live]
             starts = [flight.starts[b] for b in live]
-            self._verified(rows, logits, proposals, starts, None, flown=True)
+            self.verification.verified(rows, logits, proposals, starts, None, flown=True)
             return
         for r in rows:
-            self._hash_full(r)  # every rank has written its keys now
-        self._emit_rows(rows, logits[:, -1, :])
-
-    def _hash_full(self, request: _Request) -> None:
-        self.pool.hash_full(request.seq)
-        if request.wseq is not None:
-            self.window_pool.hash_full(request.wseq)
-
-    def _cancel(self, request: _Request) -> None:
-        """Retire ``request`` (rank 0's cancellation), or at its flight's landing if it flies."""
-        if request.flying:
-            request.dropped = True
-        else:
-            self._retire(request)
+            self.pools.hash_full(r)  # every rank has written its keys now
+        self.emit(rows, logits[:, -1, :])

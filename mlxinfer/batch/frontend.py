@@ -1,7 +1,7 @@
 """The engine's text side: a prompt (text, token ids or chat messages) in, ``stream_generate``'s
 results out, for one request running inside the batch.
 
-:class:`TextRequests` is the part of :class:`~mlxinfer.batch.engine.Engine` that prepares a
+:class:`TextRequests` is :class:`~mlxinfer.batch.engine.Engine`'s ``frontend``: it prepares a
 request (``generation.request.prepare_request``, as the single-request loop does: the chat
 template, tools, the context's and the pool's room), submits its token ids, and reads its steps
 back through ``PreparedRequest.results``: detokenized, cut at stop strings, with tool calls parsed,
@@ -10,18 +10,22 @@ structured output constrained and reasoning split. The scheduler itself sees tok
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..generation.drafts import Draft
 from ..generation.request import KVRoom, prepare_request
 from ..generation.results import GenerationResult
 from ..generation.sampling import SamplingParams
 from ..output.constraints.spec import Constraint
-from .requests import Stream
+from .requests import Handle, Stream
 
 
 class TextRequests:
-    """``start`` and ``stream`` over the engine's ``submit`` (mixed into ``Engine``)."""
+    """``start`` and ``stream`` over an engine's ``submit``, for ``model``, whose requests may
+    hold ``room`` tokens (prompt and output) at most."""
+
+    def __init__(self, model, submit: Callable[..., Handle], room: int) -> None:
+        self.model, self.submit, self.room = model, submit, room
 
     def stream(self, tokenizer, prompt, **options) -> Iterator[GenerationResult]:
         """``stream_generate``'s results for one request run inside the batch: :meth:`start`'s
@@ -59,7 +63,7 @@ class TextRequests:
         ``tools``, ``tool_choice``, ``split_reasoning``, ``chat_template_kwargs``: likewise)."""
         # The pool's room caps max_tokens (an agent's max_tokens of 32,000 past a small budget
         # ends as "length"); a prompt it can never hold is submit's to refuse (check_fits).
-        room = KVRoom(self.pool.max_blocks * self.pool.block_size - self.max_draft)
+        room = KVRoom(self.room)
         request = prepare_request(
             self.model,
             tokenizer,

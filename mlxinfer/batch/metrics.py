@@ -2,26 +2,50 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass
+class Counters:
+    """What an engine has done so far: the scheduler, the verification step and the flights
+    count into one of these (read as ``Engine.steps_run`` etc. too)."""
+
+    steps_run: int = 0  # decode forwards so far
+    prefill_steps: int = 0  # prefill forwards so far (short chunks share one)
+    # Time spent in each kind of forward, and the tokens it fed (the bench's rates).
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests_done: int = 0  # requests retired (finished or cancelled)
+    draft_tokens: int = 0  # drafts proposed
+    accepted_tokens: int = 0  # of those, kept
+    # Draft models: their forwards (a token each for each row in it, prefill chunks aside),
+    # the time spent in them, and the bytes of the draft keys held for the running requests.
+    draft_steps: int = 0
+    draft_s: float = 0.0
+    draft_kv_bytes: int = 0
+
+
+COUNTERS = frozenset(Counters.__dataclass_fields__)
+
 
 def engine_metrics(engine) -> dict[str, float]:
     """A snapshot of ``engine``'s counters, read without a lock: each value is current, but
     they may be a step apart."""
-    pool = engine.pool.stats()
+    pool, n = engine.pool.stats(), engine.counters
+    micro = engine.flights.micro
     return {
         "requests_running": len(engine._running),
         "requests_waiting": len(engine._waiting),
-        "requests_done": engine.requests_done,
-        "prompt_tokens": engine.prefill_tokens,
-        "generated_tokens": engine.decode_tokens,
-        "prefill_tokens_per_second": engine.prefill_tokens / engine.prefill_s
-        if engine.prefill_s
-        else 0.0,
-        "decode_tokens_per_second": engine.decode_tokens / engine.decode_s
-        if engine.decode_s
-        else 0.0,
-        "decode_steps": engine.steps_run,
-        "decode_flights": engine.micro.ticks if engine.micro is not None else 0,
-        "prefill_steps": engine.prefill_steps,
+        "requests_done": n.requests_done,
+        "prompt_tokens": n.prefill_tokens,
+        "generated_tokens": n.decode_tokens,
+        "prefill_tokens_per_second": n.prefill_tokens / n.prefill_s if n.prefill_s else 0.0,
+        "decode_tokens_per_second": n.decode_tokens / n.decode_s if n.decode_s else 0.0,
+        "decode_steps": n.steps_run,
+        "decode_flights": micro.ticks if micro is not None else 0,
+        "prefill_steps": n.prefill_steps,
         "kv_blocks_in_use": pool.blocks_in_use,
         "kv_blocks_cached": pool.blocks_cached,
         "kv_blocks_free": pool.blocks_free,
@@ -30,11 +54,11 @@ def engine_metrics(engine) -> dict[str, float]:
         else 0,
         "kv_bytes": pool.nbytes + (engine.window_pool.nbytes if engine.window_pool else 0),
         "prefix_hit_ratio": pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0,
-        "draft_tokens": engine.draft_tokens,
-        "draft_accepted_tokens": engine.accepted_tokens,
-        "draft_steps": engine.draft_steps,
-        "draft_seconds": engine.draft_s,
-        "draft_kv_bytes": engine.draft_kv_bytes,
+        "draft_tokens": n.draft_tokens,
+        "draft_accepted_tokens": n.accepted_tokens,
+        "draft_steps": n.draft_steps,
+        "draft_seconds": n.draft_s,
+        "draft_kv_bytes": n.draft_kv_bytes,
         "draft_model_bytes": sum(engine._draft_weights.values()),
         "state_snapshots": len(engine.snapshots) if engine.snapshots is not None else 0,
         "state_snapshot_bytes": engine.snapshots.nbytes if engine.snapshots is not None else 0,

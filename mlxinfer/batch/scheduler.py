@@ -28,16 +28,22 @@ A state holds the whole prefix it has read, so a request shares a prefix only wh
 of the states after it is kept (``snapshots``: taken at block boundaries during prefill, its
 chunks cut there); it resumes from the deepest prefix with both its blocks and a snapshot.
 A drafting row's states go back to before a verification step that fed more than it kept
-(``_refeed_states``), and the kept tokens are fed again.
+(``RecurrentRows.refeed_states``), and the kept tokens are fed again.
 
 A request may draft (speculative decoding): by prompt lookup, or with a draft model, whose keys
 the request keeps in that model's own pool (``draft_pool``: the rows drafting with it share each
 draft forward); its step verifies the drafts in the batch's one forward and rewinds the rejected
 ones, in both pools.
+
+The rows' parts are the scheduler's members, each given what it needs when the engine is made:
+``pools`` (a forward's views, a row's blocks in every pool), ``recurrent`` (the states of a
+model with recurrent layers, or None), ``verification`` (drafting rows' steps), ``flights``
+(micro-batched decode across pipeline ranks), ``turns`` (one process's, or the ranks').
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -49,44 +55,60 @@ from ..models.layers.rope import prompt_reach
 from ..platform.threads import release_at_thread_exit
 from . import rows as rows_mod
 from . import snapshots as snap
+from .config import EngineConfig
 from .draft_pool import DraftPool
-from .flights import FlyingRows
+from .flights import Flights
+from .metrics import Counters
+from .parts import Parts
 from .recurrent import RecurrentRows, state_arrays
 from .requests import POLL_S, EngineError, _Request
-from .verification import DraftingRows
-from .views import StepBatch
+from .verification import Verification
 
 
-class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
-    """The loop of :class:`~.engine.Engine`'s thread (mixed into it): admit, prefill in chunks,
-    decode B rows, retire; the pools' bookkeeping for a request."""
+class Scheduler:
+    """The loop of :class:`~.engine.Engine`'s thread: admit, prefill in chunks, decode B rows,
+    retire; the pools' bookkeeping for a request. ``parts``: what ``config`` makes of
+    ``model`` (``parts.py``); ``turns``: one process's (``turns.py``) or the ranks'."""
 
-    def _batch(
-        self, rows: list[_Request], tokens: list[list[int]], form: str = "gather", hashed=True
-    ):
-        """The StepBatch of one forward feeding ``tokens`` to ``rows``, over every pool."""
-        window = None if self.window_pool is None else (self.window_pool, [r.wseq for r in rows])
-        return StepBatch(
-            self.pool,
-            [r.seq for r in rows],
-            tokens,
-            self.windows,
-            form,
-            states=[r.states for r in rows],
-            window=window,
-            hashed=hashed,
+    def __init__(self, model, config: EngineConfig, turns, parts: Parts) -> None:
+        self.model, self.config, self.turns = model, config, turns
+        self.pools = pools = parts.pools
+        self.pool, self.window_pool = pools.pool, pools.window_pool
+        self.snapshots, self.regime = parts.snapshots, parts.regime
+        self.max_batch, self.prefill_step = config.max_batch, config.prefill_step
+        # Every request reserves room for max_draft more tokens: a step that verifies drafts
+        # writes up to that many past a row's last token before rejected ones are rewound.
+        self.max_draft, self.attention = config.max_draft, config.attention
+        self.shrink_every, self._looked_at = parts.shrink_every, time.monotonic()
+        self._draft_pools = parts.draft_pools  # each draft model's (by id; made on first use)
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.failure: BaseException | None = None
+        self.counters = Counters()
+        self.recurrent = None  # a model with recurrent layers: their states, their snapshots
+        if parts.recurrent:
+            self.recurrent = RecurrentRows(model, pools, parts.snapshots, config.state_every, turns)
+        self.verification = Verification(
+            model,
+            pools,
+            turns,
+            self.recurrent,
+            self.counters,
+            max_draft=config.max_draft,
+            attention=config.attention,
+            retire=self._retire,
         )
-
-    def _rewind(self, request: _Request, length: int) -> None:
-        """Keep ``request``'s first ``length`` tokens in every pool."""
-        self.pool.rewind(request.seq, length)
-        if request.wseq is not None:
-            self.window_pool.rewind(request.wseq, length)
-
-    def _stores(self) -> list:
-        """Every pool's arrays, to evaluate with the step that wrote them."""
-        pools = [self.pool] + ([self.window_pool] if self.window_pool is not None else [])
-        return [p.keys + p.values for p in pools]
+        self.flights = Flights(
+            parts.micro,
+            pools,
+            self.verification,
+            self.counters,
+            attention=config.attention,
+            emit=self._emit_rows,
+            retire=self._retire,
+        )
 
     def _shrink(self) -> None:
         """Every ``shrink_every`` seconds: give back the store's tail that the busiest moment
@@ -97,15 +119,6 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
         self._looked_at = now
         if self.pool.shrink():
             mx.clear_cache()
-
-    def _release(self, request: _Request) -> None:
-        """Give back the request's blocks in every pool."""
-        if request.seq is not None:
-            self.pool.release(request.seq)
-        if request.wseq is not None:
-            self.window_pool.release(request.wseq)
-        if isinstance(request.drafter, DraftPool):
-            request.drafter.release(request)
 
     def _loop(self) -> None:
         release_at_thread_exit()
@@ -129,9 +142,9 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
                 if self.pool.disk is not None:  # the turn's new full blocks, to the writer
                     self.pool.disk.save_fresh()
                 self._shrink()
-                self.draft_kv_bytes = sum(rows_mod.draft_nbytes(r) for r in self._running) + sum(
-                    p.bytes_in_use for p in self._draft_pools.values()
-                )
+                self.counters.draft_kv_bytes = sum(
+                    rows_mod.draft_nbytes(r) for r in self._running
+                ) + sum(p.bytes_in_use for p in self._draft_pools.values())
         except BaseException as e:  # the thread must not die silently: tell every request
             self.failure = e
             raise
@@ -142,7 +155,7 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
                 left, self._waiting = self._running + self._waiting, []
                 self._running = []
             for request in left:
-                self._release(request)
+                self.pools.release(request)
                 request.out.put(error)
 
     def _admit(self, waiting: list[_Request]) -> None:
@@ -174,14 +187,14 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
             # Across ranks, the blocks every rank's files hold (batching.py's fewest).
             self.pool.disk.promote(request.ids, self.turns.fewest)
         # A recurrent model shares what a snapshot of its states can resume (snapshots.py).
-        share = not self.recurrent or self.snapshots is not None
+        share = self.recurrent is None or self.snapshots is not None
         hits = None
-        if share and (self.window_pool is not None or self.recurrent):
+        if share and (self.window_pool is not None or self.recurrent is not None):
             hits = self.pool.shareable(self.pool.lookup(request.ids))
             if self.window_pool is not None:
                 hits = self.window_pool.shareable(self.window_pool.lookup(request.ids)[:hits])
-            if self.recurrent:  # as far as a snapshot of its states lets it resume
-                hits = self._resume_point(request, hits)
+            if self.recurrent is not None:  # as far as a snapshot of its states lets it resume
+                hits = self.recurrent.resume_point(request, hits)
         request.seq = self.pool.admit(request.ids, room, share, hits=hits)
         ok = request.seq is not None
         if ok and self.window_pool is not None:
@@ -190,25 +203,33 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
         if ok and isinstance(request.drafter, DraftPool):
             ok = request.drafter.admit(request, room)
         if not ok:
-            self._release(request)
+            self.pools.release(request)
             request.seq = request.wseq = None
-        elif self.recurrent:
-            self._start_states(request)
+        elif self.recurrent is not None:
+            self.recurrent.start_states(request)
         return ok
 
     def _retire(self, request: _Request) -> None:
-        self.requests_done += 1
+        self.counters.requests_done += 1
         self._running.remove(request)
         if request.last_block is not None and request.last_block[1] is not None:
             self.snapshots.put(*request.last_block)
-        self._release(request)
+        self.pools.release(request)
         if request.draft_model is not None:  # its draft keys go with it
             request.drafter = request.draft_model = None
         request.out.put(None)
 
     def _retire_cancelled(self) -> None:
         for request in [r for r in self._running if r.cancelled.is_set() and not r.dropped]:
-            self._cancel(request)  # (at its landing if it flies: flights.py)
+            self._cancel(request)
+
+    def _cancel(self, request: _Request) -> None:
+        """Retire ``request`` (rank 0's cancellation), or at its flight's landing if it flies
+        (``flights.py``)."""
+        if request.flying:
+            request.dropped = True
+        else:
+            self._retire(request)
 
     def _prefill(self) -> None:
         """At most ``prefill_step`` prompt tokens between two decode steps: chunks of the
@@ -226,14 +247,14 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
                 start = request.seq.length
                 end = start + min(left, budget)
                 if self.snapshots is not None:  # a chunk ends where a snapshot is wanted
-                    end = snap.chunk_end(start, end, *self._points(request))
+                    end = snap.chunk_end(start, end, *self.recurrent.points(request))
                 chunks.append((request, request.ids[start:end]))
                 budget -= len(chunks[-1][1])
         for group in self._prefill_groups(chunks):
             self._prefill_rows(group)
         for request in visited:
             if request.draft_model is not None:  # its draft model reads what the pool holds
-                self._feed_draft(request)
+                self.verification.feed_draft(request)
             if request.seq.length == len(request.ids) - 1:
                 request.pending = request.ids[-1]
 
@@ -244,7 +265,8 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
         layers (a state would read the padding) or with frequencies that follow the length
         (one prompt's reach per forward) prefills one chunk a forward, and so does a quantized
         pool (several rows' quantized attention there was 4e-4 off the single loop's log-probs)."""
-        if self.recurrent or self.regime is not None or self.pool.layers[0].bits is not None:
+        recurrent = self.recurrent is not None
+        if recurrent or self.regime is not None or self.pool.layers[0].bits is not None:
             return [[c] for c in chunks]
         groups: list[list] = []
         for request, chunk in chunks:
@@ -273,33 +295,34 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
         L = max(len(c) for _, c in group)
         padded = [c + c[-1:] * (L - len(c)) for _, c in group]
         ends = [r.seq.length + len(c) for r, c in group]
-        batch = self._batch(rows, padded)
+        batch = self.pools.batch(rows, padded)
         # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE: one row then).
         with prefill_schedule(self.model), prompt_reach(len(rows[0].ids)):
             self.model(mx.array(padded, dtype=mx.int32), batch.views())
-            mx.eval(self._stores(), [state_arrays(r) for r in rows])
+            mx.eval(self.pools.stores(), [state_arrays(r) for r in rows])
         for r, end in zip(rows, ends):
-            self._rewind(r, end)
+            self.pools.rewind(r, end)
             if self.snapshots is not None:
-                self._snapshot(r)
-        self.prefill_s += time.perf_counter() - t0
-        self.prefill_tokens += sum(len(c) for _, c in group)
-        self.prefill_steps += 1
+                self.recurrent.snapshot(r)
+        self.counters.prefill_s += time.perf_counter() - t0
+        self.counters.prefill_tokens += sum(len(c) for _, c in group)
+        self.counters.prefill_steps += 1
 
     def _decode(self) -> None:
         rows = [r for r in self._running if r.pending is not None]
         t0 = time.perf_counter()
-        if self.micro is not None and (rows or self.micro.flying()):  # (flights.py)
-            rows = self._decode_micro(rows)
+        micro = self.flights.micro
+        if micro is not None and (rows or micro.flying()):  # (flights.py)
+            rows = self.flights.decode(rows)
         if not rows:
-            self.decode_s += time.perf_counter() - t0
+            self.counters.decode_s += time.perf_counter() - t0
             return
         for group in self._groups(rows):
             if any(r.drafter is not None for r in group):
-                self._verify_rows(group)
+                self.verification.verify_rows(group)
             else:
                 self._decode_rows(group)
-        self.decode_s += time.perf_counter() - t0
+        self.counters.decode_s += time.perf_counter() - t0
 
     def _groups(self, rows: list[_Request]) -> list[list[_Request]]:
         """The step's forwards: all rows in one, or for a model whose frequencies follow the
@@ -318,22 +341,23 @@ class Scheduler(RecurrentRows, DraftingRows, FlyingRows):
 
     def _decode_rows(self, rows: list[_Request]) -> None:
         tokens = [[r.pending] for r in rows]
-        batch = self._batch(rows, tokens, self.attention)
+        batch = self.pools.batch(rows, tokens, self.attention)
         logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
-        self.steps_run += 1
+        self.counters.steps_run += 1
         self._emit_rows(rows, logits)
 
     def _emit_rows(self, rows: list[_Request], logits: mx.array) -> None:
         """Each row's token sampled from its logits (B, V), handed to its consumer."""
-        self.decode_tokens += len(rows)
+        self.counters.decode_tokens += len(rows)
         picked, logprobs = rows_mod.sample_rows(rows, logits)
         picked = self.turns.adopt(picked)  # across ranks rank 0's, where it alone samples
         # Everything handed to the consumers is evaluated here: their threads cannot run
         # this thread's streams.
-        mx.eval(picked, logprobs, self._stores(), [state_arrays(r) for r in rows])
+        mx.eval(picked, logprobs, self.pools.stores(), [state_arrays(r) for r in rows])
         for request, t, lp in zip(rows, picked.tolist(), logprobs):
             request.generated += 1
-            self._mark_block(request)
+            if self.recurrent is not None:
+                self.recurrent.mark_block(request)
             if request.history is not None:
                 request.history = mx.concatenate([request.history, mx.array([t], mx.int32)])
             request.out.put(Step(t, lp))

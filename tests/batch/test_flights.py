@@ -58,7 +58,7 @@ def model(tmp_path_factory):
 
 def _engine(model, **options) -> Engine:
     engine = Engine(model, **options)
-    engine.micro = LateFlights(model)  # before any request: the loop reads it at decode
+    engine.flights.micro = LateFlights(model)  # before any request: the loop reads it at decode
     return engine
 
 
@@ -87,7 +87,7 @@ def test_rows_in_flights_decode_as_alone(name, request):
             handles = [engine.submit(p, max_tokens=6) for p in prompts]
         got = [list(h.steps()) for h in handles]
         assert engine.stats().blocks_in_use == 0
-        flights = engine.micro
+        flights = engine.flights.micro
     assert flights.ticks > 6 and 2 <= flights.most_rows <= 3
     for prompt, steps in zip(prompts, got):
         alone = _alone(model, prompt, 6)
@@ -112,7 +112,7 @@ def test_rows_drafting_by_prompt_lookup_verify_in_flights(model):
             ]
         got = [list(h.steps()) for h in handles]
         assert engine.stats().blocks_in_use == 0
-        assert engine.micro.widest > 1 and engine.accepted_tokens > 0
+        assert engine.flights.micro.widest > 1 and engine.accepted_tokens > 0
     for prompt, steps in zip(prompts, got):
         alone = _alone(model, prompt, 10)
         assert [s.token for s in steps] == [t for t, _ in alone]
@@ -194,7 +194,7 @@ def test_rows_drafting_with_a_draft_model_verify_in_flights(model):
                 ]
             runs.append([list(h.steps()) for h in handles])
             assert engine.stats().blocks_in_use == 0 and engine.accepted_tokens > 0
-            assert not flights or engine.micro.widest > 1
+            assert not flights or engine.flights.micro.widest > 1
     got, plain = runs
     # Each row's drafts depend on its own tokens alone: the same kept, in flights or not.
     assert [[s.from_draft for s in r] for r in got] == [[s.from_draft for s in r] for r in plain]

@@ -309,7 +309,7 @@ def _rank0_requests(model, prompts, n, result) -> None:
         engine.close()
     while engine._thread.is_alive():
         engine._thread.join(0.5)
-    result["rank0_flights"] = engine.micro.ticks if engine.micro is not None else 0
+    result["rank0_flights"] = engine.flights.micro.ticks if engine.flights.micro is not None else 0
 
 
 def _seeded_tokens_in(engine, prompts, n) -> list[list[int]]:
@@ -417,7 +417,7 @@ def _rank_main() -> None:
         again = engine.submit(prompts[-1], max_tokens=n)  # its prefix's blocks are cached now
         result["again"] = [[s.token for s in again.steps()], again.cached_tokens]
         forwards = engine.steps_run + engine.prefill_steps
-        result["flights"] = engine.micro.ticks if engine.micro is not None else 0
+        result["flights"] = engine.flights.micro.ticks if engine.flights.micro is not None else 0
     result["engine_steps"] = [model.ranks.steps - before, forwards]
     _rank0_requests(model, prompts[:4], n, result)
     if job.get("disk"):

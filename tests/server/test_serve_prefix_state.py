@@ -64,7 +64,7 @@ def test_the_flags_reach_the_engine(lfm2_dir, served):
     assert result.exit_code == 0, result.output
     [engine] = served
     assert engine.recurrent
-    assert (engine.snapshots.max_bytes, engine.state_every) == (64 * 1024, 3)
+    assert (engine.snapshots.max_bytes, engine.config.state_every) == (64 * 1024, 3)
 
 
 def test_without_the_flags_the_engine_defaults_hold(lfm2_dir, served):
@@ -74,7 +74,7 @@ def test_without_the_flags_the_engine_defaults_hold(lfm2_dir, served):
     assert _serve("-m", str(lfm2_dir), *BUDGET, "--prefix-state-bytes", "0").exit_code == 0
     default, off = served
     assert default.snapshots.max_bytes == 4194304 // DEFAULT_STATE_SHARE
-    assert default.state_every == default.prefill_step // default.pool.block_size
+    assert default.config.state_every == default.prefill_step // default.pool.block_size
     assert off.snapshots is None
 
 
