@@ -17,13 +17,13 @@ holds request-independent settings; ``start`` makes the per-request
 from __future__ import annotations
 
 import copy
-from typing import Callable, Protocol
+from typing import Callable, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache, RotatingKVCache, is_trimmable, restore_cache, snapshot_cache
-from ..cache.prompt import PromptCache
+from ..cache.kv import LayerCache, RotatingKVCache, is_trimmable, restore_cache, snapshot_cache
+from ..cache.prompt import PromptCache, Snapshot
 from ..errors import DraftError
 from .prefill import prefill, rewind
 
@@ -59,7 +59,7 @@ class Draft:
     def check(self, model, tokenizer) -> None:
         """Raise :class:`DraftError` if this draft cannot serve ``model`` with ``tokenizer``."""
 
-    def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
+    def start(self, model, cache: list[LayerCache], prompt: list[int]) -> Drafter:
         """Begin a request: ``cache`` is the target's, holding all of ``prompt`` but its last token."""
         raise NotImplementedError
 
@@ -85,7 +85,7 @@ class DraftModel(Draft):
         if self.tokenizer is not None and tokenizer is not None:
             check_vocabulary(tokenizer, self.tokenizer)
 
-    def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
+    def start(self, model, cache: list[LayerCache], prompt: list[int]) -> Drafter:
         drafter = self.drafter(model, self.prompt_cache)
         todo = drafter.pc.reuse(prompt)
         prefill(self.model, drafter.pc, todo[:-1])
@@ -110,7 +110,8 @@ class _ModelDrafter:
         self.model, self.pc, self.width = model, pc, width
         self._fed: list[int] = []  # fed by the last propose, beyond pc.tokens
         self._drafts: list[mx.array] = []  # drafted tokens also fed (all but the last)
-        self._snapshot = None  # where propose started, for a cache that cannot trim
+        # Where propose started, for a cache that cannot trim.
+        self._snapshot: Snapshot | None = None
 
     def propose(
         self, history: list[int], k: int, sample: DraftSampler
@@ -119,7 +120,8 @@ class _ModelDrafter:
         if not is_trimmable(self.pc.cache):
             self._snapshot = self.pc.snapshot()
         x = mx.array(self._fed, dtype=mx.int32)
-        tokens, dists = [], []
+        tokens: list[mx.array] = []
+        dists: list[mx.array | None] = []
         for _ in range(k):
             logits = self.model(x[None], self.pc.cache)[0, -1:]  # (1, V_draft): last position only
             token, dist = sample(_fit_width(logits, self.width))
@@ -127,7 +129,7 @@ class _ModelDrafter:
             dists.append(dist)
             x = token
         self._drafts = tokens[:-1]
-        return mx.concatenate(tokens), (mx.concatenate(dists) if dists[0] is not None else None)
+        return mx.concatenate(tokens), _stacked(dists)
 
     def feed(self, ids: list[int]) -> None:
         """Read ``ids`` (the next tokens of the history) into the cache, without proposing."""
@@ -138,9 +140,8 @@ class _ModelDrafter:
         return sum(c.nbytes for c in self.pc.cache)
 
     def rewind(self, kept: list[int]) -> None:
-        held = (
-            self.pc.tokens + self._fed + [t.item() for t in self._drafts]
-        )  # drafts: evaluated by now
+        # Drafts: evaluated by now; int32 scalars, so ints (MLX's stub says any scalar).
+        held = self.pc.tokens + self._fed + [cast(int, t.item()) for t in self._drafts]
         self.pc.tokens, self._fed, self._drafts = held, [], []
         n = 0
         for a, b in zip(held, kept):
@@ -148,6 +149,12 @@ class _ModelDrafter:
                 break
             n += 1
         rewind(self.model, self.pc, n, self._snapshot)
+
+
+def _stacked(dists: list[mx.array | None]) -> mx.array | None:
+    """The (m, V) log-probs of m drafted tokens, or None: a draft sampler gives them for every
+    token or, greedy, for none."""
+    return mx.concatenate(cast("list[mx.array]", dists)) if dists[0] is not None else None
 
 
 def _fit_width(logits: mx.array, width: int) -> mx.array:
@@ -199,7 +206,7 @@ class PromptLookup(Draft):
             )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
+    def start(self, model, cache: list[LayerCache], prompt: list[int]) -> Drafter:
         return _LookupDrafter(self.max_ngram, self.min_ngram)
 
 
@@ -222,9 +229,9 @@ class _LookupDrafter:
                     table[tuple(history[j - n : j])] = j
         self.indexed = T
         for n, table in self.index.items():  # longest n-gram first
-            j = table.get(tuple(history[T - n :])) if T >= n else None
-            if j is not None:
-                return mx.array(history[j : j + k], dtype=mx.int32), None
+            at = table.get(tuple(history[T - n :])) if T >= n else None
+            if at is not None:
+                return mx.array(history[at : at + k], dtype=mx.int32), None
         return _NO_TOKENS, None
 
     def rewind(self, kept: list[int]) -> None:
@@ -243,7 +250,7 @@ class SelfDraft(Draft):
     def check(self, model, tokenizer) -> None:
         self.view(model)
 
-    def start(self, model, cache: list[Cache], prompt: list[int]) -> Drafter:
+    def start(self, model, cache: list[LayerCache], prompt: list[int]) -> Drafter:
         return _SelfDrafter(self.view(model), cache, self.layers)
 
     def view(self, model):
@@ -280,7 +287,7 @@ def first_blocks(model, n: int):
 
 
 class _SelfDrafter:
-    def __init__(self, view, cache: list[Cache], n: int):
+    def __init__(self, view, cache: list[LayerCache], n: int):
         # The view runs with the target's whole cache list (masks may come from any
         # layer's cache); only the first n caches are written, and they are shared.
         self.view, self.cache, self.n = view, cache, n
@@ -290,7 +297,8 @@ class _SelfDrafter:
     ) -> tuple[mx.array, mx.array | None]:
         # The shared layers hold all of history but its last token, like the target's.
         x = mx.array(history[-1:], dtype=mx.int32)
-        tokens, dists = [], []
+        tokens: list[mx.array] = []
+        dists: list[mx.array | None] = []
         saved = snapshot_cache(self.cache[: self.n])
         for _ in range(k):
             token, dist = sample(
@@ -302,7 +310,7 @@ class _SelfDrafter:
         # Drop what drafting wrote (history's last token, then k-1 drafts): the
         # verification pass writes those positions again, for every layer.
         restore_cache(self.cache[: self.n], saved)
-        return mx.concatenate(tokens), (mx.concatenate(dists) if dists[0] is not None else None)
+        return mx.concatenate(tokens), _stacked(dists)
 
     def rewind(self, kept: list[int]) -> None:
         pass  # its cache is the target's, which the runner rewinds

@@ -22,7 +22,7 @@ MLX's process-wide peak-memory counter, which concurrent requests also share.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence, cast
 
 import mlx.core as mx
 
@@ -90,6 +90,8 @@ def generate_step(
         return token, logprobs[0]
 
     started: list[mx.array] = []  # the steps handed to mx.async_eval, newest last
+    token: mx.array | None  # the step handed to the caller next; None after the last
+    logprobs: mx.array | None
     try:
         token, logprobs = step(y)
         # Start the first token now: otherwise it is only computed inside the
@@ -99,13 +101,14 @@ def generate_step(
         fed.extend(todo)
         n = 0
         while n < max_tokens:
+            assert token is not None and logprobs is not None  # None only after the last step
             if n + 1 < max_tokens:
                 next_token, next_logprobs = step(token)
                 # Start computing step n+1 now; the host waits on step n below
                 # (`.item()`) while the device already works on n+1.
                 mx.async_eval(next_token)
                 started[:] = [next_token]
-            t = token.item()
+            t = cast(int, token.item())  # an int32 scalar: an int (MLX's stub says any scalar)
             if n + 1 < max_tokens:
                 fed.append(t)
             yield t, logprobs
@@ -203,7 +206,7 @@ def stream_generate(
     Yields:
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
-    given = dict(
+    given: dict[str, Any] = dict(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
@@ -275,9 +278,9 @@ def _steps(
     prefill_step_size: int,
     draft: Draft | None,
     num_draft: int | None,
-) -> Iterator[Step]:
+) -> Generator[Step, None, None]:
     """The token loop for the request: plain decoding, or speculative with ``draft``."""
-    options = dict(
+    options: dict[str, Any] = dict(
         prompt_cache=prompt_cache,
         max_tokens=request.max_tokens,
         sampler=request.sampling.sampler(),
@@ -287,8 +290,9 @@ def _steps(
     if draft is None:
         return (Step(t, lp) for t, lp in generate_step(request.ids, model, **options))
     draft.check(model, tokenizer)
-    if getattr(draft, "model", None) is not None:  # a DraftModel is fed the prompt too
-        check_token_ids(draft.model, request.ids, "prompt (for the draft model)")
+    draft_model = getattr(draft, "model", None)
+    if draft_model is not None:  # a DraftModel is fed the prompt too
+        check_token_ids(draft_model, request.ids, "prompt (for the draft model)")
     return speculative_generate_step(request.ids, model, draft, num_draft=num_draft, **options)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -21,6 +22,16 @@ from ..models.layers.rope import prompt_reach
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk: bounds the attention scores' memory
 # Most tokens after the prompt given room up front; past it the cache grows in steps.
 MAX_RESERVED_DECODE = 2048
+
+
+@runtime_checkable
+class _Growing(Protocol):
+    """A cache that preallocates its buffers (``KVCache``, ``QuantizedKVCache``)."""
+
+    offset: int
+
+    def reserve(self, n_tokens: int) -> None: ...
+    def grow(self, n_tokens: int) -> None: ...
 
 
 def token_ids(items: Iterable, what: str = "prompt") -> list[int]:
@@ -83,7 +94,7 @@ def prefill(
     reuse (``PromptCache.checkpoint``: only where state caches cannot trim).
     """
     y = mx.array(ids, dtype=mx.int32)
-    growable = [c for c in pc.cache if hasattr(c, "grow")]
+    growable = [c for c in pc.cache if isinstance(c, _Growing)]
     for c in growable:
         c.reserve(c.offset + len(ids) + 1)
     # As the backend schedules it (the CPU's, for a quantized model: one step's buffers at a time).

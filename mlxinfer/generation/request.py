@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
 
 import mlx.core as mx
 
@@ -63,9 +63,10 @@ def prepare_prompt(
         return tokenizer.encode(text)
     items = list(prompt)
     if items and isinstance(items[0], dict):
+        # Chat messages: the first item tells which of the two sequences the prompt is.
         messages = [
             {**m, "content": clean_prompt(m["content"])} if isinstance(m.get("content"), str) else m
-            for m in items
+            for m in cast("list[dict[str, Any]]", items)
         ]
         return tokenizer.encode(
             tokenizer.apply_chat_template(messages, **extra), add_special_tokens=False

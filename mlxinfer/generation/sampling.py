@@ -136,7 +136,8 @@ def make_sampler(
         def argmax(logprobs: mx.array) -> mx.array:
             return mx.argmax(logprobs, axis=-1)
 
-        argmax.params = params
+        # Kept on the function (speculative decoding reads it); mypy has no attributes on functions.
+        argmax.params = params  # type: ignore[attr-defined]
         return argmax
     state = {"key": mx.random.key(secrets.randbits(63) if seed is None else seed)}
 
@@ -144,7 +145,7 @@ def make_sampler(
         state["key"], sub = mx.random.split(state["key"])
         return mx.random.categorical(params.filter(logprobs), axis=-1, key=sub)
 
-    sample.params = params
+    sample.params = params  # type: ignore[attr-defined]  # as argmax.params above
     return sample
 
 

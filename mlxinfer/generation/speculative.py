@@ -22,11 +22,11 @@ sampler uses (logits processors, temperature, top-k, top-p, min-p).
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence, cast
 
 import mlx.core as mx
 
-from ..cache.kv import Cache, RotatingKVCache, StateCache, is_trimmable
+from ..cache.kv import LayerCache, RotatingKVCache, StateCache, is_trimmable
 from ..cache.prompt import PromptCache
 from ..errors import DraftError
 from ..platform.threads import release_at_thread_exit
@@ -54,7 +54,7 @@ def speculative_generate_step(
     logits_processors: Sequence[LogitsProcessor] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     num_draft: int | None = None,
-) -> Iterator[Step]:
+) -> Generator[Step, None, None]:
     """Yield ``(token, logprobs, from_draft)`` for up to ``max_tokens`` new tokens.
 
     Args:
@@ -115,8 +115,9 @@ def speculative_generate_step(
             # The one sync per step: the host needs the accepted count and the
             # tokens to know what to feed next.
             mx.eval(accepted, token, drafts, logprobs)
-            a = accepted.item()
-            emitted = drafts[:a].tolist() + [token.item()]
+            # int32 arrays: ints and a list of ints (MLX's stubs say any scalar, any nesting).
+            a = cast(int, accepted.item())
+            emitted = cast("list[int]", drafts[:a].tolist()) + [cast(int, token.item())]
             pc.tokens = history + emitted[:-1]  # y and the accepted drafts are in the cache
             rewind(model, pc, len(pc.tokens), snapshot)  # drop the m - a rejected drafts
             history += emitted
@@ -148,7 +149,7 @@ def allowed_drafts(
 
 def _verify(
     model,
-    cache: list[Cache],
+    cache: list[LayerCache],
     y: int,
     drafts: mx.array,
     processors: Sequence[LogitsProcessor],
@@ -159,6 +160,7 @@ def _verify(
     logits = model(inputs[None], cache)[0]  # (k+1, V)
     if processors:
         # Row i continues history + d1 … di, exactly as plain decoding would see it.
+        assert seen is not None  # the history, given whenever there are processors
         rows = []
         for i in range(logits.shape[0]):
             row, tokens = logits[i : i + 1], mx.concatenate([seen, drafts[:i]])
@@ -235,6 +237,7 @@ def _draft_sampler(
     def sample(logits: mx.array) -> tuple[mx.array, mx.array | None]:
         nonlocal key
         if processors:
+            assert seen is not None  # the history, given whenever there are processors
             tokens = mx.concatenate([seen, *drafted])
             for process in processors:
                 logits = process(tokens, logits)
@@ -291,7 +294,7 @@ def _sampling_params(sampler: Sampler | None) -> SamplingParams:
     return params
 
 
-def _require_rewindable(cache: list[Cache], needed: int) -> None:
+def _require_rewindable(cache: list[LayerCache], needed: int) -> None:
     """Refuse caches that could not drop rejected drafts during this request."""
     for c in cache:
         if isinstance(c, RotatingKVCache) and c.max_size < needed:

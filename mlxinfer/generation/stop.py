@@ -7,9 +7,11 @@ is released, and the matcher says which stop string it was.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class StopMatcher:
-    def __init__(self, stops: list[str] | tuple[str, ...]):
+    def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self._pending = ""
 
