@@ -82,7 +82,7 @@ def make_parts(model, c: EngineConfig, turns=None) -> Parts:
     if c.prefix_cache_dir is not None:
         refusal = None
         if recurrent and snapshots is None:
-            refusal = "recurrent layers without state snapshots (state_budget=0) share no prefix"
+            refusal = "recurrent layers without state snapshots (prefix_state_bytes=0) share no prefix"
         pool.disk = disk_mod.attach(
             model,
             pools.all(),

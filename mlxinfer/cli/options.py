@@ -73,6 +73,7 @@ def generation_options(fn):
             "--max-tokens", "-n", default=256, show_default=True, help="Most tokens to generate."
         ),
         click.option(
+            "--temperature",
             "--temp",
             "temperature",
             default=0.0,

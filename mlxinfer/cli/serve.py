@@ -1,9 +1,10 @@
 """``mlxinfer serve``: the HTTP server's command (docs/server.md).
 
-Its options map onto :func:`mlxinfer.server.make_app`'s keyword arguments: the engine's
-(batch, KV pool), the request limits (``limit_options``) and the agent-serving ones
-(``agent_options``: chat template, model aliases, output cap, embeddings, the disk prefix
-tier, the recurrent-state snapshots). An option left unset is not passed, so the server's own default applies.
+Its options map onto :func:`mlxinfer.server.make_app`'s keyword arguments, named alike: the
+engine's (batch, KV pool: :class:`~mlxinfer.batch.EngineConfig`'s fields), the request limits
+(``limit_options``) and the agent-serving ones (``agent_options``: chat template, model aliases,
+output cap, embeddings, the disk prefix tier, the recurrent-state snapshots). An option left
+unset is not passed, so the server's own default applies.
 """
 
 from __future__ import annotations
@@ -107,10 +108,10 @@ def agent_options(fn):
 @click.option("--max-batch", default=None, type=int, help="Most requests decoded together.")
 @click.option("--kv-budget", default=None, type=int, help="Bytes the KV pool may hold.")
 @click.option(
-    "--kv-grow",
-    is_flag=True,
-    help="Grow the KV pool with the load (and give a burst's back) instead of taking the whole "
-    "--kv-budget at start, which keeps the server's memory flat all day.",
+    "--kv-reserve/--kv-grow",
+    default=True,
+    help="Take the whole --kv-budget at start, which keeps the server's memory flat all day "
+    "[default], or grow the KV pool with the load (and give a burst's back).",
 )
 @click.option(
     "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV pool."
@@ -157,7 +158,7 @@ def serve(
     api_key,
     max_batch,
     kv_budget,
-    kv_grow,
+    kv_reserve,
     kv_bits,
     prompt_lookup,
     draft_model,
@@ -207,7 +208,7 @@ def serve(
         )
     options = {"max_batch": max_batch, "kv_budget": kv_budget}
     options = {k: v for k, v in options.items() if v is not None}
-    options["reserve"] = not kv_grow
+    options["kv_reserve"] = kv_reserve
     options.update(setting.engine)  # across ranks: micro_batches
     if kv_bits:
         options["kv_bits"] = int(kv_bits)
@@ -218,8 +219,8 @@ def serve(
         "embedding_model": embedding_model,
         "prefix_cache_dir": prefix_cache_dir,
         "prefix_cache_disk_bytes": prefix_cache_disk_bytes,
-        "state_budget": prefix_state_bytes,  # the Engine's
-        "state_every": prefix_state_every,
+        "prefix_state_bytes": prefix_state_bytes,  # the Engine's (EngineConfig)
+        "prefix_state_every": prefix_state_every,
     }
     served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)
     if getattr(getattr(llm, "ranks", None), "first", True):  # across ranks: rank 0 serves

@@ -40,7 +40,7 @@ A model with recurrent layers shares prefixes from snapshots of their states
 (``batch/snapshots.py``), each rank's of its own layers (or channels, or heads). Every rank's
 engine takes a recurrent model's turns, a pipeline rank without a recurrent layer too
 (:meth:`Turns.any_recurrent`; its store keeps nothing and resumes anywhere); every rank's store
-keeps as many snapshots, the fewest any rank's ``state_budget`` buys
+keeps as many snapshots, the fewest any rank's ``prefix_state_bytes`` buys
 (:meth:`Turns.fewest_snapshots`), so the stores evict the same ones; at admission a request
 resumes after the deepest snapshot every rank holds (:meth:`Turns.resume_point`).
 

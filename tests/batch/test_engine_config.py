@@ -59,3 +59,28 @@ def test_bad_values_are_refused_when_the_config_is_made():
         EngineConfig(attention="flash")
     with pytest.raises(ValueError, match="state_every"):
         EngineConfig().with_options(state_every=0)
+
+
+def test_serve_names_each_engine_setting_as_the_library_does():
+    """One name for one setting: each of serve's flags that sets the engine is the config field
+    spelled as a flag (``kv_reserve`` is ``--kv-reserve``, its off switch ``--kv-grow``)."""
+    from mlxinfer.cli.main import cli
+
+    names = {f for f in EngineConfig.__dataclass_fields__}
+    params = {p.name: p for p in cli.commands["serve"].params}
+    engine = sorted(n for n in params if n in names)
+    assert engine == [
+        "kv_bits",
+        "kv_budget",
+        "kv_reserve",
+        "max_batch",
+        "prefix_cache_dir",
+        "prefix_cache_disk_bytes",
+        "prefix_state_bytes",
+        "prefix_state_every",
+    ]
+    for name in engine:
+        assert params[name].opts == ["--" + name.replace("_", "-")]
+    assert params["kv_reserve"].secondary_opts == ["--kv-grow"]
+    generate = {p.name: p for p in cli.commands["generate"].params}
+    assert generate["temperature"].opts == ["--temperature", "--temp"]

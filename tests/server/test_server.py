@@ -607,12 +607,13 @@ def test_serve_with_a_draft_model(tiny, draft_dirs, monkeypatch):
 
 def test_serve_takes_its_kv_budget_at_start_unless_told_to_grow(draft_dirs, monkeypatch):
     """A server's memory is flat all day: its pool holds every block of --kv-budget from the
-    start (and keeps them after a request); --kv-grow grows it with the load instead."""
+    start (and keeps them after a request; --kv-reserve, the default, says so); --kv-grow grows it
+    with the load instead."""
     from fastapi.testclient import TestClient
 
     target = draft_dirs[0]
     budget = 1 << 22
-    for flags, reserved in (([], True), (["--kv-grow"], False)):
+    for flags, reserved in (([], True), (["--kv-reserve"], True), (["--kv-grow"], False)):
         result, app = _serve_app(monkeypatch, "-m", str(target), "--kv-budget", str(budget), *flags)
         assert result.exit_code == 0, result.output
         engine = app.state.models.entries[target.name].engine
