@@ -82,7 +82,9 @@ def make_parts(model, c: EngineConfig, turns=None) -> Parts:
     if c.prefix_cache_dir is not None:
         refusal = None
         if recurrent and snapshots is None:
-            refusal = "recurrent layers without state snapshots (prefix_state_bytes=0) share no prefix"
+            refusal = (
+                "recurrent layers without state snapshots (prefix_state_bytes=0) share no prefix"
+            )
         pool.disk = disk_mod.attach(
             model,
             pools.all(),

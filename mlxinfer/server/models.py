@@ -20,6 +20,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..batch import Engine
+from ..distributed.serving import across_ranks
 from ..embeddings import Embedder, is_embedding_dir, read_pooling
 
 
@@ -95,10 +96,7 @@ class Models:
             if entry.engine is not None and not entry.engine.alive:
                 # Across ranks a failed engine stays (the ranks it ran with are gone): /health
                 # and the requests say why.
-                if (
-                    entry.engine.failure is not None
-                    and getattr(entry.engine, "turns", None) is None
-                ):
+                if entry.engine.failure is not None and not across_ranks(entry.model):
                     failure = entry.engine.failure
                     entry.failures.append(f"{type(failure).__name__}: {failure}")
                     entry.engine = Engine(entry.model, **self.engine_options)

@@ -115,7 +115,11 @@ class Ranks:
     def __init__(self, tmp_path: Path, command: list[str], n: int = 2):
         hostfile = _hostfile(tmp_path, n)
         self.logs = [(tmp_path / f"r{r}.out", tmp_path / f"r{r}.err") for r in range(n)]
-        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
+        env = {
+            **os.environ,
+            "MLX_HOSTFILE": str(hostfile),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
         self.procs = []
         for r in range(n):
             out, err = (open(p, "w") for p in self.logs[r])
@@ -334,7 +338,10 @@ def test_stalled_peer_ends_within_the_rank_timeout(llama, tmp_path):
 
 def _launch(tmp_path, *args, timeout=WAIT_S):
     command = [sys.executable, "-m", "mlxinfer", "launch", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -361,7 +368,12 @@ def test_a_wrong_hostfile_or_a_missing_rank_is_a_clear_error(tmp_path):
     assert done.returncode == 1
     assert f"Error: {hostfile}: 3 ranks, but -n 2 (expected one entry per rank)" in done.stderr
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_HOSTFILE": str(hostfile), "MLX_RANK": "5"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "MLX_HOSTFILE": str(hostfile),
+        "MLX_RANK": "5",
+    }
     command = [sys.executable, "-m", "mlxinfer", "generate", "--distributed", "pipeline", "-p", "x"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S, env=env)
     assert done.returncode == 1
@@ -734,7 +746,10 @@ def test_an_interrupted_launcher_ends_its_ranks(tmp_path):
         "time.sleep(60)\n"
     )
     command = [sys.executable, "-m", "mlxinfer", "launch", "-n", "2", "--grace", "2", "--"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     launcher = subprocess.Popen([*command, sys.executable, "-c", script], env=env)
     try:
         deadline = time.monotonic() + WAIT_S

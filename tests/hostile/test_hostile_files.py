@@ -34,7 +34,7 @@ def run_python(code: str, timeout: float = 120) -> tuple[int, str]:
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "tests"), "RUST_BACKTRACE": "0"},
+        env={**os.environ, "RUST_BACKTRACE": "0"},  # PYTHONPATH: tests/support (conftest.py)
     )
     return proc.returncode, proc.stdout + proc.stderr
 
