@@ -85,7 +85,12 @@ class ModelHandle:
 
     @property
     def loaded(self) -> bool:
-        return self.engine is not None
+        """Whether the model is in memory. Asked while a load or an unload runs on another thread
+        (the keep-alive's), it waits for it to end: False means the memory was given back.
+        The engine's parts refer to one another, so only the collector frees them, and a
+        collection already running on another thread makes this thread's a no-op."""
+        with self._lock:
+            return self.engine is not None
 
     def load(self) -> ModelHandle:
         """Load now (a no-op when loaded); returns the handle."""

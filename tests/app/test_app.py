@@ -186,9 +186,9 @@ def test_several_threads_share_one_handle(handle, tiny_dir):
 
 
 def test_a_model_larger_than_the_working_set_is_refused_unless_forced(tiny_dir, monkeypatch):
-    import mlxinfer.loading.loader as loader
+    from mlxinfer.loading import memory
 
-    monkeypatch.setattr(loader, "recommended_working_set", lambda: 1000)
+    monkeypatch.setattr(memory, "recommended_working_set", lambda: 1000)
     with pytest.raises(WeightsError, match="recommended working set is 0.0 GB") as e:
         load(str(tiny_dir))
     assert str(tiny_dir) in str(e.value) and "force=True" in str(e.value)
