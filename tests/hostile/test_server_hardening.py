@@ -283,7 +283,8 @@ def test_serve_allows_any_host_only_when_bound_past_loopback(tiny_dir, monkeypat
 
     monkeypatch.setattr(run, "server", lambda app, host, port, **kw: NotRun(app))
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("serve ran uvicorn.run"))
-    args = ["serve", "-m", str(tiny_dir)]
+    # each app (and its engine) is kept: a small pool, not the 1 GiB default reserved four times
+    args = ["serve", "-m", str(tiny_dir), "--kv-budget", str(16 << 20)]
     for extra in (
         ["--host", "0.0.0.0"],
         [],
