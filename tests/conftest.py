@@ -68,10 +68,15 @@ def smollm2_f32_dir(smollm2_hf_dir, tmp_path_factory):
 BUDGET_S = float(os.environ.get("MLXINFER_TEST_BUDGET") or 20)
 REAL_BUDGETS = 3
 # Tests allowed more, each with its reason: node id without parameters -> (budgets, reason).
-# Empty: measured on a loaded 2-core VM (timings ~2x), no unmarked call took over 20 s (the
-# slowest: hostile/test_soak.py's short soak, 18 s) and no `real` one over 60 s (the slowest:
-# real/test_gguf_gemma3.py's greedy output, 50 s; output/test_constraints.py's twenty schemas, 35 s).
-OVER_BUDGET: dict[str, tuple[float, str]] = {}
+# Measured on a quiet 2-core AMD EPYC VM (the whole suite 441 s): no unmarked call over 20 s but
+# the short soak (17 s here, 18 s on a loaded VM), and no `real` one over 60 s (the slowest:
+# output/test_constraints.py's twenty schemas, 21 s; real/test_gguf_gemma3.py's greedy output, 14 s).
+OVER_BUDGET: dict[str, tuple[float, str]] = {
+    "tests/hostile/test_soak.py::test_a_short_soak_serves_everything_refuses_the_hostile_and_drains": (
+        2.0,
+        "the one run of the server under mixed load in the default suite: it serves for a fixed time",
+    ),
+}
 
 
 def _budget_s(item) -> float | None:
