@@ -268,6 +268,7 @@ def test_tensor_splits_quantized_experts(tmp_path):
     assert "experts" in _quantized_tensor_run(tmp_path, path)
 
 
+@SLOW_LAUNCH
 def test_tensor_splits_the_experts_of_mixtral(tmp_path):
     """Every rank holds half of each expert's hidden units (and half the heads), the router
     whole: f32 log-probabilities within 1e-4 of transformers, the same greedy tokens."""
@@ -293,6 +294,7 @@ def test_tensor_splits_the_experts_of_mixtral(tmp_path):
     assert [r["weight_bytes"] for r in results] == [stored, stored]
 
 
+@SLOW_LAUNCH
 def test_tensor_falls_back_to_pipeline_when_heads_do_not_divide(odd_llama, tmp_path):
     path, model = odd_llama
     results, log = _run_rank_script(tmp_path, path, "tensor")
@@ -323,6 +325,7 @@ def test_killed_peer_is_a_clear_error(llama, tmp_path):
         assert "Error: rank 0: lost rank 1 during pipeline step" in err, err
 
 
+@SLOW_LAUNCH
 def test_stalled_peer_ends_within_the_rank_timeout(llama, tmp_path):
     with Ranks(tmp_path, _generate(llama[0], "--rank-timeout", "3")) as ranks:
         ranks.wait_for(0, "runs layers")
@@ -392,6 +395,7 @@ def test_a_wrong_hostfile_or_a_missing_rank_is_a_clear_error(tmp_path):
     ) in done.stderr
 
 
+@SLOW_LAUNCH
 def test_launcher_runs_a_sampled_generation_on_two_ranks(llama, tmp_path):
     """At temperature > 0 without --seed, rank 0 draws the seed every rank samples with: the
     ranks stay in step (a rank that sampled another token would stop them all)."""

@@ -105,7 +105,13 @@ def reference(tmp_path_factory):
     return path, job, {**expected, "accepted": accepted, "drafted": drafted}
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+SLOW = pytest.mark.skipif(
+    os.environ.get("MLXINFER_SLOW") != "1",
+    reason="more two-rank launches than the suite's share: set MLXINFER_SLOW=1 to run",
+)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", pytest.param("tensor", marks=SLOW)])
 def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path, mode):
     """Both ranks' ``batch_generate`` texts (and an engine's tokens) equal one process's, with
     and without a stop string (whose cancellations rank 0 decides for every rank)."""
@@ -158,12 +164,6 @@ def test_batch_generate_across_two_ranks_matches_one_process(reference, tmp_path
         assert disk["loaded"] == blocks and disk["cached"] == blocks * DEFAULT_BLOCK_SIZE
         written = (len(job["prompts"][2]) + job["n"] - 1) // DEFAULT_BLOCK_SIZE  # keys held
         assert len(disk["files"]) == 2 * written
-
-
-SLOW = pytest.mark.skipif(
-    os.environ.get("MLXINFER_SLOW") != "1",
-    reason="more two-rank launches than the suite's share: set MLXINFER_SLOW=1 to run",
-)
 
 
 @SLOW

@@ -91,6 +91,13 @@ def _check(results, model, texts):
     assert delta < 1e-3
 
 
+SLOW = pytest.mark.skipif(
+    os.environ.get("MLXINFER_SLOW") != "1",
+    reason="more two-rank launches than the suite's share: set MLXINFER_SLOW=1 to run",
+)
+
+
+@SLOW
 def test_lfm2_pipeline_matches_transformers_and_batches(tmp_path):
     from test_distributed_batch import _prompts
 
@@ -230,12 +237,6 @@ def test_a_rank_without_attention_layers_keeps_the_others_blocks_in_no_bytes():
         tables.append((b.blocks, c, pool.stats().prefix_hits, pool.available()))
     assert tables[0] == tables[1] == ([0, 1, 2], None, 2, 2)  # block 2: freed, lowest
     assert empty.nbytes == 0 and full.nbytes == 6 * 256
-
-
-SLOW = pytest.mark.skipif(
-    os.environ.get("MLXINFER_SLOW") != "1",
-    reason="more two-rank launches than the suite's share: set MLXINFER_SLOW=1 to run",
-)
 
 
 @SLOW

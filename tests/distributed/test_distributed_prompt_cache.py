@@ -21,6 +21,14 @@ PROMPTS = ["Hello world, the quick brown fox", "Hello world, the quick brown fox
 CACHED = re.compile(r"prompt tokens\s+(\d+) \((\d+) cached\)")
 
 
+# Past the default suite's six two-rank launches (what they check runs in-process by default, or
+# in the launches kept): MLXINFER_SLOW=1 runs them.
+TWO_RANKS = pytest.mark.skipif(
+    os.environ.get("MLXINFER_SLOW") != "1",
+    reason="a two-rank launch past the default suite's six: set MLXINFER_SLOW=1 to run",
+)
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """The 3-layer llama of tests/distributed/test_distributed.py: layers 0-1 on rank 0, 2 on rank 1."""
@@ -76,6 +84,7 @@ def _tokens(path: Path) -> list[int]:
     return [int(t) for t in meta["user.tokens"].split(",")]
 
 
+@TWO_RANKS
 def test_pipeline_ranks_resume_each_from_its_own_file(llama, tmp_path):
     one, cache = tmp_path / "one.cache", tmp_path / "ranks.cache"
     held = 0  # the first prompt's tokens: the second prompt extends them

@@ -10,6 +10,7 @@ must give the same texts from two ranks, sent by four clients at once.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -35,6 +36,14 @@ ASKS = [
 ]
 
 MODEL_DRAFTED: list[str] = []  # one process's answers to ASKS drafting with a draft model
+
+
+# Past the default suite's six two-rank launches (what they check runs in-process by default, or
+# in the launches kept): MLXINFER_SLOW=1 runs them.
+TWO_RANKS = pytest.mark.skipif(
+    os.environ.get("MLXINFER_SLOW") != "1",
+    reason="a two-rank launch past the default suite's six: set MLXINFER_SLOW=1 to run",
+)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +180,7 @@ def test_serve_across_two_ranks_matches_one_process(served, tmp_path):
         assert "Finished server process" in ranks.text(0), ranks.text(0)
 
 
+@TWO_RANKS
 def test_a_lost_rank_fails_the_running_request_and_health(served, tmp_path):
     """--draft-model across ranks (rank 0 drafts, each verification step's drafts reach rank 1):
     greedy and seeded answers are one process's with the same draft model, drafts are kept;
@@ -215,6 +225,7 @@ def test_what_does_not_serve_across_ranks_is_refused_in_one_line(flag):
     assert f"{flag[0]} does not run with --distributed yet" in result.output
 
 
+@TWO_RANKS
 def test_chat_across_two_ranks_answers_as_one_process(served, tmp_path):
     """``chat --distributed``: rank 0's lines reach rank 1; a pause longer than the rank timeout
     between two lines (a person typing) keeps both ranks waiting, not failing."""
