@@ -1,8 +1,6 @@
-"""The ``mlxinfer`` command: a thin shell over the Python API.
-
-Each option maps one-to-one onto a keyword argument of ``stream_generate``,
-``ChatSession`` or ``convert``. Generated text goes to stdout, everything
-else (progress, stats, errors) to stderr.
+"""``mlxinfer generate`` and ``mlxinfer chat``: thin shells over ``stream_generate``,
+``batch_generate`` and ``ChatSession``, each option one keyword argument. Generated text goes
+to stdout, everything else (progress, stats, errors) to stderr.
 """
 
 from __future__ import annotations
@@ -12,9 +10,7 @@ import sys
 
 import click
 
-from ..platform.blas import preload_openblas
-from .bench import bench
-from .distributed import distributed_options, launch
+from .distributed import distributed_options
 from .options import (
     CHAT_TEMPLATE_HELP,
     REASONING,
@@ -28,16 +24,9 @@ from .options import (
     speculative_options,
     structured_options,
 )
-from .serve import serve
 
 
-@click.group()
-@click.version_option(package_name="mlxinfer")
-def cli():
-    """On-device LLM inference on MLX."""
-
-
-@cli.command()
+@click.command()
 @generation_options
 @speculative_options
 @structured_options
@@ -230,7 +219,7 @@ def _generate_batch(
         click.echo(json.dumps({"index": i, "text": text}, ensure_ascii=False), setting.out)
 
 
-@cli.command()
+@click.command()
 @generation_options
 @speculative_options
 @click.option("--system", default=None, help="System message.")
@@ -298,88 +287,3 @@ def chat(
         from ..cache.prompt_file import save
 
         save(cache_file, session.prompt_cache, fingerprint, llm)
-
-
-@cli.command()
-@click.argument("src")
-@click.option(
-    "--output", "-o", "dst", required=True, help="Output directory (must not exist or be empty)."
-)
-@click.option(
-    "--quantize",
-    "-q",
-    is_flag=True,
-    help="Quantize Linear/Embedding weights (GGUF without --dtype: re-quantize only its K-quant "
-    "tensors to --bits/--group-size).",
-)
-@click.option(
-    "--bits", default=4, show_default=True, type=click.Choice(["2", "3", "4", "5", "6", "8"])
-)
-@click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
-@click.option(
-    "--dtype",
-    default=None,
-    type=click.Choice(["float16", "bfloat16", "float32"]),
-    help="Float dtype of the output; a GGUF is dequantized to it [default: the checkpoint's; "
-    "a GGUF keeps its own types].",
-)
-@_errors_to_click
-def convert(src, dst, quantize, bits, group_size, dtype):
-    """Convert a Hugging Face checkpoint (directory or repo id) or a GGUF file."""
-    from ..loading.convert import convert as run_convert
-
-    report = run_convert(
-        src,
-        dst,
-        quantize=quantize,
-        bits=int(bits),
-        group_size=int(group_size),
-        dtype=dtype,
-        progress=True,
-        log=_log,
-    )
-    _log(
-        f"wrote {report['path']}: {report['parameters'] / 1e6:.1f}M parameters, "
-        f"{report['bits_per_weight']:.2f} bits per weight, {report['bytes'] / 2**20:.1f} MiB on disk"
-    )
-
-
-@cli.command()
-@click.argument("model_dir", metavar="DIR")
-@_errors_to_click
-def verify(model_dir):
-    """Check every file of a model directory against its manifest (size and SHA-256).
-
-    Exit status: 0 every file matches; 1 a file is damaged or missing (each named), or DIR
-    is not a model directory; 3 DIR has no manifest (converted before manifests, or by
-    another tool), so there is nothing to check against.
-    """
-    from ..files.manifest import MANIFEST_NAME
-    from ..files.manifest import verify as run_verify
-
-    result = run_verify(model_dir)
-    if not result.has_manifest:
-        click.echo(
-            f"{result.path}: no {MANIFEST_NAME} (converted before manifests, or by another "
-            "tool); nothing to check against"
-        )
-        sys.exit(3)
-    for problem in result.problems:
-        click.echo(f"damaged: {problem}")
-    for name in result.unlisted:
-        click.echo(f"note: {result.path / name}: not in {MANIFEST_NAME} (added after conversion)")
-    if result.problems:
-        click.echo(f"{result.path}: {len(result.problems)} of {result.files} files damaged/missing")
-        sys.exit(1)
-    size = f"{result.bytes / 2**20:.1f} MiB"
-    click.echo(f"{result.path}: OK ({result.files} files, {size}, sizes and SHA-256 match)")
-
-
-cli.add_command(serve)
-cli.add_command(bench)
-cli.add_command(launch)
-
-
-def main() -> None:
-    preload_openblas()  # before anything imports mlx
-    cli()

@@ -1,0 +1,30 @@
+"""The ``mlxinfer`` command: the group and its commands, each a thin shell over the Python
+API (each option one keyword argument): generate and chat (``generate.py``), convert and
+verify (``convert.py``), serve, bench, and launch (``distributed.py``).
+"""
+
+from __future__ import annotations
+
+import click
+
+from ..platform.blas import preload_openblas
+from .bench import bench
+from .convert import convert, verify
+from .distributed import launch
+from .generate import chat, generate
+from .serve import serve
+
+
+@click.group()
+@click.version_option(package_name="mlxinfer")
+def cli():
+    """On-device LLM inference on MLX."""
+
+
+for command in (generate, chat, convert, verify, serve, bench, launch):
+    cli.add_command(command)
+
+
+def main() -> None:
+    preload_openblas()  # before anything imports mlx
+    cli()
