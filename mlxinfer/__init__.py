@@ -35,6 +35,7 @@ _EXPORTS = {
     "GenerationResult": "generation.results",
     "GenerationStats": "generation.results",
     "SamplingParams": "generation.sampling",
+    "OutputRules": "generation.rules",
     "convert": "loading.convert",
     "verify": "files.manifest",
     "make_sampler": "generation.sampling",

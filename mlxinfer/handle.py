@@ -44,6 +44,7 @@ ENGINE_OPTIONS = {
     "tools",
     "tool_choice",
     "split_reasoning",
+    "output",
     "chat_template_kwargs",
 }
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..generation.drafts import Draft, DraftModel
+from ..generation.rules import OutputRules
 from ..generation.sampling import SAMPLING_FIELDS, SamplingParams
 from ..output.constraints import Constraint
 from .config import EngineConfig
@@ -60,6 +61,7 @@ def batch_generate(
     draft: Draft | None = None,
     num_draft: int | None = None,
     constraint: Constraint | None = None,
+    output: OutputRules | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     micro_batches: bool | None = None,
     **sampling_options,
@@ -70,14 +72,16 @@ def batch_generate(
     values. ``draft=PromptLookup()`` or ``DraftModel(...)``: every request drafts by
     prompt lookup or with that draft model, whose steps the requests share (``num_draft``
     tokens per step, or adaptive). ``constraint``: every request's output must match it
-    (each request has its own matcher). ``chat_template_kwargs``: more chat-template variables,
-    as for ``stream_generate``. ``micro_batches``: the engine's (a pipeline's flights)."""
+    (each request has its own matcher). ``output``, ``chat_template_kwargs``: the output rules
+    as one :class:`~mlxinfer.generation.rules.OutputRules`, more chat-template variables: as for
+    ``stream_generate``. ``micro_batches``: the engine's (a pipeline's flights)."""
     unknown = set(sampling_options) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"batch_generate: unexpected option(s) {', '.join(sorted(unknown))}")
     if sampling is not None and sampling_options:
         raise ValueError("sampling: given as one SamplingParams, and also as separate options")
     sampling = sampling or SamplingParams(**sampling_options)
+    output = OutputRules.merge(output, {"stop": stop, "constraint": constraint})
     if draft is not None:
         draft.check(model, tokenizer)  # a draft model's vocabulary: DraftError naming both
     options = {}
@@ -98,12 +102,11 @@ def batch_generate(
                 p,
                 max_tokens=max_tokens,
                 sampling=sampling,
-                stop=stop,
+                output=output,
                 chat_template=chat_template,
                 truncate_prompt=truncate_prompt,
                 draft=draft,
                 num_draft=num_draft,
-                constraint=constraint,
                 chat_template_kwargs=chat_template_kwargs,
             )
             for p in prompts

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..generation.drafts import Draft
 from ..generation.request import KVRoom, prepare_request
 from ..generation.results import GenerationResult
+from ..generation.rules import OutputRules
 from ..generation.sampling import SamplingParams
 from ..output.constraints.spec import Constraint
 from .requests import Handle, Stream
@@ -53,6 +54,7 @@ class TextRequests:
         tools: list[dict] | None = None,
         tool_choice: Any = None,
         split_reasoning: bool = False,
+        output: OutputRules | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         **constraint_options,
     ) -> Stream:
@@ -60,7 +62,8 @@ class TextRequests:
         any thread may :meth:`~Stream.cancel` (``draft``, ``num_draft``: as for
         :meth:`submit`; ``constraint`` or one of ``response_format``, ``json_schema``,
         ``regex``, ``choices``, ``grammar``: structured output, as for ``stream_generate``;
-        ``tools``, ``tool_choice``, ``split_reasoning``, ``chat_template_kwargs``: likewise)."""
+        ``tools``, ``tool_choice``, ``split_reasoning``, ``chat_template_kwargs``, ``output``:
+        likewise)."""
         # The pool's room caps max_tokens (an agent's max_tokens of 32,000 past a small budget
         # ends as "length"); a prompt it can never hold is submit's to refuse (check_fits).
         room = KVRoom(self.room)
@@ -70,10 +73,11 @@ class TextRequests:
             prompt,
             max_tokens=max_tokens,
             sampling=sampling,
-            stop=stop,
+            output=output,
             chat_template=chat_template,
             truncate_prompt=truncate_prompt,
             kv_room=room,
+            stop=stop,
             constraint=constraint,
             tools=tools,
             tool_choice=tool_choice,

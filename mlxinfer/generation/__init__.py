@@ -9,6 +9,8 @@
   (stop strings, EOS, the timeline, tool calls, reasoning);
 - ``speculative``: the sibling loop that drafts, verifies and accepts, with the same outputs;
 - ``drafts``: where drafts come from (a draft model, prompt lookup, a self-draft);
+- ``rules``: a request's output rules (``OutputRules``: stop strings, structured output, tools,
+  reasoning), one object or loose keywords;
 - ``sampling``: a request's sampling settings (``SamplingParams``), samplers and processors;
 - ``stop``: stop strings, matched without leaking a partial match;
 - ``results``: the shared types (``Step``, ``GenerationResult``, ``GenerationStats``), a leaf.
@@ -19,8 +21,10 @@ did in what they yield.
 
 from .loop import generate, generate_step, prepare_prompt, stream_generate
 from .request import PreparedRequest, prepare_request
+from .rules import OutputRules
 
 __all__ = [
+    "OutputRules",
     "PreparedRequest",
     "generate",
     "generate_step",

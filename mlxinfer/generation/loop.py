@@ -8,7 +8,8 @@ speculative loop, with the tokenizer, in three parts: ``prepare_request``
 (the token loop, yielding ``results.Step``) and ``PreparedRequest.results``
 (the UTF-8-safe detokenizer, stop strings, the per-request timeline, tool calls
 and reasoning); the first and the last are the request's, in request.py, shared
-with the batch engine. Sampling settings travel as one ``SamplingParams``.
+with the batch engine. Sampling settings travel as one ``SamplingParams``, output rules as one
+``OutputRules``.
 ``generate`` just joins the stream.
 Data flows one way: the loops import the shared types (results.py) and
 prefill, and report what they did in what they yield.
@@ -33,6 +34,7 @@ from ..platform.threads import release_at_thread_exit
 from .prefill import DEFAULT_PREFILL_STEP, check_token_ids, prefill, token_ids
 from .request import KVRoom, PreparedRequest, prepare_prompt, prepare_request
 from .results import GenerationResult, Step
+from .rules import OutputRules
 from .sampling import SAMPLING_FIELDS, LogitsProcessor, Sampler, SamplingParams, make_sampler
 from .speculative import MAX_DRAFT, speculative_generate_step
 
@@ -162,6 +164,7 @@ def stream_generate(
     tools: list[dict] | None = None,
     tool_choice: Any = None,
     split_reasoning: bool = False,
+    output: OutputRules | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
@@ -200,6 +203,8 @@ def stream_generate(
             harmony channels; read from its chat template): each result's ``reasoning`` gets the
             reasoning's text and ``text`` only the answer's, the markers in neither
             (:mod:`mlxinfer.output.reasoning`). Off: ``text`` is the output as the model wrote it.
+        output: ``stop`` to ``split_reasoning`` above as one :class:`OutputRules` (then leave
+            them unset: a setting given both ways is a TypeError naming it).
         chat_template_kwargs: more variables for the chat template, as transformers'
             ``apply_chat_template(**kwargs)`` takes them: ``{"enable_thinking": False}``
             (Qwen3), ``{"reasoning_effort": "high"}`` (gpt-oss).
@@ -238,10 +243,11 @@ def stream_generate(
         prompt,
         max_tokens=max_tokens,
         sampling=sampling,
-        stop=stop,
+        output=output,
         chat_template=chat_template,
         truncate_prompt=truncate_prompt,
         kv_room=KVRoom(limit.tokens - reserve, limit),
+        stop=stop,
         constraint=constraint,
         response_format=response_format,
         json_schema=json_schema,

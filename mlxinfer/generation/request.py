@@ -2,11 +2,11 @@
 
 Before the loop, :func:`prepare_request` turns a prompt (text, token ids or chat messages,
 through :func:`prepare_prompt`) and its options into a :class:`PreparedRequest`: the output
-rules (a constraint, tools), the ids fitted in the context and the KV room, the sampling settings
-checked. After it, :meth:`PreparedRequest.results` turns the loop's ``Step``s into
-``GenerationResult``s: the UTF-8-safe detokenizer, stop strings (the one hit named), EOS and the
-length, the per-request timeline (finished on the last result), then tool calls (held back
-from the text while streaming) and reasoning. The
+rules (an :class:`~.rules.OutputRules`: a constraint, tools), the ids fitted in the context and
+the KV room, the sampling settings checked. After it, :meth:`PreparedRequest.results` turns the
+loop's ``Step``s into ``GenerationResult``s: the UTF-8-safe detokenizer, stop strings (the one
+hit named), EOS and the length, the per-request timeline (finished on the last result), then tool
+calls (held back from the text while streaming) and reasoning. The
 single-request loop (loop.py) and the batch engine's text side (batch/frontend.py) both prepare
 a request here, so a request reads the same whichever runs it.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
+from typing import Any, Iterator, Sequence, cast
 
 import mlx.core as mx
 
@@ -26,11 +26,9 @@ from ..output.toolcalls import Tooling, output_rules
 from .prefill import check_token_ids, token_ids
 from .prompt import clean_prompt, fit_context
 from .results import GenerationResult, GenerationStats, Step
+from .rules import OutputRules
 from .sampling import LogitsProcessor, SamplingParams
 from .stop import StopMatcher
-
-if TYPE_CHECKING:
-    from ..output.constraints import Constraint
 
 
 def prepare_prompt(
@@ -141,16 +139,12 @@ def prepare_request(
     *,
     max_tokens: int = 256,
     sampling: SamplingParams | None = None,
-    stop: Sequence[str] = (),
+    output: OutputRules | None = None,
     chat_template: bool = False,
     truncate_prompt: bool = False,
     kv_room: KVRoom | None = None,
-    constraint: Constraint | None = None,
-    tools: list[dict] | None = None,
-    tool_choice: Any = None,
-    split_reasoning: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
-    **constraint_options,
+    **rules,
 ) -> PreparedRequest:
     """Prepare one request for a token loop: ``stream_generate``'s and the batch engine's.
 
@@ -162,15 +156,15 @@ def prepare_request(
     Args:
         max_tokens: new tokens at most; capped by what the context and ``kv_room`` leave.
         sampling: the request's :class:`SamplingParams` (None: greedy).
+        output: the request's :class:`OutputRules` (stop strings, structured output, tools,
+            reasoning); or, in ``rules``, its fields as keywords (not both: a TypeError).
         kv_room: what the request's KV cache may hold (None: the context only).
-        constraint, and ``response_format``, ``json_schema``, ``regex``, ``choices``,
-            ``grammar`` in ``constraint_options``: structured output, at most one.
-        stop, chat_template, truncate_prompt, tools, tool_choice, split_reasoning,
-            chat_template_kwargs: as for ``stream_generate``.
+        chat_template, truncate_prompt, chat_template_kwargs: as for ``stream_generate``.
     """
     t0 = time.perf_counter()
+    output = OutputRules.merge(output, rules)
     constraint, tooling = output_rules(
-        tokenizer, tools, tool_choice, constraint=constraint, **constraint_options
+        tokenizer, output.tools, output.tool_choice, **output.constraint_options()
     )
     ids = prepare_prompt(
         tokenizer,
@@ -200,9 +194,9 @@ def prepare_request(
         n_new,
         sampling,
         processors,
-        stop,
+        output.stop,
         tooling,
-        split_reasoning,
+        output.split_reasoning,
         stats,
         t0,
     )
