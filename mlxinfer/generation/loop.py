@@ -204,7 +204,7 @@ def stream_generate(
             reasoning's text and ``text`` only the answer's, the markers in neither
             (:mod:`mlxinfer.output.reasoning`). Off: ``text`` is the output as the model wrote it.
         output: ``stop`` to ``split_reasoning`` above as one :class:`OutputRules` (then leave
-            them unset: a setting given both ways is a TypeError naming it).
+            them unset: a setting given both ways is a ValueError naming it).
         chat_template_kwargs: more variables for the chat template, as transformers'
             ``apply_chat_template(**kwargs)`` takes them: ``{"enable_thinking": False}``
             (Qwen3), ``{"reasoning_effort": "high"}`` (gpt-oss).

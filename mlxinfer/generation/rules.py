@@ -40,14 +40,14 @@ class OutputRules:
     @classmethod
     def merge(cls, output: OutputRules | None, loose: dict[str, Any]) -> OutputRules:
         """``output``, or the ``loose`` keywords as one object when it is None. A keyword set
-        (not at its default) beside ``output`` is a TypeError naming it, as is a name that is no
-        field."""
+        (not at its default) beside ``output`` is a ValueError naming it (as ``sampling=`` beside
+        a sampling keyword is); a name that is no field, a TypeError."""
         if unknown := sorted(set(loose) - set(OUTPUT_FIELDS)):
             raise TypeError(f"unexpected output option(s) {', '.join(unknown)}")
         if output is None:
             return cls(**loose)
         if clash := [k for k, v in loose.items() if not _unset(k, v)]:
-            raise TypeError(
+            raise ValueError(
                 f"{', '.join(clash)}: given in output= (an OutputRules) and as a keyword too"
             )
         return output

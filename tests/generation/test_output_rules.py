@@ -1,6 +1,6 @@
 """``output=OutputRules(...)``: the output rules as one object, the same request as the loose
 keywords, through ``stream_generate`` and ``Engine.stream``; a setting given both ways is a
-TypeError naming it."""
+ValueError naming it, as sampling= beside a sampling keyword is."""
 
 import re
 
@@ -56,13 +56,13 @@ def test_output_rules_are_the_loose_keywords(tiny):
 def test_a_setting_given_both_ways_is_a_type_error_naming_it(tiny):
     model, tok = tiny
     rules = OutputRules(stop=["."])
-    with pytest.raises(TypeError, match="regex: given in output="):
+    with pytest.raises(ValueError, match="regex: given in output="):
         list(stream_generate(model, tok, "x", output=rules, regex=REGEX))
-    with pytest.raises(TypeError, match="stop, split_reasoning: given in output="):
+    with pytest.raises(ValueError, match="stop, split_reasoning: given in output="):
         list(stream_generate(model, tok, "x", output=rules, stop=["!"], split_reasoning=True))
-    with Engine(model) as engine, pytest.raises(TypeError, match="choices: given in output="):
+    with Engine(model) as engine, pytest.raises(ValueError, match="choices: given in output="):
         list(engine.stream(tok, "x", output=rules, choices=["a", "b"]))
-    with pytest.raises(TypeError, match="stop: given in output="):
+    with pytest.raises(ValueError, match="stop: given in output="):
         batch_generate(model, tok, ["x"], output=rules, stop=["!"])
     # Loose keywords left at their defaults are no clash (an empty stop list among them).
     assert list(stream_generate(model, tok, "x", max_tokens=2, output=rules, stop=[]))
