@@ -8,6 +8,7 @@ Public API::
         print(r.text, end="")
     mlxinfer.convert("hf-dir-or-repo", "out-dir", quantize=True)
     mlxinfer.verify("out-dir").ok        # every file's size and SHA-256 against its manifest
+    mlxinfer.perplexity(["q4-dir"], reference="f32-dir")   # PPL, KLD, top-1 on the same tokens
     stream_generate(..., draft=mlxinfer.PromptLookup())     # speculative decoding
     texts = mlxinfer.batch_generate(model, tokenizer, ["Hi", "Hello"])  # one batch
     engine = mlxinfer.Engine(model)   # continuous batching: engine.stream(tokenizer, prompt)
@@ -38,6 +39,7 @@ _EXPORTS = {
     "OutputRules": "generation.rules",
     "convert": "loading.convert",
     "verify": "files.manifest",
+    "perplexity": "quality.perplexity",
     "make_sampler": "generation.sampling",
     "make_logits_processors": "generation.sampling",
     "PromptCache": "cache.prompt",

@@ -49,3 +49,8 @@ class InsufficientMemoryError(WeightsError):
 class DistributedError(MlxInferError):
     """A distributed run that cannot go on: a bad hostfile or environment, a rank that died,
     stalled past the rank timeout, or fed other tokens than rank 0 (mlxinfer/distributed)."""
+
+
+class QualityError(MlxInferError, ValueError):
+    """A perplexity comparison that cannot be made: models with different vocabularies, or a
+    text too short for one chunk (mlxinfer/quality)."""

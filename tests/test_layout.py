@@ -139,6 +139,7 @@ PACKAGE_ORDER = [
     "loading",
     "output",
     "generation",
+    "quality",
     "batch",
     "distributed",
     "embeddings",

@@ -1,6 +1,7 @@
 """The ``mlxinfer`` command: the group and its commands, each a thin shell over the Python
 API (each option one keyword argument): generate and chat (``generate.py``), convert and
-verify (``convert.py``), serve, bench, and launch (``distributed.py``).
+verify (``convert.py``), perplexity (``quality.py``), serve, bench, and launch
+(``distributed.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from .bench import bench
 from .convert import convert, verify
 from .distributed import launch
 from .generate import chat, generate
+from .quality import perplexity
 from .serve import serve
 
 
@@ -21,7 +23,7 @@ def cli():
     """On-device LLM inference on MLX."""
 
 
-for command in (generate, chat, convert, verify, serve, bench, launch):
+for command in (generate, chat, convert, verify, perplexity, serve, bench, launch):
     cli.add_command(command)
 
 
