@@ -189,7 +189,7 @@ def load_model(
         if log is not None:
             log(f"{model_dir}: an embedding checkpoint without an LM head; not needed to embed")
         model = build_model({**config, "tie_word_embeddings": True}, source)
-    if (record := quantization_record(config)) is not None:
+    if (record := quantization_record(config, source)) is not None:
         apply_quantization(model, record, weights)
     if dtype is not None:
         weights = {

@@ -146,7 +146,6 @@ def check_config(config: dict[str, Any], args_class: type, source: str = "config
             theta = params.get("rope_theta")
             if theta is not None and not (_number(theta) and math.isfinite(theta) and theta > 0):
                 raise ConfigError(f"{where}: 'rope_theta' must be > 0, found {_short(theta)}")
-    _check_quantization(config, source)
 
 
 def check_rope_scaling(scaling: Any, source: str = "config.json") -> None:
@@ -331,33 +330,6 @@ def _first(args: Any, *names: str) -> Any:
         if value is not None:
             return value
     return None
-
-
-def _check_quantization(config: dict[str, Any], source: str) -> None:
-    """Our ``quantization`` record: defaults plus per-layer entries (quant.py)."""
-    record = config.get("quantization")
-    if record is None:
-        return
-    if not isinstance(record, dict):
-        raise ConfigError(f"{source}: key 'quantization' must be an object, found {_short(record)}")
-    entries = [("quantization", record)] + [
-        (f"quantization.{k}", v) for k, v in record.items() if isinstance(v, dict)
-    ]
-    for where, entry in entries:
-        for key, ok, want in (
-            ("bits", lambda v: v in (2, 3, 4, 5, 6, 8) and _integer(v), "2, 3, 4, 5, 6 or 8"),
-            ("group_size", lambda v: _integer(v) and 1 <= v <= 2**14, "an integer in 1..16384"),
-            ("mode", lambda v: isinstance(v, str), "a string"),
-        ):
-            if key in entry and not ok(entry[key]):
-                raise ConfigError(
-                    f"{source}: '{where}.{key}' must be {want}, found {_short(entry[key])}"
-                )
-    for key, value in record.items():
-        if key not in ("bits", "group_size", "mode") and not isinstance(value, (dict, bool)):
-            raise ConfigError(
-                f"{source}: 'quantization.{key}' must be an object or false, found {_short(value)}"
-            )
 
 
 def _short(value: Any) -> str:

@@ -7,7 +7,8 @@ that record back through ``apply_quantization`` before the weights go in.
 
 A checkpoint quantized elsewhere is read as it is stored where MLX has the same
 format: gpt-oss's MXFP4 experts (``quantization_config.quant_method: mxfp4``)
-are MLX's ``mxfp4`` mode as they are (:func:`quantization_record`).
+are MLX's ``mxfp4`` mode as they are. Which record counts and what each entry means
+(mlx-lm's per-layer records, MLX's float modes) is ``record.py``.
 """
 
 from __future__ import annotations
@@ -18,20 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .record import MXFP4 as MXFP4  # re-exported: the record is read in record.py
+from .record import layer_settings
+from .record import quantization_record as quantization_record
+
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-
-
-def quantization_record(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The record of how ``config``'s weights are quantized: ours (``quantization``), or an
-    MXFP4 checkpoint's (``quantization_config`` with ``quant_method: mxfp4``: its layers with
-    ``.scales`` are MLX ``mxfp4``), or None (float weights)."""
-    if "quantization" in config:
-        return config["quantization"]
-    theirs = config.get("quantization_config")
-    if isinstance(theirs, dict) and theirs.get("quant_method") == "mxfp4":
-        return dict(MXFP4)
-    return None
 
 
 def quantized_layers(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -87,27 +79,19 @@ def apply_quantization(
     """Re-create the quantized layers that ``weights`` hold (those with ``.scales``).
 
     A per-layer entry ``{path: {"bits": b, "group_size": g, "mode": m}}`` overrides the
-    defaults for that layer (GGUF imports mix types; MXFP4 experts beside affine layers).
+    defaults for that layer (mlx-lm's mixed recipes, GGUF imports, MXFP4 experts beside affine
+    layers); ``{path: false}`` keeps it in float. Null settings are the mode's defaults
+    (``record.layer_settings``).
     """
-    default = {
-        "group_size": record.get("group_size", 64),
-        "bits": record.get("bits", 4),
-        "mode": record.get("mode", "affine"),
-    }
+    default = layer_settings(record)
 
     def predicate(path: str, module: nn.Module):
-        if f"{path}.scales" not in weights:
-            return False
         entry = record.get(path)
-        return {**default, **entry} if isinstance(entry, dict) else default
+        if entry is False or f"{path}.scales" not in weights:
+            return False
+        return layer_settings(record, entry) if isinstance(entry, dict) else dict(default)
 
-    nn.quantize(
-        model,
-        group_size=default["group_size"],
-        bits=default["bits"],
-        mode=default["mode"],
-        class_predicate=predicate,
-    )
+    nn.quantize(model, class_predicate=predicate)
 
 
 def bits_per_weight(model: nn.Module) -> float:

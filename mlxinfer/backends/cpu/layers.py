@@ -26,7 +26,10 @@ class CPUNorm:
     cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
 
     def normalize(self, x: mx.array, weight: mx.array) -> mx.array:
-        if self.cpu_decode_kernel:  # the ``decode`` plan: one kernel call for a few rows
+        # The ``decode`` plan: one kernel call for a few rows. The kernel rounds the normalised
+        # rows to x's dtype; mixed dtypes (a float mode's bfloat16 embedding rows before float32
+        # weights) take ops, which promotes as mx.fast.rms_norm does.
+        if self.cpu_decode_kernel and x.dtype == weight.dtype:
             y = compiled.rms_norm(x, weight, self.eps)
             if y is not None:
                 return y

@@ -129,11 +129,14 @@ def apply_rope(
 def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     xf = x.astype(mx.float32)
     normed = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
+    # Two different float dtypes promote to float32 (a float mode's bfloat16 embedding rows
+    # before float32 norm weights), as in mx.fast.rms_norm: not rounded to x's dtype first.
+    return weight * normed.astype(x.dtype if x.dtype == weight.dtype else mx.float32)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """``mx.fast.rms_norm`` semantics (float32 statistics, result in ``x``'s dtype, then × weight)."""
+    """``mx.fast.rms_norm`` semantics (float32 statistics, result in the promoted dtype of ``x`` and
+    ``weight``, then × weight)."""
     return _rms_norm(x, weight, eps)
 
 

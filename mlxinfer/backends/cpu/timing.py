@@ -213,15 +213,22 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
     return {"plans": chosen, "seconds": seconds, "blocks_timed": timed}
 
 
+def compute_dtype(layer: nn.Module) -> mx.Dtype:
+    """The float dtype ``layer`` computes in: an affine layer's scales', a float layer's weight's;
+    float32 for MLX's float modes (mxfp4, nvfp4, mxfp8), whose scales are uint8 exponents."""
+    for key in ("scales", "weight"):
+        if key in layer and mx.issubdtype(layer[key].dtype, mx.floating):
+            return layer[key].dtype
+    return mx.float32
+
+
 def attention_shapes(model: nn.Module) -> tuple[int, int, int, mx.Dtype] | None:
     """(query heads, kv heads, head size, dtype) of the model's grouped-query attention."""
     for module in attention_layers(model):
         if all(hasattr(module, a) for a in ("n_heads", "n_kv_heads", "head_dim")):
             proj = module.get("o_proj")
-            dtype = proj["scales"].dtype if proj is not None and "scales" in proj else None
-            if proj is not None and dtype is None:
-                dtype = proj["weight"].dtype
-            return module.n_heads, module.n_kv_heads, module.head_dim, dtype or mx.float32
+            dtype = compute_dtype(proj) if proj is not None else mx.float32
+            return module.n_heads, module.n_kv_heads, module.head_dim, dtype
     return None
 
 
@@ -253,7 +260,7 @@ def measure_dequantize_rows(model: nn.Module) -> tuple[int, dict]:
     its quantized kernel (the decode plan's, by parts), timed on the largest quantized layer."""
     layer = max(quantized_linears(model), key=lambda m: m["weight"].size)
     in_features = layer["scales"].shape[-1] * layer.group_size
-    dtype = layer["scales"].dtype
+    dtype = compute_dtype(layer)
 
     def timer(rows):
         x = mx.random.normal((1, rows, in_features)).astype(dtype)
@@ -273,11 +280,8 @@ def measure_small(model: nn.Module) -> tuple[int, dict]:
     """The fewest elements from which SwiGLU through the fast exponential beats MLX's own ops."""
     dtype = mx.float32
     for module in exponential_users(model):
-        if isinstance(module, model_layers.GatedMLP) and "weight" in module.up_proj:
-            dtype = module.up_proj["weight"].dtype
-            break
-        if isinstance(module, model_layers.GatedMLP) and "scales" in module.up_proj:
-            dtype = module.up_proj["scales"].dtype
+        if isinstance(module, model_layers.GatedMLP):
+            dtype = compute_dtype(module.up_proj)
             break
 
     def timer(n):
