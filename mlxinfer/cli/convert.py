@@ -26,6 +26,14 @@ from .options import _errors_to_click, _log
 )
 @click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
 @click.option(
+    "--rounding",
+    default="minmax",
+    show_default=True,
+    type=click.Choice(["minmax", "mse"]),
+    help="How -q sets each group's scale and bias: from its min and max, or fitted to the least "
+    "squared error (same format; HF checkpoints).",
+)
+@click.option(
     "--dtype",
     default=None,
     type=click.Choice(["float16", "bfloat16", "float32"]),
@@ -33,7 +41,7 @@ from .options import _errors_to_click, _log
     "a GGUF keeps its own types].",
 )
 @_errors_to_click
-def convert(src, dst, quantize, bits, group_size, dtype):
+def convert(src, dst, quantize, bits, group_size, rounding, dtype):
     """Convert a Hugging Face checkpoint (directory or repo id) or a GGUF file."""
     from ..loading.convert import convert as run_convert
 
@@ -43,6 +51,7 @@ def convert(src, dst, quantize, bits, group_size, dtype):
         quantize=quantize,
         bits=int(bits),
         group_size=int(group_size),
+        rounding=rounding,
         dtype=dtype,
         progress=True,
         log=_log,

@@ -57,6 +57,7 @@ def convert(
     quantize: bool = False,
     bits: int = 4,
     group_size: int = 64,
+    rounding: str = "minmax",
     dtype: str | None = None,
     progress: bool | Progress = False,
     log: Callable[[str], None] | None = None,
@@ -65,6 +66,9 @@ def convert(
 
     Args:
         quantize: store Linear/Embedding weights as affine ``bits``-bit groups.
+        rounding: ``"minmax"`` (each group's scale and bias from its min and max, as
+            ``mx.quantize``) or ``"mse"`` (fitted to the least squared error; same format).
+            A HF checkpoint only, for now.
         dtype: float16, bfloat16 or float32 for the float weights; default: the
             checkpoint's own dtype (``torch_dtype`` / ``dtype``), else float16.
         progress: True: progress bars on stderr; a callback: ``(stage, done, total)`` for
@@ -79,6 +83,11 @@ def convert(
     if str(src).endswith(".gguf"):
         from ..gguf import import_gguf
 
+        if rounding != "minmax":
+            raise ConfigError(
+                f"--rounding {rounding} is not supported for a GGUF source yet; convert it with "
+                "--dtype float32 first, then quantize that directory"
+            )
         # Without --dtype the file's own types are kept, and -q re-quantizes only its K-quant tensors;
         # with --dtype every tensor is dequantized to it, and -q quantizes as for a HF checkpoint.
         return import_gguf(
@@ -99,16 +108,15 @@ def convert(
 
     Tokenizer.from_dir(src_dir)  # a missing or broken tokenizer fails before any work
 
+    settings = dict(bits=bits, group_size=group_size, rounding=rounding) if quantize else None
     report = resolve(progress)
     try:
-        return _convert_hf(
-            src_dir, dst, config, family, model, target, quantize, bits, group_size, report
-        )
+        return _convert_hf(src_dir, dst, config, family, model, target, settings, report)
     finally:
         finished(report)
 
 
-def _convert_hf(src_dir, dst, config, family, model, target, quantize, bits, group_size, report):
+def _convert_hf(src_dir, dst, config, family, model, target, settings, report):
     weights = read_weights(src_dir, report)
     if config.get("language_model_of"):
         weights = language_model_weights(weights)
@@ -126,8 +134,8 @@ def _convert_hf(src_dir, dst, config, family, model, target, quantize, bits, gro
     if "dtype" in out_config:  # transformers 5's name for the same field
         out_config["dtype"] = _dtype_name(target)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    if quantize:
-        out_config["quantization"] = quantize_model(model, bits=bits, group_size=group_size)
+    if settings is not None:  # -q: bits, group_size, rounding
+        out_config["quantization"] = quantize_model(model, **settings)
     elif stored is not None:
         out_config["quantization"] = stored
     params = dict(tree_flatten(model.parameters()))

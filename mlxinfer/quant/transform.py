@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 from .record import MXFP4 as MXFP4  # re-exported: the record is read in record.py
 from .record import layer_settings
 from .record import quantization_record as quantization_record
+from .rounding import ROUNDINGS, fit_affine
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -39,8 +40,14 @@ def _quantizable(module: nn.Module, group_size: int) -> bool:
     return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
 
 
-def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 64) -> dict[str, Any]:
+def quantize_model(
+    model: nn.Module, *, bits: int = 4, group_size: int = 64, rounding: str = "minmax"
+) -> dict[str, Any]:
     """Quantize ``model`` in place; returns the config.json record.
+
+    ``rounding="minmax"`` takes each group's scale and bias from its min and max (MLX's
+    ``mx.quantize``); ``"mse"`` fits them to the least squared error (``rounding.fit_affine``),
+    in the same format.
 
     Layers whose input width is not a multiple of ``group_size`` stay in float
     and are listed in the record as ``{path: False}``; layers quantized already (an MXFP4
@@ -50,9 +57,12 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 64) -> 
         raise ValueError(f"--bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size not in (32, 64, 128):
         raise ValueError(f"--group-size must be 32, 64 or 128, got {group_size}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"--rounding must be one of {ROUNDINGS}, got {rounding!r}")
     record: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     record.update(quantized_layers(model))
     skipped = []
+    floats: dict[str, mx.array] = {}  # path -> float weight, kept for rounding="mse"
 
     # A family may keep some layers in float (routers, tiny projections) by
     # defining `quant_predicate(path, module) -> bool` on its Model.
@@ -66,9 +76,18 @@ def quantize_model(model: nn.Module, *, bits: int = 4, group_size: int = 64) -> 
         ):
             skipped.append(path)
             return False
+        if rounding == "mse":
+            floats[path] = module.weight
         return True
 
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    modules = dict(model.named_modules()) if floats else {}
+    for path, weight in floats.items():
+        layer = modules[path]
+        layer.weight, layer.scales, layer.biases = fit_affine(
+            weight, group_size=group_size, bits=bits
+        )
+        mx.eval(layer.weight, layer.scales, layer.biases)
     record.update({path: False for path in skipped})
     return record
 

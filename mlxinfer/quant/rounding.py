@@ -1,0 +1,109 @@
+"""Least-squares rounding for MLX's affine format (issue 48, item 3).
+
+MLX's affine quantization stores each group of ``group_size`` inputs as
+``w ≈ scale * q + bias`` with ``q`` in ``0 .. 2**bits - 1``. ``mx.quantize`` takes
+scale and bias from the group's min and max; ``fit_affine`` instead fits them to
+minimise the group's squared error and stores the result in exactly the layout
+``mx.quantize`` returns, so ``nn.QuantizedLinear``/``QuantizedEmbedding`` and every
+other MLX app load it unchanged.
+
+Per group, candidates are: min/max itself (``mx.quantize``'s own scale and bias),
+and for each clipping factor ``f`` (the min/max range shrunk about its centre)
+a few alternating steps of
+
+    q = clip(round((w - bias) / scale), 0, 2**bits - 1)      # codes for this fit
+    scale, bias = least squares of w on [q, 1]                # closed form
+
+The candidate with the lowest squared error wins, group by group, so the fit is
+never worse than min/max. Errors are measured with scale and bias already rounded
+to the stored dtype, so the comparison is the one ``mx.dequantize`` sees.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+ROUNDINGS = ("minmax", "mse")
+CLIP_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7)
+ITERATIONS = 4
+
+
+def pack(q: mx.array, bits: int) -> mx.array:
+    """Pack codes ``q`` (..., K) into MLX's uint32 layout (..., K * bits / 32).
+
+    MLX writes the codes as one little-endian bit stream (code ``i`` at bit ``i * bits``),
+    read as little-endian uint32 words; for 2/4/8 bits this is ``32 / bits`` codes per word,
+    for 3/5/6 bits codes straddle words.
+    """
+    *lead, k = q.shape
+    codes = np.asarray(q.astype(mx.uint32)).reshape(-1, k)
+    shifts = np.arange(bits, dtype=np.uint32)
+    stream = ((codes[..., None] >> shifts) & 1).astype(np.uint8)  # (N, K, bits), LSB first
+    stream = stream.reshape(codes.shape[0], -1, 32)  # (N, K * bits / 32, 32)
+    words = (stream.astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    return mx.array(words.astype(np.uint32).reshape(*lead, k * bits // 32))
+
+
+def _codes(w, scale, bias, n_max):
+    return mx.clip(mx.round((w - bias) / scale), 0, n_max)
+
+
+def _sq_error(w, q, scale, bias):
+    return mx.sum(mx.square(scale * q + bias - w), axis=-1, keepdims=True)
+
+
+def _stored(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    return x.astype(dtype).astype(mx.float32)
+
+
+def _least_squares(w, q, scale, bias):
+    """Scale and bias minimising ``sum((scale * q + bias - w)**2)`` per group, for fixed q."""
+    g = w.shape[-1]
+    sq, sw = q.sum(-1, keepdims=True), w.sum(-1, keepdims=True)
+    sqq, sqw = (q * q).sum(-1, keepdims=True), (q * w).sum(-1, keepdims=True)
+    det = g * sqq - sq * sq
+    ok = det > 0  # all codes equal: keep the scale, refit only the bias
+    new_scale = mx.where(ok, (g * sqw - sq * sw) / mx.where(ok, det, 1), scale)
+    new_scale = mx.where(mx.abs(new_scale) > 1e-12, new_scale, scale)
+    return new_scale, (sw - new_scale * sq) / g
+
+
+def fit_affine(
+    w: mx.array, *, group_size: int = 64, bits: int = 4
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Quantize ``w`` (..., K) as ``mx.quantize`` does, with least-squares scales and biases.
+
+    Returns:
+        ``(wq, scales, biases)`` laid out as ``mx.quantize(w, group_size, bits)`` returns them
+        (scales and biases in ``w``'s dtype), so ``mx.dequantize`` reads them as it reads its own.
+    """
+    n_max = 2**bits - 1
+    shape, dtype = w.shape, w.dtype
+    wq0, scales0, biases0 = mx.quantize(w, group_size=group_size, bits=bits)
+    x = w.astype(mx.float32).reshape(-1, group_size)  # (groups, group_size)
+
+    best_s = scales0.astype(mx.float32).reshape(-1, 1)
+    best_b = biases0.astype(mx.float32).reshape(-1, 1)
+    best_q = _codes(x, best_s, best_b, n_max)
+    best_err = _sq_error(x, best_q, best_s, best_b)
+
+    lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
+    centre, half = (lo + hi) / 2, mx.maximum((hi - lo) / 2, 1e-8)
+    for f in CLIP_FACTORS:
+        scale = _stored(2 * f * half / n_max, dtype)
+        bias = _stored(centre - f * half, dtype)
+        for _ in range(ITERATIONS):
+            q = _codes(x, scale, bias, n_max)
+            scale, bias = _least_squares(x, q, scale, bias)
+            scale, bias = _stored(scale, dtype), _stored(bias, dtype)
+        q = _codes(x, scale, bias, n_max)
+        err = _sq_error(x, q, scale, bias)
+        better = err < best_err
+        best_s, best_b = mx.where(better, scale, best_s), mx.where(better, bias, best_b)
+        best_q, best_err = mx.where(better, q, best_q), mx.minimum(err, best_err)
+        mx.eval(best_s, best_b, best_q, best_err)  # bound the graph: one tensor, one factor
+
+    group_shape = (*shape[:-1], shape[-1] // group_size)
+    wq = pack(best_q.reshape(shape), bits)
+    return wq, best_s.reshape(group_shape).astype(dtype), best_b.reshape(group_shape).astype(dtype)
