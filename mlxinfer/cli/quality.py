@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from ..errors import QualityError
 from .options import _errors_to_click, _log
 
 
@@ -45,7 +46,7 @@ def perplexity(models, reference, text_file, ctx, chunks, as_json):
     from ..quality.perplexity import DEFAULT_CHUNKS
     from ..quality.perplexity import perplexity as run
 
-    text = Path(text_file).read_text(encoding="utf-8") if text_file else None
+    text = _read_text(text_file) if text_file else None
     report = run(
         list(models),
         reference,
@@ -114,3 +115,12 @@ def _row(s, mark: str = "") -> list[str]:
         num(s.rms_dp_pct, ".3f"),
     ]
     return row
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise QualityError(
+            f"{path}: expected UTF-8 text, found byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        ) from None

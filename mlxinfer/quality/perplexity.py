@@ -109,6 +109,12 @@ def perplexity(
     tokenizer = loaded[len(specs) - len(paths)].tokenizer  # the first model's
     for m in loaded:
         _check_vocabulary(tokenizer, m)
+        context = getattr(getattr(m.model, "args", None), "max_position_embeddings", None)
+        if isinstance(context, int) and ctx > context:
+            raise QualityError(
+                f"{m.name}: ctx {ctx} is past the model's context, expected at most {context} "
+                "(max_position_embeddings)"
+            )
     if text is None:
         text = default_text()
     tokens = tokenizer.encode(text)

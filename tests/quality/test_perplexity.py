@@ -142,5 +142,22 @@ def test_another_vocabulary_is_refused_in_one_line(tiny):
 
 
 def test_a_text_shorter_than_one_chunk_is_refused(tiny):
-    with pytest.raises(QualityError, match="fewer than one chunk of ctx 4096"):
-        perplexity(tiny[0], text="Hello world.", ctx=4096)
+    with pytest.raises(QualityError, match="fewer than one chunk of ctx 256"):
+        perplexity(tiny[0], text="Hello world.", ctx=256)
+
+
+def test_a_chunk_past_the_models_context_is_refused(tiny):
+    """The tiny models' context is 256 positions: a 257-token chunk would run past it."""
+    with pytest.raises(
+        QualityError, match="ctx 257 is past the model's context, expected at most 256"
+    ):
+        perplexity(tiny[0], text=TEXT * 20, ctx=257)
+
+
+def test_a_text_file_that_is_not_utf8_is_named(tiny, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine text \xff\xfe then")
+    result = CliRunner().invoke(cli, ["perplexity", "-m", str(tiny[0]), "--text", str(bad)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"{bad}: expected UTF-8 text, found byte 0xff at offset 10" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
