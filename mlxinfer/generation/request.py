@@ -22,7 +22,7 @@ import mlx.core as mx
 from ..errors import PromptTooLongError
 from ..loading.memory import KVLimit, size_text
 from ..output.reasoning import split_results, splitter_for
-from ..output.toolcalls import Tooling, output_rules
+from ..output.tooling import Tooling, output_rules
 from .prefill import check_token_ids, token_ids
 from .prompt import clean_prompt, fit_context
 from .results import GenerationResult, GenerationStats, Step

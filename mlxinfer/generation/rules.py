@@ -53,7 +53,7 @@ class OutputRules:
         return output
 
     def constraint_options(self) -> dict[str, Any]:
-        """The structured-output fields, as ``output.toolcalls.output_rules`` takes them."""
+        """The structured-output fields, as ``output.tooling.output_rules`` takes them."""
         return {k: getattr(self, k) for k in _CONSTRAINT_FIELDS}
 
 

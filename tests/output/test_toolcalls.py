@@ -20,11 +20,11 @@ from mlxinfer.output.toolcalls import (  # noqa: E402
     Hermes,
     Llama3,
     Mistral,
-    ToolStream,
     check_tools,
     template_messages,
     tool_format,
 )
+from mlxinfer.output.tooling import ToolStream  # noqa: E402
 
 WEATHER = {
     "type": "object",
