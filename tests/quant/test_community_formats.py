@@ -155,3 +155,20 @@ def test_a_record_mlx_cannot_load_is_one_line_naming_key_expected_and_found(
         load_model(model_dir)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert str(e.value).startswith(str(model_dir / "config.json"))
+
+
+@pytest.mark.parametrize("name", ["mixed_3_6", "mxfp4", "nvfp4"])
+def test_a_community_format_decodes_the_same_in_a_batch_as_alone(hf_dir, tmp_path, name):
+    """Loaded with the backend's layers (mlxinfer.load), three prompts of different lengths in
+    one batch of the engine give each prompt's greedy tokens alone."""
+    from mlxinfer import batch_generate, load, stream_generate
+
+    skip_unless_peer_makes(FORMATS[name])
+    model, tokenizer = load(str(peer_convert(hf_dir, tmp_path / name, **FORMATS[name])))
+    prompts = [[5, 17, 99], [3, 240, 8, 61, 2, 44, 19, 7, 88, 120, 31], [250]]
+    alone = [
+        [r.token for r in stream_generate(model, tokenizer, p, max_tokens=12)] for p in prompts
+    ]
+    assert all(alone)  # each generated something to compare
+    texts = batch_generate(model, tokenizer, prompts, max_tokens=12)
+    assert texts == [tokenizer.decode(ids) for ids in alone]
