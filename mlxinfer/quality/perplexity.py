@@ -3,7 +3,11 @@
 The protocol is llama.cpp's ``llama-perplexity``, so numbers line up with published tables:
 
 * the text is tokenized once, by the first model's tokenizer (every model must share it);
-* the tokens are cut into chunks of ``ctx``; each chunk is evaluated from scratch (no cache
+  without a text, the evaluation corpus shipped in ``texts/`` (corpus.py): its documents, the
+  conversations rendered through that tokenizer's chat template, each tokenized on its own and
+  joined (:func:`~mlxinfer.quality.corpus.document_tokens`);
+* the tokens are cut into chunks of ``ctx`` (of the shipped corpus, ``chunks`` spread evenly
+  over all of it, so a short run still sees each kind of text; of a given text, the first); each chunk is evaluated from scratch (no cache
   carried over), its first token replaced by BOS when the tokenizer adds one;
 * only the second half is scored: the logits at positions ``ctx/2 .. ctx-2`` predict tokens
   ``ctx/2+1 .. ctx-1`` (``ctx - 1 - ctx/2`` tokens a chunk), each with an f32 log-softmax.
@@ -22,7 +26,6 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,8 +36,8 @@ from ..errors import QualityError
 from ..loading.loader import load, open_model, weight_files
 from ..models import build_model
 from ..models.config import read_config
+from .corpus import document_tokens, evaluation_documents
 
-DEFAULT_TEXT = "english.txt"  # in texts/ (texts/README.md names its origin)
 # Measured on 2 shared CPU cores: SmolLM2-135M (its Q4_1 GGUF) evaluates a 512-token chunk in about
 # 1.5 s, and a chunk of it against itself as reference in about 3.5 s: 16 chunks (4,080 scored
 # tokens) take about 25 s for one model, about a minute for a model and its reference.
@@ -91,7 +94,8 @@ def perplexity(
         models: one model or several, each anything :func:`mlxinfer.load` takes but the default
             model: a directory, a Hub repo id, a ``.gguf`` file.
         reference: the model the others are compared with (KL divergence, top-1, Δp, ΔPPL).
-        text: the text to score; None: the English text shipped in ``mlxinfer/quality/texts``.
+        text: the text to score; None: the evaluation corpus shipped in ``mlxinfer/quality/texts``
+            (chats through the first model's chat template), ``chunks`` of it spread evenly.
         ctx: tokens per chunk (llama.cpp's ``-c``); the second half of each is scored.
         chunks: at most this many chunks (None: every whole chunk of the text).
         log: receives loading and progress messages.
@@ -116,17 +120,20 @@ def perplexity(
                 "(max_position_embeddings)"
             )
     if text is None:
-        text = default_text()
-    tokens = tokenizer.encode(text)
-    n = len(tokens) // ctx
-    if n == 0:
+        tokens = document_tokens(tokenizer, evaluation_documents(tokenizer))
+    else:
+        tokens = tokenizer.encode(text)
+    whole = len(tokens) // ctx
+    if whole == 0:
         raise QualityError(f"the text is {len(tokens)} tokens, fewer than one chunk of ctx {ctx}")
-    if chunks is not None:
-        n = min(n, max(chunks, 1))
+    n = whole if chunks is None else min(whole, max(chunks, 1))
+    # The shipped corpus is documents of each kind one after the other: chunks spread over it.
+    # A given text: its first chunks, as llama.cpp takes them.
+    starts = [(i * whole // n if text is None else i) * ctx for i in range(n)]
     bos = tokenizer.bos_token_id if _adds_bos(tokenizer) else None
     first = ctx // 2
-    for i in range(n):
-        chunk = tokens[i * ctx : (i + 1) * ctx]
+    for i, start in enumerate(starts):
+        chunk = tokens[start : start + ctx]
         if bos is not None:
             chunk[0] = bos
         targets = mx.array(chunk[first + 1 :])  # (ctx - 1 - first,)
@@ -146,10 +153,6 @@ def perplexity(
         reference=ref.result(None) if ref is not None else None,
         models=[m.result(ref) for m in loaded[1 if ref is not None else 0 :]],
     )
-
-
-def default_text() -> str:
-    return resources.files("mlxinfer.quality").joinpath("texts", DEFAULT_TEXT).read_text("utf-8")
 
 
 class _Model:

@@ -161,3 +161,21 @@ def test_a_text_file_that_is_not_utf8_is_named(tiny, tmp_path):
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert f"{bad}: expected UTF-8 text, found byte 0xff at offset 10" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_default_text_is_the_evaluation_corpus_spread_over_its_chunks(tiny):
+    """No text: the evaluation corpus's documents (chats through the template), --chunks of it
+    spread evenly: the second of two chunks starts half-way through."""
+    from mlxinfer.quality.corpus import document_tokens, evaluation_documents
+
+    a = tiny[0]
+    model, tok = load(a)
+    tokens = document_tokens(tok, evaluation_documents(tok))
+    report = perplexity(a, ctx=CTX, chunks=2)
+    assert report.text_tokens == len(tokens) > 50_000 and report.chunks == 2
+    first, nll = CTX // 2, []
+    for start in (0, len(tokens) // CTX // 2 * CTX):
+        chunk = tokens[start : start + CTX]
+        logp = log_softmax(np.array(model(mx.array(chunk)[None])[0, first:-1]))
+        nll += (-logp[np.arange(CTX - 1 - first), chunk[first + 1 :]]).tolist()
+    assert report.models[0].ppl == pytest.approx(np.exp(np.mean(nll)), rel=1e-4)
