@@ -58,7 +58,7 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "stream"_a = nb::none(),
       "x (..., K) @ dequantize(w, scales, biases).T, as "
       "mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits) "
-      "(affine mode, bits 4 or 8, group_size 32/64/128).");
+      "(affine mode, bits 2, 3, 4, 5, 6 or 8, group_size 32/64/128).");
   m.def(
       "matvec",
       &mlxinfer::matvec,

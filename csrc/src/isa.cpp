@@ -14,7 +14,10 @@ Isa detect_isa() {
 #if defined(MLXINFER_X86)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
+    // AVX-512 with BW (byte shuffles, used by the 2/3/5/6-bit unpacking): every AVX-512 CPU
+    // since Skylake-SP and Zen 4; without it (Xeon Phi) the AVX2 paths run.
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? kAvx512
+                                                                                    : kAvx2;
   }
 #endif
 #if defined(__aarch64__)

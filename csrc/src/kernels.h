@@ -19,13 +19,15 @@ const char* isa_name(Isa isa);
 bool has_f16c();
 
 // y[m, n] = sum_k x[m, k] * (scales[n, g(k)] * q[n, k] + biases[n, g(k)])
-// for m in [0, M), n in [n0, n1): MLX's affine quantization (mx.quantize), w packed
-// LSB-first, 32 / bits values per uint32 word, groups of group_size along k.
+// for m in [0, M), n in [n0, n1): MLX's affine quantization (mx.quantize), bits 2, 3, 4, 5, 6
+// or 8, groups of group_size (32, 64, 128) along k. w is MLX's packing: each row's codes as one
+// little-endian bit stream (code k at bit k * bits), read as little-endian uint32 words; 3-, 5-
+// and 6-bit codes straddle words, and every 8 codes fill `bits` whole bytes.
 struct QmvProblem {
   Isa isa = kScalar; // the path; qmv_prepare lays out xp for it
   int M = 0, N = 0, K = 0, group_size = 0, bits = 0;
   const float* x = nullptr; // (M, K) row-major
-  const float* xp = nullptr; // (M, K) x in the order the vector 4-bit unpack yields
+  const float* xp = nullptr; // (M, K) x as the vector paths read it (qmv_uses_xp)
   const float* xsum = nullptr; // (M, K / group_size) sums of x over each group
   const uint32_t* w = nullptr; // (N, K * bits / 32)
   const float* scales = nullptr; // (N, K / group_size), converted to f32
@@ -33,8 +35,22 @@ struct QmvProblem {
   float* y = nullptr; // (M, N) row-major
 };
 
-// Fills xp and xsum from x (xp only matters for bits == 4 off the scalar path; elsewhere xp
-// may be x itself).
+// Whether the path reads x through xp rather than x itself: off the scalar path, 4-bit codes
+// are widened low nibbles first (xp: x de-interleaved per 16 or 32 to match), and 2/3/5/6-bit
+// codes are widened with each one's bit offset within its byte, 0..7, left in (code << s, never
+// shifted back: xp = x * 2^-s, exact). Elsewhere xp may be x itself.
+inline bool qmv_uses_xp(int bits, Isa isa) {
+  return isa != kScalar && bits != 8;
+}
+// The widths whose codes are read as a bit stream by the vector paths: each 8 codes fill
+// `bits` bytes; code i of such a unit starts at byte i * bits / 8, bit i * bits % 8, and spans
+// at most two bytes. Those paths load 16 bytes at a unit's start, so they may read up to 16
+// bytes past a row's last code (qmv_rows runs the rows near the buffer's end from a copy).
+constexpr bool qmv_stream_bits(int bits) {
+  return bits == 2 || bits == 3 || bits == 5 || bits == 6;
+}
+constexpr int kQmvOverread = 16;
+// Fills xp and xsum from x.
 void qmv_prepare(const QmvProblem& p, float* xp, float* xsum);
 void qmv_rows(const QmvProblem& p, int n0, int n1);
 
@@ -58,7 +74,7 @@ void matvec_rows(const MatvecProblem& p, int n0, int n1);
 
 #if defined(__aarch64__)
 // The NEON paths (neon.cpp), called by qmv_rows / matvec_rows at kNeon. qmv_rows_neon
-// returns false for a problem it has no path for (bits other than 4 / 8).
+// returns false for a problem it has no path for (a group size off 32).
 bool qmv_rows_neon(const QmvProblem& p, int n0, int n1);
 void matvec_rows_neon(const MatvecProblem& p, int n0, int n1);
 #endif

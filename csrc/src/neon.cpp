@@ -5,7 +5,8 @@
 // - quantized: 32 codes per step, one 16-byte load for 4-bit (the low nibbles are the even k,
 //   the high nibbles the odd k; qmv_prepare de-interleaves x per 32 to match, as for AVX-512),
 //   two for 8-bit (k in order); the codes are widened u8 -> u16 -> u32 -> f32 in registers and
-//   the bias term costs one multiply-add per group (quantized.cpp's header);
+//   the bias term costs one multiply-add per group (quantized.cpp's header); 2/3/5/6-bit: a
+//   16-byte load and two table lookups per 8 codes (StreamTables below, as on x86);
 // - float: 16 weights per step, f32 loaded, bf16 widened in order by a shift (vshll: x is not
 //   reordered), f16 by the base ISA's own conversion (fcvtl); the last K % 16 weights in scalar.
 //
@@ -25,7 +26,7 @@ namespace mlxinfer {
 namespace {
 
 // ----------------------------------------------------------------------------
-// Quantized (affine 4-/8-bit, MLX packing)
+// Quantized (affine 2/3/4/5/6/8-bit, MLX packing)
 // ----------------------------------------------------------------------------
 
 // 16 byte codes as four vectors of 4 f32, in order.
@@ -38,10 +39,44 @@ inline void widen_u8(uint8x16_t v, float32x4_t* q) {
   q[3] = vcvtq_f32_u32(vmovl_high_u16(hi));
 }
 
+// The bit-stream widths (2/3/5/6): per 8-code unit (BITS bytes), lane i takes the two bytes
+// from i * BITS / 8 (a table lookup of a 16-byte load), masked to its code in place: code << s,
+// s = i * BITS % 8, matched by xp = x * 2^-s (qmv_prepare), as the x86 paths do.
+template <int BITS>
+struct StreamTables {
+  uint8_t ctrl[2][16]; // lanes 0-3, lanes 4-7 of a unit (0xFF: out of the table, zero)
+  uint32_t mask[2][4];
+};
+
+template <int BITS>
+constexpr StreamTables<BITS> make_stream_tables() {
+  StreamTables<BITS> t{};
+  for (int i = 0; i < 8; ++i) {
+    const int o = i * BITS / 8, sh = i * BITS % 8;
+    uint8_t* c = t.ctrl[i / 4] + 4 * (i % 4);
+    c[0] = static_cast<uint8_t>(o);
+    c[1] = static_cast<uint8_t>(o + 1);
+    c[2] = c[3] = 0xFF;
+    t.mask[i / 4][i % 4] = ((1u << BITS) - 1u) << sh;
+  }
+  return t;
+}
+
+template <int BITS>
+constexpr StreamTables<BITS> kStream = make_stream_tables<BITS>();
+
 // One 32-weight chunk as eight vectors of 4 f32 codes, q[j] matched with xp[4j : 4j + 4].
 template <int BITS>
 inline void unpack32(const uint8_t* src, float32x4_t* q) {
-  if constexpr (BITS == 4) {
+  if constexpr (qmv_stream_bits(BITS)) { // four units, k in order; 16 bytes read per unit
+    const uint8x16_t c0 = vld1q_u8(kStream<BITS>.ctrl[0]), c1 = vld1q_u8(kStream<BITS>.ctrl[1]);
+    const uint32x4_t m0 = vld1q_u32(kStream<BITS>.mask[0]), m1 = vld1q_u32(kStream<BITS>.mask[1]);
+    for (int u = 0; u < 4; ++u) {
+      const uint8x16_t v = vld1q_u8(src + u * BITS);
+      q[2 * u] = vcvtq_f32_u32(vandq_u32(vreinterpretq_u32_u8(vqtbl1q_u8(v, c0)), m0));
+      q[2 * u + 1] = vcvtq_f32_u32(vandq_u32(vreinterpretq_u32_u8(vqtbl1q_u8(v, c1)), m1));
+    }
+  } else if constexpr (BITS == 4) {
     const uint8x16_t v = vld1q_u8(src);
     widen_u8(vandq_u8(v, vdupq_n_u8(0xF)), q); // codes 0, 2, .., 30
     widen_u8(vshrq_n_u8(v, 4), q + 4); // codes 1, 3, .., 31
@@ -342,15 +377,28 @@ bool qmv_rows_neon(const QmvProblem& p, int n0, int n1) {
   if (p.group_size % 32 != 0) {
     return false;
   }
-  if (p.bits == 4) {
-    qmv_rows_bits<4>(p, n0, n1);
-    return true;
+  switch (p.bits) {
+    case 2:
+      qmv_rows_bits<2>(p, n0, n1);
+      return true;
+    case 3:
+      qmv_rows_bits<3>(p, n0, n1);
+      return true;
+    case 4:
+      qmv_rows_bits<4>(p, n0, n1);
+      return true;
+    case 5:
+      qmv_rows_bits<5>(p, n0, n1);
+      return true;
+    case 6:
+      qmv_rows_bits<6>(p, n0, n1);
+      return true;
+    case 8:
+      qmv_rows_bits<8>(p, n0, n1);
+      return true;
+    default:
+      return false;
   }
-  if (p.bits == 8) {
-    qmv_rows_bits<8>(p, n0, n1);
-    return true;
-  }
-  return false;
 }
 
 void matvec_rows_neon(const MatvecProblem& p, int n0, int n1) {

@@ -35,18 +35,21 @@ mx::array quantized_matvec(
     int bits,
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (bits != 4 && bits != 8) {
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     throw std::invalid_argument(
-        "[mlxinfer quantized_matvec] bits: expected 4 or 8, found " + std::to_string(bits));
+        "[mlxinfer quantized_matvec] bits: expected 2, 3, 4, 5, 6 or 8, found " +
+        std::to_string(bits));
   }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(
         "[mlxinfer quantized_matvec] group_size: expected 32, 64 or 128, found " +
         std::to_string(group_size));
   }
-  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 ||
+      static_cast<int64_t>(w.shape(1)) * 32 % bits != 0) {
     throw std::invalid_argument(
-        "[mlxinfer quantized_matvec] w: expected a 2-D uint32 array, found shape " +
+        "[mlxinfer quantized_matvec] w: expected a 2-D uint32 array of K * bits / 32 words a "
+        "row, found shape " +
         shape_str(w.shape()));
   }
   const int N = w.shape(0);
@@ -121,8 +124,8 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     }
     // x as f32 rows, plus its de-interleaved copy and group sums (small: M * K).
     aligned_vector<float> xf(static_cast<size_t>(p.M) * p.K);
-    // The 4-bit vector paths read x de-interleaved (a copy); the others read x as it is.
-    const bool reorder = bits == 4 && p.isa != kScalar;
+    // The vector paths read x de-interleaved (4-bit) or scaled (2/3/5/6-bit): a copy.
+    const bool reorder = qmv_uses_xp(bits, p.isa);
     aligned_vector<float> xp(reorder ? xf.size() : 0);
     std::vector<float> xsum(static_cast<size_t>(p.M) * G);
     to_f32(x, xf.data());

@@ -1,12 +1,14 @@
 // The kernels. Each output row n streams its packed weights once and multiplies them
-// with up to four rows of x held in cache; the 4-bit and 8-bit codes are widened to
-// f32 in registers (never written out dequantized).
+// with rows of x held in cache; the codes (2, 3, 4, 5, 6 or 8 bits) are widened to f32 in
+// registers (never written out dequantized). 4- and 8-bit codes are whole nibbles and bytes;
+// 2/3/5/6-bit ones are read per 8-code unit (`bits` bytes) by byte shuffles (StreamTables).
 //
 // Per group g of a row: sum_k x_k (s_g q_k + b_g) = s_g * sum_k x_k q_k + b_g * sum_k x_k,
 // so the inner loop is one FMA per weight and the bias term costs one FMA per group.
 #include "kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -22,9 +24,8 @@ namespace {
 
 void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
-  const int per_word = 32 / p.bits;
   const uint32_t mask = (1u << p.bits) - 1u;
-  const int words_per_row = p.K / per_word;
+  const int words_per_row = p.K / 32 * p.bits;
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * words_per_row;
     const float* s = p.scales + static_cast<size_t>(n) * G;
@@ -37,9 +38,13 @@ void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
         float acc = 0.0f;
         const int k0 = g * p.group_size;
         for (int k = k0; k < k0 + p.group_size; ++k) {
-          uint32_t word = wr[k / per_word];
-          float q = static_cast<float>((word >> ((k % per_word) * p.bits)) & mask);
-          acc += x[k] * q;
+          // Code k at bit k * bits of the row's stream; a 3/5/6-bit one may straddle words.
+          const int bit = k * p.bits, word = bit >> 5, shift = bit & 31;
+          uint32_t v = wr[word] >> shift;
+          if (shift + p.bits > 32) {
+            v |= wr[word + 1] << (32 - shift);
+          }
+          acc += x[k] * static_cast<float>(v & mask);
         }
         total += s[g] * acc + b[g] * xs[g];
       }
@@ -48,15 +53,58 @@ void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
   }
 }
 
+// The bit-stream widths' unpacking, for 8-code units (`BITS` bytes each): lane i of a unit
+// takes the two bytes from i * BITS / 8 (a byte shuffle of a 16-byte load), masked to its
+// code in place (bits i * BITS % 8 and up): it is code << s, and qmv_prepare scales x by 2^-s
+// to match (exact: a power of two), so no per-lane shift runs in the loop.
+template <int BITS>
+struct StreamTables {
+  alignas(64) int8_t ctrl16[64]; // 16 lanes: two units, the 16 loaded bytes in each 128 bits
+  alignas(64) uint32_t mask16[16]; // lane i's code bits (the pattern repeats every 8 lanes)
+  alignas(64) float inv16[16]; // 2^-s of lane i
+  alignas(32) int8_t ctrl8[32]; // 8 lanes: one unit
+};
+
+template <int BITS>
+constexpr StreamTables<BITS> make_stream_tables() {
+  StreamTables<BITS> t{};
+  for (int i = 0; i < 16; ++i) {
+    const int o = i * BITS / 8, sh = i * BITS % 8;
+    const int8_t c[4] = {static_cast<int8_t>(o), static_cast<int8_t>(o + 1), -128, -128};
+    for (int j = 0; j < 4; ++j) {
+      t.ctrl16[4 * i + j] = c[j];
+      if (i < 8) {
+        t.ctrl8[4 * i + j] = c[j];
+      }
+    }
+    t.mask16[i] = ((1u << BITS) - 1u) << sh;
+    t.inv16[i] = 1.0f / static_cast<float>(1 << sh);
+  }
+  return t;
+}
+
+template <int BITS>
+constexpr StreamTables<BITS> kStream = make_stream_tables<BITS>();
 
 #if defined(MLXINFER_X86)
 
 // One 16-weight chunk as two vectors of 8 f32 codes, matched with xp[0:8], xp[8:16].
 // 4-bit: 8 bytes hold 16 codes; low nibbles are the even k, high nibbles the odd k
 // (xp is x de-interleaved to match). 8-bit: two runs of 8 bytes, k in order (xp == x).
+// 2/3/5/6-bit: two units (StreamTables), k in order, each code << its bit offset (xp scaled).
 template <int BITS>
 MLXINFER_AVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
-  if constexpr (BITS == 4) {
+  if constexpr (qmv_stream_bits(BITS)) {
+    const __m256i ctrl = _mm256_load_si256(reinterpret_cast<const __m256i*>(kStream<BITS>.ctrl8));
+    const __m256i mask =
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(kStream<BITS>.mask16));
+    const __m256i u0 =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const __m256i u1 = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + BITS)));
+    a = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(u0, ctrl), mask));
+    b = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(u1, ctrl), mask));
+  } else if constexpr (BITS == 4) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
     a = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
     b = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
@@ -143,16 +191,24 @@ MLXINFER_AVX2 void qmv_row_dq_avx2(
     int n) {
   const int gs = p.group_size;
   constexpr int bytes16 = 16 * BITS / 8;
+  // The bit-stream widths' codes come out << their bit offsets: the scale takes the 2^-s
+  // (so the dequantized weight is exact) and x is read unscaled.
+  constexpr bool stream = qmv_stream_bits(BITS);
+  const float* xbase = stream ? p.x : p.xp;
   __m256 tot[M][2];
   const float* xrow[M];
   for (int m = 0; m < M; ++m) {
     tot[m][0] = tot[m][1] = _mm256_setzero_ps();
-    xrow[m] = p.xp + static_cast<size_t>(m0 + m) * p.K;
+    xrow[m] = xbase + static_cast<size_t>(m0 + m) * p.K;
   }
   const int gshift = __builtin_ctz(static_cast<unsigned>(gs));
   for (int k = 0; k < p.K; k += 16) {
     const int g = k >> gshift;
-    const __m256 sv = _mm256_set1_ps(s[g]), bv = _mm256_set1_ps(b[g]);
+    __m256 sv = _mm256_set1_ps(s[g]);
+    const __m256 bv = _mm256_set1_ps(b[g]);
+    if constexpr (stream) {
+      sv = _mm256_mul_ps(sv, _mm256_load_ps(kStream<BITS>.inv16));
+    }
     __m256 qa, qb;
     unpack16<BITS>(wr + (k / 16) * bytes16, qa, qb);
     qa = _mm256_fmadd_ps(qa, sv, bv);
@@ -272,10 +328,20 @@ MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
 #endif
 
 // One 32-weight chunk as two vectors of 16 f32 codes, matched with xp[0:16], xp[16:32]
-// (4-bit: xp de-interleaved per 32; 8-bit: in order).
+// (4-bit: xp de-interleaved per 32; 8-bit: in order; 2/3/5/6-bit: in order, two units per
+// vector from one 16-byte load, each code << its bit offset, xp scaled).
 template <int BITS>
-MLXINFER_AVX512 inline void unpack32(const uint8_t* src, __m512& a, __m512& b) {
-  if constexpr (BITS == 4) {
+MLXINFER_AVX512BW inline void unpack32(const uint8_t* src, __m512& a, __m512& b) {
+  if constexpr (qmv_stream_bits(BITS)) {
+    const __m512i ctrl = _mm512_load_si512(kStream<BITS>.ctrl16);
+    const __m512i mask = _mm512_load_si512(kStream<BITS>.mask16);
+    const __m512i v0 =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const __m512i v1 = _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * BITS)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_shuffle_epi8(v0, ctrl), mask));
+    b = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_shuffle_epi8(v1, ctrl), mask));
+  } else if constexpr (BITS == 4) {
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
     b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
@@ -288,7 +354,7 @@ MLXINFER_AVX512 inline void unpack32(const uint8_t* src, __m512& a, __m512& b) {
 }
 
 template <int BITS, int M, int U>
-MLXINFER_AVX512 void qmv_row_avx512(
+MLXINFER_AVX512BW void qmv_row_avx512(
     const QmvProblem& p,
     const uint8_t* wr,
     const float* s,
@@ -353,7 +419,7 @@ MLXINFER_AVX512 void qmv_row_avx512(
 // registers, and multiplied with M rows of x, so the rows share the unpacking and the
 // per-group scale and bias instead of repeating them per row; up to 8 rows a pass.
 template <int BITS, int M>
-MLXINFER_AVX512 void qmv_row_dq_avx512(
+MLXINFER_AVX512BW void qmv_row_dq_avx512(
     const QmvProblem& p,
     const uint8_t* wr,
     const float* s,
@@ -362,17 +428,23 @@ MLXINFER_AVX512 void qmv_row_dq_avx512(
     int n) {
   const int gs = p.group_size;
   constexpr int bytes32 = 32 * BITS / 8;
+  constexpr bool stream = qmv_stream_bits(BITS); // as qmv_row_dq_avx2
+  const float* xbase = stream ? p.x : p.xp;
   __m512 tot[M][2];
   const float* xrow[M];
   for (int m = 0; m < M; ++m) {
     tot[m][0] = tot[m][1] = _mm512_setzero_ps();
-    xrow[m] = p.xp + static_cast<size_t>(m0 + m) * p.K;
+    xrow[m] = xbase + static_cast<size_t>(m0 + m) * p.K;
   }
   // One loop over the row's 32-weight chunks (a loop per group would have the totals
   // stored to the stack at each group's end: a store per total per group).
   for (int k = 0; k < p.K; k += 32) {
     const int g = k / gs;
-    const __m512 sv = _mm512_set1_ps(s[g]), bv = _mm512_set1_ps(b[g]);
+    __m512 sv = _mm512_set1_ps(s[g]);
+    const __m512 bv = _mm512_set1_ps(b[g]);
+    if constexpr (stream) {
+      sv = _mm512_mul_ps(sv, _mm512_load_ps(kStream<BITS>.inv16));
+    }
     __m512 qa, qb;
     unpack32<BITS>(wr + (k / 32) * bytes32, qa, qb);
     qa = _mm512_fmadd_ps(qa, sv, bv);
@@ -392,7 +464,7 @@ MLXINFER_AVX512 void qmv_row_dq_avx512(
 // One row of x against R output rows at once (decode): x's two vectors per chunk are
 // loaded once for the R rows, and the per-group work (scale, bias) of the R rows overlaps.
 template <int BITS, int R, int U>
-MLXINFER_AVX512 void qmv_rows1_avx512(
+MLXINFER_AVX512BW void qmv_rows1_avx512(
     const QmvProblem& p,
     const uint8_t* w,
     size_t row_bytes,
@@ -452,7 +524,7 @@ MLXINFER_AVX512 void qmv_rows1_avx512(
 }
 
 template <int BITS>
-MLXINFER_AVX512 void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
+MLXINFER_AVX512BW void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
@@ -529,6 +601,11 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
           dst[c + chunk / 2 + i] = x[c + 2 * i + 1];
         }
       }
+    } else if (qmv_stream_bits(p.bits) && p.isa != kScalar) {
+      // The codes come out << (k * bits % 8), their bit offset in the byte: x * 2^-that.
+      for (int k = 0; k < p.K; ++k) {
+        dst[k] = std::ldexp(x[k], -(k * p.bits % 8));
+      }
     } else if (dst != x) { // x itself may serve as xp (the caller's choice)
       std::memcpy(dst, x, sizeof(float) * p.K);
     }
@@ -542,31 +619,88 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
   }
 }
 
-void qmv_rows(const QmvProblem& p, int n0, int n1) {
+namespace {
+
+template <int BITS>
+bool qmv_rows_x86(const QmvProblem& p, int n0, int n1) {
+#if defined(MLXINFER_X86)
+  if (p.isa == kAvx512) {
+    qmv_rows_avx512<BITS>(p, n0, n1);
+    return true;
+  }
+  if (p.isa == kAvx2) {
+    qmv_rows_avx2<BITS>(p, n0, n1);
+    return true;
+  }
+#endif
+  (void)p, (void)n0, (void)n1;
+  return false;
+}
+
+// The vector path for p's level and width, or the scalar one.
+void qmv_rows_path(const QmvProblem& p, int n0, int n1) {
 #if defined(__aarch64__)
   if (p.isa == kNeon && qmv_rows_neon(p, n0, n1)) {
     return;
   }
 #endif
-#if defined(MLXINFER_X86)
-  if (p.isa == kAvx512) {
-    if (p.bits == 4) {
-      return qmv_rows_avx512<4>(p, n0, n1);
-    }
-    if (p.bits == 8) {
-      return qmv_rows_avx512<8>(p, n0, n1);
-    }
+  bool done = false;
+  switch (p.bits) {
+    case 2:
+      done = qmv_rows_x86<2>(p, n0, n1);
+      break;
+    case 3:
+      done = qmv_rows_x86<3>(p, n0, n1);
+      break;
+    case 4:
+      done = qmv_rows_x86<4>(p, n0, n1);
+      break;
+    case 5:
+      done = qmv_rows_x86<5>(p, n0, n1);
+      break;
+    case 6:
+      done = qmv_rows_x86<6>(p, n0, n1);
+      break;
+    case 8:
+      done = qmv_rows_x86<8>(p, n0, n1);
+      break;
+    default:
+      break;
   }
-  if (p.isa == kAvx2) {
-    if (p.bits == 4) {
-      return qmv_rows_avx2<4>(p, n0, n1);
-    }
-    if (p.bits == 8) {
-      return qmv_rows_avx2<8>(p, n0, n1);
-    }
+  if (!done) {
+    qmv_rows_scalar(p, n0, n1);
   }
-#endif
-  qmv_rows_scalar(p, n0, n1);
+}
+
+} // namespace
+
+void qmv_rows(const QmvProblem& p, int n0, int n1) {
+  if (p.isa == kScalar || !qmv_stream_bits(p.bits) || n0 >= n1) {
+    return qmv_rows_path(p, n0, n1);
+  }
+  // The bit-stream widths' vector loads may read kQmvOverread bytes past a row's end: the
+  // rows from `safe` on (those within that many bytes of the buffer's end) run from a copy
+  // with room after it. The copy is at most a few rows (16 bytes' worth, or one).
+  const size_t row_bytes = static_cast<size_t>(p.K) / 8 * p.bits;
+  const int tail = static_cast<int>(std::min<size_t>(
+      p.N, (kQmvOverread + row_bytes - 1) / row_bytes));
+  const int safe = p.N - tail;
+  if (n0 < std::min(n1, safe)) {
+    qmv_rows_path(p, n0, std::min(n1, safe));
+  }
+  const int a = std::max(n0, safe);
+  if (a < n1) {
+    const int G = p.K / p.group_size;
+    const size_t bytes = static_cast<size_t>(n1 - a) * row_bytes;
+    std::vector<uint32_t> copy((bytes + kQmvOverread) / 4 + 1, 0u);
+    std::memcpy(copy.data(), reinterpret_cast<const uint8_t*>(p.w) + a * row_bytes, bytes);
+    QmvProblem q = p; // rows [a, n1) as rows [0, n1 - a) of the copy; y keeps its stride N
+    q.w = copy.data();
+    q.scales = p.scales + static_cast<size_t>(a) * G;
+    q.biases = p.biases + static_cast<size_t>(a) * G;
+    q.y = p.y + a;
+    qmv_rows_path(q, 0, n1 - a);
+  }
 }
 
 } // namespace mlxinfer

@@ -7,6 +7,8 @@
 #define MLXINFER_X86 1
 #define MLXINFER_AVX2 __attribute__((target("avx2,fma")))
 #define MLXINFER_AVX512 __attribute__((target("avx512f,avx2,fma")))
+// The quantized kernel's AVX-512 paths: byte shuffles across 512 bits (isa.cpp requires BW).
+#define MLXINFER_AVX512BW __attribute__((target("avx512f,avx512bw,avx2,fma")))
 #define MLXINFER_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define MLXINFER_AVX512_F16C __attribute__((target("avx512f,avx2,fma,f16c")))
 

@@ -1,7 +1,8 @@
 // A standalone check of the kernels on plain pointers (kernels.h), without MLX: every
 // instruction-set path this CPU has (scalar, AVX2, AVX-512 on x86-64; scalar, NEON on arm64)
 // against this file's own double-precision reference, on odd shapes:
-//   quantized: bits 4 and 8, group sizes 32/64/128, 1..16 rows of x, N odd;
+//   quantized: bits 2, 3, 4, 5, 6 and 8 (MLX's bit stream: 3/5/6-bit codes straddle words),
+//              group sizes 32/64/128, 1..16 rows of x, N odd, rows as short as one group;
 //   float:     f32, bf16 and f16 weights, K not a multiple of the vector width, 1..16 rows;
 //   widening:  every finite bf16 and f16 value through the float kernel, bit for bit.
 // A case passes when max |y - ref| <= 1e-4 * max |ref| on each path, and no path writes
@@ -112,12 +113,14 @@ bool judge(Isa isa, double err, bool in_range, std::string& line, Outcome& out) 
 // ---------------------------------------------------------------------------
 
 void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out) {
-  const int G = K / gs, per_word = 32 / bits, levels_q = (1 << bits) - 1;
-  std::vector<uint32_t> w(static_cast<size_t>(N) * K / per_word, 0u);
+  const int G = K / gs, levels_q = (1 << bits) - 1;
+  // Exactly N * K * bits / 32 words: a read past the buffer's end is the sanitizer's to see.
+  std::vector<uint32_t> w(static_cast<size_t>(N) * K / 32 * bits, 0u);
   std::vector<float> s(static_cast<size_t>(N) * G), b(s.size());
   std::vector<double> deq(static_cast<size_t>(N) * K); // s * q + b
   // Affine quantization of normal weights as mx.quantize does it: per group,
-  // b = min, s = (max - min) / (2^bits - 1), q = round((w - b) / s), packed LSB-first.
+  // b = min, s = (max - min) / (2^bits - 1), q = round((w - b) / s), packed as one
+  // little-endian bit stream (code k of row n at bit (n * K + k) * bits), in 32-bit words.
   std::vector<float> wg(gs);
   for (int n = 0; n < N; ++n) {
     for (int g = 0; g < G; ++g) {
@@ -134,8 +137,12 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out) {
         const int k = g * gs + i;
         int q = static_cast<int>(std::lround((wg[i] - bias) / scale));
         q = std::min(std::max(q, 0), levels_q);
-        w[(static_cast<size_t>(n) * K + k) / per_word] |= static_cast<uint32_t>(q)
-                                                          << ((k % per_word) * bits);
+        const size_t bit = (static_cast<size_t>(n) * K + k) * bits;
+        const int shift = static_cast<int>(bit % 32);
+        w[bit / 32] |= static_cast<uint32_t>(q) << shift;
+        if (shift + bits > 32) { // straddles into the next word
+          w[bit / 32 + 1] |= static_cast<uint32_t>(q) >> (32 - shift);
+        }
         deq[static_cast<size_t>(n) * K + k] = static_cast<double>(scale) * q + bias;
       }
     }
@@ -325,7 +332,7 @@ int main() {
     std::printf(" %s", isa_name(isa));
   }
   std::printf("\n");
-  for (int bits : {4, 8}) {
+  for (int bits : {2, 3, 4, 5, 6, 8}) {
     for (int gs : {32, 64, 128}) {
       for (int M = 1; M <= 16; ++M) { // every row count: the 4-row blocks and each remainder
         check_quantized(bits, gs, 3 * gs, 37, M, out);

@@ -1,6 +1,6 @@
 """The compiled kernels in the CPU backend (backends/cpu/compiled.py; issue 32, "Wiring"):
 with the ``kernel`` plans forced on, float models match transformers (logits within 1e-3,
-greedy tokens) and a 4-bit model matches MLX's own quantized path, tied and untied heads;
+greedy tokens) and 4-, 3- and 6-bit models match MLX's own quantized path, tied and untied heads;
 the kernels are called exactly where a product has at most 16 rows and the plan says so,
 never otherwise; the plan timing keeps a kernel only where it wins, and the thread count is
 a plan too. Every test forces the plans it checks: no outcome depends on timing."""
@@ -151,11 +151,19 @@ def test_a_bfloat16_model_takes_the_kernel_and_matches(tiny, counting):
     assert tokens["kernels"] == tokens["off"]
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_a_4bit_model_matches_mlx_quantized_path_with_the_kernels(tied, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "tied,bits",
+    [(True, 4), (False, 4), (False, 3), (True, 6)],
+    ids=["4bit-tied", "4bit-untied", "3bit-untied", "6bit-tied"],
+)
+def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
+    tied, bits, tmp_path, monkeypatch
+):
+    """4-bit, and the bit-stream widths whose codes straddle words (3, 6): every quantized
+    product of <= 16 rows a kernel call, within its bound of MLX's quantized_matmul."""
     path, _ = make_tiny(tmp_path / "hf", tie_word_embeddings=tied, **SHAPES)
     add_tokenizer(path)
-    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=64, dtype="float32")
+    convert(path, tmp_path / "q", quantize=True, bits=bits, group_size=64, dtype="float32")
     monkeypatch.setenv(backends.ENV, "0")  # MLX's own layers and quantized_matmul
     plain, _ = load_model(tmp_path / "q")
     monkeypatch.delenv(backends.ENV)
@@ -164,7 +172,7 @@ def test_a_4bit_model_matches_mlx_quantized_path_with_the_kernels(tied, tmp_path
     counter = Counting(K)
     monkeypatch.setattr(kernels, "load", lambda: counter)
     model, _ = load_model(tmp_path / "q")
-    assert model.backend == "cpu"
+    assert model.backend == "cpu" and model.layers[0].mlp.down_proj.bits == bits
     for value in ("kernels", "off"):
         forced(model, value)
         on = value == "kernels"

@@ -4,9 +4,9 @@
 ``pip install -e .`` builds them (setup.py); ``python tools/build_kernels.py`` builds them
 into a checkout's build/kernels. Where they are not built these tests skip with the reason,
 except under ``MLXINFER_REQUIRE_KERNELS=1`` (CI), where that is an error. The suite runs a
-representative subset (every instruction-set path this CPU has, 4 and 8 bits, group sizes
-32/64/128, 1/4/16 rows, SmolLM2-135M's shapes and an odd one); ``MLXINFER_SLOW=1`` runs the
-whole matrix.
+representative subset (every instruction-set path this CPU has, bits 2, 3, 4, 5, 6 and 8,
+group sizes 32/64/128, 1/4/16 rows, SmolLM2-135M's shapes and an odd one); ``MLXINFER_SLOW=1``
+runs the whole matrix.
 """
 
 import os
@@ -111,8 +111,10 @@ def check_half(k, K_in, N, wdtype, rows, levels, xdtypes=(mx.float32,), scale=1.
                 k.set_max_isa("best")
 
 
-# Each bits x group size once, on the SmolLM2 shapes and an odd one in turn (the LM head,
-# 576 -> 49152, takes seconds to set up: in the slow matrix only).
+# Each 4/8 bits x group size once, on the SmolLM2 shapes and an odd one in turn (the LM head,
+# 576 -> 49152, takes seconds to set up: in the slow matrix only); the bit-stream widths
+# (2/3/5/6, whose 3/5/6-bit codes straddle words) each once, every group size among them,
+# small shapes with K off the 128-code blocks and N off the 2-row passes.
 SUITE = [
     (4, 32, 576, 1536),
     (4, 64, 1536, 576),
@@ -120,7 +122,12 @@ SUITE = [
     (8, 32, 576, 576),
     (8, 64, 576, 1536),
     (8, 128, 1536, 576),
+    (2, 64, 576, 131),
+    (3, 32, 96, 13),
+    (5, 128, 384, 77),
+    (6, 32, 576, 33),
 ]
+BITS = [2, 3, 4, 5, 6, 8]
 
 
 @pytest.mark.parametrize("bits,group_size,K_in,N", SUITE)
@@ -159,7 +166,7 @@ def test_f16_subnormal_and_large_weights(k):
 
 @SLOW
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("K_in,N", [*SMOLLM2, HEAD, *ODD])
 def test_quantized_matrix(k, bits, group_size, K_in, N):
@@ -302,7 +309,7 @@ def test_two_streams_at_once(k):
         assert rel_err(y, x @ w.T) <= 1e-4
 
 
-@pytest.mark.parametrize("bits,group_size,match", [(3, 32, "bits"), (4, 16, "group_size")])
+@pytest.mark.parametrize("bits,group_size,match", [(7, 32, "bits"), (4, 16, "group_size")])
 def test_bad_arguments_are_value_errors(k, bits, group_size, match):
     w = mx.random.normal((64, 64))
     wq, s, b = mx.quantize(w, group_size=32, bits=4)
@@ -315,6 +322,8 @@ def test_shape_mismatches_are_value_errors(k):
     wq, s, b = mx.quantize(w, group_size=32, bits=4)
     with pytest.raises(ValueError, match="x: expected"):
         k.quantized_matvec(mx.zeros((1, 65)), wq, s, b, 32, 4)
+    with pytest.raises(ValueError, match="w: expected"):  # 8 words a row: no whole 3-bit row
+        k.quantized_matvec(mx.zeros((1, 64)), wq, s, b, 32, 3)
     with pytest.raises(ValueError, match="scales/biases"):
         k.quantized_matvec(mx.zeros((1, 64)), wq, s[:, :1], b, 32, 4)
     with pytest.raises(ValueError, match="w: expected"):
@@ -388,6 +397,9 @@ def test_quantized_every_row_count_of_a_batched_step(k):
     MLX's quantized product, on each instruction-set path."""
     check_quantized(k, 576, 576, 4, 32, [2, 3, 5, 6, 7, 8, 9], paths(k))
     check_quantized(k, 576, 200, 8, 64, [3, 8], paths(k))
+    # the bit-stream widths' dequantizing passes (x read unscaled, the scale takes the 2^-s)
+    check_quantized(k, 192, 37, 3, 64, [2, 5, 8, 9], paths(k))
+    check_quantized(k, 160, 21, 6, 32, [3, 7], paths(k))
 
 
 def test_log_softmax_matches_float64(k):

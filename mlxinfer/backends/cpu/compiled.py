@@ -3,10 +3,10 @@
 A layer whose plan says ``kernel`` (``parallel.LayerPlan.kernel``, set by ``kinds.set_plan``
 for the kinds ``quantized``, ``head`` and ``matvec``) runs a product of at most
 :data:`MAX_ROWS` rows (decode, batched decode, speculative verification) as one kernel
-call: ``quantized_matvec`` for an affine 4-/8-bit layer, ``matvec`` for a float one (float32,
-bfloat16 or float16 weights, accumulated in float32: MLX's own half-precision product on the
-CPU has no BLAS, one row 6-20x (bf16) and 13-44x (f16) the kernel's time on SmolLM2's shapes,
-csrc/README.md). The
+call: ``quantized_matvec`` for an affine 2/3/4/5/6/8-bit layer, ``matvec`` for a float one
+(float32, bfloat16 or float16 weights, accumulated in float32: MLX's own half-precision product
+on the CPU has no BLAS, one row 6-20x (bf16) and 13-44x (f16) the kernel's time on SmolLM2's
+shapes, csrc/README.md). The
 kernel threads itself (its pool: the ``kernel_threads`` plan), so such a layer never takes
 the two-stream split: the pool and MLX's two worker streams would ask for more threads
 than there are cores. More rows (prefill), a layer the kernels do not cover, or no kernels
@@ -27,7 +27,7 @@ from ...models import layers as model_layers
 from .. import kernels
 
 MAX_ROWS = 16  # the kernels' rows: up to 16 they beat MLX's products by far (csrc/README.md)
-QUANTIZED_BITS = (4, 8)
+QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine widths (mx.quantize)
 FLOAT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)  # the float kernel's weights
 GROUP_SIZES = (32, 64, 128)
 
@@ -38,8 +38,8 @@ def loaded() -> ModuleType | None:
 
 
 def quantized_fits(layer: nn.Module) -> bool:
-    """Whether the quantized kernel computes ``layer``'s product (affine, 4 or 8 bits, group
-    32/64/128, with biases)."""
+    """Whether the quantized kernel computes ``layer``'s product (affine, 2, 3, 4, 5, 6 or 8
+    bits, group 32/64/128, with biases)."""
     return (
         getattr(layer, "mode", "affine") == "affine"
         and getattr(layer, "bits", None) in QUANTIZED_BITS

@@ -15,7 +15,7 @@ keeping an option only if it beats the plainer one by 3%:
 - ``quantized``: quantized layers in one call, cut in halves over the two streams, with
   siblings (q/k/v, gate/up) whole side by side, or side by side with the largest cut to
   balance the streams (``parallel.plan_siblings``), or the compiled kernel in one call
-  (``kernel``: affine 4-/8-bit layers, a quantized tied head included);
+  (``kernel``: affine 2/3/4/5/6/8-bit layers, a quantized tied head included);
 - ``matvec`` (kernels loaded): the blocks' float32 Linears through MLX's matmul (``blas``:
   the plans above) or the compiled kernel (``kernel``, which has a split MLP's down projection
   hold its weight as (out, in) again, so that MLP runs whole);
