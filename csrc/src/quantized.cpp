@@ -269,11 +269,140 @@ MLXINFER_AVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t 
   }
 }
 
+// One row of x (decode) at the bit-stream widths, in blocks of 64 codes read 4 per 32-bit
+// lane: lane l holds codes 4l..4l+3 (4 * BITS <= 24 bits from byte 4l * BITS / 8), so one
+// masked load (exactly the block's 2 * BITS words), one dword permutation and one byte shuffle
+// place a block, and each of its four vectors (code j of every lane) is one AND and one convert:
+// the codes stay where they lie (code << s, s <= 19, exact in f32) and qmv_prepare puts x in
+// the matching order, scaled by 2^-s. Against unpack32's shuffle per 16 codes this does two
+// shuffles per 64. K % 64 (32 codes, group size 32 only) is read as unpack32 reads it.
+template <int BITS>
+struct BlockTables {
+  alignas(64) int32_t idx[16]; // 128-bit lane L takes words d_L .. d_L + 3
+  alignas(64) int8_t ctrl[64]; // lane l: the 4 bytes from 4l * BITS / 8, within its 128 bits
+  alignas(64) uint32_t mask[4][16]; // vector j: lane l's code 4l + j, in place
+  int shift[4][16]; // where code 4l + j lies in lane l (x is scaled by 2^-shift)
+};
+
+template <int BITS>
+constexpr BlockTables<BITS> make_block_tables() {
+  BlockTables<BITS> t{};
+  for (int lane128 = 0; lane128 < 4; ++lane128) {
+    const int d = 2 * BITS * lane128 / 4; // the word holding code 16 * lane128's first bit
+    for (int i = 0; i < 4; ++i) {
+      t.idx[4 * lane128 + i] = d + i;
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int l = 4 * lane128 + i, o = 4 * l * BITS / 8, r = 4 * l * BITS % 8;
+      if (o - 4 * d + 3 >= 16 || r + 4 * BITS > 24) {
+        throw "block layout does not fit"; // a compile-time error in a constexpr evaluation
+      }
+      for (int b = 0; b < 4; ++b) {
+        t.ctrl[4 * l + b] = static_cast<int8_t>(o - 4 * d + b);
+      }
+      for (int j = 0; j < 4; ++j) {
+        t.shift[j][l] = r + j * BITS;
+        t.mask[j][l] = ((1u << BITS) - 1u) << (r + j * BITS);
+      }
+    }
+  }
+  return t;
+}
+
+template <int BITS>
+constexpr BlockTables<BITS> kBlock = make_block_tables<BITS>();
+
+// The block (64 codes: qmv_rows1_blocked_avx512; 32: its AVX2 copy, lanes 0-7 of the tables)
+// in which qmv_prepare lays out p's x, or 0 where x is read in order.
+inline int qmv_blocked(const QmvProblem& p) {
+  if (p.M != 1 || !qmv_stream_bits(p.bits)) {
+    return 0;
+  }
+  return p.isa == kAvx512 ? 64 : p.isa == kAvx2 ? 32 : 0;
+}
+
+// 32 codes from src against x's four vectors of 8, into two accumulators (block64 on AVX2:
+// lanes 0-7 of the same tables): each 128 bits loaded from its first word (T.idx), which
+// reads at most 12 bytes past the block, within the 16 qmv_rows allows past a row.
+template <int BITS>
+MLXINFER_AVX2 inline void block32(const uint8_t* src, const __m256* xv, __m256& a0, __m256& a1) {
+  const auto& T = kBlock<BITS>;
+  constexpr int hi = 4 * (2 * BITS / 4); // the second 128 bits' first byte (T.idx[4] words)
+  const __m256i v = _mm256_shuffle_epi8(
+      _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + hi)), 1),
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl)));
+  __m256 q[4];
+  for (int j = 0; j < 4; ++j) {
+    q[j] = _mm256_cvtepi32_ps(
+        _mm256_and_si256(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.mask[j]))));
+  }
+  a0 = _mm256_fmadd_ps(q[0], xv[0], a0);
+  a1 = _mm256_fmadd_ps(q[1], xv[1], a1);
+  a0 = _mm256_fmadd_ps(q[2], xv[2], a0);
+  a1 = _mm256_fmadd_ps(q[3], xv[3], a1);
+}
+
+// One row of x against R output rows at the bit-stream widths on AVX2: blocks of 32 codes
+// (one group holds whole blocks), scaled once per group.
+template <int BITS, int R>
+MLXINFER_AVX2 void qmv_rows1_blocked_avx2(const QmvProblem& p, const uint8_t* w,
+                                          size_t row_bytes, int n) {
+  const int G = p.K / p.group_size;
+  const int per_group = p.group_size / 32;
+  __m256 tot[R], a0[R], a1[R];
+  const uint8_t* wr[R];
+  const float* sr[R];
+  const float* br[R];
+  for (int r = 0; r < R; ++r) {
+    tot[r] = a0[r] = a1[r] = _mm256_setzero_ps();
+    wr[r] = w + (n + r) * row_bytes;
+    sr[r] = p.scales + static_cast<size_t>(n + r) * G;
+    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int i = 0; i < per_group; ++i) {
+      const int blk = g * per_group + i;
+      __m256 xv[4];
+      for (int j = 0; j < 4; ++j) {
+        xv[j] = _mm256_loadu_ps(p.xp + 32 * blk + 8 * j);
+      }
+      for (int r = 0; r < R; ++r) {
+        block32<BITS>(wr[r] + static_cast<size_t>(blk) * 4 * BITS, xv, a0[r], a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      tot[r] = _mm256_fmadd_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_set1_ps(sr[r][g]), tot[r]);
+      a0[r] = a1[r] = _mm256_setzero_ps();
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float bias_part = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      bias_part += br[r][g] * p.xsum[g];
+    }
+    p.y[n + r] = hsum256(tot[r]) + bias_part;
+  }
+}
+
 template <int BITS>
 MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
+  if constexpr (qmv_stream_bits(BITS)) {
+    if (p.M == 1) { // decode at the bit-stream widths: blocks of 32 codes (qmv_blocked)
+      int n = n0;
+      for (; n + 2 <= n1; n += 2) {
+        qmv_rows1_blocked_avx2<BITS, 2>(p, w, row_bytes, n);
+      }
+      if (n < n1) {
+        qmv_rows1_blocked_avx2<BITS, 1>(p, w, row_bytes, n);
+      }
+      return;
+    }
+  }
   if (p.M == 1) { // decode: two output rows per pass
     int n = n0;
     for (; n + 2 <= n1; n += 2) {
@@ -523,12 +652,113 @@ MLXINFER_AVX512BW void qmv_rows1_avx512(
   }
 }
 
+// 64 codes from src against x's four vectors, into two accumulators.
+template <int BITS>
+MLXINFER_AVX512BW inline void block64(const uint8_t* src, const __m512* xv, __m512& a0,
+                                      __m512& a1) {
+  const auto& T = kBlock<BITS>;
+  __m512i v = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (2 * BITS)) - 1u), src);
+  v = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(_mm512_load_si512(T.idx), v),
+                          _mm512_load_si512(T.ctrl));
+  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_load_si512(T.mask[0])));
+  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_load_si512(T.mask[1])));
+  const __m512 q2 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_load_si512(T.mask[2])));
+  const __m512 q3 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_load_si512(T.mask[3])));
+  a0 = _mm512_fmadd_ps(q0, xv[0], a0);
+  a1 = _mm512_fmadd_ps(q1, xv[1], a1);
+  a0 = _mm512_fmadd_ps(q2, xv[2], a0);
+  a1 = _mm512_fmadd_ps(q3, xv[3], a1);
+}
+
+template <int BITS, int R>
+MLXINFER_AVX512BW void qmv_rows1_blocked_avx512(const QmvProblem& p, const uint8_t* w,
+                                                size_t row_bytes, int n) {
+  const int G = p.K / p.group_size;
+  const int gs = p.group_size;
+  const int blocks = p.K / 64;
+  constexpr int block_bytes = 8 * BITS;
+  __m512 tot[R], a0[R], a1[R];
+  const uint8_t* wr[R];
+  const float* sr[R];
+  const float* br[R];
+  for (int r = 0; r < R; ++r) {
+    tot[r] = a0[r] = a1[r] = _mm512_setzero_ps();
+    wr[r] = w + (n + r) * row_bytes;
+    sr[r] = p.scales + static_cast<size_t>(n + r) * G;
+    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+  }
+  if (gs >= 64) { // whole blocks per group: scale once per group
+    const int per_group = gs / 64;
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < per_group; ++i) {
+        const int blk = g * per_group + i;
+        __m512 xv[4];
+        for (int j = 0; j < 4; ++j) {
+          xv[j] = _mm512_loadu_ps(p.xp + 64 * blk + 16 * j);
+        }
+        for (int r = 0; r < R; ++r) {
+          block64<BITS>(wr[r] + static_cast<size_t>(blk) * block_bytes, xv, a0[r], a1[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        tot[r] = _mm512_fmadd_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_set1_ps(sr[r][g]), tot[r]);
+        a0[r] = a1[r] = _mm512_setzero_ps();
+      }
+    }
+  } else { // group size 32: lanes 0-7 in group 2 * blk, lanes 8-15 in the next
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int blk = 0; blk < blocks; ++blk) {
+      __m512 xv[4];
+      for (int j = 0; j < 4; ++j) {
+        xv[j] = _mm512_loadu_ps(p.xp + 64 * blk + 16 * j);
+      }
+      for (int r = 0; r < R; ++r) {
+        block64<BITS>(wr[r] + static_cast<size_t>(blk) * block_bytes, xv, a0[r], a1[r]);
+        const __m512 two = _mm512_castps128_ps512(_mm_castsi128_ps(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sr[r] + 2 * blk))));
+        tot[r] = _mm512_fmadd_ps(_mm512_add_ps(a0[r], a1[r]),
+                                 _mm512_permutexvar_ps(halves, two), tot[r]);
+        a0[r] = a1[r] = _mm512_setzero_ps();
+      }
+    }
+    if (p.K % 64 != 0) { // the last 32 codes, in order (qmv_prepare scaled them as unpack32)
+      const int k0 = 64 * blocks;
+      const __m512 xa = _mm512_loadu_ps(p.xp + k0), xb = _mm512_loadu_ps(p.xp + k0 + 16);
+      for (int r = 0; r < R; ++r) {
+        __m512 qa, qb;
+        unpack32<BITS>(wr[r] + static_cast<size_t>(k0) * BITS / 8, qa, qb);
+        const __m512 acc = _mm512_fmadd_ps(qa, xa, _mm512_mul_ps(qb, xb));
+        tot[r] = _mm512_fmadd_ps(acc, _mm512_set1_ps(sr[r][G - 1]), tot[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float bias_part = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      bias_part += br[r][g] * p.xsum[g];
+    }
+    p.y[n + r] = _mm512_reduce_add_ps(tot[r]) + bias_part;
+  }
+}
+
 template <int BITS>
 MLXINFER_AVX512BW void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
   const bool wide = p.group_size >= 64; // two 32-chunks per step fit in a group
+  if constexpr (qmv_stream_bits(BITS)) {
+    if (p.M == 1) { // decode at the bit-stream widths: blocks of 64 codes (qmv_blocked)
+      int n = n0;
+      for (; n + QMV_R <= n1; n += QMV_R) {
+        qmv_rows1_blocked_avx512<BITS, QMV_R>(p, w, row_bytes, n);
+      }
+      for (; n < n1; ++n) {
+        qmv_rows1_blocked_avx512<BITS, 1>(p, w, row_bytes, n);
+      }
+      return;
+    }
+  }
   if (p.M == 1) { // decode: output rows R at a time
     int n = n0;
     for (; n + QMV_R <= n1; n += QMV_R) {
@@ -603,7 +833,35 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
       }
     } else if (qmv_stream_bits(p.bits) && p.isa != kScalar) {
       // The codes come out << (k * bits % 8), their bit offset in the byte: x * 2^-that.
-      for (int k = 0; k < p.K; ++k) {
+      int k = 0;
+#if defined(MLXINFER_X86)
+      if (const int block = qmv_blocked(p)) { // code 4l + j of a block: vector j's lane l
+        const int(*shift)[16] = nullptr;
+        switch (p.bits) {
+          case 2:
+            shift = kBlock<2>.shift;
+            break;
+          case 3:
+            shift = kBlock<3>.shift;
+            break;
+          case 5:
+            shift = kBlock<5>.shift;
+            break;
+          default:
+            shift = kBlock<6>.shift;
+            break;
+        }
+        const int lanes = block / 4;
+        for (; k + block <= p.K; k += block) {
+          for (int j = 0; j < 4; ++j) {
+            for (int l = 0; l < lanes; ++l) {
+              dst[k + lanes * j + l] = std::ldexp(x[k + 4 * l + j], -shift[j][l]);
+            }
+          }
+        }
+      }
+#endif
+      for (; k < p.K; ++k) {
         dst[k] = std::ldexp(x[k], -(k * p.bits % 8));
       }
     } else if (dst != x) { // x itself may serve as xp (the caller's choice)
