@@ -9,6 +9,23 @@ import click
 from .options import _errors_to_click, _log
 
 
+def _size(value: str | None) -> int | None:
+    """``--max-bytes``: a plain integer or one with a K/M/G suffix (powers of 1000)."""
+    if value is None:
+        return None
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = value.strip().upper().removesuffix("B")
+    scale = units.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in units else text
+    try:
+        size = float(number) * scale
+    except ValueError:
+        size = -1
+    if not size > 0 or size != size:
+        raise click.BadParameter(f"expected bytes such as 90M or 90000000, found {value!r}")
+    return int(size)
+
+
 @click.command()
 @click.argument("src")
 @click.option(
@@ -18,20 +35,65 @@ from .options import _errors_to_click, _log
     "--quantize",
     "-q",
     is_flag=True,
-    help="Quantize Linear/Embedding weights (GGUF without --dtype: re-quantize only its K-quant "
-    "tensors to --bits/--group-size).",
+    help="Quantize: alone, the measured mixed plan at 4.5 bits per weight (like --bpw 4.5); with "
+    "--bits/--group-size, every layer at those settings. A GGUF without --dtype: re-quantize only "
+    "its K-quant tensors.",
 )
 @click.option(
-    "--bits", default=4, show_default=True, type=click.Choice(["2", "3", "4", "5", "6", "8"])
+    "--bits",
+    default=None,
+    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+    help="Uniform bits for every layer [4 when only --group-size is given].",
 )
-@click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
+@click.option(
+    "--group-size",
+    default=None,
+    type=click.Choice(["32", "64", "128"]),
+    help="Uniform group size [64 when only --bits is given].",
+)
+@click.option(
+    "--bpw",
+    type=float,
+    default=None,
+    help="Mixed plan: bits per weight of the weight files; each tensor's bits and group size "
+    "chosen from measured KL divergence on calibration tokens.",
+)
+@click.option(
+    "--max-bytes",
+    default=None,
+    help="Mixed plan within this many bytes of weight files (90M, 1.2G).",
+)
+@click.option(
+    "--recipe",
+    default=None,
+    type=click.Choice(["q4_k_m", "q3_k_m"]),
+    help="A named mixed recipe shaped like llama.cpp's (head at 6 bits, tied or not).",
+)
+@click.option(
+    "--tensor-bits",
+    multiple=True,
+    metavar="PATTERN=BITS[:GROUP]",
+    help="Force matching tensors (a regex on module paths) to a setting in a plan; repeatable.",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="UTF-8 text to calibrate on [default: the calibration corpus shipped with mlxinfer].",
+)
+@click.option(
+    "--imatrix",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Importance file (ours, or llama.cpp's imatrix .gguf/.dat) instead of the calibration pass.",
+)
 @click.option(
     "--rounding",
-    default="minmax",
-    show_default=True,
+    default=None,
     type=click.Choice(["minmax", "mse"]),
-    help="How -q sets each group's scale and bias: from its min and max, or fitted to the least "
-    "squared error (same format; HF checkpoints).",
+    help="How each group's scale and bias are set: from its min and max, or fitted to the least "
+    "squared error, importance-weighted in a plan (same format) [default: mse for a plan, minmax "
+    "for --bits/--group-size].",
 )
 @click.option(
     "--dtype",
@@ -41,7 +103,21 @@ from .options import _errors_to_click, _log
     "a GGUF keeps its own types].",
 )
 @_errors_to_click
-def convert(src, dst, quantize, bits, group_size, rounding, dtype):
+def convert(
+    src,
+    dst,
+    quantize,
+    bits,
+    group_size,
+    bpw,
+    max_bytes,
+    recipe,
+    tensor_bits,
+    calibration,
+    imatrix,
+    rounding,
+    dtype,
+):
     """Convert a Hugging Face checkpoint (directory or repo id) or a GGUF file."""
     from ..loading.convert import convert as run_convert
 
@@ -49,8 +125,14 @@ def convert(src, dst, quantize, bits, group_size, rounding, dtype):
         src,
         dst,
         quantize=quantize,
-        bits=int(bits),
-        group_size=int(group_size),
+        bits=int(bits) if bits else None,
+        group_size=int(group_size) if group_size else None,
+        bpw=bpw,
+        max_bytes=_size(max_bytes),
+        recipe=recipe,
+        tensor_bits=tensor_bits,
+        calibration=calibration,
+        imatrix=imatrix,
         rounding=rounding,
         dtype=dtype,
         progress=True,
@@ -60,6 +142,14 @@ def convert(src, dst, quantize, bits, group_size, rounding, dtype):
         f"wrote {report['path']}: {report['parameters'] / 1e6:.1f}M parameters, "
         f"{report['bits_per_weight']:.2f} bits per weight, {report['bytes'] / 2**20:.1f} MiB on disk"
     )
+    if "plan" in report:
+        predicted = report["predicted_kl"]
+        _log(
+            f"plan: {report['plan']}; KL divergence on the probe tokens "
+            + (f"predicted {predicted:.4f}, " if predicted is not None else "")
+            + f"measured {report['measured_kl']:.4f} ({report['calibration_tokens']} calibration "
+            f"tokens, {report['plan_seconds']:.0f} s)"
+        )
 
 
 @click.command()

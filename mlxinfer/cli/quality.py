@@ -29,7 +29,7 @@ from .options import _errors_to_click, _log
     default=None,
     type=click.Path(exists=True, dir_okay=False),
     help="UTF-8 text to score, its first --chunks [default: the evaluation corpus shipped in "
-    "mlxinfer/quality/texts: prose in several languages, code, maths, tool-call JSON, and chats "
+    "mlxinfer/quant/texts: prose in several languages, code, maths, tool-call JSON, and chats "
     "through the model's chat template; --chunks spread over all of it].",
 )
 @click.option("--ctx", default=512, show_default=True, type=click.IntRange(min=4))

@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
-from ..files.atomic import writing_dir
+from ..files.atomic import scratch_dir, writing_dir
 from ..files.manifest import existing_output_error, write_manifest
 from ..models import build_model, get_family
 from ..models.base import language_model_weights
@@ -31,7 +33,7 @@ from ..quant.transform import (
     quantization_record,
     quantize_model,
 )
-from .loader import load_weights_into, read_weights, resolve_model_path
+from .loader import IMATRIX_NAME, load_weights_into, read_weights, resolve_model_path
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -50,14 +52,23 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 SHARD_BYTES = 2 << 30  # 2 GiB per safetensors shard
 
 
+DEFAULT_BPW = 4.5  # -q alone: the measured plan at this size (SmolLM2: see docs/quality.md)
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
     quantize: bool = False,
-    bits: int = 4,
-    group_size: int = 64,
-    rounding: str = "minmax",
+    bits: int | None = None,
+    group_size: int | None = None,
+    rounding: str | None = None,
+    bpw: float | None = None,
+    max_bytes: int | None = None,
+    recipe: str | None = None,
+    tensor_bits: Sequence[str] = (),
+    calibration: str | os.PathLike | None = None,
+    imatrix: str | os.PathLike | None = None,
     dtype: str | None = None,
     progress: bool | Progress = False,
     log: Callable[[str], None] | None = None,
@@ -65,35 +76,89 @@ def convert(
     """Convert ``src`` (HF directory, Hub repo id or ``.gguf`` file) into ``dst``.
 
     Args:
-        quantize: store Linear/Embedding weights as affine ``bits``-bit groups.
+        quantize: quantize Linear/Embedding weights. Alone: the measured plan at
+            :data:`DEFAULT_BPW` bits per weight (as ``bpw=4.5``). With ``bits`` or ``group_size``:
+            every layer uniform at those settings (4 bits, group 64 for the one not given).
+        bpw, max_bytes: a mixed plan within this size (bits per parameter of the weight files,
+            or their bytes): each tensor's bits and group size chosen from measured costs on
+            calibration tokens (:mod:`mlxinfer.quant.plan`). Implies ``quantize``.
+        recipe: a named mixed recipe (``q4_k_m``, ``q3_k_m``) instead of a budget.
+        tensor_bits: ``PATTERN=BITS[:GROUP]`` forced on matching tensors of a plan.
+        calibration: a UTF-8 text file to calibrate on; default: the calibration text shipped
+            with the package (never the evaluation text).
+        imatrix: an importance file (ours or llama.cpp's) instead of the calibration pass.
         rounding: ``"minmax"`` (each group's scale and bias from its min and max, as
-            ``mx.quantize``) or ``"mse"`` (fitted to the least squared error; same format).
-            A HF checkpoint only, for now.
+            ``mx.quantize``) or ``"mse"`` (fitted to the least squared error, weighted by
+            activation importance in a plan; same format). Default: ``mse`` for a plan,
+            ``minmax`` for a uniform conversion.
         dtype: float16, bfloat16 or float32 for the float weights; default: the
             checkpoint's own dtype (``torch_dtype`` / ``dtype``), else float16.
         progress: True: progress bars on stderr; a callback: ``(stage, done, total)`` for
             reading and writing the weights (bytes) or importing a GGUF's tensors
             (:mod:`mlxinfer.platform.progress`).
     Returns:
-        A report: parameters, bits per weight, bytes on disk, output path.
+        A report: parameters, bits per weight, bytes on disk, output path, and for a plan its
+        settings, predicted and measured KL divergence on the probe tokens.
     """
     dst = Path(dst).expanduser()
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ConfigError(existing_output_error(dst))
-    if str(src).endswith(".gguf"):
+    planned = bpw is not None or max_bytes is not None or recipe is not None
+    uniform = bits is not None or group_size is not None
+    if planned and uniform:
+        raise ConfigError(
+            "--bits/--group-size mean one uniform setting; a plan (--bpw, --max-bytes, --recipe) "
+            "chooses them per tensor: give one or the other"
+        )
+    if sum(x is not None for x in (bpw, max_bytes, recipe)) > 1:
+        raise ConfigError("give one of --bpw, --max-bytes or --recipe")
+    if bpw is not None and not 1.0 < bpw < 16.0:
+        raise ConfigError(f"--bpw: expected bits per weight in 1..16, found {bpw}")
+    gguf = str(src).endswith(".gguf")
+    if quantize and not uniform and not planned and not (gguf and dtype is None):
+        # -q alone: the measured plan. A GGUF without --dtype keeps its own grids instead (below).
+        bpw, planned = DEFAULT_BPW, True
+    if (tensor_bits or calibration is not None or imatrix is not None) and not planned:
+        raise ConfigError(
+            "--tensor-bits, --calibration and --imatrix apply to a mixed plan (-q, --bpw, "
+            "--max-bytes or --recipe; a GGUF source with --dtype)"
+        )
+    settings: dict[str, Any] | None = None
+    if uniform:
+        settings = dict(bits=bits or 4, group_size=group_size or 64, rounding=rounding or "minmax")
+    elif planned:
+        settings = dict(
+            bpw=bpw,
+            max_bytes=max_bytes,
+            recipe=recipe,
+            tensor_bits=tuple(tensor_bits),
+            calibration=calibration,
+            imatrix=imatrix,
+            rounding=rounding or "mse",
+        )
+    if gguf:
         from ..gguf import import_gguf
 
-        if rounding != "minmax":
+        if planned:  # every tensor quantized afresh from the dequantized weights
+            with scratch_dir(dst.parent, dst.name + ".float") as work:
+                import_gguf(Path(src), work / "f", dtype=dtype or "float32", log=log)
+                return convert(
+                    work / "f", dst, **_plan_args(settings), dtype=dtype, progress=progress, log=log
+                )
+        if rounding not in (None, "minmax"):
             raise ConfigError(
                 f"--rounding {rounding} is not supported for a GGUF source yet; convert it with "
                 "--dtype float32 first, then quantize that directory"
             )
         # Without --dtype the file's own types are kept, and -q re-quantizes only its K-quant tensors;
         # with --dtype every tensor is dequantized to it, and -q quantizes as for a HF checkpoint.
+        requantize = None
+        if quantize:
+            requantize = (bits or 4, group_size or 64)
         return import_gguf(
             Path(src),
             dst,
-            requantize=(bits, group_size) if quantize else None,
+            requantize=requantize,
             dtype=dtype,
             progress=progress,
             log=log,
@@ -106,17 +171,23 @@ def convert(
     target = _target_dtype(config, dtype, source)
     from ..tokenization import Tokenizer
 
-    Tokenizer.from_dir(src_dir)  # a missing or broken tokenizer fails before any work
-
-    settings = dict(bits=bits, group_size=group_size, rounding=rounding) if quantize else None
+    tokenizer = Tokenizer.from_dir(src_dir)  # a missing or broken tokenizer fails before any work
     report = resolve(progress)
     try:
-        return _convert_hf(src_dir, dst, config, family, model, target, settings, report)
+        return _convert_hf(
+            src_dir, dst, config, family, model, target, settings, report, tokenizer, log
+        )
     finally:
         finished(report)
 
 
-def _convert_hf(src_dir, dst, config, family, model, target, settings, report):
+def _plan_args(settings: dict[str, Any]) -> dict[str, Any]:
+    out = dict(settings)
+    out["quantize"] = True
+    return out
+
+
+def _convert_hf(src_dir, dst, config, family, model, target, settings, report, tokenizer, log):
     weights = read_weights(src_dir, report)
     if config.get("language_model_of"):
         weights = language_model_weights(weights)
@@ -128,14 +199,27 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report):
         for k, v in weights.items()
     }
     load_weights_into(model, weights, src_dir)
+    del weights
     drop = ("quantization_config", "language_model_of")
     out_config = {k: v for k, v in config.items() if k not in drop}
     out_config["torch_dtype"] = _dtype_name(target)
     if "dtype" in out_config:  # transformers 5's name for the same field
         out_config["dtype"] = _dtype_name(target)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    if settings is not None:  # -q: bits, group_size, rounding
+    plan = None
+    if settings is not None and "bits" in settings:  # uniform: bits, group_size, rounding
         out_config["quantization"] = quantize_model(model, **settings)
+    elif settings is not None:
+        plan = _plan(model, tokenizer, settings, src_dir, config, log)
+        out_config["quantization"] = quantize_model(
+            model,
+            rounding=settings["rounding"],
+            layers=plan.layers(),
+            importance=plan.mean,
+            # 16-bit scales and biases: what the plan's sizes assume (f32 ones would add a bit
+            # per weight at group 64 for no measurable gain).
+            scale_dtype=mx.float16 if target == mx.float32 else target,
+        )
     elif stored is not None:
         out_config["quantization"] = stored
     params = dict(tree_flatten(model.parameters()))
@@ -146,14 +230,85 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report):
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, tmp / name)
+        if plan is not None and plan.counts:
+            _save_importance(tmp / IMATRIX_NAME, plan, src_dir)
         write_manifest(tmp)  # last: it lists every file above
-    n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
-    return {
+    n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors") if f.name != IMATRIX_NAME)
+    out = {
         "path": str(dst),
         "parameters": n_params,
         "bits_per_weight": bits_per_weight(model),
         "bytes": n_bytes,
     }
+    if plan is not None:
+        out.update(
+            plan=plan.summary(),
+            predicted_kl=plan.predicted_kl,
+            measured_kl=plan.measured_kl,
+            calibration_tokens=plan.tokens,
+            plan_seconds=plan.seconds,
+        )
+    return out
+
+
+def _plan(model, tokenizer, settings, src_dir, config, log):
+    from ..quant.mixed import plan_model
+
+    importance = None
+    if settings["imatrix"] is not None:
+        from .imatrix import load_importance
+
+        imp = load_importance(settings["imatrix"], config=config)
+        importance = (imp.sums, imp.counts)
+    docs = _calibration_documents(tokenizer, settings["calibration"])
+    token_lists = [tokenizer.encode(d) for d in docs]
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer.encode("a")[:1] == [bos]
+    max_bytes = settings["max_bytes"]
+    return plan_model(
+        model,
+        token_lists,
+        vocab=tokenizer.vocab_size,
+        bos=bos if adds_bos else None,
+        bpw=settings["bpw"],
+        max_bytes=max_bytes,
+        recipe=settings["recipe"],
+        overrides=settings["tensor_bits"],
+        importance=importance,
+        log=log,
+    )
+
+
+def _calibration_documents(tokenizer, calibration) -> list[str]:
+    if calibration is not None:
+        path = Path(calibration).expanduser()
+        try:
+            return [path.read_text(encoding="utf-8")]
+        except OSError as e:
+            raise ConfigError(f"--calibration {path}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"--calibration {path}: expected UTF-8 text, found byte {e.object[e.start]:#04x} "
+                f"at offset {e.start}"
+            ) from None
+    from ..quant.corpus import calibration_documents
+
+    return calibration_documents(tokenizer)
+
+
+def _save_importance(path: Path, plan, src_dir: Path) -> None:
+    from .imatrix import Importance, save_importance
+
+    sums = {
+        p: m * np.maximum(plan.counts[p], 1)[..., None]
+        if m.ndim == 2
+        else m * max(int(plan.counts[p]), 1)
+        for p, m in plan.importance.items()
+    }
+    imp = Importance(
+        sums=sums, counts=plan.counts, meta={"model": src_dir.name, "tokens": str(plan.tokens)}
+    )
+    save_importance(imp, path)
 
 
 def _target_dtype(config: dict, dtype: str | None, source: Path) -> mx.Dtype:

@@ -64,13 +64,22 @@ def resolve_model_path(path_or_repo: str | os.PathLike, *, revision: str | None 
         ) from None
 
 
+# A quantized model's calibration statistics (convert's plans), saved beside its weights for
+# reuse with --imatrix; not a weight file.
+IMATRIX_NAME = "imatrix.safetensors"
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint, following an index when there is one (each file
     checked to lie inside ``model_dir``: safetensors_check.inside)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         return index_files(model_dir, index)
-    files = [inside(model_dir, f.name, model_dir) for f in sorted(model_dir.glob("*.safetensors"))]
+    files = [
+        inside(model_dir, f.name, model_dir)
+        for f in sorted(model_dir.glob("*.safetensors"))
+        if f.name != IMATRIX_NAME
+    ]
     if not files:
         pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:

@@ -5,7 +5,7 @@ The protocol is llama.cpp's ``llama-perplexity``, so numbers line up with publis
 * the text is tokenized once, by the first model's tokenizer (every model must share it);
   without a text, the evaluation corpus shipped in ``texts/`` (corpus.py): its documents, the
   conversations rendered through that tokenizer's chat template, each tokenized on its own and
-  joined (:func:`~mlxinfer.quality.corpus.document_tokens`);
+  joined (:func:`~mlxinfer.quant.corpus.document_tokens`);
 * the tokens are cut into chunks of ``ctx`` (of the shipped corpus, ``chunks`` spread evenly
   over all of it, so a short run still sees each kind of text; of a given text, the first); each chunk is evaluated from scratch (no cache
   carried over), its first token replaced by BOS when the tokenizer adds one;
@@ -36,7 +36,7 @@ from ..errors import QualityError
 from ..loading.loader import load, open_model, weight_files
 from ..models import build_model
 from ..models.config import read_config
-from .corpus import document_tokens, evaluation_documents
+from ..quant.corpus import document_tokens, evaluation_documents
 
 # Measured on 2 shared CPU cores: SmolLM2-135M (its Q4_1 GGUF) evaluates a 512-token chunk in about
 # 1.5 s, and a chunk of it against itself as reference in about 3.5 s: 16 chunks (4,080 scored
@@ -94,7 +94,7 @@ def perplexity(
         models: one model or several, each anything :func:`mlxinfer.load` takes but the default
             model: a directory, a Hub repo id, a ``.gguf`` file.
         reference: the model the others are compared with (KL divergence, top-1, Δp, ΔPPL).
-        text: the text to score; None: the evaluation corpus shipped in ``mlxinfer/quality/texts``
+        text: the text to score; None: the evaluation corpus shipped in ``mlxinfer/quant/texts``
             (chats through the first model's chat template), ``chunks`` of it spread evenly.
         ctx: tokens per chunk (llama.cpp's ``-c``); the second half of each is scored.
         chunks: at most this many chunks (None: every whole chunk of the text).

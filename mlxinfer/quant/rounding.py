@@ -49,44 +49,71 @@ def _codes(w, scale, bias, n_max):
     return mx.clip(mx.round((w - bias) / scale), 0, n_max)
 
 
-def _sq_error(w, q, scale, bias):
-    return mx.sum(mx.square(scale * q + bias - w), axis=-1, keepdims=True)
+def _sq_error(w, q, scale, bias, v):
+    return mx.sum(v * mx.square(scale * q + bias - w), axis=-1, keepdims=True)
 
 
 def _stored(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x.astype(dtype).astype(mx.float32)
 
 
-def _least_squares(w, q, scale, bias):
-    """Scale and bias minimising ``sum((scale * q + bias - w)**2)`` per group, for fixed q."""
-    g = w.shape[-1]
-    sq, sw = q.sum(-1, keepdims=True), w.sum(-1, keepdims=True)
-    sqq, sqw = (q * q).sum(-1, keepdims=True), (q * w).sum(-1, keepdims=True)
+def _least_squares(w, q, scale, bias, v):
+    """Scale and bias minimising ``sum(v * (scale * q + bias - w)**2)`` per group, for fixed q
+    (``v`` the channels' weights, ones when unweighted)."""
+    g = v.sum(-1, keepdims=True)
+    vq, vw = v * q, v * w
+    sq, sw = vq.sum(-1, keepdims=True), vw.sum(-1, keepdims=True)
+    sqq, sqw = (vq * q).sum(-1, keepdims=True), (vq * w).sum(-1, keepdims=True)
     det = g * sqq - sq * sq
-    ok = det > 0  # all codes equal: keep the scale, refit only the bias
+    ok = det > 1e-12 * g * sqq  # all codes equal: keep the scale, refit only the bias
     new_scale = mx.where(ok, (g * sqw - sq * sw) / mx.where(ok, det, 1), scale)
     new_scale = mx.where(mx.abs(new_scale) > 1e-12, new_scale, scale)
     return new_scale, (sw - new_scale * sq) / g
 
 
+def channel_weights(importance, shape: tuple[int, ...]) -> mx.array | None:
+    """Per-input-channel weights for the fit from activation importance (mean ``x**2`` per
+    channel, (K,) or (E, K) for stacked experts), normalised to mean 1 with a floor so a channel
+    the calibration text never used still counts a little; None: unweighted."""
+    if importance is None:
+        return None
+    v = mx.array(importance, mx.float32)
+    v = v / mx.maximum(v.mean(axis=-1, keepdims=True), 1e-30)
+    v = mx.maximum(v, 1e-2) if v.ndim == 1 else mx.maximum(v, 1e-2)[:, None, :]
+    return mx.broadcast_to(v, shape)
+
+
 def fit_affine(
-    w: mx.array, *, group_size: int = 64, bits: int = 4
+    w: mx.array,
+    *,
+    group_size: int = 64,
+    bits: int = 4,
+    weights: mx.array | None = None,
+    scale_dtype: mx.Dtype | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Quantize ``w`` (..., K) as ``mx.quantize`` does, with least-squares scales and biases.
 
+    ``weights`` (broadcastable to ``w``, from :func:`channel_weights`): each input channel's
+    share of the squared error (activation importance); None: plain squared error.
+    ``scale_dtype``: the dtype scales and biases are stored in (default ``w``'s).
+
     Returns:
         ``(wq, scales, biases)`` laid out as ``mx.quantize(w, group_size, bits)`` returns them
-        (scales and biases in ``w``'s dtype), so ``mx.dequantize`` reads them as it reads its own.
+        (scales and biases in ``scale_dtype``), so ``mx.dequantize`` reads them as it reads its own.
     """
     n_max = 2**bits - 1
-    shape, dtype = w.shape, w.dtype
-    wq0, scales0, biases0 = mx.quantize(w, group_size=group_size, bits=bits)
+    shape, dtype = w.shape, scale_dtype or w.dtype
+    _, scales0, biases0 = mx.quantize(w, group_size=group_size, bits=bits)
     x = w.astype(mx.float32).reshape(-1, group_size)  # (groups, group_size)
+    if weights is None:
+        v = mx.ones((1, group_size), mx.float32)
+    else:
+        v = mx.broadcast_to(weights.astype(mx.float32), shape).reshape(-1, group_size)
 
-    best_s = scales0.astype(mx.float32).reshape(-1, 1)
-    best_b = biases0.astype(mx.float32).reshape(-1, 1)
+    best_s = _stored(scales0, dtype).reshape(-1, 1)
+    best_b = _stored(biases0, dtype).reshape(-1, 1)
     best_q = _codes(x, best_s, best_b, n_max)
-    best_err = _sq_error(x, best_q, best_s, best_b)
+    best_err = _sq_error(x, best_q, best_s, best_b, v)
 
     lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
     centre, half = (lo + hi) / 2, mx.maximum((hi - lo) / 2, 1e-8)
@@ -95,10 +122,10 @@ def fit_affine(
         bias = _stored(centre - f * half, dtype)
         for _ in range(ITERATIONS):
             q = _codes(x, scale, bias, n_max)
-            scale, bias = _least_squares(x, q, scale, bias)
+            scale, bias = _least_squares(x, q, scale, bias, v)
             scale, bias = _stored(scale, dtype), _stored(bias, dtype)
         q = _codes(x, scale, bias, n_max)
-        err = _sq_error(x, q, scale, bias)
+        err = _sq_error(x, q, scale, bias, v)
         better = err < best_err
         best_s, best_b = mx.where(better, scale, best_s), mx.where(better, bias, best_b)
         best_q, best_err = mx.where(better, q, best_q), mx.minimum(err, best_err)

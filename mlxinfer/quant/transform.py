@@ -13,16 +13,18 @@ are MLX's ``mxfp4`` mode as they are. Which record counts and what each entry me
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .record import MXFP4 as MXFP4  # re-exported: the record is read in record.py
 from .record import layer_settings
 from .record import quantization_record as quantization_record
-from .rounding import ROUNDINGS, fit_affine
+from .rounding import ROUNDINGS, channel_weights, fit_affine
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -41,13 +43,26 @@ def _quantizable(module: nn.Module, group_size: int) -> bool:
 
 
 def quantize_model(
-    model: nn.Module, *, bits: int = 4, group_size: int = 64, rounding: str = "minmax"
+    model: nn.Module,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    rounding: str = "minmax",
+    layers: dict[str, tuple[int, int]] | None = None,
+    importance: Callable[[str], np.ndarray | None] | None = None,
+    scale_dtype: mx.Dtype | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model`` in place; returns the config.json record.
 
     ``rounding="minmax"`` takes each group's scale and bias from its min and max (MLX's
     ``mx.quantize``); ``"mse"`` fits them to the least squared error (``rounding.fit_affine``),
-    in the same format.
+    in the same format, each input channel weighted by ``importance(path)`` (mean ``x**2`` of
+    calibration tokens) when given.
+
+    ``layers``: ``{path: (bits, group_size)}`` for a mixed plan (``plan.py``); only those layers
+    are quantized, each listed in the record. Without it every quantizable layer gets
+    ``bits``/``group_size``. ``scale_dtype``: the dtype of scales and biases (default: the
+    weights').
 
     Layers whose input width is not a multiple of ``group_size`` stay in float
     and are listed in the record as ``{path: False}``; layers quantized already (an MXFP4
@@ -59,36 +74,53 @@ def quantize_model(
         raise ValueError(f"--group-size must be 32, 64 or 128, got {group_size}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"--rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if layers:  # the record's defaults: the plan's most common setting
+        bits, group_size = Counter(layers.values()).most_common(1)[0][0]
     record: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     record.update(quantized_layers(model))
     skipped = []
-    floats: dict[str, mx.array] = {}  # path -> float weight, kept for rounding="mse"
+    floats: dict[str, tuple[mx.array, int, int]] = {}  # path -> float weight, bits, group
 
     # A family may keep some layers in float (routers, tiny projections) by
     # defining `quant_predicate(path, module) -> bool` on its Model.
     family_rule = getattr(model, "quant_predicate", None)
 
-    def predicate(path: str, module: nn.Module) -> bool:
+    def predicate(path: str, module: nn.Module):
         if not hasattr(module, "to_quantized"):
             return False
-        if not _quantizable(module, group_size) or (
-            family_rule is not None and not family_rule(path, module)
+        b, g = layers[path] if layers and path in layers else (bits, group_size)
+        if (layers is not None and path not in layers) or (
+            not _quantizable(module, g)
+            or (family_rule is not None and not family_rule(path, module))
         ):
             skipped.append(path)
             return False
-        if rounding == "mse":
-            floats[path] = module.weight
-        return True
+        if rounding == "mse" or scale_dtype is not None:
+            floats[path] = (module.weight, b, g)
+        return {"group_size": g, "bits": b, "mode": "affine"}
 
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    nn.quantize(model, class_predicate=predicate)
     modules = dict(model.named_modules()) if floats else {}
-    for path, weight in floats.items():
+    for path, (weight, b, g) in floats.items():
         layer = modules[path]
-        layer.weight, layer.scales, layer.biases = fit_affine(
-            weight, group_size=group_size, bits=bits
-        )
+        if rounding == "mse":
+            imp = importance(path) if importance is not None else None
+            layer.weight, layer.scales, layer.biases = fit_affine(
+                weight,
+                group_size=g,
+                bits=b,
+                weights=channel_weights(imp, weight.shape),
+                scale_dtype=scale_dtype,
+            )
+        else:
+            layer.scales = layer.scales.astype(scale_dtype)
+            layer.biases = layer.biases.astype(scale_dtype)
         mx.eval(layer.weight, layer.scales, layer.biases)
     record.update({path: False for path in skipped})
+    if layers:
+        record.update(
+            {p: {"group_size": g, "bits": b, "mode": "affine"} for p, (b, g) in layers.items()}
+        )
     return record
 
 

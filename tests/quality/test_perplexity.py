@@ -166,7 +166,7 @@ def test_a_text_file_that_is_not_utf8_is_named(tiny, tmp_path):
 def test_the_default_text_is_the_evaluation_corpus_spread_over_its_chunks(tiny):
     """No text: the evaluation corpus's documents (chats through the template), --chunks of it
     spread evenly: the second of two chunks starts half-way through."""
-    from mlxinfer.quality.corpus import document_tokens, evaluation_documents
+    from mlxinfer.quant.corpus import document_tokens, evaluation_documents
 
     a = tiny[0]
     model, tok = load(a)

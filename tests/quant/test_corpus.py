@@ -1,4 +1,4 @@
-"""The texts shipped in mlxinfer/quality/texts: hashed as README.md records, the evaluation and
+"""The texts shipped in mlxinfer/quant/texts: hashed as README.md records, the evaluation and
 calibration corpora sharing no passage, every conversation rendered through a chat template."""
 
 import hashlib
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hf_models import add_tokenizer
 
-import mlxinfer.quality.corpus as corpus
+import mlxinfer.quant.corpus as corpus
 from mlxinfer.tokenization.tokenizer import Tokenizer
 
 TEXTS = Path(corpus.__file__).parent / "texts"

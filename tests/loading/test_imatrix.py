@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlxinfer.errors import WeightsError
-from mlxinfer.quant.imatrix import Importance, load_importance, save_importance
+from mlxinfer.loading.imatrix import Importance, load_importance, save_importance
 
 E, H, F = 4, 8, 6  # experts, hidden (K of q/gate/up), expert intermediate (K of down)
 MOE = {"model_type": "qwen3_moe", "num_experts": E, "num_hidden_layers": 2}

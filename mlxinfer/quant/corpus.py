@@ -4,7 +4,7 @@ Each corpus is plain documents (English prose, technical prose, the Universal De
 Human Rights in several languages, source code, worked maths, tool-call JSON) in
 ``texts/{evaluation,calibration}.jsonl``, and conversations in ``texts/*_chats.json`` kept as
 messages, so each model sees them through its own chat template (:func:`rendered`). The two
-corpora share no passage (tests/quality/test_corpus.py checks it); ``texts/README.md`` names
+corpora share no passage (tests/quant/test_corpus.py checks it); ``texts/README.md`` names
 every source, its license, what was cut, and each file's SHA-256.
 
 Calibrate on :func:`calibration_documents`, measure on :func:`evaluation_documents`: never the
@@ -119,7 +119,7 @@ def document_tokens(tokenizer, documents: list[str]) -> list[int]:
 
 
 def _read(name: str) -> str:
-    return resources.files("mlxinfer.quality").joinpath("texts", name).read_text("utf-8")
+    return resources.files("mlxinfer.quant").joinpath("texts", name).read_text("utf-8")
 
 
 @cache

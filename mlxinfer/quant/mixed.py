@@ -1,0 +1,165 @@
+"""A calibrated mixed-precision plan for one model: calibration pass, measured costs, choice.
+
+``plan_model`` is what ``convert --bpw / --max-bytes / --recipe`` (and ``-q`` alone) run on
+the float model before :func:`~mlxinfer.quant.transform.quantize_model` applies the plan:
+
+1. the calibration tokens' importance per input channel (``calibrate.collect_importance``),
+   unless an importance file was given;
+2. a named recipe's settings, or for a budget: each tensor's weighted error at every
+   candidate setting and its KL divergence at the probe setting (``plan.measure``), then the
+   cheapest plan within the budget (``plan.choose``);
+3. the plan's predicted KL (the summed costs) beside what it is measured to be with every
+   planned tensor quantized together (one more pass over the probe tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import ConfigError
+from .calibrate import Probe, calibration_sequences, collect_importance
+from .plan import (
+    Setting,
+    Tensor,
+    apply_overrides,
+    budget_from_bpw,
+    choose,
+    fake_quantized,
+    measure,
+    parse_overrides,
+    plan_bytes,
+    quantizable,
+    recipe_settings,
+)
+
+CALIBRATION_TOKENS = 4096  # the importance pass: 8 sequences of 512
+PROBE_TOKENS = 256  # each tensor's KL probe: one sequence (a forward pass per tensor)
+CTX = 512
+
+
+@dataclass
+class Plan:
+    """A mixed-precision plan and what it was measured to cost."""
+
+    settings: dict[str, Setting]
+    bytes: int  # of the planned tensors
+    budget: int | None  # bytes allowed for them (None: a recipe)
+    predicted_kl: float | None  # summed per-tensor costs (None: a recipe, not measured)
+    measured_kl: float | None  # every planned tensor quantized together, on the probe tokens
+    tokens: int  # calibration tokens
+    seconds: float
+    importance: dict[str, np.ndarray] = field(default_factory=dict)  # path -> mean x**2
+    counts: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def layers(self) -> dict[str, tuple[int, int]]:
+        return {p: (s.bits, s.group_size) for p, s in self.settings.items()}
+
+    def mean(self, path: str) -> np.ndarray | None:
+        return self.importance.get(path)
+
+    def summary(self) -> str:
+        """One line per distinct setting: how many tensors and parameters."""
+        by: dict[Setting, int] = {}
+        for s in self.settings.values():
+            by[s] = by.get(s, 0) + 1
+        parts = [f"{n} x {s}" for s, n in sorted(by.items(), key=lambda kv: -kv[1])]
+        return ", ".join(parts)
+
+
+def plan_model(
+    model: nn.Module,
+    token_lists: Sequence[Sequence[int]],
+    *,
+    vocab: int,
+    bos: int | None = None,
+    bpw: float | None = None,
+    max_bytes: int | None = None,
+    recipe: str | None = None,
+    overrides: Sequence[str] = (),
+    importance: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None,
+    calibration_tokens: int = CALIBRATION_TOKENS,
+    probe_tokens: int = PROBE_TOKENS,
+    log: Callable[[str], None] | None = None,
+) -> Plan:
+    """Plan per-tensor settings for the float ``model``.
+
+    Args:
+        token_lists: calibration documents, tokenized (never the evaluation text).
+        bpw: bits per parameter of the whole weight files; or ``max_bytes`` of them.
+        recipe: a named recipe (``plan.recipe_settings``) instead of a budget.
+        overrides: ``PATTERN=BITS[:GROUP]`` settings forced on matching tensors.
+        importance: ``(sums, counts)`` read from a file (``--imatrix``); None: measured here.
+    """
+    if sum(x is not None for x in (bpw, max_bytes, recipe)) != 1:
+        raise ConfigError("a plan takes exactly one of bpw, max_bytes or recipe")
+    start = time.monotonic()
+    say = log or (lambda _: None)
+    positions = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    ctx = min(CTX, positions) if isinstance(positions, int) and positions > 0 else CTX
+    sequences = calibration_sequences(token_lists, ctx=ctx, max_tokens=calibration_tokens, bos=bos)
+    if not sequences:
+        raise ConfigError("calibration: the calibration text gave no tokens")
+    n_tokens = sum(len(s) for s in sequences)
+    if importance is None:
+        say(f"calibration: {n_tokens} tokens in {len(sequences)} sequences")
+        importance = collect_importance(model, sequences)
+    sums, counts = importance
+    means = {
+        p: sums[p] / np.maximum(counts[p], 1)[..., None]
+        if sums[p].ndim == 2
+        else sums[p] / max(int(counts[p]), 1)
+        for p in sums
+    }
+
+    tensors = quantizable(model, getattr(model, "quant_predicate", None))
+    apply_overrides(tensors, parse_overrides(overrides))
+    probe = Probe(model, [sequences[0][:probe_tokens]], vocab)
+
+    if recipe is not None:
+        settings = recipe_settings(recipe, tensors)
+        budget, predicted = None, None
+    else:
+        params = dict(tree_flatten(model.parameters()))
+        n_params = sum(v.size for v in params.values())
+        planned_bytes = sum(t.module.weight.nbytes for t in tensors)
+        other = sum(v.nbytes for v in params.values()) - planned_bytes + 256 * len(params)
+        budget = (
+            max_bytes - other if max_bytes is not None else budget_from_bpw(bpw, n_params, other)
+        )
+        measure(tensors, means.get, probe.kl_with, log=say)
+        settings = choose(tensors, budget)
+        predicted = sum(t.cost(settings[t.path]) for t in tensors if t.fixed is None)
+    measured = _measure_plan(probe, tensors, settings)
+    return Plan(
+        settings=settings,
+        bytes=plan_bytes(tensors, settings),
+        budget=budget,
+        predicted_kl=predicted,
+        measured_kl=measured,
+        tokens=n_tokens,
+        seconds=time.monotonic() - start,
+        importance=means,
+        counts=counts,
+    )
+
+
+def _measure_plan(probe: Probe, tensors: Sequence[Tensor], settings: dict[str, Setting]) -> float:
+    """KL on the probe tokens with every planned tensor quantized (min/max) at once."""
+    originals = []
+    try:
+        for t in tensors:
+            if t.path in settings:
+                originals.append((t.module, t.module.weight))
+                t.module.weight = fake_quantized(t.module.weight, settings[t.path])
+        return probe.kl()
+    finally:
+        for m, w in originals:
+            m.weight = w
+        mx.eval([w for _, w in originals])

@@ -1,0 +1,300 @@
+"""Per-tensor bits and group sizes under a size budget, from measured costs (issue 48, item 5).
+
+For every tensor a recipe may quantize, each candidate setting ``c`` (bits 2-8 x group
+32/64/128) has a size ``bytes_t(c)`` (packed codes plus a 16-bit scale and bias per group)
+and a cost: how much it raises the KL divergence of the model's output from the float model's
+on calibration tokens. Measuring every (tensor, setting) pair is a forward pass each, so:
+
+* the *shape* of a tensor's cost over settings is the importance-weighted squared error
+  ``e_t(c) = sum_k imp_k * sum_rows (W - Q_c(W))**2`` (``imp_k`` the mean ``x_k**2`` of the
+  calibration tokens: ``E ||(W - Q_c(W)) x||**2`` when channels are uncorrelated), cheap for
+  every candidate;
+* its *scale* is measured: the tensor alone is quantized at a probe setting and the model's
+  KL divergence on calibration tokens is taken, ``alpha_t = KL_t / e_t(probe)``. KL grows with
+  the square of a small output change, so in proportion to ``e_t``;
+* cost ``alpha_t * e_t(c)``; the costs of different tensors add (small independent changes).
+
+The plan minimises the summed cost within the budget: a knapsack solved by dynamic
+programming over the budget in 4,096 units (sizes rounded up, so it always fits), then the
+bytes the rounding left go to the upgrades with the best cost saved per byte.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import ConfigError
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+PROBE = (3, 64)  # the setting each tensor's sensitivity is measured at
+HEAD_MIN_BITS = 6  # the output head is always protected (llama.cpp gives it Q6_K), tied or not
+SCALE_BYTES = 2  # a planned layer's scales and biases are stored as 16-bit floats
+
+
+@dataclass(frozen=True)
+class Setting:
+    bits: int
+    group_size: int
+
+    def nbytes(self, numel: int, scale_bytes: int = SCALE_BYTES) -> int:
+        return numel * self.bits // 8 + 2 * scale_bytes * (numel // self.group_size)
+
+    def __str__(self) -> str:
+        return f"{self.bits}-bit g{self.group_size}"
+
+
+@dataclass
+class Tensor:
+    """One quantizable tensor: its module path, module, role and candidates' measured figures."""
+
+    path: str
+    module: nn.Module
+    role: str  # "head", "embedding" (input only), "experts" or "linear"
+    candidates: list[Setting] = field(default_factory=list)
+    errors: dict[Setting, float] = field(default_factory=dict)  # e_t(c)
+    alpha: float = 1.0  # KL per unit of e_t, measured at PROBE
+    fixed: Setting | None = None  # a --tensor-bits override: not planned
+
+    @property
+    def numel(self) -> int:
+        return int(self.module.weight.size)
+
+    def cost(self, s: Setting) -> float:
+        return self.alpha * self.errors.get(s, 0.0)
+
+
+def quantizable(model: nn.Module, rule: Callable | None = None) -> list[Tensor]:
+    """The tensors a recipe may quantize: float layers with ``to_quantized`` whose input width
+    is a multiple of 32 and that the family's ``quant_predicate`` allows."""
+    head = getattr(model, "head", None)
+    out = []
+    for path, m in model.named_modules():
+        if not hasattr(m, "to_quantized") or "scales" in m or "weight" not in m:
+            continue
+        if m.weight.shape[-1] % GROUP_SIZES[0] or (rule is not None and not rule(path, m)):
+            continue
+        if m is head or path.endswith("lm_head"):
+            role = "head"
+        elif isinstance(m, nn.Embedding):
+            role = "embedding"
+        elif m.weight.ndim == 3:
+            role = "experts"
+        else:
+            role = "linear"
+        cands = [
+            Setting(b, g)
+            for b in BITS
+            for g in GROUP_SIZES
+            if m.weight.shape[-1] % g == 0 and (role != "head" or b >= HEAD_MIN_BITS)
+        ]
+        out.append(Tensor(path, m, role, cands))
+    return out
+
+
+def fake_quantized(w: mx.array, s: Setting) -> mx.array:
+    """``w`` after a min/max quantization at ``s`` and back: what the quantized layer multiplies."""
+    q = mx.quantize(w, group_size=s.group_size, bits=s.bits)
+    return mx.dequantize(*q, group_size=s.group_size, bits=s.bits).astype(w.dtype)
+
+
+def weighted_error(w: mx.array, s: Setting, importance: np.ndarray | None) -> float:
+    """``sum_k imp_k * sum_rows (w - Q_s(w))**2`` (importance per input channel, or per
+    (expert, channel)); None: unweighted."""
+    d = mx.square(fake_quantized(w, s).astype(mx.float32) - w.astype(mx.float32))
+    if importance is None:
+        return float(d.sum())
+    imp = mx.array(importance, mx.float32)
+    if imp.ndim == 2 and d.ndim == 3:  # (E, K) against (E, N, K)
+        return float((d.sum(axis=-2) * imp).sum())
+    return float((d.sum(axis=tuple(range(d.ndim - 1))) * imp).sum())
+
+
+def measure(
+    tensors: Sequence[Tensor],
+    importance: Callable[[str], np.ndarray | None],
+    probe_kl: Callable[[nn.Module, mx.array], float] | None,
+    *,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Fill each tensor's ``errors`` and (with ``probe_kl``) its measured ``alpha``."""
+    for i, t in enumerate(tensors):
+        if t.fixed is not None:
+            continue
+        w, imp = t.module.weight, importance(t.path)
+        for s in t.candidates:
+            t.errors[s] = weighted_error(w, s, imp)
+        if probe_kl is not None:
+            probe = Setting(*PROBE) if t.role != "head" else Setting(HEAD_MIN_BITS - 2, 64)
+            e = weighted_error(w, probe, imp)
+            kl = probe_kl(t.module, fake_quantized(w, probe))
+            t.alpha = max(kl, 0.0) / e if e > 0 else 0.0
+        if log is not None:
+            log(f"measured {i + 1}/{len(tensors)}: {t.path} (alpha {t.alpha:.3g})")
+
+
+def choose(tensors: Sequence[Tensor], budget: int) -> dict[str, Setting]:
+    """The settings minimising the summed cost with ``sum(bytes) <= budget``.
+
+    Raises ConfigError when even the smallest setting of every tensor does not fit.
+    """
+    planned = [t for t in tensors if t.fixed is None]
+    fixed_bytes = sum(t.fixed.nbytes(t.numel) for t in tensors if t.fixed is not None)
+    room = budget - fixed_bytes
+    smallest = sum(min(s.nbytes(t.numel) for s in t.candidates) for t in planned)
+    if smallest > room:
+        raise ConfigError(
+            f"size budget: expected at least {fixed_bytes + smallest} bytes for the quantized "
+            f"tensors at their smallest settings, found a budget of {budget}"
+        )
+
+    choice = _knapsack(planned, room)
+
+    def size(choice: list[Setting]) -> int:
+        return sum(s.nbytes(t.numel) for t, s in zip(planned, choice))
+
+    left = room - size(choice)
+    while True:  # spend what is left on the best cost saved per byte
+        best, best_gain = None, 0.0
+        for i, (t, s) in enumerate(zip(planned, choice)):
+            for c in t.candidates:
+                extra = c.nbytes(t.numel) - s.nbytes(t.numel)
+                gain = t.cost(s) - t.cost(c)
+                if 0 < extra <= left and gain > 0 and gain / extra > best_gain:
+                    best, best_gain = (i, c, extra), gain / extra
+        if best is None:
+            break
+        i, c, extra = best
+        choice[i], left = c, left - extra
+    plan = {t.path: s for t, s in zip(planned, choice)}
+    plan.update({t.path: t.fixed for t in tensors if t.fixed is not None})
+    return plan
+
+
+def _knapsack(planned: Sequence[Tensor], room: int, buckets: int = 4096) -> list[Setting]:
+    """One setting per tensor minimising the summed cost within ``room`` bytes: dynamic
+    programming over the budget cut into ``buckets`` units (each tensor's size rounded up to
+    whole units, so the plan always fits; at most a unit per tensor is left unspent, which
+    the caller's greedy pass spends)."""
+    unit = max(1, -(-room // buckets))
+    n = room // unit
+    best = np.zeros(n + 1)  # best[b]: least cost of the tensors so far within b units
+    picks = []
+    for t in planned:
+        new = np.full(n + 1, np.inf)
+        arg = np.zeros(n + 1, np.int16)
+        for j, c in enumerate(t.candidates):
+            w = -(-c.nbytes(t.numel) // unit)
+            if w > n:
+                continue
+            cand = np.full(n + 1, np.inf)
+            cand[w:] = best[: n + 1 - w] + t.cost(c)
+            better = cand < new
+            new[better], arg[better] = cand[better], j
+        best = new
+        picks.append(arg)
+    b = int(np.argmin(best))
+    if not np.isfinite(best[b]):  # fits only in exact bytes: the smallest settings
+        return [min(t.candidates, key=lambda c: c.nbytes(t.numel)) for t in planned]
+    choice = []
+    for t, arg in zip(reversed(planned), reversed(picks)):
+        c = t.candidates[int(arg[b])]
+        choice.append(c)
+        b -= -(-c.nbytes(t.numel) // unit)
+    return choice[::-1]
+
+
+def parse_overrides(specs: Sequence[str]) -> list[tuple[re.Pattern, Setting]]:
+    """``PATTERN=BITS[:GROUP]`` (llama.cpp's ``--tensor-type``): a regular expression searched
+    in each module path, and the setting it forces (group 64 when not given)."""
+    out = []
+    for spec in specs:
+        pattern, sep, value = spec.rpartition("=")
+        bits, _, group = value.partition(":")
+        try:
+            s = Setting(int(bits), int(group or 64))
+            regex = re.compile(pattern)
+        except (ValueError, re.error) as e:
+            raise ConfigError(
+                f"--tensor-bits {spec!r}: expected PATTERN=BITS[:GROUP], found an error ({e})"
+            ) from None
+        if not sep or not pattern or s.bits not in BITS or s.group_size not in GROUP_SIZES:
+            raise ConfigError(
+                f"--tensor-bits {spec!r}: expected PATTERN=BITS[:GROUP] with bits in {BITS} and "
+                f"group in {GROUP_SIZES}"
+            )
+        out.append((regex, s))
+    return out
+
+
+def apply_overrides(tensors: Sequence[Tensor], overrides) -> None:
+    for t in tensors:
+        for regex, s in overrides:
+            if regex.search(t.path):
+                if t.module.weight.shape[-1] % s.group_size:
+                    raise ConfigError(
+                        f"--tensor-bits {regex.pattern}: {t.path} has {t.module.weight.shape[-1]} "
+                        f"inputs, not a multiple of group {s.group_size}"
+                    )
+                t.fixed = s
+                break
+
+
+# --- named recipes -------------------------------------------------------------------------
+
+
+def _more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth of the layers and every third
+    one between get the larger type (Q4_K_M's attn_v and ffn_down)."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def _layer_index(path: str) -> int | None:
+    m = re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", path)
+    return int(m.group(1)) if m else None
+
+
+def recipe_settings(name: str, tensors: Sequence[Tensor]) -> dict[str, Setting]:
+    """Settings of a named recipe for each tensor.
+
+    ``q4_k_m``: shaped like llama.cpp's Q4_K_M in MLX's format: 4-bit group 64 (4.5 bits a
+    weight with 16-bit scales, like Q4_K), attention values and MLP down projections at 6 bits
+    in the layers ``use_more_bits`` picks, the head (tied or not) at 6 bits.
+    ``q3_k_m``: the same shape at 3/5 bits (5-bit attention values, MLP down at 4 bits).
+    """
+    recipes = {"q4_k_m": (4, 6, 6), "q3_k_m": (3, 5, 4)}
+    if name not in recipes:
+        raise ConfigError(f"--recipe: expected one of {', '.join(recipes)}, found {name!r}")
+    base, more, down = recipes[name]
+    layers = [i for t in tensors if (i := _layer_index(t.path)) is not None]
+    n_layers = max(layers) + 1 if layers else 1
+    out = {}
+    for t in tensors:
+        i = _layer_index(t.path)
+        bits = base
+        if t.role == "head":
+            bits = HEAD_MIN_BITS
+        elif i is not None and _more_bits(i, n_layers):
+            if re.search(r"(v_proj|attn\.c_attn|value)$", t.path):
+                bits = more
+            elif re.search(r"down_proj|w2|c_proj$|fc2$", t.path):
+                bits = max(down, more if name == "q4_k_m" else down)
+        g = 64 if t.module.weight.shape[-1] % 64 == 0 else 32
+        out[t.path] = t.fixed or Setting(bits, g)
+    return out
+
+
+def plan_bytes(tensors: Sequence[Tensor], plan: dict[str, Setting]) -> int:
+    return sum(plan[t.path].nbytes(t.numel) for t in tensors if t.path in plan)
+
+
+def budget_from_bpw(bpw: float, parameters: int, other_bytes: int) -> int:
+    """Bytes for the quantized tensors so the whole weight files hold ``bpw`` bits per parameter."""
+    return math.floor(bpw * parameters / 8) - other_bytes

@@ -1,0 +1,215 @@
+"""Measured mixed precision under a size budget (issue 48, items 4 and 5).
+
+The planner's parts against derivations: the knapsack against brute force, the calibration
+statistics against the layer inputs computed by hand, each probe's KL against a full forward
+pass and a numpy KL; then whole conversions of a tiny model: within the budget, the head
+protected, overrides kept, the importance file saved and reused to the same plan.
+"""
+
+import itertools
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hf_models import add_tokenizer, make_tiny
+from mlx.utils import tree_flatten
+
+import mlxinfer
+from mlxinfer.cli.main import cli
+from mlxinfer.errors import ConfigError
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
+from mlxinfer.quant.calibrate import Probe, collect_importance
+from mlxinfer.quant.plan import Setting, Tensor, choose, fake_quantized, parse_overrides
+from mlxinfer.quant.rounding import channel_weights, fit_affine
+
+
+class _Weight:
+    def __init__(self, n):
+        self.weight = mx.zeros((n,))
+
+
+def _tensor(name, n, costs):
+    t = Tensor(name, _Weight(n), "linear", list(costs))
+    t.errors, t.alpha = dict(costs), 1.0
+    return t
+
+
+def test_choice_is_the_cheapest_plan_within_the_budget_brute_force():
+    rng = np.random.default_rng(0)
+    settings = [Setting(b, g) for b in (2, 3, 4, 6, 8) for g in (32, 128)]
+    for trial in range(20):
+        tensors = []
+        for i in range(3):
+            n = int(rng.choice([1024, 4096, 8192]))
+            scale = float(rng.uniform(0.1, 10))
+            # cost falls with bits (4x a bit, as squared error does) and rises with group size
+            costs = {s: scale * 4.0 ** (-s.bits) * (1 + s.group_size / 256) for s in settings}
+            tensors.append(_tensor(f"t{i}", n, costs))
+        sizes = [[s.nbytes(t.numel) for s in settings] for t in tensors]
+        budget = int(rng.uniform(sum(min(x) for x in sizes), sum(max(x) for x in sizes)))
+        best = min(
+            (
+                sum(t.cost(s) for t, s in zip(tensors, combo))
+                for combo in itertools.product(settings, repeat=3)
+                if sum(s.nbytes(t.numel) for t, s in zip(tensors, combo)) <= budget
+            )
+        )
+        plan = choose(tensors, budget)
+        assert sum(plan[t.path].nbytes(t.numel) for t in tensors) <= budget
+        got = sum(t.cost(plan[t.path]) for t in tensors)
+        assert got <= best * 1.05 + 1e-12, (trial, got, best)
+
+
+def test_a_budget_below_the_smallest_plan_is_one_line():
+    t = _tensor("t", 4096, {Setting(2, 128): 1.0})
+    with pytest.raises(ConfigError, match="size budget: expected at least"):
+        choose([t], 10)
+
+
+@pytest.mark.parametrize("spec", ["v_proj", "v_proj=7", "v_proj=4:48", "=4", "(=4", "v_proj=four"])
+def test_bad_tensor_bits_are_one_line(spec):
+    with pytest.raises(ConfigError, match="--tensor-bits"):
+        parse_overrides([spec])
+
+
+def test_weighted_fit_favours_the_important_channels():
+    rng = np.random.default_rng(1)
+    w = mx.array(rng.standard_t(3, (64, 256)).astype(np.float32) * 0.02)
+    importance = np.ones(256, np.float32)
+    importance[::8] = 100.0  # every 8th input channel carries most of the signal
+    v = channel_weights(importance, w.shape)
+
+    def err(fit, weights):
+        dq = mx.dequantize(*fit, group_size=64, bits=3)
+        return float((weights * mx.square(dq - w)).sum())
+
+    plain, weighted = (
+        fit_affine(w, group_size=64, bits=3),
+        fit_affine(w, group_size=64, bits=3, weights=v),
+    )
+    assert err(weighted, v) < 0.9 * err(plain, v)
+    minmax = mx.quantize(w, group_size=64, bits=3)
+    assert err(weighted, v) <= err(minmax, v)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    src, _ = make_tiny(root / "hf", vocab_size=320, tie_word_embeddings=True)
+    add_tokenizer(src)
+    convert(src, root / "f32", dtype="float32")
+    (root / "calib.txt").write_text(
+        " ".join(f"word{i % 97} and number {i * 7 % 113}." for i in range(800))
+    )
+    return root
+
+
+IDS = [[1, 5, 9, 2, 7, 300, 11, 4, 18, 6, 3, 250, 40, 41, 42, 17]]
+
+
+def _numpy_logp(logits):
+    x = np.asarray(logits, np.float64)
+    return (
+        x
+        - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - x.max(-1, keepdims=True)
+    )
+
+
+def test_calibration_sums_are_the_layer_inputs_squared(tiny):
+    model, _ = load_model(tiny / "f32")
+    sums, counts = collect_importance(model, IDS)
+    # The first block's attention projections all read the first RMSNorm of the embeddings.
+    inner = model.model
+    x = inner.layers[0].input_layernorm(inner.embed_tokens(mx.array(IDS)))
+    want = np.square(np.array(x, np.float64)).reshape(-1, x.shape[-1]).sum(0)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        got = sums[f"model.layers.0.self_attn.{name}"]
+        np.testing.assert_allclose(got, want, rtol=1e-4)
+        assert int(counts[f"model.layers.0.self_attn.{name}"]) == len(IDS[0])
+    rows = sums["model.embed_tokens#rows"]
+    np.testing.assert_array_equal(rows, np.bincount(IDS[0], minlength=rows.shape[0]))
+    # The tied head reads the inner model's output (after its final norm).
+    h = inner(mx.array(IDS))
+    want = np.square(np.array(h, np.float64)).reshape(-1, h.shape[-1]).sum(0)
+    np.testing.assert_allclose(sums["model.embed_tokens"], want, rtol=1e-4)
+
+
+def test_probe_kl_equals_a_full_forward_and_numpy(tiny):
+    model, _ = load_model(tiny / "f32")
+    probe = Probe(model, IDS, 320)
+    assert probe.kl() == 0.0
+    ref = _numpy_logp(model(mx.array(IDS))[0])
+    layer = model.model.layers[1].mlp.down_proj  # late: blocks before it are replayed
+    changed = fake_quantized(layer.weight, Setting(2, 32))
+    got = probe.kl_with(layer, changed)
+    original = layer.weight
+    layer.weight = changed
+    new = _numpy_logp(model(mx.array(IDS))[0])
+    layer.weight = original
+    want = float((np.exp(ref) * (ref - new)).sum(-1).mean())
+    assert want > 1e-4
+    assert got == pytest.approx(want, rel=1e-3)
+    assert probe.kl() == 0.0  # the weight is back
+
+
+def test_budgeted_conversion_fits_protects_the_head_and_reuses_its_importance(tiny):
+    f32 = tiny / "f32"
+    params = sum(v.size for _, v in tree_flatten(load_model(f32)[0].parameters()))
+    for bpw in (4.5, 6.0):
+        out = tiny / f"bpw{bpw}"
+        report = convert(f32, out, bpw=bpw, calibration=tiny / "calib.txt")
+        size = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
+        assert size * 8 / params <= bpw + 1e-9
+        assert size * 8 / params >= bpw - 0.6  # spends the budget, not far below it
+        record = json.loads((out / "config.json").read_text())["quantization"]
+        assert record["model.embed_tokens"]["bits"] >= 6  # the tied head
+        assert report["measured_kl"] >= 0
+        model, _ = mlxinfer.load(out)
+        assert np.isfinite(np.array(model(mx.array(IDS)))).all()
+    # The saved importance gives the same plan without a calibration pass.
+    again = tiny / "again"
+    saved = tiny / "bpw4.5" / "imatrix.safetensors"
+    convert(f32, again, bpw=4.5, imatrix=saved, calibration=tiny / "calib.txt")
+    first = json.loads((tiny / "bpw4.5" / "config.json").read_text())["quantization"]
+    assert json.loads((again / "config.json").read_text())["quantization"] == first
+
+
+def test_max_bytes_overrides_and_the_cli(tiny):
+    out = tiny / "cli"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "convert",
+            str(tiny / "f32"),
+            "-o",
+            str(out),
+            "--max-bytes",
+            "200K",
+            "--tensor-bits",
+            r"layers\.0\..*v_proj=8:32",
+            "--calibration",
+            str(tiny / "calib.txt"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "plan:" in result.output and "measured" in result.output
+    size = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
+    assert size <= 200_000
+    record = json.loads((out / "config.json").read_text())["quantization"]
+    assert record["model.layers.0.self_attn.v_proj"] == {
+        "group_size": 32,
+        "bits": 8,
+        "mode": "affine",
+    }
+    bad = CliRunner().invoke(
+        cli, ["convert", str(tiny / "f32"), "-o", str(tiny / "x"), "--bpw", "4", "--bits", "4"]
+    )
+    assert bad.exit_code != 0 and "one or the other" in bad.output
+    bad = CliRunner().invoke(
+        cli, ["convert", str(tiny / "f32"), "-o", str(tiny / "x"), "--max-bytes", "lots"]
+    )
+    assert bad.exit_code != 0 and "90M" in bad.output
