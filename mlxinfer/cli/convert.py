@@ -88,6 +88,13 @@ def _size(value: str | None) -> int | None:
     help="Importance file (ours, or llama.cpp's imatrix .gguf/.dat) instead of the calibration pass.",
 )
 @click.option(
+    "--plan-from",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A previous conversion's quantization-plan.json of the same model: reuse its measured "
+    "costs to plan another size without measuring again.",
+)
+@click.option(
     "--rounding",
     default=None,
     type=click.Choice(["minmax", "mse"]),
@@ -115,6 +122,7 @@ def convert(
     tensor_bits,
     calibration,
     imatrix,
+    plan_from,
     rounding,
     dtype,
 ):
@@ -133,6 +141,7 @@ def convert(
         tensor_bits=tensor_bits,
         calibration=calibration,
         imatrix=imatrix,
+        plan_from=plan_from,
         rounding=rounding,
         dtype=dtype,
         progress=True,

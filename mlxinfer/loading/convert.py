@@ -69,6 +69,7 @@ def convert(
     tensor_bits: Sequence[str] = (),
     calibration: str | os.PathLike | None = None,
     imatrix: str | os.PathLike | None = None,
+    plan_from: str | os.PathLike | None = None,
     dtype: str | None = None,
     progress: bool | Progress = False,
     log: Callable[[str], None] | None = None,
@@ -87,6 +88,8 @@ def convert(
         calibration: a UTF-8 text file to calibrate on; default: the calibration text shipped
             with the package (never the evaluation text).
         imatrix: an importance file (ours or llama.cpp's) instead of the calibration pass.
+        plan_from: a previous conversion's ``quantization-plan.json`` of the same model: its
+            measured costs plan this budget without measuring each tensor again.
         rounding: ``"minmax"`` (each group's scale and bias from its min and max, as
             ``mx.quantize``) or ``"mse"`` (fitted to the least squared error, weighted by
             activation importance in a plan; same format). Default: ``mse`` for a plan,
@@ -118,9 +121,10 @@ def convert(
     if quantize and not uniform and not planned and not (gguf and dtype is None):
         # -q alone: the measured plan. A GGUF without --dtype keeps its own grids instead (below).
         bpw, planned = DEFAULT_BPW, True
-    if (tensor_bits or calibration is not None or imatrix is not None) and not planned:
+    extras = tensor_bits or calibration is not None or imatrix is not None or plan_from is not None
+    if extras and not planned:
         raise ConfigError(
-            "--tensor-bits, --calibration and --imatrix apply to a mixed plan (-q, --bpw, "
+            "--tensor-bits, --calibration, --imatrix and --plan-from apply to a mixed plan (-q, --bpw, "
             "--max-bytes or --recipe; a GGUF source with --dtype)"
         )
     settings: dict[str, Any] | None = None
@@ -134,6 +138,7 @@ def convert(
             tensor_bits=tuple(tensor_bits),
             calibration=calibration,
             imatrix=imatrix,
+            plan_from=plan_from,
             rounding=rounding or "mse",
         )
     if gguf:
@@ -230,8 +235,10 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, tmp / name)
-        if plan is not None and plan.counts:
-            _save_importance(tmp / IMATRIX_NAME, plan, src_dir)
+        if plan is not None:
+            (tmp / PLAN_NAME).write_text(json.dumps(plan.record(), indent=1))
+            if plan.counts:
+                _save_importance(tmp / IMATRIX_NAME, plan, src_dir)
         write_manifest(tmp)  # last: it lists every file above
     n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors") if f.name != IMATRIX_NAME)
     out = {
@@ -260,6 +267,9 @@ def _plan(model, tokenizer, settings, src_dir, config, log):
 
         imp = load_importance(settings["imatrix"], config=config)
         importance = (imp.sums, imp.counts)
+    costs = None
+    if settings["plan_from"] is not None:
+        costs = _read_costs(Path(settings["plan_from"]).expanduser())
     docs = _calibration_documents(tokenizer, settings["calibration"])
     token_lists = [tokenizer.encode(d) for d in docs]
     bos = tokenizer.bos_token_id
@@ -275,8 +285,26 @@ def _plan(model, tokenizer, settings, src_dir, config, log):
         recipe=settings["recipe"],
         overrides=settings["tensor_bits"],
         importance=importance,
+        costs=costs,
         log=log,
     )
+
+
+PLAN_NAME = "quantization-plan.json"  # a plan's settings, figures and measured costs
+
+
+def _read_costs(path: Path) -> dict:
+    try:
+        costs = json.loads(path.read_text(encoding="utf-8"))["costs"]
+    except OSError as e:
+        raise ConfigError(f"--plan-from {path}: cannot read it ({e.strerror})") from None
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"--plan-from {path}: expected a {PLAN_NAME} with 'costs', found another file"
+        ) from None
+    if not isinstance(costs, dict):
+        raise ConfigError(f"--plan-from {path}: expected 'costs' to be an object")
+    return costs
 
 
 def _calibration_documents(tokenizer, calibration) -> list[str]:

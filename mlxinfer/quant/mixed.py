@@ -57,12 +57,27 @@ class Plan:
     seconds: float
     importance: dict[str, np.ndarray] = field(default_factory=dict)  # path -> mean x**2
     counts: dict[str, np.ndarray] = field(default_factory=dict)
+    costs: dict[str, dict] = field(default_factory=dict)  # path -> {alpha, errors{"b:g": e}}
 
     def layers(self) -> dict[str, tuple[int, int]]:
         return {p: (s.bits, s.group_size) for p, s in self.settings.items()}
 
     def mean(self, path: str) -> np.ndarray | None:
         return self.importance.get(path)
+
+    def record(self) -> dict:
+        """What ``quantization-plan.json`` keeps: the choice, its figures and the measured
+        costs (reused by ``--plan-from`` to plan another budget without measuring again)."""
+        return {
+            "settings": {p: _key(s) for p, s in self.settings.items()},
+            "bytes": self.bytes,
+            "budget": self.budget,
+            "predicted_kl": self.predicted_kl,
+            "measured_kl": self.measured_kl,
+            "calibration_tokens": self.tokens,
+            "seconds": round(self.seconds, 1),
+            "costs": self.costs,
+        }
 
     def summary(self) -> str:
         """One line per distinct setting: how many tensors and parameters."""
@@ -84,6 +99,7 @@ def plan_model(
     recipe: str | None = None,
     overrides: Sequence[str] = (),
     importance: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None,
+    costs: dict[str, dict] | None = None,
     calibration_tokens: int = CALIBRATION_TOKENS,
     probe_tokens: int = PROBE_TOKENS,
     log: Callable[[str], None] | None = None,
@@ -96,6 +112,8 @@ def plan_model(
         recipe: a named recipe (``plan.recipe_settings``) instead of a budget.
         overrides: ``PATTERN=BITS[:GROUP]`` settings forced on matching tensors.
         importance: ``(sums, counts)`` read from a file (``--imatrix``); None: measured here.
+        costs: a previous plan's measured costs (``Plan.costs``, saved in
+            ``quantization-plan.json``) for the same model: no probe per tensor.
     """
     if sum(x is not None for x in (bpw, max_bytes, recipe)) != 1:
         raise ConfigError("a plan takes exactly one of bpw, max_bytes or recipe")
@@ -133,7 +151,10 @@ def plan_model(
         budget = (
             max_bytes - other if max_bytes is not None else budget_from_bpw(bpw, n_params, other)
         )
-        measure(tensors, means.get, probe.kl_with, log=say)
+        if costs is None:
+            measure(tensors, means.get, probe.kl_with, log=say)
+        else:
+            _reuse(tensors, costs)
         settings = choose(tensors, budget)
         predicted = sum(t.cost(settings[t.path]) for t in tensors if t.fixed is None)
     measured = _measure_plan(probe, tensors, settings)
@@ -147,7 +168,32 @@ def plan_model(
         seconds=time.monotonic() - start,
         importance=means,
         counts=counts,
+        costs={t.path: _costs_of(t) for t in tensors if t.errors},
     )
+
+
+def _key(s: Setting) -> str:
+    return f"{s.bits}:{s.group_size}"
+
+
+def _costs_of(t: Tensor) -> dict:
+    return {"alpha": t.alpha, "errors": {_key(s): e for s, e in t.errors.items()}}
+
+
+def _reuse(tensors: Sequence[Tensor], costs: dict[str, dict]) -> None:
+    """Set each tensor's measured figures from a saved plan; one line naming what is missing."""
+    for t in tensors:
+        if t.fixed is not None:
+            continue
+        saved = costs.get(t.path)
+        try:
+            t.alpha = float(saved["alpha"])  # type: ignore[index]
+            t.errors = {s: float(saved["errors"][_key(s)]) for s in t.candidates}  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(
+                f"--plan-from: expected measured costs for {t.path} at every setting, found "
+                f"{'none' if saved is None else 'an incomplete entry'} (another model's plan?)"
+            ) from None
 
 
 def _measure_plan(probe: Probe, tensors: Sequence[Tensor], settings: dict[str, Setting]) -> float:

@@ -176,6 +176,20 @@ def test_budgeted_conversion_fits_protects_the_head_and_reuses_its_importance(ti
     convert(f32, again, bpw=4.5, imatrix=saved, calibration=tiny / "calib.txt")
     first = json.loads((tiny / "bpw4.5" / "config.json").read_text())["quantization"]
     assert json.loads((again / "config.json").read_text())["quantization"] == first
+    # A saved plan's measured costs plan another budget to what measuring again gives.
+    reused = tiny / "reused"
+    convert(
+        f32,
+        reused,
+        bpw=6.0,
+        imatrix=saved,
+        calibration=tiny / "calib.txt",
+        plan_from=tiny / "bpw4.5" / "quantization-plan.json",
+    )
+    measured = json.loads((tiny / "bpw6.0" / "config.json").read_text())["quantization"]
+    assert json.loads((reused / "config.json").read_text())["quantization"] == measured
+    with pytest.raises(ConfigError, match="--plan-from .*config.json: expected a"):
+        convert(f32, tiny / "bad", bpw=6.0, plan_from=tiny / "bpw4.5" / "config.json")
 
 
 def test_max_bytes_overrides_and_the_cli(tiny):
