@@ -24,6 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
+from ..models.base import embedding_rows
 from .calibrate import Probe, calibration_sequences, collect_importance
 from .plan import (
     Setting,
@@ -119,6 +120,10 @@ def plan_model(
         raise ConfigError("a plan takes exactly one of bpw, max_bytes or recipe")
     start = time.monotonic()
     say = log or (lambda _: None)
+    rows = embedding_rows(model)
+    if rows is not None:  # a tokenizer may know more ids than the embedding has rows
+        token_lists = [[t for t in tokens if t < rows] for tokens in token_lists]
+        vocab = min(vocab, rows)
     positions = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     ctx = min(CTX, positions) if isinstance(positions, int) and positions > 0 else CTX
     sequences = calibration_sequences(token_lists, ctx=ctx, max_tokens=calibration_tokens, bos=bos)
