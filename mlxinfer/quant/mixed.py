@@ -36,6 +36,7 @@ from .plan import (
     measure,
     parse_overrides,
     plan_bytes,
+    protect_head,
     quantizable,
     recipe_settings,
 )
@@ -160,6 +161,8 @@ def plan_model(
             measure(tensors, means.get, probe.kl_with, log=say)
         else:
             _reuse(tensors, costs)
+        floor = protect_head(tensors, budget)
+        say(f"plan: head at {floor or 'any'} bits or more, {budget} bytes for the planned tensors")
         settings = choose(tensors, budget)
         predicted = sum(t.cost(settings[t.path]) for t in tensors if t.fixed is None)
     measured = _measure_plan(probe, tensors, settings)

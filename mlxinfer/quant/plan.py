@@ -36,6 +36,7 @@ BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 PROBE = (3, 64)  # the setting each tensor's sensitivity is measured at
 HEAD_MIN_BITS = 6  # the output head is always protected (llama.cpp gives it Q6_K), tied or not
+HEAD_SHARE = 1 / 3  # ...unless its floor would take more than this share of the budget (below)
 SCALE_BYTES = 2  # a planned layer's scales and biases are stored as 16-bit floats
 
 
@@ -89,12 +90,7 @@ def quantizable(model: nn.Module, rule: Callable | None = None) -> list[Tensor]:
             role = "experts"
         else:
             role = "linear"
-        cands = [
-            Setting(b, g)
-            for b in BITS
-            for g in GROUP_SIZES
-            if m.weight.shape[-1] % g == 0 and (role != "head" or b >= HEAD_MIN_BITS)
-        ]
+        cands = [Setting(b, g) for b in BITS for g in GROUP_SIZES if m.weight.shape[-1] % g == 0]
         out.append(Tensor(path, m, role, cands))
     return out
 
@@ -132,12 +128,27 @@ def measure(
         for s in t.candidates:
             t.errors[s] = weighted_error(w, s, imp)
         if probe_kl is not None:
-            probe = Setting(*PROBE) if t.role != "head" else Setting(HEAD_MIN_BITS - 2, 64)
+            probe = Setting(*PROBE) if t.role != "head" else Setting(4, 64)
             e = weighted_error(w, probe, imp)
             kl = probe_kl(t.module, fake_quantized(w, probe))
             t.alpha = max(kl, 0.0) / e if e > 0 else 0.0
         if log is not None:
             log(f"measured {i + 1}/{len(tensors)}: {t.path} (alpha {t.alpha:.3g})")
+
+
+def protect_head(tensors: Sequence[Tensor], budget: int) -> int | None:
+    """Keep the head's candidates at :data:`HEAD_MIN_BITS` or more, tied or not; where that
+    floor would take more than :data:`HEAD_SHARE` of the budget (a large vocabulary on a small
+    model: Gemma 3's 262k-row embedding is 63 % of Gemma-3-270M), the highest of 5 and 4 bits
+    that fits the share, else no floor: the measured costs alone decide. Returns the floor."""
+    for t in tensors:
+        if t.role != "head" or t.fixed is not None:
+            continue
+        for floor in (HEAD_MIN_BITS, 5, 4):
+            if Setting(floor, 64).nbytes(t.numel) <= HEAD_SHARE * budget:
+                t.candidates = [s for s in t.candidates if s.bits >= floor]
+                return floor
+    return None
 
 
 def choose(tensors: Sequence[Tensor], budget: int) -> dict[str, Setting]:
