@@ -215,7 +215,7 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
     if settings is not None and "bits" in settings:  # uniform: bits, group_size, rounding
         out_config["quantization"] = quantize_model(model, **settings)
     elif settings is not None:
-        plan = _plan(model, tokenizer, settings, src_dir, config, log)
+        plan = _plan(model, tokenizer, settings, src_dir, config, log, report)
         out_config["quantization"] = quantize_model(
             model,
             rounding=settings["rounding"],
@@ -258,7 +258,7 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
     return out
 
 
-def _plan(model, tokenizer, settings, src_dir, config, log):
+def _plan(model, tokenizer, settings, src_dir, config, log, report):
     from ..quant.mixed import plan_model
 
     importance = None
@@ -287,6 +287,7 @@ def _plan(model, tokenizer, settings, src_dir, config, log):
         importance=importance,
         costs=costs,
         log=log,
+        progress=report,
     )
 
 

@@ -1,8 +1,8 @@
 """Progress of long steps (loading, converting), reported to a callback.
 
 A callback takes ``(stage, done, total)``: ``stage`` names the step (``"reading weights"``,
-``"writing weights"``, ``"importing tensors"``), ``done`` and ``total`` count its unit (bytes,
-or tensors). ``done`` never decreases within a stage and the stage's last call has
+``"writing weights"``, ``"importing tensors"``, a quantization plan's ``"calibration"`` and
+``"measuring tensors"``), ``done`` and ``total`` count its unit (bytes, sequences or tensors). ``done`` never decreases within a stage and the stage's last call has
 ``done == total``. Callbacks run on the thread doing the work: an app hands the numbers to
 its UI thread itself (Qt: a signal; asyncio: ``loop.call_soon_threadsafe``).
 
@@ -34,7 +34,11 @@ class Bars:
             bar = self.bars[stage] = tqdm(
                 total=total,
                 desc=stage,
-                unit="B" if "weights" in stage else "tensor",
+                unit="B"
+                if "weights" in stage
+                else "sequence"
+                if stage == "calibration"
+                else "tensor",
                 unit_scale=True,
                 leave=False,
             )

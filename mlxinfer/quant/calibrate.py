@@ -140,7 +140,7 @@ def _recording(model: nn.Module, recorder: _Recorder) -> Iterator[None]:
 
 
 def collect_importance(
-    model: nn.Module, sequences: Sequence[Sequence[int]], *, log=None
+    model: nn.Module, sequences: Sequence[Sequence[int]], *, progress=None
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Run ``model`` on each sequence; returns ``(sums, counts)`` per module path.
 
@@ -154,8 +154,8 @@ def collect_importance(
             logits = model(mx.array(seq)[None])
             mx.eval(logits)
             recorder.evaluate()
-            if log is not None:
-                log(f"calibration: sequence {i + 1}/{len(sequences)}")
+            if progress is not None:
+                progress("calibration", i + 1, len(sequences))
     sums = {p: np.array(a, dtype=np.float32) for p, a in recorder.sums.items()}
     counts = {p: np.array(a, dtype=np.int64) for p, a in recorder.counts.items()}
     return sums, counts

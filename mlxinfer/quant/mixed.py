@@ -105,6 +105,7 @@ def plan_model(
     calibration_tokens: int = CALIBRATION_TOKENS,
     probe_tokens: int = PROBE_TOKENS,
     log: Callable[[str], None] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Plan:
     """Plan per-tensor settings for the float ``model``.
 
@@ -133,7 +134,7 @@ def plan_model(
     n_tokens = sum(len(s) for s in sequences)
     if importance is None:
         say(f"calibration: {n_tokens} tokens in {len(sequences)} sequences")
-        importance = collect_importance(model, sequences)
+        importance = collect_importance(model, sequences, progress=progress)
     sums, counts = importance
     means = {
         p: sums[p] / np.maximum(counts[p], 1)[..., None]
@@ -158,7 +159,7 @@ def plan_model(
             max_bytes - other if max_bytes is not None else budget_from_bpw(bpw, n_params, other)
         )
         if costs is None:
-            measure(tensors, means.get, probe.kl_with, log=say)
+            measure(tensors, means.get, probe.kl_with, progress=progress)
         else:
             _reuse(tensors, costs)
         floor = protect_head(tensors, budget)

@@ -118,9 +118,10 @@ def measure(
     importance: Callable[[str], np.ndarray | None],
     probe_kl: Callable[[nn.Module, mx.array], float] | None,
     *,
-    log: Callable[[str], None] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> None:
-    """Fill each tensor's ``errors`` and (with ``probe_kl``) its measured ``alpha``."""
+    """Fill each tensor's ``errors`` and (with ``probe_kl``) its measured ``alpha``;
+    ``progress("measuring tensors", done, total)`` after each."""
     for i, t in enumerate(tensors):
         if t.fixed is not None:
             continue
@@ -132,8 +133,8 @@ def measure(
             e = weighted_error(w, probe, imp)
             kl = probe_kl(t.module, fake_quantized(w, probe))
             t.alpha = max(kl, 0.0) / e if e > 0 else 0.0
-        if log is not None:
-            log(f"measured {i + 1}/{len(tensors)}: {t.path} (alpha {t.alpha:.3g})")
+        if progress is not None:
+            progress("measuring tensors", i + 1, len(tensors))
 
 
 def protect_head(tensors: Sequence[Tensor], budget: int) -> int | None:

@@ -132,7 +132,7 @@ def test_load_and_convert_report_monotone_progress_to_the_total(tiny_dir, tmp_pa
     assert all(b[1] >= a[1] for a, b in zip(events, events[1:]))
 
     events = []
-    convert(tiny_dir, tmp_path / "out", quantize=True, progress=lambda *e: events.append(e))
+    convert(tiny_dir, tmp_path / "out", quantize=True, bits=4, progress=lambda *e: events.append(e))
     stages = {}
     for stage, done, total in events:
         assert done >= stages.get(stage, (0, 0))[0] and done <= total

@@ -161,7 +161,22 @@ def test_budgeted_conversion_fits_protects_the_head_and_reuses_its_importance(ti
     params = sum(v.size for _, v in tree_flatten(load_model(f32)[0].parameters()))
     for bpw in (4.5, 6.0):
         out = tiny / f"bpw{bpw}"
-        report = convert(f32, out, bpw=bpw, calibration=tiny / "calib.txt")
+        events: list = []
+        report = convert(
+            f32,
+            out,
+            bpw=bpw,
+            calibration=tiny / "calib.txt",
+            progress=lambda *e, seen=events: seen.append(e),
+        )
+        last = {stage: (done, total) for stage, done, total in events}
+        assert set(last) == {
+            "reading weights",
+            "calibration",
+            "measuring tensors",
+            "writing weights",
+        }
+        assert all(done == total > 0 for done, total in last.values())
         size = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
         assert size * 8 / params <= bpw + 1e-9
         assert size * 8 / params >= bpw - 0.6  # spends the budget, not far below it

@@ -3,7 +3,7 @@
 A layer whose plan says ``kernel`` (``parallel.LayerPlan.kernel``, set by ``kinds.set_plan``
 for the kinds ``quantized``, ``head`` and ``matvec``) runs a product of at most
 :data:`MAX_ROWS` rows (decode, batched decode, speculative verification) as one kernel
-call: ``quantized_matvec`` for an affine 2/3/4/5/6/8-bit layer, ``matvec`` for a float one
+call: ``quantized_matvec`` for an affine 2/3/4/5/6/8-bit or mxfp4 layer, ``matvec`` for a float one
 (float32, bfloat16 or float16 weights, accumulated in float32: MLX's own half-precision product
 on the CPU has no BLAS, one row 6-20x (bf16) and 13-44x (f16) the kernel's time on SmolLM2's
 shapes, csrc/README.md). The
@@ -38,14 +38,28 @@ def loaded() -> ModuleType | None:
 
 
 def quantized_fits(layer: nn.Module) -> bool:
-    """Whether the quantized kernel computes ``layer``'s product (affine, 2, 3, 4, 5, 6 or 8
-    bits, group 32/64/128, with biases)."""
+    """Whether the quantized kernel computes ``layer``'s product: affine (2, 3, 4, 5, 6 or 8
+    bits, group 32/64/128, with biases), or mxfp4 (4 bits, group 32, no biases), from a module
+    that has the mode (one built before it: affine only)."""
+    mode = getattr(layer, "mode", "affine")
+    if mode == "mxfp4":
+        return (
+            _has_modes()
+            and getattr(layer, "bits", None) == 4
+            and getattr(layer, "group_size", None) == 32
+            and layer.get("biases") is None
+        )
     return (
-        getattr(layer, "mode", "affine") == "affine"
+        mode == "affine"
         and getattr(layer, "bits", None) in QUANTIZED_BITS
         and getattr(layer, "group_size", None) in GROUP_SIZES
         and layer.get("biases") is not None
     )
+
+
+def _has_modes() -> bool:
+    """Whether the loaded module's quantized_matvec takes mxfp4 (not one built before it)."""
+    return "mxfp4" in getattr(kernels.load(), "quantized_modes", ())
 
 
 def float_fits(weight: mx.array) -> bool:
@@ -68,9 +82,10 @@ def runs(layer: nn.Module, x: mx.array) -> bool:
 
 def quantized_product(x: mx.array, layer: nn.Module) -> mx.array:
     """``layer(x)`` for a quantized layer (or a quantized embedding as the LM head), one call."""
-    y = kernels.load().quantized_matvec(
-        x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
-    )
+    mode = getattr(layer, "mode", "affine")
+    k = kernels.load()
+    args = (x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits)
+    y = k.quantized_matvec(*args) if mode == "affine" else k.quantized_matvec(*args, mode=mode)
     return y + layer["bias"] if "bias" in layer else y
 
 
