@@ -44,6 +44,8 @@ NB_MODULE(_mlxinfer_kernels, m) {
   }
   m.attr("mlx_version") = built_for;
   m.attr("best_isa") = mlxinfer::isa_name(mlxinfer::best_isa());
+  // quantized_matvec's modes (a module built before mxfp4 lacks the attribute: affine only).
+  m.attr("quantized_modes") = nb::make_tuple("affine", "mxfp4");
 
   m.def(
       "quantized_matvec",
@@ -51,14 +53,16 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "x"_a,
       "w"_a,
       "scales"_a,
-      "biases"_a,
+      "biases"_a.none(),
       "group_size"_a,
       "bits"_a,
       nb::kw_only(),
+      "mode"_a = "affine",
       "stream"_a = nb::none(),
       "x (..., K) @ dequantize(w, scales, biases).T, as "
-      "mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits) "
-      "(affine mode, bits 2, 3, 4, 5, 6 or 8, group_size 32/64/128).");
+      "mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits, mode) "
+      "(mode 'affine': bits 2, 3, 4, 5, 6 or 8, group_size 32/64/128; mode 'mxfp4': bits 4, "
+      "group_size 32, uint8 scales, biases None).");
   m.def(
       "matvec",
       &mlxinfer::matvec,

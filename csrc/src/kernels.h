@@ -2,6 +2,7 @@
 // primitives.cpp prepare the inputs and call these over ranges of output rows.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace mlxinfer {
@@ -23,9 +24,21 @@ bool has_f16c();
 // or 8, groups of group_size (32, 64, 128) along k. w is MLX's packing: each row's codes as one
 // little-endian bit stream (code k at bit k * bits), read as little-endian uint32 words; 3-, 5-
 // and 6-bit codes straddle words, and every 8 codes fill `bits` whole bytes.
+// The formats: MLX's affine (codes q, scale and bias per group) and mxfp4 (4-bit E2M1 codes
+// as MLX packs 4-bit ones, value lut[q] in {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}; an E8M0 scale
+// per 32, which the caller passes decoded to f32; no bias).
+enum QmvMode : int { kAffine = 0, kMxfp4 = 1 };
+// The vector paths' template code for mxfp4 (a 4-bit layout; qmv_width gives the bits).
+constexpr int kFp4 = 0x14;
+constexpr int qmv_width(int code) {
+  return code & 15;
+}
 struct QmvProblem {
   Isa isa = kScalar; // the path; qmv_prepare lays out xp for it
   int M = 0, N = 0, K = 0, group_size = 0, bits = 0;
+  int mode = kAffine;
+  // biases: (N, K / group_size), or (shared_biases) one row of zeros every row reads (mxfp4).
+  bool shared_biases = false;
   const float* x = nullptr; // (M, K) row-major
   const float* xp = nullptr; // (M, K) x as the vector paths read it (qmv_uses_xp)
   const float* xsum = nullptr; // (M, K / group_size) sums of x over each group
@@ -36,7 +49,8 @@ struct QmvProblem {
 };
 
 // Whether the path reads x through xp rather than x itself: off the scalar path, 4-bit codes
-// are widened low nibbles first (xp: x de-interleaved per 16 or 32 to match), and 2/3/5/6-bit
+// are widened low nibbles first (xp: x de-interleaved per 16 or 32 to match; mxfp4 also halved:
+// the vector paths widen 2 * lut[q], an integer), and 2/3/5/6-bit
 // codes are widened with each one's bit offset within its byte, 0..7, left in (code << s, never
 // shifted back: xp = x * 2^-s, exact). Elsewhere xp may be x itself.
 inline bool qmv_uses_xp(int bits, Isa isa) {
@@ -50,6 +64,10 @@ constexpr bool qmv_stream_bits(int bits) {
   return bits == 2 || bits == 3 || bits == 5 || bits == 6;
 }
 constexpr int kQmvOverread = 16;
+// Row n's biases.
+inline const float* qmv_biases_row(const QmvProblem& p, int n) {
+  return p.biases + (p.shared_biases ? 0 : static_cast<size_t>(n) * (p.K / p.group_size));
+}
 // Fills xp and xsum from x.
 void qmv_prepare(const QmvProblem& p, float* xp, float* xsum);
 void qmv_rows(const QmvProblem& p, int n0, int n1);

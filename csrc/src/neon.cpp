@@ -40,7 +40,7 @@ inline void widen_u8(uint8x16_t v, float32x4_t* q) {
 }
 
 // The bit-stream widths (2/3/5/6): per 8-code unit (BITS bytes), lane i takes the two bytes
-// from i * BITS / 8 (a table lookup of a 16-byte load), masked to its code in place: code << s,
+// from i * qmv_width(BITS) / 8 (a table lookup of a 16-byte load), masked to its code in place: code << s,
 // s = i * BITS % 8, matched by xp = x * 2^-s (qmv_prepare), as the x86 paths do.
 template <int BITS>
 struct StreamTables {
@@ -52,7 +52,7 @@ template <int BITS>
 constexpr StreamTables<BITS> make_stream_tables() {
   StreamTables<BITS> t{};
   for (int i = 0; i < 8; ++i) {
-    const int o = i * BITS / 8, sh = i * BITS % 8;
+    const int o = i * qmv_width(BITS) / 8, sh = i * BITS % 8;
     uint8_t* c = t.ctrl[i / 4] + 4 * (i % 4);
     c[0] = static_cast<uint8_t>(o);
     c[1] = static_cast<uint8_t>(o + 1);
@@ -65,10 +65,28 @@ constexpr StreamTables<BITS> make_stream_tables() {
 template <int BITS>
 constexpr StreamTables<BITS> kStream = make_stream_tables<BITS>();
 
+// 16 signed byte codes as four vectors of 4 f32, in order.
+inline void widen_s8(int8x16_t v, float32x4_t* q) {
+  const int16x8_t lo = vmovl_s8(vget_low_s8(v));
+  const int16x8_t hi = vmovl_high_s8(v);
+  q[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+  q[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
+  q[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+  q[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
+}
+
+// mxfp4's E2M1 codes, doubled (integers): the vector paths widen 2 * value, x is halved.
+constexpr int8_t kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 // One 32-weight chunk as eight vectors of 4 f32 codes, q[j] matched with xp[4j : 4j + 4].
 template <int BITS>
 inline void unpack32(const uint8_t* src, float32x4_t* q) {
-  if constexpr (qmv_stream_bits(BITS)) { // four units, k in order; 16 bytes read per unit
+  if constexpr (BITS == kFp4) { // the 4-bit nibble order, each code looked up
+    const int8x16_t lut = vld1q_s8(kE2m1x2);
+    const uint8x16_t v = vld1q_u8(src);
+    widen_s8(vqtbl1q_s8(lut, vandq_u8(v, vdupq_n_u8(0xF))), q);
+    widen_s8(vqtbl1q_s8(lut, vshrq_n_u8(v, 4)), q + 4);
+  } else if constexpr (qmv_stream_bits(BITS)) { // four units, k in order; 16 bytes read per unit
     const uint8x16_t c0 = vld1q_u8(kStream<BITS>.ctrl[0]), c1 = vld1q_u8(kStream<BITS>.ctrl[1]);
     const uint32x4_t m0 = vld1q_u32(kStream<BITS>.mask[0]), m1 = vld1q_u32(kStream<BITS>.mask[1]);
     for (int u = 0; u < 4; ++u) {
@@ -101,7 +119,7 @@ void qmv_row_neon(
     int n) {
   const int G = p.K / p.group_size;
   const int gs = p.group_size;
-  constexpr int bytes32 = 32 * BITS / 8;
+  constexpr int bytes32 = 32 * qmv_width(BITS) / 8;
   float32x4_t tot[M];
   float bias_part[M];
   const float* xrow[M];
@@ -118,7 +136,7 @@ void qmv_row_neon(
       }
     }
     const int k0 = g * gs;
-    const uint8_t* wg = wr + static_cast<size_t>(k0) * BITS / 8;
+    const uint8_t* wg = wr + static_cast<size_t>(k0) * qmv_width(BITS) / 8;
     for (int c = 0; c < gs; c += 32) {
       float32x4_t q[8];
       unpack32<BITS>(wg + (c / 32) * bytes32, q);
@@ -155,7 +173,7 @@ void qmv_rows1_neon(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int
     bias_part[r] = 0.0f;
     wr[r] = w + static_cast<size_t>(n + r) * row_bytes;
     sr[r] = p.scales + static_cast<size_t>(n + r) * G;
-    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+    br[r] = qmv_biases_row(p, n + r);
   }
   for (int g = 0; g < G; ++g) {
     float32x4_t acc[R][4];
@@ -170,7 +188,7 @@ void qmv_rows1_neon(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int
       for (int j = 0; j < 8; ++j) {
         xv[j] = vld1q_f32(p.xp + k0 + c + 4 * j);
       }
-      const size_t off = static_cast<size_t>(k0 + c) * BITS / 8;
+      const size_t off = static_cast<size_t>(k0 + c) * qmv_width(BITS) / 8;
       for (int r = 0; r < R; ++r) {
         float32x4_t q[8];
         unpack32<BITS>(wr[r] + off, q);
@@ -192,7 +210,7 @@ void qmv_rows1_neon(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int
 template <int BITS>
 void qmv_rows_bits(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
-  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const size_t row_bytes = static_cast<size_t>(p.K) * qmv_width(BITS) / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
   if (p.M == 1) { // decode: two output rows per pass
     int n = n0;
@@ -207,7 +225,7 @@ void qmv_rows_bits(const QmvProblem& p, int n0, int n1) {
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wr = w + static_cast<size_t>(n) * row_bytes;
     const float* s = p.scales + static_cast<size_t>(n) * G;
-    const float* b = p.biases + static_cast<size_t>(n) * G;
+    const float* b = qmv_biases_row(p, n);
     // The row's weights stay in L1 across the blocks of x rows.
     int m = 0;
     for (; m + 4 <= p.M; m += 4) {
@@ -377,7 +395,10 @@ bool qmv_rows_neon(const QmvProblem& p, int n0, int n1) {
   if (p.group_size % 32 != 0) {
     return false;
   }
-  switch (p.bits) {
+  switch (p.mode == kMxfp4 ? kFp4 : p.bits) {
+    case kFp4:
+      qmv_rows_bits<kFp4>(p, n0, n1);
+      return true;
     case 2:
       qmv_rows_bits<2>(p, n0, n1);
       return true;

@@ -30,20 +30,32 @@ mx::array quantized_matvec(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits,
+    const std::string& mode,
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+  if (mode != "affine" && mode != "mxfp4") {
     throw std::invalid_argument(
-        "[mlxinfer quantized_matvec] bits: expected 2, 3, 4, 5, 6 or 8, found " +
-        std::to_string(bits));
+        "[mlxinfer quantized_matvec] mode: expected 'affine' or 'mxfp4', found '" + mode + "'");
   }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
+  const bool fp4 = mode == "mxfp4";
+  if (fp4 ? bits != 4
+          : bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     throw std::invalid_argument(
-        "[mlxinfer quantized_matvec] group_size: expected 32, 64 or 128, found " +
-        std::to_string(group_size));
+        std::string("[mlxinfer quantized_matvec] bits: expected ") +
+        (fp4 ? "4 for mxfp4" : "2, 3, 4, 5, 6 or 8") + ", found " + std::to_string(bits));
+  }
+  if (fp4 ? group_size != 32 : group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument(
+        std::string("[mlxinfer quantized_matvec] group_size: expected ") +
+        (fp4 ? "32 for mxfp4" : "32, 64 or 128") + ", found " + std::to_string(group_size));
+  }
+  if (fp4 == biases.has_value()) {
+    throw std::invalid_argument(
+        std::string("[mlxinfer quantized_matvec] biases: ") +
+        (fp4 ? "mxfp4 has none, found an array" : "expected an array for affine, found None"));
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2 ||
       static_cast<int64_t>(w.shape(1)) * 32 % bits != 0) {
@@ -60,12 +72,18 @@ mx::array quantized_matvec(
         " is not a multiple of group_size " + std::to_string(group_size));
   }
   const mx::Shape sshape = {N, static_cast<int>(K / group_size)};
-  if (scales.shape() != sshape || biases.shape() != sshape || !is_float(scales.dtype()) ||
-      !is_float(biases.dtype())) {
+  if (fp4) {
+    if (scales.shape() != sshape || scales.dtype() != mx::uint8) {
+      throw std::invalid_argument(
+          "[mlxinfer quantized_matvec] scales: expected a uint8 (E8M0) array of shape " +
+          shape_str(sshape) + ", found " + shape_str(scales.shape()));
+    }
+  } else if (scales.shape() != sshape || biases->shape() != sshape ||
+             !is_float(scales.dtype()) || !is_float(biases->dtype())) {
     throw std::invalid_argument(
         "[mlxinfer quantized_matvec] scales/biases: expected float arrays of shape " +
         shape_str(sshape) + ", found " + shape_str(scales.shape()) + " and " +
-        shape_str(biases.shape()));
+        shape_str(biases->shape()));
   }
   if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
     throw std::invalid_argument(
@@ -73,21 +91,26 @@ mx::array quantized_matvec(
         std::to_string(K) + "), found " + shape_str(x.shape()));
   }
   if (stream.device == mx::Device::gpu) {
-    return mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", stream);
+    return mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, mode, stream);
   }
   auto out_shape = x.shape();
   out_shape.back() = N;
+  // MLX's own: x's dtype for mxfp4 (uint8 scales promote to it), else with the scales'.
   auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
+  std::vector<mx::array> inputs = {x, w, scales};
+  if (biases) {
+    inputs.push_back(*biases);
+  }
   return mx::array(
       out_shape,
       out_dtype,
-      std::make_shared<QuantizedMatvec>(stream, group_size, bits),
-      {x, w, scales, biases});
+      std::make_shared<QuantizedMatvec>(stream, group_size, bits, fp4 ? kMxfp4 : kAffine),
+      std::move(inputs));
 }
 
 bool QuantizedMatvec::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatvec&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && mode_ == o.mode_;
 }
 
 std::vector<mx::Shape> QuantizedMatvec::output_shapes(const std::vector<mx::array>& inputs) {
@@ -104,15 +127,18 @@ void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = encoder_for(stream(), inputs, out);
+  // mxfp4 has no biases: its scales stand in for them here (never read for it).
   encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
                     w = mx::array::unsafe_weak_copy(inputs[1]),
                     sc = mx::array::unsafe_weak_copy(inputs[2]),
-                    bi = mx::array::unsafe_weak_copy(inputs[3]),
+                    bi = mx::array::unsafe_weak_copy(inputs[inputs.size() > 3 ? 3 : 2]),
                     out = mx::array::unsafe_weak_copy(out),
                     gs = group_size_,
-                    bits = bits_]() mutable {
+                    bits = bits_,
+                    mode = mode_]() mutable {
     QmvProblem p;
     p.isa = current_isa();
+    p.mode = mode;
     p.N = w.shape(0);
     p.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / bits);
     p.M = p.K == 0 ? 0 : static_cast<int>(x.size() / p.K);
@@ -145,7 +171,31 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     std::vector<float> sf, bf;
     const bool scales_f32 = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
         bi.dtype() == mx::float32 && bi.flags().row_contiguous;
-    if (scales_f32) {
+    if (mode == kMxfp4) { // E8M0 scales decoded (2^(e - 127)), one row of zero biases
+      sf.resize(sc.size());
+      std::vector<uint8_t> codes;
+      const uint8_t* e = sc.data<uint8_t>();
+      if (!sc.flags().row_contiguous) {
+        codes.resize(sc.size());
+        std::vector<float> wide(sc.size());
+        strided_to_f32<uint8_t>(sc, wide.data());
+        for (size_t i = 0; i < wide.size(); ++i) {
+          codes[i] = static_cast<uint8_t>(wide[i]);
+        }
+        e = codes.data();
+      }
+      // The exponent field itself (a loop the compiler vectorises): e = 0 is 2^-127, a
+      // subnormal; 255 is E8M0's NaN.
+      uint32_t* bits_out = reinterpret_cast<uint32_t*>(sf.data());
+      for (size_t i = 0; i < sf.size(); ++i) {
+        const uint32_t v = e[i];
+        bits_out[i] = v == 0 ? 0x00400000u : v == 255 ? 0x7FC00000u : v << 23;
+      }
+      bf.assign(G, 0.0f);
+      p.scales = sf.data();
+      p.biases = bf.data();
+      p.shared_biases = true;
+    } else if (scales_f32) {
       p.scales = sc.data<float>();
       p.biases = bi.data<float>();
     } else {

@@ -6,18 +6,23 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
+#include <optional>
+#include <string>
+
 namespace mlxinfer {
 
 namespace mx = mlx::core;
 
-// x (..., K) @ dequantize(w_q, scales, biases).T -> (..., N), MLX's affine packing.
+// x (..., K) @ dequantize(w_q, scales, biases).T -> (..., N), MLX's packing: mode "affine"
+// (biases given) or "mxfp4" (uint8 E8M0 scales, no biases).
 mx::array quantized_matvec(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits,
+    const std::string& mode = "affine",
     mx::StreamOrDevice s = {});
 
 // x (..., K) @ w.T -> (..., N), w (N, K) float32.
@@ -29,8 +34,8 @@ int num_threads();
 
 class QuantizedMatvec : public mx::UnaryPrimitive {
  public:
-  QuantizedMatvec(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatvec(mx::Stream stream, int group_size, int bits, int mode)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), mode_(mode) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -44,6 +49,7 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  int mode_; // QmvMode
 };
 
 class Matvec : public mx::UnaryPrimitive {

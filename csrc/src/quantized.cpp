@@ -22,6 +22,10 @@ namespace {
 // Portable path
 // ----------------------------------------------------------------------------
 
+// E2M1 (mxfp4's codes): sign, 2 exponent bits, 1 mantissa bit.
+constexpr float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
 void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
   const uint32_t mask = (1u << p.bits) - 1u;
@@ -29,7 +33,7 @@ void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * words_per_row;
     const float* s = p.scales + static_cast<size_t>(n) * G;
-    const float* b = p.biases + static_cast<size_t>(n) * G;
+    const float* b = qmv_biases_row(p, n);
     for (int m = 0; m < p.M; ++m) {
       const float* x = p.x + static_cast<size_t>(m) * p.K;
       const float* xs = p.xsum + static_cast<size_t>(m) * G;
@@ -44,7 +48,7 @@ void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
           if (shift + p.bits > 32) {
             v |= wr[word + 1] << (32 - shift);
           }
-          acc += x[k] * static_cast<float>(v & mask);
+          acc += x[k] * (p.mode == kMxfp4 ? kE2m1[v & 15u] : static_cast<float>(v & mask));
         }
         total += s[g] * acc + b[g] * xs[g];
       }
@@ -54,7 +58,7 @@ void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
 }
 
 // The bit-stream widths' unpacking, for 8-code units (`BITS` bytes each): lane i of a unit
-// takes the two bytes from i * BITS / 8 (a byte shuffle of a 16-byte load), masked to its
+// takes the two bytes from i * qmv_width(BITS) / 8 (a byte shuffle of a 16-byte load), masked to its
 // code in place (bits i * BITS % 8 and up): it is code << s, and qmv_prepare scales x by 2^-s
 // to match (exact: a power of two), so no per-lane shift runs in the loop.
 template <int BITS>
@@ -69,7 +73,7 @@ template <int BITS>
 constexpr StreamTables<BITS> make_stream_tables() {
   StreamTables<BITS> t{};
   for (int i = 0; i < 16; ++i) {
-    const int o = i * BITS / 8, sh = i * BITS % 8;
+    const int o = i * qmv_width(BITS) / 8, sh = i * BITS % 8;
     const int8_t c[4] = {static_cast<int8_t>(o), static_cast<int8_t>(o + 1), -128, -128};
     for (int j = 0; j < 4; ++j) {
       t.ctrl16[4 * i + j] = c[j];
@@ -104,6 +108,14 @@ MLXINFER_AVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + BITS)));
     a = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(u0, ctrl), mask));
     b = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(u1, ctrl), mask));
+  } else if constexpr (BITS == kFp4) { // nibbles as 4-bit; 2 * E2M1 value by a byte lookup
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, nib));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), nib));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
   } else if constexpr (BITS == 4) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
     a = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
@@ -128,7 +140,7 @@ MLXINFER_AVX2 void qmv_row_avx2(
     int n) {
   const int G = p.K / p.group_size;
   const int gs = p.group_size;
-  constexpr int bytes16 = 16 * BITS / 8; // bytes per 16 codes
+  constexpr int bytes16 = 16 * qmv_width(BITS) / 8; // bytes per 16 codes
   __m256 tot[M];
   float bias_part[M];
   for (int m = 0; m < M; ++m) {
@@ -147,7 +159,7 @@ MLXINFER_AVX2 void qmv_row_avx2(
       }
     }
     const int k0 = g * gs;
-    const uint8_t* wg = wr + static_cast<size_t>(k0) * BITS / 8;
+    const uint8_t* wg = wr + static_cast<size_t>(k0) * qmv_width(BITS) / 8;
     for (int c = 0; c < gs; c += 16 * U) {
       for (int u = 0; u < U; ++u) {
         __m256 qa, qb;
@@ -190,7 +202,7 @@ MLXINFER_AVX2 void qmv_row_dq_avx2(
     int m0,
     int n) {
   const int gs = p.group_size;
-  constexpr int bytes16 = 16 * BITS / 8;
+  constexpr int bytes16 = 16 * qmv_width(BITS) / 8;
   // The bit-stream widths' codes come out << their bit offsets: the scale takes the 2^-s
   // (so the dequantized weight is exact) and x is read unscaled.
   constexpr bool stream = qmv_stream_bits(BITS);
@@ -238,7 +250,7 @@ MLXINFER_AVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t 
     bias_part[r] = 0.0f;
     wr[r] = w + (n + r) * row_bytes;
     sr[r] = p.scales + static_cast<size_t>(n + r) * G;
-    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+    br[r] = qmv_biases_row(p, n + r);
   }
   for (int g = 0; g < G; ++g) {
     __m256 acc[R][2];
@@ -249,7 +261,7 @@ MLXINFER_AVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t 
     for (int c = 0; c < gs; c += 16) {
       const float* xk = p.xp + k0 + c;
       const __m256 xa = _mm256_loadu_ps(xk), xb = _mm256_loadu_ps(xk + 8);
-      const size_t off = static_cast<size_t>(k0 + c) * BITS / 8;
+      const size_t off = static_cast<size_t>(k0 + c) * qmv_width(BITS) / 8;
       for (int r = 0; r < R; ++r) {
         __m256 qa, qb;
         unpack16<BITS>(wr[r] + off, qa, qb);
@@ -270,7 +282,7 @@ MLXINFER_AVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t 
 }
 
 // One row of x (decode) at the bit-stream widths, in blocks of 64 codes read 4 per 32-bit
-// lane: lane l holds codes 4l..4l+3 (4 * BITS <= 24 bits from byte 4l * BITS / 8), so one
+// lane: lane l holds codes 4l..4l+3 (4 * BITS <= 24 bits from byte 4l * qmv_width(BITS) / 8), so one
 // masked load (exactly the block's 2 * BITS words), one dword permutation and one byte shuffle
 // place a block, and each of its four vectors (code j of every lane) is one AND and one convert:
 // the codes stay where they lie (code << s, s <= 19, exact in f32) and qmv_prepare puts x in
@@ -279,7 +291,7 @@ MLXINFER_AVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t 
 template <int BITS>
 struct BlockTables {
   alignas(64) int32_t idx[16]; // 128-bit lane L takes words d_L .. d_L + 3
-  alignas(64) int8_t ctrl[64]; // lane l: the 4 bytes from 4l * BITS / 8, within its 128 bits
+  alignas(64) int8_t ctrl[64]; // lane l: the 4 bytes from 4l * qmv_width(BITS) / 8, within its 128 bits
   alignas(64) uint32_t mask[4][16]; // vector j: lane l's code 4l + j, in place
   int shift[4][16]; // where code 4l + j lies in lane l (x is scaled by 2^-shift)
 };
@@ -293,7 +305,7 @@ constexpr BlockTables<BITS> make_block_tables() {
       t.idx[4 * lane128 + i] = d + i;
     }
     for (int i = 0; i < 4; ++i) {
-      const int l = 4 * lane128 + i, o = 4 * l * BITS / 8, r = 4 * l * BITS % 8;
+      const int l = 4 * lane128 + i, o = 4 * l * qmv_width(BITS) / 8, r = 4 * l * BITS % 8;
       if (o - 4 * d + 3 >= 16 || r + 4 * BITS > 24) {
         throw "block layout does not fit"; // a compile-time error in a constexpr evaluation
       }
@@ -359,7 +371,7 @@ MLXINFER_AVX2 void qmv_rows1_blocked_avx2(const QmvProblem& p, const uint8_t* w,
     tot[r] = a0[r] = a1[r] = _mm256_setzero_ps();
     wr[r] = w + (n + r) * row_bytes;
     sr[r] = p.scales + static_cast<size_t>(n + r) * G;
-    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+    br[r] = qmv_biases_row(p, n + r);
   }
   for (int g = 0; g < G; ++g) {
     for (int i = 0; i < per_group; ++i) {
@@ -389,7 +401,7 @@ MLXINFER_AVX2 void qmv_rows1_blocked_avx2(const QmvProblem& p, const uint8_t* w,
 template <int BITS>
 MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
-  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const size_t row_bytes = static_cast<size_t>(p.K) * qmv_width(BITS) / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
   if constexpr (qmv_stream_bits(BITS)) {
     if (p.M == 1) { // decode at the bit-stream widths: blocks of 32 codes (qmv_blocked)
@@ -416,7 +428,7 @@ MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     const float* s = p.scales + static_cast<size_t>(n) * G;
-    const float* b = p.biases + static_cast<size_t>(n) * G;
+    const float* b = qmv_biases_row(p, n);
     // The row's weights stay in L1 across the passes of x rows.
     int m = 0;
     for (; m + 8 <= p.M; m += 8) {
@@ -470,6 +482,13 @@ MLXINFER_AVX512BW inline void unpack32(const uint8_t* src, __m512& a, __m512& b)
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * BITS)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_shuffle_epi8(v0, ctrl), mask));
     b = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_shuffle_epi8(v1, ctrl), mask));
+  } else if constexpr (BITS == kFp4) { // nibbles as 4-bit; 2 * E2M1 value by a lane lookup
+    const __m512 lut = _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 12.0f, -0.0f,
+                                      -1.0f, -2.0f, -3.0f, -4.0f, -6.0f, -8.0f, -12.0f);
+    const __m512i v =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    a = _mm512_permutexvar_ps(v, lut); // the index's low 4 bits: the low nibble
+    b = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
   } else if constexpr (BITS == 4) {
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
@@ -492,7 +511,7 @@ MLXINFER_AVX512BW void qmv_row_avx512(
     int n) {
   const int G = p.K / p.group_size;
   const int gs = p.group_size;
-  constexpr int bytes32 = 32 * BITS / 8;
+  constexpr int bytes32 = 32 * qmv_width(BITS) / 8;
   // A running total per accumulator: each group's partial products are scaled into it
   // (no dependent adds per group, and registers only: indexing totals by the group's
   // parity kept them on the stack, a store-to-load chain per group).
@@ -514,7 +533,7 @@ MLXINFER_AVX512BW void qmv_row_avx512(
       }
     }
     const int k0 = g * gs;
-    const uint8_t* wg = wr + static_cast<size_t>(k0) * BITS / 8;
+    const uint8_t* wg = wr + static_cast<size_t>(k0) * qmv_width(BITS) / 8;
     for (int c = 0; c < gs; c += 32 * U) {
       for (int u = 0; u < U; ++u) {
         __m512 qa, qb;
@@ -556,7 +575,7 @@ MLXINFER_AVX512BW void qmv_row_dq_avx512(
     int m0,
     int n) {
   const int gs = p.group_size;
-  constexpr int bytes32 = 32 * BITS / 8;
+  constexpr int bytes32 = 32 * qmv_width(BITS) / 8;
   constexpr bool stream = qmv_stream_bits(BITS); // as qmv_row_dq_avx2
   const float* xbase = stream ? p.x : p.xp;
   __m512 tot[M][2];
@@ -612,7 +631,7 @@ MLXINFER_AVX512BW void qmv_rows1_avx512(
     bias_part[r] = 0.0f;
     wr[r] = w + (n + r) * row_bytes;
     sr[r] = p.scales + static_cast<size_t>(n + r) * G;
-    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+    br[r] = qmv_biases_row(p, n + r);
   }
   for (int g = 0; g < G; ++g) {
     __m512 acc[R][2 * U];
@@ -626,7 +645,7 @@ MLXINFER_AVX512BW void qmv_rows1_avx512(
       for (int u = 0; u < U; ++u) {
         const float* xk = p.xp + k0 + c + 32 * u;
         const __m512 xa = _mm512_loadu_ps(xk), xb = _mm512_loadu_ps(xk + 16);
-        const size_t off = static_cast<size_t>(k0 + c + 32 * u) * BITS / 8;
+        const size_t off = static_cast<size_t>(k0 + c + 32 * u) * qmv_width(BITS) / 8;
         for (int r = 0; r < R; ++r) {
           __m512 qa, qb;
           unpack32<BITS>(wr[r] + off, qa, qb);
@@ -685,7 +704,7 @@ MLXINFER_AVX512BW void qmv_rows1_blocked_avx512(const QmvProblem& p, const uint8
     tot[r] = a0[r] = a1[r] = _mm512_setzero_ps();
     wr[r] = w + (n + r) * row_bytes;
     sr[r] = p.scales + static_cast<size_t>(n + r) * G;
-    br[r] = p.biases + static_cast<size_t>(n + r) * G;
+    br[r] = qmv_biases_row(p, n + r);
   }
   if (gs >= 64) { // whole blocks per group: scale once per group
     const int per_group = gs / 64;
@@ -726,7 +745,7 @@ MLXINFER_AVX512BW void qmv_rows1_blocked_avx512(const QmvProblem& p, const uint8
       const __m512 xa = _mm512_loadu_ps(p.xp + k0), xb = _mm512_loadu_ps(p.xp + k0 + 16);
       for (int r = 0; r < R; ++r) {
         __m512 qa, qb;
-        unpack32<BITS>(wr[r] + static_cast<size_t>(k0) * BITS / 8, qa, qb);
+        unpack32<BITS>(wr[r] + static_cast<size_t>(k0) * qmv_width(BITS) / 8, qa, qb);
         const __m512 acc = _mm512_fmadd_ps(qa, xa, _mm512_mul_ps(qb, xb));
         tot[r] = _mm512_fmadd_ps(acc, _mm512_set1_ps(sr[r][G - 1]), tot[r]);
       }
@@ -744,7 +763,7 @@ MLXINFER_AVX512BW void qmv_rows1_blocked_avx512(const QmvProblem& p, const uint8
 template <int BITS>
 MLXINFER_AVX512BW void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
-  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const size_t row_bytes = static_cast<size_t>(p.K) * qmv_width(BITS) / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
   const bool wide = p.group_size >= 64; // two 32-chunks per step fit in a group
   if constexpr (qmv_stream_bits(BITS)) {
@@ -773,7 +792,7 @@ MLXINFER_AVX512BW void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     const float* s = p.scales + static_cast<size_t>(n) * G;
-    const float* b = p.biases + static_cast<size_t>(n) * G;
+    const float* b = qmv_biases_row(p, n);
     // The row's weights stay in L1 across the passes of 8 x rows.
     int m = 0;
     for (; m + 8 <= p.M; m += 8) {
@@ -825,10 +844,11 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
 #else
       const int chunk = p.isa == kAvx512 ? 32 : 16;
 #endif
+      const float f = p.mode == kMxfp4 ? 0.5f : 1.0f; // mxfp4: codes widened as 2 * value
       for (int c = 0; c < p.K; c += chunk) {
         for (int i = 0; i < chunk / 2; ++i) {
-          dst[c + i] = x[c + 2 * i];
-          dst[c + chunk / 2 + i] = x[c + 2 * i + 1];
+          dst[c + i] = f * x[c + 2 * i];
+          dst[c + chunk / 2 + i] = f * x[c + 2 * i + 1];
         }
       }
     } else if (qmv_stream_bits(p.bits) && p.isa != kScalar) {
@@ -903,7 +923,10 @@ void qmv_rows_path(const QmvProblem& p, int n0, int n1) {
   }
 #endif
   bool done = false;
-  switch (p.bits) {
+  switch (p.mode == kMxfp4 ? kFp4 : p.bits) {
+    case kFp4:
+      done = qmv_rows_x86<kFp4>(p, n0, n1);
+      break;
     case 2:
       done = qmv_rows_x86<2>(p, n0, n1);
       break;
@@ -955,7 +978,7 @@ void qmv_rows(const QmvProblem& p, int n0, int n1) {
     QmvProblem q = p; // rows [a, n1) as rows [0, n1 - a) of the copy; y keeps its stride N
     q.w = copy.data();
     q.scales = p.scales + static_cast<size_t>(a) * G;
-    q.biases = p.biases + static_cast<size_t>(a) * G;
+    q.biases = qmv_biases_row(p, a);
     q.y = p.y + a;
     qmv_rows_path(q, 0, n1 - a);
   }

@@ -3,6 +3,7 @@
 // against this file's own double-precision reference, on odd shapes:
 //   quantized: bits 2, 3, 4, 5, 6 and 8 (MLX's bit stream: 3/5/6-bit codes straddle words),
 //              group sizes 32/64/128, 1..16 rows of x, N odd, rows as short as one group;
+//              mxfp4 (E2M1 codes, power-of-two scales per 32, no bias) likewise;
 //   float:     f32, bf16 and f16 weights, K not a multiple of the vector width, 1..16 rows;
 //   widening:  every finite bf16 and f16 value through the float kernel, bit for bit.
 // A case passes when max |y - ref| <= 1e-4 * max |ref| on each path, and no path writes
@@ -112,8 +113,10 @@ bool judge(Isa isa, double err, bool in_range, std::string& line, Outcome& out) 
 // Quantized: y[m, n] = sum_k x[m, k] * (s[n, g] * q[n, k] + b[n, g])
 // ---------------------------------------------------------------------------
 
-void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out) {
+void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out, int mode = kAffine) {
   const int G = K / gs, levels_q = (1 << bits) - 1;
+  const bool fp4 = mode == kMxfp4;
+  static const double e2m1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
   // Exactly N * K * bits / 32 words: a read past the buffer's end is the sanitizer's to see.
   std::vector<uint32_t> w(static_cast<size_t>(N) * K / 32 * bits, 0u);
   std::vector<float> s(static_cast<size_t>(N) * G), b(s.size());
@@ -130,20 +133,24 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out) {
         lo = std::min(lo, wg[i]);
         hi = std::max(hi, wg[i]);
       }
-      const float scale = (hi - lo) / levels_q, bias = lo;
+      // mxfp4: an E8M0 scale 2^(e - 127) (decoded, as the primitive passes it), no bias.
+      const float scale = fp4 ? std::ldexp(1.0f, -6 - static_cast<int>(rng() % 4))
+                              : (hi - lo) / levels_q;
+      const float bias = fp4 ? 0.0f : lo;
       s[static_cast<size_t>(n) * G + g] = scale;
       b[static_cast<size_t>(n) * G + g] = bias;
       for (int i = 0; i < gs; ++i) {
         const int k = g * gs + i;
         int q = static_cast<int>(std::lround((wg[i] - bias) / scale));
-        q = std::min(std::max(q, 0), levels_q);
+        q = fp4 ? static_cast<int>(rng() % 16) : std::min(std::max(q, 0), levels_q);
         const size_t bit = (static_cast<size_t>(n) * K + k) * bits;
         const int shift = static_cast<int>(bit % 32);
         w[bit / 32] |= static_cast<uint32_t>(q) << shift;
         if (shift + bits > 32) { // straddles into the next word
           w[bit / 32 + 1] |= static_cast<uint32_t>(q) >> (32 - shift);
         }
-        deq[static_cast<size_t>(n) * K + k] = static_cast<double>(scale) * q + bias;
+        deq[static_cast<size_t>(n) * K + k] =
+            static_cast<double>(scale) * (fp4 ? e2m1[q] : q) + bias;
       }
     }
   }
@@ -163,7 +170,11 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out) {
     }
   }
   char head[96];
-  std::snprintf(head, sizeof head, "qmv bits=%d gs=%d K=%d N=%d M=%d:", bits, gs, K, N, M);
+  if (fp4) {
+    std::snprintf(head, sizeof head, "qmv mxfp4 gs=%d K=%d N=%d M=%d:", gs, K, N, M);
+  } else {
+    std::snprintf(head, sizeof head, "qmv bits=%d gs=%d K=%d N=%d M=%d:", bits, gs, K, N, M);
+  }
   std::string line = head;
   bool ok = true;
   std::vector<float> xp(x.size()), xsum(static_cast<size_t>(M) * G), y(ref.size());
@@ -172,10 +183,13 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out) {
     QmvProblem p;
     p.isa = current_isa();
     p.M = M, p.N = N, p.K = K, p.group_size = gs, p.bits = bits;
+    p.mode = mode;
     p.x = x.data();
     qmv_prepare(p, xp.data(), xsum.data());
     p.xp = xp.data(), p.xsum = xsum.data();
-    p.w = w.data(), p.scales = s.data(), p.biases = b.data(), p.y = y.data();
+    p.shared_biases = fp4; // one row of zeros
+    std::vector<float> zeros(G, 0.0f);
+    p.w = w.data(), p.scales = s.data(), p.biases = fp4 ? zeros.data() : b.data(), p.y = y.data();
     const bool in_range = run_split([&](int n0, int n1) { qmv_rows(p, n0, n1); }, y, M, N);
     ok = judge(p.isa, rel_error(y, ref), in_range, line, out) && ok;
   }
@@ -344,6 +358,15 @@ int main() {
       check_quantized(bits, gs, 1536 / gs * gs, 13, 1, out); // a long row (SmolLM2's down)
     }
   }
+  // mxfp4 (E2M1 codes in the 4-bit layout, E8M0 scales per 32, no bias)
+  for (int M = 1; M <= 16; ++M) {
+    check_quantized(4, 32, 96, 37, M, out, kMxfp4);
+  }
+  for (int N : {1, 2, 7}) {
+    check_quantized(4, 32, 32, N, 1, out, kMxfp4);
+    check_quantized(4, 32, 32, N, 5, out, kMxfp4);
+  }
+  check_quantized(4, 32, 1536, 13, 1, out, kMxfp4);
   for (WeightType t : {kF32, kBF16, kF16}) {
     for (int M = 1; M <= 16; ++M) {
       check_float(t, 77, 37, M, out); // 4 vector steps of 16 and a tail of 13

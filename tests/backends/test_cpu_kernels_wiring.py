@@ -1,9 +1,15 @@
 """The compiled kernels in the CPU backend (backends/cpu/compiled.py; issue 32, "Wiring"):
 with the ``kernel`` plans forced on, float models match transformers (logits within 1e-3,
-greedy tokens) and 4-, 3- and 6-bit models match MLX's own quantized path, tied and untied heads;
+greedy tokens) and 4-, 3-, 6-bit and mxfp4 models match MLX's own quantized path, tied and untied
+heads;
 the kernels are called exactly where a product has at most 16 rows and the plan says so,
 never otherwise; the plan timing keeps a kernel only where it wins, and the thread count is
 a plan too. Every test forces the plans it checks: no outcome depends on timing."""
+
+import contextlib
+import inspect
+import io
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -151,19 +157,35 @@ def test_a_bfloat16_model_takes_the_kernel_and_matches(tiny, counting):
     assert tokens["kernels"] == tokens["off"]
 
 
+def mlx_lm_mxfp4(path, out):
+    """mlx-lm's own mxfp4 conversion of the model at ``path`` (float32 elsewhere)."""
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm (writes the mxfp4 test model)")
+    if "q_mode" not in inspect.signature(mlx_lm.convert).parameters:
+        pytest.skip(f"mlx-lm {mlx_lm.__version__} has no q_mode (MLX's float modes)")
+    config = json.loads((path / "config.json").read_text())  # mlx-lm reads the top-level theta
+    config.setdefault("rope_theta", config.get("rope_parameters", {}).get("rope_theta", 1e4))
+    (path / "config.json").write_text(json.dumps(config))
+    with contextlib.redirect_stdout(io.StringIO()):
+        mlx_lm.convert(str(path), str(out), quantize=True, q_mode="mxfp4", dtype="float32")
+
+
 @pytest.mark.parametrize(
     "tied,bits",
-    [(True, 4), (False, 4), (False, 3), (True, 6)],
-    ids=["4bit-tied", "4bit-untied", "3bit-untied", "6bit-tied"],
+    [(True, 4), (False, 4), (False, 3), (True, 6), (True, "mxfp4")],
+    ids=["4bit-tied", "4bit-untied", "3bit-untied", "6bit-tied", "mxfp4-tied"],
 )
 def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
     tied, bits, tmp_path, monkeypatch
 ):
-    """4-bit, and the bit-stream widths whose codes straddle words (3, 6): every quantized
-    product of <= 16 rows a kernel call, within its bound of MLX's quantized_matmul."""
+    """4-bit, the bit-stream widths whose codes straddle words (3, 6) and mxfp4 (E2M1 codes,
+    E8M0 scales, no biases; mlx-lm's conversion): every quantized product of <= 16 rows a
+    kernel call, within its bound of MLX's quantized_matmul."""
     path, _ = make_tiny(tmp_path / "hf", tie_word_embeddings=tied, **SHAPES)
     add_tokenizer(path)
-    convert(path, tmp_path / "q", quantize=True, bits=bits, group_size=64, dtype="float32")
+    if bits == "mxfp4":
+        mlx_lm_mxfp4(path, tmp_path / "q")
+    else:
+        convert(path, tmp_path / "q", quantize=True, bits=bits, group_size=64, dtype="float32")
     monkeypatch.setenv(backends.ENV, "0")  # MLX's own layers and quantized_matmul
     plain, _ = load_model(tmp_path / "q")
     monkeypatch.delenv(backends.ENV)
@@ -172,7 +194,8 @@ def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
     counter = Counting(K)
     monkeypatch.setattr(kernels, "load", lambda: counter)
     model, _ = load_model(tmp_path / "q")
-    assert model.backend == "cpu" and model.layers[0].mlp.down_proj.bits == bits
+    down = model.layers[0].mlp.down_proj
+    assert model.backend == "cpu" and (down.mode if bits == "mxfp4" else down.bits) == bits
     for value in ("kernels", "off"):
         forced(model, value)
         on = value == "kernels"

@@ -5,7 +5,7 @@
 into a checkout's build/kernels. Where they are not built these tests skip with the reason,
 except under ``MLXINFER_REQUIRE_KERNELS=1`` (CI), where that is an error. The suite runs a
 representative subset (every instruction-set path this CPU has, bits 2, 3, 4, 5, 6 and 8,
-group sizes 32/64/128, 1/4/16 rows, SmolLM2-135M's shapes and an odd one); ``MLXINFER_SLOW=1``
+group sizes 32/64/128, 1/4/16 rows, SmolLM2-135M's shapes and an odd one; mxfp4); ``MLXINFER_SLOW=1``
 runs the whole matrix.
 """
 
@@ -133,6 +133,66 @@ BITS = [2, 3, 4, 5, 6, 8]
 @pytest.mark.parametrize("bits,group_size,K_in,N", SUITE)
 def test_quantized_matches_mlx(k, bits, group_size, K_in, N):
     check_quantized(k, K_in, N, bits, group_size, [1, 4, 16], paths(k))
+
+
+def check_mxfp4(k, K_in, N, rows, levels):
+    """mxfp4 (E2M1 codes, uint8 E8M0 scales per 32, no biases) against MLX's product: f32 x
+    within 1e-4 of the largest; bf16 x gives bf16 (MLX's dtype) within one rounding of the f32
+    product."""
+    mx.random.seed(K_in * 5 + N)
+    w = mx.random.normal((N, K_in)) * 0.05
+    wq, s = mx.quantize(w, mode="mxfp4")
+    for m in rows:
+        x = mx.random.normal((m, K_in))
+        ref = mx.quantized_matmul(x, wq, s, None, transpose=True, mode="mxfp4")
+        xb = x.astype(mx.bfloat16)
+        ref_b = mx.quantized_matmul(xb.astype(mx.float32), wq, s, None, mode="mxfp4")
+        try:
+            for level in levels:
+                k.set_max_isa(level)
+                y = k.quantized_matvec(x, wq, s, None, 32, 4, mode="mxfp4")
+                assert y.shape == ref.shape and y.dtype == ref.dtype == mx.float32
+                assert rel_err(y, ref) <= 1e-4, (level, m, rel_err(y, ref))
+                yb = k.quantized_matvec(xb, wq, s, None, 32, 4, mode="mxfp4")
+                assert yb.dtype == mx.bfloat16 and rel_err(yb, ref_b) <= 2 * 2.0**-8, (level, m)
+        finally:
+            k.set_max_isa("best")
+
+
+@pytest.mark.parametrize("K_in,N,rows", [(576, 1536, [1, 4, 16]), (96, 13, [1, 2, 5, 9])])
+def test_mxfp4_matches_mlx(k, K_in, N, rows):
+    check_mxfp4(k, K_in, N, rows, paths(k))
+
+
+@SLOW
+@pytest.mark.slow
+@pytest.mark.parametrize("K_in,N", [*SMOLLM2, HEAD, *ODD])
+def test_mxfp4_matrix(k, K_in, N):
+    big = N > 4096
+    levels = paths(k)[1:] if big else paths(k)
+    check_mxfp4(k, K_in, N, [1, 4] if big else [1, 2, 3, 4, 5, 16], levels)
+
+
+def test_mxfp4_bad_arguments_are_value_errors(k):
+    w = mx.random.normal((64, 64))
+    wq, s = mx.quantize(w, mode="mxfp4")
+    _, s_aff, b_aff = mx.quantize(w, group_size=32, bits=4)
+    x = mx.zeros((1, 64))
+    cases = [
+        (dict(biases=b_aff), "biases"),  # mxfp4 has none
+        (dict(group_size=64), "group_size"),
+        (dict(bits=8), "bits"),
+        (dict(mode="nvfp4"), "mode"),
+        (dict(scales=s_aff), "scales"),  # float scales: not E8M0
+    ]
+    for change, match in cases:
+        a = dict(scales=s, biases=None, group_size=32, bits=4, mode="mxfp4") | change
+        with pytest.raises(ValueError, match=match):
+            k.quantized_matvec(
+                x, wq, a["scales"], a["biases"], a["group_size"], a["bits"], mode=a["mode"]
+            )
+    with pytest.raises(ValueError, match="biases"):  # affine needs them
+        k.quantized_matvec(x, wq, s_aff, None, 32, 4)
 
 
 @pytest.mark.parametrize("K_in,N", [(576, 1536), (1536, 576), (1088, 7)])

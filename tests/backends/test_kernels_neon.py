@@ -2,7 +2,7 @@
 
 csrc/tests/check_kernels.cpp checks every instruction-set path of the kernels on plain pointers
 (no MLX) against its own double-precision reference: affine 2/3/4/5/6/8-bit (MLX's bit stream)
-at group sizes 32/64/128 with 1..16 rows of x and odd N, f32/bf16/f16 weights with K off the vector width, and every
+at group sizes 32/64/128 and mxfp4 with 1..16 rows of x and odd N, f32/bf16/f16 weights with K off the vector width, and every
 finite bf16 and f16 value widened bit for bit (tools/check_kernels_cross.py builds and runs it).
 Under qemu the arm64 build must pick NEON and agree within 1e-4 of the largest output on
 every case. It skips, naming the tool, without aarch64-linux-gnu-g++ or qemu-aarch64 (Debian:
@@ -38,9 +38,9 @@ def run_check(target: str) -> list[str]:
     summary = re.fullmatch(r"check_kernels: (\d+) cases, 0 failed, .*", lines[-1])
     assert summary, lines[-1]
     cases = [ln for ln in lines if ln.endswith(" ok")]
-    assert len(cases) == int(summary.group(1)) >= 580  # six widths' cases: 2/3/5/6 bits too
-    for bits in (2, 3, 5, 6):
-        assert any(ln.startswith(f"qmv bits={bits} ") for ln in cases), bits
+    assert len(cases) == int(summary.group(1)) >= 600  # six widths' cases and mxfp4's
+    for kind in ("bits=2", "bits=3", "bits=5", "bits=6", "mxfp4"):
+        assert any(ln.startswith(f"qmv {kind} ") for ln in cases), kind
     return lines
 
 
