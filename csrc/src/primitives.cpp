@@ -108,6 +108,20 @@ mx::array quantized_matvec(
       std::move(inputs));
 }
 
+namespace {
+
+// E8M0 scales (mxfp4) as f32: the exponent field itself (2^(e - 127)); e = 0 is 2^-127, a
+// subnormal, and 255 is E8M0's NaN, as MLX decodes them.
+void decode_e8m0(const uint8_t* __restrict e, float* __restrict out, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t v = e[i];
+    const uint32_t bits = v == 0 ? 0x00400000u : v == 255 ? 0x7FC00000u : v << 23;
+    std::memcpy(out + i, &bits, sizeof bits);
+  }
+}
+
+} // namespace
+
 bool QuantizedMatvec::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatvec&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_ && mode_ == o.mode_;
@@ -171,10 +185,10 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     std::vector<float> sf, bf;
     const bool scales_f32 = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
         bi.dtype() == mx::float32 && bi.flags().row_contiguous;
-    if (mode == kMxfp4) { // E8M0 scales decoded (2^(e - 127)), one row of zero biases
-      sf.resize(sc.size());
-      std::vector<uint8_t> codes;
-      const uint8_t* e = sc.data<uint8_t>();
+    std::vector<uint8_t> codes; // mxfp4: the E8M0 scales, contiguous
+    const uint8_t* e8m0 = nullptr;
+    if (mode == kMxfp4) { // scales decoded per block of rows as they run; zero biases
+      e8m0 = sc.data<uint8_t>();
       if (!sc.flags().row_contiguous) {
         codes.resize(sc.size());
         std::vector<float> wide(sc.size());
@@ -182,17 +196,9 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
         for (size_t i = 0; i < wide.size(); ++i) {
           codes[i] = static_cast<uint8_t>(wide[i]);
         }
-        e = codes.data();
-      }
-      // The exponent field itself (a loop the compiler vectorises): e = 0 is 2^-127, a
-      // subnormal; 255 is E8M0's NaN.
-      uint32_t* bits_out = reinterpret_cast<uint32_t*>(sf.data());
-      for (size_t i = 0; i < sf.size(); ++i) {
-        const uint32_t v = e[i];
-        bits_out[i] = v == 0 ? 0x00400000u : v == 255 ? 0x7FC00000u : v << 23;
+        e8m0 = codes.data();
       }
       bf.assign(G, 0.0f);
-      p.scales = sf.data();
       p.biases = bf.data();
       p.shared_biases = true;
     } else if (scales_f32) {
@@ -207,7 +213,26 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       p.biases = bf.data();
     }
     const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
-    parallel_rows(p.N, 8, bytes, [&](int n0, int n1) { qmv_rows(p, n0, n1); });
+    parallel_rows(p.N, 8, bytes, [&](int n0, int n1) {
+      if (e8m0 == nullptr) {
+        return qmv_rows(p, n0, n1);
+      }
+      // mxfp4: each block of 64 rows' scales decoded into a buffer that stays in cache, the
+      // rows run as a problem of their own (decoding them all first took 10 µs of 70 for
+      // SmolLM2's 576 -> 1536 on one thread, and a pass over 3.5 MB for its head).
+      constexpr int kRows = 64;
+      const size_t row_words = static_cast<size_t>(p.K) / 32 * p.bits;
+      std::vector<float> local(static_cast<size_t>(kRows) * G);
+      for (int a = n0; a < n1; a += kRows) {
+        const int b = std::min(n1, a + kRows);
+        decode_e8m0(e8m0 + static_cast<size_t>(a) * G, local.data(), static_cast<size_t>(b - a) * G);
+        QmvProblem q = p;
+        q.w = p.w + static_cast<size_t>(a) * row_words;
+        q.scales = local.data();
+        q.y = p.y + a;
+        qmv_rows(q, 0, b - a);
+      }
+    });
     if (!direct) {
       write_out(yf.data(), out);
     }

@@ -173,6 +173,25 @@ def test_mxfp4_matrix(k, K_in, N):
     check_mxfp4(k, K_in, N, [1, 4] if big else [1, 2, 3, 4, 5, 16], levels)
 
 
+def test_mxfp4_row_blocks_and_threads(k):
+    """mxfp4's scales are decoded per block of 64 rows as the rows run: 1000 rows (a partial
+    last block) agree with MLX, and 1 and 2 threads give identical bits."""
+    mx.random.seed(6)
+    wq, s = mx.quantize(mx.random.normal((1000, 576)) * 0.05, mode="mxfp4")
+    x = mx.random.normal((3, 576))
+    ref = mx.quantized_matmul(x, wq, s, None, mode="mxfp4")
+    before = k.num_threads()
+    try:
+        k.set_num_threads(1)
+        y1 = k.quantized_matvec(x, wq, s, None, 32, 4, mode="mxfp4")
+        mx.eval(y1)
+        k.set_num_threads(2)
+        y2 = k.quantized_matvec(x, wq, s, None, 32, 4, mode="mxfp4")
+        assert mx.array_equal(y1, y2).item() and rel_err(y1, ref) <= 1e-4
+    finally:
+        k.set_num_threads(before)
+
+
 def test_mxfp4_bad_arguments_are_value_errors(k):
     w = mx.random.normal((64, 64))
     wq, s = mx.quantize(w, mode="mxfp4")
