@@ -140,9 +140,32 @@ def apply_quantization(
         entry = record.get(path)
         if entry is False or f"{path}.scales" not in weights:
             return False
-        return layer_settings(record, entry) if isinstance(entry, dict) else dict(default)
+        if isinstance(entry, dict):
+            return layer_settings(record, entry)
+        return _from_shapes(module, weights, path, default)
 
     nn.quantize(model, class_predicate=predicate)
+
+
+def _from_shapes(
+    module: nn.Module, weights: dict[str, mx.array], path: str, default: dict[str, Any]
+) -> dict[str, Any]:
+    """A layer the record does not list: the record's defaults, unless the stored shapes say
+    otherwise (a record that lost a mixed recipe's entries, say). The float layer knows its
+    input width K; the packed weight has ``K * bits / 32`` columns and the scales ``K / group``,
+    so both follow from the shapes (affine only: the float modes fix their group and bits)."""
+    weight = getattr(module, "weight", None)
+    packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
+    if default["mode"] != "affine" or weight is None or packed is None or packed.ndim < 1:
+        return dict(default)
+    k = weight.shape[-1]
+    bits, rem = divmod(packed.shape[-1] * 32, k)
+    if rem or not scales.shape[-1] or k % scales.shape[-1]:
+        return dict(default)
+    group = k // scales.shape[-1]
+    if bits in SUPPORTED_BITS and group in (32, 64, 128) and f"{path}.biases" in weights:
+        return {"group_size": group, "bits": bits, "mode": "affine"}
+    return dict(default)
 
 
 def bits_per_weight(model: nn.Module) -> float:

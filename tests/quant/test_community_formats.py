@@ -189,3 +189,23 @@ def test_our_mixed_plan_loads_in_mlx_lm_with_our_logits(hf_dir, tmp_path):
     assert len({(v["bits"], v["group_size"]) for v in record.values() if isinstance(v, dict)}) > 1
     ours, peer = logits_of_both(out)
     assert mx.abs(ours - peer).max().item() <= 5e-3
+
+
+def test_layers_the_record_does_not_list_take_their_settings_from_the_shapes(hf_dir, tmp_path):
+    """A mixed recipe's record stripped of its per-layer entries (only the defaults left): each
+    layer's bits and group follow from its packed weight's and scales' widths, and the logits
+    are mlx-lm's on the intact record."""
+    skip_unless_peer_makes(FORMATS["mixed_3_6"])
+    intact = peer_convert(hf_dir, tmp_path / "intact", **FORMATS["mixed_3_6"])
+    stripped = shutil.copytree(intact, tmp_path / "stripped")
+    config = json.loads((stripped / "config.json").read_text())
+    record = config["quantization"]
+    listed = [k for k, v in record.items() if isinstance(v, dict)]
+    assert listed  # there were entries to lose
+    config["quantization"] = {k: v for k, v in record.items() if not isinstance(v, dict)}
+    config.pop("quantization_config", None)
+    (stripped / "config.json").write_text(json.dumps(config))
+    peer, _ = peer_load_model(intact)
+    ours, _ = load_model(stripped)
+    diff = mx.abs(ours(IDS).astype(mx.float32) - peer(IDS).astype(mx.float32)).max().item()
+    assert diff <= 1e-3
