@@ -126,11 +126,32 @@ def weights_source(model_dir: Path) -> Path:
     return index if index.is_file() else files[0] if len(files) == 1 else model_dir
 
 
+# Weights of quantization formats other than MLX's (HF checkpoints made by AutoGPTQ/GPTQModel,
+# AutoAWQ, bitsandbytes, FP8 and compressed-tensors): named in the error instead of "unexpected".
+FOREIGN_QUANT = {
+    ".qweight": "GPTQ/AWQ packed (qweight)",
+    ".qzeros": "GPTQ/AWQ packed (qzeros)",
+    ".g_idx": "GPTQ's group index (g_idx)",
+    ".weight_scale_inv": "FP8 block-quantized (weight_scale_inv)",
+    ".weight_scale": "FP8/compressed-tensors (weight_scale)",
+    ".weight_packed": "compressed-tensors packed (weight_packed)",
+    ".SCB": "bitsandbytes int8 (SCB)",
+    ".absmax": "bitsandbytes 4-bit (absmax)",
+}
+
+
 def load_weights_into(model: nn.Module, weights: dict[str, mx.array], source: Path) -> None:
     """Load with a clear error for any unexpected, missing or mis-shaped key."""
     params = dict(tree_flatten(model.parameters()))
     for key, value in weights.items():
         if key not in params:
+            foreign = next((f for suffix, f in FOREIGN_QUANT.items() if key.endswith(suffix)), None)
+            if foreign is not None:
+                raise WeightsError(
+                    f"{source}: weight '{key}' is {foreign}, not MLX's quantization format; "
+                    "expected float weights or an MLX record (mlx-lm's, ours, a GGUF): "
+                    "dequantize the checkpoint to float first, then mlxinfer convert -q"
+                )
             raise WeightsError(f"{source}: unexpected weight '{key}' for this model_type")
         if value.shape != params[key].shape:
             raise WeightsError(

@@ -232,3 +232,20 @@ def test_cpu_float_linear_split_over_two_streams_equals_one_product():
     assert np.abs(np.array(big(x)) - np.array(ref)).max() < 1e-4
     many = mx.random.normal((1, 40, 512), key=mx.random.key(4))  # prefill: one product
     assert mx.array_equal(big(many), nn.Linear.__call__(big, many))
+
+
+@pytest.mark.parametrize(
+    "suffix,named",
+    [("qweight", "GPTQ/AWQ"), ("weight_scale_inv", "FP8"), ("absmax", "bitsandbytes")],
+)
+def test_another_quantization_format_is_named_not_unexpected(hf_dir, tmp_path, suffix, named):
+    """A HF checkpoint quantized by AutoGPTQ/AutoAWQ, FP8 or bitsandbytes holds weights MLX's
+    layers have no place for: the error names the format and what to do instead."""
+    src = shutil.copytree(hf_dir[0], tmp_path / "foreign")
+    weights = mx.load(str(src / "model.safetensors"))
+    weights[f"model.layers.0.mlp.down_proj.{suffix}"] = mx.zeros((4, 4), mx.int32)
+    mx.save_safetensors(str(src / "model.safetensors"), weights)
+    with pytest.raises(WeightsError) as e:
+        load_model(src)
+    message = str(e.value)
+    assert named in message and "dequantize" in message and "\n" not in message
