@@ -31,6 +31,7 @@ from .plan import (
     Tensor,
     apply_overrides,
     budget_from_bpw,
+    check_fits,
     choose,
     fake_quantized,
     measure,
@@ -158,6 +159,7 @@ def plan_model(
         budget = (
             max_bytes - other if max_bytes is not None else budget_from_bpw(bpw, n_params, other)
         )
+        check_fits(tensors, budget)  # before the measuring, which takes minutes
         if costs is None:
             measure(tensors, means.get, probe.kl_with, progress=progress)
         else:

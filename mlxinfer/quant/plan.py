@@ -168,20 +168,27 @@ def protect_head(tensors: Sequence[Tensor], budget: int) -> int | None:
     return None
 
 
+def check_fits(tensors: Sequence[Tensor], budget: int) -> None:
+    """Raise ConfigError when even the smallest setting of every tensor exceeds ``budget``."""
+    need = sum(
+        t.fixed.nbytes(t.numel) if t.fixed else min(s.nbytes(t.numel) for s in t.candidates)
+        for t in tensors
+    )
+    if need > budget:
+        raise ConfigError(
+            f"size budget: expected at least {need} bytes for the quantized tensors at their "
+            f"smallest settings, found a budget of {budget}"
+        )
+
+
 def choose(tensors: Sequence[Tensor], budget: int) -> dict[str, Setting]:
     """The settings minimising the summed cost with ``sum(bytes) <= budget``.
 
     Raises ConfigError when even the smallest setting of every tensor does not fit.
     """
+    check_fits(tensors, budget)
     planned = [t for t in tensors if t.fixed is None]
-    fixed_bytes = sum(t.fixed.nbytes(t.numel) for t in tensors if t.fixed is not None)
-    room = budget - fixed_bytes
-    smallest = sum(min(s.nbytes(t.numel) for s in t.candidates) for t in planned)
-    if smallest > room:
-        raise ConfigError(
-            f"size budget: expected at least {fixed_bytes + smallest} bytes for the quantized "
-            f"tensors at their smallest settings, found a budget of {budget}"
-        )
+    room = budget - sum(t.fixed.nbytes(t.numel) for t in tensors if t.fixed is not None)
 
     choice = _knapsack(planned, room)
 

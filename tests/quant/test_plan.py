@@ -258,3 +258,22 @@ def test_the_head_never_goes_below_four_bits_unless_nothing_else_fits():
     h = head(1000 * 64)
     assert protect_head([h, block], 36_000 + 1_279) is None  # 4 bits cannot fit: no floor
     assert min(s.bits for s in h.candidates) == 2
+
+
+def test_bad_plan_input_is_one_line_and_writes_nothing(tiny):
+    f32, out = tiny / "f32", tiny / "never"
+    (tiny / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    cases = [
+        (dict(bpw=40.0), "--bpw: expected bits per weight in 1..16, found 40.0"),
+        (dict(max_bytes=1000), "size budget: expected at least"),
+        (dict(bpw=4.5, calibration=tiny / "absent.txt"), "--calibration"),
+        (dict(bpw=4.5, calibration=tiny / "latin1.txt"), "expected UTF-8 text, found byte 0xe9"),
+        (dict(bpw=4.5, bits=4), "one or the other"),
+        (dict(quantize=True, bits=4, calibration=tiny / "calib.txt"), "apply to a mixed plan"),
+        (dict(bpw=4.5, recipe="q4_k_m"), "one of --bpw, --max-bytes or --recipe"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError) as e:
+            convert(f32, out, **kwargs)
+        assert message in str(e.value) and "\n" not in str(e.value), kwargs
+        assert not out.exists()
