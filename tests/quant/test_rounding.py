@@ -81,7 +81,8 @@ def test_mse_conversion_loads_runs_and_is_closer_to_float(tiny):
     root, src = tiny
     convert(src, root / "minmax", quantize=True, bits=4, dtype="float32")
     result = CliRunner().invoke(
-        cli, ["convert", str(src), "-o", str(root / "mse"), "-q", "--bits", "4", "--rounding", "mse"]
+        cli,
+        ["convert", str(src), "-o", str(root / "mse"), "-q", "--bits", "4", "--rounding", "mse"],
     )
     assert result.exit_code == 0, result.output
     reference = logits(root / "f32")
