@@ -29,7 +29,7 @@ def test_default_plan_answers_paris_with_fewer_bytes_and_lower_kl(smollm2_f32_di
     convert(smollm2_f32_dir, plan, quantize=True)
     convert(smollm2_f32_dir, uniform, quantize=True, bits=4)
     record = json.loads((plan / "config.json").read_text())["quantization"]
-    assert record["model.embed_tokens"]["bits"] >= 5  # the tied head protected
+    assert record["model.embed_tokens"]["bits"] >= 4  # the tied head: never below 4 bits
 
     model, tokenizer = mlxinfer.load(plan)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
