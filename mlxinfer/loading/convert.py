@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
@@ -328,14 +327,8 @@ def _calibration_documents(tokenizer, calibration) -> list[str]:
 def _save_importance(path: Path, plan, src_dir: Path) -> None:
     from .imatrix import Importance, save_importance
 
-    sums = {
-        p: m * np.maximum(plan.counts[p], 1)[..., None]
-        if m.ndim == 2
-        else m * max(int(plan.counts[p]), 1)
-        for p, m in plan.importance.items()
-    }
     imp = Importance(
-        sums=sums, counts=plan.counts, meta={"model": src_dir.name, "tokens": str(plan.tokens)}
+        sums=plan.sums, counts=plan.counts, meta={"model": src_dir.name, "tokens": str(plan.tokens)}
     )
     save_importance(imp, path)
 

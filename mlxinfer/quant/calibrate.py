@@ -175,6 +175,7 @@ class Probe:
         self.inputs = [mx.array(s)[None] for s in sequences]
         blocks = getattr(model, "layers", None)
         self.blocks: list[nn.Module] = list(blocks) if isinstance(blocks, list) else []
+        self.block_index = {id(b): i for i, b in enumerate(self.blocks)}
         self.block_of = {id(m): i for i, b in enumerate(self.blocks) for _, m in b.named_modules()}
         self.kept: list[list[object]] = [[] for _ in self.inputs]  # per sequence, per block
         self.replay_below = 0  # blocks below this index return their kept output
@@ -193,7 +194,7 @@ class Probe:
                 if cls not in made:
 
                     def call(block, *args, _cls=cls, **kwargs):
-                        i = probe.block_index[id(block)]
+                        i = probe.block_index[id(block)]  # built once in __init__
                         kept = probe.kept[probe.sequence]
                         if mode == "replay" and i < probe.replay_below:
                             return kept[i]
@@ -208,10 +209,6 @@ class Probe:
         finally:
             for b, cls in originals:
                 b.__class__ = cls
-
-    @property
-    def block_index(self) -> dict[int, int]:
-        return {id(b): i for i, b in enumerate(self.blocks)}
 
     def _logp(self, x: mx.array) -> mx.array:
         logits = self.model(x)[0, :, : self.vocab].astype(mx.float32)  # (L, V)

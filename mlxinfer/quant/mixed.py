@@ -59,6 +59,7 @@ class Plan:
     tokens: int  # calibration tokens
     seconds: float
     importance: dict[str, np.ndarray] = field(default_factory=dict)  # path -> mean x**2
+    sums: dict[str, np.ndarray] = field(default_factory=dict)  # path -> sum x**2 (saved)
     counts: dict[str, np.ndarray] = field(default_factory=dict)
     costs: dict[str, dict] = field(default_factory=dict)  # path -> {alpha, errors{"b:g": e}}
 
@@ -178,6 +179,7 @@ def plan_model(
         tokens=n_tokens,
         seconds=time.monotonic() - start,
         importance=means,
+        sums=sums,
         counts=counts,
         costs={t.path: _costs_of(t) for t in tensors if t.errors},
     )
