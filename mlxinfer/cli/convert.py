@@ -21,7 +21,7 @@ def _size(value: str | None) -> int | None:
         size = float(number) * scale
     except ValueError:
         size = -1
-    if not size > 0 or size != size:
+    if not 0 < size < 2**63:  # also NaN and inf
         raise click.BadParameter(f"expected bytes such as 90M or 90000000, found {value!r}")
     return int(size)
 

@@ -238,10 +238,17 @@ def test_max_bytes_overrides_and_the_cli(tiny):
         cli, ["convert", str(tiny / "f32"), "-o", str(tiny / "x"), "--bpw", "4", "--bits", "4"]
     )
     assert bad.exit_code != 0 and "one or the other" in bad.output
-    bad = CliRunner().invoke(
-        cli, ["convert", str(tiny / "f32"), "-o", str(tiny / "x"), "--max-bytes", "lots"]
-    )
-    assert bad.exit_code != 0 and "90M" in bad.output
+    for value in ("lots", "0", "-5M", "nan", "1e400"):
+        bad = CliRunner().invoke(
+            cli, ["convert", str(tiny / "f32"), "-o", str(tiny / "x"), "--max-bytes", value]
+        )
+        assert (
+            bad.exit_code == 2
+            and "90M" in bad.output
+            and bad.exception is None
+            or (isinstance(bad.exception, SystemExit))
+        ), (value, bad.output)
+        assert "90M" in bad.output and not (tiny / "x").exists(), value
 
 
 def test_the_head_never_goes_below_four_bits_unless_nothing_else_fits():
