@@ -242,12 +242,7 @@ def test_max_bytes_overrides_and_the_cli(tiny):
         bad = CliRunner().invoke(
             cli, ["convert", str(tiny / "f32"), "-o", str(tiny / "x"), "--max-bytes", value]
         )
-        assert (
-            bad.exit_code == 2
-            and "90M" in bad.output
-            and bad.exception is None
-            or (isinstance(bad.exception, SystemExit))
-        ), (value, bad.output)
+        assert bad.exit_code == 2, (value, bad.output)  # click's usage error: no traceback
         assert "90M" in bad.output and not (tiny / "x").exists(), value
 
 
