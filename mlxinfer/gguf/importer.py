@@ -9,7 +9,7 @@ and refuses Q5_0), then writes the same HF-like directory ``convert`` produces:
 
 Supported: architectures ``llama``, ``gemma3``, ``qwen3``, ``qwen3moe`` and
 ``gpt-oss`` (arch.py); tensor types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, MXFP4 (exact), Q4_K, Q5_K, Q6_K (quants.py); ``gpt2`` (byte-level BPE:
+Q8_0, MXFP4, IQ4_NL (exact), Q4_K, Q5_K, Q6_K, IQ4_XS (quants.py); ``gpt2`` (byte-level BPE:
 GPT-2, Qwen2 and GPT-4o splits) and ``llama`` (SentencePiece) vocabularies
 (vocab.py).
 
@@ -67,8 +67,8 @@ def import_gguf(
       src: the .gguf file.
       dst: the directory to create; must not exist (or be empty). Files are written to a
         temporary sibling and renamed into place, so a failure leaves nothing behind.
-      requantize: ``(bits, group_size)`` for every K-quant tensor; default: keep Q4_K/Q5_K
-        codes, Q6_K -> 8-bit group 32 (see the module doc). Exact types are never re-rounded.
+      requantize: ``(bits, group_size)`` for every K-quant and IQ4 tensor; default: keep
+        Q4_K/Q5_K codes, Q6_K -> 8-bit group 32, IQ4 levels as 8-bit codes (module docs). Exact types are never re-rounded.
       dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``: every tensor dequantized to that
         dtype instead (dense.py); ``requantize`` then quantizes the float weights as
         ``convert -q`` quantizes a Hugging Face checkpoint.

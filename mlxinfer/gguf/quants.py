@@ -36,6 +36,18 @@ and weight j + 16 in its high nibble, MLX packs weights in order, two per byte
 (:func:`to_mxfp4`). Every exponent 0-254 decodes to the same float32 in both
 (tests/gguf/test_gguf.py); 255 (NaN in the OCP spec) never comes out of ggml's quantizer.
 
+**IQ4_NL and IQ4_XS** (llama.cpp's non-linear 4-bit) index a fixed table of 16 signed
+levels ``K`` = (-127 ... 113) instead of a uniform grid, which no MLX mode holds at 4
+bits. Every level is an integer in [-127, 127], so ``x = s K[q]`` is exactly MLX 8-bit
+affine with codes ``K[q] + 128``, scale ``s`` and bias ``-128 s`` (as Q8_0)::
+
+    IQ4_NL  blocks of 32:  s = d                          (exact)
+    IQ4_XS  256 in 8 groups of 32: s = d (ls - 32), ls a 6-bit sub-block scale
+
+IQ4_NL is exact; IQ4_XS's ``d (ls - 32)`` can need more bits than float16 has, so its
+scales round like Q4_K's and its loss is measured (:func:`codebook_to_affine`). The 8-bit
+form is twice the file's bytes; ``requantize`` re-codes both types to a smaller grid.
+
 Every decoder here is checked bit for bit against ``gguf.quants.dequantize``
 in tests/gguf/test_gguf_quants.py and tests/gguf/test_gguf.py.
 """
@@ -72,6 +84,8 @@ TYPES = {
     13: BlockType("Q5_K", SUPER, 176),
     14: BlockType("Q6_K", SUPER, 210),
     39: BlockType("MXFP4", 32, 17),
+    20: BlockType("IQ4_NL", 32, 18),
+    23: BlockType("IQ4_XS", SUPER, 136),
 }
 # ...and the names of the others, for error messages only.
 OTHER_TYPE_NAMES = {
@@ -83,10 +97,8 @@ OTHER_TYPE_NAMES = {
     17: "IQ2_XS",
     18: "IQ3_XXS",
     19: "IQ1_S",
-    20: "IQ4_NL",
     21: "IQ3_S",
     22: "IQ2_S",
-    23: "IQ4_XS",
     24: "I8",
     25: "I16",
     26: "I32",
@@ -102,6 +114,8 @@ KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}
 KQUANT_CODE_BITS = {"Q4_K": 4, "Q5_K": 5}  # K-quants whose codes MLX can keep
 DEFAULT_REQUANT = {"Q6_K": (8, 32)}  # (bits, group size) for K-quants that are re-quantized
+CODEBOOK = ("IQ4_NL", "IQ4_XS")  # non-linear 4-bit: kept as exact 8-bit codes (see above)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 
 
 @dataclass
@@ -294,6 +308,47 @@ def kquant_to_affine(raw: np.ndarray, name: str, rows: int, cols: int) -> Affine
 
 
 # ---------------------------------------------------------------------------
+# IQ4_NL / IQ4_XS
+
+
+def _iq4_groups(blocks: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4 blocks -> level indices (n_groups, 32) and each group's scale (n_groups,) float32,
+    x = scale * IQ4_LEVELS[index], computed in float32 as ggml does.
+
+    Both types store a group's 32 indices in 16 bytes as Q4_0 does (weight j in the low
+    nibble of byte j, weight j + 16 in its high nibble). IQ4_NL: float16 ``d``, 16 bytes.
+    IQ4_XS: float16 ``d``, uint16 ``scales_h`` (2 high bits of each group's ``ls``), 4 bytes
+    ``scales_l`` (the low 4 bits, two groups a byte, low nibble first), 128 bytes of indices.
+    """
+    d = _f16(blocks, 0).astype(np.float32)
+    if name == "IQ4_NL":
+        return _nibbles(blocks[:, 2:]), d
+    n = blocks.shape[0]
+    high = blocks[:, 2:4].copy().view("<u2")  # (n, 1)
+    low = blocks[:, 4:8]
+    ls = np.stack([low & 15, low >> 4], axis=-1).reshape(n, 8).astype(np.int32)
+    ls |= ((high.astype(np.int32) >> (2 * np.arange(8))) & 3) << 4
+    scale = d[:, None] * (ls - 32).astype(np.float32)  # (n, 8)
+    q = _nibbles(blocks[:, 8:].reshape(n * 8, 16))
+    return q, scale.reshape(-1)
+
+
+def codebook_to_affine(raw: np.ndarray, name: str, rows: int, cols: int) -> Affine:
+    """IQ4_NL/IQ4_XS -> MLX 8-bit group 32: codes ``level + 128``, scale, bias ``-128 scale``
+    (float16; exact for IQ4_NL, IQ4_XS's scales rounded)."""
+    blocks = raw.reshape(-1, TYPES_BY_NAME[name].nbytes)
+    q, scale = _iq4_groups(blocks, name)
+    codes = (IQ4_LEVELS[q] + 128).astype(np.uint8)
+    scale16 = scale.astype(np.float16)
+    return Affine(
+        pack(codes.reshape(rows, cols), 8),
+        scale16.reshape(rows, -1),
+        (scale16 * np.float16(-128)).reshape(rows, -1),
+        8,
+    )
+
+
+# ---------------------------------------------------------------------------
 # any type -> float32, and float32 -> MLX affine
 
 
@@ -324,6 +379,9 @@ def dequantize(raw: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray
         return _q6k_values(blocks).reshape(shape)
     if name == "MXFP4":
         return _mxfp4_values(blocks).reshape(shape)
+    if name in CODEBOOK:
+        q, scale = _iq4_groups(blocks, name)
+        return (scale[:, None] * IQ4_LEVELS[q].astype(np.float32)).reshape(shape)
     raise AssertionError(name)
 
 

@@ -6,8 +6,9 @@ Quantized tensors stay quantized. The exact types become MLX affine groups of
 by default: Q4_K and Q5_K keep their codes (4- and 5-bit groups of 32; only the
 per-group scale and bias round to float16), Q6_K is re-quantized to 8-bit groups
 of 32 (its groups of 16 have no MLX form; 8 bits keep the re-rounding error a
-small fraction of Q6_K's own). ``requantize=(bits, group_size)`` re-quantizes
-every K-quant tensor to that format instead. Either way each K-quant tensor's
+small fraction of Q6_K's own); IQ4_NL and IQ4_XS become 8-bit groups of 32 holding their
+levels (quants.py). ``requantize=(bits, group_size)`` re-quantizes every K-quant and IQ4
+tensor to that format instead. Either way each K-quant tensor's
 loss is measured: how far the stored weights are from the file's (max |error|
 and relative RMS error).
 
@@ -29,23 +30,21 @@ _ROWS_PER_CHUNK_ELEMS = 1 << 22  # K-quant decoding works on ~4M weights at a ti
 
 
 def _convert_kquant(raw: np.ndarray, t: GGUFTensor, requantize: tuple[int, int] | None):
-    """A K-quant matrix -> (Affine, loss), decoded a chunk of rows at a time."""
+    """A K-quant or IQ4 matrix -> (Affine, loss), decoded a chunk of rows at a time."""
     rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]
-    row_bytes = cols // gq.SUPER * gq.TYPES_BY_NAME[t.type_name].nbytes
-    raw = raw.reshape(rows, row_bytes)
-    keep_codes = requantize is None and t.type_name in gq.KQUANT_CODE_BITS
+    block = gq.TYPES_BY_NAME[t.type_name]
+    raw = raw.reshape(rows, cols // block.block * block.nbytes)
+    codebook = t.type_name in gq.CODEBOOK
+    keep_codes = requantize is None and (t.type_name in gq.KQUANT_CODE_BITS or codebook)
     bits, group = requantize or gq.DEFAULT_REQUANT.get(t.type_name, (None, None))
+    keep = gq.codebook_to_affine if codebook else gq.kquant_to_affine
     parts, max_abs, sq_err, sq_ref = [], 0.0, 0.0, 0.0
     step = max(1, _ROWS_PER_CHUNK_ELEMS // cols)
     for r in range(0, rows, step):
         chunk = raw[r : r + step]
         n = chunk.shape[0]
         ref = gq.dequantize(chunk, t.type_name, (n, cols))
-        a = (
-            gq.kquant_to_affine(chunk, t.type_name, n, cols)
-            if keep_codes
-            else gq.requantize(ref, bits, group)
-        )
+        a = keep(chunk, t.type_name, n, cols) if keep_codes else gq.requantize(ref, bits, group)
         err = gq.affine_values(a) - ref
         max_abs = max(max_abs, float(np.abs(err).max()))
         sq_err += float(np.sum(err.astype(np.float64) ** 2))

@@ -6,7 +6,10 @@ Spec:
     whose dequantized values are bit-identical to the reference (no second rounding);
   * K-quants: Q4_K/Q5_K keep their codes (4/5-bit, group 32), Q6_K is re-quantized to
     8-bit group 32; the import reports each tensor's loss, and the loss is what it says;
-  * ``requantize=(bits, group)`` (``convert -q`` on a GGUF) re-quantizes only the K-quants.
+  * IQ4_NL/IQ4_XS are stored as MLX 8-bit group 32 holding their table's levels: IQ4_NL
+    bit-identical, IQ4_XS within its float16 scale rounding (exact when the scales fit);
+  * ``requantize=(bits, group)`` (``convert -q`` on a GGUF) re-quantizes only the K-quants
+    and IQ4 types.
 Files are written with the ``gguf`` package's GGUFWriter; exact types are made with
 ``gguf.quants.quantize``, K-quant blocks (which the package cannot encode) from random
 bytes with sane float16 scales -- any such bytes are a valid block.
@@ -89,6 +92,47 @@ def test_exact_type_maps_onto_mlx_affine_without_rounding(name):
     np.testing.assert_array_equal(gq.affine_values(affine), dequantize(data, T[name]))
 
 
+def iq4_blocks(name: str, rows: int, cols: int, seed: int = 0, power_of_two: bool = False):
+    """Random IQ4 blocks for a (rows, cols) matrix, (rows, bytes per row) uint8: random
+    indices and sub-block scales, float16 ``d`` of plausible size (or a power of two, which
+    makes IQ4_XS's ``d (ls - 32)`` exact in float16)."""
+    rng = np.random.default_rng(seed)
+    t = gq.TYPES_BY_NAME[name]
+    n = rows * cols // t.block
+    blocks = rng.integers(0, 256, size=(n, t.nbytes), dtype=np.uint8)
+    d = 2.0 ** -rng.integers(12, 16, n) if power_of_two else rng.uniform(2e-5, 2e-4, n)
+    blocks[:, 0:2] = np.float16(d).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_decoder_bit_identical_to_gguf_on_arbitrary_blocks(name):
+    blocks = iq4_blocks(name, 8, 512)
+    ref = dequantize(blocks, T[name])
+    ours = gq.dequantize(blocks.reshape(-1), name, ref.shape)
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("name,power_of_two", [("IQ4_NL", False), ("IQ4_XS", True)])
+def test_iq4_maps_onto_mlx_8_bit_without_rounding(name, power_of_two):
+    blocks = iq4_blocks(name, 4, 512, seed=3, power_of_two=power_of_two)
+    affine = gq.codebook_to_affine(blocks.reshape(-1), name, 4, 512)
+    assert (affine.bits, affine.group_size, affine.mode) == (8, 32, "affine")
+    np.testing.assert_array_equal(gq.affine_values(affine), dequantize(blocks, T[name]))
+
+
+def test_iq4_xs_scales_round_only_as_far_as_float16():
+    """Any d: each group's scale d (ls - 32) is rounded once to float16, so every stored
+    weight is within half a float16 ulp (2^-11 relative) of the file's."""
+    blocks = iq4_blocks("IQ4_XS", 4, 512, seed=4)
+    ref = dequantize(blocks, T["IQ4_XS"]).reshape(-1, 32)
+    stored = gq.affine_values(gq.codebook_to_affine(blocks.reshape(-1), "IQ4_XS", 4, 512))
+    err = np.abs(stored.reshape(-1, 32) - ref)
+    bound = np.abs(ref).max(axis=1, keepdims=True) * 2.0**-11
+    assert (err <= bound).all()
+    assert err.max() > 0  # random scales do need more bits than float16 has
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_pack_is_mlx_bit_order(bits):
     codes = np.random.default_rng(bits).integers(0, 2**bits, size=(3, 128))
@@ -146,7 +190,7 @@ KQ_TYPES = {  # a K_M-like mix: K-quants, plus exact types beside them (Q8_0: se
 }
 
 
-def write_kquant_gguf(path) -> dict[str, np.ndarray]:
+def write_kquant_gguf(path, types: dict[str, str] = KQ_TYPES) -> dict[str, np.ndarray]:
     """Returns {GGUF name: the float32 weights the file holds, in HF row order}."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -164,10 +208,12 @@ def write_kquant_gguf(path) -> dict[str, np.ndarray]:
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     reference = {}
-    for name, type_name in KQ_TYPES.items():
+    for name, type_name in types.items():
         rows, cols = SHAPES[name]
         if type_name in KQUANTS:
             data = kquant_blocks(type_name, rows, cols, seed=rows + cols + len(name))
+        elif type_name in gq.CODEBOOK:
+            data = iq4_blocks(type_name, rows, cols, seed=rows + cols + len(name))
         else:
             data = quantize(
                 rng.standard_normal((rows, cols)).astype(np.float32) * 0.02, T[type_name]
@@ -248,6 +294,48 @@ def test_kquant_loss_is_reported_and_true(kquant_model):
     assert len(logs) == 1 and "5 K-quant tensors" in logs[0] and "relative RMS error" in logs[0]
 
 
+IQ4_TYPES = {**KQ_TYPES, "blk.0.attn_q": "IQ4_XS", "blk.0.attn_k": "IQ4_NL"}
+IQ4_TYPES.update({"blk.0.attn_v": "IQ4_NL", "blk.0.ffn_down": "IQ4_XS"})
+
+
+def layer_format(quant: dict, module: str) -> dict:
+    """A module's format in a config's quantization record: its own entry, else the default."""
+    return quant.get(module) or {k: quant[k] for k in ("group_size", "bits", "mode")}
+
+
+def test_iq4_file_imports_as_8_bit_levels_and_requantizes(tmp_path):
+    """A file mixing IQ4_NL/IQ4_XS with other types (what llama.cpp's IQ4_XS recipe writes
+    when rows are not a multiple of 256): the IQ4 tensors land in 8-bit groups of 32 with
+    the file's values (IQ4_NL bit for bit, IQ4_XS within float16 scale rounding, its loss
+    reported), and ``requantize`` re-codes them like K-quants."""
+    reference = write_kquant_gguf(tmp_path / "iq4.gguf", IQ4_TYPES)
+    report = import_gguf(tmp_path / "iq4.gguf", tmp_path / "model")
+    weights = mx.load(str(tmp_path / "model" / "model.safetensors"))
+    quant = json.loads((tmp_path / "model" / "config.json").read_text())["quantization"]
+    iq4 = [n for n, t in IQ4_TYPES.items() if t in gq.CODEBOOK]
+    for name in iq4:
+        assert layer_format(quant, MODULES[name]) == {"group_size": 32, "bits": 8, "mode": "affine"}
+        stored = dequantized(weights, MODULES[name], quant)
+        if IQ4_TYPES[name] == "IQ4_NL":
+            np.testing.assert_array_equal(stored, reference[name], name)
+        else:
+            ref = reference[name].reshape(-1, 32)
+            bound = np.abs(ref).max(axis=1, keepdims=True) * 2.0**-11
+            assert (np.abs(stored.reshape(-1, 32) - ref) <= bound).all(), name
+    assert {k for k, v in report["kquant_loss"].items() if v["type"] in gq.CODEBOOK} == {
+        f"{MODULES[n]}.weight" for n in iq4
+    }
+    from mlxinfer.loading.loader import load_model
+
+    model, _ = load_model(tmp_path / "model", dtype=mx.float32)
+    assert model.layers[0].self_attn.q_proj.bits == 8
+
+    import_gguf(tmp_path / "iq4.gguf", tmp_path / "re", requantize=(4, 64))
+    quant = json.loads((tmp_path / "re" / "config.json").read_text())["quantization"]
+    for name in iq4:
+        assert layer_format(quant, MODULES[name]) == {"group_size": 64, "bits": 4, "mode": "affine"}
+
+
 def test_imported_kquant_model_runs(kquant_model):
     from mlxinfer.loading.loader import load_model
 
@@ -292,7 +380,7 @@ def test_requantize_rejects_unsupported_format(kquant_model, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "ggml_type,name", [(T.Q2_K, "Q2_K"), (T.Q3_K, "Q3_K"), (T.IQ4_NL, "IQ4_NL"), (T.Q8_1, "Q8_1")]
+    "ggml_type,name", [(T.Q2_K, "Q2_K"), (T.Q3_K, "Q3_K"), (T.IQ3_S, "IQ3_S"), (T.Q8_1, "Q8_1")]
 )
 def test_unsupported_type_is_a_one_line_error_naming_it(tmp_path, ggml_type, name):
     from gguf.constants import GGML_QUANT_SIZES
