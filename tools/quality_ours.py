@@ -22,18 +22,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+PEAK_RSS = {}  # output name -> the convert process's peak resident memory, bytes
 
-def run(args: list[str]) -> str:
+
+def run(args: list[str], name: str | None = None) -> str:
+    """Run one command; with ``name``, record its peak resident memory (wait4's rusage is the
+    child's own, Linux reports ru_maxrss in KiB)."""
     print("+", " ".join(args), file=sys.stderr, flush=True)
-    done = subprocess.run(args, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"failed ({done.returncode}): {' '.join(args)}\n{done.stderr[-2000:]}")
-    return done.stdout
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(args, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if child.returncode != 0:
+        sys.exit(f"failed ({child.returncode}): {' '.join(args)}\n{stderr[-2000:]}")
+    if name is not None:
+        PEAK_RSS[name] = usage.ru_maxrss * 1024
+    return stdout
 
 
 def main() -> None:
@@ -53,7 +67,7 @@ def main() -> None:
     timings = {}
     if not first.exists():
         t = time.monotonic()
-        run([*cli, "convert", a.source, "-o", str(first), "-q", "--dtype", "float32"])
+        run([*cli, "convert", a.source, "-o", str(first), "-q", "--dtype", "float32"], first.name)
         timings[first.name] = time.monotonic() - t
     outs = [first]
     saved = ["--plan-from", str(first / "quantization-plan.json")]
@@ -74,7 +88,8 @@ def main() -> None:
                     "--dtype",
                     "float32",
                     *saved,
-                ]
+                ],
+                out.name,
             )
             timings[out.name] = time.monotonic() - t
         outs.append(out)
@@ -95,7 +110,8 @@ def main() -> None:
                     "float32",
                     "--imatrix",
                     str(first / "imatrix.safetensors"),
-                ]
+                ],
+                out.name,
             )
             timings[out.name] = time.monotonic() - t
         outs.append(out)
@@ -106,6 +122,7 @@ def main() -> None:
     start = report.index("{")
     data = json.loads(report[start : report.rindex("}") + 1])
     data["convert_seconds"] = timings
+    data["convert_peak_rss_bytes"] = PEAK_RSS
     for o in outs:
         plan = json.loads((o / "quantization-plan.json").read_text())
         data.setdefault("plans", {})[o.name] = {
