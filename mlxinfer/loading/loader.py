@@ -25,6 +25,7 @@ from ..files.safetensors_check import check_safetensors, index_files, inside
 from ..models import build_model, get_family
 from ..models.base import embedding_rows, language_model_weights
 from ..models.config import read_config
+from ..platform.machine import user_cache_dir
 from ..platform.progress import Progress
 from ..platform.threads import release_at_thread_exit
 from ..quant.transform import apply_quantization, quantization_record
@@ -35,8 +36,29 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.tikt
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+# The model store's layout (mlxinfer/store, which imports loading, so it is defined here):
+# <cache>/store/<org>/<name>/<variant>, lower case; no org is "library", no variant "latest".
+STORE_DIR = "store"
+_STORE_NAME = re.compile(
+    r"^(?:(?P<org>[A-Za-z0-9][A-Za-z0-9_.-]{0,95})/)?(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,95})"
+    r"(?::(?P<variant>[A-Za-z0-9][A-Za-z0-9_.-]{0,63}))?\Z"
+)
+
+
+def store_path(name: str, root: Path | None = None) -> Path | None:
+    """The directory the store keeps the model ``name`` in (``org/name[:variant]``; ``name`` is
+    ``library/name:latest``), whether or not it is there; None when ``name`` is not a store name
+    (``..`` included). ``root``: the cache root, default :func:`user_cache_dir`."""
+    m = _STORE_NAME.match(name)
+    if m is None or ".." in name:
+        return None
+    parts = (m["org"] or "library", m["name"], m["variant"] or "latest")
+    return (root or user_cache_dir()) / STORE_DIR / Path(*(p.lower() for p in parts))
+
+
 def resolve_model_path(path_or_repo: str | os.PathLike, *, revision: str | None = None) -> Path:
-    """A local directory as is; otherwise a Hub repo id, fetched into the HF cache.
+    """A local directory as is; else a model in the store (:func:`store_path`); otherwise a Hub
+    repo id, fetched into the HF cache.
 
     ``HF_HUB_OFFLINE=1`` makes the Hub lookup use only the local cache.
     """
@@ -44,6 +66,9 @@ def resolve_model_path(path_or_repo: str | os.PathLike, *, revision: str | None 
     if path.exists():
         return path
     name = str(path_or_repo)
+    stored = store_path(name)
+    if revision is None and stored is not None and (stored / "config.json").is_file():
+        return stored  # pulled into the store (mlxinfer/store): before the Hub
     if not _REPO_ID.match(name):
         raise ConfigError(
             f"{name}: no such file or directory, and not a Hub repo id (expected 'org/name')"

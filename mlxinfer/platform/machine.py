@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 CACHE_ENV = "MLXINFER_CACHE"
+HOME_ENV = "MLXINFER_HOME"  # another name for it (the model store lives there)
 
 
 def cpu_name() -> str:
@@ -27,9 +28,11 @@ def cpu_name() -> str:
 
 
 def user_cache_dir() -> Path:
-    """``$MLXINFER_CACHE``, else ~/Library/Caches/mlxinfer (macOS) or $XDG_CACHE_HOME/mlxinfer."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
+    """``$MLXINFER_CACHE`` (or its other name ``$MLXINFER_HOME``), else ~/Library/Caches/mlxinfer
+    (macOS) or $XDG_CACHE_HOME/mlxinfer."""
+    for env in (CACHE_ENV, HOME_ENV):
+        if os.environ.get(env):
+            return Path(os.environ[env]).expanduser()
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "mlxinfer"
     xdg = os.environ.get("XDG_CACHE_HOME")
