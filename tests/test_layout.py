@@ -137,6 +137,7 @@ PACKAGE_ORDER = [
     "tokenization",
     "gguf",
     "loading",
+    "store",
     "output",
     "generation",
     "quality",

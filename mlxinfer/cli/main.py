@@ -1,7 +1,7 @@
 """The ``mlxinfer`` command: the group and its commands, each a thin shell over the Python
 API (each option one keyword argument): generate and chat (``generate.py``), convert and
-verify (``convert.py``), perplexity (``quality.py``), serve, bench, and launch
-(``distributed.py``).
+verify (``convert.py``), perplexity (``quality.py``), serve, bench, launch
+(``distributed.py``), and the model store's pull, list, show, rm, cp, ps, stop, run (``store.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from .distributed import launch
 from .generate import chat, generate
 from .quality import perplexity
 from .serve import serve
+from .store import COMMANDS as STORE_COMMANDS
 
 
 @click.group()
@@ -23,7 +24,7 @@ def cli():
     """On-device LLM inference on MLX."""
 
 
-for command in (generate, chat, convert, verify, perplexity, serve, bench, launch):
+for command in (generate, chat, convert, verify, perplexity, serve, bench, launch, *STORE_COMMANDS):
     cli.add_command(command)
 
 
