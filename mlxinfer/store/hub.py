@@ -145,13 +145,20 @@ def needed_files(remote: Remote, variant: str | None) -> tuple[str, list[RemoteF
     tokenizer and processor files."""
     variants = gguf_variants(remote)
     if variants:
-        want = (variant or ("Q4_K_M" if "Q4_K_M" in variants or len(variants) > 1 else "")).upper()
-        if not want:
-            return "gguf", list(variants.values())
+        names = ", ".join(sorted(variants))
+        if variant is not None:
+            want = variant.upper()
+        elif "Q4_K_M" in variants or len(variants) == 1:
+            want = "Q4_K_M" if "Q4_K_M" in variants else next(iter(variants))
+        else:
+            raise StoreError(
+                f"{remote.repo}: several GGUF quants and no Q4_K_M (the default); name one of "
+                f"{names} (as {remote.repo}:{sorted(variants)[0]})"
+            )
         if want not in variants:
             raise StoreError(
-                f"{remote.repo}: no GGUF quant {want!r}; expected one of "
-                f"{', '.join(sorted(variants))} (as {remote.repo}:{sorted(variants)[0]})"
+                f"{remote.repo}: no GGUF quant {want!r}; expected one of {names} "
+                f"(as {remote.repo}:{sorted(variants)[0]})"
             )
         return "gguf", [variants[want]]
     if variant is not None:
@@ -251,9 +258,12 @@ def _fetch(client, remote: Remote, f: RemoteFile, target: Path, url: str, done: 
                 with open(part, "r+b" if have else "wb") as out:
                     out.seek(have)
                     out.truncate()
-                    for chunk in r.iter_bytes(1 << 20):
+                    for (
+                        chunk
+                    ) in r.iter_bytes():  # as it arrives (a sized chunker would hold it back)
                         have += len(chunk)
-                        if have > f.size:
+                        if have > f.size:  # not the file listed: not kept to resume
+                            part.unlink()
                             raise StoreError(
                                 f"{remote.repo}: {f.path}: the Hub sent more than the "
                                 f"{f.size} bytes it listed"

@@ -88,11 +88,6 @@ def pull(
     dst = model.path(root.parent)
     remote = hub.resolve(model.repo, revision, endpoint=endpoint, token=token)
     kind, files = hub.needed_files(remote, model.variant)
-    if len(files) > 1 and kind == "gguf":
-        raise StoreError(
-            f"{model.repo}: several GGUF quants; name one, e.g. {model.repo}:"
-            f"{sorted(hub.gguf_variants(remote))[0]}"
-        )
     wanted = _recipe_record(kind, recipe)
     current = read_source(dst)
     if current is not None and _same(current, remote.commit, wanted, kind):
