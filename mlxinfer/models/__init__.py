@@ -38,6 +38,7 @@ FAMILIES = {
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",
     "glm4_moe": "glm4_moe",
+    "bert": "bert",
 }
 
 

@@ -180,6 +180,8 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
 
 def choose(model: nn.Module, *, log=None) -> dict[str, str | int]:
     """Set the decode plans to what is fastest on this machine for this model; returns them."""
+    if getattr(model, "encoder_only", False):  # no decode step to time (BERT: embeddings only)
+        return {}
     found = plan_layers(model)
     if not any(found.values()) and not attention_layers(model):
         return {}

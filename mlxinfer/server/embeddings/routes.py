@@ -91,7 +91,13 @@ class EmbeddingsRoutes:
         except EmbeddingError as e:
             raise OpenAIError(400, str(e), param="dimensions") from None
         try:
-            rows = encode_inputs(entry.model, entry.tokenizer, ask.inputs, max_inputs=MAX_INPUTS)
+            rows = encode_inputs(
+                entry.model,
+                entry.tokenizer,
+                ask.inputs,
+                max_inputs=MAX_INPUTS,
+                pooling=entry.engine.pooling,  # the checkpoint's max_seq_length, lower-casing
+            )
         except PromptTooLongError as e:
             raise OpenAIError(400, str(e), param="input", code="context_length_exceeded") from None
         except (EmbeddingError, TokenIdError, TokenizerError) as e:
