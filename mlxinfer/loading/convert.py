@@ -52,6 +52,13 @@ SHARD_BYTES = 2 << 30  # 2 GiB per safetensors shard
 
 
 DEFAULT_BPW = 4.5  # -q alone: the measured plan at this size (SmolLM2: see docs/quality.md)
+# -q alone on an encoder (BERT), which has no LM head for a plan to measure: uniform 8-bit. On
+# all-MiniLM-L6-v2, cosine to the float32 vectors of six sentences: 4-bit group 64 0.93-0.97,
+# 6-bit 0.996-0.998, 8-bit 0.9997-0.9999 (tests/real/test_bert_minilm.py checks the 8-bit).
+ENCODER_BITS = 8
+# A sentence-transformers checkpoint's own files (mlxinfer/embeddings reads them), kept as they are.
+EMBEDDING_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+EMBEDDING_MODULES = ("1_Pooling", "2_Normalize")  # the module folders' config.json
 
 
 def convert(
@@ -106,6 +113,7 @@ def convert(
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ConfigError(existing_output_error(dst))
     planned = bpw is not None or max_bytes is not None or recipe is not None
+    bare_q = False  # -q alone: a plan for a decoder, uniform for an encoder (below)
     uniform = bits is not None or group_size is not None
     if planned and uniform:
         raise ConfigError(
@@ -119,7 +127,7 @@ def convert(
     gguf = str(src).endswith(".gguf")
     if quantize and not uniform and not planned and not (gguf and dtype is None):
         # -q alone: the measured plan. A GGUF without --dtype keeps its own grids instead (below).
-        bpw, planned = DEFAULT_BPW, True
+        bpw, planned, bare_q = DEFAULT_BPW, True, True
     extras = tensor_bits or calibration is not None or imatrix is not None or plan_from is not None
     if extras and not planned:
         raise ConfigError(
@@ -171,6 +179,14 @@ def convert(
     config = read_config(src_dir)
     source = src_dir / "config.json"
     family = get_family(config, str(source))
+    if settings is not None and "bits" not in settings and getattr(family.Model, "encoder_only", 0):
+        if not (bare_q and not extras):
+            raise ConfigError(
+                f"{source}: a mixed plan measures each tensor on the LM head's output, and "
+                f"model_type '{config.get('model_type')}' is an encoder without one: "
+                f"use -q alone ({ENCODER_BITS}-bit) or --bits"
+            )
+        settings = dict(bits=ENCODER_BITS, group_size=64, rounding=rounding or "minmax")
     model = build_model(config, str(source))
     target = _target_dtype(config, dtype, source)
     from ..tokenization import Tokenizer
@@ -233,6 +249,10 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, default=str))
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):
             if (src_dir / name).is_file():
+                shutil.copy2(src_dir / name, tmp / name)
+        for name in EMBEDDING_FILES + tuple(f"{d}/config.json" for d in EMBEDDING_MODULES):
+            if (src_dir / "modules.json").is_file() and (src_dir / name).is_file():
+                (tmp / name).parent.mkdir(exist_ok=True)
                 shutil.copy2(src_dir / name, tmp / name)
         if plan is not None:
             (tmp / PLAN_NAME).write_text(json.dumps(plan.record(), indent=1))
