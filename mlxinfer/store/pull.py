@@ -86,10 +86,13 @@ def pull(
     report = progress or quiet
     root = store_root(cache_dir)
     dst = model.path(root.parent)
+    current = read_source(dst)
+    if current is not None and _offline():  # the Hub cannot say otherwise: keep what is there
+        say(f"{model}: in the store ({current.get('commit', '?')[:12]}); HF_HUB_OFFLINE is set")
+        return {**current, "path": str(dst), "status": "up to date"}
     remote = hub.resolve(model.repo, revision, endpoint=endpoint, token=token)
     kind, files = hub.needed_files(remote, model.variant)
     wanted = _recipe_record(kind, recipe)
-    current = read_source(dst)
     if current is not None and _same(current, remote.commit, wanted, kind):
         try:
             check_sizes(dst)
@@ -139,6 +142,12 @@ def pull(
             shutil.rmtree(source.parent, ignore_errors=True)
     say(f"{model}: pulled {remote.repo}@{remote.commit[:12]} into {dst}")
     return {**read_source(dst), "path": str(dst), "status": "pulled"}
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _recipe_record(kind: str, recipe: dict[str, Any]) -> dict[str, Any]:

@@ -158,3 +158,55 @@ def test_a_pull_killed_mid_download_resumes_where_it_stopped(hub, tmp_path):
     assert verify(record["path"]).ok
     next_part = list((store.store_root() / ".downloads").rglob("*.part"))
     assert next_part == []
+
+
+def test_an_mlx_format_repo_is_kept_as_published(hub, sources, tmp_path):
+    from fake_hub import Repo
+
+    published = tmp_path / "published"
+    convert(sources[0] / "hf", published, **RECIPE)
+    files = {p.name: p.read_bytes() for p in published.iterdir() if p.is_file()}
+    hub.repos["mlx-community/tiny-4bit"] = Repo(files)
+    record = store.pull("mlx-community/tiny-4bit", endpoint=hub.url)  # the default recipe: unused
+    assert record["kind"] == "mlx" and record["recipe"] == {"mlx": "kept as published"}
+    path = Path(record["path"])
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (path / name).read_bytes() == files[name]
+    assert store.pull("mlx-community/tiny-4bit", endpoint=hub.url)["status"] == "up to date"
+
+
+def test_pull_when_offline_keeps_what_the_store_has_and_refuses_what_it_lacks(hub, monkeypatch):
+    from huggingface_hub import constants
+
+    store.pull("org/tiny", recipe=RECIPE, endpoint=hub.url)
+    hub.requests.clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert store.pull("org/tiny", recipe=RECIPE, endpoint=hub.url)["status"] == "up to date"
+    with pytest.raises(store.StoreError, match="HF_HUB_OFFLINE is set; pull needs the Hub"):
+        store.pull("org/tiny-GGUF:Q8_0", endpoint=hub.url)
+    assert hub.requests == []
+
+
+def test_run_pulls_a_missing_model_then_chats(hub, tmp_path):
+    env = {**os.environ, "HF_ENDPOINT": hub.url}  # read when huggingface_hub is imported
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxinfer", "run", "org/tiny-GGUF:Q8_0", "-n", "3"],
+        input="hello\n/exit\n", capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert store.parse_name("org/tiny-GGUF:Q8_0").path().is_dir()
+    assert ">> " in proc.stdout + proc.stderr  # chat's prompt: it ran
+    assert len(hub.gets(".gguf")) == 1
+    again = subprocess.run(
+        [sys.executable, "-m", "mlxinfer", "run", "org/tiny-GGUF:Q8_0", "-n", "3"],
+        input="/exit\n", capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 0 and len(hub.gets(".gguf")) == 1  # the store's copy, no pull
+
+
+def test_mlxinfer_home_is_another_name_for_the_cache_root(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLXINFER_CACHE")
+    monkeypatch.setenv("MLXINFER_HOME", str(tmp_path / "home"))
+    assert store.store_root() == tmp_path / "home" / "store"
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path / "cache"))  # the first name wins
+    assert store.store_root() == tmp_path / "cache" / "store"
