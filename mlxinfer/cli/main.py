@@ -1,6 +1,6 @@
 """The ``mlxinfer`` command: the group and its commands, each a thin shell over the Python
 API (each option one keyword argument): generate and chat (``generate.py``), convert and
-verify (``convert.py``), perplexity (``quality.py``), serve, bench, launch
+verify (``convert.py``), perplexity (``quality.py``), embed, serve, bench, launch
 (``distributed.py``), and the model store's pull, list, show, rm, cp, ps, stop, run (``store.py``).
 """
 
@@ -12,6 +12,7 @@ from ..platform.blas import preload_openblas
 from .bench import bench
 from .convert import convert, verify
 from .distributed import launch
+from .embed import embed
 from .generate import chat, generate
 from .quality import perplexity
 from .serve import serve
@@ -24,7 +25,18 @@ def cli():
     """On-device LLM inference on MLX."""
 
 
-for command in (generate, chat, convert, verify, perplexity, serve, bench, launch, *STORE_COMMANDS):
+for command in (
+    generate,
+    chat,
+    convert,
+    verify,
+    perplexity,
+    serve,
+    bench,
+    embed,
+    launch,
+    *STORE_COMMANDS,
+):
     cli.add_command(command)
 
 
