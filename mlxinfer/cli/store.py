@@ -97,7 +97,7 @@ def list_models(as_json, store_only):
     if as_json:
         click.echo(json.dumps(found, indent=1))
         return
-    rows = [["NAME", "FAMILY", "PARAMS", "BPW", "CONTEXT", "SIZE", "SOURCE", "MODIFIED"]]
+    rows = [["NAME", "FAMILY", "PARAMS", "BPW", "CONTEXT", "SIZE", "SOURCE", "AGE"]]
     for e in found:
         bpw = e.get("bits_per_weight")
         rows.append([e["name"], e.get("family") or "-", _count(e.get("parameters")),

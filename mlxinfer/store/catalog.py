@@ -7,25 +7,31 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import MlxInferError
-from ..files.atomic import discard_dir, fsync_path, scratch_dir, write_text
+from ..files.atomic import discard_dir, fsync_path, scratch_dir
 from ..files.manifest import (
-    FORMAT,
     MANIFEST_NAME,
-    VERSION,
     check_sizes,
     read_manifest,
-    sha256_file,
     verify,
 )
 from ..files.safetensors_check import read_header
 from ..loading import memory
-from .layout import SOURCE_NAME, inside_store, read_source, require, store_root, stored_models
-from .names import LATEST, StoreError, parse_name
+from .layout import (
+    SOURCE_NAME,
+    inside_store,
+    read_source,
+    require,
+    store_root,
+    stored_models,
+    write_source,
+)
+from .names import StoreError, parse_name
 from .others import other_models
 from .servers import holds
 
@@ -276,24 +282,12 @@ def copy(src: str, dst: str, *, cache_dir: Path | None = None) -> Path:
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(file, out / rel)
-            except OSError:
-                import shutil
-
+            except OSError:  # another file system, or no hard links: a copy
                 shutil.copyfile(file, out / rel)
         record = {k: v for k, v in (read_source(src_dir) or {}).items() if k != "format"}
-        record.update(name=str(target) if target.variant else f"{target.repo}:{LATEST}",
-                      copied_from=str(source), copied_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))  # fmt: skip
-        from .layout import write_source
-
-        write_source(out, record)
-        if listed is not None:  # the source's entries as they are (no rehashing); the record's new
-            rec = out / SOURCE_NAME
-            files = {
-                **listed,
-                SOURCE_NAME: {"size": rec.stat().st_size, "sha256": sha256_file(rec)},
-            }
-            manifest = {"format": FORMAT, "version": VERSION, "files": files}
-            write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        record.update(name=str(target), copied_from=str(source), copied_at=now)
+        write_source(out, record, listed)
         dst_dir.parent.mkdir(parents=True, exist_ok=True)
         os.replace(out, dst_dir)
         fsync_path(dst_dir.parent)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files.atomic import write_text
+from ..files.manifest import FORMAT, MANIFEST_NAME, VERSION, sha256_file, write_manifest
 from ..loading.loader import STORE_DIR
 from ..platform.machine import user_cache_dir
 from .names import ModelName, StoreError
@@ -56,8 +57,17 @@ def read_source(model_dir: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and record.get("format") == SOURCE_FORMAT else None
 
 
-def write_source(model_dir: Path, record: dict[str, Any]) -> None:
+def write_source(model_dir: Path, record: dict[str, Any], listed: dict | None = None) -> None:
+    """Write the source record, and the manifest: ``listed`` (the other files' entries, as
+    ``read_manifest`` gives them: not hashed again) plus the record's, else every file hashed."""
     write_text(model_dir / SOURCE_NAME, json.dumps({"format": SOURCE_FORMAT, **record}, indent=1))
+    if listed is None:
+        write_manifest(model_dir)
+        return
+    rec = model_dir / SOURCE_NAME
+    files = {**listed, SOURCE_NAME: {"size": rec.stat().st_size, "sha256": sha256_file(rec)}}
+    manifest = {"format": FORMAT, "version": VERSION, "files": files}
+    write_text(model_dir / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
 
 
 def stored_models(root: Path) -> list[Path]:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 from ..errors import MlxInferError
 from ..files.atomic import discard_dir, fsync_path, scratch_dir
-from ..files.manifest import check_sizes, write_manifest
+from ..files.manifest import check_sizes, read_manifest
 from ..loading.convert import DEFAULT_BPW, convert
 from ..loading.memory import size_text
 from ..platform.progress import Progress, quiet
@@ -134,9 +134,7 @@ def pull(
                 "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             record["bytes"] = _bytes(out)
-            write_source(out, record)
-            write_manifest(out)
-            fsync_path(out / "mlxinfer-manifest.json")
+            write_source(out, record, read_manifest(out))  # convert's manifest, plus the record
             _place(out, dst)
         if not keep_source:
             shutil.rmtree(source.parent, ignore_errors=True)
