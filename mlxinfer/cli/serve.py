@@ -24,6 +24,8 @@ from .options import (
     model_option,
 )
 
+OLLAMA_ADDRESS = ("127.0.0.1", 11434)  # where Ollama listens, and its apps look by default
+
 
 def agent_options(fn):
     """What serving coding agents needs: a chat template for a model without one, the model
@@ -139,6 +141,12 @@ def agent_options(fn):
     help="Seconds a --models-dir model stays loaded while idle.",
 )
 @click.option(
+    "--ollama",
+    is_flag=True,
+    help="Also listen on 127.0.0.1:11434, Ollama's address, for apps that only find Ollama "
+    "there (Ollama's API is served on --port either way, under /api).",
+)
+@click.option(
     "--cors-origin",
     "cors_origins",
     multiple=True,
@@ -164,6 +172,7 @@ def serve(
     draft_model,
     models_dir,
     keep_alive,
+    ollama,
     cors_origins,
     verbose,
     force,
@@ -178,7 +187,7 @@ def serve(
     setting,
     **limits,
 ):
-    """Serve the model over an OpenAI-compatible HTTP API (docs/server.md)."""
+    """Serve the model over OpenAI's, Anthropic's and Ollama's HTTP APIs (docs/server.md)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -224,7 +233,11 @@ def serve(
     }
     served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)
     if getattr(getattr(llm, "ranks", None), "first", True):  # across ranks: rank 0 serves
-        _log(f"serving {served} on http://{host}:{port} (OpenAI and Anthropic APIs under /v1)")
+        _log(
+            f"serving {served} on http://{host}:{port} (OpenAI and Anthropic APIs under /v1, "
+            "Ollama's under /api)"
+            + (f", and on http://{OLLAMA_ADDRESS[0]}:{OLLAMA_ADDRESS[1]}" if ollama else "")
+        )
     run(
         llm,
         tokenizer,
@@ -236,6 +249,7 @@ def serve(
         models_dir=Path(models_dir) if models_dir else None,
         keep_alive=keep_alive if models_dir else None,
         cors_origins=list(cors_origins),
+        **({"also": [OLLAMA_ADDRESS]} if ollama else {}),
         **options,
         **{k: v for k, v in agent.items() if v is not None},
         **{k: v for k, v in limits.items() if v is not None},  # None: the server's defaults

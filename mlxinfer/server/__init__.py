@@ -2,8 +2,8 @@
 
 FastAPI and uvicorn (``pip install 'mlxinfer[server]'``). Routes: ``/health`` (is the
 engine thread alive), ``/metrics`` (Prometheus), ``/v1/models``, ``/v1/chat/completions``,
-``/v1/completions`` (``openai``) and ``/v1/messages`` (``anthropic``), streamed as
-server-sent events or not. docs/server.md says what is supported; ``limits`` what a request
+``/v1/completions`` (``openai``), ``/v1/messages`` (``anthropic``), streamed as
+server-sent events or not, and Ollama's ``/api/`` (``ollama``). docs/server.md says what is supported; ``limits`` what a request
 may be.
 """
 
@@ -26,12 +26,14 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     allowed_hosts: list[str] | None = None,
+    also: list[tuple[str, int]] = (),
     **options,
 ) -> None:
     """Serve until interrupted (SIGINT or SIGTERM: in-flight requests are cancelled and the
     process ends within seconds). Bound to a loopback address, only requests naming this
     machine in ``Host`` are answered, unless ``allowed_hosts`` names more; bound to another
-    address, any host is (``allowed_hosts`` defaults to ``["*"]``)."""
+    address, any host is (``allowed_hosts`` defaults to ``["*"]``). ``also``: more
+    ``(host, port)`` listeners for the same app (``serve --ollama``: Ollama's 127.0.0.1:11434)."""
     from ..distributed import serving
     from .limits import is_loopback
     from .run import server
@@ -47,4 +49,4 @@ def serve(
     app = make_app(model, tokenizer, name, allowed_hosts=allowed_hosts, **options)
     if serving.across_ranks(model):
         serving.lead(model, app)
-    server(app, host, port).run()
+    server(app, host, port, also=also).run()

@@ -26,12 +26,14 @@ from .embeddings.routes import EmbeddingsRoutes, add_embedding_model
 from .limits import Guard, Limits, Work
 from .metrics import add_status
 from .models import Models
+from .ollama.request import OllamaError
+from .ollama.routes import OllamaRoutes
 from .openai.request import OpenAIError
 from .openai.routes import OpenAIRoutes
 from .page import add_page
 from .responses.routes import ResponsesRoutes
 from .routes import Routes
-from .shapes import error_response
+from .shapes import error_response, is_ollama
 from .templating import templated
 
 ANTHROPIC_HEADERS = ["anthropic-version", "anthropic-beta"]  # the beta values: accepted, ignored
@@ -116,7 +118,7 @@ def make_app(
     app.state.limits = limits
     app.state.work = work = Work(limits.max_queue, lambda: _running(registry))
     app.state.stopping = False  # set by a SIGTERM (``serve``): requests then fail with a 503
-    add_page(app)
+    add_page(app, other=OllamaRoutes.root)  # "Ollama is running" to clients not asking for HTML
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -135,6 +137,10 @@ def make_app(
     async def anthropic_error(request: Request, e: AnthropicError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(OllamaError)
+    async def ollama_error(request: Request, e: OllamaError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown routes, methods
         return error_response(request.url.path, e.status_code, str(e.detail), None, e.headers)
@@ -147,6 +153,11 @@ def make_app(
     @app.middleware("http")
     async def authorize(request: Request, call_next):
         path = request.url.path
+        if api_key is not None and is_ollama(path) and path != "/api/version":
+            # Ollama's clients send "Authorization: Bearer KEY" (OLLAMA_API_KEY).
+            given = request.headers.get("authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(given.encode(), api_key.encode()):
+                return JSONResponse(OllamaError(401, "unauthorized: invalid API key").body(), 401)
         if api_key is not None and path.startswith("/v1/"):
             # OpenAI clients send "Authorization: Bearer KEY"; Anthropic's send "x-api-key: KEY".
             bearer = request.headers.get("authorization", "").removeprefix("Bearer ")
@@ -166,6 +177,7 @@ def make_app(
     routes = Routes(app, aliases, draft, checked, max_output_tokens)
     for api in (OpenAIRoutes, AnthropicRoutes, EmbeddingsRoutes, ResponsesRoutes):
         api(routes).add_to(app)  # each API's folder: /v1/models, /v1/chat/completions ...
+    OllamaRoutes(routes, chat_template).add_to(app)  # /api/tags, /api/chat ...
     app.add_middleware(Guard, limits=limits)  # added last: the outermost, before CORS and keys
     return app
 

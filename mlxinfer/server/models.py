@@ -174,6 +174,21 @@ class Models:
                     gone.append(entry.name)
         return gone
 
+    def unload(self, name: str) -> bool:
+        """Unload ``name`` now if it came from the models directory and runs nothing (Ollama's
+        ``keep_alive: 0``); a busy one is unloaded by the reaper once idle. Whether it is
+        unloaded now."""
+        with self._lock:
+            entry = self.entries.get(name)
+            if entry is None or entry.path is None or entry.engine is None:
+                return False
+            if not _idle(entry.engine):
+                entry.last_used = float("-inf")  # the reaper's first pick once idle
+                return False
+            entry.engine.close()
+            entry.engine = entry.model = entry.tokenizer = None
+            return True
+
     def _reap_loop(self, period: float) -> None:
         while not self._closed.wait(period):
             self.reap()

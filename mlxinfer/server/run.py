@@ -14,6 +14,14 @@ import uvicorn
 
 
 class Server(uvicorn.Server):
+    also: list[tuple[str, int]] = []  # more (host, port) listeners
+
+    def run(self, sockets=None) -> None:
+        if self.also and sockets is None:  # every listener bound here, then served together
+            configs = [self.config] + [_same(self.config, h, p) for h, p in self.also]
+            sockets = [c.bind_socket() for c in configs]
+        super().run(sockets=sockets)
+
     async def shutdown(self, sockets=None) -> None:
         app = self.config.app
         app.state.stopping = True  # requests arriving now get a 503
@@ -23,9 +31,12 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def server(app, host: str, port: int, log_level: str = "info") -> Server:
+def server(
+    app, host: str, port: int, log_level: str = "info", also: list[tuple[str, int]] = ()
+) -> Server:
     """A uvicorn server for ``app`` (from ``make_app``): h11, whose parser bounds a request's
-    head (``Limits.h11_limit``), and the shutdown above."""
+    head (``Limits.h11_limit``), and the shutdown above; ``also``: more ``(host, port)`` to
+    listen on."""
     limits = app.state.limits
     config = uvicorn.Config(
         app,
@@ -36,4 +47,11 @@ def server(app, host: str, port: int, log_level: str = "info") -> Server:
         h11_max_incomplete_event_size=limits.h11_limit,
         timeout_graceful_shutdown=limits.shutdown_timeout,
     )
-    return Server(config)
+    out = Server(config)
+    out.also = [(h, p) for h, p in also if (h, p) != (host, port)]
+    return out
+
+
+def _same(config: uvicorn.Config, host: str, port: int) -> uvicorn.Config:
+    """``config`` for another address (only its socket is used)."""
+    return uvicorn.Config(config.app, host=host, port=port, log_level=config.log_level)

@@ -2,8 +2,8 @@
 refusals (``limits``), unknown routes, unexpected exceptions.
 
 ``/v1/messages`` (and below) is Anthropic's API, ``{"type": "error", "error": {"type",
-"message"}}``; every other path answers in OpenAI's, ``{"error": {"message", "type", "param",
-"code"}}``.
+"message"}}``; ``/api/`` is Ollama's, ``{"error": "message"}``; every other path answers in
+OpenAI's, ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 from .anthropic.request import AnthropicError
+from .ollama.request import OllamaError
 from .openai.request import OpenAIError
 
 
@@ -18,7 +19,13 @@ def is_anthropic(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+def is_ollama(path: str) -> bool:
+    return path == "/api" or path.startswith("/api/")
+
+
 def error_body(path: str, status: int, message: str, code: str | None = None) -> dict:
+    if is_ollama(path):
+        return OllamaError(status, message).body()
     if is_anthropic(path):
         return AnthropicError(status, message).body()
     kind = "server_error" if status >= 500 else "invalid_request_error"

@@ -189,7 +189,8 @@ def test_the_page_is_served_with_a_policy_that_runs_only_its_own_script(page_ser
     import httpx
 
     url, _ = page_server
-    r = httpx.get(url, timeout=10)
+    # A browser's Accept (a client that does not ask for HTML gets Ollama's "Ollama is running")
+    r = httpx.get(url, headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}, timeout=10)
     assert r.status_code == 200 and "static/chat.js" in r.text
     policy = r.headers["content-security-policy"]
     assert "script-src 'self'" in policy and "default-src 'none'" in policy

@@ -1,0 +1,512 @@
+"""Ollama's API: what a ``/api/chat``, ``/api/generate``, ``/api/embed`` or ``/api/show`` body
+asks for, checked (the JSON sent back is :mod:`.objects`).
+
+Fields follow the server's rule (``fields``, docs/server.md "Fields"), in the body and in its
+``options``: those acted on are checked (a malformed value is a 400 naming it); those with no
+local meaning (``IGNORED_OPTIONS``: threads, GPU layers, mmap ...) and unknown ones are accepted,
+ignored and logged once; those that would change the output and cannot be honoured
+(``REFUSED``) are a 400 unless their value asks for nothing.
+
+The official client sends ``"tools": []`` on every plain chat and drops empty fields: an
+assistant turn with calls and no ``content``, calls without ids, tool results as role ``tool``
+with ``tool_name``. Calls without ids get ids here, the same for the same conversation (so
+that the prefix cache still matches the next turn), and a tool result without a
+``tool_call_id`` answers the earliest call not answered yet.
+Errors take Ollama's shape: ``{"error": "message"}``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import MlxInferError
+from ...generation.sampling import SamplingParams
+from ..fields import Fields
+from ..quoting import named, shown
+
+USED_CHAT = {"model", "messages", "tools", "stream", "format", "options", "keep_alive", "think"}
+USED_GENERATE = {"model", "prompt", "system", "raw", "images", "stream", "format", "options"}
+USED_GENERATE |= {"keep_alive", "think"}
+REFUSED = {
+    "logprobs": "not supported on Ollama's API here (the OpenAI route has them)",
+    "top_logprobs": "not supported on Ollama's API here (the OpenAI route has them)",
+    "suffix": "not supported (no insertion)",
+    "template": "not supported: the model's own chat template is used (serve --chat-template)",
+    "context": "not supported (deprecated by Ollama): send the conversation to /api/chat",
+    "width": "not supported (no image generation)",
+    "height": "not supported (no image generation)",
+    "steps": "not supported (no image generation)",
+}
+CHAT = Fields.of("/api/chat", USED_CHAT, (), REFUSED)
+GENERATE = Fields.of("/api/generate", USED_GENERATE, (), REFUSED)
+EMBED = Fields.of(
+    "/api/embed",
+    {"model", "input", "truncate", "dimensions", "prompt"},
+    {"options", "keep_alive"},
+)
+SAMPLING_OPTIONS = {"temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty"}
+USED_OPTIONS = SAMPLING_OPTIONS | {"stop", "num_predict", "num_ctx", "repeat_last_n"}
+# Known, with no local meaning here (how llama.cpp loads and runs): accepted and ignored.
+IGNORED_OPTIONS = {
+    "numa",
+    "num_batch",
+    "num_gpu",
+    "main_gpu",
+    "low_vram",
+    "f16_kv",
+    "logits_all",
+    "vocab_only",
+    "use_mmap",
+    "use_mlock",
+    "embedding_only",
+    "num_thread",
+    "num_keep",  # what llama.cpp keeps when it shifts the context: nothing is shifted here
+    "penalize_newline",
+    "mirostat_tau",  # only with mirostat, which is refused
+    "mirostat_eta",
+}
+REFUSED_OPTIONS = {
+    "presence_penalty": "not supported (only 0)",
+    "frequency_penalty": "not supported (only 0)",
+    "mirostat": "not supported (only 0)",
+    "typical_p": "not supported (only 1)",
+    "tfs_z": "not supported (only 1)",
+}
+OPTIONS = Fields.of(
+    "/api options",
+    USED_OPTIONS,
+    IGNORED_OPTIONS,
+    REFUSED_OPTIONS,
+    {"typical_p": (1, 1.0), "tfs_z": (1, 1.0)},
+)
+# Ollama's own defaults (api/types.go DefaultOptions), which its clients are tuned for; its
+# default repeat penalty is not applied (the OpenAI route has none either).
+DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P = 0.8, 40, 0.9
+DEFAULT_REPEAT_LAST_N = 64
+MAX_INT = 2**31 - 1  # num_predict, num_ctx, top_k: past any context or vocabulary
+MAX_SEED = 2**63 - 1
+MAX_STOP = 64  # stop strings per request
+ROLES = ("system", "user", "assistant", "tool")
+THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's reasoning_effort
+FOREVER = math.inf
+# Go's time.ParseDuration units, as Ollama reads keep_alive strings ("5m", "1h30m", "-1s")
+DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+class OllamaError(MlxInferError):
+    """An error in Ollama's shape, ``{"error": message}``, with its HTTP status."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+
+    def body(self) -> dict:
+        return {"error": self.message}
+
+
+@dataclass
+class OllamaRequest:
+    """A checked ``/api/chat`` or ``/api/generate`` body: what ``Routes.start`` reads (the
+    prompt, ``max_tokens``, ``sampling``, ``stop``, ``stream``, ``constraint``, ``tools``,
+    ``tool_choice``, ``template_kwargs``) and Ollama's own (``num_ctx``, ``think``,
+    ``keep_alive``)."""
+
+    model: str
+    chat: bool  # /api/chat (a ``message`` per chunk) or /api/generate (a ``response``)
+    prompt: Any  # messages for the chat template, or the raw text (generate's ``raw``)
+    templated: bool  # whether the prompt goes through the chat template
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = True  # Ollama streams unless told not to
+    num_ctx: int | None = None  # the prompt and the reply within this many tokens
+    constraint: Any = None  # ``format``: a Constraint, or None
+    tools: list[dict] | None = None  # OpenAI's shape, for the chat template
+    tool_choice: Any = None
+    template_kwargs: dict = field(default_factory=dict)
+    think: bool | str | None = None
+    keep_alive: float | None = None  # seconds; FOREVER for a negative one; None: the server's
+    started: float = field(default_factory=time.perf_counter)  # for total_duration
+    created: float = field(default_factory=time.time)  # created_at
+
+    @property
+    def empty(self) -> bool:
+        """No prompt at all: a request to load the model (or with ``keep_alive`` 0 to unload
+        it), as Ollama's clients preload and stop models."""
+        return not self.prompt
+
+
+def parse_chat(body: Any) -> OllamaRequest:
+    """Check an ``/api/chat`` body; OllamaError (400) naming the first bad field."""
+    body = _object(body)
+    _screen(CHAT, body)
+    messages = body.get("messages")
+    if messages is None:
+        messages = []
+    ask = _common(body, chat=True, prompt=_messages(messages), templated=True)
+    tools = body.get("tools")
+    if tools:  # the official client sends [] on every plain chat
+        from ...output.toolcalls import check_tools
+
+        try:
+            ask.tools, ask.tool_choice = check_tools(tools), "auto"
+        except ValueError as e:
+            raise OllamaError(400, str(e)) from None
+    elif tools is not None and tools != []:
+        raise OllamaError(400, f"tools: expected a list of tools, found {shown(tools)}")
+    return ask
+
+
+def parse_generate(body: Any) -> OllamaRequest:
+    """Check an ``/api/generate`` body: without ``raw`` its ``prompt`` is one user turn (after
+    its ``system``, if any) through the chat template; with ``raw`` the text as it is."""
+    body = _object(body)
+    _screen(GENERATE, body)
+    prompt = _typed(body, "prompt", str, "")
+    system = _typed(body, "system", str, "")
+    raw = _typed(body, "raw", bool, False)
+    _no_images(body.get("images"), "images")
+    if raw:
+        if system:
+            raise OllamaError(400, "system: not used with raw (the prompt is sent as it is)")
+        return _common(body, chat=False, prompt=prompt, templated=False)
+    turns = [{"role": "system", "content": system}] if system else []
+    turns = turns + [{"role": "user", "content": prompt}] if prompt else []
+    return _common(body, chat=False, prompt=turns, templated=True)
+
+
+def parse_model(body: Any, *names: str) -> str:
+    """The model a body names (``/api/show``, ``/api/delete``: ``model``, or the older
+    ``name``)."""
+    body = _object(body)
+    for name in names or ("model", "name"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise OllamaError(400, f"{name}: expected a model name, found {shown(value)}")
+            return value
+    raise OllamaError(400, f"{names[0] if names else 'model'}: required")
+
+
+@dataclass
+class EmbedRequest:
+    model: str
+    inputs: list[str]
+    truncate: bool = True  # Ollama's default: an input past the context is cut to it
+    dimensions: int | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+def parse_embed(body: Any, *, legacy: bool = False) -> EmbedRequest:
+    """An ``/api/embed`` body (``input``: a string or a list of strings), or with ``legacy``
+    an ``/api/embeddings`` one (``prompt``: one string)."""
+    body = _object(body)
+    EMBED.screen(body)
+    model = parse_model(body, "model")
+    if legacy:
+        prompt = _typed(body, "prompt", str, None)
+        if prompt is None:
+            raise OllamaError(400, "prompt: required (a string to embed)")
+        return EmbedRequest(model, [prompt])
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not (isinstance(inputs, list) and inputs and all(isinstance(s, str) for s in inputs)):
+        raise OllamaError(
+            400, f"input: expected a string or a non-empty list of strings, found {shown(inputs)}"
+        )
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (
+        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions <= 0
+    ):
+        raise OllamaError(
+            400, f"dimensions: expected a positive integer, found {shown(dimensions)}"
+        )
+    return EmbedRequest(model, inputs, _typed(body, "truncate", bool, True), dimensions)
+
+
+def parse_keep_alive(value: Any) -> float | None:
+    """``keep_alive`` in seconds: a number of seconds, or a Go duration ("5m", "1h30m", "0",
+    "-1"); a negative one keeps the model loaded (FOREVER); None when not given."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        text = text.lstrip("+-")
+        try:
+            seconds = float(text)  # a bare number: seconds
+        except ValueError:
+            parts = DURATION.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise OllamaError(
+                    400,
+                    f"keep_alive: expected seconds or a duration such as '5m' or '1h30m', "
+                    f"found {shown(value)}",
+                ) from None
+            seconds = sum(float(n) * DURATION_UNITS[u] for n, u in parts)
+        seconds *= sign
+    else:
+        raise OllamaError(400, f"keep_alive: expected seconds or a duration, found {shown(value)}")
+    return FOREVER if seconds < 0 else seconds
+
+
+# --- the parts ---------------------------------------------------------------------------------
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise OllamaError(400, f"the request body must be a JSON object, found {_kind(body)}")
+    return body
+
+
+def _screen(fields: Fields, body: dict) -> None:
+    refusal = fields.screen(body)
+    if refusal is not None:
+        raise OllamaError(400, refusal.message)
+
+
+def _common(body: dict, *, chat: bool, prompt: Any, templated: bool) -> OllamaRequest:
+    """What chat and generate share: the model, stream, options, format, think, keep_alive."""
+    model = parse_model(body, "model")
+    options = body.get("options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise OllamaError(400, f"options: expected an object, found {_kind(options)}")
+    refusal = OPTIONS.screen(options)
+    if refusal is not None:
+        raise OllamaError(400, f"options.{refusal.message}")
+    num_predict = _option_int(options, "num_predict", -1, -2, MAX_INT)
+    num_ctx = _option_int(options, "num_ctx", None, 1, MAX_INT)
+    ask = OllamaRequest(
+        model,
+        chat,
+        prompt,
+        templated,
+        MAX_INT if num_predict < 0 else num_predict,  # -1, -2: until the context is full
+        _sampling(options),
+        _stop(options.get("stop")),
+        stream=_typed(body, "stream", bool, True),
+        num_ctx=num_ctx,
+        constraint=_format(body.get("format")),
+        keep_alive=parse_keep_alive(body.get("keep_alive")),
+    )
+    think = body.get("think")
+    if think is not None:
+        if not isinstance(think, bool) and think not in THINK_LEVELS:
+            raise OllamaError(
+                400, f"think: expected true, false, 'low', 'medium' or 'high', found {shown(think)}"
+            )
+        ask.think = think
+        ask.template_kwargs = {"enable_thinking": think is not False}  # Qwen3's, SmolLM3's ...
+        if isinstance(think, str):
+            ask.template_kwargs["reasoning_effort"] = think  # gpt-oss's
+    return ask
+
+
+def _sampling(options: dict) -> SamplingParams:
+    seed = _option_int(options, "seed", None, -MAX_SEED, MAX_SEED)
+    penalty = _option_number(options, "repeat_penalty", None, 0.0, 100.0, above=True)
+    last_n = _option_int(options, "repeat_last_n", DEFAULT_REPEAT_LAST_N, -1, MAX_INT)
+    if penalty == 1.0 or last_n == 0:  # 1: no penalty; 0 tokens looked at: none either
+        penalty = None
+    sampling = SamplingParams(
+        temperature=_option_number(options, "temperature", DEFAULT_TEMPERATURE, 0.0, 100.0),
+        top_k=_option_int(options, "top_k", DEFAULT_TOP_K, 0, MAX_INT),
+        top_p=_option_number(options, "top_p", DEFAULT_TOP_P, 0.0, 1.0, above=True),
+        min_p=_option_number(options, "min_p", 0.0, 0.0, 1.0, below=True),
+        seed=seed if seed is not None and seed >= 0 else None,  # Ollama's -1: a random seed
+        repetition_penalty=penalty,
+        repetition_context_size=None if last_n == -1 else last_n,  # -1: the whole context
+    )
+    try:
+        sampling.check()
+    except ValueError as e:
+        raise OllamaError(400, f"options: {e}") from None
+    return sampling
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise OllamaError(400, f"options.stop: expected a list of strings, found {shown(stop)}")
+    if len(stop) > MAX_STOP:
+        raise OllamaError(400, f"options.stop: {len(stop)} strings, at most {MAX_STOP}")
+    return [s for s in stop if s]
+
+
+def _format(spec: Any):
+    """``format``: "json" (any JSON value: Ollama's JSON mode; an object here, as OpenAI's
+    json_object) or a JSON Schema, as a Constraint; "" or null: none."""
+    if spec is None or spec == "":
+        return None
+    from ...errors import ConstraintError
+    from ...output.constraints import Constraint
+
+    try:
+        if spec == "json":
+            return Constraint.json_object()
+        if isinstance(spec, dict):
+            return Constraint.json_schema(spec)
+    except ConstraintError as e:
+        raise OllamaError(400, f"format: {e}") from None
+    raise OllamaError(400, f"format: expected 'json' or a JSON Schema object, found {shown(spec)}")
+
+
+def _no_images(images: Any, where: str) -> None:
+    if images is None or images == []:
+        return
+    if not isinstance(images, list):
+        raise OllamaError(400, f"{where}: expected a list of base64 images, found {_kind(images)}")
+    raise OllamaError(
+        400, f"{where}: this server's models take text only (no model here reads images)"
+    )
+
+
+def _messages(messages: Any) -> list[dict]:
+    """Ollama's messages as the chat template takes them (OpenAI's shape): calls with ids,
+    arguments as objects; a tool result with the id of the call it answers and its name."""
+    from ...output.toolcalls import template_messages
+
+    if not isinstance(messages, list):
+        raise OllamaError(400, f"messages: expected a list, found {_kind(messages)}")
+    out, pending = [], []  # pending: (id, name) of the calls not answered yet
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise OllamaError(
+                400, f"{where}.role: expected one of {', '.join(ROLES)}, found {shown(role)}"
+            )
+        content = m.get("content")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise OllamaError(400, f"{where}.content: expected a string, found {_kind(content)}")
+        _no_images(m.get("images"), f"{where}.images")
+        item: dict = {"role": m["role"], "content": content}
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls:
+            item["tool_calls"] = _calls(calls, where, i)
+            pending += [(c["id"], c["function"]["name"]) for c in item["tool_calls"]]
+        if m["role"] == "tool":
+            item.update(_answered(m, where, pending))
+        out.append(item)
+    return template_messages(out)
+
+
+def _calls(calls: Any, where: str, turn: int) -> list[dict]:
+    if not isinstance(calls, list):
+        raise OllamaError(400, f"{where}.tool_calls: expected a list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise OllamaError(
+                400, f"{where}.tool_calls[{j}]: expected {{'function': {{'name', 'arguments'}}}}"
+            )
+        arguments = fn.get("arguments")
+        arguments = {} if arguments is None else arguments
+        if not isinstance(arguments, (dict, str)):
+            raise OllamaError(
+                400, f"{where}.tool_calls[{j}].function.arguments: expected an object"
+            )
+        # Nine alphanumerics (Mistral's templates want that), the same for the same turn.
+        given = call.get("id")
+        ident = given if isinstance(given, str) and given else f"call{turn % 1000:03d}{j % 100:02d}"
+        out.append({"id": ident, "type": "function", "function": {**fn, "arguments": arguments}})
+    return out
+
+
+def _answered(m: dict, where: str, pending: list[tuple[str, str]]) -> dict:
+    """A tool result's ``tool_call_id`` and ``name``: as given, else the earliest pending call
+    of its ``tool_name`` (or the earliest pending call)."""
+    name, ident = m.get("tool_name", m.get("name")), m.get("tool_call_id")
+    for key, value in (("tool_name", name), ("tool_call_id", ident)):
+        if value is not None and not isinstance(value, str):
+            raise OllamaError(400, f"{where}.{key}: expected a string, found {_kind(value)}")
+    match = next(
+        (
+            p
+            for p in pending
+            if (ident is not None and p[0] == ident) or (ident is None and p[1] == name)
+        ),
+        None,
+    )
+    if match is None and ident is None and name is None and pending:
+        match = pending[0]
+    if match is not None:
+        pending.remove(match)
+    out = {"tool_call_id": ident or (match[0] if match else None)}
+    name = name or (match[1] if match else None)
+    if name is not None:
+        out["name"] = name
+    return out
+
+
+def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise OllamaError(400, f"{named(name)}: expected {_KINDS[kind]}, found {_kind(value)}")
+    return value
+
+
+def _option_number(
+    options: dict,
+    name: str,
+    default: float | None,
+    lo: float,
+    hi: float,
+    *,
+    above: bool = False,
+    below: bool = False,
+) -> float | None:
+    """A number in [lo, hi] (``above``: > lo; ``below``: < hi), or ``default``."""
+    value = options.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OllamaError(400, f"options.{name}: expected a number, found {_kind(value)}")
+    value = float(value) if abs(value) < 1e300 else math.copysign(math.inf, value)
+    if not (lo < value if above else lo <= value) or not (value < hi if below else value <= hi):
+        span = f"{'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
+        raise OllamaError(400, f"options.{name}: expected a number in {span}, found {value:g}")
+    return value
+
+
+def _option_int(options: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = options.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():  # JSON numbers from JavaScript: 64.0
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise OllamaError(
+            400, f"options.{name}: expected an integer in {lo}..{hi}, found {shown(value)}"
+        )
+    return value
+
+
+_KINDS = {str: "a string", bool: "true or false", int: "an integer", list: "a list"}
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "a number"
+    return names.get(type(value), type(value).__name__)
