@@ -7,6 +7,10 @@ An embedding checkpoint (sentence-transformers' ``modules.json`` + ``1_Pooling/c
 request to it is a 400 saying so, and so is an embeddings request to a generative model
 (:func:`mlxinfer.server.routes.kind_error`).
 
+The checkpoint may be a decoder (Qwen3-Embedding) or an encoder (BERT: all-MiniLM-L6-v2);
+texts are cut at its ``max_seq_length`` (sentence_bert_config.json) as sentence-transformers
+cuts them, and lower-cased where it says ``do_lower_case``.
+
 Request (:mod:`.request`): ``input`` (a string, a list of strings, or a list of token-id
 lists), ``model``, ``encoding_format`` ("float" or "base64": little-endian float32),
 ``dimensions`` (the leading ones, normalised again: meaningful for Matryoshka-trained models
