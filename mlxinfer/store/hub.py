@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -70,6 +71,21 @@ def _hub_error(repo: str, e: Exception) -> StoreError:
                       f"{_first_line(e)})")  # fmt: skip
 
 
+def network_errors() -> tuple[type[BaseException], ...]:
+    """What a request that fails on the way raises: httpx's (ours), httpx2's (huggingface_hub
+    2.x's own client), OSError."""
+    import httpx
+
+    found: list[type[BaseException]] = [httpx.HTTPError, OSError]
+    try:
+        import httpx2
+
+        found.append(httpx2.HTTPError)
+    except ImportError:  # huggingface_hub < 2 uses httpx (or requests: its errors are OSErrors)
+        pass
+    return tuple(found)
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -79,7 +95,6 @@ def resolve(
     repo: str, revision: str | None, *, endpoint: str | None, token: str | bool | None
 ) -> Remote:
     """The commit ``revision`` (default ``main``) of ``repo`` and its files, checked."""
-    import httpx
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.hf_api import RepoFile
@@ -92,8 +107,11 @@ def resolve(
         commit = info.sha
         if not isinstance(commit, str) or not _COMMIT.match(commit):
             raise StoreError(f"{repo}: the Hub answered commit {commit!r}, expected 40 hex digits")
-        entries = list(api.list_repo_tree(repo, revision=commit, recursive=True))
-    except (HfHubHTTPError, httpx.HTTPError, OSError, ValueError) as e:
+        entries = [
+            RepoFile(**e) if e.get("type") == "file" else None
+            for e in _tree(api.endpoint, repo, commit, api._build_hf_headers(token=token))
+        ]
+    except (HfHubHTTPError, *network_errors(), ValueError) as e:
         raise _hub_error(repo, e) from None
     except (KeyError, TypeError, AttributeError) as e:  # a listing without the fields it needs
         raise StoreError(
@@ -101,7 +119,7 @@ def resolve(
         ) from None
     files = []
     for entry in entries:
-        if not isinstance(entry, RepoFile):
+        if entry is None:  # a folder
             continue
         path, size = checked_path(repo, entry.path), entry.size
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_FILE_BYTES:
@@ -116,6 +134,44 @@ def resolve(
     license = getattr(card, "license", None) if card is not None else None
     return Remote(repo, commit, tuple(files), license if isinstance(license, str) else None,
                   bool(getattr(info, "gated", False)))  # fmt: skip
+
+
+MAX_PAGES = 1000  # of the Hub's 1,000 entries each
+MAX_PAGE_BYTES = 64 << 20
+
+
+def _tree(endpoint: str, repo: str, commit: str, headers: dict) -> list[dict]:
+    """``GET /api/models/{repo}/tree/{commit}?recursive=true``, page after page (the ``Link``
+    header's ``next``), each request bounded by :data:`TIMEOUT_S` and each page by
+    :data:`MAX_PAGE_BYTES` (huggingface_hub's ``list_repo_tree`` waits without a limit)."""
+    import httpx
+    from huggingface_hub.utils import hf_raise_for_status
+
+    url: str | None = f"{endpoint}/api/models/{repo}/tree/{commit}"
+    params: dict | None = {"recursive": "true", "expand": "false"}
+    entries: list[dict] = []
+    timeout = httpx.Timeout(TIMEOUT_S)
+    with httpx.Client(follow_redirects=True, timeout=timeout, headers=headers) as client:
+        for _ in range(MAX_PAGES):
+            with client.stream("GET", url, params=params) as r:
+                if r.status_code >= 400:  # huggingface_hub's errors (gated, not found...)
+                    r.read()
+                    hf_raise_for_status(r)
+                body = bytearray()
+                for chunk in r.iter_bytes():
+                    body += chunk
+                    if len(body) > MAX_PAGE_BYTES:
+                        raise StoreError(
+                            f"{repo}: the Hub's file listing passed {MAX_PAGE_BYTES} bytes a page"
+                        )
+            page = json.loads(body)
+            if not isinstance(page, list) or not all(isinstance(e, dict) for e in page):
+                raise StoreError(f"{repo}: the Hub's file listing is not a list of entries")
+            entries.extend(page)
+            url, params = r.links.get("next", {}).get("url"), None
+            if url is None:
+                return entries
+    raise StoreError(f"{repo}: the Hub's file listing runs past {MAX_PAGES} pages")
 
 
 def checked_path(repo: str, path: object) -> str:
@@ -232,7 +288,6 @@ def download(
 
 def _fetch(client, remote: Remote, f: RemoteFile, target: Path, url: str, done: int, total: int,
            progress) -> int:  # fmt: skip
-    import httpx
 
     part = target.with_name(target.name + ".part")
     part.parent.mkdir(parents=True, exist_ok=True)
@@ -272,7 +327,7 @@ def _fetch(client, remote: Remote, f: RemoteFile, target: Path, url: str, done: 
                         progress("downloading weights", min(start + have, total), total)
                     out.flush()
                     os.fsync(out.fileno())
-    except httpx.HTTPError as e:
+    except network_errors() as e:
         raise StoreError(
             f"{remote.repo}: downloading {f.path} stopped at {have} of {f.size} bytes "
             f"({type(e).__name__}: {_first_line(e)}); pull again to resume"

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 
 def git_blob_id(data: bytes) -> str:
@@ -56,6 +56,8 @@ class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, Range
     slow: float = 0.0  # seconds slept per 4 kB sent while set
+    stall: float = 0.0  # seconds every answer waits before its first byte (a silent Hub)
+    page_size: int = 1000  # tree entries a page (the Hub's 1,000), then a Link to the next
     url: str = ""
 
     def gets(self, suffix: str) -> list[tuple[str, str, str | None]]:
@@ -101,9 +103,16 @@ def _handler(hub: FakeHub):
         def do_GET(self):
             path = unquote(urlsplit(self.path).path)
             hub.requests.append((self.command, path, self.headers.get("Range")))
+            if hub.stall:
+                time.sleep(hub.stall)
             if m := _TREE.match(path):
                 if (repo := self._repo(m["repo"])) is not None:
-                    self._json(200, repo.tree())
+                    start = int(parse_qs(urlsplit(self.path).query).get("cursor", ["0"])[0])
+                    tree, end = repo.tree(), start + hub.page_size
+                    link = {}
+                    if end < len(tree):
+                        link["Link"] = f'<{hub.url}{path}?recursive=true&cursor={end}>; rel="next"'
+                    self._json(200, tree[start:end], link)
             elif m := _INFO.match(path):
                 if (repo := self._repo(m["repo"])) is not None:
                     if m["rev"] not in (None, "main", repo.sha):
@@ -153,6 +162,7 @@ class Serving:
         self.hub = hub
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
         self.server.daemon_threads = True
+        self.server.handle_error = lambda request, address: None  # a client that hung up: fine
         hub.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

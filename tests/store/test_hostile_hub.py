@@ -5,6 +5,7 @@ found, and nothing written outside the store."""
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,22 @@ def test_an_unknown_repo_or_revision_is_one_line(hub):
         store.pull("tiny", endpoint=hub.url)
     with pytest.raises(store.StoreError, match=r"recipe keys \['evil'\]"):
         store.pull("org/tiny", recipe={"evil": 1}, endpoint=hub.url)
+
+
+def test_a_silent_hub_is_an_error_within_the_timeout(hub, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["mlxinfer.store.hub"], "TIMEOUT_S", 0.5)
+    hub.stall = 3.0
+    start = time.monotonic()
+    with pytest.raises(store.StoreError, match="cannot be reached or refused") as e:
+        store.pull("org/tiny", recipe=RECIPE, endpoint=hub.url)
+    assert time.monotonic() - start < 2.5 and "\n" not in str(e.value)
+
+
+def test_a_listing_in_pages_is_followed_to_its_end(hub):
+    hub.page_size = 2  # the Hub's Link: rel="next" after every 2 entries
+    record = store.pull("org/tiny", recipe=RECIPE, endpoint=hub.url)
+    assert set(record["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    pages = [r for r in hub.requests if "/tree/" in r[1]]
+    assert len(pages) == 3  # 6 files, 2 a page
