@@ -66,7 +66,7 @@ def _pool_batch(model, rows: list[list[int]], mode: str, step: int) -> mx.array:
     if getattr(model, "encoder_only", False):
         h = model.encode(ids, n[:, 0]).astype(mx.float32)  # (B, L, hidden)
         pooled = (h * _picked(mx.arange(width)[None], n, mode)).sum(axis=1)
-        mx.eval(pooled)
+        mx.eval(pooled)  # per batch: its activations are freed before the next batch's exist
         return pooled
     cache = model.make_cache() if width > step else None
     pooled = mx.zeros((len(rows), hidden_size(model)), dtype=mx.float32)
