@@ -1,8 +1,8 @@
 """Ollama's routes, so that apps that speak only Ollama's API work unchanged: ``GET``/``HEAD
 /`` (for clients that do not ask for HTML: browsers get the chat page), ``/api/version``,
 ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/chat``, ``/api/generate``, ``/api/embed`` and
-``/api/embeddings``; ``/api/pull``, ``/api/delete`` and ``/api/copy`` answer a 501 naming the
-command that does it (``mlxinfer pull``) until the model store serves them.
+``/api/embeddings``; ``/api/pull``, ``/api/delete`` and ``/api/copy`` on mlxinfer's model store
+(:mod:`.store`).
 
 Generation goes through the same engine calls as the OpenAI routes (``Routes.start``: the
 batch, the prefix cache, stop strings, tools, structured output, a hang-up cancelling the
@@ -45,16 +45,13 @@ from .request import (
     parse_generate,
     parse_model,
 )
+from .store import StoreRoutes
 
 RUNNING = "Ollama is running"  # what Ollama answers at /, and what its clients look for
 NDJSON = "application/x-ndjson"
 MAX_INPUTS = 2048  # inputs per embed request, as /v1/embeddings
 MAX_REQUEST_TOKENS = 1 << 17  # tokens per embed request, all inputs together
 MAX_TOKENIZERS = 8  # tokenizers of unloaded models kept for /api/show
-STORE_MESSAGE = (
-    "{what} over Ollama's API is not available on this server yet: use the command line "
-    "(mlxinfer pull ORG/NAME, and serve --models-dir)"
-)
 
 
 class OllamaRoutes:
@@ -76,9 +73,10 @@ class OllamaRoutes:
         app.add_api_route("/api/generate", self.generate, methods=["POST"])
         app.add_api_route("/api/embed", self.embed, methods=["POST"])
         app.add_api_route("/api/embeddings", self.embeddings, methods=["POST"])
-        app.add_api_route("/api/pull", self.pull, methods=["POST"])
-        app.add_api_route("/api/delete", self.delete, methods=["DELETE"])
-        app.add_api_route("/api/copy", self.copy, methods=["POST"])
+        store = StoreRoutes(self.routes.registry, self._body)  # mlxinfer's model store
+        app.add_api_route("/api/pull", store.pull, methods=["POST"])
+        app.add_api_route("/api/delete", store.delete, methods=["DELETE"])
+        app.add_api_route("/api/copy", store.copy, methods=["POST"])
 
     # --- probes: what is served --------------------------------------------------------------
 
@@ -329,20 +327,6 @@ class OllamaRoutes:
         import numpy as np
 
         return np.asarray(vectors, dtype=np.float32).tolist(), total
-
-    # --- the model store -----------------------------------------------------------------------
-
-    async def pull(self, request: Request):
-        await self._body(request)
-        raise OllamaError(501, STORE_MESSAGE.format(what="pulling a model"))
-
-    async def delete(self, request: Request):
-        await self._body(request)
-        raise OllamaError(501, STORE_MESSAGE.format(what="deleting a model"))
-
-    async def copy(self, request: Request):
-        await self._body(request)
-        raise OllamaError(501, STORE_MESSAGE.format(what="copying a model"))
 
     async def _body(self, request: Request) -> Any:
         """The body's JSON, whatever its Content-Type (``curl -d`` sends a form type)."""
