@@ -233,6 +233,9 @@ def serve(
     }
     served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)
     if getattr(getattr(llm, "ranks", None), "first", True):  # across ranks: rank 0 serves
+        from ..store import record_server
+
+        record_server(host, port)  # where `mlxinfer ps`, `stop` and `rm` find this server
         _log(
             f"serving {served} on http://{host}:{port} (OpenAI and Anthropic APIs under /v1, "
             "Ollama's under /api)"

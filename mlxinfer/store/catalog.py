@@ -248,7 +248,7 @@ def remove(name: str, *, force: bool = False, cache_dir: Path | None = None) -> 
     path = require(model, root)
     if path.is_symlink() or not inside_store(path, root):
         raise StoreError(f"rm {name}: {path} is not inside the store {root}; not removed")
-    if not force and holds(str(model), cache_dir=cache_dir):
+    if not force and holds(model, cache_dir=cache_dir):
         raise StoreError(
             f"rm {name}: the running server holds it; stop it first (mlxinfer stop {name}) or "
             "pass --force"

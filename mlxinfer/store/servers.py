@@ -16,21 +16,25 @@ from typing import Any
 
 from ..files.atomic import write_text
 from .layout import store_root
-from .names import StoreError
+from .names import ModelName, StoreError
 
 HOST_ENV = "MLXINFER_HOST"
 RECORD_NAME = "server.json"
 TIMEOUT_S = 5.0
 
 
-def record_server(host: str, port: int, *, cache_dir: Path | None = None) -> Path:
-    """Note the server this process runs (``serve`` calls it once listening); returns the
-    record's path. A record whose process has ended is ignored by :func:`server_url`."""
+def record_server(host: str, port: int, *, cache_dir: Path | None = None) -> Path | None:
+    """Note the server this process runs (``serve`` calls it as it starts); returns the record's
+    path, or None when it cannot be written (a read-only cache: serving goes on without it). A
+    record whose process has ended is ignored by :func:`server_url`."""
     if not isinstance(port, int) or not 0 < port < 65536:
         raise StoreError(f"record_server: port {port!r}, expected 1..65535")
     path = store_root(cache_dir) / RECORD_NAME
     record = {"host": host, "port": port, "pid": os.getpid(), "started": time.time()}
-    write_text(path, json.dumps(record))
+    try:
+        write_text(path, json.dumps(record))
+    except OSError:
+        return None
     return path
 
 
@@ -118,15 +122,17 @@ def stop_model(name: str, *, cache_dir: Path | None = None) -> None:
     _request(f"{url}/api/generate", "POST", {"model": name, "keep_alive": 0, "stream": False})
 
 
-def holds(name: str, *, cache_dir: Path | None = None) -> bool:
-    """Whether the running server (if any answers) holds ``name`` (``name`` = ``name:latest``)."""
+def holds(name: ModelName, *, cache_dir: Path | None = None) -> bool:
+    """Whether the running server (if one answers) holds ``name``: under its store name, or
+    under its repo's name alone, as ``serve -m org/name`` names it (a same-named model of
+    another org then counts too: ``rm`` refuses, never deletes, on a doubt)."""
     try:
         models = running_models(cache_dir=cache_dir)
     except StoreError:  # a server recorded but gone, or one that cannot tell
         return False
-    wanted = _canonical(name)
+    wanted = {_canonical(str(name)), _canonical(f"{name.name}:{name.tag}")}
     return any(
-        _canonical(str(m.get("model") or m.get("name") or "")) == wanted for m in models or []
+        _canonical(str(m.get("model") or m.get("name") or "")) in wanted for m in models or []
     )
 
 

@@ -216,3 +216,43 @@ def test_other_apps_models_are_listed_read_only(hub, tmp_path, monkeypatch):
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
     with pytest.raises(store.StoreError, match="not in the store"):
         store.remove("mlx-community/Tiny-4bit")  # other apps' models are never removed
+
+
+def test_serve_records_itself_and_ps_and_rm_ask_it(pulled):
+    """A real ``serve``: its record leads ``ps`` to its ``/api/ps``, and ``rm`` refuses the model
+    it holds; once it has ended, its record is ignored."""
+    pytest.importorskip("uvicorn")
+    import subprocess
+    import sys
+    import time
+
+    from servers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxinfer", "serve", "-m", "org/tiny", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline, models = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            try:
+                models = store.running_models()  # None: no server recorded yet
+            except store.StoreError:  # recorded, not listening yet
+                pass
+            if models is not None:
+                break
+            time.sleep(0.2)
+        assert store.server_url() == f"http://127.0.0.1:{port}"
+        assert models and models[0]["context_length"] == 128
+        out = CliRunner().invoke(cli, ["ps"])
+        assert out.exit_code == 0 and models[0]["name"] in out.output
+        with pytest.raises(store.StoreError, match="the running server holds it"):
+            store.remove("org/tiny")
+        store.remove("org/tiny-GGUF:Q8_0")  # not held: removed
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert store.server_url() is None  # its process has ended
+    store.remove("org/tiny")
