@@ -35,6 +35,9 @@ class Entry:
     failures: list[str] = field(default_factory=list)
     loads: int = 0
     embedding: bool = False  # an embedding checkpoint: its "engine" is an embeddings.Embedder
+    # Idle seconds before it is unloaded, as its last request asked (Ollama's keep_alive; inf:
+    # never); None: the registry's.
+    keep_alive: float | None = None
 
     @property
     def loaded(self) -> bool:
@@ -155,20 +158,19 @@ class Models:
 
     def reap(self, now: float | None = None) -> list[str]:
         """Unload the models from the models directory idle for ``keep_alive`` seconds (no
-        request running or waiting); returns their names."""
-        if self.keep_alive is None:
-            return []
+        request running or waiting; a model's own ``keep_alive`` first); returns their names."""
         now = time.monotonic() if now is None else now
         gone = []
         with self._lock:
             for entry in self.entries.values():
-                if entry.path is None or entry.engine is None:
+                keep = entry.keep_alive if entry.keep_alive is not None else self.keep_alive
+                if entry.path is None or entry.engine is None or keep is None:
                     continue
                 busy = entry.engine.metrics()
                 if busy["requests_running"] or busy["requests_waiting"]:
                     entry.last_used = now
                     continue
-                if now - entry.last_used >= self.keep_alive:
+                if now - entry.last_used >= keep:
                     entry.engine.close()
                     entry.engine = entry.model = entry.tokenizer = None
                     gone.append(entry.name)
@@ -183,7 +185,7 @@ class Models:
             if entry is None or entry.path is None or entry.engine is None:
                 return False
             if not _idle(entry.engine):
-                entry.last_used = float("-inf")  # the reaper's first pick once idle
+                entry.keep_alive = 0.0  # the reaper unloads it once idle
                 return False
             entry.engine.close()
             entry.engine = entry.model = entry.tokenizer = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import datetime, timezone
 
 import pytest
 from servers import free_port, serving
@@ -106,6 +107,24 @@ def test_an_empty_request_loads_and_keep_alive_0_unloads(tmp_path, tiny, http):
             m["name"] for m in http.get(f"{base}/api/ps").json()["models"]
         ]
         assert "other:latest" in [m["name"] for m in http.get(f"{base}/api/tags").json()["models"]]
+
+        def expires(keep_alive) -> datetime:
+            body = {"model": "other", "keep_alive": keep_alive}
+            assert http.post(f"{base}/api/generate", json=body).json()["done_reason"] == "load"
+            models = http.get(f"{base}/api/ps").json()["models"]
+            [running] = [m for m in models if m["name"] == "other:latest"]
+            return datetime.fromisoformat(running["expires_at"].replace("Z", "+00:00"))
+
+        now = datetime.now(timezone.utc)
+        assert abs((expires("5m") - now).total_seconds() - 300) < 30
+        assert abs((expires(7200) - now).total_seconds() - 7200) < 30
+        assert expires(-1).year == 2318  # kept loaded, as Ollama shows it
+        assert app.state.models.reap() == []  # a negative keep_alive: never idle long enough
+        # A generation's keep_alive 0: unloaded once the reply is done.
+        ask = {"model": "other", "prompt": "hi", "stream": False, "keep_alive": 0}
+        ask["options"] = {"num_predict": 1}
+        assert http.post(f"{base}/api/generate", json=ask).status_code == 200
+        assert app.state.models.reap() == ["other"]
 
 
 BAD = [

@@ -12,6 +12,7 @@ with ``curl -d``, which sends a form type.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -117,8 +118,8 @@ class OllamaRoutes:
         return {"models": out}
 
     def _expires(self, entry) -> float:
-        keep = self.routes.registry.keep_alive
-        if entry.path is None or keep is None:
+        keep = entry.keep_alive if entry.keep_alive is not None else self.routes.registry.keep_alive
+        if entry.path is None or keep is None or math.isinf(keep):
             return float("inf")  # the model the server started with: kept for its life
         idle = time.monotonic() - entry.last_used
         return time.time() + max(0.0, keep - idle)
@@ -192,6 +193,7 @@ class OllamaRoutes:
     def _reply(self, ask: OllamaRequest, streams: Streams):
         """The reply (in a worker thread): whole, or its NDJSON lines."""
         entry = self._served(ask.model)
+        entry.keep_alive = ask.keep_alive  # Ollama's: each request sets it (None: serve's)
         if ask.think and ask.templated:
             from ...output.reasoning import reasoning_format
 
@@ -255,7 +257,7 @@ class OllamaRoutes:
             unloaded = entry.path is not None and self.routes.registry.unload(entry.name)
             reason = "unload" if unloaded or entry.engine is None else "load"
         else:
-            self._served(ask.model)
+            self._served(ask.model).keep_alive = ask.keep_alive
             reason = "load"
         out = objects.chunk(ask, "")
         return JSONResponse({**out, "done": True, "done_reason": reason})
