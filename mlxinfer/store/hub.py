@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable
@@ -253,6 +254,28 @@ def missing_bytes(files: list[RemoteFile], dest: Path) -> int:
         have = part.stat().st_size if part.is_file() else 0
         total += max(f.size - have, 0) if have <= f.size else f.size
     return total
+
+
+def reuse_cached(remote: Remote, files: list[RemoteFile], dest: Path, hf_cache: Path) -> list[str]:
+    """Link into ``dest`` the files the Hugging Face cache already holds (its blobs are named by
+    the LFS SHA-256 or the git blob id), each checked against the listing first, so a model
+    another app downloaded is not downloaded again. Returns their paths."""
+    blobs = hf_cache / f"models--{remote.repo.replace('/', '--')}" / "blobs"
+    used = []
+    for f in files:
+        key, target = f.sha256 or f.blob_id, dest / f.path
+        blob = blobs / key if key and re.fullmatch(r"[0-9a-f]{40,64}", key) else None
+        if target.is_file() or blob is None or not blob.is_file():
+            continue
+        if blob.stat().st_size != f.size or _hash_problem(blob, f) is not None:
+            continue  # not the listed file: downloaded instead
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(blob, target)  # read only; the cache's file is never written
+        except OSError:
+            shutil.copyfile(blob, target)
+        used.append(f.path)
+    return used
 
 
 def download(

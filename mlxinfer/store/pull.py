@@ -28,6 +28,7 @@ from ..platform.progress import Progress, quiet
 from . import hub
 from .layout import downloads_dir, read_source, store_root, write_source
 from .names import ModelName, StoreError, parse_name
+from .others import hf_cache_dir
 
 # The store's default recipe: convert's best (-q: the measured plan at DEFAULT_BPW bits per weight).
 DEFAULT_RECIPE: dict[str, Any] = {"quantize": True}
@@ -103,9 +104,11 @@ def pull(
 
     source = downloads_dir(model, root) / remote.commit
     with _pull_lock(root, model):
-        _check_disk(model, root, files, source)
         source.mkdir(parents=True, exist_ok=True)
         _clear_other_commits(source)
+        if reused := hub.reuse_cached(remote, files, source, hf_cache_dir()):
+            say(f"{model}: {len(reused)} file(s) taken from the Hugging Face cache")
+        _check_disk(model, root, files, source)
         hub.download(remote, files, source, endpoint=endpoint, token=token, progress=report)
         if kind == "hf" and _is_mlx(source / "config.json"):
             kind, wanted = "mlx", _recipe_record("mlx", recipe)

@@ -23,6 +23,7 @@ def sources(tmp_path_factory):
 def hub(sources, tmp_path, monkeypatch):
     monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("MLXINFER_HOST", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))  # never the user's own
     _, hf, gguf = sources
     repos = {
         "org/tiny": Repo({**hf, "README.md": b"# tiny", "pytorch_model.bin": b"never fetched"}),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from fake_hub import git_blob_id
 from tiny_checkpoint import write_checkpoint
 
 from mlxinfer import store
@@ -210,3 +211,20 @@ def test_mlxinfer_home_is_another_name_for_the_cache_root(tmp_path, monkeypatch)
     assert store.store_root() == tmp_path / "home" / "store"
     monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path / "cache"))  # the first name wins
     assert store.store_root() == tmp_path / "cache" / "store"
+
+
+def test_files_the_hugging_face_cache_holds_are_not_downloaded_again(hub, tmp_path):
+    repo = hub.repos["org/tiny"]
+    blobs = tmp_path / "hf-cache" / "models--org--tiny" / "blobs"
+    blobs.mkdir(parents=True)
+    weights = repo.files["model.safetensors"]
+    (blobs / hashlib.sha256(weights).hexdigest()).write_bytes(weights)  # another app's download
+    config = repo.files["tokenizer.json"]
+    damaged = bytes([config[0] ^ 1]) + config[1:]  # same size, other bytes: not used
+    (blobs / git_blob_id(config)).write_bytes(damaged)
+    before = {p: p.read_bytes() for p in blobs.iterdir()}
+    record = store.pull("org/tiny", recipe=RECIPE, endpoint=hub.url)
+    fetched = {r[1].rsplit("/", 1)[1] for r in hub.requests if "/resolve/" in r[1]}
+    assert fetched == {"config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert verify(record["path"]).ok
+    assert {p: p.read_bytes() for p in blobs.iterdir()} == before  # the cache untouched
