@@ -6,12 +6,8 @@ Fields follow the server's rule (``fields``, docs/server.md "Fields"), in the bo
 local meaning (``IGNORED_OPTIONS``: threads, GPU layers, mmap ...) and unknown ones are accepted,
 ignored and logged once; those that would change the output and cannot be honoured
 (``REFUSED``) are a 400 unless their value asks for nothing.
-
-The official client sends ``"tools": []`` on every plain chat and drops empty fields: an
-assistant turn with calls and no ``content``, calls without ids, tool results as role ``tool``
-with ``tool_name``. Calls without ids get ids here, the same for the same conversation (so
-that the prefix cache still matches the next turn), and a tool result without a
-``tool_call_id`` answers the earliest call not answered yet.
+The official client sends ``"tools": []`` on every plain chat (no tools, here); its messages
+become the chat template's turns in :mod:`.messages`.
 Errors take Ollama's shape: ``{"error": "message"}``.
 """
 
@@ -27,6 +23,7 @@ from ...errors import MlxInferError
 from ...generation.sampling import SamplingParams
 from ..fields import Fields
 from ..quoting import named, shown
+from .messages import kind, no_images, turns
 
 USED_CHAT = {"model", "messages", "tools", "stream", "format", "options", "keep_alive", "think"}
 USED_GENERATE = {"model", "prompt", "system", "raw", "images", "stream", "format", "options"}
@@ -90,7 +87,6 @@ DEFAULT_REPEAT_LAST_N = 64
 MAX_INT = 2**31 - 1  # num_predict, num_ctx, top_k: past any context or vocabulary
 MAX_SEED = 2**63 - 1
 MAX_STOP = 64  # stop strings per request
-ROLES = ("system", "user", "assistant", "tool")
 THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's reasoning_effort
 FOREVER = math.inf
 # Go's time.ParseDuration units, as Ollama reads keep_alive strings ("5m", "1h30m", "-1s")
@@ -263,7 +259,7 @@ def parse_keep_alive(value: Any) -> float | None:
 
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
-        raise OllamaError(400, f"the request body must be a JSON object, found {_kind(body)}")
+        raise OllamaError(400, f"the request body must be a JSON object, found {kind(body)}")
     return body
 
 
@@ -280,7 +276,7 @@ def _common(body: dict, *, chat: bool, prompt: Any, templated: bool) -> OllamaRe
     if options is None:
         options = {}
     if not isinstance(options, dict):
-        raise OllamaError(400, f"options: expected an object, found {_kind(options)}")
+        raise OllamaError(400, f"options: expected an object, found {kind(options)}")
     refusal = OPTIONS.screen(options)
     if refusal is not None:
         raise OllamaError(400, f"options.{refusal.message}")
@@ -365,94 +361,17 @@ def _format(spec: Any):
 
 
 def _no_images(images: Any, where: str) -> None:
-    if images is None or images == []:
-        return
-    if not isinstance(images, list):
-        raise OllamaError(400, f"{where}: expected a list of base64 images, found {_kind(images)}")
-    raise OllamaError(
-        400, f"{where}: this server's models take text only (no model here reads images)"
-    )
+    try:
+        no_images(images, where)
+    except ValueError as e:
+        raise OllamaError(400, str(e)) from None
 
 
 def _messages(messages: Any) -> list[dict]:
-    """Ollama's messages as the chat template takes them (OpenAI's shape): calls with ids,
-    arguments as objects; a tool result with the id of the call it answers and its name."""
-    from ...output.toolcalls import template_messages
-
-    if not isinstance(messages, list):
-        raise OllamaError(400, f"messages: expected a list, found {_kind(messages)}")
-    out, pending = [], []  # pending: (id, name) of the calls not answered yet
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else None
-            raise OllamaError(
-                400, f"{where}.role: expected one of {', '.join(ROLES)}, found {shown(role)}"
-            )
-        content = m.get("content")
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise OllamaError(400, f"{where}.content: expected a string, found {_kind(content)}")
-        _no_images(m.get("images"), f"{where}.images")
-        item: dict = {"role": m["role"], "content": content}
-        calls = m.get("tool_calls") if m["role"] == "assistant" else None
-        if calls:
-            item["tool_calls"] = _calls(calls, where, i)
-            pending += [(c["id"], c["function"]["name"]) for c in item["tool_calls"]]
-        if m["role"] == "tool":
-            item.update(_answered(m, where, pending))
-        out.append(item)
-    return template_messages(out)
-
-
-def _calls(calls: Any, where: str, turn: int) -> list[dict]:
-    if not isinstance(calls, list):
-        raise OllamaError(400, f"{where}.tool_calls: expected a list of calls")
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise OllamaError(
-                400, f"{where}.tool_calls[{j}]: expected {{'function': {{'name', 'arguments'}}}}"
-            )
-        arguments = fn.get("arguments")
-        arguments = {} if arguments is None else arguments
-        if not isinstance(arguments, (dict, str)):
-            raise OllamaError(
-                400, f"{where}.tool_calls[{j}].function.arguments: expected an object"
-            )
-        # Nine alphanumerics (Mistral's templates want that), the same for the same turn.
-        given = call.get("id")
-        ident = given if isinstance(given, str) and given else f"call{turn % 1000:03d}{j % 100:02d}"
-        out.append({"id": ident, "type": "function", "function": {**fn, "arguments": arguments}})
-    return out
-
-
-def _answered(m: dict, where: str, pending: list[tuple[str, str]]) -> dict:
-    """A tool result's ``tool_call_id`` and ``name``: as given, else the earliest pending call
-    of its ``tool_name`` (or the earliest pending call)."""
-    name, ident = m.get("tool_name", m.get("name")), m.get("tool_call_id")
-    for key, value in (("tool_name", name), ("tool_call_id", ident)):
-        if value is not None and not isinstance(value, str):
-            raise OllamaError(400, f"{where}.{key}: expected a string, found {_kind(value)}")
-    match = next(
-        (
-            p
-            for p in pending
-            if (ident is not None and p[0] == ident) or (ident is None and p[1] == name)
-        ),
-        None,
-    )
-    if match is None and ident is None and name is None and pending:
-        match = pending[0]
-    if match is not None:
-        pending.remove(match)
-    out = {"tool_call_id": ident or (match[0] if match else None)}
-    name = name or (match[1] if match else None)
-    if name is not None:
-        out["name"] = name
-    return out
+    try:
+        return turns(messages)
+    except ValueError as e:
+        raise OllamaError(400, str(e)) from None
 
 
 def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
@@ -460,7 +379,7 @@ def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
     if value is None:
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise OllamaError(400, f"{named(name)}: expected {_KINDS[kind]}, found {_kind(value)}")
+        raise OllamaError(400, f"{named(name)}: expected {_KINDS[kind]}, found {kind(value)}")
     return value
 
 
@@ -479,7 +398,7 @@ def _option_number(
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OllamaError(400, f"options.{name}: expected a number, found {_kind(value)}")
+        raise OllamaError(400, f"options.{name}: expected a number, found {kind(value)}")
     value = float(value) if abs(value) < 1e300 else math.copysign(math.inf, value)
     if not (lo < value if above else lo <= value) or not (value < hi if below else value <= hi):
         span = f"{'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
@@ -501,12 +420,3 @@ def _option_int(options: dict, name: str, default: int | None, lo: int, hi: int)
 
 
 _KINDS = {str: "a string", bool: "true or false", int: "an integer", list: "a list"}
-
-
-def _kind(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return "a number"
-    return names.get(type(value), type(value).__name__)
