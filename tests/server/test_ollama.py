@@ -270,3 +270,34 @@ def test_thinking_is_its_own_field_and_show_says_the_model_thinks(thinking_url, 
     with pytest.raises(ollama.ResponseError) as e:  # a model without thinking says so
         _client(url).chat(model=NAME, messages=MESSAGES, think=True)
     assert e.value.status_code == 400 and "thinking" in e.value.error
+
+
+def test_a_slow_first_token_gets_empty_pieces_and_a_hang_up_cancels(tiny, monkeypatch):
+    """While the first token is slow to come (a long prefill), the stream sends empty pieces, which
+    the clients take as nothing; a client that hangs up mid-stream cancels its request."""
+    import time
+
+    import httpx
+    from scripted import REPLY
+
+    from mlxinfer.server import sse
+
+    monkeypatch.setattr(sse, "KEEP_ALIVE_S", 0.1)
+    engine = ScriptedEngine(first_pause=1.0)
+    with serving(make_app(*tiny, NAME, engine=engine)) as base:
+        body = {"model": NAME, "messages": MESSAGES}
+        with httpx.stream("POST", f"{base}/api/chat", json=body, timeout=60) as r:
+            lines = [json.loads(line) for line in r.iter_lines()]
+        empties = [x for x in lines if not x["done"] and x["message"]["content"] == ""]
+        assert len(empties) >= 3 and lines[-1]["done"]
+        chunks = _client(base).chat(model=NAME, messages=MESSAGES, stream=True)
+        assert "".join(c.message.content for c in chunks) == REPLY
+
+    slow = ScriptedEngine(delay=0.2)  # the whole reply would take ~14 s
+    with serving(make_app(*tiny, NAME, engine=slow)) as base:
+        t0 = time.monotonic()
+        with httpx.stream(
+            "POST", f"{base}/api/generate", json={"model": NAME, "prompt": "hi"}
+        ) as r:
+            next(r.iter_lines())
+        assert slow.closed.wait(10) and time.monotonic() - t0 < 10
