@@ -1,10 +1,12 @@
 """Time the compiled kernels (csrc/) against MLX's own ops on SmolLM2-135M's shapes.
 
     python tools/build_kernels.py && python tools/bench_kernels.py [--rows 1 4] [--bits 4 8]
+        [--modes mxfp4 nvfp4 mxfp8]
 
 Per shape: microseconds per call and GB/s of weight bytes streamed (packed weights +
 scales + biases, or the float matrix) for mx.quantized_matmul, the kernel at 1 and 2
-threads, x @ w.T and the float kernel (--float: f32, and bf16 / f16 weights with x in the
+threads (--modes: MLX's float modes too, mx.quantize's defaults: their scales are uint8
+and there are no biases), x @ w.T and the float kernel (--float: f32, and bf16 / f16 weights with x in the
 same dtype, as in a model loaded in that dtype: MLX's own half-precision product). Calls are timed in batches of --calls
 independent products per mx.eval (so the per-eval overhead is spread), median of
 --repeat. Prints a Markdown table with the CPU, cores and load average.
@@ -37,6 +39,7 @@ SHAPES = [
     ("head 576->49152", 576, 49152),
 ]
 FLOATS = {"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}
+MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}  # (bits, group size)
 
 
 def cpu_name() -> str:
@@ -66,6 +69,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--bits", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--modes", nargs="*", default=[], choices=list(MODES))
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -109,6 +113,22 @@ def main() -> None:
                         ),
                         lambda x=x, wq=wq, s=s, b=b, bits=bits: K.quantized_matvec(
                             x, wq, s, b, gs, bits
+                        ),
+                    )
+                )
+            for mode in args.modes:
+                bits, mgs = MODES[mode]
+                wq, s = mx.quantize(w, mode=mode)
+                mx.eval(wq, s)
+                kinds.append(
+                    (
+                        mode,
+                        wq.nbytes + s.nbytes,
+                        lambda x=x, wq=wq, s=s, mode=mode: mx.quantized_matmul(
+                            x, wq, s, None, transpose=True, mode=mode
+                        ),
+                        lambda x=x, wq=wq, s=s, mode=mode, bits=bits, mgs=mgs: K.quantized_matvec(
+                            x, wq, s, None, mgs, bits, mode=mode
                         ),
                     )
                 )

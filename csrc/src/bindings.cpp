@@ -45,7 +45,7 @@ NB_MODULE(_mlxinfer_kernels, m) {
   m.attr("mlx_version") = built_for;
   m.attr("best_isa") = mlxinfer::isa_name(mlxinfer::best_isa());
   // quantized_matvec's modes (a module built before mxfp4 lacks the attribute: affine only).
-  m.attr("quantized_modes") = nb::make_tuple("affine", "mxfp4");
+  m.attr("quantized_modes") = nb::make_tuple("affine", "mxfp4", "nvfp4", "mxfp8");
 
   m.def(
       "quantized_matvec",
@@ -62,7 +62,8 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "x (..., K) @ dequantize(w, scales, biases).T, as "
       "mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits, mode) "
       "(mode 'affine': bits 2, 3, 4, 5, 6 or 8, group_size 32/64/128; mode 'mxfp4': bits 4, "
-      "group_size 32, uint8 scales, biases None).");
+      "group_size 32, uint8 E8M0 scales; 'nvfp4': bits 4, group_size 16, uint8 E4M3 scales; "
+      "'mxfp8': bits 8, group_size 32, uint8 E8M0 scales; the float modes' biases None).");
   m.def(
       "matvec",
       &mlxinfer::matvec,

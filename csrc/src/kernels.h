@@ -24,20 +24,37 @@ bool has_f16c();
 // or 8, groups of group_size (32, 64, 128) along k. w is MLX's packing: each row's codes as one
 // little-endian bit stream (code k at bit k * bits), read as little-endian uint32 words; 3-, 5-
 // and 6-bit codes straddle words, and every 8 codes fill `bits` whole bytes.
-// The formats: MLX's affine (codes q, scale and bias per group) and mxfp4 (4-bit E2M1 codes
-// as MLX packs 4-bit ones, value lut[q] in {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}; an E8M0 scale
-// per 32, which the caller passes decoded to f32; no bias).
-enum QmvMode : int { kAffine = 0, kMxfp4 = 1 };
-// The vector paths' template code for mxfp4 (a 4-bit layout; qmv_width gives the bits).
-constexpr int kFp4 = 0x14;
+// The formats: MLX's affine (codes q, scale and bias per group) and its float modes, none with
+// a bias, their uint8 scales passed decoded to f32 by the caller (mx.quantize's table):
+// - mxfp4: 4-bit E2M1 codes packed as 4-bit ones, value lut[q] in {0, ±0.5, ±1, ±1.5, ±2, ±3,
+//   ±4, ±6}; an E8M0 scale (2^(e - 127)) per 32;
+// - nvfp4: the same E2M1 codes with an E4M3 scale per 16 (quantized_matmul has no global scale);
+// - mxfp8: 8-bit E4M3 codes (bias 7, subnormals, 0x7F/0xFF NaN, max 448), one per byte in
+//   order as 8-bit ones; an E8M0 scale per 32.
+enum QmvMode : int { kAffine = 0, kMxfp4 = 1, kNvfp4 = 2, kMxfp8 = 3 };
+// The vector paths' template codes for the float modes (qmv_width gives the layout's bits).
+constexpr int kFp4 = 0x14; // mxfp4
+constexpr int kNv4 = 0x24; // nvfp4: two groups of 16 in each 32-code chunk (AVX-512, NEON)
+constexpr int kFp8 = 0x18; // mxfp8
 constexpr int qmv_width(int code) {
   return code & 15;
 }
+constexpr bool qmv_e2m1(int code) {
+  return code == kFp4 || code == kNv4;
+}
+// A mode's template code (affine: its bits).
+constexpr int qmv_code(int mode, int bits) {
+  return mode == kMxfp4 ? kFp4 : mode == kNvfp4 ? kNv4 : mode == kMxfp8 ? kFp8 : bits;
+}
+// E4M3 (mxfp8's codes, nvfp4's scales) as f32: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+// exponent 0 is subnormal (f * 2^-9), 0x7F and 0xFF are NaN (as MLX decodes them).
+float e4m3_to_f32(uint8_t b);
 struct QmvProblem {
   Isa isa = kScalar; // the path; qmv_prepare lays out xp for it
   int M = 0, N = 0, K = 0, group_size = 0, bits = 0;
   int mode = kAffine;
-  // biases: (N, K / group_size), or (shared_biases) one row of zeros every row reads (mxfp4).
+  // biases: (N, K / group_size), or (shared_biases) one row of zeros every row reads (the
+  // float modes).
   bool shared_biases = false;
   const float* x = nullptr; // (M, K) row-major
   const float* xp = nullptr; // (M, K) x as the vector paths read it (qmv_uses_xp)
@@ -49,12 +66,13 @@ struct QmvProblem {
 };
 
 // Whether the path reads x through xp rather than x itself: off the scalar path, 4-bit codes
-// are widened low nibbles first (xp: x de-interleaved per 16 or 32 to match; mxfp4 also halved:
-// the vector paths widen 2 * lut[q], an integer), and 2/3/5/6-bit
+// are widened low nibbles first (xp: x de-interleaved per 16 or 32 to match; mxfp4 and nvfp4
+// also halved: the vector paths widen 2 * lut[q], an integer), mxfp8's E4M3 codes are widened
+// through float16 as value * 2^-8 (xp = x * 2^8, exact), and 2/3/5/6-bit
 // codes are widened with each one's bit offset within its byte, 0..7, left in (code << s, never
 // shifted back: xp = x * 2^-s, exact). Elsewhere xp may be x itself.
-inline bool qmv_uses_xp(int bits, Isa isa) {
-  return isa != kScalar && bits != 8;
+inline bool qmv_uses_xp(int bits, Isa isa, int mode = kAffine) {
+  return isa != kScalar && (bits != 8 || mode == kMxfp8);
 }
 // The widths whose codes are read as a bit stream by the vector paths: each 8 codes fill
 // `bits` bytes; code i of such a unit starts at byte i * bits / 8, bit i * bits % 8, and spans
@@ -67,6 +85,15 @@ constexpr int kQmvOverread = 16;
 // Row n's biases.
 inline const float* qmv_biases_row(const QmvProblem& p, int n) {
   return p.biases + (p.shared_biases ? 0 : static_cast<size_t>(n) * (p.K / p.group_size));
+}
+// The level a problem runs at from `isa`: nvfp4 rows whose K is not a multiple of 32 (the
+// AVX-512 and NEON paths step over two groups of 16 at a time) take AVX2's 16-code steps on
+// AVX-512 and the scalar path on NEON. Set p.isa from it before qmv_prepare.
+inline Isa qmv_isa(Isa isa, int mode, int K) {
+  if (mode == kNvfp4 && K % 32 != 0) {
+    return isa == kAvx512 ? kAvx2 : isa == kNeon ? kScalar : isa;
+  }
+  return isa;
 }
 // Fills xp and xsum from x.
 void qmv_prepare(const QmvProblem& p, float* xp, float* xsum);
@@ -92,7 +119,7 @@ void matvec_rows(const MatvecProblem& p, int n0, int n1);
 
 #if defined(__aarch64__)
 // The NEON paths (neon.cpp), called by qmv_rows / matvec_rows at kNeon. qmv_rows_neon
-// returns false for a problem it has no path for (a group size off 32).
+// returns false for a problem it has no path for (an affine group size off 32).
 bool qmv_rows_neon(const QmvProblem& p, int n0, int n1);
 void matvec_rows_neon(const MatvecProblem& p, int n0, int n1);
 #endif

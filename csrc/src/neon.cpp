@@ -6,7 +6,8 @@
 //   the high nibbles the odd k; qmv_prepare de-interleaves x per 32 to match, as for AVX-512),
 //   two for 8-bit (k in order); the codes are widened u8 -> u16 -> u32 -> f32 in registers and
 //   the bias term costs one multiply-add per group (quantized.cpp's header); 2/3/5/6-bit: a
-//   16-byte load and two table lookups per 8 codes (StreamTables below, as on x86);
+//   16-byte load and two table lookups per 8 codes (StreamTables below, as on x86); mxfp4 and
+//   nvfp4's E2M1 codes by a byte table of the doubled values, mxfp8's E4M3 ones through float16;
 // - float: 16 weights per step, f32 loaded, bf16 widened in order by a shift (vshll: x is not
 //   reordered), f16 by the base ISA's own conversion (fcvtl); the last K % 16 weights in scalar.
 //
@@ -78,10 +79,28 @@ inline void widen_s8(int8x16_t v, float32x4_t* q) {
 // mxfp4's E2M1 codes, doubled (integers): the vector paths widen 2 * value, x is halved.
 constexpr int8_t kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+// 8 E4M3 codes (mxfp8), sign-extended to 16 bits, as two vectors of 4 f32 of value * 2^-8:
+// the float16 whose sign is bit 15 and exponent and mantissa bits 7-13 (float16's exponent
+// field is E4M3's with bias 15 for 7, subnormals included), 0x7F/0xFF made a NaN; x is scaled
+// by 2^8 to match (qmv_prepare), as on x86.
+inline void widen_e4m3(int16x8_t v, float32x4_t* q) {
+  uint16x8_t h = vandq_u16(vreinterpretq_u16_s16(vshlq_n_s16(v, 7)), vdupq_n_u16(0xBF80));
+  const uint16x8_t nan = vceqq_u16(vandq_u16(h, vdupq_n_u16(0x3F80)), vdupq_n_u16(0x3F80));
+  h = vorrq_u16(h, vandq_u16(nan, vdupq_n_u16(0x7C00)));
+  q[0] = vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h)));
+  q[1] = vcvt_high_f32_f16(vreinterpretq_f16_u16(h));
+}
+
 // One 32-weight chunk as eight vectors of 4 f32 codes, q[j] matched with xp[4j : 4j + 4].
 template <int BITS>
 inline void unpack32(const uint8_t* src, float32x4_t* q) {
-  if constexpr (BITS == kFp4) { // the 4-bit nibble order, each code looked up
+  if constexpr (BITS == kFp8) { // k in order, as 8-bit
+    for (int h = 0; h < 2; ++h) {
+      const int8x16_t v = vld1q_s8(reinterpret_cast<const int8_t*>(src) + 16 * h);
+      widen_e4m3(vmovl_s8(vget_low_s8(v)), q + 4 * h);
+      widen_e4m3(vmovl_high_s8(v), q + 4 * h + 2);
+    }
+  } else if constexpr (qmv_e2m1(BITS)) { // the 4-bit nibble order, each code looked up
     const int8x16_t lut = vld1q_s8(kE2m1x2);
     const uint8x16_t v = vld1q_u8(src);
     widen_s8(vqtbl1q_s8(lut, vandq_u8(v, vdupq_n_u8(0xF))), q);
@@ -117,8 +136,12 @@ void qmv_row_neon(
     const float* b,
     int m0,
     int n) {
-  const int G = p.K / p.group_size;
-  const int gs = p.group_size;
+  // nvfp4: a step per 32-code chunk whose two groups of 16 are acc[0] + acc[1] (codes 0-15:
+  // q[0], q[1] and q[4], q[5] of the nibble order) and acc[2] + acc[3]; no biases.
+  constexpr bool halves = BITS == kNv4;
+  const int Gs = p.K / p.group_size; // the x sums' row stride
+  const int gs = halves ? 32 : p.group_size;
+  const int G = p.K / gs;
   constexpr int bytes32 = 32 * qmv_width(BITS) / 8;
   float32x4_t tot[M];
   float bias_part[M];
@@ -148,8 +171,13 @@ void qmv_row_neon(
       }
     }
     for (int m = 0; m < M; ++m) {
-      tot[m] = vfmaq_n_f32(tot[m], sum4(acc[m]), s[g]);
-      bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * G + g];
+      if constexpr (halves) {
+        tot[m] = vfmaq_n_f32(tot[m], vaddq_f32(acc[m][0], acc[m][1]), s[2 * g]);
+        tot[m] = vfmaq_n_f32(tot[m], vaddq_f32(acc[m][2], acc[m][3]), s[2 * g + 1]);
+      } else {
+        tot[m] = vfmaq_n_f32(tot[m], sum4(acc[m]), s[g]);
+        bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * Gs + g];
+      }
     }
   }
   for (int m = 0; m < M; ++m) {
@@ -161,8 +189,10 @@ void qmv_row_neon(
 // for the R rows.
 template <int BITS, int R>
 void qmv_rows1_neon(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int n) {
-  const int G = p.K / p.group_size;
-  const int gs = p.group_size;
+  constexpr bool halves = BITS == kNv4; // as qmv_row_neon
+  const int Gs = p.K / p.group_size; // the scales' row stride
+  const int gs = halves ? 32 : p.group_size;
+  const int G = p.K / gs;
   float32x4_t tot[R];
   float bias_part[R];
   const uint8_t* wr[R];
@@ -172,7 +202,7 @@ void qmv_rows1_neon(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int
     tot[r] = vdupq_n_f32(0.0f);
     bias_part[r] = 0.0f;
     wr[r] = w + static_cast<size_t>(n + r) * row_bytes;
-    sr[r] = p.scales + static_cast<size_t>(n + r) * G;
+    sr[r] = p.scales + static_cast<size_t>(n + r) * Gs;
     br[r] = qmv_biases_row(p, n + r);
   }
   for (int g = 0; g < G; ++g) {
@@ -198,8 +228,13 @@ void qmv_rows1_neon(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int
       }
     }
     for (int r = 0; r < R; ++r) {
-      tot[r] = vfmaq_n_f32(tot[r], sum4(acc[r]), sr[r][g]);
-      bias_part[r] += br[r][g] * p.xsum[g];
+      if constexpr (halves) {
+        tot[r] = vfmaq_n_f32(tot[r], vaddq_f32(acc[r][0], acc[r][1]), sr[r][2 * g]);
+        tot[r] = vfmaq_n_f32(tot[r], vaddq_f32(acc[r][2], acc[r][3]), sr[r][2 * g + 1]);
+      } else {
+        tot[r] = vfmaq_n_f32(tot[r], sum4(acc[r]), sr[r][g]);
+        bias_part[r] += br[r][g] * p.xsum[g];
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -392,12 +427,18 @@ void matvec_rows_type(const MatvecProblem& p, int n0, int n1) {
 } // namespace
 
 bool qmv_rows_neon(const QmvProblem& p, int n0, int n1) {
-  if (p.group_size % 32 != 0) {
+  if (p.mode != kNvfp4 && p.group_size % 32 != 0) { // nvfp4: two groups of 16 a chunk
     return false;
   }
-  switch (p.mode == kMxfp4 ? kFp4 : p.bits) {
+  switch (qmv_code(p.mode, p.bits)) {
     case kFp4:
       qmv_rows_bits<kFp4>(p, n0, n1);
+      return true;
+    case kNv4:
+      qmv_rows_bits<kNv4>(p, n0, n1);
+      return true;
+    case kFp8:
+      qmv_rows_bits<kFp8>(p, n0, n1);
       return true;
     case 2:
       qmv_rows_bits<2>(p, n0, n1);

@@ -1,6 +1,7 @@
 #include "primitives.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -36,26 +37,43 @@ mx::array quantized_matvec(
     const std::string& mode,
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (mode != "affine" && mode != "mxfp4") {
-    throw std::invalid_argument(
-        "[mlxinfer quantized_matvec] mode: expected 'affine' or 'mxfp4', found '" + mode + "'");
+  // MLX's float modes: (mode, bits, group size, what the uint8 scales are).
+  struct FloatMode {
+    const char* name;
+    int mode, bits, group_size;
+    const char* scales;
+  };
+  static constexpr FloatMode kFloatModes[] = {
+      {"mxfp4", kMxfp4, 4, 32, "E8M0"}, {"nvfp4", kNvfp4, 4, 16, "E4M3"},
+      {"mxfp8", kMxfp8, 8, 32, "E8M0"}};
+  const FloatMode* fm = nullptr;
+  for (const auto& m : kFloatModes) {
+    fm = mode == m.name ? &m : fm;
   }
-  const bool fp4 = mode == "mxfp4";
-  if (fp4 ? bits != 4
+  if (mode != "affine" && fm == nullptr) {
+    throw std::invalid_argument(
+        "[mlxinfer quantized_matvec] mode: expected 'affine', 'mxfp4', 'nvfp4' or 'mxfp8', "
+        "found '" + mode + "'");
+  }
+  const bool flt = fm != nullptr;
+  if (flt ? bits != fm->bits
           : bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     throw std::invalid_argument(
         std::string("[mlxinfer quantized_matvec] bits: expected ") +
-        (fp4 ? "4 for mxfp4" : "2, 3, 4, 5, 6 or 8") + ", found " + std::to_string(bits));
+        (flt ? std::to_string(fm->bits) + " for " + mode : "2, 3, 4, 5, 6 or 8") + ", found " +
+        std::to_string(bits));
   }
-  if (fp4 ? group_size != 32 : group_size != 32 && group_size != 64 && group_size != 128) {
+  if (flt ? group_size != fm->group_size
+          : group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(
         std::string("[mlxinfer quantized_matvec] group_size: expected ") +
-        (fp4 ? "32 for mxfp4" : "32, 64 or 128") + ", found " + std::to_string(group_size));
+        (flt ? std::to_string(fm->group_size) + " for " + mode : "32, 64 or 128") + ", found " +
+        std::to_string(group_size));
   }
-  if (fp4 == biases.has_value()) {
+  if (flt == biases.has_value()) {
     throw std::invalid_argument(
         std::string("[mlxinfer quantized_matvec] biases: ") +
-        (fp4 ? "mxfp4 has none, found an array" : "expected an array for affine, found None"));
+        (flt ? mode + " has none, found an array" : "expected an array for affine, found None"));
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2 ||
       static_cast<int64_t>(w.shape(1)) * 32 % bits != 0) {
@@ -72,11 +90,11 @@ mx::array quantized_matvec(
         " is not a multiple of group_size " + std::to_string(group_size));
   }
   const mx::Shape sshape = {N, static_cast<int>(K / group_size)};
-  if (fp4) {
+  if (flt) {
     if (scales.shape() != sshape || scales.dtype() != mx::uint8) {
       throw std::invalid_argument(
-          "[mlxinfer quantized_matvec] scales: expected a uint8 (E8M0) array of shape " +
-          shape_str(sshape) + ", found " + shape_str(scales.shape()));
+          std::string("[mlxinfer quantized_matvec] scales: expected a uint8 (") + fm->scales +
+          ") array of shape " + shape_str(sshape) + ", found " + shape_str(scales.shape()));
     }
   } else if (scales.shape() != sshape || biases->shape() != sshape ||
              !is_float(scales.dtype()) || !is_float(biases->dtype())) {
@@ -95,7 +113,8 @@ mx::array quantized_matvec(
   }
   auto out_shape = x.shape();
   out_shape.back() = N;
-  // MLX's own: x's dtype for mxfp4 (uint8 scales promote to it), else with the scales'.
+  // MLX's own: x's dtype for the float modes (uint8 scales promote to it), else with the
+  // scales'.
   auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
   std::vector<mx::array> inputs = {x, w, scales};
   if (biases) {
@@ -104,19 +123,33 @@ mx::array quantized_matvec(
   return mx::array(
       out_shape,
       out_dtype,
-      std::make_shared<QuantizedMatvec>(stream, group_size, bits, fp4 ? kMxfp4 : kAffine),
+      std::make_shared<QuantizedMatvec>(stream, group_size, bits, flt ? fm->mode : kAffine),
       std::move(inputs));
 }
 
 namespace {
 
-// E8M0 scales (mxfp4) as f32: the exponent field itself (2^(e - 127)); e = 0 is 2^-127, a
-// subnormal, and 255 is E8M0's NaN, as MLX decodes them.
+// E8M0 scales (mxfp4, mxfp8) as f32: the exponent field itself (2^(e - 127)); e = 0 is
+// 2^-127, a subnormal, and 255 is E8M0's NaN, as MLX decodes them.
 void decode_e8m0(const uint8_t* __restrict e, float* __restrict out, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const uint32_t v = e[i];
     const uint32_t bits = v == 0 ? 0x00400000u : v == 255 ? 0x7FC00000u : v << 23;
     std::memcpy(out + i, &bits, sizeof bits);
+  }
+}
+
+// E4M3 scales (nvfp4) as f32, by a table of the 256 values (e4m3_to_f32).
+void decode_e4m3(const uint8_t* __restrict e, float* __restrict out, size_t n) {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) {
+      t[i] = e4m3_to_f32(static_cast<uint8_t>(i));
+    }
+    return t;
+  }();
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = table[e[i]];
   }
 }
 
@@ -141,7 +174,7 @@ void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = encoder_for(stream(), inputs, out);
-  // mxfp4 has no biases: its scales stand in for them here (never read for it).
+  // The float modes have no biases: their scales stand in for them here (never read).
   encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
                     w = mx::array::unsafe_weak_copy(inputs[1]),
                     sc = mx::array::unsafe_weak_copy(inputs[2]),
@@ -151,10 +184,10 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
                     bits = bits_,
                     mode = mode_]() mutable {
     QmvProblem p;
-    p.isa = current_isa();
     p.mode = mode;
     p.N = w.shape(0);
     p.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / bits);
+    p.isa = qmv_isa(current_isa(), mode, p.K);
     p.M = p.K == 0 ? 0 : static_cast<int>(x.size() / p.K);
     p.group_size = gs;
     p.bits = bits;
@@ -165,7 +198,7 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     // x as f32 rows, plus its de-interleaved copy and group sums (small: M * K).
     aligned_vector<float> xf(static_cast<size_t>(p.M) * p.K);
     // The vector paths read x de-interleaved (4-bit) or scaled (2/3/5/6-bit): a copy.
-    const bool reorder = qmv_uses_xp(bits, p.isa);
+    const bool reorder = qmv_uses_xp(bits, p.isa, mode);
     aligned_vector<float> xp(reorder ? xf.size() : 0);
     std::vector<float> xsum(static_cast<size_t>(p.M) * G);
     to_f32(x, xf.data());
@@ -185,10 +218,10 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     std::vector<float> sf, bf;
     const bool scales_f32 = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
         bi.dtype() == mx::float32 && bi.flags().row_contiguous;
-    std::vector<uint8_t> codes; // mxfp4: the E8M0 scales, contiguous
-    const uint8_t* e8m0 = nullptr;
-    if (mode == kMxfp4) { // scales decoded per block of rows as they run; zero biases
-      e8m0 = sc.data<uint8_t>();
+    std::vector<uint8_t> codes; // the float modes: the uint8 scales, contiguous
+    const uint8_t* scale_codes = nullptr;
+    if (mode != kAffine) { // scales decoded per block of rows as they run; zero biases
+      scale_codes = sc.data<uint8_t>();
       if (!sc.flags().row_contiguous) {
         codes.resize(sc.size());
         std::vector<float> wide(sc.size());
@@ -196,7 +229,7 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
         for (size_t i = 0; i < wide.size(); ++i) {
           codes[i] = static_cast<uint8_t>(wide[i]);
         }
-        e8m0 = codes.data();
+        scale_codes = codes.data();
       }
       bf.assign(G, 0.0f);
       p.biases = bf.data();
@@ -214,18 +247,19 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     }
     const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
     parallel_rows(p.N, 8, bytes, [&](int n0, int n1) {
-      if (e8m0 == nullptr) {
+      if (scale_codes == nullptr) {
         return qmv_rows(p, n0, n1);
       }
-      // mxfp4: each block of 64 rows' scales decoded into a buffer that stays in cache, the
-      // rows run as a problem of their own (decoding them all first took 10 µs of 70 for
-      // SmolLM2's 576 -> 1536 on one thread, and a pass over 3.5 MB for its head).
+      // The float modes: each block of 64 rows' scales decoded into a buffer that stays in
+      // cache, the rows run as a problem of their own (decoding them all first took 10 µs of
+      // 70 for SmolLM2's 576 -> 1536 on one thread, and a pass over 3.5 MB for its head).
       constexpr int kRows = 64;
-      const size_t row_words = static_cast<size_t>(p.K) / 32 * p.bits;
+      const size_t row_words = static_cast<size_t>(p.K) * p.bits / 32;
       std::vector<float> local(static_cast<size_t>(kRows) * G);
       for (int a = n0; a < n1; a += kRows) {
         const int b = std::min(n1, a + kRows);
-        decode_e8m0(e8m0 + static_cast<size_t>(a) * G, local.data(), static_cast<size_t>(b - a) * G);
+        (mode == kNvfp4 ? decode_e4m3 : decode_e8m0)(
+            scale_codes + static_cast<size_t>(a) * G, local.data(), static_cast<size_t>(b - a) * G);
         QmvProblem q = p;
         q.w = p.w + static_cast<size_t>(a) * row_words;
         q.scales = local.data();

@@ -2,21 +2,45 @@
 // with rows of x held in cache; the codes (2, 3, 4, 5, 6 or 8 bits) are widened to f32 in
 // registers (never written out dequantized). 4- and 8-bit codes are whole nibbles and bytes;
 // 2/3/5/6-bit ones are read per 8-code unit (`bits` bytes) by byte shuffles (StreamTables).
+// MLX's float modes reuse those layouts: mxfp4/nvfp4's E2M1 codes the 4-bit one (a table of
+// the doubled values), mxfp8's E4M3 codes the 8-bit one (widened through float16, F16C).
 //
 // Per group g of a row: sum_k x_k (s_g q_k + b_g) = s_g * sum_k x_k q_k + b_g * sum_k x_k,
 // so the inner loop is one FMA per weight and the bias term costs one FMA per group.
 #include "kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "simd.h"
 
 namespace mlxinfer {
 
+float e4m3_to_f32(uint8_t b) {
+  const int m7 = b & 0x7F, e = m7 >> 3, f = m7 & 7;
+  const float v = m7 == 0x7F ? std::numeric_limits<float>::quiet_NaN()
+      : e == 0               ? std::ldexp(static_cast<float>(f), -9)
+                             : std::ldexp(static_cast<float>(8 + f), e - 10);
+  return (b & 0x80) != 0 ? -v : v;
+}
+
 namespace {
+
+// Every E4M3 byte's value (the scalar path's mxfp8 codes).
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) {
+      t[i] = e4m3_to_f32(static_cast<uint8_t>(i));
+    }
+    return t;
+  }();
+  return table;
+}
 
 // ----------------------------------------------------------------------------
 // Portable path
@@ -29,7 +53,11 @@ constexpr float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
 void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
   const uint32_t mask = (1u << p.bits) - 1u;
-  const int words_per_row = p.K / 32 * p.bits;
+  const int words_per_row = p.K * p.bits / 32; // K * bits is a multiple of 32 (nvfp4: K of 16s)
+  // The code's value: E2M1 (mxfp4, nvfp4), E4M3 (mxfp8) or the integer (affine).
+  const float* lut = p.mode == kMxfp4 || p.mode == kNvfp4 ? kE2m1
+      : p.mode == kMxfp8                                  ? e4m3_table().data()
+                                                          : nullptr;
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * words_per_row;
     const float* s = p.scales + static_cast<size_t>(n) * G;
@@ -48,7 +76,7 @@ void qmv_rows_scalar(const QmvProblem& p, int n0, int n1) {
           if (shift + p.bits > 32) {
             v |= wr[word + 1] << (32 - shift);
           }
-          acc += x[k] * (p.mode == kMxfp4 ? kE2m1[v & 15u] : static_cast<float>(v & mask));
+          acc += x[k] * (lut != nullptr ? lut[v & mask] : static_cast<float>(v & mask));
         }
         total += s[g] * acc + b[g] * xs[g];
       }
@@ -92,12 +120,26 @@ constexpr StreamTables<BITS> kStream = make_stream_tables<BITS>();
 
 #if defined(MLXINFER_X86)
 
+// The quantized AVX2 paths take F16C too (mxfp8's codes; every AVX2 CPU has it, and
+// qmv_rows_path runs mxfp8 on the scalar path where one does not).
+#define MLXINFER_QAVX2 MLXINFER_AVX2_F16C
+
+// E4M3 bytes, sign-extended to 16 bits, as the float16 of value * 2^-8: the sign to bit 15,
+// exponent and mantissa to bits 7-13 (float16's exponent field is E4M3's with bias 15 for 7,
+// subnormals included); 0x7F/0xFF (all of bits 7-13 set) become a NaN.
+MLXINFER_QAVX2 inline __m256i e4m3_as_f16(__m256i v) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(-16512)); // 0xBF80
+  const __m256i m = _mm256_set1_epi16(0x3F80);
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, m), m);
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
+}
+
 // One 16-weight chunk as two vectors of 8 f32 codes, matched with xp[0:8], xp[8:16].
 // 4-bit: 8 bytes hold 16 codes; low nibbles are the even k, high nibbles the odd k
 // (xp is x de-interleaved to match). 8-bit: two runs of 8 bytes, k in order (xp == x).
 // 2/3/5/6-bit: two units (StreamTables), k in order, each code << its bit offset (xp scaled).
 template <int BITS>
-MLXINFER_AVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
+MLXINFER_QAVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
   if constexpr (qmv_stream_bits(BITS)) {
     const __m256i ctrl = _mm256_load_si256(reinterpret_cast<const __m256i*>(kStream<BITS>.ctrl8));
     const __m256i mask =
@@ -108,7 +150,7 @@ MLXINFER_AVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + BITS)));
     a = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(u0, ctrl), mask));
     b = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(u1, ctrl), mask));
-  } else if constexpr (BITS == kFp4) { // nibbles as 4-bit; 2 * E2M1 value by a byte lookup
+  } else if constexpr (qmv_e2m1(BITS)) { // nibbles as 4-bit; 2 * E2M1 value by a byte lookup
     const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m128i nib = _mm_set1_epi8(0x0F);
     const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
@@ -116,6 +158,11 @@ MLXINFER_AVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
     const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), nib));
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
     b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  } else if constexpr (BITS == kFp8) { // 16 E4M3 codes in order, as float16 (value * 2^-8)
+    const __m256i h = e4m3_as_f16(
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+    a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   } else if constexpr (BITS == 4) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
     a = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
@@ -131,7 +178,7 @@ MLXINFER_AVX2 inline void unpack16(const uint8_t* src, __m256& a, __m256& b) {
 // M rows of x against one output row. U chunks of 16 per step (independent
 // accumulators hide the FMA latency when M is small).
 template <int BITS, int M, int U>
-MLXINFER_AVX2 void qmv_row_avx2(
+MLXINFER_QAVX2 void qmv_row_avx2(
     const QmvProblem& p,
     const uint8_t* wr,
     const float* s,
@@ -194,7 +241,7 @@ MLXINFER_AVX2 void qmv_row_avx2(
 // 6 rows 1.3x, 8 rows 1.2x, 4 rows 0.8x (so 4 and fewer keep it). 8 rows hold 16 totals in
 // AVX2's 16 registers with spills, and still beat 6 + 2.
 template <int BITS, int M>
-MLXINFER_AVX2 void qmv_row_dq_avx2(
+MLXINFER_QAVX2 void qmv_row_dq_avx2(
     const QmvProblem& p,
     const uint8_t* wr,
     const float* s,
@@ -237,7 +284,7 @@ MLXINFER_AVX2 void qmv_row_dq_avx2(
 }
 
 template <int BITS, int R>
-MLXINFER_AVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int n) {
+MLXINFER_QAVX2 void qmv_rows1_avx2(const QmvProblem& p, const uint8_t* w, size_t row_bytes, int n) {
   const int G = p.K / p.group_size;
   const int gs = p.group_size;
   __m256 tot[R][2];
@@ -337,7 +384,7 @@ inline int qmv_blocked(const QmvProblem& p) {
 // lanes 0-7 of the same tables): each 128 bits loaded from its first word (T.idx), which
 // reads at most 12 bytes past the block, within the 16 qmv_rows allows past a row.
 template <int BITS>
-MLXINFER_AVX2 inline void block32(const uint8_t* src, const __m256* xv, __m256& a0, __m256& a1) {
+MLXINFER_QAVX2 inline void block32(const uint8_t* src, const __m256* xv, __m256& a0, __m256& a1) {
   const auto& T = kBlock<BITS>;
   constexpr int hi = 4 * (2 * BITS / 4); // the second 128 bits' first byte (T.idx[4] words)
   const __m256i v = _mm256_shuffle_epi8(
@@ -359,7 +406,7 @@ MLXINFER_AVX2 inline void block32(const uint8_t* src, const __m256* xv, __m256& 
 // One row of x against R output rows at the bit-stream widths on AVX2: blocks of 32 codes
 // (one group holds whole blocks), scaled once per group.
 template <int BITS, int R>
-MLXINFER_AVX2 void qmv_rows1_blocked_avx2(const QmvProblem& p, const uint8_t* w,
+MLXINFER_QAVX2 void qmv_rows1_blocked_avx2(const QmvProblem& p, const uint8_t* w,
                                           size_t row_bytes, int n) {
   const int G = p.K / p.group_size;
   const int per_group = p.group_size / 32;
@@ -399,8 +446,9 @@ MLXINFER_AVX2 void qmv_rows1_blocked_avx2(const QmvProblem& p, const uint8_t* w,
 }
 
 template <int BITS>
-MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
+MLXINFER_QAVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
+  constexpr int U2 = BITS == kNv4 ? 1 : 2; // 16-code chunks per step within a group (nvfp4: 16)
   const size_t row_bytes = static_cast<size_t>(p.K) * qmv_width(BITS) / 8;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
   if constexpr (qmv_stream_bits(BITS)) {
@@ -451,10 +499,10 @@ MLXINFER_AVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
         qmv_row_avx2<BITS, 3, 1>(p, wr, s, b, m, n);
         break;
       case 2:
-        qmv_row_avx2<BITS, 2, 2>(p, wr, s, b, m, n);
+        qmv_row_avx2<BITS, 2, U2>(p, wr, s, b, m, n);
         break;
       case 1:
-        qmv_row_avx2<BITS, 1, 2>(p, wr, s, b, m, n);
+        qmv_row_avx2<BITS, 1, U2>(p, wr, s, b, m, n);
         break;
       default:
         break;
@@ -482,13 +530,22 @@ MLXINFER_AVX512BW inline void unpack32(const uint8_t* src, __m512& a, __m512& b)
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * BITS)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_shuffle_epi8(v0, ctrl), mask));
     b = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_shuffle_epi8(v1, ctrl), mask));
-  } else if constexpr (BITS == kFp4) { // nibbles as 4-bit; 2 * E2M1 value by a lane lookup
+  } else if constexpr (qmv_e2m1(BITS)) { // nibbles as 4-bit; 2 * E2M1 value by a lane lookup
     const __m512 lut = _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 12.0f, -0.0f,
                                       -1.0f, -2.0f, -3.0f, -4.0f, -6.0f, -8.0f, -12.0f);
     const __m512i v =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     a = _mm512_permutexvar_ps(v, lut); // the index's low 4 bits: the low nibble
     b = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+  } else if constexpr (BITS == kFp8) { // 32 E4M3 codes in order, as float16 (value * 2^-8)
+    const __m512i v =
+        _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    const __m512i m = _mm512_set1_epi16(0x3F80);
+    __m512i h = _mm512_and_si512(_mm512_slli_epi16(v, 7), _mm512_set1_epi16(-16512)); // 0xBF80
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, m), m); // 0x7F, 0xFF
+    h = _mm512_mask_blend_epi16(nan, h, _mm512_or_si512(h, _mm512_set1_epi16(0x7C00)));
+    a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   } else if constexpr (BITS == 4) {
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
@@ -501,6 +558,17 @@ MLXINFER_AVX512BW inline void unpack32(const uint8_t* src, __m512& a, __m512& b)
   }
 }
 
+// The scale of the 32-code chunk from k (group g = k / gs). nvfp4's groups of 16 split a chunk:
+// lanes 0-7 of both vectors unpack32 gives are codes 0-15 (the nibble order), 8-15 codes 16-31.
+template <int BITS>
+MLXINFER_AVX512BW inline __m512 chunk_scale(const float* s, int k, int gs) {
+  if constexpr (BITS == kNv4) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[k / 16]), _mm512_set1_ps(s[k / 16 + 1]));
+  } else {
+    return _mm512_set1_ps(s[k / gs]);
+  }
+}
+
 template <int BITS, int M, int U>
 MLXINFER_AVX512BW void qmv_row_avx512(
     const QmvProblem& p,
@@ -509,8 +577,11 @@ MLXINFER_AVX512BW void qmv_row_avx512(
     const float* b,
     int m0,
     int n) {
-  const int G = p.K / p.group_size;
-  const int gs = p.group_size;
+  // nvfp4: a step per 32-code chunk, its two groups scaled by chunk_scale (and no biases).
+  constexpr bool halves = BITS == kNv4;
+  const int Gs = p.K / p.group_size; // the scales' and x sums' row stride
+  const int gs = halves ? 32 : p.group_size;
+  const int G = p.K / gs;
   constexpr int bytes32 = 32 * qmv_width(BITS) / 8;
   // A running total per accumulator: each group's partial products are scaled into it
   // (no dependent adds per group, and registers only: indexing totals by the group's
@@ -545,12 +616,14 @@ MLXINFER_AVX512BW void qmv_row_avx512(
         }
       }
     }
-    const __m512 sv = _mm512_set1_ps(s[g]);
+    const __m512 sv = chunk_scale<BITS>(s, k0, gs);
     for (int m = 0; m < M; ++m) {
       for (int u = 0; u < 2 * U; ++u) {
         tot[m][u] = _mm512_fmadd_ps(acc[m][u], sv, tot[m][u]);
       }
-      bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * G + g];
+      if constexpr (!halves) {
+        bias_part[m] += b[g] * p.xsum[static_cast<size_t>(m0 + m) * Gs + g];
+      }
     }
   }
   for (int m = 0; m < M; ++m) {
@@ -588,8 +661,8 @@ MLXINFER_AVX512BW void qmv_row_dq_avx512(
   // stored to the stack at each group's end: a store per total per group).
   for (int k = 0; k < p.K; k += 32) {
     const int g = k / gs;
-    __m512 sv = _mm512_set1_ps(s[g]);
-    const __m512 bv = _mm512_set1_ps(b[g]);
+    __m512 sv = chunk_scale<BITS>(s, k, gs);
+    const __m512 bv = _mm512_set1_ps(b[g]); // nvfp4: zeros (one row of K / 16)
     if constexpr (stream) {
       sv = _mm512_mul_ps(sv, _mm512_load_ps(kStream<BITS>.inv16));
     }
@@ -617,8 +690,10 @@ MLXINFER_AVX512BW void qmv_rows1_avx512(
     const uint8_t* w,
     size_t row_bytes,
     int n) {
-  const int G = p.K / p.group_size;
-  const int gs = p.group_size;
+  constexpr bool halves = BITS == kNv4; // as qmv_row_avx512
+  const int Gs = p.K / p.group_size;
+  const int gs = halves ? 32 : p.group_size;
+  const int G = p.K / gs;
   __m512 tot[R][2 * U];
   float bias_part[R];
   const uint8_t* wr[R];
@@ -630,7 +705,7 @@ MLXINFER_AVX512BW void qmv_rows1_avx512(
     }
     bias_part[r] = 0.0f;
     wr[r] = w + (n + r) * row_bytes;
-    sr[r] = p.scales + static_cast<size_t>(n + r) * G;
+    sr[r] = p.scales + static_cast<size_t>(n + r) * Gs;
     br[r] = qmv_biases_row(p, n + r);
   }
   for (int g = 0; g < G; ++g) {
@@ -655,11 +730,13 @@ MLXINFER_AVX512BW void qmv_rows1_avx512(
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 sv = _mm512_set1_ps(sr[r][g]);
+      const __m512 sv = chunk_scale<BITS>(sr[r], k0, gs);
       for (int u = 0; u < 2 * U; ++u) {
         tot[r][u] = _mm512_fmadd_ps(acc[r][u], sv, tot[r][u]);
       }
-      bias_part[r] += br[r][g] * p.xsum[g];
+      if constexpr (!halves) {
+        bias_part[r] += br[r][g] * p.xsum[g];
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -844,7 +921,8 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
 #else
       const int chunk = p.isa == kAvx512 ? 32 : 16;
 #endif
-      const float f = p.mode == kMxfp4 ? 0.5f : 1.0f; // mxfp4: codes widened as 2 * value
+      // mxfp4, nvfp4: codes widened as 2 * value
+      const float f = p.mode == kMxfp4 || p.mode == kNvfp4 ? 0.5f : 1.0f;
       for (int c = 0; c < p.K; c += chunk) {
         for (int i = 0; i < chunk / 2; ++i) {
           dst[c + i] = f * x[c + 2 * i];
@@ -883,6 +961,10 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum) {
 #endif
       for (; k < p.K; ++k) {
         dst[k] = std::ldexp(x[k], -(k * p.bits % 8));
+      }
+    } else if (p.mode == kMxfp8 && p.isa != kScalar) { // codes widened as value * 2^-8
+      for (int k = 0; k < p.K; ++k) {
+        dst[k] = 256.0f * x[k];
       }
     } else if (dst != x) { // x itself may serve as xp (the caller's choice)
       std::memcpy(dst, x, sizeof(float) * p.K);
@@ -923,9 +1005,15 @@ void qmv_rows_path(const QmvProblem& p, int n0, int n1) {
   }
 #endif
   bool done = false;
-  switch (p.mode == kMxfp4 ? kFp4 : p.bits) {
+  switch (qmv_code(p.mode, p.bits)) {
     case kFp4:
       done = qmv_rows_x86<kFp4>(p, n0, n1);
+      break;
+    case kNv4:
+      done = qmv_rows_x86<kNv4>(p, n0, n1);
+      break;
+    case kFp8: // widened by F16C (MLXINFER_QAVX2)
+      done = has_f16c() && qmv_rows_x86<kFp8>(p, n0, n1);
       break;
     case 2:
       done = qmv_rows_x86<2>(p, n0, n1);

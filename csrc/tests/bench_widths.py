@@ -3,7 +3,8 @@
     python csrc/tests/bench_widths.py [--isa avx2] [--threads 1] [--group-size 64] [--rounds 5]
 
 For SmolLM2-135M's gate/up (576->1536), down (1536->576) and head (576->49152) shapes, every
-width 2/3/4/5/6/8 (and mxfp4, at its group size 32) runs once per round, in turn (so load drifts hit them alike); a width's
+width 2/3/4/5/6/8 (and MLX's float modes mxfp4, nvfp4, mxfp8 at their group sizes 32, 16, 32) runs
+once per round, in turn (so load drifts hit them alike); a width's
 figure is its best round, each round the median of 3 batches of calls per mx.eval. Prints µs
 per call, ns per weight, ns per byte streamed (packed codes + scales + biases) and both
 against 4-bit, with the CPU's lscpu model name, CPU count and load average. A memory-bound
@@ -22,7 +23,9 @@ import mlx.core as mx
 from mlxinfer.backends import kernels
 
 SHAPES = [(576, 1536), (1536, 576), (576, 49152)]
-BITS = [2, 3, 4, 5, 6, 8, "mxfp4"]  # mxfp4: group 32, uint8 scales, no biases
+# The float modes: (bits, group size), uint8 scales, no biases.
+FLOAT_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+BITS = [2, 3, 4, 5, 6, 8, *FLOAT_MODES]
 
 
 def cpu_name() -> str:
@@ -53,8 +56,8 @@ def main() -> None:
         mx.random.seed(0)
         w = mx.random.normal((n_out, k_in)) * 0.05
         x = mx.random.normal((1, k_in))
-        q = {b: mx.quantize(w, group_size=gs, bits=b) for b in BITS if b != "mxfp4"}
-        q["mxfp4"] = (*mx.quantize(w, mode="mxfp4"), None)
+        q = {b: mx.quantize(w, group_size=gs, bits=b) for b in BITS if b not in FLOAT_MODES}
+        q |= {m: (*mx.quantize(w, mode=m), None) for m in FLOAT_MODES}
         mx.eval(x, *[a for t in q.values() for a in t if a is not None])
         nbytes = {b: sum(a.nbytes for a in q[b] if a is not None) for b in BITS}
         calls = max(3, min(50, int(3e8 // nbytes[8])))
@@ -64,8 +67,9 @@ def main() -> None:
                 wq, s, bias = q[b]
 
                 def batch(n, x=x, wq=wq, s=s, bias=bias, b=b):
-                    if b == "mxfp4":
-                        ys = [K.quantized_matvec(x, wq, s, None, 32, 4, mode=b) for _ in range(n)]
+                    if b in FLOAT_MODES:
+                        bits, g = FLOAT_MODES[b]
+                        ys = [K.quantized_matvec(x, wq, s, None, g, bits, mode=b) for _ in range(n)]
                     else:
                         ys = [K.quantized_matvec(x, wq, s, bias, gs, b) for _ in range(n)]
                     mx.eval(ys)

@@ -3,7 +3,9 @@
 // against this file's own double-precision reference, on odd shapes:
 //   quantized: bits 2, 3, 4, 5, 6 and 8 (MLX's bit stream: 3/5/6-bit codes straddle words),
 //              group sizes 32/64/128, 1..16 rows of x, N odd, rows as short as one group;
-//              mxfp4 (E2M1 codes, power-of-two scales per 32, no bias) likewise;
+//              mxfp4 (E2M1 codes, power-of-two scales per 32, no bias), nvfp4 (E2M1 codes,
+//              E4M3 scales per 16, K off a multiple of 32 too) and mxfp8 (E4M3 codes,
+//              power-of-two scales per 32) likewise; every E4M3 code widened bit for bit;
 //   float:     f32, bf16 and f16 weights, K not a multiple of the vector width, 1..16 rows;
 //   widening:  every finite bf16 and f16 value through the float kernel, bit for bit.
 // A case passes when max |y - ref| <= 1e-4 * max |ref| on each path, and no path writes
@@ -113,12 +115,26 @@ bool judge(Isa isa, double err, bool in_range, std::string& line, Outcome& out) 
 // Quantized: y[m, n] = sum_k x[m, k] * (s[n, g] * q[n, k] + b[n, g])
 // ---------------------------------------------------------------------------
 
+// E4M3 from its definition (OCP MX spec: bias 7, exponent 0 subnormal, S.1111.111 NaN).
+double e4m3_ref(int b) {
+  const int e = (b >> 3) & 15, f = b & 7;
+  if ((b & 0x7F) == 0x7F) {
+    return NAN;
+  }
+  const double v = e == 0 ? std::ldexp(f / 8.0, -6) : std::ldexp(1.0 + f / 8.0, e - 7);
+  return (b & 0x80) != 0 ? -v : v;
+}
+
+const char* mode_name(int mode) {
+  return mode == kMxfp4 ? "mxfp4" : mode == kNvfp4 ? "nvfp4" : "mxfp8";
+}
+
 void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out, int mode = kAffine) {
   const int G = K / gs, levels_q = (1 << bits) - 1;
-  const bool fp4 = mode == kMxfp4;
+  const bool fp4 = mode == kMxfp4 || mode == kNvfp4, fp8 = mode == kMxfp8, flt = fp4 || fp8;
   static const double e2m1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
   // Exactly N * K * bits / 32 words: a read past the buffer's end is the sanitizer's to see.
-  std::vector<uint32_t> w(static_cast<size_t>(N) * K / 32 * bits, 0u);
+  std::vector<uint32_t> w(static_cast<size_t>(N) * K * bits / 32, 0u);
   std::vector<float> s(static_cast<size_t>(N) * G), b(s.size());
   std::vector<double> deq(static_cast<size_t>(N) * K); // s * q + b
   // Affine quantization of normal weights as mx.quantize does it: per group,
@@ -133,16 +149,21 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out, int mo
         lo = std::min(lo, wg[i]);
         hi = std::max(hi, wg[i]);
       }
-      // mxfp4: an E8M0 scale 2^(e - 127) (decoded, as the primitive passes it), no bias.
-      const float scale = fp4 ? std::ldexp(1.0f, -6 - static_cast<int>(rng() % 4))
-                              : (hi - lo) / levels_q;
-      const float bias = fp4 ? 0.0f : lo;
+      // mxfp4, mxfp8: an E8M0 scale 2^(e - 127) (decoded, as the primitive passes it); nvfp4:
+      // an E4M3 one (0.0078 .. 15, either sign); no bias.
+      const int e4m3 = 0x10 + static_cast<int>(rng() % 0x50) + static_cast<int>(rng() % 2) * 0x80;
+      const float scale = mode == kNvfp4 ? static_cast<float>(e4m3_ref(e4m3))
+          : flt                          ? std::ldexp(1.0f, -6 - static_cast<int>(rng() % 4))
+                                         : (hi - lo) / levels_q;
+      const float bias = flt ? 0.0f : lo;
       s[static_cast<size_t>(n) * G + g] = scale;
       b[static_cast<size_t>(n) * G + g] = bias;
       for (int i = 0; i < gs; ++i) {
         const int k = g * gs + i;
         int q = static_cast<int>(std::lround((wg[i] - bias) / scale));
         q = fp4 ? static_cast<int>(rng() % 16) : std::min(std::max(q, 0), levels_q);
+        while (fp8 && ((q = static_cast<int>(rng() % 256)) & 0x7F) == 0x7F) { // finite codes
+        }
         const size_t bit = (static_cast<size_t>(n) * K + k) * bits;
         const int shift = static_cast<int>(bit % 32);
         w[bit / 32] |= static_cast<uint32_t>(q) << shift;
@@ -150,7 +171,7 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out, int mo
           w[bit / 32 + 1] |= static_cast<uint32_t>(q) >> (32 - shift);
         }
         deq[static_cast<size_t>(n) * K + k] =
-            static_cast<double>(scale) * (fp4 ? e2m1[q] : q) + bias;
+            static_cast<double>(scale) * (fp4 ? e2m1[q] : fp8 ? e4m3_ref(q) : q) + bias;
       }
     }
   }
@@ -170,8 +191,8 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out, int mo
     }
   }
   char head[96];
-  if (fp4) {
-    std::snprintf(head, sizeof head, "qmv mxfp4 gs=%d K=%d N=%d M=%d:", gs, K, N, M);
+  if (flt) {
+    std::snprintf(head, sizeof head, "qmv %s gs=%d K=%d N=%d M=%d:", mode_name(mode), gs, K, N, M);
   } else {
     std::snprintf(head, sizeof head, "qmv bits=%d gs=%d K=%d N=%d M=%d:", bits, gs, K, N, M);
   }
@@ -181,15 +202,15 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out, int mo
   for (Isa isa : levels()) {
     ok = cap_at(isa) && ok;
     QmvProblem p;
-    p.isa = current_isa();
+    p.isa = qmv_isa(current_isa(), mode, K);
     p.M = M, p.N = N, p.K = K, p.group_size = gs, p.bits = bits;
     p.mode = mode;
     p.x = x.data();
     qmv_prepare(p, xp.data(), xsum.data());
     p.xp = xp.data(), p.xsum = xsum.data();
-    p.shared_biases = fp4; // one row of zeros
+    p.shared_biases = flt; // one row of zeros
     std::vector<float> zeros(G, 0.0f);
-    p.w = w.data(), p.scales = s.data(), p.biases = fp4 ? zeros.data() : b.data(), p.y = y.data();
+    p.w = w.data(), p.scales = s.data(), p.biases = flt ? zeros.data() : b.data(), p.y = y.data();
     const bool in_range = run_split([&](int n0, int n1) { qmv_rows(p, n0, n1); }, y, M, N);
     ok = judge(p.isa, rel_error(y, ref), in_range, line, out) && ok;
   }
@@ -337,6 +358,42 @@ void check_widening(WeightType t, Outcome& out) {
   out.failures += ok ? 0 : 1;
 }
 
+// Every E4M3 byte through the mxfp8 product, bit for bit: row n holds 32 codes n with scale 1,
+// x = (1, 0, ..., 0), so y[n] is code n's value (NaN for 0x7F and 0xFF), on each path.
+void check_e4m3_codes(Outcome& out) {
+  constexpr int N = 256, K = 32;
+  std::vector<uint32_t> w(static_cast<size_t>(N) * K / 4);
+  for (int n = 0; n < N; ++n) {
+    std::memset(w.data() + static_cast<size_t>(n) * K / 4, n, K);
+  }
+  std::vector<float> s(N, 1.0f), zeros(1, 0.0f), x(K, 0.0f), xp(K), xsum(1), y(N);
+  x[0] = 1.0f;
+  std::string line = "widen e4m3: 256 mxfp8 codes, bit for bit:";
+  bool ok = true;
+  for (Isa isa : levels()) {
+    ok = cap_at(isa) && ok;
+    QmvProblem p;
+    p.isa = current_isa();
+    p.M = 1, p.N = N, p.K = K, p.group_size = 32, p.bits = 8, p.mode = kMxfp8;
+    p.x = x.data();
+    qmv_prepare(p, xp.data(), xsum.data());
+    p.xp = xp.data(), p.xsum = xsum.data(), p.shared_biases = true;
+    p.w = w.data(), p.scales = s.data(), p.biases = zeros.data(), p.y = y.data();
+    qmv_rows(p, 0, N);
+    int bad = 0;
+    for (int n = 0; n < N; ++n) {
+      const double ref = e4m3_ref(n);
+      const bool same = std::isnan(ref) ? std::isnan(y[n]) : y[n] == ref; // ±0 alike (a sum)
+      bad += same ? 0 : 1;
+    }
+    line += std::string(" ") + isa_name(p.isa) + (bad == 0 ? " exact" : " MISMATCHED");
+    ok = ok && bad == 0;
+  }
+  std::printf("%s %s\n", line.c_str(), ok ? "ok" : "FAILED");
+  out.cases += 1;
+  out.failures += ok ? 0 : 1;
+}
+
 } // namespace
 
 int main() {
@@ -367,6 +424,24 @@ int main() {
     check_quantized(4, 32, 32, N, 5, out, kMxfp4);
   }
   check_quantized(4, 32, 1536, 13, 1, out, kMxfp4);
+  // nvfp4 (E2M1 codes, E4M3 scales per 16: two groups in each 32-code step) and mxfp8 (E4M3
+  // codes in the 8-bit layout, E8M0 scales per 32)
+  for (int mode : {kNvfp4, kMxfp8}) {
+    const int gs = mode == kNvfp4 ? 16 : 32, bits = mode == kNvfp4 ? 4 : 8;
+    for (int M = 1; M <= 16; ++M) {
+      check_quantized(bits, gs, 96, 37, M, out, mode);
+    }
+    for (int N : {1, 2, 7}) {
+      check_quantized(bits, gs, 32, N, 1, out, mode);
+      check_quantized(bits, gs, 32, N, 5, out, mode);
+    }
+    check_quantized(bits, gs, 1536, 13, 1, out, mode);
+  }
+  for (int K : {16, 48, 80}) { // nvfp4 rows off a multiple of 32 (qmv_isa)
+    check_quantized(4, 16, K, 7, 1, out, kNvfp4);
+    check_quantized(4, 16, K, 7, 3, out, kNvfp4);
+  }
+  check_e4m3_codes(out);
   for (WeightType t : {kF32, kBF16, kF16}) {
     for (int M = 1; M <= 16; ++M) {
       check_float(t, 77, 37, M, out); // 4 vector steps of 16 and a tail of 13

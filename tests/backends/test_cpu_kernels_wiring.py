@@ -1,7 +1,7 @@
 """The compiled kernels in the CPU backend (backends/cpu/compiled.py; issue 32, "Wiring"):
 with the ``kernel`` plans forced on, float models match transformers (logits within 1e-3,
-greedy tokens) and 4-, 3-, 6-bit and mxfp4 models match MLX's own quantized path, tied and untied
-heads;
+greedy tokens) and 4-, 3-, 6-bit, mxfp4, nvfp4 and mxfp8 models match MLX's own quantized path,
+tied and untied heads;
 the kernels are called exactly where a product has at most 16 rows and the plan says so,
 never otherwise; the plan timing keeps a kernel only where it wins, and the thread count is
 a plan too. Every test forces the plans it checks: no outcome depends on timing."""
@@ -157,33 +157,54 @@ def test_a_bfloat16_model_takes_the_kernel_and_matches(tiny, counting):
     assert tokens["kernels"] == tokens["off"]
 
 
-def mlx_lm_mxfp4(path, out):
-    """mlx-lm's own mxfp4 conversion of the model at ``path`` (float32 elsewhere)."""
-    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm (writes the mxfp4 test model)")
+FLOAT_MODES = ("mxfp4", "nvfp4", "mxfp8")
+
+
+def mlx_lm_float_mode(path, out, mode):
+    """mlx-lm's own conversion of the model at ``path`` to MLX's float ``mode`` (float32
+    elsewhere)."""
+    mlx_lm = pytest.importorskip("mlx_lm", reason=f"mlx-lm (writes the {mode} test model)")
     if "q_mode" not in inspect.signature(mlx_lm.convert).parameters:
         pytest.skip(f"mlx-lm {mlx_lm.__version__} has no q_mode (MLX's float modes)")
     config = json.loads((path / "config.json").read_text())  # mlx-lm reads the top-level theta
     config.setdefault("rope_theta", config.get("rope_parameters", {}).get("rope_theta", 1e4))
     (path / "config.json").write_text(json.dumps(config))
     with contextlib.redirect_stdout(io.StringIO()):
-        mlx_lm.convert(str(path), str(out), quantize=True, q_mode="mxfp4", dtype="float32")
+        mlx_lm.convert(str(path), str(out), quantize=True, q_mode=mode, dtype="float32")
 
 
 @pytest.mark.parametrize(
     "tied,bits",
-    [(True, 4), (False, 4), (False, 3), (True, 6), (True, "mxfp4")],
-    ids=["4bit-tied", "4bit-untied", "3bit-untied", "6bit-tied", "mxfp4-tied"],
+    [
+        (True, 4),
+        (False, 4),
+        (False, 3),
+        (True, 6),
+        (True, "mxfp4"),
+        (True, "nvfp4"),
+        (False, "mxfp8"),
+    ],
+    ids=[
+        "4bit-tied",
+        "4bit-untied",
+        "3bit-untied",
+        "6bit-tied",
+        "mxfp4-tied",
+        "nvfp4-tied",
+        "mxfp8-untied",
+    ],
 )
 def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
     tied, bits, tmp_path, monkeypatch
 ):
-    """4-bit, the bit-stream widths whose codes straddle words (3, 6) and mxfp4 (E2M1 codes,
-    E8M0 scales, no biases; mlx-lm's conversion): every quantized product of <= 16 rows a
-    kernel call, within its bound of MLX's quantized_matmul."""
+    """4-bit, the bit-stream widths whose codes straddle words (3, 6) and MLX's float modes
+    (mlx-lm's conversions, no biases: mxfp4's E2M1 codes with E8M0 scales per 32, nvfp4's with
+    E4M3 scales per 16, mxfp8's E4M3 codes with E8M0 scales): every quantized product of <= 16
+    rows a kernel call, within its bound of MLX's quantized_matmul."""
     path, _ = make_tiny(tmp_path / "hf", tie_word_embeddings=tied, **SHAPES)
     add_tokenizer(path)
-    if bits == "mxfp4":
-        mlx_lm_mxfp4(path, tmp_path / "q")
+    if bits in FLOAT_MODES:
+        mlx_lm_float_mode(path, tmp_path / "q", bits)
     else:
         convert(path, tmp_path / "q", quantize=True, bits=bits, group_size=64, dtype="float32")
     monkeypatch.setenv(backends.ENV, "0")  # MLX's own layers and quantized_matmul
@@ -195,7 +216,7 @@ def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
     monkeypatch.setattr(kernels, "load", lambda: counter)
     model, _ = load_model(tmp_path / "q")
     down = model.layers[0].mlp.down_proj
-    assert model.backend == "cpu" and (down.mode if bits == "mxfp4" else down.bits) == bits
+    assert model.backend == "cpu" and (down.mode if bits in FLOAT_MODES else down.bits) == bits
     for value in ("kernels", "off"):
         forced(model, value)
         on = value == "kernels"

@@ -5,13 +5,14 @@
 into a checkout's build/kernels. Where they are not built these tests skip with the reason,
 except under ``MLXINFER_REQUIRE_KERNELS=1`` (CI), where that is an error. The suite runs a
 representative subset (every instruction-set path this CPU has, bits 2, 3, 4, 5, 6 and 8,
-group sizes 32/64/128, 1/4/16 rows, SmolLM2-135M's shapes and an odd one; mxfp4); ``MLXINFER_SLOW=1``
-runs the whole matrix.
+group sizes 32/64/128, 1/4/16 rows, SmolLM2-135M's shapes and an odd one; MLX's float modes
+mxfp4, nvfp4 and mxfp8); ``MLXINFER_SLOW=1`` runs the whole matrix.
 """
 
 import os
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxinfer.backends import kernels
@@ -135,83 +136,135 @@ def test_quantized_matches_mlx(k, bits, group_size, K_in, N):
     check_quantized(k, K_in, N, bits, group_size, [1, 4, 16], paths(k))
 
 
-def check_mxfp4(k, K_in, N, rows, levels):
-    """mxfp4 (E2M1 codes, uint8 E8M0 scales per 32, no biases) against MLX's product: f32 x
+# MLX's float modes: (bits, group size) of mx.quantize's only setting for each; uint8 scales
+# (E8M0 for the mx modes, E4M3 for nvfp4), no biases; E2M1 codes for the fp4 modes, E4M3 for
+# mxfp8.
+FLOAT_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+
+
+def dequantized_product(x, wq, s, mode):
+    """x @ mx.dequantize(w).T in float64 (numpy): a reference apart from quantized_matmul."""
+    w = np.array(mx.dequantize(wq, s, None, mode=mode, dtype=mx.float32), dtype=np.float64)
+    return mx.array((np.array(x.astype(mx.float32), dtype=np.float64) @ w.T).astype(np.float32))
+
+
+def check_float_mode(k, mode, K_in, N, rows, levels):
+    """A float mode against MLX's product and against x @ dequantize(w).T in float64: f32 x
     within 1e-4 of the largest; bf16 x gives bf16 (MLX's dtype) within one rounding of the f32
     product."""
-    mx.random.seed(K_in * 5 + N)
+    bits, gs = FLOAT_MODES[mode]
+    mx.random.seed(K_in * 5 + N + bits)
     w = mx.random.normal((N, K_in)) * 0.05
-    wq, s = mx.quantize(w, mode="mxfp4")
+    wq, s = mx.quantize(w, mode=mode)
     for m in rows:
         x = mx.random.normal((m, K_in))
-        ref = mx.quantized_matmul(x, wq, s, None, transpose=True, mode="mxfp4")
+        ref = mx.quantized_matmul(x, wq, s, None, transpose=True, mode=mode)
+        assert rel_err(ref, dequantized_product(x, wq, s, mode)) <= 1e-5  # the two references
         xb = x.astype(mx.bfloat16)
-        ref_b = mx.quantized_matmul(xb.astype(mx.float32), wq, s, None, mode="mxfp4")
+        ref_b = mx.quantized_matmul(xb.astype(mx.float32), wq, s, None, mode=mode)
         try:
             for level in levels:
                 k.set_max_isa(level)
-                y = k.quantized_matvec(x, wq, s, None, 32, 4, mode="mxfp4")
+                y = k.quantized_matvec(x, wq, s, None, gs, bits, mode=mode)
                 assert y.shape == ref.shape and y.dtype == ref.dtype == mx.float32
                 assert rel_err(y, ref) <= 1e-4, (level, m, rel_err(y, ref))
-                yb = k.quantized_matvec(xb, wq, s, None, 32, 4, mode="mxfp4")
+                yb = k.quantized_matvec(xb, wq, s, None, gs, bits, mode=mode)
                 assert yb.dtype == mx.bfloat16 and rel_err(yb, ref_b) <= 2 * 2.0**-8, (level, m)
         finally:
             k.set_max_isa("best")
 
 
-@pytest.mark.parametrize("K_in,N,rows", [(576, 1536, [1, 4, 16]), (96, 13, [1, 2, 5, 9])])
-def test_mxfp4_matches_mlx(k, K_in, N, rows):
-    check_mxfp4(k, K_in, N, rows, paths(k))
+@pytest.mark.parametrize(
+    "mode,K_in,N,rows",
+    [
+        ("mxfp4", 576, 1536, [1, 4, 16]),
+        ("mxfp4", 96, 13, [1, 2, 5, 9]),
+        ("nvfp4", 576, 1536, [1, 4, 16]),
+        ("nvfp4", 96, 13, [1, 2, 5, 9]),
+        ("nvfp4", 80, 12, [1, 3]),  # K off a multiple of 32: AVX-512 takes AVX2's 16-code steps
+        ("mxfp8", 576, 1536, [1, 4, 16]),
+        ("mxfp8", 96, 13, [1, 2, 5, 9]),
+    ],
+)
+def test_float_modes_match_mlx(k, mode, K_in, N, rows):
+    check_float_mode(k, mode, K_in, N, rows, paths(k))
 
 
 @SLOW
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", list(FLOAT_MODES))
 @pytest.mark.parametrize("K_in,N", [*SMOLLM2, HEAD, *ODD])
-def test_mxfp4_matrix(k, K_in, N):
+def test_float_modes_matrix(k, mode, K_in, N):
     big = N > 4096
     levels = paths(k)[1:] if big else paths(k)
-    check_mxfp4(k, K_in, N, [1, 4] if big else [1, 2, 3, 4, 5, 16], levels)
+    check_float_mode(k, mode, K_in, N, [1, 4] if big else [1, 2, 3, 4, 5, 16], levels)
 
 
-def test_mxfp4_row_blocks_and_threads(k):
-    """mxfp4's scales are decoded per block of 64 rows as the rows run: 1000 rows (a partial
-    last block) agree with MLX, and 1 and 2 threads give identical bits."""
+def test_every_e4m3_byte_as_mlx_decodes_it(k):
+    """mxfp8's codes and nvfp4's scales take every byte as MLX does (subnormals, both signs,
+    NaN for 0x7F and 0xFF): row n of each holds byte n everywhere, on every path."""
+    n = np.arange(256, dtype=np.uint8)
+    x = mx.random.normal((1, 32))
+    mx8 = mx.array(np.repeat(n[:, None], 32, 1).view(np.uint32)), mx.full((256, 1), 127, mx.uint8)
+    nv4 = mx.full((256, 4), 0x76543210, mx.uint32), mx.array(np.repeat(n[:, None], 2, 1))
+    for mode, (wq, s) in [("mxfp8", mx8), ("nvfp4", nv4)]:
+        bits, gs = FLOAT_MODES[mode]
+        ref = np.array(mx.quantized_matmul(x, wq, s, None, mode=mode))
+        assert (
+            np.isnan(ref[0, [0x7F, 0xFF]]).all() and np.isfinite(np.delete(ref, [0x7F, 0xFF])).all()
+        )
+        try:
+            for level in paths(k):
+                k.set_max_isa(level)
+                y = np.array(k.quantized_matvec(x, wq, s, None, gs, bits, mode=mode))
+                np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-30, err_msg=f"{mode} {level}")
+        finally:
+            k.set_max_isa("best")
+
+
+@pytest.mark.parametrize("mode", list(FLOAT_MODES))
+def test_float_modes_row_blocks_and_threads(k, mode):
+    """The float modes' scales are decoded per block of 64 rows as the rows run: 1000 rows (a
+    partial last block) agree with MLX, and 1 and 2 threads give identical bits."""
+    bits, gs = FLOAT_MODES[mode]
     mx.random.seed(6)
-    wq, s = mx.quantize(mx.random.normal((1000, 576)) * 0.05, mode="mxfp4")
+    wq, s = mx.quantize(mx.random.normal((1000, 576)) * 0.05, mode=mode)
     x = mx.random.normal((3, 576))
-    ref = mx.quantized_matmul(x, wq, s, None, mode="mxfp4")
+    ref = mx.quantized_matmul(x, wq, s, None, mode=mode)
     before = k.num_threads()
     try:
         k.set_num_threads(1)
-        y1 = k.quantized_matvec(x, wq, s, None, 32, 4, mode="mxfp4")
+        y1 = k.quantized_matvec(x, wq, s, None, gs, bits, mode=mode)
         mx.eval(y1)
         k.set_num_threads(2)
-        y2 = k.quantized_matvec(x, wq, s, None, 32, 4, mode="mxfp4")
+        y2 = k.quantized_matvec(x, wq, s, None, gs, bits, mode=mode)
         assert mx.array_equal(y1, y2).item() and rel_err(y1, ref) <= 1e-4
     finally:
         k.set_num_threads(before)
 
 
-def test_mxfp4_bad_arguments_are_value_errors(k):
+@pytest.mark.parametrize("mode", list(FLOAT_MODES))
+def test_float_mode_bad_arguments_are_value_errors(k, mode):
+    bits, gs = FLOAT_MODES[mode]
     w = mx.random.normal((64, 64))
-    wq, s = mx.quantize(w, mode="mxfp4")
-    _, s_aff, b_aff = mx.quantize(w, group_size=32, bits=4)
+    wq, s = mx.quantize(w, mode=mode)
+    _, s_aff, b_aff = mx.quantize(w, group_size=32, bits=bits)
     x = mx.zeros((1, 64))
     cases = [
-        (dict(biases=b_aff), "biases"),  # mxfp4 has none
+        (dict(biases=b_aff), "biases"),  # the float modes have none
         (dict(group_size=64), "group_size"),
-        (dict(bits=8), "bits"),
-        (dict(mode="nvfp4"), "mode"),
-        (dict(scales=s_aff), "scales"),  # float scales: not E8M0
+        (dict(bits=8 if bits == 4 else 4), "bits"),
+        (dict(mode="mxfp6"), "mode"),
+        (dict(scales=s_aff), "scales"),  # float scales: not E8M0 / E4M3
     ]
     for change, match in cases:
-        a = dict(scales=s, biases=None, group_size=32, bits=4, mode="mxfp4") | change
+        a = dict(scales=s, biases=None, group_size=gs, bits=bits, mode=mode) | change
         with pytest.raises(ValueError, match=match):
             k.quantized_matvec(
                 x, wq, a["scales"], a["biases"], a["group_size"], a["bits"], mode=a["mode"]
             )
     with pytest.raises(ValueError, match="biases"):  # affine needs them
-        k.quantized_matvec(x, wq, s_aff, None, 32, 4)
+        k.quantized_matvec(x, wq, s_aff, None, 32, bits)
 
 
 @pytest.mark.parametrize("K_in,N", [(576, 1536), (1536, 576), (1088, 7)])

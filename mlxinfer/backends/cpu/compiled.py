@@ -3,7 +3,7 @@
 A layer whose plan says ``kernel`` (``parallel.LayerPlan.kernel``, set by ``kinds.set_plan``
 for the kinds ``quantized``, ``head`` and ``matvec``) runs a product of at most
 :data:`MAX_ROWS` rows (decode, batched decode, speculative verification) as one kernel
-call: ``quantized_matvec`` for an affine 2/3/4/5/6/8-bit or mxfp4 layer, ``matvec`` for a float one
+call: ``quantized_matvec`` for an affine 2/3/4/5/6/8-bit, mxfp4, nvfp4 or mxfp8 layer, ``matvec`` for a float one
 (float32, bfloat16 or float16 weights, accumulated in float32: MLX's own half-precision product
 on the CPU has no BLAS, one row 6-20x (bf16) and 13-44x (f16) the kernel's time on SmolLM2's
 shapes, csrc/README.md). The
@@ -30,6 +30,9 @@ MAX_ROWS = 16  # the kernels' rows: up to 16 they beat MLX's products by far (cs
 QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine widths (mx.quantize)
 FLOAT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)  # the float kernel's weights
 GROUP_SIZES = (32, 64, 128)
+# MLX's float modes the quantized kernel takes: (bits, group size), no biases (mx.quantize's
+# defaults, the only settings MLX has for them).
+FLOAT_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
 
 
 def loaded() -> ModuleType | None:
@@ -39,14 +42,15 @@ def loaded() -> ModuleType | None:
 
 def quantized_fits(layer: nn.Module) -> bool:
     """Whether the quantized kernel computes ``layer``'s product: affine (2, 3, 4, 5, 6 or 8
-    bits, group 32/64/128, with biases), or mxfp4 (4 bits, group 32, no biases), from a module
-    that has the mode (one built before it: affine only)."""
+    bits, group 32/64/128, with biases), or one of :data:`FLOAT_MODES` (mxfp4, nvfp4, mxfp8 at
+    their bits and group size, no biases) from a module that has the mode (one built before it
+    lacks it: affine only, or affine and mxfp4)."""
     mode = getattr(layer, "mode", "affine")
-    if mode == "mxfp4":
+    if mode in FLOAT_MODES:
         return (
-            _has_modes()
-            and getattr(layer, "bits", None) == 4
-            and getattr(layer, "group_size", None) == 32
+            _has_mode(mode)
+            and (getattr(layer, "bits", None), getattr(layer, "group_size", None))
+            == FLOAT_MODES[mode]
             and layer.get("biases") is None
         )
     return (
@@ -57,9 +61,9 @@ def quantized_fits(layer: nn.Module) -> bool:
     )
 
 
-def _has_modes() -> bool:
-    """Whether the loaded module's quantized_matvec takes mxfp4 (not one built before it)."""
-    return "mxfp4" in getattr(kernels.load(), "quantized_modes", ())
+def _has_mode(mode: str) -> bool:
+    """Whether the loaded module's quantized_matvec takes ``mode`` (not one built before it)."""
+    return mode in getattr(kernels.load(), "quantized_modes", ())
 
 
 def float_fits(weight: mx.array) -> bool:
