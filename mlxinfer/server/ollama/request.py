@@ -89,6 +89,7 @@ MAX_SEED = 2**63 - 1
 MAX_STOP = 64  # stop strings per request
 THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's reasoning_effort
 FOREVER = math.inf
+MAX_KEEP_ALIVE = 100 * 365 * 86400.0  # seconds; longer is for ever (and stays a datetime)
 # Go's time.ParseDuration units, as Ollama reads keep_alive strings ("5m", "1h30m", "-1s")
 DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -232,7 +233,9 @@ def parse_keep_alive(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        seconds = (
+            float(value) if not abs(value) >= 1e300 else (math.inf if value > 0 else -math.inf)
+        )
     elif isinstance(value, str) and value.strip():
         text = value.strip()
         sign = -1.0 if text.startswith("-") else 1.0
@@ -251,7 +254,9 @@ def parse_keep_alive(value: Any) -> float | None:
         seconds *= sign
     else:
         raise OllamaError(400, f"keep_alive: expected seconds or a duration, found {shown(value)}")
-    return FOREVER if seconds < 0 else seconds
+    if math.isnan(seconds):
+        raise OllamaError(400, f"keep_alive: expected seconds or a duration, found {shown(value)}")
+    return FOREVER if seconds < 0 or seconds > MAX_KEEP_ALIVE else seconds
 
 
 # --- the parts ---------------------------------------------------------------------------------
@@ -399,7 +404,7 @@ def _option_number(
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise OllamaError(400, f"options.{name}: expected a number, found {kind(value)}")
-    value = float(value) if abs(value) < 1e300 else math.copysign(math.inf, value)
+    value = float(value) if abs(value) < 1e300 else (math.inf if value > 0 else -math.inf)
     if not (lo < value if above else lo <= value) or not (value < hi if below else value <= hi):
         span = f"{'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
         raise OllamaError(400, f"options.{name}: expected a number in {span}, found {value:g}")
