@@ -75,3 +75,19 @@ def test_bad_names_are_ollama_errors(hub, url):
     for path, body in (("/api/copy", {"source": REPO}), ("/api/delete", {"model": 5})):
         r = httpx.request("DELETE" if "delete" in path else "POST", f"{url}{path}", json=body)
         assert r.status_code == 400 and isinstance(r.json()["error"], str)
+
+
+def test_mlxinfer_ps_and_stop_ask_this_server(tmp_path, monkeypatch):
+    """``mlxinfer ps`` and ``stop`` (mlxinfer.store.servers) speak Ollama's API to the server."""
+    import shutil
+
+    model, tokenizer = _tiny(tmp_path / "served", HERMES)
+    shutil.copytree(tokenizer.path, tmp_path / "models" / "other")
+    app = make_app(model, tokenizer, "tiny", models_dir=tmp_path / "models", keep_alive=300)
+    with serving(app) as base:
+        monkeypatch.setenv("MLXINFER_HOST", base.removeprefix("http://"))
+        assert httpx.post(f"{base}/api/generate", json={"model": "other"}).status_code == 200
+        names = [m["name"] for m in mlxinfer.store.running_models()]
+        assert sorted(names) == ["other:latest", "tiny:latest"]
+        mlxinfer.store.stop_model("other")
+        assert [m["name"] for m in mlxinfer.store.running_models()] == ["tiny:latest"]

@@ -31,6 +31,7 @@ from ...embeddings import (
 )
 from ...errors import MlxInferError, PromptTooLongError, TokenIdError, TokenizerError
 from ..aliases import resolve
+from ..embeddings.routes import MAX_INPUTS, MAX_REQUEST_TOKENS  # /v1/embeddings' bounds
 from ..hangup import Streams
 from ..limits import RETRY_AFTER_S, BadJSON, check_prompt_length, in_worker, parse_json
 from ..routes import BODY_IN_THREAD, Routes
@@ -50,8 +51,6 @@ from .store import StoreRoutes
 
 RUNNING = "Ollama is running"  # what Ollama answers at /, and what its clients look for
 NDJSON = "application/x-ndjson"
-MAX_INPUTS = 2048  # inputs per embed request, as /v1/embeddings
-MAX_REQUEST_TOKENS = 1 << 17  # tokens per embed request, all inputs together
 MAX_TOKENIZERS = 8  # tokenizers of unloaded models kept for /api/show
 
 
