@@ -301,3 +301,25 @@ def test_a_slow_first_token_gets_empty_pieces_and_a_hang_up_cancels(tiny, monkey
         ) as r:
             next(r.iter_lines())
         assert slow.closed.wait(10) and time.monotonic() - t0 < 10
+
+
+def test_logprobs_are_the_openai_routes_whole_and_streamed(url):
+    reference = _openai(url).chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    expected = [
+        (t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs])
+        for t in reference.choices[0].logprobs.content
+    ]
+    client = _client(url)
+    ask = dict(model=NAME, messages=MESSAGES, options={"temperature": 0, "num_predict": 6})
+    whole = client.chat(**ask, logprobs=True, top_logprobs=3)
+
+    def seen(entries):
+        return [(e.token, round(e.logprob, 4), [a.token for a in e.top_logprobs]) for e in entries]
+
+    assert seen(whole.logprobs) == expected and len(expected) == 6
+    streamed = [e for c in client.chat(**ask, logprobs=True, top_logprobs=3, stream=True)
+                for e in c.logprobs or []]  # fmt: skip
+    assert seen(streamed) == expected
+    assert client.chat(**ask).logprobs is None  # only when asked

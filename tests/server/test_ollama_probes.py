@@ -156,6 +156,8 @@ BAD = [
     (b'{"model": "tiny", "prompt": "x", "think": "very"}', 400, "think"),
     (b'{"model": "tiny", "prompt": "x", "images": ["aGk="]}', 400, "text only"),
     (b'{"model": "tiny", "prompt": "x", "suffix": "y"}', 400, "suffix"),
+    (b'{"model": "tiny", "prompt": "x", "top_logprobs": 21}', 400, "top_logprobs"),
+    (b'{"model": "tiny", "prompt": "x", "logprobs": "yes"}', 400, "logprobs"),
     (b'{"model": "tiny", "prompt": "x", "tools": [{"type": "function"}]}', 200, ""),  # unknown
     (b'{"model": "nope", "prompt": "x"}', 404, "nope"),
 ]

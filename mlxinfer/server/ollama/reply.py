@@ -5,7 +5,8 @@ The engine's results come parsed (``Routes.start``): what a reasoning model thin
 ``thinking``, its answer to ``content`` (chat) or ``response`` (generate), the calls of its last
 result to ``message.tool_calls`` with their arguments as objects. The last object says
 ``done: true``, why (``done_reason``: stop or length) and the counts and durations in
-nanoseconds.
+nanoseconds. Asked for, each piece carries the ``logprobs`` of its tokens (``token``,
+``logprob``, ``bytes``, ``top_logprobs``), a whole reply all of them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Iterator
 
 from ...batch import EngineError
 from ...generation.results import GenerationStats
+from ..openai.objects import token_logprobs
 from . import objects
 from .request import OllamaError, OllamaRequest
 
@@ -27,10 +29,11 @@ def line(payload: dict) -> str:
 class OllamaReply:
     """An ``/api/chat`` or ``/api/generate`` reply, whole or as NDJSON lines."""
 
-    def __init__(self, ask: OllamaRequest, first, results: Iterator) -> None:
-        self.ask, self.first, self.results = ask, first, results
+    def __init__(self, ask: OllamaRequest, tokenizer, first, results: Iterator) -> None:
+        self.ask, self.tokenizer, self.first, self.results = ask, tokenizer, first, results
         self.tokens, self.finish, self.last = 0, "stop", first
         self.calls: list = []
+        self.entries: list[dict] = []  # log-prob entries not yet sent
 
     def _pieces(self) -> Iterator[tuple[str, str]]:
         """Each result's ``(reasoning, text)``; its calls, on the last one, to ``calls``."""
@@ -46,7 +49,16 @@ class OllamaReply:
         self.tokens += 1
         self.last, self.finish = r, r.finish_reason or self.finish
         self.calls = r.tool_calls or []
+        if self.ask.logprobs and r.logprobs is not None:  # OpenAI's entry is Ollama's shape too
+            entry = token_logprobs(self.tokenizer, r.token, r.logprobs, self.ask.top_logprobs)
+            self.entries.append(entry)
         return r.reasoning, r.text
+
+    def _logprobs(self, out: dict) -> dict:
+        """``out`` with the log-prob entries taken since the last piece sent, if asked."""
+        if self.ask.logprobs and self.entries:
+            out["logprobs"], self.entries = self.entries, []
+        return out
 
     def _done(self) -> dict:
         stats = self.last.stats if self.last is not None else GenerationStats()
@@ -70,20 +82,20 @@ class OllamaReply:
         out[key] = whole[key]
         if "thinking" in whole:
             out["thinking"] = whole["thinking"]
-        return out
+        return self._logprobs(out)
 
     def lines(self) -> Iterator[str]:
         """A line per piece of text or thought, the calls in one line, then the end."""
         try:
             for thought, piece in self._pieces():
                 if thought or piece:
-                    yield line(objects.chunk(self.ask, piece, thought))
+                    yield line(self._logprobs(objects.chunk(self.ask, piece, thought)))
         except (EngineError, TimeoutError) as e:
             yield line(OllamaError(500, str(e)).body())  # the clients raise it
             return
         if self.calls:
             yield line(objects.chunk(self.ask, "", calls=self.calls))
-        yield line(self._done())
+        yield line(self._logprobs(self._done()))  # the tokens of no text (an end token) too
 
 
 def keep_alive_line(ask: OllamaRequest) -> str:

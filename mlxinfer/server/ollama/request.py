@@ -26,11 +26,10 @@ from ..quoting import named, shown
 from .messages import kind, no_images, turns
 
 USED_CHAT = {"model", "messages", "tools", "stream", "format", "options", "keep_alive", "think"}
+USED_CHAT |= {"logprobs", "top_logprobs"}
 USED_GENERATE = {"model", "prompt", "system", "raw", "images", "stream", "format", "options"}
-USED_GENERATE |= {"keep_alive", "think"}
+USED_GENERATE |= {"keep_alive", "think", "logprobs", "top_logprobs"}
 REFUSED = {
-    "logprobs": "not supported on Ollama's API here (the OpenAI route has them)",
-    "top_logprobs": "not supported on Ollama's API here (the OpenAI route has them)",
     "suffix": "not supported (no insertion)",
     "template": "not supported: the model's own chat template is used (serve --chat-template)",
     "context": "not supported (deprecated by Ollama): send the conversation to /api/chat",
@@ -87,6 +86,7 @@ DEFAULT_REPEAT_LAST_N = 64
 MAX_INT = 2**31 - 1  # num_predict, num_ctx, top_k: past any context or vocabulary
 MAX_SEED = 2**63 - 1
 MAX_STOP = 64  # stop strings per request
+MAX_TOP_LOGPROBS = 20  # as Ollama's and OpenAI's
 THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's reasoning_effort
 FOREVER = math.inf
 MAX_KEEP_ALIVE = 100 * 365 * 86400.0  # seconds; longer is for ever (and stays a datetime)
@@ -127,6 +127,8 @@ class OllamaRequest:
     tool_choice: Any = None
     template_kwargs: dict = field(default_factory=dict)
     think: bool | str | None = None
+    logprobs: bool = False  # each token's log-prob, and its ``top_logprobs`` alternatives
+    top_logprobs: int = 0
     keep_alive: float | None = None  # seconds; FOREVER for a negative one; None: the server's
     started: float = field(default_factory=time.perf_counter)  # for total_duration
     created: float = field(default_factory=time.time)  # created_at
@@ -300,6 +302,16 @@ def _common(body: dict, *, chat: bool, prompt: Any, templated: bool) -> OllamaRe
         constraint=_format(body.get("format")),
         keep_alive=parse_keep_alive(body.get("keep_alive")),
     )
+    ask.logprobs = _typed(body, "logprobs", bool, False)
+    top = body.get("top_logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise OllamaError(
+                400,
+                f"top_logprobs: expected an integer in 0..{MAX_TOP_LOGPROBS}, found {shown(top)}",
+            )
+        ask.top_logprobs = top
+        ask.logprobs = ask.logprobs or top > 0  # alternatives are asked for with their tokens'
     think = body.get("think")
     if think is not None:
         if not isinstance(think, bool) and think not in THINK_LEVELS:

@@ -209,7 +209,7 @@ class OllamaRoutes:
             lambda e: OllamaError(500, str(e)),
             streams,
         )
-        reply = OllamaReply(ask, first, results)
+        reply = OllamaReply(ask, entry.tokenizer, first, results)
         if ask.stream:
             return reply.lines()
         return JSONResponse(reply.whole())
