@@ -81,12 +81,12 @@ constexpr int8_t kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, 
 
 // 8 E4M3 codes (mxfp8), sign-extended to 16 bits, as two vectors of 4 f32 of value * 2^-8:
 // the float16 whose sign is bit 15 and exponent and mantissa bits 7-13 (float16's exponent
-// field is E4M3's with bias 15 for 7, subnormals included), 0x7F/0xFF made a NaN; x is scaled
+// field is E4M3's with bias 15 for 7, subnormals included), 0x7F/0xFF made a NaN (their bits
+// 7-13 alone carry into bit 14 when 0x80 is added: quantized.cpp's e4m3_as_f16); x is scaled
 // by 2^8 to match (qmv_prepare), as on x86.
 inline void widen_e4m3(int16x8_t v, float32x4_t* q) {
   uint16x8_t h = vandq_u16(vreinterpretq_u16_s16(vshlq_n_s16(v, 7)), vdupq_n_u16(0xBF80));
-  const uint16x8_t nan = vceqq_u16(vandq_u16(h, vdupq_n_u16(0x3F80)), vdupq_n_u16(0x3F80));
-  h = vorrq_u16(h, vandq_u16(nan, vdupq_n_u16(0x7C00)));
+  h = vorrq_u16(h, vandq_u16(vaddq_u16(h, vdupq_n_u16(0x80)), vdupq_n_u16(0x4000)));
   q[0] = vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h)));
   q[1] = vcvt_high_f32_f16(vreinterpretq_f16_u16(h));
 }
