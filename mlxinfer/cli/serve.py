@@ -27,6 +27,23 @@ from .options import (
 OLLAMA_ADDRESS = ("127.0.0.1", 11434)  # where Ollama listens, and its apps look by default
 
 
+def _served_name(model: str | None) -> str:
+    """The name a model given to ``serve -m`` is served as: a file's stem or a folder's name,
+    a store model's store name (``org/name:latest``), the default model's name."""
+    from pathlib import Path
+
+    from ..loading.loader import store_path
+    from ..store import parse_name
+
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model).expanduser()
+    if not path.exists() and (stored := store_path(model)) is not None:
+        if (stored / "config.json").is_file():
+            return str(parse_name(model))
+    return path.stem if model.endswith(".gguf") else path.name
+
+
 def agent_options(fn):
     """What serving coding agents needs: a chat template for a model without one, the model
     names clients send, a cap on every request's output, an embedding model, the prefix
@@ -138,7 +155,7 @@ def agent_options(fn):
     default=300.0,
     show_default=True,
     type=float,
-    help="Seconds a --models-dir model stays loaded while idle.",
+    help="Seconds a --models-dir or store model stays loaded while idle.",
 )
 @click.option(
     "--ollama",
@@ -199,6 +216,7 @@ def serve(
 
     from ..batch.pool import DEFAULT_KV_BUDGET
     from ..server import serve as run
+    from ..store import store_root
 
     budget = kv_budget or DEFAULT_KV_BUDGET
     if prefix_state_bytes is not None and prefix_state_bytes > budget:
@@ -210,11 +228,7 @@ def serve(
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
         llm, tokenizer = _load(model, verbose, force, budget, distributed=setting.load)
-        name = (
-            (Path(model).stem if model.endswith(".gguf") else Path(model).name)
-            if model
-            else "SmolLM2-135M-Instruct"
-        )
+        name = _served_name(model)
     options = {"max_batch": max_batch, "kv_budget": kv_budget}
     options = {k: v for k, v in options.items() if v is not None}
     options["kv_reserve"] = kv_reserve
@@ -231,7 +245,9 @@ def serve(
         "prefix_state_bytes": prefix_state_bytes,  # the Engine's (EngineConfig)
         "prefix_state_every": prefix_state_every,
     }
-    served = ", ".join(n for n in [name, models_dir and f"the models in {models_dir}"] if n)
+    served = ", ".join(
+        n for n in [name, models_dir and f"the models in {models_dir}", "the store's models"] if n
+    )
     if getattr(getattr(llm, "ranks", None), "first", True):  # across ranks: rank 0 serves
         from ..store import record_server
 
@@ -250,7 +266,8 @@ def serve(
         api_key=api_key,
         draft=draft,
         models_dir=Path(models_dir) if models_dir else None,
-        keep_alive=keep_alive if models_dir else None,
+        store=store_root(),  # the pulled models, by their store names, loaded on first use
+        keep_alive=keep_alive,
         cors_origins=list(cors_origins),
         **({"also": [OLLAMA_ADDRESS]} if ollama else {}),
         **options,

@@ -48,6 +48,7 @@ def make_app(
     draft=None,
     engine: Engine | None = None,
     models_dir: Path | None = None,
+    store: Path | None = None,
     keep_alive: float | None = None,
     load: Callable | None = None,
     cors_origins: list[str] | None = None,
@@ -64,8 +65,9 @@ def make_app(
     embedding_model: str | Path | None = None,
     **engine_options,
 ) -> FastAPI:
-    """An app serving ``model`` as ``name`` and/or the converted models under ``models_dir``
-    (loaded with ``load`` on first use, unloaded after ``keep_alive`` idle seconds);
+    """An app serving ``model`` as ``name``, the converted models under ``models_dir`` and
+    those in the model store whose root is ``store`` (``mlxinfer.store.store_root()``), the
+    last two loaded with ``load`` on first use and unloaded after ``keep_alive`` idle seconds;
     ``engine_options`` go to each :class:`Engine`. Browsers on ``cors_origins`` may call it
     (none by default). ``draft``: every request drafts with it (``PromptLookup()``, or a
     ``DraftModel`` sharing the models' vocabulary: checked here for ``model``, and for a
@@ -74,8 +76,8 @@ def make_app(
     file): ``model``'s chat template, and that of a directory's model without one;
     ``model_aliases``: ``["GLOB=NAME", ...]``, client model names served as NAME;
     ``max_output_tokens``: a cap on every request's output."""
-    if model is None and models_dir is None:
-        raise ValueError("make_app: give a model, a models_dir, or both")
+    if model is None and models_dir is None and store is None:
+        raise ValueError("make_app: give a model, a models_dir, a store, or several")
     limits = Limits(
         max_body=max_body,
         max_header_bytes=max_header_bytes,
@@ -108,7 +110,11 @@ def make_app(
         title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
     registry = Models(
-        engine_options=engine_options, models_dir=models_dir, keep_alive=keep_alive, load=load
+        engine_options=engine_options,
+        models_dir=models_dir,
+        keep_alive=keep_alive,
+        load=load,
+        store=store,
     )
     if model is not None:
         registry.add_loaded(name, model, tokenizer, engine)

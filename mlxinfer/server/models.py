@@ -1,9 +1,10 @@
-"""The models a server serves: the one it was started with, and any converted model under
-``--models-dir``, loaded on first use and unloaded after ``--keep-alive`` idle seconds (as
-Ollama and LM Studio do).
+"""The models a server serves: the one it was started with, any converted model under
+``--models-dir`` and every model in the store (``mlxinfer pull``), loaded on first use and
+unloaded after ``--keep-alive`` idle seconds (as Ollama and LM Studio do).
 
 A request names a model; the name is looked up among the directories found under the
-models directory (each one holding a ``config.json``), never joined to a path. Each loaded
+models directory (each one holding a ``config.json``) and the store's models (by their store
+names, ``org/name:variant``; ``org/name`` is ``org/name:latest``), never joined to a path. Each loaded
 model has its own batching engine; an engine whose thread failed is replaced at the next
 request for it (its requests got a 500), and the failure is kept for ``/health``.
 """
@@ -22,6 +23,8 @@ import mlx.core as mx
 from ..batch import Engine
 from ..distributed.serving import across_ranks
 from ..embeddings import Embedder, is_embedding_dir, read_pooling
+from ..loading.loader import store_path
+from ..store.layout import stored_models, stored_name
 
 
 @dataclass
@@ -53,9 +56,11 @@ class Models:
         keep_alive: float | None = None,
         load: Callable[[str], tuple[Any, Any]] | None = None,
         force: bool = False,
+        store: Path | None = None,
     ) -> None:
         self.engine_options = engine_options
         self.models_dir = Path(models_dir) if models_dir is not None else None
+        self.store = Path(store) if store is not None else None  # the store's root folder
         self.keep_alive = keep_alive
         self._load = load
         self.force = force  # load past what the machine can give (serve --force)
@@ -63,7 +68,7 @@ class Models:
         self._lock = threading.RLock()
         self._closed = threading.Event()
         self.scan()
-        if self.models_dir is not None and keep_alive is not None:
+        if (self.models_dir is not None or self.store is not None) and keep_alive is not None:
             period = max(0.05, min(5.0, keep_alive / 4))
             threading.Thread(target=self._reap_loop, args=(period,), daemon=True).start()
 
@@ -73,14 +78,25 @@ class Models:
         self.entries[name] = Entry(name, None, model, tokenizer, engine, loads=1)
 
     def scan(self) -> None:
-        """Find the model directories under the models directory (new ones too)."""
-        if self.models_dir is None or not self.models_dir.is_dir():
-            return
-        with self._lock:
+        """Find the model directories under the models directory and the store (new ones too)."""
+        found: list[tuple[str, Path]] = []
+        if self.models_dir is not None and self.models_dir.is_dir():
             for path in sorted(self.models_dir.iterdir()):
                 if path.is_dir() and (path / "config.json").is_file():
-                    entry = Entry(path.name, path, embedding=is_embedding_dir(path))
-                    self.entries.setdefault(path.name, entry)
+                    found.append((path.name, path))
+        if self.store is not None:
+            found += [(stored_name(path, self.store), path) for path in stored_models(self.store)]
+        with self._lock:
+            for name, path in found:
+                self.entries.setdefault(name, Entry(name, path, embedding=is_embedding_dir(path)))
+
+    def _stored(self, name: str) -> Entry | None:
+        """The entry of the store model ``name`` means however it is spelt (``org/name`` for
+        ``org/name:latest``, any case: the store's folders are lower case), if it is one."""
+        if self.store is None:
+            return None
+        path = store_path(name, self.store.parent)
+        return next((e for e in self.entries.values() if path and e.path == path), None)
 
     def names(self) -> list[str]:
         self.scan()
@@ -93,7 +109,7 @@ class Models:
             entry = self.entries.get(name)
             if entry is None:
                 self.scan()
-                entry = self.entries.get(name)
+                entry = self.entries.get(name) or self._stored(name)
             if entry is None:
                 return None
             if entry.engine is not None and not entry.engine.alive:

@@ -29,6 +29,7 @@ from .layout import (
     require,
     store_root,
     stored_models,
+    stored_name,
     write_source,
 )
 from .names import StoreError, parse_name
@@ -154,11 +155,7 @@ def entries(*, cache_dir: Path | None = None, others: bool = True) -> list[dict[
     root = store_root(cache_dir)
     found = []
     for model_dir in stored_models(root):
-        record = read_source(model_dir)
-        org, name, variant = model_dir.relative_to(root).parts
-        shown = record["name"] if record and isinstance(record.get("name"), str) else (
-            f"{org}/{name}:{variant}" if org != "library" else f"{name}:{variant}")  # fmt: skip
-        found.append(_describe(model_dir, shown, "store"))
+        found.append(_describe(model_dir, stored_name(model_dir, root), "store"))
     if others:
         for name, path, source in other_models():
             if path.is_dir():

@@ -85,6 +85,16 @@ def stored_models(root: Path) -> list[Path]:
     return found
 
 
+def stored_name(model_dir: Path, root: Path) -> str:
+    """The name a store model is known by: the one it was pulled or copied as, else its
+    folders' (``org/name:variant``; ``name:variant`` for an alias)."""
+    record = read_source(model_dir)
+    if record and isinstance(record.get("name"), str):
+        return record["name"]
+    org, name, variant = model_dir.relative_to(root).parts
+    return f"{org}/{name}:{variant}" if org != "library" else f"{name}:{variant}"
+
+
 def require(name: ModelName, root: Path) -> Path:
     """The directory of a model that is in the store, else a StoreError naming it."""
     path = name.path(root.parent)

@@ -256,3 +256,31 @@ def test_serve_records_itself_and_ps_and_rm_ask_it(pulled):
         proc.wait(30)
     assert store.server_url() is None  # its process has ended
     store.remove("org/tiny")
+
+
+def test_the_server_serves_store_models_by_their_names(pulled):
+    """``serve`` lists every pulled model under its store name (OpenAI's ``/v1/models``,
+    Ollama's ``/api/tags``) and loads it on first use, by that name or its short forms
+    (``org/name`` for ``org/name:latest``, any case); a name the store lacks is a 404."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from mlxinfer.server import make_app
+
+    app = make_app(None, None, None, store=store.store_root(), keep_alive=60.0)
+    with TestClient(app) as client:
+        listed = {m["id"] for m in client.get("/v1/models").json()["data"]}
+        assert listed == {"org/tiny:latest", "org/tiny-GGUF:Q8_0"}
+        tags = {m["model"] for m in client.get("/api/tags").json()["models"]}
+        assert tags == listed
+        texts = []
+        for name in ("org/tiny:latest", "org/tiny", "ORG/Tiny"):
+            r = client.post(
+                "/v1/completions",
+                json={"model": name, "prompt": "ab", "max_tokens": 4, "temperature": 0},
+            )
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert len(set(texts)) == 1  # one model, however it is named
+        r = client.post("/v1/completions", json={"model": "org/other", "prompt": "ab"})
+        assert r.status_code == 404
