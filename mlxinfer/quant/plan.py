@@ -120,6 +120,13 @@ def weighted_error(w: mx.array, s: Setting, importance: np.ndarray | None) -> fl
     return float((d.sum(axis=tuple(range(d.ndim - 1))) * imp).sum())
 
 
+def probe_setting(t: Tensor) -> Setting:
+    """The setting ``t``'s sensitivity is measured at: PROBE, or for inputs too narrow for its
+    group, the same bits at the candidate group nearest to it (every candidate has group 32)."""
+    near = [s for s in t.candidates if s.bits == PROBE[0]]
+    return min(near, key=lambda s: (abs(s.group_size - PROBE[1]), s.group_size))
+
+
 def measure(
     tensors: Sequence[Tensor],
     importance: Callable[[str], np.ndarray | None],
@@ -141,7 +148,7 @@ def measure(
             for s in t.candidates:
                 t.errors[s] = weighted_error(w, s, imp)
         if probe_kl is not None and t.role != "head":
-            probe = Setting(*PROBE)
+            probe = probe_setting(t)
             e = weighted_error(w, probe, imp)
             kl = probe_kl(t.module, fake_quantized(w, probe))
             t.alpha = max(kl, 0.0) / e if e > 0 else 0.0

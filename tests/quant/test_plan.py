@@ -279,3 +279,19 @@ def test_bad_plan_input_is_one_line_and_writes_nothing(tiny):
             convert(f32, out, **kwargs)
         assert message in str(e.value) and "\n" not in str(e.value), kwargs
         assert not out.exists()
+
+
+def test_inputs_narrower_than_the_probe_group_are_planned(tmp_path):
+    """A model whose layers read 32 inputs (tiny checkpoints, the store's default recipe):
+    each tensor's sensitivity is probed at 3 bits in its own widest group (32 here, not
+    PROBE's 64, which MLX cannot quantize), and -q plans and loads."""
+    from tiny_checkpoint import write_checkpoint
+
+    write_checkpoint(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "q", quantize=True)
+    record = json.loads((tmp_path / "q" / "quantization-plan.json").read_text())
+    assert record["settings"] and all(
+        int(s.split(":")[1]) == 32 for p, s in record["settings"].items() if "q_proj" in p
+    )
+    model, _ = load_model(tmp_path / "q")
+    assert model.layers[0].self_attn.q_proj.bits in (2, 3, 4, 5, 6, 8)
