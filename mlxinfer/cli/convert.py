@@ -97,10 +97,12 @@ def _size(value: str | None) -> int | None:
 @click.option(
     "--rounding",
     default=None,
-    type=click.Choice(["minmax", "mse"]),
-    help="How each group's scale and bias are set: from its min and max, or fitted to the least "
-    "squared error, importance-weighted in a plan (same format) [default: mse for a plan, minmax "
-    "for --bits/--group-size].",
+    type=click.Choice(["minmax", "mse", "gptq"]),
+    help="How weights are rounded: each group's scale and bias from its min and max; fitted to "
+    "the least squared error, importance-weighted in a plan; or GPTQ (a plan only): columns in "
+    "order, each one's error compensated in the later ones through the layer's input "
+    "covariance. Same format for all three [default: mse for a plan, minmax for "
+    "--bits/--group-size].",
 )
 @click.option(
     "--dtype",

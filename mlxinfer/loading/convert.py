@@ -97,9 +97,11 @@ def convert(
         plan_from: a previous conversion's ``quantization-plan.json`` of the same model: its
             measured costs plan this budget without measuring each tensor again.
         rounding: ``"minmax"`` (each group's scale and bias from its min and max, as
-            ``mx.quantize``) or ``"mse"`` (fitted to the least squared error, weighted by
-            activation importance in a plan; same format). Default: ``mse`` for a plan,
-            ``minmax`` for a uniform conversion.
+            ``mx.quantize``), ``"mse"`` (fitted to the least squared error, weighted by
+            activation importance in a plan; same format) or ``"gptq"`` (a plan only: the
+            columns rounded in order, each one's error compensated in the later ones through
+            the layer's input covariance from the calibration pass, :mod:`mlxinfer.quant.gptq`;
+            same format). Default: ``mse`` for a plan, ``minmax`` for a uniform conversion.
         dtype: float16, bfloat16 or float32 for the float weights; default: the
             checkpoint's own dtype (``torch_dtype`` / ``dtype``), else float16.
         progress: True: progress bars on stderr; a callback: ``(stage, done, total)`` for
@@ -133,6 +135,13 @@ def convert(
         raise ConfigError(
             "--tensor-bits, --calibration, --imatrix and --plan-from apply to a mixed plan (-q, --bpw, "
             "--max-bytes or --recipe; a GGUF source with --dtype)"
+        )
+    if rounding == "gptq" and not planned:
+        raise ConfigError(
+            "--rounding gptq needs a calibration pass, which only a plan runs: use it with -q, "
+            "--bpw, --max-bytes or --recipe"
+            + (" and --dtype (a GGUF without --dtype keeps its own grids)" if gguf else "")
+            + ", or --rounding mse"
         )
     settings: dict[str, Any] | None = None
     if uniform:
@@ -236,6 +245,7 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
             rounding=settings["rounding"],
             layers=plan.layers(),
             importance=plan.mean,
+            covariance=plan.covariance,
             # 16-bit scales and biases: what the plan's sizes assume (f32 ones would add a bit
             # per weight at group 64 for no measurable gain).
             scale_dtype=mx.float16 if target == mx.float32 else target,
@@ -305,6 +315,7 @@ def _plan(model, tokenizer, settings, src_dir, config, log, report):
         overrides=settings["tensor_bits"],
         importance=importance,
         costs=costs,
+        covariance=settings["rounding"] == "gptq",
         log=log,
         progress=report,
     )

@@ -8,6 +8,11 @@ Two measurements on the float model, both on calibration tokens (never the evalu
   per expert and counts only the tokens routed to it. An embedding used as input counts how
   often each row was looked up; used as the tied head, its input channels are recorded like
   a Linear's.
+* :func:`calibrate` with ``covariance=True`` also keeps each 2-D layer's input second moment
+  ``H = X^T X / n`` (K, K) for GPTQ (``gptq.py``): float32, ``K**2 * 4`` bytes per distinct
+  input, since layers that read the same array (q/k/v, gate/up) share one ``H``. SmolLM2-135M:
+  30 blocks x (3 x 576**2 + 1536**2) + the head's 576**2 floats = 403 MB. Stacked experts and
+  per-head matrices keep no ``H`` (their rounding falls back to ``mse``).
 * :class:`Probe` keeps the float model's log-probs on a few hundred tokens and measures the
   mean KL divergence ``KL(float || model)`` after a change to one tensor (its weight replaced
   by its quantized-then-dequantized values, exactly what the quantized layer multiplies with),
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,20 +57,42 @@ def calibration_sequences(
 
 class _Recorder:
     """Sums of ``x**2`` per input channel and token counts, per module path (mx arrays,
-    evaluated after each sequence so the graph stays one forward pass long)."""
+    evaluated after each sequence so the graph stays one forward pass long); with
+    ``covariance``, sums of ``x x^T`` too, one per distinct input array."""
 
-    def __init__(self) -> None:
+    def __init__(self, covariance: bool = False) -> None:
         self.sums: dict[str, mx.array] = {}
         self.counts: dict[str, mx.array] = {}
+        self.covariance = covariance
+        self.xtx: dict[str, mx.array] = {}  # first reader's path -> sum of x x^T (K, K)
+        self.tokens: dict[str, int] = {}
+        self.shares: dict[str, str] = {}  # path -> the path whose sum it shares
+        # id(input) -> (input, path), this sequence's: the array is held so its id stays unique
+        self.inputs: dict[int, tuple[mx.array, str]] = {}
 
     def add(self, path: str, sums: mx.array, counts: mx.array) -> None:
         if path in self.sums:
             sums, counts = self.sums[path] + sums, self.counts[path] + counts
         self.sums[path], self.counts[path] = sums, counts
 
-    def linear(self, path: str, x: mx.array) -> None:
-        x = x.astype(mx.float32).reshape(-1, x.shape[-1])  # (tokens, K)
-        self.add(path, mx.square(x).sum(axis=0), mx.array(x.shape[0], mx.int64))
+    def linear(self, path: str, x: mx.array, covariance: bool = True) -> None:
+        flat = x.astype(mx.float32).reshape(-1, x.shape[-1])  # (tokens, K)
+        self.add(path, mx.square(flat).sum(axis=0), mx.array(flat.shape[0], mx.int64))
+        if self.covariance and covariance:
+            self.second_moment(path, x, flat)
+
+    def second_moment(self, path: str, x: mx.array, flat: mx.array) -> None:
+        """Add ``flat^T flat`` to ``path``'s sum, or note that ``path`` read the same array as
+        a layer recorded before it in this pass (q/k/v, gate/up): one sum for both."""
+        seen = self.inputs.get(id(x))
+        if seen is not None and seen[0] is x:
+            self.shares[path] = seen[1]
+            return
+        self.inputs[id(x)] = (x, path)
+        self.shares[path] = path
+        xtx = flat.T @ flat  # (K, K)
+        self.xtx[path] = self.xtx[path] + xtx if path in self.xtx else xtx
+        self.tokens[path] = self.tokens.get(path, 0) + flat.shape[0]
 
     def rows(self, path: str, ids: mx.array, n_rows: int) -> None:
         """An embedding lookup: how often each row was read (the row's importance)."""
@@ -81,7 +109,8 @@ class _Recorder:
         self.add(path, onehot.T @ mx.square(x), onehot.sum(axis=0).astype(mx.int64))
 
     def evaluate(self) -> None:
-        mx.eval(list(self.sums.values()), list(self.counts.values()))
+        mx.eval(list(self.sums.values()), list(self.counts.values()), list(self.xtx.values()))
+        self.inputs.clear()
 
 
 def _recording_class(cls: type, recorder: _Recorder, paths: dict[int, str]) -> type:
@@ -106,8 +135,8 @@ def _recording_class(cls: type, recorder: _Recorder, paths: dict[int, str]) -> t
     elif issubclass(cls, PerHeadLinear):
 
         def call(self, x, transpose=True):
-            if transpose:  # x (..., in): the stored matrices' input side
-                recorder.linear(paths[id(self)], x)
+            if transpose:  # x (..., in): the stored matrices' input side (no H: 3-D weights)
+                recorder.linear(paths[id(self)], x, covariance=False)
             return cls.__call__(self, x, transpose)
 
     else:
@@ -139,16 +168,27 @@ def _recording(model: nn.Module, recorder: _Recorder) -> Iterator[None]:
             m.__class__ = cls
 
 
-def collect_importance(
-    model: nn.Module, sequences: Sequence[Sequence[int]], *, progress=None
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Run ``model`` on each sequence; returns ``(sums, counts)`` per module path.
+@dataclass
+class Statistics:
+    """What one calibration pass recorded, per module path.
 
     ``sums[path]``: float32 (K,) sum of ``x**2`` per input channel ((E, K) for stacked experts);
     ``counts[path]``: int64 () tokens ((E,) per expert). An embedding's lookups are under
-    ``"<path>#rows"``: how often each row was read, and the tokens.
+    ``"<path>#rows"``: how often each row was read, and the tokens. ``covariances[path]``:
+    float32 (K, K) mean of ``x x^T`` (the tied head's under the embedding's path), one array
+    object shared by the layers that read the same input; empty unless asked for.
     """
-    recorder = _Recorder()
+
+    sums: dict[str, np.ndarray]
+    counts: dict[str, np.ndarray]
+    covariances: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def calibrate(
+    model: nn.Module, sequences: Sequence[Sequence[int]], *, covariance: bool = False, progress=None
+) -> Statistics:
+    """Run ``model`` on each sequence, recording every quantizable layer's inputs."""
+    recorder = _Recorder(covariance)
     with _recording(model, recorder):
         for i, seq in enumerate(sequences):
             logits = model(mx.array(seq)[None])
@@ -158,7 +198,21 @@ def collect_importance(
                 progress("calibration", i + 1, len(sequences))
     sums = {p: np.array(a, dtype=np.float32) for p, a in recorder.sums.items()}
     counts = {p: np.array(a, dtype=np.int64) for p, a in recorder.counts.items()}
-    return sums, counts
+    means = {}
+    for p, a in list(recorder.xtx.items()):
+        means[p] = np.array(a, dtype=np.float32) / max(recorder.tokens[p], 1)
+        del recorder.xtx[p]  # one copy at a time
+    covariances = {p: means[first] for p, first in recorder.shares.items()}
+    return Statistics(sums, counts, covariances)
+
+
+def collect_importance(
+    model: nn.Module, sequences: Sequence[Sequence[int]], *, progress=None
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Run ``model`` on each sequence; returns ``(sums, counts)`` per module path
+    (:class:`Statistics`)."""
+    stats = calibrate(model, sequences, progress=progress)
+    return stats.sums, stats.counts
 
 
 class Probe:

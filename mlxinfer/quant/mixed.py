@@ -3,8 +3,9 @@
 ``plan_model`` is what ``convert --bpw / --max-bytes / --recipe`` (and ``-q`` alone) run on
 the float model before :func:`~mlxinfer.quant.transform.quantize_model` applies the plan:
 
-1. the calibration tokens' importance per input channel (``calibrate.collect_importance``),
-   unless an importance file was given;
+1. the calibration tokens' importance per input channel (``calibrate.calibrate``), unless an
+   importance file was given; for GPTQ rounding also each layer's input covariance (the pass
+   then runs even with an importance file: no file holds them);
 2. a named recipe's settings, or for a budget: each tensor's weighted error at every
    candidate setting and its KL divergence at the probe setting (``plan.measure``), then the
    cheapest plan within the budget (``plan.choose``);
@@ -25,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
 from ..models.base import embedding_rows
-from .calibrate import Probe, calibration_sequences, collect_importance
+from .calibrate import Probe, calibrate, calibration_sequences
 from .plan import (
     Setting,
     Tensor,
@@ -62,12 +63,16 @@ class Plan:
     sums: dict[str, np.ndarray] = field(default_factory=dict)  # path -> sum x**2 (saved)
     counts: dict[str, np.ndarray] = field(default_factory=dict)
     costs: dict[str, dict] = field(default_factory=dict)  # path -> {alpha, errors{"b:g": e}}
+    covariances: dict[str, np.ndarray] = field(default_factory=dict)  # path -> mean x x^T
 
     def layers(self) -> dict[str, tuple[int, int]]:
         return {p: (s.bits, s.group_size) for p, s in self.settings.items()}
 
     def mean(self, path: str) -> np.ndarray | None:
         return self.importance.get(path)
+
+    def covariance(self, path: str) -> np.ndarray | None:
+        return self.covariances.get(path)
 
     def record(self) -> dict:
         """What ``quantization-plan.json`` keeps: the choice, its figures and the measured
@@ -104,6 +109,7 @@ def plan_model(
     overrides: Sequence[str] = (),
     importance: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None,
     costs: dict[str, dict] | None = None,
+    covariance: bool = False,
     calibration_tokens: int = CALIBRATION_TOKENS,
     probe_tokens: int = PROBE_TOKENS,
     log: Callable[[str], None] | None = None,
@@ -119,6 +125,8 @@ def plan_model(
         importance: ``(sums, counts)`` read from a file (``--imatrix``); None: measured here.
         costs: a previous plan's measured costs (``Plan.costs``, saved in
             ``quantization-plan.json``) for the same model: no probe per tensor.
+        covariance: also record each layer's input covariance (``Plan.covariances``, for
+            GPTQ rounding); the calibration pass runs even when ``importance`` is given.
     """
     if sum(x is not None for x in (bpw, max_bytes, recipe)) != 1:
         raise ConfigError("a plan takes exactly one of bpw, max_bytes or recipe")
@@ -134,9 +142,14 @@ def plan_model(
     if not sequences:
         raise ConfigError("calibration: the calibration text gave no tokens")
     n_tokens = sum(len(s) for s in sequences)
-    if importance is None:
-        say(f"calibration: {n_tokens} tokens in {len(sequences)} sequences")
-        importance = collect_importance(model, sequences, progress=progress)
+    covariances: dict[str, np.ndarray] = {}
+    if importance is None or covariance:
+        what = " (input covariances too, for GPTQ)" if covariance else ""
+        say(f"calibration: {n_tokens} tokens in {len(sequences)} sequences{what}")
+        stats = calibrate(model, sequences, covariance=covariance, progress=progress)
+        covariances = stats.covariances
+        if importance is None:
+            importance = (stats.sums, stats.counts)
     sums, counts = importance
     means = {
         p: sums[p] / np.maximum(counts[p], 1)[..., None]
@@ -182,6 +195,7 @@ def plan_model(
         sums=sums,
         counts=counts,
         costs={t.path: _costs_of(t) for t in tensors if t.errors},
+        covariances=covariances,
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-ROUNDINGS = ("minmax", "mse")
+ROUNDINGS = ("minmax", "mse", "gptq")  # gptq: gptq.py, on these fits
 CLIP_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7)
 ITERATIONS = 4
 

@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .gptq import gptq_quantize, inverse_hessian_factor
 from .record import MXFP4 as MXFP4  # re-exported: the record is read in record.py
 from .record import layer_settings
 from .record import quantization_record as quantization_record
@@ -50,6 +51,7 @@ def quantize_model(
     rounding: str = "minmax",
     layers: dict[str, tuple[int, int]] | None = None,
     importance: Callable[[str], np.ndarray | None] | None = None,
+    covariance: Callable[[str], np.ndarray | None] | None = None,
     scale_dtype: mx.Dtype | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model`` in place; returns the config.json record.
@@ -57,7 +59,11 @@ def quantize_model(
     ``rounding="minmax"`` takes each group's scale and bias from its min and max (MLX's
     ``mx.quantize``); ``"mse"`` fits them to the least squared error (``rounding.fit_affine``),
     in the same format, each input channel weighted by ``importance(path)`` (mean ``x**2`` of
-    calibration tokens) when given.
+    calibration tokens) when given; ``"gptq"`` rounds the columns in order, each one's error
+    compensated in the later ones through ``covariance(path)`` (the layer's mean ``x x^T``,
+    ``gptq.py``), each group's scale and bias fitted as for ``mse``. A layer without a
+    covariance (an embedding read only by lookup, stacked experts, per-head matrices) gets
+    ``mse``.
 
     ``layers``: ``{path: (bits, group_size)}`` for a mixed plan (``plan.py``); only those layers
     are quantized, each listed in the record. Without it every quantizable layer gets
@@ -95,15 +101,43 @@ def quantize_model(
         ):
             skipped.append(path)
             return False
-        if rounding == "mse" or scale_dtype is not None:
+        if rounding != "minmax" or scale_dtype is not None:
             floats[path] = (module.weight, b, g)
         return {"group_size": g, "bits": b, "mode": "affine"}
 
     nn.quantize(model, class_predicate=predicate)
     modules = dict(model.named_modules()) if floats else {}
+    hessians = {
+        p: h
+        for p, (w, _, _) in floats.items()
+        if rounding == "gptq" and covariance is not None and w.ndim == 2
+        if (h := covariance(p)) is not None
+    }
+    # Layers reading one input share one H (q/k/v, gate/up): its factor is computed once and
+    # kept until the last of them is quantized.
+    uses = Counter(id(h) for h in hessians.values())
+    factors: dict[int, np.ndarray] = {}
     for path, (weight, b, g) in floats.items():
         layer = modules[path]
-        if rounding == "mse":
+        h = hessians.get(path)
+        if h is not None:
+            imp = importance(path) if importance is not None else None
+            if id(h) not in factors:
+                factors[id(h)] = inverse_hessian_factor(h)
+            factor = factors[id(h)]
+            uses[id(h)] -= 1
+            if not uses[id(h)]:
+                del factors[id(h)]
+            layer.weight, layer.scales, layer.biases = gptq_quantize(
+                weight,
+                h,
+                factor=factor,
+                group_size=g,
+                bits=b,
+                weights=channel_weights(imp, weight.shape),
+                scale_dtype=scale_dtype,
+            )
+        elif rounding != "minmax":
             imp = importance(path) if importance is not None else None
             layer.weight, layer.scales, layer.biases = fit_affine(
                 weight,
