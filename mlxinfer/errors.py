@@ -54,3 +54,9 @@ class DistributedError(MlxInferError):
 class QualityError(MlxInferError, ValueError):
     """A perplexity comparison that cannot be made: models with different vocabularies, or a
     text too short for one chunk (mlxinfer/quality)."""
+
+
+class MediaError(MlxInferError, ValueError):
+    """An image that cannot be used: not a file, bad base64 or data URL, a format outside the
+    allow-list, over the byte or pixel caps (a decompression bomb), undecodable, a remote URL not
+    allowed, or prompts whose image markers do not match the images given (mlxinfer/vision)."""
