@@ -1,7 +1,9 @@
 """The running server ``ps``, ``stop`` and ``rm`` ask: the one at ``MLXINFER_HOST`` (``host:port``,
 as ``OLLAMA_HOST`` works for Ollama), else the one ``serve`` recorded in the store
 (:func:`record_server`). Asked over Ollama's API (``GET /api/ps``; ``stop`` is a generate with
-``keep_alive: 0``, as ``ollama stop`` sends), each request bounded by :data:`TIMEOUT_S`.
+``keep_alive: 0``, as ``ollama stop`` sends), each request bounded by :data:`TIMEOUT_S`. A server
+started with ``--api-key`` is asked with the same key, read from ``MLXINFER_API_KEY`` (the
+variable ``serve`` reads it from).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .layout import store_root
 from .names import ModelName, StoreError
 
 HOST_ENV = "MLXINFER_HOST"
+KEY_ENV = "MLXINFER_API_KEY"
 RECORD_NAME = "server.json"
 TIMEOUT_S = 5.0
 
@@ -84,12 +87,18 @@ def server_url(*, cache_dir: Path | None = None) -> str | None:
 
 def _request(url: str, method: str = "GET", body: dict | None = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get(KEY_ENV, "").strip()
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
             text = r.read(16 << 20).decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
+        if e.code == 401:
+            wanted = "a wrong key was sent" if key else "the server wants an API key"
+            raise StoreError(f"{method} {url}: HTTP 401, {wanted}: set {KEY_ENV}") from None
         raise StoreError(f"{method} {url}: HTTP {e.code}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)

@@ -218,10 +218,12 @@ def test_other_apps_models_are_listed_read_only(hub, tmp_path, monkeypatch):
         store.remove("mlx-community/Tiny-4bit")  # other apps' models are never removed
 
 
-def test_serve_records_itself_and_ps_and_rm_ask_it(pulled):
-    """A real ``serve``: its record leads ``ps`` to its ``/api/ps``, and ``rm`` refuses the model
-    it holds; once it has ended, its record is ignored."""
+def test_serve_records_itself_and_ps_and_rm_ask_it(pulled, monkeypatch):
+    """A real ``serve`` started with an API key: its record leads ``ps`` to its ``/api/ps``
+    (asked with the key from ``MLXINFER_API_KEY``; without it, a one-line error naming the
+    variable), and ``rm`` refuses the model it holds; once it has ended, its record is ignored."""
     pytest.importorskip("uvicorn")
+    import os
     import subprocess
     import sys
     import time
@@ -229,10 +231,12 @@ def test_serve_records_itself_and_ps_and_rm_ask_it(pulled):
     from servers import free_port
 
     port = free_port()
+    env = {**os.environ, "MLXINFER_API_KEY": "sekrit"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlxinfer", "serve", "-m", "org/tiny", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
+    monkeypatch.setenv("MLXINFER_API_KEY", "sekrit")
     try:
         deadline, models = time.monotonic() + 60, None
         while time.monotonic() < deadline:
@@ -251,6 +255,10 @@ def test_serve_records_itself_and_ps_and_rm_ask_it(pulled):
         with pytest.raises(store.StoreError, match="the running server holds it"):
             store.remove("org/tiny")
         store.remove("org/tiny-GGUF:Q8_0")  # not held: removed
+        monkeypatch.delenv("MLXINFER_API_KEY")
+        out = CliRunner().invoke(cli, ["ps"])
+        assert out.exit_code == 1 and "HTTP 401" in out.output and "MLXINFER_API_KEY" in out.output
+        assert len(out.output.strip().splitlines()) == 1
     finally:
         proc.terminate()
         proc.wait(30)
