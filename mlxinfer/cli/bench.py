@@ -3,6 +3,8 @@ or the batching engine's aggregate decode per batch size; optionally beside mlx-
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from .options import _batch_sizes, _errors_to_click, _load, _log, model_option
@@ -71,6 +73,12 @@ from .options import _batch_sizes, _errors_to_click, _load, _log, model_option
     help="Benchmark the batching engine at these batch sizes (aggregate decode tok/s) "
     "with one prompt length.",
 )
+@click.option(
+    "--replan",
+    is_flag=True,
+    help="Time the CPU backend's decode plans again (MLXINFER_CPU_PLANS=replan) and cache "
+    "the new choice, e.g. after the first run timed them on a busy machine.",
+)
 @_errors_to_click
 def bench(
     model,
@@ -83,6 +91,7 @@ def bench(
     plot,
     json_path,
     batch_sizes,
+    replan,
 ):
     """Benchmark prefill, decode, TTFT and peak memory per prompt length.
 
@@ -109,6 +118,8 @@ def bench(
         from ..loading.gguf_files import model_dir_for
 
         model_dir = model_dir_for(model_dir, log=_log)
+    if replan:  # read once, by the backend's plan choice during this load
+        os.environ["MLXINFER_CPU_PLANS"] = "replan"
     llm, _ = _load(str(model_dir), verbose=True)
     if batch_sizes is not None:
         return _bench_batch(

@@ -176,7 +176,9 @@ def _load(
 
         chosen = describe(loaded[0]).get("cpu_plans")
         if chosen:  # the CPU backend's decode plans in use (timed at load, or cached, or forced)
-            _log(f"CPU decode plans: {plans.describe({'plans': chosen})}")
+            timed = getattr(loaded[0], "cpu_plans_timed", None)
+            when = f" (timed {timed})" if timed else ""
+            _log(f"CPU decode plans{when}: {plans.describe({'plans': chosen})}")
     return loaded
 
 
@@ -237,6 +239,12 @@ def speculative_options(fn):
             "the model's own first N layers (no second model).",
         ),
         click.option(
+            "--mtp",
+            is_flag=True,
+            help="Speculative decoding, drafting with the model's own "
+            "multi-token-prediction head (MiMo; no second model).",
+        ),
+        click.option(
             "--num-draft",
             default=None,
             type=int,
@@ -248,9 +256,11 @@ def speculative_options(fn):
     return fn
 
 
-def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers: int | None):
+def _make_draft(
+    draft_model: str | None, prompt_lookup: bool, self_draft_layers: int | None, mtp: bool = False
+):
     """The draft source the speculative flags ask for (at most one), or None."""
-    from ..generation.drafts import DraftModel, PromptLookup, SelfDraft
+    from ..generation.drafts import MTP, DraftModel, PromptLookup, SelfDraft
 
     chosen = [
         flag
@@ -258,6 +268,7 @@ def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers:
             ("--draft-model", draft_model is not None),
             ("--prompt-lookup", prompt_lookup),
             ("--self-draft-layers", self_draft_layers is not None),
+            ("--mtp", mtp),
         )
         if on
     ]
@@ -271,6 +282,8 @@ def _make_draft(draft_model: str | None, prompt_lookup: bool, self_draft_layers:
         return PromptLookup()
     if self_draft_layers is not None:
         return SelfDraft(self_draft_layers)
+    if mtp:
+        return MTP()
     return None
 
 

@@ -3,6 +3,7 @@
 measured once per machine and model, then cached (backends/cpu/plans.py, kinds.py, timing.py)."""
 
 import json
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -238,9 +239,12 @@ def test_choice_is_measured_once_and_cached(big_tiny, monkeypatch, tmp_path):
     calls = []
     entry = {"plans": {"cut": "one", "halves": "one", "head": "two", "long_keys": 2048}, "steps": 2}
     monkeypatch.setattr(cpu_plans, "measure", lambda m, fixed=None: calls.append(fixed) or entry)
+    monkeypatch.setattr(cpu_plans, "confirm", lambda m, result: result)  # its own test below
+    monkeypatch.setattr(cpu_plans.quiet, "BUSY", 2.0)  # never busy here: its own test below
     logged = []
     model, _ = load_model(big_tiny[0], log=logged.append)
     assert calls == [None] and "CPU decode plans (timed here, once): cut=one" in logged[0]
+    assert entry["timed_at"].endswith("UTC") and model.cpu_plans_timed == entry["timed_at"]
     found = cpu_plans.plan_layers(model)
     assert not found["halves"][0].cpu_plan.two_streams and found["head"][0].cpu_plan.two_streams
     assert cpu_plans.current(model) == entry["plans"]  # what bench reports
@@ -347,3 +351,116 @@ def test_single_runs_on_one_stream_with_the_kernels(weights, tmp_path, monkeypat
     assert bool(kernel_calls) == (weights == "4-bit" and kernels.load() is not None)
     assert np.abs(prefill - ref_prefill).max() <= 1e-3
     assert np.abs(decode - ref_decode).max() <= 1e-4
+
+
+def test_the_watch_counts_other_processes_cpu_time_not_its_own(monkeypatch):
+    """Others' share = (machine's busy ticks - this process's) / (ticks per second x wall x CPUs):
+    150 busy ticks over 1 s on 2 CPUs at 100 ticks/s, 50 of them ours, is half the machine."""
+    from mlxinfer.backends.cpu import quiet
+
+    machine, own, clock = [(1000, 2), (1150, 2)], [400, 450], [10.0, 11.0]
+    monkeypatch.setattr(quiet, "_machine_ticks", lambda: machine.pop(0))
+    monkeypatch.setattr(quiet, "_own_ticks", lambda: own.pop(0))
+    monkeypatch.setattr(quiet.time, "monotonic", lambda: clock.pop(0))
+    monkeypatch.setattr(quiet.os, "sysconf", lambda name: 100)
+    with quiet.Watch() as w:
+        pass
+    assert w.others == pytest.approx(0.5) and w.busy
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc")
+def test_the_watch_sees_other_processes_keep_every_cpu_busy():
+    """A spinning child process on every CPU while this one sleeps: busy, by the real counters."""
+    import subprocess
+    import sys
+    import time
+
+    from mlxinfer.backends.cpu import quiet
+
+    spin = "import time\nend = time.time() + 2.5\nwhile time.time() < end: pass"
+    children = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)  # the children started
+        with quiet.Watch() as w:
+            time.sleep(1.0)
+    finally:
+        for c in children:
+            c.wait(10)
+    assert w.others is not None and w.others > 0.6 and w.busy
+
+
+class _FakeWatch:
+    def __init__(self, others):
+        self.others, self.busy = others, others > 0.25
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_a_choice_timed_on_a_busy_machine_is_used_but_not_cached(big_tiny, monkeypatch, tmp_path):
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_plans.ENV, raising=False)
+    calls = []
+
+    def measured(model, fixed=None):
+        calls.append(fixed)
+        return {"plans": {"cut": "one", "halves": "two", "head": "one"}, "seconds": {}}
+
+    monkeypatch.setattr(cpu_plans, "measure", measured)
+    monkeypatch.setattr(cpu_plans, "confirm", lambda m, result: result)
+    monkeypatch.setattr(cpu_plans.quiet, "Watch", _FakeWatch(0.8))
+    logged = []
+    model, _ = load_model(big_tiny[0], log=logged.append)
+    assert cpu_plans.plan_layers(model)["halves"][0].cpu_plan.two_streams  # used for this run
+    assert "busy machine, other work on 80% of the CPUs" in logged[0]
+    assert not (tmp_path / "cpu-plans.json").exists()
+    load_model(big_tiny[0])  # timed again: nothing was cached
+    assert len(calls) == 2
+    monkeypatch.setattr(cpu_plans.quiet, "Watch", _FakeWatch(0.05))
+    load_model(big_tiny[0])
+    cached = list(json.loads((tmp_path / "cpu-plans.json").read_text()).values())
+    assert len(calls) == 3 and cached[0]["plans"]["halves"] == "two"
+    assert cached[0]["others_load"] == 0.05
+    load_model(big_tiny[0])  # now read from the cache ...
+    assert len(calls) == 3
+    monkeypatch.setenv(cpu_plans.ENV, "replan")  # ... unless told to time it again
+    load_model(big_tiny[0])
+    assert len(calls) == 4 and calls[-1] is None
+
+
+def test_measured_plans_that_lose_to_the_default_as_a_whole_are_not_kept(big_tiny, monkeypatch):
+    """``confirm`` times whole steps under the measured plans and the static default (here, with
+    no kernels, the plainest options) and keeps the measured ones only if 3% faster."""
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    model, _ = load_model(big_tiny[0])
+    found = cpu_plans.plan_layers(model)
+    assert timing.static_default(model) == {
+        "cut": "one", "halves": "one", "head": "one", "fuse": "separate",
+    }  # fmt: skip
+    measured = {"cut": "two", "halves": "one", "head": "one", "fuse": "separate", "long_keys": 512}
+    for cut_cost, kept in ((1.2, "default"), (1.01, "default"), (0.9, "measured")):
+
+        class Step:
+            scale = 1.0
+
+            def __init__(self, model, timed=None):
+                pass
+
+            def blocks_seconds(self, steps=1, cost=cut_cost):
+                return 0.004 * (cost if found["cut"][0].cpu_plan.two_streams else 1.0)
+
+            def head_seconds(self, steps=1):
+                return 0.001
+
+        monkeypatch.setattr(timing, "DecodeStep", Step)
+        result = timing.confirm(model, {"plans": dict(measured), "seconds": {}, "blocks_timed": 2})
+        assert result["confirmed"]["kept"] == kept
+        assert result["plans"]["cut"] == ("two" if kept == "measured" else "one")
+        assert result["plans"]["long_keys"] == 512  # the numeric kinds stay as measured
+        assert found["cut"][0].cpu_plan.two_streams == (kept == "measured")

@@ -52,6 +52,13 @@ the user cache (``cpu-plans.json``), keyed by the CPU, the number of CPUs, MLX,
 the BLAS, the kernels (none, or their instruction set and usable CPUs) and the model's
 shapes, so the timing runs once per machine and model.
 
+The choice is timed with the machine watched (``quiet``): a choice timed while other work
+kept more than a quarter of the CPUs busy is used for that run but not cached. Before it is
+kept, the measured plans are timed as a whole against the static default (the kernels where
+they exist, else one stream: ``timing.static_default``) and kept only if 3% faster. Each
+cached entry records when it was timed (``-v`` shows it); ``MLXINFER_CPU_PLANS=replan`` (``mlxinfer
+bench --replan``) times the plans again and replaces the entry.
+
 ``MLXINFER_CPU_PLANS`` skips the measurement: ``off`` (every plan at its
 plainest: one stream, MLX's ops, no kernel, no long-context form), ``on`` (every
 two-stream plan at its most parallel, MLX's ops, no kernel, long-context form from
@@ -69,6 +76,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -77,7 +85,7 @@ import mlx.nn as nn
 from ...files import entries
 from ...platform.blas import preloaded_blas
 from ...platform.machine import cpu_name, user_cache_dir
-from . import compiled
+from . import compiled, quiet
 from .kinds import (
     KERNELS,
     MOST_PARALLEL,
@@ -94,7 +102,7 @@ from .kinds import (
     set_plan,
     set_plans,
 )
-from .timing import attention_shapes, measure
+from .timing import attention_shapes, confirm, measure
 
 __all__ = [
     "KERNELS",
@@ -115,7 +123,10 @@ __all__ = [
 ]
 
 ENV = "MLXINFER_CPU_PLANS"
-VERSION = 14  # of the cached entries: bump when the kinds or options change
+# of the cached entries: bump when the kinds or options change (15: timed with the machine
+# watched and the choice confirmed against the static default; entries of 14 may hold a choice
+# timed on a busy machine, so they are timed again)
+VERSION = 15
 
 
 def cache_key(model: nn.Module) -> str:
@@ -148,7 +159,7 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
     """What ``value`` (by default ``MLXINFER_CPU_PLANS``) fixes: None (measure all), or
     {kind: option}."""
     value = (os.environ.get(ENV, "measure") if value is None else value).strip()
-    if value in ("", "measure"):
+    if value in ("", "measure", "replan"):  # replan: measured again, cached entry or not
         return None
     defaults = {kind: default for kind, (_, _, default) in THRESHOLDS.items()}
     if value == "off":
@@ -172,7 +183,7 @@ def forced_plans(value: str | None = None) -> dict[str, str | int] | None:
         else:
             kinds = "; ".join(f"{k}: {'/'.join(o)}" for k, o in OPTIONS.items())
             raise ValueError(
-                f"{ENV}={value!r}: expected 'on', 'off', 'single', 'kernels', 'measure' or "
+                f"{ENV}={value!r}: expected 'on', 'off', 'single', 'kernels', 'measure', 'replan' or "
                 f"kind=option items ({kinds}; {', '.join(NUMERIC)}: a number), found {item!r}"
             )
     return plans
@@ -191,14 +202,27 @@ def choose(model: nn.Module, *, log=None) -> dict[str, str | int]:
         plans = {k: v for k, v in fixed.items() if k in numeric_kinds(model) or found.get(k)}
         set_plans(model, plans)
         return plans
+    replan = os.environ.get(ENV, "").strip() == "replan"
     key = cache_key(model)
-    entry = read_entries().get(key) if fixed is None else None
+    entry = read_entries().get(key) if fixed is None and not replan else None
     if not isinstance(entry, dict) or not isinstance(entry.get("plans"), dict):
-        entry = measure(model, fixed)
-        if fixed is None:
+        with quiet.Watch() as watch:
+            entry = measure(model, fixed)
+            if fixed is None:
+                entry = confirm(model, entry)
+        entry["timed_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        entry["others_load"] = watch.others
+        # A choice timed while other work ran is used for this run and timed again next load.
+        if fixed is None and not watch.busy:
             store_entry(key, entry)
         if log is not None:
-            log(f"CPU decode plans (timed here, once): {describe(entry)}")
+            if watch.busy:
+                how = (f"timed on a busy machine, other work on {watch.others:.0%} of the CPUs: "
+                       "used for this run only, timed again next load")  # fmt: skip
+            else:
+                how = "timed here, once" if fixed is None else "timed here"
+            log(f"CPU decode plans ({how}): {describe(entry)}")
+    model.cpu_plans_timed = entry.get("timed_at")  # for -v (cli/options.py)
     set_plans(model, entry["plans"])
     return dict(entry["plans"])
 

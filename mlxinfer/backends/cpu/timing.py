@@ -126,17 +126,18 @@ def pick(
     """The plainest option unless a later one is ``KEEP_IF_FASTER`` faster than the best so far;
     options timed in ``rounds`` (default ``ROUNDS``) interleaved rounds (with ``alternate``, every
     other round in reverse order: one switch per round, for options that are costly to switch).
-    Returns (option, median seconds by option)."""
+    Returns (option, fastest seconds by option): other work on the machine only ever adds time,
+    so an option's fastest round is the nearest to its quiet time."""
     seconds: dict = {option: [] for option in options}
     for n in range(ROUNDS if rounds is None else rounds):
         for option in options[::-1] if alternate and n % 2 else options:
             seconds[option].append(time_option(option))
-    medians = {option: statistics.median(s) for option, s in seconds.items()}
+    fastest = {option: min(s) for option, s in seconds.items()}
     best = options[0]
     for option in options[1:]:
-        if medians[option] < KEEP_IF_FASTER * medians[best]:
+        if fastest[option] < KEEP_IF_FASTER * fastest[best]:
             best = option
-    return best, medians
+    return best, fastest
 
 
 def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict:
@@ -211,6 +212,46 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
                 chosen[kind], seconds[kind] = measure_kind(model)
     set_plans(model, chosen)
     return {"plans": chosen, "seconds": seconds, "blocks_timed": timed}
+
+
+def static_default(model: nn.Module) -> dict[str, str]:
+    """What the plans are without timing, for the kinds the model has: the compiled kernel
+    wherever one covers a kind's layers (on all usable CPUs), else the plainest option (one
+    stream). Quiet machines measured so far chose it or a plan within a few percent of it."""
+    found = plan_layers(model)
+    default = {}
+    for kind in OPTIONS:
+        if found[kind]:
+            options = options_of(model, kind, found)
+            default[kind] = "kernel" if "kernel" in options else options[0]
+    return default
+
+
+def confirm(model: nn.Module, result: dict, rounds: int = ROUNDS) -> dict:
+    """Time whole decode steps (by parts, as ``measure``) under the measured plans and under
+    :func:`static_default`, alternating, and keep the measured ones only if their fastest step
+    is ``KEEP_IF_FASTER`` faster; the numeric kinds stay as measured. The kinds are chosen one
+    after the other, each with the ones before it settled, so a choice timed while the machine
+    was busy for part of the timing can lose as a whole: this catches it. Skipped for models
+    too slow to time (``skipped``). Records the two times under ``result["confirmed"]``."""
+    if "skipped" in result.get("seconds", {}):
+        return result
+    default = static_default(model)
+    chosen = dict(result["plans"])
+    if all(chosen.get(kind) == option for kind, option in default.items()):
+        return result
+    step = DecodeStep(model, timed=result.get("blocks_timed") or None)
+
+    def time_plans(plans):
+        set_plans(model, plans)
+        return step.scale * step.blocks_seconds() + step.head_seconds()
+
+    candidates = {"measured": chosen, "default": {**chosen, **default}}
+    best, fastest = pick(("default", "measured"), lambda n: time_plans(candidates[n]), rounds)
+    result = {**result, "plans": candidates[best]}
+    result["confirmed"] = {"kept": best, **{f"{n}_s": s for n, s in fastest.items()}}
+    set_plans(model, result["plans"])
+    return result
 
 
 def compute_dtype(layer: nn.Module) -> mx.Dtype:
