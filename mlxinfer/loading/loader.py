@@ -24,7 +24,7 @@ from ..files.manifest import check_sizes
 from ..files.safetensors_check import check_safetensors, index_files, inside
 from ..models import build_model, get_family
 from ..models.base import embedding_rows, language_model_weights
-from ..models.config import read_config
+from ..models.config import read_config, without_tower
 from ..platform.machine import user_cache_dir
 from ..platform.progress import Progress
 from ..platform.threads import release_at_thread_exit
@@ -230,6 +230,11 @@ def load_model(
     if not force:
         check_fits(model_dir, model.args, dtype, kv_budget)
     weights = read_weights(model_dir, progress)
+    if hasattr(model, "vision_tower") and not any("vision_tower." in k for k in weights):
+        if log is not None:
+            log(f"{model_dir}: no vision tower weights: running its language model alone")
+        config = without_tower(config)
+        model = build_model(config, source)
     if config.get("language_model_of"):
         if log is not None:
             log(

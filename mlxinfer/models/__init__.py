@@ -23,6 +23,7 @@ FAMILIES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3_text",
+    "gemma3": "gemma3",  # with its vision tower (config.py: only with a vision_config)
     "phi3": "phi3",
     "gpt2": "gpt2",
     "bloom": "bloom",

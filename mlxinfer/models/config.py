@@ -52,24 +52,54 @@ LANGUAGE_MODELS = {
 }
 
 
+# Of those, the ones whose vision tower runs too (models/<model_type>.py), when the config has a
+# ``vision_config``: the top-level keys their family reads beside the lifted ``text_config``.
+WITH_TOWER = {
+    "gemma3": (
+        "vision_config",
+        "mm_tokens_per_image",
+        "image_token_index",
+        "boi_token_index",
+        "eoi_token_index",
+    ),
+}
+
+
 def language_model_config(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
     """A multimodal checkpoint's config (``LANGUAGE_MODELS``) as its language model's:
-    ``text_config`` lifted to the top, ``language_model_of`` naming what it came from."""
+    ``text_config`` lifted to the top, ``language_model_of`` naming what it came from; for one
+    whose tower runs too (``WITH_TOWER``), its own model_type and the tower's keys beside."""
     kind = config.get("model_type")
     if not isinstance(kind, str):  # get_family reports it (a missing or mistyped model_type)
         return config
     if kind not in LANGUAGE_MODELS:
         return config
     text = config.get("text_config")
+    with_tower = kind in WITH_TOWER and isinstance(config.get("vision_config"), dict)
+    if with_tower and text is None and "hidden_size" in config:
+        return config  # already in this form (our own `convert` wrote it)
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: a '{kind}' checkpoint needs a 'text_config' object")
     text_kind = text.get("model_type") or LANGUAGE_MODELS[kind]
     out = {**text, "model_type": text_kind, "language_model_of": kind}
+    if with_tower:  # the whole model: its family reads the tower's keys beside the text's
+        out = {**text, **{k: config[k] for k in WITH_TOWER[kind] if k in config}}
+        out["model_type"] = kind
     # The whole model's flag decides the tie (transformers 5 ties by the top-level config:
     # Mistral3Config defaults to tied while its text_config says untied).
     if "tie_word_embeddings" in config:
         out["tie_word_embeddings"] = config["tie_word_embeddings"]
     return out
+
+
+def without_tower(config: dict[str, Any]) -> dict[str, Any]:
+    """A ``WITH_TOWER`` config (as read) as its language model's alone: for a checkpoint that
+    kept the config but not the tower's weights."""
+    kind = config.get("model_type")
+    if kind not in WITH_TOWER:
+        return config
+    out = {k: v for k, v in config.items() if k not in WITH_TOWER[kind]}
+    return {**out, "model_type": LANGUAGE_MODELS[kind], "language_model_of": kind}
 
 
 def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:

@@ -22,12 +22,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache, LayerCache
+from ..cache.kv import Cache, LayerCache, Mask
 from .base import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     CausalLM,
     check_layer_types,
+    lm_head,
     make_typed_caches,
     per_layer,
     scaled_embedding,
@@ -35,6 +36,7 @@ from .base import (
 )
 from .gemma import ModelArgs as GemmaArgs
 from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope
+from .layers.masks import with_blocks
 
 # Keys whose explicit null in config.json means "off", not "use the default".
 NULLABLE = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
@@ -133,23 +135,61 @@ class Gemma2Model(nn.Module):
         self.layers = [DecoderLayer(args, kind) for kind in args.layer_types]
         self.norm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = scaled_embedding(
-            self.embed_tokens(inputs), math.sqrt(self.args.hidden_size)
-        )  # (B, L, hidden)
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[Cache] | None = None,
+        *,
+        embeds: mx.array | None = None,
+        blocks: mx.array | None = None,
+    ) -> mx.array:
+        """``embeds``: the input embeddings (B, L, hidden) instead of the ids' own, as given (the
+        ids' are scaled by sqrt(hidden); a multimodal model's soft tokens are not). ``blocks``:
+        (L,) ids, >= 0 where tokens sharing one see each other both ways (an image's tokens)."""
+        if embeds is None:
+            embeds = scaled_embedding(self.embed_tokens(inputs), math.sqrt(self.args.hidden_size))
+        h = embeds  # (B, L, hidden)
         kinds = self.args.layer_types
         assert kinds is not None  # derived by ModelArgs.__post_init__
-        masks = typed_masks(kinds, cache, inputs.shape[1], self.args.sliding_window)
+        masks = typed_masks(kinds, cache, h.shape[1], self.args.sliding_window)
+        if blocks is not None:
+            masks = block_masks(masks, blocks, kinds, cache, self.args.sliding_window)
         for layer, kind, c in zip(self.layers, kinds, per_layer(cache, len(self.layers))):
             h = layer(h, masks[kind], c)
         return self.norm(h)
 
 
+def block_masks(
+    masks: dict[str, Mask],
+    blocks: mx.array,
+    kinds: list[str],
+    cache: list[Cache] | None,
+    window: int | None,
+) -> dict[str, Mask]:
+    """Each kind's mask with ``blocks`` seeing themselves both ways (layers/masks.with_blocks);
+    sliding layers keep their window over the past (transformers' Gemma 3 mask)."""
+    out = {}
+    for kind, mask in masks.items():
+        i = kinds.index(kind)
+        offset = 0 if cache is None else int(cache[i].offset)
+        local = window if kind == SLIDING_ATTENTION else None
+        out[kind] = with_blocks(mask, blocks, offset, local)
+    return out
+
+
 class Model(CausalLM):
     Inner = Gemma2Model
 
-    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
-        logits = super().__call__(inputs, cache)
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[LayerCache] | None = None,
+        *,
+        embeds: mx.array | None = None,
+        blocks: mx.array | None = None,
+    ) -> mx.array:
+        h = self[self.inner_name](inputs, cache, embeds=embeds, blocks=blocks)
+        logits = lm_head(h, self.head)  # (B, L, V)
         cap = self.args.final_logit_softcapping
         return logits if cap is None else mx.tanh(logits / cap) * cap
 

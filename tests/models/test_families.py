@@ -411,8 +411,9 @@ def test_gemma_float16_residual_add_clips_instead_of_overflowing():
 
 def test_a_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path):
     """A Gemma3ForConditionalGeneration checkpoint (model_type gemma3, text_config, a vision
-    tower): its language model loads alone and matches transformers' whole model on text,
-    with and without the cache; `convert` writes the language model only."""
+    tower): it loads with its tower (tests/vision/test_gemma3_vlm.py runs images) and matches
+    transformers' whole model on text, with and without the cache; `convert` keeps the tower;
+    without the tower's weights its language model loads alone."""
     import torch
     import transformers
     from hf_models import TINY
@@ -444,9 +445,8 @@ def test_a_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path):
             if t.dim() == 1:
                 t.add_(torch.randn_like(t) * 0.1)  # norms away from their neutral value
     torch_model.save_pretrained(tmp_path / "hf")
-    logged = []
-    model, _ = load_model(tmp_path / "hf", log=logged.append)
-    assert "vision tower is not loaded" in logged[0]
+    model, _ = load_model(tmp_path / "hf")
+    assert type(model).__module__ == "mlxinfer.models.gemma3"
     with torch.no_grad():
         expected = torch_model(torch.tensor([IDS])).logits[0].float().numpy()
     assert np.abs(np.array(model(mx.array([IDS]))[0]) - expected).max() <= TOL
@@ -456,9 +456,23 @@ def test_a_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path):
     add_tokenizer(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "text", dtype="float32")
     written = json.loads((tmp_path / "text" / "config.json").read_text())
-    assert written["model_type"] == "gemma3_text" and "vision_config" not in written
+    assert written["model_type"] == "gemma3" and "vision_config" in written
     again, _ = load_model(tmp_path / "text")
+    assert type(again).__module__ == "mlxinfer.models.gemma3"
     assert np.abs(np.array(again(mx.array([IDS]))[0]) - expected).max() <= TOL
+    # A checkpoint that kept the config but not the tower (a text-only export) runs its text.
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file(
+        {k: v for k, v in weights.items() if "vision_tower" not in k and "projector" not in k},
+        tmp_path / "hf" / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    logged = []
+    text_only, _ = load_model(tmp_path / "hf", log=logged.append)
+    assert "no vision tower" in logged[0]
+    assert np.abs(np.array(text_only(mx.array([IDS]))[0]) - expected).max() <= TOL
 
 
 @pytest.mark.parametrize("text_type", ["mistral", "ministral3"])

@@ -24,6 +24,23 @@ def windowed(n_queries: int, offset: int, window: int) -> mx.array:
     return (k <= q) & (q - k < window)
 
 
+def with_blocks(mask, blocks: mx.array, offset: int, window: int | None = None):
+    """``mask`` for L new queries after ``offset`` keys, where the new tokens that share a block
+    id >= 0 in ``blocks`` (L,) also see each other both ways (Gemma 3's image tokens), each
+    still within ``window`` of its past (the new keys are the mask's last L columns)."""
+    n = blocks.shape[0]
+    if mask is None:  # one query: it sees every key already
+        return None
+    if isinstance(mask, str):
+        mask = causal(n, offset + n)
+    same = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)  # (L, L)
+    if window is not None:
+        i = mx.arange(n)
+        same = same & (i[:, None] - i[None, :] < window)
+    split = mask.shape[-1] - n
+    return mx.concatenate([mask[..., :split], mask[..., split:] | same], axis=-1)
+
+
 def for_groups(mask):
     """``mask`` for scores grouped as (B, n_kv, reps, L, T), where query heads sharing a kv
     head are one axis: a batch's per-row (B, 1, L, T) mask gains the reps axis; others as given."""
