@@ -135,6 +135,7 @@ PACKAGE_ORDER = [
     "quant",
     "backends",
     "tokenization",
+    "vision",
     "gguf",
     "loading",
     "store",
