@@ -58,6 +58,7 @@ def generate(
     draft_model,
     prompt_lookup,
     self_draft_layers,
+    mtp,
     json_schema,
     json_object,
     regex,
@@ -90,7 +91,7 @@ def generate(
             no_chat_template,
             kv_bits,
             verbose,
-            (draft_model, prompt_lookup, self_draft_layers),
+            (draft_model, prompt_lookup, self_draft_layers, mtp),
             options,
             setting,
         )
@@ -99,7 +100,7 @@ def generate(
     llm, tokenizer = _load(model, verbose, options["force"], distributed=setting.load)
     if options.pop("force"):  # lifts the KV budget too (what the machine can give now)
         options["kv_budget"] = float("inf")
-    options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
+    options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers, mtp)
     [prompt] = _templated(tokenizer, [prompt], system, chat_template, no_chat_template, verbose)
     kv_bits = int(kv_bits) if kv_bits else None
     pc, fingerprint = _session_cache(cache_file, llm, kv_bits, options.get("max_kv_size"))
@@ -183,13 +184,14 @@ def _generate_batch(
     from ..batch import batch_generate
     from ..batch.prompts import read_prompts
 
-    draft_model, prompt_lookup, self_draft_layers = drafts
+    draft_model, prompt_lookup, self_draft_layers, mtp = drafts
     num_draft = options.pop("num_draft", None)
     unsupported = {
         "--prompt": prompt is not None,
         "--max-kv-size": options.pop("max_kv_size") is not None,
         "--prefill-step-size": options.pop("prefill_step_size") is not None,
         "--self-draft-layers": self_draft_layers is not None,
+        "--mtp": mtp,
     }
     if clash := [name for name, given in unsupported.items() if given]:
         raise click.UsageError(f"--batch does not take {', '.join(clash)} yet")
@@ -238,6 +240,7 @@ def chat(
     draft_model,
     prompt_lookup,
     self_draft_layers,
+    mtp,
     setting,
     **options,
 ):
@@ -252,7 +255,7 @@ def chat(
         options["kv_budget"] = float("inf")
     if chat_template:
         tokenizer.set_chat_template(chat_template)
-    options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers)
+    options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers, mtp)
     if not tokenizer.has_chat_template:
         raise click.ClickException(
             f"{tokenizer.path}: no chat template (a base model?); name a known format "

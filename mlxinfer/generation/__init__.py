@@ -8,7 +8,7 @@
   room) gives a ``PreparedRequest``, whose ``results`` turns the loop's steps into text results
   (stop strings, EOS, the timeline, tool calls, reasoning);
 - ``speculative``: the sibling loop that drafts, verifies and accepts, with the same outputs;
-- ``drafts``: where drafts come from (a draft model, prompt lookup, a self-draft);
+- ``drafts``: where drafts come from (a draft model, prompt lookup, a self-draft, MTP heads);
 - ``rules``: a request's output rules (``OutputRules``: stop strings, structured output, tools,
   reasoning), one object or loose keywords;
 - ``sampling``: a request's sampling settings (``SamplingParams``), samplers and processors;

@@ -12,6 +12,10 @@ holds request-independent settings; ``start`` makes the per-request
   head. No second model: the weights are the target's, and so are the KV
   caches of those N layers (drafted entries are dropped and the verification
   pass writes them again).
+- ``MTP``: the multi-token-prediction head the checkpoint ships (MiMo; see
+  ``models/layers/mtp.py``). It reads the trunk's final hidden states, which
+  the runner hands it (``observe``) from the prompt's prefill and from each
+  verification pass, and keeps its own small KV cache.
 """
 
 from __future__ import annotations
@@ -53,6 +57,17 @@ class Drafter(Protocol):
         ...
 
 
+class Observer(Protocol):
+    """A drafter that reads the target's final hidden states (an MTP head's): the runner
+    prefills and verifies with ``model.trunk`` and hands it those of every token it keeps."""
+
+    def observe(self, hidden: mx.array, following: list[int]) -> list[mx.array]:
+        """``hidden`` (L, H): the target's states at L consecutive kept positions;
+        ``following``: the L tokens that follow them. Returns arrays for the caller's
+        ``mx.eval`` (the drafter's cache writes), so a prefill chunk's graph ends there."""
+        ...
+
+
 class Draft:
     """Base of the draft sources."""
 
@@ -60,7 +75,8 @@ class Draft:
         """Raise :class:`DraftError` if this draft cannot serve ``model`` with ``tokenizer``."""
 
     def start(self, model, cache: list[LayerCache], prompt: list[int]) -> Drafter:
-        """Begin a request: ``cache`` is the target's, holding all of ``prompt`` but its last token."""
+        """Begin a request: ``cache`` is the target's, about to hold all of ``prompt`` but its
+        last token (the runner prefills it right after, telling an :class:`Observer`)."""
         raise NotImplementedError
 
 
@@ -314,3 +330,62 @@ class _SelfDrafter:
 
     def rewind(self, kept: list[int]) -> None:
         pass  # its cache is the target's, which the runner rewinds
+
+
+# --- Multi-token prediction heads ----------------------------------------------------------------
+
+
+class MTP(Draft):
+    """Draft with the multi-token-prediction (MTP) head the checkpoint ships (MiMo).
+
+    The head reads the trunk's final hidden state at position j and the token at j+1 and
+    predicts the token at j+2; for k > 1 it is chained on its own output (``layers/mtp.py``).
+    Its cache is primed over the prompt during the prefill; a prefix reused from a prompt cache
+    was not seen by the head (drafts still exact; acceptance may be lower there).
+    """
+
+    def check(self, model, tokenizer) -> None:
+        if not getattr(model, "mtp_heads", None):
+            where = getattr(model, "source_dir", None) or type(model).__module__
+            raise DraftError(
+                f"model {where} has no MTP heads (expected a family that keeps them, such as "
+                "mimo, with its model.mtp_layers.* weights); --mtp needs them"
+            )
+
+    def start(self, model, cache: list[LayerCache], prompt: list[int]) -> Drafter:
+        self.check(model, None)
+        return _MTPDrafter(model.mtp_heads[0])  # one head, chained for k > 1
+
+
+class _MTPDrafter:
+    def __init__(self, head):
+        self.head, self.cache = head, head.make_cache()
+        # The head's post-norm output g at the last real pair (trunk state, next token): its
+        # logits are the first draft's; None until a pair has been read.
+        self.g: mx.array | None = None
+
+    def observe(self, hidden: mx.array, following: list[int]) -> list[mx.array]:
+        tokens = mx.array(following, dtype=mx.int32)[None]  # (1, L)
+        g = self.head(tokens, hidden[None], self.cache)  # (1, L, H)
+        self.g = g[:, -1:]  # (1, 1, H)
+        return [*self.cache.state, self.g]
+
+    def propose(
+        self, history: list[int], k: int, sample: DraftSampler
+    ) -> tuple[mx.array, mx.array | None]:
+        if self.g is None:
+            return _NO_TOKENS, None
+        g, real = self.g, self.cache.offset
+        tokens: list[mx.array] = []
+        dists: list[mx.array | None] = []
+        for i in range(k):
+            if i:  # chained: the head's own output and the token it drafted, one position on
+                g = self.head(tokens[-1][None], g, self.cache)  # (1, 1, H)
+            token, dist = sample(self.head.logits(g)[0])  # (1, V)
+            tokens.append(token)
+            dists.append(dist)
+        self.cache.trim(self.cache.offset - real)  # only real pairs stay (lazy graphs keep theirs)
+        return mx.concatenate(tokens), _stacked(dists)
+
+    def rewind(self, kept: list[int]) -> None:
+        pass  # its cache holds only kept positions' pairs (observe)

@@ -8,7 +8,7 @@ draft model's own cache all prefill through :func:`prefill`; a
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -79,6 +79,7 @@ def prefill(
     *,
     then: int = 1,
     checkpoint: bool = True,
+    observe: Callable[[mx.array, int], list[mx.array]] | None = None,
 ) -> None:
     """Feed ``ids`` into ``pc`` in chunks of ``step``, computing only the caches.
 
@@ -91,7 +92,9 @@ def prefill(
     larger of (prompt's KV + prefill's transients) and (whole KV + a decode
     step's), not their sum (docs/performance.md, "Peak memory"). With
     ``checkpoint``, ``pc`` remembers the point reached for a later request's
-    reuse (``PromptCache.checkpoint``: only where state caches cannot trim).
+    reuse (``PromptCache.checkpoint``: only where state caches cannot trim). ``observe``
+    (an MTP head priming its cache): each chunk runs ``model.trunk`` and its final hidden
+    states (L, H) go to ``observe(hidden, start)``, whose returned arrays are evaluated too.
     """
     y = mx.array(ids, dtype=mx.int32)
     growable = [c for c in pc.cache if isinstance(c, _Growing)]
@@ -101,10 +104,15 @@ def prefill(
     # Its chunks rotate as the whole prompt would (with the token fed next: dynamic NTK, LongRoPE).
     with prefill_schedule(model), prompt_reach(len(pc.tokens) + len(ids) + 1):
         for start in range(0, len(ids), step):
-            model(y[None, start : start + step], pc.cache)
+            extra: list[mx.array] = []
+            if observe is None:
+                model(y[None, start : start + step], pc.cache)
+            else:
+                hidden, _ = model.trunk(y[None, start : start + step], pc.cache)
+                extra = observe(hidden[0], start)
             # Materialise this chunk's cache writes before building the next chunk,
             # so the graph (and its memory) stays one chunk deep.
-            mx.eval([c.state for c in pc.cache])
+            mx.eval([c.state for c in pc.cache] + extra)
             pc.tokens.extend(ids[start : start + step])
     for c in growable:
         c.grow(c.offset + max(1, min(then, MAX_RESERVED_DECODE)))

@@ -4,7 +4,8 @@ A sibling of ``generation.generate_step`` with the same outputs plus a flag
 saying which tokens came from the draft. Each step:
 
 1. the draft proposes up to k tokens after the last token y (``drafts.py``:
-   a second model, prompt lookup, or the target's own first layers);
+   a second model, prompt lookup, the target's own first layers, or its MTP
+   head, which reads the target's final hidden states of the tokens kept);
 2. the target runs once over [y, d1 … dk] and so scores k+1 positions;
 3. the acceptance rule keeps a prefix d1 … da and adds one token of the
    target's own (a correction at a+1, or a bonus token when all k passed);
@@ -81,11 +82,24 @@ def speculative_generate_step(
     ids = list(prompt)
     _require_rewindable(pc.cache, len(ids) + max_tokens)
     todo = pc.reuse(ids)
+    drafter = draft.start(model, pc.cache, ids)
+    # An MTP head reads the target's final hidden states (drafts.Observer): those of the
+    # prompt as it is prefilled, then those of each verified token kept.
+    observe = getattr(drafter, "observe", None)
+
+    def prime(hidden: mx.array, start: int) -> list[mx.array]:
+        assert observe is not None  # passed to prefill only then
+        return observe(hidden, todo[start + 1 : start + 1 + hidden.shape[0]])
+
     # Room for every token and the longest draft verified past the last one.
     prefill(
-        model, pc, todo[:-1], prefill_step_size, then=max_tokens + max(num_draft or 0, MAX_DRAFT)
+        model,
+        pc,
+        todo[:-1],
+        prefill_step_size,
+        then=max_tokens + max(num_draft or 0, MAX_DRAFT),
+        observe=prime if observe is not None else None,
     )
-    drafter = draft.start(model, pc.cache, ids)
     key = mx.random.key(secrets.randbits(63) if params.seed is None else params.seed)
     k_policy = DraftLength(num_draft)
     history = list(ids)  # every token so far; the last one is in no cache yet
@@ -108,9 +122,9 @@ def speculative_generate_step(
             m = drafts.shape[0]
             if restorable:
                 snapshot = pc.snapshot()
-            logprobs = _verify(
-                model, pc.cache, history[-1], drafts, logits_processors, seen
-            )  # (m+1, V)
+            logprobs, hidden = _verify(
+                model, pc.cache, history[-1], drafts, logits_processors, seen, observe is not None
+            )  # (m+1, V), (m+1, H) or None
             accepted, token = accept_drafts(logprobs, drafts, q, params, accept_key)
             # The one sync per step: the host needs the accepted count and the
             # tokens to know what to feed next.
@@ -121,6 +135,10 @@ def speculative_generate_step(
             pc.tokens = history + emitted[:-1]  # y and the accepted drafts are in the cache
             rewind(model, pc, len(pc.tokens), snapshot)  # drop the m - a rejected drafts
             history += emitted
+            if observe is not None:
+                # The target's states at y and the accepted drafts, each followed by its token.
+                assert hidden is not None
+                observe(hidden[: a + 1], emitted)
             drafter.rewind(pc.tokens)
             k_policy.update(a, m)
             for j, t in enumerate(emitted):
@@ -154,10 +172,17 @@ def _verify(
     drafts: mx.array,
     processors: Sequence[LogitsProcessor],
     seen: mx.array | None,
-) -> mx.array:
-    """The target's log-probs at the k+1 positions after y, d1 … dk: (k+1, V)."""
+    with_hidden: bool = False,
+) -> tuple[mx.array, mx.array | None]:
+    """The target's log-probs at the k+1 positions after y, d1 … dk: (k+1, V); with
+    ``with_hidden`` also its final hidden states there (k+1, H) (``model.trunk``), else None."""
     inputs = mx.concatenate([mx.array([y], dtype=mx.int32), drafts])  # (k+1,)
-    logits = model(inputs[None], cache)[0]  # (k+1, V)
+    hidden = None
+    if with_hidden:
+        hidden, logits = model.trunk(inputs[None], cache)
+        hidden, logits = hidden[0], logits[0]  # (k+1, H), (k+1, V)
+    else:
+        logits = model(inputs[None], cache)[0]  # (k+1, V)
     if processors:
         # Row i continues history + d1 … di, exactly as plain decoding would see it.
         assert seen is not None  # the history, given whenever there are processors
@@ -168,7 +193,7 @@ def _verify(
                 row = process(tokens, row)
             rows.append(row)
         logits = mx.concatenate(rows)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True), hidden
 
 
 def accept_drafts(

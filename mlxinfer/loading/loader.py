@@ -167,6 +167,8 @@ FOREIGN_QUANT = {
 
 def load_weights_into(model: nn.Module, weights: dict[str, mx.array], source: Path) -> None:
     """Load with a clear error for any unexpected, missing or mis-shaped key."""
+    if (drop_absent_heads := getattr(model, "drop_absent_heads", None)) is not None:
+        drop_absent_heads(weights)  # MTP heads the config announces but whose weights were stripped
     params = dict(tree_flatten(model.parameters()))
     for key, value in weights.items():
         if key not in params:

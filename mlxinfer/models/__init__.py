@@ -20,6 +20,7 @@ FAMILIES = {
     "olmo3": "olmo3",
     "qwen2": "qwen2",
     "qwen3": "qwen2",
+    "mimo": "mimo",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3_text",

@@ -1,0 +1,137 @@
+"""Multi-token prediction (MTP) heads: one generic layer over a family's own decoder block.
+
+What the reference computes (transformers 5.25: ``modeling_layers.MtpLayer`` / ``MtpModel``,
+``generation.candidate_generator.MTPCandidateGenerator``, ``cache_utils.MtpCache``; read in
+site-packages, and vLLM's / mlx-lm #990's MiMo and DeepSeek heads for the weight names):
+
+- Families: ``generate(use_mtp=True)`` runs for configs with ``num_mtp_layers`` (DeepSeek-V3,
+  GLM-4.5 MoE, Ernie 4.5 MoE, Mellum, …; ``num_nextn_predict_layers`` in config.json). MiMo
+  (``model_type: mimo``) has no transformers model; its head is MtpLayer with
+  ``mtp_hidden_states_first=True`` over a Qwen2 block, which is how the tests check ours.
+- One head step, for the pair (h_j, x_{j+1}): h_j the trunk's last hidden state at position j
+  AFTER its final norm (``hidden_states[-1]``), x_{j+1} the token that followed::
+
+      e = embed(x_{j+1});  u = eh_proj(concat([enorm(e), hnorm(h_j)]))   # DeepSeek/GLM order
+                           u = eh_proj(concat([hnorm(h_j), enorm(e)]))   # MiMo: hidden first
+      g = post_norm(block(u))            # the family's decoder block, its own KV cache
+      logits = lm_head(g)                # the trunk's head (shared), predicts x_{j+2}
+
+- Weight names: DeepSeek/GLM keep the head as decoder layer N (``model.layers.N.{enorm, hnorm,
+  eh_proj, shared_head.norm}`` + the block's own); MiMo as ``model.mtp_layers.i.{token_layernorm,
+  hidden_layernorm, input_proj, final_layernorm}`` + a Qwen2 block's; Qwen3-Next/3.5 as
+  ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layers.0.*}`` with (1 + w) norms.
+- Positions and cache: the head's cache gets one entry per pair, primed over the whole prompt
+  (pair 0 is (h_0, x_1): position 0 has no pair, so nothing there needs masking). transformers
+  ropes pair j at position j+1; here pair j sits at cache offset j. RoPE scores depend only on
+  position differences, so the two agree (the parity test checks it).
+- Chained drafts: with one head and k > 1, the next step's pair is (g, d): the head's own
+  post-norm output and the token it drafted (transformers chains layer i+1 on layer i's output
+  the same way; vLLM and mlx-lm recycle one head). Chained entries are dropped from the head's
+  cache after drafting: only real pairs (a trunk hidden state) stay.
+
+A family keeps its heads by adding its blocks, extended by :func:`extend_block`, to its inner
+model and exposing :class:`MTPHead` objects as ``model.mtp_heads`` and ``model.trunk(inputs,
+cache) -> (hidden, logits)``. Heads are found by their weights (:func:`keep_present_heads`): a
+config announcing heads whose weights were stripped still loads, without heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ...cache.kv import Cache, KVCache
+from .norms import RMSNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPSpec:
+    """How one family writes its heads: the checkpoint's names and the head's conventions.
+
+    ``enorm``, ``hnorm``, ``proj``, ``post_norm``: names, inside the block, of the embedding's
+    norm, the hidden state's norm, the 2H -> H projection and the output norm (dotted: a
+    submodule, DeepSeek's ``shared_head.norm``). ``hidden_first``: concat [h, e] (MiMo) instead
+    of [e, h]. ``norm``: the norm class (RMSNorm; OffsetRMSNorm for Qwen's (1 + w)).
+    """
+
+    enorm: str
+    hnorm: str
+    proj: str
+    post_norm: str
+    hidden_first: bool = False
+    norm: Callable[..., nn.Module] = RMSNorm
+
+
+MIMO = MTPSpec("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm", True)
+DEEPSEEK = MTPSpec("enorm", "hnorm", "eh_proj", "shared_head.norm")
+
+
+def extend_block(block: nn.Module, spec: MTPSpec, hidden: int, eps: float) -> nn.Module:
+    """``block`` (a family's decoder block) with the head's norms and projection added under
+    the checkpoint's names, so the head's weights load where the checkpoint has them."""
+    for name in (spec.enorm, spec.hnorm, spec.post_norm):
+        _set(block, name, spec.norm(hidden, eps=eps))
+    _set(block, spec.proj, nn.Linear(2 * hidden, hidden, bias=False))
+    return block
+
+
+def _set(module: nn.Module, dotted: str, value: nn.Module) -> None:
+    *parents, last = dotted.split(".")
+    for name in parents:
+        if name not in module:
+            module[name] = nn.Module()
+        module = module[name]
+    module[last] = value
+
+
+def _get(module: nn.Module, dotted: str) -> nn.Module:
+    for name in dotted.split("."):
+        module = module[name]
+    return module
+
+
+class MTPHead:
+    """One head of a model: a block made by :func:`extend_block`, run as the reference does.
+
+    ``embed``: token ids -> embeddings (the trunk's); ``logits``: hidden -> logits (the trunk's
+    LM head); ``make_cache``: the block's cache (a KVCache for attention blocks).
+    """
+
+    def __init__(
+        self,
+        block: nn.Module,
+        spec: MTPSpec,
+        embed: Callable[[mx.array], mx.array],
+        logits: Callable[[mx.array], mx.array],
+        make_cache: Callable[[], Cache] = KVCache,
+    ):
+        self.block, self.spec, self.embed, self.logits = block, spec, embed, logits
+        self.make_cache = make_cache
+
+    def __call__(self, tokens: mx.array, hidden: mx.array, cache: Cache | None) -> mx.array:
+        """The head's post-norm output g (B, L, H) for the pairs (hidden[:, i], tokens[:, i]).
+
+        ``tokens`` (B, L): x_{j+1}; ``hidden`` (B, L, H): h_j, post-final-norm (or a chained g).
+        """
+        b, s = self.block, self.spec
+        e = _get(b, s.enorm)(self.embed(tokens))  # (B, L, H)
+        h = _get(b, s.hnorm)(hidden)  # (B, L, H)
+        u = _get(b, s.proj)(mx.concatenate([h, e] if s.hidden_first else [e, h], axis=-1))
+        L = u.shape[1]
+        mask = cache.make_mask(L) if cache is not None else ("causal" if L > 1 else None)
+        return _get(b, s.post_norm)(b(u, mask, cache))
+
+
+def keep_present_heads(inner: nn.Module, attr: str, prefix: str, weights) -> None:
+    """Drop ``inner.<attr>``'s heads whose weights ``weights`` lacks (a checkpoint whose config
+    announces heads but whose MTP weights were stripped, as many conversions do). Head i is
+    present when some weight starts with ``f"{prefix}{i}."``; the heads kept are the leading
+    ones that are present."""
+    heads = inner[attr]
+    n = 0
+    while n < len(heads) and any(k.startswith(f"{prefix}{n}.") for k in weights):
+        n += 1
+    inner[attr] = heads[:n]

@@ -1,0 +1,67 @@
+"""The MiMo family (Xiaomi MiMo-7B: ``model_type: mimo``): a Qwen2 trunk plus MTP heads.
+
+The trunk is Qwen2's (q/k/v biases, optional sliding window). ``num_nextn_predict_layers``
+heads follow it, each a Qwen2 block plus the head's own norms and projection, written as
+``model.mtp_layers.i.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}`` beside
+the block's ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and ``mlp``. The
+head concatenates the hidden state first ([h, e], DeepSeek's order reversed); see
+``layers/mtp.py`` for what a head computes and ``generation/drafts.py`` (``MTP``) for drafting.
+
+transformers has no MiMo model: the trunk is checked against its Qwen2, the head against its
+``MtpLayer`` with ``mtp_hidden_states_first`` over a Qwen2 block (tests/models/test_mimo.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import mlx.core as mx
+
+from ..cache.kv import Cache
+from . import qwen2
+from .base import lm_head
+from .layers.mtp import MIMO, MTPHead, extend_block, keep_present_heads
+
+
+@dataclasses.dataclass
+class ModelArgs(qwen2.ModelArgs):
+    num_nextn_predict_layers: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.qkv_bias, self.o_bias = True, False  # Qwen2's attention, which MiMo's code uses
+
+
+class MiMoModel(qwen2.Qwen2Model):
+    """Qwen2's embedding → blocks → norm, plus the MTP heads' blocks (``mtp_layers``), which
+    the trunk's forward never runs."""
+
+    def __init__(self, args: qwen2.ModelArgs):
+        assert isinstance(args, ModelArgs)  # the family's own (Model.Inner's signature is Qwen2's)
+        super().__init__(args)
+        self.mtp_layers = [
+            extend_block(self.Block(args, 0), MIMO, args.hidden_size, args.rms_norm_eps)
+            for _ in range(args.num_nextn_predict_layers)
+        ]
+
+
+class Model(qwen2.Model):
+    Inner = MiMoModel
+
+    def trunk(self, inputs: mx.array, cache: list[Cache] | None = None):
+        """(hidden (B, L, H) after the final norm, logits (B, L, V)): what an MTP head reads."""
+        h = self.model(inputs, cache)
+        return h, lm_head(h, self.head)
+
+    @property
+    def mtp_heads(self) -> list[MTPHead]:
+        """The MTP heads the checkpoint has (none when its MTP weights were stripped)."""
+        return [
+            MTPHead(block, MIMO, self.model.embed_tokens, lambda h: lm_head(h, self.head))
+            for block in self.model.mtp_layers
+        ]
+
+    def drop_absent_heads(self, weights: dict[str, Any]) -> None:
+        """Keep only the heads ``weights`` has (called by the loader before loading)."""
+        keep_present_heads(self.model, "mtp_layers", "model.mtp_layers.", weights)

@@ -1,0 +1,143 @@
+"""Tiny random MiMo checkpoints (a Qwen2 trunk plus MTP heads) and transformers' reference head.
+
+transformers has no MiMo model and ``save_pretrained`` never writes MTP weights, so: build a
+Qwen2 model with one more layer per head, save the first L layers as the trunk, write each extra
+layer as a head's block under MiMo's names (``model.mtp_layers.i.*``) with random head norms and
+projection, and load the same tensors into transformers' ``MtpModel`` (``MtpLayer`` with
+``mtp_hidden_states_first``: MiMo's [h, e] order) over the trunk. No real MTP weights can be
+had here; these are the references.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from hf_models import TINY
+from safetensors.torch import load_file, save_file
+
+# Our name in a MiMo head -> transformers' MtpLayer name (the block's own names go under mtp_block).
+HEAD_NAMES = {
+    "token_layernorm": "enorm",
+    "hidden_layernorm": "hnorm",
+    "input_proj": "eh_proj",
+    "final_layernorm": "post_norm",
+}
+
+
+def make_mimo(
+    path: Path, *, seed: int = 0, heads: int = 1, wired: float | None = None, **overrides
+) -> tuple[Path, torch.nn.Module, torch.nn.Module]:
+    """Save a random MiMo checkpoint to ``path``; returns (path, trunk, reference MtpModel).
+
+    ``wired``: a one-layer trunk whose head predicts the trunk's own next-next token, up to
+    noise of this size on its projection. The trunk's attention is cut (o_proj = 0), so its
+    output at position j depends on x_j alone, and its embeddings have RMS 1; the head's block
+    is the trunk's block, its projection picks the embedding of x_{j+1} (``[0 | I]`` on
+    MiMo's [h, e]), its token norm is 1 and its output norm the trunk's final norm, so the head
+    computes at (h_j, x_{j+1}) exactly the trunk's state at j+1: its greedy token is the one
+    the trunk emits after x_{j+1}. Any mistake in the pairing, the concat order or the cache
+    priming loses that.
+    """
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(seed)
+    settings = {**TINY, **overrides}
+    L = settings["num_hidden_layers"]
+    big_config = transformers.AutoConfig.for_model(
+        "qwen2", **{**settings, "num_hidden_layers": L + heads}
+    )
+    big = transformers.AutoModelForCausalLM.from_config(
+        big_config, torch_dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        for p in big.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)  # norms and biases exercised too
+        if wired is not None:
+            assert L == 1 and heads == 1, "a wired head copies the one trunk block"
+            E = big.model.embed_tokens.weight
+            E /= E.pow(2).mean(-1, keepdim=True).sqrt()
+            for layer in big.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+            big.model.layers[1].load_state_dict(big.model.layers[0].state_dict())
+    config = transformers.AutoConfig.for_model("qwen2", **settings)
+    trunk = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    state = big.state_dict()
+    trunk.load_state_dict({k: v for k, v in state.items() if k in trunk.state_dict()})
+    trunk.save_pretrained(path, safe_serialization=True)
+
+    H = settings["hidden_size"]
+    weights = load_file(str(Path(path) / "model.safetensors"))
+    reference: dict[str, torch.Tensor] = {}
+    for i in range(heads):
+        block = f"model.layers.{L + i}."
+        for k, v in state.items():
+            if k.startswith(block):
+                name = k[len(block) :]
+                weights[f"model.mtp_layers.{i}.{name}"] = v.clone()
+                reference[f"layers.{i}.mtp_block.{name}"] = v
+        for ours, theirs in HEAD_NAMES.items():
+            if ours == "input_proj":
+                v = torch.randn(H, 2 * H) * 0.08
+                if wired is not None:
+                    v = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1) + wired * v
+            elif wired is not None and ours == "token_layernorm":
+                v = torch.ones(H)
+            elif wired is not None and ours == "final_layernorm":
+                v = state["model.norm.weight"].clone()
+            else:
+                v = 1 + 0.1 * torch.randn(H)
+            weights[f"model.mtp_layers.{i}.{ours}.weight"] = v
+            reference[f"layers.{i}.{theirs}.weight"] = v
+    save_file(weights, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = Path(path) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=heads)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+    trunk.config.num_mtp_layers = heads
+    trunk.config.mtp_layer_types = ["full_attention"] * heads
+    trunk.config.mtp_hidden_states_first = True
+    mtp = MtpModel(trunk, heads).eval()
+    missing, unexpected = mtp.load_state_dict(reference, strict=False)
+    assert not unexpected and all(k.startswith(("embed_tokens", "shared_head")) for k in missing)
+    return Path(path), trunk, mtp
+
+
+def strip_heads(path: Path) -> Path:
+    """The checkpoint at ``path`` with its MTP weights removed (config.json still announces them)."""
+    file = Path(path) / "model.safetensors"
+    weights = load_file(str(file))
+    save_file(
+        {k: v for k, v in weights.items() if ".mtp_layers." not in k},
+        str(file),
+        metadata={"format": "pt"},
+    )
+    return Path(path)
+
+
+def transformers_layout(trunk: torch.nn.Module, mtp: torch.nn.Module, out: Path) -> Path:
+    """The same model as transformers' ``generate(use_mtp=True)`` loads it: DeepSeek's layout
+    (the head as decoder layer L: ``model.layers.L.{enorm, hnorm, eh_proj, shared_head.norm}``
+    and its block's own names) with ``num_mtp_layers`` and ``mtp_hidden_states_first`` in
+    config.json. ``MtpModel.from_pretrained`` finds the head's weights through the trunk class's
+    ``_keys_to_ignore_on_load_unexpected``: the caller patches it to match ``model.layers.L.``."""
+    L = trunk.config.num_hidden_layers
+    trunk.save_pretrained(out, safe_serialization=True)
+    weights = load_file(str(Path(out) / "model.safetensors"))
+    for k, v in mtp.state_dict().items():
+        if k.startswith("layers.0."):
+            name = k[len("layers.0.") :].replace("mtp_block.", "")
+            name = name.replace("post_norm", "shared_head.norm")
+            weights[f"model.layers.{L}.{name}"] = v.clone()
+    save_file(weights, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = Path(out) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(num_mtp_layers=1, mtp_layer_types=["full_attention"], mtp_hidden_states_first=True)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return Path(out)
