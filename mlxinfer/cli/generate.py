@@ -34,6 +34,14 @@ from .options import (
 @click.option("--system", default=None, help="System message (chat template only).")
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
 @click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    metavar="PATH",
+    help="An image for a model with a vision tower (Gemma 3), before the prompt's text in its "
+    "user message; repeatable.",
+)
 @REASONING
 @click.option(
     "--batch",
@@ -52,6 +60,7 @@ def generate(
     system,
     chat_template,
     no_chat_template,
+    images,
     reasoning,
     kv_bits,
     verbose,
@@ -79,6 +88,8 @@ def generate(
     # Checked before the model loads: a bad schema is an error at once.
     options["constraint"] = _constraint(json_schema, json_object, regex, choices, grammar)
     cache_file = options.pop("prompt_cache_file")
+    if images and (clash := _image_clash(batch_file, no_chat_template, cache_file)):
+        raise click.UsageError(f"--image does not go with {clash}")
     if batch_file is not None:
         if cache_file is not None:
             raise click.UsageError("--prompt-cache-file keeps one session: not with --batch")
@@ -112,6 +123,7 @@ def generate(
             kv_bits=kv_bits,
             split_reasoning=reasoning != "raw",
             prompt_cache=pc,
+            images=list(images) or None,
             **options,
         ),
         verbose,
@@ -122,6 +134,17 @@ def generate(
         from ..cache.prompt_file import save
 
         save(cache_file, pc, fingerprint, llm)  # across ranks, each rank's own file
+
+
+def _image_clash(batch_file, no_chat_template, cache_file) -> str | None:
+    """The option given with --image that cannot take images, and why (or None)."""
+    if no_chat_template:
+        return "--no-chat-template (images need the template's image markers)"
+    if cache_file is not None:  # keyed by token ids, which are the same for every image
+        return "--prompt-cache-file (a cache of token ids cannot tell images apart)"
+    if batch_file is not None:
+        return "--batch yet"
+    return None
 
 
 def _session_cache(path, llm, kv_bits, max_kv_size):

@@ -7,6 +7,9 @@
   (output rules, the prompt's ids through ``prepare_prompt``, fitted in the context and the KV
   room) gives a ``PreparedRequest``, whose ``results`` turns the loop's steps into text results
   (stop strings, EOS, the timeline, tool calls, reasoning);
+- ``images``: a request's images (``stream_generate(images=...)``): decoded and processed
+  (``mlxinfer.vision``), placed in the prompt, encoded by the model's tower and prefilled in
+  chunks that never split one, on a fresh cache (never reused across images);
 - ``speculative``: the sibling loop that drafts, verifies and accepts, with the same outputs;
 - ``drafts``: where drafts come from (a draft model, prompt lookup, a self-draft, MTP heads);
 - ``rules``: a request's output rules (``OutputRules``: stop strings, structured output, tools,

@@ -31,6 +31,7 @@ from ..cache.prompt import PromptCache
 from ..loading.memory import kv_limit
 from ..platform.device import wired_limit
 from ..platform.threads import release_at_thread_exit
+from .images import PromptImages, image_inputs, load_images, prefill_images
 from .prefill import DEFAULT_PREFILL_STEP, check_token_ids, prefill, token_ids
 from .request import KVRoom, PreparedRequest, prepare_prompt, prepare_request
 from .results import GenerationResult, Step
@@ -55,11 +56,14 @@ def generate_step(
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] = (),
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    inputs: dict[str, mx.array] | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield ``(token, logprobs)`` for up to ``max_tokens`` new tokens.
 
     ``prompt_cache`` (reused when given) ends holding exactly the tokens fed
-    to the model, whether the loop ran out or the caller stopped early.
+    to the model, whether the loop ran out or the caller stopped early. ``inputs``: the
+    model's extra inputs for the prompt's positions (images.py: ``embeds`` and ``blocks``);
+    the cache must then be fresh.
     """
     release_at_thread_exit()
     sampler = sampler or make_sampler(0.0)
@@ -73,7 +77,10 @@ def generate_step(
     cache = pc.cache
 
     # Prefill all but the last prompt token; the last one starts decoding.
-    prefill(model, pc, todo[:-1], prefill_step_size, then=max_tokens)
+    if inputs is None:
+        prefill(model, pc, todo[:-1], prefill_step_size, then=max_tokens)
+    else:  # a prompt with images (its last token is text: the template's generation prompt)
+        prefill_images(model, pc, todo[:-1], inputs, prefill_step_size, then=max_tokens)
     todo = todo[-1:]
     fed = pc.tokens
     y = mx.array(todo, dtype=mx.int32)
@@ -166,6 +173,7 @@ def stream_generate(
     split_reasoning: bool = False,
     output: OutputRules | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    images: Sequence[Any] | None = None,
 ) -> Iterator[GenerationResult]:
     """Stream a completion, one result per generated token.
 
@@ -208,6 +216,11 @@ def stream_generate(
         chat_template_kwargs: more variables for the chat template, as transformers'
             ``apply_chat_template(**kwargs)`` takes them: ``{"enable_thinking": False}``
             (Qwen3), ``{"reasoning_effort": "high"}`` (gpt-oss).
+        images: images for a model with a vision tower (Gemma 3): paths, bytes, data URLs or
+            Pillow images, put before the text of the (last) user message unless the messages
+            hold one ``{"type": "image"}`` part each. The prompt goes through the chat template
+            (a text prompt needs ``chat_template=True``). Such a request runs on a fresh cache,
+            never ``prompt_cache``: a cache keyed by token ids cannot tell images apart.
     Yields:
         GenerationResult; the last one has ``finish_reason`` set and full ``stats``.
     """
@@ -224,6 +237,12 @@ def stream_generate(
         sampling = SamplingParams(**given)
     elif clash := [k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k]]:
         raise ValueError(f"sampling: given as one SamplingParams, and also as {', '.join(clash)}")
+    prompt_images: PromptImages | None = None
+    if images:
+        prompt_images = load_images(model, tokenizer, images)
+        if draft is not None:
+            raise ValueError("draft: speculative decoding does not take images yet")
+        prompt_cache = None  # never reused across images (images.py)
     # The request's cache, and what its budget holds: a prompt past it is refused or truncated.
     if prompt_cache is None:
         prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
@@ -258,8 +277,10 @@ def stream_generate(
         tool_choice=tool_choice,
         split_reasoning=split_reasoning,
         chat_template_kwargs=chat_template_kwargs,
+        images=prompt_images,
     )
     request.stats.cached_tokens = len(request.ids) - len(prompt_cache.reuse(request.ids))
+    inputs = None if prompt_images is None else image_inputs(model, request.ids, prompt_images)
     steps = _steps(
         model,
         tokenizer,
@@ -268,6 +289,7 @@ def stream_generate(
         prefill_step_size or DEFAULT_PREFILL_STEP,
         draft,
         num_draft,
+        inputs,
     )
     with wired_limit():  # Metal: keep the weights resident for the run (no-op elsewhere)
         try:
@@ -284,6 +306,7 @@ def _steps(
     prefill_step_size: int,
     draft: Draft | None,
     num_draft: int | None,
+    inputs: dict[str, mx.array] | None = None,
 ) -> Generator[Step, None, None]:
     """The token loop for the request: plain decoding, or speculative with ``draft``."""
     options: dict[str, Any] = dict(
@@ -293,8 +316,9 @@ def _steps(
         logits_processors=request.sampling.processors() + request.logits_processors,
         prefill_step_size=prefill_step_size,
     )
-    if draft is None:
-        return (Step(t, lp) for t, lp in generate_step(request.ids, model, **options))
+    if draft is None:  # the only loop that takes images (stream_generate refuses a draft)
+        steps = generate_step(request.ids, model, inputs=inputs, **options)
+        return (Step(t, lp) for t, lp in steps)
     draft.check(model, tokenizer)
     draft_model = getattr(draft, "model", None)
     if draft_model is not None:  # a DraftModel is fed the prompt too

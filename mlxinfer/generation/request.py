@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, cast
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
 
 import mlx.core as mx
 
-from ..errors import PromptTooLongError
+from ..errors import MediaError, PromptTooLongError
 from ..loading.memory import KVLimit, size_text
 from ..output.reasoning import split_results, splitter_for
 from ..output.tooling import Tooling, output_rules
@@ -30,6 +30,9 @@ from .rules import OutputRules
 from .sampling import LogitsProcessor, SamplingParams
 from .stop import StopMatcher
 
+if TYPE_CHECKING:
+    from .images import PromptImages
+
 
 def prepare_prompt(
     tokenizer,
@@ -38,17 +41,21 @@ def prepare_prompt(
     chat_template: bool = True,
     tools: list[dict] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    images: PromptImages | None = None,
 ) -> list[int]:
     """Token ids for a prompt given as text, ids, or chat messages.
 
     Text and message contents are cleaned first; messages go through the
     tokenizer's chat template (which supplies BOS itself when the model wants one),
     with ``tools`` as its ``tools`` variable when given and ``chat_template_kwargs`` as more
-    variables (``enable_thinking``, ``reasoning_effort``, …).
+    variables (``enable_thinking``, ``reasoning_effort``, …). ``images``: the template renders
+    their parts as markers, each expanded into its image's placeholder tokens (images.py).
     """
     extra = dict(chat_template_kwargs or {})
     if tools is not None:
         extra["tools"] = tools
+    if images is not None:
+        return _prompt_with_images(tokenizer, prompt, images, chat_template, extra)
     if isinstance(prompt, str):
         text = clean_prompt(prompt)
         if chat_template and tokenizer.has_chat_template:
@@ -72,6 +79,28 @@ def prepare_prompt(
     if tools is not None:
         raise ValueError("tools: they reach the model through its chat template (none used)")
     return token_ids(items)
+
+
+def _prompt_with_images(
+    tokenizer, prompt, images: PromptImages, chat_template: bool, extra: dict[str, Any]
+) -> list[int]:
+    if isinstance(prompt, str):
+        if not (chat_template and tokenizer.has_chat_template):
+            raise MediaError(
+                "prompt: images need the chat template's image markers (a text prompt without "
+                "the template has none)"
+            )
+        messages = [{"role": "user", "content": clean_prompt(prompt)}]
+    else:
+        items = list(prompt)
+        if not (items and isinstance(items[0], dict)):
+            raise MediaError("prompt: images need a text prompt or chat messages, not token ids")
+        messages = [
+            {**m, "content": clean_prompt(m["content"])} if isinstance(m.get("content"), str) else m
+            for m in cast("list[dict[str, Any]]", items)
+        ]
+    text = images.expand(tokenizer.apply_chat_template(images.messages(messages), **extra))
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -144,6 +173,7 @@ def prepare_request(
     truncate_prompt: bool = False,
     kv_room: KVRoom | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    images: PromptImages | None = None,
     **rules,
 ) -> PreparedRequest:
     """Prepare one request for a token loop: ``stream_generate``'s and the batch engine's.
@@ -160,6 +190,7 @@ def prepare_request(
             reasoning); or, in ``rules``, its fields as keywords (not both: a TypeError).
         kv_room: what the request's KV cache may hold (None: the context only).
         chat_template, truncate_prompt, chat_template_kwargs: as for ``stream_generate``.
+        images: the request's images, processed (``images.load_images``).
     """
     t0 = time.perf_counter()
     output = OutputRules.merge(output, rules)
@@ -172,6 +203,7 @@ def prepare_request(
         chat_template=chat_template,
         tools=tooling.tools if tooling is not None else None,
         chat_template_kwargs=chat_template_kwargs,
+        images=images,
     )
     context = model.args.max_position_embeddings
     ids = fit_context(ids, context, max_tokens, truncate=truncate_prompt)
