@@ -46,6 +46,8 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
     "tiktoken.model",
+    "processor_config.json",  # an image-text checkpoint's processor (transformers 5)
+    "preprocessor_config.json",  # ... and before
 )
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 SHARD_BYTES = 2 << 30  # 2 GiB per safetensors shard

@@ -63,6 +63,11 @@ class Model(TextModel):
             eps=vision.layer_norm_eps,
         )
 
+    def quant_predicate(self, path: str, module) -> bool:
+        """``convert -q`` quantizes the language model; the tower and projector stay float
+        (a small share of the weights, and the image features are the most sensitive)."""
+        return not path.startswith(("vision_tower.", "multi_modal_projector."))
+
     @property
     def image_size(self) -> int:
         return self.args.vision.image_size

@@ -126,3 +126,24 @@ def test_cli_generate_image_prints_the_library_s_text(vlm):
     assert (
         refused.exit_code == 2 and "--image does not go with --no-chat-template" in refused.output
     )
+
+
+def test_convert_keeps_the_tower_float_and_the_processor(vlm, tmp_path):
+    """After `convert` (float32) the same tokens; with -q the language model is quantized and
+    the tower and projector stay float; processor_config.json comes along."""
+    import mlx.nn as nn
+
+    from mlxinfer.loading.convert import convert
+
+    path, torch_model, processor, _, _, files = vlm
+    _, expected = _reference(torch_model, processor, files[:1])
+    convert(path, tmp_path / "f32", dtype="float32")
+    model, tokenizer = load(tmp_path / "f32")
+    assert _tokens(model, tokenizer, files[:1]) == expected
+    convert(path, tmp_path / "q4", quantize=True, bits=4, group_size=32)
+    assert (tmp_path / "q4" / "processor_config.json").is_file()
+    model, tokenizer = load(tmp_path / "q4")
+    quantized = [p for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert any(p.startswith("model.layers.") for p in quantized)
+    assert not any(p.startswith(("vision_tower", "multi_modal_projector")) for p in quantized)
+    assert len(_tokens(model, tokenizer, files[:1])) == 8
