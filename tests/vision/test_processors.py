@@ -30,7 +30,12 @@ from PIL import Image as PILImage
 from mlxinfer.errors import ConfigError, MediaError
 from mlxinfer.tokenization import Tokenizer
 from mlxinfer.vision import load_image, load_processor
-from mlxinfer.vision.processors import Gemma3Processor, QwenVLProcessor, smart_resize
+from mlxinfer.vision.processors import (
+    Gemma3Processor,
+    PixtralProcessor,
+    QwenVLProcessor,
+    smart_resize,
+)
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers (the test extras) is not installed"
@@ -617,3 +622,203 @@ def test_a_config_id_the_tokenizer_contradicts_is_refused(gemma3_checkpoint, tmp
     with pytest.raises(ConfigError) as excinfo:
         load_processor(tmp_path, tokenizer=Tokenizer.from_dir(tmp_path))
     assert "image_token_index is 3" in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+# --- Mistral 3 / Pixtral ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "patch, merge, longest",
+    [(14, 2, 64), (16, 1, 48), (8, 2, 100), (16, 1, 64)],
+)
+def test_pixtral_pixels_match_the_pil_processor(images, patch, merge, longest):
+    """As ``PixtralProcessor`` calls it: ``patch_size`` = patch x spatial_merge_size. 130 x 34
+    at (16, 1, 64) scales to 64 x 16.7: floor keeps one column of patches, rounding two."""
+    images = [*images, load_image(picture(130, 34))]
+    pil_pixtral = pytest.importorskip(
+        "transformers.models.pixtral.image_processing_pil_pixtral",
+        reason="this transformers has no PixtralImageProcessorPil",
+    )
+    theirs = pil_pixtral.PixtralImageProcessorPil(size={"longest_edge": longest})
+    ours = PixtralProcessor(
+        image_token_id=0,
+        patch_size=patch,
+        spatial_merge_size=merge,
+        max_height=longest,
+        max_width=longest,
+    )
+    reference = theirs([i.pixels for i in images], patch_size=patch * merge, return_tensors="np")
+    processed = ours.prepare(images)
+    assert_same_pixels(processed.pixel_values, reference["pixel_values"])
+    sizes = [tuple(s) for s in np.asarray(reference["image_sizes"]).tolist()]
+    assert [(h * patch, w * patch) for _, h, w in processed.grid_thw.tolist()] == sizes
+    assert processed.tokens_per_image == [
+        (h // (patch * merge)) * (w // (patch * merge)) for h, w in sizes
+    ]
+
+
+def pixtral_reference_text(monkeypatch, text: str, image_sizes, patch: int, merge: int) -> str:
+    """``PixtralProcessor``'s own expansion (``replace_image_token`` and ProcessorMixin's
+    ``get_text_with_replacements``) run on a stand-in for the processor: the module cannot be
+    imported as it is here (its image_processing_pixtral imports torchvision at the top, and the
+    class requires torch and torchvision), so that one import is stubbed with the PIL module's
+    ``get_resize_output_image_size``, both for this test only."""
+    import importlib.util
+    import sys
+    import types
+
+    pil_pixtral = pytest.importorskip("transformers.models.pixtral.image_processing_pil_pixtral")
+    from transformers.processing_utils import ProcessorMixin
+
+    stub = types.ModuleType("transformers.models.pixtral.image_processing_pixtral")
+    stub.get_resize_output_image_size = pil_pixtral.get_resize_output_image_size
+    monkeypatch.setitem(sys.modules, stub.__name__, stub)
+    origin = Path(pil_pixtral.__file__).with_name("processing_pixtral.py")
+    spec = importlib.util.spec_from_file_location(
+        "transformers.models.pixtral.processing_pixtral", origin
+    )
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # removed again after the test
+    spec.loader.exec_module(module)
+    stand_in = types.SimpleNamespace(
+        patch_size=patch,
+        spatial_merge_size=merge,
+        image_token="[IMG]",
+        image_break_token="[IMG_BREAK]",
+        image_end_token="[IMG_END]",
+        all_special_multimodal_tokens=["[IMG]"],
+    )
+    inputs = {"image_sizes": image_sizes}
+    replacements = [
+        module.PixtralProcessor.replace_image_token(stand_in, inputs, i)
+        for i in range(len(image_sizes))
+    ]
+    expanded, _ = ProcessorMixin.get_text_with_replacements(stand_in, [text], replacements)
+    return expanded[0]
+
+
+PIXTRAL_SPECIALS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+]
+
+
+def test_mistral3_from_its_checkpoint_files_gives_pixtrals_text(tmp_path, monkeypatch, images):
+    """Mistral-Small-3.1's layout (transformers 4.5x): processor_config.json holds the
+    processor's patch_size, spatial_merge_size and token strings; preprocessor_config.json the
+    image processor (its own patch_size is not the one used)."""
+    tokenizer = tiny_tokenizer(
+        PIXTRAL_SPECIALS, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.save_pretrained(tmp_path)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in PIXTRAL_SPECIALS}
+    write(
+        tmp_path,
+        "config.json",
+        {
+            "model_type": "mistral3",
+            "image_token_index": ids["[IMG]"],
+            "spatial_merge_size": 2,
+            "vision_config": {"model_type": "pixtral", "patch_size": 8, "image_size": 64},
+        },
+    )
+    write(
+        tmp_path,
+        "processor_config.json",
+        {
+            "image_break_token": "[IMG_BREAK]",
+            "image_end_token": "[IMG_END]",
+            "image_token": "[IMG]",
+            "patch_size": 8,
+            "processor_class": "PixtralProcessor",
+            "spatial_merge_size": 2,
+        },
+    )
+    image_settings = {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_processor_type": "PixtralImageProcessor",
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": {"height": 14, "width": 14},
+        "processor_class": "PixtralProcessor",
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": 64},
+    }
+    write(tmp_path, "preprocessor_config.json", image_settings)
+    mlx_tokenizer = Tokenizer.from_dir(tmp_path)
+    ours = load_processor(tmp_path, tokenizer=mlx_tokenizer)
+    assert isinstance(ours, PixtralProcessor)
+    assert (ours.patch_size, ours.spatial_merge_size, ours.max_height) == (8, 2, 64)
+    assert (ours.image_break_token_id, ours.image_end_token_id) == (
+        ids["[IMG_BREAK]"],
+        ids["[IMG_END]"],
+    )
+    pil_pixtral = pytest.importorskip("transformers.models.pixtral.image_processing_pil_pixtral")
+    theirs = pil_pixtral.PixtralImageProcessorPil.from_dict(image_settings)
+    trio = [images[0], images[3], images[4]]
+    reference = theirs([i.pixels for i in trio], patch_size=16, return_tensors="np")
+    processed = ours.prepare(trio)
+    assert_same_pixels(processed.pixel_values, reference["pixel_values"])
+    prompt = "<s>[INST][IMG]Describe these images, please.[IMG][IMG][/INST]"
+    sizes = [tuple(s) for s in np.asarray(reference["image_sizes"]).tolist()]
+    expected = pixtral_reference_text(monkeypatch, prompt, sizes, patch=8, merge=2)
+    text = ours.expand(prompt, processed)
+    assert text == expected
+    token_ids = mlx_tokenizer.encode(text)
+    assert token_ids == tokenizer(expected)["input_ids"]
+    assert token_ids.count(ours.image_token_id) == sum(processed.tokens_per_image)
+    assert token_ids.count(ids["[IMG_END]"]) == 3
+
+
+def test_pixtral_12b_as_llava_is_read_by_its_processor_type(tmp_path):
+    """mistral-community/pixtral-12b: model_type llava, a pixtral tower, patch 16, no merge."""
+    write(
+        tmp_path,
+        "config.json",
+        {
+            "model_type": "llava",
+            "image_token_index": 10,
+            "vision_config": {"model_type": "pixtral", "patch_size": 16},
+        },
+    )
+    write(
+        tmp_path, "processor_config.json", {"patch_size": 16, "processor_class": "PixtralProcessor"}
+    )
+    write(
+        tmp_path,
+        "preprocessor_config.json",
+        {
+            "image_processor_type": "PixtralImageProcessor",
+            "size": {"longest_edge": 1024},
+            "patch_size": {"height": 16, "width": 16},
+        },
+    )
+    ours = load_processor(tmp_path)
+    assert isinstance(ours, PixtralProcessor)
+    assert (ours.patch_size, ours.spatial_merge_size, ours.max_height, ours.image_token_id) == (
+        16,
+        1,
+        1024,
+        10,
+    )
+    assert (ours.image_token, ours.image_break_token, ours.image_end_token) == (
+        "[IMG]",
+        "[IMG_BREAK]",
+        "[IMG_END]",
+    )
+    processed = ours.prepare([load_image(picture(40, 70))])  # 48 x 80: 3 rows of 5
+    assert processed.tokens_per_image == [15] and processed.grid_thw.tolist() == [[1, 3, 5]]
+    assert (
+        ours.expand("a[IMG]b", processed)
+        == "a" + ("[IMG]" * 5 + "[IMG_BREAK]") * 2 + "[IMG]" * 5 + "[IMG_END]b"
+    )

@@ -4,7 +4,8 @@ Each family matches transformers' PIL image processor and its Processor's text e
 
 - ``gemma3.py``: Gemma 3 (``Gemma3ImageProcessorPil`` + ``Gemma3Processor``);
 - ``qwen_vl.py``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 (``Qwen2VLImageProcessorPil`` +
-  ``Qwen2VLProcessor``/``Qwen2_5_VLProcessor``/``Qwen3VLProcessor``).
+  ``Qwen2VLProcessor``/``Qwen2_5_VLProcessor``/``Qwen3VLProcessor``);
+- ``pixtral.py``: Mistral 3 and Pixtral (``PixtralImageProcessorPil`` + ``PixtralProcessor``).
 
 Where the settings are: transformers 5 saves one ``processor_config.json`` with the image
 processor's settings nested under ``image_processor`` (and no ``preprocessor_config.json``);
@@ -25,11 +26,13 @@ from typing import Any
 from ...errors import ConfigError
 from .base import ImageProcessor, ProcessedImages, Settings
 from .gemma3 import Gemma3Processor
+from .pixtral import PixtralProcessor
 from .qwen_vl import QwenVLProcessor, smart_resize
 
 __all__ = [
     "Gemma3Processor",
     "ImageProcessor",
+    "PixtralProcessor",
     "ProcessedImages",
     "QwenVLProcessor",
     "Settings",
@@ -41,6 +44,7 @@ __all__ = [
 _BY_PROCESSOR_TYPE = {
     "Gemma3ImageProcessor": "gemma3",
     "Qwen2VLImageProcessor": "qwen_vl",
+    "PixtralImageProcessor": "pixtral",
 }
 # config.json model_type -> family, where the processor config names no type
 _BY_MODEL_TYPE = {
@@ -51,6 +55,7 @@ _BY_MODEL_TYPE = {
     "qwen3_vl_moe": "qwen_vl",
     "qwen3_5": "qwen_vl",
     "qwen3_5_moe": "qwen_vl",
+    "mistral3": "pixtral",
 }
 _TOKEN_KEYS = (
     "image_token",
@@ -118,6 +123,8 @@ def load_processor(
     )
     if family == "gemma3":
         return Gemma3Processor.from_settings(settings, pan_and_scan=pan_and_scan)
+    if family == "pixtral":
+        return PixtralProcessor.from_settings(settings)
     return QwenVLProcessor.from_settings(settings)
 
 
