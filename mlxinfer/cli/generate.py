@@ -249,6 +249,14 @@ def _generate_batch(
 @speculative_options
 @click.option("--system", default=None, help="System message.")
 @click.option("--chat-template", default=None, metavar="NAME|FILE", help=CHAT_TEMPLATE_HELP)
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    metavar="PATH",
+    help="An image for the first message (a model with a vision tower); repeatable. "
+    "In the chat, /image PATH adds one to the next message.",
+)
 @REASONING
 @distributed_options
 @_errors_to_click
@@ -256,6 +264,7 @@ def chat(
     model,
     system,
     chat_template,
+    images,
     reasoning,
     kv_bits,
     verbose,
@@ -269,7 +278,8 @@ def chat(
 ):
     """Interactive chat; keeps history and reuses the KV cache across turns.
 
-    Type /reset to clear the history, /exit (or Ctrl-D) to quit.
+    Type /reset to clear the history, /image PATH to add an image to the next message,
+    /exit (or Ctrl-D) to quit.
     """
     from ..generation.chat import ChatSession
 
@@ -298,6 +308,7 @@ def chat(
     pc, fingerprint = _session_cache(cache_file, llm, kv_bits, max_kv_size)
     if pc is not None:
         session.prompt_cache = pc
+    pending = list(images)  # images for the next message
     while True:
         try:
             line = setting.read_line(">> ")  # in chat --distributed, rank 0's on every rank
@@ -308,7 +319,11 @@ def chat(
         if line.strip() == "/reset":
             session.reset()
             continue
-        _print_stream(session.send(line), verbose, reasoning, setting.out)
+        if line.strip().startswith("/image "):
+            pending.append(line.strip().removeprefix("/image ").strip())
+            continue
+        _print_stream(session.send(line, pending), verbose, reasoning, setting.out)
+        pending = []
     if cache_file is not None:
         from ..cache.prompt_file import save
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from ..cache.prompt import PromptCache
+from ..errors import MlxInferError
 from . import stream_generate
 from .results import GenerationResult
 
@@ -38,16 +39,25 @@ class ChatSession:
             [{"role": "system", "content": system}] if system else []
         )
         self.prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
+        self.images: list[Any] = []  # every image of the history, in order
 
-    def send(self, text: str) -> Iterator[GenerationResult]:
-        """Add a user turn and stream the reply; the reply joins the history when done."""
-        self.messages.append({"role": "user", "content": text})
-        reply, calls = [], None
+    def send(self, text: str, images: Sequence[Any] = ()) -> Iterator[GenerationResult]:
+        """Add a user turn (``images`` before its text) and stream the reply; the reply joins
+        the history when done. Once the history holds an image, each turn sends them all again
+        and runs on a fresh cache (generation/images.py: no cache is reused across images)."""
+        content: Any = text
+        if images:
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        kept = len(self.images)
+        self.images.extend(images)
+        self.messages.append({"role": "user", "content": content})
+        reply, calls, refused = [], None, False
         try:
             for r in stream_generate(
                 self.model,
                 self.tokenizer,
                 self.messages,
+                images=self.images or None,
                 prompt_cache=self.prompt_cache,
                 split_reasoning=self.split_reasoning,
                 # the cache is made: these size its KV budget in tokens (memory.kv_limit)
@@ -58,20 +68,33 @@ class ChatSession:
                 reply.append(r.text)
                 calls = r.tool_calls if r.tool_calls is not None else calls
                 yield r
+        except MlxInferError:
+            # Refused before any reply (an image that does not decode, a prompt past the budget):
+            # the turn is undone, so the next one does not carry it.
+            refused = not reply
+            if refused:
+                del self.messages[-1], self.images[kept:]
+            raise
         finally:
-            # With tools, the text holds no call: the calls join the message as the Hugging
-            # Face chat templates take them back (arguments as objects: toolcalls.template_messages).
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(reply)}
-            if calls:
-                message["tool_calls"] = [
-                    {
-                        "type": "function",
-                        "id": c.id,
-                        "function": {"name": c.name, "arguments": c.arguments},
-                    }
-                    for c in calls
-                ]
-            self.messages.append(message)
+            if not refused:
+                self.messages.append(self._reply(reply, calls))
+
+    @staticmethod
+    def _reply(reply: list[str], calls) -> dict[str, Any]:
+        # With tools, the text holds no call: the calls join the message as the Hugging
+        # Face chat templates take them back (arguments as objects: toolcalls.template_messages).
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(reply)}
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": c.id,
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in calls
+            ]
+        return message
 
     def reset(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]
+        self.images = []

@@ -147,3 +147,35 @@ def test_convert_keeps_the_tower_float_and_the_processor(vlm, tmp_path):
     assert any(p.startswith("model.layers.") for p in quantized)
     assert not any(p.startswith(("vision_tower", "multi_modal_projector")) for p in quantized)
     assert len(_tokens(model, tokenizer, files[:1])) == 8
+
+
+def test_a_chat_keeps_its_images_across_turns(vlm):
+    """The second turn's prompt holds the first turn's image (sent again, on a fresh cache): the
+    same tokens as transformers for the whole history with that image. A turn refused before any
+    reply (an image that does not decode) is undone."""
+    from mlxinfer.generation.chat import ChatSession
+
+    _, torch_model, processor, model, tokenizer, files = vlm
+    chat = ChatSession(model, tokenizer, max_tokens=8)
+    first = [r.token for r in chat.send(TEXT, [files[0]])]
+    assert first == _reference(torch_model, processor, files[:1])[1]
+    with pytest.raises(MediaError):
+        list(chat.send("And this one?", [files[0].parent / "missing.png"]))
+    assert len(chat.messages) == 2 and chat.images == [files[0]]
+    second = [r.token for r in chat.send("What color is it?")]
+    history = processor.tokenizer.apply_chat_template(
+        chat.messages[:-1], add_generation_prompt=True, tokenize=False
+    )
+    batch = processor(
+        text=history, images=[Image.open(files[0]).convert("RGB")], return_tensors="pt"
+    )
+    assert second == _torch_greedy(torch_model, batch, 8)
+
+
+def test_cli_chat_image_command(vlm):
+    path, _, _, model, tokenizer, files = vlm
+    typed = f"/image {files[1]}\n{TEXT}\n/exit\n"
+    run = CliRunner().invoke(cli, ["chat", "-m", str(path), "-n", "8"], input=typed)
+    assert run.exit_code == 0, run.output
+    expected = generate(model, tokenizer, TEXT, images=files[1:], chat_template=True, max_tokens=8)
+    assert expected.strip() and expected.strip() in run.stdout
