@@ -211,3 +211,9 @@ class Settings:
                 f"{self.config_file}: no {' or '.join(keys)} (expected the id of {token!r})"
             )
         return found
+
+    def required_id(self, token: str, keys: Sequence[str]) -> int:
+        """:meth:`token_id`, which must be found."""
+        found = self.token_id(token, keys)
+        assert found is not None  # token_id raised otherwise
+        return found

@@ -105,7 +105,9 @@ class Gemma3Processor:
             width=width,
             image_seq_length=seq,
             image_token=image_token,
-            image_token_id=settings.token_id(image_token, ("image_token_index", "image_token_id")),
+            image_token_id=settings.required_id(
+                image_token, ("image_token_index", "image_token_id")
+            ),
             boi_token=boi,
             eoi_token=eoi,
             boi_token_id=settings.token_id(

@@ -114,7 +114,9 @@ class PixtralProcessor:
         end_token = tokens.get("image_end_token", END_TOKEN)
         return cls(
             image_token=image_token,
-            image_token_id=settings.token_id(image_token, ("image_token_index", "image_token_id")),
+            image_token_id=settings.required_id(
+                image_token, ("image_token_index", "image_token_id")
+            ),
             image_break_token=break_token,
             image_end_token=end_token,
             image_break_token_id=settings.token_id(

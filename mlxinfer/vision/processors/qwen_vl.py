@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +102,7 @@ class QwenVLProcessor:
     @classmethod
     def from_settings(cls, settings: Settings) -> QwenVLProcessor:
         image, where = settings.image, settings.where
-        size = image.get("size") if isinstance(image.get("size"), dict) else {}
+        size: dict[str, Any] = image["size"] if isinstance(image.get("size"), dict) else {}
         # transformers: top-level min_pixels / max_pixels (older configs) override ``size``
         min_pixels = _first(
             image.get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels")
@@ -114,7 +115,9 @@ class QwenVLProcessor:
         end = settings.tokens.get("vision_end_token", VISION_END)
         made = cls(
             image_token=image_token,
-            image_token_id=settings.token_id(image_token, ("image_token_id", "image_token_index")),
+            image_token_id=settings.required_id(
+                image_token, ("image_token_id", "image_token_index")
+            ),
             vision_start_token_id=settings.token_id(
                 start, ("vision_start_token_id",), required=False
             ),
