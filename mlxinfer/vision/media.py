@@ -362,8 +362,8 @@ def _gif_size(data: bytes) -> tuple[int, int]:
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     pos = 2
     while pos + 4 <= len(data):
-        if data[pos] != 0xFF:
-            return None
+        while pos < len(data) and data[pos] != 0xFF:  # junk between segments: Pillow skips it
+            pos += 1
         while pos < len(data) and data[pos] == 0xFF:
             pos += 1
         if pos >= len(data):

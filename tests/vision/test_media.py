@@ -242,6 +242,10 @@ def test_declared_sizes_are_read_from_each_header():
     if features.check("webp"):
         assert declared_size(encode(noise(37, 21), "WEBP", lossless=True), "WEBP") == (37, 21)
         assert declared_size(encode(noise(37, 21, "RGBA"), "WEBP"), "WEBP") == (37, 21)  # VP8X
+    jpeg = encode(noise(37, 21), "JPEG")
+    after_app0 = 4 + int.from_bytes(jpeg[4:6], "big")
+    junk = jpeg[:after_app0] + b"\x00junk" + jpeg[after_app0:]  # bytes between segments
+    assert declared_size(junk, "JPEG") == PILImage.open(io.BytesIO(junk)).size == (37, 21)
     vp8x = b"RIFF\x00\x00\x00\x00WEBPVP8X" + b"\x0a\x00\x00\x00" + b"\x10\x00\x00\x00"
     vp8x += (16383).to_bytes(3, "little") * 2
     assert declared_size(vp8x, "WEBP") == (16384, 16384)
