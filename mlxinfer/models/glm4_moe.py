@@ -13,7 +13,10 @@ Block: RMSNorm → attention → residual → RMSNorm → MLP → residual, wher
   ``n_shared_experts`` always-on experts fused into one MLP.
 
 Checkpoints append ``num_nextn_predict_layers`` multi-token-prediction layers after the last
-decoder layer; ``sanitize`` drops them, and stacks the per-expert weights (see moe.py).
+decoder layer (``model.layers.N.{enorm, hnorm, eh_proj, shared_head.norm}`` + a decoder block,
+always MoE; DeepSeek's [embedding, hidden] order: ``layers/mtp.py``). ``sanitize`` moves them to
+``model.mtp_layers.i`` (their copies of the embedding and LM head go: the trunk's serve), and
+stacks the per-expert weights (see moe.py). ``--mtp`` drafts with them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .base import FULL_ATTENTION, BaseArgs
 from .deepseek_v2 import EXPERT_NAMES, DeepseekMoE
 from .layers import RMSNorm, RopeAttention
 from .layers.moe import keep_routers_float, stack_experts
+from .layers.mtp import DEEPSEEK, MTPHeads, extend_block
 
 
 @dataclasses.dataclass
@@ -59,6 +63,7 @@ class ModelArgs(BaseArgs):
     rope_scaling: dict[str, Any] | None = None
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
@@ -106,24 +111,44 @@ class DecoderLayer(qwen2_moe.TransformerBlock):
 class Glm4MoeModel(qwen2.Qwen2Model):
     Block = DecoderLayer
 
+    def __init__(self, args):
+        super().__init__(args)
+        # The MTP heads' blocks: MoE whatever first_k_dense_replace says (as DeepSeek-V3's).
+        n, first_sparse = args.num_hidden_layers, args.first_k_dense_replace
+        self.mtp_layers = [
+            extend_block(
+                self.Block(args, max(n + i, first_sparse)),
+                DEEPSEEK,
+                args.hidden_size,
+                args.rms_norm_eps,
+            )
+            for i in range(args.num_nextn_predict_layers)
+        ]
 
-class Model(qwen2.Model):
+
+class Model(MTPHeads, qwen2.Model):
     Inner = Glm4MoeModel
+    mtp_spec = DEEPSEEK
 
     quant_predicate = staticmethod(keep_routers_float)
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        n = args.num_hidden_layers
-
-        def decoder_weight(key: str) -> bool:  # not one of the MTP layers (index >= n)
+        n, heads = args.num_hidden_layers, args.num_nextn_predict_layers
+        out = {}
+        for key, value in weights.items():
             parts = key.split(".")
-            return not (
-                len(parts) > 2
-                and parts[1] == "layers"
-                and parts[2].isdigit()
-                and int(parts[2]) >= n
-            )
+            if len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit():
+                i = int(parts[2]) - n
+                if i >= 0:  # an MTP layer: kept when the config announces it
+                    rest = ".".join(parts[3:])
+                    if i < heads and not rest.startswith(_SHARED_WITH_TRUNK):
+                        out[f"model.mtp_layers.{i}.{rest}"] = value
+                    continue
+            out[key] = value
+        return stack_experts(qwen2.Model.sanitize(out, args), EXPERT_NAMES)
 
-        weights = {k: v for k, v in weights.items() if decoder_weight(k)}
-        return stack_experts(qwen2.Model.sanitize(weights, args), EXPERT_NAMES)
+
+# An MTP layer's own copies of the trunk's embedding and LM head (DeepSeek-V3's checkpoints
+# carry them; transformers' MtpModel ignores them too): the trunk's serve.
+_SHARED_WITH_TRUNK = ("embed_tokens.", "shared_head.head.")

@@ -14,14 +14,9 @@ transformers has no MiMo model: the trunk is checked against its Qwen2, the head
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import mlx.core as mx
-
-from ..cache.kv import Cache
 from . import qwen2
-from .base import lm_head
-from .layers.mtp import MIMO, MTPHead, extend_block, keep_present_heads
+from .layers.mtp import MIMO, MTPHeads, extend_block
 
 
 @dataclasses.dataclass
@@ -46,22 +41,6 @@ class MiMoModel(qwen2.Qwen2Model):
         ]
 
 
-class Model(qwen2.Model):
+class Model(MTPHeads, qwen2.Model):
     Inner = MiMoModel
-
-    def trunk(self, inputs: mx.array, cache: list[Cache] | None = None):
-        """(hidden (B, L, H) after the final norm, logits (B, L, V)): what an MTP head reads."""
-        h = self.model(inputs, cache)
-        return h, lm_head(h, self.head)
-
-    @property
-    def mtp_heads(self) -> list[MTPHead]:
-        """The MTP heads the checkpoint has (none when its MTP weights were stripped)."""
-        return [
-            MTPHead(block, MIMO, self.model.embed_tokens, lambda h: lm_head(h, self.head))
-            for block in self.model.mtp_layers
-        ]
-
-    def drop_absent_heads(self, weights: dict[str, Any]) -> None:
-        """Keep only the heads ``weights`` has (called by the loader before loading)."""
-        keep_present_heads(self.model, "mtp_layers", "model.mtp_layers.", weights)
+    mtp_spec = MIMO

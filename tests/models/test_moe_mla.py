@@ -346,7 +346,8 @@ def test_4bit_decode_step_allocates_far_less_than_one_layers_experts():
 
 def test_glm4_moe_checkpoint_with_its_mtp_layer_loads_the_decoder_only(tmp_path):
     """GLM-4.5 checkpoints append num_nextn_predict_layers multi-token-prediction layers
-    (model.layers.<n>.*, with eh_proj, enorm, hnorm, shared_head); they are left out."""
+    (model.layers.<n>.*, with eh_proj, enorm, hnorm, shared_head): the decoder is the same,
+    and the layer becomes the model's MTP head (tests/models/test_glm4_moe_mtp.py)."""
     path, torch_model = make_tiny_moe(tmp_path / "hf", **CASES["glm4_moe"])
     weights = mx.load(str(path / "model.safetensors"))
     n = torch_model.config.num_hidden_layers
@@ -356,10 +357,11 @@ def test_glm4_moe_checkpoint_with_its_mtp_layer_loads_the_decoder_only(tmp_path)
         if f"layers.{n - 1}." in k
     }
     mtp[f"model.layers.{n}.eh_proj.weight"] = mx.zeros((64, 128))
-    mtp[f"model.layers.{n}.enorm.weight"] = mx.ones((64,))
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{n}.{norm}.weight"] = mx.ones((64,))
     mx.save_safetensors(str(path / "model.safetensors"), {**weights, **mtp})
     model, _ = load_model(path)
-    assert len(model.layers) == n
+    assert len(model.layers) == n and len(model.mtp_heads) == 1
     out = np.array(model(mx.array([IDS]))[0])
     assert np.abs(out - torch_logits(torch_model, IDS)).max() <= TOL
 

@@ -141,3 +141,73 @@ def transformers_layout(trunk: torch.nn.Module, mtp: torch.nn.Module, out: Path)
     cfg.update(num_mtp_layers=1, mtp_layer_types=["full_attention"], mtp_hidden_states_first=True)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return Path(out)
+
+
+GLM = dict(
+    model_type="glm4_moe",
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    attention_bias=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
+
+def make_glm(path: Path, *, seed: int = 0, **overrides):
+    """A tiny GLM-4.5 checkpoint laid out as the real ones: the MTP layer as decoder layer L
+    (an MoE block) plus ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the copies
+    of the embedding and head DeepSeek-V3 ships. Returns (path, trunk, MtpModel), both loaded
+    by transformers from the file (``MtpModel.from_pretrained``, the trunk's MTP pattern pointed
+    at layer L)."""
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(seed)
+    settings = {**TINY, **GLM, **overrides}
+    L = settings["num_hidden_layers"]
+    config = transformers.AutoConfig.for_model(**{**settings, "num_hidden_layers": L + 1})
+    big = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in big.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in big.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.add_(torch.randn_like(b) * 0.1)
+    big.save_pretrained(path, safe_serialization=True)
+    file = Path(path) / "model.safetensors"
+    weights = load_file(str(file))
+    H = settings["hidden_size"]
+    head = f"model.layers.{L}."
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{head}{name}.weight"] = 1 + 0.1 * torch.randn(H)
+    weights[f"{head}eh_proj.weight"] = torch.randn(H, 2 * H) * 0.08
+    weights[f"{head}embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights[f"{head}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file(weights, str(file), metadata={"format": "pt"})
+    cfg_path = Path(path) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+    trunk = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # transformers finds the MTP weights by this pattern (46 and 92 for the real GLM-4.5s).
+    trunk._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{L}\."]
+    mtp = MtpModel.from_pretrained(trunk).eval()
+    return Path(path), trunk, mtp
+
+
+def strip_layer_heads(path: Path, layer: int) -> Path:
+    """The checkpoint at ``path`` without decoder layer ``layer`` (its MTP layer)."""
+    file = Path(path) / "model.safetensors"
+    weights = load_file(str(file))
+    prefix = f"model.layers.{layer}."
+    save_file(
+        {k: v for k, v in weights.items() if not k.startswith(prefix)},
+        str(file),
+        metadata={"format": "pt"},
+    )
+    return Path(path)

@@ -30,8 +30,8 @@ site-packages, and vLLM's / mlx-lm #990's MiMo and DeepSeek heads for the weight
   cache after drafting: only real pairs (a trunk hidden state) stay.
 
 A family keeps its heads by adding its blocks, extended by :func:`extend_block`, to its inner
-model and exposing :class:`MTPHead` objects as ``model.mtp_heads`` and ``model.trunk(inputs,
-cache) -> (hidden, logits)``. Heads are found by their weights (:func:`keep_present_heads`): a
+model as ``mtp_layers`` and mixing :class:`MTPHeads` into its model: ``model.mtp_heads`` (the
+:class:`MTPHead` objects) and ``model.trunk(inputs, cache) -> (hidden, logits)``. Heads are found by their weights (:func:`keep_present_heads`): a
 config announcing heads whose weights were stripped still loads, without heads.
 """
 
@@ -123,6 +123,45 @@ class MTPHead:
         L = u.shape[1]
         mask = cache.make_mask(L) if cache is not None else ("causal" if L > 1 else None)
         return _get(b, s.post_norm)(b(u, mask, cache))
+
+
+class MTPHeads:
+    """What a family with heads adds to its ``models.base.CausalLM`` (a mixin): the trunk's
+    states beside its logits, the heads as :class:`MTPHead` objects, and the loader's hook.
+    The inner model holds the heads' blocks in ``mtp_layers``; ``mtp_spec`` says how to read
+    them."""
+
+    mtp_spec: MTPSpec
+    inner_name: str  # the CausalLM's (annotations only: the model class defines them)
+    head: nn.Module
+
+    def trunk(self, inputs: mx.array, cache=None) -> tuple[mx.array, mx.array]:
+        """(hidden (B, L, H) after the final norm, logits (B, L, V)): what an MTP head reads."""
+        h = self._inner(inputs, cache)
+        return h, self._logits(h)
+
+    @property
+    def _inner(self):
+        return getattr(self, self.inner_name)
+
+    def _logits(self, h: mx.array) -> mx.array:
+        head = self.head  # the embedding (tied) or a Linear, as models.base.lm_head
+        if isinstance(head, (nn.Embedding, nn.QuantizedEmbedding)):
+            return head.as_linear(h)
+        return head(h)
+
+    @property
+    def mtp_heads(self) -> list[MTPHead]:
+        """The MTP heads the checkpoint has (none when its MTP weights were stripped)."""
+        inner = self._inner
+        return [
+            MTPHead(b, self.mtp_spec, inner.embed_tokens, self._logits) for b in inner.mtp_layers
+        ]
+
+    def drop_absent_heads(self, weights) -> None:
+        """Keep only the heads ``weights`` has (the loader calls it before loading)."""
+        prefix = f"{self.inner_name}.mtp_layers."
+        keep_present_heads(self._inner, "mtp_layers", prefix, weights)
 
 
 def keep_present_heads(inner: nn.Module, attr: str, prefix: str, weights) -> None:
