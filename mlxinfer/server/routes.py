@@ -23,6 +23,7 @@ from ..batch import EngineError, PoolFullError
 from ..errors import InsufficientMemoryError, MlxInferError, PromptTooLongError, TokenizerError
 from .aliases import resolve
 from .hangup import Streams, watched
+from .images import ImageStream, image_sources, takes_images
 from .limits import (
     RETRY_AFTER_S,
     BadJSON,
@@ -130,24 +131,26 @@ class Routes:
             if draft is not None and self.checked.get(entry.name) != entry.loads:
                 draft.check(entry.model, entry.tokenizer)  # a directory's model, loaded now
                 self.checked[entry.name] = entry.loads
-            check_prompt_length(entry.model, prompt, ask.tools)  # before the tokenizer runs
-            if chat_template and not isinstance(prompt, str):
-                prompt = fit_messages(entry.tokenizer, prompt, ask.tools, ask.tool_choice)
-            stream = entry.engine.start(
-                entry.tokenizer,
-                prompt,
+            options: dict[str, Any] = dict(
                 max_tokens=min(ask.max_tokens, cap or ask.max_tokens),
                 sampling=sampling or ask.sampling,
                 stop=ask.stop,
                 chat_template=chat_template,
-                timeout=WAIT_S,
-                draft=draft,
                 constraint=getattr(ask, "constraint", None),
                 tools=ask.tools,
                 tool_choice=ask.tool_choice,
                 split_reasoning=chat_template,  # a chat reply's thoughts apart from its answer
                 chat_template_kwargs=getattr(ask, "template_kwargs", None),
             )
+            if sources := (image_sources(prompt) if chat_template else []):
+                stream = _image_stream(entry, prompt, sources, options)  # outside the engine
+            else:
+                check_prompt_length(entry.model, prompt, ask.tools)  # before the tokenizer runs
+                if chat_template and not isinstance(prompt, str):
+                    prompt = fit_messages(entry.tokenizer, prompt, ask.tools, ask.tool_choice)
+                stream = entry.engine.start(
+                    entry.tokenizer, prompt, timeout=WAIT_S, draft=draft, **options
+                )
             streams.add(stream)
             results = _cancelling(stream)
             if getattr(ask, "stream", False):  # headers and keep-alives during the prefill
@@ -161,6 +164,19 @@ class Routes:
             error = failed(EngineError("the server is shutting down"))
             error.status = 503
             raise error from None
+
+
+def _image_stream(entry, messages, sources: list, options: dict) -> ImageStream:
+    """A chat request with images (server/images.py): refused for a model without a vision
+    tower, its images decoded before any byte is sent (a bad one is the API's 400)."""
+    from ..vision import load_image
+
+    if not takes_images(entry.model):
+        raise ValueError(
+            f"model '{entry.name}' takes text only (no vision tower): image parts are refused"
+        )
+    images = [load_image(s, label=f"image {i + 1}").pixels for i, s in enumerate(sources)]
+    return ImageStream(entry.model, entry.tokenizer, messages, images, WAIT_S, **options)
 
 
 def openai_busy(message: str) -> OpenAIError:

@@ -370,13 +370,17 @@ def _messages(messages: Any) -> list[dict]:
             raise OpenAIError(400, f"{where}.tool_calls must be a list of calls", param=where)
         if content is None and calls:
             content = ""
-        if isinstance(content, list):  # text parts only
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content
+        ):
+            content = _image_parts(content, where, m["role"])
+        elif isinstance(content, list):  # text parts only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise OpenAIError(
                     400, f"{where}.content: only text parts are supported", param=f"{where}.content"
                 )
             content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
+        if not isinstance(content, (str, list)):
             raise OpenAIError(400, f"{where}.content must be a string", param=f"{where}.content")
         role = "system" if m["role"] == "developer" else m["role"]
         item = {"role": role, "content": content}
@@ -386,3 +390,35 @@ def _messages(messages: Any) -> list[dict]:
             item["tool_call_id"] = m.get("tool_call_id")
         out.append(item)
     return template_messages(out)
+
+
+def _image_parts(content: list, where: str, role: str) -> list[dict]:
+    """A user message's text and ``image_url`` parts as the chat templates take them: text
+    parts, and ``{"type": "image", "image": data URL}`` (decoded when the request starts, for
+    a model with a vision tower; ``detail`` has no meaning here). Remote URLs are refused:
+    this server fetches nothing."""
+    if role != "user":
+        raise OpenAIError(400, f"{where}: image parts go in user messages", param=where)
+    out: list[dict] = []
+    for j, part in enumerate(content):
+        here = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+            continue
+        if kind != "image_url":
+            raise OpenAIError(400, f"{here}: expected a text or image_url part", param=here)
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str):
+            raise OpenAIError(400, f"{here}.image_url.url must be a string", param=here)
+        if not url.startswith("data:"):
+            raise OpenAIError(
+                400,
+                f"{here}.image_url.url: only data URLs (data:image/...;base64,...) are accepted, "
+                f"found {shown(url[:40])} (this server does not fetch remote images)",
+                param=here,
+                code="invalid_image_url",
+            )
+        out.append({"type": "image", "image": url})
+    return out
