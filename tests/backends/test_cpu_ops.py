@@ -177,13 +177,15 @@ def test_attention_with_a_per_head_additive_mask(L, T, monkeypatch):
     assert np.abs(out - ref).max() <= 1e-5
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_dequantize_equals_mlx(bits, group_size):
-    """The one-kernel dequantization (2, 4, 8 bits) and its fallback (3, 6) against ``mx.dequantize``."""
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_dequantize_equals_mlx(bits, group_size, dtype):
+    """The one-kernel dequantization (2, 4, 8 bits from 32-bit words; 3, 5, 6 from the bytes
+    of 8 values) against ``mx.dequantize``, bit for bit."""
     from mlxinfer.backends.cpu.quantized import dequantize
 
-    w = mx.random.normal((2, 96, 256), key=mx.random.key(bits * group_size))
+    w = mx.random.normal((2, 96, 256), key=mx.random.key(bits * group_size)).astype(dtype)
     parts = mx.quantize(w, group_size=group_size, bits=bits)
     got = dequantize(*parts, group_size=group_size, bits=bits)
     assert got.shape == w.shape and got.dtype == w.dtype
