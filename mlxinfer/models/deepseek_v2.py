@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache, LayerCache
+from ..cache.kv import Cache, LatentKVCache, LayerCache
 from ..errors import ConfigError, WeightsError
 from .base import BaseArgs, CausalLM, causal_mask, per_layer
 from .layers import GatedMLP, RMSNorm, activation, make_rope
@@ -42,6 +42,7 @@ from .layers.moe import (
     keep_routers_float,
     stack_experts,
 )
+from .layers.mtp import DEEPSEEK, MTPHeads, extend_block, nextn_layers_as_heads
 
 EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -78,6 +79,7 @@ class ModelArgs(BaseArgs):
     attention_bias: bool = False
     mlp_bias: bool = False  # V2's dense and shared MLPs
     tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0  # V3's MTP layers (layers/mtp.py)
 
     def __post_init__(self):
         self.v3 = self.model_type == "deepseek_v3"
@@ -199,6 +201,17 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # V3's MTP heads' blocks: MLA + MoE whatever first_k_dense_replace says.
+        n, first_sparse = args.num_hidden_layers, args.first_k_dense_replace
+        self.mtp_layers = [
+            extend_block(
+                DecoderLayer(args, max(n + i, first_sparse)),
+                DEEPSEEK,
+                args.hidden_size,
+                args.rms_norm_eps,
+            )
+            for i in range(args.num_nextn_predict_layers)
+        ]
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)  # (B, L, hidden)
@@ -209,8 +222,13 @@ class DeepseekModel(nn.Module):
         return self.norm(h)
 
 
-class Model(CausalLM):
+class Model(MTPHeads, CausalLM):
     Inner = DeepseekModel
+    mtp_spec = DEEPSEEK
+
+    def mtp_cache(self) -> Cache:
+        """A head's cache: the latent one, as its trunk's layers."""
+        return LatentKVCache()
 
     def make_cache(
         self, *, max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64
@@ -227,23 +245,16 @@ class Model(CausalLM):
                 "FP8 block-quantized DeepSeek checkpoint (weight_scale_inv): dequantize it to "
                 "bfloat16 first"
             )
-        n = args.num_hidden_layers
 
-        def keep(
-            key: str,
-        ) -> bool:  # drop RoPE buffers and V3's multi-token-prediction layers (>= n)
-            if "rotary_emb.inv_freq" in key or (
+        def keep(key: str) -> bool:  # drop RoPE buffers and a tied head's copy
+            return "rotary_emb.inv_freq" not in key and not (
                 args.tie_word_embeddings and key.startswith("lm_head.")
-            ):
-                return False
-            parts = key.split(".")
-            return not (
-                len(parts) > 2
-                and parts[1] == "layers"
-                and parts[2].isdigit()
-                and int(parts[2]) >= n
             )
 
         weights = {k: v for k, v in weights.items() if keep(k)}
+        # V3's multi-token-prediction layers (>= num_hidden_layers) become its MTP heads.
+        weights = nextn_layers_as_heads(
+            weights, args.num_hidden_layers, args.num_nextn_predict_layers
+        )
         weights = split_kv_b_proj(weights, args.num_attention_heads, args.qk_nope_head_dim)
         return stack_experts(weights, EXPERT_NAMES)

@@ -32,7 +32,7 @@ from .base import FULL_ATTENTION, BaseArgs
 from .deepseek_v2 import EXPERT_NAMES, DeepseekMoE
 from .layers import RMSNorm, RopeAttention
 from .layers.moe import keep_routers_float, stack_experts
-from .layers.mtp import DEEPSEEK, MTPHeads, extend_block
+from .layers.mtp import DEEPSEEK, MTPHeads, extend_block, nextn_layers_as_heads
 
 
 @dataclasses.dataclass
@@ -134,21 +134,7 @@ class Model(MTPHeads, qwen2.Model):
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        n, heads = args.num_hidden_layers, args.num_nextn_predict_layers
-        out = {}
-        for key, value in weights.items():
-            parts = key.split(".")
-            if len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit():
-                i = int(parts[2]) - n
-                if i >= 0:  # an MTP layer: kept when the config announces it
-                    rest = ".".join(parts[3:])
-                    if i < heads and not rest.startswith(_SHARED_WITH_TRUNK):
-                        out[f"model.mtp_layers.{i}.{rest}"] = value
-                    continue
-            out[key] = value
-        return stack_experts(qwen2.Model.sanitize(out, args), EXPERT_NAMES)
-
-
-# An MTP layer's own copies of the trunk's embedding and LM head (DeepSeek-V3's checkpoints
-# carry them; transformers' MtpModel ignores them too): the trunk's serve.
-_SHARED_WITH_TRUNK = ("embed_tokens.", "shared_head.head.")
+        weights = nextn_layers_as_heads(
+            weights, args.num_hidden_layers, args.num_nextn_predict_layers
+        )
+        return stack_experts(qwen2.Model.sanitize(weights, args), EXPERT_NAMES)

@@ -143,6 +143,24 @@ def transformers_layout(trunk: torch.nn.Module, mtp: torch.nn.Module, out: Path)
     return Path(out)
 
 
+MLA = dict(
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=24,
+    num_key_value_heads=4,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+)
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    **MLA,
+    q_lora_rank=48,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+)
 GLM = dict(
     model_type="glm4_moe",
     n_routed_experts=8,
@@ -155,8 +173,8 @@ GLM = dict(
 )
 
 
-def make_glm(path: Path, *, seed: int = 0, **overrides):
-    """A tiny GLM-4.5 checkpoint laid out as the real ones: the MTP layer as decoder layer L
+def make_nextn(path: Path, spec: dict, *, seed: int = 0):
+    """A tiny GLM-4.5 (``GLM``) or DeepSeek-V3 (``DEEPSEEK_V3``) checkpoint laid out as the real ones: the MTP layer as decoder layer L
     (an MoE block) plus ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the copies
     of the embedding and head DeepSeek-V3 ships. Returns (path, trunk, MtpModel), both loaded
     by transformers from the file (``MtpModel.from_pretrained``, the trunk's MTP pattern pointed
@@ -164,7 +182,7 @@ def make_glm(path: Path, *, seed: int = 0, **overrides):
     from transformers.modeling_layers import MtpModel
 
     torch.manual_seed(seed)
-    settings = {**TINY, **GLM, **overrides}
+    settings = {**TINY, **spec}
     L = settings["num_hidden_layers"]
     config = transformers.AutoConfig.for_model(**{**settings, "num_hidden_layers": L + 1})
     big = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -150,18 +150,47 @@ class MTPHeads:
             return head.as_linear(h)
         return head(h)
 
+    def mtp_cache(self) -> Cache:
+        """A head's cache: a KVCache (a family whose block needs another overrides this)."""
+        return KVCache()
+
     @property
     def mtp_heads(self) -> list[MTPHead]:
         """The MTP heads the checkpoint has (none when its MTP weights were stripped)."""
         inner = self._inner
         return [
-            MTPHead(b, self.mtp_spec, inner.embed_tokens, self._logits) for b in inner.mtp_layers
+            MTPHead(b, self.mtp_spec, inner.embed_tokens, self._logits, self.mtp_cache)
+            for b in inner.mtp_layers
         ]
 
     def drop_absent_heads(self, weights) -> None:
         """Keep only the heads ``weights`` has (the loader calls it before loading)."""
         prefix = f"{self.inner_name}.mtp_layers."
         keep_present_heads(self._inner, "mtp_layers", prefix, weights)
+
+
+# A DeepSeek-layout MTP layer's own copies of the trunk's embedding and LM head (DeepSeek-V3's
+# checkpoints carry them; transformers' MtpModel ignores them too): the trunk's serve.
+_SHARED_WITH_TRUNK = ("embed_tokens.", "shared_head.head.")
+
+
+def nextn_layers_as_heads(weights: dict, n_layers: int, heads: int) -> dict:
+    """DeepSeek's layout (decoder layers ``model.layers.N+i.*`` after the trunk's N) moved to
+    ``model.mtp_layers.i.*``, where the model keeps its heads' blocks: the ``heads`` layers the
+    config announces, without their copies of the embedding and LM head; any later layer goes.
+    Names already moved (a converted checkpoint) pass through."""
+    out = {}
+    for key, value in weights.items():
+        parts = key.split(".")
+        if len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit():
+            i = int(parts[2]) - n_layers
+            if i >= 0:
+                rest = ".".join(parts[3:])
+                if i < heads and not rest.startswith(_SHARED_WITH_TRUNK):
+                    out[f"{parts[0]}.mtp_layers.{i}.{rest}"] = value
+                continue
+        out[key] = value
+    return out
 
 
 def keep_present_heads(inner: nn.Module, attr: str, prefix: str, weights) -> None:

@@ -1,6 +1,7 @@
-"""GLM-4.5 keeps its MTP layer: against transformers' own MTP path (``MtpModel.from_pretrained``
-over a tiny random checkpoint in the real layout, decoder layer L; ``generate(use_mtp=True)``).
-No real MTP weights can be had here."""
+"""GLM-4.5 and DeepSeek-V3 keep their MTP layer: against transformers' own MTP path
+(``MtpModel.from_pretrained`` over a tiny random checkpoint in the real layout, decoder layer L;
+``generate(use_mtp=True)``). DeepSeek's head is MLA + MoE with a latent cache. No real MTP
+weights can be had here."""
 
 import shutil
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import torch_greedy
-from mtp_models import make_glm, strip_layer_heads
+from mtp_models import DEEPSEEK_V3, GLM, make_nextn, strip_layer_heads
 from safetensors import safe_open
 from transformers.cache_utils import MtpCache
 
@@ -22,9 +23,10 @@ from mlxinfer.loading.loader import load_model
 IDS = [5, 17, 33, 2, 99, 120, 7, 64, 3, 11, 42, 8]
 
 
-@pytest.fixture(scope="module")
-def glm(tmp_path_factory):
-    path, trunk, mtp = make_glm(tmp_path_factory.mktemp("glm") / "g")
+@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"])
+def glm(request, tmp_path_factory):
+    spec = {"glm4_moe": GLM, "deepseek_v3": DEEPSEEK_V3}[request.param]
+    path, trunk, mtp = make_nextn(tmp_path_factory.mktemp(request.param) / "m", spec)
     return path, trunk, mtp, load_model(path)[0]
 
 
@@ -72,6 +74,7 @@ def test_greedy_with_mtp_equals_plain_and_transformers(glm, num_draft):
     assert sum(s[4] for s in steps) > 0
     if num_draft == 1:
         with torch.no_grad():
+            trunk.generation_config.eos_token_id = None  # a random model may well emit it
             theirs = trunk.generate(
                 torch.tensor([IDS]), max_new_tokens=16, do_sample=False, use_mtp=True
             )[0, len(IDS) :].tolist()
