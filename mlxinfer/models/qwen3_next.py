@@ -11,11 +11,15 @@ one ``full_attention``):
 
 The MLP is Qwen2-MoE's (softmax router, top-k renormalised when ``norm_topk_prob``, a
 shared expert scaled by ``sigmoid(shared_expert_gate(x))``), or dense on ``mlp_only_layers``.
-The checkpoints' multi-token-prediction weights (``mtp.*``) are not used.
+The checkpoints' multi-token-prediction layers (``mtp.layers.i.*``, a gated full-attention
+block with this MLP, plus ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm}``, (1 + w)
+norms, DeepSeek's [embedding, hidden] order) are kept as the model's MTP heads for ``--mtp``
+(``sanitize`` moves them to ``model.mtp_layers.i``; ``layers/mtp.py``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import cast
 
@@ -29,8 +33,11 @@ from .base import CausalLM, causal_mask, make_hybrid_caches, per_layer
 from .layers import GatedMLP, OffsetRMSNorm, RopeAttention, activation, make_rope
 from .layers.gated_delta import GatedDeltaNet, sanitize_conv
 from .layers.moe import keep_routers_float, stack_experts
+from .layers.mtp import MTPHeads, MTPSpec, extend_block
 
 LINEAR, FULL = "linear_attention", "full_attention"
+# Qwen's head: its names for the head's own norms and projection, (1 + w) norms, [e, h].
+QWEN = MTPSpec("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm", norm=OffsetRMSNorm)
 
 
 @dataclasses.dataclass
@@ -47,6 +54,7 @@ class ModelArgs(qwen2_moe.ModelArgs):
     full_attention_interval: int = 4
     shared_expert_intermediate_size: int = 0
     separate_projections: bool = False  # Qwen3.5's Gated DeltaNet inputs (qwen3_5.py)
+    mtp_num_hidden_layers: int = 0  # the MTP heads (layers/mtp.py)
 
     def __post_init__(self):
         head_dim, kinds = self.head_dim, self.layer_types
@@ -131,6 +139,14 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = OffsetRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # The MTP heads' blocks: gated full attention and the model's MLP (MoE when it has
+        # experts), whatever layer_types and mlp_only_layers say of the trunk's layers.
+        head_args = copy.copy(args)
+        head_args.layer_types, head_args.mlp_only_layers = [FULL], []
+        self.mtp_layers = [
+            extend_block(DecoderLayer(head_args, 0), QWEN, args.hidden_size, args.rms_norm_eps)
+            for _ in range(args.mtp_num_hidden_layers)
+        ]
 
     @property
     def first_attention(self) -> int | None:
@@ -155,8 +171,9 @@ class Qwen3NextModel(nn.Module):
         return self.norm(h)
 
 
-class Model(CausalLM):
+class Model(MTPHeads, CausalLM):
     Inner = Qwen3NextModel
+    mtp_spec = QWEN
 
     quant_predicate = staticmethod(keep_routers_float)
 
@@ -175,6 +192,28 @@ class Model(CausalLM):
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+        weights = _mtp_as_heads(weights, args.mtp_num_hidden_layers)
         weights = stack_experts(CausalLM.sanitize(weights, args), qwen2_moe.EXPERT_NAMES)
         return {k: sanitize_conv(k, v) for k, v in weights.items()}
+
+
+_HEAD_OWN = ("fc.", "pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "norm.")
+
+
+def _mtp_as_heads(weights: dict[str, mx.array], heads: int) -> dict[str, mx.array]:
+    """``mtp.layers.i.*`` -> ``model.mtp_layers.i.*`` and the head's own ``mtp.fc``, norms ->
+    ``model.mtp_layers.0.*`` (one head, as the checkpoints have); none when the config
+    announces none."""
+    out = {}
+    for key, value in weights.items():
+        if not key.startswith("mtp."):
+            out[key] = value
+            continue
+        rest = key[len("mtp.") :]
+        if rest.startswith("layers."):
+            i, _, name = rest[len("layers.") :].partition(".")
+            if i.isdigit() and int(i) < heads:
+                out[f"model.mtp_layers.{i}.{name}"] = value
+        elif rest.startswith(_HEAD_OWN) and heads:
+            out[f"model.mtp_layers.0.{rest}"] = value
+    return out

@@ -229,3 +229,70 @@ def strip_layer_heads(path: Path, layer: int) -> Path:
         metadata={"format": "pt"},
     )
     return Path(path)
+
+
+QWEN3_NEXT = dict(
+    model_type="qwen3_next",
+    head_dim=16,
+    num_hidden_layers=4,
+    # transformers' MtpModel takes its norm class from the trunk's last layer: end on attention.
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    eos_token_id=None,
+)
+
+
+def make_qwen_mtp(path: Path, spec: dict = QWEN3_NEXT, *, seed: int = 0):
+    """A tiny Qwen3-Next (or Qwen3.5) checkpoint with Qwen's MTP layout: ``mtp.layers.0.*`` (a
+    full-attention block) and ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm}``
+    ((1 + w) norms). transformers has no MTP config for these; its ``MtpModel.from_pretrained``
+    loads the layout once the trunk's config says ``num_mtp_layers = 1`` and
+    ``mtp_layer_types = ["full_attention"]`` (its conversion maps fc / pre_fc_norm_* / norm onto
+    eh_proj / enorm / hnorm / post_norm). Returns (path, trunk, MtpModel)."""
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(seed)
+    settings = {**TINY, **spec}
+    L = settings["num_hidden_layers"]
+    kinds = settings["layer_types"]
+    config = transformers.AutoConfig.for_model(
+        **{**settings, "num_hidden_layers": L + 1, "layer_types": kinds + ["full_attention"]}
+    )
+    big = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in big.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    big.save_pretrained(path, safe_serialization=True)
+    file = Path(path) / "model.safetensors"
+    weights = load_file(str(file))
+    block = f"model.layers.{L}."
+    weights = {
+        (f"mtp.layers.0.{k[len(block) :]}" if k.startswith(block) else k): v
+        for k, v in weights.items()
+    }
+    H = settings["hidden_size"]
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights[f"mtp.{name}.weight"] = 0.1 * torch.randn(H)  # (1 + w): w near 0
+    weights["mtp.fc.weight"] = torch.randn(H, 2 * H) * 0.08
+    save_file(weights, str(file), metadata={"format": "pt"})
+    cfg_path = Path(path) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(num_hidden_layers=L, layer_types=kinds, mtp_num_hidden_layers=1)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+    trunk = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    trunk.config.num_mtp_layers = 1
+    trunk.config.mtp_layer_types = ["full_attention"]
+    mtp = MtpModel.from_pretrained(trunk).eval()
+    return Path(path), trunk, mtp
