@@ -337,11 +337,14 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(content, list) or m["role"] == "system":
             out.append({"role": m["role"], "content": _text(content, where)})
             continue
-        text, calls = [], []
+        text: list[dict] = []  # text and image parts, in order
+        calls = []
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text" and isinstance(b.get("text"), str):
-                text.append(b["text"])
+                text.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and m["role"] == "user":
+                text.append(_image(b, f"{where}.{j}"))
             elif kind == "tool_use" and m["role"] == "assistant":
                 calls.append(
                     {
@@ -353,8 +356,7 @@ def _messages(messages: Any) -> list[dict]:
             elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
                 continue  # an earlier turn's reasoning: chat templates drop it from the prompt
             elif kind == "tool_result" and m["role"] == "user":
-                result = b.get("content", "")
-                result = result if isinstance(result, str) else _text(result, f"{where}.{j}")
+                result = _tool_result(b.get("content", ""), f"{where}.{j}.content")
                 out.append(
                     {"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id")}
                 )
@@ -362,11 +364,64 @@ def _messages(messages: Any) -> list[dict]:
                 raise AnthropicError(
                     400,
                     f"{where}.{j}: text blocks, tool_use and thinking blocks (assistant) or "
-                    "tool_result blocks (user) are supported",
+                    "text, image and tool_result blocks (user) are supported",
                 )
-        turn = {"role": m["role"], "content": "".join(text)}
+        turn = {"role": m["role"], "content": _joined(text)}
         if calls:
             turn["tool_calls"] = calls
         if turn["content"] or calls or m["role"] == "assistant":
             out.append(turn)
     return out
+
+
+def _joined(parts: list[dict]) -> str | list[dict]:
+    """Text parts as one string; with an image among them, the parts as they are."""
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _tool_result(content: Any, where: str) -> str | list[dict]:
+    """A ``tool_result``'s content: a string, or text and image blocks (Claude Code's Read of a
+    picture returns one)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise AnthropicError(
+            400, f"{where}: a string or a list of text and image blocks is required"
+        )
+    parts = []
+    for k, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            parts.append({"type": "text", "text": b["text"]})
+        elif kind == "image":
+            parts.append(_image(b, f"{where}.{k}"))
+        else:
+            raise AnthropicError(400, f"{where}.{k}: text and image blocks are supported")
+    return _joined(parts)
+
+
+def _image(block: dict, where: str) -> dict:
+    """An ``image`` block as the common image part: a base64 ``source`` as a data URL. A
+    ``url`` source is refused (this server fetches nothing), as is a ``file`` (Files API)."""
+    from ..image_parts import data_url, image_part
+
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise AnthropicError(
+                400, f"{where}.source: media_type and data (base64) strings are required"
+            )
+        return image_part(data_url(media, data))
+    if kind in ("url", "file"):
+        raise AnthropicError(
+            400,
+            f"{where}.source: {kind} image sources are not accepted here (this server fetches "
+            "nothing and keeps no files): send the image as a base64 source",
+        )
+    raise AnthropicError(
+        400, f"{where}.source: {{'type': 'base64', 'media_type', 'data'}} is required"
+    )

@@ -6,9 +6,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ...batch import EngineError
-from ...errors import PromptTooLongError, TokenizerError
+from ...errors import MediaError, PromptTooLongError, TokenizerError
 from ...generation import loop
 from ..hangup import Streams
+from ..image_parts import for_model
+from ..images import image_sources, takes_images
 from ..limits import RETRY_AFTER_S, check_prompt_length, in_worker
 from ..routes import Routes
 from ..templating import fit_messages, prefix_block
@@ -45,7 +47,7 @@ class AnthropicRoutes:
         ask.cache_block = prefix_block(entry.engine)
         first, results = self.routes.start(
             entry,
-            ask.messages,
+            for_model(entry, ask.messages),  # a text-only model: tool results' images as notes
             ask,
             True,
             lambda e: AnthropicError(400, str(e)),
@@ -63,19 +65,35 @@ class AnthropicRoutes:
     def count(self, ask: MessagesRequest) -> dict:
         """The prompt's tokens, templated as generation would template it."""
         entry = self.routes.served(ask.model, not_found)
+        messages, images = for_model(entry, ask.messages), None
         try:
-            check_prompt_length(entry.model, ask.messages, ask.tools)
-            messages = fit_messages(entry.tokenizer, ask.messages, ask.tools, ask.tool_choice)
+            if sources := image_sources(messages):  # as routes.start refuses or decodes them
+                images = _images(entry, sources)
+            else:
+                check_prompt_length(entry.model, messages, ask.tools)
+                messages = fit_messages(entry.tokenizer, messages, ask.tools, ask.tool_choice)
             ids = loop.prepare_prompt(
                 entry.tokenizer,
                 messages,
                 chat_template=True,
                 tools=ask.tools if ask.tool_choice != "none" else None,  # as generation
                 chat_template_kwargs=ask.template_kwargs,
+                images=images,
             )
-        except (PromptTooLongError, TokenizerError, ValueError) as e:
+        except (PromptTooLongError, TokenizerError, ValueError, MediaError) as e:
             raise AnthropicError(400, str(e)) from None
         return {"input_tokens": len(ids)}
+
+
+def _images(entry, sources: list):
+    """The images of a request to count: each image's placeholder tokens are counted."""
+    from ...generation.images import load_images
+
+    if not takes_images(entry.model):
+        raise ValueError(
+            f"model '{entry.name}' takes text only (no vision tower): image blocks are refused"
+        )
+    return load_images(entry.model, entry.tokenizer, sources)
 
 
 def not_found(message: str) -> AnthropicError:

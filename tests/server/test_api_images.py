@@ -1,0 +1,132 @@
+"""Images through the Anthropic, Responses and Ollama APIs and ``/v1/models``, each with its
+official client, to a tiny random Gemma 3 image-text checkpoint (and a text-only copy served
+beside it from a models directory): a reply with an image is the library's for the same image
+(which a second image changes), and what the server cannot take is a 4xx in the API's shape."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+from servers import serving
+from vlm_serving import b64, text_only_copy, vlm_with_images
+
+from mlxinfer.generation import generate
+from mlxinfer.loading.loader import load
+from mlxinfer.server import make_app
+
+NAME, TEXT_ONLY = "tiny-gemma3-vlm", "text-only"
+TEXT = "Describe this image."
+GREEDY = {"temperature": 0}  # the anthropic client no longer takes it as an argument
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api_images")
+    path, files = vlm_with_images(root)
+    text_only_copy(path, root / "models" / TEXT_ONLY)
+    model, tokenizer = load(path)
+    expected = [
+        generate(model, tokenizer, TEXT, images=[f], chat_template=True, max_tokens=8)
+        for f in files
+    ]
+    assert expected[0] != expected[1]  # else the tests below are blind
+    app = make_app(model, tokenizer, NAME, models_dir=root / "models")
+    with serving(app) as base:
+        yield base, files, expected
+
+
+# --- Anthropic Messages ---------------------------------------------------------------------
+
+
+def _image_block(path) -> dict:
+    return {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64(path)},
+    }
+
+
+def _anthropic(base: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=120)
+
+
+def test_anthropic_image_blocks(served):
+    base, files, expected = served
+    client = _anthropic(base)
+    for f, want in zip(files, expected):
+        reply = client.messages.create(
+            model=NAME,
+            max_tokens=8,
+            extra_body=GREEDY,
+            messages=[
+                {"role": "user", "content": [_image_block(f), {"type": "text", "text": TEXT}]}
+            ],
+        )
+        assert reply.content[0].text == want
+    with client.messages.stream(
+        model=NAME,
+        max_tokens=8,
+        extra_body=GREEDY,
+        messages=[
+            {"role": "user", "content": [_image_block(files[1]), {"type": "text", "text": TEXT}]}
+        ],
+    ) as stream:
+        assert "".join(stream.text_stream) == expected[1]
+    counted = client.messages.count_tokens(
+        model=NAME,
+        messages=[
+            {"role": "user", "content": [_image_block(files[0]), {"type": "text", "text": TEXT}]}
+        ],
+    )
+    plain = client.messages.count_tokens(model=NAME, messages=[{"role": "user", "content": TEXT}])
+    assert counted.input_tokens > plain.input_tokens + 4  # the image's soft tokens counted
+
+
+def test_anthropic_refusals_are_its_errors(served):
+    base, files, _ = served
+    client = _anthropic(base)
+    url = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    for block, words in ((url, "url image sources"), (bad, "image 1")):
+        with pytest.raises(anthropic.BadRequestError, match=words) as e:
+            client.messages.create(
+                model=NAME, max_tokens=4, messages=[{"role": "user", "content": [block]}]
+            )
+        assert e.value.body["type"] == "error"
+        assert e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError, match=f"model '{TEXT_ONLY}' takes text only"):
+        client.messages.create(
+            model=TEXT_ONLY,
+            max_tokens=4,
+            messages=[{"role": "user", "content": [_image_block(files[0])]}],
+        )
+
+
+def test_anthropic_tool_result_images(served):
+    """A tool result's image reaches a model that reads images, and is a one-line note for a
+    text-only model (so that an agent's session goes on)."""
+    base, files, _ = served
+    client = _anthropic(base)
+
+    def reply(model: str, result) -> str:
+        messages = [
+            {"role": "user", "content": "Look at the picture."},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": result},
+                    {"type": "text", "text": TEXT},
+                ],
+            },
+        ]
+        out = client.messages.create(
+            model=model, max_tokens=8, extra_body=GREEDY, messages=messages
+        )
+        return out.content[0].text
+
+    assert reply(NAME, [_image_block(files[0])]) != reply(NAME, [_image_block(files[1])])
+    note = f"[image omitted: model '{TEXT_ONLY}' takes text only]"
+    assert reply(TEXT_ONLY, [_image_block(files[0])]) == reply(TEXT_ONLY, note)
