@@ -283,7 +283,7 @@ def _make_draft(
     if self_draft_layers is not None:
         return SelfDraft(self_draft_layers)
     if mtp:
-        return MTP()
+        return MTP(keep_cache=True)  # chat turns: the head resumes from its own cache
     return None
 
 

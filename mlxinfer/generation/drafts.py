@@ -336,38 +336,82 @@ class _SelfDrafter:
 
 
 class MTP(Draft):
-    """Draft with the multi-token-prediction (MTP) head the checkpoint ships (MiMo).
+    """Draft with the multi-token-prediction (MTP) head the checkpoint ships (MiMo, GLM-4.5,
+    DeepSeek-V3, Qwen3-Next, Qwen3.5: ``docs/models.md``).
 
     The head reads the trunk's final hidden state at position j and the token at j+1 and
     predicts the token at j+2; for k > 1 it is chained on its own output (``layers/mtp.py``).
-    Its cache is primed over the prompt during the prefill; a prefix reused from a prompt cache
-    was not seen by the head (drafts still exact; acceptance may be lower there).
+    Its cache is primed over the prompt during the prefill.
+
+    Args:
+        keep_cache: keep the head's cache for the next request (chat turns): when that one
+            reuses a prefix of the target's cache, the head resumes from its own instead of
+            not having seen the prefix (the target feeds the prefix's last token again, one
+            token, so that its state pairs with the next). One request at a time; not across
+            state (recurrent) caches, which cannot give a token back. Either way the drafts are
+            verified: this only changes acceptance.
     """
+
+    def __init__(self, keep_cache: bool = False):
+        self.keep_cache = keep_cache
+        self._kept: _MTPDrafter | None = None  # the last request's, with keep_cache
 
     def check(self, model, tokenizer) -> None:
         if not getattr(model, "mtp_heads", None):
             where = getattr(model, "source_dir", None) or type(model).__module__
             raise DraftError(
                 f"model {where} has no MTP heads (expected a family that keeps them, such as "
-                "mimo, with its model.mtp_layers.* weights); --mtp needs them"
+                "mimo, with its MTP weights); --mtp needs them"
             )
 
     def start(self, model, cache: list[LayerCache], prompt: list[int]) -> Drafter:
         self.check(model, None)
-        return _MTPDrafter(model.mtp_heads[0])  # one head, chained for k > 1
+        drafter = _MTPDrafter(model.mtp_heads[0], self._kept)  # one head, chained for k > 1
+        if self.keep_cache:
+            self._kept = drafter
+        return drafter
 
 
 class _MTPDrafter:
-    def __init__(self, head):
-        self.head, self.cache = head, head.make_cache()
+    def __init__(self, head, kept: _MTPDrafter | None = None):
+        self.head, self.cache, self.kept = head, head.make_cache(), kept
         # The head's post-norm output g at the last real pair (trunk state, next token): its
         # logits are the first draft's; None until a pair has been read.
         self.g: mx.array | None = None
+        # x_0 … the last token paired: pair j (the cache's entry j - first) read tokens[j + 1].
+        self.tokens: list[int] = []
+        self.first = 0  # the trunk position of the cache's first pair
+
+    def resume(self, pc: PromptCache, prompt: list[int], todo: list[int]) -> list[int]:
+        """Before the prefill (``pc`` reused ``prompt``'s prefix, ``todo`` is left): take the
+        kept cache's pairs over that prefix, if it has them, and give the prefix's last token
+        back to ``pc`` so its state pairs with the next. Returns the ids to feed."""
+        r = len(prompt) - len(todo)  # tokens reused
+        k = self.kept
+        if (
+            k is not None
+            and r >= 2
+            and k.first == 0
+            and k.head.block is self.head.block
+            and k.cache.offset >= r - 1
+            and k.tokens[:r] == prompt[:r]
+            and is_trimmable(pc.cache)
+        ):
+            pc.rewind(r - 1)
+            self.cache = k.cache
+            self.cache.trim(self.cache.offset - (r - 1))  # pairs 0 … r-2 (tokens x_1 … x_{r-1})
+            self.tokens = list(prompt[:r])
+            self.kept = None
+            return list(prompt[r - 1 :])
+        self.kept = None  # nothing to resume: the head starts at the first position fed
+        self.first, self.tokens = r, list(prompt[: r + 1])
+        return todo
 
     def observe(self, hidden: mx.array, following: list[int]) -> list[mx.array]:
         tokens = mx.array(following, dtype=mx.int32)[None]  # (1, L)
         g = self.head(tokens, hidden[None], self.cache)  # (1, L, H)
         self.g = g[:, -1:]  # (1, 1, H)
+        self.tokens += following
         return [*self.cache.state, self.g]
 
     def propose(

@@ -84,8 +84,11 @@ def speculative_generate_step(
     todo = pc.reuse(ids)
     drafter = draft.start(model, pc.cache, ids)
     # An MTP head reads the target's final hidden states (drafts.Observer): those of the
-    # prompt as it is prefilled, then those of each verified token kept.
+    # prompt as it is prefilled, then those of each verified token kept. It may take a reused
+    # prefix's pairs from its last request (MTP(keep_cache=True)): then one more token is fed.
     observe = getattr(drafter, "observe", None)
+    if (resume := getattr(drafter, "resume", None)) is not None:
+        todo = resume(pc, ids, todo)
 
     def prime(hidden: mx.array, start: int) -> list[mx.array]:
         assert observe is not None  # passed to prefill only then

@@ -212,6 +212,34 @@ def test_the_same_head_read_in_deepseeks_order_is_rejected(wired_head, monkeypat
     assert drafted > 0 and accepted / drafted < 0.5
 
 
+# --- Chat turns: the head resumes over the reused prefix -----------------------------------------
+
+
+def test_a_kept_head_cache_resumes_where_the_prompt_cache_is_reused(random_head):
+    """Turn 2 reuses turn 1's cache: with keep_cache the head takes its own pairs over that
+    prefix (and the target feeds its last token again), ending with the same cache as a head
+    primed over the whole conversation at once; the tokens are plain greedy's either way."""
+    model = random_head[3]
+    draft, pc = MTP(keep_cache=True), PromptCache(model.make_cache())
+    turn1, _, _ = run(model, draft, n=8, prompt_cache=pc)
+    prompt2 = PROMPT + turn1 + [7, 9, 11]
+    turn2, _, _ = run(model, draft, n=8, prompt=prompt2, prompt_cache=pc)
+    resumed = draft._kept
+    whole = MTP(keep_cache=True)
+    assert run(model, whole, n=8, prompt=prompt2)[0] == turn2 == run(model, n=8, prompt=prompt2)[0]
+    fresh = whole._kept
+    assert resumed is not None and fresh is not None
+    assert resumed.first == fresh.first == 0 and resumed.tokens == fresh.tokens
+    assert resumed.cache.offset == fresh.cache.offset == len(fresh.tokens) - 1
+    for a, b in zip(resumed.cache.state, fresh.cache.state):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    # Without keep_cache the head starts where turn 2's prefill starts.
+    plain_draft = MTP()
+    run(model, plain_draft, n=8, prompt_cache=(pc2 := PromptCache(model.make_cache())))
+    drafter = plain_draft.start(model, pc2.cache, prompt2)
+    assert drafter.resume(pc2, prompt2, pc2.reuse(prompt2)) and drafter.first > 0
+
+
 # --- The CLI and the library's one-line errors --------------------------------------------------
 
 
