@@ -6,9 +6,10 @@ beside it from a models directory): a reply with an image is the library's for t
 from __future__ import annotations
 
 import anthropic
+import openai
 import pytest
 from servers import serving
-from vlm_serving import b64, text_only_copy, vlm_with_images
+from vlm_serving import b64, data_url, text_only_copy, vlm_with_images
 
 from mlxinfer.generation import generate
 from mlxinfer.loading.loader import load
@@ -130,3 +131,62 @@ def test_anthropic_tool_result_images(served):
     assert reply(NAME, [_image_block(files[0])]) != reply(NAME, [_image_block(files[1])])
     note = f"[image omitted: model '{TEXT_ONLY}' takes text only]"
     assert reply(TEXT_ONLY, [_image_block(files[0])]) == reply(TEXT_ONLY, note)
+
+
+# --- Responses API --------------------------------------------------------------------------
+
+
+def _openai(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _input(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "input_text", "text": TEXT}]}]
+
+
+def _input_image(path) -> dict:
+    return {"type": "input_image", "image_url": data_url(path), "detail": "auto"}
+
+
+def test_responses_input_image(served):
+    base, files, expected = served
+    client = _openai(base)
+    for f, want in zip(files, expected):
+        reply = client.responses.create(
+            model=NAME, input=_input(_input_image(f)), max_output_tokens=8, temperature=0
+        )
+        assert reply.output_text == want
+    events = client.responses.create(
+        model=NAME,
+        input=_input(_input_image(files[0])),
+        max_output_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected[0]
+
+
+def test_responses_refusals(served):
+    base, files, _ = served
+    client = _openai(base)
+    cases = [
+        ({"type": "input_image", "file_id": "file-1"}, "keeps no files"),
+        ({"type": "input_image", "image_url": "https://example.com/a.png"}, "data URLs"),
+        ({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}, "image 1"),
+    ]
+    for part, words in cases:
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.responses.create(model=NAME, input=_input(part), max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError, match=f"model '{TEXT_ONLY}' takes text only"):
+        client.responses.create(
+            model=TEXT_ONLY, input=_input(_input_image(files[0])), max_output_tokens=4
+        )
+    # Codex's view_image: a tool output's image, a note for a text-only model
+    history = [
+        {"role": "user", "content": "Look"},
+        {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [_input_image(files[0])]},
+    ]
+    assert client.responses.create(model=TEXT_ONLY, input=history, max_output_tokens=2).output
+    assert client.responses.create(model=NAME, input=history, max_output_tokens=2).output

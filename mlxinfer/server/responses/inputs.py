@@ -3,7 +3,7 @@ the model's template.
 
 A string is one user message. Items: a ``message`` (roles user, assistant, system, developer;
 a developer's is a system message; content a string or text parts: ``input_text``,
-``output_text``, ``refusal`` ...), an assistant's ``function_call`` or ``custom_tool_call``
+``output_text``, ``refusal`` ..., and in a user message ``input_image`` parts: data URLs), an assistant's ``function_call`` or ``custom_tool_call``
 (consecutive calls are one assistant message, as parallel calls), their
 ``function_call_output`` / ``custom_tool_call_output`` (a ``tool`` message), and ``reasoning``
 (checked, left out of the prompt: templates drop past thoughts). ``instructions`` is a system
@@ -79,7 +79,7 @@ def _items(value: Any, names: dict) -> list[dict]:
                 raise bad(
                     f"{where}.role", f"expected one of {', '.join(ROLES)}, found {shown(role)}"
                 )
-            text = _content(item.get("content"), f"{where}.content")
+            text = _content(item.get("content"), f"{where}.content", images=role == "user")
             out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind in ("function_call", "custom_tool_call"):
             call_id = _string(item, "call_id", where)
@@ -142,29 +142,62 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
-def _content(content: Any, where: str, *, tool: bool = False) -> str:
-    """A message's text: a string, or text parts joined. Images, files and audio are refused
-    (this server reads text only), but in a tool's output (``tool``: Codex's view_image returns
-    an image) each stands as a one-line note, so that the session goes on."""
+def _content(
+    content: Any, where: str, *, tool: bool = False, images: bool = False
+) -> str | list[dict]:
+    """A message's text: a string, or text parts joined; with an ``input_image`` part (in a user
+    message, ``images``, or a tool's output, ``tool``: Codex's view_image returns one) its text
+    and image parts, the images as the common image part (``image_parts``: a text-only model
+    gets a tool output's image as a one-line note, so that the session goes on). Files and
+    audio are refused, but in a tool's output each stands as a one-line note."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(where, f"expected a string or a list of parts, found {type(content).__name__}")
     if len(content) > MAX_PARTS:
         raise bad(where, f"{len(content)} parts (at most {MAX_PARTS})")
-    texts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         if not isinstance(part, dict):
             raise bad(at, "expected a content part object")
         kind = part.get("type")
+        if kind == "input_image" and (images or tool):
+            parts.append(_image(part, at))
+            continue
+        if kind == "input_image":
+            raise bad(f"{at}.type", "input_image parts go in user messages (or a tool's output)")
         if tool and kind in MEDIA_PARTS:
-            texts.append(f"[{kind} omitted: this server reads text only]")
+            parts.append({"type": "text", "text": f"[{kind} omitted: this server reads text only]"})
             continue
         if kind not in TEXT_PARTS:
-            raise bad(f"{at}.type", f"only text parts are read here, found {shown(kind)}")
+            raise bad(f"{at}.type", f"only text and image parts are read here, found {shown(kind)}")
         key = "refusal" if kind == "refusal" else "text"
         if not isinstance(part.get(key), str):
             raise bad(f"{at}.{key}", f"expected a string, found {type(part.get(key)).__name__}")
-        texts.append(part[key])
-    return "".join(texts)
+        parts.append({"type": "text", "text": part[key]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _image(part: dict, where: str) -> dict:
+    """An ``input_image`` part (``image_url``: a data URL; ``detail`` has no meaning here) as
+    the common image part. A ``file_id`` or a remote URL is refused: this server keeps no files
+    and fetches nothing."""
+    from ..image_parts import image_part
+
+    if part.get("file_id") is not None:
+        raise bad(f"{where}.file_id", "this server keeps no files: send the image as image_url")
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise bad(f"{where}.image_url", f"expected a data URL, found {type(url).__name__}")
+    if not url.startswith("data:"):
+        raise OpenAIError(
+            400,
+            f"{where}.image_url: only data URLs (data:image/...;base64,...) are accepted, found "
+            f"{shown(url[:40])} (this server does not fetch remote images)",
+            param=f"{where}.image_url",
+            code="invalid_image_url",
+        )
+    return image_part(url)

@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..hangup import Streams
+from ..image_parts import for_model
 from ..openai.routes import bad, failed
 from ..routes import Routes, openai_busy, openai_not_found
 from . import request as responses_request
@@ -29,6 +30,7 @@ class ResponsesRoutes:
     def respond(self, ask: ResponsesRequest, streams: Streams):
         """The response (in a worker thread): the object whole, or its events."""
         entry = self.routes.served(ask.model, openai_not_found)
-        first, results = self.routes.start(entry, ask.messages, ask, True, bad, failed, streams)
+        messages = for_model(entry, ask.messages)  # a text-only model: tool images as notes
+        first, results = self.routes.start(entry, messages, ask, True, bad, failed, streams)
         reply = Reply(ask, entry.tokenizer, first, results)
         return reply.events() if ask.stream else JSONResponse(reply.whole())
