@@ -259,11 +259,22 @@ def test_cli_mtp(random_head, tmp_path):
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no MTP heads" in lines[0] and str(plain) in lines[0]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\n")
+    result = CliRunner().invoke(
+        cli, ["generate", "-m", str(path), "--batch", str(prompts), "--mtp"]
+    )
+    assert result.exit_code == 2 and "--batch does not take --mtp" in result.stderr
 
 
-def test_stream_generate_with_mtp_equals_plain(random_head):
+@pytest.mark.parametrize(
+    "rules", [{}, {"regex": "[a-z]{2,6}[0-9]{3}"}, {"choices": ["one", "two"]}]
+)
+def test_stream_generate_with_mtp_equals_plain(random_head, rules):
+    """Through stream_generate, also with structured output (drafts a constraint forbids are
+    dropped before verification; the head's cache keeps only what was kept)."""
     _, _, _, model = random_head
     tokenizer = load(random_head[0])[1]
-    plain = "".join(r.text for r in stream_generate(model, tokenizer, "Hello", max_tokens=10))
-    drafted = stream_generate(model, tokenizer, "Hello", max_tokens=10, draft=MTP())
+    plain = "".join(r.text for r in stream_generate(model, tokenizer, "Hi", max_tokens=10, **rules))
+    drafted = stream_generate(model, tokenizer, "Hi", max_tokens=10, draft=MTP(), **rules)
     assert "".join(r.text for r in drafted) == plain
