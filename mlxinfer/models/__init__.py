@@ -25,6 +25,8 @@ FAMILIES = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3_text",
     "gemma3": "gemma3",  # with its vision tower (config.py: only with a vision_config)
+    "qwen2_5_vl": "qwen2_5_vl",  # with their towers, as gemma3
+    "qwen3_vl": "qwen3_vl",
     "phi3": "phi3",
     "gpt2": "gpt2",
     "bloom": "bloom",

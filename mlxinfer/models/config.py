@@ -47,10 +47,21 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 LANGUAGE_MODELS = {
     "gemma3": "gemma3_text",
     "mistral3": "mistral",
+    # On text alone the M-RoPE of these is plain RoPE: their language models are qwen2 / qwen3's.
+    "qwen2_5_vl": "qwen2",
+    "qwen3_vl": "qwen3",
     "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text",
 }
 
+
+_QWEN_VL_KEYS = (
+    "vision_config",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
 
 # Of those, the ones whose vision tower runs too (models/<model_type>.py), when the config has a
 # ``vision_config``: the top-level keys their family reads beside the lifted ``text_config``.
@@ -62,6 +73,8 @@ WITH_TOWER = {
         "boi_token_index",
         "eoi_token_index",
     ),
+    "qwen2_5_vl": _QWEN_VL_KEYS,
+    "qwen3_vl": _QWEN_VL_KEYS,
 }
 
 
@@ -81,6 +94,8 @@ def language_model_config(config: dict[str, Any], source: str = "config.json") -
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: a '{kind}' checkpoint needs a 'text_config' object")
     text_kind = text.get("model_type") or LANGUAGE_MODELS[kind]
+    if text_kind.endswith("_vl_text"):  # qwen2_5_vl_text, qwen3_vl_text: no family of their own
+        text_kind = LANGUAGE_MODELS[kind]
     out = {**text, "model_type": text_kind, "language_model_of": kind}
     if with_tower:  # the whole model: its family reads the tower's keys beside the text's
         out = {**text, **{k: config[k] for k in WITH_TOWER[kind] if k in config}}
@@ -103,9 +118,18 @@ def without_tower(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
-    """Fold ``rope_parameters`` (transformers 5) into ``rope_theta``/``rope_scaling``."""
+    """Fold ``rope_parameters`` (transformers 5) into ``rope_theta``/``rope_scaling``.
+
+    Multimodal RoPE's keys (``mrope_section``, ``mrope_interleaved``: Qwen-VL, Qwen3.5) move
+    to the top level, where a family that reads them declares them; its ``rope_type`` "mrope"
+    (older Qwen2-VL configs) is the default RoPE over those sections."""
     config = dict(config)
     params = config.pop("rope_parameters", None)
+    for holder in (params, config.get("rope_scaling")):
+        if isinstance(holder, dict):
+            for key in _MROPE_KEYS:
+                if key in holder:
+                    config.setdefault(key, holder[key])
     if isinstance(params, dict) and "rope_theta" not in params and params:
         # Per-layer-type parameters (e.g. gemma3: full_attention / sliding_attention)
         # are kept for the family module that knows the layer types.
@@ -151,8 +175,12 @@ def _positive(value: Any, key: str, source: str) -> float:
     return number
 
 
+_MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
 def _rope_type(scaling: dict[str, Any]) -> str:
-    return scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    return "default" if kind == "mrope" else kind
 
 
 def require(config: dict[str, Any], keys: list[str], source: str = "config.json") -> None:

@@ -77,7 +77,9 @@ class CPUAttention:
 
     exp = staticmethod(ops.exp)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, *args: Any) -> mx.array:
+        if args:  # the family's own positions (RopeAttention's ``positions``): its own path
+            return super().__call__(x, mask, cache, *args)
         if self.cpu_decode_kernel and self.cpu_decode_fits:  # the ``decode`` plan (``compiled``)
             y = compiled.decode_attention(self, x, mask, cache)
             if y is not None:

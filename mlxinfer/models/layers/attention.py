@@ -243,7 +243,11 @@ class RopeAttention(Attention):
         another way too overrides it (Ministral 3)."""
         return self.rope(q, offset=offset), self.rope(k, offset=offset)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+    def __call__(
+        self, x: mx.array, mask: Mask, cache: Cache | None, positions: Any = None
+    ) -> mx.array:
+        """``positions``: the new tokens' positions in the family's own form, handed to its
+        :meth:`rotate` instead of the cache's offset (Qwen-VL's multimodal RoPE)."""
         B, L, _ = x.shape
         q, k, v = self.project(x)
         gate = None
@@ -257,7 +261,9 @@ class RopeAttention(Attention):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q, k = self.rotate(q, k, cache.offset if cache is not None else 0)
+        if positions is None:
+            positions = cache.offset if cache is not None else 0
+        q, k = self.rotate(q, k, positions)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self.softcap is not None:
