@@ -267,6 +267,23 @@ def test_cli_mtp(random_head, tmp_path):
     assert result.exit_code == 2 and "--batch does not take --mtp" in result.stderr
 
 
+def test_cli_mtp_over_a_prompt_cache_file(random_head, tmp_path):
+    """Turn 2 starts from the cache file turn 1 wrote (the head has not seen that prefix):
+    the same text as without --mtp."""
+    path, cache = random_head[0], tmp_path / "session.safetensors"
+    texts = []
+    for flags in ([], ["--mtp"]):
+        cache.unlink(missing_ok=True)
+        out = []
+        for prompt in ("Hello world", "Hello world, again"):
+            args = ["generate", "-m", str(path), "-p", prompt, "-n", "8", "--no-chat-template"]
+            result = CliRunner().invoke(cli, args + ["--prompt-cache-file", str(cache)] + flags)
+            assert result.exit_code == 0, result.stderr
+            out.append(result.stdout)
+        texts.append(out)
+    assert texts[0] == texts[1]
+
+
 @pytest.mark.parametrize(
     "rules", [{}, {"regex": "[a-z]{2,6}[0-9]{3}"}, {"choices": ["one", "two"]}]
 )
