@@ -6,6 +6,8 @@ beside it from a models directory): a reply with an image is the library's for t
 from __future__ import annotations
 
 import anthropic
+import httpx
+import ollama
 import openai
 import pytest
 from servers import serving
@@ -190,3 +192,42 @@ def test_responses_refusals(served):
     ]
     assert client.responses.create(model=TEXT_ONLY, input=history, max_output_tokens=2).output
     assert client.responses.create(model=NAME, input=history, max_output_tokens=2).output
+
+
+# --- Ollama ---------------------------------------------------------------------------------
+
+
+def test_ollama_images(served):
+    base, files, expected = served
+    client = ollama.Client(host=base, timeout=120)
+    greedy = {"temperature": 0, "num_predict": 8}
+    for f, want in zip(files, expected):
+        message = {"role": "user", "content": TEXT, "images": [f]}  # the client sends base64
+        reply = client.chat(model=NAME, messages=[message], options=greedy)
+        assert reply.message.content == want
+    streamed = client.generate(
+        model=NAME, prompt=TEXT, images=[files[1].read_bytes()], options=greedy, stream=True
+    )
+    assert "".join(c.response for c in streamed) == expected[1]
+    assert "vision" in client.show(NAME).capabilities
+    assert "vision" not in client.show(TEXT_ONLY).capabilities
+
+
+def test_ollama_refusals(served):
+    base, files, _ = served
+    client = ollama.Client(host=base, timeout=60)
+    with pytest.raises(ollama.ResponseError, match="images") as e:
+        client.generate(model=NAME, prompt="x", images=[files[0]], raw=True)
+    assert e.value.status_code == 400
+    with pytest.raises(ollama.ResponseError, match="image 1") as e:
+        client.chat(model=NAME, messages=[{"role": "user", "content": "x", "images": ["AAAA"]}])
+    assert e.value.status_code == 400
+    with pytest.raises(ollama.ResponseError, match=f"model '{TEXT_ONLY}' takes text only"):
+        client.generate(model=TEXT_ONLY, prompt="x", images=[files[0]])
+    # a path is never read from the server's disk: only image data is taken
+    r = httpx.post(
+        f"{base}/api/generate",
+        json={"model": NAME, "prompt": "x", "images": [str(files[0])], "stream": False},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "image 1" in r.json()["error"]

@@ -18,12 +18,22 @@ from ..quoting import shown
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def no_images(images: Any, where: str) -> None:
+def with_images(content: str, images: Any, where: str) -> str | list[dict]:
+    """A turn's text with its ``images`` (base64, as Ollama's clients send them) as the common
+    image parts (``server/image_parts.py``), the images first (Ollama renders them before the
+    text); the text alone when there are none."""
+    from ..image_parts import base64_url, image_part
+
     if images is None or images == []:
-        return
+        return content
     if not isinstance(images, list):
         raise ValueError(f"{where}: expected a list of base64 images, found {kind(images)}")
-    raise ValueError(f"{where}: this server's models take text only (no model here reads images)")
+    parts = []
+    for k, data in enumerate(images):
+        if not isinstance(data, str) or not data.strip():
+            raise ValueError(f"{where}[{k}]: expected base64 image data, found {kind(data)}")
+        parts.append(image_part(data if data.startswith("data:") else base64_url(data)))
+    return parts + ([{"type": "text", "text": content}] if content else [])
 
 
 def turns(messages: Any) -> list[dict]:
@@ -46,7 +56,10 @@ def turns(messages: Any) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise ValueError(f"{where}.content: expected a string, found {kind(content)}")
-        no_images(m.get("images"), f"{where}.images")
+        if m["role"] in ("user", "tool"):
+            content = with_images(content, m.get("images"), f"{where}.images")
+        elif m.get("images"):
+            raise ValueError(f"{where}.images: images go in user (or tool) messages")
         item: dict = {"role": m["role"], "content": content}
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
         if calls:

@@ -168,11 +168,11 @@ def running(base: dict, context: int | None, expires: float, unified: bool) -> d
     }
 
 
-def capabilities(tokenizer, embedding: bool) -> list[str]:
+def capabilities(tokenizer, embedding: bool, vision: bool = False) -> list[str]:
     """What the model does as served: ``embedding`` for an embedding checkpoint; otherwise
-    ``completion``, with ``tools`` when its chat template shows the model the tools, and
-    ``thinking`` when the template marks reasoning (think tags, harmony). No model here reads
-    images, so never ``vision``."""
+    ``completion``, with ``tools`` when its chat template shows the model the tools,
+    ``thinking`` when the template marks reasoning (think tags, harmony), and ``vision`` when
+    it reads images (``vision``: it has a vision tower, as Ollama says of such a model)."""
     if embedding:
         return ["embedding"]
     from ...output.reasoning import reasoning_format
@@ -184,6 +184,8 @@ def capabilities(tokenizer, embedding: bool) -> list[str]:
             out.append("tools")
         if reasoning_format(tokenizer) is not None:
             out.append("thinking")
+    if vision:
+        out.append("vision")
     return out
 
 
@@ -195,6 +197,7 @@ def show(
     embedding: bool,
     started: float,
     model=None,
+    vision: bool = False,
 ) -> dict:
     """``/api/show``: details, ``model_info`` (never null: clients index it) with
     ``general.architecture`` and ``<arch>.context_length``, the template, capabilities."""
@@ -223,7 +226,7 @@ def show(
         "template": template,
         "details": details(config, model),
         "model_info": info,
-        "capabilities": capabilities(tokenizer, embedding),
+        "capabilities": capabilities(tokenizer, embedding, vision),
         "modified_at": rfc3339(modified(directory, started)),
     }
 

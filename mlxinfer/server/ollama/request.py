@@ -23,7 +23,7 @@ from ...errors import MlxInferError
 from ...generation.sampling import SamplingParams
 from ..fields import Fields
 from ..quoting import named, shown
-from .messages import kind, no_images, turns
+from .messages import kind, turns, with_images
 
 USED_CHAT = {"model", "messages", "tools", "stream", "format", "options", "keep_alive", "think"}
 USED_CHAT |= {"logprobs", "top_logprobs"}
@@ -169,13 +169,15 @@ def parse_generate(body: Any) -> OllamaRequest:
     prompt = _typed(body, "prompt", str, "")
     system = _typed(body, "system", str, "")
     raw = _typed(body, "raw", bool, False)
-    _no_images(body.get("images"), "images")
+    content = _with_images(prompt, body.get("images"), "images")
     if raw:
         if system:
             raise OllamaError(400, "system: not used with raw (the prompt is sent as it is)")
+        if content is not prompt:
+            raise OllamaError(400, "images: not used with raw (images need the chat template)")
         return _common(body, chat=False, prompt=prompt, templated=False)
     turns = [{"role": "system", "content": system}] if system else []
-    turns = turns + [{"role": "user", "content": prompt}] if prompt else []
+    turns = turns + [{"role": "user", "content": content}] if content else []
     return _common(body, chat=False, prompt=turns, templated=True)
 
 
@@ -377,9 +379,9 @@ def _format(spec: Any):
     raise OllamaError(400, f"format: expected 'json' or a JSON Schema object, found {shown(spec)}")
 
 
-def _no_images(images: Any, where: str) -> None:
+def _with_images(prompt: str, images: Any, where: str) -> str | list[dict]:
     try:
-        no_images(images, where)
+        return with_images(prompt, images, where)
     except ValueError as e:
         raise OllamaError(400, str(e)) from None
 

@@ -33,6 +33,7 @@ from ...errors import MlxInferError, PromptTooLongError, TokenIdError, Tokenizer
 from ..aliases import resolve
 from ..embeddings.routes import MAX_INPUTS, MAX_REQUEST_TOKENS  # /v1/embeddings' bounds
 from ..hangup import Streams
+from ..image_parts import has_images, model_takes_images
 from ..limits import RETRY_AFTER_S, BadJSON, check_prompt_length, in_worker, parse_json
 from ..routes import BODY_IN_THREAD, Routes
 from ..templating import fit_messages
@@ -134,7 +135,14 @@ class OllamaRoutes:
         tokenizer = None if entry.embedding else self._tokenizer(entry)
         started = self.routes.app.state.started
         return objects.show(
-            entry.name, directory, config, tokenizer, entry.embedding, started, entry.model
+            entry.name,
+            directory,
+            config,
+            tokenizer,
+            entry.embedding,
+            started,
+            entry.model,
+            vision=not entry.embedding and model_takes_images(entry),
         )
 
     def _find(self, requested: str):
@@ -198,7 +206,9 @@ class OllamaRoutes:
 
             if reasoning_format(entry.tokenizer) is None:
                 raise OllamaError(400, f"'{ask.model}' does not support thinking")
-        if ask.num_ctx is not None:
+        if ask.num_ctx is not None and not has_images(
+            ask.prompt
+        ):  # a prompt with images is not measured
             self._fit(entry, ask)
         first, results = self.routes.start(
             entry,
