@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .images import DEFAULT_ENCODER_BYTES
 from .pool import DEFAULT_BLOCK_SIZE, DEFAULT_KV_BUDGET
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together at most
@@ -81,6 +82,9 @@ class EngineConfig:
             the rows, one at each rank's stage (``distributed/micro.py``), not every row through
             the ranks one after another; None: as loaded (``distributed.load(micro_batches=)``,
             default on). Not for recurrent models or frequencies that follow the length.
+        encoder_cache_bytes: for a model with a vision tower, the image features kept by
+            (SHA-256, processor variant), least recently used out (``images.EncoderCache``):
+            the same image in a later request skips the tower. 0: none kept.
     """
 
     kv_budget: int = DEFAULT_KV_BUDGET
@@ -101,6 +105,7 @@ class EngineConfig:
     prefix_cache_disk_bytes: int | None = None
     rank0_requests: bool = False
     micro_batches: bool | None = None
+    encoder_cache_bytes: int = DEFAULT_ENCODER_BYTES
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_step < 1:
@@ -112,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"attention: expected 'pages' or 'gather', found {self.attention!r}")
         if self.max_draft < 0:
             raise ValueError(f"max_draft must be >= 0, got {self.max_draft}")
+        if self.encoder_cache_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
         every = self.prefix_state_every
         if every is not None and every < 1:
             raise ValueError(f"prefix_state_every (state_every) must be >= 1 (blocks), got {every}")

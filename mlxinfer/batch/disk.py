@@ -46,7 +46,7 @@ import numpy as np
 from ..cache.fingerprint import model_fingerprint
 from ..files.atomic import writing_file
 from .block_file import BlockFormat, DiskTierError
-from .pool import Sequence, block_hash
+from .pool import Sequence, chain_hashes
 
 DEFAULT_DISK_BYTES = 10 << 30  # 10 GiB
 DEFAULT_QUEUE_BYTES = 256 << 20  # blocks waiting for the writer, at most
@@ -136,7 +136,12 @@ class DiskTier:
 
     # -- the engine thread: admission -------------------------------------------------------
 
-    def promote(self, prompt: list[int], agree: Callable[[int], int] | None = None) -> int:
+    def promote(
+        self,
+        prompt: list[int],
+        agree: Callable[[int], int] | None = None,
+        salts: dict[int, bytes] | None = None,
+    ) -> int:
         """Bring the blocks of ``prompt``'s prefix that the pools lack, and disk has, into the
         pools as cached blocks (hashed, unreferenced: what a prefix hit takes), up to the first
         block neither holds; the pools' own lookup then shares them. Returns the blocks read.
@@ -144,13 +149,12 @@ class DiskTier:
         A window pool needs only the blocks the deepest one's window sees. Blocks memory holds
         are made the most recently used first, so these allocations evict other prefixes.
         ``agree(n)``: across ranks, the fewest any rank has (each rank's files are its own:
-        one may lack a block another holds), so that every rank's pools take the same blocks."""
+        one may lack a block another holds), so that every rank's pools take the same blocks.
+        ``salts``: the images of the prompt's blocks (``images.py``): files are named by the
+        same chain hashes as the pools' blocks, images and all."""
         pool = self.pools[0]
         bs = pool.block_size
-        hashes, parent = [], b""
-        for i in range((len(prompt) - 1) // bs):
-            parent = block_hash(parent, prompt[i * bs : (i + 1) * bs])
-            hashes.append(parent)
+        hashes = chain_hashes(prompt, bs, (len(prompt) - 1) // bs, salts)
         n = 0  # the chain's blocks that memory (the first pool) or disk holds
         for h in hashes:
             if not pool.holds(h) and not self.path(h).exists():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import itertools
 import threading
 import weakref
@@ -18,7 +19,9 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..errors import MediaError
 from ..generation.drafts import Draft
+from ..generation.images import PromptImages
 from ..generation.prefill import check_token_ids, token_ids
 from ..generation.results import GenerationResult
 from ..generation.sampling import LogitsProcessor, SamplingParams
@@ -26,6 +29,7 @@ from . import rows as rows_mod
 from .config import EngineConfig
 from .draft_pool import DraftPool, poolable
 from .frontend import TextRequests
+from .images import RowImages
 from .metrics import COUNTERS, engine_metrics
 from .parts import make_parts, rank_turns
 from .pool import PoolStats
@@ -93,6 +97,7 @@ class Engine(Scheduler):
         draft: Draft | None = None,
         num_draft: int | None = None,
         logits_processors: Sequence[LogitsProcessor] = (),
+        images: PromptImages | None = None,
     ) -> Handle:
         """Queue a request for ``ids`` (token ids); raises PoolFullError at once if it could
         never fit the budget.
@@ -106,7 +111,10 @@ class Engine(Scheduler):
         sampling. ``num_draft``: tokens drafted per step (at most ``max_draft``); None adapts
         to the acceptance rate.
         ``logits_processors``: more processors for this request, after its sampling's (a
-        constraint's, for one: each request gets its own)."""
+        constraint's, for one: each request gets its own).
+        ``images``: the images whose placeholder tokens ``ids`` hold (``load_images``; ids from
+        ``prepare_request(images=...)``): encoded on the engine's thread before the row's first
+        prefill chunk, their blocks named by them in the prefix cache (``images.py``)."""
         if isinstance(ids, str):
             raise TypeError("submit: expected token ids, found a str (text goes to Engine.stream)")
         ids = token_ids(ids)
@@ -123,6 +131,9 @@ class Engine(Scheduler):
         sampling = self.turns.seeded(sampling)  # across ranks, the same seed on every rank
         processors = sampling.processors() + list(logits_processors)
         request = _Request(ids, max_tokens, sampling.sampler(), processors, frozenset(eos))
+        if images is not None:
+            self._check_images(draft, num_draft)
+            request.images = RowImages.make(ids, images, self.pool.block_size)
         drafting = (draft is not None or num_draft is not None) and self.max_draft > 0
         # Across ranks a draft model drafts on rank 0 alone (distributed/batching.py).
         if drafting and not self.turns.follow_drafts(request, draft, num_draft, self.max_draft):
@@ -149,6 +160,31 @@ class Engine(Scheduler):
             self._waiting.append(request)
             self._cond.notify()
         return Handle(self, request, next(self._ids))
+
+    def image_refusal(self) -> str | None:
+        """Why this engine cannot run requests with images (one line), or None: it can."""
+        model = self.model
+        if not callable(getattr(model, "encode_images", None)):
+            return f"images: {type(model).__module__} has no vision tower"
+        if not isinstance(self.turns, LocalTurns):
+            return "images: an engine across ranks does not take images yet"
+        named = inspect.signature(model.__call__).parameters.values()
+        forward = {p.name for p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        extra = sorted(forward - {"inputs", "cache", "embeds", "blocks"})
+        if extra:  # Qwen-VL's M-RoPE positions: each request's own, not the rows' offsets yet
+            return (
+                f"images: the batching engine feeds a row embeds and blocks, but "
+                f"{type(model).__module__} also takes {', '.join(extra)} (stream_generate runs it)"
+            )
+        return None
+
+    def _check_images(self, draft, num_draft) -> None:
+        """A request with images: refused in one line where the engine cannot run it."""
+        refusal = self.image_refusal()
+        if refusal is not None:
+            raise MediaError(refusal)
+        if draft is not None or num_draft is not None:
+            raise ValueError("draft: speculative decoding does not take images yet")
 
     def _draft_pool(self, draft) -> DraftPool | None:
         """The pool of ``draft``'s model (made on its first request), or None for a model

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Sequence
 
 from ..generation.drafts import Draft
+from ..generation.images import load_images
 from ..generation.request import KVRoom, prepare_request
 from ..generation.results import GenerationResult
 from ..generation.rules import OutputRules
@@ -56,6 +57,7 @@ class TextRequests:
         split_reasoning: bool = False,
         output: OutputRules | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        images: Sequence[Any] | None = None,
         **constraint_options,
     ) -> Stream:
         """Submit one request now; its :class:`Stream` of ``stream_generate``'s results, which
@@ -63,10 +65,12 @@ class TextRequests:
         :meth:`submit`; ``constraint`` or one of ``response_format``, ``json_schema``,
         ``regex``, ``choices``, ``grammar``: structured output, as for ``stream_generate``;
         ``tools``, ``tool_choice``, ``split_reasoning``, ``chat_template_kwargs``, ``output``:
-        likewise)."""
+        likewise; ``images``: paths, bytes, data URLs, Pillow or decoded images, as for
+        ``stream_generate``, decoded and processed here, on the caller's thread)."""
         # The pool's room caps max_tokens (an agent's max_tokens of 32,000 past a small budget
         # ends as "length"); a prompt it can never hold is submit's to refuse (check_fits).
         room = KVRoom(self.room)
+        prompt_images = load_images(self.model, tokenizer, images) if images else None
         request = prepare_request(
             self.model,
             tokenizer,
@@ -83,6 +87,7 @@ class TextRequests:
             tool_choice=tool_choice,
             split_reasoning=split_reasoning,
             chat_template_kwargs=chat_template_kwargs,
+            images=prompt_images,
             **constraint_options,
         )
         handle = self.submit(
@@ -93,5 +98,6 @@ class TextRequests:
             draft=draft,
             num_draft=num_draft,
             logits_processors=request.logits_processors,
+            images=prompt_images,
         )
         return Stream(handle, request.results(handle.steps(timeout)))

@@ -5,8 +5,9 @@ A sequence owns a *block table* (its logical blocks → physical blocks), so a
 sequence that joins or leaves copies nothing, and memory is the blocks in use,
 not batch × the longest sequence.
 
-Sharing. A full block is named by a hash chained over its parent's hash and its
-tokens (as vLLM's automatic prefix caching does), so two requests with the same
+Sharing. A full block is named by a hash chained over its parent's hash, its
+tokens and its salt (the images whose tokens it holds: ``images.py``; none for text),
+as vLLM's automatic prefix caching does, so two requests with the same
 prefix (a system prompt, earlier chat turns) map it to the same physical block:
 the second takes a reference instead of computing it. Only full blocks are
 shared and a sequence only writes into its last, partial block, so a write never
@@ -69,6 +70,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # DROPPED: a block given back (a window's)
     tokens: list[int] = field(default_factory=list)  # tokens whose keys are stored, in order
     hashes: list[bytes] = field(default_factory=list)  # one per full block
+    salts: dict[int, bytes] = field(default_factory=dict)  # block -> its images (images.py)
     reserved: int = 0  # blocks promised at admission and not allocated yet
 
     @property
@@ -76,9 +78,21 @@ class Sequence:
         return len(self.tokens)
 
 
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """The name of a full block: its parent's name and its tokens, hashed together."""
-    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
+def block_hash(parent: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
+    """The name of a full block: its parent's name, its tokens and its ``salt`` (the images
+    whose tokens it holds, ``images.block_salts``; empty for text) hashed together."""
+    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes() + salt).digest()
+
+
+def chain_hashes(
+    ids: list[int], block_size: int, n: int, salts: dict[int, bytes] | None = None
+) -> list[bytes]:
+    """The names of the first ``n`` full blocks of ``ids`` (``salts``: block -> its salt)."""
+    hashes, parent, salts = [], b"", salts or {}
+    for i in range(n):
+        parent = block_hash(parent, ids[i * block_size : (i + 1) * block_size], salts.get(i, b""))
+        hashes.append(parent)
+    return hashes
 
 
 class KVPool(BlockStore):
@@ -148,14 +162,11 @@ class KVPool(BlockStore):
 
     # -- sequences ------------------------------------------------------------------------
 
-    def lookup(self, prompt: list[int]) -> list[int | None]:
+    def lookup(self, prompt: list[int], salts: dict[int, bytes] | None = None) -> list[int | None]:
         """The block holding each full block of ``prompt`` (but the block of its last token),
-        by hash, or None: what :meth:`admit` could share."""
-        found, parent = [], b""
-        for i in range((len(prompt) - 1) // self.block_size):
-            parent = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
-            found.append(self._by_hash.get(parent))
-        return found
+        by hash (``salts``: its blocks' images), or None: what :meth:`admit` could share."""
+        n = (len(prompt) - 1) // self.block_size
+        return [self._by_hash.get(h) for h in chain_hashes(prompt, self.block_size, n, salts)]
 
     def shareable(self, found: list[int | None]) -> int:
         """How many leading blocks of a :meth:`lookup` a sequence can share: those up to the
@@ -177,29 +188,33 @@ class KVPool(BlockStore):
         return max(0, position - self.window + 1) // self.block_size
 
     def admit(
-        self, prompt: list[int], max_tokens: int, share: bool = True, hits: int | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        share: bool = True,
+        hits: int | None = None,
+        salts: dict[int, bytes] | None = None,
     ) -> Sequence | None:
         """A sequence for ``prompt`` with room for ``max_tokens`` more, its prefix blocks
         shared where the pool has them (unless not ``share``: a model whose recurrent layers
         keep a state outside the pool needs the whole prompt fed; ``hits``: share exactly that
         many, as :meth:`shareable` allows them); None if the pool has no room now (try later).
+        ``salts``: the salts of the prompt's blocks that hold image tokens (``images.py``).
 
         At least the prompt's last token is left to compute: its logits start decoding.
         """
         self.check_fits(len(prompt) + max_tokens)
-        seq = Sequence()
-        found = self.lookup(prompt) if share else []
+        seq = Sequence(salts=dict(salts or {}))
+        found = self.lookup(prompt, salts) if share else []
         n = self.shareable(found) if hits is None else hits
         skip = self.first_seen(n * self.block_size) if self.window is not None else 0
-        parent = b""
-        for i in range(n):
-            parent = block_hash(parent, prompt[i * self.block_size : (i + 1) * self.block_size])
+        for i, h in enumerate(chain_hashes(prompt, self.block_size, n, salts)):
             if i < skip:  # before the window: never read, not held
                 seq.blocks.append(DROPPED)
             else:
                 self._take(found[i])
                 seq.blocks.append(found[i])
-            seq.hashes.append(parent)
+            seq.hashes.append(h)
         seq.tokens.extend(prompt[: n * self.block_size])
         need = self.blocks_for(len(prompt) + max_tokens) - n
         if need > self.available():
@@ -235,7 +250,7 @@ class KVPool(BlockStore):
             if block != DROPPED:
                 self._unref(block)
         self._reserved -= seq.reserved
-        seq.blocks, seq.tokens, seq.hashes, seq.reserved = [], [], [], 0
+        seq.blocks, seq.tokens, seq.hashes, seq.reserved, seq.salts = [], [], [], 0, {}
 
     def fork(self, seq: Sequence) -> Sequence | None:
         """A second sequence sharing every block of ``seq``, with the same room left; their
@@ -243,7 +258,8 @@ class KVPool(BlockStore):
         need = seq.reserved + (seq.length % self.block_size != 0)
         if need > self.available():
             return None
-        child = Sequence(list(seq.blocks), list(seq.tokens), list(seq.hashes), need)
+        child = Sequence(list(seq.blocks), list(seq.tokens), list(seq.hashes), dict(seq.salts))
+        child.reserved = need
         for block in child.blocks:
             if block != DROPPED:
                 self._refs[block] += 1
@@ -344,7 +360,9 @@ class KVPool(BlockStore):
         bs = self.block_size
         for index in range(len(seq.hashes), seq.length // bs):
             parent = seq.hashes[-1] if seq.hashes else b""
-            h = block_hash(parent, seq.tokens[index * bs : (index + 1) * bs])
+            h = block_hash(
+                parent, seq.tokens[index * bs : (index + 1) * bs], seq.salts.get(index, b"")
+            )
             seq.hashes.append(h)
             block = seq.blocks[index]
             if h not in self._by_hash and block not in self._hash_of:

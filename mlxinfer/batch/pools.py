@@ -23,9 +23,15 @@ class Pools:
         return [self.pool] + ([self.window_pool] if self.window_pool is not None else [])
 
     def batch(
-        self, rows: list[_Request], tokens: list[list[int]], form: str = "gather", hashed=True
+        self,
+        rows: list[_Request],
+        tokens: list[list[int]],
+        form: str = "gather",
+        hashed=True,
+        blocks=None,
     ) -> StepBatch:
-        """The StepBatch of one forward feeding ``tokens`` to ``rows``, over every pool."""
+        """The StepBatch of one forward feeding ``tokens`` to ``rows``, over every pool
+        (``blocks``: each row's image runs over its tokens, or None: ``StepBatch``'s)."""
         window = None if self.window_pool is None else (self.window_pool, [r.wseq for r in rows])
         return StepBatch(
             self.pool,
@@ -36,6 +42,7 @@ class Pools:
             states=[r.states for r in rows],
             window=window,
             hashed=hashed,
+            blocks=blocks,
         )
 
     def rewind(self, request: _Request, length: int) -> None:

@@ -34,7 +34,8 @@ class RecurrentRows:
         resume after (the deepest with a snapshot); the end of the rest is its branch point."""
         bs = self.block_size
         # The deepest snapshot kept (across ranks, that every rank holds: batching.py).
-        hits = self.turns.resume_point(self.snapshots, snap.chain(request.ids, bs, full))
+        chain = snap.chain(request.ids, bs, full, request.salts)
+        hits = self.turns.resume_point(self.snapshots, chain)
         # The shared blocks past the snapshot: their end gets one for the next request.
         request.branch = full * bs if full > hits else 0
         return hits

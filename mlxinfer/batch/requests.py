@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ..generation.results import Step
 from ..generation.sampling import LogitsProcessor, Sampler
+from .images import RowImages
 from .pool import Sequence
 
 POLL_S = 0.5  # how long a wait sleeps before it checks that the engine is still alive
@@ -58,6 +59,13 @@ class _Request:
     # Micro-batched decode across pipeline ranks (flights.py): in a flight, and cancelled there.
     flying: bool = False
     dropped: bool = False
+    # A request with images (images.py): their runs, their blocks' salts, their embeddings.
+    images: RowImages | None = None
+
+    @property
+    def salts(self) -> dict[int, bytes] | None:
+        """The salts of its blocks that hold image tokens (None: a text request)."""
+        return self.images.salts if self.images is not None else None
 
 
 class Handle:

@@ -50,6 +50,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..backends import prefill_schedule
+from ..errors import MlxInferError
 from ..generation.results import Step
 from ..models.layers.rope import prompt_reach
 from ..platform.threads import release_at_thread_exit
@@ -58,6 +59,7 @@ from . import snapshots as snap
 from .config import EngineConfig
 from .draft_pool import DraftPool
 from .flights import Flights
+from .images import EncoderCache
 from .metrics import Counters
 from .parts import Parts
 from .recurrent import RecurrentRows, state_arrays
@@ -81,6 +83,7 @@ class Scheduler:
         self.max_draft, self.attention = config.max_draft, config.attention
         self.shrink_every, self._looked_at = parts.shrink_every, time.monotonic()
         self._draft_pools = parts.draft_pools  # each draft model's (by id; made on first use)
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes)  # image features (images.py)
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._cond = threading.Condition()
@@ -183,22 +186,21 @@ class Scheduler:
         """Sequences for ``request`` in every pool (the same prefix shared in each: as much of
         it as the window pool has the windows of), or False, holding nothing, if one lacks room."""
         room = request.max_tokens + self.max_draft
+        salts = request.salts  # a request with images: its blocks are named by them too
         if self.pool.disk is not None:  # the prefix's blocks on disk join the pools' cached ones
             # Across ranks, the blocks every rank's files hold (batching.py's fewest).
-            self.pool.disk.promote(request.ids, self.turns.fewest)
+            self.pool.disk.promote(request.ids, self.turns.fewest, salts)
         # A recurrent model shares what a snapshot of its states can resume (snapshots.py).
         share = self.recurrent is None or self.snapshots is not None
         hits = None
-        if share and (self.window_pool is not None or self.recurrent is not None):
-            hits = self.pool.shareable(self.pool.lookup(request.ids))
-            if self.window_pool is not None:
-                hits = self.window_pool.shareable(self.window_pool.lookup(request.ids)[:hits])
+        if share and (self.window_pool is not None or self.recurrent is not None or request.images):
+            hits = self._shared_blocks(request)
             if self.recurrent is not None:  # as far as a snapshot of its states lets it resume
                 hits = self.recurrent.resume_point(request, hits)
-        request.seq = self.pool.admit(request.ids, room, share, hits=hits)
+        request.seq = self.pool.admit(request.ids, room, share, hits=hits, salts=salts)
         ok = request.seq is not None
         if ok and self.window_pool is not None:
-            request.wseq = self.window_pool.admit(request.ids, room, share, hits=hits)
+            request.wseq = self.window_pool.admit(request.ids, room, share, hits, salts)
             ok = request.wseq is not None
         if ok and isinstance(request.drafter, DraftPool):
             ok = request.drafter.admit(request, room)
@@ -208,6 +210,22 @@ class Scheduler:
         elif self.recurrent is not None:
             self.recurrent.start_states(request)
         return ok
+
+    def _shared_blocks(self, request: _Request) -> int:
+        """How many leading blocks ``request`` shares in every pool: as far as the pool holds
+        them, the window pool their windows, and never to the inside of an image."""
+        ids, salts, bs = request.ids, request.salts, self.pool.block_size
+        found = self.pool.lookup(ids, salts)
+        window = self.window_pool.lookup(ids, salts) if self.window_pool is not None else None
+        limit = len(found)
+        while True:
+            hits = self.pool.shareable(found[:limit])
+            if window is not None:
+                hits = self.window_pool.shareable(window[:hits])
+            cut = request.images.cut(hits, bs) if request.images is not None else hits
+            if cut == hits:
+                return hits
+            limit = cut
 
     def _retire(self, request: _Request) -> None:
         self.counters.requests_done += 1
@@ -235,7 +253,7 @@ class Scheduler:
         """At most ``prefill_step`` prompt tokens between two decode steps: chunks of the
         admitted requests whose prompt (but its last token) is not in yet, in order; short
         chunks share a forward (``_prefill_groups``)."""
-        budget, visited, chunks = self.prefill_step, [], []
+        budget, visited, chunks, failed = self.prefill_step, [], [], []
         for request in self._running:
             if budget <= 0:
                 break
@@ -248,8 +266,20 @@ class Scheduler:
                 end = start + min(left, budget)
                 if self.snapshots is not None:  # a chunk ends where a snapshot is wanted
                     end = snap.chunk_end(start, end, *self.recurrent.points(request))
+                if request.images is not None:  # the tower once; no image cut in two
+                    try:
+                        request.images.encode(self.model, request.ids, self.encoder_cache)
+                    except (ValueError, MlxInferError) as e:  # this request's, not the engine's
+                        failed.append((request, e))
+                        visited.pop()
+                        continue
+                    end = request.images.chunk_end(end)
                 chunks.append((request, request.ids[start:end]))
                 budget -= len(chunks[-1][1])
+        for request, error in failed:
+            self._running.remove(request)
+            self.pools.release(request)
+            request.out.put(error)
         for group in self._prefill_groups(chunks):
             self._prefill_rows(group)
         for request in visited:
@@ -257,6 +287,8 @@ class Scheduler:
                 self.verification.feed_draft(request)
             if request.seq.length == len(request.ids) - 1:
                 request.pending = request.ids[-1]
+                if request.images is not None:
+                    request.images.done()
 
     def _prefill_groups(self, chunks: list[tuple[_Request, list[int]]]) -> list[list]:
         """The turn's chunks, in forwards: consecutive chunks together while their rows, each
@@ -270,7 +302,10 @@ class Scheduler:
             return [[c] for c in chunks]
         groups: list[list] = []
         for request, chunk in chunks:
-            if groups:
+            if request.images is not None:  # its embeddings: a forward of its own
+                groups.append([(request, chunk)])
+                continue
+            if groups and groups[-1][0][0].images is None:
                 group = groups[-1] + [(request, chunk)]
                 L = max(len(c) for _, c in group)
                 if len(group) * L <= self.prefill_step and all(
@@ -295,10 +330,16 @@ class Scheduler:
         L = max(len(c) for _, c in group)
         padded = [c + c[-1:] * (L - len(c)) for _, c in group]
         ends = [r.seq.length + len(c) for r, c in group]
-        batch = self.pools.batch(rows, padded)
+        images = rows[0].images  # a row with images prefills alone, on its embeddings
+        extra, blocks = {}, None
+        if images is not None:
+            start = rows[0].seq.length
+            extra["embeds"], runs = images.chunk(start, start + L)
+            blocks = [runs]
+        batch = self.pools.batch(rows, padded, blocks=blocks)
         # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE: one row then).
         with prefill_schedule(self.model), prompt_reach(len(rows[0].ids)):
-            self.model(mx.array(padded, dtype=mx.int32), batch.views())
+            self.model(mx.array(padded, dtype=mx.int32), batch.views(), **extra)
             mx.eval(self.pools.stores(), [state_arrays(r) for r in rows])
         for r, end in zip(rows, ends):
             self.pools.rewind(r, end)

@@ -41,7 +41,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .pool import block_hash
+from .pool import chain_hashes
 
 DEFAULT_STATE_SHARE = 4  # a recurrent model's snapshots get kv_budget // 4 unless told
 MEMORY, ELSEWHERE = 2, 1  # ``Snapshots.held``: in memory, or read back from elsewhere (disk)
@@ -147,13 +147,12 @@ def make_store(state_bytes: int, template: list[mx.array], alive, turns=None) ->
     return Snapshots(state_bytes, alive, count)
 
 
-def chain(ids: list[int], block_size: int, n: int) -> list[bytes]:
-    """The chain hashes of the first ``n`` full blocks of ``ids`` (the pool's names for them)."""
-    hashes, parent = [], b""
-    for i in range(n):
-        parent = block_hash(parent, ids[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
+def chain(
+    ids: list[int], block_size: int, n: int, salts: dict[int, bytes] | None = None
+) -> list[bytes]:
+    """The chain hashes of the first ``n`` full blocks of ``ids`` (the pool's names for them;
+    ``salts``: the images of its blocks, ``images.py``)."""
+    return chain_hashes(ids, block_size, n, salts)
 
 
 def resume_point(snapshots: Snapshots, ids: list[int], block_size: int, full: int) -> int:

@@ -42,7 +42,11 @@ class StepBatch:
 
     ``window``: (a window pool, the rows' sequences in it) for a model whose sliding-window
     layers keep their keys there (``KVPool(window=)``). In a window pool each row first gives
-    back the blocks its window no longer sees."""
+    back the blocks its window no longer sees.
+
+    ``blocks``: per row, None or (n_new,) ids >= 0 where new tokens of one image run see each
+    other both ways (Gemma 3's image tokens, ``layers/masks.with_blocks``'s rule: a sliding
+    layer still hides what is a window or more behind a query)."""
 
     def __init__(
         self,
@@ -54,8 +58,10 @@ class StepBatch:
         states: list[list[StateCache]] | None = None,
         window: tuple[KVPool, list[Sequence]] | None = None,
         hashed: bool = True,
+        blocks: list[np.ndarray | None] | None = None,
     ) -> None:
         self.pool = pool
+        self.blocks = blocks if blocks is not None and any(b is not None for b in blocks) else None
         # Per model layer: None (full attention), its sliding window (keys within the last
         # `window`), or STATE: a recurrent layer, whose state each row keeps in `states`.
         self.windows = windows or [None] * len(pool.layers)
@@ -83,7 +89,7 @@ class StepBatch:
         return self._masks[key]
 
     def _mask(self, window: int | None, slots: _Slots) -> Mask:
-        if self.n_rows == 1 and (window is None or slots.T <= window):
+        if self.n_rows == 1 and (window is None or slots.T <= window) and self.blocks is None:
             return None if self.n_new == 1 else "causal"
         return mx.array(self._visible_keys(window, slots)[:, None])  # (B, 1, L, T)
 
@@ -94,6 +100,15 @@ class StepBatch:
         position = np.asarray(self._starts)[:, None, None] + np.arange(self.n_new)[None, :, None]
         keys = slots.base[:, None, None] + np.arange(slots.T if T is None else T)[None, None]
         visible = keys <= position
+        if self.blocks is not None:  # an image's new tokens see each other, later ones too
+            for b, runs in enumerate(self.blocks):
+                if runs is None:
+                    continue
+                runs = np.asarray(runs)
+                new = keys[b, 0] - self._starts[b]  # (T,) each key's index among the new tokens
+                inside = (new >= 0) & (new < self.n_new)
+                run_of_key = np.where(inside, runs[np.clip(new, 0, self.n_new - 1)], -1)
+                visible[b] |= (runs[:, None] >= 0) & (runs[:, None] == run_of_key[None, :])
         if window is not None:
             visible &= position - keys < window
         return visible

@@ -32,6 +32,7 @@ from ..cache.prompt import PromptCache
 from ..errors import MediaError, PromptTooLongError
 from ..models.layers.rope import prompt_reach
 from ..vision import load_image, load_processor
+from ..vision.media import Image
 from ..vision.processors import ImageProcessor, ProcessedImages
 from .prefill import MAX_RESERVED_DECODE, _Growing
 
@@ -91,8 +92,8 @@ class PromptImages:
 
 
 def load_images(model, tokenizer, sources: Sequence[Any]) -> PromptImages:
-    """Decode and process ``sources`` for ``model``; a model without a vision tower is a
-    one-line MediaError naming it."""
+    """Decode and process ``sources`` for ``model`` (a ``vision.Image`` as it is); a model
+    without a vision tower is a one-line MediaError naming it."""
     directory = getattr(model, "source_dir", None)
     if not callable(getattr(model, "encode_images", None)) or directory is None:
         name = Path(directory).name if directory is not None else type(model).__module__
@@ -101,7 +102,10 @@ def load_images(model, tokenizer, sources: Sequence[Any]) -> PromptImages:
     processor = load_processor(directory, tokenizer=tokenizer)
     if processor is None:
         raise MediaError(f"{Path(directory).name}: no vision_config in config.json: no images")
-    images = [load_image(s, label=f"image {i + 1}") for i, s in enumerate(sources)]
+    images = [
+        s if isinstance(s, Image) else load_image(s, label=f"image {i + 1}")
+        for i, s in enumerate(sources)
+    ]  # an Image decoded already (the server's, before any byte is sent) keeps its identity
     return PromptImages(processor, processor.prepare(images))
 
 

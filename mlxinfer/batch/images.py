@@ -1,0 +1,182 @@
+"""A request's images inside the batch: their runs of tokens, their names in the prefix cache,
+and their encoding, once, on the engine's thread.
+
+:class:`RowImages` is made at ``submit`` from the request's ids and its processed images
+(``generation.images.load_images``: decoding and the processor run on the caller's thread, in
+numpy). The engine's thread encodes them (:meth:`RowImages.encode`: the tower, through the
+:class:`EncoderCache`, and ``model.image_inputs``) when the row's first prefill chunk is cut,
+and keeps the merged embeddings until its prompt is in; each chunk feeds its slice
+(``embeds=``), and stretches to the end of an image it would cut (:meth:`RowImages.chunk_end`):
+an image's tokens see each other both ways, so all of them are in the forward that computes
+any of them (the mask: ``views.StepBatch``'s ``blocks``).
+
+The prefix cache. Every image's placeholder ids are the same, so a block that holds image
+tokens is named by the images too: its *salt*, hashed into its chain hash after its token ids
+(``pool.block_hash``), lists each image whose tokens fall in the block as (the image's SHA-256,
+the processor's ``variant``, the ordinal of its first token there). Chained, a block's name is
+(its parent's name, its ids, its salt): the blocks before the first image keep the names a text
+prompt gives them (a new image never loses the shared system prompt, as it would with one hash
+of the whole request salting every block), and two requests whose text is the same but whose
+images differ part at the first block that holds an image token. The disk tier names its files
+by the same chain hashes. A prefix hit never ends inside an image (:meth:`RowImages.cut`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import PromptTooLongError
+from ..generation.images import PromptImages, image_inputs
+
+DEFAULT_ENCODER_BYTES = 256 << 20  # the encoder cache's features, at most
+
+
+@dataclass
+class RowImages:
+    """One request's images in the engine: ``images`` (processed), ``runs`` (L,) each image
+    run's number at its tokens, -1 elsewhere, ``salts`` (block index -> salt, blocks holding
+    image tokens only) and, from the first prefill chunk to the last, ``inputs``."""
+
+    images: PromptImages
+    runs: np.ndarray
+    salts: dict[int, bytes]
+    inputs: dict[str, mx.array] | None = field(default=None, repr=False)
+
+    @classmethod
+    def make(cls, ids: list[int], images: PromptImages, block_size: int) -> RowImages:
+        """The request's images over ``ids``, every placeholder token there (a prompt cut
+        inside an image is refused: PromptTooLongError, as ``image_inputs`` refuses it)."""
+        token = images.processor.image_token_id
+        per_image = images.processed.tokens_per_image
+        is_image = np.asarray(ids, np.int64) == token
+        if int(is_image.sum()) != sum(per_image):
+            raise PromptTooLongError(
+                f"prompt: {int(is_image.sum())} image tokens for {images.count} image(s) of "
+                f"{sum(per_image)} in all (a prompt with images cannot be truncated)"
+            )
+        starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+        runs = np.where(is_image, np.cumsum(starts) - 1, -1).astype(np.int32)
+        return cls(images, runs, block_salts(is_image, images, block_size))
+
+    def cut(self, n_blocks: int, block_size: int) -> int:
+        """The most of ``n_blocks`` shared leading blocks after which prefill may start: never
+        inside an image (its first tokens would be read without the rest of it)."""
+        while n_blocks and self.inside(n_blocks * block_size):
+            n_blocks -= 1
+        return n_blocks
+
+    def inside(self, position: int) -> bool:
+        """Whether ``position`` is inside an image's run (not its first token)."""
+        runs = self.runs
+        return (
+            0 < position < len(runs)
+            and runs[position] >= 0
+            and runs[position - 1] == runs[position]
+        )
+
+    def chunk_end(self, end: int) -> int:
+        """``end`` of a prefill chunk moved past the image run it would cut."""
+        while self.inside(end):
+            end += 1
+        return end
+
+    def encode(self, model, ids: list[int], cache: EncoderCache | None) -> None:
+        """The tower's features merged into the prompt's embeddings (``inputs``), on the
+        engine's thread: the images the encoder cache holds are not encoded again."""
+        if self.inputs is None:
+            features = cache.features(model, self.images) if cache is not None else None
+            if features is None:
+                self.inputs = image_inputs(model, ids, self.images)
+            else:
+                self.inputs = model.image_inputs(ids, features)
+            unknown = set(self.inputs) - {"embeds", "blocks"}
+            if unknown:
+                raise ValueError(
+                    f"images: the batching engine feeds embeds and blocks, found "
+                    f"{', '.join(sorted(unknown))} too"
+                )
+            mx.eval(self.inputs["embeds"])
+
+    def chunk(self, start: int, end: int) -> tuple[mx.array, np.ndarray]:
+        """The chunk's ``embeds`` (1, end - start, hidden) and image runs (end - start,)."""
+        assert self.inputs is not None, "encode() first"
+        return self.inputs["embeds"][:, start:end], self.runs[start:end]
+
+    def done(self) -> None:
+        """The prompt is in: its embeddings go."""
+        self.inputs = None
+
+
+def block_salts(is_image: np.ndarray, images: PromptImages, block_size: int) -> dict[int, bytes]:
+    """Each block holding image tokens -> its salt: per image with tokens there, in order, its
+    SHA-256, the processor's variant and the ordinal (within the image) of its first token in
+    the block."""
+    variant = getattr(images.processor, "variant", "")
+    owner = np.repeat(np.arange(images.count), images.processed.tokens_per_image)  # per token
+    positions = np.flatnonzero(is_image)
+    salts: dict[int, list[str]] = {}
+    seen: set[tuple[int, int]] = set()
+    for ordinal_all, position in enumerate(positions):
+        block, image = int(position) // block_size, int(owner[ordinal_all])
+        if (block, image) in seen:
+            continue
+        seen.add((block, image))
+        first = ordinal_all - int(np.searchsorted(owner, image))  # its ordinal within the image
+        salts.setdefault(block, []).append(f"{images.sha256[image]}/{variant}/{first};")
+    return {block: "".join(parts).encode() for block, parts in salts.items()}
+
+
+class EncoderCache:
+    """Image features by (SHA-256, processor variant), least recently used out past
+    ``max_bytes``: the same image in a later request skips the tower. The engine's thread
+    alone uses it. ``calls``: the tower's calls; ``hits``: images served from the cache."""
+
+    def __init__(self, max_bytes: int = DEFAULT_ENCODER_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[str, str], mx.array] = OrderedDict()
+        self.nbytes = self.calls = self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def features(self, model, images: PromptImages) -> mx.array | None:
+        """(N, T, hidden) features of ``images``, the missing ones from one tower call; None
+        for images not one pixel row each (pan and scan's crops, Qwen's patches): the caller
+        encodes those as a whole."""
+        pixels = images.processed.pixel_values
+        if images.processed.grid_thw is not None or pixels.ndim != 4 or len(pixels) != images.count:
+            self.calls += 1
+            return None
+        variant = getattr(images.processor, "variant", "")
+        keys = [(sha, variant) for sha in images.sha256]
+        missing = [i for i, k in enumerate(keys) if k not in self._items]
+        fresh = {}
+        if missing:
+            self.calls += 1
+            encoded = model.encode_images(mx.array(pixels[missing]))  # (M, T, hidden)
+            fresh = {keys[i]: mx.array(encoded[j]) for j, i in enumerate(missing)}  # copies
+            mx.eval(list(fresh.values()))
+        self.hits += images.count - len(missing)
+        out = [fresh[k] if k in fresh else self._touch(k) for k in keys]
+        for k, f in fresh.items():
+            self._put(k, f)
+        return mx.stack(out)
+
+    def _touch(self, key: tuple[str, str]) -> mx.array:
+        self._items.move_to_end(key)
+        return self._items[key]
+
+    def _put(self, key: tuple[str, str], features: mx.array) -> None:
+        if key in self._items or features.nbytes > self.max_bytes:
+            return
+        while self._items and self.nbytes + features.nbytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= old.nbytes
+        self._items[key] = features
+        self.nbytes += features.nbytes
