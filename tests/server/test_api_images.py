@@ -231,3 +231,10 @@ def test_ollama_refusals(served):
         timeout=60,
     )
     assert r.status_code == 400 and "image 1" in r.json()["error"]
+
+
+def test_the_model_list_says_which_models_read_images(served):
+    base, _, _ = served
+    models = {m.id: m for m in _openai(base).models.list()}
+    assert models[NAME].input_modalities == ["text", "image"]
+    assert models[TEXT_ONLY].input_modalities == ["text"]

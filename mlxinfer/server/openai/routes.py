@@ -7,6 +7,7 @@ from fastapi import FastAPI, Request
 
 from ...errors import PromptTooLongError
 from ..hangup import Streams
+from ..image_parts import model_takes_images
 from ..routes import Routes, openai_busy, openai_not_found
 from . import request as openai_request
 from .reply import Choice, openai_events, openai_whole
@@ -25,11 +26,23 @@ class OpenAIRoutes:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
 
     def models(self):
+        """OpenAI's model list, each with ``input_modalities`` (OpenRouter's name):
+        ``["text", "image"]`` for a model that reads images, else ``["text"]``."""
         started = self.routes.app.state.started
-        data = [
-            {"id": n, "object": "model", "created": started, "owned_by": "mlxinfer"}
-            for n in self.routes.registry.names()
-        ]
+        registry = self.routes.registry
+        data = []
+        for n in registry.names():
+            entry = registry.entries.get(n)
+            vision = entry is not None and not entry.embedding and model_takes_images(entry)
+            data.append(
+                {
+                    "id": n,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "mlxinfer",
+                    "input_modalities": ["text", "image"] if vision else ["text"],
+                }
+            )
         return {"object": "list", "data": data}
 
     async def chat_completions(self, request: Request):
