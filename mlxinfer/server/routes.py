@@ -23,7 +23,7 @@ from ..batch import EngineError, PoolFullError
 from ..errors import InsufficientMemoryError, MlxInferError, PromptTooLongError, TokenizerError
 from .aliases import resolve
 from .hangup import Streams, watched
-from .images import ImageStream, image_sources, takes_images
+from .images import image_sources, start_with_images
 from .limits import (
     RETRY_AFTER_S,
     BadJSON,
@@ -143,7 +143,9 @@ class Routes:
                 chat_template_kwargs=getattr(ask, "template_kwargs", None),
             )
             if sources := (image_sources(prompt) if chat_template else []):
-                stream = _image_stream(entry, prompt, sources, options)  # outside the engine
+                # Decoded here (a bad image is a 400), run by the engine (server/images.py);
+                # a draft does not take images.
+                stream = start_with_images(entry, prompt, sources, WAIT_S, options)
             else:
                 check_prompt_length(entry.model, prompt, ask.tools)  # before the tokenizer runs
                 if chat_template and not isinstance(prompt, str):
@@ -164,19 +166,6 @@ class Routes:
             error = failed(EngineError("the server is shutting down"))
             error.status = 503
             raise error from None
-
-
-def _image_stream(entry, messages, sources: list, options: dict) -> ImageStream:
-    """A chat request with images (server/images.py): refused for a model without a vision
-    tower, its images decoded before any byte is sent (a bad one is the API's 400)."""
-    from ..vision import load_image
-
-    if not takes_images(entry.model):
-        raise ValueError(
-            f"model '{entry.name}' takes text only (no vision tower): image parts are refused"
-        )
-    images = [load_image(s, label=f"image {i + 1}").pixels for i, s in enumerate(sources)]
-    return ImageStream(entry.model, entry.tokenizer, messages, images, WAIT_S, **options)
 
 
 def openai_busy(message: str) -> OpenAIError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -17,6 +18,7 @@ from mlxinfer.loading.loader import load
 from mlxinfer.server import make_app
 
 NAME = "tiny-gemma3-vlm"
+app_of: dict = {}  # the served app, for its engine's counters
 TEXT = "Describe this image."
 
 
@@ -29,7 +31,9 @@ def vlm(tmp_path_factory):
         files.append(root / f"image{i}.png")
         random_image(i + 1, size).save(files[-1])
     model, tokenizer = load(path)
-    with serving(make_app(model, tokenizer, NAME)) as base:
+    app = make_app(model, tokenizer, NAME)
+    with serving(app) as base:
+        app_of[NAME] = app
         yield (
             model,
             tokenizer,
@@ -77,6 +81,32 @@ def test_a_streamed_reply_with_two_images(vlm):
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == _library(model, tokenizer, files)
+
+
+def test_image_requests_and_a_text_request_run_together_in_the_engine(vlm):
+    """Two image requests and a text request at once: each reply is its single run's, and the
+    engine ran all three (the images batched beside the text, not one at a time outside)."""
+    model, tokenizer, files, client = vlm
+    engine = app_of[NAME].state.models.get(NAME).engine
+    done = engine.requests_done
+    asks = [_messages(_data_url(files[0])), _messages(*(_data_url(f) for f in files))]
+    asks.append([{"role": "user", "content": TEXT}])
+
+    def ask(messages):
+        reply = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=8, temperature=0
+        )
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(ask, asks))
+    text = generate(model, tokenizer, TEXT, chat_template=True, max_tokens=8)
+    assert replies == [
+        _library(model, tokenizer, files[:1]),
+        _library(model, tokenizer, files),
+        text,
+    ]
+    assert engine.requests_done == done + 3
 
 
 def test_what_the_server_cannot_take_is_a_400(vlm, tmp_path):
