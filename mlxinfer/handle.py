@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import queue
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, AsyncIterator, Sequence
 
 import mlx.core as mx
@@ -46,6 +48,7 @@ ENGINE_OPTIONS = {
     "split_reasoning",
     "output",
     "chat_template_kwargs",
+    "images",
 }
 
 
@@ -160,10 +163,16 @@ class ModelHandle:
 
     def start(self, prompt, **options) -> Stream:
         """Start one request (loading the model first if needed); its :class:`Stream`, which
-        any thread may cancel. Takes ``stream_generate``'s options."""
+        any thread may cancel. Takes ``stream_generate``'s options, ``images`` included (paths,
+        bytes, data URLs, Pillow images: decoded on the caller's thread, so a bad one raises
+        MediaError here; the model needs a vision tower)."""
         with self._lock:
             self.load()
-            stream = self.engine.start(self.tokenizer, prompt, **engine_options(options))
+            options = engine_options(options)
+            if options.get("images") and self.engine.image_refusal() is not None:
+                stream: Stream = _Solo(self.model, self.tokenizer, prompt, options)
+            else:
+                stream = self.engine.start(self.tokenizer, prompt, **options)
             self._streams.add(stream)
         return _Tracked(stream, self)
 
@@ -182,6 +191,64 @@ class ModelHandle:
     def astream(self, prompt, **options) -> AsyncIterator[GenerationResult]:
         """:meth:`stream` as an async iterator: see :func:`astream_generate`."""
         return _astream(lambda: self.start(prompt, **options))
+
+
+class _Solo(Stream):
+    """A request with images for a model whose image requests the engine cannot run yet
+    (``Engine.image_refusal``: Qwen-VL's M-RoPE positions), run as the server runs it:
+    ``stream_generate(images=...)`` on a thread of its own (one such request at a time, each
+    on a fresh cache). The engine path replaces it once the engine takes that model's images."""
+
+    cached_tokens = 0  # a fresh cache: nothing reused
+
+    def __init__(self, model, tokenizer, prompt, options: dict) -> None:
+        from .generation import stream_generate
+        from .vision import load_image
+
+        timeout = options.pop("timeout", None)
+        sources = options["images"]
+        options["images"] = [load_image(s, label=f"image {i + 1}") for i, s in enumerate(sources)]
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._timeout, self.handle, self._results = timeout, self, self
+        self._request = SimpleNamespace(cancelled=self._stop)  # what Stream.cancelled reads
+
+        def run() -> None:
+            try:
+                with _SOLO:
+                    results = stream_generate(model, tokenizer, prompt, **options)
+                    for r in results:
+                        self._queue.put(r)
+                        if self._stop.is_set():
+                            break
+                    results.close()
+            except BaseException as e:  # handed to the reader
+                self._queue.put(e)
+            self._queue.put(_END)
+
+        threading.Thread(target=run, daemon=True, name="mlxinfer-images").start()
+
+    def __next__(self):
+        try:
+            item = self._queue.get(timeout=self._timeout)
+        except queue.Empty:
+            self.cancel()
+            raise TimeoutError(f"no token within {self._timeout} s") from None
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self._stop.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._stop.is_set()
+
+
+_SOLO = threading.Lock()  # _Solo requests run one after another, as the server's do
 
 
 class _Tracked(Stream):
