@@ -1,6 +1,7 @@
 """Images in a single request: decoded, processed, encoded by the model's tower, prefilled.
 
-For a model with a vision tower (``model.encode_images``: models/gemma3.py):
+For a model with a vision tower (``model.encode_images``: models/gemma3.py, qwen2_5_vl.py,
+qwen3_vl.py; given the images' ``grid_thw`` where the processor has them):
 
 1. :func:`load_images`: each source (a path, bytes, a data URL, a Pillow image) decoded by
    ``vision.media.load_image``, with the checkpoint's image processor (``vision.processors``);
@@ -8,9 +9,12 @@ For a model with a vision tower (``model.encode_images``: models/gemma3.py):
    markers (``{"type": "image"}``, before the text of the last user message unless the
    messages already hold one per image) and expands each marker into the image's placeholder
    tokens;
-3. :func:`image_inputs`: the tower's soft tokens merged into the prompt's embeddings (``embeds``)
-   and the images' blocks, for :func:`prefill_images`, which feeds them in chunks that never
-   split an image (its tokens see each other both ways, so they must be in one forward pass).
+3. :func:`image_inputs`: what the model's ``image_inputs`` gives, one row per prompt position:
+   the tower's tokens merged into the prompt's embeddings (``embeds``), and the model's own
+   (Gemma 3's image ``blocks``; Qwen-VL's (t, h, w) ``positions`` and deepstack features), for
+   :func:`prefill_images`, which feeds each chunk its own rows (a chunk never splits a block:
+   its tokens see each other both ways, so they must be in one forward pass). A model whose
+   positions run apart from the token index (Qwen-VL) keeps that with the request's cache.
 
 No cache keyed by token ids may hold a prompt with images: every image's placeholder ids are
 the same, so a reused prefix would silently carry another image's keys. A request with images
@@ -119,8 +123,16 @@ def image_inputs(model, ids: list[int], images: PromptImages) -> dict[str, mx.ar
             f"prompt: {found} image tokens for {images.count} image(s) of "
             f"{want} in all (a prompt with images cannot be truncated)"
         )
-    features = model.encode_images(mx.array(images.processed.pixel_values))
+    grids = images.processed.grid_thw  # the patches' images (Qwen-VL), else None
+    pixels = mx.array(images.processed.pixel_values)
+    features = model.encode_images(pixels) if grids is None else model.encode_images(pixels, grids)
     return model.image_inputs(ids, features)
+
+
+def _chunk(value: mx.array, start: int, end: int) -> mx.array:
+    """Positions ``start:end`` of a per-position input: its only axis, or its next-to-last
+    ((..., L, features): embeds (1, L, hidden), positions (1, L, 3), deepstack (n, 1, L, hidden))."""
+    return value[start:end] if value.ndim == 1 else value[..., start:end, :]
 
 
 def prefill_images(
@@ -133,10 +145,13 @@ def prefill_images(
     then: int = 1,
 ) -> None:
     """``prefill`` for the first ``len(ids)`` positions of a prompt with images, into a fresh
-    ``pc``: chunks of about ``step`` tokens, each stretched to the end of an image it would cut."""
+    ``pc``: chunks of about ``step`` tokens, each with its own slice of every input in
+    ``inputs`` (one row per position: :func:`_chunk`); where the inputs have ``blocks`` (images
+    whose tokens see each other both ways), a chunk is stretched to the end of an image it would
+    cut."""
     if pc.tokens:
         raise ValueError("prefill_images: the cache must be fresh (never reused across images)")
-    embeds, blocks = inputs["embeds"], np.array(inputs["blocks"])
+    blocks = np.array(inputs["blocks"]) if "blocks" in inputs else np.full(len(ids), -1)
     y = mx.array(ids, dtype=mx.int32)
     growable = [c for c in pc.cache if isinstance(c, _Growing)]
     for c in growable:
@@ -150,8 +165,7 @@ def prefill_images(
             model(
                 y[None, start:end],
                 pc.cache,
-                embeds=embeds[:, start:end],
-                blocks=inputs["blocks"][start:end],
+                **{name: _chunk(value, start, end) for name, value in inputs.items()},
             )
             mx.eval([c.state for c in pc.cache])  # one chunk's graph at a time (prefill.py)
             pc.tokens.extend(ids[start:end])

@@ -205,6 +205,11 @@ def default_dtype() -> mx.Dtype | None:
     return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
 
 
+# Where a model with a vision tower keeps it (its attribute, in its weights' names):
+# Gemma 3's ``vision_tower``, Qwen-VL's ``visual``.
+_TOWERS = ("vision_tower", "visual")
+
+
 def load_model(
     model_dir: Path,
     *,
@@ -232,7 +237,8 @@ def load_model(
     if not force:
         check_fits(model_dir, model.args, dtype, kv_budget)
     weights = read_weights(model_dir, progress)
-    if hasattr(model, "vision_tower") and not any("vision_tower." in k for k in weights):
+    tower = next((name for name in _TOWERS if hasattr(model, name)), None)
+    if tower is not None and not any(f"{tower}." in k for k in weights):
         if log is not None:
             log(f"{model_dir}: no vision tower weights: running its language model alone")
         config = without_tower(config)
