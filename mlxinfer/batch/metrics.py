@@ -62,6 +62,9 @@ def engine_metrics(engine) -> dict[str, float]:
         "draft_model_bytes": sum(engine._draft_weights.values()),
         "state_snapshots": len(engine.snapshots) if engine.snapshots is not None else 0,
         "state_snapshot_bytes": engine.snapshots.nbytes if engine.snapshots is not None else 0,
+        "image_encoder_calls": engine.encoder_cache.calls,
+        "image_encoder_cache_hits": engine.encoder_cache.hits,
+        "image_encoder_cache_bytes": engine.encoder_cache.nbytes,
         **disk_metrics(engine.pool.disk),
     }
 

@@ -266,13 +266,18 @@ class Scheduler:
                 end = start + min(left, budget)
                 if self.snapshots is not None:  # a chunk ends where a snapshot is wanted
                     end = snap.chunk_end(start, end, *self.recurrent.points(request))
-                if request.images is not None:  # the tower once; no image cut in two
+                if request.images is not None and request.images.inputs is None:
+                    # The tower, once per request: a unit of this turn's budget (its image
+                    # tokens' worth), the row's first chunk at the next turn.
                     try:
                         request.images.encode(self.model, request.ids, self.encoder_cache)
                     except (ValueError, MlxInferError) as e:  # this request's, not the engine's
                         failed.append((request, e))
                         visited.pop()
                         continue
+                    budget -= sum(request.images.images.processed.tokens_per_image)
+                    continue
+                if request.images is not None:  # a chunk never cuts an image in two
                     end = request.images.chunk_end(end)
                 chunks.append((request, request.ids[start:end]))
                 budget -= len(chunks[-1][1])
@@ -338,9 +343,19 @@ class Scheduler:
             blocks = [runs]
         batch = self.pools.batch(rows, padded, blocks=blocks)
         # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE: one row then).
+        x = mx.array(padded, dtype=mx.int32)
+        heads = [(b, r, c) for b, (r, c) in enumerate(group) if rows_mod.observer(r) is not None]
         with prefill_schedule(self.model), prompt_reach(len(rows[0].ids)):
-            self.model(mx.array(padded, dtype=mx.int32), batch.views(), **extra)
-            mx.eval(self.pools.stores(), [state_arrays(r) for r in rows])
+            written: list = []
+            if heads:  # MTP rows: the chunk's final hidden states prime their heads
+                hidden, _ = self.model.trunk(x, batch.views())
+                for b, r, c in heads:
+                    start = ends[b] - len(c)
+                    following = r.ids[start + 1 : start + 1 + len(c)]
+                    written += r.drafter.observe(hidden[b, : len(c)], following)
+            else:
+                self.model(x, batch.views(), **extra)
+            mx.eval(self.pools.stores(), [state_arrays(r) for r in rows], written)
         for r, end in zip(rows, ends):
             self.pools.rewind(r, end)
             if self.snapshots is not None:

@@ -154,6 +154,8 @@ def test_the_encoder_cache_skips_the_tower_for_an_image_seen_before(vlm, monkeyp
         _run(engine, tokenizer, _messages(), files[1:3])  # one new image: the tower sees it alone
         assert calls == [2, 1]
         assert engine.encoder_cache.hits == 2 and len(engine.encoder_cache) == 3
+        metrics = engine.metrics()
+        assert metrics["image_encoder_calls"] == 2 and metrics["image_encoder_cache_hits"] == 2
     with Engine(model, block_size=4, encoder_cache_bytes=0) as engine:
         for _ in range(2):
             _run(engine, tokenizer, _messages(system="Be brief."), files[:1])
