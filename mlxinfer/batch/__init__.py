@@ -64,6 +64,7 @@ def batch_generate(
     output: OutputRules | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     micro_batches: bool | None = None,
+    images: Sequence[Any] | None = None,
     **sampling_options,
 ) -> list[str]:
     """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
@@ -74,7 +75,10 @@ def batch_generate(
     tokens per step, or adaptive). ``constraint``: every request's output must match it
     (each request has its own matcher). ``output``, ``chat_template_kwargs``: the output rules
     as one :class:`~mlxinfer.generation.rules.OutputRules`, more chat-template variables: as for
-    ``stream_generate``. ``micro_batches``: the engine's (a pipeline's flights)."""
+    ``stream_generate``. ``micro_batches``: the engine's (a pipeline's flights). ``images``: for
+    a model with a vision tower, images for every prompt (as ``stream_generate``'s), decoded
+    once: the tower sees each once (the engine's encoder cache) and the prompts share the
+    blocks up to their own text (docs/batching.md, requests with images)."""
     unknown = set(sampling_options) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"batch_generate: unexpected option(s) {', '.join(sorted(unknown))}")
@@ -95,6 +99,13 @@ def batch_generate(
         options["micro_batches"] = micro_batches
     if isinstance(draft, DraftModel):  # its pool inside kv_budget (the Engine's rule)
         options["draft_models"] = [draft.model]
+    if images:
+        from ..vision import Image, load_image
+
+        images = [
+            s if isinstance(s, Image) else load_image(s, label=f"image {i + 1}")
+            for i, s in enumerate(images)
+        ]
     with Engine(model, **options) as engine:
         streams = [
             engine.stream(
@@ -108,6 +119,7 @@ def batch_generate(
                 draft=draft,
                 num_draft=num_draft,
                 chat_template_kwargs=chat_template_kwargs,
+                images=images or None,
             )
             for p in prompts
         ]

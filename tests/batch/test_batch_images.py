@@ -187,3 +187,22 @@ def test_an_image_that_fails_to_encode_fails_its_request_only(vlm, monkeypatch):
             list(stream)
         monkeypatch.undo()
         assert engine.alive and _run(engine, tokenizer, TEXT, None)[0]
+
+
+def test_batch_generate_gives_every_prompt_the_images(vlm, monkeypatch):
+    from mlxinfer.batch import batch_generate
+    from mlxinfer.generation import generate
+
+    model, tokenizer, files = vlm
+    prompts = [TEXT, "What color is it?"]
+    expected = [
+        generate(model, tokenizer, p, images=files[:2], chat_template=True, max_tokens=8)
+        for p in prompts
+    ]
+    calls = []
+    encode = model.encode_images
+    monkeypatch.setattr(model, "encode_images", lambda p: calls.append(p.shape[0]) or encode(p))
+    texts = batch_generate(
+        model, tokenizer, prompts, images=files[:2], chat_template=True, max_tokens=8
+    )
+    assert texts == expected and calls == [2]  # the tower saw the two images once
