@@ -92,9 +92,12 @@ class LlamaModel(nn.Module):
     def embed(self, inputs: mx.array) -> mx.array:
         return self.embed_tokens(inputs)  # (B, L, hidden)
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        h = self.embed(inputs)
-        L = inputs.shape[1]
+    def __call__(
+        self, inputs: mx.array, cache: list[Cache] | None = None, *, embeds: mx.array | None = None
+    ) -> mx.array:
+        # embeds (B, L, hidden): given instead of the ids' (an image-text model's merged inputs)
+        h = self.embed(inputs) if embeds is None else embeds
+        L = h.shape[1]
         if cache is None:
             mask = causal_mask(L, window=self.args.sliding_window)
         else:
