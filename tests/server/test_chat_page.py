@@ -196,3 +196,104 @@ def test_the_page_is_served_with_a_policy_that_runs_only_its_own_script(page_ser
     assert "script-src 'self'" in policy and "default-src 'none'" in policy
     for asset in ("static/chat.js", "static/chat.css", "static/fonts/KaTeX_Main-Regular.woff2"):
         assert httpx.get(url + asset, timeout=10).status_code == 200, asset
+
+
+# --- images ---------------------------------------------------------------------------------
+
+VLM, TEXT_ONLY = "tiny-gemma3-vlm", "text-only"
+
+
+@pytest.fixture(scope="module")
+def vlm_page(tmp_path_factory):
+    """The tiny random Gemma 3 image-text checkpoint served for real (no scripted engine), with
+    a text-only copy of it from a models directory; its two test pictures."""
+    from vlm_serving import text_only_copy, vlm_with_images
+
+    root = tmp_path_factory.mktemp("page_images")
+    path, files = vlm_with_images(root)
+    text_only_copy(path, root / "models" / TEXT_ONLY)
+    model, tokenizer = load(str(path))
+    with serving(make_app(model, tokenizer, VLM, models_dir=root / "models")) as url:
+        yield url, files
+
+
+def _greedy(page, sent: list) -> None:
+    """The page's chat requests answered greedily (8 tokens), so its reply can be compared with
+    the API's; ``sent`` gets each body as the page wrote it."""
+    import json
+
+    def handle(route):
+        body = route.request.post_data_json
+        sent.append(body)
+        route.continue_(post_data=json.dumps({**body, "temperature": 0, "max_tokens": 8}))
+
+    page.route("**/v1/chat/completions", handle)
+
+
+def _api_reply(url: str, content) -> str:
+    import httpx
+
+    body = {
+        "model": VLM,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 8,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_an_image_picked_or_pasted_is_shown_and_sent(vlm_page, browser):
+    url, files = vlm_page
+    page = _new_page(browser, viewport={"width": 1000, "height": 760})
+    errors, sent = [], []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    _greedy(page, sent)
+    page.goto(f"{url}/")
+    _models_listed(page)
+    page.select_option("#model", VLM)
+    sync_api.expect(page.locator("#attach")).to_be_visible()
+    page.set_input_files("#image", str(files[0]))
+    sync_api.expect(page.locator("#attached img")).to_have_count(1)
+    _ask(page, "Describe this image.")
+    reply = _replies_done(page, 1)
+    sync_api.expect(reply.locator(".note")).to_have_text(re.compile(r"^\d+ tokens, "))
+    shown = page.locator(".message.user img")
+    assert shown.count() == 1 and shown.evaluate("img => img.naturalWidth") == 150
+    assert page.locator("#attached img").count() == 0  # sent, so no longer attached
+
+    parts = sent[-1]["messages"][-1]["content"]
+    assert [p["type"] for p in parts] == ["image_url", "text"]
+    assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    saved = page.evaluate("JSON.parse(sessionStorage.getItem('mlxinfer.chat')).at(-1)")
+    assert saved["content"] == _api_reply(url, parts)
+    assert saved["content"] != _api_reply(url, "Describe this image.")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat-page-image.png"))
+
+    # A pasted image is attached too; a text-only model hides the picker and drops it.
+    data = list(files[1].read_bytes())
+    page.locator("#prompt").evaluate(
+        """(el, data) => {
+            const dt = new DataTransfer();
+            dt.items.add(new File([new Uint8Array(data)], "p.png", { type: "image/png" }));
+            el.dispatchEvent(new ClipboardEvent("paste", { clipboardData: dt, bubbles: true }));
+        }""",
+        data,
+    )
+    sync_api.expect(page.locator("#attached img")).to_have_count(1)
+    page.select_option("#model", TEXT_ONLY)
+    sync_api.expect(page.locator("#attach")).to_be_hidden()
+    sync_api.expect(page.locator("#attached img")).to_have_count(0)
+    assert errors == []
+    page.close()
+
+
+def test_a_text_only_model_has_no_image_picker(page_server, browser):
+    url, _ = page_server
+    page = _new_page(browser)
+    page.goto(url)
+    _models_listed(page)
+    assert page.locator("#attach").is_hidden()
+    page.close()

@@ -1,7 +1,9 @@
 // The chat page: streams /v1/chat/completions and renders the model's Markdown, with
 // highlighted code and KaTeX math, through DOMPurify. The conversation is kept in
 // sessionStorage (this browser tab only); Stop aborts the request, which cancels it on the
-// server.
+// server. For a model that reads images (its /v1/models entry lists "image" among its
+// input_modalities) an image may be picked or pasted: shown in the user's message and sent as
+// an OpenAI image_url part holding a data URL.
 import DOMPurify from "dompurify";
 import hljs from "highlight.js/lib/common";
 import katexModule from "@vscode/markdown-it-katex";
@@ -41,7 +43,8 @@ export function render(markdown) {
 
 const $ = (id) => document.getElementById(id);
 const log = $("log");
-const state = { messages: load(), controller: null };
+const state = { messages: load(), controller: null, images: [], vision: new Set() };
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
 
 function load() {
   try {
@@ -53,7 +56,11 @@ function load() {
 }
 
 function save() {
-  sessionStorage.setItem(STORE, JSON.stringify(state.messages));
+  try {
+    sessionStorage.setItem(STORE, JSON.stringify(state.messages));
+  } catch {
+    status("This conversation is too large to keep across a reload (its images).");
+  }
 }
 
 function bubble(role) {
@@ -63,9 +70,29 @@ function bubble(role) {
   return div;
 }
 
+// A user message's content: a string, or OpenAI parts (image_url data URLs, then text).
+function showUser(div, content) {
+  if (typeof content === "string") {
+    div.textContent = content;
+    return;
+  }
+  div.replaceChildren();
+  for (const part of content) {
+    if (part.type === "image_url") div.appendChild(thumbnail(part.image_url.url));
+    else if (part.type === "text") div.appendChild(document.createTextNode(part.text));
+  }
+}
+
+function thumbnail(url) {
+  const img = document.createElement("img");
+  if (url.startsWith("data:image/")) img.src = url; // our own data URLs, nothing remote
+  img.alt = "image";
+  return img;
+}
+
 function show(div, message) {
   if (message.role === "user") {
-    div.textContent = message.content;
+    showUser(div, message.content);
   } else {
     div.innerHTML = render(message.content);
   }
@@ -110,13 +137,53 @@ async function models() {
   }
   const select = $("model");
   select.replaceChildren();
+  state.vision.clear();
   for (const m of (await response.json()).data) {
     const option = document.createElement("option");
     option.value = option.textContent = m.id;
     select.appendChild(option);
+    if (m.input_modalities?.includes("image")) state.vision.add(m.id);
   }
   const chosen = sessionStorage.getItem("mlxinfer.model");
   if (chosen && [...select.options].some((o) => o.value === chosen)) select.value = chosen;
+  modelChanged();
+}
+
+// Images only for a model that reads them: the picker shows, and what was attached stays.
+function modelChanged() {
+  const vision = state.vision.has($("model").value);
+  $("attach").hidden = !vision;
+  if (!vision) state.images = [];
+  showAttached();
+}
+
+function showAttached() {
+  const area = $("attached");
+  area.replaceChildren();
+  state.images.forEach((url, i) => {
+    const img = thumbnail(url);
+    img.title = "Remove this image";
+    img.addEventListener("click", () => {
+      state.images.splice(i, 1);
+      showAttached();
+    });
+    area.appendChild(img);
+  });
+  area.hidden = state.images.length === 0;
+}
+
+function attach(files) {
+  if (!state.vision.has($("model").value)) return false;
+  const images = [...files].filter((f) => IMAGE_TYPES.includes(f.type));
+  for (const file of images) {
+    const reader = new FileReader();
+    reader.onload = () => {
+      state.images.push(reader.result);
+      showAttached();
+    };
+    reader.readAsDataURL(file);
+  }
+  return images.length > 0;
 }
 
 // Each `data:` event of an SSE stream, as parsed JSON (comments and [DONE] skipped).
@@ -141,8 +208,10 @@ async function* events(response) {
   }
 }
 
-async function send(text) {
-  state.messages.push({ role: "user", content: text });
+async function send(text, images) {
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  const content = images.length ? [...parts, ...(text ? [{ type: "text", text }] : [])] : text;
+  state.messages.push({ role: "user", content });
   save();
   show(bubble("user"), state.messages.at(-1));
   const reply = { role: "assistant", content: "" };
@@ -210,9 +279,19 @@ function busy(on) {
 $("ask").addEventListener("submit", (event) => {
   event.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || state.controller) return;
+  const images = state.images;
+  if ((!text && !images.length) || state.controller) return;
   $("prompt").value = "";
-  send(text).finally(() => $("prompt").focus());
+  state.images = [];
+  showAttached();
+  send(text, images).finally(() => $("prompt").focus());
+});
+$("image").addEventListener("change", (event) => {
+  attach(event.target.files);
+  event.target.value = ""; // the same file may be picked again
+});
+$("prompt").addEventListener("paste", (event) => {
+  if (attach(event.clipboardData?.files ?? [])) event.preventDefault();
 });
 $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
@@ -227,7 +306,10 @@ $("clear").addEventListener("click", () => {
   save();
   log.replaceChildren();
 });
-$("model").addEventListener("change", () => sessionStorage.setItem("mlxinfer.model", $("model").value));
+$("model").addEventListener("change", () => {
+  sessionStorage.setItem("mlxinfer.model", $("model").value);
+  modelChanged();
+});
 $("key").addEventListener("change", () => {
   sessionStorage.setItem(KEY, $("key").value);
   models();
