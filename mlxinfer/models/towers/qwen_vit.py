@@ -9,8 +9,9 @@ block, (sum of t*h*w / merge**2, out_hidden_size), image after image, in the blo
   flattened patches with the kernel flattened to (hidden, C*T*P*P) (held so: ``sanitize``);
 - 2D rotary embeddings: a head's first half of frequencies turn with the patch's row, the
   second with its column (frequencies over head_dim / 2), rotated as non-traditional RoPE;
-- attention inside each image (each frame: ``cu_seqlens``) as one masked product: several
-  images in one call never see each other (a block-diagonal mask);
+- attention inside each image (each frame: ``cu_seqlens``): several images in one call never
+  see each other; the runs (images, or windows) go as one padded batch (``Segments``), so a
+  window costs its own square, not the call's;
 - Qwen2.5-VL (``VisionModel``): RMSNorm + SwiGLU blocks; every block except those in
   ``fullatt_block_indexes`` attends inside windows of ``window_size`` pixels (of merged
   blocks): the tokens are permuted window by window first (``window_index``) and back after
@@ -169,9 +170,34 @@ class PatchEmbed(nn.Module):
         return self.proj(patches)
 
 
+@dataclasses.dataclass
+class Segments:
+    """Contiguous runs of patches that attend only among themselves (``cu_seqlens``: images,
+    frames or windows), laid out as a padded batch: S runs of at most ``width`` patches, so
+    attention costs the runs' squares, not the whole call's."""
+
+    gather: mx.array | None  # (S, width) patch index per slot (padding: 0); None: one run
+    keys: mx.array | None  # (S, 1, 1, width) bool: the slots that hold a patch; None: all do
+    scatter: mx.array | None  # (N,) each patch's slot in the flattened (S * width) output
+
+    @classmethod
+    def of(cls, labels: np.ndarray) -> Segments:
+        """From each patch's run label (runs contiguous)."""
+        n = len(labels)
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(labels)) + 1]).astype(np.int64)
+        if len(starts) <= 1:
+            return cls(None, None, None)
+        lengths = np.diff(np.concatenate([starts, [n]]))
+        width = int(lengths.max())
+        valid = np.arange(width)[None] < lengths[:, None]  # (S, width)
+        gather = np.where(valid, starts[:, None] + np.arange(width)[None], 0)
+        keys = None if valid.all() else mx.array(valid[:, None, None, :])
+        return cls(mx.array(gather), keys, mx.array(np.flatnonzero(valid.ravel())))
+
+
 class VisionAttention(nn.Module):
-    """Non-causal attention with 2D RoPE over the patches of several images at once; ``mask``
-    (N, N) bool keeps each patch to its own image (or window)."""
+    """Non-causal attention with 2D RoPE over the patches of several images at once, each
+    patch seeing only its own run (``Segments``: its image, or its window)."""
 
     def __init__(self, args: VisionArgs):
         super().__init__()
@@ -179,15 +205,20 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, runs: Segments) -> mx.array:
         N = x.shape[0]
         qkv = self.qkv(x).reshape(N, 3, self.num_heads, self.head_dim)
         q, k, v = (qkv[:, i].transpose(1, 0, 2)[None] for i in range(3))  # (1, heads, N, hd)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if runs.gather is not None:  # (1, heads, N, hd) -> (S, heads, width, hd)
+            q, k, v = (t[0][:, runs.gather].transpose(1, 0, 2, 3) for t in (q, k, v))
         out = mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=self.head_dim**-0.5, mask=mask
-        )  # (1, heads, N, hd)
-        return self.proj(out[0].transpose(1, 0, 2).reshape(N, -1))
+            q, k, v, scale=self.head_dim**-0.5, mask=runs.keys
+        )  # (S, heads, width, hd)
+        out = out.transpose(0, 2, 1, 3).reshape(-1, self.num_heads * self.head_dim)
+        if runs.scatter is not None:  # padded slots dropped, patches back in order
+            out = out[runs.scatter]
+        return self.proj(out)  # (N, hidden)
 
 
 class VisionMLP(nn.Module):
@@ -219,8 +250,8 @@ class VisionBlock(nn.Module):
             self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, act, bias=True)
         self.attn = VisionAttention(args)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, runs: Segments) -> mx.array:
+        x = x + self.attn(self.norm1(x), cos, sin, runs)
         return x + self.mlp(self.norm2(x))
 
 
@@ -297,9 +328,8 @@ class VisionModel(nn.Module):
         patch_order = (order[:, None] * unit + np.arange(unit)).ravel()
         x = x[mx.array(patch_order)]
         cos, sin = self.rotary(rows_cols[patch_order])
-        frames, windows = frames[patch_order], np.repeat(windows, unit)
-        full = mx.array(frames[:, None] == frames[None, :])
-        windowed = mx.array(windows[:, None] == windows[None, :])
+        full = Segments.of(frames[patch_order])  # images stay contiguous window by window
+        windowed = Segments.of(np.repeat(windows, unit))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full if i in args.fullatt_block_indexes else windowed)
         tokens = self.merger(x)  # (N / unit, out) in window order
@@ -339,11 +369,10 @@ class Qwen3VisionModel(VisionModel):
         grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
         x = self.embed(patches, grid_thw)
         cos, sin = self.rotary(patch_rows_cols(grid_thw, args.spatial_merge_size))
-        frames = frame_segments(grid_thw)
-        mask = mx.array(frames[:, None] == frames[None, :])
+        runs = Segments.of(frame_segments(grid_thw))
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, runs)
             if i in args.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[args.deepstack_visual_indexes.index(i)]
                 deepstack.append(merger(x))
