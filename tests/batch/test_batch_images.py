@@ -88,6 +88,10 @@ def test_a_new_image_keeps_the_shared_system_prompt(vlm):
     assert first == _single(model, tokenizer, _messages(), files[:1])
     assert other == again == _single(model, tokenizer, _messages(), files[1:2])
     assert first != other
+    with Engine(model, block_size=bs) as engine:  # the sliding layers in a window pool
+        runs = [_run(engine, tokenizer, _messages(), files[i : i + 1]) for i in (0, 1, 1)]
+        assert [tokens for tokens, _ in runs] == [first, other, other]
+        assert [cached for _, cached in runs] == [0, before * bs, (len(ids) - 1) // bs * bs]
 
 
 def test_blocks_before_an_image_keep_their_text_names(vlm):
