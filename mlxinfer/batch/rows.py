@@ -1,7 +1,9 @@
 """How each row of a step picks its tokens: through its own processors and sampler, or by
 verifying the drafts it proposed (the engine runs the forward and the rewind).
 
-A row drafts by prompt lookup (copying from its own history) or with a draft model: then its
+A row drafts by prompt lookup (copying from its own history), with the model's own MTP head
+(``MTP``: a head cache of the row's own, fed the row's final hidden states by the prefill and
+verification forwards, ``observer``), or with a draft model: then its
 draft keys are a sequence of that model's pool (``draft_pool``: the rows drafting with one model
 propose together, k forwards of all of them), or, for a draft model a pool cannot hold, a cache
 of its own (``DraftModel.drafter``, k forwards of the row alone); either is fed the prompt as the
@@ -19,7 +21,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 
 from ..backends import log_probs
-from ..generation.drafts import Draft, DraftModel, PromptLookup
+from ..generation.drafts import MTP, Draft, DraftModel, PromptLookup
 from ..generation.speculative import DraftLength, _draft_sampler, accept_drafts, allowed_drafts
 from .draft_pool import DraftPool
 from .requests import _Request
@@ -39,10 +41,10 @@ def start_drafting(
     else in a cache of its own made here, empty; the engine feeds either."""
     if draft is None:
         raise ValueError("num_draft: given without a draft (draft=PromptLookup() or DraftModel)")
-    if not isinstance(draft, (PromptLookup, DraftModel)):
+    if not isinstance(draft, (PromptLookup, DraftModel, MTP)):
         raise ValueError(
-            "draft: the batching engine drafts by prompt lookup or with a draft model "
-            f"(PromptLookup, DraftModel), found {type(draft).__name__}"
+            "draft: the batching engine drafts by prompt lookup or with a draft model or the "
+            f"model's MTP head (PromptLookup, DraftModel, MTP), found {type(draft).__name__}"
         )
     if isinstance(draft, DraftModel) and draft.prompt_cache is not None:
         raise ValueError(
@@ -56,11 +58,19 @@ def start_drafting(
     if isinstance(draft, DraftModel):
         request.drafter = pool_for(draft) or draft.drafter(model)
         request.draft_model = draft.model
+    elif isinstance(draft, MTP):
+        request.drafter = draft.drafter(model)
     else:
         request.drafter = draft.start(model, [], request.ids)
     request.draft_length = DraftLength(num_draft)
     request.key = mx.random.key(secrets.randbits(63) if seed is None else seed)
     request.tokens = list(request.ids)
+
+
+def observer(r: _Request):
+    """``r``'s drafter's ``observe`` when it reads the target's final hidden states (an MTP
+    head), else None."""
+    return getattr(r.drafter, "observe", None)
 
 
 def feed_draft(r: _Request) -> None:

@@ -60,9 +60,13 @@ class Verification:
             [[c.snapshot() for c in r.states] for r in rows] if self.recurrent is not None else None
         )
         batch = self.pools.batch(rows, tokens, self.attention)
-        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())  # (B, L, V)
+        x, hidden = mx.array(tokens, dtype=mx.int32), None
+        if any(rows_mod.observer(r) is not None for r in rows):  # MTP rows read the states
+            hidden, logits = self.model.trunk(x, batch.views())  # (B, L, H), (B, L, V)
+        else:
+            logits = self.model(x, batch.views())  # (B, L, V)
         self.counters.steps_run += 1
-        self.verified(rows, logits, proposals, starts, saved)
+        self.verified(rows, logits, proposals, starts, saved, hidden=hidden)
 
     def drafts_for(self, rows: list[_Request]) -> tuple[list, list[list[int]]]:
         """The rows' proposals (rank 0's where it drafts alone) and the tokens each row feeds:
@@ -82,11 +86,13 @@ class Verification:
         ]
         return proposals, tokens
 
-    def verified(self, rows, logits, proposals, starts, saved, flown: bool = False) -> None:
+    def verified(
+        self, rows, logits, proposals, starts, saved, flown: bool = False, hidden=None
+    ) -> None:
         """The rows' acceptance of their drafts from the step's ``logits`` (B, L, V); the
         rejected ones rewound (``starts``: each row's length before the step); the kept tokens
         emitted. ``flown``: a flight's rows (flights.py), whose blocks are hashed after the
-        rewind."""
+        rewind. ``hidden`` (B, L, H): the step's final hidden states, for MTP rows' heads."""
         drafts = [p.tokens for p in proposals]
         picks = [rows_mod.verify(r, logits[b], p) for b, (r, p) in enumerate(zip(rows, proposals))]
         # Each token's log-probs as an array of its own, evaluated here like the rest: a slice
@@ -104,11 +110,15 @@ class Verification:
             self.recurrent.refeed_states(rows, drafts, saved, starts, kept, logits.shape[1])
             for r in rows:
                 self.recurrent.mark_block(r)
-        for r, d, a, t, logprobs in zip(rows, drafts, kept, after, per_token):
+        for b, (r, d, a, t, logprobs) in enumerate(zip(rows, drafts, kept, after, per_token)):
             emitted = d[:a] + [t]
             if r.draft_length is not None:
                 r.draft_length.update(a, len(d))
                 rows_mod.rewind_draft(r, r.tokens + emitted[:-1])  # what the pool now holds
+            if (observe := rows_mod.observer(r)) is not None:
+                if hidden is None:
+                    raise ValueError("an MTP row verified without the step's hidden states")
+                observe(hidden[b, : a + 1], emitted)  # the kept positions, each with its next
             self.emit(r, emitted, logprobs, a, len(d))
 
     def emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:

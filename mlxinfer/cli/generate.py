@@ -202,7 +202,7 @@ def _generate_batch(
     setting,
 ):
     """``generate --batch FILE``: every prompt through one engine, a JSON line each, in order;
-    drafts by prompt lookup or with a draft model."""
+    drafts by prompt lookup, with a draft model or with the MTP head."""
 
     from ..batch import batch_generate
     from ..batch.prompts import read_prompts
@@ -214,15 +214,15 @@ def _generate_batch(
         "--max-kv-size": options.pop("max_kv_size") is not None,
         "--prefill-step-size": options.pop("prefill_step_size") is not None,
         "--self-draft-layers": self_draft_layers is not None,
-        "--mtp": mtp,
     }
     if clash := [name for name, given in unsupported.items() if given]:
         raise click.UsageError(f"--batch does not take {', '.join(clash)} yet")
-    if num_draft is not None and not (prompt_lookup or draft_model):
+    if num_draft is not None and not (prompt_lookup or draft_model or mtp):
         raise click.UsageError(
-            "--num-draft needs a draft source (--batch drafts by --prompt-lookup or --draft-model)"
+            "--num-draft needs a draft source (--batch drafts by --prompt-lookup, "
+            "--draft-model or --mtp)"
         )
-    draft = _make_draft(draft_model, prompt_lookup, None)
+    draft = _make_draft(draft_model, prompt_lookup, None, mtp)
     prompts = read_prompts(batch_file)
     llm, tokenizer = _load(model, verbose, options.pop("force"), distributed=setting.load)
     prompts = _templated(tokenizer, prompts, system, chat_template, no_chat_template, verbose)

@@ -371,6 +371,12 @@ class MTP(Draft):
             self._kept = drafter
         return drafter
 
+    def drafter(self, model) -> _MTPDrafter:
+        """A drafter for one row of the batching engine, which hands it the row's hidden
+        states (``observe``) as its prefill and verification steps go; never ``keep_cache``'s."""
+        self.check(model, None)
+        return _MTPDrafter(model.mtp_heads[0])
+
 
 class _MTPDrafter:
     def __init__(self, head, kept: _MTPDrafter | None = None):

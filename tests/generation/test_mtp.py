@@ -260,11 +260,11 @@ def test_cli_mtp(random_head, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no MTP heads" in lines[0] and str(plain) in lines[0]
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Hello\n")
-    result = CliRunner().invoke(
-        cli, ["generate", "-m", str(path), "--batch", str(prompts), "--mtp"]
-    )
-    assert result.exit_code == 2 and "--batch does not take --mtp" in result.stderr
+    prompts.write_text("Hello\nHello world\n")
+    batch = ["generate", "-m", str(path), "--batch", str(prompts), "-n", "8"]
+    result = CliRunner().invoke(cli, batch + ["--mtp", "--num-draft", "2"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == CliRunner().invoke(cli, batch).stdout  # each row as without drafts
 
 
 def test_cli_mtp_over_a_prompt_cache_file(random_head, tmp_path):
