@@ -70,9 +70,9 @@ def batch_generate(
     """Complete every prompt (text, token ids or chat messages) in one batch; the texts,
     in order. Takes ``generate``'s sampling options (``temperature``, ``top_p``, ``seed``, …);
     a ``seed`` seeds every request alike. ``kv_bits``: the pool stores 8- or 4-bit keys and
-    values. ``draft=PromptLookup()`` or ``DraftModel(...)``: every request drafts by
-    prompt lookup or with that draft model, whose steps the requests share (``num_draft``
-    tokens per step, or adaptive). ``constraint``: every request's output must match it
+    values. ``draft=PromptLookup()``, ``DraftModel(...)`` or ``MTP()``: every request drafts by
+    prompt lookup, with that draft model, whose steps the requests share, or with the model's
+    own MTP head (``num_draft`` tokens per step, or adaptive). ``constraint``: every request's output must match it
     (each request has its own matcher). ``output``, ``chat_template_kwargs``: the output rules
     as one :class:`~mlxinfer.generation.rules.OutputRules`, more chat-template variables: as for
     ``stream_generate``. ``micro_batches``: the engine's (a pipeline's flights). ``images``: for

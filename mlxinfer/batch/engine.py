@@ -102,8 +102,10 @@ class Engine(Scheduler):
         """Queue a request for ``ids`` (token ids); raises PoolFullError at once if it could
         never fit the budget.
 
-        ``draft``: speculative decoding by :class:`~mlxinfer.generation.drafts.PromptLookup`
-        or with a :class:`~mlxinfer.generation.drafts.DraftModel` (same vocabulary; the rows
+        ``draft``: speculative decoding by :class:`~mlxinfer.generation.drafts.PromptLookup`,
+        with the model's MTP head (:class:`~mlxinfer.generation.drafts.MTP`: a head cache per
+        row, outside ``kv_budget``) or with a :class:`~mlxinfer.generation.drafts.DraftModel`
+        (same vocabulary; the rows
         drafting with one draft model share its forwards, over a pool of its own as large in
         blocks as the target's: inside ``kv_budget`` if the model was named in ``draft_models``;
         drafts verified in the batch's forward, rejected
