@@ -253,3 +253,27 @@ def test_without_the_tower_s_weights_the_language_model_runs_alone(vlm, tmp_path
     assert np.abs(_ours(model, batch) - _reference(torch_model, batch)).max() <= TOL
     with pytest.raises(MediaError, match=r"^text-only: a model without a vision tower"):
         generate(model, tokenizer, TEXT, images=files[:1], chat_template=True, max_tokens=2)
+
+
+def test_the_openai_route_gives_the_library_s_reply(vlm):
+    """Served (the engine refuses Qwen-VL image requests in one line; the server runs them on
+    their own thread through stream_generate): the official client's reply with two images is
+    the library's."""
+    import openai
+    from servers import serving
+    from vlm_serving import data_url
+
+    from mlxinfer.server import make_app
+
+    _, _, model, tokenizer, _, files = vlm
+    expected = generate(model, tokenizer, TEXT, images=files, chat_template=True, max_tokens=8)
+    parts = [{"type": "image_url", "image_url": {"url": data_url(f)}} for f in files]
+    with serving(make_app(model, tokenizer, "tiny-qwen-vl")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model="tiny-qwen-vl",
+            messages=[{"role": "user", "content": [*parts, {"type": "text", "text": TEXT}]}],
+            max_tokens=8,
+            temperature=0,
+        )
+    assert reply.choices[0].message.content == expected
