@@ -25,6 +25,7 @@ from .images import image_sources, takes_images
 
 MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp"}
 NOTE = "[image omitted: model '{}' takes text only]"
+TOWERS = ("vision_tower.", "visual.")  # the towers' weight prefixes (loading/loader.py's _TOWERS)
 MAX_HEADER = 100 << 20  # bytes of a safetensors header read (safetensors' own cap)
 
 
@@ -80,7 +81,7 @@ def config_takes_images(directory) -> bool:
         and isinstance(config.get("vision_config"), dict)
     ):
         return False
-    return any("vision_tower." in name for name in _tensor_names(directory))
+    return any(tower in name for name in _tensor_names(directory) for tower in TOWERS)
 
 
 def _tensor_names(directory: Path) -> list[str]:
