@@ -257,9 +257,15 @@ def speculative_options(fn):
 
 
 def _make_draft(
-    draft_model: str | None, prompt_lookup: bool, self_draft_layers: int | None, mtp: bool = False
+    draft_model: str | None,
+    prompt_lookup: bool,
+    self_draft_layers: int | None,
+    mtp: bool = False,
+    *,
+    keep: bool = True,
 ):
-    """The draft source the speculative flags ask for (at most one), or None."""
+    """The draft source the speculative flags ask for (at most one), or None. ``keep``: an MTP
+    head keeps its cache across requests (chat turns; they run one at a time)."""
     from ..generation.drafts import MTP, DraftModel, PromptLookup, SelfDraft
 
     chosen = [
@@ -283,7 +289,7 @@ def _make_draft(
     if self_draft_layers is not None:
         return SelfDraft(self_draft_layers)
     if mtp:
-        return MTP(keep_cache=True)  # chat turns: the head resumes from its own cache
+        return MTP(keep_cache=keep)  # chat turns: the head resumes from its own cache
     return None
 
 

@@ -137,6 +137,12 @@ def agent_options(fn):
 )
 @click.option("--prompt-lookup", is_flag=True, help="Speculative decoding by prompt lookup.")
 @click.option(
+    "--mtp",
+    is_flag=True,
+    help="Speculative decoding with the model's own multi-token-prediction head (MiMo, GLM-4.5, "
+    "DeepSeek-V3, Qwen3-Next, Qwen3.5).",
+)
+@click.option(
     "--draft-model",
     default=None,
     help="Speculative decoding with this draft model (directory or Hub repo id): every request "
@@ -186,6 +192,7 @@ def serve(
     kv_reserve,
     kv_bits,
     prompt_lookup,
+    mtp,
     draft_model,
     models_dir,
     keep_alive,
@@ -224,7 +231,7 @@ def serve(
             f"expected at most the KV budget ({budget} bytes), found {prefix_state_bytes}",
             param_hint="'--prefix-state-bytes'",
         )
-    draft = _make_draft(draft_model, prompt_lookup, None)
+    draft = _make_draft(draft_model, prompt_lookup, None, mtp, keep=False)  # concurrent requests
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
         llm, tokenizer = _load(model, verbose, force, budget, distributed=setting.load)
