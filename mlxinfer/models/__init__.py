@@ -27,6 +27,7 @@ FAMILIES = {
     "gemma3": "gemma3",  # with its vision tower (config.py: only with a vision_config)
     "qwen2_5_vl": "qwen2_5_vl",  # with their towers, as gemma3
     "qwen3_vl": "qwen3_vl",
+    "mistral3": "mistral3",  # Pixtral tower over mistral / ministral3 text
     "phi3": "phi3",
     "gpt2": "gpt2",
     "bloom": "bloom",

@@ -75,6 +75,15 @@ WITH_TOWER = {
     ),
     "qwen2_5_vl": _QWEN_VL_KEYS,
     "qwen3_vl": _QWEN_VL_KEYS,
+    "mistral3": (
+        "vision_config",
+        "image_token_index",
+        "spatial_merge_size",
+        "projector_hidden_act",
+        "vision_feature_layer",
+        "multimodal_projector_bias",
+        "text_model_type",
+    ),
 }
 
 
@@ -100,6 +109,8 @@ def language_model_config(config: dict[str, Any], source: str = "config.json") -
     if with_tower:  # the whole model: its family reads the tower's keys beside the text's
         out = {**text, **{k: config[k] for k in WITH_TOWER[kind] if k in config}}
         out["model_type"] = kind
+        if "text_model_type" in WITH_TOWER[kind]:  # a family over several text models
+            out["text_model_type"] = text_kind
     # The whole model's flag decides the tie (transformers 5 ties by the top-level config:
     # Mistral3Config defaults to tied while its text_config says untied).
     if "tie_word_embeddings" in config:
@@ -114,7 +125,8 @@ def without_tower(config: dict[str, Any]) -> dict[str, Any]:
     if kind not in WITH_TOWER:
         return config
     out = {k: v for k, v in config.items() if k not in WITH_TOWER[kind]}
-    return {**out, "model_type": LANGUAGE_MODELS[kind], "language_model_of": kind}
+    text_kind = config.get("text_model_type") or LANGUAGE_MODELS[kind]
+    return {**out, "model_type": text_kind, "language_model_of": kind}
 
 
 def normalize_rope(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:

@@ -480,7 +480,9 @@ def test_a_multimodal_mistral3_checkpoint_runs_its_language_model(tmp_path, text
     """A Mistral3ForConditionalGeneration checkpoint (Mistral Small 3.1/3.2: a "mistral" text
     model, untied; Ministral 3: "ministral3", tied by the top-level flag as transformers ties
     it): its language model loads alone and matches transformers' whole model on text, with
-    and without the cache; `convert` writes the language model only."""
+    and without the cache; it loads with its Pixtral tower (models/mistral3.py, image parity in
+    tests/vision/test_mistral3_vlm.py) and `convert` keeps it; a checkpoint that kept the config
+    but not the tower runs its language model alone."""
     import torch
     import transformers
     from hf_models import TINY
@@ -511,13 +513,9 @@ def test_a_multimodal_mistral3_checkpoint_runs_its_language_model(tmp_path, text
             else:
                 t.add_(torch.randn_like(t) * 0.1)  # norms away from their neutral value
     torch_model.save_pretrained(tmp_path / "hf")
-    logged = []
-    model, _ = load_model(tmp_path / "hf", log=logged.append)
-    assert "vision tower is not loaded" in logged[0]
-    assert (
-        type(model).__module__
-        == f"mlxinfer.models.{'llama' if text_type == 'mistral' else text_type}"
-    )
+    model, _ = load_model(tmp_path / "hf")
+    assert type(model).__module__ == "mlxinfer.models.mistral3"
+    assert model.args.text_model_type == text_type
     assert model.tied == (text_type == "ministral3")
     with torch.no_grad():
         expected = torch_model(torch.tensor([IDS])).logits[0].float().numpy()
@@ -528,6 +526,23 @@ def test_a_multimodal_mistral3_checkpoint_runs_its_language_model(tmp_path, text
     add_tokenizer(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "text", dtype="float32")
     written = json.loads((tmp_path / "text" / "config.json").read_text())
-    assert written["model_type"] == text_type and "vision_config" not in written
+    assert written["model_type"] == "mistral3" and "vision_config" in written
     again, _ = load_model(tmp_path / "text")
+    assert type(again).__module__ == "mlxinfer.models.mistral3"
     assert np.abs(np.array(again(mx.array([IDS]))[0]) - expected).max() <= TOL
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file(
+        {k: v for k, v in weights.items() if "vision_tower" not in k and "projector" not in k},
+        tmp_path / "hf" / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    logged = []
+    text_only, _ = load_model(tmp_path / "hf", log=logged.append)
+    assert "no vision tower" in logged[0]
+    assert (
+        type(text_only).__module__
+        == f"mlxinfer.models.{'llama' if text_type == 'mistral' else text_type}"
+    )
+    assert np.abs(np.array(text_only(mx.array([IDS]))[0]) - expected).max() <= TOL
