@@ -357,8 +357,10 @@ class MTP(Draft):
         self._kept: _MTPDrafter | None = None  # the last request's, with keep_cache
 
     def check(self, model, tokenizer) -> None:
+        where = getattr(model, "source_dir", None) or type(model).__module__
+        if getattr(model, "backend", None) == "distributed":  # distributed/pipeline.RankModel
+            raise DraftError(f"model {where}: MTP drafting does not run across ranks yet")
         if not getattr(model, "mtp_heads", None):
-            where = getattr(model, "source_dir", None) or type(model).__module__
             raise DraftError(
                 f"model {where} has no MTP heads (expected a family that keeps them, such as "
                 "mimo, with its MTP weights); --mtp needs them"

@@ -23,6 +23,7 @@ from mtp_models import make_mimo, transformers_layout
 from mlxinfer import load, stream_generate
 from mlxinfer.cache.prompt import PromptCache
 from mlxinfer.cli.main import cli
+from mlxinfer.errors import DraftError
 from mlxinfer.generation import generate_step, speculative
 from mlxinfer.generation.drafts import MTP
 from mlxinfer.generation.sampling import filtered_logprobs, make_sampler
@@ -295,3 +296,20 @@ def test_stream_generate_with_mtp_equals_plain(random_head, rules):
     plain = "".join(r.text for r in stream_generate(model, tokenizer, "Hi", max_tokens=10, **rules))
     drafted = stream_generate(model, tokenizer, "Hi", max_tokens=10, draft=MTP(), **rules)
     assert "".join(r.text for r in drafted) == plain
+
+
+def test_a_one_token_prompt_drafts_from_the_second_step(noisy_head):
+    """Nothing is prefilled, so the head has no pair before the first verification; it drafts
+    from the next step on."""
+    model = noisy_head[3]
+    steps = list(speculative_generate_step([42], model, MTP(), max_tokens=12, num_draft=2))
+    assert [s[0] for s in steps] == run(model, n=12, prompt=[42])[0]
+    assert steps[0][4] == 0 and sum(s[4] for s in steps) > 0
+
+
+def test_mtp_across_ranks_is_refused_in_one_line():
+    class Rank:  # what distributed/pipeline.RankModel shows the draft
+        backend, source_dir = "distributed", "/models/mimo"
+
+    with pytest.raises(DraftError, match="across ranks"):
+        MTP().check(Rank(), None)
