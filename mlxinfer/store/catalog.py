@@ -22,6 +22,7 @@ from ..files.manifest import (
 )
 from ..files.safetensors_check import read_header
 from ..loading import memory
+from ..models.config import WITH_TOWER
 from .layout import (
     SOURCE_NAME,
     inside_store,
@@ -98,8 +99,8 @@ def _capabilities(model_dir: Path, config: dict) -> list[str]:
         found.append("tools")
     if "<think>" in template or "enable_thinking" in template or "reasoning" in template:
         found.append("thinking")
-    if isinstance(config.get("vision_config"), dict):
-        found.append("vision")
+    if isinstance(config.get("vision_config"), dict) and config.get("model_type") in WITH_TOWER:
+        found.append("vision")  # a tower that runs here (a vision_config alone: text only)
     if (model_dir / "modules.json").is_file():
         found.append("embedding")
     return found
