@@ -125,8 +125,9 @@ class TextModel(qwen2.Qwen2Model):
         if positions is None:
             return offset + request_delta(cache)
         if cache:
-            # The last token's position + 1 - its index + 1: after the prompt's last chunk, the
-            # delta of every later (text) token. Kept with the request's cache, not the model.
+            # (the chunk's last token's largest position + 1) - (its index + 1): after the
+            # prompt's last chunk (text: a template's prompt ends in text, as get_rope_index's
+            # max + 1 - L), every later token's position - index. Kept with the request's cache.
             last = positions[:, -1].max(axis=-1) + 1 - (offset + L)  # (B,)
             delta = cast(int, last.item()) if last.size == 1 else last  # an int array's item
             cache[0].mrope_delta = delta  # type: ignore[attr-defined]  # the request's own
