@@ -152,7 +152,10 @@ def draft_state(r: _Request) -> list[mx.array]:
 
 
 def draft_nbytes(r: _Request) -> int:
-    """The bytes of ``r``'s own draft cache (a draft pool counts its blocks itself)."""
+    """The bytes of ``r``'s own draft cache (a draft pool counts its blocks itself): a draft
+    model's, or an MTP head's (outside the pool and its budget)."""
+    if observer(r) is not None:
+        return r.drafter.cache.nbytes
     if r.draft_model is None or isinstance(r.drafter, DraftPool):
         return 0
     return r.drafter.nbytes

@@ -17,9 +17,12 @@ site-packages, and vLLM's / mlx-lm #990's MiMo and DeepSeek heads for the weight
       logits = lm_head(g)                # the trunk's head (shared), predicts x_{j+2}
 
 - Weight names: DeepSeek/GLM keep the head as decoder layer N (``model.layers.N.{enorm, hnorm,
-  eh_proj, shared_head.norm}`` + the block's own); MiMo as ``model.mtp_layers.i.{token_layernorm,
-  hidden_layernorm, input_proj, final_layernorm}`` + a Qwen2 block's; Qwen3-Next/3.5 as
-  ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layers.0.*}`` with (1 + w) norms.
+  eh_proj, shared_head.norm}`` + the block's own, always MoE); MiMo as ``model.mtp_layers.i.
+  {token_layernorm, hidden_layernorm, input_proj, final_layernorm}`` + a Qwen2 block's;
+  Qwen3-Next/3.5 as ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layers.0.*}``
+  ([e, h], (1 + w) norms: OffsetRMSNorm, whose stored weight is the offset, never shifted in
+  sanitize, so it cannot be shifted twice). Each family's ``sanitize`` moves its heads to
+  ``model.mtp_layers.i.*``, where the model holds them (a converted checkpoint keeps that name).
 - Positions and cache: the head's cache gets one entry per pair, primed over the whole prompt
   (pair 0 is (h_0, x_1): position 0 has no pair, so nothing there needs masking). transformers
   ropes pair j at position j+1; here pair j sits at cache offset j. RoPE scores depend only on
@@ -31,8 +34,9 @@ site-packages, and vLLM's / mlx-lm #990's MiMo and DeepSeek heads for the weight
 
 A family keeps its heads by adding its blocks, extended by :func:`extend_block`, to its inner
 model as ``mtp_layers`` and mixing :class:`MTPHeads` into its model: ``model.mtp_heads`` (the
-:class:`MTPHead` objects) and ``model.trunk(inputs, cache) -> (hidden, logits)``. Heads are found by their weights (:func:`keep_present_heads`): a
-config announcing heads whose weights were stripped still loads, without heads.
+:class:`MTPHead` objects) and ``model.trunk(inputs, cache) -> (hidden, logits)``. Heads are
+found by their weights (:func:`keep_present_heads`): a config announcing heads whose weights
+were stripped still loads, without heads.
 """
 
 from __future__ import annotations
