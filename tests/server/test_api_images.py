@@ -224,6 +224,13 @@ def test_ollama_refusals(served):
     assert e.value.status_code == 400
     with pytest.raises(ollama.ResponseError, match=f"model '{TEXT_ONLY}' takes text only"):
         client.generate(model=TEXT_ONLY, prompt="x", images=[files[0]])
+    # a tool turn's image is a note for a text-only model, as in the other APIs
+    tool = [
+        {"role": "user", "content": "Look"},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "view", "arguments": {}}}]},
+        {"role": "tool", "tool_name": "view", "content": "", "images": [files[0]]},
+    ]
+    assert client.chat(model=TEXT_ONLY, messages=tool, options={"num_predict": 2}).done
     # a path is never read from the server's disk: only image data is taken
     r = httpx.post(
         f"{base}/api/generate",

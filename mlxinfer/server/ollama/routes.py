@@ -33,7 +33,7 @@ from ...errors import MlxInferError, PromptTooLongError, TokenIdError, Tokenizer
 from ..aliases import resolve
 from ..embeddings.routes import MAX_INPUTS, MAX_REQUEST_TOKENS  # /v1/embeddings' bounds
 from ..hangup import Streams
-from ..image_parts import has_images, model_takes_images
+from ..image_parts import for_model, has_images, model_takes_images
 from ..limits import RETRY_AFTER_S, BadJSON, check_prompt_length, in_worker, parse_json
 from ..routes import BODY_IN_THREAD, Routes
 from ..templating import fit_messages
@@ -212,7 +212,7 @@ class OllamaRoutes:
             self._fit(entry, ask)
         first, results = self.routes.start(
             entry,
-            ask.prompt,
+            for_model(entry, ask.prompt),  # a text-only model: tool turns' images as notes
             ask,
             ask.templated,
             lambda e: OllamaError(400, str(e)),
