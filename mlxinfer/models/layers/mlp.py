@@ -19,6 +19,7 @@ ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "gelu_new": nn.gelu_approx,
     "gelu_pytorch_tanh": nn.gelu_approx,
     "gelu_fast": nn.gelu_approx,
+    "quick_gelu": lambda x: x * mx.sigmoid(1.702 * x),  # CLIP's: x·σ(1.702x)
 }
 
 
