@@ -5,13 +5,15 @@ beside it from a models directory): a reply with an image is the library's for t
 
 from __future__ import annotations
 
+import base64
+
 import anthropic
 import httpx
 import ollama
 import openai
 import pytest
 from servers import serving
-from vlm_serving import b64, data_url, text_only_copy, vlm_with_images
+from vlm_serving import b64, data_url, hostile_images, text_only_copy, vlm_with_images
 
 from mlxinfer.generation import generate
 from mlxinfer.loading.loader import load
@@ -245,3 +247,53 @@ def test_the_model_list_says_which_models_read_images(served):
     models = {m.id: m for m in _openai(base).models.list()}
     assert models[NAME].input_modalities == ["text", "image"]
     assert models[TEXT_ONLY].input_modalities == ["text"]
+
+
+# --- hostile images, every API ---------------------------------------------------------------
+
+
+def test_hostile_images_are_a_400_in_each_api_s_shape(served):
+    """A bomb, a truncated file, a format outside the allow-list, no bytes at all: each API's
+    400 in its own shape naming the image, and the server still serves."""
+    base, files, expected = served
+
+    def bodies(data: str) -> dict:
+        url = f"data:image/png;base64,{data}"
+        source = {"type": "base64", "media_type": "image/png", "data": data}
+        return {
+            "/v1/chat/completions": {
+                "model": NAME,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+                ],
+            },
+            "/v1/messages": {
+                "model": NAME,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}],
+            },
+            "/v1/responses": {
+                "model": NAME,
+                "input": _input({"type": "input_image", "image_url": url}),
+            },
+            "/api/chat": {
+                "model": NAME,
+                "stream": False,
+                "messages": [{"role": "user", "content": "x", "images": [data or "="]}],
+            },
+        }
+
+    for kind, raw in hostile_images(files[0]).items():
+        data = base64.b64encode(raw).decode()
+        for route, body in bodies(data).items():
+            r = httpx.post(base + route, json=body, timeout=60)
+            assert r.status_code == 400, (kind, route, r.text)
+            error = r.json()["error"]
+            message = error if isinstance(error, str) else error["message"]
+            assert "image 1" in message and "\n" not in message, (kind, route, message)
+            if route == "/v1/messages":
+                assert r.json()["type"] == "error"
+    reply = _openai(base).responses.create(
+        model=NAME, input=_input(_input_image(files[0])), max_output_tokens=8, temperature=0
+    )
+    assert reply.output_text == expected[0]

@@ -42,3 +42,28 @@ def b64(path: Path) -> str:
 
 def data_url(path: Path) -> str:
     return "data:image/png;base64," + b64(path)
+
+
+def hostile_images(good: Path) -> dict[str, bytes]:
+    """Images a server must refuse in one line: a 30,000 x 30,000 PNG of a few bytes (a
+    decompression bomb), ``good`` cut short, a BMP (outside the allow-list), nothing at all."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        crc = zlib.crc32(kind + payload) & 0xFFFFFFFF
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
+
+    bomb = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", 30_000, 30_000, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
+    bmp = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(bmp, "BMP")
+    data = Path(good).read_bytes()
+    return {"bomb": bomb, "truncated": data[: len(data) // 3], "bmp": bmp.getvalue(), "empty": b""}
