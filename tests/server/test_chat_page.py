@@ -272,17 +272,28 @@ def test_an_image_picked_or_pasted_is_shown_and_sent(vlm_page, browser):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chat-page-image.png"))
 
-    # A pasted image is attached too; a text-only model hides the picker and drops it.
+    # The conversation's image is kept for the tab: a reload shows it again.
+    page.reload()
+    _models_listed(page)
+    sync_api.expect(page.locator(".message.user img")).to_have_count(1)
+    assert page.locator(".message.user img").evaluate("img => img.naturalWidth") == 150
+
+    # A pasted or dropped image is attached too; a text-only model hides the picker and drops
+    # what was attached.
     data = list(files[1].read_bytes())
-    page.locator("#prompt").evaluate(
-        """(el, data) => {
-            const dt = new DataTransfer();
-            dt.items.add(new File([new Uint8Array(data)], "p.png", { type: "image/png" }));
-            el.dispatchEvent(new ClipboardEvent("paste", { clipboardData: dt, bubbles: true }));
-        }""",
-        data,
-    )
-    sync_api.expect(page.locator("#attached img")).to_have_count(1)
+    for event in ("paste", "drop"):
+        page.locator("#prompt").evaluate(
+            """(el, [data, event]) => {
+                const dt = new DataTransfer();
+                dt.items.add(new File([new Uint8Array(data)], "p.png", { type: "image/png" }));
+                const e = event === "paste"
+                    ? new ClipboardEvent("paste", { clipboardData: dt, bubbles: true })
+                    : new DragEvent("drop", { dataTransfer: dt, bubbles: true, cancelable: true });
+                el.dispatchEvent(e);
+            }""",
+            [data, event],
+        )
+    sync_api.expect(page.locator("#attached img")).to_have_count(2)
     page.select_option("#model", TEXT_ONLY)
     sync_api.expect(page.locator("#attach")).to_be_hidden()
     sync_api.expect(page.locator("#attached img")).to_have_count(0)

@@ -2,8 +2,8 @@
 // highlighted code and KaTeX math, through DOMPurify. The conversation is kept in
 // sessionStorage (this browser tab only); Stop aborts the request, which cancels it on the
 // server. For a model that reads images (its /v1/models entry lists "image" among its
-// input_modalities) an image may be picked or pasted: shown in the user's message and sent as
-// an OpenAI image_url part holding a data URL.
+// input_modalities) an image may be picked, pasted or dropped: shown in the user's message and
+// sent as an OpenAI image_url part holding a data URL.
 import DOMPurify from "dompurify";
 import hljs from "highlight.js/lib/common";
 import katexModule from "@vscode/markdown-it-katex";
@@ -292,6 +292,15 @@ $("image").addEventListener("change", (event) => {
 });
 $("prompt").addEventListener("paste", (event) => {
   if (attach(event.clipboardData?.files ?? [])) event.preventDefault();
+});
+// A file dropped anywhere on the page is attached (never opened in place of the page).
+document.addEventListener("dragover", (event) => {
+  if (event.dataTransfer?.types.includes("Files")) event.preventDefault();
+});
+document.addEventListener("drop", (event) => {
+  if (!event.dataTransfer?.files.length) return;
+  event.preventDefault();
+  attach(event.dataTransfer.files);
 });
 $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
