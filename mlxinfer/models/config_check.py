@@ -85,6 +85,8 @@ BOUNDS: dict[str, tuple[int, int]] = {
     for key in keys
 }
 BOUNDS["conv_L_cache"] = (2, 1024)
+# MTP heads (layers/mtp.py): the checkpoints ship 1 (MiMo-V2-Flash 3); each is a whole block.
+BOUNDS["num_nextn_predict_layers"] = BOUNDS["mtp_num_hidden_layers"] = (0, 64)
 BOUNDS["sliding_window"] = (0, 2**26)  # 0 in configs that do not use it; check_args: >= 1 if used
 BOUNDS["max_window_layers"] = (0, 2**26)  # Qwen configs set it past the layer count
 # XGLM's sinusoid table is computed at build: (positions + 2) x d_model float32s. 2**26 is

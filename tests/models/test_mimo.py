@@ -128,3 +128,21 @@ def test_convert_keeps_the_heads(pair, tmp_path, quantize):
     plain = [t for t, _ in generate_step(IDS, converted, max_tokens=10)]
     drafted = [s[0] for s in speculative_generate_step(IDS, converted, MTP(), max_tokens=10)]
     assert drafted == plain
+
+
+@pytest.mark.parametrize("key", ["num_nextn_predict_layers"])
+@pytest.mark.parametrize("value", [-1, 10**9, "1"])
+def test_a_head_count_out_of_bounds_is_a_config_error(key, value):
+    from mlxinfer.errors import ConfigError
+    from mlxinfer.models import build_model
+
+    config = dict(
+        model_type="mimo",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        vocab_size=256,
+    )
+    with pytest.raises(ConfigError, match=key):
+        build_model({**config, key: value})
