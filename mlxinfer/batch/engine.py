@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import inspect
 import itertools
 import threading
 import weakref
@@ -29,12 +28,12 @@ from . import rows as rows_mod
 from .config import EngineConfig
 from .draft_pool import DraftPool, poolable
 from .frontend import TextRequests
-from .images import RowImages
+from .images import PER_POSITION, RowImages
 from .metrics import COUNTERS, engine_metrics
 from .parts import make_parts, rank_turns
 from .pool import PoolStats
 from .requests import EngineError, Handle, Stream, _Request
-from .scheduler import Scheduler
+from .scheduler import Scheduler, _keywords
 from .turns import LocalTurns
 
 
@@ -170,12 +169,10 @@ class Engine(Scheduler):
             return f"images: {type(model).__module__} has no vision tower"
         if not isinstance(self.turns, LocalTurns):
             return "images: an engine across ranks does not take images yet"
-        named = inspect.signature(model.__call__).parameters.values()
-        forward = {p.name for p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-        extra = sorted(forward - {"inputs", "cache", "embeds", "blocks"})
-        if extra:  # Qwen-VL's M-RoPE positions: each request's own, not the rows' offsets yet
+        extra = sorted(_keywords(model) - {"inputs", "cache", *PER_POSITION})
+        if extra:
             return (
-                f"images: the batching engine feeds a row embeds and blocks, but "
+                f"images: the batching engine feeds a row {', '.join(PER_POSITION)}, but "
                 f"{type(model).__module__} also takes {', '.join(extra)} (stream_generate runs it)"
             )
         return None

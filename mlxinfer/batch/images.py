@@ -8,7 +8,10 @@ numpy). The engine's thread encodes them (:meth:`RowImages.encode`: the tower, t
 and keeps the merged embeddings until its prompt is in; each chunk feeds its slice
 (``embeds=``), and stretches to the end of an image it would cut (:meth:`RowImages.chunk_end`):
 an image's tokens see each other both ways, so all of them are in the forward that computes
-any of them (the mask: ``views.StepBatch``'s ``blocks``).
+any of them (the mask: ``views.StepBatch``'s ``blocks``). A model with multimodal RoPE (Qwen-VL)
+gives every token (t, h, w) ``positions``: each chunk takes its slice, and the row keeps its
+``delta``, with which the scheduler's decode steps give the row its own positions
+(``scheduler._row_positions``): the request's state, never the model's.
 
 The prefix cache. Every image's placeholder ids are the same, so a block that holds image
 tokens is named by the images too: its *salt*, hashed into its chain hash after its token ids
@@ -30,9 +33,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import PromptTooLongError
-from ..generation.images import PromptImages, image_inputs
+from ..generation.images import PromptImages, _chunk, image_inputs
 
 DEFAULT_ENCODER_BYTES = 256 << 20  # the encoder cache's features, at most
+# What a model's image_inputs may give, one row per prompt position: the merged embeddings,
+# Gemma 3's image blocks, Qwen-VL's (t, h, w) positions and Qwen3-VL's deepstack features.
+PER_POSITION = ("embeds", "blocks", "positions", "deepstack")
 
 
 @dataclass
@@ -45,6 +51,12 @@ class RowImages:
     runs: np.ndarray
     salts: dict[int, bytes]
     inputs: dict[str, mx.array] | None = field(default=None, repr=False)
+    # Set by encode(): whether an image's tokens see each other both ways (the model gave
+    # ``blocks``: Gemma 3), and the row's M-RoPE ``delta`` (the model gave ``positions``:
+    # Qwen-VL; a later token's position is its index + delta, 0 for the others).
+    both_ways: bool = False
+    delta: int = 0
+    encoded: bool = False
 
     @classmethod
     def make(cls, ids: list[int], images: PromptImages, block_size: int) -> RowImages:
@@ -87,24 +99,32 @@ class RowImages:
     def encode(self, model, ids: list[int], cache: EncoderCache | None) -> None:
         """The tower's features merged into the prompt's embeddings (``inputs``), on the
         engine's thread: the images the encoder cache holds are not encoded again."""
-        if self.inputs is None:
+        if not self.encoded:
             features = cache.features(model, self.images) if cache is not None else None
             if features is None:
                 self.inputs = image_inputs(model, ids, self.images)
             else:
                 self.inputs = model.image_inputs(ids, features)
-            unknown = set(self.inputs) - {"embeds", "blocks"}
+            unknown = set(self.inputs) - set(PER_POSITION)
             if unknown:
                 raise ValueError(
-                    f"images: the batching engine feeds embeds and blocks, found "
+                    f"images: the batching engine feeds {', '.join(PER_POSITION)}, found "
                     f"{', '.join(sorted(unknown))} too"
                 )
-            mx.eval(self.inputs["embeds"])
+            self.both_ways = "blocks" in self.inputs
+            if "positions" in self.inputs:  # (1, L, 3): the last token's, less its index
+                last = self.inputs["positions"][0, -1]
+                self.delta = int(last.max().item()) + 1 - len(ids)
+            mx.eval(list(self.inputs.values()))
+            self.encoded = True
 
-    def chunk(self, start: int, end: int) -> tuple[mx.array, np.ndarray]:
-        """The chunk's ``embeds`` (1, end - start, hidden) and image runs (end - start,)."""
+    def chunk(self, start: int, end: int) -> tuple[dict[str, mx.array], np.ndarray | None]:
+        """The chunk's inputs (``embeds`` (1, end - start, hidden), Qwen-VL's ``positions``
+        and ``deepstack``: each per-position input's slice) and, for a model whose image
+        tokens see each other both ways, its image runs (end - start,), else None."""
         assert self.inputs is not None, "encode() first"
-        return self.inputs["embeds"][:, start:end], self.runs[start:end]
+        extra = {k: _chunk(v, start, end) for k, v in self.inputs.items() if k != "blocks"}
+        return extra, self.runs[start:end] if self.both_ways else None
 
     def done(self) -> None:
         """The prompt is in: its embeddings go."""

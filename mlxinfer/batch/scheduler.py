@@ -43,6 +43,7 @@ model with recurrent layers, or None), ``verification`` (drafting rows' steps), 
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from typing import Any
@@ -84,6 +85,8 @@ class Scheduler:
         self.shrink_every, self._looked_at = parts.shrink_every, time.monotonic()
         self._draft_pools = parts.draft_pools  # each draft model's (by id; made on first use)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)  # image features (images.py)
+        # Whether the forward takes positions (Qwen-VL's M-RoPE): image rows decode at their own.
+        self.takes_positions = "positions" in _keywords(model)
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._cond = threading.Condition()
@@ -261,23 +264,26 @@ class Scheduler:
                 continue
             visited.append(request)
             left = len(request.ids) - 1 - request.seq.length
+            images = request.images
+            # The tower, once per request: a unit of this turn's budget (its image tokens'
+            # worth), the row's first chunk at the next turn. A row whose whole prompt is
+            # shared needs it only for its M-RoPE delta (Qwen-VL: a forward that takes
+            # positions).
+            if images is not None and not images.encoded and (left > 0 or self.takes_positions):
+                try:
+                    images.encode(self.model, request.ids, self.encoder_cache)
+                except (ValueError, MlxInferError) as e:  # this request's, not the engine's
+                    failed.append((request, e))
+                    visited.pop()
+                    continue
+                budget -= sum(images.images.processed.tokens_per_image)
+                continue
             if left > 0:
                 start = request.seq.length
                 end = start + min(left, budget)
                 if self.snapshots is not None:  # a chunk ends where a snapshot is wanted
                     end = snap.chunk_end(start, end, *self.recurrent.points(request))
-                if request.images is not None and request.images.inputs is None:
-                    # The tower, once per request: a unit of this turn's budget (its image
-                    # tokens' worth), the row's first chunk at the next turn.
-                    try:
-                        request.images.encode(self.model, request.ids, self.encoder_cache)
-                    except (ValueError, MlxInferError) as e:  # this request's, not the engine's
-                        failed.append((request, e))
-                        visited.pop()
-                        continue
-                    budget -= sum(request.images.images.processed.tokens_per_image)
-                    continue
-                if request.images is not None:  # a chunk never cuts an image in two
+                if images is not None:  # a chunk never cuts an image in two
                     end = request.images.chunk_end(end)
                 chunks.append((request, request.ids[start:end]))
                 budget -= len(chunks[-1][1])
@@ -336,11 +342,12 @@ class Scheduler:
         padded = [c + c[-1:] * (L - len(c)) for _, c in group]
         ends = [r.seq.length + len(c) for r, c in group]
         images = rows[0].images  # a row with images prefills alone, on its embeddings
-        extra, blocks = {}, None
+        extra: dict[str, mx.array] = {}
+        blocks = None
         if images is not None:
             start = rows[0].seq.length
-            extra["embeds"], runs = images.chunk(start, start + L)
-            blocks = [runs]
+            extra, runs = images.chunk(start, start + L)
+            blocks = None if runs is None else [runs]
         batch = self.pools.batch(rows, padded, blocks=blocks)
         # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE: one row then).
         x = mx.array(padded, dtype=mx.int32)
@@ -397,8 +404,9 @@ class Scheduler:
 
     def _decode_rows(self, rows: list[_Request]) -> None:
         tokens = [[r.pending] for r in rows]
+        extra = _row_positions(rows)  # before the batch records the tokens
         batch = self.pools.batch(rows, tokens, self.attention)
-        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views())[:, -1, :]
+        logits = self.model(mx.array(tokens, dtype=mx.int32), batch.views(), **extra)[:, -1, :]
         self.counters.steps_run += 1
         self._emit_rows(rows, logits)
 
@@ -421,3 +429,20 @@ class Scheduler:
                 self._retire(request)
             else:
                 request.pending = t
+
+
+def _keywords(model) -> set[str]:
+    """The names ``model``'s forward takes (its ``*args``/``**kwargs`` aside)."""
+    named = inspect.signature(model.__call__).parameters.values()
+    return {p.name for p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _row_positions(rows: list[_Request]) -> dict[str, mx.array]:
+    """``positions`` (B, 1, 3) for a decode step where a row's M-RoPE delta is not 0 (a
+    Qwen-VL row with images: its token at index + delta; every other row at its index, which
+    multimodal RoPE with three equal positions rotates as plain RoPE), else nothing."""
+    deltas = [r.images.delta if r.images is not None else 0 for r in rows]
+    if not any(deltas):
+        return {}
+    at = [[[r.seq.length + d] * 3] for r, d in zip(rows, deltas)]
+    return {"positions": mx.array(at, dtype=mx.int32)}

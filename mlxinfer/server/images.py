@@ -10,8 +10,8 @@ skips an image seen before) and names the prefix blocks that hold image tokens b
 (``batch/images.py``), so a system prompt is shared across images and no block is shared
 between two images.
 
-A model whose image requests the engine cannot run yet (``Engine.image_refusal``: Qwen-VL's
-M-RoPE positions are each request's own) is served by :class:`ImageStream`:
+A model whose image requests the engine cannot run (``Engine.image_refusal``: a forward that
+takes inputs the engine does not feed) is served by :class:`ImageStream`:
 ``stream_generate(images=...)`` on a thread of its own, one such request at a time, each on a
 fresh cache.
 """

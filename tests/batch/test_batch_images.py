@@ -210,3 +210,39 @@ def test_batch_generate_gives_every_prompt_the_images(vlm, monkeypatch):
         model, tokenizer, prompts, images=files[:2], chat_template=True, max_tokens=8
     )
     assert texts == expected and calls == [2]  # the tower saw the two images once
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen_vl(request, tmp_path_factory):
+    from qwen_vl import make_qwen_vl
+
+    root = tmp_path_factory.mktemp(request.param)
+    path, _ = make_qwen_vl(root / "model", request.param)
+    files = []
+    for i, size in enumerate([(150, 118), (131, 170), (140, 100)]):
+        files.append(root / f"image{i}.png")
+        random_image(i + 1, size).save(files[-1])
+    model, tokenizer = load(path)
+    return model, tokenizer, files
+
+
+def test_qwen_vl_rows_decode_at_their_own_m_rope_positions(qwen_vl):
+    """Qwen2.5-VL / Qwen3-VL: each image row's chunks take their slice of the (t, h, w)
+    positions (and Qwen3-VL's deepstack), and it decodes at its index + its own delta beside a
+    text row; again with every full block shared (its delta still its own)."""
+    model, tokenizer, files = qwen_vl
+    asks = [(TEXT, files[:1]), (TEXT, files[1:3]), ("What color is it?", None)]
+    expected = [_single(model, tokenizer, p, i) for p, i in asks]
+    assert expected[0] != expected[1]
+    with Engine(model, block_size=4, prefill_step=5) as engine:
+        assert engine.image_refusal() is None
+        streams = [
+            engine.start(tokenizer, p, images=i, chat_template=True, max_tokens=8) for p, i in asks
+        ]
+        assert [[r.token for r in s] for s in streams] == expected
+        for prompt, images in asks[:2]:  # the whole prompt but its last token shared
+            tokens, cached = _run(engine, tokenizer, prompt, images)
+            ids = prepare_prompt(tokenizer, prompt, images=load_images(model, tokenizer, images))
+            assert cached == (len(ids) - 1) // 4 * 4 and tokens == _single(
+                model, tokenizer, prompt, images
+            )
