@@ -28,6 +28,7 @@ FAMILIES = {
     "qwen2_5_vl": "qwen2_5_vl",  # with their towers, as gemma3
     "qwen3_vl": "qwen3_vl",
     "mistral3": "mistral3",  # Pixtral tower over mistral / ministral3 text
+    "llava": "llava",  # CLIP (or Pixtral) tower over llama / mistral text
     "phi3": "phi3",
     "gpt2": "gpt2",
     "bloom": "bloom",

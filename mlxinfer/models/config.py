@@ -47,6 +47,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 LANGUAGE_MODELS = {
     "gemma3": "gemma3_text",
     "mistral3": "mistral",
+    "llava": "llama",
     # On text alone the M-RoPE of these is plain RoPE: their language models are qwen2 / qwen3's.
     "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3",
@@ -82,6 +83,16 @@ WITH_TOWER = {
         "projector_hidden_act",
         "vision_feature_layer",
         "multimodal_projector_bias",
+        "text_model_type",
+    ),
+    "llava": (
+        "vision_config",
+        "image_token_index",
+        "projector_hidden_act",
+        "vision_feature_layer",
+        "vision_feature_select_strategy",
+        "multimodal_projector_bias",
+        "image_seq_length",
         "text_model_type",
     ),
 }

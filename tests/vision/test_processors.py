@@ -539,10 +539,10 @@ def test_real_gemma3_settings_are_read_from_the_older_layout(tmp_path):
     [
         (
             {
-                "config.json": {"model_type": "llava", "vision_config": {}},
-                "preprocessor_config.json": {"image_processor_type": "CLIPImageProcessor"},
+                "config.json": {"model_type": "paligemma", "vision_config": {}},
+                "preprocessor_config.json": {"image_processor_type": "SiglipImageProcessor"},
             },
-            "CLIPImageProcessor",
+            "SiglipImageProcessor",
         ),
         (
             {"config.json": {"model_type": "gemma3", "vision_config": {}}},

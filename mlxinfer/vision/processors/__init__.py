@@ -5,7 +5,8 @@ Each family matches transformers' PIL image processor and its Processor's text e
 - ``gemma3.py``: Gemma 3 (``Gemma3ImageProcessorPil`` + ``Gemma3Processor``);
 - ``qwen_vl.py``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 (``Qwen2VLImageProcessorPil`` +
   ``Qwen2VLProcessor``/``Qwen2_5_VLProcessor``/``Qwen3VLProcessor``);
-- ``pixtral.py``: Mistral 3 and Pixtral (``PixtralImageProcessorPil`` + ``PixtralProcessor``).
+- ``pixtral.py``: Mistral 3 and Pixtral (``PixtralImageProcessorPil`` + ``PixtralProcessor``);
+- ``llava.py``: LLaVA with a CLIP tower (``CLIPImageProcessorPil`` + ``LlavaProcessor``).
 
 Where the settings are: transformers 5 saves one ``processor_config.json`` with the image
 processor's settings nested under ``image_processor`` (and no ``preprocessor_config.json``);
@@ -26,12 +27,14 @@ from typing import Any
 from ...errors import ConfigError
 from .base import ImageProcessor, ProcessedImages, Settings
 from .gemma3 import Gemma3Processor
+from .llava import LlavaProcessor
 from .pixtral import PixtralProcessor
 from .qwen_vl import QwenVLProcessor, smart_resize
 
 __all__ = [
     "Gemma3Processor",
     "ImageProcessor",
+    "LlavaProcessor",
     "PixtralProcessor",
     "ProcessedImages",
     "QwenVLProcessor",
@@ -45,6 +48,8 @@ _BY_PROCESSOR_TYPE = {
     "Gemma3ImageProcessor": "gemma3",
     "Qwen2VLImageProcessor": "qwen_vl",
     "PixtralImageProcessor": "pixtral",
+    "CLIPImageProcessor": "llava",
+    "LlavaImageProcessor": "llava",
 }
 # config.json model_type -> family, where the processor config names no type
 _BY_MODEL_TYPE = {
@@ -56,6 +61,7 @@ _BY_MODEL_TYPE = {
     "qwen3_5": "qwen_vl",
     "qwen3_5_moe": "qwen_vl",
     "mistral3": "pixtral",
+    "llava": "llava",
 }
 _TOKEN_KEYS = (
     "image_token",
@@ -125,6 +131,8 @@ def load_processor(
         return Gemma3Processor.from_settings(settings, pan_and_scan=pan_and_scan)
     if family == "pixtral":
         return PixtralProcessor.from_settings(settings)
+    if family == "llava":
+        return LlavaProcessor.from_settings(settings)
     return QwenVLProcessor.from_settings(settings)
 
 
