@@ -116,8 +116,9 @@ class Model(ministral3.Model):
         )
 
     def encode_images(self, pixel_values: mx.array, grid_thw: Any = None) -> mx.array:
-        """(N, C, S, S) pixels (a CLIP tower; a Pixtral one: padded, with each image's
-        ``grid_thw``) -> (image tokens of every image, hidden), image after image."""
+        """(N, C, S, S) pixels -> (N, T, hidden) (a CLIP tower: one row per image, as the
+        batching engine's encoder cache keeps them); a Pixtral tower: padded pixels and each
+        image's ``grid_thw`` -> (sum rows*cols, hidden), image after image."""
         args = self.args
         dtype = self.multi_modal_projector.linear_1.weight.dtype
         pixels = pixel_values.astype(dtype)
@@ -137,12 +138,11 @@ class Model(ministral3.Model):
         states = self.vision_tower(pixels, args.feature_layers)  # each (N, 1 + P, vision hidden)
         if args.vision_feature_select_strategy == "default":
             states = [s[:, 1:] for s in states]  # the class token dropped
-        features = self.multi_modal_projector(mx.concatenate(states, axis=-1))
-        return features.reshape(-1, features.shape[-1])  # (N * tokens, hidden)
+        return self.multi_modal_projector(mx.concatenate(states, axis=-1))  # (N, T, hidden)
 
     def image_inputs(self, ids: list[int], features: mx.array) -> dict[str, mx.array]:
         """``embeds`` (1, L, hidden) for a prompt's ``ids`` whose image tokens take
-        ``features`` (T, hidden) in order."""
+        ``features`` ((N, T, hidden) or (T, hidden)) in order."""
         return {"embeds": merged_embeddings(self, ids, features, self.args.image_token_index)}
 
     @staticmethod

@@ -162,7 +162,9 @@ def split_weights(
 
 def merged_embeddings(model, ids: list[int], features: mx.array, image_token: int) -> mx.array:
     """(1, L, hidden): the ids' embeddings with position j of each ``image_token`` taking
-    row (number of image tokens before j) of ``features`` (T, hidden)."""
+    row (number of image tokens before j) of ``features`` (T, hidden) (or (N, T, hidden): one
+    row per image)."""
+    features = features.reshape(-1, features.shape[-1])
     tokens = np.asarray(ids, dtype=np.int64)
     is_image = tokens == image_token
     n_feat = features.shape[0]

@@ -94,7 +94,8 @@ def test_image_features_match_transformers(vlm):
         expected = torch_model.model.get_image_features(batch["pixel_values"]).pooler_output
     expected = torch.cat(list(expected)).numpy()
     ours = np.array(model.encode_images(mx.array(batch["pixel_values"].numpy())))
-    assert ours.shape == expected.shape == (2 * 16, 32)
+    assert ours.shape == (2, 16, 32) and expected.shape == (2 * 16, 32)
+    ours = ours.reshape(expected.shape)
     assert np.abs(ours - expected).max() <= 1e-4
 
 
@@ -209,3 +210,26 @@ def images_files(root):
         files.append(root / f"image{i}.png")
         random_image(i + 1, size).save(files[-1])
     return files
+
+
+def test_image_rows_in_the_batching_engine_equal_their_single_runs(vlm):
+    """Two image rows and a text row at once, in chunks of 5 that cut the images, through the
+    encoder cache's path (the second request's image is the first's): their single-run tokens."""
+    from mlxinfer.batch import Engine
+
+    _, _, _, model, tokenizer, files = vlm
+    asks = [(TEXT, files[:1]), ("What is it?", files[:1]), ("What is a cat?", None)]
+    single = [
+        [
+            r.token
+            for r in stream_generate(
+                model, tokenizer, p, images=i, chat_template=True, max_tokens=6
+            )
+        ]
+        for p, i in asks
+    ]
+    with Engine(model, block_size=4, prefill_step=5) as engine:
+        streams = [
+            engine.start(tokenizer, p, images=i, chat_template=True, max_tokens=6) for p, i in asks
+        ]
+        assert [[r.token for r in s] for s in streams] == single

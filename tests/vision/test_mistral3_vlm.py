@@ -206,3 +206,26 @@ def test_convert_keeps_the_tower_float_and_the_processor(vlm, tmp_path):
     assert not any(p.startswith(("vision_tower", "multi_modal_projector")) for p in quantized)
     results = stream_generate(quant, tok, TEXT, images=files[:1], chat_template=True, max_tokens=4)
     assert len(list(results)) == 4
+
+
+def test_image_rows_in_the_batching_engine_equal_their_single_runs(vlm):
+    """Two image rows (images of different sizes) and a text row at once, in chunks of 5 that
+    cut the images (causal: no image blocks), give their stream_generate tokens."""
+    from mlxinfer.batch import Engine
+
+    _, _, model, tokenizer, files = vlm
+    asks = [(TEXT, files[:1]), (TEXT, files[1:]), ("What is a cat?", None)]
+    single = [
+        [
+            r.token
+            for r in stream_generate(
+                model, tokenizer, p, images=i, chat_template=True, max_tokens=6
+            )
+        ]
+        for p, i in asks
+    ]
+    with Engine(model, block_size=4, prefill_step=5) as engine:
+        streams = [
+            engine.start(tokenizer, p, images=i, chat_template=True, max_tokens=6) for p, i in asks
+        ]
+        assert [[r.token for r in s] for s in streams] == single
