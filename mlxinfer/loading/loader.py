@@ -206,8 +206,8 @@ def default_dtype() -> mx.Dtype | None:
 
 
 # Where a model with a vision tower keeps it (its attribute, in its weights' names):
-# Gemma 3's ``vision_tower``, Qwen-VL's ``visual``.
-_TOWERS = ("vision_tower", "visual")
+# Gemma 3's ``vision_tower``, Qwen-VL's ``visual``, Idefics3's ``vision_model``.
+_TOWERS = ("vision_tower", "visual", "vision_model")
 
 
 def load_model(

@@ -29,6 +29,7 @@ FAMILIES = {
     "qwen3_vl": "qwen3_vl",
     "mistral3": "mistral3",  # Pixtral tower over mistral / ministral3 text
     "llava": "llava",  # CLIP (or Pixtral) tower over llama / mistral text
+    "idefics3": "idefics3",  # SmolVLM: SigLIP tower, pixel-shuffle connector, llama text
     "phi3": "phi3",
     "gpt2": "gpt2",
     "bloom": "bloom",

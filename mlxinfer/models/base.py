@@ -290,6 +290,7 @@ _LANGUAGE_PREFIXES = (
     ("language_model.model.", "model."),
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
+    ("model.text_model.", "model."),  # Idefics3 / SmolVLM
 )
 _VISION_PREFIXES: tuple[str, ...]
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")

@@ -48,6 +48,7 @@ LANGUAGE_MODELS = {
     "gemma3": "gemma3_text",
     "mistral3": "mistral",
     "llava": "llama",
+    "idefics3": "llama",
     # On text alone the M-RoPE of these is plain RoPE: their language models are qwen2 / qwen3's.
     "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3",
@@ -85,6 +86,7 @@ WITH_TOWER = {
         "multimodal_projector_bias",
         "text_model_type",
     ),
+    "idefics3": ("vision_config", "image_token_id", "scale_factor"),
     "llava": (
         "vision_config",
         "image_token_index",

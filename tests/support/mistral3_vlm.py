@@ -37,14 +37,16 @@ CORPUS = [
 PATCH, MERGE, LONGEST = 8, 2, 64
 
 
-def write_tokenizer(path: Path, specials: list[str] = SPECIALS) -> dict[str, int]:
+def write_tokenizer(
+    path: Path, specials: list[str] = SPECIALS, vocab_size: int = 300
+) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
+        vocab_size=vocab_size,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

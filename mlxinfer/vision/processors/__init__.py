@@ -6,7 +6,8 @@ Each family matches transformers' PIL image processor and its Processor's text e
 - ``qwen_vl.py``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 (``Qwen2VLImageProcessorPil`` +
   ``Qwen2VLProcessor``/``Qwen2_5_VLProcessor``/``Qwen3VLProcessor``);
 - ``pixtral.py``: Mistral 3 and Pixtral (``PixtralImageProcessorPil`` + ``PixtralProcessor``);
-- ``llava.py``: LLaVA with a CLIP tower (``CLIPImageProcessorPil`` + ``LlavaProcessor``).
+- ``llava.py``: LLaVA with a CLIP tower (``CLIPImageProcessorPil`` + ``LlavaProcessor``);
+- ``idefics3.py``: Idefics3 and SmolVLM (``Idefics3ImageProcessorPil`` + ``Idefics3Processor``).
 
 Where the settings are: transformers 5 saves one ``processor_config.json`` with the image
 processor's settings nested under ``image_processor`` (and no ``preprocessor_config.json``);
@@ -27,12 +28,14 @@ from typing import Any
 from ...errors import ConfigError
 from .base import ImageProcessor, ProcessedImages, Settings
 from .gemma3 import Gemma3Processor
+from .idefics3 import Idefics3Processor
 from .llava import LlavaProcessor
 from .pixtral import PixtralProcessor
 from .qwen_vl import QwenVLProcessor, smart_resize
 
 __all__ = [
     "Gemma3Processor",
+    "Idefics3Processor",
     "ImageProcessor",
     "LlavaProcessor",
     "PixtralProcessor",
@@ -50,6 +53,7 @@ _BY_PROCESSOR_TYPE = {
     "PixtralImageProcessor": "pixtral",
     "CLIPImageProcessor": "llava",
     "LlavaImageProcessor": "llava",
+    "Idefics3ImageProcessor": "idefics3",
 }
 # config.json model_type -> family, where the processor config names no type
 _BY_MODEL_TYPE = {
@@ -62,6 +66,7 @@ _BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen_vl",
     "mistral3": "pixtral",
     "llava": "llava",
+    "idefics3": "idefics3",
 }
 _TOKEN_KEYS = (
     "image_token",
@@ -133,6 +138,8 @@ def load_processor(
         return PixtralProcessor.from_settings(settings)
     if family == "llava":
         return LlavaProcessor.from_settings(settings)
+    if family == "idefics3":
+        return Idefics3Processor.from_settings(settings)
     return QwenVLProcessor.from_settings(settings)
 
 
