@@ -30,6 +30,7 @@ FAMILIES = {
     "mistral3": "mistral3",  # Pixtral tower over mistral / ministral3 text
     "llava": "llava",  # CLIP (or Pixtral) tower over llama / mistral text
     "idefics3": "idefics3",  # SmolVLM: SigLIP tower, pixel-shuffle connector, llama text
+    "smolvlm": "idefics3",  # SmolVLM2: the same network
     "phi3": "phi3",
     "gpt2": "gpt2",
     "bloom": "bloom",

@@ -49,6 +49,7 @@ LANGUAGE_MODELS = {
     "mistral3": "mistral",
     "llava": "llama",
     "idefics3": "llama",
+    "smolvlm": "llama",
     # On text alone the M-RoPE of these is plain RoPE: their language models are qwen2 / qwen3's.
     "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3",
@@ -87,6 +88,7 @@ WITH_TOWER = {
         "text_model_type",
     ),
     "idefics3": ("vision_config", "image_token_id", "scale_factor"),
+    "smolvlm": ("vision_config", "image_token_id", "scale_factor"),
     "llava": (
         "vision_config",
         "image_token_index",

@@ -45,8 +45,12 @@ def image_processor(**overrides) -> Idefics3ImageProcessorPil:
     return Idefics3ImageProcessorPil(**{**settings, **overrides})
 
 
-def make_idefics3_vlm(path: Path, seed: int = 0):
-    """Write the checkpoint to ``path``; returns (path, torch model, transformers' processor)."""
+def make_idefics3_vlm(path: Path, seed: int = 0, family: str = "idefics3"):
+    """Write the checkpoint to ``path``; returns (path, torch model, transformers' processor).
+
+    ``family="smolvlm"``: SmolVLMForConditionalGeneration (SmolVLM2) instead; its Processor
+    cannot be built here (its video processor needs torchvision), so the image processor's
+    settings are written by hand (SmolVLMImageProcessor: Idefics3's steps) and None returned."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(path, SPECIALS, vocab_size=400)
@@ -72,16 +76,30 @@ def make_idefics3_vlm(path: Path, seed: int = 0):
         image_size=FRAME,
         patch_size=PATCH,
     )
-    config = transformers.Idefics3Config(
+    kind = "SmolVLM" if family == "smolvlm" else "Idefics3"
+    config = getattr(transformers, f"{kind}Config")(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<image>"],
         scale_factor=2,
         tie_word_embeddings=False,
     )
-    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).eval()
     widen(model)
     model.save_pretrained(path, safe_serialization=True)
+    if family == "smolvlm":
+        import json
+
+        settings = image_processor().to_dict()
+        settings["image_processor_type"] = "SmolVLMImageProcessor"
+        processor_config = {"image_processor": settings, "image_seq_len": 4}
+        (path / "processor_config.json").write_text(json.dumps(processor_config))
+        tokens = {"bos_token": "<s>", "eos_token": "<end_of_utterance>", "unk_token": "<unk>"}
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokens}
+        (path / "tokenizer_config.json").write_text(
+            json.dumps({**tokenizer_config, "chat_template": TEMPLATE})
+        )
+        return path, model, None
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(path / "tokenizer.json"),
         bos_token="<s>",

@@ -194,3 +194,28 @@ def test_image_rows_in_the_batching_engine_equal_their_single_runs(vlm):
             engine.start(tokenizer, p, images=i, chat_template=True, max_tokens=6) for p, i in asks
         ]
         assert [[r.token for r in s] for s in streams] == single
+
+
+def test_smolvlm_runs_as_idefics3(tmp_path):
+    """SmolVLMForConditionalGeneration (``model_type: smolvlm``): the same network and image
+    steps; ids and pixels from our processor (proven equal above), logits within 1e-3 of
+    transformers' and its next token through generate."""
+    path, torch_model, _ = make_idefics3_vlm(tmp_path, seed=3, family="smolvlm")
+    model, tokenizer = load(path)
+    assert type(model).__module__ == "mlxinfer.models.idefics3"
+    pictures = [random_image(4, (97, 33))]
+    images = load_images(model, tokenizer, pictures)
+    ids = prepare_prompt(tokenizer, TEXT, images=images)
+    pixels = images.processed.pixel_values
+    with torch.no_grad():
+        expected = torch_model(
+            input_ids=torch.tensor([ids]), pixel_values=torch.tensor(pixels[None])
+        ).logits[0]
+    extra = model.image_inputs(ids, model.encode_images(mx.array(pixels)))
+    assert (
+        np.abs(np.array(model(mx.array([ids]), None, **extra)[0]) - expected.numpy()).max() <= TOL
+    )
+    results = stream_generate(
+        model, tokenizer, TEXT, images=pictures, chat_template=True, max_tokens=1
+    )
+    assert [r.token for r in results] == [int(expected[-1].argmax())]

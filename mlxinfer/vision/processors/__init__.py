@@ -7,7 +7,8 @@ Each family matches transformers' PIL image processor and its Processor's text e
   ``Qwen2VLProcessor``/``Qwen2_5_VLProcessor``/``Qwen3VLProcessor``);
 - ``pixtral.py``: Mistral 3 and Pixtral (``PixtralImageProcessorPil`` + ``PixtralProcessor``);
 - ``llava.py``: LLaVA with a CLIP tower (``CLIPImageProcessorPil`` + ``LlavaProcessor``);
-- ``idefics3.py``: Idefics3 and SmolVLM (``Idefics3ImageProcessorPil`` + ``Idefics3Processor``).
+- ``idefics3.py``: Idefics3 and SmolVLM (``Idefics3ImageProcessorPil`` + ``Idefics3Processor``;
+  SmolVLM's are subclasses with the same steps and text).
 
 Where the settings are: transformers 5 saves one ``processor_config.json`` with the image
 processor's settings nested under ``image_processor`` (and no ``preprocessor_config.json``);
@@ -54,6 +55,7 @@ _BY_PROCESSOR_TYPE = {
     "CLIPImageProcessor": "llava",
     "LlavaImageProcessor": "llava",
     "Idefics3ImageProcessor": "idefics3",
+    "SmolVLMImageProcessor": "idefics3",
 }
 # config.json model_type -> family, where the processor config names no type
 _BY_MODEL_TYPE = {
@@ -67,6 +69,7 @@ _BY_MODEL_TYPE = {
     "mistral3": "pixtral",
     "llava": "llava",
     "idefics3": "idefics3",
+    "smolvlm": "idefics3",
 }
 _TOKEN_KEYS = (
     "image_token",
