@@ -25,7 +25,11 @@ from .images import image_sources, takes_images
 
 MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp"}
 NOTE = "[image omitted: model '{}' takes text only]"
-TOWERS = ("vision_tower.", "visual.")  # the towers' weight prefixes (loading/loader.py's _TOWERS)
+TOWERS = (
+    "vision_tower.",
+    "visual.",
+    "vision_model.",
+)  # the towers' weight prefixes (loader._TOWERS)
 MAX_HEADER = 100 << 20  # bytes of a safetensors header read (safetensors' own cap)
 
 

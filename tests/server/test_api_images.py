@@ -297,3 +297,28 @@ def test_hostile_images_are_a_400_in_each_api_s_shape(served):
         model=NAME, input=_input(_input_image(files[0])), max_output_tokens=8, temperature=0
     )
     assert reply.output_text == expected[0]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "tensor", "takes"),
+    [
+        ("idefics3", "model.vision_model.embeddings.patch_embedding.weight", True),  # SmolVLM
+        ("llava", "model.vision_tower.vision_model.post_layernorm.weight", True),
+        ("qwen2_5_vl", "model.visual.merger.mlp.0.weight", True),
+        ("idefics3", "model.text_model.norm.weight", False),  # the tower stripped: text only
+        ("llama", "model.vision_model.x.weight", False),  # a family without a tower here
+    ],
+)
+def test_a_model_not_loaded_yet_is_judged_by_its_config_and_tower_weights(
+    tmp_path, model_type, tensor, takes
+):
+    import json
+
+    import mlx.core as mx
+
+    from mlxinfer.server.image_parts import config_takes_images
+
+    config = {"model_type": model_type, "vision_config": {"hidden_size": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {tensor: mx.zeros((2,))})
+    assert config_takes_images(tmp_path) is takes
