@@ -86,17 +86,56 @@ def runs(layer: nn.Module, x: mx.array) -> bool:
 
 def quantized_product(x: mx.array, layer: nn.Module) -> mx.array:
     """``layer(x)`` for a quantized layer (or a quantized embedding as the LM head), one call."""
-    mode = getattr(layer, "mode", "affine")
+    product = layer.__dict__.get("cpu_kernel") or quantized_call(kernels.load(), layer)
+    return product(x, layer)
+
+
+def bind(layer: nn.Module) -> None:
+    """Decide once, when the layer's plan is set (``kinds.set_plan``), whether its few-row
+    products run on the kernel: its ``cpu_kernel`` becomes ``product(x, layer)`` (the kernel's
+    function and the layer's constants bound; the weights are read at each call, so replaced
+    parameters are seen) where the plan says ``kernel`` and the kernels are loaded, else None.
+    A decode step then asks one attribute instead of :func:`runs`' checks and lookups (211
+    quantized products a token in SmolLM2-135M). Only ``x``'s rows are left to check:
+    at most :data:`MAX_ROWS` (the caller's)."""
+    plan = layer.__dict__.get("cpu_plan")
     k = kernels.load()
-    args = (x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits)
-    y = k.quantized_matvec(*args) if mode == "affine" else k.quantized_matvec(*args, mode=mode)
-    return y + layer["bias"] if "bias" in layer else y
+    product = None
+    if plan is not None and plan.kernel and k is not None and "scales" in layer:
+        product = quantized_call(k, layer)
+    object.__setattr__(layer, "cpu_kernel", product)
+
+
+def quantized_call(k: ModuleType, layer: nn.Module):
+    """``product(x, layer)``: the quantized kernel's call with ``layer``'s constants bound (its
+    mode, group size and bits), its arrays read from the layer at each call."""
+    matvec, group_size, bits = k.quantized_matvec, layer.group_size, layer.bits
+    mode = getattr(layer, "mode", "affine")
+    options = {} if mode == "affine" else {"mode": mode}
+
+    def product(x: mx.array, layer: nn.Module) -> mx.array:
+        y = matvec(
+            x, layer["weight"], layer["scales"], layer.get("biases"), group_size, bits, **options
+        )
+        return y + layer["bias"] if "bias" in layer else y
+
+    return product
 
 
 def matvec(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ weight.T`` for an (out, in) float ``weight`` (:func:`float_fits`), one call; the
     output dtype is ``x @ weight.T``'s."""
     return kernels.load().matvec(x, weight)
+
+
+def decode_kernels(on: bool) -> tuple:
+    """``(rms_norm, swiglu)``: the kernels' functions a layer under the ``decode=kernel`` plan
+    calls (each None where the loaded module lacks it), bound once when the plan is set
+    (``kinds.set_plan``); ``(None, None)`` for ``ops`` or without the kernels."""
+    k = kernels.load()
+    if not on or k is None:
+        return None, None
+    return getattr(k, "rms_norm", None), getattr(k, "swiglu", None)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:

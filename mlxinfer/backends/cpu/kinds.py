@@ -181,12 +181,16 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
                 continue
             if kind == "decode":
                 object.__setattr__(layer, "cpu_decode_kernel", option == "kernel")
+                norm, swiglu = compiled.decode_kernels(option == "kernel")
+                object.__setattr__(layer, "cpu_rms_norm", norm)
+                object.__setattr__(layer, "cpu_swiglu", swiglu)
                 if isinstance(layer, model_layers.Attention):  # plain RoPE attention: fused
                     object.__setattr__(layer, "cpu_decode_fits", compiled.attention_fits(layer))
                 continue
             plan = parallel.plan_of(layer)
             if "kernel" in OPTIONS[kind]:
                 plan.kernel = option == "kernel" and kernel_fits(kind, layer)
+                compiled.bind(layer)  # the decision, cached on the layer for its calls
             if kind == "matvec":  # the kernel reads (out, in); the MLP in halves (in, out)
                 if isinstance(layer, parallel.TransposedLinear):
                     layer.hold_transposed(not plan.kernel)

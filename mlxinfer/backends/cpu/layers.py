@@ -24,15 +24,19 @@ class CPUNorm:
     """RMSNorm (either form) as one compiled kernel instead of ``mx.fast.rms_norm``'s graph."""
 
     cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
+    cpu_rms_norm = None  # ... with the kernel's function (``compiled.decode_kernels``)
 
     def normalize(self, x: mx.array, weight: mx.array) -> mx.array:
         # The ``decode`` plan: one kernel call for a few rows. The kernel rounds the normalised
         # rows to x's dtype; mixed dtypes (a float mode's bfloat16 embedding rows before float32
         # weights) take ops, which promotes as mx.fast.rms_norm does.
-        if self.cpu_decode_kernel and x.dtype == weight.dtype:
-            y = compiled.rms_norm(x, weight, self.eps)
-            if y is not None:
-                return y
+        kernel = self.cpu_rms_norm
+        if (
+            kernel is not None
+            and x.dtype == weight.dtype
+            and x.size // max(1, x.shape[-1]) <= compiled.MAX_ROWS
+        ):
+            return kernel(x, weight, self.eps)
         return ops.rms_norm(x, weight, self.eps)
 
 
@@ -135,6 +139,7 @@ class CPUGatedMLP:
     ``decode`` plan one compiled kernel for a few rows."""
 
     cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
+    cpu_swiglu = None  # ... with the kernel's function (``compiled.decode_kernels``)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
@@ -146,10 +151,14 @@ class CPUGatedMLP:
 
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:
         if self.act is nn.silu:
-            if self.cpu_decode_kernel:  # the ``decode`` plan: one kernel call for a few rows
-                y = compiled.swiglu(gate, up)
-                if y is not None:
-                    return y
+            kernel = self.cpu_swiglu  # the ``decode`` plan: one kernel call for a few rows
+            if (
+                kernel is not None
+                and gate.dtype == mx.float32
+                and up.dtype == mx.float32
+                and gate.size // max(1, gate.shape[-1]) <= compiled.MAX_ROWS
+            ):
+                return kernel(gate, up)
             return ops.swiglu(gate, up, small=getattr(self, "cpu_small", ops.SMALL))
         return super().combine(gate, up)
 

@@ -255,9 +255,16 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
     # From this many rows the dequantized product is used; ``plans`` measures the crossover per
     # model on the machine and sets it on each layer (this is the default when it does not).
     MIN_ROWS = 32
+    # ``product(x, layer)`` where the plan says ``kernel`` and the kernels are loaded: decided
+    # when the plan is set (``compiled.bind``), so a decode step checks only the rows here.
+    cpu_kernel = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size // x.shape[-1] < self.MIN_ROWS:
+        rows = x.size // x.shape[-1]
+        if rows < self.MIN_ROWS:
+            kernel = self.cpu_kernel
+            if kernel is not None and rows <= compiled.MAX_ROWS:
+                return kernel(x, self)
             return self._few_rows(x)
         return self._many_rows(x)
 
