@@ -60,3 +60,12 @@ class MediaError(MlxInferError, ValueError):
     """An image that cannot be used: not a file, bad base64 or data URL, a format outside the
     allow-list, over the byte or pixel caps (a decompression bomb), undecodable, a remote URL not
     allowed, or prompts whose image markers do not match the images given (mlxinfer/vision)."""
+
+
+class MediaLimitError(MediaError):
+    """An image over one of the caps it must fit (``vision.MediaLimits``): ``limit`` names
+    which, ``"max_bytes"`` (its encoded size) or ``"max_pixels"`` (its declared size)."""
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit

@@ -66,6 +66,31 @@ def limit_options(fn):
             "loopback address (a DNS-rebinding defence), any host otherwise.",
         ),
         click.option(
+            "--max-images",
+            type=click.IntRange(0),
+            help="Most images in one request; more is a 413 [default: 8].",
+        ),
+        click.option(
+            "--max-image-bytes",
+            callback=_size,
+            help="Largest image (encoded: a data URL's decoded bytes, a fetched body); larger is "
+            "a 413 [default: 20M].",
+        ),
+        click.option(
+            "--max-image-pixels",
+            type=click.IntRange(1),
+            help="Most pixels (width x height, as the header declares) in one image; more is a "
+            "400 [default: 50000000].",
+        ),
+        click.option(
+            "--allow-remote-images",
+            is_flag=True,
+            default=None,
+            help="Fetch http(s) image URLs (under --max-image-bytes, 10 s each); without it they "
+            "are a 400 and only data URLs are taken. The server then makes requests its clients "
+            "name: allow it only for clients you trust.",
+        ),
+        click.option(
             "--shutdown-timeout",
             type=click.FloatRange(min=0, min_open=True),
             help="Seconds SIGTERM waits for cancelled responses to end [default: 5].",

@@ -59,6 +59,10 @@ def make_app(
     max_queue: int = Limits.max_queue,
     allowed_hosts: list[str] | None = None,
     shutdown_timeout: float = Limits.shutdown_timeout,
+    max_images: int = Limits.max_images,
+    max_image_bytes: int = Limits.max_image_bytes,
+    max_image_pixels: int = Limits.max_image_pixels,
+    allow_remote_images: bool = Limits.allow_remote_images,
     chat_template: str | None = None,
     model_aliases: list[str] | None = None,
     max_output_tokens: int | None = None,
@@ -71,8 +75,9 @@ def make_app(
     ``engine_options`` go to each :class:`Engine`. Browsers on ``cors_origins`` may call it
     (none by default). ``draft``: every request drafts with it (``PromptLookup()``, or a
     ``DraftModel`` sharing the models' vocabulary: checked here for ``model``, and for a
-    directory's model when it loads). ``max_body`` ... ``shutdown_timeout``: the request
-    limits, :class:`~mlxinfer.server.limits.Limits`. ``chat_template`` (a name or a Jinja
+    directory's model when it loads). ``max_body`` ... ``allow_remote_images``: the request
+    limits (images: per request, bytes and pixels per image, http(s) URLs fetched or not),
+    :class:`~mlxinfer.server.limits.Limits`. ``chat_template`` (a name or a Jinja
     file): ``model``'s chat template, and that of a directory's model without one;
     ``model_aliases``: ``["GLOB=NAME", ...]``, client model names served as NAME;
     ``max_output_tokens``: a cap on every request's output."""
@@ -86,6 +91,10 @@ def make_app(
         max_queue=max_queue,
         allowed_hosts=tuple(allowed_hosts) if allowed_hosts is not None else None,
         shutdown_timeout=shutdown_timeout,
+        max_images=max_images,
+        max_image_bytes=max_image_bytes,
+        max_image_pixels=max_image_pixels,
+        allow_remote_images=allow_remote_images,
     )
     if draft is not None and model is not None:
         draft.check(model, tokenizer)  # a draft model's vocabulary: DraftError naming both

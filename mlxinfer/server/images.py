@@ -10,6 +10,12 @@ skips an image seen before) and names the prefix blocks that hold image tokens b
 (``batch/images.py``), so a system prompt is shared across images and no block is shared
 between two images.
 
+What a request's images may be is ``serve``'s (``limits.Limits``): at most ``max_images`` of
+them, each within ``max_image_bytes`` and ``max_image_pixels``; an ``http(s)`` URL is fetched
+only with ``allow_remote_images``. Past a cap, :func:`decode_images` raises :class:`ImageLimit`,
+the route's 413 (too many images, too many bytes) or 400 (too many pixels, a remote URL refused)
+in its API's shape, naming the cap and its flag.
+
 A model whose image requests the engine cannot run (``Engine.image_refusal``: a forward that
 takes inputs the engine does not feed) is served by :class:`ImageStream`:
 ``stream_generate(images=...)`` on a thread of its own, one such request at a time, each on a
@@ -23,6 +29,7 @@ import threading
 from typing import Any, Iterator
 
 from ..generation import stream_generate
+from .limits import Limits
 
 _ONE_AT_A_TIME = threading.Lock()  # requests outside the engine run one after another
 _END = object()
@@ -45,17 +52,77 @@ def takes_images(model) -> bool:
     return callable(getattr(model, "encode_images", None))
 
 
-def start_with_images(entry, messages, sources: list, timeout: float, options: dict):
-    """A chat request with images, started: through ``entry.engine`` (a ``Stream``), or for a
-    model it cannot run them for, an :class:`ImageStream`. Raises ValueError (MediaError) for a
-    text-only model or an image that does not decode, before anything runs."""
+class ImageLimit(ValueError):
+    """A request's images past one of ``serve``'s caps: answered with ``status`` (413: too many
+    images or bytes; 400: too many pixels, a remote URL not allowed), OpenAI's ``code``."""
+
+    def __init__(self, message: str, status: int, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+    def shaped(self, error):
+        """``error`` (the API's 400 for this message) with this status and code."""
+        error.status = self.status
+        if hasattr(error, "code"):  # OpenAI's shape (Anthropic's and Ollama's have none)
+            error.code = self.code
+        return error
+
+
+def is_remote(source: Any) -> bool:
+    return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
+
+
+def decode_images(sources: list, limits: Limits) -> list:
+    """The request's images decoded (``vision.Image``s), within ``limits``: ImageLimit past a
+    cap, MediaError (a ValueError) for an image that does not decode."""
+    from ..errors import MediaLimitError
     from ..vision import load_image
 
+    if len(sources) > limits.max_images:
+        raise ImageLimit(
+            f"{len(sources)} images in the request, over the cap of {limits.max_images} per "
+            "request (serve --max-images)",
+            413,
+            "too_many_images",
+        )
+    images = []
+    for i, source in enumerate(sources):
+        label = f"image {i + 1}"
+        if is_remote(source) and not limits.allow_remote_images:
+            raise ImageLimit(
+                f"{label}: remote image URLs are refused: only data URLs "
+                "(data:image/...;base64,...) are accepted (serve --allow-remote-images fetches "
+                "them)",
+                400,
+                "invalid_image_url",
+            )
+        try:
+            images.append(
+                load_image(
+                    source,
+                    allow_remote=limits.allow_remote_images,
+                    limits=limits.media,
+                    label=label,
+                )
+            )
+        except MediaLimitError as e:
+            status = 413 if e.limit == "max_bytes" else 400
+            raise ImageLimit(str(e), status, "image_too_large") from None
+    return images
+
+
+def start_with_images(
+    entry, messages, sources: list, timeout: float, options: dict, limits: Limits
+):
+    """A chat request with images, started: through ``entry.engine`` (a ``Stream``), or for a
+    model it cannot run them for, an :class:`ImageStream`. Raises ValueError (MediaError) for a
+    text-only model or an image that does not decode, ImageLimit past ``limits``, before
+    anything runs."""
     if not takes_images(entry.model):
         raise ValueError(
             f"model '{entry.name}' takes text only (no vision tower): image parts are refused"
         )
-    images = [load_image(s, label=f"image {i + 1}") for i, s in enumerate(sources)]
+    images = decode_images(sources, limits)
     if entry.engine.image_refusal() is None:
         return entry.engine.start(
             entry.tokenizer, messages, images=images, timeout=timeout, **options

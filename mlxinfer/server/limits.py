@@ -35,6 +35,7 @@ from typing import Any, Callable
 import anyio
 
 from ..errors import PromptTooLongError
+from ..vision.media import MediaLimits
 from .quoting import shown
 from .shapes import error_response
 
@@ -61,9 +62,23 @@ class Limits:
     max_queue: int = 256  # an 80-client soak queues rather than being refused
     allowed_hosts: tuple[str, ...] | None = None
     shutdown_timeout: float = 5.0  # seconds a SIGTERM waits for responses to end
+    # Images (server/images.py): per request, and each image's encoded bytes and pixels; the
+    # last two are the library's own caps (vision.MediaLimits) unless set.
+    max_images: int = 8
+    max_image_bytes: int = MediaLimits.max_bytes
+    max_image_pixels: int = MediaLimits.max_pixels
+    allow_remote_images: bool = False  # http(s) image URLs fetched (under the caps, 10 s)
 
     def __post_init__(self) -> None:
-        for name in ("max_body", "max_header_bytes", "max_headers", "max_queue"):
+        for name in (
+            "max_body",
+            "max_header_bytes",
+            "max_headers",
+            "max_queue",
+            "max_images",
+            "max_image_bytes",
+            "max_image_pixels",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, found {value!r}")
@@ -74,6 +89,15 @@ class Limits:
         if self.allowed_hosts is not None:
             hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
             object.__setattr__(self, "allowed_hosts", hosts)
+
+    @property
+    def media(self) -> MediaLimits:
+        """The caps each image of a request must fit, naming ``serve``'s flags in errors."""
+        return MediaLimits(
+            max_bytes=self.max_image_bytes,
+            max_pixels=self.max_image_pixels,
+            cap_name="serve --max-image-{}",
+        )
 
     @property
     def h11_limit(self) -> int:

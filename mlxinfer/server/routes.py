@@ -23,7 +23,7 @@ from ..batch import EngineError, PoolFullError
 from ..errors import InsufficientMemoryError, MlxInferError, PromptTooLongError, TokenizerError
 from .aliases import resolve
 from .hangup import Streams, watched
-from .images import image_sources, start_with_images
+from .images import ImageLimit, image_sources, start_with_images
 from .limits import (
     RETRY_AFTER_S,
     BadJSON,
@@ -145,7 +145,8 @@ class Routes:
             if sources := (image_sources(prompt) if chat_template else []):
                 # Decoded here (a bad image is a 400), run by the engine (server/images.py);
                 # a draft does not take images.
-                stream = start_with_images(entry, prompt, sources, WAIT_S, options)
+                limits = self.app.state.limits  # serve's caps on images (--max-images ...)
+                stream = start_with_images(entry, prompt, sources, WAIT_S, options, limits)
             else:
                 check_prompt_length(entry.model, prompt, ask.tools)  # before the tokenizer runs
                 if chat_template and not isinstance(prompt, str):
@@ -158,6 +159,8 @@ class Routes:
             if getattr(ask, "stream", False):  # headers and keep-alives during the prefill
                 return None, results
             return next(results, None), results
+        except ImageLimit as e:  # a 413 or 400, naming the cap and its flag
+            raise e.shaped(bad(e)) from None
         except (PromptTooLongError, PoolFullError, ValueError, TokenizerError) as e:
             raise bad(e) from None  # TokenizerError: the chat template refused the messages
         except (EngineError, TimeoutError, MlxInferError) as e:

@@ -32,7 +32,7 @@ from typing import Any
 from PIL import Image as PILImage
 from PIL import ImageOps
 
-from ..errors import MediaError
+from ..errors import MediaError, MediaLimitError
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _FORMAT_NAMES = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF"}
@@ -63,11 +63,13 @@ _DATA_URL = re.compile(r"data:([^,;]*)((?:;[^,;]*)*),", re.IGNORECASE)
 class MediaLimits:
     """The caps an image must fit: ``max_bytes`` of encoded data (a file, the decoded base64, a
     remote body), ``max_pixels`` width x height as the header declares it, and ``timeout_s`` for
-    a remote fetch (``allow_remote=True``)."""
+    a remote fetch (``allow_remote=True``). ``cap_name``: how errors name a cap, ``{}`` being
+    ``bytes`` or ``pixels`` (the server names its flags: ``serve --max-image-{}``)."""
 
     max_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 50_000_000
     timeout_s: float = 10.0
+    cap_name: str = "limits.max_{}"
 
 
 DEFAULT_LIMITS = MediaLimits()
@@ -249,15 +251,17 @@ def _read_data_url(text: str, name: str, limits: MediaLimits) -> bytes:
 def _decode_base64(text: str, name: str, limits: MediaLimits) -> bytes:
     most = 4 * -(-limits.max_bytes // 3)  # base64 characters of max_bytes
     if len(text) > 2 * most + 1024:  # room for line breaks; refused before any copy is made
-        raise MediaError(
+        raise MediaLimitError(
             f"{name}: {len(text)} characters of base64, over the cap of "
-            f"{_mb(limits.max_bytes)} decoded (limits.max_bytes)"
+            f"{_mb(limits.max_bytes)} decoded ({limits.cap_name.format('bytes')})",
+            "max_bytes",
         )
     compact = "".join(text.split())
     if len(compact) > most + 4:
-        raise MediaError(
+        raise MediaLimitError(
             f"{name}: {_mb(len(compact) * 3 // 4)} of base64 data, over the cap of "
-            f"{_mb(limits.max_bytes)} (limits.max_bytes)"
+            f"{_mb(limits.max_bytes)} ({limits.cap_name.format('bytes')})",
+            "max_bytes",
         )
     if "-" in compact or "_" in compact:
         compact = compact.replace("-", "+").replace("_", "/")  # the URL-safe alphabet
@@ -402,8 +406,10 @@ def _webp_size(data: bytes) -> tuple[int, int] | None:
 
 def _check_bytes(size: int, name: str, limits: MediaLimits) -> None:
     if size > limits.max_bytes:
-        raise MediaError(
-            f"{name}: {_mb(size)}, over the cap of {_mb(limits.max_bytes)} (limits.max_bytes)"
+        raise MediaLimitError(
+            f"{name}: {_mb(size)}, over the cap of {_mb(limits.max_bytes)} "
+            f"({limits.cap_name.format('bytes')})",
+            "max_bytes",
         )
 
 
@@ -415,10 +421,16 @@ def _check_pixels(size: tuple[int, int], name: str, fmt: str, limits: MediaLimit
             f"{name}: {shown} declares {width}x{height} pixels (expected both above 0)"
         )
     if width * height > limits.max_pixels:
-        raise MediaError(
-            f"{name}: {shown} declares {width}x{height} pixels ({width * height / 1e6:.1f} Mpx), "
-            f"over the cap of {limits.max_pixels / 1e6:.1f} Mpx (limits.max_pixels)"
+        raise MediaLimitError(
+            f"{name}: {shown} declares {width}x{height} pixels ({_px(width * height)}), "
+            f"over the cap of {_px(limits.max_pixels)} "
+            f"({limits.cap_name.format('pixels')})",
+            "max_pixels",
         )
+
+
+def _px(count: int) -> str:
+    return f"{count / 1e6:.1f} Mpx" if count >= 100_000 else f"{count} px"
 
 
 def _mb(size: int) -> str:

@@ -91,7 +91,8 @@ def test_anthropic_refusals_are_its_errors(served):
     client = _anthropic(base)
     url = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
     bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
-    for block, words in ((url, "url image sources"), (bad, "image 1")):
+    remote = "image 1: remote image URLs are refused.*serve --allow-remote-images"
+    for block, words in ((url, remote), (bad, "image 1")):
         with pytest.raises(anthropic.BadRequestError, match=words) as e:
             client.messages.create(
                 model=NAME, max_tokens=4, messages=[{"role": "user", "content": [block]}]

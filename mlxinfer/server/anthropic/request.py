@@ -403,8 +403,10 @@ def _tool_result(content: Any, where: str) -> str | list[dict]:
 
 
 def _image(block: dict, where: str) -> dict:
-    """An ``image`` block as the common image part: a base64 ``source`` as a data URL. A
-    ``url`` source is refused (this server fetches nothing), as is a ``file`` (Files API)."""
+    """An ``image`` block as the common image part: a base64 ``source`` as a data URL, a
+    ``url`` source (``http(s)``) as it is, fetched only with ``serve --allow-remote-images``
+    (else that request's 400). A ``file`` source (Files API) is refused: this server keeps no
+    files."""
     from ..image_parts import data_url, image_part
 
     source = block.get("source")
@@ -416,11 +418,16 @@ def _image(block: dict, where: str) -> dict:
                 400, f"{where}.source: media_type and data (base64) strings are required"
             )
         return image_part(data_url(media, data))
-    if kind in ("url", "file"):
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url[:8].lower().startswith(("http://", "https://")):
+            raise AnthropicError(400, f"{where}.source.url: an http(s) URL string is required")
+        return image_part(url)
+    if kind == "file":
         raise AnthropicError(
             400,
-            f"{where}.source: {kind} image sources are not accepted here (this server fetches "
-            "nothing and keeps no files): send the image as a base64 source",
+            f"{where}.source: file image sources are not accepted here (this server keeps no "
+            "files): send the image as a base64 source",
         )
     raise AnthropicError(
         400, f"{where}.source: {{'type': 'base64', 'media_type', 'data'}} is required"

@@ -10,7 +10,7 @@ from ...errors import MediaError, PromptTooLongError, TokenizerError
 from ...generation import loop
 from ..hangup import Streams
 from ..image_parts import for_model
-from ..images import image_sources, takes_images
+from ..images import ImageLimit, decode_images, image_sources, takes_images
 from ..limits import RETRY_AFTER_S, check_prompt_length, in_worker
 from ..routes import Routes
 from ..templating import fit_messages, prefix_block
@@ -68,7 +68,7 @@ class AnthropicRoutes:
         messages, images = for_model(entry, ask.messages), None
         try:
             if sources := image_sources(messages):  # as routes.start refuses or decodes them
-                images = _images(entry, sources)
+                images = _images(entry, sources, self.routes.app.state.limits)
             else:
                 check_prompt_length(entry.model, messages, ask.tools)
                 messages = fit_messages(entry.tokenizer, messages, ask.tools, ask.tool_choice)
@@ -80,20 +80,23 @@ class AnthropicRoutes:
                 chat_template_kwargs=ask.template_kwargs,
                 images=images,
             )
+        except ImageLimit as e:
+            raise e.shaped(AnthropicError(400, str(e))) from None
         except (PromptTooLongError, TokenizerError, ValueError, MediaError) as e:
             raise AnthropicError(400, str(e)) from None
         return {"input_tokens": len(ids)}
 
 
-def _images(entry, sources: list):
-    """The images of a request to count: each image's placeholder tokens are counted."""
+def _images(entry, sources: list, limits):
+    """The images of a request to count (within ``limits``, as ``routes.start`` takes them):
+    each image's placeholder tokens are counted."""
     from ...generation.images import load_images
 
     if not takes_images(entry.model):
         raise ValueError(
             f"model '{entry.name}' takes text only (no vision tower): image blocks are refused"
         )
-    return load_images(entry.model, entry.tokenizer, sources)
+    return load_images(entry.model, entry.tokenizer, decode_images(sources, limits))
 
 
 def not_found(message: str) -> AnthropicError:

@@ -91,6 +91,9 @@ MAX_SEED = 2**63 - 1  # MLX takes seeds below 2**64; choice i samples with seed 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
+DETAILS = ("low", "high", "auto")  # image_url.detail: checked, then ignored
+
+
 class OpenAIError(MlxInferError):
     """An error in OpenAI's shape, with its HTTP status (and headers, such as Retry-After)."""
 
@@ -394,9 +397,10 @@ def _messages(messages: Any) -> list[dict]:
 
 def _image_parts(content: list, where: str, role: str) -> list[dict]:
     """A user message's text and ``image_url`` parts as the chat templates take them: text
-    parts, and ``{"type": "image", "image": data URL}`` (decoded when the request starts, for
-    a model with a vision tower; ``detail`` has no meaning here). Remote URLs are refused:
-    this server fetches nothing."""
+    parts, and ``{"type": "image", "image": url}`` (decoded when the request starts, for a
+    model with a vision tower, within ``serve``'s caps: server/images.py). The URL is a data URL,
+    or an ``http(s)`` one (fetched only with ``serve --allow-remote-images``; else that request's
+    400). ``detail`` is checked and ignored: the checkpoint's processor sets the resolution."""
     if role != "user":
         raise OpenAIError(400, f"{where}: image parts go in user messages", param=where)
     out: list[dict] = []
@@ -412,11 +416,19 @@ def _image_parts(content: list, where: str, role: str) -> list[dict]:
         url = image.get("url") if isinstance(image, dict) else image
         if not isinstance(url, str):
             raise OpenAIError(400, f"{here}.image_url.url must be a string", param=here)
-        if not url.startswith("data:"):
+        detail = image.get("detail") if isinstance(image, dict) else None
+        if detail is not None and detail not in DETAILS:
+            raise OpenAIError(
+                400,
+                f"{here}.image_url.detail: expected one of {', '.join(DETAILS)}, found "
+                f"{shown(detail)}",
+                param=f"{here}.image_url.detail",
+            )
+        if not url.startswith("data:") and not url[:8].lower().startswith(("http://", "https://")):
             raise OpenAIError(
                 400,
                 f"{here}.image_url.url: only data URLs (data:image/...;base64,...) are accepted, "
-                f"found {shown(url[:40])} (this server does not fetch remote images)",
+                f"found {shown(url[:40])} (http(s) URLs with serve --allow-remote-images)",
                 param=here,
                 code="invalid_image_url",
             )

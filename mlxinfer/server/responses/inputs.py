@@ -182,21 +182,26 @@ def _content(
 
 
 def _image(part: dict, where: str) -> dict:
-    """An ``input_image`` part (``image_url``: a data URL; ``detail`` has no meaning here) as
-    the common image part. A ``file_id`` or a remote URL is refused: this server keeps no files
-    and fetches nothing."""
+    """An ``input_image`` part (``image_url``: a data URL, or an ``http(s)`` one that only
+    ``serve --allow-remote-images`` fetches) as the common image part; ``detail`` is checked and
+    ignored (the checkpoint's processor sets the resolution). A ``file_id`` is refused: this
+    server keeps no files."""
     from ..image_parts import image_part
+    from ..openai.request import DETAILS
 
     if part.get("file_id") is not None:
         raise bad(f"{where}.file_id", "this server keeps no files: send the image as image_url")
     url = part.get("image_url")
     if not isinstance(url, str):
         raise bad(f"{where}.image_url", f"expected a data URL, found {type(url).__name__}")
-    if not url.startswith("data:"):
+    detail = part.get("detail")
+    if detail is not None and detail not in DETAILS:
+        raise bad(f"{where}.detail", f"expected one of {', '.join(DETAILS)}, found {shown(detail)}")
+    if not url.startswith("data:") and not url[:8].lower().startswith(("http://", "https://")):
         raise OpenAIError(
             400,
             f"{where}.image_url: only data URLs (data:image/...;base64,...) are accepted, found "
-            f"{shown(url[:40])} (this server does not fetch remote images)",
+            f"{shown(url[:40])} (http(s) URLs with serve --allow-remote-images)",
             param=f"{where}.image_url",
             code="invalid_image_url",
         )
