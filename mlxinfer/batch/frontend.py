@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Sequence
 
 from ..generation.drafts import Draft
-from ..generation.images import load_images
+from ..generation.images import images_in_messages, load_images
 from ..generation.request import KVRoom, prepare_request
 from ..generation.results import GenerationResult
 from ..generation.rules import OutputRules
@@ -70,6 +70,8 @@ class TextRequests:
         # The pool's room caps max_tokens (an agent's max_tokens of 32,000 past a small budget
         # ends as "length"); a prompt it can never hold is submit's to refuse (check_fits).
         room = KVRoom(self.room)
+        prompt, in_parts = images_in_messages(prompt)  # image parts of the messages: markers
+        images = images or in_parts
         prompt_images = load_images(self.model, tokenizer, images) if images else None
         request = prepare_request(
             self.model,

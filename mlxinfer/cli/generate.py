@@ -40,7 +40,7 @@ from .options import (
     multiple=True,
     metavar="PATH",
     help="An image for a model with a vision tower (Gemma 3), before the prompt's text in its "
-    "user message; repeatable.",
+    "user message; repeatable. With --batch: the images of every prompt.",
 )
 @REASONING
 @click.option(
@@ -105,6 +105,7 @@ def generate(
             (draft_model, prompt_lookup, self_draft_layers, mtp),
             options,
             setting,
+            list(images) or None,
         )
     if prompt is None:
         prompt = sys.stdin.read()
@@ -142,8 +143,6 @@ def _image_clash(batch_file, no_chat_template, cache_file) -> str | None:
         return "--no-chat-template (images need the template's image markers)"
     if cache_file is not None:  # keyed by token ids, which are the same for every image
         return "--prompt-cache-file (a cache of token ids cannot tell images apart)"
-    if batch_file is not None:
-        return "--batch yet"
     return None
 
 
@@ -200,9 +199,11 @@ def _generate_batch(
     drafts,
     options,
     setting,
+    images=None,
 ):
     """``generate --batch FILE``: every prompt through one engine, a JSON line each, in order;
-    drafts by prompt lookup, with a draft model or with the MTP head."""
+    drafts by prompt lookup, with a draft model or with the MTP head. ``images`` (``--image``):
+    every prompt's, before its text (``batch_generate(images=...)``: decoded and encoded once)."""
 
     from ..batch import batch_generate
     from ..batch.prompts import read_prompts
@@ -237,6 +238,7 @@ def _generate_batch(
         draft=draft,
         num_draft=num_draft,
         kv_bits=kv_bits,
+        images=images,
         **setting.engine,
         **options,
     )

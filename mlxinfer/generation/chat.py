@@ -7,6 +7,7 @@ from typing import Any, Iterator, Sequence
 from ..cache.prompt import PromptCache
 from ..errors import MlxInferError
 from . import stream_generate
+from .images import images_in_messages
 from .results import GenerationResult
 
 
@@ -41,12 +42,20 @@ class ChatSession:
         self.prompt_cache = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
         self.images: list[Any] = []  # every image of the history, in order
 
-    def send(self, text: str, images: Sequence[Any] = ()) -> Iterator[GenerationResult]:
+    def send(
+        self, text: str | list[dict[str, Any]], images: Sequence[Any] = ()
+    ) -> Iterator[GenerationResult]:
         """Add a user turn (``images`` before its text) and stream the reply; the reply joins
-        the history when done. Once the history holds an image, each turn sends them all again
-        and runs on a fresh cache (generation/images.py: no cache is reused across images)."""
+        the history when done. ``text`` may be content parts instead, text and images in their
+        order (``{"type": "image", "image": source}``, OpenAI's ``image_url`` parts). Once the
+        history holds an image, each turn sends them all again and runs on a fresh cache
+        (generation/images.py: no cache is reused across images)."""
         content: Any = text
-        if images:
+        if isinstance(text, list):
+            [turn], in_parts = images_in_messages([{"role": "user", "content": text}])
+            content = [{"type": "image"} for _ in images] + turn["content"]  # images= first
+            images = [*images, *in_parts]
+        elif images:
             content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
         kept = len(self.images)
         self.images.extend(images)

@@ -95,6 +95,47 @@ class PromptImages:
         return self.processor.expand(text, self.processed)
 
 
+def images_in_messages(prompt: Any) -> tuple[Any, list[Any]]:
+    """A chat prompt's images given in its messages' content parts, as the chat templates take
+    them: each ``{"type": "image", "image": source}`` (a path, bytes, a data URL, a Pillow
+    image) and OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}`` becomes the
+    template's marker ``{"type": "image"}``; returns (the messages so, the sources in order). A
+    text prompt, token ids, or messages without such parts come back as they are, with []."""
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) for m in prompt):
+        return prompt, []
+    sources: list[Any] = []
+    out = []
+    for m in prompt:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            source = _part_source(part)
+            if source is not None:
+                sources.append(source)
+                part = {"type": "image"}
+            parts.append(part)
+        out.append({**m, "content": parts})
+    return (out, sources) if sources else (prompt, [])
+
+
+def _part_source(part: Any) -> Any:
+    """The image a content part carries (None for a text part or a bare marker)."""
+    if not isinstance(part, dict):
+        return None
+    if part.get("type") == "image":
+        return part.get("image")
+    if part.get("type") == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str):
+            raise MediaError("image_url part: expected {'url': a data URL or path}")
+        return url
+    return None
+
+
 def load_images(model, tokenizer, sources: Sequence[Any]) -> PromptImages:
     """Decode and process ``sources`` for ``model`` (a ``vision.Image`` as it is); a model
     without a vision tower is a one-line MediaError naming it."""

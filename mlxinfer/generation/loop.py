@@ -31,7 +31,13 @@ from ..cache.prompt import PromptCache
 from ..loading.memory import kv_limit
 from ..platform.device import wired_limit
 from ..platform.threads import release_at_thread_exit
-from .images import PromptImages, image_inputs, load_images, prefill_images
+from .images import (
+    PromptImages,
+    image_inputs,
+    images_in_messages,
+    load_images,
+    prefill_images,
+)
 from .prefill import DEFAULT_PREFILL_STEP, check_token_ids, prefill, token_ids
 from .request import KVRoom, PreparedRequest, prepare_prompt, prepare_request
 from .results import GenerationResult, Step
@@ -218,7 +224,9 @@ def stream_generate(
             (Qwen3), ``{"reasoning_effort": "high"}`` (gpt-oss).
         images: images for a model with a vision tower (Gemma 3): paths, bytes, data URLs or
             Pillow images, put before the text of the (last) user message unless the messages
-            hold one ``{"type": "image"}`` part each. The prompt goes through the chat template
+            hold one ``{"type": "image"}`` part each. Messages may carry their images instead, as
+            content parts (``{"type": "image", "image": source}``, OpenAI's ``image_url``
+            parts), used when ``images`` is not given. The prompt goes through the chat template
             (a text prompt needs ``chat_template=True``). Such a request runs on a fresh cache,
             never ``prompt_cache``: a cache keyed by token ids cannot tell images apart.
     Yields:
@@ -238,6 +246,8 @@ def stream_generate(
     elif clash := [k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k]]:
         raise ValueError(f"sampling: given as one SamplingParams, and also as {', '.join(clash)}")
     prompt_images: PromptImages | None = None
+    prompt, in_parts = images_in_messages(prompt)  # image parts of the messages: markers
+    images = images or in_parts or None
     if images:
         prompt_images = load_images(model, tokenizer, images)
         if draft is not None:
