@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -23,8 +23,27 @@ class Counters:
     # Draft models: their forwards (a token each for each row in it, prefill chunks aside),
     # the time spent in them, and the bytes of the draft keys held for the running requests.
     draft_steps: int = 0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # drafting of every kind (draft models, MTP heads, prompt lookup)
     draft_kv_bytes: int = 0
+    # Drafting rows' verification: their row-steps, the steps' seconds (forward, acceptance,
+    # rewinds), and by draft position j the drafts proposed there and accepted.
+    draft_row_steps: int = 0
+    verify_s: float = 0.0
+    draft_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def count_drafts(self, m: int, a: int, drafting: bool) -> None:
+        """A row's verification step: ``m`` drafts proposed, ``a`` accepted."""
+        self.draft_tokens += m
+        self.accepted_tokens += a
+        self.draft_row_steps += drafting
+        grow = m - len(self.draft_by_position)
+        if grow > 0:  # lists replaced, not extended: a reader on another thread sees either
+            self.draft_by_position = self.draft_by_position + [0] * grow
+            self.accepted_by_position = self.accepted_by_position + [0] * grow
+        for j in range(m):
+            self.draft_by_position[j] += 1
+            self.accepted_by_position[j] += j < a
 
 
 COUNTERS = frozenset(Counters.__dataclass_fields__)
@@ -58,6 +77,11 @@ def engine_metrics(engine) -> dict[str, float]:
         "draft_accepted_tokens": n.accepted_tokens,
         "draft_steps": n.draft_steps,
         "draft_seconds": n.draft_s,
+        "draft_row_steps": n.draft_row_steps,
+        "draft_tokens_per_step": (n.accepted_tokens + n.draft_row_steps) / n.draft_row_steps
+        if n.draft_row_steps
+        else 0.0,
+        "verify_seconds": n.verify_s,
         "draft_kv_bytes": n.draft_kv_bytes,
         "draft_model_bytes": sum(engine._draft_weights.values()),
         "state_snapshots": len(engine.snapshots) if engine.snapshots is not None else 0,
@@ -66,6 +90,15 @@ def engine_metrics(engine) -> dict[str, float]:
         "image_encoder_cache_hits": engine.encoder_cache.hits,
         "image_encoder_cache_bytes": engine.encoder_cache.nbytes,
         **disk_metrics(engine.pool.disk),
+    }
+
+
+def position_metrics(engine) -> dict[str, list[int]]:
+    """By draft position (the first draft of a step first): drafts proposed and accepted."""
+    n = engine.counters
+    return {
+        "draft_position_tokens": list(n.draft_by_position),
+        "draft_position_accepted_tokens": list(n.accepted_by_position),
     }
 
 

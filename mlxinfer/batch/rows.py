@@ -21,8 +21,9 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 
 from ..backends import log_probs
+from ..generation.draft_length import DraftLength, nominal_costs
 from ..generation.drafts import MTP, Draft, DraftModel, PromptLookup
-from ..generation.speculative import DraftLength, _draft_sampler, accept_drafts, allowed_drafts
+from ..generation.speculative import _draft_sampler, accept_drafts, allowed_drafts
 from .draft_pool import DraftPool
 from .requests import _Request
 
@@ -62,7 +63,8 @@ def start_drafting(
         request.drafter = draft.drafter(model)
     else:
         request.drafter = draft.start(model, [], request.ids)
-    request.draft_length = DraftLength(num_draft)
+    # Its k from nominal costs until the engine hands it measured ones (``Verification``).
+    request.draft_length = DraftLength(num_draft, nominal_costs())
     request.key = mx.random.key(secrets.randbits(63) if seed is None else seed)
     request.tokens = list(request.ids)
 

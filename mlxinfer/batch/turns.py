@@ -15,6 +15,7 @@ class LocalTurns:
     """The turns of an engine with no peers."""
 
     cancels_here = True  # a request cancelled here is dropped here (across ranks: rank 0's)
+    alone = True  # no peer: a drafting row's k may follow this process's timings
     close_s = 0.0  # no peer's last turn to wait for at close
 
     def due(self) -> bool:

@@ -11,6 +11,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..generation.draft_length import StepCosts, timed
 from ..generation.results import Step
 from . import rows as rows_mod
 from .metrics import Counters
@@ -41,6 +42,13 @@ class Verification:
         self.model, self.pools, self.turns, self.recurrent = model, pools, turns, recurrent
         self.counters, self.max_draft, self.attention = counters, max_draft, attention
         self.retire = retire
+        # Measured step costs by batch size (a power of two at most the rows': bucketed), read
+        # by the drafting rows' k (generation/draft_length.py).
+        self.costs: dict[int, StepCosts] = {}
+
+    def costs_for(self, rows: int) -> StepCosts:
+        """The step costs of a batch of ``rows`` (bucketed to the power of two at most it)."""
+        return self.costs.setdefault(1 << (rows.bit_length() - 1), StepCosts())
 
     def feed_draft(self, request: _Request) -> None:
         t0 = time.perf_counter()
@@ -51,8 +59,20 @@ class Verification:
         """One decode step in which drafting rows verify their drafts: every row feeds its
         token, its drafts and padding up to the longest (one forward), keeps the drafts its
         acceptance keeps plus one token of the target's, and the rest is rewound from the pool.
-        Each row's acceptance reads only its own logits and its own key."""
+        Each row's acceptance reads only its own logits and its own key. The step's draft and
+        verification are timed into the costs of its batch size, which the rows' k reads."""
+        costs = self.costs_for(len(rows))
+        # A row's k from them, but for seeded sampling and across ranks, whose k must not
+        # depend on timings (the same draws every run; the same k on every rank): nominal costs.
+        alone = getattr(self.turns, "alone", False)
+        for r in rows:
+            if r.draft_length is not None and alone and timed(r.sampler.params):
+                r.draft_length.costs = costs
+        # Each row's k this step (chosen now, read again by its plan; its update forgets it).
+        drafted = sum(r.draft_length.k for r in rows if r.draft_length is not None)
+        t0 = time.perf_counter()
         proposals, tokens = self.drafts_for(rows)
+        t1 = time.perf_counter()
         starts = [r.seq.length for r in rows]
         # A recurrent row's states before the step: they will read every token fed, padding and
         # rejected drafts too (a state is never written in place: references are a snapshot).
@@ -66,7 +86,11 @@ class Verification:
         else:
             logits = self.model(x, batch.views())  # (B, L, V)
         self.counters.steps_run += 1
-        self.verified(rows, logits, proposals, starts, saved, hidden=hidden)
+        timing = (t1 - t0, t1)
+        self.verified(rows, logits, proposals, starts, saved, hidden=hidden, timing=timing)
+        verify_s = time.perf_counter() - t1
+        costs.record(drafted, t1 - t0, len(tokens[0]), verify_s)
+        self.counters.verify_s += verify_s
 
     def drafts_for(self, rows: list[_Request]) -> tuple[list, list[list[int]]]:
         """The rows' proposals (rank 0's where it drafts alone) and the tokens each row feeds:
@@ -76,9 +100,8 @@ class Verification:
         proposals, forwards = rows_mod.propose(rows, self.max_draft)
         # Across ranks, rank 0's draft model's, where it drafts alone (batching.py).
         proposals = self.turns.adopt_drafts(rows, proposals)
-        if forwards:
-            self.counters.draft_steps += forwards
-            self.counters.draft_s += time.perf_counter() - t0
+        self.counters.draft_steps += forwards
+        self.counters.draft_s += time.perf_counter() - t0
         L = 1 + max(len(p.tokens) for p in proposals)
         tokens = [
             [r.pending] + p.tokens + [r.pending] * (L - 1 - len(p.tokens))
@@ -87,12 +110,21 @@ class Verification:
         return proposals, tokens
 
     def verified(
-        self, rows, logits, proposals, starts, saved, flown: bool = False, hidden=None
+        self,
+        rows,
+        logits,
+        proposals,
+        starts,
+        saved,
+        flown: bool = False,
+        hidden=None,
+        timing: tuple[float, float] | None = None,
     ) -> None:
         """The rows' acceptance of their drafts from the step's ``logits`` (B, L, V); the
         rejected ones rewound (``starts``: each row's length before the step); the kept tokens
         emitted. ``flown``: a flight's rows (flights.py), whose blocks are hashed after the
-        rewind. ``hidden`` (B, L, H): the step's final hidden states, for MTP rows' heads."""
+        rewind. ``hidden`` (B, L, H): the step's final hidden states, for MTP rows' heads.
+        ``timing``: (the draft's seconds, when the verification began), for the rows' steps."""
         drafts = [p.tokens for p in proposals]
         picks = [rows_mod.verify(r, logits[b], p) for b, (r, p) in enumerate(zip(rows, proposals))]
         # Each token's log-probs as an array of its own, evaluated here like the rest: a slice
@@ -119,12 +151,24 @@ class Verification:
                 if hidden is None:
                     raise ValueError("an MTP row verified without the step's hidden states")
                 observe(hidden[b, : a + 1], emitted)  # the kept positions, each with its next
-            self.emit(r, emitted, logprobs, a, len(d))
+            self.emit(r, emitted, logprobs, a, len(d), timing)
 
-    def emit(self, r: _Request, emitted: list[int], logprobs, a: int, m: int) -> None:
-        """Hand the step's tokens to the consumer, up to EOS or max_tokens; retire if done."""
-        self.counters.draft_tokens += m
-        self.counters.accepted_tokens += a
+    def emit(
+        self,
+        r: _Request,
+        emitted: list[int],
+        logprobs,
+        a: int,
+        m: int,
+        timing: tuple[float, float] | None = None,
+    ) -> None:
+        """Hand the step's tokens to the consumer, up to EOS or max_tokens; retire if done.
+        ``timing``: (the draft's seconds, when the verification began): the step's first token
+        carries those and the verification's seconds so far."""
+        self.counters.count_drafts(m, a, r.drafter is not None)
+        draft_s, verify_s = 0.0, 0.0
+        if timing is not None:
+            draft_s, verify_s = timing[0], time.perf_counter() - timing[1]
         for j, t in enumerate(emitted):
             first = j == 0
             r.generated += 1
@@ -132,7 +176,10 @@ class Verification:
             r.tokens.append(t)
             if r.history is not None:
                 r.history = mx.concatenate([r.history, mx.array([t], mx.int32)])
-            r.out.put(Step(t, logprobs[j], j < a, int(first), m if first else 0, a if first else 0))
+            if first:
+                r.out.put(Step(t, logprobs[j], j < a, 1, m, a, draft_s, verify_s))
+            else:
+                r.out.put(Step(t, logprobs[j], j < a, 0))
             if t in r.eos or r.generated >= r.max_tokens:
                 self.retire(r)
                 return

@@ -27,6 +27,8 @@ class Step(NamedTuple):
     passes: int = 1  # target forward passes that started with this token
     drafted: int = 0
     accepted: int = 0
+    draft_s: float = 0.0  # seconds the pass's drafts took
+    verify_s: float = 0.0  # seconds its verification took (the forward, acceptance, rewind)
 
 
 @dataclass
@@ -45,6 +47,11 @@ class GenerationStats:
     draft_tokens: int = 0  # proposed by the draft
     accepted_tokens: int = 0  # of those, accepted by the target
     speculative_steps: int = 0  # target forward passes while decoding
+    # By draft position j (0: the first draft of a step): drafts proposed there, and accepted.
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0  # time spent drafting, all steps
+    verify_ms: float = 0.0  # time spent verifying (target forwards, acceptance, rewinds)
     # What cut the generation short of max_tokens, when something did: "kv_budget" (the
     # request's KV cache reached its budget: memory.kv_limit), else "".
     limited_by: str = ""
@@ -58,11 +65,35 @@ class GenerationStats:
         """Generated tokens per target forward pass (1.0 for plain decoding)."""
         return self.generation_tokens / self.speculative_steps if self.speculative_steps else 0.0
 
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Of the drafts at each position of a step, the share accepted (position 0 first)."""
+        return [
+            a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)
+        ]
+
+    @property
+    def draft_ms_per_step(self) -> float:
+        return self.draft_ms / self.speculative_steps if self.speculative_steps else 0.0
+
+    @property
+    def verify_ms_per_step(self) -> float:
+        return self.verify_ms / self.speculative_steps if self.speculative_steps else 0.0
+
     def count(self, step: Step) -> None:
         """Add one step's speculative counts (plain decoding: one pass per token)."""
         self.speculative_steps += step.passes
         self.draft_tokens += step.drafted
         self.accepted_tokens += step.accepted
+        self.draft_ms += step.draft_s * 1000
+        self.verify_ms += step.verify_s * 1000
+        if step.drafted > len(self.drafted_by_position):
+            grow = step.drafted - len(self.drafted_by_position)
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for j in range(step.drafted):
+            self.drafted_by_position[j] += 1
+            self.accepted_by_position[j] += j < step.accepted
 
     def table(self) -> str:
         rows = [
@@ -78,9 +109,13 @@ class GenerationStats:
             rows.append(("stopped by", self.limited_by))
         if self.speculative_steps:
             accepted = f"{self.accepted_tokens}/{self.draft_tokens} ({self.acceptance_rate:.0%})"
+            by_position = " ".join(f"{a:.0%}" for a in self.acceptance_by_position[:8])
+            ms = f"{self.draft_ms_per_step:.1f} / {self.verify_ms_per_step:.1f} ms"
             rows[-1:-1] = [
                 ("draft accepted", accepted),
+                ("  by position", by_position or "-"),
                 ("tokens per step", f"{self.tokens_per_step:.2f}"),
+                ("draft / verify", ms),
             ]
         return "\n".join(f"{k:<20} {v:>14}" for k, v in rows)
 

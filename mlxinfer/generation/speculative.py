@@ -31,17 +31,13 @@ from ..cache.kv import LayerCache, RotatingKVCache, StateCache, is_trimmable
 from ..cache.prompt import PromptCache
 from ..errors import DraftError
 from ..platform.threads import release_at_thread_exit
+from .draft_length import MAX_DRAFT, DraftLength, StepCosts, nominal_costs, timed
 from .prefill import DEFAULT_PREFILL_STEP, prefill, rewind
 from .results import Step
 from .sampling import LogitsProcessor, Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from .drafts import Draft, DraftSampler
-
-MAX_DRAFT = 16  # adaptive k's ceiling: verifying more positions stops being free even on a GPU
-# Weight of the newest step in the acceptance-rate estimate: acceptance comes in bursts (prompt
-# lookup copies a line verbatim, then misses at the edit), so the estimate follows the last few steps.
-_ADAPT_WEIGHT = 0.5
 
 
 def speculative_generate_step(
@@ -62,8 +58,9 @@ def speculative_generate_step(
         draft: a draft source (``DraftModel``, ``PromptLookup``, ``SelfDraft``).
         sampler: from ``make_sampler``; its ``params`` define the distribution
             both models draw from (greedy when None).
-        num_draft: draft exactly this many tokens per step; None adapts k to
-            the acceptance rate (1 … ``MAX_DRAFT``).
+        num_draft: draft exactly this many tokens per step; None chooses k from the
+            measured step costs and acceptance (0 … ``MAX_DRAFT``; 0 is plain decoding:
+            ``draft_length.py``).
     Yields:
         A :class:`~mlxinfer.results.Step` per token: the token and the (V,)
         log-probs it was drawn from (after logits processors, before
@@ -104,7 +101,11 @@ def speculative_generate_step(
         observe=prime if observe is not None else None,
     )
     key = mx.random.key(secrets.randbits(63) if params.seed is None else params.seed)
-    k_policy = DraftLength(num_draft)
+    # Across ranks every rank must draft the same k: timings differ, so nominal costs there.
+    alone = getattr(model, "backend", None) != "distributed"
+    k_policy = DraftLength(
+        num_draft, _costs(model, draft) if timed(params) and alone else nominal_costs()
+    )
     history = list(ids)  # every token so far; the last one is in no cache yet
     n = 0
     # State caches cannot drop rejected drafts: each pass starts from a snapshot (cheap).
@@ -115,12 +116,16 @@ def speculative_generate_step(
             k = min(k_policy.k, max_tokens - n - 1)  # a step emits up to k+1 tokens
             key, draft_key, accept_key = mx.random.split(key, 3)
             seen = mx.array(history, dtype=mx.int32) if logits_processors else None
+            k_policy.start()
             if k > 0:
                 drafts, q = drafter.propose(
                     history, k, _draft_sampler(params, logits_processors, seen, draft_key)
                 )
+                # Evaluated apart from the verification only to time the two (k's costs).
+                mx.eval(drafts, q if q is not None else [])
             else:
                 drafts, q = mx.array([], dtype=mx.int32), None
+            draft_s = k_policy.drafted()
             drafts, q = allowed_drafts(logits_processors, history, drafts, q)
             m = drafts.shape[0]
             if restorable:
@@ -143,11 +148,14 @@ def speculative_generate_step(
                 assert hidden is not None
                 observe(hidden[: a + 1], emitted)
             drafter.rewind(pc.tokens)
+            verify_s = k_policy.verified(k, draft_s, m + 1)
             k_policy.update(a, m)
             for j, t in enumerate(emitted):
                 n += 1
-                first = j == 0  # the pass's counts travel with its first token
-                yield Step(t, logprobs[j], j < a, int(first), m if first else 0, a if first else 0)
+                if j == 0:  # the pass's counts travel with its first token
+                    yield Step(t, logprobs[j], j < a, 1, m, a, draft_s, verify_s)
+                else:
+                    yield Step(t, logprobs[j], j < a, 0)
     finally:
         # Keep at most the tokens the caller received (plain decoding's rule).
         rewind(model, pc, min(len(pc.tokens), len(ids) + n), snapshot)
@@ -282,32 +290,19 @@ def _draft_sampler(
     return sample
 
 
-class DraftLength:
-    """How many tokens to draft next.
-
-    Fixed when ``num_draft`` is given. Otherwise k follows the acceptance rate
-    α: a moving average over steps of each step's accepted / (accept and
-    reject decisions). If each draft passes with probability α, a step with
-    drafts that never run out emits 1 / (1 - α) tokens on average, so that is
-    what we draft (between 1 and MAX_DRAFT).
-    """
-
-    def __init__(self, fixed: int | None):
-        self.fixed = fixed
-        self.alpha = 0.75  # prior: k = 4
-
-    @property
-    def k(self) -> int:
-        if self.fixed is not None:
-            return self.fixed
-        if self.alpha >= 1 - 1 / MAX_DRAFT:
-            return MAX_DRAFT
-        return max(1, round(1 / (1 - self.alpha)))
-
-    def update(self, accepted: int, proposed: int) -> None:
-        if proposed:
-            rate = accepted / (accepted + (accepted < proposed))  # 1.0 when every draft passed
-            self.alpha += _ADAPT_WEIGHT * (rate - self.alpha)
+def _costs(model, draft: Draft) -> StepCosts:
+    """The measured step costs of ``model`` drafting with ``draft``: one table per model object
+    and kind of draft (its model, if it has one), kept on the model, since they depend on the
+    model, the draft and the backend, not on the request."""
+    tables = getattr(model, "_step_costs", None)
+    if not isinstance(tables, dict):
+        tables = {}
+        try:
+            model._step_costs = tables
+        except AttributeError:  # a model that takes no attributes: this request's own
+            pass
+    key = (type(draft).__name__, id(getattr(draft, "model", None)))
+    return tables.setdefault(key, StepCosts())
 
 
 def _sampling_params(sampler: Sampler | None) -> SamplingParams:

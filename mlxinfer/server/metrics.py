@@ -9,6 +9,7 @@ import anyio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from ..batch.metrics import position_metrics
 from .limits import Work
 from .models import Models
 
@@ -40,10 +41,25 @@ METRICS = {
         "gauge",
         "Prompt blocks served from the prefix cache, of those looked up.",
     ),
-    "draft_tokens": ("counter", "Tokens proposed by drafts (prompt lookup or a draft model)."),
+    "draft_tokens": (
+        "counter",
+        "Tokens proposed by drafts (prompt lookup, a draft model, an MTP head).",
+    ),
     "draft_accepted_tokens": ("counter", "Proposed tokens accepted."),
     "draft_steps": ("counter", "Draft-model forwards, each over the requests drafting with it."),
-    "draft_seconds": ("counter", "Seconds spent in the draft model (prefill and proposals)."),
+    "draft_seconds": (
+        "counter",
+        "Seconds spent drafting (a draft model's prefill and proposals, MTP heads, prompt lookup).",
+    ),
+    "draft_row_steps": ("counter", "Verification steps of drafting requests (one per request)."),
+    "draft_tokens_per_step": (
+        "gauge",
+        "Tokens a drafting request's verification step emits on average (1.0: plain decoding).",
+    ),
+    "verify_seconds": (
+        "counter",
+        "Seconds spent in the drafting requests' verification steps (forward, acceptance, rewind).",
+    ),
     "draft_kv_bytes": ("gauge", "Bytes of the draft-model keys held for running requests."),
     "draft_model_bytes": ("gauge", "Bytes of the draft models' weights."),
     "state_snapshots": (
@@ -98,11 +114,36 @@ def prometheus(registry: Models, work: Work | None = None) -> str:
     for key, (kind, text) in kinds.items():
         name = _metric(key, kinds)
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples[key]]
+    lines += _position_lines(registry)
     lines += _rank_lines(registry)
     for key, value, text in _mlx_memory():
         lines += [f"# HELP mlxinfer_{key} {text}", f"# TYPE mlxinfer_{key} gauge"]
         lines.append(f"mlxinfer_{key} {value}")
     return "\n".join(lines) + "\n"
+
+
+POSITION_METRICS = {  # by draft position (1: a step's first draft)
+    "draft_position_tokens": ("counter", "Drafts proposed at this position of a step."),
+    "draft_position_accepted_tokens": ("counter", "Drafts accepted at this position of a step."),
+}
+
+
+def _position_lines(registry: Models) -> list[str]:
+    """``mlxinfer_draft_position_*_total{model=..., position=...}``: per-position acceptance."""
+    samples: dict[str, list[str]] = {key: [] for key in POSITION_METRICS}
+    for entry in list(registry.entries.values()):
+        if not hasattr(getattr(entry.engine, "counters", None), "draft_by_position"):
+            continue  # no engine, or one that never drafts (embeddings)
+        model = entry.name.replace("\\", "\\\\").replace('"', '\\"')
+        for key, values in position_metrics(entry.engine).items():
+            for j, value in enumerate(values):
+                samples[key].append(f'{{model="{model}",position="{j + 1}"}} {value}')
+    lines: list[str] = []
+    for key, (kind, text) in POSITION_METRICS.items():
+        name = f"mlxinfer_{key}_total"
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        lines += [name + sample for sample in samples[key]]
+    return lines
 
 
 RANK_METRICS = {  # across ranks: each rank's, as of the engine's last turn

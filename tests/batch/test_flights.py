@@ -188,9 +188,11 @@ def test_rows_drafting_with_a_draft_model_verify_in_flights(model):
         engine = _engine(model, block_size=8) if flights else Engine(model, block_size=8)
         with engine:
             with engine._cond:
+                # A fixed k: an adaptive one follows each engine's timings (draft_length.py).
                 handles = [
-                    engine.submit(p, max_tokens=10, draft=None if i == 2 else draft)
+                    engine.submit(p, max_tokens=10, draft=None if i == 2 else draft, **fixed)
                     for i, p in enumerate(prompts)
+                    for fixed in [{} if i == 2 else {"num_draft": 4}]
                 ]
             runs.append([list(h.steps()) for h in handles])
             assert engine.stats().blocks_in_use == 0 and engine.accepted_tokens > 0

@@ -2,10 +2,13 @@
 hidden states by the engine's prefill and verification forwards (tiny random MiMo, Qwen3-Next
 checkpoints built with transformers; no real MTP weights can be had here)."""
 
+import time
+
 import pytest
 from mtp_models import QWEN3_NEXT, make_mimo, make_qwen_mtp
 
-from mlxinfer.batch import Engine
+from mlxinfer.batch import Engine, verification
+from mlxinfer.batch import rows as rows_mod
 from mlxinfer.generation import generate_step
 from mlxinfer.generation.drafts import MTP, PromptLookup
 from mlxinfer.generation.sampling import SamplingParams
@@ -90,3 +93,42 @@ def test_hybrid_mtp_rows_equal_alone(tmp_path):
     for ids, steps in zip(PROMPTS, out):
         assert [s[0] for s in steps] == alone(model, ids, 10)
     assert sum(s[4] for s in out[0]) > 0  # its recurrent layers refed after each rejection
+
+
+class _Time:
+    """A fake ``time`` for verification.py: a millisecond a call, plus what drafting adds."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def perf_counter(self):
+        self.t += 1e-3
+        return self.t
+
+
+@pytest.mark.parametrize("ms", [0.0, 50.0])
+def test_rows_k_follows_the_engines_measured_costs(wired, monkeypatch, ms):
+    """The engine times its verification steps (by batch size) and the drafting rows' k reads
+    them: drafting free, a well-predicting head drafts deeper than the prior's 4; 50 ms a draft
+    token against 1 ms steps, drafting goes off (k = 0, a probe now and then). The output is
+    plain greedy's either way, and each step's first token carries its draft and verify time."""
+    clock = _Time()
+    propose = rows_mod.propose
+
+    def timed_propose(rows, max_draft):
+        proposals, forwards = propose(rows, max_draft)
+        clock.t += ms * 1e-3 * sum(len(p.tokens) for p in proposals)
+        return proposals, forwards
+
+    monkeypatch.setattr(verification, "time", clock)
+    monkeypatch.setattr(rows_mod, "propose", timed_propose)
+    out = in_batch(wired, [MTP(), None], n=40)
+    for ids, steps in zip(PROMPTS, out):
+        assert [s[0] for s in steps] == alone(wired, ids, 40)
+    drafted = [s.drafted for s in out[0] if s.passes]
+    if ms:
+        assert drafted[0] == 4 and drafted[1:].count(0) >= len(drafted) - 4
+    else:
+        assert max(drafted) > 4
+    assert all(s.verify_s > 0 for s in out[0] if s.passes)
+    assert time.perf_counter() > 0  # the real clock untouched

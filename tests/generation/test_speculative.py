@@ -21,10 +21,11 @@ from mlxinfer import load, stream_generate
 from mlxinfer.cache.prompt import PromptCache
 from mlxinfer.cli.main import cli
 from mlxinfer.errors import DraftError
-from mlxinfer.generation import generate_step, speculative
+from mlxinfer.generation import draft_length, generate_step, speculative
 from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
 from mlxinfer.generation.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
-from mlxinfer.generation.speculative import DraftLength, speculative_generate_step
+from mlxinfer.generation.draft_length import DraftLength, StepCosts
+from mlxinfer.generation.speculative import speculative_generate_step
 
 # Repeats, so prompt lookup finds matches; ids only (no tokenizer in the token loop).
 PROMPT = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 20, 21, 11, 12]
@@ -174,8 +175,10 @@ def test_caches_after_run_equal_plain_caches(tiny, drafts, source):
     assert out == tokens
     assert_same_cache(pc, ref)  # prompt + all generated tokens but the last
     if isinstance(draft, DraftModel):  # the draft's cache holds a prefix of them, exactly
+        # (all but the last unless drafting went off: a draft model drafting like the target
+        # costs what it saves, and catches up when it drafts again)
         dpc = draft.prompt_cache
-        assert dpc.tokens == pc.tokens[: len(dpc.tokens)] and len(dpc.tokens) >= len(pc.tokens) - 1
+        assert dpc.tokens == pc.tokens[: len(dpc.tokens)]
         assert_same_cache(dpc, filled(draft.model, dpc.tokens))
 
 
@@ -291,30 +294,114 @@ def test_stats_and_draft_flags(tiny, drafts):
         and s.tokens_per_step == len(rs) / s.speculative_steps
     )
     assert "draft accepted" in s.table() and "tokens per step" in s.table()
+    # Per position: every step proposed 3 (the last step maybe fewer), all accepted; the ms.
+    assert s.drafted_by_position[0] == s.speculative_steps and len(s.drafted_by_position) == 3
+    assert s.accepted_by_position == s.drafted_by_position
+    assert s.acceptance_by_position == [1.0, 1.0, 1.0]
+    assert s.draft_ms > 0 and s.verify_ms > 0 and s.verify_ms_per_step > 0
+    assert "by position" in s.table() and "100% 100% 100%" in s.table()
+    assert f"{s.draft_ms_per_step:.1f} / {s.verify_ms_per_step:.1f} ms" in s.table()
+    # A draft that is never right: position 0 decides every step, nothing past it is accepted.
+    w = list(stream_generate(model, tok, PROMPT, max_tokens=12, draft=drafts["wrong"], num_draft=2))
+    w = w[-1].stats
+    assert w.accepted_by_position == [0, 0]
+    assert w.drafted_by_position[0] == w.speculative_steps - 1  # the last step: one token left
     plain_stats = list(stream_generate(model, tok, PROMPT, max_tokens=5))[-1].stats
     assert "draft accepted" not in plain_stats.table()
 
 
-def test_adaptive_k_follows_acceptance(tiny, drafts):
-    k = DraftLength(None)
-    assert k.k == 4  # prior acceptance 0.75
+def test_adaptive_k_follows_acceptance():
+    """k maximises E(k) / cost(k) (generation/draft_length.py): with verifying 10 ms + 1 ms a
+    position and a draft token 0.5 ms, full acceptance drafts deep, none turns drafting off
+    (k = 0, plain decoding) with bounded probes, and a return of acceptance brings it back."""
+    costs = StepCosts()
+    for positions in (1, 5, 9):
+        costs.record(4, 2.0, positions, 10.0 + positions)  # 0.5 ms a drafted token
+    k = DraftLength(None, costs)
+    assert k.k == 4  # the prior acceptance 0.75 with these costs
     for _ in range(10):
         k.update(k.k, k.k)  # everything accepted
-    assert k.k == speculative.MAX_DRAFT
+    assert k.k >= 12
+    high = k.k
     for _ in range(10):
         k.update(0, k.k)  # nothing accepted
-    assert k.k == 1
-    assert DraftLength(3).k == 3
-    # End to end: an always-right draft needs few target passes, an always-wrong one drafts little.
-    _, model, tok = tiny
-    right = list(stream_generate(model, tok, PROMPT, max_tokens=60, draft=drafts["right"]))[
-        -1
-    ].stats
-    wrong = list(stream_generate(model, tok, PROMPT, max_tokens=60, draft=drafts["wrong"]))[
-        -1
-    ].stats
-    assert right.generation_tokens == 60 and right.speculative_steps <= 8
-    assert wrong.draft_tokens <= wrong.speculative_steps + 6  # k falls to 1 after a few rejections
+    assert k.k == 0
+    ks = []
+    for _ in range(100):
+        ks.append(k.k)
+        k.update(0, ks[-1])
+    probes = [i for i, x in enumerate(ks) if x]
+    assert 2 <= len(probes) <= 5  # probes, each interval twice the last (8, 16, 32, 64)
+    while k.k == 0:  # the next probe finds acceptance back
+        k.update(0, 0)
+    for _ in range(10):
+        k.update(k.k, k.k)
+    assert k.k >= high
+    assert DraftLength(3, costs).k == 3
+    assert expected_tokens([1.0, 0.5], 2) == 1 + 1 + 0.5
+
+
+def expected_tokens(acceptance, k):
+    d = DraftLength(None)
+    d.passed, d.decided = [a * 100 for a in acceptance], [100.0] * len(acceptance)
+    return round(d.expected(k), 1)
+
+
+class _Clock:
+    """A fake ``perf_counter``: a millisecond a call, plus what a draft adds."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1e-3
+        return self.t
+
+
+class _Timed(DraftModel):
+    """A draft model whose every drafted token takes ``ms`` on ``clock``."""
+
+    def __init__(self, model, clock, ms):
+        super().__init__(model)
+        self.clock, self.ms = clock, ms
+
+    def start(self, model, cache, prompt):
+        inner = super().start(model, cache, prompt)
+        clock, ms = self.clock, self.ms
+
+        class Drafter:
+            def propose(self, history, k, sample):
+                clock.t += k * ms * 1e-3
+                return inner.propose(history, k, sample)
+
+            def rewind(self, kept):
+                inner.rewind(kept)
+
+        return Drafter()
+
+
+@pytest.mark.parametrize("ms", [0.0, 50.0])
+def test_k_follows_measured_costs(tiny, monkeypatch, ms):
+    """A draft that always agrees with the target: free to draft, k rises to the ceiling; 50 ms a
+    token against a 1 ms verification, it costs more than it saves and k goes to 0 (plain
+    decoding, a probe now and then), and either way the output is plain greedy's."""
+    _, model, _ = tiny
+    clock = _Clock()
+    monkeypatch.setattr(draft_length, "perf_counter", clock)
+    model.__dict__.pop("_step_costs", None)
+    try:
+        out = list(
+            speculative_generate_step(PROMPT, model, _Timed(model, clock, ms), max_tokens=60)
+        )
+    finally:
+        model.__dict__.pop("_step_costs", None)
+    assert [s.token for s in out] == [t for t, _ in plain(model, PROMPT, 60)]
+    drafted = [s.drafted for s in out if s.passes]
+    if ms:
+        assert drafted[0] == 4 and drafted[1:].count(0) >= len(drafted) - 4
+    else:
+        assert drafted[:3] == [4, 4, 6] and max(drafted) >= 10 and len(drafted) <= 10
+    assert all(s.verify_s > 0 for s in out if s.passes)
 
 
 # --- Draft sources ------------------------------------------------------------------------------
@@ -507,6 +594,7 @@ def test_cli_speculative_flags(tiny):
         assert result.exit_code == 0, result.stderr
         assert result.stdout == expected
         assert "draft accepted" in result.stderr and "tokens per step" in result.stderr
+        assert "by position" in result.stderr and "draft / verify" in result.stderr
     result = CliRunner().invoke(cli, base + ["--prompt-lookup", "--self-draft-layers", "2"])
     assert result.exit_code == 2 and "choose one draft source" in result.stderr
 

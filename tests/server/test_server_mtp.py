@@ -32,7 +32,27 @@ def test_chat_completion_with_mtp_equals_plain(mimo):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["message"]["content"]
-        assert app.state.models.entries[NAME].engine.counters.draft_tokens > 0  # it drafted
+        engine = app.state.models.entries[NAME].engine
+        assert engine.counters.draft_tokens > 0  # it drafted
+        # /metrics: per-position acceptance, tokens per step, draft and verify seconds.
+        m, n = engine.metrics(), engine.counters
+        metrics = client.get("/metrics").text
+        label = f'model="{NAME}"'
+        assert m["draft_row_steps"] > 0 and m["verify_seconds"] > 0 and m["draft_seconds"] > 0
+        steps = m["draft_row_steps"]
+        assert m["draft_tokens_per_step"] == (m["draft_accepted_tokens"] + steps) / steps
+        assert f"mlxinfer_draft_row_steps_total{{{label}}} {steps:g}" in metrics
+        assert f"mlxinfer_draft_tokens_per_step{{{label}}} " in metrics
+        assert f"mlxinfer_verify_seconds_total{{{label}}} " in metrics
+        assert "# TYPE mlxinfer_draft_position_accepted_tokens_total counter" in metrics
+        first = n.draft_by_position[0], n.accepted_by_position[0]
+        assert first[0] > 0 and sum(n.draft_by_position) == n.draft_tokens
+        assert sum(n.accepted_by_position) == n.accepted_tokens
+        assert f'mlxinfer_draft_position_tokens_total{{{label},position="1"}} {first[0]}' in metrics
+        assert (
+            f'mlxinfer_draft_position_accepted_tokens_total{{{label},position="1"}} {first[1]}'
+            in metrics
+        )
     assert text == generate(model, tokenizer, MESSAGES, max_tokens=12)
 
 

@@ -1,0 +1,182 @@
+"""How many tokens to draft next: chosen from measured costs and the running acceptance, so that
+speculative decoding is never slower than plain decoding (k = 0 is plain decoding).
+
+A step that drafts k tokens costs ``cost(k) = verify(k + 1) + k * draft`` (the target's forward
+over k + 1 positions, and k draft tokens) and emits, on average,
+
+    E(k) = sum_{i=0..k} prod_{j<i} a_j        (E(0) = 1: plain decoding)
+
+tokens, with a_j the probability that the draft at position j is accepted given that those
+before it were. The policy drafts ``argmax_k E(k) / cost(k)`` over 0 … ``MAX_DRAFT``: tokens per
+second. Both sides are measured as the loop runs, never assumed:
+
+- a_j: decayed counts of the accept/reject decisions at position j (a position is decided
+  when every draft before it passed), starting from a prior's pseudo-counts that decay with
+  them, so a change in acceptance moves k within a few steps. A position not yet tried reads the deepest tried one.
+- verify(L): an exponential moving average of the timed steps that fed L positions; an L not
+  timed yet is read off a least-squares line through those timed (flat while only one is:
+  trying a longer draft is how its cost gets measured). ``draft``: a moving average of the
+  draft time per drafted token.
+
+A seeded sampling request is the exception: the tokens it draws depend on the k of each step,
+so to draw the same tokens on every run (and alone or in a batch) its k must not depend on
+timings. It reads :func:`nominal_costs` instead (verifying any length costs 1, a draft token
+0.1), which depend on its acceptance alone. Greedy output does not depend on k at all.
+
+When drafting does not pay (k = 0), a probe step drafts every ``probe`` steps to refresh the
+acceptance; the interval doubles (up to ``MAX_PROBE``) while probes keep showing it does not.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+MAX_DRAFT = 16  # the ceiling: verifying more positions stops being free even on a GPU
+PRIOR = 0.75  # acceptance assumed before samples (k = 4 when verifying is free)
+PRIOR_WEIGHT = 2.0  # … worth this many decisions, decaying as they do
+DECAY = 0.7  # weight of a decision one step older: acceptance comes in bursts
+COST_WEIGHT = 0.3  # weight of the newest timing in the moving averages
+MIN_PROBE, MAX_PROBE = 8, 256  # steps between probes while drafting is off
+
+
+class StepCosts:
+    """Measured step costs of one model on one backend (at one batch size): seconds to verify L
+    positions, by L, and seconds per drafted token. Shared by the requests it serves."""
+
+    def __init__(self) -> None:
+        self.verify: dict[int, float] = {}  # L -> seconds (moving average)
+        self.draft: float | None = None  # seconds per drafted token (moving average)
+
+    def record(self, k: int, draft_s: float, positions: int, verify_s: float) -> None:
+        """A step that drafted for ``k`` tokens in ``draft_s`` and verified ``positions`` in
+        ``verify_s`` (seconds)."""
+        self.verify[positions] = _average(self.verify.get(positions), verify_s)
+        if k > 0:
+            self.draft = _average(self.draft, draft_s / k)
+
+    def verify_s(self, positions: int) -> float | None:
+        """Seconds to verify ``positions``: timed, else on the line through those timed."""
+        if positions in self.verify:
+            return self.verify[positions]
+        if not self.verify:
+            return None
+        xs, ys = list(self.verify), list(self.verify.values())
+        if len(xs) == 1:
+            return ys[0]
+        mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx_) ** 2 for x in xs)
+        return max(my + max(slope, 0.0) * (positions - mx_), min(ys))
+
+    def cost(self, k: int) -> float | None:
+        """Seconds for a step drafting ``k``; None before any step was timed."""
+        verify = self.verify_s(k + 1)
+        if verify is None:
+            return None
+        return verify + k * (self.draft or 0.0)
+
+
+def nominal_costs() -> StepCosts:
+    """Fixed costs for a request whose k must not depend on timings (seeded sampling): a
+    verification of any length costs 1, a drafted token 0.1."""
+    costs = StepCosts()
+    costs.verify[1], costs.draft = 1.0, 0.1
+    costs.record = lambda *args: None  # type: ignore[method-assign]  # never measured
+    return costs
+
+
+def timed(params) -> bool:
+    """Whether a request with sampling ``params`` may choose k from timings (not seeded
+    sampling: module docstring)."""
+    return params.greedy or params.seed is None
+
+
+class DraftLength:
+    """One request's k: fixed when ``fixed`` is given, else chosen from ``costs`` (shared; a
+    fresh one when None) and this request's acceptance (module docstring)."""
+
+    def __init__(self, fixed: int | None, costs: StepCosts | None = None):
+        self.fixed = fixed
+        self.costs = costs if costs is not None else StepCosts()
+        self.passed: list[float] = []  # decayed accepts at position j
+        self.decided: list[float] = []  # decayed decisions at position j
+        self.off_for = 0  # steps since drafting went off (k = 0)
+        self.probe = MIN_PROBE
+        self.best = 4  # the best k > 0 (a probe drafts that many)
+        self._k: int | None = None
+        self._t = 0.0
+
+    def acceptance(self, j: int) -> float:
+        """a_j: the estimated chance that the draft at position j passes when those before did."""
+        if not self.decided:
+            return PRIOR
+        j = min(j, len(self.decided) - 1)
+        return self.passed[j] / self.decided[j]
+
+    def expected(self, k: int) -> float:
+        """E(k): expected tokens from a step that drafts k."""
+        total, reach = 1.0, 1.0
+        for j in range(k):
+            reach *= self.acceptance(j)
+            total += reach
+        return total
+
+    @property
+    def k(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if self._k is None:
+            self._k = self._choose()
+        return self._k
+
+    def _choose(self) -> int:
+        rates = {}
+        for k in range(MAX_DRAFT + 1):
+            cost = self.costs.cost(k)
+            if cost is None:  # nothing timed yet: draft the best k for the prior, to measure it
+                return self.best
+            rates[k] = self.expected(k) / max(cost, 1e-12)
+        drafting = max(range(1, MAX_DRAFT + 1), key=lambda k: rates[k])
+        self.best = drafting
+        if rates[drafting] > rates[0]:
+            self.off_for, self.probe = 0, MIN_PROBE
+            return drafting
+        self.off_for += 1
+        if self.off_for >= self.probe:  # a probe: refresh the acceptance, then wait longer
+            self.off_for, self.probe = 0, min(2 * self.probe, MAX_PROBE)
+            return drafting
+        return 0
+
+    def update(self, accepted: int, proposed: int) -> None:
+        """A step proposed ``proposed`` drafts and the target kept ``accepted`` of them."""
+        for j in range(proposed):
+            if j > accepted:  # the first rejection ended the step: later ones were not decided
+                break
+            while len(self.decided) <= j:  # the prior's pseudo-decisions, decaying with the rest
+                self.passed.append(PRIOR * PRIOR_WEIGHT)
+                self.decided.append(PRIOR_WEIGHT)
+            self.passed[j] = DECAY * self.passed[j] + (j < accepted)
+            self.decided[j] = DECAY * self.decided[j] + 1
+        self._k = None
+
+    # The loop times its steps through these (``perf_counter``: tests put a fake clock there).
+    def start(self) -> None:
+        """The step begins: it drafts now."""
+        self._t = perf_counter()
+
+    def drafted(self) -> float:
+        """The drafts are evaluated: the seconds they took; verification begins."""
+        now = perf_counter()
+        elapsed, self._t = now - self._t, now
+        return elapsed
+
+    def verified(self, k: int, draft_s: float, positions: int) -> float:
+        """The step's verification of ``positions`` is done (rewind included): its seconds,
+        recorded with the draft's."""
+        verify_s = perf_counter() - self._t
+        self.costs.record(k, draft_s, positions, verify_s)
+        self._k = None
+        return verify_s
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + COST_WEIGHT * (new - old)
