@@ -27,6 +27,8 @@ FAMILIES = {
     "gemma3": "gemma3",  # with its vision tower (config.py: only with a vision_config)
     "qwen2_5_vl": "qwen2_5_vl",  # with their towers, as gemma3
     "qwen3_vl": "qwen3_vl",
+    "qwen3_5": "qwen3_5_vl",  # Qwen3-VL's tower over the qwen3_5 hybrid trunk
+    "qwen3_5_moe": "qwen3_5_vl",
     "mistral3": "mistral3",  # Pixtral tower over mistral / ministral3 text
     "llava": "llava",  # CLIP (or Pixtral) tower over llama / mistral text
     "idefics3": "idefics3",  # SmolVLM: SigLIP tower, pixel-shuffle connector, llama text

@@ -78,6 +78,8 @@ WITH_TOWER = {
     ),
     "qwen2_5_vl": _QWEN_VL_KEYS,
     "qwen3_vl": _QWEN_VL_KEYS,
+    "qwen3_5": _QWEN_VL_KEYS,
+    "qwen3_5_moe": _QWEN_VL_KEYS,
     "mistral3": (
         "vision_config",
         "image_token_index",

@@ -32,7 +32,7 @@ import numpy as np
 from ..cache.kv import Cache, LayerCache
 from ..errors import ConfigError
 from . import qwen2
-from .base import lm_head, per_layer, typed_masks
+from .base import CausalLM, lm_head, per_layer, typed_masks
 from .layers import RopeAttention
 from .layers.mrope import frequency_axes, image_positions, rotate, rotation_table
 from .towers.qwen_vit import VisionArgs, VisionModel
@@ -157,25 +157,12 @@ class TextModel(qwen2.Qwen2Model):
         return self.norm(h)
 
 
-class Model(qwen2.Model):
-    Inner = TextModel
-    Tower: type[VisionModel] = VisionModel
+class QwenImages(CausalLM):
+    """What a Qwen-VL model adds to its language model (``visual``, the tower; ``args`` with
+    ``vision``, ``image_token_id``): images encoded, merged into the prompt with their (t, h, w)
+    positions, the tower float under ``-q``. Shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.visual = self.Tower(args.vision)
-
-    def __call__(
-        self,
-        inputs: mx.array,
-        cache: list[LayerCache] | None = None,
-        *,
-        embeds: mx.array | None = None,
-        positions: mx.array | None = None,
-        deepstack: mx.array | None = None,
-    ) -> mx.array:
-        h = self.model(inputs, cache, embeds=embeds, positions=positions, deepstack=deepstack)
-        return lm_head(h, self.head)  # (B, L, V)
+    visual: VisionModel
 
     def quant_predicate(self, path: str, module: nn.Module) -> bool:
         """``convert -q`` quantizes the language model; the tower stays float (a small share of
@@ -230,20 +217,47 @@ class Model(qwen2.Model):
             out["deepstack"] = mx.stack([scattered(f, zeros) for f in features["deepstack"]])
         return out
 
+
+class Model(QwenImages, qwen2.Model):
+    Inner = TextModel
+    Tower: type[VisionModel] = VisionModel
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.visual = self.Tower(args.vision)
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[LayerCache] | None = None,
+        *,
+        embeds: mx.array | None = None,
+        positions: mx.array | None = None,
+        deepstack: mx.array | None = None,
+    ) -> mx.array:
+        h = self.model(inputs, cache, embeds=embeds, positions=positions, deepstack=deepstack)
+        return lm_head(h, self.head)  # (B, L, V)
+
     @staticmethod
     def sanitize(weights: dict[str, mx.array], args: qwen2.ModelArgs) -> dict[str, mx.array]:
-        tower: dict[str, mx.array] = {}
-        rest: dict[str, mx.array] = {}
-        for key, value in weights.items():
-            for prefix in _TOWER_PREFIXES:
-                if key.startswith(prefix):
-                    tower[key[len(prefix) :]] = value
-                    break
-            else:
-                prefix = "model.language_model."
-                rest["model." + key[len(prefix) :] if key.startswith(prefix) else key] = value
-        text = qwen2.Model.sanitize(rest, args)
-        return {**text, **{"visual." + k: v for k, v in VisionModel.sanitize(tower).items()}}
+        tower, rest = split_tower(weights)
+        return {**qwen2.Model.sanitize(rest, args), **tower}
+
+
+def split_tower(weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    """(the tower's weights as ``visual.*``, sanitized; the rest with ``model.language_model.*``
+    as ``model.*``)."""
+    tower: dict[str, mx.array] = {}
+    rest: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        for prefix in _TOWER_PREFIXES:
+            if key.startswith(prefix):
+                tower[key[len(prefix) :]] = value
+                break
+        else:
+            prefix = "model.language_model."
+            rest["model." + key[len(prefix) :] if key.startswith(prefix) else key] = value
+    return {"visual." + k: v for k, v in VisionModel.sanitize(tower).items()}, rest
 
 
 # Where checkpoints keep the tower: transformers 5's save_pretrained (Qwen3-VL) first, then
