@@ -114,3 +114,36 @@ def test_the_decode_plan_binds_its_kernels_when_set(quantized_path):
     assert np.array_equal(decode_logits(model), on)
     assert compiled.decode_kernels(False) == (None, None)
     K.set_num_threads(0)
+
+
+def test_the_blocks_child_modules_are_bound_and_follow_replacement(quantized_path):
+    """``layers.bind_children``: a block's child modules are plain attributes (no
+    ``nn.Module.__getattr__`` per read), the same objects as in its dict, and a child set or
+    deleted after load, by any route, is what the attribute then gives; the outputs are those
+    of the unbound modules, bit for bit."""
+    import mlx.nn as nn
+
+    from mlxinfer.backends.cpu.layers import CPUBoundChildren
+
+    model, _ = load_model(quantized_path)
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    block = model.layers[0]
+    assert isinstance(block, CPUBoundChildren) and not isinstance(model, CPUBoundChildren)
+    assert block.__dict__["mlp"] is block["mlp"] and block.self_attn is block["self_attn"]
+    bound = decode_logits(model)
+    for _, m in model.named_modules():  # unbound: every read through __getattr__ again
+        if isinstance(m, CPUBoundChildren):
+            for k in [k for k, v in m.__dict__.items() if isinstance(v, nn.Module)]:
+                del m.__dict__[k]
+    assert np.array_equal(decode_logits(model), bound)
+
+    mlp = block["mlp"]
+    block.mlp = nn.Identity()  # nn.Module.__setattr__ -> __setitem__
+    assert isinstance(block.mlp, nn.Identity) and isinstance(block["mlp"], nn.Identity)
+    block["mlp"] = mlp
+    assert block.mlp is mlp
+    block.update_modules({"mlp": nn.Identity()})
+    assert isinstance(block.mlp, nn.Identity)
+    del block.mlp
+    assert "mlp" not in block and "mlp" not in block.__dict__
+    K.set_num_threads(0)

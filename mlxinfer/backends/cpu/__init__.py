@@ -32,6 +32,7 @@ def apply(model: nn.Module, *, log: Callable[[str], None] | None = None) -> int:
     """Swap the CPU layers into a loaded (evaluated) model and choose its decode plans here;
     returns how many modules changed."""
     n = layers.swap_layers(model)
+    layers.bind_children(model)  # the blocks' child modules as plain attributes (not counted)
     plans.choose(model, log=log)
     return n
 

@@ -188,6 +188,42 @@ class CPUHead:
         return logits + self["bias"] if "bias" in self else logits
 
 
+class CPUBoundChildren:
+    """A module of a block whose child modules are also its plain attributes (its instance
+    ``__dict__``), so that ``self.mlp`` in the model's forward is an ordinary attribute read,
+    not ``nn.Module.__getattr__``'s dict lookup after a failed one (~0.5 µs; ~15 a block in
+    every decode step, a sixth of a small model's graph building). Kept in step with the
+    module's dict: a child set or deleted through either (``module.x = ...``, ``module["x"] =
+    ...``, ``del``, ``update_modules``) is set or dropped in both."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)  # type: ignore[misc]
+        if isinstance(value, nn.Module):
+            self.__dict__[key] = value
+        else:
+            self.__dict__.pop(key, None)
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)  # type: ignore[misc]
+        self.__dict__.pop(key, None)
+
+
+def bind_children(model: nn.Module) -> int:
+    """Give the modules inside the model's blocks (those under a list: ``layers.3``,
+    ``layers.3.self_attn``) :class:`CPUBoundChildren`, their child modules bound as
+    attributes; the model and its inner network keep their own classes (their names key
+    prompt-cache fingerprints). Returns how many modules changed."""
+    n = 0
+    for name, module in model.named_modules():
+        children = {k: v for k, v in module.items() if isinstance(v, nn.Module)}
+        if not children or not any(part.isdigit() for part in name.split(".")):
+            continue
+        with_mixin(module, CPUBoundChildren)
+        module.__dict__.update(children)
+        n += 1
+    return n
+
+
 MIXINS = (
     (layers.RMSNorm, CPUNorm),
     (layers.RoPE, CPURoPE),
