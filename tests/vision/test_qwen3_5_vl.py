@@ -136,8 +136,8 @@ _GREEDY: dict[tuple[int, ...], list[int]] = {}
 
 
 def _torch_greedy(torch_model, batch, steps: int = 8) -> list[int]:
-    """transformers, a whole forward per step (its positions from get_rope_index each time);
-    kept per prompt (its DeltaNet's reference path is slow)."""
+    """transformers' greedy ``generate`` (its own cache and rope deltas), kept per prompt (its
+    DeltaNet's reference path is slow)."""
     key = tuple(batch["ids"])
     if key not in _GREEDY:
         _GREEDY[key] = _torch_greedy_run(torch_model, batch, steps)
@@ -146,17 +146,11 @@ def _torch_greedy(torch_model, batch, steps: int = 8) -> list[int]:
 
 def _torch_greedy_run(torch_model, batch, steps: int) -> list[int]:
     inputs = _torch_inputs(torch_model, batch)
-    out = []
-    for _ in range(steps):
-        with torch.no_grad():
-            logits = torch_model(**inputs).logits
-        token = int(logits[0, -1].argmax())
-        out.append(token)
-        inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([[token]])], dim=1)
-        if "mm_token_type_ids" in inputs:
-            zero = torch.zeros((1, 1), dtype=inputs["mm_token_type_ids"].dtype)
-            inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], zero], dim=1)
-    return out
+    with torch.no_grad():
+        out = torch_model.generate(
+            **inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False
+        )
+    return out[0, len(batch["ids"]) :].tolist()
 
 
 def test_greedy_through_chunks_that_cut_an_image_and_the_cache(vlm):
@@ -185,9 +179,9 @@ def _library_batch(vlm) -> dict:
     return {"ids": prepare_prompt(tokenizer, TEXT, images=images), "processed": images.processed}
 
 
-def _files_tokens(model, tokenizer, files, **options) -> list[int]:
+def _files_tokens(model, tokenizer, files, prompt: str = TEXT, **options) -> list[int]:
     results = stream_generate(
-        model, tokenizer, TEXT, images=files, chat_template=True, max_tokens=8, **options
+        model, tokenizer, prompt, images=files, chat_template=True, max_tokens=8, **options
     )
     return [r.token for r in results]
 
@@ -239,3 +233,28 @@ def test_without_the_tower_s_weights_the_language_model_runs_alone(vlm, tmp_path
     assert np.abs(_ours(model, batch) - _reference(torch_model, batch)).max() <= TOL
     with pytest.raises(MediaError, match=r"^text-only: a model without a vision tower"):
         generate(model, tokenizer, TEXT, images=files[:1], chat_template=True, max_tokens=2)
+
+
+def test_image_rows_in_the_batching_engine_equal_their_single_runs(vlm):
+    """Two image rows (one with two images) and a text row in one batch (4-token blocks,
+    5-token chunks: images cut between chunks, the rows' DeltaNet states kept per row), each
+    decoding at its own M-RoPE positions; then each image request again with its full blocks
+    shared (resumed from a state snapshot, its delta still its own): the single-run tokens."""
+    from mlxinfer.batch import Engine
+
+    _, _, model, tokenizer, _, files = vlm
+    asks = [(TEXT, files[:1]), (TEXT, files[1:]), ("What color is it?", None)]
+    expected = [_files_tokens(model, tokenizer, i, prompt=p) for p, i in asks]
+    assert expected[0] != expected[1]
+    with Engine(model, block_size=4, prefill_step=5) as engine:
+        assert engine.image_refusal() is None
+        streams = [
+            engine.start(tokenizer, p, images=i, chat_template=True, max_tokens=8) for p, i in asks
+        ]
+        assert [[r.token for r in s] for s in streams] == expected
+        for (prompt, images), want in zip(asks[:2], expected):
+            stream = engine.start(
+                tokenizer, prompt, images=images, chat_template=True, max_tokens=8
+            )
+            assert [r.token for r in stream] == want
+            assert stream.handle.cached_tokens > 0
