@@ -147,3 +147,24 @@ def test_the_blocks_child_modules_are_bound_and_follow_replacement(quantized_pat
     del block.mlp
     assert "mlp" not in block and "mlp" not in block.__dict__
     K.set_num_threads(0)
+
+
+def test_decode_attention_grows_the_cache_when_full(quantized_path, monkeypatch):
+    """``compiled.decode_attention`` calls ``make_room`` only when the buffers are full: with
+    4-token growth, 10 one-token steps cross three growths and give the logits of the ops
+    path, which grows the same buffers through ``update_and_fetch``."""
+    from mlxinfer.cache.kv import KVCache
+
+    monkeypatch.setattr(KVCache, "step", 4)
+    model, _ = load_model(quantized_path)
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    on = decode_logits(model)
+    kinds.set_plan(model, "decode", "ops")
+    ops = decode_logits(model)
+    assert np.abs(ops - on).max() <= 1e-4 * np.abs(on).max()
+    kinds.set_plan(model, "decode", "kernel")
+    cache = model.make_cache()
+    for t in IDS:
+        model(mx.array([[t]]), cache)
+    assert cache[0].offset == len(IDS) and cache[0].keys.shape[2] == 12
+    K.set_num_threads(0)

@@ -207,11 +207,10 @@ def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | N
     projections as three kernel calls (the key written RoPE'd, the value written, attention);
     None where that does not apply (more tokens or rows, another cache, an empty one, a mask)."""
     if (
-        x.shape[0] != 1
-        or x.shape[1] != 1
-        or mask is not None
+        mask is not None
         or type(cache) is not KVCache
         or cache.keys is None
+        or x.shape[:2] != (1, 1)
     ):
         return None
     k_ = kernels.load()
@@ -222,14 +221,26 @@ def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | N
         k = layer.k_norm(k.reshape(1, 1, n_kv, D))
     offset, rope = cache.offset, layer.rope
     cos, sin = rope.table(offset, 1, rope.base_at(offset, 1))
-    rotation = {"dims": rope.dims, "traditional": rope.traditional}
-    heads = (1, n_kv, 1, -1)  # only their shapes and dtype matter, if the buffers must grow
-    cache.make_room(k.reshape(heads), v.reshape(heads))
-    cache.keys = k_.cache_write(cache.keys, k, cos, sin, offset=offset, **rotation)
-    cache.values = k_.cache_write(cache.values, v, cos, sin, offset=offset)
+    dims, traditional = rope.dims, rope.traditional
+    if offset >= cache.keys.shape[2]:  # full: grow (else make_room does nothing, two ops saved)
+        heads = (1, n_kv, 1, -1)  # only their shapes and dtype matter
+        cache.make_room(k.reshape(heads), v.reshape(heads))
+    cache.keys = k_.cache_write(
+        cache.keys, k, cos, sin, offset=offset, dims=dims, traditional=traditional
+    )
+    cache.values = k_.cache_write(cache.values, v, cos, sin, offset=offset)  # not rotated
     cache.offset = offset + 1
     out = k_.decode_attention(
-        q, cache.keys, cache.values, cos, sin, n_q=n_q, offset=offset, scale=layer.scale, **rotation
+        q,
+        cache.keys,
+        cache.values,
+        cos,
+        sin,
+        n_q=n_q,
+        offset=offset,
+        scale=layer.scale,
+        dims=dims,
+        traditional=traditional,
     )
     return layer.o_proj(out)  # (1, 1, n_q * Dv), as q
 
