@@ -50,6 +50,13 @@ class ModelArgs(qwen3_5.ModelArgs):
     mrope_section: list[int] | None = None
     mrope_interleaved: bool = True  # Qwen3.5's RoPE interleaves whatever the config says
 
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        # Qwen3.5-MoE's text_config names no dense intermediate_size: every block has experts.
+        if config.get("num_experts") and "intermediate_size" not in config:
+            config = {**config, "intermediate_size": config.get("moe_intermediate_size")}
+        return super().from_dict(config)
+
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.vision_config, dict):

@@ -39,8 +39,10 @@ IMAGE = dict(
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-def make_qwen3_5_vl(path: Path, seed: int = 0):
-    """Write the checkpoint to ``path``; returns (path, torch model)."""
+def make_qwen3_5_vl(path: Path, seed: int = 0, moe: bool = False):
+    """Write the checkpoint to ``path``; returns (path, torch model). ``moe``:
+    ``Qwen3_5MoeForConditionalGeneration`` (4 experts, top 2, a shared expert; its text config
+    names no dense ``intermediate_size``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(path)
@@ -71,7 +73,16 @@ def make_qwen3_5_vl(path: Path, seed: int = 0):
             "mrope_interleaved": True,
         },
     )
-    config = transformers.Qwen3_5Config(
+    if moe:
+        del text["intermediate_size"]
+        text.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        )
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{kind}Config")(
         text_config=text,
         vision_config=VISION,
         image_token_id=ids["<|image_pad|>"],
@@ -80,7 +91,7 @@ def make_qwen3_5_vl(path: Path, seed: int = 0):
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:  # matrices, the patch kernel, the position table, the conv

@@ -258,3 +258,16 @@ def test_image_rows_in_the_batching_engine_equal_their_single_runs(vlm):
             )
             assert [r.token for r in stream] == want
             assert stream.handle.cached_tokens > 0
+
+
+def test_the_experts_model_with_images_matches_transformers(vlm, tmp_path):
+    """Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe): the same tower and trunk
+    with experts; logits within 1e-3 at every position with one image and on text."""
+    _, _, _, _, _, files = vlm
+    path, torch_model = make_qwen3_5_vl(tmp_path / "moe", moe=True)
+    model, tokenizer = load(path)
+    assert type(model).__module__ == "mlxinfer.models.qwen3_5_vl" and model.args.num_experts == 4
+    moe = (path, torch_model, model, tokenizer, load_processor(path, tokenizer=tokenizer), files)
+    for n_images in (0, 1):
+        batch = _batch(moe, n_images)
+        assert np.abs(_ours(model, batch) - _reference(torch_model, batch)).max() <= TOL
