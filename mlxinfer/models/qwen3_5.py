@@ -4,9 +4,9 @@ The same blocks as qwen3_next.py (Gated DeltaNet and gated attention layers, ``(
 norms), with the Gated DeltaNet's inputs from four separate projections (``in_proj_qkv``,
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) and, in ``qwen3_5_text``, a dense SwiGLU in every
 block. The Hub publishes Qwen3.5 as image-text checkpoints (``qwen3_5``, ``qwen3_5_moe``):
-their language model runs (config.py lifts ``text_config``); the vision tower is not loaded.
-RoPE: Qwen3.5's multimodal RoPE gives a text token the same position on its three axes,
-which is the plain (partial) RoPE used here.
+they run with their tower in qwen3_5_vl.py, over this network; without the tower's weights,
+as this network alone (config.py lifts ``text_config``). RoPE: Qwen3.5's multimodal RoPE gives
+a text token the same position on its three axes, which is the plain (partial) RoPE used here.
 """
 
 from __future__ import annotations
