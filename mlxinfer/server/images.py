@@ -29,7 +29,6 @@ import threading
 from typing import Any, Iterator
 
 from ..generation import stream_generate
-from .limits import Limits
 
 _ONE_AT_A_TIME = threading.Lock()  # requests outside the engine run one after another
 _END = object()
@@ -72,9 +71,10 @@ def is_remote(source: Any) -> bool:
     return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
 
 
-def decode_images(sources: list, limits: Limits) -> list:
-    """The request's images decoded (``vision.Image``s), within ``limits``: ImageLimit past a
-    cap, MediaError (a ValueError) for an image that does not decode."""
+def decode_images(sources: list, limits: Any) -> list:
+    """The request's images decoded (``vision.Image``s), within ``limits`` (the app's
+    ``limits.Limits``, not imported: limits -> shapes -> each API's request -> here): ImageLimit
+    past a cap, MediaError (a ValueError) for an image that does not decode."""
     from ..errors import MediaLimitError
     from ..vision import load_image
 
@@ -111,9 +111,7 @@ def decode_images(sources: list, limits: Limits) -> list:
     return images
 
 
-def start_with_images(
-    entry, messages, sources: list, timeout: float, options: dict, limits: Limits
-):
+def start_with_images(entry, messages, sources: list, timeout: float, options: dict, limits: Any):
     """A chat request with images, started: through ``entry.engine`` (a ``Stream``), or for a
     model it cannot run them for, an :class:`ImageStream`. Raises ValueError (MediaError) for a
     text-only model or an image that does not decode, ImageLimit past ``limits``, before
