@@ -61,6 +61,12 @@ class RecurrentRows:
         """Where ``r``'s snapshots go (``snapshots.chunk_end``'s and ``wanted``'s arguments)."""
         return self.block_size, self.state_every, r.branch, len(r.ids)
 
+    def record(self, rows: list[_Request], on: bool) -> None:
+        """The rows' state caches keep (or stop keeping) the next step's states by position."""
+        for r in rows:
+            for c in r.states:
+                c.recording = on
+
     def mark_block(self, r: _Request) -> None:
         """A recurrent row that ends a full block of its output: its states there (references: a
         state is never written in place), kept when it retires, for the turn that extends it."""
@@ -69,12 +75,18 @@ class RecurrentRows:
 
     def refeed_states(self, rows, drafts, saved, starts, kept, L: int) -> None:
         """After a verification step of a recurrent model: a row that kept fewer than the ``L``
-        tokens it fed (rejected drafts, padding) gets its states back from before the step and
-        the kept tokens fed again, the rows keeping as many in one forward (its keys, rewritten
-        the same, stay)."""
+        tokens it fed (rejected drafts, padding) takes its states at the last token kept, which
+        the step recorded (``StateCache.recording``: no other forward); where a layer could
+        not, it gets its states back from before the step and the kept tokens fed again, the
+        rows keeping as many in one forward (its keys, rewritten the same, stay)."""
         groups: dict[int, list[int]] = {}
         for b, a in enumerate(kept):
             if 1 + a < L:
+                n = starts[b] + 1 + a
+                if all(c.can_rewind_within(n) for c in rows[b].states):
+                    for c in rows[b].states:  # the step kept its states by position
+                        c.rewind_within(n)
+                    continue
                 groups.setdefault(1 + a, []).append(b)
         for group in groups.values():
             rs = [rows[b] for b in group]

@@ -81,6 +81,8 @@ class Verification:
         )
         batch = self.pools.batch(rows, tokens, self.attention)
         x, hidden = mx.array(tokens, dtype=mx.int32), None
+        if self.recurrent is not None:  # their states by position: a rejection takes one
+            self.recurrent.record(rows, True)
         if any(rows_mod.observer(r) is not None for r in rows):  # MTP rows read the states
             hidden, logits = self.model.trunk(x, batch.views())  # (B, L, H), (B, L, V)
         else:
@@ -88,6 +90,8 @@ class Verification:
         self.counters.steps_run += 1
         timing = (t1 - t0, t1)
         self.verified(rows, logits, proposals, starts, saved, hidden=hidden, timing=timing)
+        if self.recurrent is not None:
+            self.recurrent.record(rows, False)
         verify_s = time.perf_counter() - t1
         costs.record(drafted, t1 - t0, len(tokens[0]), verify_s)
         self.counters.verify_s += verify_s

@@ -197,9 +197,20 @@ class RowStates:
             out.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0))
         return out
 
-    def update(self, arrays: list[mx.array], n_tokens: int) -> None:
+    @property
+    def recording(self) -> bool:
+        """Whether the rows keep their states by position (a verification step)."""
+        return any(r.recording for r in self.rows)
+
+    def update(self, arrays: list[mx.array], n_tokens: int, positions=None) -> None:
         for b, row in enumerate(self.rows):
-            row.update([a[b : b + 1] for a in arrays], n_tokens)
+            at = None
+            if positions is not None:  # row b's slice of the batch's states at position i
+
+                def at(i: int, b: int = b) -> list[mx.array]:
+                    return [a[b : b + 1] for a in positions(i)]
+
+            row.update([a[b : b + 1] for a in arrays], n_tokens, at)
 
     def make_mask(self, n_queries: int) -> Mask:
         return None

@@ -9,9 +9,12 @@ names it with the KV caches (the cache helpers), and ``prompt_cache``'s table of
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Callable, cast
 
 import mlx.core as mx
+
+# i -> the state arrays after the (i+1)-th token of the last update (lazy: computed when asked)
+Positions = Callable[[int], list[mx.array]]
 
 
 class StateCache:
@@ -28,6 +31,11 @@ class StateCache:
 
     The layer reads ``arrays`` (None before the first token) and stores the new state with
     :meth:`update`; ``offset`` counts the tokens seen, as a KV cache's does.
+
+    While ``recording`` (a speculative verification pass: ``generation.speculative``, the batch
+    engine's verification) a layer that can also hands :meth:`update` the state after each
+    token of the pass (``positions``, lazy), so that a rejected draft goes back with
+    :meth:`rewind_within` instead of a restore and a second forward of the kept tokens.
     """
 
     quantized = False
@@ -35,14 +43,40 @@ class StateCache:
     def __init__(self, size: int = 1) -> None:
         self.arrays: list[mx.array | None] = [None] * size
         self.offset = 0
+        self.recording = False
+        self._positions: Positions | None = None  # the last update's, while recording
+        self._updated = 0  # tokens in the last update
 
-    def update(self, arrays: list[mx.array], n_tokens: int) -> None:
+    def update(
+        self, arrays: list[mx.array], n_tokens: int, positions: Positions | None = None
+    ) -> None:
         """Store the state after ``n_tokens`` more tokens (compact copies: a slice of a
-        prefill chunk would keep the whole chunk alive)."""
+        prefill chunk would keep the whole chunk alive); ``positions``: the state after each
+        of them (kept only while ``recording``)."""
         if len(arrays) != len(self.arrays):
             raise ValueError(f"StateCache: expected {len(self.arrays)} arrays, found {len(arrays)}")
         self.arrays = [mx.contiguous(a) for a in arrays]
         self.offset += n_tokens
+        self._positions = positions if self.recording else None
+        self._updated = n_tokens
+
+    def can_rewind_within(self, n: int) -> bool:
+        """Whether :meth:`rewind_within` can go back to ``n`` tokens (within the last update,
+        whose states by position were recorded)."""
+        if n == self.offset:
+            return True
+        return self._positions is not None and self.offset - self._updated < n < self.offset
+
+    def rewind_within(self, n: int) -> None:
+        """Back to the state after ``n`` tokens, one of the last update's (``can_rewind_within``)."""
+        if n == self.offset:
+            return
+        if not self.can_rewind_within(n):
+            raise ValueError(f"StateCache: no recorded state at {n} (offset {self.offset})")
+        assert self._positions is not None
+        i = n - (self.offset - self._updated) - 1  # the (i+1)-th token of the update
+        self.arrays = [mx.contiguous(a) for a in self._positions(i)]
+        self.offset, self._positions, self._updated = n, None, 0
 
     def is_trimmable(self) -> bool:
         return False
@@ -56,6 +90,7 @@ class StateCache:
     def restore(self, snapshot: tuple[int, list[mx.array | None]]) -> None:
         self.offset, arrays = snapshot
         self.arrays = list(arrays)
+        self._positions, self._updated = None, 0
 
     @property
     def state(self) -> list[mx.array]:

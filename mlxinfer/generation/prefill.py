@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from ..backends import prefill_schedule
 from ..cache.prompt import PromptCache, Snapshot
+from ..cache.state import StateCache
 from ..errors import TokenIdError
 from ..models.base import embedding_rows
 from ..models.layers.rope import prompt_reach
@@ -124,12 +125,20 @@ def rewind(model, pc: PromptCache, n: int, snapshot: Snapshot | None = None) -> 
     """Keep the first ``n`` tokens of ``pc`` in its caches (rejected drafts go).
 
     Where every cache can drop tokens they are trimmed. A list with state caches, which
-    hold no entry per token, goes back to ``snapshot`` (taken at most ``n`` tokens in, before
-    the pass that went past ``n``) and feeds the kept tokens after it again: one more
-    forward of those tokens, whose logits are not computed.
+    hold no entry per token, takes each state cache's recorded state at ``n`` when the last pass
+    recorded them by position (``StateCache.recording``: Gated DeltaNet and LFM2's convolution
+    do), with no other forward; else it goes back to ``snapshot`` (taken at most ``n`` tokens
+    in, before the pass that went past ``n``) and feeds the kept tokens after it again: one
+    more forward of those tokens, whose logits are not computed.
     """
     if snapshot is None or all(c.offset <= n for c in pc.cache):
         pc.rewind(n)
+        return
+    states = [c for c in pc.cache if isinstance(c, StateCache) and c.offset > n]
+    if all(c.can_rewind_within(n) for c in states):
+        for c in states:
+            c.rewind_within(n)
+        pc.rewind(n)  # the KV caches trimmed
         return
     tokens = pc.tokens[:n]
     pc.restore(snapshot)

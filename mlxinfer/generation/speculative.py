@@ -11,8 +11,11 @@ saying which tokens came from the draft. Each step:
    target's own (a correction at a+1, or a bonus token when all k passed);
 4. both caches are trimmed back to the tokens kept. A model with recurrent
    layers (state caches, which cannot drop tokens) snapshots its caches
-   before the pass instead; when a draft was rejected it restores them and
-   feeds y and the accepted drafts again (``prefill.rewind``).
+   before the pass instead, and its recurrent layers keep their state after
+   each position of the pass (lazily): a rejection takes the state at the last
+   token kept, with no other forward (``prefill.rewind``; a layer that cannot
+   falls back to restoring the snapshot and feeding y and the accepted drafts
+   again).
 
 Greedy output is token-identical to plain greedy decoding, and sampled output
 has exactly the target's distribution (the draft only changes the speed): the
@@ -108,9 +111,11 @@ def speculative_generate_step(
     )
     history = list(ids)  # every token so far; the last one is in no cache yet
     n = 0
-    # State caches cannot drop rejected drafts: each pass starts from a snapshot (cheap).
+    # State caches cannot drop rejected drafts: each pass starts from a snapshot (cheap), and
+    # those that can keep the pass's states by position (a rejection goes back to one of them).
     restorable = not is_trimmable(pc.cache)
     snapshot = None
+    _record(pc.cache, True)
     try:
         while n < max_tokens:
             k = min(k_policy.k, max_tokens - n - 1)  # a step emits up to k+1 tokens
@@ -160,6 +165,14 @@ def speculative_generate_step(
         # Keep at most the tokens the caller received (plain decoding's rule).
         rewind(model, pc, min(len(pc.tokens), len(ids) + n), snapshot)
         drafter.rewind(pc.tokens)
+        _record(pc.cache, False)
+
+
+def _record(cache: list[LayerCache], on: bool) -> None:
+    """State caches keep (or stop keeping) each pass's states by position (``StateCache``)."""
+    for c in cache:
+        if isinstance(c, StateCache):
+            c.recording = on
 
 
 def allowed_drafts(

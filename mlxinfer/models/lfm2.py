@@ -127,7 +127,13 @@ class ShortConv(nn.Module):
             past = mx.zeros((B, self.width - 1, bx.shape[-1]), bx.dtype)
         window = mx.concatenate([past, bx], axis=1)  # (B, K - 1 + L, channels)
         if cache is not None:
-            cache.update([window[:, L:]], L)  # the last K - 1 inputs
+            positions = None
+            if cache.recording:  # a verification pass: the state after each token, on demand
+
+                def positions(i: int) -> list[mx.array]:
+                    return [window[:, i + 1 : i + self.width]]
+
+            cache.update([window[:, L:]], L, positions)  # the last K - 1 inputs
         return self.out_proj(c * self.conv(window))  # conv: (B, L, channels), no padding
 
 

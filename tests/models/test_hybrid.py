@@ -188,7 +188,7 @@ def test_state_cache_nbytes_is_its_size_and_does_not_grow(tiny):
     assert not states[0].is_trimmable() and states[0].trim(3) == 0
 
 
-# --- Speculative decoding: snapshot, verify, restore and feed the accepted tokens again -----
+# --- Speculative decoding: verify, take the states at the last token kept ----------------
 
 
 @pytest.mark.parametrize("source", ["lookup", "self-2", "model"])
@@ -210,18 +210,21 @@ def test_speculative_greedy_equals_plain_greedy(hybrid, noisy, source, num_draft
         )
     )
     assert [s.token for s in out] == tokens
-    # Drafts were accepted: a random model's output rarely repeats the prompt, so prompt
-    # lookup's drafts may all be rejected (Qwen3-Next's are), which rewinds all the same.
-    assert any(s.from_draft for s in out) or source == "lookup"
-    assert sum(s.drafted for s in out) > 0
-    # Some drafts were rejected (so the caches were restored and fed again) ...
-    assert sum(s.drafted for s in out) > sum(s.accepted for s in out)
+    # With a fixed k (an adaptive one may turn drafting off where it does not pay here):
+    if num_draft is not None:
+        # Drafts were accepted: a random model's output rarely repeats the prompt, so prompt
+        # lookup's drafts may all be rejected (Qwen3-Next's are), which rewinds all the same.
+        assert any(s.from_draft for s in out) or source == "lookup"
+        assert sum(s.drafted for s in out) > 0
+        # Some drafts were rejected (so the recurrent states went back) ...
+        assert sum(s.drafted for s in out) > sum(s.accepted for s in out)
     # ... and the caches end as plain decoding leaves them.
     assert pc.tokens == ref.tokens
     assert_same_cache(pc, filled(model, ref.tokens))
     if source == "model":  # the draft's cache holds a prefix of them, exactly
         dpc = draft.prompt_cache
-        assert dpc.tokens == pc.tokens[: len(dpc.tokens)] and len(dpc.tokens) >= len(pc.tokens) - 1
+        assert dpc.tokens == pc.tokens[: len(dpc.tokens)]
+        assert num_draft is None or len(dpc.tokens) >= len(pc.tokens) - 1
         assert_same_cache(dpc, filled(noisy, dpc.tokens))
 
 

@@ -200,6 +200,7 @@ class GatedDeltaNet(nn.Module):
         g = g.transpose(0, 2, 1)  # (B, n_v, L)
         if state is None:
             state = mx.zeros((B, self.n_v, self.head_k, self.head_v), mx.float32)
+        start = state
         if L == 1:
             out, state = gated_delta_step(
                 q[:, :, 0], k[:, :, 0], v[:, :, 0], g[..., 0], beta[..., 0], state
@@ -208,7 +209,19 @@ class GatedDeltaNet(nn.Module):
         else:
             out, state = gated_delta_chunked(q, k, v, g, beta, state)
         if cache is not None:
-            cache.update([window[:, L:], state], L)  # the last K - 1 inputs, and S
+            positions = None
+            if cache.recording:  # a verification pass: the state after each token, on demand
+
+                def positions(i: int) -> list[mx.array]:
+                    # The recurrence over the first i + 1 tokens again (no projections: cheap),
+                    # and the conv's last K - 1 inputs there.
+                    n = i + 1
+                    s = gated_delta_chunked(
+                        q[:, :, :n], k[:, :, :n], v[:, :, :n], g[..., :n], beta[..., :n], start
+                    )[1]
+                    return [window[:, n : n + self.width - 1], s]
+
+            cache.update([window[:, L:], state], L, positions)  # the last K - 1 inputs, and S
         out = out.transpose(0, 2, 1, 3).astype(x.dtype)  # (B, L, n_v, head_v)
         out = self.norm(out, z).reshape(B, L, -1)
         return self.out_proj(out)
