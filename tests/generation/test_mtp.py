@@ -252,6 +252,8 @@ def test_cli_mtp(random_head, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert result.stdout == expected
     assert "draft accepted" in result.stderr
+    # MTP drafts in the statistics rows the other sources use, per position and in ms too.
+    assert "by position" in result.stderr and "draft / verify" in result.stderr
     result = CliRunner().invoke(cli, base + ["--mtp", "--prompt-lookup"])
     assert result.exit_code == 2 and "choose one draft source" in result.stderr
     plain, _ = make_tiny(tmp_path / "qwen2", "qwen2", vocab_size=320)
@@ -313,3 +315,19 @@ def test_mtp_across_ranks_is_refused_in_one_line():
 
     with pytest.raises(DraftError, match="across ranks"):
         MTP().check(Rank(), None)
+
+
+def test_chat_session_stats_report_mtp_by_position(random_head):
+    """A ChatSession turn drafted by the MTP head: its stats say per position how many drafts
+    were proposed and kept, and the draft and verify milliseconds."""
+    from mlxinfer import ChatSession
+
+    path = random_head[0]
+    model, tokenizer = load(path)
+    session = ChatSession(model, tokenizer, draft=MTP(), num_draft=2, max_tokens=10)
+    stats = list(session.send("Hello world"))[-1].stats
+    assert len(stats.drafted_by_position) == 2 and stats.drafted_by_position[0] > 0
+    assert sum(stats.drafted_by_position) == stats.draft_tokens
+    assert sum(stats.accepted_by_position) == stats.accepted_tokens
+    assert stats.draft_ms > 0 and stats.verify_ms > 0
+    assert len(stats.acceptance_by_position) == 2
