@@ -22,9 +22,9 @@ from mlxinfer.cache.prompt import PromptCache
 from mlxinfer.cli.main import cli
 from mlxinfer.errors import DraftError
 from mlxinfer.generation import draft_length, generate_step, speculative
+from mlxinfer.generation.draft_length import DraftLength, StepCosts
 from mlxinfer.generation.drafts import DraftModel, PromptLookup, SelfDraft
 from mlxinfer.generation.sampling import filtered_logprobs, make_repetition_penalty, make_sampler
-from mlxinfer.generation.draft_length import DraftLength, StepCosts
 from mlxinfer.generation.speculative import speculative_generate_step
 
 # Repeats, so prompt lookup finds matches; ids only (no tokenizer in the token loop).
