@@ -307,12 +307,12 @@ def _costs(model, draft: Draft) -> StepCosts:
     """The measured step costs of ``model`` drafting with ``draft``: one table per model object
     and kind of draft (its model, if it has one), kept on the model, since they depend on the
     model, the draft and the backend, not on the request."""
-    tables = getattr(model, "_step_costs", None)
+    tables = getattr(model, "__dict__", {}).get("_step_costs")
     if not isinstance(tables, dict):
         tables = {}
-        try:
-            model._step_costs = tables
-        except AttributeError:  # a model that takes no attributes: this request's own
+        try:  # a plain attribute: set as a module's, a dict would join its parameter tree
+            object.__setattr__(model, "_step_costs", tables)
+        except (AttributeError, TypeError):  # a model that takes no attributes: this request's
             pass
     key = (type(draft).__name__, id(getattr(draft, "model", None)))
     return tables.setdefault(key, StepCosts())
