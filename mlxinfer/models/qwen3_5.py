@@ -24,6 +24,14 @@ class ModelArgs(qwen3_next.ModelArgs):
     moe_intermediate_size: int = 0
     separate_projections: bool = True
 
+    @classmethod
+    def from_dict(cls, config):
+        # Qwen3.5-MoE's configs name no dense intermediate_size: every block has experts, and
+        # the size is only read by a dense block, which such a config never builds.
+        if config.get("num_experts") and config.get("intermediate_size") is None:
+            config = {**config, "intermediate_size": config.get("moe_intermediate_size")}
+        return super().from_dict(config)
+
 
 class Model(qwen3_next.Model):
     pass

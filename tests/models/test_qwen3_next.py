@@ -220,3 +220,16 @@ def test_a_qwen3_5_image_text_checkpoint_matches_on_text(tmp_path):
     cache = model.make_cache()
     out = np.concatenate([np.array(model(mx.array([c]), cache)[0]) for c in CHUNKS])
     assert np.abs(out - expected).max() <= TOL
+
+
+def test_a_qwen3_5_moe_config_without_a_dense_intermediate_size_loads(tmp_path):
+    """Qwen3.5-MoE's configs name no ``intermediate_size`` (transformers' Qwen3_5MoeTextConfig
+    has none; every block has experts): such a checkpoint loads and matches transformers."""
+    spec = dict(CASES["qwen3_5_moe_text"])
+    path, torch_model = make_tiny(tmp_path / "m", perturb_vectors=True, **spec)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("intermediate_size", None)
+    (path / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(path)
+    out = np.array(model(mx.array([IDS]))[0])
+    assert np.abs(out - torch_logits(torch_model, IDS)).max() <= TOL
