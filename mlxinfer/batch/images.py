@@ -22,18 +22,27 @@ prompt gives them (a new image never loses the shared system prompt, as it would
 of the whole request salting every block), and two requests whose text is the same but whose
 images differ part at the first block that holds an image token. The disk tier names its files
 by the same chain hashes. A prefix hit never ends inside an image (:meth:`RowImages.cut`).
+
+The encoder cache keeps each image's features alone, for every family: the processor's output
+is cut per image (``ProcessedImages.image_rows``: one pixel row, Gemma 3's crops, Idefics3's
+frames, Qwen-VL's t*h*w patches, Pixtral's padded row with its grid), the tower runs once over
+the images it misses (``ProcessedImages.select``), its output is cut back per image by the
+tokens each takes (``tokens_per_image``; a model whose features are not one array of rows,
+Qwen-VL's with deepstack and grids, cuts and joins them itself: ``split_image_features``,
+``join_image_features``), and the request's features are the images' joined in order.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import PromptTooLongError
-from ..generation.images import PromptImages, _chunk, image_inputs
+from ..generation.images import PromptImages, _chunk, encode_images, image_inputs
 
 DEFAULT_ENCODER_BYTES = 256 << 20  # the encoder cache's features, at most
 # What a model's image_inputs may give, one row per prompt position: the merged embeddings,
@@ -151,52 +160,102 @@ def block_salts(is_image: np.ndarray, images: PromptImages, block_size: int) -> 
 
 
 class EncoderCache:
-    """Image features by (SHA-256, processor variant), least recently used out past
-    ``max_bytes``: the same image in a later request skips the tower. The engine's thread
-    alone uses it. ``calls``: the tower's calls; ``hits``: images served from the cache."""
+    """Image features by (SHA-256, processor variant), one entry per image, least recently used
+    out past ``max_bytes``: an image seen in an earlier request skips the tower, whatever the
+    others beside it. The engine's thread alone uses it. ``calls``: the tower's calls;
+    ``hits``: images served from the cache; ``encoded``: images the tower saw."""
 
     def __init__(self, max_bytes: int = DEFAULT_ENCODER_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple[str, str], mx.array] = OrderedDict()
-        self.nbytes = self.calls = self.hits = 0
+        self._items: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.nbytes = self.calls = self.hits = self.encoded = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def features(self, model, images: PromptImages) -> mx.array | None:
-        """(N, T, hidden) features of ``images``, the missing ones from one tower call; None
-        for images not one pixel row each (pan and scan's crops, Qwen's patches): the caller
-        encodes those as a whole."""
-        pixels = images.processed.pixel_values
-        if images.processed.grid_thw is not None or pixels.ndim != 4 or len(pixels) != images.count:
-            self.calls += 1
-            return None
+    def features(self, model, images: PromptImages) -> Any:
+        """The features of ``images`` as ``model.image_inputs`` takes them, the ones the cache
+        misses from one tower call over them together."""
+        processed = images.processed
         variant = getattr(images.processor, "variant", "")
         keys = [(sha, variant) for sha in images.sha256]
-        missing = [i for i, k in enumerate(keys) if k not in self._items]
-        fresh = {}
+        first = {k: i for i, k in reversed(list(enumerate(keys)))}  # an image twice: once
+        missing = [i for k, i in first.items() if k not in self._items]
+        fresh: dict[tuple[str, str], Any] = {}
         if missing:
             self.calls += 1
-            encoded = model.encode_images(mx.array(pixels[missing]))  # (M, T, hidden)
-            fresh = {keys[i]: mx.array(encoded[j]) for j, i in enumerate(missing)}  # copies
-            mx.eval(list(fresh.values()))
+            self.encoded += len(missing)
+            subset = processed.select(missing)
+            parts = split_features(model, encode_images(model, subset), subset.tokens_per_image)
+            fresh = {keys[i]: _copy(part) for i, part in zip(missing, parts)}
+            mx.eval(_arrays(list(fresh.values())))
         self.hits += images.count - len(missing)
         out = [fresh[k] if k in fresh else self._touch(k) for k in keys]
         for k, f in fresh.items():
             self._put(k, f)
-        return mx.stack(out)
+        return join_features(model, out)
 
     def _touch(self, key: tuple[str, str]) -> mx.array:
         self._items.move_to_end(key)
         return self._items[key]
 
-    def _put(self, key: tuple[str, str], features: mx.array) -> None:
-        if key in self._items or features.nbytes > self.max_bytes:
+    def _put(self, key: tuple[str, str], features: Any) -> None:
+        size = _nbytes(features)
+        if key in self._items or size > self.max_bytes:
             return
-        while self._items and self.nbytes + features.nbytes > self.max_bytes:
+        while self._items and self.nbytes + size > self.max_bytes:
             _, old = self._items.popitem(last=False)
-            self.nbytes -= old.nbytes
+            self.nbytes -= _nbytes(old)
         self._items[key] = features
-        self.nbytes += features.nbytes
+        self.nbytes += size
+
+
+def split_features(model, features: Any, sizes: list[int]) -> list[Any]:
+    """One tower call's ``features`` as each image's (``sizes``: the tokens each takes): the
+    model's ``split_image_features`` where it has one, else rows of the features taken as
+    (sum sizes, hidden) ((N, T, hidden) flattened)."""
+    split = getattr(model, "split_image_features", None)
+    if split is not None:
+        return split(features, sizes)
+    rows = features.reshape(-1, features.shape[-1])
+    if rows.shape[0] != sum(sizes):
+        raise ValueError(
+            f"image features: {rows.shape[0]} rows for images of {sizes} tokens (expected "
+            f"{sum(sizes)})"
+        )
+    ends = np.cumsum(sizes).tolist()
+    return [rows[end - size : end] for size, end in zip(sizes, ends)]
+
+
+def join_features(model, parts: list[Any]) -> Any:
+    """Each image's features (:func:`split_features`) as one call's, image after image."""
+    join = getattr(model, "join_image_features", None)
+    return join(parts) if join is not None else mx.concatenate(parts)
+
+
+def _copy(tree: Any) -> Any:
+    """``tree`` (arrays in dicts and lists) with each mx.array copied out of its call's buffer
+    (a slice would keep all of it alive)."""
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copy(v) for v in tree)
+    return mx.array(tree) if isinstance(tree, mx.array) else tree
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [leaf for v in tree.values() for leaf in _leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for v in tree for leaf in _leaves(v)]
+    return [tree]
+
+
+def _arrays(tree: Any) -> list[mx.array]:
+    return [v for v in _leaves(tree) if isinstance(v, mx.array)]
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(int(v.nbytes) for v in _leaves(tree) if isinstance(v, (mx.array, np.ndarray)))

@@ -164,10 +164,15 @@ def image_inputs(model, ids: list[int], images: PromptImages) -> dict[str, mx.ar
             f"prompt: {found} image tokens for {images.count} image(s) of "
             f"{want} in all (a prompt with images cannot be truncated)"
         )
-    grids = images.processed.grid_thw  # the patches' images (Qwen-VL), else None
-    pixels = mx.array(images.processed.pixel_values)
-    features = model.encode_images(pixels) if grids is None else model.encode_images(pixels, grids)
-    return model.image_inputs(ids, features)
+    return model.image_inputs(ids, encode_images(model, images.processed))
+
+
+def encode_images(model, processed: ProcessedImages) -> Any:
+    """The tower's features of ``processed`` (``model.encode_images``, given the images'
+    ``grid_thw`` where the processor has them)."""
+    grids = processed.grid_thw
+    pixels = mx.array(processed.pixel_values)
+    return model.encode_images(pixels) if grids is None else model.encode_images(pixels, grids)
 
 
 def _chunk(value: mx.array, start: int, end: int) -> mx.array:

@@ -86,14 +86,16 @@ class Model(TextModel):
 
     def image_inputs(self, ids: list[int], features: mx.array) -> dict[str, mx.array]:
         """``embeds`` (1, L, hidden) and ``blocks`` (L,) for a prompt's ``ids`` whose image
-        tokens take ``features`` (N, T, hidden) in order (see the module doc)."""
+        tokens take ``features`` ((N, T, hidden) or (N * T, hidden)) in order (see the module
+        doc)."""
         tokens = np.asarray(ids, dtype=np.int64)
         is_image = tokens == self.args.image_token_index
-        n_feat = features.shape[0] * features.shape[1]
+        features = features.reshape(-1, features.shape[-1])  # one row per image token
+        n_feat = features.shape[0]
         if int(is_image.sum()) != n_feat:
             raise ValueError(
-                f"prompt: {int(is_image.sum())} image tokens for {features.shape[0]} image(s) of "
-                f"{features.shape[1]} tokens (expected {n_feat})"
+                f"prompt: {int(is_image.sum())} image tokens for {n_feat} image features "
+                "(expected the same count)"
             )
         # An image token id past the embedding's rows (the released models') reads row 0;
         # its row is replaced anyway.
@@ -103,7 +105,7 @@ class Model(TextModel):
         text = scaled_embedding(text, math.sqrt(self.args.hidden_size))  # (1, L, hidden)
         # Position j of the prompt reads soft token (number of image tokens before j).
         order = np.clip(np.cumsum(is_image) - 1, 0, max(n_feat - 1, 0))
-        soft = features.reshape(-1, features.shape[-1]).astype(text.dtype)[mx.array(order)]
+        soft = features.astype(text.dtype)[mx.array(order)]
         embeds = mx.where(mx.array(is_image)[None, :, None], soft[None], text)
         return {"embeds": embeds, "blocks": mx.array(image_blocks(is_image))}
 

@@ -184,6 +184,37 @@ class QwenImages(CausalLM):
         tokens, deepstack = self.visual(pixel_values, grids)
         return {"tokens": tokens, "deepstack": deepstack, "grid_thw": grids}
 
+    def split_image_features(self, features: dict[str, Any], sizes: list[int]) -> list[Any]:
+        """``encode_images``' features as one such dict per image (``sizes``: each image's
+        tokens, t*h*w / merge**2): its rows of ``tokens`` and of every deepstack level, its
+        ``grid_thw`` row. The batching engine's encoder cache keeps each image's alone."""
+        grids = np.asarray(features["grid_thw"], dtype=np.int64).reshape(-1, 3)
+        if len(grids) != len(sizes) or features["tokens"].shape[0] != sum(sizes):
+            raise ValueError(
+                f"image features: {features['tokens'].shape[0]} tokens of {len(grids)} image(s) "
+                f"for {sizes}"
+            )
+        ends = np.cumsum(sizes).tolist()
+        return [
+            {
+                "tokens": features["tokens"][end - size : end],
+                "deepstack": [d[end - size : end] for d in features["deepstack"]],
+                "grid_thw": grids[i : i + 1],
+            }
+            for i, (size, end) in enumerate(zip(sizes, ends))
+        ]
+
+    def join_image_features(self, parts: list[Any]) -> dict[str, Any]:
+        """Per-image features (``split_image_features``) as one call's, image after image."""
+        levels = len(parts[0]["deepstack"]) if parts else 0
+        return {
+            "tokens": mx.concatenate([p["tokens"] for p in parts]),
+            "deepstack": [
+                mx.concatenate([p["deepstack"][k] for p in parts]) for k in range(levels)
+            ],
+            "grid_thw": np.concatenate([p["grid_thw"] for p in parts]).reshape(-1, 3),
+        }
+
     def image_inputs(self, ids: list[int], features: dict[str, Any]) -> dict[str, mx.array]:
         """``embeds`` (1, L, hidden), ``positions`` (1, L, 3) and, for Qwen3-VL, ``deepstack``
         (n, 1, L, hidden: zero at text positions) for a prompt's ``ids`` whose image tokens take

@@ -34,15 +34,48 @@ class ProcessedImages:
 
     ``pixel_values``: float32; (N, C, H, W) for fixed-size families (Gemma 3; with pan and scan,
     each image's crops follow it), flattened patches (sum of t*h*w, C*T*P*P) for Qwen-VL.
-    ``tokens_per_image``: placeholder tokens each image takes in the expanded text.
-    ``sha256``: each image's identity (:attr:`Image.sha256`). ``grid_thw``: (N, 3) int64 patch
-    grids (Qwen-VL), else None.
+    ``tokens_per_image``: placeholder tokens each image takes in the expanded text (and the
+    tower's features it gets, in order). ``sha256``: each image's identity
+    (:attr:`Image.sha256`). ``grid_thw``: (N, 3) int64 patch grids (Qwen-VL; Pixtral's
+    (1, rows, cols); Idefics3's (frames, tile rows, tile cols)), else None. ``pixel_rows``: the
+    rows of ``pixel_values`` each image takes where it is not one (Gemma 3's crops after the
+    image, Idefics3's frames); flattened patches take t*h*w rows each, by ``grid_thw``.
     """
 
     pixel_values: np.ndarray
     tokens_per_image: list[int]
     sha256: list[str]
     grid_thw: np.ndarray | None = None
+    pixel_rows: list[int] | None = None
+
+    def image_rows(self) -> list[int]:
+        """The rows of ``pixel_values`` each image takes, in order."""
+        if self.pixel_rows is not None:
+            rows = [int(r) for r in self.pixel_rows]
+        elif self.pixel_values.ndim == 2 and self.grid_thw is not None:  # flattened patches
+            rows = [int(n) for n in np.prod(self.grid_thw, axis=-1)]
+        else:
+            rows = [1] * len(self.tokens_per_image)
+        if len(rows) != len(self.tokens_per_image) or sum(rows) != len(self.pixel_values):
+            raise ValueError(
+                f"pixel_values: {len(self.pixel_values)} rows for {len(self.tokens_per_image)} "
+                f"image(s) of {rows} rows"
+            )
+        return rows
+
+    def select(self, indices: Sequence[int]) -> ProcessedImages:
+        """The images at ``indices`` (in that order) alone: their pixel rows, tokens, grids."""
+        rows = self.image_rows()
+        starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        take = [np.arange(starts[i], starts[i + 1]) for i in indices]
+        pixels = self.pixel_values[np.concatenate(take) if take else np.zeros(0, np.int64)]
+        return ProcessedImages(
+            pixels,
+            [self.tokens_per_image[i] for i in indices],
+            [self.sha256[i] for i in indices],
+            None if self.grid_thw is None else self.grid_thw[list(indices)].reshape(-1, 3),
+            None if self.pixel_rows is None else [rows[i] for i in indices],
+        )
 
 
 class ImageProcessor(Protocol):

@@ -141,7 +141,7 @@ class Gemma3Processor:
         return variant_of(self.family, settings)
 
     def prepare(self, images: Sequence[Image]) -> ProcessedImages:
-        rows, tokens = [], []
+        rows, tokens, counts = [], [], []
         for image in images:
             picture = to_rgb_array(image)
             pictures = [picture] + (self._crops(picture) if self.pan_and_scan else [])
@@ -159,11 +159,13 @@ class Gemma3Processor:
                     )
                 )
             tokens.append(len(pictures) * self.image_seq_length)
+            counts.append(len(pictures))  # the image's row, then its crops'
         channels, height, width = rows[0].shape if rows else (3, self.height, self.width)
         pixel_values = (
             np.stack(rows) if rows else np.zeros((0, channels, height, width), np.float32)
         )
-        return ProcessedImages(pixel_values, tokens, [image.sha256 for image in images])
+        sha256 = [image.sha256 for image in images]
+        return ProcessedImages(pixel_values, tokens, sha256, pixel_rows=counts)
 
     def expand(self, text: str, processed: ProcessedImages) -> str:
         replacements = []

@@ -182,7 +182,9 @@ class Idefics3Processor:
         M = self.tile
         pixel_values = np.stack(arrays) if arrays else np.zeros((0, 3, M, M), np.float32)
         grid = np.array(grids, dtype=np.int64).reshape(-1, 3)  # (frames, tile rows, tile cols)
-        return ProcessedImages(pixel_values, tokens, [i.sha256 for i in images], grid)
+        rows_per_image = [int(f) for f in grid[:, 0]]  # its frames: its rows of pixel_values
+        sha256 = [i.sha256 for i in images]
+        return ProcessedImages(pixel_values, tokens, sha256, grid, rows_per_image)
 
     def expand(self, text: str, processed: ProcessedImages) -> str:
         seq = self.image_token * self.image_seq_len
