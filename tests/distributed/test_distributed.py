@@ -665,7 +665,11 @@ def test_a_tensor_rank_self_drafts_each_step_under_the_watchdog(llama):
     ranks.run = lambda what, arrays, **kw: (evaluated.append(what), run(what, arrays, **kw))
 
     def steps(m, draft=None):
-        results = list(stream_generate(m, tok, "Hello world", max_tokens=24, draft=draft))
+        # k fixed: a split model chooses k from nominal costs (every rank must draft the same
+        # k), one process from its timed steps (generation/draft_length.py), so only a fixed k
+        # makes their per-step counts comparable
+        fixed = {"num_draft": 2} if draft is not None else {}
+        results = list(stream_generate(m, tok, "Hello world", max_tokens=24, draft=draft, **fixed))
         return [r.token for r in results], results[-1].stats
 
     plain, _ = steps(model)
