@@ -39,8 +39,12 @@ def test_fit_is_never_worse_than_minmax_and_better_on_average(kind, bits, group_
     assert fitted.mean() < 0.97 * minmax.mean()
 
 
+@pytest.mark.parametrize("packed_at_once", [1 << 22, 300])  # one slice; slices of one row
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_packing_is_mlx_layout(bits):
+def test_packing_is_mlx_layout(bits, packed_at_once, monkeypatch):
+    from mlxinfer.quant import rounding
+
+    monkeypatch.setattr(rounding, "PACK_CODES", packed_at_once)
     w = weights("normal", (8, 256))
     wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
     dq = mx.dequantize(wq, scales, biases, group_size=64, bits=bits)
