@@ -163,6 +163,32 @@ def variant_of(family: str, settings: dict[str, Any]) -> str:
     return f"{family}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
+class SettingsVariant:
+    """``variant`` for a processor: a digest of its family and settings, its tokens left out (the
+    encoder cache's key beside an image's SHA-256)."""
+
+    family: str  # each processor's own (a plain annotation: not a dataclass field here)
+
+    @property
+    def variant(self) -> str:
+        settings = {k: v for k, v in vars(self).items() if "token" not in k}
+        return variant_of(self.family, settings)
+
+
+def normalization(
+    image: dict[str, Any], mean: Sequence[float], std: Sequence[float], where: str
+) -> dict[str, Any]:
+    """The rescale and normalize settings every family reads alike (transformers' defaults:
+    rescale by 1/255, normalize by the family's mean and std), as processor fields."""
+    return dict(
+        do_rescale=flag(image.get("do_rescale"), True),
+        rescale_factor=number(image.get("rescale_factor"), 1 / 255, "rescale_factor", where),
+        do_normalize=flag(image.get("do_normalize"), True),
+        image_mean=floats(image.get("image_mean"), mean, "image_mean", where),
+        image_std=floats(image.get("image_std"), std, "image_std", where),
+    )
+
+
 def floats(value: Any, default: Sequence[float], key: str, where: str) -> tuple[float, ...]:
     """A mean/std setting: a number for every channel or three numbers."""
     if value is None:

@@ -33,16 +33,15 @@ from .base import (
     IMAGENET_STANDARD,
     ProcessedImages,
     Settings,
+    SettingsVariant,
     expand_markers,
     flag,
-    floats,
     integer,
-    number,
+    normalization,
     resample_of,
     rescale_normalize,
     resize,
     to_rgb_array,
-    variant_of,
 )
 
 IMAGE_TOKEN = "<image_soft_token>"
@@ -51,7 +50,7 @@ EOI_TOKEN = "<end_of_image>"
 
 
 @dataclass(frozen=True)
-class Gemma3Processor:
+class Gemma3Processor(SettingsVariant):
     height: int
     width: int
     image_seq_length: int
@@ -118,11 +117,7 @@ class Gemma3Processor:
             ),
             resample=resample_of(image.get("resample"), 2, where),
             do_resize=flag(image.get("do_resize"), True),
-            do_rescale=flag(image.get("do_rescale"), True),
-            rescale_factor=number(image.get("rescale_factor"), 1 / 255, "rescale_factor", where),
-            do_normalize=flag(image.get("do_normalize"), True),
-            image_mean=floats(image.get("image_mean"), IMAGENET_STANDARD, "image_mean", where),
-            image_std=floats(image.get("image_std"), IMAGENET_STANDARD, "image_std", where),
+            **normalization(image, IMAGENET_STANDARD, IMAGENET_STANDARD, where),
             pan_and_scan=pan_and_scan,
         )
 
@@ -134,11 +129,6 @@ class Gemma3Processor:
     def full_image_sequence(self) -> str:
         soft = self.image_token * self.image_seq_length
         return f"\n\n{self.boi_token}{soft}{self.eoi_token}\n\n"
-
-    @property
-    def variant(self) -> str:
-        settings = {k: v for k, v in self.__dict__.items() if "token" not in k}
-        return variant_of(self.family, settings)
 
     def prepare(self, images: Sequence[Image]) -> ProcessedImages:
         rows, tokens, counts = [], [], []

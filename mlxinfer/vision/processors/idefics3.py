@@ -35,16 +35,15 @@ from .base import (
     IMAGENET_STANDARD,
     ProcessedImages,
     Settings,
+    SettingsVariant,
     expand_markers,
     flag,
-    floats,
     integer,
-    number,
+    normalization,
     resample_of,
     rescale_normalize,
     resize,
     to_rgb_array,
-    variant_of,
 )
 
 IMAGE_TOKEN = "<image>"
@@ -85,7 +84,7 @@ def tiled_size(height: int, width: int, tile: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Idefics3Processor:
+class Idefics3Processor(SettingsVariant):
     image_token_id: int
     image_seq_len: int
     image_token: str = IMAGE_TOKEN
@@ -126,21 +125,12 @@ class Idefics3Processor:
             tile=integer(tile["longest_edge"], None, "max_image_size.longest_edge", where),
             do_image_splitting=flag(image.get("do_image_splitting"), True),
             resample=resample_of(image.get("resample"), 1, where),
-            do_rescale=flag(image.get("do_rescale"), True),
-            rescale_factor=number(image.get("rescale_factor"), 1 / 255, "rescale_factor", where),
-            do_normalize=flag(image.get("do_normalize"), True),
-            image_mean=floats(image.get("image_mean"), IMAGENET_STANDARD, "image_mean", where),
-            image_std=floats(image.get("image_std"), IMAGENET_STANDARD, "image_std", where),
+            **normalization(image, IMAGENET_STANDARD, IMAGENET_STANDARD, where),
         )
 
     @property
     def marker(self) -> str:
         return self.image_token
-
-    @property
-    def variant(self) -> str:
-        settings = {k: v for k, v in self.__dict__.items() if "token" not in k}
-        return variant_of(self.family, settings)
 
     def frames(self, picture: PILImage.Image) -> tuple[list[PILImage.Image], int, int]:
         """The image's M x M frames (tiles row by row, then the global view) and its tiles'

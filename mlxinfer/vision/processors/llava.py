@@ -30,16 +30,15 @@ from .base import (
     OPENAI_CLIP_STD,
     ProcessedImages,
     Settings,
+    SettingsVariant,
     expand_markers,
     flag,
-    floats,
     integer,
-    number,
+    normalization,
     resample_of,
     rescale_normalize,
     resize,
     to_rgb_array,
-    variant_of,
 )
 
 IMAGE_TOKEN = "<image>"
@@ -67,7 +66,7 @@ def center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class LlavaProcessor:
+class LlavaProcessor(SettingsVariant):
     image_token_id: int
     image_token: str = IMAGE_TOKEN
     shortest_edge: int | None = 224
@@ -135,21 +134,12 @@ class LlavaProcessor:
             resample=resample_of(image.get("resample"), 3, where),
             do_resize=flag(image.get("do_resize"), True),
             do_center_crop=flag(image.get("do_center_crop"), True),
-            do_rescale=flag(image.get("do_rescale"), True),
-            rescale_factor=number(image.get("rescale_factor"), 1 / 255, "rescale_factor", where),
-            do_normalize=flag(image.get("do_normalize"), True),
-            image_mean=floats(image.get("image_mean"), OPENAI_CLIP_MEAN, "image_mean", where),
-            image_std=floats(image.get("image_std"), OPENAI_CLIP_STD, "image_std", where),
+            **normalization(image, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, where),
         )
 
     @property
     def marker(self) -> str:
         return self.image_token
-
-    @property
-    def variant(self) -> str:
-        settings = {k: v for k, v in self.__dict__.items() if "token" not in k}
-        return variant_of(self.family, settings)
 
     def tokens(self, height: int, width: int) -> int:
         """``LlavaProcessor.replace_image_token``'s count for pixels of (height, width)."""

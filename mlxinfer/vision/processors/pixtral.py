@@ -32,16 +32,15 @@ from .base import (
     OPENAI_CLIP_STD,
     ProcessedImages,
     Settings,
+    SettingsVariant,
     expand_markers,
     flag,
-    floats,
     integer,
-    number,
+    normalization,
     resample_of,
     rescale_normalize,
     resize,
     to_rgb_array,
-    variant_of,
 )
 
 IMAGE_TOKEN = "[IMG]"
@@ -61,7 +60,7 @@ def resized_size(
 
 
 @dataclass(frozen=True)
-class PixtralProcessor:
+class PixtralProcessor(SettingsVariant):
     image_token_id: int
     image_token: str = IMAGE_TOKEN
     image_break_token: str = BREAK_TOKEN
@@ -131,11 +130,7 @@ class PixtralProcessor:
             max_width=max_width,
             resample=resample_of(image.get("resample"), 3, where),
             do_resize=flag(image.get("do_resize"), True),
-            do_rescale=flag(image.get("do_rescale"), True),
-            rescale_factor=number(image.get("rescale_factor"), 1 / 255, "rescale_factor", where),
-            do_normalize=flag(image.get("do_normalize"), True),
-            image_mean=floats(image.get("image_mean"), OPENAI_CLIP_MEAN, "image_mean", where),
-            image_std=floats(image.get("image_std"), OPENAI_CLIP_STD, "image_std", where),
+            **normalization(image, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, where),
         )
 
     @property
@@ -146,11 +141,6 @@ class PixtralProcessor:
     def unit(self) -> int:
         """Pixels per image token along a side: patch_size x spatial_merge_size."""
         return self.patch_size * self.spatial_merge_size
-
-    @property
-    def variant(self) -> str:
-        settings = {k: v for k, v in self.__dict__.items() if "token" not in k}
-        return variant_of(self.family, settings)
 
     def prepare(self, images: Sequence[Image]) -> ProcessedImages:
         arrays, grids, tokens = [], [], []

@@ -32,16 +32,15 @@ from .base import (
     OPENAI_CLIP_STD,
     ProcessedImages,
     Settings,
+    SettingsVariant,
     expand_markers,
     flag,
-    floats,
     integer,
-    number,
+    normalization,
     resample_of,
     rescale_normalize,
     resize,
     to_rgb_array,
-    variant_of,
 )
 
 IMAGE_TOKEN = "<|image_pad|>"
@@ -80,7 +79,7 @@ def smart_resize(
 
 
 @dataclass(frozen=True)
-class QwenVLProcessor:
+class QwenVLProcessor(SettingsVariant):
     image_token_id: int
     image_token: str = IMAGE_TOKEN
     vision_start_token_id: int | None = None
@@ -131,11 +130,7 @@ class QwenVLProcessor:
             merge_size=integer(image.get("merge_size"), 2, "merge_size", where),
             resample=resample_of(image.get("resample"), 3, where),
             do_resize=flag(image.get("do_resize"), True),
-            do_rescale=flag(image.get("do_rescale"), True),
-            rescale_factor=number(image.get("rescale_factor"), 1 / 255, "rescale_factor", where),
-            do_normalize=flag(image.get("do_normalize"), True),
-            image_mean=floats(image.get("image_mean"), OPENAI_CLIP_MEAN, "image_mean", where),
-            image_std=floats(image.get("image_std"), OPENAI_CLIP_STD, "image_std", where),
+            **normalization(image, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, where),
         )
         if made.min_pixels > made.max_pixels:
             raise ConfigError(
@@ -165,11 +160,6 @@ class QwenVLProcessor:
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
-
-    @property
-    def variant(self) -> str:
-        settings = {k: v for k, v in self.__dict__.items() if "token" not in k}
-        return variant_of(self.family, settings)
 
     def grid(self, height: int, width: int, *, name: str = "image") -> tuple[int, int, int]:
         """(t, h, w) patches for a picture of ``height`` x ``width`` (before any resize)."""
