@@ -33,17 +33,31 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
   llama.cpp hard-codes: even layers slide, the clamped SwiGLU (alpha 1.702,
   limit 7), and YaRN's ``beta_fast`` 32 / ``beta_slow`` 1 without truncation
   (HF's gpt-oss config; the file says only the type, factor and original context).
+- ``glm4moe`` -> ``model_type: glm4_moe`` (GLM-4.5, GLM-4.5-Air). Names only, as qwen3moe:
+  llama.cpp does not permute GLM's q/k rows (NeoX-style RoPE on the first
+  ``rope.dimension_count`` features of each head: ``partial_rotary_factor``); biases on q/k/v,
+  the pre-MoE norm ``post_attention_norm``, the router ``ffn_gate_inp`` with DeepSeek-V3's
+  ``e_score_correction_bias`` as ``exp_probs_b.bias``, the shared experts ``ffn_*_shexp``, the
+  first ``leading_dense_block_count`` layers dense. ``block_count`` counts the
+  ``nextn_predict_layers`` multi-token-prediction layers after the trunk's: their blocks and
+  ``blk.N.nextn.{eh_proj, enorm, hnorm, shared_head_norm}`` become ``model.mtp_layers.i``
+  (layers/mtp.py); their copies of the embedding and LM head (``nextn.embed_tokens``,
+  ``nextn.shared_head_head``) go, the trunk's serve. A file without a head's ``nextn`` tensors
+  imports without that head (a warning). What llama.cpp hard-codes: sigmoid routing in one
+  group (``n_group`` = ``topk_group`` = 1), top-k weights not renormalised unless
+  ``expert_weights_norm`` says so.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import WeightsError
 
-SUPPORTED = ("llama", "gemma3", "qwen3", "qwen3moe", "gpt-oss")
+SUPPORTED = ("llama", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe")
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ATTN_MLP = {
@@ -88,19 +102,100 @@ _LAYER = {
         "ffn_gate_inp": "mlp.router",
         "attn_sinks": "self_attn",  # a parameter, not a module: kind "sinks"
     },
+    "glm4moe": {
+        **_QWEN3,
+        **_EXPERTS,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.gate",
+        "exp_probs_b": "mlp.gate",  # a parameter of the router: kind "e_score_correction_bias"
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    },
 }
+_KIND = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}  # parameters by name
+# A multi-token-prediction layer's own tensors (``blk.N.nextn.*``), as layers/mtp.py's DEEPSEEK
+# names them; the copies of the embedding and LM head are dropped (the trunk's serve).
+NEXTN = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm",
+         "shared_head_norm": "shared_head.norm"}  # fmt: skip
+_NEXTN_COPIES = ("embed_tokens", "shared_head_head")
+_NEXTN_ARCHS = ("glm4moe",)
 _FUSED = {"ffn_gate_exps": 0, "ffn_up_exps": 1}  # halves of experts.gate_up_proj, in order
 
 
-def hf_module(arch: str, path: Path, gguf_name: str) -> tuple[str, str]:
-    """'blk.3.attn_q.weight' -> ('model.layers.3.self_attn.q_proj', 'weight')."""
+def hf_module(
+    arch: str, path: Path, gguf_name: str, n_layers: int | None = None
+) -> tuple[str, str]:
+    """'blk.3.attn_q.weight' -> ('model.layers.3.self_attn.q_proj', 'weight').
+
+    ``n_layers``: the trunk's layers, for an architecture with MTP layers after them: layer
+    ``n_layers + i`` (its block and its ``nextn.*`` tensors) is ``model.mtp_layers.i``.
+    """
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _TOP:
         return _TOP[parts[0]], parts[1]
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER[arch]:
-        kind = "sinks" if parts[2] == "attn_sinks" else parts[3]
-        return f"model.layers.{parts[1]}.{_LAYER[arch][parts[2]]}", kind
+    if len(parts) in (4, 5) and parts[0] == "blk" and parts[1].isdigit():
+        i = int(parts[1])
+        head = n_layers is not None and arch in _NEXTN_ARCHS and i >= n_layers
+        layer = f"model.mtp_layers.{i - n_layers}" if head else f"model.layers.{i}"
+        if len(parts) == 4 and parts[2] in _LAYER[arch]:
+            return f"{layer}.{_LAYER[arch][parts[2]]}", _KIND.get(parts[2], parts[3])
+        if len(parts) == 5 and parts[2] == "nextn" and parts[3] in NEXTN and head:
+            return f"{layer}.{NEXTN[parts[3]]}", parts[4]
     raise WeightsError(f"{path}: unexpected tensor {gguf_name} for architecture {arch}")
+
+
+def import_names(arch: str, path: Path, tensors: dict, config: dict) -> dict[str, tuple[str, str]]:
+    """The tensors to import, each with its (module, kind): :func:`hf_module` over the file,
+    less the MTP layers' copies of the embedding and LM head, and less any MTP layer whose
+    ``nextn`` tensors are all absent (and every one after it: heads are kept in order), with
+    a warning. A layer with some of its four ``nextn`` tensors but not all is a WeightsError."""
+    n_layers, heads = config["num_hidden_layers"], config.get("num_nextn_predict_layers", 0)
+    if arch not in _NEXTN_ARCHS:
+        return {n: hf_module(arch, path, n) for n in tensors}
+    by_layer: dict[int, list[str]] = {}
+    names = {}
+    for name in tensors:
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            i = int(parts[1])
+            if i >= n_layers + heads:
+                raise WeightsError(
+                    f"{path}: tensor {name}: expected layers 0..{n_layers + heads - 1} "
+                    f"({arch}.block_count), found layer {i}"
+                )
+            if len(parts) == 5 and parts[2] == "nextn" and parts[3] in _NEXTN_COPIES:
+                if i < n_layers:
+                    raise WeightsError(
+                        f"{path}: tensor {name}: expected nextn tensors only in the MTP layers "
+                        f"{n_layers}..{n_layers + heads - 1}, found layer {i}"
+                    )
+                continue
+            by_layer.setdefault(i, []).append(name)
+        names[name] = hf_module(arch, path, name, n_layers)
+    for i in range(n_layers, n_layers + heads):
+        wanted = [f"blk.{i}.nextn.{part}.weight" for part in NEXTN]
+        found = [w for w in wanted if w in tensors]
+        if found and len(found) < len(wanted):
+            missing = next(w for w in wanted if w not in tensors)
+            raise WeightsError(
+                f"{path}: MTP layer {i} ({arch}.nextn_predict_layers={heads}): expected tensor "
+                f"{missing} beside {found[0]}, found none"
+            )
+        if not found:
+            later = [n for j in range(i, n_layers + heads) for n in by_layer.get(j, [])]
+            if later:
+                warnings.warn(
+                    f"{path}: MTP layer {i} has no nextn tensors ({wanted[0]} absent): "
+                    f"{len(later)} tensors of layers {i}..{n_layers + heads - 1} not imported; "
+                    "the model has no MTP head from there",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            for n in later:
+                del names[n]
+            break
+    return names
 
 
 def fused_part(gguf_name: str) -> int | None:

@@ -128,7 +128,7 @@ def _embedding(path: Path, md: dict, tensors: dict) -> tuple[int, int]:
 def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
     """config.json for the model the GGUF describes, in transformers 5's form."""
     m = _Meta(path, md, arch)
-    moe = arch in ("qwen3moe", "gpt-oss")
+    moe = arch in ("qwen3moe", "gpt-oss", "glm4moe")
     experts = m.integer("expert_count", lo=0, hi=MAX_EXPERTS, default=0)
     if experts and not moe:
         raise WeightsError(
@@ -302,10 +302,60 @@ def _gpt_oss(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     }
 
 
+# llama.cpp's expert_gating_func values: 0 (none: the family's default), 1 softmax, 2 sigmoid.
+_SIGMOID = 2
+
+
+def _glm4moe(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    """GLM-4.5: ``block_count`` counts the ``nextn_predict_layers`` MTP layers after the trunk's
+    (llama.cpp's converter writes num_hidden_layers + num_nextn_predict_layers)."""
+    blocks, head_dim = config["num_hidden_layers"], config["head_dim"]
+    heads = m.integer("nextn_predict_layers", lo=0, hi=MAX_LAYERS, default=0)
+    if heads >= blocks:
+        raise m.error(
+            "nextn_predict_layers", f"fewer than the {blocks} blocks (block_count)", heads
+        )
+    rope_dims = m.integer("rope.dimension_count", hi=MAX_WIDTH, default=head_dim)
+    if rope_dims > head_dim or rope_dims % 2:
+        raise m.error("rope.dimension_count", f"an even count up to the head size {head_dim}",
+                      rope_dims)  # fmt: skip
+    gating = m.integer("expert_gating_func", lo=0, hi=2**32, default=0)
+    if gating not in (0, _SIGMOID):
+        raise m.error("expert_gating_func", f"{_SIGMOID} (sigmoid, GLM-4.5's routing)", gating)
+    n_experts = m.integer("expert_count", hi=MAX_EXPERTS)
+    trunk = blocks - heads
+    config = {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        **config,
+        "num_hidden_layers": trunk,
+        "num_nextn_predict_layers": heads,
+        "hidden_act": "silu",
+        "partial_rotary_factor": rope_dims / head_dim,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(m),
+        "n_routed_experts": n_experts,
+        "num_experts_per_tok": m.integer("expert_used_count", hi=n_experts),
+        "moe_intermediate_size": m.integer("expert_feed_forward_length", hi=MAX_WIDTH),
+        "n_shared_experts": m.integer("expert_shared_count", lo=0, hi=MAX_EXPERTS),
+        "first_k_dense_replace": m.integer("leading_dense_block_count", lo=0, hi=trunk, default=0),
+        "routed_scaling_factor": _f32(m.number("expert_weights_scale", hi=1e6)),
+        "norm_topk_prob": m.flag("expert_weights_norm", False),  # llama.cpp's default
+        "n_group": 1,  # llama.cpp routes GLM-4.5 in one group
+        "topk_group": 1,
+    }
+    if int(head_dim * config["partial_rotary_factor"]) != rope_dims:  # never for real sizes
+        raise m.error("rope.dimension_count", f"a count the factor of {head_dim} keeps exactly",
+                      rope_dims)  # fmt: skip
+    return config
+
+
 _ARCH_CONFIG = {
     "llama": _llama,
     "gemma3": _gemma3,
     "qwen3": _qwen3,
     "qwen3moe": _qwen3moe,
     "gpt-oss": _gpt_oss,
+    "glm4moe": _glm4moe,
 }

@@ -7,8 +7,8 @@ and refuses Q5_0), then writes the same HF-like directory ``convert`` produces:
 ``tokenizer_config.json``, ``special_tokens_map.json``,
 ``generation_config.json``.
 
-Supported: architectures ``llama``, ``gemma3``, ``qwen3``, ``qwen3moe`` and
-``gpt-oss`` (arch.py); tensor types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+Supported: architectures ``llama``, ``gemma3``, ``qwen3``, ``qwen3moe``, ``gpt-oss`` and
+``glm4moe`` (arch.py; GLM-4.5's MTP layers become its ``model.mtp_layers``); tensor types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0, MXFP4, IQ4_NL (exact), Q4_K, Q5_K, Q6_K, IQ4_XS (quants.py); ``gpt2`` (byte-level BPE:
 GPT-2, Qwen2 and GPT-4o splits) and ``llama`` (SentencePiece) vocabularies
 (vocab.py).
@@ -44,7 +44,7 @@ from ..errors import MlxInferError, WeightsError
 from ..files.atomic import writing_dir
 from ..files.manifest import existing_output_error, write_manifest
 from ..platform.progress import Progress, counted, finished, resolve
-from .arch import SUPPORTED, check_fused, fused_part, hf_module
+from .arch import SUPPORTED, check_fused, fused_part, import_names
 from .arch_config import make_config
 from .container import read_gguf_header
 from .dense import DTYPES, write_float
@@ -127,7 +127,8 @@ def _import(src: Path, dst: Path, requantize, dtype, progress: Progress, log) ->
             config = make_config(arch, src, md, tensors)
             check_fused(src, tensors)
             tok_json, tok_config = build_tokenizer(src, md)
-            names = {n: hf_module(arch, src, n) for n in tensors}
+            names = import_names(arch, src, tensors, config)
+            tensors = {n: t for n, t in tensors.items() if n in names}  # less MTP copies
 
             with writing_dir(dst) as tmp:
                 if dtype is None:
