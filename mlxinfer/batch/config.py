@@ -34,7 +34,10 @@ class EngineConfig:
     """The settings of an :class:`~mlxinfer.batch.engine.Engine`.
 
     Args:
-        kv_budget: bytes the KV pool may hold (keys and values of every layer).
+        kv_budget: bytes the KV pool may hold (keys and values of every layer). For a model
+            with MTP heads (and ``max_draft`` > 0) the head's pool too: its one layer, as many
+            blocks as the target's pool, the budget buying that many blocks of both together,
+            and each MTP row reserving its worst case in both at admission (``head_pool.py``).
         block_size: tokens per KV block.
         max_batch: most sequences decoded in one step.
         prefill_step: most prompt tokens prefilled between two decode steps (one or more

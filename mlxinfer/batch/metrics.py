@@ -53,7 +53,7 @@ def engine_metrics(engine) -> dict[str, float]:
     """A snapshot of ``engine``'s counters, read without a lock: each value is current, but
     they may be a step apart."""
     pool, n = engine.pool.stats(), engine.counters
-    micro = engine.flights.micro
+    micro, heads = engine.flights.micro, engine.pools.head_pool
     return {
         "requests_running": len(engine._running),
         "requests_waiting": len(engine._waiting),
@@ -71,7 +71,9 @@ def engine_metrics(engine) -> dict[str, float]:
         "kv_window_blocks_in_use": engine.window_pool.stats().blocks_in_use
         if engine.window_pool is not None
         else 0,
-        "kv_bytes": pool.nbytes + (engine.window_pool.nbytes if engine.window_pool else 0),
+        "kv_bytes": pool.nbytes
+        + (engine.window_pool.nbytes if engine.window_pool else 0)
+        + (heads.nbytes if heads is not None else 0),  # the MTP heads' pool is in kv_budget
         "prefix_hit_ratio": pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0,
         "draft_tokens": n.draft_tokens,
         "draft_accepted_tokens": n.accepted_tokens,

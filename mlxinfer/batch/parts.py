@@ -13,6 +13,7 @@ from . import disk_states
 from . import pool as pool_mod
 from .config import EngineConfig
 from .draft_pool import DraftPool, poolable
+from .head_pool import HeadPool, head_shape, mtp_head
 from .layout import STATE, check_batchable, layer_shapes, make_pools, shapes_and_states
 from .pools import Pools
 from .snapshots import make_store, split_budget
@@ -57,7 +58,14 @@ def make_parts(model, c: EngineConfig, turns=None) -> Parts:
     # (distributed/copies.py), its pool made on the first request outside the budget, so
     # that every rank's pool keeps the same blocks.
     drafts = [m for m in c.draft_models if poolable(m)] if c.max_draft > 0 and not across else []
-    target_budget = _target_budget(shapes, drafts, c.kv_budget, c.block_size)
+    # A model with MTP heads: its rows' head caches in a pool inside kv_budget (head_pool.py;
+    # MTP drafting does not run across ranks).
+    head = mtp_head(model) if c.max_draft > 0 and not across else None
+    head_layer = head_shape(head) if head is not None else None
+    others = [block_bytes(layer_shapes(m), c.block_size) for m in drafts]
+    if head_layer is not None:
+        others.append(block_bytes([head_layer], c.block_size))
+    target_budget = _target_budget(shapes, others, c.kv_budget, c.block_size)
     state_bytes = 0
     if recurrent:
         target_budget, state_bytes = split_budget(target_budget, c.prefix_state_bytes)
@@ -76,6 +84,8 @@ def make_parts(model, c: EngineConfig, turns=None) -> Parts:
         blocks=blocks,
     )
     pools = Pools(pool, window_pool, windows)
+    if head_layer is not None:  # as many blocks as the target's pool
+        pools.head_pool = HeadPool(head, head_layer, pool.max_blocks, c.block_size)
     snapshots = None
     if state_bytes:  # across ranks as many snapshots on every rank (snapshots.py)
         snapshots = make_store(state_bytes, template, pool.holds, turns)
@@ -96,7 +106,7 @@ def make_parts(model, c: EngineConfig, turns=None) -> Parts:
             # states on disk too (a pipeline rank without recurrent layers has none)
             snapshots = disk_states.DiskSnapshots(snapshots, pool.disk, template)
     if c.kv_reserve:
-        for p in pools.all():
+        for p in pools.all() + ([pools.head_pool.pool] if pools.head_pool is not None else []):
             p.reserve()
     # Across pipeline ranks: one flight of rows at each rank's stage (flights.py).
     micro = None
@@ -106,18 +116,17 @@ def make_parts(model, c: EngineConfig, turns=None) -> Parts:
     return Parts(pools, snapshots, regime, recurrent, micro, shrink_every, draft_pools)
 
 
-def _target_budget(shapes, draft_models, kv_budget: int, block_size: int) -> int:
-    """The part of ``kv_budget`` for the target's pools when ``draft_models``' pools share it:
-    the bytes of the blocks the budget buys for every pool at once (the whole budget without
-    drafts)."""
-    if not draft_models:
+def _target_budget(shapes, others: list[int], kv_budget: int, block_size: int) -> int:
+    """The part of ``kv_budget`` for the target's pools when pools of as many blocks share it
+    (``others``: a block's bytes in each, draft models' and the MTP head's): the bytes of the
+    blocks the budget buys for every pool at once (the whole budget without others)."""
+    if not others:
         return kv_budget
     per_block = block_bytes(shapes, block_size)
-    draft_per_block = [block_bytes(layer_shapes(m), block_size) for m in draft_models]
-    blocks = kv_budget // (per_block + sum(draft_per_block))
+    blocks = kv_budget // (per_block + sum(others))
     if blocks < 1:
         raise pool_mod.PoolFullError(
             f"kv_budget: {kv_budget} bytes hold no block of {per_block} bytes for the model and "
-            f"{' + '.join(map(str, draft_per_block))} for its draft model(s)"
+            f"{' + '.join(map(str, others))} for its draft model(s) or MTP head"
         )
     return blocks * per_block

@@ -7,6 +7,7 @@ views over both, and a request's blocks rewound, hashed or given back in both.
 from __future__ import annotations
 
 from .draft_pool import DraftPool
+from .head_pool import HeadPool
 from .pool import KVPool
 from .requests import _Request
 from .views import StepBatch
@@ -14,7 +15,10 @@ from .views import StepBatch
 
 class Pools:
     """The target's pools: ``pool`` (every full-attention layer) and ``window_pool`` (the
-    sliding-window layers, or None); ``windows``: each layer's window (``check_batchable``)."""
+    sliding-window layers, or None); ``windows``: each layer's window (``check_batchable``);
+    ``head_pool``: the MTP rows' head caches (``head_pool.py``), or None."""
+
+    head_pool: HeadPool | None = None
 
     def __init__(self, pool: KVPool, window_pool: KVPool | None, windows: list) -> None:
         self.pool, self.window_pool, self.windows = pool, window_pool, windows
@@ -62,13 +66,15 @@ class Pools:
         return [p.keys + p.values for p in self.all()]
 
     def release(self, request: _Request) -> None:
-        """Give back the request's blocks in every pool (its draft model's too)."""
+        """Give back the request's blocks in every pool (its draft model's and MTP head's too)."""
         if request.seq is not None:
             self.pool.release(request.seq)
         if request.wseq is not None:
             self.window_pool.release(request.wseq)
         if isinstance(request.drafter, DraftPool):
             request.drafter.release(request)
+        if self.head_pool is not None:
+            self.head_pool.release(request)
 
     @property
     def nbytes(self) -> int:

@@ -2,8 +2,9 @@
 verifying the drafts it proposed (the engine runs the forward and the rewind).
 
 A row drafts by prompt lookup (copying from its own history), with the model's own MTP head
-(``MTP``: a head cache of the row's own, fed the row's final hidden states by the prefill and
-verification forwards, ``observer``), or with a draft model: then its
+(``MTP``: the row's head cache, a sequence of the head's pool inside ``kv_budget``,
+``head_pool``, fed the row's final hidden states by the prefill and verification forwards,
+``observer``), or with a draft model: then its
 draft keys are a sequence of that model's pool (``draft_pool``: the rows drafting with one model
 propose together, k forwards of all of them), or, for a draft model a pool cannot hold, a cache
 of its own (``DraftModel.drafter``, k forwards of the row alone); either is fed the prompt as the
@@ -25,6 +26,7 @@ from ..generation.draft_length import DraftLength, nominal_costs
 from ..generation.drafts import MTP, Draft, DraftModel, PromptLookup
 from ..generation.speculative import _draft_sampler, accept_drafts, allowed_drafts
 from .draft_pool import DraftPool
+from .head_pool import PooledCache
 from .requests import _Request
 
 
@@ -154,10 +156,11 @@ def draft_state(r: _Request) -> list[mx.array]:
 
 
 def draft_nbytes(r: _Request) -> int:
-    """The bytes of ``r``'s own draft cache (a draft pool counts its blocks itself): a draft
-    model's, or an MTP head's (outside the pool and its budget)."""
+    """The bytes of ``r``'s own draft cache (a draft pool and the MTP heads' pool count their
+    blocks themselves): a draft model's, or an MTP head's a pool cannot hold (outside the
+    budget)."""
     if observer(r) is not None:
-        return r.drafter.cache.nbytes
+        return 0 if isinstance(r.drafter.cache, PooledCache) else r.drafter.cache.nbytes
     if r.draft_model is None or isinstance(r.drafter, DraftPool):
         return 0
     return r.drafter.nbytes

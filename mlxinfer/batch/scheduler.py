@@ -32,8 +32,9 @@ A drafting row's states go back to before a verification step that fed more than
 
 A request may draft (speculative decoding): by prompt lookup, or with a draft model, whose keys
 the request keeps in that model's own pool (``draft_pool``: the rows drafting with it share each
-draft forward); its step verifies the drafts in the batch's one forward and rewinds the rejected
-ones, in both pools.
+draft forward), or with the model's MTP head, whose pairs it keeps in the head's pool
+(``head_pool``, inside ``kv_budget``: admission reserves its worst case there too); its step
+verifies the drafts in the batch's one forward and rewinds the rejected ones, in both pools.
 
 The rows' parts are the scheduler's members, each given what it needs when the engine is made:
 ``pools`` (a forward's views, a row's blocks in every pool), ``recurrent`` (the states of a
@@ -123,7 +124,8 @@ class Scheduler:
         if now - self._looked_at < self.shrink_every:
             return
         self._looked_at = now
-        if self.pool.shrink():
+        heads = self.pools.head_pool
+        if self.pool.shrink() + (heads.pool.shrink() if heads is not None else 0):
             mx.clear_cache()
 
     def _loop(self) -> None:
@@ -151,6 +153,8 @@ class Scheduler:
                 self.counters.draft_kv_bytes = sum(
                     rows_mod.draft_nbytes(r) for r in self._running
                 ) + sum(p.bytes_in_use for p in self._draft_pools.values())
+                if self.pools.head_pool is not None:  # MTP rows' heads
+                    self.counters.draft_kv_bytes += self.pools.head_pool.bytes_in_use
         except BaseException as e:  # the thread must not die silently: tell every request
             self.failure = e
             raise
@@ -207,6 +211,9 @@ class Scheduler:
             ok = request.wseq is not None
         if ok and isinstance(request.drafter, DraftPool):
             ok = request.drafter.admit(request, room)
+        heads = self.pools.head_pool
+        if ok and heads is not None and rows_mod.observer(request) is not None:
+            ok = heads.admit(request, room)  # an MTP row: its head's pairs, in the budget too
         if not ok:
             self.pools.release(request)
             request.seq = request.wseq = None
