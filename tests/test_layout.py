@@ -142,6 +142,7 @@ PACKAGE_ORDER = [
     "output",
     "generation",
     "quality",
+    "training",
     "batch",
     "distributed",
     "embeddings",

@@ -68,6 +68,7 @@ def generate(
     prompt_lookup,
     self_draft_layers,
     mtp,
+    mtp_head,
     json_schema,
     json_object,
     regex,
@@ -83,6 +84,7 @@ def generate(
     """
     from ..generation import stream_generate
 
+    mtp = mtp_head or mtp  # --mtp-head: --mtp with that head
     if chat_template and no_chat_template:
         raise click.UsageError("choose --chat-template or --no-chat-template, not both")
     # Checked before the model loads: a bad schema is an error at once.
@@ -275,6 +277,7 @@ def chat(
     prompt_lookup,
     self_draft_layers,
     mtp,
+    mtp_head,
     setting,
     **options,
 ):
@@ -285,6 +288,7 @@ def chat(
     """
     from ..generation.chat import ChatSession
 
+    mtp = mtp_head or mtp  # --mtp-head: --mtp with that head
     llm, tokenizer = _load(model, verbose, options["force"], distributed=setting.load)
     if options.pop("force"):  # lifts the KV budget too (what the machine can give now)
         options["kv_budget"] = float("inf")

@@ -1,7 +1,7 @@
 """The ``mlxinfer`` command: the group and its commands, each a thin shell over the Python
 API (each option one keyword argument): generate and chat (``generate.py``), convert and
 verify (``convert.py``), perplexity (``quality.py``), embed, serve, bench, launch
-(``distributed.py``), and the model store's pull, list, show, rm, cp, ps, stop, run (``store.py``).
+(``distributed.py``), train-mtp (``train.py``), and the model store's pull, list, show, rm, cp, ps, stop, run (``store.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .generate import chat, generate
 from .quality import perplexity
 from .serve import serve
 from .store import COMMANDS as STORE_COMMANDS
+from .train import train_mtp
 
 
 @click.group()
@@ -35,6 +36,7 @@ for command in (
     bench,
     embed,
     launch,
+    train_mtp,
     *STORE_COMMANDS,
 ):
     cli.add_command(command)

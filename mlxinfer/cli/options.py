@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -245,6 +246,13 @@ def speculative_options(fn):
             "multi-token-prediction head (MiMo; no second model).",
         ),
         click.option(
+            "--mtp-head",
+            default=None,
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            help="--mtp with this head from 'mlxinfer train-mtp -o' (a model without shipped "
+            "heads; one saved in the model's directory is found without it).",
+        ),
+        click.option(
             "--num-draft",
             default=None,
             type=int,
@@ -260,12 +268,13 @@ def _make_draft(
     draft_model: str | None,
     prompt_lookup: bool,
     self_draft_layers: int | None,
-    mtp: bool = False,
+    mtp: bool | Path = False,
     *,
     keep: bool = True,
 ):
-    """The draft source the speculative flags ask for (at most one), or None. ``keep``: an MTP
-    head keeps its cache across requests (chat turns; they run one at a time)."""
+    """The draft source the speculative flags ask for (at most one), or None. ``mtp``: True, or
+    ``--mtp-head``'s path. ``keep``: an MTP head keeps its cache across requests (chat turns;
+    they run one at a time)."""
     from ..generation.drafts import MTP, DraftModel, PromptLookup, SelfDraft
 
     chosen = [
@@ -289,7 +298,8 @@ def _make_draft(
     if self_draft_layers is not None:
         return SelfDraft(self_draft_layers)
     if mtp:
-        return MTP(keep_cache=keep)  # chat turns: the head resumes from its own cache
+        head = mtp if isinstance(mtp, Path) else None  # --mtp-head's trained head
+        return MTP(keep_cache=keep, head=head)  # chat turns: the head resumes from its own cache
     return None
 
 

@@ -9,6 +9,8 @@ unset is not passed, so the server's own default applies.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from .distributed import distributed_options
@@ -143,6 +145,12 @@ def agent_options(fn):
     "DeepSeek-V3, Qwen3-Next, Qwen3.5).",
 )
 @click.option(
+    "--mtp-head",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="--mtp with this head from 'mlxinfer train-mtp -o' (a model without shipped heads).",
+)
+@click.option(
     "--draft-model",
     default=None,
     help="Speculative decoding with this draft model (directory or Hub repo id): every request "
@@ -193,6 +201,7 @@ def serve(
     kv_bits,
     prompt_lookup,
     mtp,
+    mtp_head,
     draft_model,
     models_dir,
     keep_alive,
@@ -231,7 +240,9 @@ def serve(
             f"expected at most the KV budget ({budget} bytes), found {prefix_state_bytes}",
             param_hint="'--prefix-state-bytes'",
         )
-    draft = _make_draft(draft_model, prompt_lookup, None, mtp, keep=False)  # concurrent requests
+    draft = _make_draft(
+        draft_model, prompt_lookup, None, mtp_head or mtp, keep=False
+    )  # concurrent requests
     llm = tokenizer = name = None
     if model is not None or models_dir is None:  # with --models-dir alone: only those
         llm, tokenizer = _load(model, verbose, force, budget, distributed=setting.load)

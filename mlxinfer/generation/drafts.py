@@ -21,6 +21,8 @@ holds request-independent settings; ``start`` makes the per-request
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Callable, Protocol, cast
 
 import mlx.core as mx
@@ -29,6 +31,7 @@ import mlx.nn as nn
 from ..cache.kv import LayerCache, RotatingKVCache, is_trimmable, restore_cache, snapshot_cache
 from ..cache.prompt import PromptCache, Snapshot
 from ..errors import DraftError
+from ..models.layers.mtp import HEAD_FILE, attach_head
 from .prefill import prefill, rewind
 
 # (1, V) draft logits -> (token (1,) int32, log-probs it was drawn from (1, V), or None when greedy)
@@ -343,7 +346,11 @@ class MTP(Draft):
     predicts the token at j+2; for k > 1 it is chained on its own output (``layers/mtp.py``).
     Its cache is primed over the prompt during the prefill.
 
+    A model that ships no heads drafts with one trained for it by ``mlxinfer train-mtp``: the
+    file ``head`` names, else ``mtp_head.safetensors`` in the model's directory.
+
     Args:
+        head: a trained head's file (``train-mtp -o``) for a model without shipped heads.
         keep_cache: keep the head's cache for the next request (chat turns): when that one
             reuses a prefix of the target's cache, the head resumes from its own instead of
             not having seen the prefix (the target feeds the prefix's last token again, one
@@ -352,19 +359,29 @@ class MTP(Draft):
             verified: this only changes acceptance.
     """
 
-    def __init__(self, keep_cache: bool = False):
+    def __init__(self, keep_cache: bool = False, head: str | os.PathLike | None = None):
         self.keep_cache = keep_cache
+        self.head = head
         self._kept: _MTPDrafter | None = None  # the last request's, with keep_cache
 
     def check(self, model, tokenizer) -> None:
         where = getattr(model, "source_dir", None) or type(model).__module__
         if getattr(model, "backend", None) == "distributed":  # distributed/pipeline.RankModel
             raise DraftError(f"model {where}: MTP drafting does not run across ranks yet")
-        if not getattr(model, "mtp_heads", None):
+        if self.head is None and getattr(model, "mtp_heads", None):
+            return  # shipped heads, or a trained one attached already
+        trained = Path(self.head) if self.head is not None else None
+        if trained is None and getattr(model, "source_dir", None) is not None:
+            beside = Path(model.source_dir) / HEAD_FILE
+            trained = beside if beside.is_file() else None
+        if trained is None:
             raise DraftError(
                 f"model {where} has no MTP heads (expected a family that keeps them, such as "
-                "mimo, with its MTP weights); --mtp needs them"
+                f"mimo, with its MTP weights, or a head from 'mlxinfer train-mtp' in "
+                f"{HEAD_FILE}); --mtp needs them"
             )
+        if getattr(model, "attached_mtp_head_path", None) != trained:
+            attach_head(model, trained)
 
     def start(self, model, cache: list[LayerCache], prompt: list[int]) -> Drafter:
         self.check(model, None)

@@ -32,7 +32,7 @@ from ..quant.transform import (
     quantization_record,
     quantize_model,
 )
-from .loader import IMATRIX_NAME, load_weights_into, read_weights, resolve_model_path
+from .loader import IMATRIX_NAME, SIDE_FILES, load_weights_into, read_weights, resolve_model_path
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -271,7 +271,7 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
             if plan.counts:
                 _save_importance(tmp / IMATRIX_NAME, plan, src_dir)
         write_manifest(tmp)  # last: it lists every file above
-    n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors") if f.name != IMATRIX_NAME)
+    n_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors") if f.name not in SIDE_FILES)
     out = {
         "path": str(dst),
         "parameters": n_params,

@@ -92,6 +92,9 @@ def resolve_model_path(path_or_repo: str | os.PathLike, *, revision: str | None 
 # A quantized model's calibration statistics (convert's plans), saved beside its weights for
 # reuse with --imatrix; not a weight file.
 IMATRIX_NAME = "imatrix.safetensors"
+# Files beside the weights that are not the model's: the calibration statistics and a head
+# trained by ``mlxinfer train-mtp`` (models/layers/mtp.py HEAD_FILE).
+SIDE_FILES = (IMATRIX_NAME, "mtp_head.safetensors")
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -103,7 +106,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     files = [
         inside(model_dir, f.name, model_dir)
         for f in sorted(model_dir.glob("*.safetensors"))
-        if f.name != IMATRIX_NAME
+        if f.name not in SIDE_FILES
     ]
     if not files:
         pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -147,7 +150,7 @@ def headless_embedding(model: nn.Module, weights: dict[str, mx.array], model_dir
 def weights_source(model_dir: Path) -> Path:
     """What a weight error names: the index, else the one weights file, else the directory."""
     index = model_dir / "model.safetensors.index.json"
-    files = list(model_dir.glob("*.safetensors"))
+    files = [f for f in model_dir.glob("*.safetensors") if f.name not in SIDE_FILES]
     return index if index.is_file() else files[0] if len(files) == 1 else model_dir
 
 

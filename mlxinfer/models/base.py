@@ -150,6 +150,23 @@ class CausalLM(nn.Module):
         """The LM head: the token embedding when tied, else ``lm_head``."""
         return self.embedding if self.tied else self.lm_head
 
+    def head_logits(self, h: mx.array) -> mx.array:
+        """The LM head over final-norm states ``h`` (B, L, H): logits (B, L, V)."""
+        return lm_head(h, self.head)
+
+    def trunk(self, inputs: mx.array, cache: list[LayerCache] | None = None):
+        """(states (B, L, H) after the final norm, logits (B, L, V)): what an MTP head reads.
+        Meant for a family whose ``__call__`` is this class's (``layers/mtp.new_head_block``
+        checks before a trained head is attached); families with heads override it."""
+        h = self[self.inner_name](inputs, cache)
+        return h, self.head_logits(h)
+
+    @property
+    def mtp_heads(self) -> list:
+        """The MTP heads attached to this model (``layers/mtp.attach_head``: a head trained by
+        ``mlxinfer train-mtp``); none unless one was. Families that ship heads override it."""
+        return list(self.__dict__.get("attached_mtp_heads", ()))
+
     @property
     def layers(self) -> list[nn.Module]:
         return self[self.inner_name][self.layers_name]

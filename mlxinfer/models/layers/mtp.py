@@ -162,10 +162,11 @@ class MTPHeads:
     def mtp_heads(self) -> list[MTPHead]:
         """The MTP heads the checkpoint has (none when its MTP weights were stripped)."""
         inner = self._inner
-        return [
+        shipped = [
             MTPHead(b, self.mtp_spec, inner.embed_tokens, self._logits, self.mtp_cache)
             for b in inner.mtp_layers
-        ]
+        ]  # else one trained here, if attached (attach_head)
+        return shipped or list(self.__dict__.get("attached_mtp_heads", ()))
 
     def drop_absent_heads(self, weights) -> None:
         """Keep only the heads ``weights`` has (the loader calls it before loading)."""
@@ -207,3 +208,109 @@ def keep_present_heads(inner: nn.Module, attr: str, prefix: str, weights) -> Non
     while n < len(heads) and any(k.startswith(f"{prefix}{n}.") for k in weights):
         n += 1
     inner[attr] = heads[:n]
+
+
+# --- Heads trained here (``mlxinfer train-mtp``) for a model that ships none ----------------
+#
+# One DeepSeek-layout head over the family's own decoder block: ``[enorm(e), hnorm(h)]`` →
+# ``eh_proj`` → block → ``shared_head.norm`` → the trunk's LM head. It is saved as one
+# safetensors file (``mtp_layers.0.*`` + metadata naming the model it was trained for) beside
+# the model (``HEAD_FILE`` in its directory) or where ``-o`` says; ``MTP()`` attaches it.
+
+HEAD_FILE = "mtp_head.safetensors"
+HEAD_FORMAT = "mlxinfer-mtp-head"
+_HEAD_PREFIX = "mtp_layers.0."
+
+
+def new_head_block(model) -> nn.Module:
+    """A fresh block of ``model``'s own family, extended into a DeepSeek-layout head. Raises
+    :class:`~mlxinfer.errors.DraftError` for a family a trained head cannot be given: one whose
+    logits are not its LM head over its inner model's states, or whose blocks are not one
+    class (``Inner.Block``)."""
+    from ...errors import DraftError
+    from ..base import CausalLM
+
+    family = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    inner = model[model.inner_name] if isinstance(model, CausalLM) else None
+    block_cls = getattr(type(inner), "Block", None)
+    if inner is None or block_cls is None or type(model).__call__ is not CausalLM.__call__:
+        raise DraftError(
+            f"model family {family!r}: a trained MTP head needs a decoder whose blocks are one "
+            "class and whose logits are its LM head over the final norm (llama, qwen2, qwen3, "
+            "mistral, …)"
+        )
+    args = model.args
+    try:
+        block = block_cls(args, len(model.layers) - 1)  # (args, layer index): qwen2-style
+    except TypeError:
+        block = block_cls(args)
+    hidden = _hidden_size(model)
+    eps = getattr(args, "rms_norm_eps", 1e-6)
+    return extend_block(block, DEEPSEEK, hidden, eps)
+
+
+def attach_head(model, path) -> None:
+    """Give ``model`` (a family without shipped heads) the head trained for it in ``path``.
+    Raises :class:`~mlxinfer.errors.DraftError` naming the file and what does not match."""
+    from pathlib import Path
+
+    from ...errors import DraftError
+
+    path = Path(path)
+    try:
+        weights, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # a missing, truncated or foreign file
+        raise DraftError(f"{path}: not an MTP head file ({type(e).__name__}: {e})") from None
+    if meta.get("format") != HEAD_FORMAT:
+        raise DraftError(
+            f"{path}: metadata 'format' must be {HEAD_FORMAT!r}, found {meta.get('format')!r}"
+        )
+    for key, want in head_metadata(model).items():
+        if meta.get(key) != want:
+            raise DraftError(
+                f"{path}: trained for another model: metadata {key!r} is {meta.get(key)!r}, "
+                f"this model's is {want!r}"
+            )
+    block = new_head_block(model)
+    if not all(k.startswith(_HEAD_PREFIX) for k in weights):
+        bad = next(k for k in weights if not k.startswith(_HEAD_PREFIX))
+        raise DraftError(f"{path}: weight {bad!r} is not under {_HEAD_PREFIX!r}")
+    try:
+        block.load_weights([(k[len(_HEAD_PREFIX) :], v) for k, v in weights.items()])
+    except ValueError as e:
+        raise DraftError(f"{path}: the head's weights do not fit this model's block: {e}") from None
+    mx.eval(block.parameters())
+    block.eval()
+    inner = model[model.inner_name]
+    head = MTPHead(block, DEEPSEEK, inner.embed_tokens, model.head_logits)
+    object.__setattr__(model, "attached_mtp_heads", (head,))
+    object.__setattr__(model, "attached_mtp_head_path", path)
+
+
+def save_head(block: nn.Module, path, metadata: dict[str, str]) -> None:
+    """Write a trained head's weights and ``metadata`` to ``path`` (temporary file, fsync,
+    rename)."""
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    from ...files.atomic import writing_file
+
+    weights = {_HEAD_PREFIX + k: v for k, v in tree_flatten(block.parameters())}
+    with writing_file(Path(path)) as tmp:
+        mx.save_safetensors(str(tmp), weights, metadata={"format": HEAD_FORMAT, **metadata})
+
+
+def head_metadata(model) -> dict[str, str]:
+    """What :func:`attach_head` checks a head file against."""
+    return {
+        "model_type": str(model.args.model_type),
+        "hidden_size": str(_hidden_size(model)),
+        "vocab_size": str(model.args.vocab_size),
+        "num_hidden_layers": str(len(model.layers)),
+    }
+
+
+def _hidden_size(model) -> int:
+    """The model's hidden size (its config's; a quantized embedding's weight is packed)."""
+    return int(getattr(model.args, "hidden_size", 0) or model.embedding.weight.shape[-1])

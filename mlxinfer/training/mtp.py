@@ -1,0 +1,335 @@
+"""``mlxinfer train-mtp``: give a model that ships no multi-token-prediction head one of its own.
+
+Self-distillation, in MLX, on the machine at hand (``docs/speculative.md``, trained heads):
+
+1. **Text the model writes itself.** The shipped prompts (``prompts.txt``, or the caller's) go
+   through the model's chat template and ``stream_generate``; half the completions are greedy,
+   half sampled (temperature 0.8, seeded), so the head sees the model's own distribution where
+   it will draft.
+2. **The trunk once.** Each sequence's final-norm states ``h`` are computed once and kept; the
+   trunk is frozen throughout.
+3. **One DeepSeek-layout head** (``models/layers/mtp.py``: ``[enorm(e), hnorm(h)] → eh_proj →``
+   the family's own block ``→ shared_head.norm →`` the trunk's LM head), its block started from
+   the trunk's last block (dequantized) with its residual branches' output projections at zero
+   and ``eh_proj`` at ``[0, I]`` (it begins as the identity on the hidden state), trained with AdamW to match, at every pair ``(h_j, x_{j+1})``, the trunk's own
+   next-token distribution at ``j + 1``: the KL divergence ``KL(p_trunk(x_{j+2}) || p_head)``
+   over the trunk's 32 likeliest tokens (``top_k``; computed once; the rest of its mass is left out). That
+   is the distribution speculative decoding accepts against, at any temperature.
+4. **Saved** beside the model (``mtp_head.safetensors`` in its directory, where ``MTP()`` finds
+   it) or where ``output`` says, with metadata naming the model it fits; a held-out eighth of
+   the sequences measures how often the head's top token is the trunk's (``top1``: the greedy
+   acceptance of the first draft, predicted).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+
+from ..errors import DraftError
+from ..models.layers.mtp import (
+    DEEPSEEK,
+    HEAD_FILE,
+    MTPHead,
+    head_metadata,
+    new_head_block,
+    save_head,
+)
+
+
+@dataclass
+class TrainReport:
+    """What a training run did and reached (``train-mtp`` prints it; tools/bench_mtp.py keeps
+    it): held-out KL and top-1 agreement before and after, and where the head went."""
+
+    path: Path
+    sequences: int
+    tokens: int
+    steps: int
+    generate_s: float
+    train_s: float
+    kl_before: float
+    kl_after: float
+    top1_before: float
+    top1_after: float
+    losses: list[float] = field(default_factory=list)
+
+
+def shipped_prompts() -> list[str]:
+    """The prompts ``train-mtp`` has the model answer (``mlxinfer/training/prompts.txt``)."""
+    text = resources.files(__package__).joinpath("prompts.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def generate_sequences(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_tokens: int,
+    seed: int,
+) -> list[list[int]]:
+    """Each prompt's ids (through the chat template, when the model has one) followed by the
+    model's own completion: greedy for even-numbered prompts, sampled at 0.8 for odd ones. One
+    request at a time (on the CPU the batching engine's prefill is slower for these short
+    prompts: docs/speculative.md)."""
+    from ..generation import stream_generate
+    from ..generation.request import prepare_prompt
+
+    out = []
+    for i, p in enumerate(prompts):
+        ids = prepare_prompt(tokenizer, p)
+        temperature = 0.0 if i % 2 == 0 else 0.8
+        tokens = [
+            r.token
+            for r in stream_generate(
+                model, tokenizer, ids, max_tokens=max_tokens, temperature=temperature, seed=seed + i
+            )
+        ]
+        out.append(ids + tokens)
+    return out
+
+
+def _start_from_trunk(block: nn.Module, trunk_block: nn.Module, final_norm: nn.Module) -> None:
+    """The head's block begins as the trunk's last (quantized layers dequantized) with its
+    ``o_proj`` and ``down_proj`` at zero, its output norm as the trunk's final norm, and
+    ``eh_proj`` as ``[0, I]``: at step 0 the head passes the final states through."""
+    source = dict(tree_flatten(trunk_block.parameters()))
+    modules = dict(trunk_block.named_modules())
+    new = []
+    for name, p in tree_flatten(block.parameters()):
+        owner, _, leaf = name.rpartition(".")
+        m = modules.get(owner)
+        if leaf == "weight" and m is not None and hasattr(m, "scales"):
+            w = mx.dequantize(
+                m.weight,
+                m.scales,
+                getattr(m, "biases", None),
+                group_size=m.group_size,
+                bits=m.bits,
+                mode=getattr(m, "mode", "affine"),
+            )
+        else:
+            w = source.get(name)
+        if w is not None and tuple(w.shape) == tuple(p.shape):
+            new.append((name, w.astype(mx.float32)))
+    hidden = block.eh_proj.weight.shape[0]
+    eye = mx.concatenate([mx.zeros((hidden, hidden)), mx.eye(hidden)], axis=1)
+    new.append(("eh_proj.weight", eye))
+    # The residual branches' last projections start at zero: the block starts as the identity
+    # (the head then repeats the trunk's own next-token distribution, a fair first guess for the
+    # one after), and the rest of the trunk's block is there to learn from.
+    for name, p in tree_flatten(block.parameters()):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            new.append((name, mx.zeros(p.shape)))
+    norm_w = getattr(final_norm, "weight", None)
+    if norm_w is not None:
+        new.append(("shared_head.norm.weight", norm_w.astype(mx.float32)))
+    block.load_weights(list(dict(new).items()), strict=False)  # later entries win
+
+
+def _dense_head(model) -> mx.array:
+    """The LM head's weight (V, H) as float32 (a quantized head dequantized)."""
+    m = model.head
+    if hasattr(m, "scales"):
+        w = mx.dequantize(
+            m.weight,
+            m.scales,
+            getattr(m, "biases", None),
+            group_size=m.group_size,
+            bits=m.bits,
+            mode=getattr(m, "mode", "affine"),
+        )
+    else:
+        w = m.weight
+    w = w.astype(mx.float32)
+    mx.eval(w)
+    return w
+
+
+def _teacher(states: mx.array, lm_w: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The trunk's next-token log-probs at each position of one sequence, as its ``k``
+    likeliest: (log-probs (L, k), ids (L, k)), the likeliest first."""
+    logp = nn.log_softmax(states @ lm_w.T, axis=-1)
+    k = min(k, logp.shape[-1])
+    ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(logp, ids, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    ids, vals = mx.take_along_axis(ids, order, -1), mx.take_along_axis(vals, order, -1)
+    mx.eval(ids, vals)
+    return vals, ids
+
+
+def _pairs(seqs, states, teachers, rows: list[int], length: int):
+    """A batch of the sequences ``rows``, each its first ``length`` + 1 positions at most, as
+    (tokens x_{j+1} (B, T), states h_j (B, T, H), the trunk's top log-probs and ids for
+    x_{j+2} (B, T, K) twice, mask (B, T)), T the longest pair count; short rows padded, masked."""
+    n = [min(len(seqs[r]), length + 1) - 1 for r in rows]
+    T = max(n)
+    H, K = states[rows[0]].shape[-1], teachers[rows[0]][0].shape[-1]
+    toks, hs, tvs, tis, mask = [], [], [], [], []
+    for r, k in zip(rows, n):
+        pad = T - k
+        toks.append(mx.array(seqs[r][1 : k + 1] + [0] * pad, dtype=mx.int32))
+        h, (tv, ti) = states[r][:k], (a[1 : k + 1] for a in teachers[r])
+        if pad:
+            h = mx.concatenate([h, mx.zeros((pad, H), dtype=h.dtype)])
+            tv = mx.concatenate([tv, mx.zeros((pad, K), dtype=tv.dtype)])
+            ti = mx.concatenate([ti, mx.zeros((pad, K), dtype=ti.dtype)])
+        hs.append(h)
+        tvs.append(tv)
+        tis.append(ti)
+        mask.append(mx.array([1.0] * k + [0.0] * pad))
+    return mx.stack(toks), mx.stack(hs), mx.stack(tvs), mx.stack(tis), mx.stack(mask)
+
+
+def train_mtp(
+    model,
+    tokenizer,
+    *,
+    output: str | Path | None = None,
+    prompts: Sequence[str] | None = None,
+    max_tokens: int = 192,
+    steps: int = 300,
+    batch_size: int = 8,
+    learning_rate: float = 1e-3,
+    top_k: int = 32,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> TrainReport:
+    """Train one MTP head for ``model`` (see the module's text) and save it; returns the
+    :class:`TrainReport`. ``output``: the head's file (default: ``mtp_head.safetensors`` in the
+    model's directory). ``prompts``: instead of the shipped ones (at least two: an eighth, or
+    one, is held out). ``max_tokens``: each completion's length; ``steps``, ``batch_size``,
+    ``learning_rate``: the optimiser's (AdamW, cosine decay, 5 % warm-up). ``top_k``: the trunk's
+    likeliest tokens the KL is taken over."""
+    say = log or (lambda _m: None)
+    if getattr(model, "mtp_heads", None):
+        raise DraftError("this model already has MTP heads (shipped or attached); nothing to train")
+    if output is None:
+        source = getattr(model, "source_dir", None)
+        if source is None:
+            raise DraftError("train-mtp: the model has no directory to save beside; give output")
+        output = Path(source) / HEAD_FILE
+    output = Path(output)
+    prompts = list(prompts) if prompts is not None else shipped_prompts()
+    if len(prompts) < 2:
+        raise DraftError(
+            f"train-mtp: needs at least 2 prompts (one is held out), found {len(prompts)}"
+        )
+    block = new_head_block(model)  # DraftError for a family it does not fit
+    _start_from_trunk(block, model.layers[-1], model[model.inner_name].norm)
+    block.set_dtype(mx.float32)
+    mx.eval(block.parameters())
+
+    t0 = time.perf_counter()
+    seqs = generate_sequences(model, tokenizer, prompts, max_tokens=max_tokens, seed=seed)
+    generate_s = time.perf_counter() - t0
+    inner = model[model.inner_name]
+    states = []
+    for s in seqs:
+        h = inner(mx.array(s)[None]).astype(mx.float32)[0]  # (L, H) after the final norm
+        mx.eval(h)
+        states.append(h)
+    n_tokens = sum(len(s) for s in seqs)
+    say(f"train-mtp: {len(seqs)} sequences, {n_tokens} tokens written in {generate_s:.1f} s")
+
+    held = max(1, len(seqs) // 8)
+    mx.random.seed(seed)
+    perm = mx.random.permutation(len(seqs)).tolist()
+    test_rows, train_rows = perm[:held], perm[held:]
+    lm_w = _dense_head(model)  # (V, H) float32: BLAS, not a quantized matmul, for the batch
+    teachers = [_teacher(h, lm_w, top_k) for h in states]
+    head = MTPHead(block, DEEPSEEK, inner.embed_tokens, lambda g: g @ lm_w.T)
+    length = max(len(s) for s in seqs)
+
+    def loss_and_top1(tokens, h, tv, ti, mask):
+        g = head(tokens, h, None)
+        logp = nn.log_softmax(head.logits(g.astype(mx.float32)), axis=-1)
+        # KL(trunk || head) over the trunk's likeliest tokens (its mass beyond them is left out)
+        kl = (mx.exp(tv) * (tv - mx.take_along_axis(logp, ti, axis=-1))).sum(-1)
+        denom = mask.sum()
+        agree = (logp.argmax(-1) == ti[..., 0]).astype(mx.float32)
+        return (kl * mask).sum() / denom, (agree * mask).sum() / denom
+
+    def loss_fn(tokens, h, tv, ti, mask):
+        return loss_and_top1(tokens, h, tv, ti, mask)[0]
+
+    def held_out() -> tuple[float, float]:
+        kl = top1 = 0.0
+        for i in range(0, len(test_rows), batch_size):
+            rows = test_rows[i : i + batch_size]
+            a, b = loss_and_top1(*_pairs(seqs, states, teachers, rows, length))
+            mx.eval(a, b)
+            kl, top1 = kl + a.item() * len(rows), top1 + b.item() * len(rows)
+        return kl / len(test_rows), top1 / len(test_rows)
+
+    kl_before, top1_before = held_out()
+    say(f"train-mtp: held out {held} sequences: KL {kl_before:.3f}, top-1 {top1_before:.1%}")
+    warm = max(1, steps // 20)
+    schedule = optim.join_schedules(
+        [
+            optim.linear_schedule(learning_rate / 10, learning_rate, warm),
+            optim.cosine_decay(learning_rate, max(1, steps - warm), learning_rate / 20),
+        ],
+        [warm],
+    )
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+    grad = nn.value_and_grad(block, loss_fn)  # the head's block only: the trunk stays frozen
+    block.train()
+    losses = []
+    t1 = time.perf_counter()
+    for step in range(steps):
+        idx = mx.random.randint(0, len(train_rows), (batch_size,)).tolist()
+        rows = [train_rows[i] for i in idx]
+        loss, grads = grad(*_pairs(seqs, states, teachers, rows, length))
+        opt.update(block, grads)
+        mx.eval(loss, block.parameters(), opt.state)
+        value = loss.item()
+        if not math.isfinite(value):
+            raise DraftError(
+                f"train-mtp: the loss diverged at step {step + 1} ({value}); try a lower learning rate"
+            )
+        losses.append(value)
+        if (step + 1) % max(1, steps // 10) == 0 or step + 1 == steps:
+            recent = losses[-max(1, steps // 10) :]
+            say(f"train-mtp: step {step + 1}/{steps}: KL {sum(recent) / len(recent):.3f}")
+    block.eval()
+    train_s = time.perf_counter() - t1
+    kl_after, top1_after = held_out()
+    say(f"train-mtp: held out: KL {kl_after:.3f}, top-1 {top1_after:.1%} (from {top1_before:.1%})")
+
+    dtype = model[model.inner_name].norm.weight.dtype
+    block.set_dtype(dtype if mx.issubdtype(dtype, mx.floating) else mx.float32)
+    meta = head_metadata(model)
+    meta.update(
+        steps=str(steps),
+        sequences=str(len(seqs)),
+        tokens=str(n_tokens),
+        held_out_kl=f"{kl_after:.4f}",
+        held_out_top1=f"{top1_after:.4f}",
+    )
+    save_head(block, output, meta)
+    say(f"train-mtp: saved {output}")
+    return TrainReport(
+        output,
+        len(seqs),
+        n_tokens,
+        steps,
+        generate_s,
+        train_s,
+        kl_before,
+        kl_after,
+        top1_before,
+        top1_after,
+        losses,
+    )

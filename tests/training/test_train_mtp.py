@@ -1,0 +1,183 @@
+"""``mlxinfer train-mtp``: a head trained here for a model that ships none (training/mtp.py).
+
+The objective is checked by derivation: at step 0 the head passes the trunk's final states
+through (its residual branches start at zero, ``eh_proj`` at ``[0, I]``, and a random
+checkpoint's norms are ones), so its distribution for x_{j+2} is the trunk's for x_{j+1} and the
+held-out KL must equal ``KL(p_{j+1} || p_j)`` computed from the trunk's own logits in numpy. A
+pair off by one position, or the KL's direction swapped, fails it. Training must lower that KL
+and raise the drafts accepted, and drafting with the head stays exact (plain greedy's tokens)."""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+from tiny_checkpoint import write_checkpoint
+
+from mlxinfer.cli.main import cli
+from mlxinfer.errors import DraftError
+from mlxinfer.generation import generate_step
+from mlxinfer.generation.drafts import MTP
+from mlxinfer.generation.speculative import speculative_generate_step
+from mlxinfer.loading.loader import load
+from mlxinfer.models import build_model
+from mlxinfer.models.layers.mtp import HEAD_FILE, attach_head
+from mlxinfer.training import mtp as training
+
+PROMPTS = ["the quick brown fox", "hello world", "lazy dog jumps", "brown fox and dog"]
+SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "m", **SIZE)
+
+
+def kl_from_logits(logits: np.ndarray, k: int = 32) -> float:
+    """Mean over pairs j of KL(p_{j+1} || p_j) over p_{j+1}'s k likeliest tokens, in float64."""
+    z = logits.astype(np.float64)
+    m = z.max(-1, keepdims=True)
+    logp = z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+    p, q = logp[1:], logp[:-1]
+    top = np.argsort(-p, axis=-1)[:, :k]
+    pt, qt = np.take_along_axis(p, top, -1), np.take_along_axis(q, top, -1)
+    return float((np.exp(pt) * (pt - qt)).sum(-1).mean())
+
+
+def test_the_untrained_heads_kl_is_the_trunks_own_shift(tiny, monkeypatch):
+    model, tokenizer = load(str(tiny))
+    seqs = training.generate_sequences(model, tokenizer, PROMPTS, max_tokens=12, seed=0)
+    seen = {}
+
+    def fake_generate(*args, **kwargs):
+        return seqs
+
+    monkeypatch.setattr(training, "generate_sequences", fake_generate)
+    report = training.train_mtp(
+        model,
+        tokenizer,
+        output=tiny.parent / "h0.safetensors",
+        prompts=PROMPTS,
+        steps=1,
+        learning_rate=1e-9,
+    )
+    held = [s for s in seqs]  # the held-out rows are a permutation's first: recompute them
+    mx.random.seed(0)
+    rows = mx.random.permutation(len(seqs)).tolist()[: max(1, len(seqs) // 8)]
+    want = np.mean([kl_from_logits(np.array(model(mx.array(held[r])[None])[0])) for r in rows])
+    seen["kl"] = report.kl_before
+    assert report.kl_before == pytest.approx(want, rel=1e-3, abs=1e-5)
+    assert report.kl_before > 0.01  # the check says something: the shift is not nothing
+
+
+def accepted(model, draft, prompt, n=24):
+    """(tokens, drafts accepted) of greedy speculative decoding at one draft per step."""
+    tokens, hits = [], 0
+    for step in speculative_generate_step(prompt, model, draft, num_draft=1, max_tokens=n):
+        tokens.append(int(step[0]))
+        hits += bool(step[2])
+    return tokens, hits
+
+
+def test_training_lowers_the_kl_and_its_drafts_are_accepted_and_exact(tiny, tmp_path):
+    model, tokenizer = load(str(tiny))
+    untrained = tmp_path / "untrained.safetensors"
+    training.train_mtp(
+        model,
+        tokenizer,
+        output=untrained,
+        prompts=PROMPTS,
+        max_tokens=8,
+        steps=1,
+        learning_rate=1e-9,
+    )
+    report = training.train_mtp(
+        model,
+        tokenizer,
+        prompts=PROMPTS * 4,
+        max_tokens=24,
+        steps=60,
+        learning_rate=3e-3,
+        top_k=300,
+    )  # the whole vocabulary
+    assert report.path == tiny / HEAD_FILE and report.path.is_file()  # beside the model
+    assert report.kl_after < 0.8 * report.kl_before
+    with safe_open(str(report.path), "np") as f:
+        meta = f.metadata()
+    assert meta["format"] == "mlxinfer-mtp-head" and meta["hidden_size"] == "64"
+    fresh, _ = load(str(tiny))  # the head file beside the weights is not read as weights
+    prompt = tokenizer.encode(PROMPTS[0])
+    plain = [int(s[0]) for s in generate_step(prompt, fresh, max_tokens=24)]
+    tokens, hits = accepted(fresh, MTP(), prompt)  # finds mtp_head.safetensors beside it
+    assert tokens == plain
+    other, _ = load(str(tiny))
+    _, hits_before = accepted(other, MTP(head=untrained), prompt)
+    assert hits > hits_before + 3, (hits, hits_before)
+
+
+# --- The CLI: train-mtp, then --mtp finds the head beside the model, --mtp-head elsewhere ----
+
+
+def test_cli_train_mtp_then_generate_with_the_head(tiny, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model, ignore=shutil.ignore_patterns(HEAD_FILE))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    train = ["train-mtp", str(model), "--prompts", str(prompts), "--max-tokens", "8"]
+    result = CliRunner().invoke(cli, train + ["--steps", "3"])
+    assert result.exit_code == 0, result.stderr
+    assert "held-out top-1 agreement" in result.stdout and (model / HEAD_FILE).is_file()
+    base = ["generate", "-m", str(model), "-p", "hello world", "-n", "12"]
+    plain = CliRunner().invoke(cli, base)
+    drafted = CliRunner().invoke(cli, base + ["--mtp", "-v"])
+    assert drafted.exit_code == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout and "draft accepted" in drafted.stderr
+    elsewhere = tmp_path / "heads" / "h.safetensors"
+    result = CliRunner().invoke(cli, train + ["--steps", "2", "-o", str(elsewhere)])
+    assert result.exit_code == 0 and elsewhere.is_file(), result.stderr
+    (model / HEAD_FILE).unlink()
+    drafted = CliRunner().invoke(cli, base + ["--mtp-head", str(elsewhere)])
+    assert drafted.exit_code == 0 and drafted.stdout == plain.stdout, drafted.stderr
+    result = CliRunner().invoke(cli, base + ["--mtp"])  # no head beside it now
+    assert result.exit_code == 1 and "train-mtp" in result.stderr
+
+
+# --- One-line errors --------------------------------------------------------------------------
+
+
+def one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_head_for_another_model_or_not_a_head_is_refused(tiny, tmp_path):
+    model, tokenizer = load(str(tiny))
+    other_dir = write_checkpoint(tmp_path / "other", **{**SIZE, "hidden_size": 32})
+    other, _ = load(str(other_dir))
+    head = tmp_path / "h.safetensors"
+    training.train_mtp(other, tokenizer, output=head, prompts=PROMPTS, max_tokens=4, steps=1)
+    with pytest.raises(DraftError) as e:
+        attach_head(model, head)
+    assert "'hidden_size'" in one_line(e) and str(head) in one_line(e)
+    with pytest.raises(DraftError) as e:
+        attach_head(model, tiny / "model.safetensors")  # weights, not a head
+    assert "'format'" in one_line(e)
+    with pytest.raises(DraftError) as e:
+        attach_head(model, tmp_path / "missing.safetensors")
+    assert "not an MTP head file" in one_line(e)
+    attach_head(other, head)
+    with pytest.raises(DraftError) as e:  # it has one now
+        training.train_mtp(other, tokenizer, output=head, prompts=PROMPTS, steps=1)
+    assert "already has MTP heads" in one_line(e)
+
+
+def test_a_family_a_head_cannot_fit_is_refused(tmp_path):
+    """GPT-2's blocks take no cache-made mask and its logits are its own: no trained head."""
+    config = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "vocab_size": 100}
+    model = build_model({**config, "n_positions": 64})
+    with pytest.raises(DraftError) as e:
+        training.train_mtp(model, None, output=tmp_path / "h.safetensors", prompts=PROMPTS)
+    assert "'gpt2'" in one_line(e)
