@@ -155,33 +155,76 @@ def _fresh(c: LayerCache) -> LayerCache:
     return type(c)()
 
 
-def save_cache(path: Path, cache: list[LayerCache], metadata: dict[str, str] | None = None) -> None:
-    """Write a cache to a safetensors file (atomically: temp file, fsync, rename; atomic.py)."""
+def save_cache(
+    path: Path,
+    cache: list[LayerCache],
+    metadata: dict[str, str] | None = None,
+    sections: dict[str, tuple[list[LayerCache], dict[str, str]]] | None = None,
+) -> None:
+    """Write a cache to a safetensors file (atomically: temp file, fsync, rename; atomic.py).
+
+    ``sections``: name -> (another cache list, its metadata) (an MTP head's: ``prompt_file.py``),
+    kept under ``name.`` in the same file; :func:`read_cache_file`, :func:`cache_from` and
+    :func:`user_metadata` read them back, :func:`load_cache` passes over them."""
     path = Path(path)
-    arrays = {f"{i}.{j}": a for i, c in enumerate(cache) for j, a in enumerate(c.state)}
-    meta = {"kinds": ",".join(type(c).__name__ for c in cache)}
-    for i, c in enumerate(cache):
-        meta.update({f"{i}.{k}": v for k, v in c.meta_state.items()})
-    meta.update({f"user.{k}": v for k, v in (metadata or {}).items()})
+    arrays, meta = _entries(cache, metadata)
+    for name, (more, more_meta) in (sections or {}).items():
+        if not name.isidentifier() or name in ("user", "kinds"):
+            raise ValueError(f"a cache file section cannot be named {name!r}")
+        named = _entries(more, more_meta, f"{name}.")
+        arrays.update(named[0])
+        meta.update(named[1])
     with writing_file(path) as tmp:  # ends in path's suffix: mlx appends .safetensors to others
         mx.save_safetensors(str(tmp), arrays, metadata=meta)
         if tmp.suffix != ".safetensors":
             os.replace(f"{tmp}.safetensors", tmp)
 
 
+def _entries(
+    cache: list[LayerCache], user: dict[str, str] | None, prefix: str = ""
+) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The arrays and metadata that keep ``cache`` and ``user``, each name after ``prefix``."""
+    arrays = {f"{prefix}{i}.{j}": a for i, c in enumerate(cache) for j, a in enumerate(c.state)}
+    meta = {f"{prefix}kinds": ",".join(type(c).__name__ for c in cache)}
+    for i, c in enumerate(cache):
+        meta.update({f"{prefix}{i}.{k}": v for k, v in c.meta_state.items()})
+    meta.update({f"{prefix}user.{k}": v for k, v in (user or {}).items()})
+    return arrays, meta
+
+
 def load_cache(path: Path) -> tuple[list[LayerCache], dict[str, str]]:
     """Read a cache written by :func:`save_cache`; returns (cache, user metadata)."""
+    arrays, meta = read_cache_file(path)
+    return cache_from(arrays, meta), user_metadata(meta)
+
+
+def read_cache_file(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """A cache file's arrays and metadata, for :func:`cache_from` (a WeightsError if MLX cannot
+    read it)."""
     try:
         # cast: with return_metadata, mlx returns (arrays, metadata) and no other of its kinds
-        arrays, meta = cast(
+        return cast(
             "tuple[dict[str, mx.array], dict[str, str]]",
             mx.load(str(path), format="safetensors", return_metadata=True),
         )
     except Exception as e:  # mlx raises RuntimeError/ValueError for bad files
         raise WeightsError(f"{path}: not a readable cache file ({e})") from None
+
+
+def user_metadata(meta: dict[str, str], section: str = "") -> dict[str, str]:
+    """The metadata :func:`save_cache` was given, or ``section``'s."""
+    prefix = f"{section}.user." if section else "user."
+    return {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
+
+
+def cache_from(arrays: dict[str, mx.array], meta: dict[str, str], section: str = "") -> list:
+    """The cache list a file's arrays and metadata keep: its own, or ``section``'s
+    (:func:`save_cache`'s ``sections``; a KeyError when it has none)."""
+    prefix = f"{section}." if section else ""
     cache: list[LayerCache] = []
-    for i, kind in enumerate(meta["kinds"].split(",")):
-        layer_meta = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith(f"{i}.")}
+    for i, kind in enumerate(meta[f"{prefix}kinds"].split(",")):
+        at = f"{prefix}{i}."
+        layer_meta = {k[len(at) :]: v for k, v in meta.items() if k.startswith(at)}
         c: Stored = (
             RotatingKVCache(int(layer_meta["max_size"]))
             if kind == "RotatingKVCache"
@@ -189,9 +232,8 @@ def load_cache(path: Path) -> tuple[list[LayerCache], dict[str, str]]:
         )
         if layer_meta:
             c.meta_state = layer_meta
-        state = [arrays[f"{i}.{j}"] for j in range(6) if f"{i}.{j}" in arrays]
+        state = [arrays[f"{at}{j}"] for j in range(6) if f"{at}{j}" in arrays]
         if state:
             c.state = state
         cache.append(c)
-    user = {k[5:]: v for k, v in meta.items() if k.startswith("user.")}
-    return cache, user
+    return cache

@@ -11,6 +11,14 @@ A file that is not such a cache (truncated, corrupted, another model's or other 
 not an error: :func:`open_cache` says why in one line and the run starts cold; the file is
 replaced after it.
 
+With ``--mtp`` (an ``MTP`` draft with ``keep_cache``) the file also keeps the head's own KV
+cache, its pairs' tokens and where they start, in a section of the same file (``mtp.``): the
+next run's head resumes from it as a chat turn's does, instead of not having seen the prefix.
+It is keyed by the head (``MTP.head_digest``: its layout and a sample of its weights) and taken
+only when it is that head's and holds the head's arrays; otherwise it is passed over (a ``-v``
+line says why) and the head starts where the prefill does, as with a file written without
+``--mtp``. Either way the output is the same: the head's drafts are verified.
+
 Across ranks (``--distributed``) each rank holds only its own layers' caches (pipeline) or its
 heads' share (tensor), so each rank reads and writes a file of its own, ``F.rank<r>of<s>``
 (:func:`rank_path`), whose fingerprint holds the rank's part of the model (``model.part``): a
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -33,13 +42,14 @@ from ..errors import MlxInferError
 from ..files.safetensors_check import read_header
 from ..platform.machine import user_cache_dir
 from .fingerprint import model_fingerprint
-from .kv import StateCache
-from .prompt import PromptCache, load_cache, save_cache
+from .kv import StateCache, is_trimmable
+from .prompt import PromptCache, cache_from, read_cache_file, save_cache, user_metadata
 
 FORMAT = "mlxinfer-prompt-cache"
 VERSION = "1"
 MAX_BYTES = 64 << 30  # a cache file larger than this is not read
 _UNREADABLE = (MlxInferError, KeyError, ValueError, TypeError, IndexError, AttributeError, OSError)
+HEAD_SECTION = "mtp"  # an MTP head's kept cache (MTP.head_state)
 
 
 def cache_fingerprint(model, kv_bits: int | None, max_kv_size: int | None) -> str:
@@ -60,11 +70,20 @@ def rank_path(path: str | os.PathLike, model) -> Path:
 
 
 def open_cache(
-    path: str | os.PathLike, model, *, kv_bits: int | None = None, max_kv_size: int | None = None
+    path: str | os.PathLike,
+    model,
+    *,
+    kv_bits: int | None = None,
+    max_kv_size: int | None = None,
+    draft=None,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[PromptCache, str, str | None]:
     """(the cache to run with, the model's fingerprint for :func:`save`, a warning or None):
     the file's cache when it is this model's, else a fresh one (and why, unless there was no
-    file). Across ranks: this rank's file (:func:`rank_path`), used only if every rank's is."""
+    file). Across ranks: this rank's file (:func:`rank_path`), used only if every rank's is.
+
+    ``draft``: the run's ``MTP`` draft, which takes the head cache the file keeps when it is
+    this head's (``MTP.restore_head_state``); ``log`` hears what became of it, in a line."""
     fingerprint = cache_fingerprint(model, kv_bits, max_kv_size)
     fresh = PromptCache(model.make_cache(max_kv_size=max_kv_size, kv_bits=kv_bits))
     path = rank_path(path, model)
@@ -72,12 +91,12 @@ def open_cache(
     # Across ranks a step of the model is a collective: every rank takes the one-token step
     # that gives the arrays a file's must match, whether its own file is there or not.
     expected = _expected(model, kv_bits, max_kv_size) if ranks is not None else None
-    pc, warning = fresh, None
+    pc, warning, head = fresh, None, None
     if path.exists():
         try:
             if expected is None:
                 expected = _expected(model, kv_bits, max_kv_size)
-            pc = _read(path, model, fingerprint, expected)
+            pc, head = _read(path, model, fingerprint, expected)
         except _UNREADABLE as e:
             reason = " ".join(str(e).removeprefix(f"{path}: ").split())[:300]
             warning = f"{path}: not used ({reason}); starting cold"
@@ -85,7 +104,26 @@ def open_cache(
         if pc is not fresh:
             reason = "another rank's file is missing, refused or holds other tokens"
             pc, warning = fresh, f"{path}: not used ({reason}); starting cold"
+    if pc is not fresh and draft is not None and hasattr(draft, "restore_head_state"):
+        said = _restore_head(draft, model, head)
+        if log is not None and said:
+            log(f"{path}: {said}")
     return pc, fingerprint, warning
+
+
+def _restore_head(draft, model, head: tuple[dict, dict] | None) -> str | None:
+    """Hand the file's head section (arrays and metadata, or None) to ``draft``; what it did."""
+    if head is None:
+        return None
+    arrays, meta = head
+    try:
+        cache = cache_from(arrays, meta, HEAD_SECTION)
+    except _UNREADABLE as e:
+        return f"MTP head cache not used (not readable: {type(e).__name__}: {e})"
+    try:
+        return draft.restore_head_state(model, cache, user_metadata(meta, HEAD_SECTION))
+    except _UNREADABLE as e:  # arrays the head cannot run with
+        return f"MTP head cache not used ({type(e).__name__}: {e})"
 
 
 def _all_resume(ranks, read: bool, tokens: list[int]) -> bool:
@@ -107,11 +145,13 @@ def _expected(model, kv_bits, max_kv_size) -> list:
     return expected
 
 
-def _read(path: Path, model, fingerprint: str, expected: list) -> PromptCache:
+def _read(path: Path, model, fingerprint: str, expected: list):
+    """(the file's prompt cache, its head section's (arrays, metadata) or None)."""
     if path.stat().st_size > MAX_BYTES:
         raise ValueError(f"{path.stat().st_size} bytes, over {MAX_BYTES}")
     read_header(path)  # its structure, before MLX reads a byte of it
-    cache, meta = load_cache(path)
+    arrays, every = read_cache_file(path)
+    cache, meta = cache_from(arrays, every), user_metadata(every)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"not an {FORMAT} v{VERSION} file")
     if meta.get("fingerprint") != fingerprint:
@@ -127,7 +167,8 @@ def _read(path: Path, model, fingerprint: str, expected: list) -> PromptCache:
         if not isinstance(c, StateCache) and c.offset != len(tokens):
             raise ValueError(f"layer {i} holds {c.offset} tokens, the file lists {len(tokens)}")
         _same_arrays(i, c, e)
-    return PromptCache(cache, tokens)
+    head = (arrays, every) if f"{HEAD_SECTION}.kinds" in every else None
+    return PromptCache(cache, tokens), head
 
 
 def _same_arrays(i: int, found, expected) -> None:
@@ -147,9 +188,16 @@ def _same_arrays(i: int, found, expected) -> None:
         raise ValueError(f"layer {i}'s arrays {shapes} are not the model's")
 
 
-def save(path: str | os.PathLike, pc: PromptCache, fingerprint: str, model=None) -> None:
+def save(
+    path: str | os.PathLike, pc: PromptCache, fingerprint: str, model=None, draft=None
+) -> None:
     """Write ``pc`` to ``path`` for a later :func:`open_cache` (atomically); across ranks
-    (``model`` a distributed one), to this rank's file of ``path`` (:func:`rank_path`)."""
+    (``model`` a distributed one), to this rank's file of ``path`` (:func:`rank_path`).
+    ``draft``: the run's ``MTP`` draft, whose kept head cache goes in the same file."""
     meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint}
     meta["tokens"] = ",".join(map(str, pc.tokens))
-    save_cache(rank_path(path, model), pc.cache, meta)
+    sections = {}
+    state = draft.head_state() if hasattr(draft, "head_state") else None
+    if state is not None and is_trimmable(pc.cache):  # else no resume could take it
+        sections[HEAD_SECTION] = ([state[0]], state[1])
+    save_cache(rank_path(path, model), pc.cache, meta, sections)

@@ -117,7 +117,9 @@ def generate(
     options["draft"] = _make_draft(draft_model, prompt_lookup, self_draft_layers, mtp)
     [prompt] = _templated(tokenizer, [prompt], system, chat_template, no_chat_template, verbose)
     kv_bits = int(kv_bits) if kv_bits else None
-    pc, fingerprint = _session_cache(cache_file, llm, kv_bits, options.get("max_kv_size"))
+    pc, fingerprint = _session_cache(
+        cache_file, llm, kv_bits, options.get("max_kv_size"), options["draft"], verbose
+    )
     _print_stream(
         stream_generate(
             llm,
@@ -136,7 +138,8 @@ def generate(
     if cache_file is not None:
         from ..cache.prompt_file import save
 
-        save(cache_file, pc, fingerprint, llm)  # across ranks, each rank's own file
+        # Across ranks, each rank's own file; an MTP head's kept cache beside the model's.
+        save(cache_file, pc, fingerprint, llm, options["draft"])
 
 
 def _image_clash(batch_file, no_chat_template, cache_file) -> str | None:
@@ -148,14 +151,22 @@ def _image_clash(batch_file, no_chat_template, cache_file) -> str | None:
     return None
 
 
-def _session_cache(path, llm, kv_bits, max_kv_size):
+def _session_cache(path, llm, kv_bits, max_kv_size, draft=None, verbose=False):
     """(the prompt cache to run with, its fingerprint): ``--prompt-cache-file``'s, or (None,
-    None) without one (prompt_cache_file.py)."""
+    None) without one (prompt_cache_file.py). An MTP ``draft`` takes the head cache the file
+    keeps, if it is its head's (``-v`` says what became of it)."""
     if path is None:
         return None, None
     from ..cache.prompt_file import open_cache
 
-    pc, fingerprint, warning = open_cache(path, llm, kv_bits=kv_bits, max_kv_size=max_kv_size)
+    pc, fingerprint, warning = open_cache(
+        path,
+        llm,
+        kv_bits=kv_bits,
+        max_kv_size=max_kv_size,
+        draft=draft,
+        log=_log if verbose else None,
+    )
     if warning:
         _log(f"warning: {warning}")
     return pc, fingerprint
@@ -311,7 +322,9 @@ def chat(
         split_reasoning=reasoning != "raw",
         **options,
     )
-    pc, fingerprint = _session_cache(cache_file, llm, kv_bits, max_kv_size)
+    pc, fingerprint = _session_cache(
+        cache_file, llm, kv_bits, max_kv_size, options["draft"], verbose
+    )
     if pc is not None:
         session.prompt_cache = pc
     pending = list(images)  # images for the next message
@@ -333,4 +346,4 @@ def chat(
     if cache_file is not None:
         from ..cache.prompt_file import save
 
-        save(cache_file, session.prompt_cache, fingerprint, llm)
+        save(cache_file, session.prompt_cache, fingerprint, llm, options["draft"])

@@ -21,13 +21,16 @@ holds request-independent settings; ``start`` makes the per-request
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 from pathlib import Path
 from typing import Callable, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
+from ..cache.fingerprint import sampled_weights
 from ..cache.kv import LayerCache, RotatingKVCache, is_trimmable, restore_cache, snapshot_cache
 from ..cache.prompt import PromptCache, Snapshot
 from ..errors import DraftError
@@ -363,6 +366,7 @@ class MTP(Draft):
         self.keep_cache = keep_cache
         self.head = head
         self._kept: _MTPDrafter | None = None  # the last request's, with keep_cache
+        self._digest: tuple[nn.Module, str] | None = None  # (a head's block, head_digest)
 
     def check(self, model, tokenizer) -> None:
         where = getattr(model, "source_dir", None) or type(model).__module__
@@ -390,11 +394,74 @@ class MTP(Draft):
             self._kept = drafter
         return drafter
 
+    # --- Kept across processes: a prompt cache file's head section (cache/prompt_file.py) ---
+
+    def head_state(self) -> tuple[LayerCache, dict[str, str]] | None:
+        """The kept head cache (``keep_cache``) for a prompt cache file to keep beside the
+        target's: (its cache, {"digest", "tokens", "first"}), or None when there is none a
+        later :meth:`resume` could take (none kept, or one that started past the first pair)."""
+        k = self._kept
+        if k is None or k.first != 0 or k.cache.offset == 0:
+            return None
+        meta = {"digest": self.head_digest(k.head), "first": str(k.first)}
+        meta["tokens"] = ",".join(map(str, k.tokens))
+        return k.cache, meta
+
+    def restore_head_state(self, model, cache: list[LayerCache], meta: dict[str, str]) -> str:
+        """Take a head cache :meth:`head_state` gave (read back from a file) as the kept one,
+        for the next request to resume from. Returns what was done, in a line: taken, or why
+        not (another head's, not the head's arrays). Not taking it changes no output: the head
+        starts where the prefill does, as without a file."""
+        try:
+            self.check(model, None)
+        except DraftError:
+            return "MTP head cache not used: the model has no MTP head"  # start() says so
+        head = model.mtp_heads[0]
+        if meta.get("digest") != self.head_digest(head):
+            return "MTP head cache not used: written for another MTP head"
+        try:
+            tokens = [int(t) for t in meta.get("tokens", "").split(",") if t]
+            first = int(meta.get("first", ""))
+            [c] = cache
+            want = _one_pair(head)
+            if type(c) is not type(want) or first != 0 or c.offset != len(tokens) - 1 - first:
+                raise ValueError(f"{type(c).__name__} of {c.offset} pairs")
+            got, expected = list(c.state), list(want.state)
+            if len(got) != len(expected) or any(
+                a.dtype != b.dtype or a.shape[:2] + a.shape[3:] != b.shape[:2] + b.shape[3:]
+                for a, b in zip(got, expected)
+            ):
+                raise ValueError("not the head's arrays")
+        except ValueError as e:
+            return f"MTP head cache not used: {e}"
+        drafter = _MTPDrafter(head)
+        drafter.cache, drafter.tokens, drafter.first = c, tokens, first
+        self._kept = drafter
+        return f"MTP head cache: {c.offset} pairs read back"
+
+    def head_digest(self, head) -> str:
+        """What a head's kept cache is keyed by: its layout and a sample of its weights
+        (``fingerprint.sampled_weights``); computed once per head."""
+        if self._digest is None or self._digest[0] is not head.block:
+            h = hashlib.sha256(repr(head.spec).encode())
+            params = cast("list[tuple[str, mx.array]]", tree_flatten(head.block.parameters()))
+            h.update(sampled_weights(params).encode())
+            self._digest = (head.block, h.hexdigest())
+        return self._digest[1]
+
     def drafter(self, model) -> _MTPDrafter:
         """A drafter for one row of the batching engine, which hands it the row's hidden
         states (``observe``) as its prefill and verification steps go; never ``keep_cache``'s."""
         self.check(model, None)
         return _MTPDrafter(model.mtp_heads[0])
+
+
+def _one_pair(head) -> LayerCache:
+    """``head``'s cache after one pair: the arrays a kept cache's must match (but the length)."""
+    cache = head.make_cache()
+    e = head.embed(mx.array([[0]], dtype=mx.int32))  # (1, 1, H)
+    mx.eval(head(mx.array([[0]], dtype=mx.int32), mx.zeros_like(e), cache))
+    return cache
 
 
 class _MTPDrafter:

@@ -271,8 +271,8 @@ def test_cli_mtp(random_head, tmp_path):
 
 
 def test_cli_mtp_over_a_prompt_cache_file(random_head, tmp_path):
-    """Turn 2 starts from the cache file turn 1 wrote (the head has not seen that prefix):
-    the same text as without --mtp."""
+    """Turn 2 starts from the cache file turn 1 wrote (the head's cache with it:
+    test_mtp_cache_file.py): the same text as without --mtp."""
     path, cache = random_head[0], tmp_path / "session.safetensors"
     texts = []
     for flags in ([], ["--mtp"]):
