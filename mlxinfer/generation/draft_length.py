@@ -25,6 +25,12 @@ timings. It reads :func:`nominal_costs` instead (verifying any length costs 1, a
 
 When drafting does not pay (k = 0), a probe step drafts every ``probe`` steps to refresh the
 acceptance; the interval doubles (up to ``MAX_PROBE``) while probes keep showing it does not.
+The steps in between are plain decoding, and the speculative loop runs them as such
+(``speculative._plain_run``: pipelined like ``generate_step``, no drafting bookkeeping):
+:meth:`DraftLength.plain_steps` says how many, :meth:`DraftLength.ran_plain` records them. So
+that drafting is weighed against plain decoding as it really runs, a timed request whose
+model has no plain step timed yet decodes ``MEASURE_PLAIN`` tokens plainly first
+(``measure_plain``; the batching engine's rows, whose steps are shared, do not).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ PRIOR_WEIGHT = 2.0  # … worth this many decisions, decaying as they do
 DECAY = 0.7  # weight of a decision one step older: acceptance comes in bursts
 COST_WEIGHT = 0.3  # weight of the newest timing in the moving averages
 MIN_PROBE, MAX_PROBE = 8, 256  # steps between probes while drafting is off
+MEASURE_PLAIN = 4  # plain steps timed first, when the model has none timed
 
 
 class StepCosts:
@@ -92,10 +99,14 @@ def timed(params) -> bool:
 
 class DraftLength:
     """One request's k: fixed when ``fixed`` is given, else chosen from ``costs`` (shared; a
-    fresh one when None) and this request's acceptance (module docstring)."""
+    fresh one when None) and this request's acceptance (module docstring). ``measure_plain``:
+    the caller runs k = 0 as plain decoding (:meth:`plain_steps`), timed before drafting."""
 
-    def __init__(self, fixed: int | None, costs: StepCosts | None = None):
+    def __init__(
+        self, fixed: int | None, costs: StepCosts | None = None, *, measure_plain: bool = False
+    ):
         self.fixed = fixed
+        self.measure_plain = measure_plain  # the caller runs k = 0 as plain decoding: time it
         self.costs = costs if costs is not None else StepCosts()
         self.passed: list[float] = []  # decayed accepts at position j
         self.decided: list[float] = []  # decayed decisions at position j
@@ -129,6 +140,10 @@ class DraftLength:
         return self._k
 
     def _choose(self) -> int:
+        if self.measure_plain and 1 not in self.costs.verify:
+            return 0  # plain decoding's cost first: what drafting must beat
+        if self.measure_plain and self.costs.draft is None:
+            return self.best  # then a drafting step, at the prior's best k, to time one
         rates = {}
         for k in range(MAX_DRAFT + 1):
             cost = self.costs.cost(k)
@@ -145,6 +160,24 @@ class DraftLength:
             self.off_for, self.probe = 0, min(2 * self.probe, MAX_PROBE)
             return drafting
         return 0
+
+    def plain_steps(self) -> int:
+        """While k is 0: how many plain steps to run before k is chosen again (the next probe,
+        or ``MEASURE_PLAIN`` while plain decoding is not timed yet)."""
+        if 1 not in self.costs.verify:
+            return MEASURE_PLAIN
+        return max(1, self.probe - self.off_for)
+
+    def ran_plain(self, steps: int) -> float:
+        """``steps`` plain steps ran since :meth:`start`: their seconds, recorded as the cost
+        of verifying one position (a plain step), and the steps counted toward the probe."""
+        elapsed = perf_counter() - self._t
+        if steps > 0:
+            self.costs.record(0, 0.0, 1, elapsed / steps)
+        if self.off_for:  # k = 0 was chosen (not the first measurement): count the steps
+            self.off_for = min(self.off_for + steps - 1, max(self.probe - 1, 0))
+        self._k = None
+        return elapsed
 
     def update(self, accepted: int, proposed: int) -> None:
         """A step proposed ``proposed`` drafts and the target kept ``accepted`` of them."""

@@ -34,6 +34,7 @@ from ..cache.kv import LayerCache, RotatingKVCache, StateCache, is_trimmable
 from ..cache.prompt import PromptCache
 from ..errors import DraftError
 from ..platform.threads import release_at_thread_exit
+from . import draft_length
 from .draft_length import MAX_DRAFT, DraftLength, StepCosts, nominal_costs, timed
 from .prefill import DEFAULT_PREFILL_STEP, prefill, rewind
 from .results import Step
@@ -106,8 +107,16 @@ def speculative_generate_step(
     key = mx.random.key(secrets.randbits(63) if params.seed is None else params.seed)
     # Across ranks every rank must draft the same k: timings differ, so nominal costs there.
     alone = getattr(model, "backend", None) != "distributed"
+    # While drafting does not pay (k = 0), steps run as plain decoding does: pipelined, without
+    # the drafting bookkeeping (so a request never decodes slower than without a draft). Not for
+    # a request whose tokens must not depend on timings (seeded), with logits processors, or on
+    # state caches (their passes record states by position).
+    plain_ok = num_draft is None and timed(params) and alone and not logits_processors
+    plain_ok = plain_ok and is_trimmable(pc.cache)
     k_policy = DraftLength(
-        num_draft, _costs(model, draft) if timed(params) and alone else nominal_costs()
+        num_draft,
+        _costs(model, draft) if timed(params) and alone else nominal_costs(),
+        measure_plain=plain_ok,
     )
     history = list(ids)  # every token so far; the last one is in no cache yet
     n = 0
@@ -119,6 +128,20 @@ def speculative_generate_step(
     try:
         while n < max_tokens:
             k = min(k_policy.k, max_tokens - n - 1)  # a step emits up to k+1 tokens
+            if k == 0 and plain_ok:
+                count = min(k_policy.plain_steps(), max_tokens - n)
+                k_policy.start()
+                key, run_key = mx.random.split(key)
+                ran = 0
+                try:
+                    for step in _plain_run(model, pc, history, count, params, run_key, observe):
+                        ran += 1
+                        n += 1
+                        yield step
+                finally:
+                    k_policy.ran_plain(ran)
+                drafter.rewind(pc.tokens)
+                continue
             key, draft_key, accept_key = mx.random.split(key, 3)
             seen = mx.array(history, dtype=mx.int32) if logits_processors else None
             k_policy.start()
@@ -166,6 +189,62 @@ def speculative_generate_step(
         rewind(model, pc, min(len(pc.tokens), len(ids) + n), snapshot)
         drafter.rewind(pc.tokens)
         _record(pc.cache, False)
+
+
+def _plain_run(model, pc: PromptCache, history: list[int], count: int, params, key, observe):
+    """``count`` tokens of plain decoding after ``history`` (its last token not in the cache
+    yet), pipelined like ``generate_step``: step i+1 is handed to MLX before token i is read.
+    Appends to ``history`` and keeps ``pc.tokens`` to what the cache holds (an early stop leaves
+    one token fed past the last read, as plain decoding does). With ``observe`` (an MTP head),
+    the states of the tokens read go to the head in one call at the end."""
+    cache = pc.cache
+    states: list[mx.array] = []
+    read: list[int] = []
+
+    def step(y: mx.array, key: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
+        if observe is not None:
+            hidden, logits = model.trunk(y[None], cache)
+            hidden = hidden[0, -1]  # (H,)
+        else:
+            logits, hidden = model(y[None], cache), None
+        logprobs = logits[0, -1] - mx.logsumexp(logits[0, -1], axis=-1, keepdims=True)  # (V,)
+        if params.greedy:
+            token = mx.argmax(logprobs, axis=-1, keepdims=True).astype(mx.int32)
+        else:
+            filtered = params.filter(logprobs.astype(mx.float32))
+            token = mx.random.categorical(filtered, key=key)[None].astype(mx.int32)
+        return token, logprobs, hidden
+
+    keys = mx.random.split(key, count)
+    clock = draft_length.perf_counter  # looked up now: the tests' fake clock, if they set one
+    last = clock()
+    current = step(mx.array(history[-1:], dtype=mx.int32), keys[0])
+    mx.async_eval(current[0])
+    pc.tokens = list(history)  # the last token is fed now
+    started = [current[0]]
+    try:
+        for i in range(count):
+            token, logprobs, hidden = current
+            if i + 1 < count:
+                current = step(token, keys[i + 1])
+                mx.async_eval(current[0])
+                started[:] = [current[0]]
+            t = cast(int, token.item())
+            history.append(t)
+            if i + 1 < count:
+                pc.tokens.append(t)  # fed to step i + 1
+            if hidden is not None:
+                states.append(hidden)
+            read.append(t)
+            now = clock()
+            # A plain pass: its seconds are those since the last token was read (pipelined).
+            seconds, last = now - last, now
+            yield Step(t, logprobs, False, 1, 0, 0, 0.0, seconds)
+    finally:
+        mx.eval(started)  # no work of this request outlives it (generate_step's rule)
+        if observe is not None and read:
+            # The state at each fed token, followed by the token read after it.
+            observe(mx.stack(states), read)
 
 
 def _record(cache: list[LayerCache], on: bool) -> None:
