@@ -47,14 +47,33 @@ from .options import _errors_to_click, _load, _log
 @click.option(
     "--learning-rate",
     type=click.FloatRange(min=0, min_open=True),
-    default=1e-3,
+    default=1e-4,
     show_default=True,
     help="AdamW's peak learning rate (cosine decay).",
+)
+@click.option(
+    "--draft-vocab",
+    type=click.IntRange(min=0),
+    default=8192,
+    show_default=True,
+    help="The head drafts over the tokens the model wrote most, at most this many (a fraction "
+    "of the LM head per draft); 0: the whole vocabulary.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling and batching seed.")
 @click.option("--verbose", "-v", is_flag=True, help="Print the BLAS and kernels in use.")
 @_errors_to_click
-def train_mtp(model, output, prompts, max_tokens, steps, batch_size, learning_rate, seed, verbose):
+def train_mtp(
+    model,
+    output,
+    prompts,
+    max_tokens,
+    steps,
+    batch_size,
+    learning_rate,
+    draft_vocab,
+    seed,
+    verbose,
+):
     """Train an MTP head for MODEL (default: the default model) on text it writes itself.
 
     The head is one decoder block of the model's own family, trained to predict the token
@@ -75,6 +94,7 @@ def train_mtp(model, output, prompts, max_tokens, steps, batch_size, learning_ra
         steps=steps,
         batch_size=batch_size,
         learning_rate=learning_rate,
+        draft_vocab=draft_vocab,
         seed=seed,
         log=_log,
     )

@@ -3,9 +3,9 @@
 Self-distillation, in MLX, on the machine at hand (``docs/speculative.md``, trained heads):
 
 1. **Text the model writes itself.** The shipped prompts (``prompts.txt``, or the caller's) go
-   through the model's chat template and ``stream_generate``; half the completions are greedy,
-   half sampled (temperature 0.8, seeded), so the head sees the model's own distribution where
-   it will draft.
+   through the model's chat template and ``stream_generate``, each answered twice: greedy and
+   sampled (temperature 0.8, seeded), so the head sees the model's own distribution where it
+   will draft.
 2. **The trunk once.** Each sequence's final-norm states ``h`` are computed once and kept; the
    trunk is frozen throughout.
 3. **One DeepSeek-layout head** (``models/layers/mtp.py``: ``[enorm(e), hnorm(h)] → eh_proj →``
@@ -17,7 +17,7 @@ Self-distillation, in MLX, on the machine at hand (``docs/speculative.md``, trai
    is the distribution speculative decoding accepts against, at any temperature.
 4. **Saved** beside the model (``mtp_head.safetensors`` in its directory, where ``MTP()`` finds
    it) or where ``output`` says, with metadata naming the model it fits; a held-out eighth of
-   the sequences measures how often the head's top token is the trunk's (``top1``: the greedy
+   the prompts (both their answers) measures how often the head's top token is the trunk's (``top1``: the greedy
    acceptance of the first draft, predicted).
 """
 
@@ -79,23 +79,28 @@ def generate_sequences(
     seed: int,
 ) -> list[list[int]]:
     """Each prompt's ids (through the chat template, when the model has one) followed by the
-    model's own completion: greedy for even-numbered prompts, sampled at 0.8 for odd ones. One
-    request at a time (on the CPU the batching engine's prefill is slower for these short
-    prompts: docs/speculative.md)."""
+    model's own answer, twice: greedy, then sampled at 0.8 (sequences 2i and 2i + 1 are prompt
+    i's). One request at a time (on the CPU the batching engine's prefill is slower for these
+    short prompts: docs/speculative.md)."""
     from ..generation import stream_generate
     from ..generation.request import prepare_prompt
 
     out = []
     for i, p in enumerate(prompts):
         ids = prepare_prompt(tokenizer, p)
-        temperature = 0.0 if i % 2 == 0 else 0.8
-        tokens = [
-            r.token
-            for r in stream_generate(
-                model, tokenizer, ids, max_tokens=max_tokens, temperature=temperature, seed=seed + i
-            )
-        ]
-        out.append(ids + tokens)
+        for temperature in (0.0, 0.8):
+            tokens = [
+                r.token
+                for r in stream_generate(
+                    model,
+                    tokenizer,
+                    ids,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    seed=seed + i,
+                )
+            ]
+            out.append(ids + tokens)
     return out
 
 
@@ -201,8 +206,9 @@ def train_mtp(
     max_tokens: int = 192,
     steps: int = 300,
     batch_size: int = 8,
-    learning_rate: float = 1e-3,
+    learning_rate: float = 1e-4,
     top_k: int = 32,
+    draft_vocab: int = 8192,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
 ) -> TrainReport:
@@ -211,7 +217,8 @@ def train_mtp(
     model's directory). ``prompts``: instead of the shipped ones (at least two: an eighth, or
     one, is held out). ``max_tokens``: each completion's length; ``steps``, ``batch_size``,
     ``learning_rate``: the optimiser's (AdamW, cosine decay, 5 % warm-up). ``top_k``: the trunk's
-    likeliest tokens the KL is taken over."""
+    likeliest tokens the KL is taken over. ``draft_vocab``: the head drafts over at most this
+    many tokens, those the model wrote most in the training answers (0: the whole vocabulary)."""
     say = log or (lambda _m: None)
     if getattr(model, "mtp_heads", None):
         raise DraftError("this model already has MTP heads (shipped or attached); nothing to train")
@@ -243,20 +250,49 @@ def train_mtp(
     n_tokens = sum(len(s) for s in seqs)
     say(f"train-mtp: {len(seqs)} sequences, {n_tokens} tokens written in {generate_s:.1f} s")
 
-    held = max(1, len(seqs) // 8)
+    held = max(1, len(prompts) // 8)  # prompts held out, with both their answers
     mx.random.seed(seed)
-    perm = mx.random.permutation(len(seqs)).tolist()
-    test_rows, train_rows = perm[:held], perm[held:]
+    perm = mx.random.permutation(len(prompts)).tolist()
+    test_rows = [2 * i + j for i in perm[:held] for j in (0, 1)]
+    train_rows = [2 * i + j for i in perm[held:] for j in (0, 1)]
+    vocab = None  # the token ids the head drafts over (None: all), most written first
+    n_vocab = model.args.vocab_size
+    if draft_vocab:
+        counts: dict[int, int] = {}
+        for r in train_rows:
+            for t in seqs[r]:
+                counts[t] = counts.get(t, 0) + 1
+        ranked = sorted(counts, key=lambda t: (-counts[t], t))[:draft_vocab]
+        if len(ranked) < n_vocab:
+            vocab = mx.array(ranked, dtype=mx.int32)
+            inside = set(ranked)
+            held_tokens = [t for r in test_rows for t in seqs[r]]
+            covered = sum(t in inside for t in held_tokens) / max(1, len(held_tokens))
+            say(
+                f"train-mtp: drafts over the {len(ranked)} tokens the model wrote most; they "
+                f"cover {covered:.1%} of the held-out text"
+            )
     lm_w = _dense_head(model)  # (V, H) float32: BLAS, not a quantized matmul, for the batch
-    teachers = [_teacher(h, lm_w, top_k) for h in states]
+    teachers = [_teacher(h, lm_w, top_k) for h in states]  # over the whole vocabulary
+    # The head is trained as it drafts: its softmax over the draft vocabulary alone (cheaper
+    # by the same factor); the trunk's likeliest tokens outside it count for nothing.
+    if vocab is not None:
+        lm_w = lm_w[vocab]
+        where = mx.full((n_vocab,), -1, dtype=mx.int32)
+        where[vocab] = mx.arange(vocab.size, dtype=mx.int32)
+        teachers = [(tv, where[ti]) for tv, ti in teachers]
+    mx.eval(lm_w, teachers)
     head = MTPHead(block, DEEPSEEK, inner.embed_tokens, lambda g: g @ lm_w.T)
     length = max(len(s) for s in seqs)
 
     def loss_and_top1(tokens, h, tv, ti, mask):
         g = head(tokens, h, None)
         logp = nn.log_softmax(head.logits(g.astype(mx.float32)), axis=-1)
-        # KL(trunk || head) over the trunk's likeliest tokens (its mass beyond them is left out)
-        kl = (mx.exp(tv) * (tv - mx.take_along_axis(logp, ti, axis=-1))).sum(-1)
+        # KL(trunk || head) over the trunk's likeliest tokens (its mass beyond them, and on
+        # tokens outside the draft vocabulary, ti = -1, is left out)
+        valid = ti >= 0
+        student = mx.take_along_axis(logp, mx.maximum(ti, 0), axis=-1)
+        kl = mx.where(valid, mx.exp(tv) * (tv - student), 0.0).sum(-1)
         denom = mask.sum()
         agree = (logp.argmax(-1) == ti[..., 0]).astype(mx.float32)
         return (kl * mask).sum() / denom, (agree * mask).sum() / denom
@@ -274,7 +310,7 @@ def train_mtp(
         return kl / len(test_rows), top1 / len(test_rows)
 
     kl_before, top1_before = held_out()
-    say(f"train-mtp: held out {held} sequences: KL {kl_before:.3f}, top-1 {top1_before:.1%}")
+    say(f"train-mtp: held out {held} prompts: KL {kl_before:.3f}, top-1 {top1_before:.1%}")
     warm = max(1, steps // 20)
     schedule = optim.join_schedules(
         [
@@ -318,7 +354,7 @@ def train_mtp(
         held_out_kl=f"{kl_after:.4f}",
         held_out_top1=f"{top1_after:.4f}",
     )
-    save_head(block, output, meta)
+    save_head(block, output, meta, vocab)
     say(f"train-mtp: saved {output}")
     return TrainReport(
         output,

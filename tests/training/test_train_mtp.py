@@ -35,21 +35,20 @@ def tiny(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "m", **SIZE)
 
 
-def kl_from_logits(logits: np.ndarray, k: int = 32) -> float:
-    """Mean over pairs j of KL(p_{j+1} || p_j) over p_{j+1}'s k likeliest tokens, in float64."""
+def kl_from_logits(logits: np.ndarray, k: int = 32) -> np.ndarray:
+    """KL(p_{j+1} || p_j) over p_{j+1}'s k likeliest tokens for each pair j, in float64."""
     z = logits.astype(np.float64)
     m = z.max(-1, keepdims=True)
     logp = z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
     p, q = logp[1:], logp[:-1]
     top = np.argsort(-p, axis=-1)[:, :k]
     pt, qt = np.take_along_axis(p, top, -1), np.take_along_axis(q, top, -1)
-    return float((np.exp(pt) * (pt - qt)).sum(-1).mean())
+    return (np.exp(pt) * (pt - qt)).sum(-1)
 
 
 def test_the_untrained_heads_kl_is_the_trunks_own_shift(tiny, monkeypatch):
     model, tokenizer = load(str(tiny))
     seqs = training.generate_sequences(model, tokenizer, PROMPTS, max_tokens=12, seed=0)
-    seen = {}
 
     def fake_generate(*args, **kwargs):
         return seqs
@@ -62,12 +61,14 @@ def test_the_untrained_heads_kl_is_the_trunks_own_shift(tiny, monkeypatch):
         prompts=PROMPTS,
         steps=1,
         learning_rate=1e-9,
+        draft_vocab=0,  # the whole vocabulary: the derivation's softmax
     )
-    held = [s for s in seqs]  # the held-out rows are a permutation's first: recompute them
+    # Held out: the first prompt of a seeded permutation (an eighth, at least one), both answers.
     mx.random.seed(0)
-    rows = mx.random.permutation(len(seqs)).tolist()[: max(1, len(seqs) // 8)]
-    want = np.mean([kl_from_logits(np.array(model(mx.array(held[r])[None])[0])) for r in rows])
-    seen["kl"] = report.kl_before
+    first = mx.random.permutation(len(PROMPTS)).tolist()[0]
+    rows = [seqs[2 * first], seqs[2 * first + 1]]
+    want = np.concatenate([kl_from_logits(np.array(model(mx.array(r)[None])[0])) for r in rows])
+    want = want.mean()  # over every pair of the batch
     assert report.kl_before == pytest.approx(want, rel=1e-3, abs=1e-5)
     assert report.kl_before > 0.01  # the check says something: the shift is not nothing
 
@@ -181,3 +182,34 @@ def test_a_family_a_head_cannot_fit_is_refused(tmp_path):
     with pytest.raises(DraftError) as e:
         training.train_mtp(model, None, output=tmp_path / "h.safetensors", prompts=PROMPTS)
     assert "'gpt2'" in one_line(e)
+
+
+def test_the_draft_vocabulary_reads_only_its_rows_of_the_lm_head(tiny, tmp_path):
+    """A trained head drafts over the tokens the model wrote most: its logits are the LM head's
+    for those ids (the same rows, quantized or not) and -inf for the rest."""
+    import mlx.nn as nn
+
+    from mlxinfer.models.layers.mtp import draft_vocab_logits
+
+    model, _ = load(str(tiny))
+    ids = mx.array([7, 3, 250, 42], dtype=mx.int32)
+    g = mx.random.normal((1, 2, 64))
+    for quantized in (False, True):
+        if quantized:
+            nn.quantize(model, group_size=32, bits=4)
+        full = model.head_logits(g)
+        part = draft_vocab_logits(model, ids)(g)
+        assert mx.allclose(part[..., ids], full[..., ids], atol=1e-4).item()
+        outside = np.setdiff1d(np.arange(full.shape[-1]), np.array(ids))
+        rest = np.array(part)[..., outside]
+        assert np.isneginf(rest).all()
+    head = tmp_path / "h.safetensors"
+    fresh, tokenizer = load(str(tiny))
+    training.train_mtp(fresh, tokenizer, output=head, prompts=PROMPTS, max_tokens=4, steps=1)
+    weights = dict(mx.load(str(head)))
+    assert weights["draft_vocab"].size < 300  # the ids the answers used, not the vocabulary
+    weights["draft_vocab"] = mx.array([1, 300], dtype=mx.int32)
+    mx.save_safetensors(str(head), weights, metadata=safe_open(str(head), "np").metadata())
+    with pytest.raises(DraftError) as e:
+        attach_head(fresh, head)
+    assert "ids outside 0..299" in one_line(e)

@@ -272,6 +272,13 @@ def attach_head(model, path) -> None:
                 f"this model's is {want!r}"
             )
     block = new_head_block(model)
+    vocab = weights.pop(DRAFT_VOCAB, None)
+    if vocab is not None:
+        n = model.args.vocab_size
+        if vocab.ndim != 1 or not mx.issubdtype(vocab.dtype, mx.integer) or vocab.size == 0:
+            raise DraftError(f"{path}: {DRAFT_VOCAB!r} must be a 1-D list of token ids")
+        if int(vocab.min()) < 0 or int(vocab.max()) >= n:
+            raise DraftError(f"{path}: {DRAFT_VOCAB!r} has ids outside 0..{n - 1}")
     if not all(k.startswith(_HEAD_PREFIX) for k in weights):
         bad = next(k for k in weights if not k.startswith(_HEAD_PREFIX))
         raise DraftError(f"{path}: weight {bad!r} is not under {_HEAD_PREFIX!r}")
@@ -282,14 +289,56 @@ def attach_head(model, path) -> None:
     mx.eval(block.parameters())
     block.eval()
     inner = model[model.inner_name]
-    head = MTPHead(block, DEEPSEEK, inner.embed_tokens, model.head_logits)
+    logits = model.head_logits if vocab is None else draft_vocab_logits(model, vocab)
+    head = MTPHead(block, DEEPSEEK, inner.embed_tokens, logits)
     object.__setattr__(model, "attached_mtp_heads", (head,))
     object.__setattr__(model, "attached_mtp_head_path", path)
 
 
-def save_head(block: nn.Module, path, metadata: dict[str, str]) -> None:
-    """Write a trained head's weights and ``metadata`` to ``path`` (temporary file, fsync,
-    rename)."""
+# A trained head drafts over the tokens the model writes most (its file's ``draft_vocab``: ids,
+# most frequent first), not the whole vocabulary: the LM head's rows for them alone, so a draft
+# costs a fraction of the trunk's LM head (FR-Spec, Zhao et al. 2025). Exactness is untouched:
+# the draft's distribution is zero outside them, and the rejection rule takes any distribution.
+DRAFT_VOCAB = "draft_vocab"
+
+
+def draft_vocab_logits(model, ids: mx.array) -> Callable[[mx.array], mx.array]:
+    """The LM head over final-norm states restricted to the token ids ``ids``: logits (…, V)
+    with -inf outside them (only ``len(ids)`` rows of the head are read)."""
+    head, n = model.head, model.args.vocab_size
+    ids = ids.astype(mx.int32)
+    if hasattr(head, "scales"):  # quantized (an embedding or a Linear): the rows, still packed
+        rows = [head.weight[ids], head.scales[ids]]
+        biases = getattr(head, "biases", None)
+        kw = {"group_size": head.group_size, "bits": head.bits}
+        if getattr(head, "mode", "affine") != "affine":
+            kw["mode"] = head.mode
+        b = biases[ids] if biases is not None else None
+        mx.eval(rows, b if b is not None else [])
+
+        def sub(g):
+            return mx.quantized_matmul(g, rows[0], rows[1], b, transpose=True, **kw)
+    else:
+        w = head.weight[ids]
+        mx.eval(w)
+
+        def sub(g):
+            return g @ w.T
+
+    def logits(g: mx.array) -> mx.array:
+        part = sub(g)  # (…, len(ids))
+        full = mx.full((*part.shape[:-1], n), -mx.inf, dtype=part.dtype)
+        full[..., ids] = part
+        return full
+
+    return logits
+
+
+def save_head(
+    block: nn.Module, path, metadata: dict[str, str], draft_vocab: mx.array | None = None
+) -> None:
+    """Write a trained head's weights, ``metadata`` and ``draft_vocab`` (token ids the head
+    drafts over; None: all) to ``path`` (temporary file, fsync, rename)."""
     from pathlib import Path
 
     from mlx.utils import tree_flatten
@@ -297,6 +346,8 @@ def save_head(block: nn.Module, path, metadata: dict[str, str]) -> None:
     from ...files.atomic import writing_file
 
     weights = {_HEAD_PREFIX + k: v for k, v in tree_flatten(block.parameters())}
+    if draft_vocab is not None:
+        weights[DRAFT_VOCAB] = draft_vocab.astype(mx.int32)
     with writing_file(Path(path)) as tmp:
         mx.save_safetensors(str(tmp), weights, metadata={"format": HEAD_FORMAT, **metadata})
 
