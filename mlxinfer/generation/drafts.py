@@ -401,6 +401,8 @@ class MTP(Draft):
         target's: (its cache, {"digest", "tokens", "first"}), or None when there is none a
         later :meth:`resume` could take (none kept, or one that started past the first pair)."""
         k = self._kept
+        if k is not None:
+            k.flush()
         if k is None or k.first != 0 or k.cache.offset == 0:
             return None
         meta = {"digest": self.head_digest(k.head), "first": str(k.first)}
@@ -464,6 +466,9 @@ def _one_pair(head) -> LayerCache:
     return cache
 
 
+FLUSH_PAIRS = 64  # pairs an MTP head lets wait before it runs them (_MTPDrafter.observe)
+
+
 class _MTPDrafter:
     def __init__(self, head, kept: _MTPDrafter | None = None):
         self.head, self.cache, self.kept = head, head.make_cache(), kept
@@ -473,6 +478,9 @@ class _MTPDrafter:
         # x_0 … the last token paired: pair j (the cache's entry j - first) read tokens[j + 1].
         self.tokens: list[int] = []
         self.first = 0  # the trunk position of the cache's first pair
+        # Pairs read but not yet run through the head: it runs them when it next drafts (or
+        # FLUSH_PAIRS are waiting), in one call, so steps that do not draft cost it nothing.
+        self.pending: list[tuple[mx.array, list[int]]] = []
 
     def resume(self, pc: PromptCache, prompt: list[int], todo: list[int]) -> list[int]:
         """Before the prefill (``pc`` reused ``prompt``'s prefix, ``todo`` is left): take the
@@ -480,6 +488,8 @@ class _MTPDrafter:
         back to ``pc`` so its state pairs with the next. Returns the ids to feed."""
         r = len(prompt) - len(todo)  # tokens reused
         k = self.kept
+        if k is not None:
+            k.flush()
         if (
             k is not None
             and r >= 2
@@ -500,15 +510,31 @@ class _MTPDrafter:
         return todo
 
     def observe(self, hidden: mx.array, following: list[int]) -> list[mx.array]:
+        """Read the pairs (``hidden[i]``, ``following[i]``): kept until the head next drafts
+        (:meth:`flush`), or run now when ``FLUSH_PAIRS`` wait (the arrays to evaluate)."""
+        self.pending.append((hidden, list(following)))
+        self.tokens += following
+        if sum(len(f) for _, f in self.pending) >= FLUSH_PAIRS:
+            return self.flush()
+        return []
+
+    def flush(self) -> list[mx.array]:
+        """Run the pairs read since the last flush through the head, in one call: its cache
+        and ``g`` up to date. Returns the arrays to evaluate (none when nothing waited)."""
+        if not self.pending:
+            return []
+        hidden = mx.concatenate([h for h, _ in self.pending])  # (L, H)
+        following = [t for _, f in self.pending for t in f]
+        self.pending = []
         tokens = mx.array(following, dtype=mx.int32)[None]  # (1, L)
         g = self.head(tokens, hidden[None], self.cache)  # (1, L, H)
         self.g = g[:, -1:]  # (1, 1, H)
-        self.tokens += following
         return [*self.cache.state, self.g]
 
     def propose(
         self, history: list[int], k: int, sample: DraftSampler
     ) -> tuple[mx.array, mx.array | None]:
+        self.flush()
         if self.g is None:
             return _NO_TOKENS, None
         g, real = self.g, self.cache.offset

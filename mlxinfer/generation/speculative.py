@@ -188,6 +188,8 @@ def speculative_generate_step(
         # Keep at most the tokens the caller received (plain decoding's rule).
         rewind(model, pc, min(len(pc.tokens), len(ids) + n), snapshot)
         drafter.rewind(pc.tokens)
+        if (flush := getattr(drafter, "flush", None)) is not None:
+            mx.eval(flush())  # an MTP head's waiting pairs: its cache whole for a kept head
         _record(pc.cache, False)
 
 
