@@ -114,15 +114,8 @@ def _start_from_trunk(block: nn.Module, trunk_block: nn.Module, final_norm: nn.M
     for name, p in tree_flatten(block.parameters()):
         owner, _, leaf = name.rpartition(".")
         m = modules.get(owner)
-        if leaf == "weight" and m is not None and hasattr(m, "scales"):
-            w = mx.dequantize(
-                m.weight,
-                m.scales,
-                getattr(m, "biases", None),
-                group_size=m.group_size,
-                bits=m.bits,
-                mode=getattr(m, "mode", "affine"),
-            )
+        if leaf == "weight" and m is not None:
+            w = _float_weight(m)
         else:
             w = source.get(name)
         if w is not None and tuple(w.shape) == tuple(p.shape):
@@ -142,21 +135,24 @@ def _start_from_trunk(block: nn.Module, trunk_block: nn.Module, final_norm: nn.M
     block.load_weights(list(dict(new).items()), strict=False)  # later entries win
 
 
+def _float_weight(m: nn.Module) -> mx.array:
+    """A Linear's or Embedding's weight as float32 (a quantized one dequantized)."""
+    if not hasattr(m, "scales"):
+        return m.weight.astype(mx.float32)
+    w = mx.dequantize(
+        m.weight,
+        m.scales,
+        getattr(m, "biases", None),
+        group_size=m.group_size,
+        bits=m.bits,
+        mode=getattr(m, "mode", "affine"),
+    )
+    return w.astype(mx.float32)
+
+
 def _dense_head(model) -> mx.array:
     """The LM head's weight (V, H) as float32 (a quantized head dequantized)."""
-    m = model.head
-    if hasattr(m, "scales"):
-        w = mx.dequantize(
-            m.weight,
-            m.scales,
-            getattr(m, "biases", None),
-            group_size=m.group_size,
-            bits=m.bits,
-            mode=getattr(m, "mode", "affine"),
-        )
-    else:
-        w = m.weight
-    w = w.astype(mx.float32)
+    w = _float_weight(model.head)
     mx.eval(w)
     return w
 
