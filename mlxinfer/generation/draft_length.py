@@ -13,6 +13,8 @@ second. Both sides are measured as the loop runs, never assumed:
 - a_j: decayed counts of the accept/reject decisions at position j (a position is decided
   when every draft before it passed), starting from a prior's pseudo-counts that decay with
   them, so a change in acceptance moves k within a few steps. A position not yet tried reads the deepest tried one.
+  The prior is what the earlier requests on the same costs saw (``StepCosts.prior``: slowly
+  decayed counts), ``PRIOR`` for the first.
 - verify(L): an exponential moving average of the timed steps that fed L positions; an L not
   timed yet is read off a least-squares line through those timed (flat while only one is:
   trying a longer draft is how its cost gets measured). ``draft``: a moving average of the
@@ -41,6 +43,7 @@ MAX_DRAFT = 16  # the ceiling: verifying more positions stops being free even on
 PRIOR = 0.75  # acceptance assumed before samples (k = 4 when verifying is free)
 PRIOR_WEIGHT = 2.0  # … worth this many decisions, decaying as they do
 DECAY = 0.7  # weight of a decision one step older: acceptance comes in bursts
+SHARED_DECAY = 0.98  # … in the acceptance shared by the requests on the same costs
 COST_WEIGHT = 0.3  # weight of the newest timing in the moving averages
 MIN_PROBE, MAX_PROBE = 8, 256  # steps between probes while drafting is off
 MEASURE_PLAIN = 4  # plain steps timed first, when the model has none timed
@@ -53,6 +56,27 @@ class StepCosts:
     def __init__(self) -> None:
         self.verify: dict[int, float] = {}  # L -> seconds (moving average)
         self.draft: float | None = None  # seconds per drafted token (moving average)
+        # The acceptance the requests drafting on these costs saw, by position: (accepted,
+        # decided), slowly decayed. A new request starts from it (its prior) rather than from
+        # PRIOR, so the second request of a draft that rarely passes does not learn it again.
+        self.accepted: list[float] = []
+        self.decided: list[float] = []
+
+    def seen(self, j: int, passed: bool) -> None:
+        """A draft at position ``j`` was decided (``passed``)."""
+        while len(self.decided) <= j:
+            self.accepted.append(0.0)
+            self.decided.append(0.0)
+        self.accepted[j] = SHARED_DECAY * self.accepted[j] + passed
+        self.decided[j] = SHARED_DECAY * self.decided[j] + 1
+
+    def prior(self, j: int) -> float:
+        """The acceptance a new request assumes at position ``j`` (PRIOR before any was seen;
+        a position not seen yet reads the deepest seen)."""
+        if not self.decided:
+            return PRIOR
+        j = min(j, len(self.decided) - 1)
+        return self.accepted[j] / self.decided[j]
 
     def record(self, k: int, draft_s: float, positions: int, verify_s: float) -> None:
         """A step that drafted for ``k`` tokens in ``draft_s`` and verified ``positions`` in
@@ -119,7 +143,7 @@ class DraftLength:
     def acceptance(self, j: int) -> float:
         """a_j: the estimated chance that the draft at position j passes when those before did."""
         if not self.decided:
-            return PRIOR
+            return self.costs.prior(j)
         j = min(j, len(self.decided) - 1)
         return self.passed[j] / self.decided[j]
 
@@ -185,10 +209,11 @@ class DraftLength:
             if j > accepted:  # the first rejection ended the step: later ones were not decided
                 break
             while len(self.decided) <= j:  # the prior's pseudo-decisions, decaying with the rest
-                self.passed.append(PRIOR * PRIOR_WEIGHT)
+                self.passed.append(self.costs.prior(len(self.decided)) * PRIOR_WEIGHT)
                 self.decided.append(PRIOR_WEIGHT)
             self.passed[j] = DECAY * self.passed[j] + (j < accepted)
             self.decided[j] = DECAY * self.decided[j] + 1
+            self.costs.seen(j, j < accepted)
         self._k = None
 
     # The loop times its steps through these (``perf_counter``: tests put a fake clock there).
