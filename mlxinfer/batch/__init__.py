@@ -107,8 +107,12 @@ def batch_generate(
             for i, s in enumerate(images)
         ]
     with Engine(model, **options) as engine:
+        # Every request submitted before any is read (``start``, not ``stream``: a stream's
+        # generator submits on its first next(), which returns with the request's first token,
+        # so the requests were admitted one at a time, each prefilled alone between decode
+        # steps of the ones before it).
         streams = [
-            engine.stream(
+            engine.start(
                 tokenizer,
                 p,
                 max_tokens=max_tokens,
@@ -123,9 +127,10 @@ def batch_generate(
             )
             for p in prompts
         ]
-        # Generators start on first next(): submit every request before reading any.
-        firsts = [next(s, None) for s in streams]
-        return [
-            (first.text if first is not None else "") + "".join(r.text for r in stream)
-            for first, stream in zip(firsts, streams)
-        ]
+        texts = []
+        for stream in streams:
+            try:
+                texts.append("".join(r.text for r in stream))
+            finally:
+                stream.cancel()  # a stop string ended it early: its blocks go back now
+        return texts

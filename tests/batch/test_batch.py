@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from hf_models import make_tiny, torch_greedy
+from hf_models import add_tokenizer, make_tiny, torch_greedy
 from mlx.utils import tree_flatten, tree_map
 from test_qwen3_next import TINY as QWEN3_NEXT
 
@@ -355,6 +355,35 @@ def test_short_prompts_share_prefill_forwards(llama):
         assert [s.token for s in b] == torch_greedy(torch_model, p, 8)
         for x, s in zip(a, b):
             np.testing.assert_allclose(np.array(x), np.array(s.logprobs), atol=1e-4)
+
+
+def test_batch_generate_submits_every_request_before_reading_one(tmp_path, monkeypatch):
+    """``batch_generate`` submits all its requests (``Engine.start``) before it reads any result:
+    a stream's generator submits on its first ``next()``, which returns with the request's first
+    token, so the requests were admitted one at a time (each prefilled alone between the decode
+    steps of those before it: a 4-row batch of SmolLM2 took longer than its requests one after
+    another). The texts stay ``generate``'s, a stop string's cut included."""
+    import mlxinfer
+    from mlxinfer.batch import batch_generate
+    from mlxinfer.batch.requests import Stream
+
+    path, _ = make_tiny(tmp_path / "llama", **LONG)
+    add_tokenizer(path)
+    model, tokenizer = mlxinfer.load(path)
+    prompts = [_prompt(n, 90 + n) for n in (5, 11, 17, 8)]
+    expected = [mlxinfer.generate(model, tokenizer, p, max_tokens=6) for p in prompts]
+    events: list[str] = []
+    start, read = Engine.start, Stream.__next__
+    monkeypatch.setattr(
+        Engine, "start", lambda self, *a, **k: events.append("start") or start(self, *a, **k)
+    )
+    monkeypatch.setattr(Stream, "__next__", lambda self: events.append("next") or read(self))
+    assert batch_generate(model, tokenizer, prompts, max_tokens=6) == expected
+    assert events[: len(prompts)] == ["start"] * len(prompts)
+    assert "start" not in events[len(prompts) :] and "next" in events
+    stop = next(t[2:4] for t in expected if len(t) >= 4 and t[2:4].strip())
+    cut = [mlxinfer.generate(model, tokenizer, p, max_tokens=6, stop=[stop]) for p in prompts]
+    assert batch_generate(model, tokenizer, prompts, max_tokens=6, stop=[stop]) == cut
 
 
 @pytest.fixture(scope="module")

@@ -72,14 +72,15 @@ def float_fits(weight: mx.array) -> bool:
     return weight.ndim == 2 and weight.dtype in FLOAT_DTYPES
 
 
-def runs(layer: nn.Module, x: mx.array) -> bool:
+def runs(layer: nn.Module, x: mx.array, max_rows: int | None = MAX_ROWS) -> bool:
     """Whether ``layer``'s product with ``x`` is a kernel call: its plan says so, ``x`` has at
-    most ``MAX_ROWS`` rows and the kernels are loaded."""
+    most ``max_rows`` rows (None: any; a quantized layer's caller stops at its dequantized
+    product's crossover) and the kernels are loaded."""
     plan = getattr(layer, "cpu_plan", None)
     return (
         plan is not None
         and plan.kernel
-        and x.size // x.shape[-1] <= MAX_ROWS
+        and (max_rows is None or x.size // x.shape[-1] <= max_rows)
         and kernels.load() is not None
     )
 

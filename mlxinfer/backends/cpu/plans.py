@@ -33,8 +33,9 @@ keeping an option only if it beats the plainer one by 3%:
 - ``long_keys``: from how many cached keys decode attention takes its long-context
   form (``ops._attend``), timed on the model's attention shapes alone;
 - ``dequantize_rows``: from how many rows a quantized layer dequantizes its weight for
-  a BLAS product instead of running MLX's quantized kernel (short prompts, speculative
-  verification), timed on the model's largest quantized layer alone;
+  a BLAS product instead of its few-row product (the compiled kernel where ``quantized=kernel``,
+  for every row count below this one, else MLX's quantized kernel; short prompts, batched
+  prefill, speculative verification), timed on the model's largest quantized layer alone;
 - ``dequantized_attention``: from how many queries attention over a quantized KV cache
   (``--kv-bits``) dequantizes it instead of multiplying it packed, timed on the model's
   attention shapes alone;
@@ -125,8 +126,9 @@ __all__ = [
 ENV = "MLXINFER_CPU_PLANS"
 # of the cached entries: bump when the kinds or options change (15: timed with the machine
 # watched and the choice confirmed against the static default; entries of 14 may hold a choice
-# timed on a busy machine, so they are timed again)
-VERSION = 15
+# timed on a busy machine, so they are timed again; 16: a quantized layer on the kernel takes
+# it up to dequantize_rows, which 15 timed against MLX's loop from 17 rows on)
+VERSION = 16
 
 
 def cache_key(model: nn.Module) -> str:
