@@ -11,7 +11,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..generation.draft_length import StepCosts, timed
+from ..generation.draft_length import MIN_PROBE, StepCosts, timed
 from ..generation.results import Step
 from . import rows as rows_mod
 from .metrics import Counters
@@ -68,6 +68,9 @@ class Verification:
         for r in rows:
             if r.draft_length is not None and alone and timed(r.sampler.params):
                 r.draft_length.costs = costs
+                # its k = 0 steps run as plain ones (plain_step): time one before drafting
+                r.draft_length.measure_plain = True
+                r.draft_length.probe_now = self.probe_step
         # Each row's k this step (chosen now, read again by its plan; its update forgets it).
         drafted = sum(r.draft_length.k for r in rows if r.draft_length is not None)
         t0 = time.perf_counter()
@@ -89,7 +92,10 @@ class Verification:
             logits = self.model(x, batch.views())  # (B, L, V)
         self.counters.steps_run += 1
         timing = (t1 - t0, t1)
-        self.verified(rows, logits, proposals, starts, saved, hidden=hidden, timing=timing)
+        if self.plain_step(rows, logits, proposals, saved, hidden, timing):
+            pass
+        else:
+            self.verified(rows, logits, proposals, starts, saved, hidden=hidden, timing=timing)
         if self.recurrent is not None:
             self.recurrent.record(rows, False)
         verify_s = time.perf_counter() - t1
@@ -156,6 +162,36 @@ class Verification:
                     raise ValueError("an MTP row verified without the step's hidden states")
                 observe(hidden[b, : a + 1], emitted)  # the kept positions, each with its next
             self.emit(r, emitted, logprobs, a, len(d), timing)
+
+    def probe_step(self) -> bool:
+        """Whether rows whose drafting is off may probe this step: every MIN_PROBE-th, so that
+        their probes share steps (a probe makes its whole step verify two positions)."""
+        return self.counters.steps_run % MIN_PROBE == 0
+
+    def plain_step(self, rows, logits, proposals, saved, hidden, timing) -> bool:
+        """A step in which no row drafted, for rows whose tokens may depend on timings (greedy
+        or unseeded; not across ranks, not recurrent rows): every row's token sampled at once,
+        as a step without drafters samples (``sample_rows``), instead of each row's acceptance
+        on its own. Returns whether it was one (else nothing was done)."""
+        if saved is not None or any(p.tokens for p in proposals):
+            return False
+        if not getattr(self.turns, "alone", False):
+            return False
+        if not all(r.draft_length is None or r.draft_length.measure_plain for r in rows):
+            return False
+        picked, logprobs = rows_mod.sample_rows(rows, logits[:, -1, :])
+        states = [rows_mod.draft_state(r) for r in rows]
+        mx.eval(picked, logprobs, self.pools.stores(), states)
+        for b, (r, t, lp) in enumerate(zip(rows, picked.tolist(), logprobs)):
+            if r.draft_length is not None:
+                r.draft_length.update(0, 0)
+                rows_mod.rewind_draft(r, list(r.tokens))
+            if (observe := rows_mod.observer(r)) is not None:
+                if hidden is None:
+                    raise ValueError("an MTP row stepped without the step's hidden states")
+                observe(hidden[b, :1], [t])  # kept until its head drafts (drafts.py)
+            self.emit(r, [t], [lp], 0, 0, timing)
+        return True
 
     def emit(
         self,

@@ -37,6 +37,7 @@ model has no plain step timed yet decodes ``MEASURE_PLAIN`` tokens plainly first
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import perf_counter
 
 MAX_DRAFT = 16  # the ceiling: verifying more positions stops being free even on a GPU
@@ -56,6 +57,7 @@ class StepCosts:
     def __init__(self) -> None:
         self.verify: dict[int, float] = {}  # L -> seconds (moving average)
         self.draft: float | None = None  # seconds per drafted token (moving average)
+        self._line: tuple[float, float, float, float] | None = None  # verify_s's fit, cached
         # The acceptance the requests drafting on these costs saw, by position: (accepted,
         # decided), slowly decayed. A new request starts from it (its prior) rather than from
         # PRIOR, so the second request of a draft that rarely passes does not learn it again.
@@ -82,6 +84,7 @@ class StepCosts:
         """A step that drafted for ``k`` tokens in ``draft_s`` and verified ``positions`` in
         ``verify_s`` (seconds)."""
         self.verify[positions] = _average(self.verify.get(positions), verify_s)
+        self._line = None
         if k > 0:
             self.draft = _average(self.draft, draft_s / k)
 
@@ -91,12 +94,14 @@ class StepCosts:
             return self.verify[positions]
         if not self.verify:
             return None
-        xs, ys = list(self.verify), list(self.verify.values())
-        if len(xs) == 1:
-            return ys[0]
-        mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx_) ** 2 for x in xs)
-        return max(my + max(slope, 0.0) * (positions - mx_), min(ys))
+        if self._line is None:  # (mean x, mean y, slope >= 0, least y): refit after a record
+            xs, ys = list(self.verify), list(self.verify.values())
+            mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            spread = sum((x - mx_) ** 2 for x in xs)
+            slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / spread if spread else 0.0
+            self._line = (mx_, my, max(slope, 0.0), min(ys))
+        mx_, my, slope, least = self._line
+        return max(my + slope * (positions - mx_), least)
 
     def cost(self, k: int) -> float | None:
         """Seconds for a step drafting ``k``; None before any step was timed."""
@@ -131,6 +136,9 @@ class DraftLength:
     ):
         self.fixed = fixed
         self.measure_plain = measure_plain  # the caller runs k = 0 as plain decoding: time it
+        # Whether a due probe may run this step (None: always). The batch engine's rows probe
+        # on the same steps: one row's probe makes the whole step verify two positions.
+        self.probe_now: Callable[[], bool] | None = None
         self.costs = costs if costs is not None else StepCosts()
         self.passed: list[float] = []  # decayed accepts at position j
         self.decided: list[float] = []  # decayed decisions at position j
@@ -169,20 +177,26 @@ class DraftLength:
         if self.measure_plain and self.costs.draft is None:
             return self.best  # then a drafting step, at the prior's best k, to time one
         rates = {}
+        expected, reach = 1.0, 1.0  # E(k), built up as k grows (expected(k) for each is O(k^2))
         for k in range(MAX_DRAFT + 1):
             cost = self.costs.cost(k)
             if cost is None:  # nothing timed yet: draft the best k for the prior, to measure it
                 return self.best
-            rates[k] = self.expected(k) / max(cost, 1e-12)
+            if k:
+                reach *= self.acceptance(k - 1)
+                expected += reach
+            rates[k] = expected / max(cost, 1e-12)
         drafting = max(range(1, MAX_DRAFT + 1), key=lambda k: rates[k])
         self.best = drafting
         if rates[drafting] > rates[0]:
             self.off_for, self.probe = 0, MIN_PROBE
             return drafting
         self.off_for += 1
-        if self.off_for >= self.probe:  # a probe: refresh the acceptance, then wait longer
+        if self.off_for >= self.probe and (self.probe_now is None or self.probe_now()):
+            # a probe: refresh the first position's acceptance (one
+            # draft, the cheapest step that does), then wait longer; k grows again if it passes
             self.off_for, self.probe = 0, min(2 * self.probe, MAX_PROBE)
-            return drafting
+            return 1
         return 0
 
     def plain_steps(self) -> int:

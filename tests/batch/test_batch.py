@@ -881,7 +881,10 @@ def test_a_draft_model_in_the_batch_gives_transformers_greedy_tokens(drafted_lla
     expected = [torch_greedy(torch_model, p, 16) for p in prompts]
     with Engine(model, max_batch=8, prefill_step=128) as engine:
         handles = [
-            engine.submit(p, max_tokens=16, draft=d, num_draft=4 if i == 1 else None)
+            # Both draft-model rows draft every step (fixed k), so their draft forwards meet:
+            # an adaptive row times a plain step first and, this draft being as slow as the
+            # target, may stop drafting (generation/draft_length.py).
+            engine.submit(p, max_tokens=16, draft=d, num_draft={0: 2, 1: 4}.get(i))
             for i, (p, d) in enumerate(zip(prompts, sources))
         ]
         steps = [list(h.steps()) for h in handles]
@@ -919,7 +922,9 @@ def test_a_named_draft_models_pool_shares_the_kv_budget(drafted_llama):
     with Engine(model, block_size=8, kv_budget=budget, draft_models=[draft]) as engine:
         (draft_pool,) = engine._draft_pools.values()
         assert engine.pool.max_blocks == draft_pool.pool.max_blocks == 40
-        handles = [engine.submit(p, max_tokens=16, draft=DraftModel(draft)) for p in prompts]
+        handles = [  # fixed k: an adaptive row may stop drafting a draft this slow
+            engine.submit(p, max_tokens=16, draft=DraftModel(draft), num_draft=2) for p in prompts
+        ]
         steps = [list(h.steps(timeout=60)) for h in handles]  # two rows drafting together
         for p, got in zip(prompts, steps):
             assert [s.token for s in got] == torch_greedy(torch_model, p, 16)
