@@ -26,7 +26,8 @@ timings. It reads :func:`nominal_costs` instead (verifying any length costs 1, a
 0.1), which depend on its acceptance alone. Greedy output does not depend on k at all.
 
 When drafting does not pay (k = 0), a probe step drafts every ``probe`` steps to refresh the
-acceptance; the interval doubles (up to ``MAX_PROBE``) while probes keep showing it does not.
+acceptance; the interval doubles (up to ``MAX_PROBE``) while probes keep showing it does not,
+and the next request on the same costs starts from the interval reached.
 The steps in between are plain decoding, and the speculative loop runs them as such
 (``speculative._plain_run``: pipelined like ``generate_step``, no drafting bookkeeping):
 :meth:`DraftLength.plain_steps` says how many, :meth:`DraftLength.ran_plain` records them. So
@@ -63,6 +64,9 @@ class StepCosts:
         # PRIOR, so the second request of a draft that rarely passes does not learn it again.
         self.accepted: list[float] = []
         self.decided: list[float] = []
+        # The probe interval the last request on these costs reached: the next starts there,
+        # so a draft that does not pay is not probed from MIN_PROBE again by every request.
+        self.probe = MIN_PROBE
 
     def seen(self, j: int, passed: bool) -> None:
         """A draft at position ``j`` was decided (``passed``)."""
@@ -143,7 +147,7 @@ class DraftLength:
         self.passed: list[float] = []  # decayed accepts at position j
         self.decided: list[float] = []  # decayed decisions at position j
         self.off_for = 0  # steps since drafting went off (k = 0)
-        self.probe = MIN_PROBE
+        self.probe = self.costs.probe
         self.best = 4  # the best k > 0 (a probe drafts that many)
         self._k: int | None = None
         self._t = 0.0
@@ -190,12 +194,14 @@ class DraftLength:
         self.best = drafting
         if rates[drafting] > rates[0]:
             self.off_for, self.probe = 0, MIN_PROBE
+            self.costs.probe = MIN_PROBE
             return drafting
         self.off_for += 1
         if self.off_for >= self.probe and (self.probe_now is None or self.probe_now()):
             # a probe: refresh the first position's acceptance (one
             # draft, the cheapest step that does), then wait longer; k grows again if it passes
             self.off_for, self.probe = 0, min(2 * self.probe, MAX_PROBE)
+            self.costs.probe = self.probe
             return 1
         return 0
 
