@@ -466,7 +466,9 @@ def _one_pair(head) -> LayerCache:
     return cache
 
 
-FLUSH_PAIRS = 64  # pairs an MTP head lets wait before it runs them (_MTPDrafter.observe)
+# Pairs an MTP head lets wait before it runs them (_MTPDrafter.observe): a plain run of up to
+# MAX_PROBE steps, or a prefill chunk, waits whole (its states: 512 x hidden floats at most).
+FLUSH_PAIRS = 512
 
 
 class _MTPDrafter:

@@ -209,15 +209,16 @@ def _plain_run(model, pc: PromptCache, history: list[int], count: int, params, k
             hidden = hidden[0, -1]  # (H,)
         else:
             logits, hidden = model(y[None], cache), None
-        logprobs = logits[0, -1] - mx.logsumexp(logits[0, -1], axis=-1, keepdims=True)  # (V,)
+        row = logits[0, -1]  # (V,)
+        logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)  # lazy: read if asked for
         if params.greedy:
-            token = mx.argmax(logprobs, axis=-1, keepdims=True).astype(mx.int32)
+            token = mx.argmax(row, axis=-1, keepdims=True).astype(mx.int32)
         else:
             filtered = params.filter(logprobs.astype(mx.float32))
             token = mx.random.categorical(filtered, key=key)[None].astype(mx.int32)
         return token, logprobs, hidden
 
-    keys = mx.random.split(key, count)
+    keys = mx.random.split(key, count) if not params.greedy else [key] * count
     clock = draft_length.perf_counter  # looked up now: the tests' fake clock, if they set one
     last = clock()
     current = step(mx.array(history[-1:], dtype=mx.int32), keys[0])
