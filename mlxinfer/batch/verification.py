@@ -45,10 +45,24 @@ class Verification:
         # Measured step costs by batch size (a power of two at most the rows': bucketed), read
         # by the drafting rows' k (generation/draft_length.py).
         self.costs: dict[int, StepCosts] = {}
+        self._last: StepCosts | None = None  # the costs of the last step's batch size
 
     def costs_for(self, rows: int) -> StepCosts:
-        """The step costs of a batch of ``rows`` (bucketed to the power of two at most it)."""
-        return self.costs.setdefault(1 << (rows.bit_length() - 1), StepCosts())
+        """The step costs of a batch of ``rows`` (bucketed to the power of two at most it). A
+        batch size met for the first time starts from the last one's costs, acceptance and
+        probe interval (re-measured as it runs), not from nothing: else, as rows finish and the
+        batch shrinks, each new size would time a plain step and a drafting step at the prior's
+        k again."""
+        bucket = 1 << (rows.bit_length() - 1)
+        if bucket not in self.costs:
+            fresh = StepCosts()
+            if self._last is not None:
+                fresh.verify, fresh.draft = dict(self._last.verify), self._last.draft
+                fresh.accepted, fresh.decided = list(self._last.accepted), list(self._last.decided)
+                fresh.probe = self._last.probe
+            self.costs[bucket] = fresh
+        self._last = self.costs[bucket]
+        return self._last
 
     def feed_draft(self, request: _Request) -> None:
         t0 = time.perf_counter()
