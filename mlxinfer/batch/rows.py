@@ -129,9 +129,11 @@ def _plan(r: _Request, max_draft: int) -> tuple[int, Callable] | None:
     """(k, the sampler of its drafts) for a row drafting this step, else None."""
     if r.drafter is None:
         return None
-    # One split a step, drafts or not, as speculative_generate_step splits its key.
-    r.key, draft_key, r.accept_key = mx.random.split(r.key, 3)
     k = min(r.draft_length.k, max_draft, r.max_tokens - r.generated - 1)
+    if r.sampler.params.greedy:  # no draws: no keys (a split a step would be an op a row)
+        draft_key = r.key
+    else:  # one split a step, drafts or not, as speculative_generate_step splits its key
+        r.key, draft_key, r.accept_key = mx.random.split(r.key, 3)
     if k <= 0:
         return None
     # A draft model draws from the processed distribution the target uses (its own key).

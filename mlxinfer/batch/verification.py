@@ -44,7 +44,9 @@ class Verification:
         self.retire = retire
         # Measured step costs by batch size (a power of two at most the rows': bucketed), read
         # by the drafting rows' k (generation/draft_length.py).
-        self.costs: dict[int, StepCosts] = {}
+        # Kept on the model (as the single-request loop keeps its own), so that an engine made
+        # later for the same model starts from what the earlier ones measured.
+        self.costs: dict[int, StepCosts] = _model_tables(model)
         self._last: StepCosts | None = None  # the costs of the last step's batch size
 
     def costs_for(self, rows: int) -> StepCosts:
@@ -81,6 +83,8 @@ class Verification:
         alone = getattr(self.turns, "alone", False)
         for r in rows:
             if r.draft_length is not None and alone and timed(r.sampler.params):
+                if r.draft_length.costs is not costs:  # the probe interval reached goes too
+                    r.draft_length.probe = max(r.draft_length.probe, costs.probe)
                 r.draft_length.costs = costs
                 # its k = 0 steps run as plain ones (plain_step): time one before drafting
                 r.draft_length.measure_plain = True
@@ -238,3 +242,18 @@ class Verification:
                 self.retire(r)
                 return
         r.pending = emitted[-1]
+
+
+def _model_tables(model) -> dict[int, StepCosts]:
+    """The batch engines' measured step costs of ``model``, by batch size: a plain attribute
+    of the model object (a dict set as a module's would join its parameters), or a dict of
+    this engine's own for a model that takes no attributes."""
+    tables = getattr(model, "__dict__", {}).get("_batch_step_costs")
+    if isinstance(tables, dict):
+        return tables
+    tables = {}
+    try:
+        object.__setattr__(model, "_batch_step_costs", tables)
+    except (AttributeError, TypeError):
+        pass
+    return tables

@@ -123,7 +123,11 @@ def test_rows_k_follows_the_engines_measured_costs(wired, monkeypatch, ms):
 
     monkeypatch.setattr(verification, "time", clock)
     monkeypatch.setattr(rows_mod, "propose", timed_propose)
-    out = in_batch(wired, [MTP(), None], n=40)
+    wired.__dict__.pop("_batch_step_costs", None)  # the engines' costs live on the model
+    try:
+        out = in_batch(wired, [MTP(), None], n=40)
+    finally:
+        wired.__dict__.pop("_batch_step_costs", None)  # measured on the fake clock
     for ids, steps in zip(PROMPTS, out):
         assert [s[0] for s in steps] == alone(wired, ids, 40)
     drafted = [s.drafted for s in out[0] if s.passes]

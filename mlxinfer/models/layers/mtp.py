@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -258,9 +259,11 @@ def attach_head(model, path) -> None:
 
     path = Path(path)
     try:
-        weights, meta = mx.load(str(path), return_metadata=True)
+        loaded, found = mx.load(str(path), return_metadata=True)
     except Exception as e:  # a missing, truncated or foreign file
         raise DraftError(f"{path}: not an MTP head file ({type(e).__name__}: {e})") from None
+    weights = cast("dict[str, mx.array]", loaded)
+    meta = cast("dict[str, str]", found)
     if meta.get("format") != HEAD_FORMAT:
         raise DraftError(
             f"{path}: metadata 'format' must be {HEAD_FORMAT!r}, found {meta.get('format')!r}"
@@ -345,7 +348,8 @@ def save_head(
 
     from ...files.atomic import writing_file
 
-    weights = {_HEAD_PREFIX + k: v for k, v in tree_flatten(block.parameters())}
+    params = cast("list[tuple[str, mx.array]]", tree_flatten(block.parameters()))
+    weights = {_HEAD_PREFIX + k: v for k, v in params}
     if draft_vocab is not None:
         weights[DRAFT_VOCAB] = draft_vocab.astype(mx.int32)
     with writing_file(Path(path)) as tmp:
