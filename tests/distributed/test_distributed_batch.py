@@ -333,7 +333,8 @@ def _lookup(model, prompts, n):
 
 def _drafted(model, draft_model, prompts, n) -> dict:
     """Each prompt's tokens through an engine drafting with ``draft_model`` (a whole copy,
-    loaded plain), greedy and seeded (temperature 0.9, seed 7), and the drafts kept."""
+    loaded plain), greedy and seeded (temperature 0.9, seed 7), two drafts a step, and the
+    drafts kept."""
     from mlxinfer.batch import Engine
     from mlxinfer.generation.drafts import DraftModel
     from mlxinfer.generation.sampling import SamplingParams
@@ -342,8 +343,11 @@ def _drafted(model, draft_model, prompts, n) -> dict:
     for name, sampling in [("greedy", None), ("seeded", SamplingParams(temperature=0.9, seed=7))]:
         with Engine(model) as engine:
             draft = DraftModel(draft_model)
+            # k fixed: one process chooses it from its timings, ranks from nominal costs (the
+            # same k on every rank), so only a fixed k gives counts both can be held to
             handles = [
-                engine.submit(p, max_tokens=n, draft=draft, sampling=sampling) for p in prompts
+                engine.submit(p, max_tokens=n, draft=draft, sampling=sampling, num_draft=2)
+                for p in prompts
             ]
             steps = [list(h.steps()) for h in handles]
         out[name] = [[s.token for s in row] for row in steps]
