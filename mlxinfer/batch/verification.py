@@ -110,9 +110,7 @@ class Verification:
             logits = self.model(x, batch.views())  # (B, L, V)
         self.counters.steps_run += 1
         timing = (t1 - t0, t1)
-        if self.plain_step(rows, logits, proposals, saved, hidden, timing):
-            pass
-        else:
+        if not self.plain_step(rows, logits, proposals, saved, hidden, timing):
             self.verified(rows, logits, proposals, starts, saved, hidden=hidden, timing=timing)
         if self.recurrent is not None:
             self.recurrent.record(rows, False)

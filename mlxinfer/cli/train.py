@@ -29,17 +29,21 @@ from .options import _errors_to_click, _load, _log
 )
 @click.option(
     "--max-tokens",
-    type=click.IntRange(min=8),
+    type=click.IntRange(min=8, max=8192),
     default=192,
     show_default=True,
     help="The length of each answer the model writes.",
 )
 @click.option(
-    "--steps", type=click.IntRange(min=1), default=300, show_default=True, help="Optimiser steps."
+    "--steps",
+    type=click.IntRange(min=1, max=1_000_000),
+    default=300,
+    show_default=True,
+    help="Optimiser steps.",
 )
 @click.option(
     "--batch-size",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=256),
     default=8,
     show_default=True,
     help="Sequences per step.",

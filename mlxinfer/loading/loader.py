@@ -25,6 +25,7 @@ from ..files.safetensors_check import check_safetensors, index_files, inside
 from ..models import build_model, get_family
 from ..models.base import embedding_rows, language_model_weights
 from ..models.config import read_config, without_tower
+from ..models.layers.mtp import HEAD_FILE
 from ..platform.machine import user_cache_dir
 from ..platform.progress import Progress
 from ..platform.threads import release_at_thread_exit
@@ -94,7 +95,7 @@ def resolve_model_path(path_or_repo: str | os.PathLike, *, revision: str | None 
 IMATRIX_NAME = "imatrix.safetensors"
 # Files beside the weights that are not the model's: the calibration statistics and a head
 # trained by ``mlxinfer train-mtp`` (models/layers/mtp.py HEAD_FILE).
-SIDE_FILES = (IMATRIX_NAME, "mtp_head.safetensors")
+SIDE_FILES = (IMATRIX_NAME, HEAD_FILE)
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -216,6 +216,17 @@ def train_mtp(
     likeliest tokens the KL is taken over. ``draft_vocab``: the head drafts over at most this
     many tokens, those the model wrote most in the training answers (0: the whole vocabulary)."""
     say = log or (lambda _m: None)
+    if not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise DraftError(
+            f"train-mtp: learning rate must be a positive number, found {learning_rate}"
+        )
+    for name, value, low in (
+        ("steps", steps, 1),
+        ("batch_size", batch_size, 1),
+        ("top_k", top_k, 1),
+    ):
+        if value < low:
+            raise DraftError(f"train-mtp: {name} must be at least {low}, found {value}")
     if getattr(model, "mtp_heads", None):
         raise DraftError("this model already has MTP heads (shipped or attached); nothing to train")
     if output is None:

@@ -213,3 +213,22 @@ def test_the_draft_vocabulary_reads_only_its_rows_of_the_lm_head(tiny, tmp_path)
     with pytest.raises(DraftError) as e:
         attach_head(fresh, head)
     assert "ids outside 0..299" in one_line(e)
+
+
+def test_bad_settings_and_a_truncated_head_are_one_line_errors(tiny, tmp_path):
+    """NaN or non-positive learning rates, zero steps, and a head file cut short: our error in
+    one line (the file checked before MLX maps it), nothing written."""
+    model, tokenizer = load(str(tiny))
+    out = tmp_path / "h.safetensors"
+    for bad in ({"learning_rate": float("nan")}, {"learning_rate": -1.0}, {"steps": 0}):
+        with pytest.raises(DraftError) as e:
+            training.train_mtp(model, tokenizer, output=out, prompts=PROMPTS, **bad)
+        assert "train-mtp" in one_line(e) and not out.exists()
+    training.train_mtp(model, tokenizer, output=out, prompts=PROMPTS, max_tokens=4, steps=1)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(out.read_bytes()[: out.stat().st_size // 2])
+    with pytest.raises(DraftError) as e:
+        attach_head(model, cut)
+    assert "not an MTP head file" in one_line(e) and str(cut) in one_line(e)
+    result = CliRunner().invoke(cli, ["train-mtp", str(tiny), "--batch-size", "100000"])
+    assert result.exit_code == 2 and "--batch-size" in result.stderr

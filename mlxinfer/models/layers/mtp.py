@@ -255,11 +255,15 @@ def attach_head(model, path) -> None:
     Raises :class:`~mlxinfer.errors.DraftError` naming the file and what does not match."""
     from pathlib import Path
 
-    from ...errors import DraftError
+    from ...errors import DraftError, WeightsError
+    from ...files.safetensors_check import check_safetensors
 
     path = Path(path)
     try:
+        check_safetensors(path)  # before MLX maps it: a truncated or hostile header is ours
         loaded, found = mx.load(str(path), return_metadata=True)
+    except WeightsError as e:
+        raise DraftError(f"not an MTP head file: {e}") from None
     except Exception as e:  # a missing, truncated or foreign file
         raise DraftError(f"{path}: not an MTP head file ({type(e).__name__}: {e})") from None
     weights = cast("dict[str, mx.array]", loaded)
