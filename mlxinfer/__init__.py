@@ -44,7 +44,7 @@ _EXPORTS = {
     "make_logits_processors": "generation.sampling",
     "PromptCache": "cache.prompt",
     "DraftModel": "generation.drafts",
-    "MTP": "generation.drafts",
+    "MTP": "generation.mtp_drafts",
     "PromptLookup": "generation.drafts",
     "SelfDraft": "generation.drafts",
     "ChatSession": "generation.chat",

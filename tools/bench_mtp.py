@@ -61,7 +61,7 @@ def machine() -> dict:
 
 def alone(model, tokenizer, prompts, n, num_draft, head):
     from mlxinfer.generation import stream_generate
-    from mlxinfer.generation.drafts import MTP
+    from mlxinfer.generation.mtp_drafts import MTP
 
     draft = MTP(head=head) if num_draft != "plain" else None
     k = None if num_draft in ("auto", "plain") else int(num_draft)
@@ -97,7 +97,7 @@ def alone(model, tokenizer, prompts, n, num_draft, head):
 
 def batched(model, tokenizer, prompts, n, head, mtp):
     from mlxinfer.batch import batch_generate
-    from mlxinfer.generation.drafts import MTP
+    from mlxinfer.generation.mtp_drafts import MTP
 
     t = time.perf_counter()
     texts = batch_generate(

@@ -102,7 +102,7 @@ class Engine(Scheduler):
         never fit the budget.
 
         ``draft``: speculative decoding by :class:`~mlxinfer.generation.drafts.PromptLookup`,
-        with the model's MTP head (:class:`~mlxinfer.generation.drafts.MTP`: each row's head
+        with the model's MTP head (:class:`~mlxinfer.generation.mtp_drafts.MTP`: each row's head
         cache a sequence of the head's pool, inside ``kv_budget``) or with a :class:`~mlxinfer.generation.drafts.DraftModel`
         (same vocabulary; the rows
         drafting with one draft model share its forwards, over a pool of its own as large in

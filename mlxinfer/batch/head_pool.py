@@ -2,7 +2,7 @@
 head's one layer, inside ``kv_budget``.
 
 An MTP row (``submit(draft=MTP())``) keeps one pair a kept position, (its final hidden state,
-the token after it), in its head's cache (``generation.drafts._MTPDrafter``). Here that cache is
+the token after it), in its head's cache (``generation.mtp_drafts._MTPDrafter``). Here that cache is
 a sequence of this pool (:class:`PooledCache`, the cache protocol over it): the pool has as many
 blocks as the target's (``make_parts``: the budget buys that many blocks of the trunk's layers
 and the head's together), and a row reserves its worst case in both at admission (its prompt,

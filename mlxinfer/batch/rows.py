@@ -23,7 +23,8 @@ import mlx.core as mx
 
 from ..backends import log_probs
 from ..generation.draft_length import DraftLength, nominal_costs
-from ..generation.drafts import MTP, Draft, DraftModel, PromptLookup
+from ..generation.drafts import Draft, DraftModel, PromptLookup
+from ..generation.mtp_drafts import MTP
 from ..generation.speculative import _draft_sampler, accept_drafts, allowed_drafts
 from .draft_pool import DraftPool
 from .head_pool import PooledCache

@@ -275,7 +275,8 @@ def _make_draft(
     """The draft source the speculative flags ask for (at most one), or None. ``mtp``: True, or
     ``--mtp-head``'s path. ``keep``: an MTP head keeps its cache across requests (chat turns;
     they run one at a time)."""
-    from ..generation.drafts import MTP, DraftModel, PromptLookup, SelfDraft
+    from ..generation.drafts import DraftModel, PromptLookup, SelfDraft
+    from ..generation.mtp_drafts import MTP
 
     chosen = [
         flag

@@ -11,7 +11,7 @@
   (``mlxinfer.vision``), placed in the prompt, encoded by the model's tower and prefilled in
   chunks that never split one, on a fresh cache (never reused across images);
 - ``speculative``: the sibling loop that drafts, verifies and accepts, with the same outputs;
-- ``drafts``: where drafts come from (a draft model, prompt lookup, a self-draft, MTP heads);
+- ``drafts``: where drafts come from (a draft model, prompt lookup, a self-draft; ``mtp_drafts``: MTP heads);
 - ``rules``: a request's output rules (``OutputRules``: stop strings, structured output, tools,
   reasoning), one object or loose keywords;
 - ``sampling``: a request's sampling settings (``SamplingParams``), samplers and processors;

@@ -5,7 +5,7 @@ heads follow it, each a Qwen2 block plus the head's own norms and projection, wr
 ``model.mtp_layers.i.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}`` beside
 the block's ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and ``mlp``. The
 head concatenates the hidden state first ([h, e], DeepSeek's order reversed); see
-``layers/mtp.py`` for what a head computes and ``generation/drafts.py`` (``MTP``) for drafting.
+``layers/mtp.py`` for what a head computes and ``generation/mtp_drafts.py`` (``MTP``) for drafting.
 
 transformers has no MiMo model: the trunk is checked against its Qwen2, the head against its
 ``MtpLayer`` with ``mtp_hidden_states_first`` over a Qwen2 block (tests/models/test_mimo.py).

@@ -13,7 +13,7 @@ from mlxinfer.batch import Engine
 from mlxinfer.batch import rows as rows_mod
 from mlxinfer.batch.head_pool import PooledCache
 from mlxinfer.generation import generate_step
-from mlxinfer.generation.drafts import MTP
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.loading.loader import load_model
 
 # Four prompts of 12 tokens, no block shared: each row reserves the same blocks.

@@ -10,7 +10,8 @@ from mtp_models import QWEN3_NEXT, make_mimo, make_qwen_mtp
 from mlxinfer.batch import Engine, verification
 from mlxinfer.batch import rows as rows_mod
 from mlxinfer.generation import generate_step
-from mlxinfer.generation.drafts import MTP, PromptLookup
+from mlxinfer.generation.drafts import PromptLookup
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.generation.sampling import SamplingParams
 from mlxinfer.loading.loader import load_model
 

@@ -12,7 +12,8 @@ from mlxinfer.batch import Engine, recurrent
 from mlxinfer.cache.prompt import PromptCache
 from mlxinfer.cache.state import StateCache
 from mlxinfer.generation import generate_step
-from mlxinfer.generation.drafts import MTP, PromptLookup
+from mlxinfer.generation.drafts import PromptLookup
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.generation.prefill import prefill
 from mlxinfer.generation.speculative import speculative_generate_step
 from mlxinfer.loading.loader import load_model

@@ -25,7 +25,7 @@ from mlxinfer.cache.prompt import PromptCache
 from mlxinfer.cli.main import cli
 from mlxinfer.errors import DraftError
 from mlxinfer.generation import generate_step, speculative
-from mlxinfer.generation.drafts import MTP
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.generation.sampling import filtered_logprobs, make_sampler
 from mlxinfer.generation.speculative import speculative_generate_step
 from mlxinfer.loading.loader import load_model

@@ -28,7 +28,7 @@ from mlxinfer.cache.prompt import (
 from mlxinfer.cache.prompt_file import HEAD_SECTION, open_cache, save
 from mlxinfer.cli.main import cli
 from mlxinfer.generation import generate_step
-from mlxinfer.generation.drafts import MTP
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.generation.speculative import speculative_generate_step
 from mlxinfer.loading.loader import load_model
 

@@ -29,7 +29,7 @@ from transformers.cache_utils import MtpCache  # noqa: E402
 
 from mlxinfer.errors import WeightsError  # noqa: E402
 from mlxinfer.generation import generate_step  # noqa: E402
-from mlxinfer.generation.drafts import MTP  # noqa: E402
+from mlxinfer.generation.mtp_drafts import MTP  # noqa: E402
 from mlxinfer.generation.speculative import speculative_generate_step  # noqa: E402
 from mlxinfer.gguf import import_gguf  # noqa: E402
 from mlxinfer.loading.loader import load_model  # noqa: E402

@@ -19,7 +19,7 @@ from transformers.cache_utils import MtpCache
 from mlxinfer import load
 from mlxinfer.errors import DraftError
 from mlxinfer.generation import generate_step
-from mlxinfer.generation.drafts import MTP
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.generation.speculative import speculative_generate_step
 from mlxinfer.loading.convert import convert
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers.cache_utils import MtpCache
 
 from mlxinfer.generation import generate_step
-from mlxinfer.generation.drafts import MTP
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.generation.speculative import speculative_generate_step
 from mlxinfer.loading.convert import convert
 from mlxinfer.loading.loader import load_model

@@ -8,7 +8,7 @@ from mtp_models import make_mimo
 
 from mlxinfer import generate, load
 from mlxinfer.errors import DraftError
-from mlxinfer.generation.drafts import MTP
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.server.app import make_app
 
 NAME = "mimo-tiny"

@@ -19,7 +19,7 @@ from tiny_checkpoint import write_checkpoint
 from mlxinfer.cli.main import cli
 from mlxinfer.errors import DraftError
 from mlxinfer.generation import generate_step
-from mlxinfer.generation.drafts import MTP
+from mlxinfer.generation.mtp_drafts import MTP
 from mlxinfer.generation.speculative import speculative_generate_step
 from mlxinfer.loading.loader import load
 from mlxinfer.models import build_model
