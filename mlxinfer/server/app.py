@@ -20,15 +20,13 @@ from ..batch import Engine
 from ..generation.drafts import DraftModel
 from ..tokenization.chat_template import named_chat_template
 from .aliases import check_targets, parse_aliases
-from .anthropic.request import AnthropicError
 from .anthropic.routes import AnthropicRoutes
+from .api_errors import AnthropicError, APIError, OllamaError, OpenAIError
 from .embeddings.routes import EmbeddingsRoutes, add_embedding_model
 from .limits import Guard, Limits, Work
 from .metrics import add_status
 from .models import Models
-from .ollama.request import OllamaError
 from .ollama.routes import OllamaRoutes
-from .openai.request import OpenAIError
 from .openai.routes import OpenAIRoutes
 from .page import add_page
 from .responses.routes import ResponsesRoutes
@@ -144,16 +142,8 @@ def make_app(
             allow_headers=["authorization", "content-type", "x-api-key", *ANTHROPIC_HEADERS],
         )
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request: Request, e: OpenAIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(AnthropicError)
-    async def anthropic_error(request: Request, e: AnthropicError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(OllamaError)
-    async def ollama_error(request: Request, e: OllamaError):
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):  # OpenAI's, Anthropic's, Ollama's shape
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)

@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from ..batch import EngineError, PoolFullError
 from ..errors import InsufficientMemoryError, MlxInferError, PromptTooLongError, TokenizerError
 from .aliases import resolve
+from .api_errors import OpenAIError
 from .hangup import Streams, watched
 from .images import ImageLimit, image_sources, start_with_images
 from .limits import (
@@ -32,7 +33,6 @@ from .limits import (
     is_json_type,
     parse_json,
 )
-from .openai.request import OpenAIError
 from .quoting import shown
 from .sse import streamed
 from .templating import fit_messages

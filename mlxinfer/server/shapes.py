@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from .anthropic.request import AnthropicError
-from .ollama.request import OllamaError
-from .openai.request import OpenAIError
+from .api_errors import AnthropicError, OllamaError, OpenAIError
 
 
 def is_anthropic(path: str) -> bool:

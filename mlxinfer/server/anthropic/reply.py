@@ -14,8 +14,9 @@ from typing import Iterator
 
 from ...batch import EngineError
 from ...generation.results import GenerationStats
+from ..api_errors import AnthropicError
 from . import objects
-from .request import AnthropicError, MessagesRequest
+from .request import MessagesRequest
 
 
 class AnthropicReply:

@@ -4,23 +4,23 @@
 Fields follow the server's rule (``fields``, docs/server.md "Fields"): those acted on are
 checked (a malformed value is a 400 naming it); those with no local meaning (``IGNORED``) and
 unknown ones are accepted, ignored and logged once. ``anthropic-beta`` header values are
-accepted and ignored. System blocks (or leading lines of a system string) that begin
-``x-anthropic-billing-header:`` (Claude Code's, with a nonce that changes every request) are
-dropped before templating, so that they do not defeat the prefix cache.
-Errors take Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
+accepted and ignored. ``system`` and ``messages`` become the chat template's turns in
+:mod:`.messages`.
+Errors take Anthropic's shape (:class:`~mlxinfer.server.api_errors.AnthropicError`).
 """
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import MlxInferError
 from ...generation.sampling import SamplingParams
+from ..api_errors import AnthropicError
 from ..fields import Fields, log_once
+from ..numbers import as_float, outside
 from ..quoting import shown
+from .messages import system_messages, turns
 
 USED = {
     "model",
@@ -51,34 +51,9 @@ IGNORED = {
 }
 FIELDS = Fields.of("/v1/messages", USED, IGNORED)
 COUNT_FIELDS = Fields.of("/v1/messages/count_tokens", COUNT_USED, IGNORED | USED - COUNT_USED)
-BILLING = "x-anthropic-billing-header:"
 # output_config.effort -> the templates' reasoning_effort (gpt-oss's: low, medium, high)
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 MAX_INT = 2**31 - 1  # max_tokens, top_k: past any context or vocabulary
-# HTTP status -> Anthropic's error type (other 4xx: invalid_request_error, 5xx: api_error)
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    431: "request_too_large",
-    500: "api_error",
-    503: "overloaded_error",
-}
-
-
-class AnthropicError(MlxInferError):
-    """An error in Anthropic's shape, with its HTTP status (and headers, such as Retry-After)."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
-
-    def body(self) -> dict:
-        default = "invalid_request_error" if self.status < 500 else "api_error"
-        kind = ERROR_TYPES.get(self.status, default)
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
 @dataclass
@@ -107,7 +82,7 @@ def parse(body: Any, *, count_only: bool = False) -> MessagesRequest:
     model = body.get("model")
     if not isinstance(model, str):
         raise AnthropicError(400, "model: a string is required")
-    messages = _system(body.get("system")) + _messages(body.get("messages"))
+    messages = system_messages(body.get("system")) + turns(body.get("messages"))
     tools, choice = _tools(body)
     kwargs = {**_thinking(body.get("thinking")), **_effort(body.get("output_config"))}
     if count_only:
@@ -275,9 +250,9 @@ def _number(
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AnthropicError(400, f"{name}: a number is required, got {type(value).__name__}")
     if isinstance(value, int):  # an int past float range is out of any range here
-        value = float(value) if abs(value) < 1e300 else math.inf if value > 0 else -math.inf
-    if not (lo < value if above else lo <= value) or not value <= hi:
-        span = f"{'(' if above else '['}{lo:g}, {hi:g}]"
+        value = as_float(value)
+    span = outside(value, lo, hi, above=above)
+    if span is not None:
         raise AnthropicError(400, f"{name}: a number in {span} is required, got {value:g}")
     return value
 
@@ -289,146 +264,3 @@ def _integer(body: dict, name: str, default: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
         raise AnthropicError(400, f"{name}: an integer in 0..{hi} is required, got {shown(value)}")
     return value
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
-        for b in content
-    ):
-        return "".join(b["text"] for b in content)
-    raise AnthropicError(400, f"{where}: a string or a list of text blocks is required")
-
-
-def _system(system: Any) -> list[dict]:
-    """The ``system`` prompt as the template's first message, without Claude Code's billing
-    header (blocks, or a string's leading lines, beginning ``x-anthropic-billing-header:``)."""
-    if system is None:
-        return []
-    if isinstance(system, list):
-        system = [b for b in system if not _billing(b)]
-    text = _text(system, "system")
-    while text.startswith(BILLING):
-        text = text.partition("\n")[2]
-    return [{"role": "system", "content": text}] if text else []
-
-
-def _billing(block: Any) -> bool:
-    text = block.get("text") if isinstance(block, dict) else None
-    return isinstance(text, str) and text.lstrip().startswith(BILLING)
-
-
-def _messages(messages: Any) -> list[dict]:
-    """The turns as the chat template takes them: an assistant's ``tool_use`` blocks as its
-    ``tool_calls``, a user's ``tool_result`` blocks as ``tool`` turns before its text; a
-    ``system`` turn (the mid-conversation-system beta) as a system message in its place
-    (``templating.fit_messages`` folds it where the template cannot take it there)."""
-    if not isinstance(messages, list) or not messages:
-        raise AnthropicError(400, "messages: a non-empty list is required")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
-            raise AnthropicError(
-                400, f"messages.{i}.role: 'user', 'assistant' or 'system' is required"
-            )
-        content, where = m.get("content"), f"messages.{i}.content"
-        if not isinstance(content, list) or m["role"] == "system":
-            out.append({"role": m["role"], "content": _text(content, where)})
-            continue
-        text: list[dict] = []  # text and image parts, in order
-        calls = []
-        for j, b in enumerate(content):
-            kind = b.get("type") if isinstance(b, dict) else None
-            if kind == "text" and isinstance(b.get("text"), str):
-                text.append({"type": "text", "text": b["text"]})
-            elif kind == "image" and m["role"] == "user":
-                text.append(_image(b, f"{where}.{j}"))
-            elif kind == "tool_use" and m["role"] == "assistant":
-                calls.append(
-                    {
-                        "id": b.get("id"),
-                        "type": "function",
-                        "function": {"name": b.get("name"), "arguments": b.get("input", {})},
-                    }
-                )
-            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-                continue  # an earlier turn's reasoning: chat templates drop it from the prompt
-            elif kind == "tool_result" and m["role"] == "user":
-                result = _tool_result(b.get("content", ""), f"{where}.{j}.content")
-                out.append(
-                    {"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id")}
-                )
-            else:
-                raise AnthropicError(
-                    400,
-                    f"{where}.{j}: text blocks, tool_use and thinking blocks (assistant) or "
-                    "text, image and tool_result blocks (user) are supported",
-                )
-        turn = {"role": m["role"], "content": _joined(text)}
-        if calls:
-            turn["tool_calls"] = calls
-        if turn["content"] or calls or m["role"] == "assistant":
-            out.append(turn)
-    return out
-
-
-def _joined(parts: list[dict]) -> str | list[dict]:
-    """Text parts as one string; with an image among them, the parts as they are."""
-    if any(p["type"] == "image" for p in parts):
-        return parts
-    return "".join(p["text"] for p in parts)
-
-
-def _tool_result(content: Any, where: str) -> str | list[dict]:
-    """A ``tool_result``'s content: a string, or text and image blocks (Claude Code's Read of a
-    picture returns one)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise AnthropicError(
-            400, f"{where}: a string or a list of text and image blocks is required"
-        )
-    parts = []
-    for k, b in enumerate(content):
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "text" and isinstance(b.get("text"), str):
-            parts.append({"type": "text", "text": b["text"]})
-        elif kind == "image":
-            parts.append(_image(b, f"{where}.{k}"))
-        else:
-            raise AnthropicError(400, f"{where}.{k}: text and image blocks are supported")
-    return _joined(parts)
-
-
-def _image(block: dict, where: str) -> dict:
-    """An ``image`` block as the common image part: a base64 ``source`` as a data URL, a
-    ``url`` source (``http(s)``) as it is, fetched only with ``serve --allow-remote-images``
-    (else that request's 400). A ``file`` source (Files API) is refused: this server keeps no
-    files."""
-    from ..image_parts import data_url, image_part
-
-    source = block.get("source")
-    kind = source.get("type") if isinstance(source, dict) else None
-    if kind == "base64":
-        media, data = source.get("media_type"), source.get("data")
-        if not isinstance(media, str) or not isinstance(data, str):
-            raise AnthropicError(
-                400, f"{where}.source: media_type and data (base64) strings are required"
-            )
-        return image_part(data_url(media, data))
-    if kind == "url":
-        url = source.get("url")
-        if not isinstance(url, str) or not url[:8].lower().startswith(("http://", "https://")):
-            raise AnthropicError(400, f"{where}.source.url: an http(s) URL string is required")
-        return image_part(url)
-    if kind == "file":
-        raise AnthropicError(
-            400,
-            f"{where}.source: file image sources are not accepted here (this server keeps no "
-            "files): send the image as a base64 source",
-        )
-    raise AnthropicError(
-        400, f"{where}.source: {{'type': 'base64', 'media_type', 'data'}} is required"
-    )

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from ...batch import EngineError
 from ...errors import MediaError, PromptTooLongError, TokenizerError
 from ...generation import loop
+from ..api_errors import AnthropicError
 from ..hangup import Streams
 from ..image_parts import for_model
 from ..images import ImageLimit, decode_images, image_sources, takes_images
@@ -17,7 +18,7 @@ from ..templating import fit_messages, prefix_block
 from . import objects
 from . import request as anthropic_request
 from .reply import AnthropicReply
-from .request import AnthropicError, MessagesRequest
+from .request import MessagesRequest
 
 PING = objects.event("ping", {})  # Anthropic's stream keeps alive with its own event
 

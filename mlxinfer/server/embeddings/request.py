@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..api_errors import OpenAIError
 from ..fields import Fields
-from ..openai.request import OpenAIError
 
 ENCODINGS = ("float", "base64")
 FIELDS = Fields.of(

@@ -36,8 +36,8 @@ from ...embeddings import (
     read_pooling,
 )
 from ...errors import ConfigError, PromptTooLongError, TokenIdError, TokenizerError
+from ..api_errors import OpenAIError
 from ..models import Models
-from ..openai.request import OpenAIError
 from ..routes import Routes, openai_busy, openai_not_found
 from . import request as embeddings_request
 from .reply import reply

@@ -17,9 +17,10 @@ from typing import Iterator
 
 from ...batch import EngineError
 from ...generation.results import GenerationStats
+from ..api_errors import OllamaError
 from ..openai.objects import token_logprobs
 from . import objects
-from .request import OllamaError, OllamaRequest
+from .request import OllamaRequest
 
 
 def line(payload: dict) -> str:

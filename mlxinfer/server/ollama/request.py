@@ -2,13 +2,13 @@
 asks for, checked (the JSON sent back is :mod:`.objects`).
 
 Fields follow the server's rule (``fields``, docs/server.md "Fields"), in the body and in its
-``options``: those acted on are checked (a malformed value is a 400 naming it); those with no
-local meaning (``IGNORED_OPTIONS``: threads, GPU layers, mmap ...) and unknown ones are accepted,
-ignored and logged once; those that would change the output and cannot be honoured
-(``REFUSED``) are a 400 unless their value asks for nothing.
+``options`` (checked in :mod:`.options`): those acted on are checked (a malformed value is a 400
+naming it); those with no local meaning and unknown ones are accepted, ignored and logged once;
+those that would change the output and cannot be honoured (``REFUSED``) are a 400 unless their
+value asks for nothing.
 The official client sends ``"tools": []`` on every plain chat (no tools, here); its messages
 become the chat template's turns in :mod:`.messages`.
-Errors take Ollama's shape: ``{"error": "message"}``.
+Errors take Ollama's shape (:class:`~mlxinfer.server.api_errors.OllamaError`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import MlxInferError
 from ...generation.sampling import SamplingParams
+from ..api_errors import OllamaError
 from ..fields import Fields
 from ..quoting import named, shown
 from .messages import kind, turns, with_images
+from .options import parse_options
 
 USED_CHAT = {"model", "messages", "tools", "stream", "format", "options", "keep_alive", "think"}
 USED_CHAT |= {"logprobs", "top_logprobs"}
@@ -44,48 +45,6 @@ EMBED = Fields.of(
     {"model", "input", "truncate", "dimensions", "prompt"},
     {"options", "keep_alive"},
 )
-SAMPLING_OPTIONS = {"temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty"}
-USED_OPTIONS = SAMPLING_OPTIONS | {"stop", "num_predict", "num_ctx", "repeat_last_n"}
-# Known, with no local meaning here (how llama.cpp loads and runs): accepted and ignored.
-IGNORED_OPTIONS = {
-    "numa",
-    "num_batch",
-    "num_gpu",
-    "main_gpu",
-    "low_vram",
-    "f16_kv",
-    "logits_all",
-    "vocab_only",
-    "use_mmap",
-    "use_mlock",
-    "embedding_only",
-    "num_thread",
-    "num_keep",  # what llama.cpp keeps when it shifts the context: nothing is shifted here
-    "penalize_newline",
-    "mirostat_tau",  # only with mirostat, which is refused
-    "mirostat_eta",
-}
-REFUSED_OPTIONS = {
-    "presence_penalty": "not supported (only 0)",
-    "frequency_penalty": "not supported (only 0)",
-    "mirostat": "not supported (only 0)",
-    "typical_p": "not supported (only 1)",
-    "tfs_z": "not supported (only 1)",
-}
-OPTIONS = Fields.of(
-    "/api options",
-    USED_OPTIONS,
-    IGNORED_OPTIONS,
-    REFUSED_OPTIONS,
-    {"typical_p": (1, 1.0), "tfs_z": (1, 1.0)},
-)
-# Ollama's own defaults (api/types.go DefaultOptions), which its clients are tuned for; its
-# default repeat penalty is not applied (the OpenAI route has none either).
-DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P = 0.8, 40, 0.9
-DEFAULT_REPEAT_LAST_N = 64
-MAX_INT = 2**31 - 1  # num_predict, num_ctx, top_k: past any context or vocabulary
-MAX_SEED = 2**63 - 1
-MAX_STOP = 64  # stop strings per request
 MAX_TOP_LOGPROBS = 20  # as Ollama's and OpenAI's
 THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's reasoning_effort
 FOREVER = math.inf
@@ -93,17 +52,6 @@ MAX_KEEP_ALIVE = 100 * 365 * 86400.0  # seconds; longer is for ever (and stays a
 # Go's time.ParseDuration units, as Ollama reads keep_alive strings ("5m", "1h30m", "-1s")
 DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-
-
-class OllamaError(MlxInferError):
-    """An error in Ollama's shape, ``{"error": message}``, with its HTTP status."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
-
-    def body(self) -> dict:
-        return {"error": self.message}
 
 
 @dataclass
@@ -281,26 +229,17 @@ def _screen(fields: Fields, body: dict) -> None:
 def _common(body: dict, *, chat: bool, prompt: Any, templated: bool) -> OllamaRequest:
     """What chat and generate share: the model, stream, options, format, think, keep_alive."""
     model = parse_model(body, "model")
-    options = body.get("options")
-    if options is None:
-        options = {}
-    if not isinstance(options, dict):
-        raise OllamaError(400, f"options: expected an object, found {kind(options)}")
-    refusal = OPTIONS.screen(options)
-    if refusal is not None:
-        raise OllamaError(400, f"options.{refusal.message}")
-    num_predict = _option_int(options, "num_predict", -1, -2, MAX_INT)
-    num_ctx = _option_int(options, "num_ctx", None, 1, MAX_INT)
+    options = parse_options(body.get("options"))
     ask = OllamaRequest(
         model,
         chat,
         prompt,
         templated,
-        MAX_INT if num_predict < 0 else num_predict,  # -1, -2: until the context is full
-        _sampling(options),
-        _stop(options.get("stop")),
+        options.max_tokens,
+        options.sampling,
+        options.stop,
         stream=_typed(body, "stream", bool, True),
-        num_ctx=num_ctx,
+        num_ctx=options.num_ctx,
         constraint=_format(body.get("format")),
         keep_alive=parse_keep_alive(body.get("keep_alive")),
     )
@@ -325,40 +264,6 @@ def _common(body: dict, *, chat: bool, prompt: Any, templated: bool) -> OllamaRe
         if isinstance(think, str):
             ask.template_kwargs["reasoning_effort"] = think  # gpt-oss's
     return ask
-
-
-def _sampling(options: dict) -> SamplingParams:
-    seed = _option_int(options, "seed", None, -MAX_SEED, MAX_SEED)
-    penalty = _option_number(options, "repeat_penalty", None, 0.0, 100.0, above=True)
-    last_n = _option_int(options, "repeat_last_n", DEFAULT_REPEAT_LAST_N, -1, MAX_INT)
-    if penalty == 1.0 or last_n == 0:  # 1: no penalty; 0 tokens looked at: none either
-        penalty = None
-    sampling = SamplingParams(
-        temperature=_option_number(options, "temperature", DEFAULT_TEMPERATURE, 0.0, 100.0),
-        top_k=_option_int(options, "top_k", DEFAULT_TOP_K, 0, MAX_INT),
-        top_p=_option_number(options, "top_p", DEFAULT_TOP_P, 0.0, 1.0, above=True),
-        min_p=_option_number(options, "min_p", 0.0, 0.0, 1.0, below=True),
-        seed=seed if seed is not None and seed >= 0 else None,  # Ollama's -1: a random seed
-        repetition_penalty=penalty,
-        repetition_context_size=None if last_n == -1 else last_n,  # -1: the whole context
-    )
-    try:
-        sampling.check()
-    except ValueError as e:
-        raise OllamaError(400, f"options: {e}") from None
-    return sampling
-
-
-def _stop(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise OllamaError(400, f"options.stop: expected a list of strings, found {shown(stop)}")
-    if len(stop) > MAX_STOP:
-        raise OllamaError(400, f"options.stop: {len(stop)} strings, at most {MAX_STOP}")
-    return [s for s in stop if s]
 
 
 def _format(spec: Any):
@@ -399,42 +304,6 @@ def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise OllamaError(400, f"{named(name)}: expected {_KINDS[kind]}, found {kind(value)}")
-    return value
-
-
-def _option_number(
-    options: dict,
-    name: str,
-    default: float | None,
-    lo: float,
-    hi: float,
-    *,
-    above: bool = False,
-    below: bool = False,
-) -> float | None:
-    """A number in [lo, hi] (``above``: > lo; ``below``: < hi), or ``default``."""
-    value = options.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OllamaError(400, f"options.{name}: expected a number, found {kind(value)}")
-    value = float(value) if abs(value) < 1e300 else (math.inf if value > 0 else -math.inf)
-    if not (lo < value if above else lo <= value) or not (value < hi if below else value <= hi):
-        span = f"{'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
-        raise OllamaError(400, f"options.{name}: expected a number in {span}, found {value:g}")
-    return value
-
-
-def _option_int(options: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = options.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():  # JSON numbers from JavaScript: 64.0
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise OllamaError(
-            400, f"options.{name}: expected an integer in {lo}..{hi}, found {shown(value)}"
-        )
     return value
 
 

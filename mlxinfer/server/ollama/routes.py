@@ -31,6 +31,7 @@ from ...embeddings import (
 )
 from ...errors import MlxInferError, PromptTooLongError, TokenIdError, TokenizerError
 from ..aliases import resolve
+from ..api_errors import OllamaError
 from ..embeddings.routes import MAX_INPUTS, MAX_REQUEST_TOKENS  # /v1/embeddings' bounds
 from ..hangup import Streams
 from ..image_parts import for_model, has_images, model_takes_images
@@ -41,7 +42,6 @@ from . import objects
 from .reply import OllamaReply, keep_alive_line
 from .request import (
     EmbedRequest,
-    OllamaError,
     OllamaRequest,
     parse_chat,
     parse_embed,

@@ -21,10 +21,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ...errors import MlxInferError
+from ..api_errors import OllamaError
 from ..limits import in_worker
 from ..sse import streamed
 from .reply import line
-from .request import OllamaError, parse_model
+from .request import parse_model
 
 STATUS_EVERY_S = 10.0  # a stream's silence at most, while a conversion runs without progress
 _END = object()

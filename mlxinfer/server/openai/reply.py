@@ -21,8 +21,9 @@ from fastapi.responses import JSONResponse
 
 from ...batch import EngineError
 from ...generation.results import GenerationResult, GenerationStats
+from ..api_errors import OpenAIError
 from . import objects
-from .request import CompletionRequest, OpenAIError
+from .request import CompletionRequest
 
 
 @dataclass

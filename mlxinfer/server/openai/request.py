@@ -6,21 +6,23 @@ docs/server.md "Fields"): those acted on are checked (a malformed value is a 400
 those with no local meaning (``IGNORED``) and unknown ones are accepted, ignored and logged
 once; those that would change the output and that the server cannot honour (``REFUSED``) are
 a 400 naming them unless their value asks for nothing.
-Errors take OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+Errors take OpenAI's shape (:class:`~mlxinfer.server.api_errors.OpenAIError`); the chat
+``messages`` are checked in :mod:`.messages`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...errors import MlxInferError
 from ...generation.sampling import SamplingParams
+from ..api_errors import OpenAIError
 from ..fields import Fields
+from ..numbers import as_float, outside
 from ..quoting import shown
+from .messages import chat_messages
 
 # Fields accepted and acted on, per endpoint; ``IGNORED`` are accepted and change nothing.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -88,44 +90,6 @@ DEFAULT_MAX_TOKENS = 512
 MAX_N = 16  # choices per request: each is a request in the engine
 MAX_INT = 2**31 - 1  # max_tokens, top_k: past any context or vocabulary
 MAX_SEED = 2**63 - 1  # MLX takes seeds below 2**64; choice i samples with seed + i
-ROLES = ("system", "user", "assistant", "developer", "tool")
-
-
-DETAILS = ("low", "high", "auto")  # image_url.detail: checked, then ignored
-
-
-class OpenAIError(MlxInferError):
-    """An error in OpenAI's shape, with its HTTP status (and headers, such as Retry-After)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status,
-            message,
-            param,
-            type,
-            code,
-        )
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 @dataclass
@@ -163,7 +127,7 @@ def parse(body: Any, *, chat: bool) -> CompletionRequest:
         raise OpenAIError(400, refusal.message, param=refusal.field, code="unsupported_parameter")
     model = _typed(body, "model", str, required=True)
     if chat:
-        prompt = _messages(body.get("messages"))
+        prompt = chat_messages(body.get("messages"))
     else:
         prompt = _typed(body, "prompt", str, required=True)
     n = _typed(body, "n", int, default=1)
@@ -313,9 +277,9 @@ def _number(
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise OpenAIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name)
     if isinstance(value, int):  # an int past float range is out of any range here
-        value = float(value) if abs(value) < 1e300 else math.inf if value > 0 else -math.inf
-    if not (lo < value if above else lo <= value) or not (value < hi if below else value <= hi):
-        span = f"{'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
+        value = as_float(value)
+    span = outside(value, lo, hi, above=above, below=below)
+    if span is not None:
         raise OpenAIError(400, f"'{name}' must be in {span}, got {value:g}", param=name)
     return value
 
@@ -353,84 +317,3 @@ def _tools(body: dict) -> tuple[list[dict], Any]:
             param="tool_choice",
         )
     return tools, choice
-
-
-def _messages(messages: Any) -> list[dict]:
-    from ...output.toolcalls import template_messages
-
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise OpenAIError(400, f"{where}: expected a role of {', '.join(ROLES)}", param=where)
-        content = m.get("content")
-        calls = m.get("tool_calls") if m["role"] == "assistant" else None
-        if calls is not None and not (
-            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
-        ):
-            raise OpenAIError(400, f"{where}.tool_calls must be a list of calls", param=where)
-        if content is None and calls:
-            content = ""
-        if isinstance(content, list) and any(
-            isinstance(p, dict) and p.get("type") == "image_url" for p in content
-        ):
-            content = _image_parts(content, where, m["role"])
-        elif isinstance(content, list):  # text parts only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise OpenAIError(
-                    400, f"{where}.content: only text parts are supported", param=f"{where}.content"
-                )
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, (str, list)):
-            raise OpenAIError(400, f"{where}.content must be a string", param=f"{where}.content")
-        role = "system" if m["role"] == "developer" else m["role"]
-        item = {"role": role, "content": content}
-        if calls:
-            item["tool_calls"] = calls
-        if role == "tool":
-            item["tool_call_id"] = m.get("tool_call_id")
-        out.append(item)
-    return template_messages(out)
-
-
-def _image_parts(content: list, where: str, role: str) -> list[dict]:
-    """A user message's text and ``image_url`` parts as the chat templates take them: text
-    parts, and ``{"type": "image", "image": url}`` (decoded when the request starts, for a
-    model with a vision tower, within ``serve``'s caps: server/images.py). The URL is a data URL,
-    or an ``http(s)`` one (fetched only with ``serve --allow-remote-images``; else that request's
-    400). ``detail`` is checked and ignored: the checkpoint's processor sets the resolution."""
-    if role != "user":
-        raise OpenAIError(400, f"{where}: image parts go in user messages", param=where)
-    out: list[dict] = []
-    for j, part in enumerate(content):
-        here = f"{where}.content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            out.append({"type": "text", "text": str(part.get("text", ""))})
-            continue
-        if kind != "image_url":
-            raise OpenAIError(400, f"{here}: expected a text or image_url part", param=here)
-        image = part.get("image_url")
-        url = image.get("url") if isinstance(image, dict) else image
-        if not isinstance(url, str):
-            raise OpenAIError(400, f"{here}.image_url.url must be a string", param=here)
-        detail = image.get("detail") if isinstance(image, dict) else None
-        if detail is not None and detail not in DETAILS:
-            raise OpenAIError(
-                400,
-                f"{here}.image_url.detail: expected one of {', '.join(DETAILS)}, found "
-                f"{shown(detail)}",
-                param=f"{here}.image_url.detail",
-            )
-        if not url.startswith("data:") and not url[:8].lower().startswith(("http://", "https://")):
-            raise OpenAIError(
-                400,
-                f"{here}.image_url.url: only data URLs (data:image/...;base64,...) are accepted, "
-                f"found {shown(url[:40])} (http(s) URLs with serve --allow-remote-images)",
-                param=here,
-                code="invalid_image_url",
-            )
-        out.append({"type": "image", "image": url})
-    return out

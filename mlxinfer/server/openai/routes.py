@@ -6,12 +6,13 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from ...errors import PromptTooLongError
+from ..api_errors import OpenAIError
 from ..hangup import Streams
 from ..image_parts import model_takes_images
 from ..routes import Routes, openai_busy, openai_not_found
 from . import request as openai_request
 from .reply import Choice, openai_events, openai_whole
-from .request import CompletionRequest, OpenAIError
+from .request import CompletionRequest
 
 
 class OpenAIRoutes:

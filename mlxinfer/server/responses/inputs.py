@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..openai.request import OpenAIError
+from ..api_errors import OpenAIError
 from ..quoting import shown
 
 MAX_ITEMS = 10_000  # input items: hours of an agent's turns
@@ -187,7 +187,7 @@ def _image(part: dict, where: str) -> dict:
     ignored (the checkpoint's processor sets the resolution). A ``file_id`` is refused: this
     server keeps no files."""
     from ..image_parts import image_part
-    from ..openai.request import DETAILS
+    from ..openai.messages import DETAILS
 
     if part.get("file_id") is not None:
         raise bad(f"{where}.file_id", "this server keeps no files: send the image as image_url")

@@ -29,7 +29,7 @@ from typing import Iterator
 from ...batch import EngineError
 from ...generation.results import GenerationStats
 from ...output.toolcalls import ToolCall
-from ..openai.request import OpenAIError
+from ..api_errors import OpenAIError
 from .request import ResponsesRequest
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...generation.sampling import SamplingParams
+from ..api_errors import OpenAIError
 from ..fields import Fields, log_once
 from ..openai import request as openai_request
-from ..openai.request import OpenAIError
 from ..quoting import shown
 from .inputs import bad, flat_name, input_messages, resolve
 
