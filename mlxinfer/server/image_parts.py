@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.config import WITH_TOWER
-from ..vision.media import sniff_format
+from ..vision.header import sniff_format
 from .images import image_sources, takes_images
 
 MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp"}

@@ -2,6 +2,8 @@
 
 - ``media.py``: :func:`load_image`, bytes / a path / a data URL / base64 to an RGB
   :class:`Image` with its identity (SHA-256 of the encoded bytes), under byte and pixel caps;
+- ``header.py``: the format and declared size an encoded image's first bytes give, read
+  before Pillow decodes anything;
 - ``processors/``: one module per model family, matching transformers' PIL image processors
   (pixel values and the expanded image markers), and :func:`load_processor`, which picks one
   from a checkpoint's files.

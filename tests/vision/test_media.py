@@ -24,7 +24,7 @@ from PIL import features
 
 from mlxinfer.errors import MediaError, MlxInferError
 from mlxinfer.vision import MediaLimits, load_image
-from mlxinfer.vision.media import declared_size, sniff_format
+from mlxinfer.vision.header import declared_size, sniff_format
 
 
 def encode(picture: PILImage.Image, fmt: str, **options) -> bytes:
