@@ -218,18 +218,27 @@ def _plan_args(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _convert_hf(src_dir, dst, config, family, model, target, settings, report, tokenizer, log):
+def _sanitized(src_dir, config, family, args, report=None) -> dict[str, mx.array]:
+    """The checkpoint's weights as the model names them: lazy loads (``mx.load`` reads a
+    tensor when it is first evaluated) and lazy fix-ups."""
     weights = read_weights(src_dir, report)
     if config.get("language_model_of"):
         weights = language_model_weights(weights)
-    weights = family.Model.sanitize(weights, model.args)
-    if (stored := quantization_record(config)) is not None:  # e.g. MXFP4 experts, kept as they are
-        apply_quantization(model, stored, weights)
-    weights = {
+    return family.Model.sanitize(weights, args)
+
+
+def _cast(weights: dict[str, mx.array], target: mx.Dtype) -> dict[str, mx.array]:
+    return {
         k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
         for k, v in weights.items()
     }
-    load_weights_into(model, weights, src_dir)
+
+
+def _convert_hf(src_dir, dst, config, family, model, target, settings, report, tokenizer, log):
+    weights = _sanitized(src_dir, config, family, model.args, report)
+    if (stored := quantization_record(config)) is not None:  # e.g. MXFP4 experts, kept as they are
+        apply_quantization(model, stored, weights)
+    load_weights_into(model, _cast(weights, target), src_dir)  # still lazy: nothing read yet
     del weights
     drop = ("quantization_config", "language_model_of")
     out_config = {k: v for k, v in config.items() if k not in drop}
@@ -241,7 +250,12 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
     if settings is not None and "bits" in settings:  # uniform: bits, group_size, rounding
         out_config["quantization"] = quantize_model(model, **settings)
     elif settings is not None:
-        plan = _plan(model, tokenizer, settings, src_dir, config, log, report)
+        # Planned layer by layer: each pass puts fresh lazy loads back in place of a block's
+        # weights once it is through it, so about one block is resident at a time.
+        def fresh() -> dict[str, mx.array]:
+            return _cast(_sanitized(src_dir, config, family, model.args), target)
+
+        plan = _plan(model, tokenizer, settings, src_dir, config, log, report, fresh)
         out_config["quantization"] = quantize_model(
             model,
             rounding=settings["rounding"],
@@ -289,7 +303,7 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
     return out
 
 
-def _plan(model, tokenizer, settings, src_dir, config, log, report):
+def _plan(model, tokenizer, settings, src_dir, config, log, report, fresh):
     from ..quant.mixed import plan_model
 
     importance = None
@@ -318,6 +332,7 @@ def _plan(model, tokenizer, settings, src_dir, config, log, report):
         importance=importance,
         costs=costs,
         covariance=settings["rounding"] == "gptq",
+        weights=fresh,
         log=log,
         progress=report,
     )

@@ -2,9 +2,11 @@
 
 A callback takes ``(stage, done, total)``: ``stage`` names the step (``"reading weights"``,
 ``"writing weights"``, ``"importing tensors"``, a quantization plan's ``"calibration"`` and
-``"measuring tensors"``), ``done`` and ``total`` count its unit (bytes, sequences or tensors). ``done`` never decreases within a stage and the stage's last call has
-``done == total``. Callbacks run on the thread doing the work: an app hands the numbers to
-its UI thread itself (Qt: a signal; asyncio: ``loop.call_soon_threadsafe``).
+``"measuring tensors"``), ``done`` and ``total`` count its unit (bytes; calibration blocks, each
+run on every calibration sequence, or the in-memory ``calibrate``'s sequences; tensors).
+``done`` never decreases within a stage and the stage's last call has ``done == total``.
+Callbacks run on the thread doing the work: an app hands the numbers to its UI thread itself
+(Qt: a signal; asyncio: ``loop.call_soon_threadsafe``).
 
 The command line's progress bars are one such callback (:class:`Bars`).
 """
@@ -36,7 +38,7 @@ class Bars:
                 desc=stage,
                 unit="B"
                 if "weights" in stage
-                else "sequence"
+                else "block"
                 if stage == "calibration"
                 else "tensor",
                 unit_scale=True,

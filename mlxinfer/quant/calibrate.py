@@ -108,9 +108,20 @@ class _Recorder:
         onehot = (indices.reshape(-1, 1) == mx.arange(n_experts)).astype(mx.float32)  # (M, E)
         self.add(path, onehot.T @ mx.square(x), onehot.sum(axis=0).astype(mx.int64))
 
-    def evaluate(self) -> None:
-        mx.eval(list(self.sums.values()), list(self.counts.values()), list(self.xtx.values()))
+    def evaluate(self, *also) -> None:
+        """Evaluate the sums (and ``also``, in the same pass: a block's output, say)."""
+        mx.eval(also, list(self.sums.values()), list(self.counts.values()), list(self.xtx.values()))
         self.inputs.clear()
+
+    def statistics(self) -> Statistics:
+        sums = {p: np.array(a, dtype=np.float32) for p, a in self.sums.items()}
+        counts = {p: np.array(a, dtype=np.int64) for p, a in self.counts.items()}
+        means = {}
+        for p, a in list(self.xtx.items()):
+            means[p] = np.array(a, dtype=np.float32) / max(self.tokens[p], 1)
+            del self.xtx[p]  # one copy at a time
+        covariances = {p: means[first] for p, first in self.shares.items()}
+        return Statistics(sums, counts, covariances)
 
 
 def _recording_class(cls: type, recorder: _Recorder, paths: dict[int, str]) -> type:
@@ -196,14 +207,7 @@ def calibrate(
             recorder.evaluate()
             if progress is not None:
                 progress("calibration", i + 1, len(sequences))
-    sums = {p: np.array(a, dtype=np.float32) for p, a in recorder.sums.items()}
-    counts = {p: np.array(a, dtype=np.int64) for p, a in recorder.counts.items()}
-    means = {}
-    for p, a in list(recorder.xtx.items()):
-        means[p] = np.array(a, dtype=np.float32) / max(recorder.tokens[p], 1)
-        del recorder.xtx[p]  # one copy at a time
-    covariances = {p: means[first] for p, first in recorder.shares.items()}
-    return Statistics(sums, counts, covariances)
+    return recorder.statistics()
 
 
 def collect_importance(

@@ -11,6 +11,10 @@ the float model before :func:`~mlxinfer.quant.transform.quantize_model` applies 
    cheapest plan within the budget (``plan.choose``);
 3. the plan's predicted KL (the summed costs) beside what it is measured to be with every
    planned tensor quantized together (one more pass over the probe tokens).
+
+Given ``weights`` (fresh lazy loads, as ``convert`` passes), each of these passes runs layer by
+layer, about one block's weights resident at a time (:mod:`mlxinfer.quant.layerwise`), with
+the same figures up to the order of float sums.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
 from ..models.base import embedding_rows
+from . import layerwise
 from .calibrate import Probe, calibrate, calibration_sequences
 from .plan import (
     Setting,
@@ -112,6 +117,7 @@ def plan_model(
     covariance: bool = False,
     calibration_tokens: int = CALIBRATION_TOKENS,
     probe_tokens: int = PROBE_TOKENS,
+    weights: Callable[[], dict[str, mx.array]] | None = None,
     log: Callable[[str], None] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Plan:
@@ -127,6 +133,10 @@ def plan_model(
             ``quantization-plan.json``) for the same model: no probe per tensor.
         covariance: also record each layer's input covariance (``Plan.covariances``, for
             GPTQ rounding); the calibration pass runs even when ``importance`` is given.
+        weights: fresh lazy loads of the model's parameters by path (``model``'s own are
+            lazy loads too): plan layer by layer, each block's weights put back as lazy loads
+            once a pass is through it (:mod:`mlxinfer.quant.layerwise`), so about one block is
+            resident at a time. None: the model as it is in memory.
     """
     if sum(x is not None for x in (bpw, max_bytes, recipe)) != 1:
         raise ConfigError("a plan takes exactly one of bpw, max_bytes or recipe")
@@ -143,10 +153,16 @@ def plan_model(
         raise ConfigError("calibration: the calibration text gave no tokens")
     n_tokens = sum(len(s) for s in sequences)
     covariances: dict[str, np.ndarray] = {}
+    resident = layerwise.Resident(model, weights) if weights is not None else None
     if importance is None or covariance:
         what = " (input covariances too, for GPTQ)" if covariance else ""
         say(f"calibration: {n_tokens} tokens in {len(sequences)} sequences{what}")
-        stats = calibrate(model, sequences, covariance=covariance, progress=progress)
+        if resident is not None:
+            stats = layerwise.calibrate(
+                model, sequences, resident, covariance=covariance, progress=progress
+            )
+        else:
+            stats = calibrate(model, sequences, covariance=covariance, progress=progress)
         covariances = stats.covariances
         if importance is None:
             importance = (stats.sums, stats.counts)
@@ -160,29 +176,53 @@ def plan_model(
 
     tensors = quantizable(model, getattr(model, "quant_predicate", None))
     apply_overrides(tensors, parse_overrides(overrides))
-    probe = Probe(model, [sequences[0][:probe_tokens]], vocab)
+    tokens = sequences[0][:probe_tokens]
+    stream = layerwise.StreamProbe(model, resident, tokens, vocab) if resident else None
+    probe: Probe | None = None
+
+    def in_memory() -> Probe:
+        nonlocal probe, stream
+        if probe is None:
+            if resident is not None:
+                say("plan: this model's probe runs with the whole model in memory")
+            stream, probe = None, Probe(model, [tokens], vocab)
+        return probe
 
     if recipe is not None:
         settings = recipe_settings(recipe, tensors)
         budget, predicted = None, None
     else:
-        params = dict(tree_flatten(model.parameters()))
-        n_params = sum(v.size for v in params.values())
+        n_params, n_bytes, n_arrays = _sizes(model)
         planned_bytes = sum(t.module.weight.nbytes for t in tensors)
-        other = sum(v.nbytes for v in params.values()) - planned_bytes + 256 * len(params)
+        other = n_bytes - planned_bytes + 256 * n_arrays
         budget = (
             max_bytes - other if max_bytes is not None else budget_from_bpw(bpw, n_params, other)
         )
         check_fits(tensors, budget)  # before the measuring, which takes minutes
         if costs is None:
-            measure(tensors, means.get, probe.kl_with, progress=progress)
+            try:
+                if stream is None:
+                    raise layerwise.Unsupported("in memory")
+                stream.measure(tensors, means.get, progress=progress)
+            except layerwise.Unsupported:
+                p = in_memory()
+                measure(tensors, means.get, lambda t, s: _kl_with(p, t, s), progress=progress)
         else:
             _reuse(tensors, costs)
         floor = protect_head(tensors, budget)
         say(f"plan: head at {floor or 'any'} bits or more, {budget} bytes for the planned tensors")
         settings = choose(tensors, budget)
         predicted = sum(t.cost(settings[t.path]) for t in tensors if t.fixed is None)
-    measured = _measure_plan(probe, tensors, settings)
+    measured = None
+    if stream is not None:
+        try:
+            if stream.reference is None:  # a recipe, or reused costs: the reference alone
+                stream.measure(tensors, None)
+            measured = stream.measure_plan(tensors, settings)
+        except layerwise.Unsupported:
+            pass
+    if measured is None:
+        measured = _measure_plan(in_memory(), tensors, settings)
     return Plan(
         settings=settings,
         bytes=plan_bytes(tensors, settings),
@@ -197,6 +237,13 @@ def plan_model(
         costs={t.path: _costs_of(t) for t in tensors if t.errors},
         covariances=covariances,
     )
+
+
+def _sizes(model: nn.Module) -> tuple[int, int, int]:
+    """Parameters, bytes and arrays of ``model`` (no array kept: a layer-by-layer plan's
+    arrays must be dropped once a pass has put fresh lazy loads in their place)."""
+    params = tree_flatten(model.parameters())
+    return sum(v.size for _, v in params), sum(v.nbytes for _, v in params), len(params)
 
 
 def _key(s: Setting) -> str:
@@ -221,6 +268,10 @@ def _reuse(tensors: Sequence[Tensor], costs: dict[str, dict]) -> None:
                 f"--plan-from: expected measured costs for {t.path} at every setting, found "
                 f"{'none' if saved is None else 'an incomplete entry'} (another model's plan?)"
             ) from None
+
+
+def _kl_with(probe: Probe, t: Tensor, s: Setting) -> float:
+    return probe.kl_with(t.module, fake_quantized(t.module.weight, s))
 
 
 def _measure_plan(probe: Probe, tensors: Sequence[Tensor], settings: dict[str, Setting]) -> float:

@@ -102,22 +102,54 @@ def quantizable(model: nn.Module, rule: Callable | None = None) -> list[Tensor]:
     return out
 
 
-def fake_quantized(w: mx.array, s: Setting) -> mx.array:
-    """``w`` after a min/max quantization at ``s`` and back: what the quantized layer multiplies."""
+# Elements rounded at a time: min/max rounding's temporaries are about four times its input
+# (SmolLM2's 49,152 x 576 float32 embedding at 3 bits: 467 MB for its 113 MB), so a larger
+# tensor is rounded a chunk of rows at a time.
+CHUNK = 1 << 22
+
+
+def _chunks(w: mx.array) -> list[slice]:
+    """Slices of ``w``'s first axis of about :data:`CHUNK` elements each (one for a small
+    tensor). Quantization groups lie along the last axis, so chunks round as the whole does."""
+    if w.ndim < 2 or w.size <= CHUNK:
+        return [slice(None)]
+    n = max(1, CHUNK // (w.size // w.shape[0]))
+    return [slice(i, i + n) for i in range(0, w.shape[0], n)]
+
+
+def _rounded(w: mx.array, s: Setting) -> mx.array:
     q = mx.quantize(w, group_size=s.group_size, bits=s.bits)
     return mx.dequantize(*q, group_size=s.group_size, bits=s.bits).astype(w.dtype)
 
 
+def fake_quantized(w: mx.array, s: Setting) -> mx.array:
+    """``w`` after a min/max quantization at ``s`` and back: what the quantized layer multiplies.
+    A large tensor is rounded a chunk at a time, each chunk evaluated before the next."""
+    chunks = _chunks(w)
+    if len(chunks) == 1:
+        return _rounded(w, s)
+    parts = []
+    for c in chunks:
+        parts.append(_rounded(w[c], s))
+        mx.eval(parts[-1])
+    return mx.concatenate(parts, axis=0)
+
+
 def weighted_error(w: mx.array, s: Setting, importance: np.ndarray | None) -> float:
     """``sum_k imp_k * sum_rows (w - Q_s(w))**2`` (importance per input channel, or per
-    (expert, channel)); None: unweighted."""
-    d = mx.square(fake_quantized(w, s).astype(mx.float32) - w.astype(mx.float32))
-    if importance is None:
-        return float(d.sum())
-    imp = mx.array(importance, mx.float32)
-    if imp.ndim == 2 and d.ndim == 3:  # (E, K) against (E, N, K)
-        return float((d.sum(axis=-2) * imp).sum())
-    return float((d.sum(axis=tuple(range(d.ndim - 1))) * imp).sum())
+    (expert, channel)); None: unweighted. Summed a chunk of rows at a time."""
+    imp = None if importance is None else mx.array(importance, mx.float32)
+    total = 0.0
+    for c in _chunks(w):
+        part = w[c]
+        d = mx.square(_rounded(part, s).astype(mx.float32) - part.astype(mx.float32))
+        if imp is None:
+            total += float(d.sum())
+        elif imp.ndim == 2 and d.ndim == 3:  # (E, K) against (E, N, K)
+            total += float((d.sum(axis=-2) * imp[c]).sum())
+        else:
+            total += float((d.sum(axis=tuple(range(d.ndim - 1))) * imp).sum())
+    return total
 
 
 def probe_setting(t: Tensor) -> Setting:
@@ -130,30 +162,48 @@ def probe_setting(t: Tensor) -> Setting:
 def measure(
     tensors: Sequence[Tensor],
     importance: Callable[[str], np.ndarray | None],
-    probe_kl: Callable[[nn.Module, mx.array], float] | None,
+    probe_kl: Callable[[Tensor, Setting], float] | None,
     *,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> None:
-    """Fill each tensor's ``errors`` and (with ``probe_kl``) its measured ``alpha``;
+    """Fill each tensor's ``errors`` and (with ``probe_kl(tensor, setting)``, the model's KL
+    with that one tensor quantized at that setting) its measured ``alpha``;
     ``progress("measuring tensors", done, total)`` after each."""
     for i, t in enumerate(tensors):
-        if t.fixed is not None:
-            continue
-        w, imp = t.module.weight, importance(t.path)
-        if t.role == "head" and probe_kl is not None:
-            # The head (and a tied embedding) measured at every setting: alpha 1, errors = KL.
-            t.alpha = 1.0
-            t.errors = {s: max(probe_kl(t.module, fake_quantized(w, s)), 0.0) for s in t.candidates}
-        else:
-            for s in t.candidates:
-                t.errors[s] = weighted_error(w, s, imp)
-        if probe_kl is not None and t.role != "head":
-            probe = probe_setting(t)
-            e = weighted_error(w, probe, imp)
-            kl = probe_kl(t.module, fake_quantized(w, probe))
-            t.alpha = max(kl, 0.0) / e if e > 0 else 0.0
+        if t.fixed is None:
+            measure_errors(t, importance(t.path), probed=probe_kl is not None)
+            if probe_kl is not None:
+                set_alpha(t, {s: probe_kl(t, s) for s in probe_settings(t)})
         if progress is not None:
             progress("measuring tensors", i + 1, len(tensors))
+
+
+def probe_settings(t: Tensor) -> list[Setting]:
+    """The settings ``t``'s KL is measured at: every candidate for the head (and a tied
+    embedding), else :func:`probe_setting`."""
+    return list(t.candidates) if t.role == "head" else [probe_setting(t)]
+
+
+def measure_errors(t: Tensor, importance: np.ndarray | None, *, probed: bool = True) -> None:
+    """``t.errors``: the weighted error at every candidate (a probed head's errors are its
+    measured KLs instead, set by :func:`set_alpha`)."""
+    if t.role == "head" and probed:
+        return
+    w = t.module.weight
+    for s in t.candidates:
+        t.errors[s] = weighted_error(w, s, importance)
+
+
+def set_alpha(t: Tensor, kls: dict[Setting, float]) -> None:
+    """From the measured KLs at :func:`probe_settings`: the head's errors are its KLs (alpha
+    1), another tensor's alpha is its KL per unit of weighted error at the probe setting."""
+    if t.role == "head":
+        t.alpha = 1.0
+        t.errors = {s: max(kls[s], 0.0) for s in t.candidates}
+        return
+    probe = probe_setting(t)
+    e = t.errors[probe]
+    t.alpha = max(kls[probe], 0.0) / e if e > 0 else 0.0
 
 
 def protect_head(tensors: Sequence[Tensor], budget: int) -> int | None:

@@ -117,7 +117,10 @@ def quantize_model(
     # kept until the last of them is quantized.
     uses = Counter(id(h) for h in hessians.values())
     factors: dict[int, np.ndarray] = {}
-    for path, (weight, b, g) in floats.items():
+    for path in list(floats):
+        # Popped: a float weight (a lazy load, read when first evaluated) is dropped once its
+        # layer is quantized, so the float model is never held beside the quantized one.
+        weight, b, g = floats.pop(path)
         layer = modules[path]
         h = hessians.get(path)
         if h is not None:

@@ -1,0 +1,343 @@
+"""Planning a model larger than memory: one block's weights resident at a time (issue 48, item 5).
+
+The model's parameters are lazy loads: ``mx.load`` of a safetensors file reads a tensor when it
+is first evaluated, and the array keeps its data for as long as the module holds it. Each pass
+below runs the model's own forward with its blocks' classes swapped (``__call__`` is looked
+up on the class, as ``calibrate._recording`` does), so a block's call is evaluated at once and
+then its arrays are replaced by fresh lazy loads (:class:`Resident`): a pass holds one block's
+weights, the embedding and the head, and the activations. The passes:
+
+* :func:`calibrate`: the calibration sequences in one batch per length, so every sequence
+  goes through block ``i`` before block ``i + 1``; each block's recorded inputs are summed
+  when the block is evaluated. The logits are never evaluated (only the head's input is
+  recorded), so a 262k-token vocabulary costs nothing here.
+* :class:`StreamProbe`: the probe tokens' reference pass carries, beside the reference hidden
+  state, one hidden state per tensor already perturbed (a "variant"): at block ``j`` every
+  variant goes through the block as it is, and each tensor of block ``j`` quantized at its
+  probe setting starts a new variant from the reference input. The embedding's variants start
+  from the model's own input computation with the embedding quantized; a tied embedding stays
+  quantized in the head too. At the end each variant's final state goes through the model's
+  own final norm and head, one variant at a time (the blocks replay it), and its KL from the
+  reference is taken: the numbers of ``calibrate.Probe.kl_with``, the same block calls on the
+  same inputs. :meth:`StreamProbe.measure_plan` is one more pass with every planned tensor
+  quantized.
+
+A model whose blocks do not chain (a block's input is not the previous block's output), or
+with quantizable tensors outside the blocks other than the embedding and the head, raises
+:class:`Unsupported` from the probe; the caller then measures with the in-memory ``Probe``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .calibrate import Statistics, _Recorder, _recording
+from .plan import Setting, Tensor, fake_quantized, measure_errors, probe_settings, set_alpha
+
+Progress = Callable[[str, int, int], None]
+
+
+class Unsupported(Exception):
+    """The streaming probe cannot follow this model's forward pass (see the module docstring)."""
+
+
+class Resident:
+    """A model whose parameters are lazy loads, and how to put fresh ones back.
+
+    ``fresh()`` returns a new dict of lazy arrays by parameter path (the checkpoint read again
+    with ``mx.load``, sanitized and cast as at load; nothing evaluated); :meth:`release` puts
+    them in place of a module's arrays, dropping the data its evaluated ones held.
+    """
+
+    def __init__(self, model: nn.Module, fresh: Callable[[], dict[str, mx.array]]):
+        self.model, self.fresh = model, fresh
+        self.paths = {id(m): p for p, m in model.named_modules()}
+
+    def release(self, modules: Sequence[nn.Module] | None = None) -> None:
+        """Fresh lazy loads for ``modules``' parameters (None: the whole model's)."""
+        new = self.fresh()
+        for m in [self.model] if modules is None else modules:
+            prefix = self.paths[id(m)]
+            items = [(k, new[f"{prefix}.{k}" if prefix else k]) for k, _ in _arrays(m)]
+            m.update(tree_unflatten(items))
+
+
+def _arrays(m: nn.Module) -> list[tuple[str, mx.array]]:
+    return tree_flatten(m.parameters())
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, list) or not blocks:
+        raise Unsupported("no list of blocks")
+    return blocks
+
+
+BlockCall = Callable[[int, nn.Module, Callable[..., Any], tuple, dict], Any]
+
+
+@contextmanager
+def _blocks(model: nn.Module, call: BlockCall) -> Iterator[None]:
+    """Each block's ``__call__`` becomes ``call(index, block, run, args, kwargs)``, ``run`` the
+    block's own call; the classes are put back afterwards, also when the pass fails."""
+    blocks = _layers(model)
+    index = {id(b): i for i, b in enumerate(blocks)}
+    originals = [(b, type(b)) for b in blocks]
+    made: dict[type, type] = {}
+    try:
+        for b, cls in originals:
+            if cls not in made:
+
+                def forward(block, *args, _cls=cls, **kwargs):
+                    def run(*a, **k):
+                        return _cls.__call__(block, *a, **k)
+
+                    return call(index[id(block)], block, run, args, kwargs)
+
+                made[cls] = type(f"Layerwise{cls.__name__}", (cls,), {"__call__": forward})
+            b.__class__ = made[cls]
+        yield
+    finally:
+        for b, cls in originals:
+            b.__class__ = cls
+
+
+def calibrate(
+    model: nn.Module,
+    sequences: Sequence[Sequence[int]],
+    resident: Resident,
+    *,
+    covariance: bool = False,
+    progress: Progress | None = None,
+) -> Statistics:
+    """``calibrate.calibrate`` block by block: the same statistics (summed in another order)."""
+    recorder = _Recorder(covariance)
+    batches: dict[int, list[Sequence[int]]] = {}  # one batch per length, in order
+    for s in sequences:
+        batches.setdefault(len(s), []).append(s)
+    n_blocks = len(_layers(model))
+    total, done = n_blocks * len(batches), 0
+
+    def call(i, block, run, args, kwargs):
+        nonlocal done
+        out = run(*args, **kwargs)
+        recorder.evaluate(out)  # the block's output and what it recorded, in one pass
+        resident.release([block])
+        done += 1
+        if progress is not None:
+            progress("calibration", done, total)
+        return out
+
+    try:
+        with _recording(model, recorder), _blocks(model, call):
+            for batch in batches.values():
+                model(mx.array(batch))  # (B, L, V) never evaluated: the head's input is recorded
+                recorder.evaluate()
+                resident.release()
+    finally:
+        resident.release()
+    return recorder.statistics()
+
+
+class _Variant:
+    """The probe tokens' hidden state with one tensor quantized at one setting."""
+
+    def __init__(self, tensor: Tensor, setting: Setting, h: mx.array):
+        self.tensor, self.setting, self.h = tensor, setting, h
+
+
+class StreamProbe:
+    """``calibrate.Probe`` for one sequence, measured in streaming passes (module docstring)."""
+
+    def __init__(
+        self, model: nn.Module, resident: Resident, tokens: Sequence[int], vocab: int
+    ) -> None:
+        self.model, self.resident, self.vocab = model, resident, vocab
+        self.x = mx.array(tokens)[None]  # (1, L)
+        blocks = _layers(model)
+        self.n_blocks = len(blocks)
+        self.block_of = {id(m): i for i, b in enumerate(blocks) for _, m in b.named_modules()}
+        self.embedding = getattr(model, "embedding", None)
+        self.head = getattr(model, "head", None)
+        self.reference: mx.array | None = None  # (L, V) float32 log-probs
+
+    def place(self, t: Tensor) -> int:
+        """The block ``t`` is in; -1: the input embedding (tied or not); n_blocks: the head."""
+        if id(t.module) in self.block_of:
+            return self.block_of[id(t.module)]
+        if t.module is self.embedding:
+            return -1
+        if t.module is self.head:
+            return self.n_blocks
+        raise Unsupported(f"{t.path} is outside the blocks")
+
+    def _logp(self) -> mx.array:
+        logits = self.model(self.x)[0, :, : self.vocab].astype(mx.float32)  # (L, V)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _kl(self, logp: mx.array) -> float:
+        assert self.reference is not None
+        ref = self.reference
+        kld = (mx.exp(ref) * (ref - logp)).sum(axis=-1)
+        return float(kld.sum()) / max(kld.size, 1)
+
+    @contextmanager
+    def _weight(self, t: Tensor, s: Setting | None) -> Iterator[None]:
+        """``t`` quantized at ``s`` (None: as it is) for what is built inside."""
+        if s is None:
+            yield
+            return
+        original = t.module.weight
+        t.module.weight = fake_quantized(original, s)
+        mx.eval(t.module.weight)  # alone: the rounding's temporaries are freed before the block
+        try:
+            yield
+        finally:
+            t.module.weight = original
+
+    def _input(self, t: Tensor, s: Setting) -> mx.array:
+        """The first block's input with the embedding ``t`` quantized at ``s``: the model's own
+        forward up to the first block (the rest is built and never evaluated)."""
+        seen: list[mx.array] = []
+
+        def call(i, block, run, args, kwargs):
+            if i == 0:
+                seen.append(args[0])
+            return args[0]
+
+        with _blocks(self.model, call), self._weight(t, s):
+            self.model(self.x)
+        mx.eval(seen[0])
+        return seen[0]
+
+    def measure(
+        self,
+        tensors: Sequence[Tensor],
+        importance: Callable[[str], Any] | None,
+        *,
+        progress: Progress | None = None,
+    ) -> None:
+        """``plan.measure`` in one pass: each planned tensor's weighted errors while its block
+        is resident, then its KLs (all None ``importance``: the reference only)."""
+        planned = [t for t in tensors if t.fixed is None] if importance is not None else []
+        where = {t.path: self.place(t) for t in planned}
+        by_block: dict[int, list[Tensor]] = {}
+        for t in planned:
+            by_block.setdefault(where[t.path], []).append(t)
+        variants: list[_Variant] = []
+        done = 0
+
+        def tick(ts: Sequence[Tensor]) -> None:
+            nonlocal done
+            done += len(ts)
+            if progress is not None and planned:
+                progress("measuring tensors", done, len(planned))
+
+        def errors(ts: Sequence[Tensor]) -> None:
+            for t in ts:
+                assert importance is not None
+                measure_errors(t, importance(t.path))
+
+        for t in by_block.get(-1, []):  # the embedding: variants from the model's input
+            variants += [_Variant(t, s, self._input(t, s)) for s in probe_settings(t)]
+        previous: list[Any] = []
+
+        def call(j, block, run, args, kwargs):
+            x, rest = args[0], args[1:]
+            if j > 0 and x is not previous[-1]:
+                raise Unsupported("a block's input is not the previous block's output")
+            for v in variants:
+                v.h = run(v.h, *rest, **kwargs)
+                mx.eval(v.h)
+            for t in by_block.get(j, []):
+                for s in probe_settings(t):
+                    with self._weight(t, s):
+                        h = run(x, *rest, **kwargs)
+                    mx.eval(h)
+                    variants.append(_Variant(t, s, h))
+            errors(by_block.get(j, []))
+            out = run(x, *rest, **kwargs)
+            mx.eval(out)
+            previous[:] = [out]
+            self.resident.release([block])
+            tick(by_block.get(j, []))
+            return out
+
+        try:
+            with _blocks(self.model, call):
+                self.reference = self._logp()
+                mx.eval(self.reference)
+            outside = by_block.get(-1, []) + by_block.get(self.n_blocks, [])
+            errors(outside)
+            for t in by_block.get(self.n_blocks, []):  # an untied head: the reference state
+                variants += [_Variant(t, s, previous[0]) for s in probe_settings(t)]
+            kls: dict[str, dict[Setting, float]] = {}
+            for v in variants:
+                head = v.tensor if v.tensor.module is self.head else None
+                kls.setdefault(v.tensor.path, {})[v.setting] = self._final(v.h, head, v.setting)
+                v.h = None  # type: ignore[assignment]
+            for t in planned:
+                set_alpha(t, kls[t.path])
+            tick(outside)
+        finally:
+            self.resident.release()
+
+    def _final(self, h: mx.array, head: Tensor | None, s: Setting) -> float:
+        """KL of the model's output from ``h``, the last block's output, with the head tensor
+        quantized at ``s`` (None: as it is): the blocks replay ``h``, so only the final norm
+        and the head run."""
+        last = self.n_blocks - 1
+
+        def call(j, block, run, args, kwargs):
+            return h if j == last else args[0]
+
+        with _blocks(self.model, call), self._weight(head, s) if head else _nothing():
+            logp = self._logp()
+        return self._kl(logp)
+
+    def measure_plan(self, tensors: Sequence[Tensor], settings: dict[str, Setting]) -> float:
+        """KL on the probe tokens with every planned tensor quantized (min/max) at once."""
+        planned = [t for t in tensors if t.path in settings]
+        by_block: dict[int, list[Tensor]] = {}
+        for t in planned:
+            by_block.setdefault(self.place(t), []).append(t)
+        outside = by_block.get(-1, []) + by_block.get(self.n_blocks, [])
+
+        def call(j, block, run, args, kwargs):
+            with _quantized(by_block.get(j, []), settings):
+                out = run(*args, **kwargs)
+                mx.eval(out)
+            self.resident.release([block])
+            return out
+
+        try:
+            with _blocks(self.model, call), _quantized(outside, settings):
+                logp = self._logp()
+                return self._kl(logp)
+        finally:
+            self.resident.release()
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _quantized(tensors: Sequence[Tensor], settings: dict[str, Setting]) -> Iterator[None]:
+    originals = []
+    try:
+        for t in tensors:
+            originals.append((t.module, t.module.weight))
+            t.module.weight = fake_quantized(t.module.weight, settings[t.path])
+            mx.eval(t.module.weight)  # one at a time: the rounding's temporaries are freed
+        yield
+    finally:
+        for m, w in originals:
+            m.weight = w
