@@ -36,11 +36,7 @@ class Bars:
             bar = self.bars[stage] = tqdm(
                 total=total,
                 desc=stage,
-                unit="B"
-                if "weights" in stage
-                else "block"
-                if stage == "calibration"
-                else "tensor",
+                unit="B" if "weights" in stage else "block" if stage == "calibration" else "tensor",
                 unit_scale=True,
                 leave=False,
             )

@@ -90,6 +90,10 @@ def _blocks(model: nn.Module, call: BlockCall) -> Iterator[None]:
     index = {id(b): i for i, b in enumerate(blocks)}
     originals = [(b, type(b)) for b in blocks]
     made: dict[type, type] = {}
+    # The made classes live in reference cycles (as every class does) until the garbage
+    # collector runs: they reach ``call`` (and what it holds: modules whose weights a later
+    # step evaluates) only through this list, emptied on the way out.
+    calls = [call]
     try:
         for b, cls in originals:
             if cls not in made:
@@ -98,7 +102,7 @@ def _blocks(model: nn.Module, call: BlockCall) -> Iterator[None]:
                     def run(*a, **k):
                         return _cls.__call__(block, *a, **k)
 
-                    return call(index[id(block)], block, run, args, kwargs)
+                    return calls[0](index[id(block)], block, run, args, kwargs)
 
                 made[cls] = type(f"Layerwise{cls.__name__}", (cls,), {"__call__": forward})
             b.__class__ = made[cls]
@@ -106,6 +110,7 @@ def _blocks(model: nn.Module, call: BlockCall) -> Iterator[None]:
     finally:
         for b, cls in originals:
             b.__class__ = cls
+        calls.clear()
 
 
 def calibrate(
@@ -152,6 +157,11 @@ class _Variant:
         self.tensor, self.setting, self.h = tensor, setting, h
 
 
+# Logits computed at a time at the end of a probe (positions x vocabulary): Gemma 3's 262,144-
+# token vocabulary makes one (256, V) float32 array 268 MB, and the KL takes a few of them.
+LOGIT_ELEMENTS = 1 << 24
+
+
 class StreamProbe:
     """``calibrate.Probe`` for one sequence, measured in streaming passes (module docstring)."""
 
@@ -165,7 +175,7 @@ class StreamProbe:
         self.block_of = {id(m): i for i, b in enumerate(blocks) for _, m in b.named_modules()}
         self.embedding = getattr(model, "embedding", None)
         self.head = getattr(model, "head", None)
-        self.reference: mx.array | None = None  # (L, V) float32 log-probs
+        self.reference: list[mx.array] | None = None  # (rows, V) float32 log-probs per chunk
 
     def place(self, t: Tensor) -> int:
         """The block ``t`` is in; -1: the input embedding (tied or not); n_blocks: the head."""
@@ -177,20 +187,50 @@ class StreamProbe:
             return self.n_blocks
         raise Unsupported(f"{t.path} is outside the blocks")
 
-    def _logp(self) -> mx.array:
-        logits = self.model(self.x)[0, :, : self.vocab].astype(mx.float32)  # (L, V)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    def _drive(self, call: BlockCall) -> mx.array:
+        """The model's forward on the probe tokens with each block's call made by ``call``;
+        returns the last block's output (the logits are built and never evaluated)."""
+        outs: list[Any] = []
 
-    def _kl(self, logp: mx.array) -> float:
+        def each(j, block, run, args, kwargs):
+            if j > 0 and args[0] is not outs[-1]:
+                raise Unsupported("a block's input is not the previous block's output")
+            outs[:] = [call(j, block, run, args, kwargs)]
+            return outs[0]
+
+        with _blocks(self.model, each):
+            self.model(self.x)
+        return outs[0]
+
+    def _logps(self, h: mx.array) -> Iterator[mx.array]:
+        """Log-probs (rows, V) from ``h`` (1, L, H), the last block's output, a chunk of
+        positions at a time: the last block replays those rows of ``h`` (the others their
+        input, never evaluated), so only the model's own final norm and head run."""
+        rows = max(1, LOGIT_ELEMENTS // max(self.vocab, 1))
+        for i in range(0, h.shape[1], rows):
+            part = h[:, i : i + rows]
+
+            def call(j, block, run, args, kwargs, part=part):
+                return part if j == self.n_blocks - 1 else args[0]
+
+            with _blocks(self.model, call):
+                logits = self.model(self.x)[0, :, : self.vocab].astype(mx.float32)  # (rows, V)
+            yield logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _kl(self, h: mx.array) -> float:
+        """Mean KL per token of the model's output from ``h`` from the reference's."""
         assert self.reference is not None
-        ref = self.reference
-        kld = (mx.exp(ref) * (ref - logp)).sum(axis=-1)
-        return float(kld.sum()) / max(kld.size, 1)
+        total, n = 0.0, 0
+        for ref, logp in zip(self.reference, self._logps(h)):
+            kld = (mx.exp(ref) * (ref - logp)).sum(axis=-1)
+            total += float(kld.sum())
+            n += kld.size
+        return total / max(n, 1)
 
     @contextmanager
-    def _weight(self, t: Tensor, s: Setting | None) -> Iterator[None]:
-        """``t`` quantized at ``s`` (None: as it is) for what is built inside."""
-        if s is None:
+    def _weight(self, t: Tensor | None, s: Setting | None) -> Iterator[None]:
+        """``t`` quantized at ``s`` (None: as it is) for what is built and evaluated inside."""
+        if t is None or s is None:
             yield
             return
         original = t.module.weight
@@ -213,7 +253,7 @@ class StreamProbe:
 
         with _blocks(self.model, call), self._weight(t, s):
             self.model(self.x)
-        mx.eval(seen[0])
+            mx.eval(seen[0])
         return seen[0]
 
     def measure(
@@ -224,89 +264,67 @@ class StreamProbe:
         progress: Progress | None = None,
     ) -> None:
         """``plan.measure`` in one pass: each planned tensor's weighted errors while its block
-        is resident, then its KLs (all None ``importance``: the reference only)."""
+        is resident, then its KLs (``importance`` None: the reference log-probs only)."""
         planned = [t for t in tensors if t.fixed is None] if importance is not None else []
-        where = {t.path: self.place(t) for t in planned}
-        by_block: dict[int, list[Tensor]] = {}
-        for t in planned:
-            by_block.setdefault(where[t.path], []).append(t)
-        variants: list[_Variant] = []
-        done = 0
-
-        def tick(ts: Sequence[Tensor]) -> None:
-            nonlocal done
-            done += len(ts)
-            if progress is not None and planned:
-                progress("measuring tensors", done, len(planned))
-
-        def errors(ts: Sequence[Tensor]) -> None:
-            for t in ts:
-                assert importance is not None
-                measure_errors(t, importance(t.path))
-
-        for t in by_block.get(-1, []):  # the embedding: variants from the model's input
-            variants += [_Variant(t, s, self._input(t, s)) for s in probe_settings(t)]
-        previous: list[Any] = []
-
-        def call(j, block, run, args, kwargs):
-            x, rest = args[0], args[1:]
-            if j > 0 and x is not previous[-1]:
-                raise Unsupported("a block's input is not the previous block's output")
-            for v in variants:
-                v.h = run(v.h, *rest, **kwargs)
-                mx.eval(v.h)
-            for t in by_block.get(j, []):
-                for s in probe_settings(t):
-                    with self._weight(t, s):
-                        h = run(x, *rest, **kwargs)
-                    mx.eval(h)
-                    variants.append(_Variant(t, s, h))
-            errors(by_block.get(j, []))
-            out = run(x, *rest, **kwargs)
-            mx.eval(out)
-            previous[:] = [out]
-            self.resident.release([block])
-            tick(by_block.get(j, []))
-            return out
-
-        try:
-            with _blocks(self.model, call):
-                self.reference = self._logp()
-                mx.eval(self.reference)
-            outside = by_block.get(-1, []) + by_block.get(self.n_blocks, [])
-            errors(outside)
-            for t in by_block.get(self.n_blocks, []):  # an untied head: the reference state
-                variants += [_Variant(t, s, previous[0]) for s in probe_settings(t)]
-            kls: dict[str, dict[Setting, float]] = {}
-            for v in variants:
-                head = v.tensor if v.tensor.module is self.head else None
-                kls.setdefault(v.tensor.path, {})[v.setting] = self._final(v.h, head, v.setting)
-                v.h = None  # type: ignore[assignment]
-            for t in planned:
-                set_alpha(t, kls[t.path])
-            tick(outside)
-        finally:
-            self.resident.release()
-
-    def _final(self, h: mx.array, head: Tensor | None, s: Setting) -> float:
-        """KL of the model's output from ``h``, the last block's output, with the head tensor
-        quantized at ``s`` (None: as it is): the blocks replay ``h``, so only the final norm
-        and the head run."""
-        last = self.n_blocks - 1
-
-        def call(j, block, run, args, kwargs):
-            return h if j == last else args[0]
-
-        with _blocks(self.model, call), self._weight(head, s) if head else _nothing():
-            logp = self._logp()
-        return self._kl(logp)
-
-    def measure_plan(self, tensors: Sequence[Tensor], settings: dict[str, Setting]) -> float:
-        """KL on the probe tokens with every planned tensor quantized (min/max) at once."""
-        planned = [t for t in tensors if t.path in settings]
         by_block: dict[int, list[Tensor]] = {}
         for t in planned:
             by_block.setdefault(self.place(t), []).append(t)
+        outside = by_block.get(-1, []) + by_block.get(self.n_blocks, [])
+        variants: list[_Variant] = []
+        done = 0
+
+        def measured(ts: Sequence[Tensor]) -> None:
+            nonlocal done
+            for t in ts:
+                assert importance is not None
+                measure_errors(t, importance(t.path))
+            done += len(ts)
+            if progress is not None and ts:
+                progress("measuring tensors", done, len(planned))
+
+        def call(j, block, run, args, kwargs):
+            x, rest = args[0], args[1:]
+            for v in variants:  # (1, L, H) each: the perturbed states so far, through block j
+                v.h = run(v.h, *rest, **kwargs)
+                mx.eval(v.h)
+            for t in by_block.get(j, []):  # block j's tensors: new states from the reference
+                for s in probe_settings(t):
+                    with self._weight(t, s):
+                        h = run(x, *rest, **kwargs)
+                        mx.eval(h)
+                    variants.append(_Variant(t, s, h))
+            out = run(x, *rest, **kwargs)
+            mx.eval(out)
+            measured(by_block.get(j, []))
+            self.resident.release([block])
+            return out
+
+        try:
+            for t in by_block.get(-1, []):  # the embedding: states from the model's own input
+                variants += [_Variant(t, s, self._input(t, s)) for s in probe_settings(t)]
+            last = self._drive(call)
+            self.reference = list(self._logps(last))
+            mx.eval(self.reference)
+            for t in by_block.get(self.n_blocks, []):  # an untied head: the reference state
+                variants += [_Variant(t, s, last) for s in probe_settings(t)]
+            kls: dict[str, dict[Setting, float]] = {}
+            for v in variants:
+                head = v.tensor if v.tensor.module is self.head else None
+                with self._weight(head, v.setting):
+                    kls.setdefault(v.tensor.path, {})[v.setting] = self._kl(v.h)
+                v.h = None  # type: ignore[assignment]
+            measured(outside)
+            for t in planned:
+                set_alpha(t, kls[t.path])
+        finally:
+            self.resident.release()
+
+    def measure_plan(self, tensors: Sequence[Tensor], settings: dict[str, Setting]) -> float:
+        """KL on the probe tokens with every planned tensor quantized (min/max) at once."""
+        by_block: dict[int, list[Tensor]] = {}
+        for t in tensors:
+            if t.path in settings:
+                by_block.setdefault(self.place(t), []).append(t)
         outside = by_block.get(-1, []) + by_block.get(self.n_blocks, [])
 
         def call(j, block, run, args, kwargs):
@@ -317,16 +335,10 @@ class StreamProbe:
             return out
 
         try:
-            with _blocks(self.model, call), _quantized(outside, settings):
-                logp = self._logp()
-                return self._kl(logp)
+            with _quantized(outside, settings):  # the embedding's input too, when planned
+                return self._kl(self._drive(call))
         finally:
             self.resident.release()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextmanager

@@ -99,6 +99,12 @@ def channel_weights(importance, shape: tuple[int, ...]) -> mx.array | None:
     return mx.broadcast_to(v, shape)
 
 
+# Elements fitted at a time: the fit's temporaries are about twelve times its input (SmolLM2's
+# 49,152 x 576 float32 embedding: 1.4 GB), so a larger tensor is fitted a chunk of rows (or of
+# experts) at a time. Each group is fitted on its own, so the chunks give the whole's values.
+FIT_CHUNK = 1 << 20
+
+
 def fit_affine(
     w: mx.array,
     *,
@@ -117,6 +123,22 @@ def fit_affine(
         ``(wq, scales, biases)`` laid out as ``mx.quantize(w, group_size, bits)`` returns them
         (scales and biases in ``scale_dtype``), so ``mx.dequantize`` reads them as it reads its own.
     """
+    if w.ndim < 2 or w.size <= FIT_CHUNK:
+        return _fit_affine(w, group_size, bits, weights, scale_dtype)
+    n = max(1, FIT_CHUNK // (w.size // w.shape[0]))
+    full = None if weights is None else mx.broadcast_to(weights, w.shape)
+    parts = []
+    for i in range(0, w.shape[0], n):
+        part = _fit_affine(
+            w[i : i + n], group_size, bits, None if full is None else full[i : i + n], scale_dtype
+        )
+        mx.eval(part)
+        parts.append(part)
+    wq, scales, biases = (mx.concatenate([p[k] for p in parts], axis=0) for k in range(3))
+    return wq, scales, biases
+
+
+def _fit_affine(w, group_size, bits, weights, scale_dtype) -> tuple[mx.array, mx.array, mx.array]:
     n_max = 2**bits - 1
     shape, dtype = w.shape, scale_dtype or w.dtype
     _, scales0, biases0 = mx.quantize(w, group_size=group_size, bits=bits)

@@ -5,6 +5,7 @@ The model's parameters are lazy loads of its safetensors file; ``plan_model(weig
 puts fresh lazy loads back once a pass is through a block (``quant/layerwise.py``).
 """
 
+import gc
 import json
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ from mlxinfer.loading.convert import convert
 from mlxinfer.models import build_model
 from mlxinfer.quant import layerwise
 from mlxinfer.quant.mixed import plan_model
+from mlxinfer.quant.transform import quantize_model
 
 BASE = dict(
     hidden_size=64,
@@ -71,8 +73,12 @@ def _tokens(n=600, vocab=256, seed=1):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_the_streaming_plan_measures_and_chooses_what_the_in_memory_one_does(tmp_path, family):
+def test_the_streaming_plan_measures_and_chooses_what_the_in_memory_one_does(
+    tmp_path, monkeypatch, family
+):
     config = {**BASE, **FAMILIES[family]}
+    # The final logits 40 positions at a time (of 96): as a 262k-token vocabulary would be.
+    monkeypatch.setattr(layerwise, "LOGIT_ELEMENTS", 40 * 256)
     file = _save(tmp_path, config)
     # 600 tokens at ctx 256: two sequences of 256 and one of 88 (two calibration batches).
     kwargs = dict(vocab=256, bpw=4.5, calibration_tokens=600, probe_tokens=96)
@@ -116,7 +122,7 @@ BIG = dict(
 )
 
 
-def test_planning_holds_a_few_blocks_not_the_model(tmp_path):
+def test_planning_holds_a_few_blocks_not_the_model(tmp_path, monkeypatch):
     """8 blocks of 3.4 MB: the plan's peak stays under three blocks' worth plus the probe's
     hidden states and activations, far below the 27.5 MB of weights (with the release step
     disabled it is above them)."""
@@ -143,6 +149,20 @@ def test_planning_holds_a_few_blocks_not_the_model(tmp_path):
     variants = (8 * 7 + 18) * 32 * 256 * 4
     assert peak < 3 * block + variants + 2_000_000, (peak, block, total)
     assert peak < total / 2
+    # Then the rounding: each float weight read, rounded and dropped (none kept alive by the
+    # passes' hooks even while the garbage collector waits), the quantized model beside it.
+    from mlxinfer.quant import rounding
+
+    monkeypatch.setattr(rounding, "FIT_CHUNK", 1 << 16)  # as a large model's layers are fitted
+    mx.reset_peak_memory()
+    gc.disable()
+    try:
+        quantize_model(model, rounding="mse", layers=plan.layers(), importance=plan.mean)
+        held = mx.get_active_memory() - base
+    finally:
+        gc.enable()
+    assert held < total / 4, (held, total)
+    assert mx.get_peak_memory() - base < total / 2
 
 
 def test_convert_plans_layer_by_layer(tmp_path):
@@ -178,3 +198,37 @@ def test_a_model_the_stream_cannot_follow_is_measured_in_memory(tmp_path, monkey
     assert any("in memory" in s for s in said)
     assert got.settings == want.settings
     assert got.measured_kl == pytest.approx(want.measured_kl, rel=1e-5)
+
+
+def test_large_tensors_round_a_chunk_at_a_time_to_the_same_values(monkeypatch):
+    """Fake quantization, its weighted error and the least-squares fit of a tensor over the
+    chunk size run a chunk of rows (of experts) at a time, to the whole tensor's values."""
+    from mlxinfer.quant import plan, rounding
+
+    mx.random.seed(3)
+    w = mx.random.normal((300, 128)) * 0.05
+    experts = mx.random.normal((5, 40, 128)) * 0.05
+    imp = np.random.default_rng(0).random(128).astype(np.float32) + 0.1
+    s = plan.Setting(3, 64)
+    whole = plan.fake_quantized(w, s), plan.weighted_error(w, s, imp)
+    fits = [
+        rounding.fit_affine(a, group_size=32, bits=4, weights=v)
+        for a, v in (
+            (w, rounding.channel_weights(imp, w.shape)),
+            (experts, rounding.channel_weights(np.stack([imp] * 5), experts.shape)),
+        )
+    ]
+    monkeypatch.setattr(plan, "CHUNK", 128 * 70)  # 5 chunks of rows, the last partial
+    monkeypatch.setattr(rounding, "FIT_CHUNK", 40 * 128 * 2)  # 2 experts at a time
+    assert len(plan._chunks(w)) == 5
+    assert mx.array_equal(plan.fake_quantized(w, s), whole[0])
+    assert plan.weighted_error(w, s, imp) == pytest.approx(whole[1], rel=1e-6)
+    for (a, v), want in zip(
+        (
+            (w, rounding.channel_weights(imp, w.shape)),
+            (experts, rounding.channel_weights(np.stack([imp] * 5), experts.shape)),
+        ),
+        fits,
+    ):
+        got = rounding.fit_affine(a, group_size=32, bits=4, weights=v)
+        assert all(mx.array_equal(x, y) for x, y in zip(got, want))
