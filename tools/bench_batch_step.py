@@ -2,15 +2,23 @@
 (attention over the pages in place, and over a gathered copy), against the same B rows on one
 dense contiguous cache (no pool), and one row alone.
 
-    python tools/bench_batch_step.py MODEL_DIR [B]      # default B = 8, 128-token contexts
+    python tools/bench_batch_step.py MODEL_DIR [B] [--rounds 2] [--variants 0 1] [--products]
+    # default B = 8, 128-token contexts
 
-Prints milliseconds per step (10 steps after a warm-up, each kind twice, interleaved) and the
-projections alone at 1, 4, 8 and 16 rows (the sgemm-vs-gemv effect of docs/batching.md).
+Prints milliseconds per step (10 steps after a warm-up; the kinds interleaved, --rounds times;
+medians), the aggregate decode of B rows against one row alone, the CPU (lscpu's model name)
+and the load average; --variants alternates the quantized kernel's multi-row loops
+(``K.set_qmv_rows_path``) round by round; --products times the float projections alone at 1,
+4, 8 and 16 rows (the sgemm-vs-gemv effect of docs/batching.md).
 """
 
 # ruff: noqa: I001  (mlxinfer before mlx: it loads the fast BLAS, which must come first)
 from __future__ import annotations
 
+import argparse
+import os
+import statistics
+import subprocess
 import sys
 import time
 
@@ -18,6 +26,7 @@ import mlxinfer  # noqa: F401  (before mlx: the fast BLAS)
 import mlx.core as mx
 import numpy as np
 
+from mlxinfer.backends import kernels
 from mlxinfer.batch.layout import layer_shapes
 from mlxinfer.batch.pool import KVPool
 from mlxinfer.batch.views import StepBatch
@@ -33,9 +42,22 @@ def per_step_ms(step, n: int = 10) -> float:
     return (time.perf_counter() - t) / n * 1000
 
 
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    lines = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")]
+    return lines[0] if lines else "?"
+
+
 def main() -> None:
-    model, _ = mlxinfer.load(sys.argv[1])
-    B = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("B", type=int, nargs="?", default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", type=int, nargs="*", default=[])
+    ap.add_argument("--products", action="store_true")
+    args = ap.parse_args()
+    model, _ = mlxinfer.load(args.model)
+    B = args.B
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, model.args.vocab_size, (B, CONTEXT))
 
@@ -68,9 +90,32 @@ def main() -> None:
         (f"{B} rows, one dense cache", contiguous),
         ("1 row, contiguous cache", alone),
     ]
-    for name, step in kinds * 2:
-        print(f"{name:>30}: {per_step_ms(step):.1f} ms per step")
+    K = kernels.load()
+    variants = args.variants or [None]
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}", file=sys.stderr
+    )
+    times: dict[tuple[str, int | None], list[float]] = {}
+    for _ in range(args.rounds):
+        for v in variants:
+            if v is not None:
+                K.set_qmv_rows_path(v)
+            for name, step in kinds:
+                times.setdefault((name, v), []).append(per_step_ms(step))
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} CPUs; load after {os.getloadavg()[0]:.2f}; {args.rounds} rounds"
+    )
+    for v in variants:
+        med = {name: statistics.median(times[(name, v)]) for name, _ in kinds}
+        for name, ms in med.items():
+            print(f"{'' if v is None else f'[{v}] '}{name:>30}: {ms:.1f} ms per step (median)")
+        pages, alone = med[kinds[0][0]], med[kinds[-1][0]]
+        print(
+            f"{'' if v is None else f'[{v}] '}{B} rows over the pages: {B * alone / pages:.2f}x one row's decode"
+        )
 
+    if not args.products:
+        return
     w = [mx.random.normal((1536, 576)) for _ in range(60)]
     mx.eval(w)
     for rows in (1, 4, 8, 16):

@@ -153,6 +153,12 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "us"_a,
       "How long idle pool threads spin before sleeping, in microseconds.");
   m.def(
+      "set_qmv_rows_path",
+      [](int path) { mlxinfer::set_qmv_rows_path(path); },
+      "path"_a,
+      "Benchmarks: the multi-row AVX-512 quantized loop (1: blocks of output rows, 0: one row "
+      "a call).");
+  m.def(
       "set_max_isa",
       [](const std::string& name) {
         if (name == "scalar") {

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,6 +27,13 @@ float e4m3_to_f32(uint8_t b) {
       : e == 0               ? std::ldexp(static_cast<float>(f), -9)
                              : std::ldexp(static_cast<float>(8 + f), e - 10);
   return (b & 0x80) != 0 ? -v : v;
+}
+
+// The several-row AVX-512 loop (set_qmv_rows_path): 1 blocks of output rows, 0 the one before.
+std::atomic<int> g_qmv_rows_path{1};
+
+void set_qmv_rows_path(int path) {
+  g_qmv_rows_path.store(path);
 }
 
 namespace {
@@ -683,6 +691,80 @@ MLXINFER_AVX512BW void qmv_row_dq_avx512(
   }
 }
 
+// The lane sums of M <= 8 vectors, as 8 floats (out[m] for m < M): three shuffle-and-add
+// steps for all of them (8 -> 4 vectors, 4 -> 2, then within 128-bit lanes), instead of one
+// 16-lane reduction each (the rows' totals then never leave the registers).
+template <int M>
+MLXINFER_AVX512BW inline void reduce_rows(const __m512 (&t)[M], float* out) {
+  __m512 v[8];
+  for (int i = 0; i < 8; ++i) {
+    v[i] = i < M ? t[i] : _mm512_setzero_ps();
+  }
+  __m512 a[4]; // a[i]: v[2i]'s 8 partial sums in lanes 0-7, v[2i+1]'s in 8-15
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  // b[j]: 128-bit lane L holds row 4j + L's 4 partial sums
+  const __m512 b0 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x88),
+                                  _mm512_shuffle_f32x4(a[0], a[1], 0xDD));
+  const __m512 b1 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x88),
+                                  _mm512_shuffle_f32x4(a[2], a[3], 0xDD));
+  // per 128-bit lane L: element 0 row L's total, element 1 row 4 + L's
+  __m512 c = _mm512_add_ps(_mm512_unpacklo_ps(b0, b1), _mm512_unpackhi_ps(b0, b1));
+  c = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4E));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, c)));
+}
+
+// Rows m0..m0+M (M <= 8) of x against output rows [n0, n1), each 32-weight chunk dequantized
+// once (as qmv_row_dq_avx512) for the M rows; one call per block of output rows, so x's row
+// pointers and the group shift are set once, and the M totals are reduced together.
+template <int BITS, int M>
+MLXINFER_AVX512BW void qmv_rows_dq_avx512(const QmvProblem& p, int n0, int n1, int m0) {
+  const int gs = p.group_size;
+  const int G = p.K / gs;
+  const int gshift = __builtin_ctz(static_cast<unsigned>(gs));
+  constexpr int bytes32 = 32 * qmv_width(BITS) / 8;
+  const size_t row_bytes = static_cast<size_t>(p.K) * qmv_width(BITS) / 8;
+  constexpr bool stream = qmv_stream_bits(BITS); // as qmv_row_dq_avx2
+  const float* xbase = (stream ? p.x : p.xp) + static_cast<size_t>(m0) * p.K;
+  const size_t K = p.K;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(p.w) + n * row_bytes;
+    const float* s = p.scales + static_cast<size_t>(n) * G;
+    const float* b = qmv_biases_row(p, n);
+    __m512 t0[M], t1[M];
+    for (int m = 0; m < M; ++m) {
+      t0[m] = t1[m] = _mm512_setzero_ps();
+    }
+    for (int k = 0; k < p.K; k += 32) {
+      __m512 sv = chunk_scale<BITS>(s, k, gs);
+      const __m512 bv = _mm512_set1_ps(b[k >> gshift]); // nvfp4: zeros (one row of K / 16)
+      if constexpr (stream) {
+        sv = _mm512_mul_ps(sv, _mm512_load_ps(kStream<BITS>.inv16));
+      }
+      __m512 qa, qb;
+      unpack32<BITS>(wr + (k / 32) * bytes32, qa, qb);
+      qa = _mm512_fmadd_ps(qa, sv, bv);
+      qb = _mm512_fmadd_ps(qb, sv, bv);
+      for (int m = 0; m < M; ++m) {
+        const float* xk = xbase + m * K + k;
+        t0[m] = _mm512_fmadd_ps(qa, _mm512_loadu_ps(xk), t0[m]);
+        t1[m] = _mm512_fmadd_ps(qb, _mm512_loadu_ps(xk + 16), t1[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      t0[m] = _mm512_add_ps(t0[m], t1[m]);
+    }
+    float out[8];
+    reduce_rows<M>(t0, out);
+    for (int m = 0; m < M; ++m) {
+      p.y[static_cast<size_t>(m0 + m) * p.N + n] = out[m];
+    }
+  }
+}
+
 // One row of x against R output rows at once (decode): x's two vectors per chunk are
 // loaded once for the R rows, and the per-group work (scale, bias) of the R rows overlaps.
 template <int BITS, int R, int U>
@@ -864,6 +946,55 @@ MLXINFER_AVX512BW void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
     }
     for (; n < n1; ++n) {
       qmv_rows1_avx512<BITS, 1, 1>(p, w, row_bytes, n);
+    }
+    return;
+  }
+  if (g_qmv_rows_path == 1) {
+    // Blocks of 16 output rows (their weights stay in L1 across the passes), each pass of x
+    // rows over the block. A pass's x rows stay in L1 too: 8 rows of K <= 768 (18 KB at 576),
+    // 4 of longer rows (24 KB at 1536; 8 such rows, 48 KB, went to L2: 576 x 1536 at 8 rows
+    // took 1.5x the time). The passes' totals are reduced together (reduce_rows).
+    constexpr int kBlockRows = 16;
+    const int most = p.K <= 768 ? 8 : 4;
+    for (int nb = n0; nb < n1; nb += kBlockRows) {
+      const int ne = std::min(n1, nb + kBlockRows);
+      int m = 0;
+      // (passes of 4: 5 rows left take one pass of 5, not 4 and a one-row pass, 1.2x its time)
+      for (; m + most <= p.M && !(most == 4 && p.M - m == 5); m += most) {
+        most == 8 ? qmv_rows_dq_avx512<BITS, 8>(p, nb, ne, m)
+                  : qmv_rows_dq_avx512<BITS, 4>(p, nb, ne, m);
+      }
+      switch (p.M - m) { // fewer than `most` left
+        case 7:
+          qmv_rows_dq_avx512<BITS, 7>(p, nb, ne, m);
+          break;
+        case 6:
+          qmv_rows_dq_avx512<BITS, 6>(p, nb, ne, m);
+          break;
+        case 5:
+          qmv_rows_dq_avx512<BITS, 5>(p, nb, ne, m);
+          break;
+        case 4:
+          qmv_rows_dq_avx512<BITS, 4>(p, nb, ne, m);
+          break;
+        case 3:
+          qmv_rows_dq_avx512<BITS, 3>(p, nb, ne, m);
+          break;
+        case 2:
+          qmv_rows_dq_avx512<BITS, 2>(p, nb, ne, m);
+          break;
+        case 1:
+          for (int n = nb; n < ne; ++n) {
+            const uint8_t* wr = w + n * row_bytes;
+            const float* s = p.scales + static_cast<size_t>(n) * G;
+            const float* b = qmv_biases_row(p, n);
+            wide ? qmv_row_avx512<BITS, 1, 2>(p, wr, s, b, m, n)
+                 : qmv_row_avx512<BITS, 1, 1>(p, wr, s, b, m, n);
+          }
+          break;
+        default:
+          break;
+      }
     }
     return;
   }

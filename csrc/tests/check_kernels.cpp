@@ -213,6 +213,13 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out, int mo
     p.w = w.data(), p.scales = s.data(), p.biases = flt ? zeros.data() : b.data(), p.y = y.data();
     const bool in_range = run_split([&](int n0, int n1) { qmv_rows(p, n0, n1); }, y, M, N);
     ok = judge(p.isa, rel_error(y, ref), in_range, line, out) && ok;
+    if (p.isa == kAvx512 && M > 1) { // the earlier several-row loop too (set_qmv_rows_path)
+      set_qmv_rows_path(0);
+      const bool in = run_split([&](int n0, int n1) { qmv_rows(p, n0, n1); }, y, M, N);
+      set_qmv_rows_path(1);
+      line += " (rows loop)";
+      ok = judge(p.isa, rel_error(y, ref), in, line, out) && ok;
+    }
   }
   std::printf("%s %s\n", line.c_str(), ok ? "ok" : "FAILED");
   out.cases += 1;
@@ -413,6 +420,9 @@ int main() {
         check_quantized(bits, gs, gs, N, 5, out);
       }
       check_quantized(bits, gs, 1536 / gs * gs, 13, 1, out); // a long row (SmolLM2's down)
+      for (int M : {2, 4, 5, 6, 9, 13, 16}) { // long rows: AVX-512's passes of 4 (and one of 5)
+        check_quantized(bits, gs, 1536 / gs * gs, 37, M, out);
+      }
     }
   }
   // mxfp4 (E2M1 codes in the 4-bit layout, E8M0 scales per 32, no bias)

@@ -127,8 +127,9 @@ ENV = "MLXINFER_CPU_PLANS"
 # of the cached entries: bump when the kinds or options change (15: timed with the machine
 # watched and the choice confirmed against the static default; entries of 14 may hold a choice
 # timed on a busy machine, so they are timed again; 16: a quantized layer on the kernel takes
-# it up to dequantize_rows, which 15 timed against MLX's loop from 17 rows on)
-VERSION = 16
+# it up to dequantize_rows, which 15 timed against MLX's loop from 17 rows on; 17: the
+# kernel's several-row AVX-512 loop changed, which moves dequantize_rows' crossover)
+VERSION = 17
 
 
 def cache_key(model: nn.Module) -> str:
