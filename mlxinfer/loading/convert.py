@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import ConfigError
 from ..files.atomic import scratch_dir, writing_dir
@@ -256,22 +257,24 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
             return _cast(_sanitized(src_dir, config, family, model.args), target)
 
         plan = _plan(model, tokenizer, settings, src_dir, config, log, report, fresh)
-        out_config["quantization"] = quantize_model(
-            model,
-            rounding=settings["rounding"],
-            layers=plan.layers(),
-            importance=plan.mean,
-            covariance=plan.covariance,
-            # 16-bit scales and biases: what the plan's sizes assume (f32 ones would add a bit
-            # per weight at group 64 for no measurable gain).
-            scale_dtype=mx.float16 if target == mx.float32 else target,
-        )
     elif stored is not None:
         out_config["quantization"] = stored
-    params = dict(tree_flatten(model.parameters()))
 
     with writing_dir(dst) as tmp:
-        _write_weights(tmp, params, report)
+        shards = _Shards(tmp, model, report)
+        if plan is not None:  # each layer written once it is quantized, then dropped
+            out_config["quantization"] = quantize_model(
+                model,
+                rounding=settings["rounding"],
+                layers=plan.layers(),
+                importance=plan.mean,
+                covariance=plan.covariance,
+                # 16-bit scales and biases: what the plan's sizes assume (f32 ones would add a
+                # bit per weight at group 64 for no measurable gain).
+                scale_dtype=mx.float16 if target == mx.float32 else target,
+                done=shards.layer,
+            )
+        shards.finish()
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, default=str))
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):
             if (src_dir / name).is_file():
@@ -394,28 +397,65 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return next(k for k, v in DTYPES.items() if v == dtype)
 
 
-def _write_weights(out: Path, params: dict[str, mx.array], progress: Progress) -> None:
-    shards: list[dict[str, mx.array]] = [{}]
-    size = 0
-    for k, v in params.items():
-        if size and size + v.nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += v.nbytes
-    total = sum(v.nbytes for v in params.values())
-    done = 0
-    progress("writing weights", 0, total)
-    if len(shards) == 1:
-        mx.save_safetensors(str(out / "model.safetensors"), shards[0], metadata={"format": "mlx"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
-            weight_map.update({k: name for k in shard})
-            done += sum(v.nbytes for v in shard.values())
-            progress("writing weights", done, total)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    progress("writing weights", total, total)
+class _Shards:
+    """The output's safetensors shards (:data:`SHARD_BYTES` each), written as arrays are ready:
+    a planned conversion hands over each layer once it is quantized (:meth:`layer`),
+    :meth:`finish` writes the rest and names the files. A written array is replaced in the model
+    by a lazy load of its shard (its shape and size, for the report; a lazy load keeps its file
+    open, so the renames do not break it), so the quantized model is never all in memory."""
+
+    def __init__(self, out: Path, model: nn.Module, progress: Progress) -> None:
+        self.out, self.model, self.progress = out, model, progress
+        self.pending: list[tuple[str, nn.Module, str, mx.array]] = []  # (name, module, key, array)
+        self.size = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.added: set[str] = set()  # names pending or written
+        self.done, self.total = 0, 0  # bytes; total known (and reported) from finish on
+
+    def layer(self, path: str, module: nn.Module) -> None:
+        for key, v in tree_flatten(module.parameters()):
+            self._add(f"{path}.{key}", module, key, v)
+
+    def _add(self, name: str, module: nn.Module, key: str, v: mx.array) -> None:
+        if self.size and self.size + v.nbytes > SHARD_BYTES:
+            self._flush()
+        self.pending.append((name, module, key, v))
+        self.added.add(name)
+        self.size += v.nbytes
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.out / f".shard-{len(self.files):05d}.safetensors"  # named in finish
+        mx.save_safetensors(
+            str(path), {n: v for n, _, _, v in self.pending}, metadata={"format": "mlx"}
+        )
+        loaded = mx.load(str(path))
+        for name, module, key, _ in self.pending:
+            module.update(tree_unflatten([(key, loaded[name])]))
+        self.files.append((path, [n for n, _, _, _ in self.pending]))
+        self.done += self.size
+        self.pending, self.size = [], 0
+        if self.total:
+            self.progress("writing weights", self.done, self.total)
+
+    def finish(self) -> None:
+        params = tree_flatten(self.model.parameters())
+        self.total = sum(v.nbytes for _, v in params)
+        self.progress("writing weights", self.done, self.total)
+        for name, v in params:
+            if name not in self.added:
+                self._add(name, self.model, name, v)
+        del params
+        self._flush()
+        if len(self.files) == 1:
+            self.files[0][0].rename(self.out / "model.safetensors")
+        else:
+            weight_map = {}
+            for i, (path, names) in enumerate(self.files):
+                name = f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors"
+                path.rename(self.out / name)
+                weight_map.update({k: name for k in names})
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        self.progress("writing weights", self.total, self.total)

@@ -53,6 +53,7 @@ def quantize_model(
     importance: Callable[[str], np.ndarray | None] | None = None,
     covariance: Callable[[str], np.ndarray | None] | None = None,
     scale_dtype: mx.Dtype | None = None,
+    done: Callable[[str, nn.Module], None] | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model`` in place; returns the config.json record.
 
@@ -64,6 +65,9 @@ def quantize_model(
     ``gptq.py``), each group's scale and bias fitted as for ``mse``. A layer without a
     covariance (an embedding read only by lookup, stacked experts, per-head matrices) gets
     ``mse``.
+
+    ``done(path, layer)``: called with each layer rounded here (every layer unless rounding is
+    ``minmax`` with no ``scale_dtype``) once its arrays are evaluated, to write it out, say.
 
     ``layers``: ``{path: (bits, group_size)}`` for a mixed plan (``plan.py``); only those layers
     are quantized, each listed in the record. Without it every quantizable layer gets
@@ -153,6 +157,8 @@ def quantize_model(
             layer.scales = layer.scales.astype(scale_dtype)
             layer.biases = layer.biases.astype(scale_dtype)
         mx.eval(layer.weight, layer.scales, layer.biases)
+        if done is not None:
+            done(path, layer)
     record.update({path: False for path in skipped})
     if layers:
         record.update(

@@ -232,3 +232,51 @@ def test_large_tensors_round_a_chunk_at_a_time_to_the_same_values(monkeypatch):
     ):
         got = rounding.fit_affine(a, group_size=32, bits=4, weights=v)
         assert all(mx.array_equal(x, y) for x, y in zip(got, want))
+
+
+def test_a_planned_conversion_writes_shards_as_layers_are_quantized(tmp_path, monkeypatch):
+    """Shards are written while the layers are quantized: a small shard size gives an index
+    and several files, and the model they hold is the one-file conversion's, bit for bit."""
+    from tiny_checkpoint import write_checkpoint
+
+    from mlxinfer.loading import convert as conversion
+
+    write_checkpoint(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "one", quantize=True)
+    monkeypatch.setattr(conversion, "SHARD_BYTES", 4096)
+    events: list = []
+    convert(
+        tmp_path / "hf",
+        tmp_path / "many",
+        quantize=True,
+        progress=lambda *e: events.append(e),
+    )
+    writing = [(d, t) for s, d, t in events if s == "writing weights"]
+    assert writing[-1][0] == writing[-1][1] > 0
+    assert all(a[0] <= b[0] for a, b in zip(writing, writing[1:])), writing
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    files = sorted((tmp_path / "many").glob("model-*-of-*.safetensors"))
+    assert len(files) > 2 and set(index["weight_map"].values()) == {f.name for f in files}
+    assert not list((tmp_path / "many").glob(".shard*"))
+    one = mx.load(str(tmp_path / "one" / "model.safetensors"))
+    many = {k: v for f in files for k, v in mx.load(str(f)).items()}
+    assert many.keys() == one.keys() == index["weight_map"].keys()
+    assert [k for k in one if not mx.array_equal(many[k], one[k])] == []
+    model, _ = mlxinfer.load(tmp_path / "many")
+    assert np.isfinite(np.array(model(mx.array([[1, 2, 3]])))).all()
+
+
+def test_a_float_conversion_in_shards_holds_the_one_file_weights(tmp_path, monkeypatch):
+    from tiny_checkpoint import write_checkpoint
+
+    from mlxinfer.loading import convert as conversion
+
+    write_checkpoint(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "one", dtype="float32")
+    monkeypatch.setattr(conversion, "SHARD_BYTES", 8192)
+    convert(tmp_path / "hf", tmp_path / "many", dtype="float32")
+    one = mx.load(str(tmp_path / "one" / "model.safetensors"))
+    files = sorted((tmp_path / "many").glob("model-*-of-*.safetensors"))
+    many = {k: v for f in files for k, v in mx.load(str(f)).items()}
+    assert len(files) > 2 and many.keys() == one.keys()
+    assert [k for k in one if not mx.array_equal(many[k], one[k])] == []
