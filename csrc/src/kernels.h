@@ -98,9 +98,10 @@ inline Isa qmv_isa(Isa isa, int mode, int K) {
 // Fills xp and xsum from x.
 void qmv_prepare(const QmvProblem& p, float* xp, float* xsum);
 void qmv_rows(const QmvProblem& p, int n0, int n1);
-// Which several-row AVX-512 loop runs, for benchmarks and tests: 1 (the default) passes of up
-// to 8 x rows over blocks of 16 output rows, 0 the earlier loop (each output row's passes in
-// turn, one call per output row and pass).
+// Which AVX-512 loops run, for benchmarks and tests: 1 (the default) passes of up to 8 x rows
+// over blocks of 16 output rows, and one row of affine 8-bit codes dequantized per chunk; 0 the
+// earlier loops (each output row's passes in turn, one call per output row and pass; one row
+// of 8-bit codes scaled per group, two output rows a pass).
 void set_qmv_rows_path(int path);
 
 // y[m, n] = sum_k x[m, k] * w[n, k], w (N, K) row-major float32, bfloat16 or float16,

@@ -536,15 +536,16 @@ def test_quantized_every_row_count_of_a_batched_step(k):
 
 def test_quantized_long_rows_and_both_several_row_loops(k):
     """Rows longer than 768 (AVX-512 runs them in passes of 4 x rows, 5 rows left as one pass)
-    at 2..16 rows against MLX's product on each path, and AVX-512's earlier several-row loop
-    (``set_qmv_rows_path(0)``, kept for benchmarks) against the default one."""
+    at 2..16 rows against MLX's product on each path, and AVX-512's earlier loops
+    (``set_qmv_rows_path(0)``, kept for benchmarks: several rows, one row of 8-bit codes)
+    against the default ones."""
     check_quantized(k, 1536, 37, 4, 32, [2, 4, 5, 6, 8, 9, 13, 16], paths(k))
     check_quantized(k, 1536, 21, 3, 64, [5, 9], paths(k))
     if not hasattr(k, "set_qmv_rows_path"):  # a module built before it
         return
     mx.random.seed(3)
     wq, s, b = mx.quantize(mx.random.normal((40, 1536)) * 0.05, group_size=32, bits=8)
-    for rows, K_in in ((8, 1536), (13, 1536), (8, 576), (16, 576)):
+    for rows, K_in in ((1, 1536), (8, 1536), (13, 1536), (1, 576), (8, 576), (16, 576)):
         x = mx.random.normal((rows, K_in))
         w = (wq, s, b) if K_in == 1536 else (wq[:, :144], s[:, :18], b[:, :18])
         try:
