@@ -98,9 +98,9 @@ inline Isa qmv_isa(Isa isa, int mode, int K) {
 // Fills xp and xsum from x.
 void qmv_prepare(const QmvProblem& p, float* xp, float* xsum);
 void qmv_rows(const QmvProblem& p, int n0, int n1);
-// Which AVX-512 loops run, for benchmarks and tests: 1 (the default) passes of up to 8 x rows
-// over blocks of 16 output rows, and one row of affine 8-bit codes dequantized per chunk; 0 the
-// earlier loops (each output row's passes in turn, one call per output row and pass; one row
+// Which x86 loops run, for benchmarks and tests: 1 (the default) AVX-512's passes of up to 8 x
+// rows over blocks of 16 output rows, and one row of affine 8-bit codes dequantized per chunk
+// (AVX-512, AVX2); 0 the earlier loops (each output row's passes in turn, one call per output row and pass; one row
 // of 8-bit codes scaled per group, two output rows a pass).
 void set_qmv_rows_path(int path);
 

@@ -213,11 +213,11 @@ void check_quantized(int bits, int gs, int K, int N, int M, Outcome& out, int mo
     p.w = w.data(), p.scales = s.data(), p.biases = flt ? zeros.data() : b.data(), p.y = y.data();
     const bool in_range = run_split([&](int n0, int n1) { qmv_rows(p, n0, n1); }, y, M, N);
     ok = judge(p.isa, rel_error(y, ref), in_range, line, out) && ok;
-    if (p.isa == kAvx512) { // the earlier loops too (set_qmv_rows_path)
+    if (p.isa == kAvx512 || p.isa == kAvx2) { // the earlier loops too (set_qmv_rows_path)
       set_qmv_rows_path(0);
       const bool in = run_split([&](int n0, int n1) { qmv_rows(p, n0, n1); }, y, M, N);
       set_qmv_rows_path(1);
-      line += " (rows loop)";
+      line += " (earlier loops)";
       ok = judge(p.isa, rel_error(y, ref), in, line, out) && ok;
     }
   }

@@ -537,25 +537,29 @@ def test_quantized_every_row_count_of_a_batched_step(k):
 def test_quantized_long_rows_and_both_several_row_loops(k):
     """Rows longer than 768 (AVX-512 runs them in passes of 4 x rows, 5 rows left as one pass)
     at 2..16 rows against MLX's product on each path, and AVX-512's earlier loops
-    (``set_qmv_rows_path(0)``, kept for benchmarks: several rows, one row of 8-bit codes)
-    against the default ones."""
+    (``set_qmv_rows_path(0)``, kept for benchmarks: several rows, one row of 8-bit codes; and
+    AVX2's one row of 8-bit codes) against the default ones."""
     check_quantized(k, 1536, 37, 4, 32, [2, 4, 5, 6, 8, 9, 13, 16], paths(k))
     check_quantized(k, 1536, 21, 3, 64, [5, 9], paths(k))
     if not hasattr(k, "set_qmv_rows_path"):  # a module built before it
         return
     mx.random.seed(3)
     wq, s, b = mx.quantize(mx.random.normal((40, 1536)) * 0.05, group_size=32, bits=8)
-    for rows, K_in in ((1, 1536), (8, 1536), (13, 1536), (1, 576), (8, 576), (16, 576)):
-        x = mx.random.normal((rows, K_in))
-        w = (wq, s, b) if K_in == 1536 else (wq[:, :144], s[:, :18], b[:, :18])
-        try:
-            k.set_qmv_rows_path(0)
-            before = k.quantized_matvec(x, *w, 32, 8)
-            k.set_qmv_rows_path(1)
-            after = k.quantized_matvec(x, *w, 32, 8)
-        finally:
-            k.set_qmv_rows_path(1)
-        assert rel_err(after, before) <= 1e-5, (rows, K_in)
+    cases = [(r, K_in) for r in (1, 8, 13, 16) for K_in in (576, 1536)]
+    for level in [p for p in paths(k) if p in ("avx2", "avx512")]:
+        for rows, K_in in cases:
+            x = mx.random.normal((rows, K_in))
+            w = (wq, s, b) if K_in == 1536 else (wq[:, :144], s[:, :18], b[:, :18])
+            try:
+                k.set_max_isa(level)
+                k.set_qmv_rows_path(0)
+                before = k.quantized_matvec(x, *w, 32, 8)
+                k.set_qmv_rows_path(1)
+                after = k.quantized_matvec(x, *w, 32, 8)
+            finally:
+                k.set_qmv_rows_path(1)
+                k.set_max_isa("best")
+            assert rel_err(after, before) <= 1e-5, (level, rows, K_in)
 
 
 def test_log_softmax_matches_float64(k):
