@@ -63,8 +63,8 @@ def main() -> None:
     K = kernels.load()
     if K is None:
         raise SystemExit(f"bench_kernel_rows: {kernels.reason()}")
-    K.set_num_threads(args.threads)
     model, _ = mlxinfer.load(args.model)
+    K.set_num_threads(args.threads)  # after the load: its kernel_threads plan sets the pool
     blocks = model.model.layers
     head = model.model.embed_tokens
     shapes = {
