@@ -164,6 +164,7 @@ class _MTPDrafter:
         # Pairs read but not yet run through the head: it runs them when it next drafts (or
         # FLUSH_PAIRS are waiting), in one call, so steps that do not draft cost it nothing.
         self.pending: list[tuple[mx.array, list[int]]] = []
+        self.waiting = 0  # pairs in pending
 
     def resume(self, pc: PromptCache, prompt: list[int], todo: list[int]) -> list[int]:
         """Before the prefill (``pc`` reused ``prompt``'s prefix, ``todo`` is left): take the
@@ -196,8 +197,9 @@ class _MTPDrafter:
         """Read the pairs (``hidden[i]``, ``following[i]``): kept until the head next drafts
         (:meth:`flush`), or run now when ``FLUSH_PAIRS`` wait (the arrays to evaluate)."""
         self.pending.append((hidden, list(following)))
+        self.waiting += len(following)
         self.tokens += following
-        if sum(len(f) for _, f in self.pending) >= FLUSH_PAIRS:
+        if self.waiting >= FLUSH_PAIRS:
             return self.flush()
         return []
 
@@ -208,7 +210,7 @@ class _MTPDrafter:
             return []
         hidden = mx.concatenate([h for h, _ in self.pending])  # (L, H)
         following = [t for _, f in self.pending for t in f]
-        self.pending = []
+        self.pending, self.waiting = [], 0
         tokens = mx.array(following, dtype=mx.int32)[None]  # (1, L)
         g = self.head(tokens, hidden[None], self.cache)  # (1, L, H)
         self.g = g[:, -1:]  # (1, 1, H)
