@@ -25,9 +25,10 @@ original classes are put back afterwards, also when the pass fails.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -179,6 +180,40 @@ def _recording(model: nn.Module, recorder: _Recorder) -> Iterator[None]:
             m.__class__ = cls
 
 
+BlockCall = Callable[[int, nn.Module, Callable[..., Any], tuple, dict], Any]
+
+
+@contextmanager
+def hooked_blocks(blocks: Sequence[nn.Module], call: BlockCall) -> Iterator[None]:
+    """Each block's ``__call__`` becomes ``call(index, block, run, args, kwargs)``, ``run`` the
+    block's own call (the class is swapped for a subclass: ``__call__`` is looked up on the
+    class); the classes are put back afterwards, also when the pass fails."""
+    index = {id(b): i for i, b in enumerate(blocks)}
+    originals = [(b, type(b)) for b in blocks]
+    made: dict[type, type] = {}
+    # The made classes live in reference cycles (as every class does) until the garbage
+    # collector runs: they reach ``call`` (and what it holds: modules whose weights a later
+    # step evaluates) only through this list, emptied on the way out.
+    calls = [call]
+    try:
+        for b, cls in originals:
+            if cls not in made:
+
+                def forward(block, *args, _cls=cls, **kwargs):
+                    def run(*a, **k):
+                        return _cls.__call__(block, *a, **k)
+
+                    return calls[0](index[id(block)], block, run, args, kwargs)
+
+                made[cls] = type(f"Hooked{cls.__name__}", (cls,), {"__call__": forward})
+            b.__class__ = made[cls]
+        yield
+    finally:
+        for b, cls in originals:
+            b.__class__ = cls
+        calls.clear()
+
+
 @dataclass
 class Statistics:
     """What one calibration pass recorded, per module path.
@@ -233,7 +268,6 @@ class Probe:
         self.inputs = [mx.array(s)[None] for s in sequences]
         blocks = getattr(model, "layers", None)
         self.blocks: list[nn.Module] = list(blocks) if isinstance(blocks, list) else []
-        self.block_index = {id(b): i for i, b in enumerate(self.blocks)}
         self.block_of = {id(m): i for i, b in enumerate(self.blocks) for _, m in b.named_modules()}
         self.kept: list[list[object]] = [[] for _ in self.inputs]  # per sequence, per block
         self.replay_below = 0  # blocks below this index return their kept output
@@ -244,29 +278,17 @@ class Probe:
 
     @contextmanager
     def _blocks(self, mode: str) -> Iterator[None]:
-        originals = [(b, type(b)) for b in self.blocks]
-        made: dict[type, type] = {}
-        probe = self
-        try:
-            for i, (b, cls) in enumerate(originals):
-                if cls not in made:
+        def call(i, block, run, args, kwargs):
+            kept = self.kept[self.sequence]
+            if mode == "replay" and i < self.replay_below:
+                return kept[i]
+            out = run(*args, **kwargs)
+            if mode == "record":
+                kept.append(out)
+            return out
 
-                    def call(block, *args, _cls=cls, **kwargs):
-                        i = probe.block_index[id(block)]  # built once in __init__
-                        kept = probe.kept[probe.sequence]
-                        if mode == "replay" and i < probe.replay_below:
-                            return kept[i]
-                        out = _cls.__call__(block, *args, **kwargs)
-                        if mode == "record":
-                            kept.append(out)
-                        return out
-
-                    made[cls] = type(f"Probed{cls.__name__}", (cls,), {"__call__": call})
-                b.__class__ = made[cls]
+        with hooked_blocks(self.blocks, call):
             yield
-        finally:
-            for b, cls in originals:
-                b.__class__ = cls
 
     def _logp(self, x: mx.array) -> mx.array:
         logits = self.model(x)[0, :, : self.vocab].astype(mx.float32)  # (L, V)

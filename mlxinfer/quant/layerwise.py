@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .calibrate import Statistics, _Recorder, _recording
+from .calibrate import BlockCall, Statistics, _Recorder, _recording, hooked_blocks
 from .plan import Setting, Tensor, fake_quantized, measure_errors, probe_settings, set_alpha
 
 Progress = Callable[[str, int, int], None]
@@ -79,38 +79,11 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-BlockCall = Callable[[int, nn.Module, Callable[..., Any], tuple, dict], Any]
-
-
 @contextmanager
 def _blocks(model: nn.Module, call: BlockCall) -> Iterator[None]:
-    """Each block's ``__call__`` becomes ``call(index, block, run, args, kwargs)``, ``run`` the
-    block's own call; the classes are put back afterwards, also when the pass fails."""
-    blocks = _layers(model)
-    index = {id(b): i for i, b in enumerate(blocks)}
-    originals = [(b, type(b)) for b in blocks]
-    made: dict[type, type] = {}
-    # The made classes live in reference cycles (as every class does) until the garbage
-    # collector runs: they reach ``call`` (and what it holds: modules whose weights a later
-    # step evaluates) only through this list, emptied on the way out.
-    calls = [call]
-    try:
-        for b, cls in originals:
-            if cls not in made:
-
-                def forward(block, *args, _cls=cls, **kwargs):
-                    def run(*a, **k):
-                        return _cls.__call__(block, *a, **k)
-
-                    return calls[0](index[id(block)], block, run, args, kwargs)
-
-                made[cls] = type(f"Layerwise{cls.__name__}", (cls,), {"__call__": forward})
-            b.__class__ = made[cls]
+    """The model's blocks hooked (``calibrate.hooked_blocks``)."""
+    with hooked_blocks(_layers(model), call):
         yield
-    finally:
-        for b, cls in originals:
-            b.__class__ = cls
-        calls.clear()
 
 
 def calibrate(
