@@ -239,11 +239,11 @@ def test_a_planned_conversion_writes_shards_as_layers_are_quantized(tmp_path, mo
     and several files, and the model they hold is the one-file conversion's, bit for bit."""
     from tiny_checkpoint import write_checkpoint
 
-    from mlxinfer.loading import convert as conversion
+    from mlxinfer.loading import shards
 
     write_checkpoint(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "one", quantize=True)
-    monkeypatch.setattr(conversion, "SHARD_BYTES", 4096)
+    monkeypatch.setattr(shards, "SHARD_BYTES", 4096)
     events: list = []
     convert(
         tmp_path / "hf",
@@ -269,11 +269,11 @@ def test_a_planned_conversion_writes_shards_as_layers_are_quantized(tmp_path, mo
 def test_a_float_conversion_in_shards_holds_the_one_file_weights(tmp_path, monkeypatch):
     from tiny_checkpoint import write_checkpoint
 
-    from mlxinfer.loading import convert as conversion
+    from mlxinfer.loading import shards
 
     write_checkpoint(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "one", dtype="float32")
-    monkeypatch.setattr(conversion, "SHARD_BYTES", 8192)
+    monkeypatch.setattr(shards, "SHARD_BYTES", 8192)
     convert(tmp_path / "hf", tmp_path / "many", dtype="float32")
     one = mx.load(str(tmp_path / "one" / "model.safetensors"))
     files = sorted((tmp_path / "many").glob("model-*-of-*.safetensors"))
