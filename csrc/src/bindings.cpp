@@ -65,6 +65,19 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "group_size 32, uint8 E8M0 scales; 'nvfp4': bits 4, group_size 16, uint8 E4M3 scales; "
       "'mxfp8': bits 8, group_size 32, uint8 E8M0 scales; the float modes' biases None).");
   m.def(
+      "dequantize",
+      &mlxinfer::dequantize,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "mx.dequantize(w, scales, biases, group_size, bits) for MLX's affine codes (bits 2, 3, 4, "
+      "5, 6 or 8, group_size 32/64/128): s * q + b in f32, rows on the kernels' threads; "
+      "output in the scales' dtype.");
+  m.def(
       "matvec",
       &mlxinfer::matvec,
       "x"_a,
@@ -100,6 +113,15 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "stream"_a = nb::none(),
       "silu(gate) * up for float32 gate and up of one shape (a vectorised exp, relative error "
       "~1.5e-7).");
+  m.def(
+      "gelu_tanh_glu",
+      &mlxinfer::gelu_tanh_glu,
+      "gate"_a,
+      "up"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "gelu_approx(gate) * up (GELU's tanh form, as gate * sigmoid(2 sqrt(2/pi) (gate + "
+      "0.044715 gate^3))) for float32 gate and up of one shape (a vectorised exp).");
   m.def(
       "cache_write",
       [](const mx::array& buffer, const mx::array& x, const mx::array& cos, const mx::array& sin,

@@ -84,21 +84,31 @@ class LogSoftmax : public mx::UnaryPrimitive {
 
 // silu(gate) * up for float32 gate and up of one shape.
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+// gelu_tanh(gate) * up (GELU's tanh approximation, Gemma's and GPT-2's), the same way:
+// 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3).
+mx::array gelu_tanh_glu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
+// act: 0 silu, 1 GELU's tanh approximation.
 class SwiGLU : public mx::UnaryPrimitive {
  public:
-  explicit SwiGLU(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit SwiGLU(mx::Stream stream, int act = 0) : mx::UnaryPrimitive(stream), act_(act) {}
+  int act() const {
+    return act_;
+  }
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
     return "MlxinferSwiGLU";
   }
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return act_ == static_cast<const SwiGLU&>(other).act_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
+
+ private:
+  int act_;
 };
 
 class RMSNorm : public mx::UnaryPrimitive {

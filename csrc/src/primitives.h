@@ -28,6 +28,16 @@ mx::array quantized_matvec(
 // x (..., K) @ w.T -> (..., N), w (N, K) float32.
 mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
+// dequantize(w, scales, biases) as mx.dequantize for affine 2/3/4/5/6/8 bits, groups of
+// 32/64/128: s * q + b in f32, rows over the pool (dequantize.cpp); output in scales' dtype.
+mx::array dequantize(
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
 // Threads the kernels run on (the caller included); n <= 0: the CPUs we may use.
 void set_num_threads(int n);
 int num_threads();

@@ -42,7 +42,7 @@ class Counting:
     """The kernels' module, counting the product calls (every other attribute its own)."""
 
     def __init__(self, module):
-        self.module, self.calls = module, {"matvec": 0, "quantized_matvec": 0}
+        self.module, self.calls = module, {"matvec": 0, "quantized_matvec": 0, "dequantize": 0}
 
     def __getattr__(self, name):
         return getattr(self.module, name)
@@ -54,6 +54,10 @@ class Counting:
     def quantized_matvec(self, *a, **k):
         self.calls["quantized_matvec"] += 1
         return self.module.quantized_matvec(*a, **k)
+
+    def dequantize(self, *a, **k):
+        self.calls["dequantize"] += 1
+        return self.module.dequantize(*a, **k)
 
     def take(self) -> dict:
         calls, self.calls = self.calls, {k: 0 for k in self.calls}
@@ -122,7 +126,11 @@ def test_float_models_match_transformers_with_the_kernels_on_and_off(name, tiny,
         # 12-token chunks (<= 16 rows: the kernel), then 24 at once (prefill: never the kernel)
         assert np.abs(logits(model, IDS, 12) - ref).max() <= 1e-3, value
         # per block: q/k/v stacked, o, gate/up stacked, down; and the LM head
-        assert counting.take() == {"matvec": 2 * (4 * LAYERS + 1) * on, "quantized_matvec": 0}
+        assert counting.take() == {
+            "matvec": 2 * (4 * LAYERS + 1) * on,
+            "quantized_matvec": 0,
+            "dequantize": 0,
+        }
         assert np.abs(logits(model, IDS, 24) - ref).max() <= 1e-3, value
         assert counting.take()["matvec"] == 0
         ours = [t for t, _ in generate_step(IDS[:6], model, max_tokens=12, prefill_step_size=4)]
@@ -146,7 +154,11 @@ def test_a_bfloat16_model_takes_the_kernel_and_matches(tiny, counting):
         counting.take()
         outs[value] = logits(model, IDS, 12)
         on = value == "kernels"
-        assert counting.take() == {"matvec": 2 * (4 * LAYERS + 1) * on, "quantized_matvec": 0}
+        assert counting.take() == {
+            "matvec": 2 * (4 * LAYERS + 1) * on,
+            "quantized_matvec": 0,
+            "dequantize": 0,
+        }
         ours = generate_step(IDS[:6], model, max_tokens=12, prefill_step_size=4)
         tokens[value] = [t for t, _ in ours]
     top = np.abs(ref).max()
@@ -224,7 +236,11 @@ def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
         # 12-row products: within the kernels' bound against MLX's (1e-4 of the largest)
         assert np.abs(logits(model, IDS, 12) - ref_short).max() <= 1e-4 * np.abs(ref_short).max()
         # per block q, k, v, o, gate, up, down; and the head (the quantized embedding, if tied)
-        assert counter.take() == {"matvec": 0, "quantized_matvec": 2 * (7 * LAYERS + 1) * on}
+        assert counter.take() == {
+            "matvec": 0,
+            "quantized_matvec": 2 * (7 * LAYERS + 1) * on,
+            "dequantize": 0,
+        }
         # 24 rows, below dequantize_rows (32 here): the kernel too, once per block product and
         # an untied head's (MLX's quantized_matmul there, a scalar loop, made a 24-token chunk of
         # SmolLM2 ~20x slower than 16 rows); a tied head dequantizes past 16 rows (head_rows)
@@ -232,7 +248,13 @@ def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
         assert counter.take()["quantized_matvec"] == (7 * LAYERS + (not tied)) * on
         kinds.set_plan(model, "dequantize_rows", 24)  # from 24 rows: dequantized for the BLAS
         assert np.abs(logits(model, IDS, 24) - ref_long).max() <= 1e-3  # prefill: dequantized
-        assert counter.take()["quantized_matvec"] == 0
+        # ... by the kernel (any plan) for affine weights, every block product and the head once
+        affine = bits not in FLOAT_MODES
+        assert counter.take() == {
+            "matvec": 0,
+            "quantized_matvec": 0,
+            "dequantize": (7 * LAYERS + 1) * affine,
+        }
         ours = [t for t, _ in generate_step(IDS[:6], model, max_tokens=12, prefill_step_size=4)]
         assert ours == ref_greedy, value
     K.set_num_threads(0)

@@ -597,3 +597,55 @@ def test_log_softmax_matches_float64(k):
                 assert err.max() <= 2e-5, (level, x.shape)
     finally:
         k.set_max_isa("best")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_dequantize_matches_mlx(k, bits):
+    """``K.dequantize`` (the CPU backend's prefill: a quantized layer's weight as floats for
+    the BLAS product) against ``mx.dequantize`` at every width and group size, on every
+    instruction-set path: float32 scales (the CPU backend's), float16 and bfloat16 scales (the
+    output in their dtype, rounded once from f32), a column block of a weight (a strided view: the sliced
+    MLP's) and an odd number of rows (the pool's blocks of 8). Within 1 ulp-ish (4e-7 of the
+    largest value): MLX rounds s * q + b without a fused multiply-add."""
+    mx.random.seed(bits)
+    try:
+        for level in paths(k):
+            k.set_max_isa(level)
+            for group_size in (32, 64, 128):
+                w = mx.random.normal((203, 384))
+                wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+                for dtype in (mx.float32, mx.float16, mx.bfloat16):
+                    sd, bd = s.astype(dtype), b.astype(dtype)
+                    got = k.dequantize(wq, sd, bd, group_size, bits)
+                    assert got.dtype == dtype and got.shape == (203, 384)
+                    # s * q + b of the half scales in f32, rounded once to their dtype (MLX's
+                    # own rounds the product and the sum: up to two roundings off this)
+                    f = mx.float32
+                    want = mx.dequantize(
+                        wq, sd.astype(f), bd.astype(f), group_size=group_size, bits=bits
+                    )
+                    assert rel_err(got, want) <= (4e-7 if dtype == f else 2.0**-8), (level, dtype)
+                words = 128 * bits // 32  # the second block of 128 columns
+                view = k.dequantize(
+                    wq[:, words : 2 * words],
+                    s[:, 128 // group_size : 256 // group_size],
+                    b[:, 128 // group_size : 256 // group_size],
+                    group_size,
+                    bits,
+                )
+                full = mx.dequantize(wq, s, b, group_size=group_size, bits=bits)
+                assert rel_err(view, full[:, 128:256]) <= 4e-7, (level, group_size)
+    finally:
+        k.set_max_isa("best")
+
+
+def test_dequantize_bad_arguments_are_value_errors(k):
+    wq, s, b = mx.quantize(mx.zeros((8, 64)), group_size=32, bits=4)
+    with pytest.raises(ValueError, match="bits: expected 2, 3, 4, 5, 6 or 8, found 7"):
+        k.dequantize(wq, s, b, 32, 7)
+    with pytest.raises(ValueError, match="group_size: expected 32, 64 or 128, found 16"):
+        k.dequantize(wq, s, b, 16, 4)
+    with pytest.raises(ValueError, match=r"scales/biases: expected float arrays of shape \(8, 2\)"):
+        k.dequantize(wq, s[:, :1], b, 32, 4)
+    with pytest.raises(ValueError, match="w: expected a 2-D uint32 array"):
+        k.dequantize(wq.astype(mx.int32), s, b, 32, 4)

@@ -158,20 +158,18 @@ def log_softmax(logits: mx.array) -> mx.array | None:
     return k.log_softmax(logits)
 
 
-def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
-    """``silu(gate) * up`` of at most ``MAX_ROWS`` float32 rows as one kernel call (a
-    vectorised exp: MLX's sigmoid does not vectorise here, and the fast exponential takes
-    three kernels); None otherwise, or from a module built before the kernel was added."""
+def gated(gate: mx.array, up: mx.array, act) -> mx.array | None:
+    """``act(gate) * up`` as one kernel call for ``nn.silu`` (``K.swiglu``) and
+    ``nn.gelu_approx`` (``K.gelu_tanh_glu``: GELU's tanh form, Gemma's), float32, any rows (a
+    vectorised exp, threaded: 128 x 1,536 SwiGLU 67 us against the fast exponential's 732 us;
+    128 x 2,048 GELU 98 us against MLX's 7.1 ms, whose tanh does not vectorise; 2-vCPU EPYC);
+    None otherwise, or from a module built before the kernel was added."""
     k = kernels.load()
-    if (
-        k is None
-        or not hasattr(k, "swiglu")
-        or gate.dtype != mx.float32
-        or up.dtype != mx.float32
-        or gate.size // max(1, gate.shape[-1]) > MAX_ROWS
-    ):
+    if k is None or gate.dtype != mx.float32 or up.dtype != mx.float32:
         return None
-    return k.swiglu(gate, up)
+    name = "swiglu" if act is nn.silu else "gelu_tanh_glu" if act is nn.gelu_approx else None
+    fn = getattr(k, name, None) if name else None
+    return None if fn is None else fn(gate, up)
 
 
 def family(module: nn.Module) -> type:
