@@ -129,8 +129,10 @@ ENV = "MLXINFER_CPU_PLANS"
 # timed on a busy machine, so they are timed again; 16: a quantized layer on the kernel takes
 # it up to dequantize_rows, which 15 timed against MLX's loop from 17 rows on; 17: the
 # kernel's several-row AVX-512 loop changed, which moves dequantize_rows' crossover; 18: one
-# row of 8-bit codes (a tied head) got 1.7x faster on x86, which the kernel-or-not choices time)
-VERSION = 18
+# row of 8-bit codes (a tied head) got 1.7x faster on x86, which the kernel-or-not choices time;
+# 19: the dequantized product's weight comes from the kernels' dequantize, 4-7x faster, which
+# moves dequantize_rows' crossover down)
+VERSION = 19
 
 
 def cache_key(model: nn.Module) -> str:
