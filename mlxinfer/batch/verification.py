@@ -53,15 +53,18 @@ class Verification:
         """The step costs of a batch of ``rows`` (bucketed to the power of two at most it). A
         batch size met for the first time starts from the last one's costs, acceptance and
         probe interval (re-measured as it runs), not from nothing: else, as rows finish and the
-        batch shrinks, each new size would time a plain step and a drafting step at the prior's
-        k again."""
+        batch shrinks, each new size would time a plain step and a drafting step again."""
         bucket = 1 << (rows.bit_length() - 1)
-        if bucket not in self.costs:
+        known, last = self.costs.get(bucket), self._last
+        # A size met before any draft was timed (the first rows admitted, before the rest came)
+        # takes the last size's costs once they time a draft: else, as the batch shrinks to
+        # it, it would time a drafting step again (8 rows: ~4 plain steps' time on a CPU).
+        if known is None or (known.draft is None and last is not None and last.draft is not None):
             fresh = StepCosts()
-            if self._last is not None:
-                fresh.verify, fresh.draft = dict(self._last.verify), self._last.draft
-                fresh.accepted, fresh.decided = list(self._last.accepted), list(self._last.decided)
-                fresh.probe = self._last.probe
+            if last is not None:
+                fresh.verify, fresh.draft = dict(last.verify), last.draft
+                fresh.accepted, fresh.decided = list(last.accepted), list(last.decided)
+                fresh.probe = last.probe
             self.costs[bucket] = fresh
         self._last = self.costs[bucket]
         return self._last
@@ -85,10 +88,14 @@ class Verification:
             if r.draft_length is not None and alone and timed(r.sampler.params):
                 if r.draft_length.costs is not costs:  # the probe interval reached goes too
                     r.draft_length.probe = max(r.draft_length.probe, costs.probe)
-                r.draft_length.costs = costs
+                    r.draft_length.costs = costs
+                    r.draft_length.changed()  # a k chosen on other costs is chosen again
                 # its k = 0 steps run as plain ones (plain_step): time one before drafting
                 r.draft_length.measure_plain = True
                 r.draft_length.probe_now = self.probe_step
+                if r.draft_length.batch != len(rows):  # the others' tokens weigh in its k
+                    r.draft_length.batch = len(rows)
+                    r.draft_length.changed()
         # Each row's k this step (chosen now, read again by its plan; its update forgets it).
         drafted = sum(r.draft_length.k for r in rows if r.draft_length is not None)
         t0 = time.perf_counter()

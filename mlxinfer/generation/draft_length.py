@@ -25,9 +25,22 @@ so to draw the same tokens on every run (and alone or in a batch) its k must not
 timings. It reads :func:`nominal_costs` instead (verifying any length costs 1, a draft token
 0.1), which depend on its acceptance alone. Greedy output does not depend on k at all.
 
+The first step that drafts on costs with no draft timed drafts one token (the cheapest step
+that times a draft and a two-position verification). Past the longest verification timed, its
+cost is the line's guess: where the best k verifies that longest length, the verifications
+timed are nearly flat (``EXPLORE_FLAT``: a GPU's) and the next draft would more likely pass than
+not, k goes one further, which times it; a steep line (a CPU's) is trusted.
+
+In the batching engine a row's step is every row's: drafting k makes the whole batch verify k + 1
+positions, so a row weighs ``(B - 1 + E(k)) / cost(k)`` against ``B / cost(0)`` for B rows, the
+others counted at one token each (the step's cost is per row-token drafted plus the verification:
+where the verification is flat this is also the rule for every row drafting alike).
+
 When drafting does not pay (k = 0), a probe step drafts every ``probe`` steps to refresh the
 acceptance; the interval doubles (up to ``MAX_PROBE``) while probes keep showing it does not,
-and the next request on the same costs starts from the interval reached.
+and the next request on the same costs starts from the interval reached. Where not even drafts
+that always pass would pay at the measured costs, the interval is ``MAX_PROBE`` at once: a probe
+could only refresh the costs.
 The steps in between are plain decoding, and the speculative loop runs them as such
 (``speculative._plain_run``: pipelined like ``generate_step``, no drafting bookkeeping):
 :meth:`DraftLength.plain_steps` says how many, :meth:`DraftLength.ran_plain` records them. So
@@ -49,6 +62,16 @@ SHARED_DECAY = 0.98  # … in the acceptance shared by the requests on the same 
 COST_WEIGHT = 0.3  # weight of the newest timing in the moving averages
 MIN_PROBE, MAX_PROBE = 8, 256  # steps between probes while drafting is off
 MEASURE_PLAIN = 4  # plain steps timed first, when the model has none timed
+# The next draft position's acceptance from which k goes one past the longest verification timed
+# (its cost read off the line until then): a longer draft is tried, and timed, only where it
+# would more likely than not be kept.
+EXPLORE_ABOVE = 0.5
+# ... and only where the verifications timed are nearly flat (the longest within this factor of
+# one position's): a GPU's, whose cost stays flat and then rises, so the line cannot tell where.
+# A CPU's grows with the positions from the first (8 rows: two positions cost ~2x one), and
+# its line is trusted: an 8-row batch that drafted past it on one lucky acceptance cost a step
+# of ~5 plain ones.
+EXPLORE_FLAT = 1.25
 
 
 class StepCosts:
@@ -144,6 +167,9 @@ class DraftLength:
         # on the same steps: one row's probe makes the whole step verify two positions.
         self.probe_now: Callable[[], bool] | None = None
         self.costs = costs if costs is not None else StepCosts()
+        # Rows in the batching engine's step (1 alone): the others' tokens count in the step's
+        # yield, one each, since the step's longer verification is theirs to pay too.
+        self.batch = 1
         self.passed: list[float] = []  # decayed accepts at position j
         self.decided: list[float] = []  # decayed decisions at position j
         self.off_for = 0  # steps since drafting went off (k = 0)
@@ -179,9 +205,14 @@ class DraftLength:
         if self.measure_plain and 1 not in self.costs.verify:
             return 0  # plain decoding's cost first: what drafting must beat
         if self.measure_plain and self.costs.draft is None:
-            return self.best  # then a drafting step, at the prior's best k, to time one
-        rates = {}
+            # then one drafting step to time a draft: one token, the cheapest that measures a
+            # draft and a longer verification (the prior's best k, 4, verified 5 positions: on
+            # a CPU a 5-position pass of an 8-row batch cost ~5 plain steps, for a head that
+            # was then turned off); longer drafts are timed as k grows to them (below)
+            return 1
+        rates, ceiling = {}, 0.0
         expected, reach = 1.0, 1.0  # E(k), built up as k grows (expected(k) for each is O(k^2))
+        others = self.batch - 1  # a batch's other rows: a token each (module docstring)
         for k in range(MAX_DRAFT + 1):
             cost = self.costs.cost(k)
             if cost is None:  # nothing timed yet: draft the best k for the prior, to measure it
@@ -189,13 +220,31 @@ class DraftLength:
             if k:
                 reach *= self.acceptance(k - 1)
                 expected += reach
-            rates[k] = expected / max(cost, 1e-12)
+                ceiling = max(ceiling, (others + k + 1) / max(cost, 1e-12))  # every draft kept
+            rates[k] = (others + expected) / max(cost, 1e-12)
         drafting = max(range(1, MAX_DRAFT + 1), key=lambda k: rates[k])
-        self.best = drafting
         if rates[drafting] > rates[0]:
+            longest = max(self.costs.verify)
+            if (
+                drafting + 1 == longest
+                and drafting < MAX_DRAFT
+                and self.acceptance(drafting) >= EXPLORE_ABOVE
+                and self.costs.verify[longest] <= EXPLORE_FLAT * (self.costs.verify_s(1) or 0.0)
+            ):
+                # the best k verifies the longest length timed; one more is only the line's
+                # guess (a GPU's verification is flat, then rises): try it, which times it
+                drafting += 1
+            self.best = drafting
             self.off_for, self.probe = 0, MIN_PROBE
             self.costs.probe = MIN_PROBE
             return drafting
+        self.best = drafting
+        if ceiling <= rates[0] and self.probe < MAX_PROBE:
+            # Not even drafts that always pass would pay at these costs (a CPU verifying
+            # several rows' drafts): a probe could find no acceptance worth it, only refresh
+            # the costs, so it waits the longest interval (each probe is a drafting step).
+            self.probe = MAX_PROBE
+            self.costs.probe = MAX_PROBE
         self.off_for += 1
         if self.off_for >= self.probe and (self.probe_now is None or self.probe_now()):
             # a probe: refresh the first position's acceptance (one
@@ -204,6 +253,10 @@ class DraftLength:
             self.costs.probe = self.probe
             return 1
         return 0
+
+    def changed(self) -> None:
+        """The costs (or what k reads) changed: k is chosen again when next read."""
+        self._k = None
 
     def plain_steps(self) -> int:
         """While k is 0: how many plain steps to run before k is chosen again (the next probe,

@@ -286,7 +286,11 @@ def test_hybrid_rows_draft_in_the_batch(qwen35):
     expected = [torch_greedy(reference.model, p, 12) for p in prompts]
     drafts = [DraftModel(model), PromptLookup(), None]
     with Engine(model, block_size=BS, max_draft=4) as engine:
-        handles = [engine.submit(p, max_tokens=12, draft=d) for p, d in zip(prompts, drafts)]
+        # a fixed k: the rows draft every step whatever the step costs measured here say
+        handles = [
+            engine.submit(p, max_tokens=12, draft=d, num_draft=3 if d else None)
+            for p, d in zip(prompts, drafts)
+        ]
         tokens = [[s.token for s in h.steps()] for h in handles]
         drafted, accepted = engine.draft_tokens, engine.accepted_tokens
     assert tokens == expected, name
