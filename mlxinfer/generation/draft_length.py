@@ -90,6 +90,9 @@ class StepCosts:
         # The probe interval the last request on these costs reached: the next starts there,
         # so a draft that does not pay is not probed from MIN_PROBE again by every request.
         self.probe = MIN_PROBE
+        # A request has claimed this step's drafting to time a draft (no draft timed yet): in a
+        # batch one row times it, the others wait a step; :meth:`record` ends the step.
+        self.timing_claimed = False
 
     def seen(self, j: int, passed: bool) -> None:
         """A draft at position ``j`` was decided (``passed``)."""
@@ -112,6 +115,7 @@ class StepCosts:
         ``verify_s`` (seconds)."""
         self.verify[positions] = _average(self.verify.get(positions), verify_s)
         self._line = None
+        self.timing_claimed = False
         if k > 0:
             self.draft = _average(self.draft, draft_s / k)
 
@@ -208,7 +212,11 @@ class DraftLength:
             # then one drafting step to time a draft: one token, the cheapest that measures a
             # draft and a longer verification (the prior's best k, 4, verified 5 positions: on
             # a CPU a 5-position pass of an 8-row batch cost ~5 plain steps, for a head that
-            # was then turned off); longer drafts are timed as k grows to them (below)
+            # was then turned off); longer drafts are timed as k grows to them (below). In a
+            # batch one row drafts it (the others' drafts would add their cost, not a timing).
+            if self.costs.timing_claimed:
+                return 0
+            self.costs.timing_claimed = True
             return 1
         rates, ceiling = {}, 0.0
         expected, reach = 1.0, 1.0  # E(k), built up as k grows (expected(k) for each is O(k^2))

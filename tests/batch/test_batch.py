@@ -759,8 +759,14 @@ def test_prompt_lookup_in_the_batch_gives_transformers_greedy_tokens(llama):
     prompts = [_repetitive(60, 1), _prompt(30, 2), _repetitive(120, 3), _prompt(9, 4)]
     expected = [torch_greedy(torch_model, p, 12) for p in prompts]
     with Engine(model, max_batch=8) as engine:
+        # a fixed k (lookup drafts up to it, as matches allow): whatever the step costs say here
         handles = [
-            engine.submit(p, max_tokens=12, draft=PromptLookup() if i % 2 == 0 else None)
+            engine.submit(
+                p,
+                max_tokens=12,
+                draft=PromptLookup() if i % 2 == 0 else None,
+                num_draft=4 if i % 2 == 0 else None,
+            )
             for i, p in enumerate(prompts)
         ]
         steps = [list(h.steps()) for h in handles]
