@@ -380,6 +380,24 @@ def test_k_tries_one_past_the_longest_verification_timed_and_probes_only_where_i
     assert low.k == 0 and low.probe == draft_length.MIN_PROBE
 
 
+def test_one_row_of_a_batch_drafts_the_step_that_times_a_draft():
+    """Costs with a plain step timed and no draft yet: the step that times a draft drafts one
+    token, in the first row that asks; the others of that step draft nothing (their drafts
+    would add their cost to the timing); the step's record frees the claim."""
+    costs = StepCosts()
+    costs.record(0, 0.0, 1, 10.0)
+    rows = [DraftLength(None, costs, measure_plain=True) for _ in range(3)]
+    assert [r.k for r in rows] == [1, 0, 0]
+    costs.record(0, 0.0, 1, 10.0)  # that row's k was clamped: no draft timed, the claim ends
+    for r in rows:
+        r.changed()
+    assert [r.k for r in rows] == [1, 0, 0]
+    costs.record(1, 2.0, 2, 11.0)  # timed: the rows choose from the costs
+    for r in rows:
+        r.changed()
+    assert all(r.k >= 1 for r in rows)  # 1.75 / 13 > 1 / 10 at the prior's 0.75
+
+
 def test_a_batch_row_weighs_the_others_tokens():
     """In a batch of B rows a row's draft makes every row verify k + 1 positions: it weighs
     (B - 1 + E(k)) / cost(k) against B / cost(0). A flat verification (10) and 2 a drafted
