@@ -152,21 +152,18 @@ class CPUGatedMLP:
         return super().__call__(x)
 
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:
-        if gate.size // max(1, gate.shape[-1]) > compiled.MAX_ROWS:
-            # Prefill's rows: the kernel wherever it is loaded (10-70x MLX's forms, no plan).
+        few = gate.size // max(1, gate.shape[-1]) <= compiled.MAX_ROWS
+        if not few or self.act is nn.gelu_approx:
+            # Prefill's rows, and GELU's at any count: the kernel wherever it is loaded, no plan
+            # (10-70x MLX's forms past 16 rows; a few rows of MLX's tanh took 2x the kernel).
             y = compiled.gated(gate, up, self.act)
             if y is not None:
                 return y
         if self.act is nn.silu:
             kernel = self.cpu_swiglu  # the ``decode`` plan: one kernel call for a few rows
-            if kernel is not None and gate.dtype == mx.float32 and up.dtype == mx.float32:
-                if gate.size // max(1, gate.shape[-1]) <= compiled.MAX_ROWS:
-                    return kernel(gate, up)
+            if kernel is not None and few and gate.dtype == mx.float32 and up.dtype == mx.float32:
+                return kernel(gate, up)
             return ops.swiglu(gate, up, small=getattr(self, "cpu_small", ops.SMALL))
-        if self.act is nn.gelu_approx:
-            y = compiled.gated(gate, up, self.act)  # a few rows: MLX's tanh took 2x the kernel
-            if y is not None:
-                return y
         return super().combine(gate, up)
 
 
