@@ -46,6 +46,9 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
   imports without that head (a warning). What llama.cpp hard-codes: sigmoid routing in one
   group (``n_group`` = ``topk_group`` = 1), top-k weights not renormalised unless
   ``expert_weights_norm`` says so.
+- ``qwen35``, ``qwen35moe`` -> ``model_type: qwen3_5_text`` / ``qwen3_5_moe_text`` (Qwen3.5 and
+  Qwen3.6): the Gated DeltaNet's tensors under llama.cpp's SSM names, value heads reordered,
+  ``1 + w`` norms, ``-exp(A_log)`` and the MTP layer as ``nextn`` tensors; qwen35.py undoes each.
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import WeightsError
+from . import qwen35
 
-SUPPORTED = ("llama", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe")
+SUPPORTED = ("llama", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS)
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ATTN_MLP = {
@@ -119,7 +123,7 @@ _KIND = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}  # par
 NEXTN = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm",
          "shared_head_norm": "shared_head.norm"}  # fmt: skip
 _NEXTN_COPIES = ("embed_tokens", "shared_head_head")
-_NEXTN_ARCHS = ("glm4moe",)
+_NEXTN_ARCHS = ("glm4moe", *qwen35.ARCHS)
 _FUSED = {"ffn_gate_exps": 0, "ffn_up_exps": 1}  # halves of experts.gate_up_proj, in order
 
 
@@ -134,14 +138,19 @@ def hf_module(
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _TOP:
         return _TOP[parts[0]], parts[1]
-    if len(parts) in (4, 5) and parts[0] == "blk" and parts[1].isdigit():
+    if len(parts) in (3, 4, 5) and parts[0] == "blk" and parts[1].isdigit():
         i = int(parts[1])
         head = n_layers is not None and arch in _NEXTN_ARCHS and i >= n_layers
         layer = f"model.mtp_layers.{i - n_layers}" if head else f"model.layers.{i}"
-        if len(parts) == 4 and parts[2] in _LAYER[arch]:
+        nextn = qwen35.NEXTN if arch in qwen35.ARCHS else NEXTN
+        if arch in qwen35.ARCHS and len(parts) in (3, 4):
+            found = qwen35.layer_name(parts[2], parts[3] if len(parts) == 4 else None)
+            if found is not None:
+                return f"{layer}.{found[0]}", found[1]
+        elif len(parts) == 4 and parts[2] in _LAYER[arch]:
             return f"{layer}.{_LAYER[arch][parts[2]]}", _KIND.get(parts[2], parts[3])
-        if len(parts) == 5 and parts[2] == "nextn" and parts[3] in NEXTN and head:
-            return f"{layer}.{NEXTN[parts[3]]}", parts[4]
+        if len(parts) == 5 and parts[2] == "nextn" and parts[3] in nextn and head:
+            return f"{layer}.{nextn[parts[3]]}", parts[4]
     raise WeightsError(f"{path}: unexpected tensor {gguf_name} for architecture {arch}")
 
 
@@ -150,7 +159,8 @@ def import_names(arch: str, path: Path, tensors: dict, config: dict) -> dict[str
     less the MTP layers' copies of the embedding and LM head, and less any MTP layer whose
     ``nextn`` tensors are all absent (and every one after it: heads are kept in order), with
     a warning. A layer with some of its four ``nextn`` tensors but not all is a WeightsError."""
-    n_layers, heads = config["num_hidden_layers"], config.get("num_nextn_predict_layers", 0)
+    n_layers = config["num_hidden_layers"]
+    heads = config.get("num_nextn_predict_layers", config.get("mtp_num_hidden_layers", 0))
     if arch not in _NEXTN_ARCHS:
         return {n: hf_module(arch, path, n) for n in tensors}
     by_layer: dict[int, list[str]] = {}
@@ -236,15 +246,32 @@ def check_fused(path: Path, tensors: dict) -> None:
 
 
 def needs_float_fix(arch: str, module: str, kind: str) -> bool:
-    """Whether :func:`fix_float` changes this tensor (Gemma's norms)."""
+    """Whether :func:`fix_float` changes this tensor (Gemma's and Qwen3.5's norms, ...)."""
+    if arch in qwen35.ARCHS:
+        return qwen35.needs_float_fix(module, kind)
     return arch == "gemma3" and kind == "weight" and module.rsplit(".", 1)[-1].endswith("norm")
 
 
-def fix_float(arch: str, module: str, kind: str, a: np.ndarray) -> np.ndarray:
+def fix_float(arch: str, module: str, kind: str, a: np.ndarray, name: str) -> np.ndarray:
     """Per-architecture change to a floating-point tensor (float32 in, float32 out)."""
+    if arch in qwen35.ARCHS and needs_float_fix(arch, module, kind):
+        return qwen35.fix_float(module, kind, a, name)
     if needs_float_fix(arch, module, kind):
         return a - np.float32(1.0)  # stored as w + 1
     return a
+
+
+def reorder(arch: str, module: str, kind: str, config: dict, parts: dict, name: str) -> dict:
+    """One tensor's stored arrays with llama.cpp's reordering of rows or columns undone:
+    Llama's q/k RoPE pairs (:func:`unpermute_rows`), Qwen3.5's value heads (qwen35.py)."""
+    heads = permuted_heads(arch, module, config)
+    if heads:
+        if parts and next(iter(parts.values())).shape[0] % (2 * heads):
+            rows = next(iter(parts.values())).shape[0]
+            raise WeightsError(f"{name}: {rows} rows do not split into {heads} heads of even size")
+        return {key: unpermute_rows(a, heads) for key, a in parts.items()}
+    how = qwen35.value_head_order(config, module, kind) if arch in qwen35.ARCHS else None
+    return qwen35.regroup(parts, config, how, name) if how else parts
 
 
 def permuted_heads(arch: str, module: str, config: dict) -> int | None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import ConfigError, WeightsError
 from . import metadata as meta
+from . import qwen35
 
 
 def _f32(x) -> float:
@@ -128,7 +129,7 @@ def _embedding(path: Path, md: dict, tensors: dict) -> tuple[int, int]:
 def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
     """config.json for the model the GGUF describes, in transformers 5's form."""
     m = _Meta(path, md, arch)
-    moe = arch in ("qwen3moe", "gpt-oss", "glm4moe")
+    moe = arch in ("qwen3moe", "gpt-oss", "glm4moe", "qwen35moe")
     experts = m.integer("expert_count", lo=0, hi=MAX_EXPERTS, default=0)
     if experts and not moe:
         raise WeightsError(
@@ -351,6 +352,10 @@ def _glm4moe(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     return config
 
 
+def _qwen35(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    return qwen35.config(m, tensors, config, rope_theta, MAX_LAYERS, MAX_WIDTH)
+
+
 _ARCH_CONFIG = {
     "llama": _llama,
     "gemma3": _gemma3,
@@ -358,4 +363,6 @@ _ARCH_CONFIG = {
     "qwen3moe": _qwen3moe,
     "gpt-oss": _gpt_oss,
     "glm4moe": _glm4moe,
+    "qwen35": _qwen35,
+    "qwen35moe": _qwen35,
 }

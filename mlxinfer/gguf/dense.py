@@ -20,7 +20,7 @@ from ..models import build_model
 from ..platform.progress import Progress, counted
 from ..quant.transform import quantize_model
 from . import quants as gq
-from .arch import fix_float, fused_part, permuted_heads, unpermute_rows
+from .arch import fix_float, fused_part, reorder
 from .container import tensor_bytes
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -54,11 +54,9 @@ def write_float(
     for name, t in counted(tensors.items(), "importing tensors", progress):
         module, kind = names[name]
         ref = fix_float(
-            arch, module, kind, gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape)
+            arch, module, kind, gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape), t.name
         )
-        heads = permuted_heads(arch, module, config)
-        if heads:
-            ref = unpermute_rows(ref, heads)
+        ref = reorder(arch, module, kind, config, {"": ref}, t.name)[""]
         type_name = t.type_name
         part = fused_part(name)
         if part is not None:  # gate and up experts: one (E, 2I, ...) tensor, [gate; up]

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import WeightsError
 from . import quants as gq
-from .arch import fix_float, needs_float_fix, permuted_heads, unpermute_rows
+from .arch import fix_float, needs_float_fix, reorder
 from .container import GGUFTensor, tensor_bytes
 
 _ROWS_PER_CHUNK_ELEMS = 1 << 22  # K-quant decoding works on ~4M weights at a time
@@ -100,23 +99,20 @@ def convert_tensor(buf, t: GGUFTensor, requantize):
 def stored_parts(buf, t: GGUFTensor, module: str, kind: str, arch: str, config: dict, requantize):
     """One tensor as the arrays we store: ({key: array}, (bits, group, mode) or None, loss or None)."""
     dense, affine, loss = convert_tensor(buf, t, requantize)
-    heads = permuted_heads(arch, module, config)
-    if heads and t.shape[0] % (2 * heads):
-        raise WeightsError(
-            f"{t.name}: {t.shape[0]} rows do not split into {heads} heads of even size"
-        )
-    if affine is not None:
+    if affine is not None and not needs_float_fix(arch, module, kind):
         parts = {f"{module}.{kind if k == 'weight' else k}": a for k, a in affine.arrays().items()}
         fmt = (affine.bits, affine.group_size, affine.mode)
     else:
         if needs_float_fix(arch, module, kind):  # in float32, whatever the stored type
             dense = fix_float(
-                arch, module, kind, gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape)
+                arch,
+                module,
+                kind,
+                gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape),
+                t.name,
             )
         parts, fmt = {f"{module}.{kind}": dense}, None
-    if heads:
-        parts = {key: unpermute_rows(a, heads) for key, a in parts.items()}
-    return parts, fmt, loss
+    return reorder(arch, module, kind, config, parts, t.name), fmt, loss
 
 
 def fuse_halves(buf, pending: dict, module: str, kind: str, losses: dict):

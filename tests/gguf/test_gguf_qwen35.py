@@ -1,0 +1,133 @@
+"""Qwen3.5 GGUF import (``qwen35``, ``qwen35moe``) with the MTP layer (issue #45): files made by
+llama.cpp's own converter from tiny random transformers checkpoints, frozen with
+transformers' answers (tools/make_gguf_qwen35_fixture.py: conversion/qwen.py's
+``Qwen3_5TextModel`` / ``Qwen3_5MoeTextModel`` in float16, value heads 2 per key head, one MTP
+layer). The import must undo everything the converter did (value heads reordered, ``1 + w``
+norms, ``-exp(A_log)``, the squeezed conv kernel, ``mtp.*`` as ``blk.N.nextn.*``): the trunk's
+logits, the MTP head's (with its cache, then chained on its own output) and the greedy tokens
+are transformers'."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf_tiny import finish  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+
+from mlxinfer.errors import WeightsError  # noqa: E402
+from mlxinfer.generation import generate_step  # noqa: E402
+from mlxinfer.generation.mtp_drafts import MTP  # noqa: E402
+from mlxinfer.generation.speculative import speculative_generate_step  # noqa: E402
+from mlxinfer.gguf import import_gguf, qwen35  # noqa: E402
+from mlxinfer.loading.loader import load_model  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "gguf"
+ARCHS = ("qwen35", "qwen35moe")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def imported(request, tmp_path_factory):
+    """(arch, reference arrays, our model imported from the llama.cpp-made file)."""
+    arch = request.param
+    out = tmp_path_factory.mktemp(arch) / "ours"
+    import_gguf(FIXTURES / f"{arch}-mtp.gguf", out)
+    return arch, load_file(str(FIXTURES / f"{arch}-mtp.reference.safetensors")), load_model(out)[0]
+
+
+def head_rows(model, ids: list[int]) -> np.ndarray:
+    """The MTP head's logits at every prompt pair, then chained twice on its greedy token."""
+    hidden, _ = model.trunk(mx.array([ids]))
+    head = model.mtp_heads[0]
+    cache, rows = head.make_cache(), []
+    for j in range(len(ids) - 1):
+        g = head(mx.array([[ids[j + 1]]]), hidden[:, j : j + 1], cache)
+        rows.append(np.array(head.logits(g)[0, 0]))
+    for _ in range(2):
+        g = head(mx.array([[int(np.argmax(rows[-1]))]]), g, cache)
+        rows.append(np.array(head.logits(g)[0, 0]))
+    return np.stack(rows)
+
+
+def test_trunk_and_mtp_head_match_transformers(imported):
+    arch, ref, model = imported
+    ids = ref["ids"].tolist()
+    np.testing.assert_allclose(np.array(model(mx.array([ids]))[0]), ref["logits"], atol=1e-4)
+    assert len(model.mtp_heads) == 1
+    np.testing.assert_allclose(head_rows(model, ids), ref["mtp_logits"], atol=1e-4)
+    greedy = [t for t, _ in generate_step(ids, model, max_tokens=len(ref["greedy"]))]
+    assert greedy == ref["greedy"].tolist()
+
+
+def test_mtp_drafting_keeps_the_greedy_tokens(imported):
+    _, ref, model = imported
+    ids, n = ref["ids"].tolist(), len(ref["greedy"])
+    steps = list(speculative_generate_step(ids, model, MTP(), max_tokens=n, num_draft=2))
+    assert [s[0] for s in steps] == ref["greedy"].tolist()
+    assert sum(s[4] for s in steps) > 0  # drafts were made and verified
+
+
+def rewrite(src: Path, dst: Path, kind) -> None:
+    """``src`` again with every matrix whose rows split into 32-wide blocks as ``kind``: T.Q8_0
+    (as llama.cpp's quantizer stores it) or T.F32 holding the Q8_0 values (the same model)."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        x = dequantize(t.data, t.tensor_type).astype(np.float32)
+        if x.ndim >= 2 and x.shape[-1] % 32 == 0 and "conv1d" not in t.name:
+            q = quantize(x, T.Q8_0)
+            if kind == T.Q8_0:
+                w.add_tensor(t.name, q, raw_dtype=T.Q8_0)
+                continue
+            x = dequantize(q, T.Q8_0).reshape(x.shape)
+        w.add_tensor(t.name, np.ascontiguousarray(x))
+    finish(w)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_value_heads_move_as_whole_rows_and_column_blocks(arch, tmp_path):
+    """A Q8_0 file's value heads are put back in the quantized arrays themselves (rows of
+    attn_qkv, attn_gate, ssm_alpha/beta; ssm_out's 32-wide column blocks, one head each): the
+    same model as the float file holding those Q8_0 values."""
+    src = FIXTURES / f"{arch}-mtp.gguf"
+    for kind, name in ((T.Q8_0, "q8"), (T.F32, "f32")):
+        rewrite(src, tmp_path / f"{name}.gguf", kind)
+        import_gguf(tmp_path / f"{name}.gguf", tmp_path / name)
+    import_gguf(tmp_path / "q8.gguf", tmp_path / "dense", dtype="float32")  # dense.py's path
+    q8, f32 = load_model(tmp_path / "q8")[0], load_model(tmp_path / "f32")[0]
+    dense = load_model(tmp_path / "dense")[0]
+    assert "scales" in q8.model.layers[0].linear_attn.out_proj  # stayed quantized
+    ids = load_file(str(FIXTURES / f"{arch}-mtp.reference.safetensors"))["ids"].tolist()
+    want = np.array(f32(mx.array([ids])))
+    for model in (q8, dense):
+        np.testing.assert_allclose(np.array(model(mx.array([ids]))), want, atol=1e-4)
+        np.testing.assert_allclose(head_rows(model, ids), head_rows(f32, ids), atol=1e-4)
+
+
+def test_value_heads_the_file_cannot_move_are_our_error():
+    config = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_value_head_dim": 16,
+              "linear_key_head_dim": 16}  # fmt: skip
+    how = qwen35.value_head_order(config, "model.layers.0.linear_attn.out_proj", "weight")
+    assert how == ("columns", 16, 0)
+    # 64 columns in 32-wide blocks: each block holds two value heads
+    with pytest.raises(
+        WeightsError, match=r"blk\.0\.ssm_out\.weight: 2 stored columns .* 4 value heads"
+    ):
+        qwen35.regroup(
+            {"scales": np.zeros((8, 2), np.float32)}, config, how, "blk.0.ssm_out.weight"
+        )
+    with pytest.raises(WeightsError, match=r"blk\.0\.ssm_a: expected -exp\(A_log\) < 0"):
+        qwen35.fix_float("model.layers.0.linear_attn", "A_log", np.array([-1.0, 0.5], np.float32),
+                         "blk.0.ssm_a")  # fmt: skip
