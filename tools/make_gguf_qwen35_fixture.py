@@ -1,16 +1,17 @@
-"""Write a tiny Qwen3.5 GGUF made by llama.cpp's own converter, and transformers' answers for it.
+"""Write a tiny Qwen3.5 or Qwen3-Next GGUF made by llama.cpp's own converter, and transformers'
+answers for it.
 
-    python tools/make_gguf_qwen35_fixture.py --llama-cpp DIR [--arch qwen35|qwen35moe]
+    python tools/make_gguf_qwen35_fixture.py --llama-cpp DIR [--arch qwen35|qwen35moe|qwen3next]
 
 DIR is a llama.cpp source tree (its ``conversion/`` package and ``gguf-py/``; the
 llama-cpp-python sdist carries one under ``vendor/llama.cpp``:
 ``pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:``). Needs the test extras
 (transformers, torch==2.13.0).
 
-A random Qwen3.5 text model with one MTP layer (tests/support/mtp_models.py's
+A random Qwen3.5 text model (or Qwen3-Next) with one MTP layer (tests/support/mtp_models.py's
 ``make_qwen_mtp``: two linear-attention value heads per key head, so llama.cpp's reordering
 of value heads is exercised) is saved by transformers and converted by llama.cpp's
-``Qwen3_5TextModel`` / ``Qwen3_5MoeTextModel`` classes in float16, as
+``Qwen3_5TextModel`` / ``Qwen3_5MoeTextModel`` / ``Qwen3NextModel`` classes in float16, as
 ``convert_hf_to_gguf.py --outtype f16`` runs them, from weights already rounded to float16
 values (so the file holds exactly what transformers runs); only the vocabulary step is replaced (the
 tiny model has no Qwen tokenizer): it writes the byte-level BPE vocabulary the other GGUF tests
@@ -61,7 +62,7 @@ def spec(arch: str, vocab: int) -> dict:
             **{k: v for k, v in base.items() if "expert" not in k},
             "model_type": "qwen3_5_text",
         }
-    return {**base, "model_type": "qwen3_5_moe_text"}
+    return {**base, "model_type": "qwen3_5_moe_text" if arch == "qwen35moe" else "qwen3_next"}
 
 
 def convert_with_llama_cpp(llama_cpp: Path, hf_dir: Path, out: Path, tokens, merges) -> str:
@@ -150,7 +151,7 @@ def reference(trunk, mtp) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree")
-    ap.add_argument("--arch", choices=("qwen35", "qwen35moe"), default="qwen35")
+    ap.add_argument("--arch", choices=("qwen35", "qwen35moe", "qwen3next"), default="qwen35")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     sys.path[:0] = [str(ROOT / "tests" / "support"), str(ROOT / "tests" / "gguf")]

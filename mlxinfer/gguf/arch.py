@@ -47,8 +47,9 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
   group (``n_group`` = ``topk_group`` = 1), top-k weights not renormalised unless
   ``expert_weights_norm`` says so.
 - ``qwen35``, ``qwen35moe`` -> ``model_type: qwen3_5_text`` / ``qwen3_5_moe_text`` (Qwen3.5 and
-  Qwen3.6): the Gated DeltaNet's tensors under llama.cpp's SSM names, value heads reordered,
-  ``1 + w`` norms, ``-exp(A_log)`` and the MTP layer as ``nextn`` tensors; qwen35.py undoes each.
+  Qwen3.6), ``qwen3next`` -> ``qwen3_next``: the Gated DeltaNet's tensors under llama.cpp's SSM
+  names, value heads reordered (Qwen3.5), ``1 + w`` norms, ``-exp(A_log)`` and the MTP layer as
+  ``nextn`` tensors; qwen35.py undoes each.
 """
 
 from __future__ import annotations
@@ -272,6 +273,13 @@ def reorder(arch: str, module: str, kind: str, config: dict, parts: dict, name: 
         return {key: unpermute_rows(a, heads) for key, a in parts.items()}
     how = qwen35.value_head_order(config, module, kind) if arch in qwen35.ARCHS else None
     return qwen35.regroup(parts, config, how, name) if how else parts
+
+
+def split(arch: str, module: str, parts: dict, config: dict, name: str) -> list[tuple[str, dict]]:
+    """A tensor stored as several modules (Qwen3-Next's ``ssm_ba``): [(module, parts)]."""
+    if arch == "qwen3next":
+        return qwen35.split_ba(module, parts, config, name)
+    return [(module, parts)]
 
 
 def permuted_heads(arch: str, module: str, config: dict) -> int | None:

@@ -129,7 +129,7 @@ def _embedding(path: Path, md: dict, tensors: dict) -> tuple[int, int]:
 def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
     """config.json for the model the GGUF describes, in transformers 5's form."""
     m = _Meta(path, md, arch)
-    moe = arch in ("qwen3moe", "gpt-oss", "glm4moe", "qwen35moe")
+    moe = arch in ("qwen3moe", "gpt-oss", "glm4moe", "qwen35moe", "qwen3next")
     experts = m.integer("expert_count", lo=0, hi=MAX_EXPERTS, default=0)
     if experts and not moe:
         raise WeightsError(
@@ -365,4 +365,5 @@ _ARCH_CONFIG = {
     "glm4moe": _glm4moe,
     "qwen35": _qwen35,
     "qwen35moe": _qwen35,
+    "qwen3next": _qwen35,
 }

@@ -20,7 +20,7 @@ from ..models import build_model
 from ..platform.progress import Progress, counted
 from ..quant.transform import quantize_model
 from . import quants as gq
-from .arch import fix_float, fused_part, reorder
+from .arch import fix_float, fused_part, reorder, split
 from .container import tensor_bytes
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -68,21 +68,27 @@ def write_float(
             (ref, type0), (ref1, type1) = pending[0], pending[1]
             ref = np.concatenate([ref, ref1], axis=1)
             type_name = type0 if type0 == type1 else f"{type0}+{type1}"
-        w = mx.array(np.ascontiguousarray(ref)).astype(target)
-        if kind == "weight" and module in to_quantize:
-            bits, group_size = quantize
-            q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
-            stored = mx.dequantize(q, scales, biases, group_size=group_size, bits=bits)
-            new = {f"{module}.weight": q, f"{module}.scales": scales, f"{module}.biases": biases}
-            entry = {"bits": bits, "group_size": group_size}
-        else:
-            stored, entry = w, {}
-            new = {f"{module}.{kind}": w}
-        mx.eval(list(new.values()))
-        weights.update(new)
-        if type_name != "F32" or target != mx.float32 or entry:
-            loss = gq.loss(ref, np.array(stored.astype(mx.float32)))
-            losses[f"{module}.{kind}"] = {"type": type_name, "dtype": dtype, **entry, **loss}
+        for stored_as, piece in split(arch, module, {"": ref}, config, name):
+            ref = piece[""]
+            w = mx.array(np.ascontiguousarray(ref)).astype(target)
+            if kind == "weight" and stored_as in to_quantize:
+                bits, group_size = quantize
+                q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+                stored = mx.dequantize(q, scales, biases, group_size=group_size, bits=bits)
+                new = {
+                    f"{stored_as}.weight": q,
+                    f"{stored_as}.scales": scales,
+                    f"{stored_as}.biases": biases,
+                }
+                entry = {"bits": bits, "group_size": group_size}
+            else:
+                stored, entry = w, {}
+                new = {f"{stored_as}.{kind}": w}
+            mx.eval(list(new.values()))
+            weights.update(new)
+            if type_name != "F32" or target != mx.float32 or entry:
+                loss = gq.loss(ref, np.array(stored.astype(mx.float32)))
+                losses[f"{stored_as}.{kind}"] = {"type": type_name, "dtype": dtype, **entry, **loss}
     config["torch_dtype"] = dtype
     if record is not None:
         config["quantization"] = record

@@ -44,7 +44,7 @@ from ..errors import MlxInferError, WeightsError
 from ..files.atomic import writing_dir
 from ..files.manifest import existing_output_error, write_manifest
 from ..platform.progress import Progress, counted, finished, resolve
-from .arch import SUPPORTED, check_fused, fused_part, import_names
+from .arch import SUPPORTED, check_fused, fused_part, import_names, split
 from .arch_config import make_config
 from .container import read_gguf_header
 from .dense import DTYPES, write_float
@@ -227,14 +227,15 @@ def _write(
             if len(pending) < 2:
                 continue
             parts, fmt = fuse_halves(buf, halves.pop((module, kind)), module, kind, losses)
-        for key, a in parts.items():
-            arr = mx.array(np.ascontiguousarray(a))
-            if a.dtype == np.uint16:  # BF16 bits
-                arr = arr.view(mx.bfloat16)
-            weights[key] = arr
-            n_bits += arr.nbytes * 8
-        if kind == "weight" and len(t.shape) >= 2:  # a Linear, Embedding or stacked experts
-            module_format[module] = fmt
+        for stored, some in split(arch, module, parts, config, name):
+            for key, a in some.items():
+                arr = mx.array(np.ascontiguousarray(a))
+                if a.dtype == np.uint16:  # BF16 bits
+                    arr = arr.view(mx.bfloat16)
+                weights[key] = arr
+                n_bits += arr.nbytes * 8
+            if kind == "weight" and len(t.shape) >= 2:  # a Linear, Embedding or stacked experts
+                module_format[stored] = fmt
 
     quantization = None
     counts = Counter(fmt for fmt in module_format.values() if fmt)

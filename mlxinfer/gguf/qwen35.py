@@ -1,4 +1,5 @@
-"""Qwen3.5 and Qwen3.6 GGUF files (``qwen35``, ``qwen35moe``): llama.cpp's changes undone.
+"""Qwen3.5/3.6 and Qwen3-Next GGUF files (``qwen35``, ``qwen35moe``, ``qwen3next``): llama.cpp's
+changes undone.
 
 llama.cpp's converter (conversion/qwen.py: ``Qwen3NextModel``, ``_LinearAttentionVReorderBase``,
 ``_QwenMtpMixin``) writes a Qwen3.5 text model as:
@@ -17,6 +18,11 @@ llama.cpp's converter (conversion/qwen.py: ``Qwen3NextModel``, ``_LinearAttentio
   columns of ``ssm_out``. We put them back. Rows move whole (codes, scales and biases of a
   row together); ``ssm_out``'s columns move by value heads, after the file's blocks are in
   MLX's groups (of 32 for every K-quant), so a head's columns are whole groups;
+- Qwen3-Next (``qwen3next``, no value heads reordered): its fused ``in_proj_qkvz`` (per key
+  head: q, k, v, z) as ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (z), Qwen3.5's
+  layout, and ``in_proj_ba`` as ``ssm_ba``: we import it as Qwen3.5's four projections
+  (``separate_projections`` in config.json), ``ssm_ba``'s rows split into ``in_proj_b`` and
+  ``in_proj_a``;
 - the MTP layer (``mtp.*`` in the checkpoint) as block ``n_layers + i`` with
   ``blk.N.nextn.{eh_proj, enorm, hnorm, shared_head_norm}`` for ``mtp.fc`` and its three
   norms; ``block_count`` counts it, ``nextn_predict_layers`` says how many.
@@ -31,7 +37,7 @@ import numpy as np
 
 from ..errors import WeightsError
 
-ARCHS = ("qwen35", "qwen35moe")
+ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 
 LAYER = {
     "attn_norm": "input_layernorm",
@@ -49,6 +55,7 @@ LAYER = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+    "ssm_ba": "linear_attn.in_proj_ba",  # qwen3next: split into in_proj_b and in_proj_a
     "ssm_dt": "linear_attn",  # its .bias is the parameter dt_bias
     "ssm_a": "linear_attn",  # no suffix: the parameter A_log
     "ffn_gate": "mlp.gate_proj",
@@ -145,18 +152,46 @@ def config(m, tensors: dict, config: dict, rope_theta: float, max_layers: int, m
         "linear_num_value_heads": n_v,
         "mtp_num_hidden_layers": heads,
     }
-    if m.arch == "qwen35moe":
+    if m.arch == "qwen3next":  # the DeltaNet's inputs as Qwen3.5's four projections (split_ba)
+        out.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+                   separate_projections=True)  # fmt: skip
+    if m.arch in ("qwen35moe", "qwen3next"):
         n_experts = m.integer("expert_count", hi=1 << 16)
         shared = m.integer("expert_shared_feed_forward_length", lo=0, hi=max_width, default=0)
+        if m.arch == "qwen35moe":
+            out.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text")
         out.update(
-            architectures=["Qwen3_5MoeForCausalLM"],
-            model_type="qwen3_5_moe_text",
             num_experts=n_experts,
             num_experts_per_tok=m.integer("expert_used_count", hi=n_experts),
             moe_intermediate_size=m.integer("expert_feed_forward_length", hi=max_width),
             shared_expert_intermediate_size=shared,
             norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
+    return out
+
+
+def split_ba(module: str, parts: dict, config: dict, name: str) -> list[tuple[str, dict]]:
+    """Qwen3-Next's ``in_proj_ba`` (per key head: the b of its value heads, then their a) as
+    Qwen3.5's ``in_proj_b`` and ``in_proj_a``, each a selection of whole rows; another
+    module is returned as it is."""
+    if not module.endswith("linear_attn.in_proj_ba"):
+        return [(module, parts)]
+    n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    r = n_v // n_k
+    rows = np.arange(2 * n_v).reshape(n_k, 2, r)
+    out = []
+    for i, new in enumerate(("in_proj_b", "in_proj_a")):
+        picked = {}
+        for key, a in parts.items():
+            if a.shape[0] != 2 * n_v:
+                raise WeightsError(
+                    f"tensor {name} has {a.shape[0]} rows; expected {2 * n_v} "
+                    f"(b and a of {n_v} value heads)"
+                )
+            picked[key.replace("in_proj_ba", new)] = a[rows[:, i].reshape(-1)]
+        out.append((module.replace("in_proj_ba", new), picked))
     return out
 
 
@@ -165,8 +200,8 @@ def value_head_order(config: dict, module: str, kind: str) -> tuple[str, int, in
     offset in rows), or None where nothing moved (one value head per key head, or a tensor
     without value heads)."""
     n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    if n_k == n_v or ".linear_attn" not in f".{module}":
-        return None
+    if n_k == n_v or ".linear_attn" not in f".{module}" or config.get("model_type") == "qwen3_next":
+        return None  # (llama.cpp reorders Qwen3.5's value heads, not Qwen3-Next's)
     dv = config["linear_value_head_dim"]
     last = module.rsplit(".", 1)[-1]
     if last == "in_proj_qkv":

@@ -1,14 +1,17 @@
-"""Qwen3.5 GGUF import (``qwen35``, ``qwen35moe``) with the MTP layer (issue #45): files made by
+"""Qwen3.5 and Qwen3-Next GGUF import (``qwen35``, ``qwen35moe``, ``qwen3next``) with the MTP
+layer (issue #45): files made by
 llama.cpp's own converter from tiny random transformers checkpoints, frozen with
 transformers' answers (tools/make_gguf_qwen35_fixture.py: conversion/qwen.py's
-``Qwen3_5TextModel`` / ``Qwen3_5MoeTextModel`` in float16, value heads 2 per key head, one MTP
-layer). The import must undo everything the converter did (value heads reordered, ``1 + w``
-norms, ``-exp(A_log)``, the squeezed conv kernel, ``mtp.*`` as ``blk.N.nextn.*``): the trunk's
+``Qwen3_5TextModel`` / ``Qwen3_5MoeTextModel`` / ``Qwen3NextModel`` in float16, value heads 2
+per key head, one MTP layer). The import must undo everything the converter did (Qwen3.5's value
+heads reordered, Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` split, ``1 + w`` norms,
+``-exp(A_log)``, the squeezed conv kernel, ``mtp.*`` as ``blk.N.nextn.*``): the trunk's
 logits, the MTP head's (with its cache, then chained on its own output) and the greedy tokens
 are transformers'."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,7 +32,8 @@ from mlxinfer.gguf import import_gguf, qwen35  # noqa: E402
 from mlxinfer.loading.loader import load_model  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "gguf"
-ARCHS = ("qwen35", "qwen35moe")
+ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+KEEP_FLOAT = ("ssm_alpha", "ssm_ba")  # float modules in a quantized file: named in the record
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -86,7 +90,11 @@ def rewrite(src: Path, dst: Path, kind) -> None:
         w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     for t in reader.tensors:
         x = dequantize(t.data, t.tensor_type).astype(np.float32)
-        if x.ndim >= 2 and x.shape[-1] % 32 == 0 and "conv1d" not in t.name:
+        if (
+            x.ndim >= 2
+            and x.shape[-1] % 32 == 0
+            and not any(f".{part}." in t.name for part in ("ssm_conv1d", *KEEP_FLOAT))
+        ):
             q = quantize(x, T.Q8_0)
             if kind == T.Q8_0:
                 w.add_tensor(t.name, q, raw_dtype=T.Q8_0)
@@ -99,8 +107,9 @@ def rewrite(src: Path, dst: Path, kind) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_value_heads_move_as_whole_rows_and_column_blocks(arch, tmp_path):
     """A Q8_0 file's value heads are put back in the quantized arrays themselves (rows of
-    attn_qkv, attn_gate, ssm_alpha/beta; ssm_out's 32-wide column blocks, one head each): the
-    same model as the float file holding those Q8_0 values."""
+    attn_qkv, attn_gate, ssm_beta; ssm_out's 32-wide column blocks, one head each), Qwen3-Next's
+    ssm_ba split by rows into the two projections the record then names as float: the same
+    model as the float file holding those Q8_0 values."""
     src = FIXTURES / f"{arch}-mtp.gguf"
     for kind, name in ((T.Q8_0, "q8"), (T.F32, "f32")):
         rewrite(src, tmp_path / f"{name}.gguf", kind)
@@ -109,6 +118,10 @@ def test_quantized_value_heads_move_as_whole_rows_and_column_blocks(arch, tmp_pa
     q8, f32 = load_model(tmp_path / "q8")[0], load_model(tmp_path / "f32")[0]
     dense = load_model(tmp_path / "dense")[0]
     assert "scales" in q8.model.layers[0].linear_attn.out_proj  # stayed quantized
+    record = json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]
+    assert record["model.layers.0.linear_attn.in_proj_a"] is False
+    if arch == "qwen3next":
+        assert record["model.layers.0.linear_attn.in_proj_b"] is False
     ids = load_file(str(FIXTURES / f"{arch}-mtp.reference.safetensors"))["ids"].tolist()
     want = np.array(f32(mx.array([ids])))
     for model in (q8, dense):
