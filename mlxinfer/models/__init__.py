@@ -47,6 +47,7 @@ FAMILIES = {
     "qwen3_5_moe_text": "qwen3_5",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v2",
+    "glm4_moe_lite": "deepseek_v2",
     "glm4_moe": "glm4_moe",
     "bert": "bert",
 }

@@ -1,4 +1,6 @@
-"""DeepSeek-V2 and DeepSeek-V3 (``deepseek_v3`` is an alias plus its router).
+"""DeepSeek-V2 and DeepSeek-V3 (``deepseek_v3`` is an alias plus its router), and GLM-4.7-Flash
+(``glm4_moe_lite``: DeepSeek-V3's attention, router and MoE under GLM's name; its dense and MoE
+layers listed in ``mlp_layer_types``, dense first by default).
 
 Block: RMSNorm → multi-head latent attention (models/layers/mla.py) → residual →
 RMSNorm → MLP → residual. The first ``first_k_dense_replace`` layers have a
@@ -80,9 +82,20 @@ class ModelArgs(BaseArgs):
     mlp_bias: bool = False  # V2's dense and shared MLPs
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0  # V3's MTP layers (layers/mtp.py)
+    mlp_layer_types: list[str] | None = None  # GLM-4.7-Flash: "dense" or "sparse" per layer
 
     def __post_init__(self):
-        self.v3 = self.model_type == "deepseek_v3"
+        self.v3 = self.model_type in ("deepseek_v3", "glm4_moe_lite")
+        kinds, n = self.mlp_layer_types, self.num_hidden_layers
+        if self.model_type == "glm4_moe_lite" and kinds is None:
+            kinds = ["dense"] * min(n, self.first_k_dense_replace or 1)
+            kinds += ["sparse"] * (n - len(kinds))  # transformers' default: the first dense
+        if kinds is not None and (len(kinds) < n or not set(kinds[:n]) <= {"dense", "sparse"}):
+            raise ConfigError(
+                f"config.json: 'mlp_layer_types' must list {n} entries of 'dense' or 'sparse', "
+                f"found {kinds!r:.200}"
+            )
+        self.mlp_layer_types = None if kinds is None else list(kinds[:n])
         if self.v3:
             self.mlp_bias = False
             self.n_group, self.topk_group = self.n_group or 1, self.topk_group or 1
@@ -93,6 +106,9 @@ class ModelArgs(BaseArgs):
             )
 
     def is_moe(self, layer: int) -> bool:
+        """Whether ``layer`` has experts (an MTP block's index, past the trunk's: always)."""
+        if self.mlp_layer_types is not None and layer < self.num_hidden_layers:
+            return bool(self.n_routed_experts) and self.mlp_layer_types[layer] == "sparse"
         return bool(self.n_routed_experts) and layer >= self.first_k_dense_replace
 
     @property

@@ -1,6 +1,6 @@
 """Mixture-of-experts and multi-head latent attention families against transformers.
 
-Spec, per family (mixtral, qwen2_moe, deepseek_v2, deepseek_v3) on tiny random
+Spec, per family (mixtral, qwen2_moe, deepseek_v2, deepseek_v3, glm4_moe_lite) on tiny random
 checkpoints with 8 experts:
   * f32 logits within 1e-3 of transformers, one pass and chunked prefill + decode;
   * 32 greedy tokens identical;
@@ -126,6 +126,16 @@ CASES = {
         rope_interleave=False,
         norm_topk_prob=False,
         rope_parameters={**YARN, "factor": 8.0, "mscale_all_dim": 1.0},
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and router under GLM's name, layers by mlp_layer_types
+    "glm4_moe_lite": dict(
+        model_type="glm4_moe_lite",
+        **MLA,
+        q_lora_rank=48,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=1.8,
+        mlp_layer_types=["sparse", "dense"],
     ),
     # Granite's multipliers far from 1, so that each one counts
     "granitemoe": dict(

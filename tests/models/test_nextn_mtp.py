@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 import torch
 from hf_models import torch_greedy
-from mtp_models import DEEPSEEK_V3, GLM, QWEN3_NEXT, make_nextn, make_qwen_mtp, strip_layer_heads
+from mtp_models import (
+    DEEPSEEK_V3,
+    GLM,
+    GLM_LITE,
+    QWEN3_NEXT,
+    make_nextn,
+    make_qwen_mtp,
+    strip_layer_heads,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers.cache_utils import MtpCache
@@ -31,7 +39,9 @@ QWEN3_5_DENSE = dict(
     model_type="qwen3_5_text",
 )
 QWEN = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_5_DENSE}
-PROJ = {"glm4_moe": "eh_proj", "deepseek_v3": "eh_proj", "qwen3_next": "fc", "qwen3_5_text": "fc"}
+PROJ = {"glm4_moe": "eh_proj", "deepseek_v3": "eh_proj", "glm4_moe_lite": "eh_proj",
+        "qwen3_next": "fc", "qwen3_5_text": "fc"}  # fmt: skip
+NEXTN = {"glm4_moe": GLM, "deepseek_v3": DEEPSEEK_V3, "glm4_moe_lite": GLM_LITE}
 
 
 @pytest.fixture(scope="module", params=sorted(PROJ))
@@ -40,9 +50,7 @@ def glm(request, tmp_path_factory):
     if request.param in QWEN:
         path, trunk, mtp = make_qwen_mtp(where, QWEN[request.param])
     else:
-        path, trunk, mtp = make_nextn(
-            where, {"glm4_moe": GLM, "deepseek_v3": DEEPSEEK_V3}[request.param]
-        )
+        path, trunk, mtp = make_nextn(where, NEXTN[request.param])
     return path, trunk, mtp, load_model(path)[0]
 
 

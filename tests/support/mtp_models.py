@@ -161,6 +161,18 @@ DEEPSEEK_V3 = dict(
     n_group=4,
     topk_group=2,
 )
+# GLM-4.7-Flash: DeepSeek-V3's MLA and router under GLM's name (its config.json names
+# first_k_dense_replace as DeepSeek's do; transformers reads mlp_layer_types, dense first)
+GLM_LITE = dict(
+    model_type="glm4_moe_lite",
+    **{**MLA, "num_key_value_heads": 4},
+    q_lora_rank=48,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.8,
+    norm_topk_prob=True,
+)
 GLM = dict(
     model_type="glm4_moe",
     n_routed_experts=8,
@@ -214,6 +226,9 @@ def make_nextn(path: Path, spec: dict, *, seed: int = 0):
     trunk = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # transformers finds the MTP weights by this pattern (46 and 92 for the real GLM-4.5s).
     trunk._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{L}\."]
+    if settings["model_type"] == "glm4_moe_lite":  # no MTP config in transformers: say it
+        trunk.config.num_mtp_layers = 1
+        trunk.config.mtp_mlp_layer_types = ["sparse"]
     mtp = MtpModel.from_pretrained(trunk).eval()
     return Path(path), trunk, mtp
 
