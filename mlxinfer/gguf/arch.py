@@ -46,6 +46,8 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
   imports without that head (a warning). What llama.cpp hard-codes: sigmoid routing in one
   group (``n_group`` = ``topk_group`` = 1), top-k weights not renormalised unless
   ``expert_weights_norm`` says so.
+- ``deepseek2`` -> ``model_type: deepseek_v2`` or ``deepseek_v3`` (DeepSeek-V2/V3, GLM-4.7-Flash,
+  every multi-head latent attention model llama.cpp converts): deepseek2.py.
 - ``qwen35``, ``qwen35moe`` -> ``model_type: qwen3_5_text`` / ``qwen3_5_moe_text`` (Qwen3.5 and
   Qwen3.6), ``qwen3next`` -> ``qwen3_next``: the Gated DeltaNet's tensors under llama.cpp's SSM
   names, value heads reordered (Qwen3.5), ``1 + w`` norms, ``-exp(A_log)`` and the MTP layer as
@@ -60,9 +62,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import WeightsError
-from . import qwen35
+from . import deepseek2, qwen35
 
-SUPPORTED = ("llama", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS)
+SUPPORTED = ("llama", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS,
+             "deepseek2")  # fmt: skip
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ATTN_MLP = {
@@ -117,6 +120,7 @@ _LAYER = {
         "ffn_up_shexp": "mlp.shared_experts.up_proj",
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
     },
+    "deepseek2": deepseek2.LAYER,
 }
 _KIND = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}  # parameters by name
 # A multi-token-prediction layer's own tensors (``blk.N.nextn.*``), as layers/mtp.py's DEEPSEEK
@@ -124,7 +128,7 @@ _KIND = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}  # par
 NEXTN = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm",
          "shared_head_norm": "shared_head.norm"}  # fmt: skip
 _NEXTN_COPIES = ("embed_tokens", "shared_head_head")
-_NEXTN_ARCHS = ("glm4moe", *qwen35.ARCHS)
+_NEXTN_ARCHS = ("glm4moe", "deepseek2", *qwen35.ARCHS)
 _FUSED = {"ffn_gate_exps": 0, "ffn_up_exps": 1}  # halves of experts.gate_up_proj, in order
 
 

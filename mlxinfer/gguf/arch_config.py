@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, WeightsError
+from . import deepseek2, qwen35
 from . import metadata as meta
-from . import qwen35
 
 
 def _f32(x) -> float:
@@ -129,7 +129,7 @@ def _embedding(path: Path, md: dict, tensors: dict) -> tuple[int, int]:
 def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
     """config.json for the model the GGUF describes, in transformers 5's form."""
     m = _Meta(path, md, arch)
-    moe = arch in ("qwen3moe", "gpt-oss", "glm4moe", "qwen35moe", "qwen3next")
+    moe = arch in ("qwen3moe", "gpt-oss", "glm4moe", "qwen35moe", "qwen3next", "deepseek2")
     experts = m.integer("expert_count", lo=0, hi=MAX_EXPERTS, default=0)
     if experts and not moe:
         raise WeightsError(
@@ -356,6 +356,11 @@ def _qwen35(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     return qwen35.config(m, tensors, config, rope_theta, MAX_LAYERS, MAX_WIDTH)
 
 
+def _deepseek2(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    limits = {"layers": MAX_LAYERS, "width": MAX_WIDTH, "experts": MAX_EXPERTS}
+    return deepseek2.config(m, tensors, config, rope_theta, _rope_scaling(m), limits)
+
+
 _ARCH_CONFIG = {
     "llama": _llama,
     "gemma3": _gemma3,
@@ -366,4 +371,5 @@ _ARCH_CONFIG = {
     "qwen35": _qwen35,
     "qwen35moe": _qwen35,
     "qwen3next": _qwen35,
+    "deepseek2": _deepseek2,
 }

@@ -83,6 +83,7 @@ class ModelArgs(BaseArgs):
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0  # V3's MTP layers (layers/mtp.py)
     mlp_layer_types: list[str] | None = None  # GLM-4.7-Flash: "dense" or "sparse" per layer
+    k_b_proj_transposed: bool = False  # a GGUF import's attn_k_b (layers/mla.py)
 
     def __post_init__(self):
         self.v3 = self.model_type in ("deepseek_v3", "glm4_moe_lite")
@@ -192,6 +193,7 @@ class DecoderLayer(nn.Module):
             bias=args.attention_bias,
             rope=rope,
             scale=args.softmax_scale,
+            k_b_transposed=args.k_b_proj_transposed,
         )
         self.mlp: DeepseekMoE | GatedMLP
         if args.is_moe(layer):

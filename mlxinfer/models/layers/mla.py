@@ -124,6 +124,7 @@ class MultiHeadLatentAttention(Attention):
         bias: bool,
         rope: nn.Module,
         scale: float,
+        k_b_transposed: bool = False,
     ):
         super().__init__()
         self.n_heads, self.scale, self.rope = n_heads, scale, rope
@@ -144,7 +145,13 @@ class MultiHeadLatentAttention(Attention):
             self.q_b_proj = nn.Linear(q_lora_rank, n_heads * qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=1e-6)
-        self.k_b_proj = PerHeadLinear(n_heads, kv_lora_rank, qk_nope_head_dim)
+        # ``k_b_transposed``: W_k[h] stored as (kv_lora_rank, qk_nope_head_dim), as llama.cpp's
+        # GGUF files hold it (``attn_k_b``, quantized along qk_nope): the products flip.
+        self.k_b_t = k_b_transposed
+        if k_b_transposed:
+            self.k_b_proj = PerHeadLinear(n_heads, qk_nope_head_dim, kv_lora_rank)
+        else:
+            self.k_b_proj = PerHeadLinear(n_heads, kv_lora_rank, qk_nope_head_dim)
         self.v_b_proj = PerHeadLinear(n_heads, kv_lora_rank, v_head_dim)
         self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=bias)
 
@@ -172,7 +179,7 @@ class MultiHeadLatentAttention(Attention):
         )  # out: (B, H, L, v_head_dim)
 
     def _expanded(self, q_nope, q_pe, latent, k_pe, mask) -> mx.array:
-        k_nope = self.k_b_proj(latent)  # (B, H, T, qk_nope_head_dim)
+        k_nope = self.k_b_proj(latent, transpose=not self.k_b_t)  # (B, H, T, qk_nope_head_dim)
         v = self.v_b_proj(latent)  # (B, H, T, v_head_dim)
         k = mx.concatenate(
             [k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:-1], self.rope_dim))], axis=-1
@@ -181,7 +188,7 @@ class MultiHeadLatentAttention(Attention):
         return self.attend(q, k, v, scale=self.scale, mask=mask, cache=None)  # keys: qk_head_dim
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask) -> mx.array:
-        q_latent = self.k_b_proj(q_nope * self.scale, transpose=False)  # (B, H, L, kv_lora_rank)
+        q_latent = self.k_b_proj(q_nope * self.scale, transpose=self.k_b_t)  # (B, H, L, rank)
         scores = q_latent @ latent.swapaxes(-1, -2) + (q_pe * self.scale) @ k_pe.swapaxes(
             -1, -2
         )  # (B, H, L, T)
