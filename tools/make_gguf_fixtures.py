@@ -5,7 +5,8 @@
 ARCH: qwen35, qwen35moe, qwen3next (Qwen3.5/3.6 and Qwen3-Next), glm4moelite (GLM-4.7-Flash,
 llama.cpp's ``deepseek2`` architecture with its MTP layer), deepseek3 and deepseek2lite
 (DeepSeek-V3 and a V2-Lite-like model: ``deepseek2`` files without MTP, which llama.cpp's
-converter drops for them); default: all. DIR is a llama.cpp source tree (its ``conversion/``
+converter drops for them), llama31 (Llama with Llama 3.1's RoPE scaling, written as the
+``rope_freqs`` tensor); default: all. DIR is a llama.cpp source tree (its ``conversion/``
 package and ``gguf-py/``; the llama-cpp-python sdist carries one under ``vendor/llama.cpp``:
 ``pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:``). Needs the test extras
 (transformers, torch==2.13.0).
@@ -43,7 +44,8 @@ IDS = [5, 17, 33, 2, 99, 120, 7, 64, 3, 11, 42, 8]
 GREEDY = 16
 
 
-ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite")
+ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31")
+NO_MTP = ("deepseek3", "deepseek2lite", "llama31")  # the converter keeps none for these
 
 
 def spec(arch: str, vocab: int) -> dict:
@@ -70,6 +72,11 @@ def spec(arch: str, vocab: int) -> dict:
                 "original_max_position_embeddings": 64}  # fmt: skip
         return {**DEEPSEEK_V3, "vocab_size": vocab, "scoring_func": "sigmoid",
                 "topk_method": "noaux_tc", "rope_parameters": yarn}  # fmt: skip
+    if arch == "llama31":  # Llama 3.1's RoPE scaling, which the converter writes as rope_freqs
+        llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}  # fmt: skip
+        return {"model_type": "llama", "vocab_size": vocab, "rope_parameters": llama3}
     if arch == "deepseek2lite":  # no query bottleneck, softmax routing, a dense first layer
         return {**MLA, "model_type": "deepseek_v2", "vocab_size": vocab, "q_lora_rank": None,
                 "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_shared_experts": 2,
@@ -102,7 +109,7 @@ def make(arch: str, path: Path, vocab: int) -> None:
     settings = spec(arch, vocab)
     if arch.startswith("qwen"):
         make_qwen_mtp(path, settings)
-    elif arch == "deepseek2lite":
+    elif arch in ("deepseek2lite", "llama31"):
         make_tiny(path, **settings)
     else:
         make_nextn(path, settings)
@@ -159,7 +166,7 @@ def rounded_to_float16(hf_dir: Path, arch: str):
     weights = {k: v.half().float() if v.dim() > 1 else v for k, v in load_file(str(file)).items()}
     save_file(weights, str(file), metadata={"format": "pt"})
     trunk = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    if arch in ("deepseek2lite", "deepseek3"):  # llama.cpp's converter drops V3's MTP layer
+    if arch in NO_MTP:  # (llama.cpp's converter drops DeepSeek-V3's MTP layer)
         return trunk, None
     if arch.startswith("qwen"):
         trunk.config.num_mtp_layers = 1

@@ -67,6 +67,8 @@ from . import deepseek2, qwen35
 SUPPORTED = ("llama", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS,
              "deepseek2")  # fmt: skip
 
+# Tensors that hold settings, not weights: read into config.json (arch_config.py), not imported.
+SETTINGS = ("rope_freqs.weight",)
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ATTN_MLP = {
     "attn_q": "self_attn.q_proj",

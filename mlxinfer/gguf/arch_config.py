@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import ConfigError, WeightsError
 from . import deepseek2, qwen35
 from . import metadata as meta
+from .rope_freqs import llama3_scaling
 
 
 def _f32(x) -> float:
@@ -41,8 +42,9 @@ class _Meta:
     """Typed metadata lookups under the architecture's prefix (metadata.py): a wrong type or
     range is a ConfigError naming the key; a needed key that is absent, a WeightsError."""
 
-    def __init__(self, path: Path, md: dict, arch: str):
+    def __init__(self, path: Path, md: dict, arch: str, read=None):
         self.path, self.md, self.arch = path, md, arch
+        self.read = read  # a tensor's values as float32 (GGUFTensor -> ndarray), or None
 
     def integer(self, key: str, *, lo: int = 1, hi: int, default=meta.REQUIRED) -> int:
         return meta.integer(self.path, self.md, f"{self.arch}.{key}", lo=lo, hi=hi, default=default)
@@ -126,9 +128,10 @@ def _embedding(path: Path, md: dict, tensors: dict) -> tuple[int, int]:
     return shape
 
 
-def make_config(arch: str, path: Path, md: dict, tensors: dict) -> dict:
-    """config.json for the model the GGUF describes, in transformers 5's form."""
-    m = _Meta(path, md, arch)
+def make_config(arch: str, path: Path, md: dict, tensors: dict, read=None) -> dict:
+    """config.json for the model the GGUF describes, in transformers 5's form (``read``: a
+    tensor's values, for settings stored as a tensor: Llama 3.1's ``rope_freqs``)."""
+    m = _Meta(path, md, arch, read)
     moe = arch in ("qwen3moe", "gpt-oss", "glm4moe", "qwen35moe", "qwen3next", "deepseek2")
     experts = m.integer("expert_count", lo=0, hi=MAX_EXPERTS, default=0)
     if experts and not moe:
@@ -210,6 +213,9 @@ def _llama(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
                 f"{m.path}: llama.rope.scaling.type='yarn' not supported (expected none or linear)"
             )
         config["rope_scaling"] = {"type": "linear", "factor": scaling["factor"]}
+    elif "rope_freqs.weight" in tensors and m.read is not None:  # Llama 3.1+ (rope_freqs.py)
+        factors = m.read(tensors["rope_freqs.weight"])
+        config["rope_scaling"] = llama3_scaling(m.path, factors, rope_theta, head_dim)
     return config
 
 

@@ -44,9 +44,10 @@ from ..errors import MlxInferError, WeightsError
 from ..files.atomic import writing_dir
 from ..files.manifest import existing_output_error, write_manifest
 from ..platform.progress import Progress, counted, finished, resolve
-from .arch import SUPPORTED, check_fused, fused_part, import_names, split
+from . import quants as gq
+from .arch import SETTINGS, SUPPORTED, check_fused, fused_part, import_names, split
 from .arch_config import make_config
-from .container import read_gguf_header
+from .container import read_gguf_header, tensor_bytes
 from .dense import DTYPES, write_float
 from .tensors import fuse_halves, stored_parts
 from .vocab import build_tokenizer
@@ -124,7 +125,14 @@ def _import(src: Path, dst: Path, requantize, dtype, progress: Progress, log) ->
                 )
             if "token_embd.weight" not in tensors:
                 raise WeightsError(f"{src}: no token_embd.weight tensor")
-            config = make_config(arch, src, md, tensors)
+            config = make_config(
+                arch,
+                src,
+                md,
+                tensors,
+                lambda t: gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape),
+            )
+            tensors = {n: t for n, t in tensors.items() if n not in SETTINGS}  # read just now
             check_fused(src, tensors)
             tok_json, tok_config = build_tokenizer(src, md)
             names = import_names(arch, src, tensors, config)

@@ -2,12 +2,13 @@
 with transformers' answers (tools/make_gguf_fixtures.py, float16): Qwen3.5/3.6 (``qwen35``,
 ``qwen35moe``; value heads 2 per key head) and Qwen3-Next (``qwen3next``) with an MTP layer,
 GLM-4.7-Flash (``deepseek2`` with an MTP layer), DeepSeek-V3 (``deepseek2``, sigmoid routing in
-groups, YaRN; the converter drops its MTP layer) and a V2-Lite-like model (``deepseek2``, no
-query bottleneck, softmax routing). The import must undo everything the converter did (Qwen3.5's
+groups, YaRN; the converter drops its MTP layer), a V2-Lite-like model (``deepseek2``, no
+query bottleneck, softmax routing) and a Llama with Llama 3.1's RoPE scaling (``llama``, the
+scaling as the ``rope_freqs`` tensor). The import must undo everything the converter did (Qwen3.5's
 value heads reordered, Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` split, ``1 + w`` norms,
 ``-exp(A_log)``, the squeezed conv kernel, MLA's ``kv_b_proj`` split into a transposed
 ``attn_k_b`` and ``attn_v_b``, ``mtp.*`` as ``blk.N.nextn.*``, the routing and YaRN as
-metadata): the trunk's logits, the MTP head's (with its cache, then chained on its own output)
+metadata, Llama 3.1's scaling as factors): the trunk's logits, the MTP head's (with its cache, then chained on its own output)
 and the greedy tokens are transformers' (issues #45, #48's "every format loads")."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from mlxinfer.gguf import import_gguf, qwen35  # noqa: E402
 from mlxinfer.loading.loader import load_model  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "gguf"
-ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite")
+ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31")
 WITH_MTP = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite")
 KEEP_FLOAT = ("ssm_alpha", "ssm_ba")  # float modules in a quantized file: named in the record
 ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp's quantizer leaves them float
@@ -142,6 +143,8 @@ def test_q8_0_file_is_the_float_file_of_its_values(arch, tmp_path):
         assert record["model.layers.0.linear_attn.in_proj_a"] is False
         if arch == "qwen3next":
             assert record["model.layers.0.linear_attn.in_proj_b"] is False
+    elif arch == "llama31":
+        assert "scales" in q8.model.layers[0].self_attn.q_proj
     else:
         assert "scales" in q8.model.layers[0].self_attn.k_b_proj  # (heads, rank, nope) codes
     ids = load_file(str(FIXTURES / f"{arch}.reference.safetensors"))["ids"].tolist()
@@ -205,3 +208,24 @@ def test_deepseek2_files_from_before_the_k_b_split_load_too(tmp_path):
     model = load_model(tmp_path / "old")[0]
     logits = np.array(model(mx.array([ref["ids"].tolist()]))[0])
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4)
+
+
+def test_llama31_rope_freqs_become_its_rope_scaling(tmp_path_factory):
+    _, _, model = import_fixture("llama31", tmp_path_factory)
+    assert model.args.rope_scaling == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }  # fmt: skip
+
+
+def test_rope_freqs_of_another_form_are_our_error():
+    from mlxinfer.gguf.rope_freqs import llama3_scaling
+
+    assert llama3_scaling(Path("m.gguf"), np.ones(8, np.float32), 10000.0, 16) is None
+    with pytest.raises(
+        WeightsError, match=r"m\.gguf: tensor rope_freqs\.weight has 4 values; expected 8"
+    ):
+        llama3_scaling(Path("m.gguf"), np.ones(4, np.float32), 10000.0, 16)
+    bumpy = np.array([1, 2, 1, 8, 8, 8, 8, 8], np.float32)  # not monotone: no llama3 setting
+    with pytest.raises(WeightsError, match=r"m\.gguf: tensor rope_freqs\.weight: "):
+        llama3_scaling(Path("m.gguf"), bumpy, 10000.0, 16)
