@@ -6,7 +6,7 @@ ARCH: qwen35, qwen35moe, qwen3next (Qwen3.5/3.6 and Qwen3-Next), glm4moelite (GL
 llama.cpp's ``deepseek2`` architecture with its MTP layer), deepseek3 and deepseek2lite
 (DeepSeek-V3 and a V2-Lite-like model: ``deepseek2`` files without MTP, which llama.cpp's
 converter drops for them), llama31 (Llama with Llama 3.1's RoPE scaling, written as the
-``rope_freqs`` tensor); default: all. DIR is a llama.cpp source tree (its ``conversion/``
+``rope_freqs`` tensor), qwen2 (Qwen2.5) and gemma2 (Gemma 2); default: all. DIR is a llama.cpp source tree (its ``conversion/``
 package and ``gguf-py/``; the llama-cpp-python sdist carries one under ``vendor/llama.cpp``:
 ``pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:``). Needs the test extras
 (transformers, torch==2.13.0).
@@ -44,8 +44,9 @@ IDS = [5, 17, 33, 2, 99, 120, 7, 64, 3, 11, 42, 8]
 GREEDY = 16
 
 
-ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31")
-NO_MTP = ("deepseek3", "deepseek2lite", "llama31")  # the converter keeps none for these
+ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31",
+         "qwen2", "gemma2")  # fmt: skip
+NO_MTP = ("deepseek3", "deepseek2lite", "llama31", "qwen2", "gemma2")  # the converter keeps none
 
 
 def spec(arch: str, vocab: int) -> dict:
@@ -77,6 +78,13 @@ def spec(arch: str, vocab: int) -> dict:
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}  # fmt: skip
         return {"model_type": "llama", "vocab_size": vocab, "rope_parameters": llama3}
+    if arch == "qwen2":  # Qwen2.5: q/k/v biases, tied embeddings as the small ones have them
+        return {"model_type": "qwen2", "vocab_size": vocab, "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}  # fmt: skip
+    if arch == "gemma2":  # soft-capped logits, a window shorter than the prompt, 4 layers
+        return {"model_type": "gemma2", "vocab_size": vocab, "num_hidden_layers": 4,
+                "sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 16,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # fmt: skip
     if arch == "deepseek2lite":  # no query bottleneck, softmax routing, a dense first layer
         return {**MLA, "model_type": "deepseek_v2", "vocab_size": vocab, "q_lora_rank": None,
                 "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_shared_experts": 2,
@@ -107,10 +115,10 @@ def make(arch: str, path: Path, vocab: int) -> None:
     from mtp_models import make_nextn, make_qwen_mtp
 
     settings = spec(arch, vocab)
-    if arch.startswith("qwen"):
+    if arch in NO_MTP:
+        make_tiny(path, perturb_vectors=True, **settings)
+    elif arch.startswith("qwen"):
         make_qwen_mtp(path, settings)
-    elif arch in ("deepseek2lite", "llama31"):
-        make_tiny(path, **settings)
     else:
         make_nextn(path, settings)
 

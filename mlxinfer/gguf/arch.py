@@ -6,6 +6,11 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
 
 - ``llama`` -> ``model_type: llama``. The converter interleaved each head's
   RoPE halves in the q/k rows; :func:`unpermute_rows` restores HF's order.
+- ``qwen2`` -> ``model_type: qwen2`` (Qwen2, Qwen2.5): as qwen3 without q/k norms, with q/k/v
+  biases.
+- ``gemma2`` -> ``model_type: gemma2``: Gemma 3's norms (stored w + 1) and names; what llama.cpp
+  hard-codes: even layers slide, the query scale (``query_pre_attn_scalar``) is the head size,
+  ``hidden / heads`` for the 46-layer 27B.
 - ``gemma3`` -> ``model_type: gemma3_text``. Gemma's RMSNorm multiplies by
   ``1 + w``; llama.cpp stores ``w + 1`` so that its own norm is a plain ``x * w``,
   and transformers' GGUF loader subtracts the 1 again. We do the same, in
@@ -64,8 +69,8 @@ import numpy as np
 from ..errors import WeightsError
 from . import deepseek2, qwen35
 
-SUPPORTED = ("llama", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS,
-             "deepseek2")  # fmt: skip
+SUPPORTED = ("llama", "qwen2", "gemma2", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe",
+             *qwen35.ARCHS, "deepseek2")  # fmt: skip
 
 # Tensors that hold settings, not weights: read into config.json (arch_config.py), not imported.
 SETTINGS = ("rope_freqs.weight",)
@@ -93,6 +98,14 @@ _EXPERTS = {
 }
 _LAYER = {
     "llama": {**_ATTN_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "qwen2": {**_ATTN_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "gemma2": {
+        **_ATTN_MLP,
+        "attn_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
     "gemma3": {
         **_ATTN_MLP,
         "attn_norm": "input_layernorm",
@@ -256,7 +269,8 @@ def needs_float_fix(arch: str, module: str, kind: str) -> bool:
     """Whether :func:`fix_float` changes this tensor (Gemma's and Qwen3.5's norms, ...)."""
     if arch in qwen35.ARCHS:
         return qwen35.needs_float_fix(module, kind)
-    return arch == "gemma3" and kind == "weight" and module.rsplit(".", 1)[-1].endswith("norm")
+    gemma = arch in ("gemma2", "gemma3")
+    return gemma and kind == "weight" and module.rsplit(".", 1)[-1].endswith("norm")
 
 
 def fix_float(arch: str, module: str, kind: str, a: np.ndarray, name: str) -> np.ndarray:

@@ -251,6 +251,41 @@ def _gemma3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     }
 
 
+def _gemma2(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    n_layers, hidden, n_heads = (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+    )
+    window = m.integer("attention.sliding_window", hi=MAX_CONTEXT)
+    return {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        **config,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": rope_theta,
+        "sliding_window": window,
+        "layer_types": [  # llama.cpp's pattern for Gemma 2: even layers slide
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+        ],
+        "query_pre_attn_scalar": hidden // n_heads if n_layers == 46 else config["head_dim"],
+        "attn_logit_softcapping": _f32(m.number("attn_logit_softcapping", hi=1e6, default=50.0)),
+        "final_logit_softcapping": _f32(m.number("final_logit_softcapping", hi=1e6, default=30.0)),
+    }
+
+
+def _qwen2(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **config,
+        "hidden_act": "silu",
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(m),
+        "use_sliding_window": False,
+    }
+
+
 def _qwen3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     return {
         "architectures": ["Qwen3ForCausalLM"],
@@ -369,6 +404,8 @@ def _deepseek2(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict
 
 _ARCH_CONFIG = {
     "llama": _llama,
+    "qwen2": _qwen2,
+    "gemma2": _gemma2,
     "gemma3": _gemma3,
     "qwen3": _qwen3,
     "qwen3moe": _qwen3moe,

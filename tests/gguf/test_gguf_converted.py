@@ -3,8 +3,9 @@ with transformers' answers (tools/make_gguf_fixtures.py, float16): Qwen3.5/3.6 (
 ``qwen35moe``; value heads 2 per key head) and Qwen3-Next (``qwen3next``) with an MTP layer,
 GLM-4.7-Flash (``deepseek2`` with an MTP layer), DeepSeek-V3 (``deepseek2``, sigmoid routing in
 groups, YaRN; the converter drops its MTP layer), a V2-Lite-like model (``deepseek2``, no
-query bottleneck, softmax routing) and a Llama with Llama 3.1's RoPE scaling (``llama``, the
-scaling as the ``rope_freqs`` tensor). The import must undo everything the converter did (Qwen3.5's
+query bottleneck, softmax routing), a Llama with Llama 3.1's RoPE scaling (``llama``, the
+scaling as the ``rope_freqs`` tensor), Qwen2.5 (``qwen2``, tied, biases) and Gemma 2
+(``gemma2``: soft-capping, a window shorter than the prompt). The import must undo everything the converter did (Qwen3.5's
 value heads reordered, Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` split, ``1 + w`` norms,
 ``-exp(A_log)``, the squeezed conv kernel, MLA's ``kv_b_proj`` split into a transposed
 ``attn_k_b`` and ``attn_v_b``, ``mtp.*`` as ``blk.N.nextn.*``, the routing and YaRN as
@@ -34,7 +35,8 @@ from mlxinfer.gguf import import_gguf, qwen35  # noqa: E402
 from mlxinfer.loading.loader import load_model  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "gguf"
-ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31")
+ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31",
+         "qwen2", "gemma2")  # fmt: skip
 WITH_MTP = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite")
 KEEP_FLOAT = ("ssm_alpha", "ssm_ba")  # float modules in a quantized file: named in the record
 ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp's quantizer leaves them float
@@ -138,12 +140,12 @@ def test_q8_0_file_is_the_float_file_of_its_values(arch, tmp_path):
     q8, f32 = load_model(tmp_path / "q8")[0], load_model(tmp_path / "f32")[0]
     dense = load_model(tmp_path / "dense")[0]
     record = json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]
-    if arch.startswith("qwen"):
+    if arch.startswith("qwen3"):
         assert "scales" in q8.model.layers[0].linear_attn.out_proj  # stayed quantized
         assert record["model.layers.0.linear_attn.in_proj_a"] is False
         if arch == "qwen3next":
             assert record["model.layers.0.linear_attn.in_proj_b"] is False
-    elif arch == "llama31":
+    elif arch in ("llama31", "qwen2", "gemma2"):
         assert "scales" in q8.model.layers[0].self_attn.q_proj
     else:
         assert "scales" in q8.model.layers[0].self_attn.k_b_proj  # (heads, rank, nope) codes
