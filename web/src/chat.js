@@ -135,15 +135,18 @@ async function models() {
     status(await errorOf(response));
     return;
   }
-  const select = $("model");
-  select.replaceChildren();
-  state.vision.clear();
-  for (const m of (await response.json()).data) {
+  // The new list replaces the old one in one step, after the last await: the select is never
+  // empty in between (two listings in flight, as a key typed and then changed makes, left a
+  // request sent meanwhile with no model).
+  const listed = (await response.json()).data;
+  const options = listed.map((m) => {
     const option = document.createElement("option");
     option.value = option.textContent = m.id;
-    select.appendChild(option);
-    if (m.input_modalities?.includes("image")) state.vision.add(m.id);
-  }
+    return option;
+  });
+  const select = $("model");
+  select.replaceChildren(...options);
+  state.vision = new Set(listed.filter((m) => m.input_modalities?.includes("image")).map((m) => m.id));
   const chosen = sessionStorage.getItem("mlxinfer.model");
   if (chosen && [...select.options].some((o) => o.value === chosen)) select.value = chosen;
   modelChanged();
