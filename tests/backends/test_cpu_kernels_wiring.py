@@ -212,7 +212,8 @@ def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
     """4-bit, the bit-stream widths whose codes straddle words (3, 6) and MLX's float modes
     (mlx-lm's conversions, no biases: mxfp4's E2M1 codes with E8M0 scales per 32, nvfp4's with
     E4M3 scales per 16, mxfp8's E4M3 codes with E8M0 scales): every quantized product of fewer
-    rows than ``dequantize_rows`` a kernel call, within its bound of MLX's quantized_matmul."""
+    rows than ``dequantize_rows`` a kernel call (q/k/v and gate/up one stacked call each: the
+    ``fuse`` plan), within its bound of MLX's quantized_matmul."""
     path, _ = make_tiny(tmp_path / "hf", tie_word_embeddings=tied, **SHAPES)
     add_tokenizer(path)
     if bits in FLOAT_MODES:
@@ -235,17 +236,18 @@ def test_a_quantized_model_matches_mlx_quantized_path_with_the_kernels(
         counter.take()
         # 12-row products: within the kernels' bound against MLX's (1e-4 of the largest)
         assert np.abs(logits(model, IDS, 12) - ref_short).max() <= 1e-4 * np.abs(ref_short).max()
-        # per block q, k, v, o, gate, up, down; and the head (the quantized embedding, if tied)
+        # per block q/k/v as one stacked product (fused), o, gate/up as one, down; and the head
+        # (the quantized embedding, if tied)
         assert counter.take() == {
             "matvec": 0,
-            "quantized_matvec": 2 * (7 * LAYERS + 1) * on,
+            "quantized_matvec": 2 * (4 * LAYERS + 1) * on,
             "dequantize": 0,
         }
         # 24 rows, below dequantize_rows (32 here): the kernel too, once per block product and
         # an untied head's (MLX's quantized_matmul there, a scalar loop, made a 24-token chunk of
         # SmolLM2 ~20x slower than 16 rows); a tied head dequantizes past 16 rows (head_rows)
         assert np.abs(logits(model, IDS, 24) - ref_long).max() <= 1e-3
-        assert counter.take()["quantized_matvec"] == (7 * LAYERS + (not tied)) * on
+        assert counter.take()["quantized_matvec"] == (4 * LAYERS + (not tied)) * on
         kinds.set_plan(model, "dequantize_rows", 24)  # from 24 rows: dequantized for the BLAS
         assert np.abs(logits(model, IDS, 24) - ref_long).max() <= 1e-3  # prefill: dequantized
         # ... by the kernel (any plan) for affine weights, every block product and the head once

@@ -244,7 +244,7 @@ def test_sliced_mlp_equals_whole_mlp(bits, group_size, bias):
         return nn.QuantizedLinear.__call__(layer, a)  # MLX's quantized matmul, not ours
 
     ref = whole(mlp.down_proj, nn.silu(whole(mlp.gate_proj, x)) * whole(mlp.up_proj, x))
-    assert swap_layers(mlp) == 4  # three quantized layers and the MLP itself
+    assert swap_layers(mlp) == 5  # three quantized layers, the MLP, gate/up stacked (fused.py)
     with quant.stepwise_prefill(mlp):
         assert quant.slices_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj) == quant.stepwise()
         assert not quant.slices_mlp(

@@ -109,9 +109,10 @@ def test_swap_layers_plans_quantized_siblings_only():
     attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
     mlp = GatedMLP(64, 4096, nn.silu)  # 262k weights each
     nn.quantize(mlp, group_size=64, bits=4)
-    # 3 quantized layers, the MLP, the float q/k/v stacked into one product (fused.py), and
-    # those 3 small float Linears as PaddedLinear (few-row products may run padded)
-    assert swap_layers(nn.Sequential(attn, mlp)) == 8
+    # 3 quantized layers, the MLP, the float q/k/v stacked into one product and the quantized
+    # gate/up into another (fused.py), and those 3 small float Linears as PaddedLinear (few-row
+    # products may run padded)
+    assert swap_layers(nn.Sequential(attn, mlp)) == 9
     assert all(
         getattr(getattr(attn, n), "cpu_plan", None) is None for n in ("q_proj", "k_proj", "v_proj")
     )  # float: no stream plan
@@ -227,6 +228,47 @@ def test_fused_siblings_equal_their_own_products_in_any_call_order():
     assert attn.k_proj.weight.shape == (32, 64) and "weight" in attn.k_proj.parameters()
     attn.q_proj.cpu_fused[0].on = False  # the plan off: each its own product again
     assert mx.array_equal(attn.v_proj(x2), nn.Linear.__call__(attn.v_proj, x2))
+
+
+@on_cpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_quantized_siblings_equal_their_own_kernel_products(bias):
+    """Quantized q/k/v of one format stacked (codes, scales, biases, bias by rows): with the
+    kernel plan, each sibling's rows of the one stacked kernel call equal its own kernel product
+    exactly, in any call order; siblings of different formats stay apart."""
+    from mlxinfer.backends import kernels
+    from mlxinfer.backends.cpu import compiled, fused
+    from mlxinfer.backends.cpu.layers import with_mixin
+
+    if kernels.load() is None:
+        pytest.skip("the compiled kernels are not built (python tools/build_kernels.py)")
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (
+        quantized(128, n, key=n, bias=bias) for n in (128, 64, 64)
+    )
+    for name in ("q_proj", "k_proj", "v_proj"):
+        attn[name].__class__ = CPUQuantizedLinear
+    own = {name: compiled.quantized_call(kernels.load(), attn[name]) for name in attn}
+    x1, x2 = (mx.random.normal((1, 3, 128), key=mx.random.key(k)) for k in (1, 2))
+    want = {(name, i): own[name](x, attn[name]) for name in own for i, x in enumerate((x1, x2))}
+    mx.eval(list(want.values()))
+    assert fused.fuse_quantized_siblings(attn, with_mixin, CPUQuantizedLinear) == 1
+    for name in own:
+        cpu_parallel.plan_of(attn[name]).kernel = True
+        compiled.bind(attn[name])
+    got = [("q_proj", 0, attn.q_proj(x1)), ("q_proj", 1, attn.q_proj(x2))]
+    got += [("k_proj", 0, attn.k_proj(x1)), ("v_proj", 0, attn.v_proj(x1))]
+    got += [("v_proj", 1, attn.v_proj(x2))]
+    for name, i, out in got:
+        assert mx.array_equal(out, want[name, i]), (name, i)
+    assert attn.k_proj["weight"].shape == (64, 128 * 4 // 32)  # a view of the stacked codes
+
+    mixed = nn.Module()
+    mixed.q_proj, mixed.k_proj = quantized(128, 64, key=1), quantized(128, 64, key=2)
+    mixed.v_proj = nn.QuantizedLinear.from_linear(nn.Linear(128, 64), group_size=64, bits=8)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        mixed[name].__class__ = CPUQuantizedLinear
+    assert fused.fuse_quantized_siblings(mixed, with_mixin, CPUQuantizedLinear) == 0
 
 
 @pytest.mark.parametrize("transposed", [False, True])

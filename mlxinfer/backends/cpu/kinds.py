@@ -132,7 +132,11 @@ def float_products(model: nn.Module) -> list[nn.Module]:
     found = [
         m
         for m in model.modules()
-        if m is not head and (isinstance(m, kinds) or getattr(m, "cpu_fused", None) is not None)
+        if m is not head
+        and (
+            isinstance(m, kinds)
+            or (getattr(m, "cpu_fused", None) is not None and "scales" not in m)
+        )
     ]
     if found and head is not None and "scales" not in head:
         found.append(head)

@@ -290,10 +290,11 @@ def swap_layers(model: nn.Module) -> int:
             n += 1
     for _, module in model.named_modules():
         n += fused.fuse_siblings(module, with_mixin)
+        n += fused.fuse_quantized_siblings(module, with_mixin, quantized.CPUQuantizedLinear)
     for _, module in model.named_modules():
         for names in parallel.SIBLINGS:
             siblings = [module.get(name) for name in names]
-            if all(type(layer) is quantized.CPUQuantizedLinear for layer in siblings):
+            if all(isinstance(layer, quantized.CPUQuantizedLinear) for layer in siblings):
                 widths = {layer["scales"].shape[-1] * layer.group_size for layer in siblings}
                 if len(widths) == 1:
                     parallel.plan_siblings(siblings, widths.pop())
