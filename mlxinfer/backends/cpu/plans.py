@@ -10,8 +10,8 @@ keeping an option only if it beats the plainer one by 3%:
 - ``halves``: float gated MLPs as two half MLPs side by side, or one MLP;
 - ``head``: the float LM head in blocks over the two streams, one product, or one call of the
   compiled kernel (``kernel``, where the kernels are loaded: ``compiled``);
-- ``fuse``: float siblings (q/k/v, gate/up) as one stacked product, or one product each
-  (``fused``);
+- ``fuse``: siblings (q/k/v, gate/up; float, or quantized of one format) as one stacked product,
+  or one product each (``fused``);
 - ``quantized``: quantized layers in one call, cut in halves over the two streams, with
   siblings (q/k/v, gate/up) whole side by side, or side by side with the largest cut to
   balance the streams (``parallel.plan_siblings``), or the compiled kernel in one call
