@@ -179,8 +179,9 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
             if sum(len(options[k]) for k in kinds) * rounds * part_s > MAX_KERNEL_MEASURE_S:
                 kinds = []
             seconds["skipped"]["kernels_timed"] = bool(kinds)
-    # The head first: the blocks' timings add the chosen head's time to their estimate.
-    for kind in sorted(kinds, key=lambda kind: kind != "head"):
+    # The head first: the blocks' timings add the chosen head's time to their estimate. Fusing
+    # after the products' plans: a stacked product runs on the kernel only where they chose it.
+    for kind in sorted(kinds, key=lambda kind: (kind != "head", kind == "fuse")):
         if kind == "kernel_threads" and "kernel" not in chosen.values():
             continue  # no kernel in use: its threads do not matter
         # The kernels' threads act on the head too.
@@ -217,13 +218,16 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
 def static_default(model: nn.Module) -> dict[str, str]:
     """What the plans are without timing, for the kinds the model has: the compiled kernel
     wherever one covers a kind's layers (on all usable CPUs), else the plainest option (one
-    stream). Quiet machines measured so far chose it or a plan within a few percent of it."""
+    stream), and siblings stacked where a kernel is in use. Quiet machines measured so far chose
+    it or a plan within a few percent of it."""
     found = plan_layers(model)
     default = {}
     for kind in OPTIONS:
         if found[kind]:
             options = options_of(model, kind, found)
             default[kind] = "kernel" if "kernel" in options else options[0]
+    if "fuse" in default and "kernel" in default.values():
+        default["fuse"] = "fused"  # siblings stacked: one kernel call for each group
     return default
 
 
