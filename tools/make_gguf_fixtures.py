@@ -6,7 +6,8 @@ ARCH: qwen35, qwen35moe, qwen3next (Qwen3.5/3.6 and Qwen3-Next), glm4moelite (GL
 llama.cpp's ``deepseek2`` architecture with its MTP layer), deepseek3 and deepseek2lite
 (DeepSeek-V3 and a V2-Lite-like model: ``deepseek2`` files without MTP, which llama.cpp's
 converter drops for them), llama31 (Llama with Llama 3.1's RoPE scaling, written as the
-``rope_freqs`` tensor), qwen2 (Qwen2.5) and gemma2 (Gemma 2); default: all. DIR is a llama.cpp source tree (its ``conversion/``
+``rope_freqs`` tensor), qwen2 (Qwen2.5), gemma2 (Gemma 2) and phi4mini (Phi-4-mini: ``phi3``
+with LongRoPE as tensors); default: all. DIR is a llama.cpp source tree (its ``conversion/``
 package and ``gguf-py/``; the llama-cpp-python sdist carries one under ``vendor/llama.cpp``:
 ``pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:``). Needs the test extras
 (transformers, torch==2.13.0).
@@ -21,7 +22,8 @@ byte-level BPE vocabulary the other GGUF tests use. Written to ``tests/fixtures/
 
 - ``<arch>.gguf``: the file (a few hundred KB);
 - ``<arch>.reference.safetensors``: transformers' trunk logits over ``IDS``, its greedy
-  continuation, and (with an MTP layer) the MTP head's logits at every prompt position then
+  continuation, without an MTP layer the last 8 rows of the logits over an 80-token prompt, and
+  (with an MTP layer) the MTP head's logits at every prompt position then
   chained twice on its own output (``MtpModel.forward_layer``, as
   tests/models/test_nextn_mtp.py computes them); its metadata names the transformers, torch
   and llama.cpp versions.
@@ -42,11 +44,12 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "gguf"
 IDS = [5, 17, 33, 2, 99, 120, 7, 64, 3, 11, 42, 8]
 GREEDY = 16
+LONG = 80  # a prompt past the tiny RoPE-scaled configs' 64 original positions
 
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31",
-         "qwen2", "gemma2")  # fmt: skip
-NO_MTP = ("deepseek3", "deepseek2lite", "llama31", "qwen2", "gemma2")  # the converter keeps none
+         "qwen2", "gemma2", "phi4mini")  # fmt: skip
+NO_MTP = ("deepseek3", "deepseek2lite", "llama31", "qwen2", "gemma2", "phi4mini")
 
 
 def spec(arch: str, vocab: int) -> dict:
@@ -78,6 +81,16 @@ def spec(arch: str, vocab: int) -> dict:
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}  # fmt: skip
         return {"model_type": "llama", "vocab_size": vocab, "rope_parameters": llama3}
+    if arch == "phi4mini":  # Phi-4-mini: LongRoPE over 3/4 of each head, tied, no window
+        half = 6  # rotated pairs: 16 * 0.75 / 2
+        longrope = {"rope_type": "longrope", "rope_theta": 10000.0,
+                    "long_factor": [1.0 + 0.7 * i for i in range(half)],
+                    "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                    "original_max_position_embeddings": 64}  # fmt: skip
+        return {"model_type": "phi3", "vocab_size": vocab, "tie_word_embeddings": True,
+                "partial_rotary_factor": 0.75, "rope_parameters": longrope,
+                "original_max_position_embeddings": 64, "sliding_window": None,
+                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
     if arch == "qwen2":  # Qwen2.5: q/k/v biases, tied embeddings as the small ones have them
         return {"model_type": "qwen2", "vocab_size": vocab, "tie_word_embeddings": True,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}  # fmt: skip
@@ -199,10 +212,15 @@ def reference(trunk, mtp) -> dict:
         trunk.generation_config.eos_token_id = None
         greedy = trunk.generate(torch.tensor([IDS]), max_new_tokens=GREEDY, do_sample=False)
         if mtp is None:
+            # and a prompt past original_max_position_embeddings (64 in the tiny RoPE-scaled
+            # configs): Phi's LongRoPE switches to its long factors there
+            long = [(5 + 11 * i) % trunk.config.vocab_size for i in range(LONG)]
             return {
                 "ids": torch.tensor(IDS, dtype=torch.int32),
                 "logits": out.logits[0].float().contiguous(),
                 "greedy": greedy[0, T:].to(torch.int32).contiguous(),
+                "long_ids": torch.tensor(long, dtype=torch.int32),
+                "long_logits": trunk(torch.tensor([long])).logits[0, -8:].float().contiguous(),
             }
         h = out.hidden_states[-1]
         cache = MtpCache(config=trunk.config.get_mtp_config())

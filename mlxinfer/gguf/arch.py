@@ -8,6 +8,10 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
   RoPE halves in the q/k rows; :func:`unpermute_rows` restores HF's order.
 - ``qwen2`` -> ``model_type: qwen2`` (Qwen2, Qwen2.5): as qwen3 without q/k norms, with q/k/v
   biases.
+- ``phi3`` -> ``model_type: phi3`` (Phi-3, Phi-3.5, Phi-4-mini): HF's fused ``qkv_proj`` and
+  ``gate_up_proj`` as they are; LongRoPE's factors as the ``rope_factors_long``/``_short``
+  tensors (read into ``rope_scaling``, not imported), partial RoPE from ``rope.dimension_count``,
+  a ``sliding_window`` of 0 meaning none (Phi-4).
 - ``gemma2`` -> ``model_type: gemma2``: Gemma 3's norms (stored w + 1) and names; what llama.cpp
   hard-codes: even layers slide, the query scale (``query_pre_attn_scalar``) is the head size,
   ``hidden / heads`` for the 46-layer 27B.
@@ -69,11 +73,11 @@ import numpy as np
 from ..errors import WeightsError
 from . import deepseek2, qwen35
 
-SUPPORTED = ("llama", "qwen2", "gemma2", "gemma3", "qwen3", "qwen3moe", "gpt-oss", "glm4moe",
-             *qwen35.ARCHS, "deepseek2")  # fmt: skip
+SUPPORTED = ("llama", "qwen2", "phi3", "gemma2", "gemma3", "qwen3", "qwen3moe", "gpt-oss",
+             "glm4moe", *qwen35.ARCHS, "deepseek2")  # fmt: skip
 
 # Tensors that hold settings, not weights: read into config.json (arch_config.py), not imported.
-SETTINGS = ("rope_freqs.weight",)
+SETTINGS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ATTN_MLP = {
     "attn_q": "self_attn.q_proj",
@@ -99,6 +103,14 @@ _EXPERTS = {
 _LAYER = {
     "llama": {**_ATTN_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
     "qwen2": {**_ATTN_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "phi3": {
+        "attn_norm": "input_layernorm",
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_up": "mlp.gate_up_proj",  # gate rows then up rows, as HF's fused projection
+        "ffn_down": "mlp.down_proj",
+    },
     "gemma2": {
         **_ATTN_MLP,
         "attn_norm": "input_layernorm",

@@ -251,6 +251,43 @@ def _gemma3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     }
 
 
+def _phi3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    head_dim = config["head_dim"]
+    rope_dims = m.integer("rope.dimension_count", hi=head_dim, default=head_dim)
+    if rope_dims % 2:
+        raise m.error("rope.dimension_count", "an even count", rope_dims)
+    window = m.integer("attention.sliding_window", lo=0, hi=MAX_CONTEXT, default=0)
+    out = {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        **config,
+        "hidden_act": "silu",
+        "rope_theta": rope_theta,
+        "partial_rotary_factor": rope_dims / head_dim,
+        "sliding_window": window or None,
+    }
+    factors = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in tensors]
+    if factors and (len(factors) < 2 or m.read is None):
+        raise WeightsError(f"{m.path}: expected both rope_factors_long and _short, found {factors}")
+    if factors:  # LongRoPE (Phi-3.5, Phi-4-mini)
+        long, short = (m.read(tensors[n]).reshape(-1) for n in factors)
+        if long.shape != (rope_dims // 2,) or short.shape != long.shape:
+            raise WeightsError(
+                f"{m.path}: tensor rope_factors_long/_short has {long.size}/{short.size} values; "
+                f"expected {rope_dims // 2} (one per rotated pair)"
+            )
+        out["original_max_position_embeddings"] = m.integer(
+            "rope.scaling.original_context_length", hi=MAX_CONTEXT
+        )
+        out["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": [_f32(x) for x in long],
+            "short_factor": [_f32(x) for x in short],
+            "original_max_position_embeddings": out["original_max_position_embeddings"],
+        }
+    return out
+
+
 def _gemma2(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     n_layers, hidden, n_heads = (
         config["num_hidden_layers"],
@@ -405,6 +442,7 @@ def _deepseek2(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict
 _ARCH_CONFIG = {
     "llama": _llama,
     "qwen2": _qwen2,
+    "phi3": _phi3,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "qwen3": _qwen3,

@@ -4,8 +4,10 @@ with transformers' answers (tools/make_gguf_fixtures.py, float16): Qwen3.5/3.6 (
 GLM-4.7-Flash (``deepseek2`` with an MTP layer), DeepSeek-V3 (``deepseek2``, sigmoid routing in
 groups, YaRN; the converter drops its MTP layer), a V2-Lite-like model (``deepseek2``, no
 query bottleneck, softmax routing), a Llama with Llama 3.1's RoPE scaling (``llama``, the
-scaling as the ``rope_freqs`` tensor), Qwen2.5 (``qwen2``, tied, biases) and Gemma 2
-(``gemma2``: soft-capping, a window shorter than the prompt). The import must undo everything the converter did (Qwen3.5's
+scaling as the ``rope_freqs`` tensor), Qwen2.5 (``qwen2``, tied, biases), Gemma 2 (``gemma2``:
+soft-capping, a window shorter than the prompt) and Phi-4-mini (``phi3``: fused q/k/v and gate/up,
+LongRoPE over 3/4 of each head with its factors as tensors; an 80-token prompt takes the long
+ones). The import must undo everything the converter did (Qwen3.5's
 value heads reordered, Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` split, ``1 + w`` norms,
 ``-exp(A_log)``, the squeezed conv kernel, MLA's ``kv_b_proj`` split into a transposed
 ``attn_k_b`` and ``attn_v_b``, ``mtp.*`` as ``blk.N.nextn.*``, the routing and YaRN as
@@ -36,7 +38,7 @@ from mlxinfer.loading.loader import load_model  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "gguf"
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31",
-         "qwen2", "gemma2")  # fmt: skip
+         "qwen2", "gemma2", "phi4mini")  # fmt: skip
 WITH_MTP = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite")
 KEEP_FLOAT = ("ssm_alpha", "ssm_ba")  # float modules in a quantized file: named in the record
 ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp's quantizer leaves them float
@@ -88,6 +90,9 @@ def test_trunk_and_mtp_head_match_transformers(imported):
         np.testing.assert_allclose(head_rows(model, ids), ref["mtp_logits"], atol=1e-4)
     greedy = [t for t, _ in generate_step(ids, model, max_tokens=len(ref["greedy"]))]
     assert greedy == ref["greedy"].tolist()
+    if "long_logits" in ref:  # 80 tokens: past the RoPE-scaled configs' 64 original positions
+        long = np.array(model(mx.array([ref["long_ids"].tolist()]))[0, -8:])
+        np.testing.assert_allclose(long, ref["long_logits"], atol=1e-4)
 
 
 def test_mtp_drafting_keeps_the_greedy_tokens(imported_with_mtp):
@@ -147,6 +152,8 @@ def test_q8_0_file_is_the_float_file_of_its_values(arch, tmp_path):
             assert record["model.layers.0.linear_attn.in_proj_b"] is False
     elif arch in ("llama31", "qwen2", "gemma2"):
         assert "scales" in q8.model.layers[0].self_attn.q_proj
+    elif arch == "phi4mini":
+        assert "scales" in q8.model.layers[0].self_attn.qkv_proj
     else:
         assert "scales" in q8.model.layers[0].self_attn.k_b_proj  # (heads, rank, nope) codes
     ids = load_file(str(FIXTURES / f"{arch}.reference.safetensors"))["ids"].tolist()
