@@ -6,8 +6,8 @@ ARCH: qwen35, qwen35moe, qwen3next (Qwen3.5/3.6 and Qwen3-Next), glm4moelite (GL
 llama.cpp's ``deepseek2`` architecture with its MTP layer), deepseek3 and deepseek2lite
 (DeepSeek-V3 and a V2-Lite-like model: ``deepseek2`` files without MTP, which llama.cpp's
 converter drops for them), llama31 (Llama with Llama 3.1's RoPE scaling, written as the
-``rope_freqs`` tensor), qwen2 (Qwen2.5), gemma2 (Gemma 2) and phi4mini (Phi-4-mini: ``phi3``
-with LongRoPE as tensors); default: all. DIR is a llama.cpp source tree (its ``conversion/``
+``rope_freqs`` tensor), qwen2 (Qwen2.5), gemma2 (Gemma 2), phi4mini (Phi-4-mini: ``phi3``
+with LongRoPE as tensors), smollm3 (SmolLM3), olmo2 and olmo3 (OLMo 2/3: ``olmo2``); default: all. DIR is a llama.cpp source tree (its ``conversion/``
 package and ``gguf-py/``; the llama-cpp-python sdist carries one under ``vendor/llama.cpp``:
 ``pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:``). Needs the test extras
 (transformers, torch==2.13.0).
@@ -48,8 +48,9 @@ LONG = 80  # a prompt past the tiny RoPE-scaled configs' 64 original positions
 
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31",
-         "qwen2", "gemma2", "phi4mini")  # fmt: skip
-NO_MTP = ("deepseek3", "deepseek2lite", "llama31", "qwen2", "gemma2", "phi4mini")
+         "qwen2", "gemma2", "phi4mini", "smollm3", "olmo2", "olmo3")  # fmt: skip
+NO_MTP = ("deepseek3", "deepseek2lite", "llama31", "qwen2", "gemma2", "phi4mini", "smollm3",
+          "olmo2", "olmo3")  # fmt: skip
 
 
 def spec(arch: str, vocab: int) -> dict:
@@ -90,6 +91,13 @@ def spec(arch: str, vocab: int) -> dict:
         return {"model_type": "phi3", "vocab_size": vocab, "tie_word_embeddings": True,
                 "partial_rotary_factor": 0.75, "rope_parameters": longrope,
                 "original_max_position_embeddings": 64, "sliding_window": None,
+                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    if arch == "smollm3":  # 4 layers: the 4th has no RoPE
+        return {"model_type": "smollm3", "vocab_size": vocab, "num_hidden_layers": 4,
+                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    if arch in ("olmo2", "olmo3"):  # OLMo 3: a window shorter than the prompt, every 4th full
+        window = {"sliding_window": 8} if arch == "olmo3" else {}
+        return {"model_type": arch, "vocab_size": vocab, "num_hidden_layers": 4, **window,
                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
     if arch == "qwen2":  # Qwen2.5: q/k/v biases, tied embeddings as the small ones have them
         return {"model_type": "qwen2", "vocab_size": vocab, "tie_word_embeddings": True,

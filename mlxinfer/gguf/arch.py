@@ -6,6 +6,11 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
 
 - ``llama`` -> ``model_type: llama``. The converter interleaved each head's
   RoPE halves in the q/k rows; :func:`unpermute_rows` restores HF's order.
+- ``smollm3`` -> ``model_type: smollm3``: as llama (q/k rows permuted); what llama.cpp hard-codes:
+  every 4th layer without RoPE.
+- ``olmo2`` -> ``model_type: olmo2``, or ``olmo3`` where the file names a sliding window (its
+  ``attention.sliding_window_pattern`` says which layers slide): post-norms, whole-width q/k
+  norms.
 - ``qwen2`` -> ``model_type: qwen2`` (Qwen2, Qwen2.5): as qwen3 without q/k norms, with q/k/v
   biases.
 - ``phi3`` -> ``model_type: phi3`` (Phi-3, Phi-3.5, Phi-4-mini): HF's fused ``qkv_proj`` and
@@ -73,8 +78,8 @@ import numpy as np
 from ..errors import WeightsError
 from . import deepseek2, qwen35
 
-SUPPORTED = ("llama", "qwen2", "phi3", "gemma2", "gemma3", "qwen3", "qwen3moe", "gpt-oss",
-             "glm4moe", *qwen35.ARCHS, "deepseek2")  # fmt: skip
+SUPPORTED = ("llama", "smollm3", "qwen2", "phi3", "olmo2", "gemma2", "gemma3", "qwen3",
+             "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS, "deepseek2")  # fmt: skip
 
 # Tensors that hold settings, not weights: read into config.json (arch_config.py), not imported.
 SETTINGS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -102,7 +107,19 @@ _EXPERTS = {
 }
 _LAYER = {
     "llama": {**_ATTN_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "smollm3": {
+        **_ATTN_MLP,
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    },
     "qwen2": {**_ATTN_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "olmo2": {  # post-norms only; q/k norms over all heads at once
+        **_ATTN_MLP,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
     "phi3": {
         "attn_norm": "input_layernorm",
         "attn_qkv": "self_attn.qkv_proj",
@@ -316,7 +333,7 @@ def split(arch: str, module: str, parts: dict, config: dict, name: str) -> list[
 
 def permuted_heads(arch: str, module: str, config: dict) -> int | None:
     """How many heads llama.cpp interleaved this tensor's rows by (None: not permuted)."""
-    if arch != "llama":
+    if arch not in ("llama", "smollm3"):
         return None
     return {
         "self_attn.q_proj": config["num_attention_heads"],

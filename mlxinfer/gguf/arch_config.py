@@ -251,6 +251,48 @@ def _gemma3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     }
 
 
+def _smollm3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    n_layers = config["num_hidden_layers"]
+    return {
+        **_llama(m, tensors, config, rope_theta),
+        "architectures": ["SmolLM3ForCausalLM"],
+        "model_type": "smollm3",
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n_layers)],  # llama.cpp's step 4
+    }
+
+
+def _olmo2(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    n_layers = config["num_hidden_layers"]
+    out = {
+        "architectures": ["Olmo2ForCausalLM"],
+        "model_type": "olmo2",
+        **config,
+        "hidden_act": "silu",
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(m),
+    }
+    window = m.integer("attention.sliding_window", lo=0, hi=MAX_CONTEXT, default=0)
+    if window:  # OLMo 3
+        pattern = m.md.get(f"{m.arch}.attention.sliding_window_pattern")
+        flags = np.asarray(pattern) if isinstance(pattern, (list, np.ndarray)) else None
+        if (
+            flags is None
+            or flags.ndim != 1
+            or len(flags) != n_layers
+            or flags.dtype.kind not in "biu"
+        ):
+            raise m.error(
+                "attention.sliding_window_pattern", f"{n_layers} flags", f"{pattern!r:.80}"
+            )
+        out.update(
+            architectures=["Olmo3ForCausalLM"],
+            model_type="olmo3",
+            sliding_window=window,
+            layer_types=["sliding_attention" if f else "full_attention" for f in flags],
+        )
+    return out
+
+
 def _phi3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     head_dim = config["head_dim"]
     rope_dims = m.integer("rope.dimension_count", hi=head_dim, default=head_dim)
@@ -442,6 +484,8 @@ def _deepseek2(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict
 _ARCH_CONFIG = {
     "llama": _llama,
     "qwen2": _qwen2,
+    "smollm3": _smollm3,
+    "olmo2": _olmo2,
     "phi3": _phi3,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
