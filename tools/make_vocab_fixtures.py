@@ -26,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "gguf" / "vocab_pre.json"
-PRES = ("qwen2", "qwen35", "llama-bpe", "glm4", "gpt-4o", "deepseek-v3", "deepseek-llm")
+PRES = ("gpt-2", "smollm", "qwen2", "qwen35", "llama-bpe", "lfm2", "dbrx", "glm4", "gpt-4o",
+        "tekken", "deepseek-v3", "deepseek-llm", "starcoder")  # fmt: skip
 TEXTS = [
     "I'm sure they'll say it's fine, don't you THINK'S? We'd've gone.",
     "Numbers: 1 12 123 1234 12345 3.14159 2026-12-06 ¹²³ ٣٤٥",
@@ -106,7 +107,7 @@ def main() -> None:
 
     corpus = "\n".join(r["text"] for r in records("calibration.jsonl"))
     # one piece of each kind of the evaluation corpus (its languages, code, maths, JSON)
-    evaluation = [r["text"][:400] for r in records("evaluation.jsonl")[::2]]
+    evaluation = [r["text"][:300] for r in records("evaluation.jsonl")[::3]]
     texts = TEXTS + evaluation
     tokens, merges = train_vocab(corpus)
     ids = {}

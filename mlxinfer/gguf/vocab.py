@@ -62,9 +62,9 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-# llama.cpp pre-tokenizer names whose split is GPT-2's regex. 'smollm' also isolates
-# digits, which changes nothing when (as in SmolLM2) no token holds a digit and another character.
-_GPT2_PRE = (None, "gpt-2", "smollm")
+# llama.cpp pre-tokenizer names whose split is GPT-2's regex (byte-level BPE's own).
+_GPT2_PRE = (None, "gpt-2", "phi-2", "olmo", "mpt")
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # ...and those with their own split, as the model's own tokenizer.json splits (llama.cpp's
 # llama-vocab.cpp adapts each to its regex engine): (regexes applied in turn, each isolating its
 # matches within the pieces the one before left; whether a piece that is itself a token skips
@@ -88,8 +88,34 @@ _SPLITS: dict[str, tuple[tuple[str, ...], bool]] = {
         ),
         False,
     ),
-    **{name: ((_LLAMA3,), True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3")},
-    **{name: ((_LLAMA3,), True) for name in ("glm4", "glm5")},
+    **{
+        name: ((_LLAMA3,), True)  # llama.cpp's LLAMA3 names (LFM2's too) and GLM-4's
+        for name in (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "lfm2",
+            "glm4",
+            "glm5",
+        )  # fmt: skip
+    },
+    "dbrx": ((_LLAMA3,), False),  # Llama 3's split without ignore_merges (OLMo 2's cl100k)
+    "smaug-bpe": ((_LLAMA3,), False),
+    # digits one by one, then GPT-2's split (SmolLM, StarCoder, Command-R, EXAONE)
+    **{
+        name: ((r"\p{N}", _GPT2), False)
+        for name in ("smollm", "starcoder", "command-r", "exaone", "refact")
+    },  # fmt: skip
+    "tekken": (  # Mistral's Tekken (Nemo, Small 3, Ministral): o200k's without contractions
+        (
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ),
+        True,
+    ),
     "gpt-4o": (  # gpt-oss's o200k
         (
             r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
