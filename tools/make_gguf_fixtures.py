@@ -7,7 +7,8 @@ llama.cpp's ``deepseek2`` architecture with its MTP layer), deepseek3 and deepse
 (DeepSeek-V3 and a V2-Lite-like model: ``deepseek2`` files without MTP, which llama.cpp's
 converter drops for them), llama31 (Llama with Llama 3.1's RoPE scaling, written as the
 ``rope_freqs`` tensor), qwen2 (Qwen2.5), gemma2 (Gemma 2), phi4mini (Phi-4-mini: ``phi3``
-with LongRoPE as tensors), smollm3 (SmolLM3), olmo2 and olmo3 (OLMo 2/3: ``olmo2``); default: all. DIR is a llama.cpp source tree (its ``conversion/``
+with LongRoPE as tensors), smollm3 (SmolLM3), olmo2 and olmo3 (OLMo 2/3: ``olmo2``), ministral3 (``mistral3``: YaRN and
+Llama 4's query scaling); default: all. DIR is a llama.cpp source tree (its ``conversion/``
 package and ``gguf-py/``; the llama-cpp-python sdist carries one under ``vendor/llama.cpp``:
 ``pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:``). Needs the test extras
 (transformers, torch==2.13.0).
@@ -48,9 +49,9 @@ LONG = 80  # a prompt past the tiny RoPE-scaled configs' 64 original positions
 
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31",
-         "qwen2", "gemma2", "phi4mini", "smollm3", "olmo2", "olmo3")  # fmt: skip
+         "qwen2", "gemma2", "phi4mini", "smollm3", "olmo2", "olmo3", "ministral3")  # fmt: skip
 NO_MTP = ("deepseek3", "deepseek2lite", "llama31", "qwen2", "gemma2", "phi4mini", "smollm3",
-          "olmo2", "olmo3")  # fmt: skip
+          "olmo2", "olmo3", "ministral3")  # fmt: skip
 
 
 def spec(arch: str, vocab: int) -> dict:
@@ -92,6 +93,13 @@ def spec(arch: str, vocab: int) -> dict:
                 "partial_rotary_factor": 0.75, "rope_parameters": longrope,
                 "original_max_position_embeddings": 64, "sliding_window": None,
                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    if arch == "ministral3":  # YaRN and Llama 4's query scaling past 64 original positions
+        yarn = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 64, "llama_4_scaling_beta": 0.1}  # fmt: skip
+        return {"model_type": "ministral3", "vocab_size": vocab, "rope_parameters": yarn,
+                "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1,
+                "eos_token_id": 2}  # fmt: skip
     if arch == "smollm3":  # 4 layers: the 4th has no RoPE
         return {"model_type": "smollm3", "vocab_size": vocab, "num_hidden_layers": 4,
                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
@@ -169,6 +177,9 @@ def convert_with_llama_cpp(llama_cpp: Path, hf_dir: Path, out: Path, tokens, mer
         w.add_add_bos_token(False)
 
     cls.set_vocab = set_vocab
+    for inner in vars(cls).values():  # a wrapper's implementations (Mistral3Model's)
+        if isinstance(inner, type) and hasattr(inner, "set_vocab"):
+            inner.set_vocab = set_vocab
     with torch.inference_mode():
         model = cls(hf_dir, gguf.LlamaFileType.MOSTLY_F16, out, eager=True)
         model.write()

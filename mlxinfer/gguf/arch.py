@@ -6,6 +6,10 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
 
 - ``llama`` -> ``model_type: llama``. The converter interleaved each head's
   RoPE halves in the q/k rows; :func:`unpermute_rows` restores HF's order.
+- ``mistral3`` -> ``model_type: ministral3`` (Ministral 3, Mistral Small 3.x's text model): as
+  llama (q/k rows permuted), with YaRN (``rope.scaling.yarn_log_multiplier``: ``mscale_all_dim``
+  itself here, not 0.1 × it as for deepseek2) and Llama 4's query scaling
+  (``attention.temperature_scale``: ``llama_4_scaling_beta``).
 - ``smollm3`` -> ``model_type: smollm3``: as llama (q/k rows permuted); what llama.cpp hard-codes:
   every 4th layer without RoPE.
 - ``olmo2`` -> ``model_type: olmo2``, or ``olmo3`` where the file names a sliding window (its
@@ -78,7 +82,7 @@ import numpy as np
 from ..errors import WeightsError
 from . import deepseek2, qwen35
 
-SUPPORTED = ("llama", "smollm3", "qwen2", "phi3", "olmo2", "gemma2", "gemma3", "qwen3",
+SUPPORTED = ("llama", "mistral3", "smollm3", "qwen2", "phi3", "olmo2", "gemma2", "gemma3", "qwen3",
              "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS, "deepseek2")  # fmt: skip
 
 # Tensors that hold settings, not weights: read into config.json (arch_config.py), not imported.
@@ -107,6 +111,11 @@ _EXPERTS = {
 }
 _LAYER = {
     "llama": {**_ATTN_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "mistral3": {
+        **_ATTN_MLP,
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    },
     "smollm3": {
         **_ATTN_MLP,
         "attn_norm": "input_layernorm",
@@ -333,7 +342,7 @@ def split(arch: str, module: str, parts: dict, config: dict, name: str) -> list[
 
 def permuted_heads(arch: str, module: str, config: dict) -> int | None:
     """How many heads llama.cpp interleaved this tensor's rows by (None: not permuted)."""
-    if arch not in ("llama", "smollm3"):
+    if arch not in ("llama", "smollm3", "mistral3"):
         return None
     return {
         "self_attn.q_proj": config["num_attention_heads"],

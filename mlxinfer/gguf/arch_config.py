@@ -182,7 +182,7 @@ def make_config(arch: str, path: Path, md: dict, tensors: dict, read=None) -> di
     return config
 
 
-def _llama(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+def _llama(m: _Meta, tensors: dict, config: dict, rope_theta: float, scaling: bool = True) -> dict:
     head_dim = config["head_dim"]
     # q and k rows are put back in HF's order head by head (unpermute_rows): they must split
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -206,6 +206,8 @@ def _llama(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
         "mlp_bias": False,
         "rope_theta": rope_theta,
     }
+    if not scaling:  # the caller reads the scaling (mistral3)
+        return config
     scaling = _rope_scaling(m)
     if scaling:
         if scaling["rope_type"] != "linear":
@@ -249,6 +251,24 @@ def _gemma3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
         "attn_logit_softcapping": None,
         "final_logit_softcapping": None,
     }
+
+
+def _mistral3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    scaling = _rope_scaling(m)
+    out = {
+        **_llama(m, tensors, config, rope_theta, scaling=False),
+        "architectures": ["Ministral3ForCausalLM"],
+        "model_type": "ministral3",
+    }
+    if scaling is not None:
+        if scaling["rope_type"] != "yarn":
+            raise m.error("rope.scaling.type", "yarn or none", scaling["rope_type"])
+        mscale = _f32(m.number("rope.scaling.yarn_log_multiplier", hi=1e6, default=1.0))
+        beta = m.number("attention.temperature_scale", hi=1e6, default=None)
+        out["rope_scaling"] = {**scaling, "mscale": mscale, "mscale_all_dim": mscale}
+        if beta is not None:
+            out["rope_scaling"]["llama_4_scaling_beta"] = _f32(beta)
+    return out
 
 
 def _smollm3(m: _Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
@@ -485,6 +505,7 @@ _ARCH_CONFIG = {
     "llama": _llama,
     "qwen2": _qwen2,
     "smollm3": _smollm3,
+    "mistral3": _mistral3,
     "olmo2": _olmo2,
     "phi3": _phi3,
     "gemma2": _gemma2,
