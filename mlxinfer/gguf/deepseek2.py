@@ -26,9 +26,8 @@ A GLM-4.7-Flash file thus imports as ``deepseek_v3``: the same network (models/d
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..errors import WeightsError
+from .lookups import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Meta, f32, rope_scaling
 
 LAYER = {
     "attn_norm": "input_layernorm",
@@ -58,15 +57,9 @@ LAYER = {
 _SIGMOID, _SOFTMAX = 2, 1  # llama.cpp's expert_gating_func values (0: none written)
 
 
-def _f32(x) -> float:
-    """A float32 metadata value as the short decimal it was written from (1.8, not 1.7999999)."""
-    return float(str(np.float32(x)))
-
-
-def config(m, tensors: dict, config: dict, rope_theta: float, rope_scaling, limits: dict) -> dict:
-    """config.json's DeepSeek fields from the ``deepseek2.*`` keys (``m``: arch_config's lookups;
-    ``rope_scaling``: its reading of ``rope.scaling.*``; ``limits``: its MAX_* bounds)."""
-    layers, width = limits["layers"], limits["width"]
+def config(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    """config.json's DeepSeek fields from the ``deepseek2.*`` keys (``m``: lookups.py's)."""
+    layers, width = MAX_LAYERS, MAX_WIDTH
     blocks = config["num_hidden_layers"]
     heads = m.integer("nextn_predict_layers", lo=0, hi=layers, default=0)
     if heads >= blocks:
@@ -97,12 +90,12 @@ def config(m, tensors: dict, config: dict, rope_theta: float, rope_scaling, limi
             f"{m.path}: {m.arch}.expert_gating_func is sigmoid (DeepSeek-V3's routing), "
             "expected its exp_probs_b.bias tensors, found none"
         )
-    n_experts = m.integer("expert_count", hi=limits["experts"])
+    n_experts = m.integer("expert_count", hi=MAX_EXPERTS)
     n_group = m.integer("expert_group_count", hi=n_experts, default=1)
-    scaling = rope_scaling
+    scaling = rope_scaling(m)
     log_mul = m.number("rope.scaling.yarn_log_multiplier", hi=1e6, default=None)
     if scaling is not None and scaling["rope_type"] == "yarn" and log_mul:
-        mscale = _f32(_f32(log_mul) / 0.1)
+        mscale = f32(f32(log_mul) / 0.1)
         scaling = {**scaling, "mscale": mscale, "mscale_all_dim": mscale}
     out = {
         "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
@@ -126,10 +119,10 @@ def config(m, tensors: dict, config: dict, rope_theta: float, rope_scaling, limi
         "num_experts_per_tok": m.integer("expert_used_count", hi=n_experts),
         "moe_intermediate_size": m.integer("expert_feed_forward_length", hi=width),
         "n_shared_experts": m.integer(
-            "expert_shared_count", lo=0, hi=limits["experts"], default=0
+            "expert_shared_count", lo=0, hi=MAX_EXPERTS, default=0
         ),  # fmt: skip
         "first_k_dense_replace": m.integer("leading_dense_block_count", lo=0, hi=trunk, default=0),
-        "routed_scaling_factor": _f32(m.number("expert_weights_scale", hi=1e6, default=1.0)),
+        "routed_scaling_factor": f32(m.number("expert_weights_scale", hi=1e6, default=1.0)),
         "norm_topk_prob": m.flag("expert_weights_norm", False),
         "n_group": n_group,
         "topk_group": m.integer("expert_group_used_count", hi=n_group, default=1),

@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import WeightsError
+from .lookups import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Meta
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -108,17 +109,17 @@ def fix_float(module: str, kind: str, a: np.ndarray, name: str) -> np.ndarray:
     return a - np.float32(1.0)
 
 
-def config(m, tensors: dict, config: dict, rope_theta: float, max_layers: int, max_width: int):
-    """config.json's Qwen3.5 fields from the ``qwen35.*`` keys (``m``: arch_config's lookups)."""
+def config(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    """config.json's Qwen3.5 fields from the ``qwen35.*`` keys (``m``: lookups.py's)."""
     blocks, head_dim = config["num_hidden_layers"], config["head_dim"]
-    heads = m.integer("nextn_predict_layers", lo=0, hi=max_layers, default=0)
+    heads = m.integer("nextn_predict_layers", lo=0, hi=MAX_LAYERS, default=0)
     if heads >= blocks:
         raise m.error("nextn_predict_layers", f"fewer than the {blocks} blocks (block_count)",
                       heads)  # fmt: skip
     trunk = blocks - heads
-    n_k = m.integer("ssm.group_count", hi=max_width)
-    n_v = m.integer("ssm.time_step_rank", hi=max_width)
-    inner = m.integer("ssm.inner_size", hi=max_width)
+    n_k = m.integer("ssm.group_count", hi=MAX_WIDTH)
+    n_v = m.integer("ssm.time_step_rank", hi=MAX_WIDTH)
+    inner = m.integer("ssm.inner_size", hi=MAX_WIDTH)
     if n_v % n_k or inner % n_v:
         raise m.error("ssm.time_step_rank", f"a multiple of ssm.group_count ({n_k}) dividing "
                       f"ssm.inner_size ({inner})", n_v)  # fmt: skip
@@ -133,7 +134,7 @@ def config(m, tensors: dict, config: dict, rope_theta: float, max_layers: int, m
                           f"{recurrent!r:.80}")  # fmt: skip
         kinds = ["linear_attention" if r else "full_attention" for r in flags[:trunk]]
     else:
-        every = m.integer("full_attention_interval", hi=max_layers, default=4)
+        every = m.integer("full_attention_interval", hi=MAX_LAYERS, default=4)
         kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                  for i in range(trunk)]  # fmt: skip
     out = {
@@ -145,8 +146,8 @@ def config(m, tensors: dict, config: dict, rope_theta: float, max_layers: int, m
         "hidden_act": "silu",
         "rope_theta": rope_theta,
         "partial_rotary_factor": rope_dims / head_dim,
-        "linear_conv_kernel_dim": m.integer("ssm.conv_kernel", hi=max_width),
-        "linear_key_head_dim": m.integer("ssm.state_size", hi=max_width),
+        "linear_conv_kernel_dim": m.integer("ssm.conv_kernel", hi=MAX_WIDTH),
+        "linear_key_head_dim": m.integer("ssm.state_size", hi=MAX_WIDTH),
         "linear_value_head_dim": inner // n_v,
         "linear_num_key_heads": n_k,
         "linear_num_value_heads": n_v,
@@ -156,14 +157,14 @@ def config(m, tensors: dict, config: dict, rope_theta: float, max_layers: int, m
         out.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
                    separate_projections=True)  # fmt: skip
     if m.arch in ("qwen35moe", "qwen3next"):
-        n_experts = m.integer("expert_count", hi=1 << 16)
-        shared = m.integer("expert_shared_feed_forward_length", lo=0, hi=max_width, default=0)
+        n_experts = m.integer("expert_count", hi=MAX_EXPERTS)
+        shared = m.integer("expert_shared_feed_forward_length", lo=0, hi=MAX_WIDTH, default=0)
         if m.arch == "qwen35moe":
             out.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text")
         out.update(
             num_experts=n_experts,
             num_experts_per_tok=m.integer("expert_used_count", hi=n_experts),
-            moe_intermediate_size=m.integer("expert_feed_forward_length", hi=max_width),
+            moe_intermediate_size=m.integer("expert_feed_forward_length", hi=MAX_WIDTH),
             shared_expert_intermediate_size=shared,
             norm_topk_prob=True,
             decoder_sparse_step=1,
