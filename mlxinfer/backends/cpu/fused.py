@@ -91,12 +91,16 @@ def fuse_siblings(module: nn.Module, with_mixin) -> int:
             or len({("bias" in layer, layer.weight.dtype) for layer in layers}) != 1
         ):
             continue
-        group = FusedGroup(layers)
-        for index, layer in enumerate(layers):
-            object.__setattr__(layer, "cpu_fused", (group, index))
-            with_mixin(layer, CPUFusedSibling)
+        _attach(FusedGroup(layers), layers, CPUFusedSibling, with_mixin)
         n += 1
     return n
+
+
+def _attach(group, layers: list[nn.Module], mixin: type, with_mixin) -> None:
+    """Each sibling learns its group and index (``cpu_fused``) and takes the group's mixin."""
+    for index, layer in enumerate(layers):
+        object.__setattr__(layer, "cpu_fused", (group, index))
+        with_mixin(layer, mixin)
 
 
 class QuantizedGroup:
@@ -176,9 +180,6 @@ def fuse_quantized_siblings(module: nn.Module, with_mixin, kind: type) -> int:
         }
         if len(formats) != 1:
             continue
-        group = QuantizedGroup(layers)
-        for index, layer in enumerate(layers):
-            object.__setattr__(layer, "cpu_fused", (group, index))
-            with_mixin(layer, CPUFusedQuantizedSibling)
+        _attach(QuantizedGroup(layers), layers, CPUFusedQuantizedSibling, with_mixin)
         n += 1
     return n
