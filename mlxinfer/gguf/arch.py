@@ -10,6 +10,10 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
   llama (q/k rows permuted), with YaRN (``rope.scaling.yarn_log_multiplier``: ``mscale_all_dim``
   itself here, not 0.1 × it as for deepseek2) and Llama 4's query scaling
   (``attention.temperature_scale``: ``llama_4_scaling_beta``).
+- ``lfm2`` -> ``model_type: lfm2`` (LiquidAI's LFM2): ``attention.head_count_kv`` per layer, 0
+  for a gated short-convolution layer (``shortconv.{conv, in_proj, out_proj}``, the kernel
+  squeezed to (C, K)); the final norm as ``token_embd_norm``; the SwiGLU's width as written
+  (already adjusted); names not permuted.
 - ``smollm3`` -> ``model_type: smollm3``: as llama (q/k rows permuted); what llama.cpp hard-codes:
   every 4th layer without RoPE.
 - ``olmo2`` -> ``model_type: olmo2``, or ``olmo3`` where the file names a sliding window (its
@@ -82,12 +86,17 @@ import numpy as np
 from ..errors import WeightsError
 from . import deepseek2, qwen35
 
-SUPPORTED = ("llama", "mistral3", "smollm3", "qwen2", "phi3", "olmo2", "gemma2", "gemma3", "qwen3",
+SUPPORTED = ("llama", "mistral3", "smollm3", "lfm2", "qwen2", "phi3", "olmo2", "gemma2", "gemma3", "qwen3",
              "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS, "deepseek2")  # fmt: skip
 
 # Tensors that hold settings, not weights: read into config.json (arch_config.py), not imported.
 SETTINGS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP = {
+    "token_embd_norm": "model.embedding_norm",  # LFM2's final norm, by that name
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _ATTN_MLP = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -115,6 +124,19 @@ _LAYER = {
         **_ATTN_MLP,
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
+    },
+    "lfm2": {
+        "attn_norm": "operator_norm",
+        "ffn_norm": "ffn_norm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.out_proj",
+        "attn_q_norm": "self_attn.q_layernorm",
+        "attn_k_norm": "self_attn.k_layernorm",
+        "ffn_gate": "feed_forward.w1",
+        "ffn_up": "feed_forward.w3",
+        "ffn_down": "feed_forward.w2",
     },
     "smollm3": {
         **_ATTN_MLP,
@@ -175,6 +197,7 @@ _LAYER = {
     },
     "deepseek2": deepseek2.LAYER,
 }
+_SHORTCONV = ("conv", "in_proj", "out_proj")
 _KIND = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}  # parameters by name
 # A multi-token-prediction layer's own tensors (``blk.N.nextn.*``), as layers/mtp.py's DEEPSEEK
 # names them; the copies of the embedding and LM head are dropped (the trunk's serve).
@@ -209,6 +232,13 @@ def hf_module(
             return f"{layer}.{_LAYER[arch][parts[2]]}", _KIND.get(parts[2], parts[3])
         if len(parts) == 5 and parts[2] == "nextn" and parts[3] in nextn and head:
             return f"{layer}.{nextn[parts[3]]}", parts[4]
+        if (
+            len(parts) == 5
+            and arch == "lfm2"
+            and parts[2] == "shortconv"
+            and parts[3] in _SHORTCONV
+        ):
+            return f"{layer}.conv.{parts[3]}", parts[4]  # LFM2's gated short convolution
     raise WeightsError(f"{path}: unexpected tensor {gguf_name} for architecture {arch}")
 
 
@@ -307,6 +337,8 @@ def needs_float_fix(arch: str, module: str, kind: str) -> bool:
     """Whether :func:`fix_float` changes this tensor (Gemma's and Qwen3.5's norms, ...)."""
     if arch in qwen35.ARCHS:
         return qwen35.needs_float_fix(module, kind)
+    if arch == "lfm2":  # the (C, 1, K) kernel, squeezed to (C, K) by the converter
+        return kind == "weight" and module.endswith(".conv.conv")
     gemma = arch in ("gemma2", "gemma3")
     return gemma and kind == "weight" and module.rsplit(".", 1)[-1].endswith("norm")
 
@@ -315,6 +347,10 @@ def fix_float(arch: str, module: str, kind: str, a: np.ndarray, name: str) -> np
     """Per-architecture change to a floating-point tensor (float32 in, float32 out)."""
     if arch in qwen35.ARCHS and needs_float_fix(arch, module, kind):
         return qwen35.fix_float(module, kind, a, name)
+    if arch == "lfm2" and needs_float_fix(arch, module, kind):
+        if a.ndim != 2:
+            raise WeightsError(f"tensor {name} has shape {a.shape}; expected (C, K)")
+        return a[:, None, :]
     if needs_float_fix(arch, module, kind):
         return a - np.float32(1.0)  # stored as w + 1
     return a

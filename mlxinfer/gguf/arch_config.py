@@ -25,6 +25,7 @@ from .lookups import (
     MAX_WIDTH,
     Meta,
     f32,
+    kv_heads_per_layer,
 )
 
 
@@ -83,7 +84,11 @@ def make_config(arch: str, path: Path, md: dict, tensors: dict, read=None) -> di
     if hidden != width:
         raise m.error("embedding_length", f"{width} (token_embd.weight's width)", hidden)
     n_heads = m.integer("attention.head_count", hi=MAX_HEADS)
-    n_kv = m.integer("attention.head_count_kv", hi=n_heads, default=n_heads)
+    per_layer = kv_heads_per_layer(m, n_heads)  # LFM2: 0 for its convolution layers
+    if per_layer is not None:
+        n_kv = max(per_layer)
+    else:
+        n_kv = m.integer("attention.head_count_kv", hi=n_heads, default=n_heads)
     if n_heads % n_kv:
         raise m.error("attention.head_count_kv", f"a divisor of the {n_heads} heads", n_kv)
     # RoPE turns pairs of channels: every head size is even

@@ -19,6 +19,7 @@ from .lookups import (
     MAX_WIDTH,
     Meta,
     f32,
+    kv_heads_per_layer,
     rope_scaling,
 )
 from .rope_freqs import llama3_scaling
@@ -111,6 +112,26 @@ def _mistral3(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
         if beta is not None:
             out["rope_scaling"]["llama_4_scaling_beta"] = f32(beta)
     return out
+
+
+def _lfm2(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    per_layer = kv_heads_per_layer(m, config["num_attention_heads"])
+    n_layers = config["num_hidden_layers"]
+    if per_layer is None or len(per_layer) != n_layers:
+        raise m.error("attention.head_count_kv", f"{n_layers} per-layer counts",
+                      "one count" if per_layer is None else len(per_layer))  # fmt: skip
+    eps = config.pop("rms_norm_eps")
+    return {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        **config,
+        "norm_eps": eps,
+        "rope_theta": rope_theta,
+        "layer_types": ["full_attention" if kv else "conv" for kv in per_layer],
+        "conv_L_cache": m.integer("shortconv.l_cache", lo=2, hi=MAX_WIDTH),
+        "block_ff_dim": config["intermediate_size"],
+        "block_auto_adjust_ff_dim": False,  # the file's width is the adjusted one
+    }
 
 
 def _smollm3(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
@@ -346,6 +367,7 @@ ARCH_CONFIG = {
     "llama": _llama,
     "qwen2": _qwen2,
     "smollm3": _smollm3,
+    "lfm2": _lfm2,
     "mistral3": _mistral3,
     "olmo2": _olmo2,
     "phi3": _phi3,

@@ -81,3 +81,21 @@ def rope_scaling(m: Meta, **yarn_defaults) -> dict | None:
         f"{m.path}: {m.arch}.rope.scaling.type={kind!r:.80} not supported "
         "(expected none, linear or yarn)"
     )
+
+
+def kv_heads_per_layer(m: Meta, n_heads: int) -> list[int] | None:
+    """``attention.head_count_kv`` where a file gives it per layer (LFM2: 0 for a convolution
+    layer), else None; every entry 0..n_heads, one at least not 0."""
+    raw = m.md.get(f"{m.arch}.attention.head_count_kv")
+    if not isinstance(raw, (list, np.ndarray)):
+        return None
+    values = np.asarray(raw).reshape(-1)
+    if (
+        values.dtype.kind not in "iu"
+        or len(values) > MAX_LAYERS
+        or not ((values >= 0) & (values <= n_heads)).all()
+        or not values.any()
+    ):
+        raise m.error("attention.head_count_kv", f"per-layer counts in 0..{n_heads}, one not 0",
+                      f"{raw!r:.80}")  # fmt: skip
+    return [int(v) for v in values]
