@@ -8,7 +8,7 @@ llama.cpp's ``deepseek2`` architecture with its MTP layer), deepseek3 and deepse
 converter drops for them), llama31 (Llama with Llama 3.1's RoPE scaling, written as the
 ``rope_freqs`` tensor), qwen2 (Qwen2.5), gemma2 (Gemma 2), phi4mini (Phi-4-mini: ``phi3``
 with LongRoPE as tensors), smollm3 (SmolLM3), olmo2 and olmo3 (OLMo 2/3: ``olmo2``), ministral3 (``mistral3``: YaRN and
-Llama 4's query scaling), lfm2 (LFM2: short convolutions); default: all. DIR is a llama.cpp source tree (its ``conversion/``
+Llama 4's query scaling), lfm2 (LFM2: short convolutions), granite (Granite 3.x: four multipliers); default: all. DIR is a llama.cpp source tree (its ``conversion/``
 package and ``gguf-py/``; the llama-cpp-python sdist carries one under ``vendor/llama.cpp``:
 ``pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:``). Needs the test extras
 (transformers, torch==2.13.0).
@@ -49,9 +49,10 @@ LONG = 80  # a prompt past the tiny RoPE-scaled configs' 64 original positions
 
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31",
-         "qwen2", "gemma2", "phi4mini", "smollm3", "olmo2", "olmo3", "ministral3", "lfm2")  # fmt: skip
+         "qwen2", "gemma2", "phi4mini", "smollm3", "olmo2", "olmo3", "ministral3", "lfm2",
+         "granite")  # fmt: skip
 NO_MTP = ("deepseek3", "deepseek2lite", "llama31", "qwen2", "gemma2", "phi4mini", "smollm3",
-          "olmo2", "olmo3", "ministral3", "lfm2")  # fmt: skip
+          "olmo2", "olmo3", "ministral3", "lfm2", "granite")  # fmt: skip
 
 
 def spec(arch: str, vocab: int) -> dict:
@@ -100,6 +101,10 @@ def spec(arch: str, vocab: int) -> dict:
         return {"model_type": "ministral3", "vocab_size": vocab, "rope_parameters": yarn,
                 "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1,
                 "eos_token_id": 2}  # fmt: skip
+    if arch == "granite":  # the four multipliers far from 1, so that each one counts
+        return {"model_type": "granite", "vocab_size": vocab, "embedding_multiplier": 3.0,
+                "residual_multiplier": 0.5, "attention_multiplier": 0.3, "logits_scaling": 2.0,
+                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
     if arch == "lfm2":  # convolution layers around attention ones; the SwiGLU width adjusted
         return {"model_type": "lfm2", "vocab_size": vocab, "num_hidden_layers": 4,
                 "layer_types": ["conv", "full_attention", "conv", "full_attention"],

@@ -10,6 +10,9 @@ Supported architectures and what differs from the HF checkpoint llama.cpp conver
   llama (q/k rows permuted), with YaRN (``rope.scaling.yarn_log_multiplier``: ``mscale_all_dim``
   itself here, not 0.1 × it as for deepseek2) and Llama 4's query scaling
   (``attention.temperature_scale``: ``llama_4_scaling_beta``).
+- ``granite`` -> ``model_type: granite`` (IBM Granite 3.x): as llama (q/k rows permuted), with
+  its four multipliers as ``attention.scale``, ``embedding_scale``, ``residual_scale`` and
+  ``logit_scale``.
 - ``lfm2`` -> ``model_type: lfm2`` (LiquidAI's LFM2): ``attention.head_count_kv`` per layer, 0
   for a gated short-convolution layer (``shortconv.{conv, in_proj, out_proj}``, the kernel
   squeezed to (C, K)); the final norm as ``token_embd_norm``; the SwiGLU's width as written
@@ -86,7 +89,7 @@ import numpy as np
 from ..errors import WeightsError
 from . import deepseek2, qwen35
 
-SUPPORTED = ("llama", "mistral3", "smollm3", "lfm2", "qwen2", "phi3", "olmo2", "gemma2", "gemma3", "qwen3",
+SUPPORTED = ("llama", "granite", "mistral3", "smollm3", "lfm2", "qwen2", "phi3", "olmo2", "gemma2", "gemma3", "qwen3",
              "qwen3moe", "gpt-oss", "glm4moe", *qwen35.ARCHS, "deepseek2")  # fmt: skip
 
 # Tensors that hold settings, not weights: read into config.json (arch_config.py), not imported.
@@ -120,6 +123,11 @@ _EXPERTS = {
 }
 _LAYER = {
     "llama": {**_ATTN_MLP, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "granite": {
+        **_ATTN_MLP,
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    },
     "mistral3": {
         **_ATTN_MLP,
         "attn_norm": "input_layernorm",
@@ -378,7 +386,7 @@ def split(arch: str, module: str, parts: dict, config: dict, name: str) -> list[
 
 def permuted_heads(arch: str, module: str, config: dict) -> int | None:
     """How many heads llama.cpp interleaved this tensor's rows by (None: not permuted)."""
-    if arch not in ("llama", "smollm3", "mistral3"):
+    if arch not in ("llama", "smollm3", "mistral3", "granite"):
         return None
     return {
         "self_attn.q_proj": config["num_attention_heads"],

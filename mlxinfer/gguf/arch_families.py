@@ -114,6 +114,22 @@ def _mistral3(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     return out
 
 
+def _granite(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
+    out = {
+        **_llama(m, tensors, config, rope_theta),
+        "architectures": ["GraniteForCausalLM"],
+        "model_type": "granite",
+    }
+    for key, ours in (("attention.scale", "attention_multiplier"),
+                      ("embedding_scale", "embedding_multiplier"),
+                      ("residual_scale", "residual_multiplier"),
+                      ("logit_scale", "logits_scaling")):  # fmt: skip
+        value = m.number(key, hi=1e6, default=None)
+        if value is not None:
+            out[ours] = f32(value)
+    return out
+
+
 def _lfm2(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     per_layer = kv_heads_per_layer(m, config["num_attention_heads"])
     n_layers = config["num_hidden_layers"]
@@ -368,6 +384,7 @@ ARCH_CONFIG = {
     "qwen2": _qwen2,
     "smollm3": _smollm3,
     "lfm2": _lfm2,
+    "granite": _granite,
     "mistral3": _mistral3,
     "olmo2": _olmo2,
     "phi3": _phi3,

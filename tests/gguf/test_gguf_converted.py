@@ -10,7 +10,8 @@ LongRoPE over 3/4 of each head with its factors as tensors; an 80-token prompt t
 ones), SmolLM3 (``smollm3``: every 4th layer without RoPE), OLMo 2/3 (``olmo2``; OLMo 3's
 sliding layers from the file's pattern, a window shorter than the prompt) and Ministral 3
 (``mistral3``: YaRN and Llama 4's query scaling, which the 80-token prompt reaches) and LFM2
-(``lfm2``: short-convolution layers, per-layer KV head counts). The import must undo everything the converter did (Qwen3.5's
+(``lfm2``: short-convolution layers, per-layer KV head counts), and Granite 3.x (``granite``: its
+four multipliers). The import must undo everything the converter did (Qwen3.5's
 value heads reordered, Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` split, ``1 + w`` norms,
 ``-exp(A_log)``, the squeezed conv kernel, MLA's ``kv_b_proj`` split into a transposed
 ``attn_k_b`` and ``attn_v_b``, ``mtp.*`` as ``blk.N.nextn.*``, the routing and YaRN as
@@ -41,7 +42,8 @@ from mlxinfer.loading.loader import load_model  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "gguf"
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite", "deepseek3", "deepseek2lite", "llama31",
-         "qwen2", "gemma2", "phi4mini", "smollm3", "olmo2", "olmo3", "ministral3", "lfm2")  # fmt: skip
+         "qwen2", "gemma2", "phi4mini", "smollm3", "olmo2", "olmo3", "ministral3", "lfm2",
+         "granite")  # fmt: skip
 WITH_MTP = ("qwen35", "qwen35moe", "qwen3next", "glm4moelite")
 KEEP_FLOAT = ("ssm_alpha", "ssm_ba")  # float modules in a quantized file: named in the record
 ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp's quantizer leaves them float
@@ -153,7 +155,16 @@ def test_q8_0_file_is_the_float_file_of_its_values(arch, tmp_path):
         assert record["model.layers.0.linear_attn.in_proj_a"] is False
         if arch == "qwen3next":
             assert record["model.layers.0.linear_attn.in_proj_b"] is False
-    elif arch in ("llama31", "qwen2", "gemma2", "smollm3", "olmo2", "olmo3", "ministral3"):
+    elif arch in (
+        "llama31",
+        "qwen2",
+        "gemma2",
+        "smollm3",
+        "olmo2",
+        "olmo3",
+        "ministral3",
+        "granite",
+    ):
         assert "scales" in q8.model.layers[0].self_attn.q_proj
     elif arch == "lfm2":
         assert "scales" in q8.model.layers[0].conv.in_proj
