@@ -7,9 +7,9 @@
 - ``tensors.py``: one tensor into the arrays stored (kept quantized, K-quant losses measured,
   fused experts joined);
 - ``quants.py``: every supported block type decoded, and turned into MLX affine groups;
-- ``arch.py``: architecture names, tensor names and per-architecture weight fixes (the
-  ``SUPPORTED`` architectures; Qwen3.5/Qwen3-Next's in ``qwen35.py``, DeepSeek's in
-  ``deepseek2.py``);
+- ``names.py``: the ``SUPPORTED`` architectures, their tensor names and the notes on what each
+  file holds; ``arch.py`` maps the names and applies the per-architecture weight fixes
+  (Qwen3.5/Qwen3-Next's in ``qwen35.py``, DeepSeek's in ``deepseek2.py``);
 - ``arch_config.py``: config.json from the metadata, the keys every architecture has;
   ``arch_families.py`` each family's own and what llama.cpp hard-codes; ``lookups.py`` the
   typed lookups and the bounds on every size; ``rope_freqs.py`` Llama 3.1's RoPE scaling from

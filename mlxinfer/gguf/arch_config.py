@@ -3,7 +3,7 @@
 ``make_config`` reads the ``<arch>.*`` keys through typed, range-checked lookups (metadata.py;
 a wrong type or range is a ConfigError naming the key, a needed key that is absent a
 WeightsError), checks them against the tensors (embedding rows and width, head sizes), and
-adds what llama.cpp hard-codes for each family (arch.py's notes list it). Every size is
+adds what llama.cpp hard-codes for each family (names.py's notes list it). Every size is
 bounded (``MAX_*``, lookups.py), so nothing sized from the metadata is a hostile allocation. The
 families' own keys: arch_families.py.
 """

@@ -2,7 +2,7 @@
 
 ``make_config`` (arch_config.py) reads the keys every architecture has, then calls the
 architecture's function here (:data:`ARCH_CONFIG`) with the lookups (lookups.py), the tensors
-and that common part; arch.py's notes say what each family's file holds. Qwen3.5/Qwen3-Next and
+and that common part; names.py's notes say what each family's file holds. Qwen3.5/Qwen3-Next and
 DeepSeek-V2/V3 have modules of their own (qwen35.py, deepseek2.py).
 """
 

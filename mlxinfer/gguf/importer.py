@@ -7,10 +7,12 @@ and refuses Q5_0), then writes the same HF-like directory ``convert`` produces:
 ``tokenizer_config.json``, ``special_tokens_map.json``,
 ``generation_config.json``.
 
-Supported: architectures ``llama``, ``gemma3``, ``qwen3``, ``qwen3moe``, ``gpt-oss`` and
-``glm4moe`` (arch.py; GLM-4.5's MTP layers become its ``model.mtp_layers``); tensor types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, MXFP4, IQ4_NL (exact), Q4_K, Q5_K, Q6_K, IQ4_XS (quants.py); ``gpt2`` (byte-level BPE:
-GPT-2, Qwen2 and GPT-4o splits) and ``llama`` (SentencePiece) vocabularies
+Supported: the architectures names.py lists (``SUPPORTED``: Llama, Mistral, Qwen2.5/3/3.5,
+Qwen3-Next, Gemma 2/3, Phi-3/4, SmolLM3, LFM2, OLMo 2/3, Granite, gpt-oss, GLM-4.5,
+DeepSeek-V2/V3 and GLM-4.7-Flash; their MTP layers become ``model.mtp_layers``); tensor types
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, IQ4_NL (exact), Q4_K, Q5_K, Q6_K, IQ4_XS
+(quants.py); ``gpt2`` (byte-level BPE, split as ``tokenizer.ggml.pre`` names: vocab.py) and
+``llama`` (SentencePiece) vocabularies
 (vocab.py).
 
 Quantized tensors stay quantized, each as tensors.py describes (exact types bit for bit,
