@@ -64,12 +64,16 @@ def _llama(m: Meta, tensors: dict, config: dict, rope_theta: float, scaling: boo
     return config
 
 
+def _query_scalar(config: dict, layers_of_27b: int) -> int:
+    """Gemma's ``query_pre_attn_scalar`` as llama.cpp hard-codes it: the head size, except
+    ``hidden / heads`` for the 27B models (46 layers in Gemma 2, 62 in Gemma 3)."""
+    if config["num_hidden_layers"] == layers_of_27b:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
 def _gemma3(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
-    n_layers, hidden, n_heads = (
-        config["num_hidden_layers"],
-        config["hidden_size"],
-        config["num_attention_heads"],
-    )
+    n_layers = config["num_hidden_layers"]
     # llama.cpp's hard-coded default: every 6th layer global
     pattern = m.integer("attention.sliding_window_pattern", hi=MAX_LAYERS, default=6)
     global_rope = {"rope_type": "default", "rope_theta": rope_theta}
@@ -90,7 +94,7 @@ def _gemma3(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
             "full_attention": global_rope,
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
-        "query_pre_attn_scalar": hidden // n_heads if n_layers == 62 else config["head_dim"],
+        "query_pre_attn_scalar": _query_scalar(config, 62),
         "attn_logit_softcapping": None,
         "final_logit_softcapping": None,
     }
@@ -230,11 +234,7 @@ def _phi3(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
 
 
 def _gemma2(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
-    n_layers, hidden, n_heads = (
-        config["num_hidden_layers"],
-        config["hidden_size"],
-        config["num_attention_heads"],
-    )
+    n_layers = config["num_hidden_layers"]
     window = m.integer("attention.sliding_window", hi=MAX_CONTEXT)
     return {
         "architectures": ["Gemma2ForCausalLM"],
@@ -246,7 +246,7 @@ def _gemma2(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
         "layer_types": [  # llama.cpp's pattern for Gemma 2: even layers slide
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
         ],
-        "query_pre_attn_scalar": hidden // n_heads if n_layers == 46 else config["head_dim"],
+        "query_pre_attn_scalar": _query_scalar(config, 46),
         "attn_logit_softcapping": f32(m.number("attn_logit_softcapping", hi=1e6, default=50.0)),
         "final_logit_softcapping": f32(m.number("final_logit_softcapping", hi=1e6, default=30.0)),
     }
