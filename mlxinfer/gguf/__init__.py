@@ -14,7 +14,8 @@
   ``arch_families.py`` each family's own and what llama.cpp hard-codes; ``lookups.py`` the
   typed lookups and the bounds on every size; ``rope_freqs.py`` Llama 3.1's RoPE scaling from
   its tensor;
-- ``vocab.py``: the vocabulary rebuilt as a ``tokenizer.json``;
+- ``vocab.py``: the vocabulary rebuilt as a ``tokenizer.json`` (byte-level BPE split as
+  ``pretokenizers.py`` says for the file's ``tokenizer.ggml.pre``);
 - ``dense.py``: the import to a float dtype (``--dtype``), optionally quantized afresh.
 """
 
