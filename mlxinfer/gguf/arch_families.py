@@ -216,6 +216,11 @@ def _phi3(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
         raise WeightsError(f"{m.path}: expected both rope_factors_long and _short, found {factors}")
     if factors:  # LongRoPE (Phi-3.5, Phi-4-mini)
         long, short = (m.read(tensors[n]).reshape(-1) for n in factors)
+        if not (np.isfinite(long).all() and np.isfinite(short).all() and (long > 0).all()
+                and (short > 0).all()):  # fmt: skip
+            raise WeightsError(
+                f"{m.path}: tensor rope_factors_long/_short: expected finite positive factors"
+            )
         if long.shape != (rope_dims // 2,) or short.shape != long.shape:
             raise WeightsError(
                 f"{m.path}: tensor rope_factors_long/_short has {long.size}/{short.size} values; "
@@ -254,12 +259,9 @@ def _gemma2(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
 
 def _qwen2(m: Meta, tensors: dict, config: dict, rope_theta: float) -> dict:
     return {
+        **_qwen3(m, tensors, config, rope_theta),  # the same keys; Qwen3 adds only q/k norms
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        **config,
-        "hidden_act": "silu",
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling(m),
         "use_sliding_window": False,
     }
 

@@ -127,13 +127,16 @@ def _import(src: Path, dst: Path, requantize, dtype, progress: Progress, log) ->
                 )
             if "token_embd.weight" not in tensors:
                 raise WeightsError(f"{src}: no token_embd.weight tensor")
-            config = make_config(
-                arch,
-                src,
-                md,
-                tensors,
-                lambda t: gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape),
-            )
+            read: set[str] = set()
+
+            def values(t):
+                read.add(t.name)
+                return gq.dequantize(tensor_bytes(buf, t), t.type_name, t.shape)
+
+            config = make_config(arch, src, md, tensors, values)
+            unread = [n for n in SETTINGS if n in tensors and n not in read]
+            if unread:  # a setting the model would otherwise silently lose
+                raise WeightsError(f"{src}: tensor {unread[0]} is not supported for {arch} files")
             tensors = {n: t for n, t in tensors.items() if n not in SETTINGS}  # read just now
             check_fused(src, tensors)
             tok_json, tok_config = build_tokenizer(src, md)

@@ -40,6 +40,11 @@ def llama3_scaling(path: Path, factors: np.ndarray, base: float, dims: int) -> d
             f"{path}: tensor rope_freqs.weight has {factors.size} values; expected {dims // 2} "
             "(one per pair of the head)"
         )
+    if not (np.isfinite(factors).all() and (factors >= 1 - 1e-6).all()):
+        bad = factors[~(np.isfinite(factors) & (factors >= 1 - 1e-6))][0]
+        raise WeightsError(
+            f"{path}: tensor rope_freqs.weight: expected finite divisors of at least 1, found {bad}"
+        )
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
         return None
     inv_freq = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)

@@ -254,3 +254,42 @@ def test_rope_freqs_of_another_form_are_our_error():
     bumpy = np.array([1, 2, 1, 8, 8, 8, 8, 8], np.float32)  # not monotone: no llama3 setting
     with pytest.raises(WeightsError, match=r"m\.gguf: tensor rope_freqs\.weight: "):
         llama3_scaling(Path("m.gguf"), bumpy, 10000.0, 16)
+    for bad in (np.nan, np.inf, 0.0, -1.0):  # each was a bare ValueError/ZeroDivisionError
+        with pytest.raises(WeightsError, match=r"expected finite divisors of at least 1"):
+            llama3_scaling(Path("m.gguf"), np.full(8, bad, np.float32), 10000.0, 16)
+
+
+def with_tensor(src: Path, dst: Path, name: str, values: np.ndarray) -> Path:
+    """``src`` again with tensor ``name`` set to ``values`` (added if absent)."""
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        w.add_tensor(t.name, values if t.name == name else np.ascontiguousarray(t.data))
+    if name not in {t.name for t in reader.tensors}:
+        w.add_tensor(name, values)
+    finish(w)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("arch", "name", "values", "message"),
+    [
+        # no family but llama reads rope_freqs: dropped, the model would run without its scaling
+        ("qwen2", "rope_freqs.weight", np.full(8, 2.0, np.float32),
+         r"tensor rope_freqs\.weight is not supported for qwen2"),
+        ("phi4mini", "rope_factors_long.weight", np.full(6, np.nan, np.float32),
+         r"rope_factors_long/_short: expected finite positive factors"),
+        ("llama31", "rope_freqs.weight", np.full(8, -1.0, np.float32),
+         r"rope_freqs\.weight: expected finite divisors of at least 1"),
+    ],
+)  # fmt: skip
+def test_setting_tensors_a_model_cannot_use_are_refused(arch, name, values, message, tmp_path):
+    src = with_tensor(FIXTURES / f"{arch}.gguf", tmp_path / "m.gguf", name, values)
+    with pytest.raises(WeightsError, match=message):
+        import_gguf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing half-written
