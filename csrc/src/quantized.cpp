@@ -815,6 +815,27 @@ MLXINFER_AVX512BW void qmv_rows1_avx512(
       }
     }
     const int k0 = g * gs;
+    if (gs == 32 * U) { // one pass per group: its halves summed before the scale (one FMA)
+      for (int u = 0; u < U; ++u) {
+        const float* xk = p.xp + k0 + 32 * u;
+        const __m512 xa = _mm512_loadu_ps(xk), xb = _mm512_loadu_ps(xk + 16);
+        const size_t off = static_cast<size_t>(k0 + 32 * u) * qmv_width(BITS) / 8;
+        for (int r = 0; r < R; ++r) {
+          __m512 qa, qb;
+          unpack32<BITS>(wr[r] + off, qa, qb);
+          acc[r][u] = _mm512_fmadd_ps(qb, xb, _mm512_mul_ps(qa, xa));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 sv = chunk_scale<BITS>(sr[r], k0, gs);
+        __m512 a = acc[r][0];
+        for (int u = 1; u < U; ++u) {
+          a = _mm512_add_ps(a, acc[r][u]);
+        }
+        tot[r][0] = _mm512_fmadd_ps(a, sv, tot[r][0]);
+      }
+      continue;
+    }
     for (int c = 0; c < gs; c += 32 * U) {
       for (int u = 0; u < U; ++u) {
         const float* xk = p.xp + k0 + c + 32 * u;
@@ -833,9 +854,11 @@ MLXINFER_AVX512BW void qmv_rows1_avx512(
       for (int u = 0; u < 2 * U; ++u) {
         tot[r][u] = _mm512_fmadd_ps(acc[r][u], sv, tot[r][u]);
       }
-      if constexpr (!halves) {
-        bias_part[r] += br[r][g] * p.xsum[g];
-      }
+    }
+  }
+  if constexpr (!halves) { // the biases' term after the products: sum_g b_g * xsum_g
+    for (int r = 0; r < R; ++r) {
+      bias_part[r] = dot_f32_avx512(br[r], p.xsum, G);
     }
   }
   for (int r = 0; r < R; ++r) {
