@@ -51,19 +51,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..backends import prefill_schedule
-from ..errors import MlxInferError
 from ..generation.results import Step
-from ..models.layers.rope import prompt_reach
 from ..platform.threads import release_at_thread_exit
 from . import rows as rows_mod
-from . import snapshots as snap
 from .config import EngineConfig
 from .draft_pool import DraftPool
 from .flights import Flights
 from .images import EncoderCache
 from .metrics import Counters
 from .parts import Parts
+from .prefill import Prefill
 from .recurrent import RecurrentRows, state_arrays
 from .requests import POLL_S, EngineError, _Request
 from .verification import Verification
@@ -107,6 +104,7 @@ class Scheduler:
             attention=config.attention,
             retire=self._retire,
         )
+        self.prefill = Prefill(self)  # after the parts it uses (prefill.py)
         self.flights = Flights(
             parts.micro,
             pools,
@@ -260,123 +258,12 @@ class Scheduler:
             self._retire(request)
 
     def _prefill(self) -> None:
-        """At most ``prefill_step`` prompt tokens between two decode steps: chunks of the
-        admitted requests whose prompt (but its last token) is not in yet, in order; short
-        chunks share a forward (``_prefill_groups``)."""
-        budget, visited, chunks, failed = self.prefill_step, [], [], []
-        for request in self._running:
-            if budget <= 0:
-                break
-            if request.pending is not None or request.flying:
-                continue
-            visited.append(request)
-            left = len(request.ids) - 1 - request.seq.length
-            images = request.images
-            # The tower, once per request: a unit of this turn's budget (its image tokens'
-            # worth), the row's first chunk at the next turn. A row whose whole prompt is
-            # shared needs it only for its M-RoPE delta (Qwen-VL: a forward that takes
-            # positions).
-            if images is not None and not images.encoded and (left > 0 or self.takes_positions):
-                try:
-                    images.encode(self.model, request.ids, self.encoder_cache)
-                except (ValueError, MlxInferError) as e:  # this request's, not the engine's
-                    failed.append((request, e))
-                    visited.pop()
-                    continue
-                budget -= sum(images.images.processed.tokens_per_image)
-                continue
-            if left > 0:
-                start = request.seq.length
-                end = start + min(left, budget)
-                if self.snapshots is not None:  # a chunk ends where a snapshot is wanted
-                    end = snap.chunk_end(start, end, *self.recurrent.points(request))
-                if images is not None:  # a chunk never cuts an image in two
-                    end = request.images.chunk_end(end)
-                chunks.append((request, request.ids[start:end]))
-                budget -= len(chunks[-1][1])
-        for request, error in failed:
+        """At most ``prefill_step`` prompt tokens between two decode steps (``prefill.py``);
+        a request whose images fail to encode is retired with its error."""
+        for request, error in self.prefill.turn(self._running):
             self._running.remove(request)
             self.pools.release(request)
             request.out.put(error)
-        for group in self._prefill_groups(chunks):
-            self._prefill_rows(group)
-        for request in visited:
-            if request.draft_model is not None:  # its draft model reads what the pool holds
-                self.verification.feed_draft(request)
-            if request.seq.length == len(request.ids) - 1:
-                request.pending = request.ids[-1]
-                if request.images is not None:
-                    request.images.done()
-
-    def _prefill_groups(self, chunks: list[tuple[_Request, list[int]]]) -> list[list]:
-        """The turn's chunks, in forwards: consecutive chunks together while their rows, each
-        padded to the longest, make no more than ``prefill_step`` tokens and each row's padding
-        stays within the room it reserved (the padding is rewound after). A model with recurrent
-        layers (a state would read the padding) or with frequencies that follow the length
-        (one prompt's reach per forward) prefills one chunk a forward, and so does a quantized
-        pool (several rows' quantized attention there was 4e-4 off the single loop's log-probs)."""
-        recurrent = self.recurrent is not None
-        if recurrent or self.regime is not None or self.pool.layers[0].bits is not None:
-            return [[c] for c in chunks]
-        groups: list[list] = []
-        for request, chunk in chunks:
-            if request.images is not None:  # its embeddings: a forward of its own
-                groups.append([(request, chunk)])
-                continue
-            if groups and groups[-1][0][0].images is None:
-                group = groups[-1] + [(request, chunk)]
-                L = max(len(c) for _, c in group)
-                if len(group) * L <= self.prefill_step and all(
-                    r.seq.length + L <= self._room_end(r) for r, _ in group
-                ):
-                    groups[-1] = group
-                    continue
-            groups.append([(request, chunk)])
-        return groups
-
-    def _room_end(self, request: _Request) -> int:
-        """The positions ``request``'s reserved blocks reach (its prompt, ``max_tokens`` and
-        ``max_draft``, in whole blocks)."""
-        room = len(request.ids) + request.max_tokens + self.max_draft
-        return self.pool.blocks_for(room) * self.pool.block_size
-
-    def _prefill_rows(self, group: list[tuple[_Request, list[int]]]) -> None:
-        """One prefill forward over the group's chunks, each row padded to the longest with its
-        last token; the padding's keys are rewound."""
-        t0 = time.perf_counter()
-        rows = [r for r, _ in group]
-        L = max(len(c) for _, c in group)
-        padded = [c + c[-1:] * (L - len(c)) for _, c in group]
-        ends = [r.seq.length + len(c) for r, c in group]
-        images = rows[0].images  # a row with images prefills alone, on its embeddings
-        extra: dict[str, mx.array] = {}
-        blocks = None
-        if images is not None:
-            start = rows[0].seq.length
-            extra, runs = images.chunk(start, start + L)
-            blocks = None if runs is None else [runs]
-        batch = self.pools.batch(rows, padded, blocks=blocks)
-        # Every chunk rotates as the whole prompt would (dynamic NTK, LongRoPE: one row then).
-        x = mx.array(padded, dtype=mx.int32)
-        heads = [(b, r, c) for b, (r, c) in enumerate(group) if rows_mod.observer(r) is not None]
-        with prefill_schedule(self.model), prompt_reach(len(rows[0].ids)):
-            written: list = []
-            if heads:  # MTP rows: the chunk's final hidden states prime their heads
-                hidden, _ = self.model.trunk(x, batch.views())
-                for b, r, c in heads:
-                    start = ends[b] - len(c)
-                    following = r.ids[start + 1 : start + 1 + len(c)]
-                    written += r.drafter.observe(hidden[b, : len(c)], following)
-            else:
-                self.model(x, batch.views(), **extra)
-            mx.eval(self.pools.stores(), [state_arrays(r) for r in rows], written)
-        for r, end in zip(rows, ends):
-            self.pools.rewind(r, end)
-            if self.snapshots is not None:
-                self.recurrent.snapshot(r)
-        self.counters.prefill_s += time.perf_counter() - t0
-        self.counters.prefill_tokens += sum(len(c) for _, c in group)
-        self.counters.prefill_steps += 1
 
     def _decode(self) -> None:
         rows = [r for r in self._running if r.pending is not None]

@@ -647,16 +647,16 @@ def test_a_long_prefill_making_progress_is_not_a_timeout(llama, monkeypatch):
     prompt on a loaded CPU once took past the server's 600 s and failed with a 500)."""
     import time
 
-    from mlxinfer.batch import engine as engine_module
+    from mlxinfer.batch.prefill import Prefill
 
     model, _ = llama
-    slow = engine_module.Engine._prefill_rows
+    slow = Prefill._rows
 
     def crawling(self, group):
         time.sleep(0.3)
         slow(self, group)
 
-    monkeypatch.setattr(engine_module.Engine, "_prefill_rows", crawling)
+    monkeypatch.setattr(Prefill, "_rows", crawling)
     with Engine(model, prefill_step=16) as engine:
         handle = engine.submit(_prompt(128, 3), max_tokens=2)
         assert len(list(handle.steps(timeout=1.0))) == 2
