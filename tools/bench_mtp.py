@@ -156,6 +156,8 @@ def main() -> None:
                 "kl_after",
                 "top1_before",
                 "top1_after",
+                "top1_chained_before",
+                "top1_chained_after",
             )
         }
         model, tokenizer = load(model_dir)  # fresh: the head attaches as a user's would

@@ -63,6 +63,14 @@ from .options import _errors_to_click, _load, _log
     help="The head drafts over the tokens the model wrote most, at most this many (a fraction "
     "of the LM head per draft); 0: the whole vocabulary.",
 )
+@click.option(
+    "--chain-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="The chained step's share of the loss (the head fed its own output: drafts past the "
+    "first); 0 trains the first draft alone.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling and batching seed.")
 @click.option("--verbose", "-v", is_flag=True, help="Print the BLAS and kernels in use.")
 @_errors_to_click
@@ -75,6 +83,7 @@ def train_mtp(
     batch_size,
     learning_rate,
     draft_vocab,
+    chain_weight,
     seed,
     verbose,
 ):
@@ -99,12 +108,14 @@ def train_mtp(
         batch_size=batch_size,
         learning_rate=learning_rate,
         draft_vocab=draft_vocab,
+        chain_weight=chain_weight,
         seed=seed,
         log=_log,
     )
     click.echo(
         f"{report.path}: held-out top-1 agreement {report.top1_after:.1%} "
-        f"(untrained {report.top1_before:.1%}), KL {report.kl_after:.3f} "
+        f"(untrained {report.top1_before:.1%}), chained {report.top1_chained_after:.1%} "
+        f"(untrained {report.top1_chained_before:.1%}), KL {report.kl_after:.3f} "
         f"(untrained {report.kl_before:.3f}); {report.sequences} sequences, {report.tokens} "
         f"tokens, {report.steps} steps in {report.generate_s + report.train_s:.0f} s"
     )

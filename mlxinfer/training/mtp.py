@@ -14,7 +14,12 @@ Self-distillation, in MLX, on the machine at hand (``docs/speculative.md``, trai
    and ``eh_proj`` at ``[0, I]`` (it begins as the identity on the hidden state), trained with AdamW to match, at every pair ``(h_j, x_{j+1})``, the trunk's own
    next-token distribution at ``j + 1``: the KL divergence ``KL(p_trunk(x_{j+2}) || p_head)``
    over the trunk's 32 likeliest tokens (``top_k``; computed once; the rest of its mass is left out). That
-   is the distribution speculative decoding accepts against, at any temperature.
+   is the distribution speculative decoding accepts against, at any temperature. **Chained as it
+   drafts:** a draft k > 1 feeds the head its own output ``g_j`` with the next token, so the head
+   is also trained on the pairs ``(g_j, x_{j+2})`` against the trunk's distribution for
+   ``x_{j+3}`` (the same KL, weighted by ``chain_weight``; gradients through both applications),
+   the chained pairs attending to one another causally (at drafting time they attend to the
+   verified pairs before them: an approximation, as in the heads' own training).
 4. **Saved** beside the model (``mtp_head.safetensors`` in its directory, where ``MTP()`` finds
    it) or where ``output`` says, with metadata naming the model it fits; a held-out eighth of
    the prompts (both their answers) measures how often the head's top token is the trunk's (``top1``: the greedy
@@ -62,6 +67,12 @@ class TrainReport:
     top1_before: float
     top1_after: float
     losses: list[float] = field(default_factory=list)
+    # The chained step (the head fed its own output; the second draft), held out likewise:
+    # KL against the trunk's distribution two tokens on, and its top-1 agreement.
+    kl_chained_before: float = float("nan")
+    kl_chained_after: float = float("nan")
+    top1_chained_before: float = float("nan")
+    top1_chained_after: float = float("nan")
 
 
 def shipped_prompts() -> list[str]:
@@ -205,6 +216,7 @@ def train_mtp(
     learning_rate: float = 1e-4,
     top_k: int = 32,
     draft_vocab: int = 8192,
+    chain_weight: float = 1.0,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
 ) -> TrainReport:
@@ -214,12 +226,15 @@ def train_mtp(
     one, is held out). ``max_tokens``: each completion's length; ``steps``, ``batch_size``,
     ``learning_rate``: the optimiser's (AdamW, cosine decay, 5 % warm-up). ``top_k``: the trunk's
     likeliest tokens the KL is taken over. ``draft_vocab``: the head drafts over at most this
-    many tokens, those the model wrote most in the training answers (0: the whole vocabulary)."""
+    many tokens, those the model wrote most in the training answers (0: the whole vocabulary).
+    ``chain_weight``: the chained step's share of the loss (0: the first draft's alone)."""
     say = log or (lambda _m: None)
     if not math.isfinite(learning_rate) or learning_rate <= 0:
         raise DraftError(
             f"train-mtp: learning rate must be a positive number, found {learning_rate}"
         )
+    if not math.isfinite(chain_weight) or chain_weight < 0:
+        raise DraftError(f"train-mtp: chain weight must be a number >= 0, found {chain_weight}")
     for name, value, low in (
         ("steps", steps, 1),
         ("batch_size", batch_size, 1),
@@ -292,32 +307,49 @@ def train_mtp(
     head = MTPHead(block, DEEPSEEK, inner.embed_tokens, lambda g: g @ lm_w.T)
     length = max(len(s) for s in seqs)
 
-    def loss_and_top1(tokens, h, tv, ti, mask):
-        g = head(tokens, h, None)
+    def kl_and_top1(g, tv, ti, mask):
         logp = nn.log_softmax(head.logits(g.astype(mx.float32)), axis=-1)
         # KL(trunk || head) over the trunk's likeliest tokens (its mass beyond them, and on
         # tokens outside the draft vocabulary, ti = -1, is left out)
         valid = ti >= 0
         student = mx.take_along_axis(logp, mx.maximum(ti, 0), axis=-1)
         kl = mx.where(valid, mx.exp(tv) * (tv - student), 0.0).sum(-1)
-        denom = mask.sum()
+        denom = mx.maximum(mask.sum(), 1.0)
         agree = (logp.argmax(-1) == ti[..., 0]).astype(mx.float32)
         return (kl * mask).sum() / denom, (agree * mask).sum() / denom
 
-    def loss_fn(tokens, h, tv, ti, mask):
-        return loss_and_top1(tokens, h, tv, ti, mask)[0]
+    def scores(tokens, h, tv, ti, mask):
+        """(KL, top-1) of the first draft's pairs (h_j, x_{j+1}) and of the chained ones
+        (g_j, x_{j+2}) against the trunk's distribution for x_{j+3} (pair j + 1's teacher)."""
+        g = head(tokens, h, None)
+        first = kl_and_top1(g, tv, ti, mask)
+        if tokens.shape[1] < 2:
+            return first, (mx.array(0.0), mx.array(0.0))
+        g2 = head(tokens[:, 1:], g[:, :-1], None)
+        return first, kl_and_top1(g2, tv[:, 1:], ti[:, 1:], mask[:, 1:])
 
-    def held_out() -> tuple[float, float]:
-        kl = top1 = 0.0
+    def loss_fn(tokens, h, tv, ti, mask):
+        if chain_weight == 0:
+            return kl_and_top1(head(tokens, h, None), tv, ti, mask)[0]
+        (kl1, _), (kl2, _) = scores(tokens, h, tv, ti, mask)
+        return kl1 + chain_weight * kl2
+
+    def held_out() -> tuple[float, float, float, float]:
+        """Held-out (KL, top-1, chained KL, chained top-1), each the mean over the rows."""
+        total = [0.0, 0.0, 0.0, 0.0]
         for i in range(0, len(test_rows), batch_size):
             rows = test_rows[i : i + batch_size]
-            a, b = loss_and_top1(*_pairs(seqs, states, teachers, rows, length))
-            mx.eval(a, b)
-            kl, top1 = kl + a.item() * len(rows), top1 + b.item() * len(rows)
-        return kl / len(test_rows), top1 / len(test_rows)
+            (a, b), (c, d) = scores(*_pairs(seqs, states, teachers, rows, length))
+            mx.eval(a, b, c, d)
+            for j, v in enumerate((a, b, c, d)):
+                total[j] += v.item() * len(rows)
+        return tuple(t / len(test_rows) for t in total)  # type: ignore[return-value]
 
-    kl_before, top1_before = held_out()
-    say(f"train-mtp: held out {held} prompts: KL {kl_before:.3f}, top-1 {top1_before:.1%}")
+    kl_before, top1_before, kl2_before, top1_2_before = held_out()
+    say(
+        f"train-mtp: held out {held} prompts: KL {kl_before:.3f}, top-1 {top1_before:.1%}; "
+        f"chained: KL {kl2_before:.3f}, top-1 {top1_2_before:.1%}"
+    )
     warm = max(1, steps // 20)
     schedule = optim.join_schedules(
         [
@@ -345,11 +377,15 @@ def train_mtp(
         losses.append(value)
         if (step + 1) % max(1, steps // 10) == 0 or step + 1 == steps:
             recent = losses[-max(1, steps // 10) :]
-            say(f"train-mtp: step {step + 1}/{steps}: KL {sum(recent) / len(recent):.3f}")
+            say(f"train-mtp: step {step + 1}/{steps}: loss {sum(recent) / len(recent):.3f}")
     block.eval()
     train_s = time.perf_counter() - t1
-    kl_after, top1_after = held_out()
-    say(f"train-mtp: held out: KL {kl_after:.3f}, top-1 {top1_after:.1%} (from {top1_before:.1%})")
+    kl_after, top1_after, kl2_after, top1_2_after = held_out()
+    say(
+        f"train-mtp: held out: KL {kl_after:.3f}, top-1 {top1_after:.1%} (from "
+        f"{top1_before:.1%}); chained: KL {kl2_after:.3f}, top-1 {top1_2_after:.1%} (from "
+        f"{top1_2_before:.1%})"
+    )
 
     dtype = model[model.inner_name].norm.weight.dtype
     block.set_dtype(dtype if mx.issubdtype(dtype, mx.floating) else mx.float32)
@@ -360,6 +396,8 @@ def train_mtp(
         tokens=str(n_tokens),
         held_out_kl=f"{kl_after:.4f}",
         held_out_top1=f"{top1_after:.4f}",
+        held_out_top1_chained=f"{top1_2_after:.4f}",
+        chain_weight=f"{chain_weight:g}",
     )
     save_head(block, output, meta, vocab)
     say(f"train-mtp: saved {output}")
@@ -375,4 +413,8 @@ def train_mtp(
         top1_before,
         top1_after,
         losses,
+        kl2_before,
+        kl2_after,
+        top1_2_before,
+        top1_2_after,
     )

@@ -35,12 +35,13 @@ def tiny(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "m", **SIZE)
 
 
-def kl_from_logits(logits: np.ndarray, k: int = 32) -> np.ndarray:
-    """KL(p_{j+1} || p_j) over p_{j+1}'s k likeliest tokens for each pair j, in float64."""
+def kl_from_logits(logits: np.ndarray, k: int = 32, shift: int = 1) -> np.ndarray:
+    """KL(p_{j+shift} || p_j) over p_{j+shift}'s k likeliest tokens for each pair j, in
+    float64."""
     z = logits.astype(np.float64)
     m = z.max(-1, keepdims=True)
     logp = z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
-    p, q = logp[1:], logp[:-1]
+    p, q = logp[shift:], logp[:-shift]
     top = np.argsort(-p, axis=-1)[:, :k]
     pt, qt = np.take_along_axis(p, top, -1), np.take_along_axis(q, top, -1)
     return (np.exp(pt) * (pt - qt)).sum(-1)
@@ -67,10 +68,17 @@ def test_the_untrained_heads_kl_is_the_trunks_own_shift(tiny, monkeypatch):
     mx.random.seed(0)
     first = mx.random.permutation(len(PROMPTS)).tolist()[0]
     rows = [seqs[2 * first], seqs[2 * first + 1]]
-    want = np.concatenate([kl_from_logits(np.array(model(mx.array(r)[None])[0])) for r in rows])
-    want = want.mean()  # over every pair of the batch
+    logits = [np.array(model(mx.array(r)[None])[0]) for r in rows]
+    # The rows' means, averaged (held_out weighs each batch's pair-mean by its rows; the two
+    # answers share one batch, so this is the mean over every pair of the batch).
+    want = np.concatenate([kl_from_logits(z) for z in logits]).mean()
     assert report.kl_before == pytest.approx(want, rel=1e-3, abs=1e-5)
     assert report.kl_before > 0.01  # the check says something: the shift is not nothing
+    # Chained (the head fed its own output g_j with x_{j+2}): the identity head gives p_j
+    # again, scored against the trunk's distribution two tokens on.
+    want2 = np.concatenate([kl_from_logits(z, shift=2) for z in logits]).mean()
+    assert report.kl_chained_before == pytest.approx(want2, rel=1e-3, abs=1e-5)
+    assert abs(report.kl_chained_before - report.kl_before) > 0.01  # one shift is not the other
 
 
 def accepted(model, draft, prompt, n=24):
@@ -105,6 +113,7 @@ def test_training_lowers_the_kl_and_its_drafts_are_accepted_and_exact(tiny, tmp_
     )  # the whole vocabulary
     assert report.path == tiny / HEAD_FILE and report.path.is_file()  # beside the model
     assert report.kl_after < 0.8 * report.kl_before
+    assert report.kl_chained_after < 0.8 * report.kl_chained_before  # the second draft's too
     with safe_open(str(report.path), "np") as f:
         meta = f.metadata()
     assert meta["format"] == "mlxinfer-mtp-head" and meta["hidden_size"] == "64"
@@ -216,11 +225,13 @@ def test_the_draft_vocabulary_reads_only_its_rows_of_the_lm_head(tiny, tmp_path)
 
 
 def test_bad_settings_and_a_truncated_head_are_one_line_errors(tiny, tmp_path):
-    """NaN or non-positive learning rates, zero steps, and a head file cut short: our error in
-    one line (the file checked before MLX maps it), nothing written."""
+    """NaN or non-positive learning rates, zero steps, a negative or infinite chain weight, and a
+    head file cut short: our error in one line (the file checked before MLX maps it), nothing
+    written."""
     model, tokenizer = load(str(tiny))
     out = tmp_path / "h.safetensors"
-    for bad in ({"learning_rate": float("nan")}, {"learning_rate": -1.0}, {"steps": 0}):
+    bads = ({"learning_rate": float("nan")}, {"learning_rate": -1.0}, {"steps": 0})
+    for bad in (*bads, {"chain_weight": -0.5}, {"chain_weight": float("inf")}):
         with pytest.raises(DraftError) as e:
             training.train_mtp(model, tokenizer, output=out, prompts=PROMPTS, **bad)
         assert "train-mtp" in one_line(e) and not out.exists()
