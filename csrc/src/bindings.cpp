@@ -175,6 +175,12 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "us"_a,
       "How long idle pool threads spin before sleeping, in microseconds.");
   m.def(
+      "set_qmv_decode_rows",
+      [](int rows) { mlxinfer::set_qmv_decode_rows(rows); },
+      "rows"_a,
+      "Benchmarks: output rows per pass of the AVX-512 one-row (decode) loops, 1 or 2; 0 (the "
+      "default) by the length of a row.");
+  m.def(
       "set_qmv_rows_path",
       [](int path) { mlxinfer::set_qmv_rows_path(path); },
       "path"_a,

@@ -100,9 +100,12 @@ void qmv_prepare(const QmvProblem& p, float* xp, float* xsum);
 void qmv_rows(const QmvProblem& p, int n0, int n1);
 // Which x86 loops run, for benchmarks and tests: 1 (the default) AVX-512's passes of up to 8 x
 // rows over blocks of 16 output rows, and one row of affine 8-bit codes dequantized per chunk
-// (AVX-512, AVX2); 0 the earlier loops (each output row's passes in turn, one call per output row and pass; one row
-// of 8-bit codes scaled per group, two output rows a pass).
+// (AVX2); 0 the earlier loops (each output row's passes in turn, one call per output row and
+// pass; on AVX2 one row of 8-bit codes scaled per group, two output rows a pass).
 void set_qmv_rows_path(int path);
+// Output rows per pass of the AVX-512 one-row loops: 1 or 2 forced, 0 by the row length (the
+// default; benchmarks force it).
+void set_qmv_decode_rows(int rows);
 
 // y[m, n] = sum_k x[m, k] * w[n, k], w (N, K) row-major float32, bfloat16 or float16,
 // accumulated in f32.

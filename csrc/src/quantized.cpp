@@ -30,11 +30,19 @@ float e4m3_to_f32(uint8_t b) {
 }
 
 // The x86 loops (set_qmv_rows_path): 1 several rows over blocks of output rows (AVX-512) and
-// one row of 8-bit codes dequantized (AVX-512, AVX2), 0 the loops before.
+// one row of 8-bit codes dequantized (AVX2), 0 the loops before.
 std::atomic<int> g_qmv_rows_path{1};
 
 void set_qmv_rows_path(int path) {
   g_qmv_rows_path.store(path);
+}
+
+// Output rows per pass of the AVX-512 one-row (decode) loops (set_qmv_decode_rows): 0 by the
+// row's length (qmv_decode_rows), or 1 or 2 forced.
+std::atomic<int> g_qmv_decode_rows{0};
+
+void set_qmv_decode_rows(int rows) {
+  g_qmv_decode_rows.store(rows == 1 || rows == 2 ? rows : 0);
 }
 
 namespace {
@@ -531,11 +539,6 @@ MLXINFER_QAVX2 void qmv_rows_avx2(const QmvProblem& p, int n0, int n1) {
   }
 }
 
-// Output rows per pass of a one-row (decode) product: 2 beat 1 and 4 on this machine
-// (csrc/README.md, "Measured").
-#ifndef QMV_R
-#define QMV_R 2
-#endif
 
 // One 32-weight chunk as two vectors of 16 f32 codes, matched with xp[0:16], xp[16:32]
 // (4-bit: xp de-interleaved per 32; 8-bit: in order; 2/3/5/6-bit: in order, two units per
@@ -959,6 +962,19 @@ MLXINFER_AVX512BW void qmv_rows1_blocked_avx512(const QmvProblem& p, const uint8
   }
 }
 
+// Output rows a pass of the one-row loops: two rows share each x load, which paid for rows of
+// up to 640 codes; from 1,024 codes one row a pass was 1.15-1.5x faster (4-bit 576 x 1,536:
+// 20.4 against 15.4 GB/s; 1,536 x 1,536 22.2 against 14.7; 5-bit 640 x 2,048 12.9 against 8.9:
+// two threads, the AMD EPYC VM, docs/performance.md), and 8-bit codes (one row a pass in the
+// per-group loop, not dequantized) run one row at every length.
+inline int qmv_decode_rows(const QmvProblem& p, int bits) {
+  const int forced = g_qmv_decode_rows.load(std::memory_order_relaxed);
+  if (forced != 0) {
+    return forced;
+  }
+  return bits == 8 || p.K >= 1024 ? 1 : 2;
+}
+
 template <int BITS>
 MLXINFER_AVX512BW void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
   const int G = p.K / p.group_size;
@@ -968,8 +984,10 @@ MLXINFER_AVX512BW void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
   if constexpr (qmv_stream_bits(BITS)) {
     if (p.M == 1) { // decode at the bit-stream widths: blocks of 64 codes (qmv_blocked)
       int n = n0;
-      for (; n + QMV_R <= n1; n += QMV_R) {
-        qmv_rows1_blocked_avx512<BITS, QMV_R>(p, w, row_bytes, n);
+      if (qmv_decode_rows(p, BITS) == 2) {
+        for (; n + 2 <= n1; n += 2) {
+          qmv_rows1_blocked_avx512<BITS, 2>(p, w, row_bytes, n);
+        }
       }
       for (; n < n1; ++n) {
         qmv_rows1_blocked_avx512<BITS, 1>(p, w, row_bytes, n);
@@ -977,23 +995,22 @@ MLXINFER_AVX512BW void qmv_rows_avx512(const QmvProblem& p, int n0, int n1) {
       return;
     }
   }
-  if constexpr (BITS == 8) {
-    if (p.M == 1 && g_qmv_rows_path == 1) {
-      // One row of affine 8-bit codes (a tied head's): each chunk dequantized (one FMA per 16)
-      // beat the per-group scaling below by 1.7-2x at group sizes 32-128 (49152 x 576, one
-      // thread, the AMD EPYC VM: 2.1 against 3.6 ms at 32); at 4 bits they tie.
-      qmv_rows_dq_avx512<BITS, 1>(p, n0, n1, 0);
-      return;
-    }
-  }
+  // One row of affine 8-bit codes runs the per-group loop below one output row a pass: 1.09-1.19x
+  // the loop that dequantizes each chunk (one FMA per 16 codes more), which it replaced (the
+  // tied heads 49,152 x 576 1.18 against 1.29 ms, 262,144 x 640 7.05 against 7.70 ms; 256 x 640
+  // 8.5 against 10.1 us; two threads, the AMD EPYC VM). With two output rows a pass the
+  // per-group loop had been 1.4x slower than the dequantizing one from memory.
   if (p.M == 1) { // decode: output rows R at a time
     int n = n0;
-    for (; n + QMV_R <= n1; n += QMV_R) {
-      wide ? qmv_rows1_avx512<BITS, QMV_R, 2>(p, w, row_bytes, n)
-           : qmv_rows1_avx512<BITS, QMV_R, 1>(p, w, row_bytes, n);
+    if (qmv_decode_rows(p, BITS) == 2) {
+      for (; n + 2 <= n1; n += 2) {
+        wide ? qmv_rows1_avx512<BITS, 2, 2>(p, w, row_bytes, n)
+             : qmv_rows1_avx512<BITS, 2, 1>(p, w, row_bytes, n);
+      }
     }
     for (; n < n1; ++n) {
-      qmv_rows1_avx512<BITS, 1, 1>(p, w, row_bytes, n);
+      wide ? qmv_rows1_avx512<BITS, 1, 2>(p, w, row_bytes, n)
+           : qmv_rows1_avx512<BITS, 1, 1>(p, w, row_bytes, n);
     }
     return;
   }

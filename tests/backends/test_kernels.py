@@ -562,6 +562,29 @@ def test_quantized_long_rows_and_both_several_row_loops(k):
             assert rel_err(after, before) <= 1e-5, (level, rows, K_in)
 
 
+def test_one_row_loops_one_or_two_output_rows_a_pass(k):
+    """AVX-512's one-row loops run one output row a pass from 1,024 codes a row (and for 8-bit
+    codes) and two below: every width at a short and a long row, an odd row count (the pass's
+    remainder), with the choice by length and each forced, against MLX's product."""
+    if "avx512" not in paths(k) or not hasattr(k, "set_qmv_decode_rows"):
+        pytest.skip("AVX-512's one-row loops: this CPU or module has none")
+    for bits in BITS:
+        for K_in, group_size in ((576, 32), (1536, 64)):
+            mx.random.seed(bits * 31 + K_in)
+            wq, s, b = mx.quantize(
+                mx.random.normal((37, K_in)) * 0.05, group_size=group_size, bits=bits
+            )
+            x = mx.random.normal((1, K_in))
+            ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group_size, bits=bits)
+            try:
+                for rows in (0, 1, 2):
+                    k.set_qmv_decode_rows(rows)
+                    y = k.quantized_matvec(x, wq, s, b, group_size, bits)
+                    assert rel_err(y, ref) <= 1e-5, (bits, K_in, rows)
+            finally:
+                k.set_qmv_decode_rows(0)
+
+
 def test_log_softmax_matches_float64(k):
     """Log-probs of a few rows of logits against the float64 computation (numpy), within
     2e-5 (relative past 1; MLX's own f32 logsumexp was 5e-5 off on the vocabulary-sized rows):
