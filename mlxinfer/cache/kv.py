@@ -297,25 +297,35 @@ class RotatingKVCache:
         return full_k, full_v
 
     def _update_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        slot, n = self.decode_slot(keys, values)
         assert self.keys is not None and self.values is not None  # update_and_fetch checked
+        self.keys[..., slot : slot + 1, :] = keys
+        self.values[..., slot : slot + 1, :] = values
+        # A single query may see every stored entry, so their order is irrelevant.
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    def decode_slot(self, keys: mx.array, values: mx.array) -> tuple[int, int]:
+        """One more token (its ``keys``/``values`` (B, H, 1, D), or arrays of their shape):
+        the buffers grown where they are full, the ring advanced, the offset counted; returns
+        the slot the caller writes the token to and how many entries its query sees (every
+        stored one). ``_update_one`` writes it here; the CPU backend's decode kernels write
+        it themselves (``backends/cpu/compiled.py``)."""
+        assert self.keys is not None and self.values is not None  # an empty cache prefills
         if self._size < self.max_size:
             cap = min(self.max_size, self._size + self.step)
             if self.keys.shape[2] < self._size + 1:
                 self.keys = _grow(self.keys, self._size, cap, cap - self._size, keys)
                 self.values = _grow(self.values, self._size, cap, cap - self._size, values)
-            self.keys[..., self._size : self._size + 1, :] = keys
-            self.values[..., self._size : self._size + 1, :] = values
+            slot = self._size
             self._size += 1
             self._idx = self._size
         else:
             if self._idx >= self.max_size:
                 self._idx = self.keep  # wrap around, never overwriting the kept tokens
-            self.keys[..., self._idx : self._idx + 1, :] = keys
-            self.values[..., self._idx : self._idx + 1, :] = values
+            slot = self._idx
             self._idx += 1
         self.offset += 1
-        # A single query may see every stored entry, so their order is irrelevant.
-        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+        return slot, self._size
 
     def make_mask(self, n_queries: int) -> Mask:
         if n_queries == 1:

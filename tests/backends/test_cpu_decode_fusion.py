@@ -236,6 +236,8 @@ FAMILIES = {
     "phi3-partial": dict(
         model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0
     ),  # fused qkv_proj
+    # a sliding window of 6 (rotating caches; the 20 tokens wrap the ring three times)
+    "mistral-window": dict(model_type="mistral", sliding_window=6),
 }
 IDS = [(5 + 37 * i) % 512 for i in range(20)]
 

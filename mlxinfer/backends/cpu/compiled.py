@@ -22,7 +22,7 @@ from types import ModuleType
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache.kv import KVCache
+from ...cache.kv import KVCache, RotatingKVCache
 from ...models import layers as model_layers
 from .. import kernels
 
@@ -202,12 +202,16 @@ def attention_fits(layer: nn.Module) -> bool:
 
 
 def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | None:
-    """``layer(x, mask, cache)`` for one token over a plain ``KVCache``, its steps between the
+    """``layer(x, mask, cache)`` for one token over a plain ``KVCache`` or a
+    ``RotatingKVCache`` (a sliding window, or ``--max-kv-size``), its steps between the
     projections as three kernel calls (the key written RoPE'd, the value written, attention);
-    None where that does not apply (more tokens or rows, another cache, an empty one, a mask)."""
+    None where that does not apply (more tokens or rows, another cache, an empty one, a mask).
+    A rotating cache's token goes to the slot its ring gives (``decode_slot``), rotated at its
+    own position, and the query sees every stored entry (their order does not matter to one
+    query: each key was rotated at its own position)."""
     if (
         mask is not None
-        or type(cache) is not KVCache
+        or type(cache) not in (KVCache, RotatingKVCache)
         or cache.keys is None
         or x.shape[:2] != (1, 1)
     ):
@@ -221,14 +225,18 @@ def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | N
     offset, rope = cache.offset, layer.rope
     cos, sin = rope.table(offset, 1, rope.base_at(offset, 1))
     dims, traditional = rope.dims, rope.traditional
-    if offset >= cache.keys.shape[2]:  # full: grow (else make_room does nothing, two ops saved)
-        heads = (1, n_kv, 1, -1)  # only their shapes and dtype matter
-        cache.make_room(k.reshape(heads), v.reshape(heads))
+    heads = (1, n_kv, 1, -1)  # only their shapes and dtype matter
+    if type(cache) is RotatingKVCache:
+        slot, seen = cache.decode_slot(k.reshape(heads), v.reshape(heads))
+    else:
+        if offset >= cache.keys.shape[2]:  # full: grow (else make_room does nothing)
+            cache.make_room(k.reshape(heads), v.reshape(heads))
+        slot, seen = offset, offset + 1
+        cache.offset = offset + 1
     cache.keys = k_.cache_write(
-        cache.keys, k, cos, sin, offset=offset, dims=dims, traditional=traditional
+        cache.keys, k, cos, sin, offset=slot, dims=dims, traditional=traditional
     )
-    cache.values = k_.cache_write(cache.values, v, cos, sin, offset=offset)  # not rotated
-    cache.offset = offset + 1
+    cache.values = k_.cache_write(cache.values, v, cos, sin, offset=slot)  # not rotated
     out = k_.decode_attention(
         q,
         cache.keys,
@@ -236,7 +244,7 @@ def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | N
         cos,
         sin,
         n_q=n_q,
-        offset=offset,
+        offset=seen - 1,  # the entries it attends to: the first seen
         scale=layer.scale,
         dims=dims,
         traditional=traditional,
