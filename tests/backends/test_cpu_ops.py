@@ -3,6 +3,8 @@
 Model-level parity with transformers on both paths is in test_parity.py.
 """
 
+import io
+import re
 import threading
 
 import mlx.core as mx
@@ -83,6 +85,35 @@ def test_rms_norm_matches_definition():
     out = np.array(cpu_ops.rms_norm(mx.array(x), mx.array(w), eps))
     assert np.abs(out - ref).max() <= 1e-5
     assert np.abs(out - np.array(mx.fast.rms_norm(mx.array(x), mx.array(w), eps))).max() <= 1e-5
+
+
+def test_offset_norm_forms_one_plus_w_once_and_again_for_a_new_weight():
+    """Gemma's (1 + w) norm on the CPU backend: x / rms(x) * (1 + w) by its definition, with
+    1 + w made once when the backend is applied (the call's graph holds no Add), and a
+    replaced weight read as itself (a stale 1 + w would give the first weight's output)."""
+    from mlxinfer.backends.cpu.layers import CPUOffsetNorm
+    from mlxinfer.models.layers import OffsetRMSNorm
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 2, 48)).astype(np.float32) * 3
+    norm = OffsetRMSNorm(48, eps=1e-6)
+    with_mixin(norm, CPUOffsetNorm)
+
+    def ref(w):
+        rms = np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+        return x / rms * (1.0 + w)
+
+    for w in (rng.standard_normal(48), rng.standard_normal(48)):
+        norm.update({"weight": mx.array(w.astype(np.float32))})
+        out = norm(mx.array(x))  # a replaced weight: (1 + w) formed in the call
+        assert np.abs(np.array(out) - ref(w)).max() <= 1e-5
+        norm.keep_one_plus()  # as the backend's apply does
+        again = norm(mx.array(x))  # 1 + w already made: only the norm itself in the graph
+        dot = io.StringIO()
+        mx.export_to_dot(dot, again)
+        primitives = re.findall(r'label ?= ?"([^"]*)"', dot.getvalue())
+        assert primitives and "Add" not in primitives, primitives
+        assert np.abs(np.array(again) - ref(w)).max() <= 1e-5
 
 
 def attention_reference(q, k, v, scale, allowed):
