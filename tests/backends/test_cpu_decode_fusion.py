@@ -294,6 +294,27 @@ def test_decode_with_the_fused_kernels_matches_transformers(family, tmp_path, mo
         assert calls["swiglu"] >= steps * mlps * on  # the shared gated MLPs' SwiGLU too
 
 
+def test_decode_over_a_cache_that_keeps_its_first_tokens(tmp_path, monkeypatch):
+    """``--max-kv-size 8``: rotating caches that keep the first 4 tokens (the ring wraps to
+    slot 4). The kernels write at the ring's slot and attend over every stored entry: the
+    logits of 20 tokens, one a step, as the ops path's (whose eviction tests/cache checks
+    against its definition), and the kernels ran every step."""
+    path, _ = make_tiny(tmp_path / "m", perturb_vectors=True, **{**SHAPES, "model_type": "llama"})
+    model, _ = load_model(path)
+    counter = Counting(K)
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    rows = {}
+    for option in ("kernel", "ops"):
+        kinds.set_plan(model, "decode", option)
+        cache = model.make_cache(max_kv_size=8)
+        first = model(mx.array([IDS[:3]]), cache)  # a prompt, then a token a step
+        rows[option] = [np.array(first[0, -1])] + [
+            np.array(model(mx.array([[t]]), cache)[0, -1]) for t in IDS[3:]
+        ]
+    assert np.abs(np.stack(rows["kernel"]) - np.stack(rows["ops"])).max() <= 1e-4
+    assert counter.calls["decode_attention"] == (len(IDS) - 3) * SHAPES["num_hidden_layers"]
+
+
 def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch):
     path, _ = make_tiny(tmp_path / "m", **SHAPES)
     model, _ = load_model(path)
