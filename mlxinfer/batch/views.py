@@ -29,6 +29,7 @@ import numpy as np
 from ..cache.kv import Mask, Pages, StateCache
 from .layout import STATE
 from .pool import KVPool, Sequence
+from .store import flat_rows
 
 
 class StepBatch:
@@ -160,6 +161,8 @@ class _Slots:
         write = np.concatenate([pool.append_slots(s, t, hashed) for s, t in zip(seqs, tokens)])
         self.pool = pool
         self.write_blocks, self.write_within = mx.array(write // bs), mx.array(write % bs)
+        # the same places as rows of each layer's array, per kv-head count (store.flat_rows)
+        self.write_rows = {h: flat_rows(write, h, bs) for h in {s.kv_heads for s in pool.layers}}
         tables = [pool.block_table(s, s.length)[f:] for s, f in zip(seqs, first)]
         n_blocks = max(len(t) for t in tables)
         table = np.zeros((len(seqs), n_blocks), np.int32)  # padding: block 0, masked
@@ -254,7 +257,15 @@ class LayerView:
         slots = self.slots
         flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
         flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
-        slots.pool.write(self.layer, slots.write_blocks, slots.write_within, flat_k, flat_v)
+        heads = slots.pool.layers[self.layer].kv_heads
+        slots.pool.write(
+            self.layer,
+            slots.write_blocks,
+            slots.write_within,
+            flat_k,
+            flat_v,
+            rows=slots.write_rows[heads],
+        )
         k, v = slots.pool.gather(self.layer, slots.table)
         T = slots.T
         if self.quantized:
