@@ -257,20 +257,27 @@ class LayerView:
         slots = self.slots
         flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
         flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, -1)
-        heads = slots.pool.layers[self.layer].kv_heads
-        slots.pool.write(
-            self.layer,
-            slots.write_blocks,
-            slots.write_within,
-            flat_k,
-            flat_v,
-            rows=slots.write_rows[heads],
-        )
+        self.write_rows(flat_k, flat_v)
         k, v = slots.pool.gather(self.layer, slots.table)
         T = slots.T
         if self.quantized:
             return [a[:, :, :T] for a in k], [a[:, :, :T] for a in v]
         return (k, v) if k.shape[2] == T else (k[:, :, :T], v[:, :, :T])
+
+    def write_rows(self, keys: mx.array, values: mx.array) -> None:
+        """Store the step's (N, kv_heads, dim) keys and values, token-major (N = B · L), at the
+        places the step gave each row (the CPU backend's decode step writes its RoPE'd keys
+        here directly, then reads the pages)."""
+        slots = self.slots
+        heads = slots.pool.layers[self.layer].kv_heads
+        slots.pool.write(
+            self.layer,
+            slots.write_blocks,
+            slots.write_within,
+            keys,
+            values,
+            rows=slots.write_rows[heads],
+        )
 
     def make_mask(self, n_queries: int) -> Mask:
         return self.batch.mask_for(self.window, self.slots)

@@ -399,11 +399,13 @@ def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
         assert np.abs(ours - mlx_ops).max() <= tol, level
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral-window"])
 def test_the_batching_engine_decodes_over_pages_with_the_kernel(family, tmp_path, monkeypatch):
     """The engine's decode steps (the "pages" form: rows of mixed lengths, joined mid-batch) with
-    the decode plan on: each row's greedy tokens transformers' for its prompt alone, and one
-    paged-attention call per attention layer and step."""
+    the decode plan on (q and k rotated at each row's position and the keys written as rows
+    by the backend, ``compiled.paged_decode_attention``; a sliding window's pool too): each
+    row's greedy tokens transformers' for its prompt alone, and one paged-attention call per
+    attention layer and step."""
     path, torch_model = make_tiny(
         tmp_path / "m", perturb_vectors=True, **{**SHAPES, **FAMILIES[family]}
     )

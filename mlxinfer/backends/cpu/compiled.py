@@ -252,6 +252,32 @@ def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | N
     return layer.o_proj(out)  # (1, 1, n_q * Dv), as q
 
 
+def paged_decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | None:
+    """``layer(x, mask, cache)`` for the batching engine's decode step (one token a row) over
+    its pool's pages, without the model path's transposes: each row's q, k, v as (B, heads, 1,
+    D) by reshapes alone (one token: the same order), q and k rotated at the rows' own
+    positions, k and v written into the pool as rows (``LayerView.write_rows``), attention over
+    the pages as one kernel call, its (B, heads, 1, Dv) output reshaped for ``o_proj``. None
+    where that does not apply (more tokens, a cache without pages, a quantized pool, a mask
+    of the layer's own, dynamic NTK's per-length frequencies)."""
+    write, pages_of = getattr(cache, "write_rows", None), getattr(cache, "pages", None)
+    if write is None or x.shape[1] != 1 or pages_of(mask) is None:
+        return None
+    offsets, rope = cache.offset, layer.rope
+    if rope.dynamic is not None and isinstance(offsets, mx.array):
+        return None
+    B = x.shape[0]
+    n_q, n_kv, D = layer.n_heads, layer.n_kv_heads, layer.head_dim
+    q, k, v = layer.project(x)
+    q, k = q.reshape(B, n_q, 1, D), k.reshape(B, n_kv, 1, D)
+    if layer.has_qk_norm:
+        q, k = layer.q_norm(q), layer.k_norm(k)
+    q, k = rope(q, offset=offsets), rope(k, offset=offsets)
+    write(k.reshape(B, n_kv, D), v.reshape(B, n_kv, -1))
+    out = paged_attention(q, pages_of(mask), layer.scale)  # (B, n_q, 1, Dv)
+    return layer.o_proj(out.reshape(B, 1, -1))
+
+
 def paged_attention(q: mx.array, pages, scale: float) -> mx.array:
     """Decode attention of (B, n_heads, 1, D) queries over a batch's pool pages (``Pages``) as
     one kernel call, instead of ``layers.attention.paged_attention``'s ~20 primitives."""

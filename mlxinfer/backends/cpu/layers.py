@@ -110,6 +110,8 @@ class CPUAttention:
             return super().__call__(x, mask, cache, *args)
         if self.cpu_decode_kernel and self.cpu_decode_fits:  # the ``decode`` plan (``compiled``)
             y = compiled.decode_attention(self, x, mask, cache)
+            if y is None:  # the batching engine's step over its pool's pages
+                y = compiled.paged_decode_attention(self, x, mask, cache)
             if y is not None:
                 return y
         return super().__call__(x, mask, cache)
