@@ -24,7 +24,7 @@ import mlx.core as mx
 from ..cache.kv import KVCache, LatentKVCache, Mask
 from .pool import KVPool, LayerShape, Sequence
 from .requests import _Request
-from .store import block_bytes
+from .store import block_bytes, flat_rows
 
 
 def mtp_head(model):
@@ -104,8 +104,8 @@ class PooledCache:
         (1, kv_heads, T, dim), gathered from its blocks."""
         L, bs = keys.shape[2], self.pool.block_size
         slots = self.pool.append_slots(self.seq, [0] * L, hashed=False)  # never shared
-        blocks, within = mx.array(slots // bs), mx.array(slots % bs)
-        self.pool.write(0, blocks, within, keys[0].swapaxes(0, 1), values[0].swapaxes(0, 1))
+        rows = flat_rows(slots, self.pool.layers[0].kv_heads, bs)
+        self.pool.write(0, rows, keys[0].swapaxes(0, 1), values[0].swapaxes(0, 1))
         T = self.seq.length
         table = mx.array(self.pool.block_table(self.seq, T)[None])
         k, v = self.pool.gather(0, table)

@@ -110,40 +110,20 @@ class BlockStore:
             for a in store if isinstance(store, list) else [store]:
                 a[dst] = a[src]
 
-    def write(
-        self,
-        layer: int,
-        blocks: mx.array,
-        within: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        rows: mx.array | None = None,
-    ) -> None:
-        """Store (N, kv_heads, dim) keys and values at positions ``within`` (N,) of ``blocks``
-        (N,) of ``layer`` (in place: the time does not grow with the store); quantized first
-        in a quantized pool. ``rows``: the same places as :func:`flat_rows` gives them, so each
-        array takes one scatter over its rows of ``dim`` values (5 primitives where the
-        indexed assignment over (blocks, :, within) builds 9, twice a layer a decode step)."""
+    def write(self, layer: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store (N, kv_heads, dim) keys and values, token-major, of ``layer`` at ``rows``:
+        their places as :func:`flat_rows` gives them (one scatter over each array's rows, in
+        place: the time does not grow with the store; an indexed assignment over
+        (blocks, :, within) built 9 primitives a write where this builds 5); quantized first
+        in a quantized pool."""
         shape = self.layers[layer]
         for side, new in ((self.keys, keys), (self.values, values)):
             new = new.astype(shape.dtype)
-            parts = (
-                [new]
-                if shape.bits is None
-                else list(mx.quantize(new, group_size=shape.group_size, bits=shape.bits))
-            )
-            store = side[layer]
-            arrays = [store] if shape.bits is None else store
-            for i, (a, part) in enumerate(zip(arrays, parts)):
-                if rows is None:
-                    a[blocks, :, within] = part
-                    continue
-                flat = a.reshape(-1, a.shape[-1])
-                flat[rows] = part.reshape(-1, part.shape[-1])
-                if shape.bits is None:
-                    side[layer] = flat.reshape(a.shape)
-                else:
-                    store[i] = flat.reshape(a.shape)
+            if shape.bits is None:
+                side[layer] = _scatter_rows(side[layer], rows, new)
+                continue
+            parts = mx.quantize(new, group_size=shape.group_size, bits=shape.bits)
+            side[layer] = [_scatter_rows(a, rows, part) for a, part in zip(side[layer], parts)]
 
     def gather(self, layer: int, table: mx.array) -> tuple[Any, Any]:
         """(B, kv_heads, n · block_size, dim) keys and values of the blocks ``table`` (B, n)
@@ -211,3 +191,11 @@ def flat_rows(slots: np.ndarray, kv_heads: int, block_size: int) -> mx.array:
     heads = np.arange(kv_heads)
     rows = (blocks[:, None] * kv_heads + heads[None, :]) * block_size + within[:, None]
     return mx.array(rows.reshape(-1).astype(np.uint32))
+
+
+def _scatter_rows(a: mx.array, rows: mx.array, new: mx.array) -> mx.array:
+    """``a`` (n_blocks, kv_heads, block_size, width) with ``new``'s rows of ``width`` at
+    ``rows`` of its flat (n_blocks · kv_heads · block_size, width) view."""
+    flat = a.reshape(-1, a.shape[-1])
+    flat[rows] = new.reshape(-1, new.shape[-1])
+    return flat.reshape(a.shape)

@@ -160,8 +160,7 @@ class _Slots:
                 first[b] = pool.first_seen(s.length)
         write = np.concatenate([pool.append_slots(s, t, hashed) for s, t in zip(seqs, tokens)])
         self.pool = pool
-        self.write_blocks, self.write_within = mx.array(write // bs), mx.array(write % bs)
-        # the same places as rows of each layer's array, per kv-head count (store.flat_rows)
+        # where the new keys go: rows of each layer's array, per kv-head count (store.flat_rows)
         self.write_rows = {h: flat_rows(write, h, bs) for h in {s.kv_heads for s in pool.layers}}
         tables = [pool.block_table(s, s.length)[f:] for s, f in zip(seqs, first)]
         n_blocks = max(len(t) for t in tables)
@@ -270,14 +269,7 @@ class LayerView:
         here directly, then reads the pages)."""
         slots = self.slots
         heads = slots.pool.layers[self.layer].kv_heads
-        slots.pool.write(
-            self.layer,
-            slots.write_blocks,
-            slots.write_within,
-            keys,
-            values,
-            rows=slots.write_rows[heads],
-        )
+        slots.pool.write(self.layer, slots.write_rows[heads], keys, values)
 
     def make_mask(self, n_queries: int) -> Mask:
         return self.batch.mask_for(self.window, self.slots)
@@ -286,15 +278,19 @@ class LayerView:
         """This layer's blocks for attention over them in place, after ``update_and_fetch``:
         in a decode step of the ``"pages"`` form whose ``mask`` is this cache's own (a layer
         that made its own, ALiBi's say, reads the gathered keys)."""
-        batch = self.batch
-        if (
-            batch.form != "pages"
-            or self.quantized
-            or mask is not batch.mask_for(self.window, self.slots)
-        ):
+        if not self.reads_pages(mask):
             return None  # (a quantized pool's layers read the gathered triples)
         kv_heads = self.slots.pool.layers[self.layer].kv_heads
-        return batch.pages(self.slots, self.window, kv_heads, self.layer)
+        return self.batch.pages(self.slots, self.window, kv_heads, self.layer)
+
+    def reads_pages(self, mask: Mask) -> bool:
+        """Whether attention under ``mask`` reads this layer's pages (:meth:`pages`)."""
+        batch = self.batch
+        return (
+            batch.form == "pages"
+            and not self.quantized
+            and mask is batch.mask_for(self.window, self.slots)
+        )
 
     def is_trimmable(self) -> bool:
         return False

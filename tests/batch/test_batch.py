@@ -24,6 +24,7 @@ from test_qwen3_next import TINY as QWEN3_NEXT
 from mlxinfer.batch import Engine, KVPool, PoolFullError
 from mlxinfer.batch.layout import layer_shapes
 from mlxinfer.batch.pool import LayerShape
+from mlxinfer.batch.store import flat_rows
 from mlxinfer.generation import generate_step
 from mlxinfer.generation.sampling import SamplingParams
 from mlxinfer.loading.loader import load_model
@@ -503,6 +504,21 @@ def test_pool_accounting_and_lru_eviction():
     assert pool.stats().blocks_cached == 6
 
 
+def test_a_write_puts_each_tokens_heads_at_its_slot():
+    """``flat_rows``' places: token t of slot b * block_size + i is at block b, position i,
+    for every kv head (numpy's indexed assignment as the reference), other places untouched."""
+    pool = KVPool(SHAPES, block_size=4, kv_budget=1 << 20)
+    seq = pool.admit(list(range(7)), max_tokens=0)
+    slots = pool.append_slots(seq, list(range(7)))
+    new = np.random.default_rng(0).standard_normal((7, 2, 4)).astype(np.float32)
+    before = np.array(pool.keys[0])
+    pool.write(0, flat_rows(slots, 2, 4), mx.array(new), mx.array(new))
+    want = before.copy()
+    want[slots // 4, :, slots % 4] = new
+    assert np.array_equal(np.array(pool.keys[0]), want)
+    assert np.array_equal(np.array(pool.values[0]), want)
+
+
 def test_the_store_gives_back_a_bursts_tail_and_keeps_what_is_in_use():
     pool = KVPool(SHAPES, block_size=4, kv_budget=1 << 20)
     seqs = []
@@ -510,7 +526,7 @@ def test_the_store_gives_back_a_bursts_tail_and_keeps_what_is_in_use():
         seq = pool.admit(list(range(1000 * i, 1000 * i + 40)), max_tokens=0)
         slots = pool.append_slots(seq, list(range(1000 * i, 1000 * i + 40)))
         value = mx.full((40, 2, 4), float(i + 1))
-        pool.write(0, mx.array(slots // 4), mx.array(slots % 4), value, value)
+        pool.write(0, flat_rows(slots, 2, 4), value, value)
         seqs.append(seq)
     assert pool.n_blocks == 128 and seqs[0].blocks == list(range(10))  # lowest blocks first
     before = pool.nbytes
@@ -537,7 +553,7 @@ def test_fork_copies_the_shared_partial_block_on_write():
     pool = KVPool(SHAPES, block_size=4, kv_budget=1 << 20)
     a = pool.admit(list(range(6)), max_tokens=4)
     slots = pool.append_slots(a, list(range(6)))
-    pool.write(0, mx.array(slots // 4), mx.array(slots % 4), mx.ones((6, 2, 4)), mx.ones((6, 2, 4)))
+    pool.write(0, flat_rows(slots, 2, 4), mx.ones((6, 2, 4)), mx.ones((6, 2, 4)))
     child = pool.fork(a)
     assert child.blocks == a.blocks
     new = pool.append_slots(child, [50])

@@ -260,8 +260,8 @@ def paged_decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.arr
     the pages as one kernel call, its (B, heads, 1, Dv) output reshaped for ``o_proj``. None
     where that does not apply (more tokens, a cache without pages, a quantized pool, a mask
     of the layer's own, dynamic NTK's per-length frequencies)."""
-    write, pages_of = getattr(cache, "write_rows", None), getattr(cache, "pages", None)
-    if write is None or x.shape[1] != 1 or pages_of(mask) is None:
+    reads_pages = getattr(cache, "reads_pages", None)  # a batch's pool view (batch/views.py)
+    if reads_pages is None or x.shape[1] != 1 or not reads_pages(mask):
         return None
     offsets, rope = cache.offset, layer.rope
     if rope.dynamic is not None and isinstance(offsets, mx.array):
@@ -273,8 +273,8 @@ def paged_decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.arr
     if layer.has_qk_norm:
         q, k = layer.q_norm(q), layer.k_norm(k)
     q, k = rope(q, offset=offsets), rope(k, offset=offsets)
-    write(k.reshape(B, n_kv, D), v.reshape(B, n_kv, -1))
-    out = paged_attention(q, pages_of(mask), layer.scale)  # (B, n_q, 1, Dv)
+    cache.write_rows(k.reshape(B, n_kv, D), v.reshape(B, n_kv, -1))
+    out = paged_attention(q, cache.pages(mask), layer.scale)  # (B, n_q, 1, Dv)
     return layer.o_proj(out.reshape(B, 1, -1))
 
 
