@@ -231,7 +231,7 @@ def test_bad_settings_and_a_truncated_head_are_one_line_errors(tiny, tmp_path):
     model, tokenizer = load(str(tiny))
     out = tmp_path / "h.safetensors"
     bads = ({"learning_rate": float("nan")}, {"learning_rate": -1.0}, {"steps": 0})
-    for bad in (*bads, {"chain_weight": -0.5}, {"chain_weight": float("inf")}):
+    for bad in (*bads, *({"chain_weight": w} for w in (-0.5, float("inf"), float("nan")))):
         with pytest.raises(DraftError) as e:
             training.train_mtp(model, tokenizer, output=out, prompts=PROMPTS, **bad)
         assert "train-mtp" in one_line(e) and not out.exists()
@@ -243,3 +243,18 @@ def test_bad_settings_and_a_truncated_head_are_one_line_errors(tiny, tmp_path):
     assert "not an MTP head file" in one_line(e) and str(cut) in one_line(e)
     result = CliRunner().invoke(cli, ["train-mtp", str(tiny), "--batch-size", "100000"])
     assert result.exit_code == 2 and "--batch-size" in result.stderr
+    for bad in ("nan", "inf"):  # click's range lets them through: ours, one line, nothing written
+        result = CliRunner().invoke(
+            cli,
+            [
+                "train-mtp",
+                str(tiny),
+                "-o",
+                str(tmp_path / "bad.safetensors"),
+                "--chain-weight",
+                bad,
+            ],
+        )
+        assert result.exit_code == 1 and "chain weight" in result.stderr, result.stderr
+        assert not (tmp_path / "bad.safetensors").exists()
+        assert len(result.stderr.strip().splitlines()) == 1
