@@ -99,8 +99,9 @@ def generation_options(fn):
         click.option(
             "--max-kv-size",
             default=None,
-            type=int,
-            help="Keep at most this many tokens in the KV cache.",
+            type=click.IntRange(min=5),
+            help="Keep at most this many tokens in the KV cache (the first 4 always, then the "
+            "latest; at least 5).",
         ),
         click.option(
             "--kv-bits", default=None, type=click.Choice(["4", "8"]), help="Quantize the KV cache."

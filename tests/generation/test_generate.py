@@ -171,6 +171,11 @@ def test_cli_prefill_step_size_chunks_the_prompt_with_the_same_output(tiny, monk
         cli, ["generate", "-m", str(path), "--prefill-step-size", "0", "-p", "x"]
     )
     assert bad.exit_code == 2 and "--prefill-step-size" in bad.stderr
+    for size in ("0", "4", "-3"):  # a cache that keeps 4 first tokens needs room past them
+        bad = CliRunner().invoke(
+            cli, ["generate", "-m", str(path), "--max-kv-size", size, "-p", "x"]
+        )
+        assert bad.exit_code == 2 and "--max-kv-size" in bad.stderr, bad.stderr
 
 
 def test_cli_model_without_chat_template_gets_the_raw_prompt_or_a_named_format(tiny, tmp_path):
