@@ -4,11 +4,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 
+#include "block.h"
 #include "fused.h"
 #include "kernels.h"
 #include "primitives.h"
@@ -17,6 +19,25 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
+
+namespace {
+
+// A quantized layer from Python: (w, scales, biases, group_size, bits).
+using Layer = std::tuple<mx::array, mx::array, mx::array, int, int>;
+
+mlxinfer::QuantLayer layer_of(const Layer& t) {
+  return {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)};
+}
+
+std::vector<mlxinfer::QuantLayer> layers_of(const std::vector<Layer>& ts) {
+  std::vector<mlxinfer::QuantLayer> out;
+  for (const auto& t : ts) {
+    out.push_back(layer_of(t));
+  }
+  return out;
+}
+
+} // namespace
 
 #define MLXINFER_STR2(x) #x
 #define MLXINFER_STR(x) MLXINFER_STR2(x)
@@ -125,17 +146,19 @@ NB_MODULE(_mlxinfer_kernels, m) {
   m.def(
       "cache_write",
       [](const mx::array& buffer, const mx::array& x, const mx::array& cos, const mx::array& sin,
-         int offset, int dims, bool traditional, bool reference, mx::StreamOrDevice s) {
+         int offset, int dims, bool traditional, int start, bool reference,
+         mx::StreamOrDevice s) {
         return mlxinfer::cache_write(buffer, x, cos, sin,
                                      {0, buffer.ndim() == 4 ? buffer.shape(1) : 0, offset, 0.0f,
-                                      dims, traditional},
+                                      dims, traditional, start},
                                      reference, s);
       },
       "buffer"_a, "x"_a, "cos"_a, "sin"_a, nb::kw_only(), "offset"_a, "dims"_a = 0,
-      "traditional"_a = false, "reference"_a = false, "stream"_a = nb::none(),
-      "A (1, n_kv, capacity, head_dim) cache buffer with one token's x (n_kv * head_dim values, "
-      "its first dims features rotated by the (dims/2) cos/sin table) written at offset; in "
-      "place where MLX may donate the buffer. reference: MLX's own ops.");
+      "traditional"_a = false, "start"_a = 0, "reference"_a = false, "stream"_a = nb::none(),
+      "A (1, n_kv, capacity, head_dim) cache buffer with one token's x (n_kv * head_dim values "
+      "from x's element start: 0, or a token's k or v in a q | k | v row; its first dims "
+      "features rotated by the (dims/2) cos/sin table) written at offset; in place where MLX "
+      "may donate the buffer. reference: MLX's own ops.");
   m.def(
       "decode_attention",
       [](const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
@@ -163,6 +186,51 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "One decode token per row over a paged pool: q (B, n_q, 1, D); keys/values (n_blocks, n_kv, "
       "block, D); blocks (B, n_kv, n) uint32 (block * n_kv + head); visible (B, 1, n, 1, block) "
       "bool. -> (B, n_q, 1, Dv). reference: MLX's own ops.");
+  m.def(
+      "norm_products",
+      [](const mx::array& x, const mx::array& norm, float eps, const std::vector<Layer>& layers,
+         const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm,
+         int n_q, int n_kv, int head_dim, float head_eps, mx::StreamOrDevice s) {
+        return mlxinfer::norm_products(x, norm, eps, layers_of(layers), q_norm, k_norm,
+                                       {n_q, n_kv, q_norm ? head_dim : 0, head_eps}, s);
+      },
+      "x"_a, "norm"_a, "eps"_a, "layers"_a, nb::kw_only(), "q_norm"_a = nb::none(),
+      "k_norm"_a = nb::none(), "n_q"_a = 0, "n_kv"_a = 0, "head_dim"_a = 0, "head_eps"_a = 0.0f,
+      "stream"_a = nb::none(),
+      "rms_norm(x, norm, eps) through each affine quantized layer (w, scales, biases, "
+      "group_size, bits), the products side by side (..., sum of N); with q_norm and k_norm "
+      "the first n_q and next n_kv heads of head_dim normalised (weights (head_dim,)). float32 "
+      "x; CPU only.");
+  m.def(
+      "attention_output",
+      [](const mx::array& x, const mx::array& qkv, const mx::array& keys, const mx::array& values,
+         const mx::array& cos, const mx::array& sin, const Layer& o, int n_q, int offset,
+         float scale, int dims, bool traditional, const std::optional<mx::array>& post_norm,
+         float post_eps, mx::StreamOrDevice s) {
+        return mlxinfer::attention_output(
+            x, qkv, keys, values, cos, sin, layer_of(o),
+            {n_q, keys.ndim() == 4 ? keys.shape(1) : 0, offset, scale, dims, traditional},
+            post_norm, post_eps, s);
+      },
+      "x"_a, "qkv"_a, "keys"_a, "values"_a, "cos"_a, "sin"_a, "o"_a, nb::kw_only(), "n_q"_a,
+      "offset"_a, "scale"_a, "dims"_a, "traditional"_a = false, "post_norm"_a = nb::none(),
+      "post_eps"_a = 0.0f, "stream"_a = nb::none(),
+      "x + [rms_norm(., post_norm)](o(decode_attention(qkv's first n_q heads, keys, values))) "
+      "for one float32 token; o an affine quantized layer (w, scales, biases, group_size, "
+      "bits). CPU only.");
+  m.def(
+      "mlp_output",
+      [](const mx::array& h, const mx::array& norm, float eps, const std::vector<Layer>& gate_up,
+         const Layer& down, int act, const std::optional<mx::array>& post_norm, float post_eps,
+         mx::StreamOrDevice s) {
+        return mlxinfer::mlp_output(h, norm, eps, layers_of(gate_up), layer_of(down), act,
+                                    post_norm, post_eps, s);
+      },
+      "h"_a, "norm"_a, "eps"_a, "gate_up"_a, "down"_a, nb::kw_only(), "act"_a = 0,
+      "post_norm"_a = nb::none(), "post_eps"_a = 0.0f, "stream"_a = nb::none(),
+      "h + [rms_norm(., post_norm)](down(act(gate) * up)) with gate | up the products of "
+      "rms_norm(h, norm, eps) (one stacked layer or two); act 0 silu, 1 GELU's tanh form. "
+      "float32 h; CPU only.");
   m.def("attention_buffer_copies", &mlxinfer::attention_buffer_copies,
         "How many times cache_write copied a buffer it could not update in place.");
   m.def("set_num_threads", &mlxinfer::set_num_threads, "n"_a,

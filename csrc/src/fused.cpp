@@ -209,9 +209,15 @@ mx::array as_heads(const mx::array& x, int heads, int D, mx::Stream st) {
 
 // Rows of n_heads x d floats, rotated by the table where dims > 0.
 std::vector<float> rotated_rows(const mx::array& x, const mx::array& cos, const mx::array& sin,
-                                int heads, int d, int dims, bool traditional) {
+                                int heads, int d, int dims, bool traditional, int start = 0) {
   std::vector<float> rows(static_cast<size_t>(heads) * d);
-  to_f32(x, rows.data());
+  if (start == 0 && x.size() == rows.size()) {
+    to_f32(x, rows.data());
+  } else { // a token's part of a wider row (a fused q|k|v product)
+    std::vector<float> all(x.size());
+    to_f32(x, all.data());
+    std::copy_n(all.begin() + start, rows.size(), rows.begin());
+  }
   if (dims > 0) {
     std::vector<float> c(cos.size()), s(sin.size());
     to_f32(cos, c.data());
@@ -231,13 +237,18 @@ mx::array cache_write(const mx::array& buffer, const mx::array& x, const mx::arr
   const int D = buffer.shape(3);
   check_rope(op, cos, sin, a.dims, D);
   check_float(x, "x");
-  if (x.size() != static_cast<size_t>(a.n_kv) * D) {
+  const size_t n = static_cast<size_t>(a.n_kv) * D;
+  if (a.start < 0 || (a.start == 0 ? x.size() != n : x.size() < a.start + n)) {
     fail(op, "x: expected one token's " + std::to_string(a.n_kv) + " x " + std::to_string(D) +
-                 " values, found shape " + shape_str(x.shape()));
+                 " values from element " + std::to_string(a.start) + ", found shape " +
+                 shape_str(x.shape()));
   }
   auto stream = mx::to_stream(s);
   if (reference || stream.device == mx::Device::gpu) {
-    auto rows = rope_reference(as_heads(x, a.n_kv, D, stream), cos, sin, a, stream);
+    auto part = a.start == 0 ? x
+                             : mx::slice(mx::flatten(x, stream), {a.start},
+                                         {a.start + static_cast<int>(n)}, stream);
+    auto rows = rope_reference(as_heads(part, a.n_kv, D, stream), cos, sin, a, stream);
     return mx::slice_update(buffer, mx::astype(rows, buffer.dtype(), stream),
                             mx::Shape{0, 0, a.offset, 0}, mx::Shape{1, a.n_kv, a.offset + 1, D},
                             stream);
@@ -271,7 +282,7 @@ void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
       copy_elements(buffer, out.data<char>());
     }
     const int D = out.shape(3);
-    auto rows = rotated_rows(x, cos, sin, a.n_kv, D, a.dims, a.traditional);
+    auto rows = rotated_rows(x, cos, sin, a.n_kv, D, a.dims, a.traditional, a.start);
     round_to(x.dtype(), rows.data(), rows.size()); // rotated in x's dtype, as the reference
     switch (out.dtype()) {
       case mx::float32:
@@ -342,7 +353,7 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
                     cos = mx::array::unsafe_weak_copy(inputs[3]),
                     sin = mx::array::unsafe_weak_copy(inputs[4]),
                     out = mx::array::unsafe_weak_copy(out), a = a_]() mutable {
-    const int D = keys.shape(3), Dv = values.shape(3), cap = keys.shape(2);
+    const int D = keys.shape(3), Dv = values.shape(3);
     auto qr = rotated_rows(q, cos, sin, a.n_q, D, a.dims, a.traditional);
     // The reference rotates and scales the queries in their own dtype.
     round_to(q.dtype(), qr.data(), qr.size());
@@ -351,28 +362,31 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     }
     round_to(q.dtype(), qr.data(), qr.size());
     std::vector<float> y(static_cast<size_t>(a.n_q) * Dv);
-    std::vector<char> kcopy, vcopy; // only for strided buffers
-    const char* kp = contiguous_bytes(keys, kcopy);
-    const char* vp = contiguous_bytes(values, vcopy);
-    const bool round_probs = keys.dtype() != mx::float32;
-    switch (keys.dtype()) {
-      case mx::float32:
-        attend_cpu(a, qr, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
-                   cap, D, Dv, round_probs, y);
-        break;
-      case mx::float16:
-        attend_cpu(a, qr, reinterpret_cast<const mx::float16_t*>(kp),
-                   reinterpret_cast<const mx::float16_t*>(vp), cap, D, Dv, round_probs, y);
-        break;
-      case mx::bfloat16:
-        attend_cpu(a, qr, reinterpret_cast<const mx::bfloat16_t*>(kp),
-                   reinterpret_cast<const mx::bfloat16_t*>(vp), cap, D, Dv, round_probs, y);
-        break;
-      default:
-        break; // the op accepts float buffers only
-    }
+    attend_decode(a, qr, keys, values, y);
     write_out(y.data(), out);
   });
+}
+
+void attend_decode(const AttentionShape& a, std::vector<float>& qr, const mx::array& keys,
+                   const mx::array& values, std::vector<float>& y) {
+  const int D = keys.shape(3), Dv = values.shape(3), cap = keys.shape(2);
+  std::vector<char> kcopy, vcopy; // only for strided buffers
+  const char* kp = contiguous_bytes(keys, kcopy);
+  const char* vp = contiguous_bytes(values, vcopy);
+  const bool round_probs = keys.dtype() != mx::float32;
+  switch (keys.dtype()) {
+    case mx::float32:
+      return attend_cpu(a, qr, reinterpret_cast<const float*>(kp),
+                        reinterpret_cast<const float*>(vp), cap, D, Dv, round_probs, y);
+    case mx::float16:
+      return attend_cpu(a, qr, reinterpret_cast<const mx::float16_t*>(kp),
+                        reinterpret_cast<const mx::float16_t*>(vp), cap, D, Dv, round_probs, y);
+    case mx::bfloat16:
+      return attend_cpu(a, qr, reinterpret_cast<const mx::bfloat16_t*>(kp),
+                        reinterpret_cast<const mx::bfloat16_t*>(vp), cap, D, Dv, round_probs, y);
+    default:
+      return; // the ops accept float buffers only
+  }
 }
 
 } // namespace mlxinfer

@@ -36,10 +36,11 @@ struct AttentionShape {
   float scale; // multiplies q k^T (decode_attention)
   int dims; // features RoPE rotates (<= head dim; 0: none)
   bool traditional; // RoPE pairs (2i, 2i+1) instead of (i, i + dims/2)
+  int start = 0; // cache_write: where the token's values begin in x (a fused q|k|v row)
   bool operator==(const AttentionShape&) const = default;
 };
 
-// buffer (1, n_kv, cap, D) with one token's x (n_kv * D values, rotated by the (dims/2)
+// buffer (1, n_kv, cap, D) with one token's x (n_kv * D values from x's element a.start, rotated by the (dims/2)
 // cos/sin table where dims > 0) written at `offset` < cap. `reference`: MLX's own ops.
 mx::array cache_write(const mx::array& buffer, const mx::array& x, const mx::array& cos,
                       const mx::array& sin, const AttentionShape& a, bool reference = false,
@@ -60,6 +61,12 @@ mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::
 mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
                           const mx::array& blocks, const mx::array& visible, float scale,
                           bool reference = false, mx::StreamOrDevice s = {});
+
+// DecodeAttention's loop: query rows qr (n_q * D, f32, rotated and scaled) over the
+// offset + 1 first tokens of keys and values (float buffers as decode_attention takes them),
+// into y (n_q * Dv).
+void attend_decode(const AttentionShape& a, std::vector<float>& qr, const mx::array& keys,
+                   const mx::array& values, std::vector<float>& y);
 
 // How many times cache_write copied a buffer it could not update in place.
 int64_t attention_buffer_copies();
@@ -87,6 +94,10 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
 // gelu_tanh(gate) * up (GELU's tanh approximation, Gemma's and GPT-2's), the same way:
 // 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3).
 mx::array gelu_tanh_glu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+
+// act(g) * u over n float32 values on the calling thread (the SwiGLU primitive's loop, for
+// the fused blocks). act: 0 silu, 1 GELU's tanh approximation.
+void gated_span(int act, const float* g, const float* u, float* y, size_t n);
 
 // act: 0 silu, 1 GELU's tanh approximation.
 class SwiGLU : public mx::UnaryPrimitive {

@@ -171,6 +171,87 @@ void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
                            "streams to mx.quantized_matmul)");
 }
 
+void quantized_matvec_f32(const float* x, int M, const mx::array& w, const mx::array& sc,
+                          const mx::array& bi, int gs, int bits, int mode, float* y) {
+  QmvProblem p;
+  p.mode = mode;
+  p.N = w.shape(0);
+  p.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / bits);
+  p.isa = qmv_isa(current_isa(), mode, p.K);
+  p.M = M;
+  p.group_size = gs;
+  p.bits = bits;
+  const int G = p.K / gs;
+  if (p.M == 0 || p.N == 0) {
+    return;
+  }
+  // The vector paths read x de-interleaved (4-bit) or scaled (2/3/5/6-bit): a copy, with the
+  // group sums (small: M * K).
+  const bool reorder = qmv_uses_xp(bits, p.isa, mode);
+  aligned_vector<float> xp(reorder ? static_cast<size_t>(p.M) * p.K : 0);
+  std::vector<float> xsum(static_cast<size_t>(p.M) * G);
+  p.x = x;
+  p.xp = reorder ? xp.data() : x;
+  qmv_prepare(p, const_cast<float*>(p.xp), xsum.data());
+  p.xsum = xsum.data();
+  std::vector<uint32_t> wcopy;
+  p.w = contiguous_words(w, wcopy);
+  p.y = y;
+  // f32 contiguous scales and biases are used in place; others are converted.
+  std::vector<float> sf, bf;
+  const bool scales_f32 = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
+      bi.dtype() == mx::float32 && bi.flags().row_contiguous;
+  std::vector<uint8_t> codes; // the float modes: the uint8 scales, contiguous
+  const uint8_t* scale_codes = nullptr;
+  if (mode != kAffine) { // scales decoded per block of rows as they run; zero biases
+    scale_codes = sc.data<uint8_t>();
+    if (!sc.flags().row_contiguous) {
+      codes.resize(sc.size());
+      std::vector<float> wide(sc.size());
+      strided_to_f32<uint8_t>(sc, wide.data());
+      for (size_t i = 0; i < wide.size(); ++i) {
+        codes[i] = static_cast<uint8_t>(wide[i]);
+      }
+      scale_codes = codes.data();
+    }
+    bf.assign(G, 0.0f);
+    p.biases = bf.data();
+    p.shared_biases = true;
+  } else if (scales_f32) {
+    p.scales = sc.data<float>();
+    p.biases = bi.data<float>();
+  } else {
+    sf.resize(sc.size());
+    bf.resize(bi.size());
+    to_f32(sc, sf.data());
+    to_f32(bi, bf.data());
+    p.scales = sf.data();
+    p.biases = bf.data();
+  }
+  const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
+  parallel_rows(p.N, 8, bytes, [&](int n0, int n1) {
+    if (scale_codes == nullptr) {
+      return qmv_rows(p, n0, n1);
+    }
+    // The float modes: each block of 64 rows' scales decoded into a buffer that stays in
+    // cache, the rows run as a problem of their own (decoding them all first took 10 µs of
+    // 70 for SmolLM2's 576 -> 1536 on one thread, and a pass over 3.5 MB for its head).
+    constexpr int kRows = 64;
+    const size_t row_words = static_cast<size_t>(p.K) * p.bits / 32;
+    std::vector<float> local(static_cast<size_t>(kRows) * G);
+    for (int a = n0; a < n1; a += kRows) {
+      const int b = std::min(n1, a + kRows);
+      (mode == kNvfp4 ? decode_e4m3 : decode_e8m0)(
+          scale_codes + static_cast<size_t>(a) * G, local.data(), static_cast<size_t>(b - a) * G);
+      QmvProblem q = p;
+      q.w = p.w + static_cast<size_t>(a) * row_words;
+      q.scales = local.data();
+      q.y = p.y + a;
+      qmv_rows(q, 0, b - a);
+    }
+  });
+}
+
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = encoder_for(stream(), inputs, out);
@@ -183,90 +264,20 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
                     gs = group_size_,
                     bits = bits_,
                     mode = mode_]() mutable {
-    QmvProblem p;
-    p.mode = mode;
-    p.N = w.shape(0);
-    p.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / bits);
-    p.isa = qmv_isa(current_isa(), mode, p.K);
-    p.M = p.K == 0 ? 0 : static_cast<int>(x.size() / p.K);
-    p.group_size = gs;
-    p.bits = bits;
-    const int G = p.K / gs;
-    if (p.M == 0 || p.N == 0) {
+    const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+    const int M = K == 0 ? 0 : static_cast<int>(x.size() / K);
+    if (M == 0 || w.shape(0) == 0) {
       return;
     }
-    // x as f32 rows, plus its de-interleaved copy and group sums (small: M * K).
-    aligned_vector<float> xf(static_cast<size_t>(p.M) * p.K);
-    // The vector paths read x de-interleaved (4-bit) or scaled (2/3/5/6-bit): a copy.
-    const bool reorder = qmv_uses_xp(bits, p.isa, mode);
-    aligned_vector<float> xp(reorder ? xf.size() : 0);
-    std::vector<float> xsum(static_cast<size_t>(p.M) * G);
+    aligned_vector<float> xf(x.size()); // x as f32 rows
     to_f32(x, xf.data());
-    p.x = xf.data();
-    p.xp = reorder ? xp.data() : xf.data();
-    qmv_prepare(p, const_cast<float*>(p.xp), xsum.data());
-    p.xsum = xsum.data();
-    std::vector<uint32_t> wcopy;
-    p.w = contiguous_words(w, wcopy);
     std::vector<float> yf;
     const bool direct = out.dtype() == mx::float32;
     if (!direct) {
       yf.resize(out.size());
     }
-    p.y = direct ? out.data<float>() : yf.data();
-    // f32 contiguous scales and biases are used in place; others are converted.
-    std::vector<float> sf, bf;
-    const bool scales_f32 = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
-        bi.dtype() == mx::float32 && bi.flags().row_contiguous;
-    std::vector<uint8_t> codes; // the float modes: the uint8 scales, contiguous
-    const uint8_t* scale_codes = nullptr;
-    if (mode != kAffine) { // scales decoded per block of rows as they run; zero biases
-      scale_codes = sc.data<uint8_t>();
-      if (!sc.flags().row_contiguous) {
-        codes.resize(sc.size());
-        std::vector<float> wide(sc.size());
-        strided_to_f32<uint8_t>(sc, wide.data());
-        for (size_t i = 0; i < wide.size(); ++i) {
-          codes[i] = static_cast<uint8_t>(wide[i]);
-        }
-        scale_codes = codes.data();
-      }
-      bf.assign(G, 0.0f);
-      p.biases = bf.data();
-      p.shared_biases = true;
-    } else if (scales_f32) {
-      p.scales = sc.data<float>();
-      p.biases = bi.data<float>();
-    } else {
-      sf.resize(sc.size());
-      bf.resize(bi.size());
-      to_f32(sc, sf.data());
-      to_f32(bi, bf.data());
-      p.scales = sf.data();
-      p.biases = bf.data();
-    }
-    const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
-    parallel_rows(p.N, 8, bytes, [&](int n0, int n1) {
-      if (scale_codes == nullptr) {
-        return qmv_rows(p, n0, n1);
-      }
-      // The float modes: each block of 64 rows' scales decoded into a buffer that stays in
-      // cache, the rows run as a problem of their own (decoding them all first took 10 µs of
-      // 70 for SmolLM2's 576 -> 1536 on one thread, and a pass over 3.5 MB for its head).
-      constexpr int kRows = 64;
-      const size_t row_words = static_cast<size_t>(p.K) * p.bits / 32;
-      std::vector<float> local(static_cast<size_t>(kRows) * G);
-      for (int a = n0; a < n1; a += kRows) {
-        const int b = std::min(n1, a + kRows);
-        (mode == kNvfp4 ? decode_e4m3 : decode_e8m0)(
-            scale_codes + static_cast<size_t>(a) * G, local.data(), static_cast<size_t>(b - a) * G);
-        QmvProblem q = p;
-        q.w = p.w + static_cast<size_t>(a) * row_words;
-        q.scales = local.data();
-        q.y = p.y + a;
-        qmv_rows(q, 0, b - a);
-      }
-    });
+    quantized_matvec_f32(xf.data(), M, w, sc, bi, gs, bits, mode,
+                         direct ? out.data<float>() : yf.data());
     if (!direct) {
       write_out(yf.data(), out);
     }

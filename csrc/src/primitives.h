@@ -38,6 +38,12 @@ mx::array dequantize(
     int bits,
     mx::StreamOrDevice s = {});
 
+// y (M, N) = x (M, K) @ dequantize(w, sc, bi).T on f32 rows, on the kernels' threads: the
+// quantized product of QuantizedMatvec and the fused decode blocks (block.cpp). mode: QmvMode
+// (the float modes' bi is never read).
+void quantized_matvec_f32(const float* x, int M, const mx::array& w, const mx::array& sc,
+                          const mx::array& bi, int gs, int bits, int mode, float* y);
+
 // Threads the kernels run on (the caller included); n <= 0: the CPUs we may use.
 void set_num_threads(int n);
 int num_threads();

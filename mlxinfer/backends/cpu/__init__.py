@@ -15,7 +15,8 @@ plans by timing them on this machine (``plans``). The modules:
   from ``csrc/``) where they are built and their plan wins here;
 - ``plans``: which of those pay here, measured (``timing``, over the ``kinds`` of plan) and
   cached;
-- ``layers``: the mixins that put all of it into the model's own classes.
+- ``layers``: the mixins that put all of it into the model's own classes;
+- ``blocks``: a decode step's whole block as four kernel calls.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable
 
 import mlx.nn as nn
 
-from . import layers, plans, quantized
+from . import blocks, layers, plans, quantized
 
 
 def apply(model: nn.Module, *, log: Callable[[str], None] | None = None) -> int:
@@ -33,6 +34,7 @@ def apply(model: nn.Module, *, log: Callable[[str], None] | None = None) -> int:
     returns how many modules changed."""
     n = layers.swap_layers(model)
     layers.bind_children(model)  # the blocks' child modules as plain attributes (not counted)
+    n += blocks.swap_blocks(model)  # a decode step's block as the fused kernels (``decode`` plan)
     plans.choose(model, log=log)
     return n
 

@@ -222,17 +222,10 @@ def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | N
     if layer.has_qk_norm:
         q = layer.q_norm(q.reshape(1, 1, n_q, D)).reshape(1, 1, -1)
         k = layer.k_norm(k.reshape(1, 1, n_kv, D))
-    offset, rope = cache.offset, layer.rope
-    cos, sin = rope.table(offset, 1, rope.base_at(offset, 1))
+    rope = layer.rope
     dims, traditional = rope.dims, rope.traditional
     heads = (1, n_kv, 1, -1)  # only their shapes and dtype matter
-    if type(cache) is RotatingKVCache:
-        slot, seen = cache.decode_slot(k.reshape(heads), v.reshape(heads))
-    else:
-        if offset >= cache.keys.shape[2]:  # full: grow (else make_room does nothing)
-            cache.make_room(k.reshape(heads), v.reshape(heads))
-        slot, seen = offset, offset + 1
-        cache.offset = offset + 1
+    slot, seen, cos, sin = decode_position(layer, cache, k.reshape(heads), v.reshape(heads))
     cache.keys = k_.cache_write(
         cache.keys, k, cos, sin, offset=slot, dims=dims, traditional=traditional
     )
@@ -250,6 +243,24 @@ def decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | N
         traditional=traditional,
     )
     return layer.o_proj(out)  # (1, 1, n_q * Dv), as q
+
+
+def decode_position(layer: nn.Module, cache, k: mx.array, v: mx.array) -> tuple:
+    """``(slot, seen, cos, sin)`` for one more token of ``layer`` in ``cache`` (a ``KVCache``
+    or ``RotatingKVCache``), the cache advanced: the slot its key and value go to (a rotating
+    cache's ring gives it, ``decode_slot``), how many entries its query sees, and RoPE's table
+    at its position. ``k``, ``v``: (1, n_kv, 1, D) arrays whose shape and dtype the buffers
+    grow like where they are full (only read then)."""
+    offset, rope = cache.offset, layer.rope
+    cos, sin = rope.table(offset, 1, rope.base_at(offset, 1))
+    if type(cache) is RotatingKVCache:
+        slot, seen = cache.decode_slot(k, v)
+    else:
+        if offset >= cache.keys.shape[2]:  # full: grow (else make_room does nothing)
+            cache.make_room(k, v)
+        slot, seen = offset, offset + 1
+        cache.offset = offset + 1
+    return slot, seen, cos, sin
 
 
 def paged_decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.array | None:

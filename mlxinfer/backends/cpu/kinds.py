@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import layers as model_layers
-from . import compiled, ops, parallel, quantized
+from . import blocks, compiled, ops, parallel, quantized
 
 NEVER = 1 << 30  # a threshold never reached: the plainer form always
 
@@ -76,7 +76,15 @@ def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
         found["decode"] = [
             m
             for m in model.modules()
-            if isinstance(m, (model_layers.RMSNorm, model_layers.Attention, model_layers.GatedMLP))
+            if isinstance(
+                m,
+                (
+                    model_layers.RMSNorm,
+                    model_layers.Attention,
+                    model_layers.GatedMLP,
+                    blocks.CPUDecodeBlock,
+                ),
+            )
         ]
         if found["matvec"] or any(
             kernel_fits(kind, m) for kind in ("head", "quantized") for m in found[kind]

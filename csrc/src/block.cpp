@@ -1,0 +1,425 @@
+#include "block.h"
+
+#include <cmath>
+#include <string>
+
+#include "mlx/backend/cpu/encoder.h"
+
+#include "attention_math.h"
+#include "kernels.h"
+#include "primitives.h"
+#include "util.h"
+
+namespace mlxinfer {
+
+namespace {
+
+// One row's RMSNorm as RMSNorm::eval_cpu computes it: f32 statistics, the normalised row
+// rounded to `dtype`, then times w.
+void norm_row(float* row, int K, const float* w, float eps, mx::Dtype dtype) {
+  float ss = 0;
+  for (int i = 0; i < K; ++i) {
+    ss += row[i] * row[i];
+  }
+  const float scale = 1.0f / std::sqrt(ss / K + eps);
+  for (int i = 0; i < K; ++i) {
+    row[i] *= scale;
+  }
+  round_to(dtype, row, K);
+  for (int i = 0; i < K; ++i) {
+    row[i] *= w[i];
+  }
+}
+
+std::vector<float> f32_of(const mx::array& a) {
+  std::vector<float> v(a.size());
+  to_f32(a, v.data());
+  return v;
+}
+
+void check_gpu(const char* op, mx::Stream stream) {
+  if (stream.device == mx::Device::gpu) {
+    fail(op, "stream: the fused decode blocks run on the CPU only (the CPU backend builds "
+             "them); found a GPU stream");
+  }
+}
+
+void check_x(const char* op, const mx::array& x, const char* name) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32 || x.shape(-1) == 0) {
+    fail(op, std::string(name) + ": expected a float32 array of shape (..., K), found " +
+                 shape_str(x.shape()));
+  }
+}
+
+void check_norm(const char* op, const mx::array& w, int K, const char* name) {
+  if (w.ndim() != 1 || w.shape(0) != K || !is_float(w.dtype())) {
+    fail(op, std::string(name) + ": expected a float array of shape (" + std::to_string(K) +
+                 ",), found " + shape_str(w.shape()));
+  }
+}
+
+// The layer's output rows; its K must be `K`.
+int check_layer(const char* op, const QuantLayer& l, int K, const std::string& name) {
+  const int b = l.bits, gs = l.group_size;
+  if (b != 2 && b != 3 && b != 4 && b != 5 && b != 6 && b != 8) {
+    fail(op, name + " bits: expected 2, 3, 4, 5, 6 or 8, found " + std::to_string(b));
+  }
+  if (gs != 32 && gs != 64 && gs != 128) {
+    fail(op, name + " group_size: expected 32, 64 or 128, found " + std::to_string(gs));
+  }
+  if (l.w.dtype() != mx::uint32 || l.w.ndim() != 2 ||
+      static_cast<int64_t>(l.w.shape(1)) * 32 != static_cast<int64_t>(K) * b) {
+    fail(op, name + " w: expected (N, " + std::to_string(K * b / 32) + ") uint32 codes for " +
+                 std::to_string(K) + " inputs, found " + shape_str(l.w.shape()));
+  }
+  const mx::Shape sshape = {l.w.shape(0), K / gs};
+  if (K % gs != 0 || l.scales.shape() != sshape || l.biases.shape() != sshape ||
+      !is_float(l.scales.dtype()) || !is_float(l.biases.dtype())) {
+    fail(op, name + " scales/biases: expected float arrays of shape " + shape_str(sshape) +
+                 ", found " + shape_str(l.scales.shape()) + " and " +
+                 shape_str(l.biases.shape()));
+  }
+  return l.w.shape(0);
+}
+
+void push_layer(std::vector<mx::array>& inputs, std::vector<QuantFormat>& formats,
+                const QuantLayer& l) {
+  inputs.insert(inputs.end(), {l.w, l.scales, l.biases});
+  formats.push_back({l.group_size, l.bits});
+}
+
+// y (M, N) = x (M, K) through the layer whose arrays start at inputs[i].
+void product(const float* x, int M, const std::vector<mx::array>& inputs, size_t i,
+             const QuantFormat& f, float* y) {
+  quantized_matvec_f32(x, M, inputs[i], inputs[i + 1], inputs[i + 2], f.group_size, f.bits,
+                       kAffine, y);
+}
+
+// Runs `body` on the encoder with weak copies of the inputs and output.
+template <typename F>
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, F body) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = encoder_for(stream, inputs, out);
+  std::vector<mx::array> in;
+  in.reserve(inputs.size());
+  for (const auto& a : inputs) {
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out),
+                    body = std::move(body)]() mutable { body(in, out); });
+}
+
+} // namespace
+
+// ----------------------------------------------------------------------------
+// norm_products
+// ----------------------------------------------------------------------------
+
+mx::array norm_products(const mx::array& x, const mx::array& norm, float eps,
+                        const std::vector<QuantLayer>& layers,
+                        const std::optional<mx::array>& q_norm,
+                        const std::optional<mx::array>& k_norm, const HeadNorms& heads,
+                        mx::StreamOrDevice s) {
+  const char* op = "norm_products";
+  auto stream = mx::to_stream(s);
+  check_gpu(op, stream);
+  check_x(op, x, "x");
+  const int K = x.shape(-1);
+  check_norm(op, norm, K, "norm");
+  if (layers.empty()) {
+    fail(op, "layers: expected at least one, found none");
+  }
+  std::vector<mx::array> inputs = {x, norm};
+  std::vector<QuantFormat> formats;
+  int N = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    N += check_layer(op, layers[i], K, "layers[" + std::to_string(i) + "]");
+    push_layer(inputs, formats, layers[i]);
+  }
+  if (q_norm.has_value() != k_norm.has_value() || q_norm.has_value() != (heads.head_dim > 0)) {
+    fail(op, "q_norm/k_norm: expected both with head_dim > 0 or neither, found " +
+                 std::string(q_norm ? "q_norm " : "") + std::string(k_norm ? "k_norm " : "") +
+                 "head_dim " + std::to_string(heads.head_dim));
+  }
+  if (q_norm) {
+    check_norm(op, *q_norm, heads.head_dim, "q_norm");
+    check_norm(op, *k_norm, heads.head_dim, "k_norm");
+    if ((heads.n_q + heads.n_kv) * heads.head_dim > N || heads.n_q < 1 || heads.n_kv < 1) {
+      fail(op, "heads: expected (n_q + n_kv) * head_dim <= " + std::to_string(N) + ", found (" +
+                   std::to_string(heads.n_q) + " + " + std::to_string(heads.n_kv) + ") * " +
+                   std::to_string(heads.head_dim));
+    }
+    inputs.insert(inputs.end(), {*q_norm, *k_norm});
+  }
+  auto shape = x.shape();
+  shape.back() = N;
+  return mx::array(shape, mx::float32,
+                   std::make_shared<NormProducts>(stream, eps, std::move(formats), heads),
+                   std::move(inputs));
+}
+
+std::vector<mx::Shape> NormProducts::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  int N = 0;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    N += inputs[2 + 3 * i].shape(0);
+  }
+  shape.back() = N;
+  return {shape};
+}
+
+void NormProducts::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[mlxinfer norm_products] has no GPU kernel");
+}
+
+void NormProducts::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch(stream(), inputs, out,
+           [eps = eps_, layers = layers_, heads = heads_](std::vector<mx::array>& in,
+                                                         mx::array& out) {
+             const int K = in[0].shape(-1), M = static_cast<int>(in[0].size() / K);
+             const int total = out.shape(-1);
+             aligned_vector<float> h(in[0].size());
+             to_f32(in[0], h.data());
+             const auto w = f32_of(in[1]);
+             for (int r = 0; r < M; ++r) {
+               norm_row(h.data() + static_cast<size_t>(r) * K, K, w.data(), eps, in[0].dtype());
+             }
+             float* y = out.data<float>();
+             std::vector<float> part;
+             int col = 0;
+             for (size_t i = 0; i < layers.size(); ++i) {
+               const int N = in[2 + 3 * i].shape(0);
+               if (M == 1) {
+                 product(h.data(), 1, in, 2 + 3 * i, layers[i], y + col);
+               } else {
+                 part.resize(static_cast<size_t>(M) * N);
+                 product(h.data(), M, in, 2 + 3 * i, layers[i], part.data());
+                 for (int r = 0; r < M; ++r) {
+                   std::copy_n(part.data() + static_cast<size_t>(r) * N, N,
+                               y + static_cast<size_t>(r) * total + col);
+                 }
+               }
+               col += N;
+             }
+             if (heads.head_dim > 0) {
+               const size_t at = 2 + 3 * layers.size();
+               const auto qn = f32_of(in[at]), kn = f32_of(in[at + 1]);
+               const int D = heads.head_dim;
+               for (int r = 0; r < M; ++r) {
+                 float* row = y + static_cast<size_t>(r) * total;
+                 for (int j = 0; j < heads.n_q + heads.n_kv; ++j) {
+                   norm_row(row + static_cast<size_t>(j) * D, D,
+                            (j < heads.n_q ? qn : kn).data(), heads.eps, mx::float32);
+                 }
+               }
+             }
+           });
+}
+
+// ----------------------------------------------------------------------------
+// attention_output
+// ----------------------------------------------------------------------------
+
+mx::array attention_output(const mx::array& x, const mx::array& qkv, const mx::array& keys,
+                           const mx::array& values, const mx::array& cos, const mx::array& sin,
+                           const QuantLayer& o, const AttentionShape& a,
+                           const std::optional<mx::array>& post_norm, float post_eps,
+                           mx::StreamOrDevice s) {
+  const char* op = "attention_output";
+  auto stream = mx::to_stream(s);
+  check_gpu(op, stream);
+  check_x(op, x, "x");
+  check_x(op, qkv, "qkv");
+  const int H = x.shape(-1);
+  if (x.size() != static_cast<size_t>(H) || qkv.size() != static_cast<size_t>(qkv.shape(-1))) {
+    fail(op, "x/qkv: expected one token's row each, found " + shape_str(x.shape()) + " and " +
+                 shape_str(qkv.shape()));
+  }
+  if (a.n_kv < 1 || a.n_q < 1 || a.n_q % a.n_kv != 0) {
+    fail(op, "heads: expected n_q a multiple of n_kv >= 1, found n_q=" + std::to_string(a.n_q) +
+                 ", n_kv=" + std::to_string(a.n_kv));
+  }
+  for (const auto* b : {&keys, &values}) {
+    if (b->ndim() != 4 || b->shape(0) != 1 || b->shape(1) != a.n_kv || !is_float(b->dtype()) ||
+        a.offset < 0 || a.offset >= b->shape(2) || b->shape(2) != keys.shape(2) ||
+        b->dtype() != keys.dtype()) {
+      fail(op, "keys/values: expected (1, " + std::to_string(a.n_kv) +
+                   ", capacity > offset " + std::to_string(a.offset) +
+                   ", head_dim) float buffers of one capacity and dtype, found " +
+                   shape_str(keys.shape()) + " and " + shape_str(values.shape()));
+    }
+  }
+  const int D = keys.shape(3), Dv = values.shape(3);
+  if (qkv.shape(-1) < a.n_q * D) {
+    fail(op, "qkv: expected at least n_q * head_dim = " + std::to_string(a.n_q * D) +
+                 " values, found " + shape_str(qkv.shape()));
+  }
+  if (a.dims < 0 || a.dims % 2 != 0 || a.dims > D || cos.size() < static_cast<size_t>(a.dims / 2) ||
+      sin.size() != cos.size() || !is_float(cos.dtype()) || !is_float(sin.dtype())) {
+    fail(op, "rope: expected an even dims <= " + std::to_string(D) +
+                 " and dims/2 float cos and sin, found dims=" + std::to_string(a.dims));
+  }
+  if (check_layer(op, o, a.n_q * Dv, "o") != H) {
+    fail(op, "o w: expected " + std::to_string(H) + " output rows, found " +
+                 shape_str(o.w.shape()));
+  }
+  std::vector<mx::array> inputs = {x, qkv, keys, values, cos, sin, o.w, o.scales, o.biases};
+  if (post_norm) {
+    check_norm(op, *post_norm, H, "post_norm");
+    inputs.push_back(*post_norm);
+  }
+  return mx::array(
+      x.shape(), mx::float32,
+      std::make_shared<AttentionOutput>(stream, a, QuantFormat{o.group_size, o.bits},
+                                        post_norm.has_value(), post_eps),
+      std::move(inputs));
+}
+
+void AttentionOutput::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[mlxinfer attention_output] has no GPU kernel");
+}
+
+void AttentionOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch(stream(), inputs, out,
+           [a = a_, of = o_, post = post_, post_eps = post_eps_](std::vector<mx::array>& in,
+                                                               mx::array& out) {
+             const auto &x = in[0], &qkv = in[1], &keys = in[2], &values = in[3];
+             const int H = x.shape(-1), D = keys.shape(3), Dv = values.shape(3);
+             // decode_attention's steps: q rotated and scaled in its dtype (float32 here).
+             const auto row = f32_of(qkv);
+             std::vector<float> qr(row.begin(), row.begin() + static_cast<size_t>(a.n_q) * D);
+             if (a.dims > 0) {
+               const auto c = f32_of(in[4]), s = f32_of(in[5]);
+               rotate(qr.data(), a.n_q, D, a.dims, a.traditional, c.data(), s.data());
+             }
+             for (auto& v : qr) {
+               v *= a.scale;
+             }
+             std::vector<float> y(static_cast<size_t>(a.n_q) * Dv);
+             attend_decode(a, qr, keys, values, y);
+             aligned_vector<float> ya(y.begin(), y.end());
+             std::vector<float> o(H);
+             product(ya.data(), 1, in, 6, of, o.data());
+             if (post) {
+               const auto w = f32_of(in[9]);
+               norm_row(o.data(), H, w.data(), post_eps, mx::float32);
+             }
+             const auto xf = f32_of(x);
+             float* dst = out.data<float>();
+             for (int i = 0; i < H; ++i) {
+               dst[i] = xf[i] + o[i];
+             }
+           });
+}
+
+// ----------------------------------------------------------------------------
+// mlp_output
+// ----------------------------------------------------------------------------
+
+mx::array mlp_output(const mx::array& h, const mx::array& norm, float eps,
+                     const std::vector<QuantLayer>& gate_up, const QuantLayer& down, int act,
+                     const std::optional<mx::array>& post_norm, float post_eps,
+                     mx::StreamOrDevice s) {
+  const char* op = "mlp_output";
+  auto stream = mx::to_stream(s);
+  check_gpu(op, stream);
+  check_x(op, h, "h");
+  const int K = h.shape(-1);
+  check_norm(op, norm, K, "norm");
+  if (gate_up.size() != 1 && gate_up.size() != 2) {
+    fail(op, "gate_up: expected gate and up as one stacked layer or two, found " +
+                 std::to_string(gate_up.size()));
+  }
+  if (act != 0 && act != 1) {
+    fail(op, "act: expected 0 (silu) or 1 (GELU, tanh form), found " + std::to_string(act));
+  }
+  std::vector<mx::array> inputs = {h, norm};
+  std::vector<QuantFormat> formats;
+  int N = 0;
+  for (size_t i = 0; i < gate_up.size(); ++i) {
+    const int n = check_layer(op, gate_up[i], K, "gate_up[" + std::to_string(i) + "]");
+    if (gate_up.size() == 2 && i == 1 && n != N) {
+      fail(op, "gate_up: expected gate and up of one width, found " + std::to_string(N) +
+                   " and " + std::to_string(n));
+    }
+    N += n;
+    push_layer(inputs, formats, gate_up[i]);
+  }
+  if (N % 2 != 0) {
+    fail(op, "gate_up: expected an even number of stacked rows, found " + std::to_string(N));
+  }
+  if (check_layer(op, down, N / 2, "down") != K) {
+    fail(op, "down w: expected " + std::to_string(K) + " output rows, found " +
+                 shape_str(down.w.shape()));
+  }
+  inputs.insert(inputs.end(), {down.w, down.scales, down.biases});
+  if (post_norm) {
+    check_norm(op, *post_norm, K, "post_norm");
+    inputs.push_back(*post_norm);
+  }
+  return mx::array(h.shape(), mx::float32,
+                   std::make_shared<MlpOutput>(stream, eps, std::move(formats),
+                                               QuantFormat{down.group_size, down.bits}, act,
+                                               post_norm.has_value(), post_eps),
+                   std::move(inputs));
+}
+
+void MlpOutput::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[mlxinfer mlp_output] has no GPU kernel");
+}
+
+void MlpOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch(stream(), inputs, out,
+           [eps = eps_, gate_up = gate_up_, down = down_, act = act_, post = post_,
+            post_eps = post_eps_](std::vector<mx::array>& in, mx::array& out) {
+             const int K = in[0].shape(-1), M = static_cast<int>(in[0].size() / K);
+             aligned_vector<float> h(in[0].size());
+             to_f32(in[0], h.data());
+             const auto w = f32_of(in[1]);
+             for (int r = 0; r < M; ++r) {
+               norm_row(h.data() + static_cast<size_t>(r) * K, K, w.data(), eps, in[0].dtype());
+             }
+             int N = 0;
+             for (size_t i = 0; i < gate_up.size(); ++i) {
+               N += in[2 + 3 * i].shape(0);
+             }
+             const int I = N / 2;
+             // gate | up of each row; two layers: gate's rows, then up's
+             std::vector<float> gu(static_cast<size_t>(M) * N);
+             if (gate_up.size() == 1) {
+               product(h.data(), M, in, 2, gate_up[0], gu.data());
+             } else {
+               std::vector<float> g(static_cast<size_t>(M) * I), u(g.size());
+               product(h.data(), M, in, 2, gate_up[0], g.data());
+               product(h.data(), M, in, 5, gate_up[1], u.data());
+               for (int r = 0; r < M; ++r) {
+                 std::copy_n(g.data() + static_cast<size_t>(r) * I, I,
+                             gu.data() + static_cast<size_t>(r) * N);
+                 std::copy_n(u.data() + static_cast<size_t>(r) * I, I,
+                             gu.data() + static_cast<size_t>(r) * N + I);
+               }
+             }
+             aligned_vector<float> m(static_cast<size_t>(M) * I);
+             for (int r = 0; r < M; ++r) {
+               const float* row = gu.data() + static_cast<size_t>(r) * N;
+               gated_span(act, row, row + I, m.data() + static_cast<size_t>(r) * I, I);
+             }
+             const size_t at = 2 + 3 * gate_up.size();
+             std::vector<float> d(static_cast<size_t>(M) * K);
+             product(m.data(), M, in, at, down, d.data());
+             if (post) {
+               const auto pw = f32_of(in[at + 3]);
+               for (int r = 0; r < M; ++r) {
+                 norm_row(d.data() + static_cast<size_t>(r) * K, K, pw.data(), post_eps,
+                          mx::float32);
+               }
+             }
+             const auto hf = f32_of(in[0]);
+             float* dst = out.data<float>();
+             for (size_t i = 0; i < d.size(); ++i) {
+               dst[i] = hf[i] + d[i];
+             }
+           });
+}
+
+} // namespace mlxinfer

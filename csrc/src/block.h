@@ -1,0 +1,143 @@
+// A decode step's pre-norm block in four primitives instead of ~15 (SmolLM2-135M: 471 a
+// token, ~3 us each of MLX's scheduling): the steps between two residual adds done in one
+// eval, on the kernels' threads, in the order and float arithmetic of the separate kernels
+// (RMSNorm, the quantized products, RoPE, attention, the gated activation), so the output is
+// theirs bit for bit.
+//
+// - norm_products: RMSNorm of x's rows, then the products of quantized layers that read it,
+//   side by side in one output (q | k | v, or gate | up); optionally each head's q and k
+//   normalised (Gemma-3's, Qwen3's q_norm / k_norm).
+// - cache_write (fused.cpp) takes a token's k or v from that row (AttentionShape::start).
+// - attention_output: x + [post_norm](o_proj(attention(rope(q)))) for one token over the
+//   cache buffers cache_write filled; q the first n_q * D values of the q | k | v row.
+// - mlp_output: h + [post_norm](down(act(gate) * up)) with gate | up = norm_products of h.
+//
+// Affine quantized layers (2-8 bits, group 32/64/128) with float32 scales' or any float
+// scales, float32 activations: the CPU backend's decode plan calls them for such blocks only
+// (backends/cpu/blocks.py); MLX's own graph runs everything else. No GPU path: a GPU stream
+// is refused (the backend never builds them there).
+#pragma once
+
+#include <vector>
+
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+#include "fused.h"
+
+namespace mlxinfer {
+
+namespace mx = mlx::core;
+
+struct QuantFormat {
+  int group_size;
+  int bits;
+  bool operator==(const QuantFormat&) const = default;
+};
+
+// One quantized layer's arrays (affine: codes, scales, biases) and format.
+struct QuantLayer {
+  mx::array w, scales, biases;
+  int group_size, bits;
+};
+
+// Per-head RMSNorm of the q and k parts of a q | k | v row (weights (D,)).
+struct HeadNorms {
+  int n_q = 0, n_kv = 0, head_dim = 0;
+  float eps = 0;
+  bool operator==(const HeadNorms&) const = default;
+};
+
+mx::array norm_products(const mx::array& x, const mx::array& norm, float eps,
+                        const std::vector<QuantLayer>& layers,
+                        const std::optional<mx::array>& q_norm,
+                        const std::optional<mx::array>& k_norm, const HeadNorms& heads,
+                        mx::StreamOrDevice s = {});
+
+mx::array attention_output(const mx::array& x, const mx::array& qkv, const mx::array& keys,
+                           const mx::array& values, const mx::array& cos, const mx::array& sin,
+                           const QuantLayer& o, const AttentionShape& a,
+                           const std::optional<mx::array>& post_norm, float post_eps,
+                           mx::StreamOrDevice s = {});
+
+// act: 0 silu, 1 GELU's tanh approximation.
+mx::array mlp_output(const mx::array& h, const mx::array& norm, float eps,
+                     const std::vector<QuantLayer>& gate_up, const QuantLayer& down, int act,
+                     const std::optional<mx::array>& post_norm, float post_eps,
+                     mx::StreamOrDevice s = {});
+
+class NormProducts : public mx::UnaryPrimitive {
+ public:
+  NormProducts(mx::Stream stream, float eps, std::vector<QuantFormat> layers, HeadNorms heads)
+      : mx::UnaryPrimitive(stream), eps_(eps), layers_(std::move(layers)), heads_(heads) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferNormProducts";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const NormProducts&>(other);
+    return eps_ == o.eps_ && layers_ == o.layers_ && heads_ == o.heads_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float eps_;
+  std::vector<QuantFormat> layers_;
+  HeadNorms heads_;
+};
+
+class AttentionOutput : public mx::UnaryPrimitive {
+ public:
+  AttentionOutput(mx::Stream stream, AttentionShape a, QuantFormat o, bool post, float post_eps)
+      : mx::UnaryPrimitive(stream), a_(a), o_(o), post_(post), post_eps_(post_eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferAttentionOutput";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AttentionOutput&>(other);
+    return a_ == o.a_ && o_ == o.o_ && post_ == o.post_ && post_eps_ == o.post_eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  AttentionShape a_;
+  QuantFormat o_;
+  bool post_;
+  float post_eps_;
+};
+
+class MlpOutput : public mx::UnaryPrimitive {
+ public:
+  MlpOutput(mx::Stream stream, float eps, std::vector<QuantFormat> gate_up, QuantFormat down,
+            int act, bool post, float post_eps)
+      : mx::UnaryPrimitive(stream), eps_(eps), gate_up_(std::move(gate_up)), down_(down),
+        act_(act), post_(post), post_eps_(post_eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferMlpOutput";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const MlpOutput&>(other);
+    return eps_ == o.eps_ && gate_up_ == o.gate_up_ && down_ == o.down_ && act_ == o.act_ &&
+        post_ == o.post_ && post_eps_ == o.post_eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+  std::vector<QuantFormat> gate_up_;
+  QuantFormat down_;
+  int act_;
+  bool post_;
+  float post_eps_;
+};
+
+} // namespace mlxinfer

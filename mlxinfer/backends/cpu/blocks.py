@@ -1,0 +1,237 @@
+"""A decode step's whole block as four kernel calls, where there were about fifteen.
+
+SmolLM2-135M's decode step was 471 MLX primitives, each ~3 µs of MLX's scheduling on the
+CPU (docs/performance.md): ~1.4 ms of a ~9.5 ms token, 15 primitives a block. Under the
+``decode=kernel`` plan a pre-norm block of the common families runs as
+
+1. ``norm_products``: the input norm and the q | k | v products in one row (each head's q
+   and k normalised too where the family has ``q_norm``/``k_norm``);
+2. and 3. ``cache_write`` of the token's k (rotated) and v, read from that row;
+4. ``attention_output``: attention, ``o_proj`` (and Gemma's post-attention norm) and the
+   residual add;
+5. ``mlp_output``: the MLP's norm, gate | up, the gated activation, ``down_proj`` (and
+   Gemma's post-MLP norm) and the residual add
+
+(csrc/src/block.h). Each kernel does the separate kernels' steps in their order and float
+arithmetic, so a block's output is theirs bit for bit (tests/backends/test_cpu_blocks.py).
+
+Which blocks: those whose forward is one of :data:`FORMS` (Llama/Mistral/SmolLM, Qwen2/3,
+Gemma 1's pre-norm block, Gemma 2/3's block with post-norms), whose attention the decode
+kernels already take (``compiled.attention_fits``), whose MLP is a plain gated one (SiLU or
+GELU's tanh form), and whose products are affine quantized layers on the kernel
+(``compiled.bind``) with no bias. Per call: one float32 token over a ``KVCache`` or
+``RotatingKVCache`` with no mask. Anything else, the block's own forward (the separate
+kernels, or MLX's ops). Models, checkpoints and Metal are untouched: this is the CPU
+backend's, applied at load (:func:`swap_blocks`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ...cache.kv import KVCache, RotatingKVCache
+from ...models import gemma, gemma2, llama, qwen2
+from ...models import layers as model_layers
+from .. import kernels
+from . import compiled, fused, layers, quantized
+
+# A block's forward -> whether it has Gemma 2/3's post-norms (post_attention_layernorm after
+# attention, pre_/post_feedforward_layernorm around the MLP).
+FORMS = {
+    llama.TransformerBlock.__call__: False,
+    qwen2.TransformerBlock.__call__: False,
+    gemma.DecoderLayer.__call__: False,
+    gemma2.DecoderLayer.__call__: True,
+}
+ACTS = {nn.silu: 0, nn.gelu_approx: 1}  # the kernels' act codes
+ON = True  # off: every block its own forward (benchmarks compare the two in one process)
+
+
+class CPUDecodeBlock:
+    """A block whose decode step may run as the fused kernels (:func:`decode_block`)."""
+
+    cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any, *args: Any) -> mx.array:
+        if self.cpu_decode_kernel and ON and not args:
+            y = decode_block(self, x, mask, cache)
+            if y is not None:
+                return y
+        return super().__call__(x, mask, cache, *args)  # type: ignore[misc]
+
+
+def swap_blocks(model: nn.Module) -> int:
+    """Give the blocks of :data:`FORMS` :class:`CPUDecodeBlock`; how many."""
+    n = 0
+    for _, module in model.named_modules():
+        if compiled.family(module).__call__ in FORMS:
+            layers.with_mixin(module, CPUDecodeBlock)
+            n += 1
+    return n
+
+
+def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
+    """``block(x, mask, cache)`` for one float32 token as the fused kernels, or None where they
+    do not apply (see the module's docstring); the cache advanced as the block's own forward
+    would (``compiled.decode_position``)."""
+    if (
+        mask is not None
+        or x.shape[:2] != (1, 1)
+        or x.dtype != mx.float32
+        or type(cache) not in (KVCache, RotatingKVCache)
+        or cache.keys is None
+        or kernels.load() is None
+    ):
+        return None
+    parts = _parts(block)
+    if parts is None:
+        return None
+    attn, qkv_layers, o, gate_up, down, act, norms, head_norms = parts
+    k_ = kernels.load()
+    n_q, n_kv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
+    heads: dict[str, Any] = {}
+    if head_norms is not None:
+        (qn, q_eps), (kn, _) = head_norms
+        heads = dict(q_norm=qn, k_norm=kn, n_q=n_q, n_kv=n_kv, head_dim=D, head_eps=q_eps)
+    qkv = k_.norm_products(x, w1, eps1, qkv_layers, **heads)
+    like = _like(attn, cache)
+    slot, seen, cos, sin = compiled.decode_position(attn, cache, like, like)
+    rope = attn.rope
+    cache.keys = k_.cache_write(
+        cache.keys,
+        qkv,
+        cos,
+        sin,
+        offset=slot,
+        dims=rope.dims,
+        traditional=rope.traditional,
+        start=n_q * D,
+    )
+    cache.values = k_.cache_write(cache.values, qkv, cos, sin, offset=slot, start=(n_q + n_kv) * D)
+    post = {} if post_attn is None else dict(post_norm=post_attn[0], post_eps=post_attn[1])
+    h = k_.attention_output(
+        x,
+        qkv,
+        cache.keys,
+        cache.values,
+        cos,
+        sin,
+        o,
+        n_q=n_q,
+        offset=seen - 1,
+        scale=attn.scale,
+        dims=rope.dims,
+        traditional=rope.traditional,
+        **post,
+    )
+    post = {} if post_mlp is None else dict(post_norm=post_mlp[0], post_eps=post_mlp[1])
+    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **post)
+
+
+def _parts(block: nn.Module):
+    """What the kernels read of ``block`` now (weights are read at each call, so replaced
+    parameters are seen), or None where one part does not fit."""
+    if not hasattr(kernels.load(), "mlp_output"):  # a module built before the fused blocks
+        return None
+    sandwich = FORMS[compiled.family(block).__call__]
+    attn, mlp = block.self_attn, block.mlp
+    if not (attn.cpu_decode_kernel and attn.cpu_decode_fits) or attn.fused_qkv:
+        return None
+    gated = compiled.family(mlp)
+    if (
+        not isinstance(mlp, layers.CPUGatedMLP)
+        or gated.__call__ is not model_layers.GatedMLP.__call__
+        or gated.combine is not model_layers.GatedMLP.combine
+        or ACTS.get(mlp.act) is None
+    ):
+        return None
+    qkv_layers = _siblings(attn, ("q_proj", "k_proj", "v_proj"))
+    gate_up = _siblings(mlp, ("gate_proj", "up_proj"))
+    o, down = _layer(attn.o_proj), _layer(mlp.down_proj)
+    if qkv_layers is None or gate_up is None or o is None or down is None:
+        return None
+    names = (
+        ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")
+        if sandwich
+        else ("input_layernorm", None, "post_attention_layernorm")
+    )
+    norms = [None if name is None else _norm(block[name]) for name in names]
+    norms.append(_norm(block["post_feedforward_layernorm"]) if sandwich else None)
+    if (
+        norms[0] is None
+        or norms[2] is None
+        or (sandwich and (norms[1] is None or norms[3] is None))
+    ):
+        return None
+    head_norms = None
+    if attn.has_qk_norm:
+        head_norms = (_norm(attn.q_norm), _norm(attn.k_norm))
+        if None in head_norms or head_norms[0][1] != head_norms[1][1]:
+            return None
+    return attn, qkv_layers, o, gate_up, down, ACTS[mlp.act], norms, head_norms
+
+
+def _layer(layer: nn.Module) -> tuple | None:
+    """(w, scales, biases, group_size, bits) of an affine quantized layer on the kernel with no
+    bias, else None."""
+    if (
+        not isinstance(layer, quantized.CPUQuantizedLinear)
+        or layer.__dict__.get("cpu_kernel") is None
+        or getattr(layer, "mode", "affine") != "affine"
+        or "bias" in layer
+        or layer.bits not in compiled.QUANTIZED_BITS
+        or layer.group_size not in compiled.GROUP_SIZES
+    ):
+        return None
+    return layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
+
+
+def _siblings(module: nn.Module, names: tuple[str, ...]) -> list[tuple] | None:
+    """The siblings as the kernels take them: their stacked arrays where they are one
+    :class:`fused.QuantizedGroup` (one product), else each layer's."""
+    layers = [_layer(module[name]) for name in names]
+    if any(layer is None for layer in layers):
+        return None
+    group = module[names[0]].__dict__.get("cpu_fused", (None, 0))[0]
+    if (
+        isinstance(group, fused.QuantizedGroup)
+        and group.on
+        and len(group.bounds) == len(names)
+        and group.mode == "affine"
+        and "bias" not in group.arrays
+    ):
+        a = group.arrays
+        return [(a["weight"], a["scales"], a["biases"], group.group_size, group.bits)]
+    return layers  # type: ignore[return-value]
+
+
+def _norm(norm: nn.Module) -> tuple[mx.array, float] | None:
+    """(weight, eps) the kernels multiply by: an RMSNorm's float32 weight, or Gemma's kept
+    ``1 + w`` (``layers.CPUOffsetNorm``); None for any other norm."""
+    form = compiled.family(norm)
+    if isinstance(norm, layers.CPUOffsetNorm) and form is model_layers.OffsetRMSNorm:
+        kept = norm.__dict__.get("_cpu_one_plus")
+        if kept is None or kept[0] is not norm["weight"]:
+            return None
+        weight = kept[1]
+    elif isinstance(norm, layers.CPUNorm) and form is model_layers.RMSNorm:
+        weight = norm["weight"]
+    else:
+        return None
+    return (weight, norm.eps) if weight.dtype == mx.float32 else None
+
+
+def _like(attn: nn.Module, cache: Any) -> mx.array:
+    """A (1, n_kv, 1, head_dim) array of the cache's dtype: what a cache grows its buffers
+    like (only its shape and dtype are read)."""
+    shape = (1, attn.n_kv_heads, 1, attn.head_dim)
+    kept = attn.__dict__.get("_cpu_like")
+    if kept is None or kept.shape != shape or kept.dtype != cache.keys.dtype:
+        kept = mx.zeros(shape, cache.keys.dtype)
+        mx.eval(kept)
+        object.__setattr__(attn, "_cpu_like", kept)
+    return kept

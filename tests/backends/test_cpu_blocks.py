@@ -1,0 +1,198 @@
+"""A decode step's block as the fused kernels (backends/cpu/blocks.py, csrc/src/block.cpp;
+issue 47, item 2 "fewer, larger primitives per decode step"): quantized tiny models decoded a
+token a step give the separate kernels' logits bit for bit and MLX's own quantized path's
+within its bound, and the same greedy tokens, for the block forms the fused path takes —
+Llama (tied, q/k/v and gate/up stacked), Qwen3 (per-head q/k norms), Gemma-3 (post-norms,
+GELU, sliding windows over rotating caches, every sixth layer global) and a Llama whose
+layers differ in format (q/k/v and gate/up not stackable: each its own product). The fused
+kernels ran every block of every step; bad arguments are one-line errors."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hf_models import add_tokenizer, make_tiny
+from safetensors.numpy import load_file, save_file
+
+from mlxinfer import backends
+from mlxinfer.backends import kernels
+from mlxinfer.backends.cpu import blocks
+from mlxinfer.backends.cpu import plans as cpu_plans
+from mlxinfer.generation import generate_step
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
+
+K = kernels.load()
+pytestmark = [
+    pytest.mark.skipif(K is None, reason=f"compiled kernels absent: {kernels.reason()}"),
+    pytest.mark.skipif(
+        mx.default_device().type != mx.DeviceType.cpu, reason="the CPU backend's kernels"
+    ),
+    pytest.mark.skipif(
+        K is not None and not hasattr(K, "mlp_output"), reason="kernels built before block.cpp"
+    ),
+]
+
+FAMILIES = {
+    "llama-tied": dict(model_type="llama", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    "gemma3-window": dict(
+        model_type="gemma3_text",
+        head_dim=16,
+        num_hidden_layers=7,  # six sliding layers and a global one
+        sliding_window=6,  # the 20 tokens wrap each ring
+        query_pre_attn_scalar=16,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
+    "llama-mixed": dict(model_type="llama"),
+}
+IDS = [(5 + 37 * i) % 256 for i in range(20)]
+
+
+class Counting:
+    """The kernels' module, counting the fused blocks' calls."""
+
+    NAMES = ("norm_products", "attention_output", "mlp_output")
+
+    def __init__(self, module):
+        self.module, self.calls = module, dict.fromkeys(self.NAMES, 0)
+
+    def __getattr__(self, name):
+        attr = getattr(self.module, name)
+        if name in self.calls:
+
+            def counted(*a, **k):
+                self.calls[name] += 1
+                return attr(*a, **k)
+
+            return counted
+        return attr
+
+
+def mix_formats(q: Path) -> None:
+    """Re-quantize layer 0's k_proj at 8 bits, group 64, and its up_proj at 5 bits, group 32,
+    recorded per layer as mlx-lm writes them: q/k/v and gate/up then differ in format."""
+    path = q / "model.safetensors"
+    tensors = load_file(path)
+    config = json.loads((q / "config.json").read_text())
+    record = config["quantization"]
+    for name, bits, group in (("self_attn.k_proj", 8, 64), ("mlp.up_proj", 5, 32)):
+        key = f"model.layers.0.{name}"
+        w = mx.dequantize(
+            mx.array(tensors[f"{key}.weight"]),
+            mx.array(tensors[f"{key}.scales"]),
+            mx.array(tensors[f"{key}.biases"]),
+            group_size=record["group_size"],
+            bits=record["bits"],
+        )
+        codes, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+        for part, a in (("weight", codes), ("scales", scales), ("biases", biases)):
+            tensors[f"{key}.{part}"] = np.array(a)
+        record[key] = {"group_size": group, "bits": bits}
+    save_file(tensors, path, metadata={"format": "mlx"})
+    (q / "config.json").write_text(json.dumps(config))
+    (q / "mlxinfer-manifest.json").unlink()  # its sizes are the uniform files' (mlx-lm has none)
+
+
+def step_logits(model) -> np.ndarray:
+    cache = model.make_cache()
+    rows = [np.array(model(mx.array([IDS[:3]]), cache)[0, -1])]
+    rows += [np.array(model(mx.array([[t]]), cache)[0, -1]) for t in IDS[3:]]
+    return np.stack(rows)
+
+
+def greedy(model) -> list[int]:
+    return [t for t, _ in generate_step(IDS[:4], model, max_tokens=10, prefill_step_size=2)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_blocks_give_the_separate_kernels_logits(family, tmp_path, monkeypatch):
+    path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, **FAMILIES[family])
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
+    if family == "llama-mixed":
+        mix_formats(tmp_path / "q")
+    monkeypatch.setenv(backends.ENV, "0")  # MLX's own layers and quantized_matmul
+    plain, _ = load_model(tmp_path / "q")
+    monkeypatch.delenv(backends.ENV)
+    reference, reference_greedy = step_logits(plain), greedy(plain)
+    counter = Counting(K)
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    layers = len(model.layers)
+    assert sum(isinstance(m, blocks.CPUDecodeBlock) for m in model.modules()) == layers
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(blocks, "ON", on)
+        out[on] = step_logits(model)
+        assert greedy(model) == reference_greedy, on
+        calls, counter.calls = counter.calls, dict.fromkeys(Counting.NAMES, 0)
+        # the tokens a step, then generate_step's: its prompt's 1-token chunk and 10 steps
+        steps = len(IDS) - 3 + 1 + 10
+        assert calls == dict.fromkeys(Counting.NAMES, steps * layers * on), on
+    assert np.array_equal(out[True], out[False])  # the same arithmetic, bit for bit
+    bound = 1e-4 * np.abs(reference).max()  # the kernels' products against MLX's
+    assert np.abs(out[True] - reference).max() <= bound
+    if family == "llama-mixed":  # 4-, 5- and 8-bit products: each instruction-set path too
+        try:
+            for level in isa_levels():
+                K.set_max_isa(level)
+                for on in (True, False):
+                    monkeypatch.setattr(blocks, "ON", on)
+                    out[on] = step_logits(model)
+                assert np.array_equal(out[True], out[False]), level
+                assert np.abs(out[True] - reference).max() <= bound, level
+        finally:
+            K.set_max_isa("best")
+
+
+def isa_levels() -> list[str]:
+    """Each instruction-set path this CPU has, lowest first (arm64: scalar and neon)."""
+    levels = ["scalar", "neon"] if K.best_isa == "neon" else ["scalar", "avx2", "avx512"]
+    return levels[: levels.index(K.best_isa) + 1]
+
+
+def test_a_block_outside_the_fused_forms_keeps_its_own_forward(tmp_path, monkeypatch):
+    """A float model (the fused kernels take quantized products only) and a bfloat16 token:
+    the block's own forward, never a fused call."""
+    path, _ = make_tiny(tmp_path / "hf", model_type="llama")
+    counter = Counting(K)
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    model, _ = load_model(path)
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    step_logits(model)
+    assert counter.calls == dict.fromkeys(Counting.NAMES, 0)
+
+
+def test_bad_arguments_are_one_line_value_errors():
+    x, norm = mx.zeros((1, 1, 64)), mx.ones((64,))
+    codes, scales, biases = mx.quantize(mx.zeros((96, 64)), group_size=32, bits=4)
+    layer = (codes, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match=r"\[mlxinfer norm_products\] norm: expected"):
+        K.norm_products(x, mx.ones((63,)), 1e-5, [layer])
+    with pytest.raises(ValueError, match=r"layers\[0\] bits: expected 2, 3, 4, 5, 6 or 8"):
+        K.norm_products(x, norm, 1e-5, [(codes, scales, biases, 32, 7)])
+    with pytest.raises(ValueError, match=r"x: expected a float32 array"):
+        K.norm_products(x.astype(mx.bfloat16), norm, 1e-5, [layer])
+    with pytest.raises(ValueError, match=r"q_norm/k_norm: expected both"):
+        K.norm_products(x, norm, 1e-5, [layer], q_norm=mx.ones((16,)), head_dim=16)
+    gate = mx.quantize(mx.zeros((48, 64)), group_size=32, bits=4)
+    with pytest.raises(ValueError, match=r"gate_up: expected gate and up of one width"):
+        K.mlp_output(x, norm, 1e-5, [layer, (*gate, 32, 4)], layer)
+    with pytest.raises(ValueError, match=r"down w: expected \(N, 6\) uint32 codes for 48 inputs"):
+        K.mlp_output(x, norm, 1e-5, [layer], layer)  # its 64 inputs, not gate | up's 96 / 2
+    keys = mx.zeros((1, 2, 8, 16))
+    o = (*mx.quantize(mx.zeros((64, 64)), group_size=32, bits=4), 32, 4)
+    cos = mx.ones((8,))
+    with pytest.raises(ValueError, match=r"keys/values: expected \(1, 2, capacity > offset 8"):
+        K.attention_output(
+            x, mx.zeros((1, 1, 128)), keys, keys, cos, cos, o, n_q=4, offset=8, scale=1.0, dims=16
+        )
+    with pytest.raises(ValueError, match=r"x: expected one token's 2 x 16 values from element 64"):
+        K.cache_write(keys, mx.zeros((1, 1, 80)), cos, cos, offset=0, start=64)
