@@ -231,6 +231,30 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "h + [rms_norm(., post_norm)](down(act(gate) * up)) with gate | up the products of "
       "rms_norm(h, norm, eps) (one stacked layer or two); act 0 silu, 1 GELU's tanh form. "
       "float32 h; CPU only.");
+  m.def(
+      "pool_write",
+      &mlxinfer::pool_write,
+      "pool"_a, "qkv"_a, "rows"_a, "cos"_a, "sin"_a, nb::kw_only(), "start"_a, "dims"_a = 0,
+      "traditional"_a = false, "stream"_a = nb::none(),
+      "One layer's (n_blocks, n_kv, block, head_dim) pool with each row's n_kv * head_dim values "
+      "of qkv (B, 1, N) from element start (its k or v), rotated by the row's (B, dims/2) "
+      "cos/sin where dims > 0, written at the flat rows (B * n_kv uint32); in place where MLX "
+      "may donate the pool. CPU only.");
+  m.def(
+      "paged_attention_output",
+      [](const mx::array& x, const mx::array& qkv, const mx::array& keys, const mx::array& values,
+         const mx::array& blocks, const mx::array& visible, const mx::array& cos,
+         const mx::array& sin, const Layer& o, int n_q, float scale, int dims, bool traditional,
+         const std::optional<mx::array>& post_norm, float post_eps, mx::StreamOrDevice s) {
+        return mlxinfer::paged_attention_output(x, qkv, keys, values, blocks, visible, cos, sin,
+                                                layer_of(o), n_q, scale, dims, traditional,
+                                                post_norm, post_eps, s);
+      },
+      "x"_a, "qkv"_a, "keys"_a, "values"_a, "blocks"_a, "visible"_a, "cos"_a, "sin"_a, "o"_a,
+      nb::kw_only(), "n_q"_a, "scale"_a, "dims"_a, "traditional"_a = false,
+      "post_norm"_a = nb::none(), "post_eps"_a = 0.0f, "stream"_a = nb::none(),
+      "x + [rms_norm(., post_norm)](o(paged_attention(rope(q)))) for B float32 rows, each "
+      "query (qkv's first n_q heads) rotated by its row's (B, dims/2) cos/sin. CPU only.");
   m.def("attention_buffer_copies", &mlxinfer::attention_buffer_copies,
         "How many times cache_write copied a buffer it could not update in place.");
   m.def("set_num_threads", &mlxinfer::set_num_threads, "n"_a,

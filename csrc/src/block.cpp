@@ -1,6 +1,7 @@
 #include "block.h"
 
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -307,6 +308,235 @@ void AttentionOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
              const auto xf = f32_of(x);
              float* dst = out.data<float>();
              for (int i = 0; i < H; ++i) {
+               dst[i] = xf[i] + o[i];
+             }
+           });
+}
+
+// ----------------------------------------------------------------------------
+// pool_write, paged_attention_output: the batching engine's rows
+// ----------------------------------------------------------------------------
+
+namespace {
+
+// The rows of a (B, 1, N) float32 array; N its last axis.
+int rows_of(const mx::array& a) {
+  return a.shape(-1) == 0 ? 0 : static_cast<int>(a.size() / a.shape(-1));
+}
+
+void check_rows_rope(const char* op, const mx::array& cos, const mx::array& sin, int B, int dims,
+                     int D) {
+  if (dims < 0 || dims % 2 != 0 || dims > D || !is_float(cos.dtype()) ||
+      !is_float(sin.dtype()) ||
+      (dims > 0 && (cos.size() != static_cast<size_t>(B) * (dims / 2) ||
+                    sin.size() != cos.size()))) {
+    fail(op, "rope: expected an even dims <= " + std::to_string(D) + " and (B=" +
+                 std::to_string(B) + ", dims/2) float cos and sin, found dims=" +
+                 std::to_string(dims) + ", " + shape_str(cos.shape()) + " and " +
+                 shape_str(sin.shape()));
+  }
+}
+
+template <typename C>
+void write_pool_row(mx::array& out, size_t row, const float* v, int D) {
+  C* dst = out.data<C>() + row * D;
+  for (int i = 0; i < D; ++i) {
+    dst[i] = static_cast<C>(v[i]);
+  }
+}
+
+} // namespace
+
+mx::array pool_write(const mx::array& pool, const mx::array& qkv, const mx::array& rows,
+                     const mx::array& cos, const mx::array& sin, int start, int dims,
+                     bool traditional, mx::StreamOrDevice s) {
+  const char* op = "pool_write";
+  auto stream = mx::to_stream(s);
+  check_gpu(op, stream);
+  if (pool.ndim() != 4 || !is_float(pool.dtype())) {
+    fail(op, "pool: expected a (n_blocks, n_kv, block, head_dim) float array, found " +
+                 shape_str(pool.shape()));
+  }
+  check_x(op, qkv, "qkv");
+  const int n_kv = pool.shape(1), D = pool.shape(3), B = rows_of(qkv);
+  if (start < 0 || start + n_kv * D > qkv.shape(-1)) {
+    fail(op, "qkv: expected " + std::to_string(n_kv) + " x " + std::to_string(D) +
+                 " values a row from element " + std::to_string(start) + ", found " +
+                 shape_str(qkv.shape()));
+  }
+  if (rows.dtype() != mx::uint32 || rows.size() != static_cast<size_t>(B) * n_kv) {
+    fail(op, "rows: expected " + std::to_string(B * n_kv) + " uint32 flat rows, found " +
+                 shape_str(rows.shape()));
+  }
+  check_rows_rope(op, cos, sin, B, dims, D);
+  return mx::array(pool.shape(), pool.dtype(),
+                   std::make_shared<PoolWrite>(stream, PoolRope{start, dims, traditional}),
+                   {pool, qkv, rows, cos, sin});
+}
+
+void PoolWrite::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[mlxinfer pool_write] has no GPU kernel");
+}
+
+void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& in = inputs[0];
+  const bool copy = !(in.is_donatable() && in.flags().row_contiguous);
+  if (copy) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  } else {
+    out.copy_shared_buffer(in);
+  }
+  auto& encoder = encoder_for(stream(), inputs, out);
+  encoder.dispatch([pool = mx::array::unsafe_weak_copy(inputs[0]),
+                    qkv = mx::array::unsafe_weak_copy(inputs[1]),
+                    rows = mx::array::unsafe_weak_copy(inputs[2]),
+                    cos = mx::array::unsafe_weak_copy(inputs[3]),
+                    sin = mx::array::unsafe_weak_copy(inputs[4]),
+                    out = mx::array::unsafe_weak_copy(out), copy, r = r_]() mutable {
+    if (copy) {
+      copy_elements(pool, out.data<char>());
+    }
+    const int n_kv = out.shape(1), D = out.shape(3), N = qkv.shape(-1), B = rows_of(qkv);
+    const size_t n_rows = static_cast<size_t>(out.shape(0)) * n_kv * out.shape(2);
+    const auto x = f32_of(qkv);
+    std::vector<uint32_t> where(rows.size());
+    std::vector<char> rcopy;
+    std::memcpy(where.data(), contiguous_bytes(rows, rcopy), rows.nbytes());
+    std::vector<float> c, sn;
+    if (r.dims > 0) {
+      c = f32_of(cos);
+      sn = f32_of(sin);
+    }
+    const int half = r.dims / 2;
+    std::vector<float> v(D);
+    for (int b = 0; b < B; ++b) {
+      for (int h = 0; h < n_kv; ++h) {
+        const size_t row = where[static_cast<size_t>(b) * n_kv + h];
+        if (row >= n_rows) {
+          continue; // outside the pool: nothing written (the engine never asks it)
+        }
+        std::copy_n(x.data() + static_cast<size_t>(b) * N + r.start + h * D, D, v.data());
+        if (r.dims > 0) {
+          rotate(v.data(), 1, D, r.dims, r.traditional, c.data() + b * half,
+                 sn.data() + b * half);
+        }
+        switch (out.dtype()) {
+          case mx::float32:
+            write_pool_row<float>(out, row, v.data(), D);
+            break;
+          case mx::float16:
+            write_pool_row<mx::float16_t>(out, row, v.data(), D);
+            break;
+          case mx::bfloat16:
+            write_pool_row<mx::bfloat16_t>(out, row, v.data(), D);
+            break;
+          default:
+            return; // the op accepts float pools only
+        }
+      }
+    }
+  });
+}
+
+mx::array paged_attention_output(const mx::array& x, const mx::array& qkv, const mx::array& keys,
+                                 const mx::array& values, const mx::array& blocks,
+                                 const mx::array& visible, const mx::array& cos,
+                                 const mx::array& sin, const QuantLayer& o, int n_q, float scale,
+                                 int dims, bool traditional,
+                                 const std::optional<mx::array>& post_norm, float post_eps,
+                                 mx::StreamOrDevice s) {
+  const char* op = "paged_attention_output";
+  auto stream = mx::to_stream(s);
+  check_gpu(op, stream);
+  check_x(op, x, "x");
+  check_x(op, qkv, "qkv");
+  const int B = rows_of(x), H = x.shape(-1);
+  if (rows_of(qkv) != B) {
+    fail(op, "qkv: expected " + std::to_string(B) + " rows as x, found " +
+                 shape_str(qkv.shape()));
+  }
+  if (keys.ndim() != 4 || values.ndim() != 4 || keys.shape(0) != values.shape(0) ||
+      keys.shape(1) != values.shape(1) || keys.shape(2) != values.shape(2) ||
+      keys.dtype() != values.dtype() || !is_float(keys.dtype())) {
+    fail(op, "keys/values: expected (n_blocks, n_kv, block, head_dim) float pools of one dtype, "
+             "found " + shape_str(keys.shape()) + " and " + shape_str(values.shape()));
+  }
+  const int n_kv = keys.shape(1), block = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
+  if (n_q < 1 || n_q % n_kv != 0 || qkv.shape(-1) < n_q * D) {
+    fail(op, "n_q: expected a multiple of n_kv " + std::to_string(n_kv) +
+                 " whose heads qkv holds, found " + std::to_string(n_q) + " and " +
+                 shape_str(qkv.shape()));
+  }
+  if (blocks.ndim() != 3 || blocks.shape(0) != B || blocks.shape(1) != n_kv ||
+      blocks.dtype() != mx::uint32) {
+    fail(op, "blocks: expected a (" + std::to_string(B) + ", " + std::to_string(n_kv) +
+                 ", n) uint32 array, found " + shape_str(blocks.shape()));
+  }
+  const int n = blocks.shape(2);
+  if (visible.shape() != mx::Shape{B, 1, n, 1, block} || visible.dtype() != mx::bool_) {
+    fail(op, "visible: expected a (" + std::to_string(B) + ", 1, " + std::to_string(n) + ", 1, " +
+                 std::to_string(block) + ") bool array, found " + shape_str(visible.shape()));
+  }
+  check_rows_rope(op, cos, sin, B, dims, D);
+  if (check_layer(op, o, n_q * Dv, "o") != H) {
+    fail(op, "o w: expected " + std::to_string(H) + " output rows, found " +
+                 shape_str(o.w.shape()));
+  }
+  std::vector<mx::array> inputs = {x,   qkv, keys,     values,   blocks, visible,
+                                   cos, sin, o.w, o.scales, o.biases};
+  if (post_norm) {
+    check_norm(op, *post_norm, H, "post_norm");
+    inputs.push_back(*post_norm);
+  }
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<PagedAttentionOutput>(
+                       stream, n_q, scale, PoolRope{0, dims, traditional},
+                       QuantFormat{o.group_size, o.bits}, post_norm.has_value(), post_eps),
+                   std::move(inputs));
+}
+
+void PagedAttentionOutput::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[mlxinfer paged_attention_output] has no GPU kernel");
+}
+
+void PagedAttentionOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  dispatch(stream(), inputs, out,
+           [n_q = n_q_, scale = scale_, r = r_, of = o_, post = post_,
+            post_eps = post_eps_](std::vector<mx::array>& in, mx::array& out) {
+             const auto &x = in[0], &qkv = in[1], &keys = in[2], &values = in[3];
+             const int B = rows_of(x), H = x.shape(-1), N = qkv.shape(-1);
+             const int D = keys.shape(3), Dv = values.shape(3), half = r.dims / 2;
+             const auto row = f32_of(qkv);
+             std::vector<float> qf(static_cast<size_t>(B) * n_q * D);
+             for (int b = 0; b < B; ++b) {
+               std::copy_n(row.data() + static_cast<size_t>(b) * N, n_q * D,
+                           qf.data() + static_cast<size_t>(b) * n_q * D);
+             }
+             if (r.dims > 0) {
+               const auto c = f32_of(in[6]), s = f32_of(in[7]);
+               for (int b = 0; b < B; ++b) {
+                 rotate(qf.data() + static_cast<size_t>(b) * n_q * D, n_q, D, r.dims,
+                        r.traditional, c.data() + b * half, s.data() + b * half);
+               }
+             }
+             for (auto& v : qf) {
+               v *= scale;
+             }
+             std::vector<float> y(static_cast<size_t>(B) * n_q * Dv);
+             paged_attend(qf, B, n_q, keys, values, in[4], in[5], y);
+             aligned_vector<float> ya(y.begin(), y.end());
+             std::vector<float> o(static_cast<size_t>(B) * H);
+             product(ya.data(), B, in, 8, of, o.data());
+             if (post) {
+               const auto w = f32_of(in[11]);
+               for (int b = 0; b < B; ++b) {
+                 norm_row(o.data() + static_cast<size_t>(b) * H, H, w.data(), post_eps,
+                          mx::float32);
+               }
+             }
+             const auto xf = f32_of(x);
+             float* dst = out.data<float>();
+             for (size_t i = 0; i < o.size(); ++i) {
                dst[i] = xf[i] + o[i];
              }
            });

@@ -60,6 +60,25 @@ mx::array attention_output(const mx::array& x, const mx::array& qkv, const mx::a
                            const std::optional<mx::array>& post_norm, float post_eps,
                            mx::StreamOrDevice s = {});
 
+// The batching engine's step (one token a row over its paged pool):
+// - pool_write: one layer's pool array (n_blocks, n_kv, block, D) with each row's k or v (the
+//   n_kv * D values of its q | k | v row from `start`, rotated by the row's own cos/sin where
+//   dims > 0) written at the flat rows `rows` (B * n_kv uint32: (block * n_kv + head) * block
+//   + within), in place where MLX may donate the pool;
+// - paged_attention_output: x + [post_norm](o(paged_attention(rope(q)))) for B rows, each
+//   query rotated at its own position (cos/sin (B, ..., dims/2)).
+mx::array pool_write(const mx::array& pool, const mx::array& qkv, const mx::array& rows,
+                     const mx::array& cos, const mx::array& sin, int start, int dims,
+                     bool traditional, mx::StreamOrDevice s = {});
+
+mx::array paged_attention_output(const mx::array& x, const mx::array& qkv, const mx::array& keys,
+                                 const mx::array& values, const mx::array& blocks,
+                                 const mx::array& visible, const mx::array& cos,
+                                 const mx::array& sin, const QuantLayer& o, int n_q, float scale,
+                                 int dims, bool traditional,
+                                 const std::optional<mx::array>& post_norm, float post_eps,
+                                 mx::StreamOrDevice s = {});
+
 // act: 0 silu, 1 GELU's tanh approximation.
 mx::array mlp_output(const mx::array& h, const mx::array& norm, float eps,
                      const std::vector<QuantLayer>& gate_up, const QuantLayer& down, int act,
@@ -106,6 +125,60 @@ class AttentionOutput : public mx::UnaryPrimitive {
 
  private:
   AttentionShape a_;
+  QuantFormat o_;
+  bool post_;
+  float post_eps_;
+};
+
+struct PoolRope {
+  int start, dims;
+  bool traditional;
+  bool operator==(const PoolRope&) const = default;
+};
+
+class PoolWrite : public mx::UnaryPrimitive {
+ public:
+  PoolWrite(mx::Stream stream, PoolRope r) : mx::UnaryPrimitive(stream), r_(r) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferPoolWrite";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return r_ == static_cast<const PoolWrite&>(other).r_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  PoolRope r_;
+};
+
+class PagedAttentionOutput : public mx::UnaryPrimitive {
+ public:
+  PagedAttentionOutput(mx::Stream stream, int n_q, float scale, PoolRope r, QuantFormat o,
+                       bool post, float post_eps)
+      : mx::UnaryPrimitive(stream), n_q_(n_q), scale_(scale), r_(r), o_(o), post_(post),
+        post_eps_(post_eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferPagedAttentionOutput";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const PagedAttentionOutput&>(other);
+    return n_q_ == o.n_q_ && scale_ == o.scale_ && r_ == o.r_ && o_ == o.o_ &&
+        post_ == o.post_ && post_eps_ == o.post_eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int n_q_;
+  float scale_;
+  PoolRope r_;
   QuantFormat o_;
   bool post_;
   float post_eps_;

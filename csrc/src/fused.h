@@ -68,6 +68,12 @@ mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::a
 void attend_decode(const AttentionShape& a, std::vector<float>& qr, const mx::array& keys,
                    const mx::array& values, std::vector<float>& y);
 
+// PagedAttention's loop: queries qf (B, n_q, D) f32, rotated and scaled, over the pool pages
+// as paged_attention takes them, into y (B, n_q, Dv).
+void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array& keys,
+                  const mx::array& values, const mx::array& blocks, const mx::array& visible,
+                  std::vector<float>& y);
+
 // How many times cache_write copied a buffer it could not update in place.
 int64_t attention_buffer_copies();
 

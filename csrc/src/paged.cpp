@@ -122,9 +122,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
                     blocks = mx::array::unsafe_weak_copy(inputs[3]),
                     visible = mx::array::unsafe_weak_copy(inputs[4]),
                     out = mx::array::unsafe_weak_copy(out), scale = scale_]() mutable {
-    const int B = q.shape(0), n_q = q.shape(1), D = q.shape(3);
-    const int n_kv = keys.shape(1), block = keys.shape(2), Dv = values.shape(3);
-    const int n = blocks.shape(2), reps = n_q / n_kv;
+    const int B = q.shape(0), n_q = q.shape(1), Dv = values.shape(3);
     std::vector<float> qf(q.size());
     to_f32(q, qf.data()); // (B, n_q, D): the group's queries are consecutive
     round_to(q.dtype(), qf.data(), qf.size());
@@ -132,56 +130,64 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
       x *= scale; // as the reference: the queries scaled in their own dtype
     }
     round_to(q.dtype(), qf.data(), qf.size());
-    std::vector<char> kcopy, vcopy, tcopy, mcopy;
-    const char* kp = contiguous_bytes(keys, kcopy);
-    const char* vp = contiguous_bytes(values, vcopy);
-    const auto* table = reinterpret_cast<const uint32_t*>(contiguous_bytes(blocks, tcopy));
-    const auto* seen = reinterpret_cast<const bool*>(contiguous_bytes(visible, mcopy));
     std::vector<float> y(static_cast<size_t>(B) * n_q * Dv);
-    const bool round_probs = keys.dtype() != mx::float32;
-    const size_t kv_slots = static_cast<size_t>(keys.shape(0)) * n_kv;
-    auto task = [&](int i) { // one (row, kv head)
-      const int b = i / n_kv, h = i % n_kv;
-      std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n, table + static_cast<size_t>(i + 1) * n);
-      for (auto& r : rows) {
-        r = r < kv_slots ? r : 0; // out of the pool: a masked padding block (the op's contract)
-      }
-      std::vector<float> scores(static_cast<size_t>(reps) * n * block);
-      const float* qh = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
-      float* yh = y.data() + (static_cast<size_t>(b) * n_q + h * reps) * Dv;
-      const bool* sb = seen + static_cast<size_t>(b) * n * block;
-      switch (keys.dtype()) {
-        case mx::float32:
-          if (attention_f32x16(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
-                        rows.data(), sb, reps, n, block, D, Dv, scores.data(), yh)) {
-            return;
-          }
-          return paged_head(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
-                            rows.data(), sb, reps, n, block, D, Dv, round_probs, scores.data(), yh);
-        case mx::float16:
-          return paged_head(qh, reinterpret_cast<const mx::float16_t*>(kp),
-                            reinterpret_cast<const mx::float16_t*>(vp), rows.data(), sb, reps, n,
-                            block, D, Dv, round_probs, scores.data(), yh);
-        case mx::bfloat16:
-          return paged_head(qh, reinterpret_cast<const mx::bfloat16_t*>(kp),
-                            reinterpret_cast<const mx::bfloat16_t*>(vp), rows.data(), sb, reps, n,
-                            block, D, Dv, round_probs, scores.data(), yh);
-        default:
-          return;
-      }
-    };
-    auto& pool = ThreadPool::instance();
-    const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
-    if (pool.size() <= 1 || work < (1 << 17)) {
-      for (int i = 0; i < B * n_kv; ++i) {
-        task(i);
-      }
-    } else {
-      pool.run(B * n_kv, task);
-    }
+    paged_attend(qf, B, n_q, keys, values, blocks, visible, y);
     write_out(y.data(), out);
   });
 }
 
+
+void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array& keys,
+                  const mx::array& values, const mx::array& blocks, const mx::array& visible,
+                  std::vector<float>& y) {
+  const int n_kv = keys.shape(1), block = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
+  const int n = blocks.shape(2), reps = n_q / n_kv;
+  std::vector<char> kcopy, vcopy, tcopy, mcopy;
+  const char* kp = contiguous_bytes(keys, kcopy);
+  const char* vp = contiguous_bytes(values, vcopy);
+  const auto* table = reinterpret_cast<const uint32_t*>(contiguous_bytes(blocks, tcopy));
+  const auto* seen = reinterpret_cast<const bool*>(contiguous_bytes(visible, mcopy));
+  const bool round_probs = keys.dtype() != mx::float32;
+  const size_t kv_slots = static_cast<size_t>(keys.shape(0)) * n_kv;
+  auto task = [&](int i) { // one (row, kv head)
+    const int b = i / n_kv, h = i % n_kv;
+    std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n, table + static_cast<size_t>(i + 1) * n);
+    for (auto& r : rows) {
+      r = r < kv_slots ? r : 0; // out of the pool: a masked padding block (the op's contract)
+    }
+    std::vector<float> scores(static_cast<size_t>(reps) * n * block);
+    const float* qh = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
+    float* yh = y.data() + (static_cast<size_t>(b) * n_q + h * reps) * Dv;
+    const bool* sb = seen + static_cast<size_t>(b) * n * block;
+    switch (keys.dtype()) {
+      case mx::float32:
+        if (attention_f32x16(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
+                      rows.data(), sb, reps, n, block, D, Dv, scores.data(), yh)) {
+          return;
+        }
+        return paged_head(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
+                          rows.data(), sb, reps, n, block, D, Dv, round_probs, scores.data(), yh);
+      case mx::float16:
+        return paged_head(qh, reinterpret_cast<const mx::float16_t*>(kp),
+                          reinterpret_cast<const mx::float16_t*>(vp), rows.data(), sb, reps, n,
+                          block, D, Dv, round_probs, scores.data(), yh);
+      case mx::bfloat16:
+        return paged_head(qh, reinterpret_cast<const mx::bfloat16_t*>(kp),
+                          reinterpret_cast<const mx::bfloat16_t*>(vp), rows.data(), sb, reps, n,
+                          block, D, Dv, round_probs, scores.data(), yh);
+      default:
+        return;
+    }
+  };
+  auto& pool = ThreadPool::instance();
+  const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
+  if (pool.size() <= 1 || work < (1 << 17)) {
+    for (int i = 0; i < B * n_kv; ++i) {
+      task(i);
+    }
+  } else {
+    pool.run(B * n_kv, task);
+  }
+}
 
 } // namespace mlxinfer

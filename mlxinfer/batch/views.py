@@ -21,6 +21,7 @@ CPU backend (docs/batching.md); prefill chunks, soft-capped and ALiBi layers rea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -270,6 +271,17 @@ class LayerView:
         slots = self.slots
         heads = slots.pool.layers[self.layer].kv_heads
         slots.pool.write(self.layer, slots.write_rows[heads], keys, values)
+
+    def write_rows_with(self, write: Callable[[mx.array, mx.array, str], mx.array]) -> None:
+        """Store the step's keys and values as ``write(array, rows, side)`` gives them: this
+        layer's pool array (``side`` "keys" or "values") with them written at ``rows``, the
+        places :meth:`write_rows` writes (the CPU backend's fused block writes them from its
+        q | k | v row, keys rotated, in one kernel call each)."""
+        slots = self.slots
+        store, layer = slots.pool, self.layer
+        rows = slots.write_rows[store.layers[layer].kv_heads]
+        store.keys[layer] = write(store.keys[layer], rows, "keys")
+        store.values[layer] = write(store.values[layer], rows, "values")
 
     def make_mask(self, n_queries: int) -> Mask:
         return self.batch.mask_for(self.window, self.slots)

@@ -5,7 +5,8 @@ within its bound, and the same greedy tokens, for the block forms the fused path
 Llama (tied, q/k/v and gate/up stacked), Qwen3 (per-head q/k norms), Gemma-3 (post-norms,
 GELU, sliding windows over rotating caches, every sixth layer global) and a Llama whose
 layers differ in format (q/k/v and gate/up not stackable: each its own product). The fused
-kernels ran every block of every step; bad arguments are one-line errors."""
+kernels ran every block of every step; the batching engine's steps over its pool's pages too
+(each row's tokens MLX's for its prompt alone); bad arguments are one-line errors."""
 
 import json
 from pathlib import Path
@@ -20,6 +21,7 @@ from mlxinfer import backends
 from mlxinfer.backends import kernels
 from mlxinfer.backends.cpu import blocks
 from mlxinfer.backends.cpu import plans as cpu_plans
+from mlxinfer.batch import Engine
 from mlxinfer.generation import generate_step
 from mlxinfer.loading.convert import convert
 from mlxinfer.loading.loader import load_model
@@ -59,8 +61,8 @@ class Counting:
 
     NAMES = ("norm_products", "attention_output", "mlp_output")
 
-    def __init__(self, module):
-        self.module, self.calls = module, dict.fromkeys(self.NAMES, 0)
+    def __init__(self, module, names=NAMES):
+        self.module, self.calls = module, dict.fromkeys(names, 0)
 
     def __getattr__(self, name):
         attr = getattr(self.module, name)
@@ -156,6 +158,46 @@ def isa_levels() -> list[str]:
     """Each instruction-set path this CPU has, lowest first (arm64: scalar and neon)."""
     levels = ["scalar", "neon"] if K.best_isa == "neon" else ["scalar", "avx2", "avx512"]
     return levels[: levels.index(K.best_isa) + 1]
+
+
+ENGINE_CALLS = ("norm_products", "pool_write", "paged_attention_output", "mlp_output")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_batching_engine_runs_fused_blocks_over_its_pages(family, tmp_path, monkeypatch):
+    """The engine's decode steps (rows of mixed lengths joined mid-batch; Gemma's sliding
+    layers over a window pool): each row's greedy tokens MLX's own quantized path's for its
+    prompt alone, the same with the fused blocks off, and every block of every decode step
+    fused (its keys and values written into the pool by ``pool_write``, twice a layer)."""
+    path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, **FAMILIES[family])
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
+    if family == "llama-mixed":
+        mix_formats(tmp_path / "q")
+    prompts = [[(3 + 17 * i + 5 * n) % 256 for i in range(n)] for n in (5, 40, 19)]
+    monkeypatch.setenv(backends.ENV, "0")
+    plain, _ = load_model(tmp_path / "q")
+    monkeypatch.delenv(backends.ENV)
+    expected = [[t for t, _ in generate_step(p, plain, max_tokens=6)] for p in prompts]
+    counter = Counting(K, ENGINE_CALLS)
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    layers = len(model.layers)
+    for on in (True, False):
+        monkeypatch.setattr(blocks, "ON", on)
+        counter.calls = dict.fromkeys(ENGINE_CALLS, 0)
+        with Engine(model, max_batch=4, block_size=16) as engine:
+            handles = [engine.submit(p, max_tokens=6) for p in prompts]
+            got = [[s.token for s in h.steps(timeout=60)] for h in handles]
+        assert got == expected, on
+        calls = counter.calls
+        assert calls["pool_write"] == 2 * calls["paged_attention_output"], on
+        assert calls["mlp_output"] == calls["paged_attention_output"], on
+        # a decode step of every row: each prompt's 5 tokens after its first, in steps of up to
+        # 3 rows, so at least 5 steps and at most 15, each of every layer
+        assert 5 * layers * on <= calls["paged_attention_output"] <= 15 * layers * on, on
+        assert calls["paged_attention_output"] % layers == 0, on
 
 
 def test_a_block_outside_the_fused_forms_keeps_its_own_forward(tmp_path, monkeypatch):

@@ -58,6 +58,8 @@ class CPUDecodeBlock:
     def __call__(self, x: mx.array, mask: Any, cache: Any, *args: Any) -> mx.array:
         if self.cpu_decode_kernel and ON and not args:
             y = decode_block(self, x, mask, cache)
+            if y is None:  # the batching engine's step over its pool's pages
+                y = decode_rows(self, x, mask, cache)
             if y is not None:
                 return y
         return super().__call__(x, mask, cache, *args)  # type: ignore[misc]
@@ -93,11 +95,7 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
     k_ = kernels.load()
     n_q, n_kv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
-    heads: dict[str, Any] = {}
-    if head_norms is not None:
-        (qn, q_eps), (kn, _) = head_norms
-        heads = dict(q_norm=qn, k_norm=kn, n_q=n_q, n_kv=n_kv, head_dim=D, head_eps=q_eps)
-    qkv = k_.norm_products(x, w1, eps1, qkv_layers, **heads)
+    qkv = k_.norm_products(x, w1, eps1, qkv_layers, **_head_options(attn, head_norms))
     like = _like(attn, cache)
     slot, seen, cos, sin = compiled.decode_position(attn, cache, like, like)
     rope = attn.rope
@@ -112,7 +110,6 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
         start=n_q * D,
     )
     cache.values = k_.cache_write(cache.values, qkv, cos, sin, offset=slot, start=(n_q + n_kv) * D)
-    post = {} if post_attn is None else dict(post_norm=post_attn[0], post_eps=post_attn[1])
     h = k_.attention_output(
         x,
         qkv,
@@ -126,10 +123,91 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
         scale=attn.scale,
         dims=rope.dims,
         traditional=rope.traditional,
-        **post,
+        **_post(post_attn),
     )
-    post = {} if post_mlp is None else dict(post_norm=post_mlp[0], post_eps=post_mlp[1])
-    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **post)
+    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+
+
+def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
+    """``block(x, mask, cache)`` for the batching engine's decode step (one float32 token in
+    each of up to ``compiled.MAX_ROWS`` rows over its pool's pages) as five kernel calls: the
+    rows' q | k | v, their keys (rotated at each row's position) and values written into the
+    pool (``pool_write``), attention over the pages with ``o_proj`` and the residual
+    (``paged_attention_output``), the MLP; None where it does not apply (another cache, a
+    quantized pool, a mask of the layer's own, dynamic NTK's per-length frequencies)."""
+    write_with = getattr(cache, "write_rows_with", None)
+    if (
+        write_with is None
+        or x.ndim != 3
+        or x.shape[1] != 1
+        or x.shape[0] > compiled.MAX_ROWS
+        or x.dtype != mx.float32
+        or not cache.reads_pages(mask)
+        or kernels.load() is None
+    ):
+        return None
+    parts = _parts(block)
+    if parts is None:
+        return None
+    attn, qkv_layers, o, gate_up, down, act, norms, head_norms = parts
+    offsets, rope = cache.offset, attn.rope
+    if rope.dynamic is not None and isinstance(offsets, mx.array):
+        return None
+    k_ = kernels.load()
+    B, n_q, n_kv, D = x.shape[0], attn.n_heads, attn.n_kv_heads, attn.head_dim
+    (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
+    qkv = k_.norm_products(x, w1, eps1, qkv_layers, **_head_options(attn, head_norms))
+    cos, sin = rope.table(offsets, 1, rope.base_at(offsets, 1))
+    if cos.size != B * (rope.dims // 2):  # one offset for every row
+        cos, sin = (mx.broadcast_to(t.reshape(1, -1), (B, rope.dims // 2)) for t in (cos, sin))
+    dims, traditional = rope.dims, rope.traditional
+
+    def write(pool: mx.array, rows: mx.array, side: str) -> mx.array:
+        if side == "keys":
+            return k_.pool_write(
+                pool, qkv, rows, cos, sin, start=n_q * D, dims=dims, traditional=traditional
+            )
+        return k_.pool_write(pool, qkv, rows, cos, sin, start=(n_q + n_kv) * D)
+
+    write_with(write)
+    pages = cache.pages(mask)
+    h = k_.paged_attention_output(
+        x,
+        qkv,
+        pages.keys,
+        pages.values,
+        pages.blocks,
+        pages.visible,
+        cos,
+        sin,
+        o,
+        n_q=n_q,
+        scale=attn.scale,
+        dims=dims,
+        traditional=traditional,
+        **_post(post_attn),
+    )
+    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+
+
+def _head_options(attn: nn.Module, head_norms) -> dict[str, Any]:
+    """``norm_products``' per-head q/k norm arguments (none without them)."""
+    if head_norms is None:
+        return {}
+    (qn, q_eps), (kn, _) = head_norms
+    return dict(
+        q_norm=qn,
+        k_norm=kn,
+        n_q=attn.n_heads,
+        n_kv=attn.n_kv_heads,
+        head_dim=attn.head_dim,
+        head_eps=q_eps,
+    )
+
+
+def _post(norm) -> dict[str, Any]:
+    """A kernel's post-norm arguments (none without one)."""
+    return {} if norm is None else dict(post_norm=norm[0], post_eps=norm[1])
 
 
 def _parts(block: nn.Module):
