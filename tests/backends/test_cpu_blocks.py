@@ -154,6 +154,35 @@ def test_fused_blocks_give_the_separate_kernels_logits(family, tmp_path, monkeyp
             K.set_max_isa("best")
 
 
+def test_replaced_weights_and_plans_are_seen_at_the_next_step(tmp_path, monkeypatch):
+    """The fused blocks keep what they read of a block between steps: a norm weight or an
+    output projection replaced afterwards, or the decode plan set to ``ops``, is seen at the
+    next step (the logits the separate kernels give with the new weights; no fused call)."""
+    path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, model_type="llama")
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
+    counter = Counting(K)
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    before = step_logits(model)
+    block = model.layers[1]
+    block.post_attention_layernorm.weight = block.post_attention_layernorm.weight * 1.5
+    o = block.self_attn.o_proj
+    o.scales = o.scales * 0.5
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(blocks, "ON", on)
+        out[on] = step_logits(model)
+    assert np.array_equal(out[True], out[False])
+    assert np.abs(out[True] - before).max() > 1e-2  # the new weights changed the logits
+    counter.calls = dict.fromkeys(Counting.NAMES, 0)
+    cpu_plans.set_plans(model, {**cpu_plans.forced_plans("kernels"), "decode": "ops"})
+    monkeypatch.setattr(blocks, "ON", True)
+    step_logits(model)
+    assert counter.calls == dict.fromkeys(Counting.NAMES, 0)
+
+
 def isa_levels() -> list[str]:
     """Each instruction-set path this CPU has, lowest first (arm64: scalar and neon)."""
     levels = ["scalar", "neon"] if K.best_isa == "neon" else ["scalar", "avx2", "avx512"]

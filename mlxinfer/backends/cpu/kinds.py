@@ -214,6 +214,7 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
     if getattr(model, "cpu_plans", None) is None:
         object.__setattr__(model, "cpu_plans", {})
     model.cpu_plans[kind] = option
+    blocks.EPOCH += 1  # what the fused blocks read under the old plans is read again
 
 
 def current(model: nn.Module) -> dict[str, str | int]:
