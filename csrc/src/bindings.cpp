@@ -14,6 +14,7 @@
 #include "fused.h"
 #include "kernels.h"
 #include "primitives.h"
+#include "sample.h"
 #include "threadpool.h"
 
 namespace nb = nanobind;
@@ -255,6 +256,18 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "post_norm"_a = nb::none(), "post_eps"_a = 0.0f, "stream"_a = nb::none(),
       "x + [rms_norm(., post_norm)](o(paged_attention(rope(q)))) for B float32 rows, each "
       "query (qkv's first n_q heads) rotated by its row's (B, dims/2) cos/sin. CPU only.");
+  m.def(
+      "sample",
+      [](const mx::array& logits, const mx::array& u, float temperature, int top_k, float top_p,
+         float min_p, bool probs, mx::StreamOrDevice s) {
+        return mlxinfer::sample(logits, u, {temperature, top_k, top_p, min_p}, probs, s);
+      },
+      "logits"_a, "u"_a, nb::kw_only(), "temperature"_a = 1.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
+      "min_p"_a = 0.0f, "probs"_a = false, "stream"_a = nb::none(),
+      "A token from each row of (B, V) logits: temperature, top-k, top-p and min-p as "
+      "mlxinfer's filtered_logprobs applies them, then the row's uniform u (B,) float32 through "
+      "the kept tokens' cumulative probabilities; (B,) uint32. probs: the (B, V) float32 "
+      "distribution drawn from instead. CPU only.");
   m.def("attention_buffer_copies", &mlxinfer::attention_buffer_copies,
         "How many times cache_write copied a buffer it could not update in place.");
   m.def("set_num_threads", &mlxinfer::set_num_threads, "n"_a,

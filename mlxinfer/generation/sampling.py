@@ -14,6 +14,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .. import backends
+
 Sampler = Callable[
     [mx.array], mx.array
 ]  # (B, V) log-probs, normalised or not (logits) -> (B,) token ids
@@ -123,7 +125,8 @@ def make_sampler(
     min_p: float = 0.0,
     seed: int | None = None,
 ) -> Sampler:
-    """Greedy when ``temperature == 0``; otherwise draws from ``filtered_logprobs``.
+    """Greedy when ``temperature == 0``; otherwise draws from ``filtered_logprobs`` (on the CPU
+    backend by one kernel call: ``backends.sample``).
 
     The random key lives in the returned closure, so two samplers with the same
     seed give the same tokens and no global RNG state is touched. The settings
@@ -143,6 +146,13 @@ def make_sampler(
 
     def sample(logprobs: mx.array) -> mx.array:
         state["key"], sub = mx.random.split(state["key"])
+        # The CPU backend draws from the same distribution in one kernel call (MLX's sort and
+        # Gumbel draw cost more than a small model's decode step there); None elsewhere.
+        token = backends.sample(
+            logprobs, sub, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        )
+        if token is not None:
+            return token
         return mx.random.categorical(params.filter(logprobs), axis=-1, key=sub)
 
     sample.params = params  # type: ignore[attr-defined]  # as argmax.params above

@@ -158,6 +158,22 @@ def log_softmax(logits: mx.array) -> mx.array | None:
     return k.log_softmax(logits)
 
 
+def sample(
+    logits: mx.array, key: mx.array, temperature: float, top_k: int, top_p: float, min_p: float
+) -> mx.array | None:
+    """A token per row of (B, V) (or (V,)) float logits as one kernel call (``K.sample``:
+    temperature, top-k, top-p and min-p as ``filtered_logprobs`` applies them, then the row's
+    uniform number from ``key`` through the kept tokens' cumulative probabilities), uint32 as
+    ``mx.random.categorical`` gives them; None without the kernel (a module built before it)."""
+    k = kernels.load()
+    if k is None or not hasattr(k, "sample") or logits.ndim not in (1, 2) or logits.size == 0:
+        return None
+    rows = logits.reshape(-1, logits.shape[-1])
+    u = mx.random.uniform(shape=(rows.shape[0],), key=key)
+    tokens = k.sample(rows, u, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return tokens.reshape(logits.shape[:-1])
+
+
 def gated(gate: mx.array, up: mx.array, act) -> mx.array | None:
     """``act(gate) * up`` as one kernel call for ``nn.silu`` (``K.swiglu``) and
     ``nn.gelu_approx`` (``K.gelu_tanh_glu``: GELU's tanh form, Gemma's), float32, any rows (a
