@@ -42,8 +42,8 @@ def main() -> None:
         mx.eval(x, u)
         for settings in SETTINGS:
             sampler = make_sampler(**settings, seed=0)
-            kernel = median_ms(lambda: K.sample(x, u, **settings))
-            ops = median_ms(lambda: sampler(x))
+            kernel = median_ms(lambda x=x, u=u, s=settings: K.sample(x, u, **s))
+            ops = median_ms(lambda x=x, sampler=sampler: sampler(x))
             name = ", ".join(f"{k} {v}" for k, v in settings.items())
             print(f"| {vocab:,} | {name} | {kernel:.2f} | {ops:.2f} | {ops / kernel:.1f}x |")
 
