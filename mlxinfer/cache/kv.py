@@ -242,6 +242,21 @@ class RotatingKVCache:
     quantized = False
     step = 256
 
+    SINKS = 4  # the leading tokens ``--max-kv-size`` keeps (:meth:`bounded`)
+
+    @classmethod
+    def bounded(cls, max_kv_size: int) -> RotatingKVCache:
+        """The cache ``max_kv_size`` (``--max-kv-size``) asks for: the first :data:`SINKS`
+        tokens and the latest; a ValueError naming it where it cannot hold one more."""
+        if isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int):
+            raise ValueError(f"max_kv_size: expected an integer, found {max_kv_size!r}")
+        if max_kv_size <= cls.SINKS:
+            raise ValueError(
+                f"max_kv_size: expected at least {cls.SINKS + 1} (the first {cls.SINKS} tokens "
+                f"are always kept, then the latest), found {max_kv_size}"
+            )
+        return cls(max_kv_size, keep=cls.SINKS)
+
     def __init__(self, max_size: int, keep: int = 0) -> None:
         if max_size <= keep:
             raise ValueError(f"max_size ({max_size}) must exceed keep ({keep})")

@@ -67,7 +67,7 @@ def make_layer_caches(
     if max_kv_size is not None:
         if kv_bits is not None:
             raise ValueError("--kv-bits and --max-kv-size cannot be combined")
-        return [RotatingKVCache(max_kv_size, keep=4) for _ in range(n_layers)]
+        return [RotatingKVCache.bounded(max_kv_size) for _ in range(n_layers)]
     if kv_bits is not None:
         return [QuantizedKVCache(kv_group_size, kv_bits) for _ in range(n_layers)]
     return [KVCache() for _ in range(n_layers)]

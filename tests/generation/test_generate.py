@@ -178,6 +178,16 @@ def test_cli_prefill_step_size_chunks_the_prompt_with_the_same_output(tiny, monk
         assert bad.exit_code == 2 and "--max-kv-size" in bad.stderr, bad.stderr
 
 
+def test_a_max_kv_size_that_cannot_hold_a_token_past_the_sinks_is_a_value_error(tiny):
+    """The library's ``max_kv_size`` as the CLI's: below 5 (4 sinks and one more) or not an
+    integer, a ValueError naming it (was the cache's own 'max_size (0) must exceed keep (4)')."""
+    _, model, tokenizer, _ = tiny
+    for size in (0, 4, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"^max_kv_size: expected"):
+            generate(model, tokenizer, "x", max_tokens=2, max_kv_size=size)
+    assert generate(model, tokenizer, "x", max_tokens=2, max_kv_size=5) is not None
+
+
 def test_cli_model_without_chat_template_gets_the_raw_prompt_or_a_named_format(tiny, tmp_path):
     """A checkpoint with no chat template (a base model) gets the prompt as raw text; a format is
     applied only when named (--chat-template), and --system without one is refused."""

@@ -225,7 +225,7 @@ def make_latent_caches(
             "(its cache is already the compressed latent)"
         )
     if max_kv_size is not None:
-        return [RotatingKVCache(max_kv_size, keep=4) for _ in range(n_layers)]
+        return [RotatingKVCache.bounded(max_kv_size) for _ in range(n_layers)]
     return [LatentKVCache() for _ in range(n_layers)]
 
 
