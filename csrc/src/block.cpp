@@ -379,13 +379,7 @@ void PoolWrite::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const auto& in = inputs[0];
-  const bool copy = !(in.is_donatable() && in.flags().row_contiguous);
-  if (copy) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  } else {
-    out.copy_shared_buffer(in);
-  }
+  const bool copy = take_buffer(inputs[0], out);
   auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([pool = mx::array::unsafe_weak_copy(inputs[0]),
                     qkv = mx::array::unsafe_weak_copy(inputs[1]),

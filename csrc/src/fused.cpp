@@ -77,6 +77,16 @@ int64_t attention_buffer_copies() {
   return buffer_copies.load();
 }
 
+bool take_buffer(const mx::array& in, mx::array& out) {
+  if (in.is_donatable() && in.flags().row_contiguous) {
+    out.copy_shared_buffer(in);
+    return false;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  buffer_copies.fetch_add(1);
+  return true;
+}
+
 // ----------------------------------------------------------------------------
 // RMSNorm
 // ----------------------------------------------------------------------------
@@ -264,14 +274,7 @@ void CacheWrite::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   // In place where MLX lets us take the buffer over (as slice_update does), else a copy.
-  const auto& in = inputs[0];
-  const bool copy = !(in.is_donatable() && in.flags().row_contiguous);
-  if (copy) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    buffer_copies.fetch_add(1);
-  } else {
-    out.copy_shared_buffer(in);
-  }
+  const bool copy = take_buffer(inputs[0], out);
   auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([buffer = mx::array::unsafe_weak_copy(inputs[0]),
                     x = mx::array::unsafe_weak_copy(inputs[1]),

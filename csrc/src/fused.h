@@ -74,8 +74,13 @@ void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array&
                   const mx::array& values, const mx::array& blocks, const mx::array& visible,
                   std::vector<float>& y);
 
-// How many times cache_write copied a buffer it could not update in place.
+// How many times cache_write (or block.cpp's pool_write) copied a buffer it could not update
+// in place.
 int64_t attention_buffer_copies();
+// An in-place writer's output: `in`'s buffer taken over where MLX may donate it (nothing else
+// holds it: the check slice_update uses), else a fresh one (counted); true when the caller must
+// copy `in` into it first.
+bool take_buffer(const mx::array& in, mx::array& out);
 
 mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s = {});
 

@@ -216,10 +216,12 @@ def test_the_batching_engine_runs_fused_blocks_over_its_pages(family, tmp_path, 
     for on in (True, False):
         monkeypatch.setattr(blocks, "ON", on)
         counter.calls = dict.fromkeys(ENGINE_CALLS, 0)
+        copies = K.attention_buffer_copies()
         with Engine(model, max_batch=4, block_size=16) as engine:
             handles = [engine.submit(p, max_tokens=6) for p in prompts]
             got = [[s.token for s in h.steps(timeout=60)] for h in handles]
         assert got == expected, on
+        assert K.attention_buffer_copies() == copies  # the pool written in place, never copied
         calls = counter.calls
         assert calls["pool_write"] == 2 * calls["paged_attention_output"], on
         assert calls["mlp_output"] == calls["paged_attention_output"], on
