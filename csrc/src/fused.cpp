@@ -35,39 +35,48 @@ void attend_cpu(const AttentionShape& a, std::vector<float>& q, const C* K, cons
                 int D, int Dv, bool round_probs, std::vector<float>& y) {
   const int T = a.offset + 1, reps = a.n_q / a.n_kv;
   // float32 with head dims in 16s: the batching engine's vector path, over one block of T keys
-  // all visible (attention_simd.h).
+  // all visible (attention_simd.h), the query heads of a KV head together (up to four a pass:
+  // each key and value read once for them, where one head at a time read them `reps` times).
   const bool vectors = std::is_same_v<C, float> && D % 16 == 0 && Dv % 16 == 0;
   std::vector<char> all_seen(vectors ? T : 0, 1);
-  auto head = [&](int j, std::vector<float>& scores) {
-    const int h = j / reps;
+  auto& pool = ThreadPool::instance();
+  const int64_t work = static_cast<int64_t>(T) * a.n_q * (D + Dv);
+  const int threads = pool.size() <= 1 || work < (1 << 17) ? 1 : pool.size();
+  // Tasks: each KV head's query heads in `split` parts, enough parts for the threads.
+  const int split = std::min(reps, std::max(1, (threads + a.n_kv - 1) / a.n_kv));
+  const int per = (reps + split - 1) / split;
+  auto task = [&](int t) {
+    const int h = t / split, j0 = h * reps + (t % split) * per;
+    const int j1 = std::min(h * reps + reps, j0 + per);
+    if (j0 >= j1) {
+      return;
+    }
+    std::vector<float> scores(static_cast<size_t>(j1 - j0) * T);
     if constexpr (std::is_same_v<C, float>) {
       const uint32_t first = 0;
       if (vectors &&
-          attention_f32x16(q.data() + static_cast<size_t>(j) * D,
+          attention_f32x16(q.data() + static_cast<size_t>(j0) * D,
                            K + static_cast<size_t>(h) * cap * D,
                            V + static_cast<size_t>(h) * cap * Dv, &first,
-                           reinterpret_cast<const bool*>(all_seen.data()), 1, 1, T, D, Dv,
-                           scores.data(), y.data() + static_cast<size_t>(j) * Dv)) {
+                           reinterpret_cast<const bool*>(all_seen.data()), j1 - j0, 1, T, D, Dv,
+                           scores.data(), y.data() + static_cast<size_t>(j0) * Dv)) {
         return;
       }
     }
-    attend_head<C>(q.data() + static_cast<size_t>(j) * D, K + static_cast<size_t>(h) * cap * D,
-                   V + static_cast<size_t>(h) * cap * Dv, T, D, Dv, round_probs, scores.data(),
-                   y.data() + static_cast<size_t>(j) * Dv);
+    for (int j = j0; j < j1; ++j) {
+      attend_head<C>(q.data() + static_cast<size_t>(j) * D, K + static_cast<size_t>(h) * cap * D,
+                     V + static_cast<size_t>(h) * cap * Dv, T, D, Dv, round_probs, scores.data(),
+                     y.data() + static_cast<size_t>(j) * Dv);
+    }
   };
-  auto& pool = ThreadPool::instance();
-  const int64_t work = static_cast<int64_t>(T) * a.n_q * (D + Dv);
-  if (pool.size() <= 1 || work < (1 << 17)) {
-    std::vector<float> scores(T);
-    for (int j = 0; j < a.n_q; ++j) {
-      head(j, scores);
+  const int tasks = a.n_kv * split;
+  if (threads == 1) {
+    for (int t = 0; t < tasks; ++t) {
+      task(t);
     }
     return;
   }
-  pool.run(a.n_q, [&](int j) {
-    std::vector<float> scores(T);
-    head(j, scores);
-  });
+  pool.run(tasks, task);
 }
 
 
