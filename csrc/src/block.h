@@ -1,4 +1,4 @@
-// A decode step's pre-norm block in four primitives instead of ~15 (SmolLM2-135M: 471 a
+// A decode step's pre-norm block in five primitives instead of ~15 (SmolLM2-135M: 471 a
 // token, ~3 us each of MLX's scheduling): the steps between two residual adds done in one
 // eval, on the kernels' threads, in the order and float arithmetic of the separate kernels
 // (RMSNorm, the quantized products, RoPE, attention, the gated activation), so the output is

@@ -16,7 +16,7 @@ plans by timing them on this machine (``plans``). The modules:
 - ``plans``: which of those pay here, measured (``timing``, over the ``kinds`` of plan) and
   cached;
 - ``layers``: the mixins that put all of it into the model's own classes;
-- ``blocks``: a decode step's whole block as four kernel calls.
+- ``blocks``: a decode step's whole block as five kernel calls.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A decode step's whole block as four kernel calls, where there were about fifteen.
+"""A decode step's whole block as five kernel calls, where there were about fifteen.
 
 SmolLM2-135M's decode step was 471 MLX primitives, each ~3 µs of MLX's scheduling on the
 CPU (docs/performance.md): ~1.4 ms of a ~9.5 ms token, 15 primitives a block. Under the
