@@ -449,28 +449,14 @@ mx::array paged_attention_output(const mx::array& x, const mx::array& qkv, const
     fail(op, "qkv: expected " + std::to_string(B) + " rows as x, found " +
                  shape_str(qkv.shape()));
   }
-  if (keys.ndim() != 4 || values.ndim() != 4 || keys.shape(0) != values.shape(0) ||
-      keys.shape(1) != values.shape(1) || keys.shape(2) != values.shape(2) ||
-      keys.dtype() != values.dtype() || !is_float(keys.dtype())) {
-    fail(op, "keys/values: expected (n_blocks, n_kv, block, head_dim) float pools of one dtype, "
-             "found " + shape_str(keys.shape()) + " and " + shape_str(values.shape()));
-  }
+  check_pool(op, keys, values);
   const int n_kv = keys.shape(1), block = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
   if (n_q < 1 || n_q % n_kv != 0 || qkv.shape(-1) < n_q * D) {
     fail(op, "n_q: expected a multiple of n_kv " + std::to_string(n_kv) +
                  " whose heads qkv holds, found " + std::to_string(n_q) + " and " +
                  shape_str(qkv.shape()));
   }
-  if (blocks.ndim() != 3 || blocks.shape(0) != B || blocks.shape(1) != n_kv ||
-      blocks.dtype() != mx::uint32) {
-    fail(op, "blocks: expected a (" + std::to_string(B) + ", " + std::to_string(n_kv) +
-                 ", n) uint32 array, found " + shape_str(blocks.shape()));
-  }
-  const int n = blocks.shape(2);
-  if (visible.shape() != mx::Shape{B, 1, n, 1, block} || visible.dtype() != mx::bool_) {
-    fail(op, "visible: expected a (" + std::to_string(B) + ", 1, " + std::to_string(n) + ", 1, " +
-                 std::to_string(block) + ") bool array, found " + shape_str(visible.shape()));
-  }
+  check_pages(op, blocks, visible, B, n_kv, block);
   check_rows_rope(op, cos, sin, B, dims, D);
   if (check_layer(op, o, n_q * Dv, "o") != H) {
     fail(op, "o w: expected " + std::to_string(H) + " output rows, found " +

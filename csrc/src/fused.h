@@ -68,6 +68,13 @@ mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::a
 void attend_decode(const AttentionShape& a, std::vector<float>& qr, const mx::array& keys,
                    const mx::array& values, std::vector<float>& y);
 
+// paged_attention's argument checks (paged.cpp), shared with block.cpp's engine step: two
+// (n_blocks, n_kv, block, head_dim) float pools of one dtype; B rows' block tables (B, n_kv, n)
+// uint32 and visibility (B, 1, n, 1, block) bool. One-line errors naming `op`.
+void check_pool(const char* op, const mx::array& keys, const mx::array& values);
+void check_pages(const char* op, const mx::array& blocks, const mx::array& visible, int B,
+                 int n_kv, int block);
+
 // PagedAttention's loop: queries qf (B, n_q, D) f32, rotated and scaled, over the pool pages
 // as paged_attention takes them, into y (B, n_q, Dv).
 void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array& keys,

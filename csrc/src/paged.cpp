@@ -59,10 +59,7 @@ bool attention_f32x16(const float* q, const float* K, const float* V, const uint
 #endif
 }
 
-mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
-                          const mx::array& blocks, const mx::array& visible, float scale,
-                          bool reference, mx::StreamOrDevice s) {
-  const char* op = "paged_attention";
+void check_pool(const char* op, const mx::array& keys, const mx::array& values) {
   if (keys.ndim() != 4 || values.ndim() != 4 || keys.shape(0) != values.shape(0) ||
       keys.shape(1) != values.shape(1) || keys.shape(2) != values.shape(2) ||
       keys.dtype() != values.dtype()) {
@@ -70,13 +67,10 @@ mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::a
                  shape_str(keys.shape()) + " and " + shape_str(values.shape()));
   }
   check_float(keys, "keys");
-  const int n_kv = keys.shape(1), block = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
-  if (q.ndim() != 4 || q.shape(2) != 1 || q.shape(3) != D || q.shape(1) % n_kv != 0) {
-    fail(op, "q: expected (B, n_q, 1, " + std::to_string(D) + ") with n_q a multiple of " +
-                 std::to_string(n_kv) + ", found " + shape_str(q.shape()));
-  }
-  check_float(q, "q");
-  const int B = q.shape(0);
+}
+
+void check_pages(const char* op, const mx::array& blocks, const mx::array& visible, int B,
+                 int n_kv, int block) {
   if (blocks.ndim() != 3 || blocks.shape(0) != B || blocks.shape(1) != n_kv ||
       blocks.dtype() != mx::uint32) {
     fail(op, "blocks: expected a (" + std::to_string(B) + ", " + std::to_string(n_kv) +
@@ -87,6 +81,22 @@ mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::a
     fail(op, "visible: expected a (" + std::to_string(B) + ", 1, " + std::to_string(n) + ", 1, " +
                  std::to_string(block) + ") bool array, found " + shape_str(visible.shape()));
   }
+}
+
+mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
+                          const mx::array& blocks, const mx::array& visible, float scale,
+                          bool reference, mx::StreamOrDevice s) {
+  const char* op = "paged_attention";
+  check_pool(op, keys, values);
+  const int n_kv = keys.shape(1), block = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
+  if (q.ndim() != 4 || q.shape(2) != 1 || q.shape(3) != D || q.shape(1) % n_kv != 0) {
+    fail(op, "q: expected (B, n_q, 1, " + std::to_string(D) + ") with n_q a multiple of " +
+                 std::to_string(n_kv) + ", found " + shape_str(q.shape()));
+  }
+  check_float(q, "q");
+  const int B = q.shape(0);
+  check_pages(op, blocks, visible, B, n_kv, block);
+  const int n = blocks.shape(2);
   auto stream = mx::to_stream(s);
   if (reference || stream.device == mx::Device::gpu) {
     const int nb = keys.shape(0);

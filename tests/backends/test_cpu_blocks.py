@@ -269,3 +269,22 @@ def test_bad_arguments_are_one_line_value_errors():
         )
     with pytest.raises(ValueError, match=r"x: expected one token's 2 x 16 values from element 64"):
         K.cache_write(keys, mx.zeros((1, 1, 80)), cos, cos, offset=0, start=64)
+    pool = mx.zeros((4, 2, 8, 16))  # the engine's: (n_blocks, n_kv, block, head_dim)
+    rows = mx.zeros((4,), dtype=mx.uint32)
+    with pytest.raises(ValueError, match=r"\[mlxinfer pool_write\] rows: expected 4 uint32"):
+        K.pool_write(
+            pool, mx.zeros((2, 1, 128)), mx.zeros((3,), dtype=mx.uint32), cos, cos, start=64
+        )
+    with pytest.raises(ValueError, match=r"pool_write\] rope: expected an even dims <= 16"):
+        K.pool_write(pool, mx.zeros((2, 1, 128)), rows, cos, cos, start=64, dims=16)
+    blocks = mx.zeros((2, 2, 3), dtype=mx.uint32)
+    visible = mx.zeros((2, 1, 3, 1, 8), dtype=mx.bool_)
+    x2, qkv2 = mx.zeros((2, 1, 64)), mx.zeros((2, 1, 128))
+    with pytest.raises(ValueError, match=r"paged_attention_output\] visible: expected a \(2, 1, 3"):
+        K.paged_attention_output(
+            x2, qkv2, pool, pool, blocks, visible[:, :, :2], cos, cos, o, n_q=4, scale=1.0, dims=0
+        )
+    with pytest.raises(ValueError, match=r"paged_attention_output\] n_q: expected a multiple"):
+        K.paged_attention_output(
+            x2, qkv2, pool, pool, blocks, visible, cos, cos, o, n_q=3, scale=1.0, dims=0
+        )
