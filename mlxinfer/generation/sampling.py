@@ -8,6 +8,7 @@ the draft's exact distributions) can use it directly.
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -79,8 +80,8 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raise ValueError naming the first setting out of range."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails both comparisons
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:

@@ -89,13 +89,16 @@ def test_repetition_penalty_matches_transformers_processor():
     "kw",
     [
         dict(temperature=-1),
+        dict(temperature=float("nan")),  # the CPU kernel's own check caught it, not ours
+        dict(temperature=float("inf")),
+        dict(temperature=1, top_p=float("nan")),
         dict(temperature=1, top_p=0),
         dict(temperature=1, min_p=1.5),
         dict(temperature=1, top_k=-1),
     ],
 )
 def test_bad_settings_raise(kw):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^(temperature|top_p|min_p|top_k) must be"):
         make_sampler(**kw)
 
 
