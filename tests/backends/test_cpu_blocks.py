@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hf_models import add_tokenizer, make_tiny
+from kernel_calls import CountedKernels
 from safetensors.numpy import load_file, save_file
 
 from mlxinfer import backends
@@ -56,24 +57,11 @@ FAMILIES = {
 IDS = [(5 + 37 * i) % 256 for i in range(20)]
 
 
-class Counting:
-    """The kernels' module, counting the fused blocks' calls."""
+NAMES = ("norm_products", "attention_output", "mlp_output")  # the fused blocks' calls
 
-    NAMES = ("norm_products", "attention_output", "mlp_output")
 
-    def __init__(self, module, names=NAMES):
-        self.module, self.calls = module, dict.fromkeys(names, 0)
-
-    def __getattr__(self, name):
-        attr = getattr(self.module, name)
-        if name in self.calls:
-
-            def counted(*a, **k):
-                self.calls[name] += 1
-                return attr(*a, **k)
-
-            return counted
-        return attr
+def Counting(module, names=NAMES) -> CountedKernels:
+    return CountedKernels(module, names)
 
 
 def mix_formats(q: Path) -> None:
@@ -134,10 +122,10 @@ def test_fused_blocks_give_the_separate_kernels_logits(family, tmp_path, monkeyp
         monkeypatch.setattr(blocks, "ON", on)
         out[on] = step_logits(model)
         assert greedy(model) == reference_greedy, on
-        calls, counter.calls = counter.calls, dict.fromkeys(Counting.NAMES, 0)
+        calls, counter.calls = counter.calls, dict.fromkeys(NAMES, 0)
         # the tokens a step, then generate_step's: its prompt's 1-token chunk and 10 steps
         steps = len(IDS) - 3 + 1 + 10
-        assert calls == dict.fromkeys(Counting.NAMES, steps * layers * on), on
+        assert calls == dict.fromkeys(NAMES, steps * layers * on), on
     assert np.array_equal(out[True], out[False])  # the same arithmetic, bit for bit
     bound = 1e-4 * np.abs(reference).max()  # the kernels' products against MLX's
     assert np.abs(out[True] - reference).max() <= bound
@@ -176,11 +164,11 @@ def test_replaced_weights_and_plans_are_seen_at_the_next_step(tmp_path, monkeypa
         out[on] = step_logits(model)
     assert np.array_equal(out[True], out[False])
     assert np.abs(out[True] - before).max() > 1e-2  # the new weights changed the logits
-    counter.calls = dict.fromkeys(Counting.NAMES, 0)
+    counter.calls = dict.fromkeys(NAMES, 0)
     cpu_plans.set_plans(model, {**cpu_plans.forced_plans("kernels"), "decode": "ops"})
     monkeypatch.setattr(blocks, "ON", True)
     step_logits(model)
-    assert counter.calls == dict.fromkeys(Counting.NAMES, 0)
+    assert counter.calls == dict.fromkeys(NAMES, 0)
 
 
 def isa_levels() -> list[str]:
@@ -240,7 +228,7 @@ def test_a_block_outside_the_fused_forms_keeps_its_own_forward(tmp_path, monkeyp
     model, _ = load_model(path)
     cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
     step_logits(model)
-    assert counter.calls == dict.fromkeys(Counting.NAMES, 0)
+    assert counter.calls == dict.fromkeys(NAMES, 0)
 
 
 def test_bad_arguments_are_one_line_value_errors():

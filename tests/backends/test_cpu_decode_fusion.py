@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hf_models import make_tiny, torch_greedy, torch_logits_chunked
+from kernel_calls import CountedKernels
 
 from mlxinfer.backends import kernels
 from mlxinfer.backends.cpu import compiled, kinds
@@ -242,21 +243,9 @@ FAMILIES = {
 IDS = [(5 + 37 * i) % 512 for i in range(20)]
 
 
-class Counting:
-    def __init__(self, module):
-        names = ("rms_norm", "cache_write", "decode_attention", "paged_attention", "swiglu")
-        self.module, self.calls = module, dict.fromkeys(names, 0)
-
-    def __getattr__(self, name):
-        attr = getattr(self.module, name)
-        if name in self.calls:
-
-            def counted(*a, **k):
-                self.calls[name] += 1
-                return attr(*a, **k)
-
-            return counted
-        return attr
+def Counting(module) -> CountedKernels:
+    names = ("rms_norm", "cache_write", "decode_attention", "paged_attention", "swiglu")
+    return CountedKernels(module, names)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
