@@ -87,6 +87,25 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "group_size 32, uint8 E8M0 scales; 'nvfp4': bits 4, group_size 16, uint8 E4M3 scales; "
       "'mxfp8': bits 8, group_size 32, uint8 E8M0 scales; the float modes' biases None).");
   m.def(
+      "quantized_matmul_i16",
+      &mlxinfer::quantized_matmul_i16,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x (..., K) @ dequantize(w, scales, biases).T for many rows (a prefill's), affine 2, 3, 4, "
+      "5, 6 or 8 bits, group_size 32/64/128, w's rows a multiple of 32: x rounded to int16 per "
+      "block of 32 inputs and AVX-512 VNNI's int16 products (prefill_i16.cpp; error at most "
+      "sum |s q| * (the block's max |x| / 32767) / 2 an output beyond float32's). Only where "
+      "vnni_available().");
+  m.def("vnni_available", &mlxinfer::vnni_available,
+        "Whether quantized_matmul_i16 runs here: AVX-512 F, BW and VNNI, at the kernels' ISA "
+        "level (set_max_isa).");
+  m.def(
       "dequantize",
       &mlxinfer::dequantize,
       "w"_a,

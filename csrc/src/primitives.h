@@ -25,6 +25,20 @@ mx::array quantized_matvec(
     const std::string& mode = "affine",
     mx::StreamOrDevice s = {});
 
+// x (..., K) @ dequantize(w, scales, biases).T for many rows with x rounded to int16 per block
+// of 32 and AVX-512 VNNI's products (prefill_i16.cpp); affine, w's rows a multiple of 32.
+mx::array quantized_matmul_i16(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+// Whether quantized_matmul_i16 runs here (AVX-512 F, BW and VNNI at the kernels' ISA level).
+bool vnni_available();
+
 // x (..., K) @ w.T -> (..., N), w (N, K) float32.
 mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 

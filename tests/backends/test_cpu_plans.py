@@ -96,8 +96,13 @@ def test_every_quantized_plan_option_matches_mlx_quantized_layers(big_tiny, tmp_
         cpu_plans.set_plans(model, cpu_plans.forced_plans("on"))
         cpu_plans.set_plan(model, kind, option)
         prefill, decode = decode_logits(model, ids)
-        assert np.abs(prefill - ref_prefill).max() <= 1e-3, (kind, option)
-        assert np.abs(decode - ref_decode).max() <= 1e-4, (kind, option)
+        if kind == "int16_rows":  # x rounded to int16 per block of 32, at 1 row decode too
+            # (test_cpu_int16.py: about 1e-5 of a block's largest input per unit of weight)
+            bound = 1e-3 * np.abs(ref_prefill).max(), 1e-3 * np.abs(ref_decode).max()
+        else:
+            bound = 1e-3, 1e-4
+        assert np.abs(prefill - ref_prefill).max() <= bound[0], (kind, option)
+        assert np.abs(decode - ref_decode).max() <= bound[1], (kind, option)
 
 
 def test_attention_over_a_quantized_cache_is_the_same_in_either_form(big_tiny, monkeypatch):

@@ -123,6 +123,34 @@ def quantized_call(k: ModuleType, layer: nn.Module):
     return product
 
 
+def int16_fits(layer: nn.Module) -> bool:
+    """Whether ``layer``'s many-row products may take the int16 kernel
+    (``K.quantized_matmul_i16``: x rounded to int16 per block of 32 inputs, AVX-512 VNNI's
+    products; csrc/src/prefill_i16.cpp): affine 2- to 8-bit codes, group 32/64/128, outputs a
+    multiple of 32, on a CPU with AVX-512 F, BW, VNNI and VBMI at the kernels' level."""
+    k = kernels.load()
+    return (
+        k is not None
+        and hasattr(k, "quantized_matmul_i16")
+        and k.vnni_available()
+        and quantized_fits(layer)
+        and getattr(layer, "mode", "affine") == "affine"
+        and layer["weight"].ndim == 2
+        and layer["weight"].shape[0] % 32 == 0
+    )
+
+
+def int16_product(x: mx.array, layer: nn.Module) -> mx.array:
+    """``layer(x)`` for many rows through the int16 kernel (:func:`int16_fits`). Beyond
+    float32's rounding an output is off by at most sum_k |s q_k| times its block's
+    max |x| / 65534: about 1.5e-5 of the largest input of a block per unit of weight, far
+    below what the weights' own 4- or 5-bit rounding costs (csrc/src/prefill_i16.cpp)."""
+    y = kernels.load().quantized_matmul_i16(
+        x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
+    )
+    return y + layer["bias"] if "bias" in layer else y
+
+
 def matvec(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ weight.T`` for an (out, in) float ``weight`` (:func:`float_fits`), one call; the
     output dtype is ``x @ weight.T``'s."""

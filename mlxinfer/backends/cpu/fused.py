@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import compiled, ops
+from . import compiled, ops, quantized
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -131,18 +131,46 @@ class QuantizedGroup:
         self.on = True
         self.last: tuple = (None, None)
 
-    def output(self, x: mx.array, index: int) -> mx.array:
+    def int16_fits(self) -> bool:
+        """Whether the stacked product may take the int16 kernel (as ``compiled.int16_fits``)."""
+        k = compiled.loaded()
+        return (
+            self.mode == "affine"
+            and "biases" in self.arrays
+            and self.arrays["weight"].shape[0] % 32 == 0
+            and k is not None
+            and hasattr(k, "quantized_matmul_i16")
+            and k.vnni_available()
+        )
+
+    def output(self, x: mx.array, index: int, *, int16: bool = False) -> mx.array:
+        """Sibling ``index``'s columns of the stacked product with ``x``: the few-row kernel's,
+        or with ``int16`` the int16 kernel's (a prompt's rows, evaluated in a stepwise prefill)."""
         seen, y = self.last  # one read: another thread may replace it
         if seen is not x:
             a = self.arrays
             options = {} if self.mode == "affine" else {"mode": self.mode}
-            y = compiled.loaded().quantized_matvec(
-                x, a["weight"], a["scales"], a.get("biases"), self.group_size, self.bits, **options
-            )
+            k = compiled.loaded()
+            if int16:
+                y = k.quantized_matmul_i16(
+                    x, a["weight"], a["scales"], a["biases"], self.group_size, self.bits
+                )
+            else:
+                y = k.quantized_matvec(
+                    x,
+                    a["weight"],
+                    a["scales"],
+                    a.get("biases"),
+                    self.group_size,
+                    self.bits,
+                    **options,
+                )
             if "bias" in a:
                 y = y + a["bias"]
             # one split (one primitive, every sibling's columns) rather than a slice each
             y = mx.split(y, [b for _, b in self.bounds[:-1]], axis=-1)
+            if int16 and quantized.stepwise():
+                mx.eval(y)
             self.last = (x, y)
         if index == len(self.bounds) - 1:
             self.last = (None, None)
@@ -151,11 +179,15 @@ class QuantizedGroup:
 
 class CPUFusedQuantizedSibling:
     """A quantized Linear of a :class:`QuantizedGroup`: below the dequantized product's
-    crossover, where its plan gives it the kernel, its rows of the stacked product."""
+    crossover (and the int16 product's), where its plan gives it the kernel, its rows of the
+    stacked product."""
 
     def __call__(self, x: mx.array) -> mx.array:
         group, index = self.cpu_fused
-        if group.on and self.cpu_kernel is not None and x.size // x.shape[-1] < self.MIN_ROWS:
+        rows = x.size // x.shape[-1]
+        if group.on and rows >= self.cpu_int16_rows and group.int16_fits():
+            return group.output(x, index, int16=True)  # a prompt's rows: one int16 product
+        if group.on and self.cpu_kernel is not None and rows < self.MIN_ROWS:
             return group.output(x, index)
         return super().__call__(x)
 

@@ -126,6 +126,11 @@ def quantized_linears(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, quantized.CPUQuantizedLinear)]
 
 
+def int16_linears(model: nn.Module) -> list[nn.Module]:
+    """The quantized Linears whose many-row products the int16 kernel can take."""
+    return [m for m in quantized_linears(model) if compiled.int16_fits(m)]
+
+
 def exponential_users(model: nn.Module) -> list[nn.Module]:
     """The layers that choose between MLX's ops and the fast exponential (``ops.SMALL``)."""
     kinds = (model_layers.Attention, model_layers.GatedMLP)
@@ -156,6 +161,7 @@ def float_products(model: nn.Module) -> list[nn.Module]:
 THRESHOLDS = {
     "long_keys": (attention_layers, "cpu_long_keys", ops.DECODE_LONG_KEYS),
     "dequantize_rows": (quantized_linears, "MIN_ROWS", quantized.CPUQuantizedLinear.MIN_ROWS),
+    "int16_rows": (int16_linears, "cpu_int16_rows", quantized.INT16_NEVER),
     "small": (exponential_users, "cpu_small", ops.SMALL),
     "dequantized_attention": (
         attention_layers,

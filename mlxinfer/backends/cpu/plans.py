@@ -36,6 +36,10 @@ keeping an option only if it beats the plainer one by 3%:
   a BLAS product instead of its few-row product (the compiled kernel where ``quantized=kernel``,
   for every row count below this one, else MLX's quantized kernel; short prompts, batched
   prefill, speculative verification), timed on the model's largest quantized layer alone;
+- ``int16_rows`` (kernels loaded, AVX-512 VNNI and VBMI): from how many rows a quantized
+  layer's product takes the int16 kernel (``compiled.int16_product``: x rounded to int16 per
+  block of 32 inputs, no dequantized weight) instead of the product ``dequantize_rows`` gives it,
+  timed on the model's largest quantized layer alone; never where it does not run;
 - ``dequantized_attention``: from how many queries attention over a quantized KV cache
   (``--kv-bits``) dequantizes it instead of multiplying it packed, timed on the model's
   attention shapes alone;
@@ -131,8 +135,8 @@ ENV = "MLXINFER_CPU_PLANS"
 # kernel's several-row AVX-512 loop changed, which moves dequantize_rows' crossover; 18: one
 # row of 8-bit codes (a tied head) got 1.7x faster on x86, which the kernel-or-not choices time;
 # 19: the dequantized product's weight comes from the kernels' dequantize, 4-7x faster, which
-# moves dequantize_rows' crossover down)
-VERSION = 19
+# moves dequantize_rows' crossover down; 20: int16_rows, the int16 product with AVX-512 VNNI)
+VERSION = 20
 
 
 def cache_key(model: nn.Module) -> str:

@@ -143,6 +143,7 @@ def stepwise() -> bool:
     return _stepwise.get()
 
 
+INT16_NEVER = 1 << 30  # ``cpu_int16_rows`` where the int16 product is never used
 MLP_SLICE = 512  # hidden units per slice of a stepwise gated MLP
 MLP_SLICE_ROWS = (
     256  # fewest rows (tokens) for which slicing pays: at 128 it cost 19% of prefill speed
@@ -152,9 +153,12 @@ MLP_SLICE_ROWS = (
 def slices_mlp(x: mx.array, gate: nn.Module, up: nn.Module, down: nn.Module) -> bool:
     """Whether :func:`sliced_mlp` applies: a stepwise prefill of enough rows through quantized
     layers, or through float ones (``down`` may be held transposed)."""
-    if not _stepwise.get() or x.size // x.shape[-1] < MLP_SLICE_ROWS:
+    rows = x.size // x.shape[-1]
+    if not _stepwise.get() or rows < MLP_SLICE_ROWS:
         return False
     if all(isinstance(layer, CPUQuantizedLinear) for layer in (gate, up, down)):
+        if all(rows >= m.cpu_int16_rows and compiled.int16_fits(m) for m in (gate, up, down)):
+            return False  # the int16 products hold no dequantized weight: nothing to slice
         return all(MLP_SLICE % max(layer.group_size, 32) == 0 for layer in (gate, up, down))
     return all(isinstance(layer, nn.Linear) for layer in (gate, up)) and isinstance(
         down, (nn.Linear, parallel.TransposedLinear)
@@ -272,9 +276,14 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
     # ``product(x, layer)`` where the plan says ``kernel`` and the kernels are loaded: decided
     # when the plan is set (``compiled.bind``), so a decode step checks only the rows here.
     cpu_kernel = None
+    # From this many rows the int16 product (``compiled.int16_product``, AVX-512 VNNI) is used
+    # where it fits; ``plans`` measures it (``int16_rows``); never without a plan.
+    cpu_int16_rows = INT16_NEVER
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
+        if rows >= self.cpu_int16_rows and compiled.int16_fits(self):
+            return self._int16_rows(x)
         if rows < self.MIN_ROWS:
             # The kernel takes every row below the crossover, not only ``compiled.MAX_ROWS``:
             # between the two MLX's quantized_matmul (a scalar loop, its time growing with the
@@ -284,6 +293,13 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
                 return kernel(x, self)
             return self._few_rows(x)
         return self._many_rows(x)
+
+    def _int16_rows(self, x: mx.array) -> mx.array:
+        """Prefill through the int16 kernel: no dequantized weight, x rounded to int16."""
+        y = compiled.int16_product(x, self)
+        if _stepwise.get():
+            mx.eval(y)
+        return y
 
     def _many_rows(self, x: mx.array) -> mx.array:
         """Prefill: dequantize the weight (one compiled kernel) and use the BLAS matmul."""

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from ...models import layers as model_layers
 from ...models.base import lm_head
-from . import ops, quantized
+from . import compiled, ops, quantized
 from .kinds import (
     NEVER,
     NUMERIC,
@@ -27,6 +27,7 @@ from .kinds import (
     attention_layers,
     exponential_users,
     float_products,
+    int16_linears,
     numeric_kinds,
     options_of,
     plan_layers,
@@ -59,6 +60,9 @@ LONG_KEYS_TRIED = (512, 1024, 2048, 4096, 8192)
 # Rows tried for dequantize_rows; from 64 rows on the BLAS product won by far on every machine
 # measured (at 512 rows ~10x), and the quantized kernel's time grows with the rows.
 DEQUANTIZE_ROWS_TRIED = (2, 4, 8, 16, 32, 64)
+# Rows tried for int16_rows: on the AMD EPYC VM the int16 product won from 32 rows (1.7-2.8x at
+# 127 rows, against the several-row kernel and the dequantized BLAS product alike).
+INT16_ROWS_TRIED = (8, 16, 32, 64, 128)
 SMALL_TRIED = tuple(1 << n for n in range(12, 20))  # elements tried for small
 # Query rows tried for dequantized_attention, over a cache of DEQUANTIZED_KEYS 8-bit keys.
 DEQUANTIZED_ROWS_TRIED = (2, 4, 8, 16, 32)
@@ -205,6 +209,7 @@ def measure(model: nn.Module, fixed: dict[str, str | int] | None = None) -> dict
         for kind, measure_kind in (
             ("long_keys", measure_long_keys),
             ("dequantize_rows", measure_dequantize_rows),
+            ("int16_rows", measure_int16_rows),
             ("small", measure_small),
             ("dequantized_attention", measure_dequantized_attention),
             ("pad_rows", measure_pad_rows),
@@ -319,6 +324,31 @@ def measure_dequantize_rows(model: nn.Module) -> tuple[int, dict]:
     if threshold == NEVER:  # never faster up to the largest tried: take it from past there
         threshold = 2 * DEQUANTIZE_ROWS_TRIED[-1]
     return threshold, {r: {"quantized": a, "dequantized": b} for r, (a, b) in seconds.items()}
+
+
+def measure_int16_rows(model: nn.Module) -> tuple[int, dict]:
+    """The fewest rows from which a quantized layer's int16 product (``compiled.int16_product``)
+    is faster than the product it replaces at that many rows (the few-row kernel below
+    ``dequantize_rows``, which is timed first, the dequantized BLAS product from there), timed on
+    the largest layer it takes."""
+    layer = max(int16_linears(model), key=lambda m: m["weight"].size)
+    in_features = layer["scales"].shape[-1] * layer.group_size
+    dtype = compute_dtype(layer)
+
+    def timer(rows):
+        x = mx.random.normal((1, rows, in_features)).astype(dtype)
+        mx.eval(x)
+
+        def run(threshold):
+            if rows >= threshold:
+                mx.eval(compiled.int16_product(x, layer))
+            else:
+                mx.eval(layer._few_rows(x) if rows < layer.MIN_ROWS else layer._many_rows(x))
+
+        return run
+
+    threshold, seconds = crossover(INT16_ROWS_TRIED, timer, NEVER, 1)
+    return threshold, {r: {"float": a, "int16": b} for r, (a, b) in seconds.items()}
 
 
 def measure_small(model: nn.Module) -> tuple[int, dict]:

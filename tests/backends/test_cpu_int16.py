@@ -1,0 +1,136 @@
+"""The int16 product for a prefill's rows (csrc/src/prefill_i16.cpp, ``compiled.int16_product``;
+issue 47, item 3): x rounded to int16 per block of 32 inputs and AVX-512 VNNI's products. Each
+output against a float64 definition within the bound that rounding allows (derived below), for
+every width, group size and tail of rows and inputs; a tiny quantized model's prompt through it
+gives MLX's own quantized path's logits within that bound's order and the same greedy tokens,
+with every many-row product taken by the kernel; bad arguments are one-line errors."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hf_models import add_tokenizer, make_tiny
+from kernel_calls import CountedKernels
+
+from mlxinfer import backends
+from mlxinfer.backends import kernels
+from mlxinfer.backends.cpu import kinds, quantized
+from mlxinfer.backends.cpu import plans as cpu_plans
+from mlxinfer.generation import generate_step
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
+
+K = kernels.load()
+pytestmark = [
+    pytest.mark.skipif(K is None, reason=f"compiled kernels absent: {kernels.reason()}"),
+    pytest.mark.skipif(
+        mx.default_device().type != mx.DeviceType.cpu, reason="the CPU backend's kernels"
+    ),
+    pytest.mark.skipif(
+        K is not None and not (hasattr(K, "vnni_available") and K.vnni_available()),
+        reason="the int16 product needs AVX-512 F, BW, VNNI and VBMI (this CPU lacks one)",
+    ),
+]
+
+
+def definition(x, q, s, b, group_size, bits):
+    """(float64 y, the bound): y = x (s q + b)^T exactly; the kernel rounds x to int16 per block
+    of 32 (scale amax / 32767, to nearest: each x off by at most half its block's scale), and
+    adds the biases' term from x itself, so |y - y_exact| <= sum_k |s q_k| scale_b / 2, plus
+    float32's own rounding of the sums (1e-6 of sum |x w|: K <= 640 terms)."""
+    x64 = np.array(x, np.float64)
+    sq = np.array(
+        mx.dequantize(q, s, mx.zeros_like(b), group_size=group_size, bits=bits), np.float64
+    )
+    w = np.array(mx.dequantize(q, s, b, group_size=group_size, bits=bits), np.float64)
+    M, Kd = x64.shape
+    scale = np.abs(x64).reshape(M, Kd // 32, 32).max(-1) / 32767  # (M, blocks)
+    per_block = np.abs(sq).reshape(sq.shape[0], Kd // 32, 32).sum(-1)  # (N, blocks)
+    bound = scale @ per_block.T / 2 + 1e-6 * (np.abs(x64) @ np.abs(w).T)
+    return x64 @ w.T, bound
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int16_product_is_within_its_rounding_bound(bits, group_size):
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    # rows: the 4-row passes and each tail; inputs: a multiple of 64 and one with a 32 tail
+    for M, N, Kd in [(1, 32, 128), (3, 64, 384), (4, 32, 640), (9, 96, 384), (17, 64, 128)]:
+        if Kd % group_size:
+            continue
+        w = mx.array(rng.normal(size=(N, Kd)).astype(np.float32) * 0.05)
+        q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+        x = rng.normal(size=(M, Kd)).astype(np.float32)
+        x[0, 3] = 40.0  # an outlier: its block's scale is 40 / 32767
+        if M > 2:
+            x[2] = 0.0  # a zero row: scale 0, outputs exactly 0
+        y = np.array(K.quantized_matmul_i16(mx.array(x), q, s, b, group_size, bits), np.float64)
+        exact, bound = definition(x, q, s, b, group_size, bits)
+        assert y.shape == (M, N)
+        assert (np.abs(y - exact) <= bound).all(), (M, N, Kd, np.abs(y - exact).max())
+        if M > 2:
+            assert (y[2] == 0).all()
+
+
+def test_batched_and_typed_inputs_and_a_non_finite_row():
+    rng = np.random.default_rng(7)
+    w = mx.array(rng.normal(size=(64, 256)).astype(np.float32))
+    q, s, b = mx.quantize(w, group_size=64, bits=4)
+    x = rng.normal(size=(2, 5, 256)).astype(np.float32)
+    y = K.quantized_matmul_i16(mx.array(x), q, s, b, 64, 4)
+    assert y.shape == (2, 5, 64) and y.dtype == mx.float32
+    exact, bound = definition(x.reshape(10, 256), q, s, b, 64, 4)
+    assert (np.abs(np.array(y).reshape(10, 64) - exact) <= bound).all()
+    # bfloat16 x and scales: the output in bfloat16, from the same float32 product
+    yb = K.quantized_matmul_i16(
+        mx.array(x).astype(mx.bfloat16), q, s.astype(mx.bfloat16), b.astype(mx.bfloat16), 64, 4
+    )
+    assert yb.dtype == mx.bfloat16
+    x[1, 2, 7] = np.inf  # a non-finite input makes its row NaN, never a wrapped integer
+    yn = np.array(K.quantized_matmul_i16(mx.array(x), q, s, b, 64, 4))
+    assert np.isnan(yn[1, 2]).all() and np.isfinite(np.delete(yn.reshape(10, 64), 7, 0)).all()
+
+
+def test_bad_arguments_are_one_line_errors():
+    w = mx.zeros((48, 64))
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    x = mx.zeros((20, 64))
+    with pytest.raises(ValueError, match=r"w: .*multiple of 32 rows, found shape \(48, 8\)"):
+        K.quantized_matmul_i16(x, q, s, b, 32, 4)
+    q, s, b = mx.quantize(mx.zeros((32, 64)), group_size=32, bits=4)
+    with pytest.raises(ValueError, match="group_size: expected 32, 64 or 128, found 16"):
+        K.quantized_matmul_i16(x, q, s, b, 16, 4)
+    with pytest.raises(ValueError, match=r"x: expected a float array of shape \(\.\.\., 64\)"):
+        K.quantized_matmul_i16(mx.zeros((20, 32)), q, s, b, 32, 4)
+
+
+IDS = [(5 + 37 * i) % 256 for i in range(40)]
+
+
+def test_a_prompt_through_the_int16_products_gives_mlx_logits_and_tokens(tmp_path, monkeypatch):
+    """A tiny quantized Llama (q/k/v and gate/up stacked, an untied head) and its 40-token
+    prompt: with ``int16_rows`` at 16 every product of the prompt's rows is the int16 kernel's
+    (the stacked siblings' as one; the head's over the 40 positions too), the logits
+    within 1e-3 of the largest of MLX's own quantized path's (the kernel's bound is about 1e-5 of
+    it here), the greedy tokens the same; the default plan (``off``) never takes it."""
+    path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, model_type="llama")
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=5, group_size=32, dtype="float32")
+    monkeypatch.setenv(backends.ENV, "0")  # MLX's own layers and quantized_matmul
+    plain, _ = load_model(tmp_path / "q")
+    monkeypatch.delenv(backends.ENV)
+    reference = np.array(plain(mx.array([IDS]))[0])
+    tokens = [t for t, _ in generate_step(IDS, plain, max_tokens=8)]
+    counter = CountedKernels(K, ("quantized_matmul_i16",))
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    layers = kinds.int16_linears(model)
+    assert len(layers) == 7 * len(model.layers) + 1  # and the untied LM head
+    assert all(m.cpu_int16_rows == quantized.INT16_NEVER for m in layers)  # the default
+    kinds.set_plan(model, "int16_rows", 16)
+    with quantized.stepwise_prefill(model):
+        logits = np.array(model(mx.array([IDS]))[0])
+    # a product each: q | k | v and gate | up stacked, o_proj, down_proj, the head
+    assert counter.calls["quantized_matmul_i16"] == 4 * len(model.layers) + 1
+    assert np.abs(logits - reference).max() <= 1e-3 * np.abs(reference).max()
+    assert [t for t, _ in generate_step(IDS, model, max_tokens=8)] == tokens
