@@ -106,13 +106,19 @@ def test_bad_arguments_are_one_line_errors():
 IDS = [(5 + 37 * i) % 256 for i in range(40)]
 
 
-def test_a_prompt_through_the_int16_products_gives_mlx_logits_and_tokens(tmp_path, monkeypatch):
-    """A tiny quantized Llama (q/k/v and gate/up stacked, an untied head) and its 40-token
-    prompt: with ``int16_rows`` at 16 every product of the prompt's rows is the int16 kernel's
-    (the stacked siblings' as one; the head's over the 40 positions too), the logits
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_prompt_through_the_int16_products_gives_mlx_logits_and_tokens(
+    tied, tmp_path, monkeypatch
+):
+    """A tiny quantized Llama (q/k/v and gate/up stacked; an untied head, or the embedding tied
+    as the head) and its 40-token prompt: with ``int16_rows`` at 16 every product of the prompt's
+    rows is the int16 kernel's (the stacked siblings' as one; the head's over the 40 positions
+    too: ``perplexity`` reads them all), the logits
     within 1e-3 of the largest of MLX's own quantized path's (the kernel's bound is about 1e-5 of
     it here), the greedy tokens the same; the default plan (``off``) never takes it."""
-    path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, model_type="llama")
+    path, _ = make_tiny(
+        tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=tied
+    )
     add_tokenizer(path)
     convert(path, tmp_path / "q", quantize=True, bits=5, group_size=32, dtype="float32")
     monkeypatch.setenv(backends.ENV, "0")  # MLX's own layers and quantized_matmul
@@ -125,7 +131,7 @@ def test_a_prompt_through_the_int16_products_gives_mlx_logits_and_tokens(tmp_pat
     model, _ = load_model(tmp_path / "q")
     cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
     layers = kinds.int16_linears(model)
-    assert len(layers) == 7 * len(model.layers) + 1  # and the untied LM head
+    assert len(layers) == 7 * len(model.layers) + 1  # and the LM head, tied or not
     assert all(m.cpu_int16_rows == quantized.INT16_NEVER for m in layers)  # the default
     kinds.set_plan(model, "int16_rows", 16)
     with quantized.stepwise_prefill(model):

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import layers as model_layers
-from . import blocks, compiled, ops, parallel, quantized
+from . import blocks, compiled, layers, ops, parallel, quantized
 
 NEVER = 1 << 30  # a threshold never reached: the plainer form always
 
@@ -127,8 +127,13 @@ def quantized_linears(model: nn.Module) -> list[nn.Module]:
 
 
 def int16_linears(model: nn.Module) -> list[nn.Module]:
-    """The quantized Linears whose many-row products the int16 kernel can take."""
-    return [m for m in quantized_linears(model) if compiled.int16_fits(m)]
+    """The quantized Linears whose many-row products the int16 kernel can take, and a quantized
+    tied LM head it can take (its prompt positions' logits: ``perplexity``)."""
+    found = [m for m in quantized_linears(model) if compiled.int16_fits(m)]
+    head = getattr(model, "head", None)
+    if isinstance(head, layers.CPUTiedHead) and "scales" in head and compiled.int16_fits(head):
+        found.append(head)
+    return found
 
 
 def exponential_users(model: nn.Module) -> list[nn.Module]:

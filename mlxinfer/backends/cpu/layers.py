@@ -194,12 +194,17 @@ class CPUGatedMLP:
 class CPUTiedHead:
     """A token embedding used as the LM head: float rows in blocks on the worker streams
     (``parallel.project``); a quantized one by parts; either as one compiled-kernel call where
-    its plan says ``kernel`` (``compiled``)."""
+    its plan says ``kernel`` (``compiled``); a quantized one's many rows (a prompt's positions,
+    ``perplexity``) through the int16 kernel from the ``int16_rows`` plan's rows."""
+
+    cpu_int16_rows = quantized.INT16_NEVER  # set by the ``int16_rows`` plan (``kinds``)
 
     def as_linear(self, x: mx.array) -> mx.array:
         if "scales" not in self:
             return parallel.project(x, self)
         rows = x.size // x.shape[-1]
+        if rows >= self.cpu_int16_rows and compiled.int16_fits(self):  # a prompt's positions
+            return compiled.int16_product(x, self)
         if rows <= parallel.CPULinear.MAX_ROWS and self["weight"].shape[0] >= 128:
             return parallel.quantized_product(x, self)
         if rows > parallel.CPULinear.MAX_ROWS:

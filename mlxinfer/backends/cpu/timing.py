@@ -331,7 +331,10 @@ def measure_int16_rows(model: nn.Module) -> tuple[int, dict]:
     is faster than the product it replaces at that many rows (the few-row kernel below
     ``dequantize_rows``, which is timed first, the dequantized BLAS product from there), timed on
     the largest layer it takes."""
-    layer = max(int16_linears(model), key=lambda m: m["weight"].size)
+    linears = [m for m in int16_linears(model) if isinstance(m, quantized.CPUQuantizedLinear)]
+    if not linears:  # a tied head alone: as the blocks' products would have it, never
+        return NEVER, {}
+    layer = max(linears, key=lambda m: m["weight"].size)
     in_features = layer["scales"].shape[-1] * layer.group_size
     dtype = compute_dtype(layer)
 
