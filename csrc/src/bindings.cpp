@@ -102,6 +102,20 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "block of 32 inputs and AVX-512 VNNI's int16 products (prefill_i16.cpp; error at most "
       "sum |s q| * (the block's max |x| / 32767) / 2 an output beyond float32's). Only where "
       "vnni_available().");
+  m.def(
+      "prefill_attention",
+      &mlxinfer::prefill_attention,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      nb::kw_only(),
+      "scale"_a,
+      "causal"_a,
+      "stream"_a = nb::none(),
+      "softmax(q k^T * scale) v for a prompt's queries, one sequence: q (1, n_q, L, D), k (1, "
+      "n_kv, T, D), v (1, n_kv, T, Dv), float32, head dims multiples of 16; causal: query i sees "
+      "the first T - L + i + 1 keys (as mx.fast.scaled_dot_product_attention's 'causal'); each "
+      "query position the decode path's vector attention over the keys it sees.");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW and VNNI, at the kernels' ISA "
         "level (set_max_isa).");

@@ -145,6 +145,9 @@ class CPUAttention:
             group_size, bits = cache.group_size, cache.bits
             k, v = (quantized.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
             k, v = k.astype(q.dtype), v.astype(q.dtype)
+        y = compiled.prefill_attention(q, k, v, scale, mask)  # a prompt's, where it fits
+        if y is not None:
+            return y
         long_keys = getattr(self, "cpu_long_keys", ops.DECODE_LONG_KEYS)  # set by ``plans``
         small = getattr(self, "cpu_small", ops.SMALL)
         return ops.attention(
