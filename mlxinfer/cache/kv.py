@@ -346,6 +346,10 @@ class RotatingKVCache:
         if n_queries == 1:
             return None
         window = self.max_size - self.keep
+        if self.offset == self._size and self.offset + n_queries <= window:
+            # Nothing evicted (the keys are positions 0.. in order) and every query within the
+            # window of every earlier key: exactly causal (sdpa's and the CPU kernels' fast form).
+            return "causal"
         k_pos = mx.array(self._positions() + list(range(self.offset, self.offset + n_queries)))
         q_pos = mx.arange(self.offset, self.offset + n_queries)[:, None]
         visible = (k_pos[None] <= q_pos) & (

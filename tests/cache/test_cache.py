@@ -77,6 +77,21 @@ def test_rotating_keep_and_window_masks():
     assert mask.tolist() == expected
 
 
+def test_rotating_mask_is_causal_until_the_window_is_reached():
+    """Nothing evicted and every query within the window: the mask is "causal" (sdpa's fast form,
+    the CPU kernels' prompt attention), which is what the visibility rule gives there; from the
+    query that would pass the window on, the boolean mask."""
+    c = RotatingKVCache(max_size=8, keep=0)
+    c.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))  # positions 0..2
+    assert c.make_mask(5) == "causal"  # queries 3..7: each sees every earlier key (window 8)
+    mask = np.array(c.make_mask(6))  # query 8 would see 0 at distance 8: outside
+    k_pos, q_pos = range(9), range(3, 9)
+    assert mask.tolist() == [[kp <= q and q - kp < 8 for kp in k_pos] for q in q_pos]
+    causal = np.tril(np.ones((5, 8), bool), k=3)  # "causal": query i sees keys up to T - L + i
+    full = np.array([[kp <= q and q - kp < 8 for kp in range(8)] for q in range(3, 8)])
+    assert (causal == full).all()
+
+
 def test_max_kv_size_bounds_memory(tiny):
     model, _ = tiny
     cache = model.make_cache(max_kv_size=8)
