@@ -111,11 +111,13 @@ NB_MODULE(_mlxinfer_kernels, m) {
       nb::kw_only(),
       "scale"_a,
       "causal"_a,
+      "mask"_a = nb::none(),
       "stream"_a = nb::none(),
-      "softmax(q k^T * scale) v for a prompt's queries, one sequence: q (1, n_q, L, D), k (1, "
-      "n_kv, T, D), v (1, n_kv, T, Dv), float32, head dims multiples of 16; causal: query i sees "
-      "the first T - L + i + 1 keys (as mx.fast.scaled_dot_product_attention's 'causal'); each "
-      "query position the decode path's vector attention over the keys it sees.");
+      "softmax(q k^T * scale) v for prompts' queries: q (B, n_q, L, D), k (B, n_kv, T, D), v "
+      "(B, n_kv, T, Dv), float32, head dims multiples of 16; causal: query i sees the first T - L "
+      "+ i + 1 keys (as mx.fast.scaled_dot_product_attention's 'causal'); or mask, a bool (B or "
+      "1, 1, L, T) array of the keys each query sees (a batch's rows); each query position the "
+      "decode path's vector attention over the keys it sees.");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW and VNNI, at the kernels' ISA "
         "level (set_max_isa).");

@@ -36,11 +36,13 @@ mx::array quantized_matmul_i16(
     int bits,
     mx::StreamOrDevice s = {});
 
-// softmax(q k^T * scale) v for a prompt: q (1, n_q, L, D), k (1, n_kv, T, D), v (1, n_kv, T,
-// Dv), float32, D and Dv multiples of 16; causal: query i sees the first T - L + i + 1 keys
-// (prefill_attention.cpp).
+// softmax(q k^T * scale) v for prompts: q (B, n_q, L, D), k (B, n_kv, T, D), v (B, n_kv, T,
+// Dv), float32, D and Dv multiples of 16; causal: query i sees the first T - L + i + 1 keys;
+// or a bool mask (B or 1, 1, L, T) of the keys each query sees (prefill_attention.cpp).
 mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                            float scale, bool causal, mx::StreamOrDevice s = {});
+                            float scale, bool causal,
+                            const std::optional<mx::array>& mask = std::nullopt,
+                            mx::StreamOrDevice s = {});
 
 // Whether quantized_matmul_i16 runs here (AVX-512 F, BW and VNNI at the kernels' ISA level).
 bool vnni_available();

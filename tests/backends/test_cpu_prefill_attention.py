@@ -2,9 +2,10 @@
 ``compiled.prefill_attention``; issue 47, item 3 "attention over a chunk"): against MLX's
 ``scaled_dot_product_attention`` (f32, within 1e-5) for grouped heads, causal and not, a chunk
 after cached keys (T > L), keys laid out as a cache's buffer view and as a forward without a
-cache leaves them (transposed), at every instruction-set level; the CPU backend's attention
-takes it for a causal prompt of one sequence and leaves mask arrays and batches to
-``ops.attention``; bad arguments are one-line errors."""
+cache leaves them (transposed), at every instruction-set level, and a batch's rows under their
+own boolean masks; the CPU backend's attention takes it for causal, unmasked and boolean-masked
+prompts and leaves additive and per-head masks to ``ops.attention``; bad arguments are
+one-line errors."""
 
 import mlx.core as mx
 import numpy as np
@@ -65,21 +66,43 @@ def test_prefill_attention_is_mlx_attention(shape):
         K.set_max_isa("best")
 
 
-def test_the_backend_takes_it_for_one_causal_sequence(monkeypatch):
+def test_masked_rows_are_mlx_attention():
+    """A batch's rows, each with its own boolean mask (padding, other lengths, a window): every
+    key scored, the mask's flags kept, as MLX's attention with that mask."""
+    rng = np.random.default_rng(3)
+    B, n_q, n_kv, L, T, D = 3, 4, 2, 9, 14, 32
+    q = mx.array(rng.normal(size=(B, n_q, L, D)).astype(np.float32))
+    k = mx.array(rng.normal(size=(B, n_kv, T, D)).astype(np.float32))
+    v = mx.array(rng.normal(size=(B, n_kv, T, D)).astype(np.float32))
+    mask = rng.random((B, 1, L, T)) < 0.6
+    mask[..., 0] = True  # every query sees a key (MLX's softmax over none is NaN)
+    try:
+        for level in isa_levels():
+            K.set_max_isa(level)
+            for rows in (mx.array(mask), mx.array(mask[:1])):  # per row, or one for all
+                ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=rows)
+                y = K.prefill_attention(q, k, v, scale=D**-0.5, causal=False, mask=rows)
+                assert np.abs(np.array(y) - np.array(ref)).max() <= 1e-5, level
+    finally:
+        K.set_max_isa("best")
+
+
+def test_the_backend_takes_it_where_it_fits(monkeypatch):
     counter = CountedKernels(K, ("prefill_attention",))
     monkeypatch.setattr(kernels, "load", lambda: counter)
-    q, k, v = (mx.zeros((1, 4, 8, 32)), mx.zeros((1, 2, 8, 32)), mx.zeros((1, 2, 8, 32)))
+    q, k, v = (mx.zeros((2, 4, 8, 32)), mx.zeros((2, 2, 8, 32)), mx.zeros((2, 2, 8, 32)))
     assert compiled.prefill_attention(q, k, v, 0.1, "causal") is not None
     assert compiled.prefill_attention(q, k, v, 0.1, None) is not None
-    assert counter.calls["prefill_attention"] == 2
-    array_mask = mx.ones((8, 8), dtype=mx.bool_)  # a window or a batch's rows: ops.attention
-    assert compiled.prefill_attention(q, k, v, 0.1, array_mask) is None
+    window = mx.ones((8, 8), dtype=mx.bool_)  # (L, T): a window
+    assert compiled.prefill_attention(q, k, v, 0.1, window) is not None
+    assert compiled.prefill_attention(q, k, v, 0.1, mx.ones((2, 1, 8, 8), mx.bool_)) is not None
+    assert counter.calls["prefill_attention"] == 4
+    alibi = mx.zeros((1, 4, 8, 8))  # additive, per head: ops.attention
+    assert compiled.prefill_attention(q, k, v, 0.1, alibi) is None
+    assert compiled.prefill_attention(q, k, v, 0.1, mx.ones((1, 4, 8, 8), mx.bool_)) is None
     assert compiled.prefill_attention(q[:, :, :1], k, v, 0.1, "causal") is None  # decode
-    two = mx.concatenate([q, q])
-    assert compiled.prefill_attention(two, mx.concatenate([k, k]), v, 0.1, "causal") is None
-    half = q.astype(mx.float16)
-    assert compiled.prefill_attention(half, k, v, 0.1, "causal") is None
-    assert counter.calls["prefill_attention"] == 2
+    assert compiled.prefill_attention(q.astype(mx.float16), k, v, 0.1, "causal") is None
+    assert counter.calls["prefill_attention"] == 4
 
 
 def test_bad_arguments_are_one_line_errors():
@@ -89,3 +112,5 @@ def test_bad_arguments_are_one_line_errors():
     q, k, v = (mx.zeros((1, 2, 8, 24)), mx.zeros((1, 2, 8, 24)), mx.zeros((1, 2, 8, 24)))
     with pytest.raises(ValueError, match="head dims in multiples of 16, found D 24, Dv 24"):
         K.prefill_attention(q, k, v, scale=1.0, causal=True)
+    with pytest.raises(ValueError, match=r"mask: expected a bool array \(1 or 1, 1, 8, 8\), found"):
+        K.prefill_attention(q, k, v, scale=1.0, causal=False, mask=mx.ones((1, 1, 8, 7), mx.bool_))

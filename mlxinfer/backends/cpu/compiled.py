@@ -153,20 +153,19 @@ def int16_product(x: mx.array, layer: nn.Module) -> mx.array:
 
 
 def prefill_attention(q: mx.array, k: Any, v: Any, scale: float, mask: Any) -> mx.array | None:
-    """A prompt's attention in one kernel call (``K.prefill_attention``: each query position the
+    """Prompts' attention in one kernel call (``K.prefill_attention``: each query position the
     decode path's vector attention over the keys it sees; 4.5-7x ``ops.attention`` on SmolLM2's
-    and Gemma-3's shapes at 127-511 tokens), or None where it does not apply: one sequence
-    (B = 1) of several queries, float32, head dims multiples of 16, a causal mask or none (a
-    mask array — sliding windows past their width, a batch's rows — takes ``ops.attention``)."""
+    and Gemma-3's shapes at 127-511 tokens), or None where it does not apply. It takes several
+    queries, float32, head dims multiples of 16, and a causal mask, none, or a boolean one of
+    shape (L, T) or (B or 1, 1, L, T) (a window, a batch's rows: every key scored, the mask's
+    flags kept); an additive mask (ALiBi) or one per head takes ``ops.attention``."""
     k_ = kernels.load()
     if (
         k_ is None
         or not hasattr(k_, "prefill_attention")
-        or not (mask is None or mask == "causal")
         or not isinstance(k, mx.array)
         or not isinstance(v, mx.array)
         or q.ndim != 4
-        or q.shape[0] != 1
         or q.shape[2] < 2
         or q.dtype != mx.float32
         or k.dtype != mx.float32
@@ -175,7 +174,20 @@ def prefill_attention(q: mx.array, k: Any, v: Any, scale: float, mask: Any) -> m
         or v.shape[3] % 16
     ):
         return None
-    return k_.prefill_attention(q, k, v, scale=scale, causal=mask == "causal")
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
+        return k_.prefill_attention(q, k, v, scale=scale, causal=mask == "causal")
+    if not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
+        return None
+    if mask.ndim == 2:
+        mask = mask[None, None]
+    if (
+        mask.ndim != 4
+        or mask.shape[1] != 1
+        or mask.shape[0] not in (1, q.shape[0])
+        or mask.shape[2:] != (q.shape[2], k.shape[2])
+    ):
+        return None
+    return k_.prefill_attention(q, k, v, scale=scale, causal=False, mask=mask)
 
 
 def matvec(x: mx.array, weight: mx.array) -> mx.array:
