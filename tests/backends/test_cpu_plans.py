@@ -12,7 +12,7 @@ from hf_models import add_tokenizer, make_tiny, torch_logits
 
 from mlxinfer import backends
 from mlxinfer.backends import kernels
-from mlxinfer.backends.cpu import kinds, layers, timing
+from mlxinfer.backends.cpu import choices, kinds, layers, timing
 from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.loading.convert import convert
 from mlxinfer.loading.loader import load_model
@@ -290,7 +290,7 @@ def test_a_float_prefill_on_the_cpu_backend_runs_stepwise(big_tiny):
 def test_the_crossover_is_where_the_other_option_wins_for_good(monkeypatch):
     """A threshold counts only if the other option is faster from it on, at every larger size."""
     clock = [0.0]  # a fake clock that only the timed runs move: the test times nothing
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(choices.time, "perf_counter", lambda: clock[0])
 
     def timer_for(faster_from, dip=None):
         def timer(size):
@@ -303,14 +303,14 @@ def test_the_crossover_is_where_the_other_option_wins_for_good(monkeypatch):
         return timer
 
     sizes = (2, 4, 8, 16)
-    assert timing.crossover(sizes, timer_for(8), "plain", "other")[0] == 8
-    assert timing.crossover(sizes, timer_for(4, dip=16), "plain", "other")[0] == cpu_plans.NEVER
-    assert timing.crossover(sizes, timer_for(99), "plain", "other")[0] == cpu_plans.NEVER
+    assert choices.crossover(sizes, timer_for(8), "plain", "other")[0] == 8
+    assert choices.crossover(sizes, timer_for(4, dip=16), "plain", "other")[0] == cpu_plans.NEVER
+    assert choices.crossover(sizes, timer_for(99), "plain", "other")[0] == cpu_plans.NEVER
 
 
 def test_a_crossover_won_by_far_twice_times_no_larger_size(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(choices.time, "perf_counter", lambda: clock[0])
     timed = []
 
     def timer(size):
@@ -319,7 +319,7 @@ def test_a_crossover_won_by_far_twice_times_no_larger_size(monkeypatch):
             0, clock[0] + (1e-3 if option == "other" and size >= 4 else 3e-3)
         )
 
-    assert timing.crossover((2, 4, 8, 16, 32), timer, "plain", "other")[0] == 4
+    assert choices.crossover((2, 4, 8, 16, 32), timer, "plain", "other")[0] == 4
     assert timed == [2, 4, 8]
 
 

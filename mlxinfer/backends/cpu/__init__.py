@@ -12,9 +12,10 @@ plans by timing them on this machine (``plans``). The modules:
   on two threads, and the stepwise prefill schedule;
 - ``parallel``: one-row products over two worker streams;
 - ``compiled``: products of up to 16 rows through the compiled kernels (``backends.kernels``,
-  from ``csrc/``) where they are built and their plan wins here;
-- ``plans``: which of those pay here, measured (``timing``, over the ``kinds`` of plan) and
-  cached;
+  from ``csrc/``) where they are built and their plan wins here, a prompt's products in int16
+  and its attention in one call;
+- ``plans``: which of those pay here, measured (``timing`` for the decode steps, ``choices``
+  for the thresholds' crossovers, over the ``kinds`` of plan) and cached;
 - ``layers``: the mixins that put all of it into the model's own classes;
 - ``blocks``: a decode step's whole block as five kernel calls.
 """

@@ -91,6 +91,7 @@ from ...files import entries
 from ...platform.blas import preloaded_blas
 from ...platform.machine import cpu_name, user_cache_dir
 from . import compiled, quiet
+from .choices import attention_shapes
 from .kinds import (
     KERNELS,
     MOST_PARALLEL,
@@ -107,7 +108,7 @@ from .kinds import (
     set_plan,
     set_plans,
 )
-from .timing import attention_shapes, confirm, measure
+from .timing import confirm, measure
 
 __all__ = [
     "KERNELS",

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 # Other work on more than a quarter of the machine's CPUs while timing: on 2 cores, one busy
-# core of another process. The plans' choices differ by 3-30 % of a step (timing.KEEP_IF_FASTER),
+# core of another process. The plans' choices differ by 3-30 % of a step (choices.KEEP_IF_FASTER),
 # which another process on a core the timing wants outweighs.
 BUSY = 0.25
 _STAT = Path("/proc/stat")
