@@ -140,3 +140,27 @@ def test_a_prompt_through_the_int16_products_gives_mlx_logits_and_tokens(
     assert counter.calls["quantized_matmul_i16"] == 4 * len(model.layers) + 1
     assert np.abs(logits - reference).max() <= 1e-3 * np.abs(reference).max()
     assert [t for t, _ in generate_step(IDS, model, max_tokens=8)] == tokens
+
+
+def test_a_batch_gives_each_prompt_its_tokens_alone(tmp_path, monkeypatch):
+    """The int16 products round each row of x by itself: prompts of 17-45 tokens prefilled
+    together by the batching engine (their rows in one product, their attention under one mask)
+    give each prompt the greedy tokens it gets alone, int16 products and all."""
+    from mlxinfer.batch import Engine
+
+    path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, model_type="llama")
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
+    counter = CountedKernels(K, ("quantized_matmul_i16",))
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, {**cpu_plans.forced_plans("kernels"), "int16_rows": 16})
+    prompts = [[(3 + 17 * i + 5 * n) % 256 for i in range(n)] for n in (17, 45, 30)]
+    alone = [[t for t, _ in generate_step(p, model, max_tokens=6)] for p in prompts]
+    calls, counter.calls["quantized_matmul_i16"] = counter.calls["quantized_matmul_i16"], 0
+    assert calls > 0  # the prompts' products alone were int16 ones
+    with Engine(model, max_batch=4, prefill_step=64) as engine:
+        handles = [engine.submit(p, max_tokens=6) for p in prompts]
+        together = [[s.token for s in h.steps()] for h in handles]
+    assert counter.calls["quantized_matmul_i16"] > 0
+    assert together == alone
