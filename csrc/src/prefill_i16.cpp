@@ -393,37 +393,15 @@ mx::array quantized_matmul_i16(
   const char* op = "[mlxinfer quantized_matmul_i16] ";
   if (!vnni_available()) {
     throw std::invalid_argument(std::string(op) +
-                                "needs AVX-512 F, BW and VNNI at the kernels' ISA level, found " +
-                                isa_name(current_isa()) + (g_vnni ? "" : " without VNNI"));
+                                "needs AVX-512 F, BW, VNNI and VBMI at the kernels' ISA level, found " +
+                                isa_name(current_isa()) + (g_vnni ? "" : " without VNNI or VBMI"));
   }
-  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
-    throw std::invalid_argument(std::string(op) + "bits: expected 2, 3, 4, 5, 6 or 8, found " +
-                                std::to_string(bits));
-  }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument(std::string(op) + "group_size: expected 32, 64 or 128, found " +
-                                std::to_string(group_size));
-  }
-  if (w.dtype() != mx::uint32 || w.ndim() != 2 ||
-      static_cast<int64_t>(w.shape(1)) * 32 % bits != 0 || w.shape(0) % kTile != 0) {
-    throw std::invalid_argument(std::string(op) +
-                                "w: expected a 2-D uint32 array of K * bits / 32 words a row "
-                                "and a multiple of 32 rows, found shape " +
+  const int64_t K = check_affine(op, w, scales, biases, group_size, bits);
+  if (w.shape(0) % kTile != 0) {
+    throw std::invalid_argument(std::string(op) + "w: expected a multiple of 32 rows, found shape " +
                                 shape_str(w.shape()));
   }
   const int N = w.shape(0);
-  const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
-  if (K % group_size != 0) {
-    throw std::invalid_argument(std::string(op) + "w: K = " + std::to_string(K) +
-                                " is not a multiple of group_size " + std::to_string(group_size));
-  }
-  const mx::Shape sshape = {N, static_cast<int>(K / group_size)};
-  if (scales.shape() != sshape || biases.shape() != sshape || !is_float(scales.dtype()) ||
-      !is_float(biases.dtype())) {
-    throw std::invalid_argument(std::string(op) + "scales/biases: expected float arrays of shape " +
-                                shape_str(sshape) + ", found " + shape_str(scales.shape()) +
-                                " and " + shape_str(biases.shape()));
-  }
   if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
     throw std::invalid_argument(std::string(op) + "x: expected a float array of shape (..., " +
                                 std::to_string(K) + "), found " + shape_str(x.shape()));

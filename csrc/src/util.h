@@ -190,5 +190,40 @@ inline bool is_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
+// An affine layer's arrays as the kernels take them, or std::invalid_argument naming the one
+// that is not (`op`: the message's prefix, "[mlxinfer <op>] "): bits 2, 3, 4, 5, 6 or 8, groups
+// of 32, 64 or 128, w (N, K * bits / 32) uint32 words, scales and biases (N, K / group_size)
+// float. Returns K.
+inline int64_t check_affine(const std::string& op, const mx::array& w, const mx::array& scales,
+                            const mx::array& biases, int group_size, int bits) {
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument(op + "bits: expected 2, 3, 4, 5, 6 or 8, found " +
+                                std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument(op + "group_size: expected 32, 64 or 128, found " +
+                                std::to_string(group_size));
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 ||
+      static_cast<int64_t>(w.shape(1)) * 32 % bits != 0) {
+    throw std::invalid_argument(
+        op + "w: expected a 2-D uint32 array of K * bits / 32 words a row, found shape " +
+        shape_str(w.shape()));
+  }
+  const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  if (K % group_size != 0) {
+    throw std::invalid_argument(op + "w: K = " + std::to_string(K) +
+                                " is not a multiple of group_size " + std::to_string(group_size));
+  }
+  const mx::Shape sshape = {w.shape(0), static_cast<int>(K / group_size)};
+  if (scales.shape() != sshape || biases.shape() != sshape || !is_float(scales.dtype()) ||
+      !is_float(biases.dtype())) {
+    throw std::invalid_argument(op + "scales/biases: expected float arrays of shape " +
+                                shape_str(sshape) + ", found " + shape_str(scales.shape()) +
+                                " and " + shape_str(biases.shape()));
+  }
+  return K;
+}
+
 
 } // namespace mlxinfer
