@@ -119,7 +119,7 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "1, 1, L, T) array of the keys each query sees (a batch's rows); each query position the "
       "decode path's vector attention over the keys it sees.");
   m.def("vnni_available", &mlxinfer::vnni_available,
-        "Whether quantized_matmul_i16 runs here: AVX-512 F, BW and VNNI, at the kernels' ISA "
+        "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");
   m.def(
       "dequantize",

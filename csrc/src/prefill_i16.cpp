@@ -12,7 +12,7 @@
 // about 1.5e-5 of the largest |x| of a block per unit of weight, a thousandth of what rounding
 // the weights to 4 or 5 bits costs. The block sums cannot overflow: 32 * 32767 * 255 < 2^31.
 //
-// It runs where the CPU has AVX-512 F, BW and VNNI (vnni_available()); the caller checks
+// It runs where the CPU has AVX-512 F, BW, VNNI and VBMI (vnni_available()); the caller checks
 // (backends/cpu/quantized.py: the ``int16_rows`` plan). Measured on the AMD EPYC VM (2 vCPUs):
 // 128 x 640 by 2,048 rows of 5-bit codes 0.97 ms against OpenBLAS's float32 product of the
 // dequantized weight, 2.1 ms (tools/vnni_gemm_probe.c, docs/performance.md).

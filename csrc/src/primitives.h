@@ -44,7 +44,7 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
                             const std::optional<mx::array>& mask = std::nullopt,
                             mx::StreamOrDevice s = {});
 
-// Whether quantized_matmul_i16 runs here (AVX-512 F, BW and VNNI at the kernels' ISA level).
+// Whether quantized_matmul_i16 runs here (AVX-512 F, BW, VNNI and VBMI at the kernels' ISA level).
 bool vnni_available();
 
 // x (..., K) @ w.T -> (..., N), w (N, K) float32.
