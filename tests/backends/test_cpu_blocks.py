@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hf_models import add_tokenizer, make_tiny
-from kernel_calls import CountedKernels
+from kernel_calls import CountedKernels, isa_levels
 from safetensors.numpy import load_file, save_file
 
 from mlxinfer import backends
@@ -131,7 +131,7 @@ def test_fused_blocks_give_the_separate_kernels_logits(family, tmp_path, monkeyp
     assert np.abs(out[True] - reference).max() <= bound
     if family == "llama-mixed":  # 4-, 5- and 8-bit products: each instruction-set path too
         try:
-            for level in isa_levels():
+            for level in isa_levels(K):
                 K.set_max_isa(level)
                 for on in (True, False):
                     monkeypatch.setattr(blocks, "ON", on)
@@ -169,12 +169,6 @@ def test_replaced_weights_and_plans_are_seen_at_the_next_step(tmp_path, monkeypa
     monkeypatch.setattr(blocks, "ON", True)
     step_logits(model)
     assert counter.calls == dict.fromkeys(NAMES, 0)
-
-
-def isa_levels() -> list[str]:
-    """Each instruction-set path this CPU has, lowest first (arm64: scalar and neon)."""
-    levels = ["scalar", "neon"] if K.best_isa == "neon" else ["scalar", "avx2", "avx512"]
-    return levels[: levels.index(K.best_isa) + 1]
 
 
 ENGINE_CALLS = ("norm_products", "pool_write", "paged_attention_output", "mlp_output")

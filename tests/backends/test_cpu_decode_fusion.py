@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hf_models import make_tiny, torch_greedy, torch_logits_chunked
-from kernel_calls import CountedKernels
+from kernel_calls import CountedKernels, isa_levels
 
 from mlxinfer.backends import kernels
 from mlxinfer.backends.cpu import compiled, kinds
@@ -104,7 +104,7 @@ def test_cache_write_and_attention_match_their_definition_and_mlx_ops(case):
     assert np.abs(ours[0].ravel() - want).max() <= tol * np.abs(want).max()
     k2, v2 = (mx.array(a).astype(dtype) for a in ours[1:])
     try:  # every instruction-set path (f32 head dims in 16s: attention_simd.h's vectors)
-        for level in isa_levels():
+        for level in isa_levels(K):
             K.set_max_isa(level)
             out = f32(attend(k2, v2))
             assert np.abs(out.ravel() - want).max() <= tol * np.abs(want).max(), level
@@ -152,7 +152,7 @@ def test_gated_kernels_match_their_definitions(shape, act):
     tol = 1e-6 if act == "swiglu" else 3e-6
     runs = {}
     try:
-        for level in isa_levels():
+        for level in isa_levels(K):
             K.set_max_isa(level)
             runs[level] = f32(getattr(K, act)(gate, up))
     finally:
@@ -314,12 +314,6 @@ def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch)
     assert not any(compiled.attention_fits(m) for m in plain.modules())
 
 
-def isa_levels() -> list[str]:
-    """Each instruction-set path this CPU has, lowest first (arm64: scalar and neon)."""
-    levels = ["scalar", "neon"] if K.best_isa == "neon" else ["scalar", "avx2", "avx512"]
-    return levels[: levels.index(K.best_isa) + 1]
-
-
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(
     "shape",
@@ -366,7 +360,7 @@ def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
     nan_args = (q, mx.array(hidden_k).astype(dtype), mx.array(hidden_v).astype(dtype), *args[3:])
     runs = {}
     try:
-        for level in isa_levels():
+        for level in isa_levels(K):
             K.set_max_isa(level)
             runs[level] = f32(K.paged_attention(*args, scale=D**-0.5))
             runs[level + " (NaN hidden)"] = f32(K.paged_attention(*nan_args, scale=D**-0.5))

@@ -10,7 +10,7 @@ one-line errors."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_calls import CountedKernels
+from kernel_calls import CountedKernels, isa_levels
 
 from mlxinfer.backends import kernels
 from mlxinfer.backends.cpu import compiled
@@ -36,11 +36,6 @@ SHAPES = [  # n_q, n_kv, L, T, D, Dv
 ]
 
 
-def isa_levels() -> list[str]:
-    levels = ["scalar", "neon"] if K.best_isa == "neon" else ["scalar", "avx2", "avx512"]
-    return levels[: levels.index(K.best_isa) + 1]
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_prefill_attention_is_mlx_attention(shape):
     n_q, n_kv, L, T, D, Dv = shape
@@ -51,7 +46,7 @@ def test_prefill_attention_is_mlx_attention(shape):
     v = mx.array(rng.normal(size=(1, n_kv, T, Dv)).astype(np.float32))
     k_t = mx.array(np.ascontiguousarray(np.array(k).transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
     try:
-        for level in isa_levels():
+        for level in isa_levels(K):
             K.set_max_isa(level)
             for causal in (True, False):
                 ref = mx.fast.scaled_dot_product_attention(
@@ -77,7 +72,7 @@ def test_masked_rows_are_mlx_attention():
     mask = rng.random((B, 1, L, T)) < 0.6
     mask[..., 0] = True  # every query sees a key (MLX's softmax over none is NaN)
     try:
-        for level in isa_levels():
+        for level in isa_levels(K):
             K.set_max_isa(level)
             for rows in (mx.array(mask), mx.array(mask[:1])):  # per row, or one for all
                 ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=rows)

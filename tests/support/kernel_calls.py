@@ -1,5 +1,6 @@
 """The compiled kernels' module with some of its functions' calls counted (the tests patch
-``kernels.load`` to return one, so the CPU backend calls through it)."""
+``kernels.load`` to return one, so the CPU backend calls through it), and the instruction-set
+levels a CPU has (the tests run each path)."""
 
 
 class CountedKernels:
@@ -18,3 +19,10 @@ class CountedKernels:
 
             return counted
         return attr
+
+
+def isa_levels(module) -> list[str]:
+    """Each instruction-set path this CPU has, lowest first (arm64: scalar and neon), for
+    ``module.set_max_isa``."""
+    levels = ["scalar", "neon"] if module.best_isa == "neon" else ["scalar", "avx2", "avx512"]
+    return levels[: levels.index(module.best_isa) + 1]
