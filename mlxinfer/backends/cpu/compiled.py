@@ -159,14 +159,14 @@ def prefill_attention(q: mx.array, k: Any, v: Any, scale: float, mask: Any) -> m
     queries, float32, head dims multiples of 16, and a causal mask, none, or a boolean one of
     shape (L, T) or (B or 1, 1, L, T) (a window, a batch's rows: every key scored, the mask's
     flags kept); an additive mask (ALiBi) or one per head takes ``ops.attention``."""
+    if q.ndim != 4 or q.shape[2] < 2:  # a decode step (its own kernels): checked first, cheaply
+        return None
     k_ = kernels.load()
     if (
         k_ is None
         or not hasattr(k_, "prefill_attention")
         or not isinstance(k, mx.array)
         or not isinstance(v, mx.array)
-        or q.ndim != 4
-        or q.shape[2] < 2
         or q.dtype != mx.float32
         or k.dtype != mx.float32
         or v.dtype != mx.float32
