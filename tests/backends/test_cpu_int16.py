@@ -164,3 +164,69 @@ def test_a_batch_gives_each_prompt_its_tokens_alone(tmp_path, monkeypatch):
         together = [[s.token for s in h.steps()] for h in handles]
     assert counter.calls["quantized_matmul_i16"] > 0
     assert together == alone
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_tied_heads_decode_rows_take_the_int16_kernel_under_its_plan(bits, tmp_path, monkeypatch):
+    """The ``int16_head`` plan (up to how many rows a quantized tied head's products take the
+    int16 kernel's few-row path): off by default; at 16, every decode step's head product, alone
+    and in the batching engine's steps, is one int16 call, the logits within 1e-3 of the largest of
+    MLX's own quantized path's, and the greedy tokens the same, alone and batched."""
+    from mlxinfer.batch import Engine
+
+    path, _ = make_tiny(
+        tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=True
+    )
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=bits, group_size=32, dtype="float32")
+    monkeypatch.setenv(backends.ENV, "0")  # MLX's own layers and quantized_matmul
+    plain, _ = load_model(tmp_path / "q")
+    monkeypatch.delenv(backends.ENV)
+    prompts = [[(3 + 17 * i + 5 * n) % 256 for i in range(n)] for n in (9, 23, 14)]
+    reference = [np.array(plain(mx.array([p]))[0, -1]) for p in prompts]
+    tokens = [[t for t, _ in generate_step(p, plain, max_tokens=6)] for p in prompts]
+    counter = CountedKernels(K, ("quantized_matmul_i16",))
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    assert kinds.int16_heads(model) == [model.head]
+    assert model.head.cpu_int16_head_rows == 0  # the default: never
+    generate_step(prompts[0], model, max_tokens=2)
+    assert counter.calls["quantized_matmul_i16"] == 0
+    kinds.set_plan(model, "int16_head", 16)
+    for p, ref in zip(prompts, reference):
+        logits = np.array(model(mx.array([p]))[0, -1])  # int16_rows off: the head's row alone
+        assert np.abs(logits - ref).max() <= 1e-3 * np.abs(ref).max()
+    counter.calls["quantized_matmul_i16"] = 0
+    alone = [[t for t, _ in generate_step(p, model, max_tokens=6)] for p in prompts]
+    assert alone == tokens
+    assert counter.calls["quantized_matmul_i16"] >= 3 * 5  # each decode step's head
+    with Engine(model, max_batch=4, prefill_step=64) as engine:
+        handles = [engine.submit(p, max_tokens=6) for p in prompts]
+        together = [[s.token for s in h.steps()] for h in handles]
+    assert together == tokens
+
+
+def test_the_int16_head_plan_is_the_most_rows_it_wins_at(tmp_path, monkeypatch):
+    """``measure_int16_head`` times the head at 1, 2, 4, 8 and 16 rows and stops at the first
+    count where the int16 kernel does not win: the plan is the last count it won at (0: none)."""
+    from mlxinfer.backends.cpu import choices
+
+    path, _ = make_tiny(tmp_path / "hf", model_type="llama", tie_word_embeddings=True)
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=8, group_size=32, dtype="float32")
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    for wins_up_to, expected in ((4, 4), (0, 0), (16, 16)):
+        timed = []
+
+        def pick(options, time_option, rounds, wins_up_to=wins_up_to, timed=timed):
+            rows = len(timed) + 1
+            timed.append(rows)
+            won = choices.INT16_HEAD_TRIED[rows - 1] <= wins_up_to
+            return ("int16" if won else "float"), {o: time_option(o) for o in options}
+
+        monkeypatch.setattr(choices, "pick", pick)
+        most, seconds = choices.measure_int16_head(model)
+        assert most == expected
+        assert sorted(seconds) == list(choices.INT16_HEAD_TRIED[: len(timed)])

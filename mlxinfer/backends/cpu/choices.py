@@ -13,12 +13,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import layers as model_layers
-from . import compiled, ops, quantized
+from . import compiled, ops, parallel, quantized
 from .kinds import (
     NEVER,
     attention_layers,
     exponential_users,
     float_products,
+    int16_heads,
     int16_linears,
     quantized_linears,
 )
@@ -39,6 +40,8 @@ DEQUANTIZE_ROWS_TRIED = (2, 4, 8, 16, 32, 64)
 # Rows tried for int16_rows: on the AMD EPYC VM the int16 product won from 32 rows (1.7-2.8x at
 # 127 rows, against the several-row kernel and the dequantized BLAS product alike).
 INT16_ROWS_TRIED = (8, 16, 32, 64, 128)
+# Rows tried for int16_head: a decode step's (1) and the batching engine's (its rows a step).
+INT16_HEAD_TRIED = (1, 2, 4, 8, 16)
 SMALL_TRIED = tuple(1 << n for n in range(12, 20))  # elements tried for small
 # Query rows tried for dequantized_attention, over a cache of DEQUANTIZED_KEYS 8-bit keys.
 DEQUANTIZED_ROWS_TRIED = (2, 4, 8, 16, 32)
@@ -159,6 +162,47 @@ def measure_int16_rows(model: nn.Module) -> tuple[int, dict]:
 
     threshold, seconds = crossover(INT16_ROWS_TRIED, timer, NEVER, 1)
     return threshold, {r: {"float": a, "int16": b} for r, (a, b) in seconds.items()}
+
+
+def measure_int16_head(model: nn.Module) -> tuple[int, dict]:
+    """The most rows up to which a quantized tied LM head's few-row products (decode) are faster
+    through the int16 kernel (``compiled.int16_product``, its few-row path) than through the
+    product they replace (``parallel.quantized_product``), timed on the head alone at each of
+    ``INT16_HEAD_TRIED`` while it wins; 0 if it loses at one row."""
+    head = getattr(model, "head", None)
+    if head is None or head not in int16_heads(model):
+        return 0, {}
+    dtype = compute_dtype(head)
+    seconds: dict = {}
+    most = 0
+    for rows in INT16_HEAD_TRIED:
+        x = mx.random.normal((1, rows, head["scales"].shape[-1] * head.group_size)).astype(dtype)
+        mx.eval(x)
+        forms = {
+            "float": lambda x=x: parallel.quantized_product(x, head),
+            "int16": lambda x=x: compiled.int16_product(x, head),
+        }
+        mx.eval(forms["float"]())  # warm-up
+        reps = max(2, min(20, int(CROSSOVER_RUN_S / max(_seconds(forms["float"]), 1e-6))))
+
+        def time_option(option, reps=reps, forms=forms):
+            start = time.perf_counter()
+            for _ in range(reps):
+                mx.eval(forms[option]())
+            return (time.perf_counter() - start) / reps
+
+        form, fastest = pick(("float", "int16"), time_option, CROSSOVER_ROUNDS)
+        seconds[rows] = fastest
+        if form != "int16":
+            break
+        most = rows
+    return most, seconds
+
+
+def _seconds(run) -> float:
+    start = time.perf_counter()
+    mx.eval(run())
+    return time.perf_counter() - start
 
 
 def measure_small(model: nn.Module) -> tuple[int, dict]:

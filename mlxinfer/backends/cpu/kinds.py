@@ -136,6 +136,14 @@ def int16_linears(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def int16_heads(model: nn.Module) -> list[nn.Module]:
+    """A quantized tied LM head whose few-row products (decode) the int16 kernel can take."""
+    head = getattr(model, "head", None)
+    if isinstance(head, layers.CPUTiedHead) and "scales" in head and compiled.int16_fits(head):
+        return [head]
+    return []
+
+
 def exponential_users(model: nn.Module) -> list[nn.Module]:
     """The layers that choose between MLX's ops and the fast exponential (``ops.SMALL``)."""
     kinds = (model_layers.Attention, model_layers.GatedMLP)
@@ -167,6 +175,8 @@ THRESHOLDS = {
     "long_keys": (attention_layers, "cpu_long_keys", ops.DECODE_LONG_KEYS),
     "dequantize_rows": (quantized_linears, "MIN_ROWS", quantized.CPUQuantizedLinear.MIN_ROWS),
     "int16_rows": (int16_linears, "cpu_int16_rows", quantized.INT16_NEVER),
+    # (up to how many rows, not from how many: 0 never)
+    "int16_head": (int16_heads, "cpu_int16_head_rows", 0),
     "small": (exponential_users, "cpu_small", ops.SMALL),
     "dequantized_attention": (
         attention_layers,

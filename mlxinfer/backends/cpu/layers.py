@@ -198,14 +198,18 @@ class CPUTiedHead:
     """A token embedding used as the LM head: float rows in blocks on the worker streams
     (``parallel.project``); a quantized one by parts; either as one compiled-kernel call where
     its plan says ``kernel`` (``compiled``); a quantized one's many rows (a prompt's positions,
-    ``perplexity``) through the int16 kernel from the ``int16_rows`` plan's rows."""
+    ``perplexity``) through the int16 kernel from the ``int16_rows`` plan's rows, and its few
+    rows (decode) up to the ``int16_head`` plan's."""
 
     cpu_int16_rows = quantized.INT16_NEVER  # set by the ``int16_rows`` plan (``kinds``)
+    cpu_int16_head_rows = 0  # up to this many rows, the int16 kernel (the ``int16_head`` plan)
 
     def as_linear(self, x: mx.array) -> mx.array:
         if "scales" not in self:
             return parallel.project(x, self)
         rows = x.size // x.shape[-1]
+        if rows <= self.cpu_int16_head_rows and compiled.int16_fits(self):  # decode's rows
+            return compiled.int16_product(x, self)
         if rows >= self.cpu_int16_rows and compiled.int16_fits(self):  # a prompt's positions
             return compiled.int16_product(x, self)
         if rows <= parallel.CPULinear.MAX_ROWS and self["weight"].shape[0] >= 128:

@@ -40,6 +40,10 @@ keeping an option only if it beats the plainer one by 3%:
   layer's product takes the int16 kernel (``compiled.int16_product``: x rounded to int16 per
   block of 32 inputs, no dequantized weight) instead of the product ``dequantize_rows`` gives it,
   timed on the model's largest quantized layer alone; never where it does not run;
+- ``int16_head`` (the same): up to how many rows (0: none) a quantized tied LM head's few-row
+  products (decode, the batching engine's steps) take the int16 kernel's few-row path (each
+  output row's codes against x's int16 blocks, the next rows' lines prefetched) instead of the
+  quantized kernel, timed on the head alone at 1, 2, 4, 8 and 16 rows while it wins;
 - ``dequantized_attention``: from how many queries attention over a quantized KV cache
   (``--kv-bits``) dequantizes it instead of multiplying it packed, timed on the model's
   attention shapes alone;
@@ -136,8 +140,9 @@ ENV = "MLXINFER_CPU_PLANS"
 # kernel's several-row AVX-512 loop changed, which moves dequantize_rows' crossover; 18: one
 # row of 8-bit codes (a tied head) got 1.7x faster on x86, which the kernel-or-not choices time;
 # 19: the dequantized product's weight comes from the kernels' dequantize, 4-7x faster, which
-# moves dequantize_rows' crossover down; 20: int16_rows, the int16 product with AVX-512 VNNI)
-VERSION = 20
+# moves dequantize_rows' crossover down; 20: int16_rows, the int16 product with AVX-512 VNNI;
+# 21: int16_head, a tied head's decode rows through the int16 kernel)
+VERSION = 21
 
 
 def cache_key(model: nn.Module) -> str:
