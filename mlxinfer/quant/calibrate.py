@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import backends
 from ..models.layers.mla import PerHeadLinear
 from ..models.layers.moe import SwitchLinear
 
@@ -254,6 +255,12 @@ def collect_importance(
     return stats.sums, stats.counts
 
 
+def kl_rows(probs: mx.array, ref: mx.array, logp: mx.array) -> mx.array:
+    """KL(reference || model) per row: ``sum_v p (log p - log q)`` from the reference's
+    probabilities ``probs`` (its ``exp``, made once), its log-probs and the model's."""
+    return (probs * (ref - logp)).sum(axis=-1)
+
+
 class Probe:
     """The float model's log-probs on ``sequences``, to measure ``KL(float || changed)``.
 
@@ -274,7 +281,8 @@ class Probe:
         self.sequence = 0
         with self._blocks("record"):
             self.reference = [self._logp(x) for x in self.inputs]
-        mx.eval(self.reference, self.kept)
+        self.probs = [mx.exp(r) for r in self.reference]
+        mx.eval(self.reference, self.probs, self.kept)
 
     @contextmanager
     def _blocks(self, mode: str) -> Iterator[None]:
@@ -291,8 +299,7 @@ class Probe:
             yield
 
     def _logp(self, x: mx.array) -> mx.array:
-        logits = self.model(x)[0, :, : self.vocab].astype(mx.float32)  # (L, V)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return backends.log_probs(self.model(x)[0, :, : self.vocab].astype(mx.float32))  # (L, V)
 
     def kl(self, first_block: int = 0) -> float:
         """Mean KL divergence per token of the model as it is now from the reference, with
@@ -300,10 +307,9 @@ class Probe:
         total, n = 0.0, 0
         self.replay_below = first_block
         with self._blocks("replay"):
-            for k, (x, ref) in enumerate(zip(self.inputs, self.reference)):
+            for k, (x, ref, probs) in enumerate(zip(self.inputs, self.reference, self.probs)):
                 self.sequence = k
-                logp = self._logp(x)
-                kld = (mx.exp(ref) * (ref - logp)).sum(axis=-1)
+                kld = kl_rows(probs, ref, self._logp(x))
                 total += float(kld.sum())
                 n += kld.size
         return total / max(n, 1)

@@ -37,7 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .calibrate import BlockCall, Statistics, _Recorder, _recording, hooked_blocks
+from .. import backends
+from .calibrate import BlockCall, Statistics, _Recorder, _recording, hooked_blocks, kl_rows
 from .plan import Setting, Tensor, fake_quantized, measure_errors, probe_settings, set_alpha
 
 Progress = Callable[[str, int, int], None]
@@ -149,6 +150,7 @@ class StreamProbe:
         self.embedding = getattr(model, "embedding", None)
         self.head = getattr(model, "head", None)
         self.reference: list[mx.array] | None = None  # (rows, V) float32 log-probs per chunk
+        self.probs: list[mx.array] = []  # their exp, made once
 
     def place(self, t: Tensor) -> int:
         """The block ``t`` is in; -1: the input embedding (tied or not); n_blocks: the head."""
@@ -188,14 +190,14 @@ class StreamProbe:
 
             with _blocks(self.model, call):
                 logits = self.model(self.x)[0, :, : self.vocab].astype(mx.float32)  # (rows, V)
-            yield logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            yield backends.log_probs(logits)  # the CPU's kernel: MLX's exp does not vectorise
 
     def _kl(self, h: mx.array) -> float:
         """Mean KL per token of the model's output from ``h`` from the reference's."""
         assert self.reference is not None
         total, n = 0.0, 0
-        for ref, logp in zip(self.reference, self._logps(h)):
-            kld = (mx.exp(ref) * (ref - logp)).sum(axis=-1)
+        for ref, probs, logp in zip(self.reference, self.probs, self._logps(h)):
+            kld = kl_rows(probs, ref, logp)
             total += float(kld.sum())
             n += kld.size
         return total / max(n, 1)
@@ -277,7 +279,8 @@ class StreamProbe:
                 variants += [_Variant(t, s, self._input(t, s)) for s in probe_settings(t)]
             last = self._drive(call)
             self.reference = list(self._logps(last))
-            mx.eval(self.reference)
+            self.probs = [mx.exp(r) for r in self.reference]
+            mx.eval(self.reference, self.probs)
             for t in by_block.get(self.n_blocks, []):  # an untied head: the reference state
                 variants += [_Variant(t, s, last) for s in probe_settings(t)]
             kls: dict[str, dict[Setting, float]] = {}
