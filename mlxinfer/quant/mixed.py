@@ -19,15 +19,18 @@ the same figures up to the order of float sums.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .. import backends
 from ..errors import ConfigError
 from ..models.base import embedding_rows
 from . import layerwise
@@ -102,7 +105,7 @@ class Plan:
         return ", ".join(parts)
 
 
-def plan_model(
+def _plan_model(
     model: nn.Module,
     token_lists: Sequence[Sequence[int]],
     *,
@@ -237,6 +240,14 @@ def plan_model(
         costs={t.path: _costs_of(t) for t in tensors if t.errors},
         covariances=covariances,
     )
+
+
+@functools.wraps(_plan_model)
+def plan_model(model: nn.Module, *args: Any, **kwargs: Any) -> Plan:
+    # The passes run with the backend's math (``backends.planning_layers``: on the CPU its
+    # kernels for a prompt's attention, norms and activations, 2.4x MLX's ops a block).
+    with backends.planning_layers(model):
+        return _plan_model(model, *args, **kwargs)
 
 
 def _sizes(model: nn.Module) -> tuple[int, int, int]:

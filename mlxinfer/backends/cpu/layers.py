@@ -9,6 +9,8 @@ model's classes run as written, on ``mx.fast``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -286,6 +288,31 @@ def with_mixin(module: nn.Module, mixin: type) -> None:
             f"{mixin.__name__}[{cls.__name__}]", (mixin, cls), {"__module__": __name__}
         )
     module.__class__ = combined
+
+
+@contextmanager
+def math_layers(model: nn.Module) -> Iterator[None]:
+    """The model's norms, RoPE, attention and gated MLPs as :data:`MIXINS`' CPU versions (a
+    prompt's attention as one kernel call, SwiGLU and GELU through the fast exponential, the
+    norm's kernel) for what runs inside, their classes restored after. Only the math: no weight
+    changes layout (no stacked siblings, transposed halves or Linear swaps), so a pass that swaps
+    a layer's ``weight`` (a quantization plan's probes) sees each swap. Gemma's ``1 + w`` is
+    formed per call (no :meth:`CPUOffsetNorm.keep_one_plus`)."""
+    changed = []
+    for _, module in model.named_modules():
+        cls = type(module)
+        for base, mixin in MIXINS:
+            if isinstance(module, base):
+                with_mixin(module, mixin)
+        if type(module) is not cls:
+            changed.append((module, cls))
+    try:
+        yield
+    finally:
+        for module, cls in changed:
+            module.__class__ = cls
+            for key in [k for k in module.__dict__ if k.startswith("_cpu_")]:
+                del module.__dict__[key]
 
 
 def swap_layers(model: nn.Module) -> int:
