@@ -118,6 +118,13 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "+ i + 1 keys (as mx.fast.scaled_dot_product_attention's 'causal'); or mask, a bool (B or "
       "1, 1, L, T) array of the keys each query sees (a batch's rows); each query position the "
       "decode path's vector attention over the keys it sees.");
+  m.def("set_int16_decode_rows", &mlxinfer::set_int16_decode_rows, "rows"_a,
+        "Up to how many rows of x (0: none, the default; at most 4) every quantized product of "
+        "affine codes (quantized_matvec and the fused blocks' products) rounds x to int16 per "
+        "block of 32 and runs the int16 product's few-row path, where vnni_available(); "
+        "process-wide.");
+  m.def("int16_decode_rows", &mlxinfer::int16_decode_rows,
+        "What set_int16_decode_rows last set (0 at import).");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");

@@ -25,6 +25,7 @@
 #include "primitives.h"
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -516,10 +517,71 @@ void QuantizedMatmulI16::eval_cpu(const std::vector<mx::array>& inputs, mx::arra
   });
 }
 
+std::atomic<int> g_int16_decode_rows{0};
+
 } // namespace
 
 bool vnni_available() {
   return g_vnni && current_isa() == kAvx512;
+}
+
+void set_int16_decode_rows(int rows) {
+  g_int16_decode_rows.store(std::clamp(rows, 0, kFewRows), std::memory_order_relaxed);
+}
+
+int int16_decode_rows() {
+  return g_int16_decode_rows.load(std::memory_order_relaxed);
+}
+
+bool int16_decode(const float* x, int M, const mx::array& w, const mx::array& sc,
+                  const mx::array& bi, int gs, int bits, int mode, float* y) {
+#if defined(MLXINFER_X86)
+  if (M < 1 || M > int16_decode_rows() || mode != kAffine || !vnni_available() ||
+      !(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) ||
+      !(gs == 32 || gs == 64 || gs == 128)) {
+    return false;
+  }
+  Problem p;
+  p.N = w.shape(0);
+  p.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / bits);
+  p.M = M;
+  p.gs = gs;
+  p.bits = bits;
+  if (p.K % gs != 0 || p.N == 0) {
+    return false;
+  }
+  std::vector<float> sf, bf;
+  const bool in_place = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
+      bi.dtype() == mx::float32 && bi.flags().row_contiguous;
+  if (!in_place) {
+    sf.resize(sc.size());
+    bf.resize(bi.size());
+    to_f32(sc, sf.data());
+    to_f32(bi, bf.data());
+  }
+  std::vector<uint32_t> wcopy;
+  p.x = x;
+  p.w = contiguous_words(w, wcopy);
+  p.scales = in_place ? sc.data<float>() : sf.data();
+  p.biases = in_place ? bi.data<float>() : bf.data();
+  const int blocks = p.K / kBlock, G = p.K / gs;
+  aligned_vector<int16_t> xq(static_cast<size_t>(M) * p.K);
+  std::vector<float> xscale(static_cast<size_t>(M) * blocks), xsum(static_cast<size_t>(M) * G);
+  for (int m = 0; m < M; ++m) {
+    prepare_row(p, m, xq.data() + static_cast<size_t>(m) * p.K,
+                xscale.data() + static_cast<size_t>(m) * blocks,
+                xsum.data() + static_cast<size_t>(m) * G);
+  }
+  p.xq = xq.data();
+  p.xscale = xscale.data();
+  p.xsum = xsum.data();
+  p.y = y;
+  run_few(p);
+  return true;
+#else
+  (void)x, (void)M, (void)w, (void)sc, (void)bi, (void)gs, (void)bits, (void)mode, (void)y;
+  return false;
+#endif
 }
 
 mx::array quantized_matmul_i16(

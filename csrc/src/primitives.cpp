@@ -173,6 +173,9 @@ void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void quantized_matvec_f32(const float* x, int M, const mx::array& w, const mx::array& sc,
                           const mx::array& bi, int gs, int bits, int mode, float* y) {
+  if (int16_decode_rows() > 0 && int16_decode(x, M, w, sc, bi, gs, bits, mode, y)) {
+    return;
+  }
   QmvProblem p;
   p.mode = mode;
   p.N = w.shape(0);

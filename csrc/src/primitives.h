@@ -46,6 +46,15 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
 
 // Whether quantized_matmul_i16 runs here (AVX-512 F, BW, VNNI and VBMI at the kernels' ISA level).
 bool vnni_available();
+// Up to how many rows of x (0: none; at most 4) the quantized products of affine codes
+// (quantized_matvec_f32: the quantized_matvec op and the fused blocks' products) take the int16
+// product's few-row path where vnni_available(): x rounded to int16 per block of 32 inputs, as
+// quantized_matmul_i16. Process-wide, like the kernels' threads; set by the ``int16_decode`` plan.
+void set_int16_decode_rows(int rows);
+int int16_decode_rows();
+// That path for one product: false where it does not apply (the caller runs the float kernel).
+bool int16_decode(const float* x, int M, const mx::array& w, const mx::array& sc,
+                  const mx::array& bi, int gs, int bits, int mode, float* y);
 
 // x (..., K) @ w.T -> (..., N), w (N, K) float32.
 mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});

@@ -230,3 +230,66 @@ def test_the_int16_head_plan_is_the_most_rows_it_wins_at(tmp_path, monkeypatch):
         most, seconds = choices.measure_int16_head(model)
         assert most == expected
         assert sorted(seconds) == list(choices.INT16_HEAD_TRIED[: len(timed)])
+
+
+@pytest.fixture
+def int16_decode_off():
+    yield
+    K.set_int16_decode_rows(0)  # process-wide: never left on for later tests
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_few_row_quantized_products_take_the_int16_path_when_set(bits, int16_decode_off):
+    """``K.set_int16_decode_rows(4)``: the quantized kernel's products of up to 4 rows (decode's,
+    the blocks' kernels' too) are the int16 product's, within its rounding bound and not the
+    float32 kernel's bits; 5 rows, or the setting back at 0, are the float kernel's again."""
+    rng = np.random.default_rng(bits)
+    w = mx.array(rng.normal(size=(96, 640)).astype(np.float32) * 0.05)
+    q, s, b = mx.quantize(w, group_size=32, bits=bits)
+    for M in (1, 3, 4, 5):
+        x = rng.normal(size=(M, 640)).astype(np.float32)
+        float_y = np.array(K.quantized_matvec(mx.array(x), q, s, b, 32, bits))
+        K.set_int16_decode_rows(4)
+        assert K.int16_decode_rows() == 4
+        y = np.array(K.quantized_matvec(mx.array(x), q, s, b, 32, bits))
+        K.set_int16_decode_rows(0)
+        if M == 5:
+            assert (y == float_y).all()
+            continue
+        exact, bound = definition(x, q, s, b, 32, bits)
+        assert (np.abs(y - exact) <= bound).all(), (M, np.abs(y - exact).max())
+        assert (y != float_y).any()  # the other path's rounding: it ran
+        assert (np.array(K.quantized_matvec(mx.array(x), q, s, b, 32, bits)) == float_y).all()
+
+
+def test_the_int16_decode_plan_gives_mlxs_logits_and_tokens(
+    tmp_path, monkeypatch, int16_decode_off
+):
+    """A tiny 5-bit Llama decoding under the ``int16_decode`` plan (every product of the blocks'
+    kernels and the head with x in int16): each step's logits within 1e-3 of the largest of MLX's
+    own quantized path's, the greedy tokens the same; ``float`` (the default) sets it off."""
+    path, _ = make_tiny(
+        tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=True
+    )
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=5, group_size=32, dtype="float32")
+    monkeypatch.setenv(backends.ENV, "0")
+    plain, _ = load_model(tmp_path / "q")
+    monkeypatch.delenv(backends.ENV)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    assert cpu_plans.current(model)["int16_decode"] == "float" and K.int16_decode_rows() == 0
+    kinds.set_plan(model, "int16_decode", "int16")
+    assert K.int16_decode_rows() == 4
+    for p in ([(7 + 13 * i) % 256 for i in range(11)], IDS[:25]):
+        cache, plain_cache = model.make_cache(), plain.make_cache()
+        model(mx.array([p[:-1]]), cache=cache)
+        plain(mx.array([p[:-1]]), cache=plain_cache)
+        for token in p[-1:] + [3, 90, 17]:  # decode steps: one row each
+            got = np.array(model(mx.array([[token]]), cache=cache)[0, -1])
+            want = np.array(plain(mx.array([[token]]), cache=plain_cache)[0, -1])
+            assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+        tokens = [t for t, _ in generate_step(p, plain, max_tokens=8)]
+        assert [t for t, _ in generate_step(p, model, max_tokens=8)] == tokens
+    kinds.set_plan(model, "int16_decode", "float")
+    assert K.int16_decode_rows() == 0

@@ -388,6 +388,30 @@ def set_threads(option: str) -> None:
         k.set_num_threads(1 if option == "one" else 0)
 
 
+def int16_decode_fits(model: nn.Module) -> bool:
+    """Whether the ``int16_decode`` plan acts on ``model``: the kernels' few-row int16 path is
+    built and runs here (AVX-512 VNNI and VBMI), and some layer's products are affine codes it
+    takes."""
+    k = kernels.load()
+    if k is None or not hasattr(k, "set_int16_decode_rows") or not k.vnni_available():
+        return False
+    return any(
+        "scales" in m and quantized_fits(m) and getattr(m, "mode", "affine") == "affine"
+        for m in model.modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    )
+
+
+def set_int16_decode(on: bool) -> None:
+    """The ``int16_decode`` plan: every quantized product of up to 4 rows of affine codes (the
+    blocks' kernels' and the layers') rounds x to int16 per block of 32 and runs the int16
+    product's few-row path (``K.set_int16_decode_rows``), or none does. Process-wide, like the
+    kernels' threads: the last model loaded sets it."""
+    k = kernels.load()
+    if k is not None and hasattr(k, "set_int16_decode_rows"):
+        k.set_int16_decode_rows(4 if on else 0)
+
+
 def key() -> list | None:
     """What the plans cache is keyed on about the kernels: None without them, else the
     instruction set, the usable CPUs and the MLX they were built for."""

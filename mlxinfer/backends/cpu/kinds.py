@@ -25,6 +25,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "matvec": ("blas", "kernel"),  # the blocks' float Linears: MLX's matmul, or the kernel
     "kernel_threads": ("all", "one"),  # the kernels' pool: every usable CPU, or one thread
     "decode": ("ops", "kernel"),  # decode's norms, attention, SwiGLU: MLX's ops, or fused kernels
+    "int16_decode": ("float", "int16"),  # few-row quantized products: float32, or x in int16
 }
 MOST_PARALLEL = {  # MLXINFER_CPU_PLANS=on: the two-stream plans, MLX's ops (no kernels)
     "cut": "two",
@@ -35,6 +36,7 @@ MOST_PARALLEL = {  # MLXINFER_CPU_PLANS=on: the two-stream plans, MLX's ops (no 
     "matvec": "blas",
     "kernel_threads": "all",
     "decode": "ops",
+    "int16_decode": "float",
 }
 KERNELS = {  # MLXINFER_CPU_PLANS=kernels: every kernel plan (the rest as ``on``)
     **MOST_PARALLEL,
@@ -90,6 +92,8 @@ def plan_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
             kernel_fits(kind, m) for kind in ("head", "quantized") for m in found[kind]
         ):
             found["kernel_threads"] = [model]  # the pool is the process's, not a layer's
+        if compiled.int16_decode_fits(model):
+            found["int16_decode"] = [model]  # the kernels' setting, as their threads
     return found
 
 
@@ -211,6 +215,9 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
                 continue
             if kind == "kernel_threads":
                 compiled.set_threads(option)
+                continue
+            if kind == "int16_decode":
+                compiled.set_int16_decode(option == "int16")
                 continue
             if kind == "decode":
                 object.__setattr__(layer, "cpu_decode_kernel", option == "kernel")
