@@ -347,6 +347,37 @@ def test_the_plan_timing_keeps_the_kernel_only_where_it_wins(tiny, counting, mon
     assert "not timed" in cpu_plans.describe(entry)
 
 
+def test_a_fuse_tie_keeps_stacked_siblings_where_the_kernels_run(tiny, counting, monkeypatch):
+    """Where a kernel option was chosen, ``fuse`` is timed with ``fused`` (the static default)
+    first: a tie keeps it, and ``separate`` must be 3 % faster to replace it."""
+    model, _ = load_model(tiny("llama-tied")[0])
+    found = cpu_plans.plan_layers(model)
+    assert found["fuse"] and found["matvec"]
+
+    def step_for(separate_factor):
+        class Step:
+            scale, layers = 1.0, [None] * LAYERS
+
+            def __init__(self, model, timed=None):
+                self.timed = timed
+
+            def blocks_seconds(self, steps=1):
+                t = 0.004 * (0.5 if found["matvec"][0].cpu_plan.kernel else 1.0)
+                return t if found["fuse"][0].cpu_fused[0].on else t * separate_factor
+
+            def head_seconds(self, steps=1):
+                return 0.0005
+
+        return Step
+
+    for name in ("long_keys", "small", "dequantized_attention", "pad_rows"):
+        monkeypatch.setattr(timing, f"measure_{name}", lambda m: (4, {}))
+    for factor, expected in ((1.0, "fused"), (0.99, "fused"), (0.95, "separate")):
+        monkeypatch.setattr(timing, "DecodeStep", step_for(factor))
+        plans = timing.measure(model)["plans"]
+        assert (plans["matvec"], plans["fuse"]) == ("kernel", expected), factor
+
+
 def test_the_plans_name_the_kernels_and_the_cache_key_knows_them(tiny, monkeypatch):
     assert cpu_plans.forced_plans("quantized=kernel,matvec=kernel,kernel_threads=one") == {
         "quantized": "kernel",
