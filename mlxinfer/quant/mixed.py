@@ -41,12 +41,11 @@ from .plan import (
     apply_overrides,
     budget_from_bpw,
     check_fits,
-    choose,
+    choose_with_head,
     fake_quantized,
     measure,
     parse_overrides,
     plan_bytes,
-    protect_head,
     quantizable,
     recipe_settings,
 )
@@ -212,9 +211,8 @@ def _plan_model(
                 measure(tensors, means.get, lambda t, s: _kl_with(p, t, s), progress=progress)
         else:
             _reuse(tensors, costs)
-        floor = protect_head(tensors, budget)
+        settings, floor = choose_with_head(tensors, budget)
         say(f"plan: head at {floor or 'any'} bits or more, {budget} bytes for the planned tensors")
-        settings = choose(tensors, budget)
         predicted = sum(t.cost(settings[t.path]) for t in tensors if t.fixed is None)
     measured = None
     if stream is not None:

@@ -262,6 +262,32 @@ def test_the_head_never_goes_below_four_bits_unless_nothing_else_fits():
     assert min(s.bits for s in h.candidates) == 2
 
 
+def test_the_heads_floor_yields_only_where_it_doubles_the_predicted_kl():
+    """``choose_with_head``: the head kept at 4 bits or more, unless that plan's predicted KL (the
+    summed measured costs) is twice the one without the floor or more; then the plan without it,
+    and the head's candidates all kept. 64,000 weights each, group 64 (16-bit scale and bias):
+    2-bit 20,000 bytes, 3-bit 28,000, 4-bit 36,000, 8-bit 68,000."""
+    from mlxinfer.quant.plan import choose_with_head
+
+    s2, s3, s4, s8 = (Setting(b, 64) for b in (2, 3, 4, 8))
+
+    def plan(head3_cost):
+        h = Tensor("lm_head", _Weight(64_000), "head", [s2, s3, s4])
+        h.errors, h.alpha = {s2: 5.0, s3: head3_cost, s4: 0.05}, 1.0
+        block = _tensor("block", 64_000, {s2: 1.0, s8: 0.0})
+        # 96,100 bytes (the knapsack rounds sizes up to its units): without the floor the
+        # 3-bit head and the 8-bit block (96,000; cost head3_cost); with it the 4-bit head
+        # leaves the block 2 bits (36,000 + 20,000; cost 1.05)
+        return h, choose_with_head([h, block], 96_100)
+
+    h, (settings, floor) = plan(0.5)  # 1.05 >= 2 x 0.5: the floor yields
+    assert floor is None and settings == {"lm_head": s3, "block": s8}
+    assert h.candidates == [s2, s3, s4]  # all kept
+    h, (settings, floor) = plan(0.6)  # 1.05 < 2 x 0.6: kept
+    assert floor == 4 and settings == {"lm_head": s4, "block": s2}
+    assert min(s.bits for s in h.candidates) == 4
+
+
 def test_bad_plan_input_is_one_line_and_writes_nothing(tiny):
     f32, out = tiny / "f32", tiny / "never"
     (tiny / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
