@@ -426,6 +426,42 @@ void run(const Problem& p) {
   });
 }
 
+// What a product reads besides x: the codes (contiguous), the scales and biases as f32 (read in
+// place where they are f32 and contiguous: a 262k-row head's are 42 MB; else converted), and x's
+// rows as int16 blocks with their scales and group sums. p.N, K, M, gs, bits and x are set.
+struct Operands {
+  std::vector<float> sf, bf;
+  std::vector<uint32_t> wcopy;
+  aligned_vector<int16_t> xq;
+  std::vector<float> xscale, xsum;
+
+  void prepare(Problem& p, const mx::array& w, const mx::array& sc, const mx::array& bi) {
+    const bool in_place = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
+        bi.dtype() == mx::float32 && bi.flags().row_contiguous;
+    if (!in_place) {
+      sf.resize(sc.size());
+      bf.resize(bi.size());
+      to_f32(sc, sf.data());
+      to_f32(bi, bf.data());
+    }
+    p.w = contiguous_words(w, wcopy);
+    p.scales = in_place ? sc.data<float>() : sf.data();
+    p.biases = in_place ? bi.data<float>() : bf.data();
+    const int blocks = p.K / kBlock, G = p.K / p.gs;
+    xq.resize(static_cast<size_t>(p.M) * p.K);
+    xscale.resize(static_cast<size_t>(p.M) * blocks);
+    xsum.resize(static_cast<size_t>(p.M) * G);
+    for (int m = 0; m < p.M; ++m) {
+      prepare_row(p, m, xq.data() + static_cast<size_t>(m) * p.K,
+                  xscale.data() + static_cast<size_t>(m) * blocks,
+                  xsum.data() + static_cast<size_t>(m) * G);
+    }
+    p.xq = xq.data();
+    p.xscale = xscale.data();
+    p.xsum = xsum.data();
+  }
+};
+
 #endif // MLXINFER_X86
 
 class QuantizedMatmulI16 : public mx::UnaryPrimitive {
@@ -477,33 +513,9 @@ void QuantizedMatmulI16::eval_cpu(const std::vector<mx::array>& inputs, mx::arra
     }
     aligned_vector<float> xf(x.size());
     to_f32(x, xf.data());
-    // f32 contiguous scales and biases are read in place (a 262k-row head's are 42 MB); others
-    // converted.
-    std::vector<float> sf, bf;
-    const bool in_place = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
-        bi.dtype() == mx::float32 && bi.flags().row_contiguous;
-    if (!in_place) {
-      sf.resize(sc.size());
-      bf.resize(bi.size());
-      to_f32(sc, sf.data());
-      to_f32(bi, bf.data());
-    }
-    std::vector<uint32_t> wcopy;
     p.x = xf.data();
-    p.w = contiguous_words(w, wcopy);
-    p.scales = in_place ? sc.data<float>() : sf.data();
-    p.biases = in_place ? bi.data<float>() : bf.data();
-    const int blocks = p.K / kBlock, G = p.K / gs;
-    aligned_vector<int16_t> xq(static_cast<size_t>(p.M) * p.K);
-    std::vector<float> xscale(static_cast<size_t>(p.M) * blocks), xsum(static_cast<size_t>(p.M) * G);
-    for (int m = 0; m < p.M; ++m) {
-      prepare_row(p, m, xq.data() + static_cast<size_t>(m) * p.K,
-                  xscale.data() + static_cast<size_t>(m) * blocks,
-                  xsum.data() + static_cast<size_t>(m) * G);
-    }
-    p.xq = xq.data();
-    p.xscale = xscale.data();
-    p.xsum = xsum.data();
+    Operands operands;
+    operands.prepare(p, w, sc, bi);
     const bool direct = out.dtype() == mx::float32;
     std::vector<float> yf(direct ? 0 : out.size());
     p.y = direct ? out.data<float>() : yf.data();
@@ -550,31 +562,9 @@ bool int16_decode(const float* x, int M, const mx::array& w, const mx::array& sc
   if (p.K % gs != 0 || p.N == 0) {
     return false;
   }
-  std::vector<float> sf, bf;
-  const bool in_place = sc.dtype() == mx::float32 && sc.flags().row_contiguous &&
-      bi.dtype() == mx::float32 && bi.flags().row_contiguous;
-  if (!in_place) {
-    sf.resize(sc.size());
-    bf.resize(bi.size());
-    to_f32(sc, sf.data());
-    to_f32(bi, bf.data());
-  }
-  std::vector<uint32_t> wcopy;
   p.x = x;
-  p.w = contiguous_words(w, wcopy);
-  p.scales = in_place ? sc.data<float>() : sf.data();
-  p.biases = in_place ? bi.data<float>() : bf.data();
-  const int blocks = p.K / kBlock, G = p.K / gs;
-  aligned_vector<int16_t> xq(static_cast<size_t>(M) * p.K);
-  std::vector<float> xscale(static_cast<size_t>(M) * blocks), xsum(static_cast<size_t>(M) * G);
-  for (int m = 0; m < M; ++m) {
-    prepare_row(p, m, xq.data() + static_cast<size_t>(m) * p.K,
-                xscale.data() + static_cast<size_t>(m) * blocks,
-                xsum.data() + static_cast<size_t>(m) * G);
-  }
-  p.xq = xq.data();
-  p.xscale = xscale.data();
-  p.xsum = xsum.data();
+  Operands operands;
+  operands.prepare(p, w, sc, bi);
   p.y = y;
   run_few(p);
   return true;
