@@ -8,7 +8,7 @@ the float model before :func:`~mlxinfer.quant.transform.quantize_model` applies 
    then runs even with an importance file: no file holds them);
 2. a named recipe's settings, or for a budget: each tensor's weighted error at every
    candidate setting and its KL divergence at the probe setting (``plan.measure``), then the
-   cheapest plan within the budget (``plan.choose``);
+   cheapest plan within the budget (``budget.choose_with_head``);
 3. the plan's predicted KL (the summed costs) beside what it is measured to be with every
    planned tensor quantized together (one more pass over the probe tokens).
 
@@ -34,18 +34,15 @@ from .. import backends
 from ..errors import ConfigError
 from ..models.base import embedding_rows
 from . import layerwise
+from .budget import budget_from_bpw, check_fits, choose_with_head, plan_bytes
 from .calibrate import Probe, calibrate, calibration_sequences
 from .plan import (
     Setting,
     Tensor,
     apply_overrides,
-    budget_from_bpw,
-    check_fits,
-    choose_with_head,
     fake_quantized,
     measure,
     parse_overrides,
-    plan_bytes,
     quantizable,
     recipe_settings,
 )

@@ -21,8 +21,9 @@ from mlxinfer.cli.main import cli
 from mlxinfer.errors import ConfigError
 from mlxinfer.loading.convert import convert
 from mlxinfer.loading.loader import load_model
+from mlxinfer.quant.budget import choose
 from mlxinfer.quant.calibrate import Probe, collect_importance
-from mlxinfer.quant.plan import Setting, Tensor, choose, fake_quantized, parse_overrides
+from mlxinfer.quant.plan import Setting, Tensor, fake_quantized, parse_overrides
 from mlxinfer.quant.rounding import channel_weights, fit_affine
 
 
@@ -247,7 +248,7 @@ def test_max_bytes_overrides_and_the_cli(tiny):
 
 
 def test_the_head_never_goes_below_four_bits_unless_nothing_else_fits():
-    from mlxinfer.quant.plan import protect_head
+    from mlxinfer.quant.budget import protect_head
 
     def head(n):
         return Tensor("lm_head", _Weight(n), "head", [Setting(b, 64) for b in (2, 3, 4, 5, 6, 8)])
@@ -267,7 +268,7 @@ def test_the_heads_floor_yields_only_where_it_doubles_the_predicted_kl():
     summed measured costs) is twice the one without the floor or more; then the plan without it,
     and the head's candidates all kept. 64,000 weights each, group 64 (16-bit scale and bias):
     2-bit 20,000 bytes, 3-bit 28,000, 4-bit 36,000, 8-bit 68,000."""
-    from mlxinfer.quant.plan import choose_with_head
+    from mlxinfer.quant.budget import choose_with_head
 
     s2, s3, s4, s8 = (Setting(b, 64) for b in (2, 3, 4, 8))
 
