@@ -291,5 +291,14 @@ def test_the_int16_decode_plan_gives_mlxs_logits_and_tokens(
             assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
         tokens = [t for t, _ in generate_step(p, plain, max_tokens=8)]
         assert [t for t, _ in generate_step(p, model, max_tokens=8)] == tokens
+    # The batching engine's steps of 3 rows (prompts of 9, 23 and 14 tokens) take it too: each
+    # row's x is rounded by itself, so each prompt gets MLX's greedy tokens for it alone.
+    from mlxinfer.batch import Engine
+
+    prompts = [[(3 + 17 * i + 5 * n) % 256 for i in range(n)] for n in (9, 23, 14)]
+    alone = [[t for t, _ in generate_step(p, plain, max_tokens=6)] for p in prompts]
+    with Engine(model, max_batch=4, prefill_step=64) as engine:
+        handles = [engine.submit(p, max_tokens=6) for p in prompts]
+        assert [[s.token for s in h.steps()] for h in handles] == alone
     kinds.set_plan(model, "int16_decode", "float")
     assert K.int16_decode_rows() == 0
