@@ -262,17 +262,20 @@ def _convert_hf(src_dir, dst, config, family, model, target, settings, report, t
     with writing_dir(dst) as tmp:
         shards = ShardWriter(tmp, model, report)
         if plan is not None:  # each layer written once it is quantized, then dropped
-            out_config["quantization"] = quantize_model(
-                model,
-                rounding=settings["rounding"],
-                layers=plan.layers(),
-                importance=plan.mean,
-                covariance=plan.covariance,
-                # 16-bit scales and biases: what the plan's sizes assume (f32 ones would add a
-                # bit per weight at group 64 for no measurable gain).
-                scale_dtype=mx.float16 if target == mx.float32 else target,
-                done=shards.layer,
-            )
+            try:
+                out_config["quantization"] = quantize_model(
+                    model,
+                    rounding=settings["rounding"],
+                    layers=plan.layers(),
+                    importance=plan.mean,
+                    covariance=plan.covariance,
+                    # 16-bit scales and biases: what the plan's sizes assume (f32 ones would
+                    # add a bit per weight at group 64 for no measurable gain).
+                    scale_dtype=mx.float16 if target == mx.float32 else target,
+                    done=shards.layer,
+                )
+            finally:
+                plan.drop_covariances()
         shards.finish()
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, default=str))
         for name in TOKENIZER_FILES + tuple(p.name for p in src_dir.glob("*.tiktoken")):

@@ -11,8 +11,10 @@ Two measurements on the float model, both on calibration tokens (never the evalu
 * :func:`calibrate` with ``covariance=True`` also keeps each 2-D layer's input second moment
   ``H = X^T X / n`` (K, K) for GPTQ (``gptq.py``): float32, ``K**2 * 4`` bytes per distinct
   input, since layers that read the same array (q/k/v, gate/up) share one ``H``. SmolLM2-135M:
-  30 blocks x (3 x 576**2 + 1536**2) + the head's 576**2 floats = 403 MB. Stacked experts and
-  per-head matrices keep no ``H`` (their rounding falls back to ``mse``).
+  30 blocks x (3 x 576**2 + 1536**2) + the head's 576**2 floats = 403 MB, held in memory here;
+  the layer-by-layer pass (``layerwise.calibrate``) moves each block's to disk instead
+  (``covariances.py``). Stacked experts and per-head matrices keep no ``H`` (their rounding
+  falls back to ``mse``).
 * :class:`Probe` keeps the float model's log-probs on a few hundred tokens and measures the
   mean KL divergence ``KL(float || model)`` after a change to one tensor (its weight replaced
   by its quantized-then-dequantized values, exactly what the quantized layer multiplies with),
@@ -25,7 +27,7 @@ original classes are put back afterwards, also when the pass fails.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,7 @@ import numpy as np
 from .. import backends
 from ..models.layers.mla import PerHeadLinear
 from ..models.layers.moe import SwitchLinear
+from .covariances import CovarianceStore
 
 # A layer kind a recipe quantizes, and how its input is recorded.
 RECORDED = (nn.Linear, nn.Embedding, SwitchLinear, PerHeadLinear)
@@ -62,10 +65,11 @@ class _Recorder:
     evaluated after each sequence so the graph stays one forward pass long); with
     ``covariance``, sums of ``x x^T`` too, one per distinct input array."""
 
-    def __init__(self, covariance: bool = False) -> None:
+    def __init__(self, covariance: bool = False, store: CovarianceStore | None = None) -> None:
         self.sums: dict[str, mx.array] = {}
         self.counts: dict[str, mx.array] = {}
         self.covariance = covariance
+        self.store = store  # where spill() moves the sums of x x^T (None: kept here)
         self.xtx: dict[str, mx.array] = {}  # first reader's path -> sum of x x^T (K, K)
         self.tokens: dict[str, int] = {}
         self.shares: dict[str, str] = {}  # path -> the path whose sum it shares
@@ -115,9 +119,19 @@ class _Recorder:
         mx.eval(also, list(self.sums.values()), list(self.counts.values()), list(self.xtx.values()))
         self.inputs.clear()
 
+    def spill(self) -> None:
+        """The evaluated sums of ``x x^T`` added to the store's files and dropped here."""
+        if self.store is not None:
+            for p in list(self.xtx):
+                self.store.add(p, self.xtx.pop(p))
+
     def statistics(self) -> Statistics:
         sums = {p: np.array(a, dtype=np.float32) for p, a in self.sums.items()}
         counts = {p: np.array(a, dtype=np.int64) for p, a in self.counts.items()}
+        if self.store is not None:
+            self.spill()
+            self.store.finish(self.shares, self.tokens)
+            return Statistics(sums, counts, self.store)
         means = {}
         for p, a in list(self.xtx.items()):
             means[p] = np.array(a, dtype=np.float32) / max(self.tokens[p], 1)
@@ -223,12 +237,13 @@ class Statistics:
     ``counts[path]``: int64 () tokens ((E,) per expert). An embedding's lookups are under
     ``"<path>#rows"``: how often each row was read, and the tokens. ``covariances[path]``:
     float32 (K, K) mean of ``x x^T`` (the tied head's under the embedding's path), one array
-    object shared by the layers that read the same input; empty unless asked for.
+    object shared by the layers that read the same input; empty unless asked for (a
+    ``CovarianceStore`` on disk from the layer-by-layer pass).
     """
 
     sums: dict[str, np.ndarray]
     counts: dict[str, np.ndarray]
-    covariances: dict[str, np.ndarray] = field(default_factory=dict)
+    covariances: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
 def calibrate(

@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import backends
 from .calibrate import BlockCall, Statistics, _Recorder, _recording, hooked_blocks, kl_rows
+from .covariances import CovarianceStore
 from .plan import Setting, Tensor, fake_quantized, measure_errors, probe_settings, set_alpha
 
 Progress = Callable[[str, int, int], None]
@@ -95,8 +96,10 @@ def calibrate(
     covariance: bool = False,
     progress: Progress | None = None,
 ) -> Statistics:
-    """``calibrate.calibrate`` block by block: the same statistics (summed in another order)."""
-    recorder = _Recorder(covariance)
+    """``calibrate.calibrate`` block by block: the same statistics (summed in another order).
+    With ``covariance``, each block's sums of ``x x^T`` go to disk once it is evaluated
+    (``covariances.CovarianceStore``, the statistics' ``covariances``): one block's in memory."""
+    recorder = _Recorder(covariance, CovarianceStore() if covariance else None)
     batches: dict[int, list[Sequence[int]]] = {}  # one batch per length, in order
     for s in sequences:
         batches.setdefault(len(s), []).append(s)
@@ -107,6 +110,7 @@ def calibrate(
         nonlocal done
         out = run(*args, **kwargs)
         recorder.evaluate(out)  # the block's output and what it recorded, in one pass
+        recorder.spill()
         resident.release([block])
         done += 1
         if progress is not None:
@@ -118,7 +122,12 @@ def calibrate(
             for batch in batches.values():
                 model(mx.array(batch))  # (B, L, V) never evaluated: the head's input is recorded
                 recorder.evaluate()
+                recorder.spill()
                 resident.release()
+    except BaseException:
+        if recorder.store is not None:
+            recorder.store.close()
+        raise
     finally:
         resident.release()
     return recorder.statistics()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from ..models.base import embedding_rows
 from . import layerwise
 from .budget import budget_from_bpw, check_fits, choose_with_head, plan_bytes
 from .calibrate import Probe, calibrate, calibration_sequences
+from .covariances import CovarianceStore
 from .plan import (
     Setting,
     Tensor,
@@ -67,7 +68,8 @@ class Plan:
     sums: dict[str, np.ndarray] = field(default_factory=dict)  # path -> sum x**2 (saved)
     counts: dict[str, np.ndarray] = field(default_factory=dict)
     costs: dict[str, dict] = field(default_factory=dict)  # path -> {alpha, errors{"b:g": e}}
-    covariances: dict[str, np.ndarray] = field(default_factory=dict)  # path -> mean x x^T
+    # path -> mean x x^T (on disk when planned layer by layer: covariances.CovarianceStore)
+    covariances: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def layers(self) -> dict[str, tuple[int, int]]:
         return {p: (s.bits, s.group_size) for p, s in self.settings.items()}
@@ -77,6 +79,12 @@ class Plan:
 
     def covariance(self, path: str) -> np.ndarray | None:
         return self.covariances.get(path)
+
+    def drop_covariances(self) -> None:
+        """Let the covariances go (their files removed, where on disk): after the rounding."""
+        store, self.covariances = self.covariances, {}
+        if isinstance(store, CovarianceStore):
+            store.close()
 
     def record(self) -> dict:
         """What ``quantization-plan.json`` keeps: the choice, its figures and the measured
@@ -151,7 +159,7 @@ def _plan_model(
     if not sequences:
         raise ConfigError("calibration: the calibration text gave no tokens")
     n_tokens = sum(len(s) for s in sequences)
-    covariances: dict[str, np.ndarray] = {}
+    covariances: Mapping[str, np.ndarray] = {}
     resident = layerwise.Resident(model, weights) if weights is not None else None
     if importance is None or covariance:
         what = " (input covariances too, for GPTQ)" if covariance else ""

@@ -7,6 +7,8 @@ converted with ``--rounding gptq``; and the one-line refusals.
 """
 
 import json
+import shutil
+import tempfile
 
 import mlx.core as mx
 import numpy as np
@@ -20,6 +22,7 @@ from mlxinfer.errors import ConfigError
 from mlxinfer.loading.convert import convert
 from mlxinfer.loading.loader import load_model
 from mlxinfer.quant.calibrate import calibrate
+from mlxinfer.quant.covariances import CovarianceStore
 from mlxinfer.quant.gptq import DAMP, gptq_quantize
 from mlxinfer.quant.rounding import channel_weights, fit_affine
 
@@ -226,3 +229,84 @@ def test_gptq_without_a_calibration_pass_is_one_line(tmp_path, kwargs, message):
         + (["--bits", "4"] if "bits" in kwargs else []),
     )
     assert result.exit_code != 0 and message in result.output
+
+
+def _layerwise(model, ids, **kwargs):
+    """``layerwise.calibrate`` with the model's own arrays as the "fresh" loads."""
+    from mlx.utils import tree_flatten
+
+    from mlxinfer.quant import layerwise
+
+    resident = layerwise.Resident(model, lambda: dict(tree_flatten(model.parameters())))
+    return layerwise.calibrate(model, ids, resident, covariance=True, **kwargs)
+
+
+def test_the_layer_by_layer_pass_keeps_the_covariances_on_disk(tiny):
+    """The same means as the in-memory pass, memory-mapped from the store's files (one per
+    input, shared by its readers); the files are gone once the store is closed."""
+    model, _ = load_model(tiny / "f32")
+    want = calibrate(model, IDS, covariance=True).covariances
+    got = _layerwise(model, IDS).covariances
+    assert isinstance(got, CovarianceStore) and sorted(got) == sorted(want)
+    for path in want:
+        assert isinstance(got[path], np.memmap) and str(got[path].filename).startswith(str(got.dir))
+        np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-7)
+    attn = [got[f"model.layers.0.self_attn.{n}_proj"] for n in "qkv"]
+    assert attn[0] is attn[1] is attn[2]
+    # A block's four inputs (q/k/v's, o's, gate/up's, down's) and the tied head's.
+    files = len({id(got[p]) for p in got})
+    assert len(list(got.dir.iterdir())) == files == 4 * model.args.num_hidden_layers + 1
+    got.close()
+    assert not got.dir.exists()
+
+
+def test_each_block_goes_to_disk_once_evaluated(tiny, monkeypatch):
+    """Memory holds one block's sums of x x^T at a time: every spill's sums are from one block
+    (or the head's input), and every block's are spilled (kept to the end, a 70B model's
+    would be 330 GB)."""
+    from mlxinfer.quant.calibrate import _Recorder
+
+    spilled: list[set[str]] = []
+    original = _Recorder.spill
+
+    def spill(self):
+        spilled.append({p.split(".self_attn")[0].split(".mlp")[0] for p in self.xtx})
+        original(self)
+
+    monkeypatch.setattr(_Recorder, "spill", spill)
+    model, _ = load_model(tiny / "f32")
+    stats = _layerwise(model, IDS)
+    n = model.args.num_hidden_layers
+    assert [s for s in spilled if s] == [{f"model.layers.{i}"} for i in range(n)] + [
+        {"model.embed_tokens"}
+    ]
+    stats.covariances.close()
+
+
+def test_too_little_temporary_space_is_one_line(tiny, monkeypatch, tmp_path):
+    from mlxinfer.quant import covariances
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(
+        covariances.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 100)
+    )
+    model, _ = load_model(tiny / "f32")
+    with pytest.raises(ConfigError) as e:
+        _layerwise(model, IDS)
+    message = str(e.value)
+    assert "\n" not in message and "model.layers.0.self_attn.q_proj" in message
+    assert "100 free" in message and "TMPDIR" in message and "--rounding mse" in message
+    assert not list(tmp_path.iterdir())  # the store's folder removed
+
+
+def test_a_gptq_conversion_leaves_no_covariance_files(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    convert(
+        tiny / "f32",
+        tmp_path / "out",
+        recipe="q4_k_m",
+        rounding="gptq",
+        calibration=str(tiny / "calib.txt"),
+    )
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert not list(tmp_path.glob("mlxinfer-covariances-*"))
