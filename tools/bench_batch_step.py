@@ -2,13 +2,14 @@
 (attention over the pages in place, and over a gathered copy), against the same B rows on one
 dense contiguous cache (no pool), and one row alone.
 
-    python tools/bench_batch_step.py MODEL_DIR [B] [--rounds 2] [--variants 0 1] [--products]
+    python tools/bench_batch_step.py MODEL_DIR [B] [--rounds 2] [--variants 0 1 | --int16-rows 0 4] [--products]
     # default B = 8, 128-token contexts
 
 Prints milliseconds per step (10 steps after a warm-up; the kinds interleaved, --rounds times;
 medians), the aggregate decode of B rows against one row alone, the CPU (lscpu's model name)
 and the load average; --variants alternates the quantized kernel's multi-row loops
-(``K.set_qmv_rows_path``) round by round; --products times the float projections alone at 1,
+(``K.set_qmv_rows_path``) round by round, --int16-rows the rows up to which products take the
+int16 kernel's few-row path (``K.set_int16_decode_rows``: 0 none, up to 4); --products times the float projections alone at 1,
 4, 8 and 16 rows (the sgemm-vs-gemv effect of docs/batching.md).
 """
 
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("B", type=int, nargs="?", default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", type=int, nargs="*", default=[])
+    ap.add_argument("--int16-rows", type=int, nargs="*", default=[])
     ap.add_argument("--products", action="store_true")
     args = ap.parse_args()
     model, _ = mlxinfer.load(args.model)
@@ -91,7 +93,8 @@ def main() -> None:
         ("1 row, contiguous cache", alone),
     ]
     K = kernels.load()
-    variants = args.variants or [None]
+    variants = args.variants or args.int16_rows or [None]
+    setter = K.set_int16_decode_rows if args.int16_rows else K.set_qmv_rows_path
     print(
         f"CPU: {cpu_name()}, {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}", file=sys.stderr
     )
@@ -99,7 +102,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for v in variants:
             if v is not None:
-                K.set_qmv_rows_path(v)
+                setter(v)
             for name, step in kinds:
                 times.setdefault((name, v), []).append(per_step_ms(step))
     print(

@@ -584,12 +584,15 @@ MLXINFER_AVX512BW inline void unpack32(const uint8_t* src, __m512& a, __m512& b)
 
 // The scale of the 32-code chunk from k (group g = k / gs). nvfp4's groups of 16 split a chunk:
 // lanes 0-7 of both vectors unpack32 gives are codes 0-15 (the nibble order), 8-15 codes 16-31.
+// gs is a power of two: k >> its log2. A division by a group size known only at run time stayed
+// an idiv per chunk in the several-row loops (perf on the Xeon VM); the shift made 8 rows of
+// 4-bit g32 products 3-4 % faster there (1536 x 576: 33.8 -> 34.9 G weight-rows/s, one thread).
 template <int BITS>
 MLXINFER_AVX512BW inline __m512 chunk_scale(const float* s, int k, int gs) {
   if constexpr (BITS == kNv4) {
     return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[k / 16]), _mm512_set1_ps(s[k / 16 + 1]));
   } else {
-    return _mm512_set1_ps(s[k / gs]);
+    return _mm512_set1_ps(s[k >> __builtin_ctz(static_cast<unsigned>(gs))]);
   }
 }
 
@@ -684,7 +687,7 @@ MLXINFER_AVX512BW void qmv_row_dq_avx512(
   // One loop over the row's 32-weight chunks (a loop per group would have the totals
   // stored to the stack at each group's end: a store per total per group).
   for (int k = 0; k < p.K; k += 32) {
-    const int g = k / gs;
+    const int g = k >> __builtin_ctz(static_cast<unsigned>(gs));
     __m512 sv = chunk_scale<BITS>(s, k, gs);
     const __m512 bv = _mm512_set1_ps(b[g]); // nvfp4: zeros (one row of K / 16)
     if constexpr (stream) {
