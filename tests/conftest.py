@@ -1,6 +1,8 @@
 """Shared fixtures. OpenBLAS is preloaded before anything imports mlx (speed only)."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -20,7 +22,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(PATHS + [p for p in [os.environ.get("
 # The user cache (the default model, the CPU plans measured at load, the BLAS check's verdict)
 # of this test run only: tests never write the developer's own; subprocesses (the CLI) inherit
 # it. Set before mlxinfer is imported: the import checks the BLAS and caches the verdict there.
-os.environ.setdefault("MLXINFER_CACHE", tempfile.mkdtemp(prefix="mlxinfer-test-cache-"))
+# Removed when the run ends (each run's was left in the temporary folder before).
+if "MLXINFER_CACHE" not in os.environ:
+    os.environ["MLXINFER_CACHE"] = tempfile.mkdtemp(prefix="mlxinfer-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MLXINFER_CACHE"], True)
 # The CPU backend's decode plans at their plainest, not timed at load: on a loaded machine the
 # timing picks differently from run to run (one tiny model got 17 different plan sets in 40 runs
 # here), and every option rounds differently. The plans' own tests set their options themselves.

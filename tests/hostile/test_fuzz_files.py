@@ -77,7 +77,7 @@ def _bounded(start: float, what: str) -> None:
 # --- safetensors: the whole loop in one subprocess under an address-space limit -----------------
 
 SAFETENSORS_LOOP = r"""
-import json, os, resource, struct, sys, tempfile, time
+import json, os, resource, struct, sys, time
 from pathlib import Path
 
 resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
@@ -166,8 +166,8 @@ def library_accepts(path):
 
 
 counts = {"accepted": 0, "refused": 0}
-work = Path(tempfile.mkdtemp(prefix="fuzz-st-"))
 trace = Path(os.environ["FUZZ_TRACE"])
+work = trace.parent  # the test's own temporary folder: removed by pytest, not left in /tmp
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=DERANDOMIZE, database=None,
