@@ -60,12 +60,12 @@ def test_real_gemma3_weights_vs_gguf_reference(gemma3):
     for name, (module, type_name) in cases.items():
         t = tensors[name]
         assert t.tensor_type.name == type_name
-        ref = dequantize(t.data, t.tensor_type)
+        # 168M embedding weights: a slice of rows (gguf's numpy decoder takes 2.5 s for all)
+        ref = dequantize(t.data[:4096] if name == "token_embd.weight" else t.data, t.tensor_type)
         if type_name in ("Q4_K", "Q6_K"):  # our decoder on real blocks
             raw = np.asarray(t.data).reshape(-1).view(np.uint8)
             np.testing.assert_array_equal(gq.dequantize(raw, type_name, ref.shape), ref)
-        if name == "token_embd.weight":  # 168M weights: compare a slice of rows
-            ref = ref[:4096]
+        if name == "token_embd.weight":  # the same slice of rows
             stored = np.array(
                 mx.dequantize(
                     ours[f"{module}.weight"][:4096],
