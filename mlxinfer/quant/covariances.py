@@ -35,7 +35,6 @@ class CovarianceStore(Mapping[str, np.ndarray]):
         self._removal = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self.files: dict[str, Path] = {}  # the first reader's path -> its sum's file
         self.shares: dict[str, str] = {}  # every reader's path -> the first reader's
-        self.tokens: dict[str, int] = {}
         self._arrays: dict[str, np.ndarray] = {}  # first reader's path -> its open memmap
 
     def add(self, first: str, xtx: mx.array) -> None:
