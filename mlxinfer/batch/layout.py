@@ -8,7 +8,8 @@ from typing import Callable, Hashable
 
 import mlx.core as mx
 
-from ..cache.kv import KVCache, LatentKVCache, RotatingKVCache, StateCache
+from ..cache.kv import KVCache, LatentKVCache, StateCache
+from ..cache.rotating import RotatingKVCache
 from ..errors import MlxInferError
 from ..models.layers.rope import LongRoPE, RoPE
 from .pool import KVPool, LayerShape

@@ -1,4 +1,4 @@
-"""The caches: the per-layer KV cache behind one protocol (``kv.py``), its quantized and
+"""The caches: the per-layer KV cache behind one protocol (``kv.py``), its rotating, quantized and
 recurrent-state kinds, the prompt cache kept across turns, and its file on disk.
 
 ``from mlxinfer.cache import KVCache`` keeps working: the KV cache's names are re-exported here.
@@ -10,7 +10,6 @@ from .kv import (  # noqa: F401
     KVCache,
     LatentKVCache,
     Pages,
-    RotatingKVCache,
     StateCache,
     cache_nbytes,
     is_trimmable,
@@ -18,3 +17,4 @@ from .kv import (  # noqa: F401
     snapshot_cache,
     trim_cache,
 )
+from .rotating import RotatingKVCache  # noqa: F401

@@ -25,7 +25,6 @@ from .kv import (
     KVCache,
     LatentKVCache,
     LayerCache,
-    RotatingKVCache,
     StateCache,
     is_trimmable,
     restore_cache,
@@ -33,6 +32,7 @@ from .kv import (
     trim_cache,
 )
 from .quantized import QuantizedKVCache
+from .rotating import RotatingKVCache
 
 # Checkpoints a cache list with state caches keeps (the newest): one per prompt prefilled,
 # each the state arrays' references plus an offset per KV layer, so a few are cheap.

@@ -26,8 +26,9 @@ from typing import Callable, Protocol, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import LayerCache, RotatingKVCache, is_trimmable, restore_cache, snapshot_cache
+from ..cache.kv import LayerCache, is_trimmable, restore_cache, snapshot_cache
 from ..cache.prompt import PromptCache, Snapshot
+from ..cache.rotating import RotatingKVCache
 from ..errors import DraftError
 from .prefill import prefill, rewind
 

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Generator, Sequence, cast
 
 import mlx.core as mx
 
-from ..cache.kv import LayerCache, RotatingKVCache, StateCache, is_trimmable
+from ..cache.kv import LayerCache, StateCache, is_trimmable
 from ..cache.prompt import PromptCache
+from ..cache.rotating import RotatingKVCache
 from ..errors import DraftError
 from ..platform.threads import release_at_thread_exit
 from . import draft_length

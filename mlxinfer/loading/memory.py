@@ -218,7 +218,8 @@ _costs: dict[int, tuple[weakref.ref, dict]] = {}
 def kv_cost(model, *, max_kv_size: int | None = None, kv_bits: int | None = None) -> KVCost:
     """The model's :class:`KVCost` for these cache settings, read from a one-token forward
     (each cache's ``nbytes`` after one token); computed once per model and settings."""
-    from ..cache.kv import RotatingKVCache, StateCache
+    from ..cache.kv import StateCache
+    from ..cache.rotating import RotatingKVCache
 
     key = (max_kv_size, kv_bits)
     ref, known = _costs.get(id(model), (None, {}))

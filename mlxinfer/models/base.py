@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.kv import Cache, KVCache, LayerCache, Mask, RotatingKVCache, StateCache
+from ..cache.kv import Cache, KVCache, LayerCache, Mask, StateCache
 from ..cache.quantized import QuantizedKVCache
+from ..cache.rotating import RotatingKVCache
 from ..errors import ConfigError
 from .config import normalize_rope, require
 from .layers import masks

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 from hf_models import make_tiny, torch_logits
 
-from mlxinfer.cache.kv import KVCache, RotatingKVCache, cache_nbytes
+from mlxinfer.cache.kv import KVCache, cache_nbytes
 from mlxinfer.cache.prompt import PromptCache
 from mlxinfer.cache.quantized import QuantizedKVCache
+from mlxinfer.cache.rotating import RotatingKVCache
 from mlxinfer.generation import generate_step
 from mlxinfer.loading.loader import load_model
 

@@ -311,8 +311,9 @@ def gemma3(tmp_path_factory):
 
 
 def test_local_layers_rotate_and_global_layers_follow_the_flags(gemma3):
-    from mlxinfer.cache.kv import KVCache, RotatingKVCache
+    from mlxinfer.cache.kv import KVCache
     from mlxinfer.cache.quantized import QuantizedKVCache
+    from mlxinfer.cache.rotating import RotatingKVCache
 
     model, torch_model = gemma3
     kinds = model.args.layer_types

@@ -19,7 +19,8 @@ import pytest
 import torch
 from hf_models import add_tokenizer, make_tiny, torch_greedy, torch_logits, torch_logits_chunked
 
-from mlxinfer.cache.kv import LatentKVCache, RotatingKVCache, cache_nbytes
+from mlxinfer.cache.kv import LatentKVCache, cache_nbytes
+from mlxinfer.cache.rotating import RotatingKVCache
 from mlxinfer.generation import generate_step
 from mlxinfer.loading.convert import convert
 from mlxinfer.loading.loader import load_model

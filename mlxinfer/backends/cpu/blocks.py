@@ -33,7 +33,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache.kv import KVCache, RotatingKVCache
+from ...cache.kv import KVCache
+from ...cache.rotating import RotatingKVCache
 from ...models import gemma, gemma2, llama, qwen2
 from ...models import layers as model_layers
 from .. import kernels

@@ -23,7 +23,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache.kv import KVCache, RotatingKVCache
+from ...cache.kv import KVCache
+from ...cache.rotating import RotatingKVCache
 from ...models import layers as model_layers
 from .. import kernels
 

@@ -33,7 +33,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...cache.kv import Cache, LatentKVCache, LayerCache, Mask, RotatingKVCache
+from ...cache.kv import Cache, LatentKVCache, LayerCache, Mask
+from ...cache.rotating import RotatingKVCache
 from . import masks
 from .attention import Attention
 from .norms import RMSNorm
