@@ -150,7 +150,7 @@ def test_the_blocks_child_modules_are_bound_and_follow_replacement(quantized_pat
 
 
 def test_decode_attention_grows_the_cache_when_full(quantized_path, monkeypatch):
-    """``compiled.decode_attention`` calls ``make_room`` only when the buffers are full: with
+    """``attention_kernels.decode_attention`` calls ``make_room`` only when the buffers are full: with
     4-token growth, 10 one-token steps cross three growths and give the logits of the ops
     path, which grows the same buffers through ``update_and_fetch``."""
     from mlxinfer.cache.kv import KVCache

@@ -13,7 +13,7 @@ from hf_models import make_tiny, torch_greedy, torch_logits_chunked
 from kernel_calls import CountedKernels, isa_levels
 
 from mlxinfer.backends import kernels
-from mlxinfer.backends.cpu import compiled, kinds
+from mlxinfer.backends.cpu import attention_kernels, kinds
 from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.batch import Engine
 from mlxinfer.generation import generate_step
@@ -254,7 +254,7 @@ def test_decode_with_the_fused_kernels_matches_transformers(family, tmp_path, mo
         tmp_path / "m", perturb_vectors=True, **{**SHAPES, **FAMILIES[family]}
     )
     model, _ = load_model(path)
-    attention = [m for m in model.modules() if compiled.attention_fits(m)]
+    attention = [m for m in model.modules() if attention_kernels.attention_fits(m)]
     assert len(attention) == SHAPES["num_hidden_layers"]
     mlps = sum(isinstance(m, GatedMLP) for m in model.modules())  # phi3's fused MLP: its own
     assert mlps == (0 if family.startswith("phi3") else SHAPES["num_hidden_layers"])
@@ -311,7 +311,7 @@ def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch)
     monkeypatch.setattr(kernels, "load", lambda: None)
     plain, _ = load_model(path)
     assert not cpu_plans.plan_layers(plain)["decode"]
-    assert not any(compiled.attention_fits(m) for m in plain.modules())
+    assert not any(attention_kernels.attention_fits(m) for m in plain.modules())
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -386,7 +386,7 @@ def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
 def test_the_batching_engine_decodes_over_pages_with_the_kernel(family, tmp_path, monkeypatch):
     """The engine's decode steps (the "pages" form: rows of mixed lengths, joined mid-batch) with
     the decode plan on (q and k rotated at each row's position and the keys written as rows
-    by the backend, ``compiled.paged_decode_attention``; a sliding window's pool too): each
+    by the backend, ``attention_kernels.paged_decode_attention``; a sliding window's pool too): each
     row's greedy tokens transformers' for its prompt alone, and one paged-attention call per
     attention layer and step."""
     path, torch_model = make_tiny(

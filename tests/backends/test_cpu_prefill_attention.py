@@ -1,5 +1,5 @@
 """A prompt's attention as one kernel call (csrc/src/prefill_attention.cpp,
-``compiled.prefill_attention``; issue 47, item 3 "attention over a chunk"): against MLX's
+``attention_kernels.prefill_attention``; issue 47, item 3 "attention over a chunk"): against MLX's
 ``scaled_dot_product_attention`` (f32, within 1e-5) for grouped heads, causal and not, a chunk
 after cached keys (T > L), keys laid out as a cache's buffer view and as a forward without a
 cache leaves them (transposed), at every instruction-set level, and a batch's rows under their
@@ -13,7 +13,7 @@ import pytest
 from kernel_calls import CountedKernels, isa_levels
 
 from mlxinfer.backends import kernels
-from mlxinfer.backends.cpu import compiled
+from mlxinfer.backends.cpu import attention_kernels
 
 K = kernels.load()
 pytestmark = [
@@ -86,17 +86,22 @@ def test_the_backend_takes_it_where_it_fits(monkeypatch):
     counter = CountedKernels(K, ("prefill_attention",))
     monkeypatch.setattr(kernels, "load", lambda: counter)
     q, k, v = (mx.zeros((2, 4, 8, 32)), mx.zeros((2, 2, 8, 32)), mx.zeros((2, 2, 8, 32)))
-    assert compiled.prefill_attention(q, k, v, 0.1, "causal") is not None
-    assert compiled.prefill_attention(q, k, v, 0.1, None) is not None
+    assert attention_kernels.prefill_attention(q, k, v, 0.1, "causal") is not None
+    assert attention_kernels.prefill_attention(q, k, v, 0.1, None) is not None
     window = mx.ones((8, 8), dtype=mx.bool_)  # (L, T): a window
-    assert compiled.prefill_attention(q, k, v, 0.1, window) is not None
-    assert compiled.prefill_attention(q, k, v, 0.1, mx.ones((2, 1, 8, 8), mx.bool_)) is not None
+    assert attention_kernels.prefill_attention(q, k, v, 0.1, window) is not None
+    assert (
+        attention_kernels.prefill_attention(q, k, v, 0.1, mx.ones((2, 1, 8, 8), mx.bool_))
+        is not None
+    )
     assert counter.calls["prefill_attention"] == 4
     alibi = mx.zeros((1, 4, 8, 8))  # additive, per head: ops.attention
-    assert compiled.prefill_attention(q, k, v, 0.1, alibi) is None
-    assert compiled.prefill_attention(q, k, v, 0.1, mx.ones((1, 4, 8, 8), mx.bool_)) is None
-    assert compiled.prefill_attention(q[:, :, :1], k, v, 0.1, "causal") is None  # decode
-    assert compiled.prefill_attention(q.astype(mx.float16), k, v, 0.1, "causal") is None
+    assert attention_kernels.prefill_attention(q, k, v, 0.1, alibi) is None
+    assert (
+        attention_kernels.prefill_attention(q, k, v, 0.1, mx.ones((1, 4, 8, 8), mx.bool_)) is None
+    )
+    assert attention_kernels.prefill_attention(q[:, :, :1], k, v, 0.1, "causal") is None  # decode
+    assert attention_kernels.prefill_attention(q.astype(mx.float16), k, v, 0.1, "causal") is None
     assert counter.calls["prefill_attention"] == 4
 
 

@@ -17,7 +17,7 @@ arithmetic, so a block's output is theirs bit for bit (tests/backends/test_cpu_b
 
 Which blocks: those whose forward is one of :data:`FORMS` (Llama/Mistral/SmolLM, Qwen2/3,
 Gemma 1's pre-norm block, Gemma 2/3's block with post-norms), whose attention the decode
-kernels already take (``compiled.attention_fits``), whose MLP is a plain gated one (SiLU or
+kernels already take (``attention_kernels.attention_fits``), whose MLP is a plain gated one (SiLU or
 GELU's tanh form), and whose products are affine quantized layers on the kernel
 (``compiled.bind``) with no bias. Per call: one float32 token over a ``KVCache`` or
 ``RotatingKVCache`` with no mask. Anything else, the block's own forward (the separate
@@ -38,7 +38,7 @@ from ...cache.rotating import RotatingKVCache
 from ...models import gemma, gemma2, llama, qwen2
 from ...models import layers as model_layers
 from .. import kernels
-from . import compiled, fused, layers, quantized
+from . import attention_kernels, compiled, fused, layers, quantized
 
 # A block's forward -> whether it has Gemma 2/3's post-norms (post_attention_layernorm after
 # attention, pre_/post_feedforward_layernorm around the MLP).
@@ -80,7 +80,7 @@ def swap_blocks(model: nn.Module) -> int:
 def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
     """``block(x, mask, cache)`` for one float32 token as the fused kernels, or None where they
     do not apply (see the module's docstring); the cache advanced as the block's own forward
-    would (``compiled.decode_position``)."""
+    would (``attention_kernels.decode_position``)."""
     if (
         mask is not None
         or x.shape[:2] != (1, 1)
@@ -99,7 +99,7 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
     (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
     qkv = k_.norm_products(x, w1, eps1, qkv_layers, **_head_options(attn, head_norms))
     like = _like(attn, cache)
-    slot, seen, cos, sin = compiled.decode_position(attn, cache, like, like)
+    slot, seen, cos, sin = attention_kernels.decode_position(attn, cache, like, like)
     rope = attn.rope
     cache.keys = k_.cache_write(
         cache.keys,

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import layers as model_layers
-from . import blocks, compiled, layers, ops, parallel, quantized
+from . import attention_kernels, blocks, compiled, layers, ops, parallel, quantized
 
 NEVER = 1 << 30  # a threshold never reached: the plainer form always
 
@@ -225,7 +225,9 @@ def set_plan(model: nn.Module, kind: str, option: str | int) -> None:
                 object.__setattr__(layer, "cpu_rms_norm", norm)
                 object.__setattr__(layer, "cpu_swiglu", swiglu)
                 if isinstance(layer, model_layers.Attention):  # plain RoPE attention: fused
-                    object.__setattr__(layer, "cpu_decode_fits", compiled.attention_fits(layer))
+                    object.__setattr__(
+                        layer, "cpu_decode_fits", attention_kernels.attention_fits(layer)
+                    )
                 continue
             plan = parallel.plan_of(layer)
             if "kernel" in OPTIONS[kind]:

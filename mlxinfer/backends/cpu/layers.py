@@ -19,7 +19,7 @@ import numpy as np
 
 from ...cache.kv import Cache, Mask
 from ...models import layers
-from . import compiled, fused, ops, parallel, quantized
+from . import attention_kernels, compiled, fused, ops, parallel, quantized
 
 
 class CPUNorm:
@@ -103,7 +103,7 @@ class CPUAttention:
     compiled-kernel calls, and any decode attention over a batch's pool pages as one."""
 
     cpu_decode_kernel = False  # set by the ``decode`` plan (``kinds``)
-    cpu_decode_fits = False  # ... with ``compiled.attention_fits``
+    cpu_decode_fits = False  # ... with ``attention_kernels.attention_fits``
 
     exp = staticmethod(ops.exp)
 
@@ -111,9 +111,9 @@ class CPUAttention:
         if args:  # the family's own positions (RopeAttention's ``positions``): its own path
             return super().__call__(x, mask, cache, *args)
         if self.cpu_decode_kernel and self.cpu_decode_fits:  # the ``decode`` plan (``compiled``)
-            y = compiled.decode_attention(self, x, mask, cache)
+            y = attention_kernels.decode_attention(self, x, mask, cache)
             if y is None:  # the batching engine's step over its pool's pages
-                y = compiled.paged_decode_attention(self, x, mask, cache)
+                y = attention_kernels.paged_decode_attention(self, x, mask, cache)
             if y is not None:
                 return y
         return super().__call__(x, mask, cache)
@@ -122,7 +122,7 @@ class CPUAttention:
         self, q: mx.array, pages: Any, *, scale: float, sinks: mx.array | None = None
     ) -> mx.array:
         if self.cpu_decode_kernel and sinks is None and q.shape[2] == 1:  # the ``decode`` plan
-            return compiled.paged_attention(q, pages, scale)
+            return attention_kernels.paged_attention(q, pages, scale)
         return super().attend_pages(q, pages, scale=scale, sinks=sinks)
 
     def attend_keys(
@@ -147,7 +147,7 @@ class CPUAttention:
             group_size, bits = cache.group_size, cache.bits
             k, v = (quantized.dequantize(*t, group_size=group_size, bits=bits) for t in (k, v))
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        y = compiled.prefill_attention(q, k, v, scale, mask)  # a prompt's, where it fits
+        y = attention_kernels.prefill_attention(q, k, v, scale, mask)  # a prompt's, where it fits
         if y is not None:
             return y
         long_keys = getattr(self, "cpu_long_keys", ops.DECODE_LONG_KEYS)  # set by ``plans``

@@ -29,7 +29,7 @@ keeping an option only if it beats the plainer one by 3%:
   through MLX's ops (``ops``: the norm's three primitives, RoPE, the cache write and
   attention's ~thirty, SwiGLU's one to three) or one compiled kernel each (``kernel``:
   ``compiled.rms_norm`` and ``compiled.swiglu`` for up to 16 rows,
-  ``compiled.decode_attention`` for one token over a plain ``KVCache``);
+  ``attention_kernels.decode_attention`` for one token over a plain ``KVCache``);
 - ``int16_decode`` (kernels loaded, AVX-512 VNNI and VBMI, affine quantized layers): every
   quantized product of up to 4 rows (decode's: the blocks' kernels, the head, the batching
   engine's small batches) in float32 (``float``) or with x rounded to int16 per block of 32 and
