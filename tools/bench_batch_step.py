@@ -9,7 +9,8 @@ Prints milliseconds per step (10 steps after a warm-up; the kinds interleaved, -
 medians), the aggregate decode of B rows against one row alone, the CPU (lscpu's model name)
 and the load average; --variants alternates the quantized kernel's multi-row loops
 (``K.set_qmv_rows_path``) round by round, --int16-rows the rows up to which products take the
-int16 kernel's few-row path (``K.set_int16_decode_rows``: 0 none, up to 4); --products times the float projections alone at 1,
+int16 kernel's few-row path (``K.set_int16_decode_rows``: 0 none, up to 4) and, above 0, tiled
+layers (``tiles.set_on``); --products times the float projections alone at 1,
 4, 8 and 16 rows (the sgemm-vs-gemv effect of docs/batching.md).
 """
 
@@ -28,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxinfer.backends import kernels
+from mlxinfer.backends.cpu import blocks, tiles
 from mlxinfer.batch.layout import layer_shapes
 from mlxinfer.batch.pool import KVPool
 from mlxinfer.batch.views import StepBatch
@@ -94,7 +96,13 @@ def main() -> None:
     ]
     K = kernels.load()
     variants = args.variants or args.int16_rows or [None]
-    setter = K.set_int16_decode_rows if args.int16_rows else K.set_qmv_rows_path
+
+    def int16_rows(rows: int) -> None:  # the int16_decode plan's few-row path and tiled layers
+        K.set_int16_decode_rows(rows)
+        tiles.set_on(rows > 0)
+        blocks.EPOCH += 1  # the fused blocks read their layers' arrays again
+
+    setter = int16_rows if args.int16_rows else K.set_qmv_rows_path
     print(
         f"CPU: {cpu_name()}, {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}", file=sys.stderr
     )

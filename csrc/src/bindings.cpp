@@ -125,6 +125,10 @@ NB_MODULE(_mlxinfer_kernels, m) {
         "process-wide.");
   m.def("int16_decode_rows", &mlxinfer::int16_decode_rows,
         "What set_int16_decode_rows last set (0 at import).");
+  m.def("tiles_available", &mlxinfer::vnni_available,
+        "Whether tiled layers run here (tiles.cpp: quantized_matvec and the fused blocks take a "
+        "4- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F, BW, VNNI and VBMI "
+        "at the kernels' ISA level.");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");

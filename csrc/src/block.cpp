@@ -62,6 +62,14 @@ void check_norm(const char* op, const mx::array& w, int K, const char* name) {
 // The layer's output rows; its K must be `K`.
 int check_layer(const char* op, const QuantLayer& l, int K, const std::string& name) {
   const int b = l.bits, gs = l.group_size;
+  if (is_tiled(l.w)) {
+    const int64_t k = check_tiled(std::string("[mlxinfer ") + op + "] " + name + " ", l.w, l.scales, l.biases, gs, b);
+    if (k != K) {
+      fail(op, name + " w: expected a tiled layer of " + std::to_string(K) + " inputs, found " +
+                   std::to_string(k));
+    }
+    return l.w.shape(0);
+  }
   if (b != 2 && b != 3 && b != 4 && b != 5 && b != 6 && b != 8) {
     fail(op, name + " bits: expected 2, 3, 4, 5, 6 or 8, found " + std::to_string(b));
   }

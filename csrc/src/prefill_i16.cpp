@@ -34,6 +34,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 
+#include "i16.h"
 #include "kernels.h"
 #include "simd.h"
 #include "threadpool.h"
@@ -43,7 +44,7 @@ namespace mlxinfer {
 
 namespace {
 
-constexpr int kBlock = 32; // inputs per x scale (and per int32 sum)
+using i16::kBlock;
 constexpr int kTile = 32; // outputs per tile: two 16-lane vectors
 // Up to this many rows of x take few_rows (each output row's codes widened in order, no tile);
 // more, the tiles.
@@ -66,7 +67,8 @@ const bool g_vnni = detect_vnni();
 
 #if defined(MLXINFER_X86)
 
-#define MLXINFER_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma")))
+using i16::prepare_row;
+using i16::Problem;
 
 // Row n's K codes from MLX's little-endian bit stream (8 codes in BITS bytes), as int16, 64 at a
 // time: the 8 units' bytes spread one unit a 64-bit lane (vpermb), each lane's 8 codes cut out
@@ -159,40 +161,6 @@ MLXINFER_VNNI inline void transpose16(__m512i (&r)[16]) {
 #endif // MLXINFER_X86
 
 #if defined(MLXINFER_X86)
-
-struct Problem {
-  int M = 0, N = 0, K = 0, gs = 0, bits = 0;
-  const float* x = nullptr; // (M, K)
-  const uint32_t* w = nullptr; // (N, K * bits / 32)
-  const float* scales = nullptr; // (N, G)
-  const float* biases = nullptr; // (N, G)
-  const int16_t* xq = nullptr; // (M, K)
-  const float* xscale = nullptr; // (M, K / 32)
-  const float* xsum = nullptr; // (M, G)
-  float* y = nullptr; // (M, N)
-};
-
-// Row m of x as int16 per block of 32 (round to nearest), the blocks' scales and the groups' sums.
-MLXINFER_VNNI void prepare_row(const Problem& p, int m, int16_t* xq, float* xscale, float* xsum) {
-  const float* xr = p.x + static_cast<size_t>(m) * p.K;
-  const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
-  for (int b = 0; b < blocks; ++b) {
-    const __m512 a = _mm512_loadu_ps(xr + b * kBlock), c = _mm512_loadu_ps(xr + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-    // A non-finite x makes its block's scale NaN, so its rows' outputs are NaN (not wrapped ints).
-    const bool finite = std::isfinite(amax);
-    const float scale = !finite ? std::nanf("") : amax > 0.0f ? amax / 32767.0f : 0.0f;
-    const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 32767.0f / amax : 0.0f);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
-    const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock), _mm512_cvtsepi32_epi16(qa));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock + 16),
-                        _mm512_cvtsepi32_epi16(qc));
-    xscale[b] = scale;
-    const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
-    xsum[b / per_group] = b % per_group == 0 ? s : xsum[b / per_group] + s;
-  }
-}
 
 // Rows m0..m0+R of x against the tile's 32 outputs n0..n0+32 (tile: its codes laid out by
 // lay_tile, ts/tb: its scales and biases [group][32]).

@@ -75,6 +75,24 @@ mx::array quantized_matvec(
         std::string("[mlxinfer quantized_matvec] biases: ") +
         (flt ? mode + " has none, found an array" : "expected an array for affine, found None"));
   }
+  if (!flt && is_tiled(w)) { // a tiled layer's arrays (tiles.cpp): the CPU's only
+    const int64_t K = check_tiled("[mlxinfer quantized_matvec] ", w, scales, *biases, group_size,
+                                  bits);
+    if (x.ndim() < 1 || x.shape(-1) != K || !is_float(x.dtype())) {
+      throw std::invalid_argument(
+          "[mlxinfer quantized_matvec] x: expected a float array of shape (..., " +
+          std::to_string(K) + "), found " + shape_str(x.shape()));
+    }
+    if (stream.device == mx::Device::gpu) {
+      throw std::invalid_argument("[mlxinfer quantized_matvec] w: a tiled layer runs on the CPU "
+                                  "only, found a GPU stream");
+    }
+    auto out_shape = x.shape();
+    out_shape.back() = w.shape(0);
+    return mx::array(out_shape, mx::promote_types(x.dtype(), scales.dtype()),
+                     std::make_shared<QuantizedMatvec>(stream, group_size, bits, kAffine),
+                     {x, w, scales, *biases});
+  }
   if (w.dtype() != mx::uint32 || w.ndim() != 2 ||
       static_cast<int64_t>(w.shape(1)) * 32 % bits != 0) {
     throw std::invalid_argument(
@@ -173,6 +191,9 @@ void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void quantized_matvec_f32(const float* x, int M, const mx::array& w, const mx::array& sc,
                           const mx::array& bi, int gs, int bits, int mode, float* y) {
+  if (is_tiled(w)) {
+    return tiled_matvec_f32(x, M, w, sc, bi, gs, bits, y);
+  }
   if (int16_decode_rows() > 0 && int16_decode(x, M, w, sc, bi, gs, bits, mode, y)) {
     return;
   }
@@ -267,7 +288,7 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
                     gs = group_size_,
                     bits = bits_,
                     mode = mode_]() mutable {
-    const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+    const int64_t K = static_cast<int64_t>(w.shape(1)) * (is_tiled(w) ? 8 : 32) / bits;
     const int M = K == 0 ? 0 : static_cast<int>(x.size() / K);
     if (M == 0 || w.shape(0) == 0) {
       return;

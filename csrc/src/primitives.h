@@ -56,6 +56,18 @@ int int16_decode_rows();
 bool int16_decode(const float* x, int M, const mx::array& w, const mx::array& sc,
                   const mx::array& bi, int gs, int bits, int mode, float* y);
 
+// Tiled layers (tiles.cpp): a 4- or 8-bit affine layer's codes laid out at load for AVX-512
+// VNNI's int16 products, a uint8 array (N, K * bits / 8) (MLX's packing is uint32), N a multiple
+// of 32, its scales and biases float32 in the tiles' order. quantized_matvec and the fused
+// blocks take one in place of MLX's arrays and run it with x rounded to int16 per block of 32.
+bool is_tiled(const mx::array& w);
+// K, or std::invalid_argument naming the array that is not a tiled layer's (`op`: the prefix).
+int64_t check_tiled(const std::string& op, const mx::array& w, const mx::array& scales,
+                    const mx::array& biases, int group_size, int bits);
+// y (M, N) = x (M, K) through a tiled layer (quantized_matvec_f32 calls it for one).
+void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array& sc,
+                      const mx::array& bi, int gs, int bits, float* y);
+
 // x (..., K) @ w.T -> (..., N), w (N, K) float32.
 mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 

@@ -13,7 +13,7 @@ from kernel_calls import CountedKernels
 
 from mlxinfer import backends
 from mlxinfer.backends import kernels
-from mlxinfer.backends.cpu import kinds, quantized
+from mlxinfer.backends.cpu import compiled, kinds, quantized, tiles
 from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.generation import generate_step
 from mlxinfer.loading.convert import convert
@@ -235,7 +235,86 @@ def test_the_int16_head_plan_is_the_most_rows_it_wins_at(tmp_path, monkeypatch):
 @pytest.fixture
 def int16_decode_off():
     yield
-    K.set_int16_decode_rows(0)  # process-wide: never left on for later tests
+    compiled.set_int16_decode(False)  # process-wide: never left on for later tests
+
+
+# Tiled layers (csrc/src/tiles.cpp, backends/cpu/tiles.py): the codes laid out at load.
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tiled_layout_holds_each_code_where_tiles_cpp_reads_it(bits):
+    """Each code found at the byte and nibble the layout's comment names (n = 32 t + 16 v + j,
+    k = 32 b + 2 p + e; pairs [t][b][p], 4-bit: byte 2 j + e, v the nibble; 8-bit: byte
+    32 v + 2 j + e), the codes read by MLX's own dequantize (scale 1, bias 0), and the scales in
+    [tile][group][32] order, float16 kept where every value is one."""
+    rng = np.random.default_rng(bits)
+    N, Kd, gs = 64, 128, 32
+    q, s, b = mx.quantize(mx.array(rng.normal(size=(N, Kd)).astype(np.float32)), gs, bits)
+    codes = np.array(
+        mx.dequantize(q, mx.ones_like(s), mx.zeros_like(b), group_size=gs, bits=bits)
+    ).astype(np.int64)
+    t_codes, t_scales, t_biases = tiles.layout(q, s, b, bits)
+    raw = np.array(t_codes).reshape(-1)
+    pair = 64 * bits // 8  # bytes a pair of inputs for a tile's 32 outputs: 64 codes
+    n, k = np.meshgrid(np.arange(N), np.arange(Kd), indexing="ij")
+    t, v, j, blk, p, e = n // 32, n % 32 // 16, n % 16, k // 32, k % 32 // 2, k % 2
+    at = ((t * (Kd // 32) + blk) * 16 + p) * pair
+    if bits == 4:
+        got = (raw[at + 2 * j + e] >> (4 * v)) & 15
+    else:
+        got = raw[at + 32 * v + 2 * j + e]
+    assert t_codes.dtype == mx.uint8 and t_codes.shape == (N, Kd * bits // 8)
+    assert (got == codes).all()
+    G = Kd // gs
+    want = np.array(s).reshape(N // 32, 32, G).transpose(0, 2, 1).reshape(N, G)
+    assert t_scales.dtype == mx.float32 and (np.array(t_scales) == want).all()  # not halves
+    half = tiles.layout(q, s.astype(mx.float16).astype(mx.float32), b.astype(mx.float16), bits)
+    assert half[1].dtype == half[2].dtype == mx.float16
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("half", [False, True])
+def test_tiled_products_are_the_int16_tiles_products(bits, group_size, half):
+    """A tiled layer's product of 1-17 rows (a pass is 8 rows) is within the int16 rounding
+    bound of the float64 definition, and bit for bit ``quantized_matmul_i16``'s (the same
+    arithmetic on tiles it lays out per product) where that takes its tiles (over 4 rows)."""
+    rng = np.random.default_rng(bits * 100 + group_size)
+    N, Kd = 96, 384
+    w = mx.array(rng.normal(size=(N, Kd)).astype(np.float32) * 0.05)
+    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    if half:
+        s, b = s.astype(mx.float16), b.astype(mx.float16)
+    t = tiles.layout(q, s, b, bits)
+    assert t[1].dtype == (mx.float16 if half else mx.float32)
+    for M in (1, 2, 5, 8, 9, 17):
+        x = rng.normal(size=(M, Kd)).astype(np.float32)
+        x[0, 5] = 30.0  # an outlier in its block
+        y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits), np.float64)
+        exact, bound = definition(
+            x, q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits
+        )
+        assert (np.abs(y - exact) <= bound).all(), (M, np.abs(y - exact).max())
+        if M > 4:
+            assert (
+                y == np.array(K.quantized_matmul_i16(mx.array(x), q, s, b, group_size, bits))
+            ).all()
+
+
+def test_bad_tiled_arrays_are_one_line_errors():
+    q, s, b = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=4)
+    codes, ts, tb = tiles.layout(q, s, b, 4)
+    x = mx.zeros((1, 128))
+    with pytest.raises(ValueError, match="bits: a tiled layer has 4 or 8, found 5"):
+        K.quantized_matvec(x, codes, ts, tb, 32, 5)
+    with pytest.raises(
+        ValueError, match=r"w: expected a tiled uint8 array .* found shape \(48, 64\)"
+    ):
+        K.quantized_matvec(x, codes[:48], ts[:48], tb[:48], 32, 4)
+    with pytest.raises(ValueError, match="scales/biases: a tiled layer's are both float32 or both"):
+        K.quantized_matvec(x, codes, ts, tb.astype(mx.float16), 32, 4)
+    with pytest.raises(ValueError, match=r"x: expected a float array of shape \(\.\.\., 128\)"):
+        K.quantized_matvec(mx.zeros((1, 64)), codes, ts, tb, 32, 4)
 
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
@@ -262,17 +341,20 @@ def test_few_row_quantized_products_take_the_int16_path_when_set(bits, int16_dec
         assert (np.array(K.quantized_matvec(mx.array(x), q, s, b, 32, bits)) == float_y).all()
 
 
+@pytest.mark.parametrize("bits", [4, 5])
 def test_the_int16_decode_plan_gives_mlxs_logits_and_tokens(
-    tmp_path, monkeypatch, int16_decode_off
+    bits, tmp_path, monkeypatch, int16_decode_off
 ):
-    """A tiny 5-bit Llama decoding under the ``int16_decode`` plan (every product of the blocks'
-    kernels and the head with x in int16): each step's logits within 1e-3 of the largest of MLX's
-    own quantized path's, the greedy tokens the same; ``float`` (the default) sets it off."""
+    """A tiny 4- or 5-bit Llama decoding under the ``int16_decode`` plan (every product of the
+    blocks' kernels and the head with x in int16; 4-bit layers and the 8-bit head tiled, 5-bit
+    through the few-row path): each step's logits within 1e-3 of the largest of MLX's own
+    quantized path's, the greedy tokens the same, alone and in the batching engine;
+    ``float`` (the default) sets it off and drops the tiles."""
     path, _ = make_tiny(
         tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=True
     )
     add_tokenizer(path)
-    convert(path, tmp_path / "q", quantize=True, bits=5, group_size=32, dtype="float32")
+    convert(path, tmp_path / "q", quantize=True, bits=bits, group_size=32, dtype="float32")
     monkeypatch.setenv(backends.ENV, "0")
     plain, _ = load_model(tmp_path / "q")
     monkeypatch.delenv(backends.ENV)
@@ -300,5 +382,8 @@ def test_the_int16_decode_plan_gives_mlxs_logits_and_tokens(
     with Engine(model, max_batch=4, prefill_step=64) as engine:
         handles = [engine.submit(p, max_tokens=6) for p in prompts]
         assert [[s.token for s in h.steps()] for h in handles] == alone
+    tiled = [m for m in model.modules() if "_cpu_tiles" in m.__dict__]
+    assert bool(tiled) == (bits == 4 and tiles.available())
     kinds.set_plan(model, "int16_decode", "float")
     assert K.int16_decode_rows() == 0
+    assert not any("_cpu_tiles" in m.__dict__ for m in tiled)

@@ -38,7 +38,7 @@ from ...cache.rotating import RotatingKVCache
 from ...models import gemma, gemma2, llama, qwen2
 from ...models import layers as model_layers
 from .. import kernels
-from . import attention_kernels, compiled, fused, layers, quantized
+from . import attention_kernels, compiled, fused, layers, quantized, tiles
 
 # A block's forward -> whether it has Gemma 2/3's post-norms (post_attention_layernorm after
 # attention, pre_/post_feedforward_layernorm around the MLP).
@@ -304,7 +304,11 @@ def _layer(layer: nn.Module, reads: _Reads) -> tuple | None:
     ):
         return None
     arrays = [reads.get(layer, key) for key in ("weight", "scales", "biases")]
-    return (*arrays, layer.group_size, layer.bits)
+    return (
+        *(tiles.of(layer, *arrays, layer.group_size, layer.bits) or arrays),
+        layer.group_size,
+        layer.bits,
+    )
 
 
 def _siblings(module: nn.Module, names: tuple[str, ...], reads: _Reads) -> list[tuple] | None:
@@ -324,7 +328,9 @@ def _siblings(module: nn.Module, names: tuple[str, ...], reads: _Reads) -> list[
         and "bias" not in group.arrays
     ):
         a = group.arrays
-        return [(a["weight"], a["scales"], a["biases"], group.group_size, group.bits)]
+        arrays = (a["weight"], a["scales"], a["biases"])
+        tiled = tiles.of(group, *arrays, group.group_size, group.bits)
+        return [(*(tiled or arrays), group.group_size, group.bits)]
     return found  # type: ignore[return-value]
 
 

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
+from . import tiles
 
 MAX_ROWS = 16  # the kernels' rows: up to 16 they beat MLX's products by far (csrc/README.md)
 QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine widths (mx.quantize)
@@ -114,9 +115,10 @@ def quantized_call(k: ModuleType, layer: nn.Module):
     options = {} if mode == "affine" else {"mode": mode}
 
     def product(x: mx.array, layer: nn.Module) -> mx.array:
-        y = matvec(
-            x, layer["weight"], layer["scales"], layer.get("biases"), group_size, bits, **options
-        )
+        arrays = (layer["weight"], layer["scales"], layer.get("biases"))
+        if tiles.on():
+            arrays = tiles.of(layer, *arrays, group_size, bits) or arrays
+        y = matvec(x, *arrays, group_size, bits, **options)
         return y + layer["bias"] if "bias" in layer else y
 
     return product
@@ -243,13 +245,15 @@ def int16_decode_fits(model: nn.Module) -> bool:
 
 
 def set_int16_decode(on: bool) -> None:
-    """The ``int16_decode`` plan: every quantized product of up to 4 rows of affine codes (the
-    blocks' kernels' and the layers') rounds x to int16 per block of 32 and runs the int16
-    product's few-row path (``K.set_int16_decode_rows``), or none does. Process-wide, like the
-    kernels' threads: the last model loaded sets it."""
+    """The ``int16_decode`` plan: decode's quantized products of affine codes (the blocks'
+    kernels' and the layers') round x to int16 per block of 32, 4- and 8-bit layers through
+    their tiles (``tiles``), other widths' products of up to 4 rows through the int16 product's
+    few-row path (``K.set_int16_decode_rows``); or none does (their tiles dropped).
+    Process-wide, like the kernels' threads: the last model loaded sets it."""
     k = kernels.load()
     if k is not None and hasattr(k, "set_int16_decode_rows"):
         k.set_int16_decode_rows(4 if on else 0)
+    tiles.set_on(on)
 
 
 def key() -> list | None:

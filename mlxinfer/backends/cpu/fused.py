@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import compiled, ops, quantized
+from . import compiled, ops, quantized, tiles
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -156,15 +156,10 @@ class QuantizedGroup:
                     x, a["weight"], a["scales"], a["biases"], self.group_size, self.bits
                 )
             else:
-                y = k.quantized_matvec(
-                    x,
-                    a["weight"],
-                    a["scales"],
-                    a.get("biases"),
-                    self.group_size,
-                    self.bits,
-                    **options,
-                )
+                arrays = (a["weight"], a["scales"], a.get("biases"))
+                if tiles.on() and self.mode == "affine":
+                    arrays = tiles.of(self, *arrays, self.group_size, self.bits) or arrays
+                y = k.quantized_matvec(x, *arrays, self.group_size, self.bits, **options)
             if "bias" in a:
                 y = y + a["bias"]
             # one split (one primitive, every sibling's columns) rather than a slice each

@@ -1,0 +1,253 @@
+// Tiled layers (issue 47): a 4- or 8-bit affine layer's codes laid out once, at load, in the
+// order AVX-512 VNNI's int16 product reads them, so a decode step's few rows (one, or the
+// batching engine's) run as prefill_i16.cpp's tiles without laying a tile out per product.
+//
+// The layout (backends/cpu/compiled.py's `tile_layer` writes it; tests check it against the
+// definition): outputs in tiles of 32, n = 32 t + 16 v + j (v the half, j 0..15); inputs in
+// blocks of 32 and pairs, k = 32 b + 2 p + e (p 0..15, e 0..1). Each (t, b, p) holds the 64
+// codes of its pair for the tile's 32 outputs:
+//
+//   4-bit: 32 bytes, byte 2 j + e = code(16 * 0 + j, k) | code(16 * 1 + j, k) << 4
+//   8-bit: 64 bytes, byte 32 v + 2 j + e = code(16 v + j, k)
+//
+// in the order [t][b][p], a uint8 array of MLX's shape in bytes (N, K * bits / 8), so the
+// codes take the same bytes as MLX's packing. Scales and biases [t][g][32] (arrays of shape
+// (N, K / group_size)), float16 where the layer's are (exact), else float32. One pair widens to two vectors of 16 outputs x 2 inputs as int16
+// (4-bit: vpmovzxbw, then the low and high nibbles; 8-bit: two vpmovzxbw), each one vpdpwssd
+// against x's pair broadcast: 32 products an instruction and no float dequantizing, where the
+// float kernel spends 16 fused multiply-adds and about 7 more operations on 32 weights of a row.
+//
+// x is rounded to int16 per block of 32 as in every int16 product (i16.h); the arithmetic is
+// prefill_i16.cpp's tile_rows', so the bound is its: |y - y_f32| <= sum_k |s_g q_k| x_scale_b / 2.
+#include "primitives.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "i16.h"
+#include "kernels.h"
+#include "threadpool.h"
+#include "util.h"
+
+namespace mlxinfer {
+
+namespace {
+
+constexpr int kTileRows = 32; // outputs a tile
+constexpr int kRows = 8; // x's rows a pass over a tile (two int32 and two f32 accumulators each)
+
+#if defined(MLXINFER_X86)
+
+using i16::kBlock;
+using i16::Problem;
+
+// Scales and biases [t][g][32], float32 or float16 (as the layer's: read 16 at a time).
+template <typename S>
+struct Tiles {
+  const uint8_t* codes; // [t][b][p] pairs
+  const S* scales;
+  const S* biases;
+};
+
+template <typename S>
+MLXINFER_VNNI inline __m512 load16(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// acc += the pairwise products of a and b (vpdpwssd), in place: GCC's intrinsic copies each
+// accumulator through another register (two moves a product in tile_pass, 8 rows spilled).
+MLXINFER_VNNI inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// Rows m0..m0+R of x against tile t's 32 outputs.
+// `next`: whether tile t + 1 follows in this thread's span (the first pass asks for its lines).
+template <int BITS, int R, typename S>
+MLXINFER_VNNI void tile_pass(const Problem& p, const Tiles<S>& tl, int t, int m0, bool next) {
+  constexpr size_t kPair = BITS == 4 ? 32 : 64; // bytes a pair
+  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2; // blocks to groups, no idiv
+  const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
+  const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
+  const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
+  const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
+  const __m512i low = _mm512_set1_epi16(15);
+  __m512 C[R][2];
+  for (int r = 0; r < R; ++r) {
+    C[r][0] = C[r][1] = _mm512_setzero_ps();
+  }
+  for (int b = 0; b < blocks; ++b) {
+    __m512i A[R][2];
+    for (int r = 0; r < R; ++r) {
+      A[r][0] = A[r][1] = _mm512_setzero_si512();
+    }
+    const uint8_t* wb = tile + static_cast<size_t>(b) * 16 * kPair;
+    if (m0 == 0 && next) { // the next tile's block: its codes stream from memory meanwhile
+      for (size_t o = 0; o < 16 * kPair; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + tile_bytes + o), _MM_HINT_T0);
+      }
+      if ((b & (per_group - 1)) == 0) {
+        const size_t at = static_cast<size_t>(G + (b >> shift)) * kTileRows;
+        for (size_t o = 0; o < kTileRows * sizeof(S); o += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(ts + at) + o, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(tb + at) + o, _MM_HINT_T0);
+        }
+      }
+    }
+    const int16_t* xb = p.xq + static_cast<size_t>(m0) * p.K + b * kBlock;
+    for (int pair = 0; pair < 16; ++pair) {
+      __m512i w0, w1;
+      if constexpr (BITS == 4) {
+        const __m512i z = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + pair * kPair)));
+        w0 = _mm512_and_si512(z, low);
+        w1 = _mm512_srli_epi16(z, 4);
+      } else {
+        w0 = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + pair * kPair)));
+        w1 = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + pair * kPair + 32)));
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t two;
+        std::memcpy(&two, xb + static_cast<size_t>(r) * p.K + 2 * pair, 4);
+        const __m512i xv = _mm512_set1_epi32(two);
+        dpwssd(A[r][0], xv, w0);
+        dpwssd(A[r][1], xv, w1);
+      }
+    }
+    const int g = b >> shift;
+    const __m512 s0 = load16(ts + g * kTileRows), s1 = load16(ts + g * kTileRows + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(p.xscale[static_cast<size_t>(m0 + r) * blocks + b]);
+      C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
+      C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
+    }
+    if ((b & (per_group - 1)) == per_group - 1) { // the group's biases times its sum of x
+      const __m512 b0 = load16(tb + g * kTileRows), b1 = load16(tb + g * kTileRows + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
+        C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);
+        C[r][1] = _mm512_fmadd_ps(b1, xs, C[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + static_cast<size_t>(m0 + r) * p.N + static_cast<size_t>(t) * kTileRows;
+    _mm512_storeu_ps(yr, C[r][0]);
+    _mm512_storeu_ps(yr + 16, C[r][1]);
+  }
+}
+
+template <int BITS, typename S, size_t... R>
+constexpr auto pass_table(std::index_sequence<R...>) {
+  return std::array<void (*)(const Problem&, const Tiles<S>&, int, int, bool), sizeof...(R)>{
+      tile_pass<BITS, static_cast<int>(R) + 1, S>...};
+}
+
+template <int BITS, typename S>
+MLXINFER_VNNI void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
+  static constexpr auto kPass = pass_table<BITS, S>(std::make_index_sequence<kRows>{});
+  const int t1 = n1 / kTileRows;
+  for (int t = n0 / kTileRows; t < t1; ++t) {
+    const bool next = t + 1 < t1;
+    for (int m = 0; m < p.M; m += kRows) {
+      kPass[std::min(kRows, p.M - m) - 1](p, tl, t, m, next);
+    }
+  }
+}
+
+#endif // MLXINFER_X86
+
+} // namespace
+
+bool is_tiled(const mx::array& w) {
+  return w.dtype() == mx::uint8;
+}
+
+int64_t check_tiled(const std::string& op, const mx::array& w, const mx::array& scales,
+                    const mx::array& biases, int group_size, int bits) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument(op + "bits: a tiled layer has 4 or 8, found " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument(op + "group_size: expected 32, 64 or 128, found " +
+                                std::to_string(group_size));
+  }
+  if (w.ndim() != 2 || w.shape(0) % kTileRows != 0 ||
+      static_cast<int64_t>(w.shape(1)) * 8 % (static_cast<int64_t>(bits) * group_size) != 0) {
+    throw std::invalid_argument(op + "w: expected a tiled uint8 array (N, K * bits / 8) with N a "
+                                "multiple of 32 and K of group_size, found shape " +
+                                shape_str(w.shape()));
+  }
+  const int64_t K = static_cast<int64_t>(w.shape(1)) * 8 / bits;
+  const mx::Shape sshape = {w.shape(0), static_cast<int>(K / group_size)};
+  if (scales.shape() != sshape || biases.shape() != sshape || scales.dtype() != biases.dtype() ||
+      (scales.dtype() != mx::float32 && scales.dtype() != mx::float16)) {
+    throw std::invalid_argument(op + "scales/biases: a tiled layer's are both float32 or both "
+                                "float16, of shape " +
+                                shape_str(sshape) + ", found " + shape_str(scales.shape()) +
+                                " and " + shape_str(biases.shape()));
+  }
+  return K;
+}
+
+void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array& sc,
+                      const mx::array& bi, int gs, int bits, float* y) {
+#if defined(MLXINFER_X86)
+  if (!vnni_available()) {
+    throw std::runtime_error("[mlxinfer tiled product] needs AVX-512 F, BW, VNNI and VBMI at "
+                             "the kernels' ISA level (a tiled layer is made only where they are)");
+  }
+  if (!w.flags().row_contiguous || !sc.flags().row_contiguous || !bi.flags().row_contiguous) {
+    throw std::runtime_error("[mlxinfer tiled product] the tiles must be row-contiguous");
+  }
+  Problem p;
+  p.N = w.shape(0);
+  p.K = static_cast<int>(static_cast<int64_t>(w.shape(1)) * 8 / bits);
+  p.M = M;
+  p.gs = gs;
+  p.bits = bits;
+  p.x = x;
+  p.y = y;
+  if (p.M == 0 || p.N == 0) {
+    return;
+  }
+  const int blocks = p.K / kBlock, G = p.K / gs;
+  aligned_vector<int16_t> xq(static_cast<size_t>(M) * p.K);
+  std::vector<float> xscale(static_cast<size_t>(M) * blocks), xsum(static_cast<size_t>(M) * G);
+  for (int m = 0; m < M; ++m) {
+    i16::prepare_row(p, m, xq.data() + static_cast<size_t>(m) * p.K,
+                     xscale.data() + static_cast<size_t>(m) * blocks,
+                     xsum.data() + static_cast<size_t>(m) * G);
+  }
+  p.xq = xq.data();
+  p.xscale = xscale.data();
+  p.xsum = xsum.data();
+  const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
+  if (sc.dtype() == mx::float32) {
+    const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(), bi.data<float>()};
+    const auto fn = bits == 4 ? tiles_span<4, float> : tiles_span<8, float>;
+    parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
+  } else {
+    const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(), bi.data<mx::float16_t>()};
+    const auto fn = bits == 4 ? tiles_span<4, mx::float16_t> : tiles_span<8, mx::float16_t>;
+    parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
+  }
+#else
+  (void)x, (void)M, (void)w, (void)sc, (void)bi, (void)gs, (void)bits, (void)y;
+  throw std::runtime_error("[mlxinfer tiled product] needs AVX-512 VNNI (x86-64)");
+#endif
+}
+
+} // namespace mlxinfer

@@ -1,0 +1,122 @@
+"""Tiled layers: a 4- or 8-bit affine layer's codes laid out once for AVX-512 VNNI's int16
+products (csrc/src/tiles.cpp), so decode's few rows run as 32-output tiles with no per-product
+layout and no float dequantizing: the ``int16_decode`` plan's ``int16`` option.
+
+A layer's tiles are made the first time a product asks for them while the plan is on, kept on
+the layer (or on its fused group) beside MLX's arrays, which every other path still reads, and
+dropped when the plan is set off. They take the codes' bytes again (a 4-bit layer's 0.5 bytes a
+weight) and the scales and biases (float16 where the layer's are, else float32): SmolLM2-135M's
+4-bit layers ~66 MB.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .. import kernels
+
+BITS = (4, 8)
+TILE = 32  # outputs a tile
+_on = False
+_owners: list[weakref.ref] = []  # what keeps tiles, to drop them when the plan is set off
+
+
+def available() -> bool:
+    """Whether the kernels run tiled layers here (AVX-512 F, BW, VNNI and VBMI)."""
+    k = kernels.load()
+    return k is not None and hasattr(k, "tiles_available") and k.tiles_available()
+
+
+def set_on(on: bool) -> None:
+    """Whether products take tiled layers (process-wide, like the ``int16_decode`` plan)."""
+    global _on
+    _on = on and available()
+    if not _on:
+        for ref in _owners:
+            owner = ref()
+            if owner is not None:
+                owner.__dict__.pop("_cpu_tiles", None)
+        _owners.clear()
+
+
+def on() -> bool:
+    return _on
+
+
+def fits(w: mx.array, bits: int, group_size: int, mode: str = "affine") -> bool:
+    return (
+        mode == "affine"
+        and bits in BITS
+        and group_size in (32, 64, 128)
+        and w.dtype == mx.uint32
+        and w.ndim == 2
+        and w.shape[0] % TILE == 0
+        and w.shape[1] * 32 // bits % group_size == 0
+    )
+
+
+def layout(
+    w: mx.array, scales: mx.array, biases: mx.array, bits: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """MLX's affine arrays (codes (N, K * bits / 32) uint32, scales and biases (N, G)) laid out
+    as tiles.cpp reads them: codes uint8 (N, K * bits / 8) in [tile][block][pair] order (4-bit:
+    byte 2 j + e of a pair holds output j's code of input 2 p + e in its low nibble and output
+    16 + j's in its high one; 8-bit: byte 32 v + 2 j + e output 16 v + j's), scales and biases
+    [tile][group][32 outputs], float16 where every value is one (exact), else float32."""
+    n, words = w.shape
+    k = words * 32 // bits
+    raw = np.asarray(w).view(np.uint8).reshape(n, words * 4)  # little-endian: code order
+    if bits == 4:
+        codes = np.empty((n, k), np.uint8)
+        codes[:, 0::2] = raw & 15
+        codes[:, 1::2] = raw >> 4
+    else:
+        codes = raw
+    # n = 32 t + 16 v + j, k = 32 b + 2 p + e -> [t][b][p][v][j][e]
+    c = codes.reshape(n // TILE, 2, 16, k // 32, 16, 2).transpose(0, 3, 4, 1, 2, 5)
+    if bits == 4:
+        c = c[:, :, :, 0] | (c[:, :, :, 1] << 4)
+    tiled = np.ascontiguousarray(c).reshape(n, k * bits // 8)
+
+    # float16 where every scale and bias is one (the CPU backend widens a checkpoint's float16
+    # to float32 at load): an eighth of a byte a weight read instead of a quarter
+    dtype = mx.float16 if all(_half(a) for a in (scales, biases)) else mx.float32
+
+    def order(a: mx.array) -> mx.array:
+        f = np.asarray(a.astype(dtype))
+        g = f.shape[1]
+        return mx.array(
+            np.ascontiguousarray(f.reshape(n // TILE, TILE, g).transpose(0, 2, 1)).reshape(n, g)
+        )
+
+    return mx.array(tiled), order(scales), order(biases)
+
+
+def _half(a: mx.array) -> bool:
+    """Whether ``a``'s values are float16's, exactly."""
+    return a.dtype == mx.float16 or (
+        a.dtype == mx.float32 and mx.array_equal(a.astype(mx.float16).astype(mx.float32), a).item()
+    )
+
+
+def of(
+    owner: Any, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """``owner``'s tiles for these arrays while the plan is on and they fit, else None; made on
+    the first call and kept on ``owner`` while its codes are the same array."""
+    if not _on or biases is None or not fits(w, bits, group_size):
+        return None
+    kept = owner.__dict__.get("_cpu_tiles")
+    if kept is not None and kept[0] is w and kept[1] is scales and kept[2] is biases:
+        return kept[3]
+    tiles = layout(w, scales, biases, bits)
+    mx.eval(*tiles)
+    if kept is None:
+        _owners[:] = [ref for ref in _owners if ref() is not None]
+        _owners.append(weakref.ref(owner))
+    object.__setattr__(owner, "_cpu_tiles", (w, scales, biases, tiles))
+    return tiles
