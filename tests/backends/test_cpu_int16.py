@@ -13,7 +13,7 @@ from kernel_calls import CountedKernels
 
 from mlxinfer import backends
 from mlxinfer.backends import kernels
-from mlxinfer.backends.cpu import compiled, kinds, quantized, tiles
+from mlxinfer.backends.cpu import compiled, kinds, quantized, tiles, timing
 from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.generation import generate_step
 from mlxinfer.loading.convert import convert
@@ -384,6 +384,35 @@ def test_the_int16_decode_plan_gives_mlxs_logits_and_tokens(
         assert [[s.token for s in h.steps()] for h in handles] == alone
     tiled = [m for m in model.modules() if "_cpu_tiles" in m.__dict__]
     assert bool(tiled) == (bits == 4 and tiles.available())
+    # where layers can be tiled, int16 is the static default the timed plans are checked against
+    assert timing.static_default(model)["int16_decode"] == ("int16" if tiled else "float")
     kinds.set_plan(model, "int16_decode", "float")
     assert K.int16_decode_rows() == 0
     assert not any("_cpu_tiles" in m.__dict__ for m in tiled)
+
+
+def test_the_plans_timing_makes_each_layers_tiles_once(int16_decode_off):
+    """Inside ``tiles.kept()`` (the plans' timing switches ``int16_decode`` on and off each
+    round) a layer's tiles stay when the plan is set off, so each layout is made once; at its
+    end, with the plan off, they are dropped; with it on, kept."""
+    q, s, b = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=4)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    with tiles.kept():
+        compiled.set_int16_decode(True)
+        made = tiles.of(owner, q, s, b, 32, 4)
+        compiled.set_int16_decode(False)
+        assert tiles.of(owner, q, s, b, 32, 4) is None  # off: not used ...
+        compiled.set_int16_decode(True)
+        assert tiles.of(owner, q, s, b, 32, 4) is made  # ... but kept, not made again
+        compiled.set_int16_decode(False)
+    assert "_cpu_tiles" not in owner.__dict__
+    with tiles.kept():
+        compiled.set_int16_decode(True)
+        made = tiles.of(owner, q, s, b, 32, 4)
+    assert owner.__dict__["_cpu_tiles"][3] is made
+    compiled.set_int16_decode(False)
+    assert "_cpu_tiles" not in owner.__dict__

@@ -101,7 +101,7 @@ import mlx.nn as nn
 from ...files import entries
 from ...platform.blas import preloaded_blas
 from ...platform.machine import cpu_name, user_cache_dir
-from . import compiled, quiet
+from . import compiled, quiet, tiles
 from .choices import attention_shapes
 from .kinds import (
     KERNELS,
@@ -230,7 +230,7 @@ def choose(model: nn.Module, *, log=None) -> dict[str, str | int]:
     key = cache_key(model)
     entry = read_entries().get(key) if fixed is None and not replan else None
     if not isinstance(entry, dict) or not isinstance(entry.get("plans"), dict):
-        with quiet.Watch() as watch:
+        with quiet.Watch() as watch, tiles.kept():  # int16_decode's tiles made once
             entry = measure(model, fixed)
             if fixed is None:
                 entry = confirm(model, entry)

@@ -12,9 +12,12 @@ weight) and the scales and biases (float16 where the layer's are, else float32):
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from .. import kernels
@@ -22,6 +25,7 @@ from .. import kernels
 BITS = (4, 8)
 TILE = 32  # outputs a tile
 _on = False
+_keep = 0  # inside kept(): set_on(False) keeps the tiles
 _owners: list[weakref.ref] = []  # what keeps tiles, to drop them when the plan is set off
 
 
@@ -32,15 +36,34 @@ def available() -> bool:
 
 
 def set_on(on: bool) -> None:
-    """Whether products take tiled layers (process-wide, like the ``int16_decode`` plan)."""
+    """Whether products take tiled layers (process-wide, like the ``int16_decode`` plan); off
+    drops the tiles made, unless inside :func:`kept`."""
     global _on
     _on = on and available()
-    if not _on:
-        for ref in _owners:
-            owner = ref()
-            if owner is not None:
-                owner.__dict__.pop("_cpu_tiles", None)
-        _owners.clear()
+    if not _on and not _keep:
+        _drop()
+
+
+@contextmanager
+def kept() -> Iterator[None]:
+    """The tiles kept while the plan is switched on and off (its timing: each layout made once,
+    not every round); dropped at the end if the plan is then off."""
+    global _keep
+    _keep += 1
+    try:
+        yield
+    finally:
+        _keep -= 1
+        if not _on and not _keep:
+            _drop()
+
+
+def _drop() -> None:
+    for ref in _owners:
+        owner = ref()
+        if owner is not None:
+            owner.__dict__.pop("_cpu_tiles", None)
+    _owners.clear()
 
 
 def on() -> bool:
@@ -56,6 +79,16 @@ def fits(w: mx.array, bits: int, group_size: int, mode: str = "affine") -> bool:
         and w.ndim == 2
         and w.shape[0] % TILE == 0
         and w.shape[1] * 32 // bits % group_size == 0
+    )
+
+
+def model_fits(model: Any) -> bool:
+    """Whether some quantized layer of ``model`` (a Linear, or a tied head's embedding) can be
+    tiled."""
+    return any(
+        "scales" in m and fits(m["weight"], m.bits, m.group_size, getattr(m, "mode", "affine"))
+        for m in model.modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
     )
 
 
