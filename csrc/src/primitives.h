@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace mlxinfer {
 
@@ -61,6 +62,12 @@ bool int16_decode(const float* x, int M, const mx::array& w, const mx::array& sc
 // of 32, its scales and biases float32 in the tiles' order. quantized_matvec and the fused
 // blocks take one in place of MLX's arrays and run it with x rounded to int16 per block of 32.
 bool is_tiled(const mx::array& w);
+// MLX's affine arrays (evaluated here) laid out as a tiled layer; scales and biases float16
+// with `half` (the caller checks that every value is one), else float32.
+std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
+                                                       const mx::array& scales,
+                                                       const mx::array& biases, int group_size,
+                                                       int bits, bool half);
 // K, or std::invalid_argument naming the array that is not a tiled layer's (`op`: the prefix).
 int64_t check_tiled(const std::string& op, const mx::array& w, const mx::array& scales,
                     const mx::array& biases, int group_size, int bits);

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -170,6 +171,79 @@ MLXINFER_VNNI void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int 
 #endif // MLXINFER_X86
 
 } // namespace
+
+std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
+                                                       const mx::array& scales,
+                                                       const mx::array& biases, int group_size,
+                                                       int bits, bool half) {
+  const std::string op = "[mlxinfer tile_layer] ";
+  const int64_t K = check_affine(op, w, scales, biases, group_size, bits);
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument(op + "bits: a tiled layer has 4 or 8, found " + std::to_string(bits));
+  }
+  if (w.shape(0) % kTileRows != 0) {
+    throw std::invalid_argument(op + "w: expected a multiple of 32 rows, found shape " +
+                                shape_str(w.shape()));
+  }
+  mx::eval({w, scales, biases});
+  const int N = w.shape(0), blocks = static_cast<int>(K / 32), G = static_cast<int>(K / group_size);
+  const size_t row_bytes = static_cast<size_t>(K) * bits / 8;
+  std::vector<uint32_t> wcopy;
+  const auto* src = reinterpret_cast<const uint8_t*>(contiguous_words(w, wcopy));
+  auto* codes = new uint8_t[static_cast<size_t>(N) * row_bytes];
+  std::vector<float> sf(scales.size()), bf(biases.size());
+  to_f32(scales, sf.data());
+  to_f32(biases, bf.data());
+  const size_t sb_bytes = static_cast<size_t>(N) * G * (half ? 2 : 4);
+  auto* ts = new uint8_t[sb_bytes];
+  auto* tb = new uint8_t[sb_bytes];
+  parallel_rows(N, kTileRows, static_cast<size_t>(N) * row_bytes, [&](int n0, int n1) {
+    for (int t = n0 / kTileRows; t < n1 / kTileRows; ++t) {
+      const uint8_t* rows = src + static_cast<size_t>(t) * kTileRows * row_bytes;
+      uint8_t* out = codes + static_cast<size_t>(t) * kTileRows * row_bytes;
+      for (int b = 0; b < blocks; ++b) {
+        for (int p = 0; p < 16; ++p) {
+          if (bits == 4) { // byte 16 b + p of a row: inputs 2 p (low nibble) and 2 p + 1
+            for (int j = 0; j < 16; ++j) {
+              const uint8_t lo = rows[j * row_bytes + 16 * b + p];
+              const uint8_t hi = rows[(16 + j) * row_bytes + 16 * b + p];
+              out[2 * j] = static_cast<uint8_t>((lo & 15) | (hi << 4));
+              out[2 * j + 1] = static_cast<uint8_t>((lo >> 4) | (hi & 0xF0));
+            }
+            out += 32;
+          } else {
+            for (int v = 0; v < 2; ++v) {
+              for (int j = 0; j < 16; ++j) {
+                const uint8_t* r = rows + (16 * v + j) * row_bytes + 32 * b + 2 * p;
+                out[32 * v + 2 * j] = r[0];
+                out[32 * v + 2 * j + 1] = r[1];
+              }
+            }
+            out += 64;
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int j = 0; j < kTileRows; ++j) {
+          const size_t from = static_cast<size_t>(t * kTileRows + j) * G + g;
+          const size_t to = (static_cast<size_t>(t) * G + g) * kTileRows + j;
+          if (half) {
+            reinterpret_cast<mx::float16_t*>(ts)[to] = static_cast<mx::float16_t>(sf[from]);
+            reinterpret_cast<mx::float16_t*>(tb)[to] = static_cast<mx::float16_t>(bf[from]);
+          } else {
+            reinterpret_cast<float*>(ts)[to] = sf[from];
+            reinterpret_cast<float*>(tb)[to] = bf[from];
+          }
+        }
+      }
+    }
+  });
+  const auto free = [](void* p) { delete[] static_cast<uint8_t*>(p); };
+  const mx::Shape sshape = {N, G};
+  const mx::Dtype sdtype = half ? mx::float16 : mx::float32;
+  return {mx::array(codes, {N, static_cast<int>(row_bytes)}, mx::uint8, free),
+          mx::array(ts, sshape, sdtype, free), mx::array(tb, sshape, sdtype, free)};
+}
 
 bool is_tiled(const mx::array& w) {
   return w.dtype() == mx::uint8;

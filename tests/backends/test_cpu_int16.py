@@ -253,7 +253,7 @@ def test_a_tiled_layout_holds_each_code_where_tiles_cpp_reads_it(bits):
     codes = np.array(
         mx.dequantize(q, mx.ones_like(s), mx.zeros_like(b), group_size=gs, bits=bits)
     ).astype(np.int64)
-    t_codes, t_scales, t_biases = tiles.layout(q, s, b, bits)
+    t_codes, t_scales, t_biases = tiles.layout(q, s, b, bits, gs)
     raw = np.array(t_codes).reshape(-1)
     pair = 64 * bits // 8  # bytes a pair of inputs for a tile's 32 outputs: 64 codes
     n, k = np.meshgrid(np.arange(N), np.arange(Kd), indexing="ij")
@@ -268,7 +268,7 @@ def test_a_tiled_layout_holds_each_code_where_tiles_cpp_reads_it(bits):
     G = Kd // gs
     want = np.array(s).reshape(N // 32, 32, G).transpose(0, 2, 1).reshape(N, G)
     assert t_scales.dtype == mx.float32 and (np.array(t_scales) == want).all()  # not halves
-    half = tiles.layout(q, s.astype(mx.float16).astype(mx.float32), b.astype(mx.float16), bits)
+    half = tiles.layout(q, s.astype(mx.float16).astype(mx.float32), b.astype(mx.float16), bits, gs)
     assert half[1].dtype == half[2].dtype == mx.float16
 
 
@@ -285,7 +285,7 @@ def test_tiled_products_are_the_int16_tiles_products(bits, group_size, half):
     q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
     if half:
         s, b = s.astype(mx.float16), b.astype(mx.float16)
-    t = tiles.layout(q, s, b, bits)
+    t = tiles.layout(q, s, b, bits, group_size)
     assert t[1].dtype == (mx.float16 if half else mx.float32)
     for M in (1, 2, 5, 8, 9, 17):
         x = rng.normal(size=(M, Kd)).astype(np.float32)
@@ -303,8 +303,13 @@ def test_tiled_products_are_the_int16_tiles_products(bits, group_size, half):
 
 def test_bad_tiled_arrays_are_one_line_errors():
     q, s, b = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=4)
-    codes, ts, tb = tiles.layout(q, s, b, 4)
+    codes, ts, tb = tiles.layout(q, s, b, 4, 32)
     x = mx.zeros((1, 128))
+    q5, s5, b5 = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=5)
+    with pytest.raises(ValueError, match=r"\[mlxinfer tile_layer\] bits: a tiled layer has 4 or 8"):
+        K.tile_layer(q5, s5, b5, 32, 5, False)
+    with pytest.raises(ValueError, match=r"tile_layer\] w: expected a multiple of 32 rows"):
+        K.tile_layer(q[:48], s[:48], b[:48], 32, 4, False)
     with pytest.raises(ValueError, match="bits: a tiled layer has 4 or 8, found 5"):
         K.quantized_matvec(x, codes, ts, tb, 32, 5)
     with pytest.raises(

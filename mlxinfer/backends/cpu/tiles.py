@@ -18,7 +18,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from .. import kernels
 
@@ -93,40 +92,20 @@ def model_fits(model: Any) -> bool:
 
 
 def layout(
-    w: mx.array, scales: mx.array, biases: mx.array, bits: int
+    w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int
 ) -> tuple[mx.array, mx.array, mx.array]:
     """MLX's affine arrays (codes (N, K * bits / 32) uint32, scales and biases (N, G)) laid out
-    as tiles.cpp reads them: codes uint8 (N, K * bits / 8) in [tile][block][pair] order (4-bit:
-    byte 2 j + e of a pair holds output j's code of input 2 p + e in its low nibble and output
-    16 + j's in its high one; 8-bit: byte 32 v + 2 j + e output 16 v + j's), scales and biases
-    [tile][group][32 outputs], float16 where every value is one (exact), else float32."""
-    n, words = w.shape
-    k = words * 32 // bits
-    raw = np.asarray(w).view(np.uint8).reshape(n, words * 4)  # little-endian: code order
-    if bits == 4:
-        codes = np.empty((n, k), np.uint8)
-        codes[:, 0::2] = raw & 15
-        codes[:, 1::2] = raw >> 4
-    else:
-        codes = raw
-    # n = 32 t + 16 v + j, k = 32 b + 2 p + e -> [t][b][p][v][j][e]
-    c = codes.reshape(n // TILE, 2, 16, k // 32, 16, 2).transpose(0, 3, 4, 1, 2, 5)
-    if bits == 4:
-        c = c[:, :, :, 0] | (c[:, :, :, 1] << 4)
-    tiled = np.ascontiguousarray(c).reshape(n, k * bits // 8)
-
+    as tiles.cpp reads them (``K.tile_layer``): codes uint8 (N, K * bits / 8) in
+    [tile][block][pair] order (4-bit: byte 2 j + e of a pair holds output j's code of input
+    2 p + e in its low nibble and output 16 + j's in its high one; 8-bit: byte 32 v + 2 j + e
+    output 16 v + j's), scales and biases [tile][group][32 outputs], float16 where every value
+    is one (exact), else float32."""
+    k = kernels.load()
+    assert k is not None
     # float16 where every scale and bias is one (the CPU backend widens a checkpoint's float16
     # to float32 at load): an eighth of a byte a weight read instead of a quarter
-    dtype = mx.float16 if all(_half(a) for a in (scales, biases)) else mx.float32
-
-    def order(a: mx.array) -> mx.array:
-        f = np.asarray(a.astype(dtype))
-        g = f.shape[1]
-        return mx.array(
-            np.ascontiguousarray(f.reshape(n // TILE, TILE, g).transpose(0, 2, 1)).reshape(n, g)
-        )
-
-    return mx.array(tiled), order(scales), order(biases)
+    half = all(_half(a) for a in (scales, biases))
+    return k.tile_layer(w, scales, biases, group_size, bits, half)
 
 
 def _half(a: mx.array) -> bool:
@@ -146,8 +125,7 @@ def of(
     kept = owner.__dict__.get("_cpu_tiles")
     if kept is not None and kept[0] is w and kept[1] is scales and kept[2] is biases:
         return kept[3]
-    tiles = layout(w, scales, biases, bits)
-    mx.eval(*tiles)
+    tiles = layout(w, scales, biases, bits, group_size)
     if kept is None:
         _owners[:] = [ref for ref in _owners if ref() is not None]
         _owners.append(weakref.ref(owner))
