@@ -127,13 +127,13 @@ NB_MODULE(_mlxinfer_kernels, m) {
         "What set_int16_decode_rows last set (0 at import).");
   m.def("tile_layer", &mlxinfer::tile_layer, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, "half"_a,
-        "A 4- or 8-bit affine layer's (codes, scales, biases) laid out as a tiled layer "
+        "A 4-, 5-, 6- or 8-bit affine layer's (codes, scales, biases) laid out as a tiled layer "
         "(tiles.cpp): uint8 codes (N, K * bits / 8) in [tile][block][pair] order, scales and "
         "biases [tile][group][32] in float16 with `half` (exact only where every value is one), "
         "else float32.");
   m.def("tiles_available", &mlxinfer::vnni_available,
         "Whether tiled layers run here (tiles.cpp: quantized_matvec and the fused blocks take a "
-        "4- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F, BW, VNNI and VBMI "
+        "4-, 5-, 6- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F, BW, VNNI and VBMI "
         "at the kernels' ISA level.");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "

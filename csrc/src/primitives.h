@@ -57,7 +57,7 @@ int int16_decode_rows();
 bool int16_decode(const float* x, int M, const mx::array& w, const mx::array& sc,
                   const mx::array& bi, int gs, int bits, int mode, float* y);
 
-// Tiled layers (tiles.cpp): a 4- or 8-bit affine layer's codes laid out at load for AVX-512
+// Tiled layers (tiles.cpp): a 4-, 5-, 6- or 8-bit affine layer's codes laid out at load for AVX-512
 // VNNI's int16 products, a uint8 array (N, K * bits / 8) (MLX's packing is uint32), N a multiple
 // of 32, its scales and biases float32 in the tiles' order. quantized_matvec and the fused
 // blocks take one in place of MLX's arrays and run it with x rounded to int16 per block of 32.

@@ -1,4 +1,4 @@
-// Tiled layers (issue 47): a 4- or 8-bit affine layer's codes laid out once, at load, in the
+// Tiled layers (issue 47): a 4-, 5-, 6- or 8-bit affine layer's codes laid out once, at load, in the
 // order AVX-512 VNNI's int16 product reads them, so a decode step's few rows (one, or the
 // batching engine's) run as prefill_i16.cpp's tiles without laying a tile out per product.
 //
@@ -8,6 +8,9 @@
 // codes of its pair for the tile's 32 outputs:
 //
 //   4-bit: 32 bytes, byte 2 j + e = code(16 * 0 + j, k) | code(16 * 1 + j, k) << 4
+//   5-, 6-bit: those 32 bytes of the codes' low 4 bits, then for each higher bit 4 + i two
+//     32-bit masks (8 bytes): bit 2 j + e of the first = bit 4 + i of code(j, k), of the
+//     second of code(16 + j, k); 40 or 48 bytes
 //   8-bit: 64 bytes, byte 32 v + 2 j + e = code(16 v + j, k)
 //
 // in the order [t][b][p], a uint8 array of MLX's shape in bytes (N, K * bits / 8), so the
@@ -75,7 +78,7 @@ MLXINFER_VNNI inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
 // `next`: whether tile t + 1 follows in this thread's span (the first pass asks for its lines).
 template <int BITS, int R, typename S>
 MLXINFER_VNNI void tile_pass(const Problem& p, const Tiles<S>& tl, int t, int m0, bool next) {
-  constexpr size_t kPair = BITS == 4 ? 32 : 64; // bytes a pair
+  constexpr size_t kPair = 8 * BITS; // bytes a pair: 64 codes
   const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
   const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2; // blocks to groups, no idiv
   const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
@@ -108,11 +111,19 @@ MLXINFER_VNNI void tile_pass(const Problem& p, const Tiles<S>& tl, int t, int m0
     const int16_t* xb = p.xq + static_cast<size_t>(m0) * p.K + b * kBlock;
     for (int pair = 0; pair < 16; ++pair) {
       __m512i w0, w1;
-      if constexpr (BITS == 4) {
+      if constexpr (BITS != 8) {
         const __m512i z = _mm512_cvtepu8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + pair * kPair)));
         w0 = _mm512_and_si512(z, low);
         w1 = _mm512_srli_epi16(z, 4);
+        for (int i = 0; i < BITS - 4; ++i) { // 5- and 6-bit: bit 4 + i of each code, a mask
+          uint32_t m0, m1;
+          std::memcpy(&m0, wb + pair * kPair + 32 + 8 * i, 4);
+          std::memcpy(&m1, wb + pair * kPair + 36 + 8 * i, 4);
+          const __m512i add = _mm512_set1_epi16(static_cast<int16_t>(16 << i));
+          w0 = _mm512_mask_add_epi16(w0, _cvtu32_mask32(m0), w0, add);
+          w1 = _mm512_mask_add_epi16(w1, _cvtu32_mask32(m1), w1, add);
+        }
       } else {
         w0 = _mm512_cvtepu8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + pair * kPair)));
@@ -170,6 +181,13 @@ MLXINFER_VNNI void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int 
 
 #endif // MLXINFER_X86
 
+// Code k of a row in MLX's little-endian bit stream (bits <= 8: within two bytes of the row).
+int code_at(const uint8_t* row, size_t row_bytes, int k, int bits) {
+  const size_t bit = static_cast<size_t>(k) * bits, at = bit / 8;
+  const int two = row[at] | (at + 1 < row_bytes ? row[at + 1] << 8 : 0);
+  return (two >> (bit % 8)) & ((1 << bits) - 1);
+}
+
 } // namespace
 
 std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
@@ -178,8 +196,9 @@ std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
                                                        int bits, bool half) {
   const std::string op = "[mlxinfer tile_layer] ";
   const int64_t K = check_affine(op, w, scales, biases, group_size, bits);
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument(op + "bits: a tiled layer has 4 or 8, found " + std::to_string(bits));
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument(op + "bits: a tiled layer has 4, 5, 6 or 8, found " +
+                                std::to_string(bits));
   }
   if (w.shape(0) % kTileRows != 0) {
     throw std::invalid_argument(op + "w: expected a multiple of 32 rows, found shape " +
@@ -211,6 +230,25 @@ std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
               out[2 * j + 1] = static_cast<uint8_t>((lo >> 4) | (hi & 0xF0));
             }
             out += 32;
+          } else if (bits != 8) { // the low nibbles as 4-bit, then bit 4 + i of every code
+            const int k = 32 * b + 2 * p;
+            uint32_t planes[2][2] = {};
+            for (int j = 0; j < 16; ++j) {
+              for (int e = 0; e < 2; ++e) {
+                const int c0 = code_at(rows + j * row_bytes, row_bytes, k + e, bits);
+                const int c1 = code_at(rows + (16 + j) * row_bytes, row_bytes, k + e, bits);
+                out[2 * j + e] = static_cast<uint8_t>((c0 & 15) | (c1 & 15) << 4);
+                for (int i = 0; i < bits - 4; ++i) {
+                  planes[i][0] |= static_cast<uint32_t>((c0 >> (4 + i)) & 1) << (2 * j + e);
+                  planes[i][1] |= static_cast<uint32_t>((c1 >> (4 + i)) & 1) << (2 * j + e);
+                }
+              }
+            }
+            for (int i = 0; i < bits - 4; ++i) {
+              std::memcpy(out + 32 + 8 * i, &planes[i][0], 4);
+              std::memcpy(out + 36 + 8 * i, &planes[i][1], 4);
+            }
+            out += 8 * bits;
           } else {
             for (int v = 0; v < 2; ++v) {
               for (int j = 0; j < 16; ++j) {
@@ -251,8 +289,9 @@ bool is_tiled(const mx::array& w) {
 
 int64_t check_tiled(const std::string& op, const mx::array& w, const mx::array& scales,
                     const mx::array& biases, int group_size, int bits) {
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument(op + "bits: a tiled layer has 4 or 8, found " + std::to_string(bits));
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument(op + "bits: a tiled layer has 4, 5, 6 or 8, found " +
+                                std::to_string(bits));
   }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(op + "group_size: expected 32, 64 or 128, found " +
@@ -311,11 +350,17 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
   if (sc.dtype() == mx::float32) {
     const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(), bi.data<float>()};
-    const auto fn = bits == 4 ? tiles_span<4, float> : tiles_span<8, float>;
+    const auto fn = bits == 4 ? tiles_span<4, float>
+        : bits == 5           ? tiles_span<5, float>
+        : bits == 6           ? tiles_span<6, float>
+                              : tiles_span<8, float>;
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   } else {
     const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(), bi.data<mx::float16_t>()};
-    const auto fn = bits == 4 ? tiles_span<4, mx::float16_t> : tiles_span<8, mx::float16_t>;
+    const auto fn = bits == 4 ? tiles_span<4, mx::float16_t>
+        : bits == 5           ? tiles_span<5, mx::float16_t>
+        : bits == 6           ? tiles_span<6, mx::float16_t>
+                              : tiles_span<8, mx::float16_t>;
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   }
 #else

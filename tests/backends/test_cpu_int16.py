@@ -241,12 +241,13 @@ def int16_decode_off():
 # Tiled layers (csrc/src/tiles.cpp, backends/cpu/tiles.py): the codes laid out at load.
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_a_tiled_layout_holds_each_code_where_tiles_cpp_reads_it(bits):
-    """Each code found at the byte and nibble the layout's comment names (n = 32 t + 16 v + j,
-    k = 32 b + 2 p + e; pairs [t][b][p], 4-bit: byte 2 j + e, v the nibble; 8-bit: byte
-    32 v + 2 j + e), the codes read by MLX's own dequantize (scale 1, bias 0), and the scales in
-    [tile][group][32] order, float16 kept where every value is one."""
+    """Each code found at the byte and bit the layout's comment names (n = 32 t + 16 v + j,
+    k = 32 b + 2 p + e; pairs [t][b][p] of 8 * bits bytes; 4- to 6-bit: the low 4 bits in byte
+    2 j + e, v the nibble, bit 4 + i in bit 2 j + e of the 32-bit mask at 32 + 8 i + 4 v; 8-bit:
+    byte 32 v + 2 j + e), the codes read by MLX's own dequantize (scale 1, bias 0), and the
+    scales in [tile][group][32] order, float16 kept where every value is one."""
     rng = np.random.default_rng(bits)
     N, Kd, gs = 64, 128, 32
     q, s, b = mx.quantize(mx.array(rng.normal(size=(N, Kd)).astype(np.float32)), gs, bits)
@@ -259,10 +260,14 @@ def test_a_tiled_layout_holds_each_code_where_tiles_cpp_reads_it(bits):
     n, k = np.meshgrid(np.arange(N), np.arange(Kd), indexing="ij")
     t, v, j, blk, p, e = n // 32, n % 32 // 16, n % 16, k // 32, k % 32 // 2, k % 2
     at = ((t * (Kd // 32) + blk) * 16 + p) * pair
-    if bits == 4:
-        got = (raw[at + 2 * j + e] >> (4 * v)) & 15
-    else:
+    if bits == 8:
         got = raw[at + 32 * v + 2 * j + e]
+    else:
+        got = (raw[at + 2 * j + e] >> (4 * v)) & 15
+        for i in range(bits - 4):
+            mask = at + 32 + 8 * i + 4 * v  # a little-endian uint32: bit l in byte l // 8
+            lane = 2 * j + e
+            got = got + (((raw[mask + lane // 8] >> (lane % 8)) & 1) << (4 + i))
     assert t_codes.dtype == mx.uint8 and t_codes.shape == (N, Kd * bits // 8)
     assert (got == codes).all()
     G = Kd // gs
@@ -272,7 +277,7 @@ def test_a_tiled_layout_holds_each_code_where_tiles_cpp_reads_it(bits):
     assert half[1].dtype == half[2].dtype == mx.float16
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("half", [False, True])
 def test_tiled_products_are_the_int16_tiles_products(bits, group_size, half):
@@ -305,13 +310,13 @@ def test_bad_tiled_arrays_are_one_line_errors():
     q, s, b = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=4)
     codes, ts, tb = tiles.layout(q, s, b, 4, 32)
     x = mx.zeros((1, 128))
-    q5, s5, b5 = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=5)
-    with pytest.raises(ValueError, match=r"\[mlxinfer tile_layer\] bits: a tiled layer has 4 or 8"):
-        K.tile_layer(q5, s5, b5, 32, 5, False)
+    q3, s3, b3 = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=3)
+    with pytest.raises(ValueError, match=r"tile_layer\] bits: a tiled layer has 4, 5, 6 or 8"):
+        K.tile_layer(q3, s3, b3, 32, 3, False)
     with pytest.raises(ValueError, match=r"tile_layer\] w: expected a multiple of 32 rows"):
         K.tile_layer(q[:48], s[:48], b[:48], 32, 4, False)
-    with pytest.raises(ValueError, match="bits: a tiled layer has 4 or 8, found 5"):
-        K.quantized_matvec(x, codes, ts, tb, 32, 5)
+    with pytest.raises(ValueError, match="bits: a tiled layer has 4, 5, 6 or 8, found 3"):
+        K.quantized_matvec(x, codes, ts, tb, 32, 3)
     with pytest.raises(
         ValueError, match=r"w: expected a tiled uint8 array .* found shape \(48, 64\)"
     ):
@@ -346,13 +351,13 @@ def test_few_row_quantized_products_take_the_int16_path_when_set(bits, int16_dec
         assert (np.array(K.quantized_matvec(mx.array(x), q, s, b, 32, bits)) == float_y).all()
 
 
-@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("bits", [4, 5, 3])
 def test_the_int16_decode_plan_gives_mlxs_logits_and_tokens(
     bits, tmp_path, monkeypatch, int16_decode_off
 ):
-    """A tiny 4- or 5-bit Llama decoding under the ``int16_decode`` plan (every product of the
-    blocks' kernels and the head with x in int16; 4-bit layers and the 8-bit head tiled, 5-bit
-    through the few-row path): each step's logits within 1e-3 of the largest of MLX's own
+    """A tiny 4-, 5- or 3-bit Llama decoding under the ``int16_decode`` plan (every product of
+    the blocks' kernels and the head with x in int16; 4- and 5-bit layers and the 8-bit head
+    tiled, 3-bit through the few-row path): each step's logits within 1e-3 of the largest of MLX's own
     quantized path's, the greedy tokens the same, alone and in the batching engine;
     ``float`` (the default) sets it off and drops the tiles."""
     path, _ = make_tiny(
@@ -388,7 +393,8 @@ def test_the_int16_decode_plan_gives_mlxs_logits_and_tokens(
         handles = [engine.submit(p, max_tokens=6) for p in prompts]
         assert [[s.token for s in h.steps()] for h in handles] == alone
     tiled = [m for m in model.modules() if "_cpu_tiles" in m.__dict__]
-    assert bool(tiled) == (bits == 4 and tiles.available())
+    layers = {m.bits for m in tiled if "scales" in m}  # the blocks' (the tied head: int16_head)
+    assert layers == ({bits} if bits != 3 and tiles.available() else set())
     # where layers can be tiled, int16 is the static default the timed plans are checked against
     assert timing.static_default(model)["int16_decode"] == ("int16" if tiled else "float")
     kinds.set_plan(model, "int16_decode", "float")

@@ -246,7 +246,7 @@ def int16_decode_fits(model: nn.Module) -> bool:
 
 def set_int16_decode(on: bool) -> None:
     """The ``int16_decode`` plan: decode's quantized products of affine codes (the blocks'
-    kernels' and the layers') round x to int16 per block of 32, 4- and 8-bit layers through
+    kernels' and the layers') round x to int16 per block of 32, 4-, 5-, 6- and 8-bit layers through
     their tiles (``tiles``), other widths' products of up to 4 rows through the int16 product's
     few-row path (``K.set_int16_decode_rows``); or none does (their tiles dropped).
     Process-wide, like the kernels' threads: the last model loaded sets it."""

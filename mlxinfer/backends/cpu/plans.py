@@ -33,7 +33,7 @@ keeping an option only if it beats the plainer one by 3%:
 - ``int16_decode`` (kernels loaded, AVX-512 VNNI and VBMI, affine quantized layers): decode's
   quantized products (the blocks' kernels, the head, the batching engine's rows) in float32
   (``float``) or with x rounded to int16 per block of 32 (``int16``: ``compiled.set_int16_decode``;
-  process-wide, as the kernels' threads): 4- and 8-bit layers with 32-multiple outputs through
+  process-wide, as the kernels' threads): 4-, 5-, 6- and 8-bit layers with 32-multiple outputs through
   tiled copies of their codes made at first use (``tiles``: 0.5-1 byte a weight more memory while
   the plan is on), other widths' products of up to 4 rows through the int16 product's few-row
   path; timed on whole decode steps;
@@ -149,8 +149,9 @@ ENV = "MLXINFER_CPU_PLANS"
 # 19: the dequantized product's weight comes from the kernels' dequantize, 4-7x faster, which
 # moves dequantize_rows' crossover down; 20: int16_rows, the int16 product with AVX-512 VNNI;
 # 21: int16_head, a tied head's decode rows through the int16 kernel; 22: int16_decode; 23:
-# int16_decode's ``int16`` tiles 4- and 8-bit layers at load, 1.3-2x faster products)
-VERSION = 23
+# int16_decode's ``int16`` tiles 4- and 8-bit layers at load, 1.3-2x faster products; 24: and
+# 5- and 6-bit ones)
+VERSION = 24
 
 
 def cache_key(model: nn.Module) -> str:

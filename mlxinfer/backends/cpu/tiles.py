@@ -1,4 +1,4 @@
-"""Tiled layers: a 4- or 8-bit affine layer's codes laid out once for AVX-512 VNNI's int16
+"""Tiled layers: a 4-, 5-, 6- or 8-bit affine layer's codes laid out once for AVX-512 VNNI's int16
 products (csrc/src/tiles.cpp), so decode's few rows run as 32-output tiles with no per-product
 layout and no float dequantizing: the ``int16_decode`` plan's ``int16`` option.
 
@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from .. import kernels
 
-BITS = (4, 8)
+BITS = (4, 5, 6, 8)
 TILE = 32  # outputs a tile
 _on = False
 _keep = 0  # inside kept(): set_on(False) keeps the tiles

@@ -200,7 +200,7 @@ def static_default(model: nn.Module) -> dict[str, str]:
     if "fuse" in default and "kernel" in default.values():
         default["fuse"] = "fused"  # siblings stacked: one kernel call for each group
     if "int16_decode" in default and tiles.available() and tiles.model_fits(model):
-        # tiled 4- and 8-bit layers: their products 1.3-2x the float kernel's (SmolLM2-135M's
+        # tiled 4- to 8-bit layers: their products 1.3-2x the float kernel's (SmolLM2-135M's
         # decode step 13.3 -> 9.6-10.5 ms on the Xeon VM); the few-row path alone is not a default
         default["int16_decode"] = "int16"
     return default
