@@ -427,3 +427,23 @@ def test_the_plans_timing_makes_each_layers_tiles_once(int16_decode_off):
     assert owner.__dict__["_cpu_tiles"][3] is made
     compiled.set_int16_decode(False)
     assert "_cpu_tiles" not in owner.__dict__
+
+
+def test_a_tiled_product_has_the_dtype_mlxs_arrays_give(int16_decode_off):
+    """Tiles keep float16 scales only where exact: bfloat16 scales are tiled as float32, and
+    the product still comes out in bfloat16 (x's and the layer's dtype), as MLX's would."""
+    rng = np.random.default_rng(3)
+    q, s, b = mx.quantize(mx.array(rng.normal(size=(64, 128)).astype(np.float32)), 32, 4)
+    s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    x = mx.array(rng.normal(size=(2, 128)).astype(np.float32)).astype(mx.bfloat16)
+
+    class Owner:
+        pass
+
+    assert tiles.product(x, Owner(), q, s, b, 32, 4) is None  # the plan off: the caller's path
+    compiled.set_int16_decode(True)
+    y = tiles.product(x, Owner(), q, s, b, 32, 4)
+    want = K.quantized_matvec(x, q, s, b, 32, 4)
+    assert y.dtype == want.dtype == mx.bfloat16
+    got, want = np.array(y.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()  # bfloat16's rounding, twice

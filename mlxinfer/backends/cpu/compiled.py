@@ -116,9 +116,9 @@ def quantized_call(k: ModuleType, layer: nn.Module):
 
     def product(x: mx.array, layer: nn.Module) -> mx.array:
         arrays = (layer["weight"], layer["scales"], layer.get("biases"))
-        if tiles.on():
-            arrays = tiles.of(layer, *arrays, group_size, bits) or arrays
-        y = matvec(x, *arrays, group_size, bits, **options)
+        y = tiles.product(x, layer, *arrays, group_size, bits) if tiles.on() else None
+        if y is None:
+            y = matvec(x, *arrays, group_size, bits, **options)
         return y + layer["bias"] if "bias" in layer else y
 
     return product
@@ -146,9 +146,10 @@ def int16_product(x: mx.array, layer: nn.Module) -> mx.array:
     float32's rounding an output is off by at most sum_k |s q_k| times its block's
     max |x| / 65534: about 1.5e-5 of the largest input of a block per unit of weight, far
     below what the weights' own 4- or 5-bit rounding costs (csrc/src/prefill_i16.cpp)."""
-    y = kernels.load().quantized_matmul_i16(
-        x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
-    )
+    arrays = (layer["weight"], layer["scales"], layer["biases"])
+    y = tiles.product(x, layer, *arrays, layer.group_size, layer.bits) if tiles.on() else None
+    if y is None:  # with tiles: the same arithmetic, no tiles laid out per product
+        y = kernels.load().quantized_matmul_i16(x, *arrays, layer.group_size, layer.bits)
     return y + layer["bias"] if "bias" in layer else y
 
 

@@ -151,14 +151,13 @@ class QuantizedGroup:
             a = self.arrays
             options = {} if self.mode == "affine" else {"mode": self.mode}
             k = compiled.loaded()
-            if int16:
-                y = k.quantized_matmul_i16(
-                    x, a["weight"], a["scales"], a["biases"], self.group_size, self.bits
-                )
-            else:
-                arrays = (a["weight"], a["scales"], a.get("biases"))
-                if tiles.on() and self.mode == "affine":
-                    arrays = tiles.of(self, *arrays, self.group_size, self.bits) or arrays
+            arrays = (a["weight"], a["scales"], a.get("biases"))
+            y = None
+            if tiles.on() and self.mode == "affine":  # int16 or not: the tiles' product
+                y = tiles.product(x, self, *arrays, self.group_size, self.bits)
+            if y is None and int16:
+                y = k.quantized_matmul_i16(x, *arrays, self.group_size, self.bits)
+            elif y is None:
                 y = k.quantized_matvec(x, *arrays, self.group_size, self.bits, **options)
             if "bias" in a:
                 y = y + a["bias"]

@@ -131,3 +131,24 @@ def of(
         _owners.append(weakref.ref(owner))
     object.__setattr__(owner, "_cpu_tiles", (w, scales, biases, tiles))
     return tiles
+
+
+def product(
+    x: mx.array,
+    owner: Any,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    gs: int,
+    bits: int,
+) -> mx.array | None:
+    """``x @ dequantize(w, scales, biases).T`` through ``owner``'s tiles (``K.quantized_matvec``
+    takes them), in the dtype MLX's arrays would give; None where the plan is off or they do
+    not fit (the caller's own path)."""
+    tiled = of(owner, w, scales, biases, gs, bits)
+    if tiled is None:
+        return None
+    y = kernels.load().quantized_matvec(x, *tiled, gs, bits)
+    # MLX's promotion of two float dtypes: the same one, else float32 (float16 with bfloat16 too)
+    dtype = x.dtype if x.dtype == scales.dtype else mx.float32
+    return y if y.dtype == dtype else y.astype(dtype)
