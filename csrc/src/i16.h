@@ -9,14 +9,16 @@
 
 #include "simd.h"
 
+namespace mlxinfer::i16 {
+constexpr int kBlock = 32; // inputs per x scale (and per int32 sum)
+} // namespace mlxinfer::i16
+
 #if defined(MLXINFER_X86)
 #include <immintrin.h>
 
 #define MLXINFER_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma")))
 
 namespace mlxinfer::i16 {
-
-constexpr int kBlock = 32; // inputs per x scale (and per int32 sum)
 
 struct Problem {
   int M = 0, N = 0, K = 0, gs = 0, bits = 0;
