@@ -7,6 +7,11 @@ the layer (or on its fused group) beside MLX's arrays, which every other path st
 dropped when the plan is set off. They take the codes' bytes again (a 4-bit layer's 0.5 bytes a
 weight) and the scales and biases (float16 where every value is one, else float32):
 SmolLM2-135M 98 MB, Gemma-3-270M 218 MB (its 262,144-row head's 189 MB among them).
+
+A second copy must not push the machine into paging: a layer is tiled only while what the
+machine can still give (``loading.memory.capacity``: MemAvailable, a cgroup's room) stays above
+``RESERVE`` after its tiles; past that its products keep the float kernel (correct, slower),
+and ``skipped_bytes`` counts what was not tiled.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...loading import memory
 from .. import kernels
 
 BITS = (4, 5, 6, 8)
@@ -26,6 +32,9 @@ TILE = 32  # outputs a tile
 _on = False
 _keep = 0  # inside kept(): set_on(False) keeps the tiles
 _owners: list[weakref.ref] = []  # what keeps tiles, to drop them when the plan is set off
+# Left free after a layer's tiles: a request's KV cache, a prefill chunk's activations, logits.
+RESERVE = 1 << 30
+skipped_bytes = 0  # layers' tiles not made for want of memory (their float kernel runs)
 
 
 def available() -> bool:
@@ -58,6 +67,8 @@ def kept() -> Iterator[None]:
 
 
 def _drop() -> None:
+    global skipped_bytes
+    skipped_bytes = 0
     for ref in _owners:
         owner = ref()
         if owner is not None:
@@ -127,12 +138,25 @@ def of(
     kept = owner.__dict__.get("_cpu_tiles")
     if kept is not None and kept[0] is w and kept[1] is scales and kept[2] is biases:
         return kept[3]
-    tiles = layout(w, scales, biases, bits, group_size)
+    # None where the machine has no room for them: asked once (kept as None), not every product
+    tiles = layout(w, scales, biases, bits, group_size) if room_for(w, scales) else None
     if kept is None:
         _owners[:] = [ref for ref in _owners if ref() is not None]
         _owners.append(weakref.ref(owner))
     object.__setattr__(owner, "_cpu_tiles", (w, scales, biases, tiles))
     return tiles
+
+
+def room_for(w: mx.array, scales: mx.array) -> bool:
+    """Whether the machine can hold a layer's tiles (its codes' bytes again, scales and biases
+    at most float32) and still give ``RESERVE``; counts ``skipped_bytes`` where not."""
+    global skipped_bytes
+    need = w.nbytes + 2 * scales.size * 4
+    can = memory.capacity()
+    if can is None or can.bytes - need >= RESERVE:
+        return True
+    skipped_bytes += need
+    return False
 
 
 def product(
