@@ -131,10 +131,10 @@ NB_MODULE(_mlxinfer_kernels, m) {
         "(tiles.cpp): uint8 codes (N, K * bits / 8) in [tile][block][pair] order, scales and "
         "biases [tile][group][32] in float16 with `half` (exact only where every value is one), "
         "else float32.");
-  m.def("tiles_available", &mlxinfer::vnni_available,
+  m.def("tiles_available", &mlxinfer::tiles_available,
         "Whether tiled layers run here (tiles.cpp: quantized_matvec and the fused blocks take a "
-        "4-, 5-, 6- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F, BW, VNNI and VBMI "
-        "at the kernels' ISA level.");
+        "4-, 5-, 6- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F, BW, VNNI and "
+        "VBMI, or else AVX2 (the same outputs), at the kernels' ISA level.");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");

@@ -54,6 +54,45 @@ MLXINFER_VNNI inline void prepare_row(const Problem& p, int m, int16_t* xq, floa
   }
 }
 
+#define MLXINFER_I16_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// prepare_row in 256-bit vectors (tiles.cpp's AVX2 path): the same int16 codes, scales and
+// sums bit for bit, the reductions in the order _mm512_reduce_max_ps / _mm512_reduce_add_ps take.
+MLXINFER_I16_AVX2 inline void prepare_row_avx2(const Problem& p, int m, int16_t* xq, float* xscale,
+                                               float* xsum) {
+  const float* xr = p.x + static_cast<size_t>(m) * p.K;
+  const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int b = 0; b < blocks; ++b) {
+    const float* at = xr + b * kBlock;
+    const __m256 a0 = _mm256_loadu_ps(at), a1 = _mm256_loadu_ps(at + 8);
+    const __m256 c0 = _mm256_loadu_ps(at + 16), c1 = _mm256_loadu_ps(at + 24);
+    // max(|a|, |c|) lane by lane as one 512-bit vector's halves, then the reduction's tree
+    const __m256 lo = _mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, c0));
+    const __m256 hi = _mm256_max_ps(_mm256_andnot_ps(sign, a1), _mm256_andnot_ps(sign, c1));
+    const __m256 t3 = _mm256_max_ps(hi, lo);
+    const __m128 t6 = _mm_max_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_max_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m128 t10 = _mm_max_ps(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1)));
+    const float amax = _mm_cvtss_f32(t10);
+    const bool finite = std::isfinite(amax);
+    const float scale = !finite ? std::nanf("") : amax > 0.0f ? amax / 32767.0f : 0.0f;
+    const __m256 inv = _mm256_set1_ps(finite && amax > 0.0f ? 32767.0f / amax : 0.0f);
+    const __m256 q[4] = {a0, a1, c0, c1};
+    for (int i = 0; i < 4; ++i) { // to nearest, saturated to int16 (as _mm512_cvtsepi32_epi16)
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(q[i], inv));
+      const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 8 * i), packed);
+    }
+    xscale[b] = scale;
+    const __m256 s3 = _mm256_add_ps(_mm256_add_ps(a1, c1), _mm256_add_ps(a0, c0));
+    const __m128 s6 = _mm_add_ps(_mm256_extractf128_ps(s3, 1), _mm256_castps256_ps128(s3));
+    const __m128 s8 = _mm_add_ps(s6, _mm_shuffle_ps(s6, s6, _MM_SHUFFLE(1, 0, 3, 2)));
+    const float s = _mm_cvtss_f32(s8) + _mm_cvtss_f32(_mm_shuffle_ps(s8, s8, _MM_SHUFFLE(1, 1, 1, 1)));
+    xsum[b / per_group] = b % per_group == 0 ? s : xsum[b / per_group] + s;
+  }
+}
+
 } // namespace mlxinfer::i16
 
 #endif // MLXINFER_X86

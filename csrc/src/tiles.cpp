@@ -179,6 +179,110 @@ MLXINFER_VNNI void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int 
   }
 }
 
+// The same products in 256-bit vectors, for CPUs without AVX-512 (AVX2: Intel's client cores,
+// AMD's before Zen 4): one row a pass, each pair's codes widened to four vectors of 8 outputs
+// x 2 inputs, vpmaddwd against x's pair and vpaddd (the exact int32 sums of vpdpwssd: |x| <=
+// 32767, codes <= 255), then tile_pass's scaling in its order, so the outputs are bit for bit
+// the AVX-512 path's. Accumulator v holds outputs 8 v .. 8 v + 7.
+template <typename S>
+MLXINFER_I16_AVX2 inline __m256 load8(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// Bits 8 h .. 8 h + 15 of a 5- or 6-bit code's mask (one per pair half), as 16 words of `add`.
+MLXINFER_I16_AVX2 inline __m256i mask_words(uint32_t mask, int h, __m256i select, __m256i add) {
+  const __m256i bits = _mm256_set1_epi16(static_cast<int16_t>((mask >> (16 * h)) & 0xFFFF));
+  return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(bits, select), select), add);
+}
+
+template <int BITS, typename S>
+MLXINFER_I16_AVX2 void tile_row_avx2(const Problem& p, const Tiles<S>& tl, int t, int m, bool next) {
+  constexpr size_t kPair = 8 * BITS;
+  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
+  const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
+  const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
+  const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
+  const __m256i low = _mm256_set1_epi16(15);
+  const __m256i select = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
+                                           4096, 8192, 16384, static_cast<int16_t>(0x8000));
+  __m256 C[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int b = 0; b < blocks; ++b) {
+    __m256i A[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                    _mm256_setzero_si256()};
+    const uint8_t* wb = tile + static_cast<size_t>(b) * 16 * kPair;
+    if (m == 0 && next) { // the next tile's block, as tile_pass
+      for (size_t o = 0; o < 16 * kPair; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + tile_bytes + o), _MM_HINT_T0);
+      }
+    }
+    const int16_t* xb = p.xq + static_cast<size_t>(m) * p.K + b * kBlock;
+    for (int pair = 0; pair < 16; ++pair) {
+      const uint8_t* pw = wb + pair * kPair;
+      __m256i w[4]; // outputs 0-7, 8-15, 16-23, 24-31
+      if constexpr (BITS != 8) {
+        const __m256i z0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw)));
+        const __m256i z1 =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 16)));
+        w[0] = _mm256_and_si256(z0, low);
+        w[1] = _mm256_and_si256(z1, low);
+        w[2] = _mm256_srli_epi16(z0, 4);
+        w[3] = _mm256_srli_epi16(z1, 4);
+        for (int i = 0; i < BITS - 4; ++i) { // bit 4 + i: masks of outputs 0-15 and 16-31
+          uint32_t m0, m1;
+          std::memcpy(&m0, pw + 32 + 8 * i, 4);
+          std::memcpy(&m1, pw + 36 + 8 * i, 4);
+          const __m256i add = _mm256_set1_epi16(static_cast<int16_t>(16 << i));
+          w[0] = _mm256_add_epi16(w[0], mask_words(m0, 0, select, add));
+          w[1] = _mm256_add_epi16(w[1], mask_words(m0, 1, select, add));
+          w[2] = _mm256_add_epi16(w[2], mask_words(m1, 0, select, add));
+          w[3] = _mm256_add_epi16(w[3], mask_words(m1, 1, select, add));
+        }
+      } else {
+        for (int v = 0; v < 4; ++v) {
+          w[v] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 16 * v)));
+        }
+      }
+      int32_t two;
+      std::memcpy(&two, xb + 2 * pair, 4);
+      const __m256i xv = _mm256_set1_epi32(two);
+      for (int v = 0; v < 4; ++v) {
+        A[v] = _mm256_add_epi32(A[v], _mm256_madd_epi16(xv, w[v]));
+      }
+    }
+    const int g = b / per_group;
+    const __m256 sx = _mm256_set1_ps(p.xscale[static_cast<size_t>(m) * blocks + b]);
+    for (int v = 0; v < 4; ++v) {
+      const __m256 s = load8(ts + g * kTileRows + 8 * v);
+      C[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[v]), _mm256_mul_ps(s, sx), C[v]);
+    }
+    if (b % per_group == per_group - 1) { // the group's biases times its sum of x
+      const __m256 xs = _mm256_set1_ps(p.xsum[static_cast<size_t>(m) * G + g]);
+      for (int v = 0; v < 4; ++v) {
+        C[v] = _mm256_fmadd_ps(load8(tb + g * kTileRows + 8 * v), xs, C[v]);
+      }
+    }
+  }
+  float* yr = p.y + static_cast<size_t>(m) * p.N + static_cast<size_t>(t) * kTileRows;
+  for (int v = 0; v < 4; ++v) {
+    _mm256_storeu_ps(yr + 8 * v, C[v]);
+  }
+}
+
+template <int BITS, typename S>
+MLXINFER_I16_AVX2 void tiles_span_avx2(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
+  const int t1 = n1 / kTileRows;
+  for (int t = n0 / kTileRows; t < t1; ++t) {
+    for (int m = 0; m < p.M; ++m) {
+      tile_row_avx2<BITS, S>(p, tl, t, m, t + 1 < t1);
+    }
+  }
+}
+
 #endif // MLXINFER_X86
 
 // Code k of a row in MLX's little-endian bit stream (bits <= 8: within two bytes of the row).
@@ -283,6 +387,14 @@ std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
           mx::array(ts, sshape, sdtype, free), mx::array(tb, sshape, sdtype, free)};
 }
 
+bool tiles_available() {
+#if defined(MLXINFER_X86)
+  return current_isa() == kAvx2 || current_isa() == kAvx512;
+#else
+  return false;
+#endif
+}
+
 bool is_tiled(const mx::array& w) {
   return w.dtype() == mx::uint8;
 }
@@ -318,9 +430,10 @@ int64_t check_tiled(const std::string& op, const mx::array& w, const mx::array& 
 void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array& sc,
                       const mx::array& bi, int gs, int bits, float* y) {
 #if defined(MLXINFER_X86)
-  if (!vnni_available()) {
-    throw std::runtime_error("[mlxinfer tiled product] needs AVX-512 F, BW, VNNI and VBMI at "
-                             "the kernels' ISA level (a tiled layer is made only where they are)");
+  const bool wide = vnni_available(); // else the AVX2 path: the same outputs
+  if (!tiles_available()) {
+    throw std::runtime_error("[mlxinfer tiled product] needs AVX2 at the kernels' ISA level "
+                             "(a tiled layer is made only where it is)");
   }
   if (!w.flags().row_contiguous || !sc.flags().row_contiguous || !bi.flags().row_contiguous) {
     throw std::runtime_error("[mlxinfer tiled product] the tiles must be row-contiguous");
@@ -340,9 +453,9 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   aligned_vector<int16_t> xq(static_cast<size_t>(M) * p.K);
   std::vector<float> xscale(static_cast<size_t>(M) * blocks), xsum(static_cast<size_t>(M) * G);
   for (int m = 0; m < M; ++m) {
-    i16::prepare_row(p, m, xq.data() + static_cast<size_t>(m) * p.K,
-                     xscale.data() + static_cast<size_t>(m) * blocks,
-                     xsum.data() + static_cast<size_t>(m) * G);
+    (wide ? i16::prepare_row : i16::prepare_row_avx2)(p, m, xq.data() + static_cast<size_t>(m) * p.K,
+                                                     xscale.data() + static_cast<size_t>(m) * blocks,
+                                                     xsum.data() + static_cast<size_t>(m) * G);
   }
   p.xq = xq.data();
   p.xscale = xscale.data();
@@ -350,14 +463,22 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
   if (sc.dtype() == mx::float32) {
     const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(), bi.data<float>()};
-    const auto fn = bits == 4 ? tiles_span<4, float>
+    const auto fn = !wide     ? (bits == 4 ? tiles_span_avx2<4, float>
+                                 : bits == 5 ? tiles_span_avx2<5, float>
+                                 : bits == 6 ? tiles_span_avx2<6, float>
+                                             : tiles_span_avx2<8, float>)
+        : bits == 4           ? tiles_span<4, float>
         : bits == 5           ? tiles_span<5, float>
         : bits == 6           ? tiles_span<6, float>
                               : tiles_span<8, float>;
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   } else {
     const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(), bi.data<mx::float16_t>()};
-    const auto fn = bits == 4 ? tiles_span<4, mx::float16_t>
+    const auto fn = !wide     ? (bits == 4 ? tiles_span_avx2<4, mx::float16_t>
+                                 : bits == 5 ? tiles_span_avx2<5, mx::float16_t>
+                                 : bits == 6 ? tiles_span_avx2<6, mx::float16_t>
+                                             : tiles_span_avx2<8, mx::float16_t>)
+        : bits == 4           ? tiles_span<4, mx::float16_t>
         : bits == 5           ? tiles_span<5, mx::float16_t>
         : bits == 6           ? tiles_span<6, mx::float16_t>
                               : tiles_span<8, mx::float16_t>;
@@ -365,7 +486,7 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   }
 #else
   (void)x, (void)M, (void)w, (void)sc, (void)bi, (void)gs, (void)bits, (void)y;
-  throw std::runtime_error("[mlxinfer tiled product] needs AVX-512 VNNI (x86-64)");
+  throw std::runtime_error("[mlxinfer tiled product] needs AVX2 (x86-64)");
 #endif
 }
 

@@ -1,6 +1,8 @@
 """Tiled layers: a 4-, 5-, 6- or 8-bit affine layer's codes laid out once for AVX-512 VNNI's int16
 products (csrc/src/tiles.cpp), so decode's few rows run as 32-output tiles with no per-product
-layout and no float dequantizing: the ``int16_decode`` plan's ``int16`` option.
+layout and no float dequantizing: the ``int16_decode`` plan's ``int16`` option. A CPU with AVX2
+but not AVX-512 VNNI (Intel's client cores, AMD's before Zen 4) runs the same tiles in 256-bit
+vectors (``vpmaddwd``), the outputs bit for bit the same.
 
 A layer's tiles are made the first time a product asks for them while the plan is on, kept on
 the layer (or on its fused group) beside MLX's arrays, which every other path still reads, and
@@ -38,7 +40,8 @@ skipped_bytes = 0  # layers' tiles not made for want of memory (their float kern
 
 
 def available() -> bool:
-    """Whether the kernels run tiled layers here (AVX-512 F, BW, VNNI and VBMI)."""
+    """Whether the kernels run tiled layers here: AVX-512 F, BW, VNNI and VBMI, or else AVX2
+    (256-bit ``vpmaddwd``, the same outputs bit for bit; tiles.cpp)."""
     k = kernels.load()
     return k is not None and hasattr(k, "tiles_available") and k.tiles_available()
 

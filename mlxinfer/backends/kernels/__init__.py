@@ -23,8 +23,11 @@ from types import ModuleType
 
 import mlx.core as mx  # the extension links libmlx and uses mlx.core's array type
 
+from ...errors import ConfigError
+
 ENV = "MLXINFER_KERNELS"  # "0": never use the kernels
 ENV_DIR = "MLXINFER_KERNELS_DIR"  # a folder holding _mlxinfer_kernels*.so
+ENV_ISA = "MLXINFER_KERNELS_ISA"  # cap the instruction set: scalar, avx2, avx512, neon, best
 NAME = "_mlxinfer_kernels"
 NOT_BUILT = NAME + ".not-built"  # an install's one line saying why it did not build them
 
@@ -95,6 +98,12 @@ def _load() -> tuple[ModuleType | None, str | None]:
         )
     except OSError as e:
         return None, f"kernels at {path} did not load: {e}; MLX's own ops are used"
+    cap = os.environ.get(ENV_ISA, "")
+    if cap:  # a lower instruction set than the CPU's: another machine's paths, here
+        try:
+            module.set_max_isa(cap)
+        except ValueError as e:
+            raise ConfigError(f"{ENV_ISA}={cap!r}: {str(e).split(': ', 1)[-1]}") from None
     return module, None
 
 

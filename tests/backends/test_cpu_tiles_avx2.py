@@ -1,0 +1,129 @@
+"""Tiled layers on a CPU with AVX2 but not AVX-512 VNNI (csrc/src/tiles.cpp's 256-bit path, issue
+47 item 6: Intel's client cores, AMD's before Zen 4), the kernels held at AVX2 with
+``K.set_max_isa("avx2")``: each product within the int16 rounding bound of the float64
+definition, bit for bit the AVX-512 path's where this CPU has it (the same int32 sums, the same
+scaling in the same order), non-finite rows NaN; and a tiny quantized model decoding under the
+``int16_decode`` plan there gives MLX's own quantized path's logits and tokens, alone and in the
+batching engine."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hf_models import add_tokenizer, make_tiny
+from int16_definition import definition
+
+from mlxinfer import backends
+from mlxinfer.backends import kernels
+from mlxinfer.backends.cpu import blocks, compiled, kinds, tiles
+from mlxinfer.backends.cpu import plans as cpu_plans
+from mlxinfer.generation import generate_step
+from mlxinfer.loading.convert import convert
+from mlxinfer.loading.loader import load_model
+
+
+def _avx2() -> bool:
+    K = kernels.load()
+    if K is None or not hasattr(K, "tiles_available"):
+        return False
+    K.set_max_isa("avx2")
+    try:
+        return K.tiles_available() and not K.vnni_available()
+    finally:
+        K.set_max_isa("best")
+
+
+K = kernels.load()
+pytestmark = [
+    pytest.mark.skipif(K is None, reason=f"compiled kernels absent: {kernels.reason()}"),
+    pytest.mark.skipif(
+        mx.default_device().type != mx.DeviceType.cpu, reason="the CPU backend's kernels"
+    ),
+    pytest.mark.skipif(K is not None and not _avx2(), reason="needs an x86 CPU with AVX2"),
+]
+
+
+@pytest.fixture
+def at_avx2():
+    K.set_max_isa("best")
+    wide = K.vnni_available()
+    K.set_max_isa("avx2")
+    yield wide
+    K.set_max_isa("best")
+    compiled.set_int16_decode(False)  # process-wide: never left on for later tests
+    blocks.EPOCH += 1
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("half", [False, True])
+def test_avx2_tiles_are_the_avx512_tiles_products(bits, group_size, half, at_avx2):
+    """1, 2, 5 and 9 rows (the AVX2 path takes one row a pass): within the bound of the int16
+    rounding, and equal to the AVX-512 path's outputs where this CPU runs it."""
+    rng = np.random.default_rng(bits * 100 + group_size + half)
+    N, Kd = 96, 384
+    w = mx.array(rng.normal(size=(N, Kd)).astype(np.float32) * 0.05)
+    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    if half:
+        s, b = s.astype(mx.float16), b.astype(mx.float16)
+    t = tiles.layout(q, s, b, bits, group_size)
+    for M in (1, 2, 5, 9):
+        x = rng.normal(size=(M, Kd)).astype(np.float32)
+        x[0, 5] = 30.0  # an outlier in its block
+        y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits), np.float64)
+        exact, bound = definition(
+            x, q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits
+        )
+        assert (np.abs(y - exact) <= bound).all(), (M, np.abs(y - exact).max())
+        if at_avx2:  # this CPU has AVX-512 VNNI too: the same outputs, bit for bit
+            K.set_max_isa("best")
+            assert (y == np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))).all()
+            K.set_max_isa("avx2")
+
+
+def test_a_non_finite_row_is_nan_and_leaves_the_others(at_avx2):
+    """An infinite x makes its row's outputs NaN (its block's scale NaN, not wrapped integers);
+    the other rows are untouched and equal for equal inputs."""
+    q, s, b = mx.quantize(mx.array(np.linspace(-1, 1, 64 * 128, dtype=np.float32).reshape(64, 128)))
+    t = tiles.layout(q, s, b, 4, 64)
+    x = np.ones((3, 128), np.float32)
+    x[1, 9] = np.inf
+    y = np.array(K.quantized_matvec(mx.array(x), *t, 64, 4))
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+    assert (y[0] == y[2]).all()
+
+
+def test_the_int16_decode_plan_on_avx2_gives_mlxs_logits_and_tokens(tmp_path, monkeypatch, at_avx2):
+    """A tiny 4-bit Llama with a tied 8-bit head: the plan is offered on AVX2 (its tiles; the
+    few-row int16 path needs VNNI), each decode step's logits within 1e-3 of the largest of
+    MLX's quantized path's, the greedy tokens the same, alone and as the engine's 3 rows."""
+    path, _ = make_tiny(
+        tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=True
+    )
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
+    monkeypatch.setenv(backends.ENV, "0")
+    plain, _ = load_model(tmp_path / "q")
+    monkeypatch.delenv(backends.ENV)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    assert compiled.int16_decode_fits(model)
+    kinds.set_plan(model, "int16_decode", "int16")
+    p = [(7 + 13 * i) % 256 for i in range(11)]
+    cache, plain_cache = model.make_cache(), plain.make_cache()
+    model(mx.array([p[:-1]]), cache=cache)
+    plain(mx.array([p[:-1]]), cache=plain_cache)
+    for token in p[-1:] + [3, 90, 17]:
+        got = np.array(model(mx.array([[token]]), cache=cache)[0, -1])
+        want = np.array(plain(mx.array([[token]]), cache=plain_cache)[0, -1])
+        assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+    assert [t for t, _ in generate_step(p, model, max_tokens=8)] == [
+        t for t, _ in generate_step(p, plain, max_tokens=8)
+    ]
+    from mlxinfer.batch import Engine
+
+    prompts = [[(3 + 17 * i + 5 * n) % 256 for i in range(n)] for n in (9, 23, 14)]
+    alone = [[t for t, _ in generate_step(q, plain, max_tokens=6)] for q in prompts]
+    with Engine(model, max_batch=4, prefill_step=64) as engine:
+        handles = [engine.submit(q, max_tokens=6) for q in prompts]
+        assert [[s.token for s in h.steps()] for h in handles] == alone
+    assert any("_cpu_tiles" in m.__dict__ and "scales" in m for m in model.modules())
