@@ -44,6 +44,8 @@ pytestmark = [
 
 @pytest.fixture
 def at_avx2():
+    """The kernels held at AVX2 for the test; yields whether this CPU also runs AVX-512 VNNI
+    (then the tests compare with that path)."""
     K.set_max_isa("best")
     wide = K.vnni_available()
     K.set_max_isa("avx2")
@@ -127,3 +129,22 @@ def test_the_int16_decode_plan_on_avx2_gives_mlxs_logits_and_tokens(tmp_path, mo
         handles = [engine.submit(q, max_tokens=6) for q in prompts]
         assert [[s.token for s in h.steps()] for h in handles] == alone
     assert any("_cpu_tiles" in m.__dict__ and "scales" in m for m in model.modules())
+
+
+def test_a_prompts_rows_keep_the_float_kernel_on_avx2(at_avx2):
+    """One row a pass pays up to ``tiles.AVX2_ROWS`` rows (docs/performance.md: 5-bit tiles
+    0.86x the float kernel at 8 rows): beyond, ``tiles.product`` leaves the product to the
+    caller's path (None) on AVX2, and takes it where AVX-512 VNNI runs."""
+    q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=4)
+
+    class Owner:
+        pass
+
+    compiled.set_int16_decode(True)
+    rows = tiles.AVX2_ROWS
+    assert tiles.product(mx.ones((rows, 128)), Owner(), q, s, b, 32, 4) is not None
+    assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, 4) is None
+    if at_avx2:  # AVX-512 VNNI here: every row count takes the tiles
+        K.set_max_isa("best")
+        assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, 4) is not None
+        K.set_max_isa("avx2")

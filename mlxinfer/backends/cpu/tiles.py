@@ -34,6 +34,9 @@ TILE = 32  # outputs a tile
 _on = False
 _keep = 0  # inside kept(): set_on(False) keeps the tiles
 _owners: list[weakref.ref] = []  # what keeps tiles, to drop them when the plan is set off
+# Up to this many rows the AVX2 path (one row a pass) beats the float kernel: 4- and 8-bit 1.2-1.35x
+# at 8 rows, 5-bit 0.86x (docs/performance.md); a prompt's rows there keep the caller's path.
+AVX2_ROWS = 8
 # Left free after a layer's tiles: a request's KV cache, a prefill chunk's activations, logits.
 RESERVE = 1 << 30
 skipped_bytes = 0  # layers' tiles not made for want of memory (their float kernel runs)
@@ -173,11 +176,14 @@ def product(
 ) -> mx.array | None:
     """``x @ dequantize(w, scales, biases).T`` through ``owner``'s tiles (``K.quantized_matvec``
     takes them), in the dtype MLX's arrays would give; None where the plan is off or they do
-    not fit (the caller's own path)."""
+    not fit, or for more than ``AVX2_ROWS`` rows without AVX-512 VNNI (the caller's own path)."""
+    k = kernels.load()
+    if _on and x.size > AVX2_ROWS * x.shape[-1] and not k.vnni_available():
+        return None  # a prompt's rows on AVX2: the float kernel or the BLAS
     tiled = of(owner, w, scales, biases, gs, bits)
     if tiled is None:
         return None
-    y = kernels.load().quantized_matvec(x, *tiled, gs, bits)
+    y = k.quantized_matvec(x, *tiled, gs, bits)
     # MLX's promotion of two float dtypes: the same one, else float32 (float16 with bfloat16 too)
     dtype = x.dtype if x.dtype == scales.dtype else mx.float32
     return y if y.dtype == dtype else y.astype(dtype)
