@@ -19,7 +19,6 @@ The batch engine has its own budget (``kv_budget``, its pool).
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Iterable
 import mlx.core as mx
 
 from ..errors import InsufficientMemoryError
+from ..platform.memory import Capacity, available
 
 GB = 1e9
 # Left free beyond weights and KV: activations of a prefill chunk, logits, the tokenizer,
@@ -37,14 +37,6 @@ HEADROOM = 256 << 20
 # this many tokens, or the whole context if shorter (generation then holds to what is left).
 LOAD_KV_TOKENS = 4096
 _FLOAT_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """Bytes the machine can still give, and where that figure comes from (for messages)."""
-
-    bytes: int
-    source: str
 
 
 def capacity(working_set: int | None = None) -> Capacity | None:
@@ -59,52 +51,7 @@ def capacity(working_set: int | None = None) -> Capacity | None:
             f"the GPU's recommended working set is {working_set / GB:.1f} GB, "
             f"{size_text(used)} of it in use",
         )
-    found = [c for c in (_meminfo(), _cgroup(), _psutil()) if c is not None]
-    return min(found, key=lambda c: c.bytes) if found else None
-
-
-def _meminfo() -> Capacity | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    kib = int(line.split()[1])
-                    return Capacity(kib * 1024, "MemAvailable in /proc/meminfo")
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _cgroup() -> Capacity | None:
-    """A container's memory limit less its usage (cgroup v2, then v1)."""
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-        ),
-    ):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
-            return None  # no limit set (v1 reports a huge number)
-        return Capacity(
-            max(int(limit) - usage, 0), f"the cgroup's limit less its usage ({limit_file})"
-        )
-    return None
-
-
-def _psutil() -> Capacity | None:
-    if os.path.exists("/proc/meminfo"):
-        return None  # the same figure, read above
-    try:
-        import psutil  # optional: not a dependency
-    except ImportError:
-        return None
-    return Capacity(int(psutil.virtual_memory().available), "psutil's available memory")
+    return available()
 
 
 # --- what a model takes -------------------------------------------------------------------------

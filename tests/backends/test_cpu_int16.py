@@ -439,7 +439,7 @@ def test_a_layer_is_not_tiled_where_the_machine_has_no_room(int16_decode_off, mo
     4-bit is 4 KiB + 2 KiB) falls below ``RESERVE``, the product takes the caller's path
     (None), memory is asked once (not every product), and ``skipped_bytes`` counts the layer;
     with room, the tiles are made."""
-    from mlxinfer.loading.memory import Capacity
+    from mlxinfer.platform.memory import Capacity
 
     q, s, b = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=4)
     need = 64 * 128 // 2 + 2 * 64 * 4 * 4
@@ -456,13 +456,13 @@ def test_a_layer_is_not_tiled_where_the_machine_has_no_room(int16_decode_off, mo
         pass
 
     compiled.set_int16_decode(True)
-    monkeypatch.setattr(tiles.memory, "capacity", capacity(tiles.RESERVE + need - 1))
+    monkeypatch.setattr(tiles.memory, "available", capacity(tiles.RESERVE + need - 1))
     owner = Owner()
     x = mx.ones((2, 128))
     assert tiles.product(x, owner, q, s, b, 32, 4) is None
     assert tiles.product(x, owner, q, s, b, 32, 4) is None
     assert len(asked) == 1 and tiles.skipped_bytes == need
-    monkeypatch.setattr(tiles.memory, "capacity", capacity(tiles.RESERVE + need))
+    monkeypatch.setattr(tiles.memory, "available", capacity(tiles.RESERVE + need))
     assert tiles.of(Owner(), q, s, b, 32, 4) is not None
     compiled.set_int16_decode(False)  # drops the tiles, and the count
     assert tiles.skipped_bytes == 0

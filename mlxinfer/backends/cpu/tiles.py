@@ -11,7 +11,7 @@ weight) and the scales and biases (float16 where every value is one, else float3
 SmolLM2-135M 98 MB, Gemma-3-270M 218 MB (its 262,144-row head's 189 MB among them).
 
 A second copy must not push the machine into paging: a layer is tiled only while what the
-machine can still give (``loading.memory.capacity``: MemAvailable, a cgroup's room) stays above
+machine can still give (``platform.memory.available``: MemAvailable, a cgroup's room) stays above
 ``RESERVE`` after its tiles; past that its products keep the float kernel (correct, slower),
 and ``skipped_bytes`` counts what was not tiled.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...loading import memory
+from ...platform import memory
 from .. import kernels
 
 BITS = (4, 5, 6, 8)
@@ -158,7 +158,7 @@ def room_for(w: mx.array, scales: mx.array) -> bool:
     at most float32) and still give ``RESERVE``; counts ``skipped_bytes`` where not."""
     global skipped_bytes
     need = w.nbytes + 2 * scales.size * 4
-    can = memory.capacity()
+    can = memory.available()
     if can is None or can.bytes - need >= RESERVE:
         return True
     skipped_bytes += need

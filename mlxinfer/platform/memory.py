@@ -1,0 +1,69 @@
+"""What the machine can still give without paging (no MLX here: importable below the backends):
+``MemAvailable`` (``/proc/meminfo``), or a container's cgroup limit less its usage when
+smaller, or psutil's figure elsewhere. ``loading.memory`` weighs models against it (and a Mac's
+GPU working set); the CPU backend's tiled layers ask it before making a second copy."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Bytes the machine can still give, and where that figure comes from (for messages)."""
+
+    bytes: int
+    source: str
+
+
+def available() -> Capacity | None:
+    """The smallest of MemAvailable, the cgroup's room and psutil's available memory; None if
+    none of them can be read."""
+    found = [c for c in (_meminfo(), _cgroup(), _psutil()) if c is not None]
+    return min(found, key=lambda c: c.bytes) if found else None
+
+
+def _meminfo() -> Capacity | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    kib = int(line.split()[1])
+                    return Capacity(kib * 1024, "MemAvailable in /proc/meminfo")
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup() -> Capacity | None:
+    """A container's memory limit less its usage (cgroup v2, then v1)."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None  # no limit set (v1 reports a huge number)
+        return Capacity(
+            max(int(limit) - usage, 0), f"the cgroup's limit less its usage ({limit_file})"
+        )
+    return None
+
+
+def _psutil() -> Capacity | None:
+    if os.path.exists("/proc/meminfo"):
+        return None  # the same figure, read above
+    try:
+        import psutil  # optional: not a dependency
+    except ImportError:
+        return None
+    return Capacity(int(psutil.virtual_memory().available), "psutil's available memory")
