@@ -193,10 +193,13 @@ MLXINFER_I16_AVX2 inline __m256 load8(const S* p) {
   }
 }
 
-// Bits 8 h .. 8 h + 15 of a 5- or 6-bit code's mask (one per pair half), as 16 words of `add`.
-MLXINFER_I16_AVX2 inline __m256i mask_words(uint32_t mask, int h, __m256i select, __m256i add) {
-  const __m256i bits = _mm256_set1_epi16(static_cast<int16_t>((mask >> (16 * h)) & 0xFFFF));
-  return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(bits, select), select), add);
+// Bits 16 h .. 16 h + 15 of a 5- or 6-bit code's mask (`mask`: the 32 bits in every lane) as
+// 16 words of `add` where set: word k's two bytes take the mask's byte 2 h + k / 8 (`route`),
+// then bit k % 8 of each (`select`: both bytes of word k hold 1 << k % 8).
+MLXINFER_I16_AVX2 inline __m256i mask_words(__m256i mask, __m256i route, __m256i select,
+                                            __m256i add) {
+  const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(mask, route), select);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, select), add);
 }
 
 template <int BITS, typename S>
@@ -208,8 +211,14 @@ MLXINFER_I16_AVX2 void tile_row_avx2(const Problem& p, const Tiles<S>& tl, int t
   const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
   const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
   const __m256i low = _mm256_set1_epi16(15);
-  const __m256i select = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
-                                           4096, 8192, 16384, static_cast<int16_t>(0x8000));
+  const __m256i select = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128,
+                                          -128, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64,
+                                          -128, -128);
+  const __m256i route[2] = {
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                       1, 1, 1, 1, 1, 1),
+      _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
+                       3, 3, 3, 3, 3, 3)};
   __m256 C[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int b = 0; b < blocks; ++b) {
     __m256i A[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
@@ -233,14 +242,15 @@ MLXINFER_I16_AVX2 void tile_row_avx2(const Problem& p, const Tiles<S>& tl, int t
         w[2] = _mm256_srli_epi16(z0, 4);
         w[3] = _mm256_srli_epi16(z1, 4);
         for (int i = 0; i < BITS - 4; ++i) { // bit 4 + i: masks of outputs 0-15 and 16-31
-          uint32_t m0, m1;
+          int32_t m0, m1;
           std::memcpy(&m0, pw + 32 + 8 * i, 4);
           std::memcpy(&m1, pw + 36 + 8 * i, 4);
+          const __m256i b0 = _mm256_set1_epi32(m0), b1 = _mm256_set1_epi32(m1);
           const __m256i add = _mm256_set1_epi16(static_cast<int16_t>(16 << i));
-          w[0] = _mm256_add_epi16(w[0], mask_words(m0, 0, select, add));
-          w[1] = _mm256_add_epi16(w[1], mask_words(m0, 1, select, add));
-          w[2] = _mm256_add_epi16(w[2], mask_words(m1, 0, select, add));
-          w[3] = _mm256_add_epi16(w[3], mask_words(m1, 1, select, add));
+          w[0] = _mm256_add_epi16(w[0], mask_words(b0, route[0], select, add));
+          w[1] = _mm256_add_epi16(w[1], mask_words(b0, route[1], select, add));
+          w[2] = _mm256_add_epi16(w[2], mask_words(b1, route[0], select, add));
+          w[3] = _mm256_add_epi16(w[3], mask_words(b1, route[1], select, add));
         }
       } else {
         for (int v = 0; v < 4; ++v) {

@@ -132,19 +132,24 @@ def test_the_int16_decode_plan_on_avx2_gives_mlxs_logits_and_tokens(tmp_path, mo
 
 
 def test_a_prompts_rows_keep_the_float_kernel_on_avx2(at_avx2):
-    """One row a pass pays up to ``tiles.AVX2_ROWS`` rows (docs/performance.md: 5-bit tiles
-    0.86x the float kernel at 8 rows): beyond, ``tiles.product`` leaves the product to the
-    caller's path (None) on AVX2, and takes it where AVX-512 VNNI runs."""
-    q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=4)
+    """One row a pass pays up to ``tiles.AVX2_ROWS[bits]`` rows (docs/performance.md: 5-bit
+    tiles 0.82x the float kernel at 8 rows, 6-bit 0.93x at one): beyond, and for 6-bit layers
+    at all, the tiles are not used on AVX2 (None: the caller's path); where AVX-512 VNNI runs,
+    every row count takes them."""
 
     class Owner:
         pass
 
     compiled.set_int16_decode(True)
-    rows = tiles.AVX2_ROWS
-    assert tiles.product(mx.ones((rows, 128)), Owner(), q, s, b, 32, 4) is not None
-    assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, 4) is None
-    if at_avx2:  # AVX-512 VNNI here: every row count takes the tiles
+    for bits in (4, 5, 8):
+        q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=bits)
+        rows = tiles.AVX2_ROWS[bits]
+        assert tiles.product(mx.ones((rows, 128)), Owner(), q, s, b, 32, bits) is not None
+        assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, bits) is None
+    q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=6)
+    assert tiles.of(Owner(), q, s, b, 32, 6) is None
+    assert tiles.product(mx.ones((1, 128)), Owner(), q, s, b, 32, 6) is None
+    if at_avx2:  # AVX-512 VNNI here: every width and row count takes the tiles
         K.set_max_isa("best")
-        assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, 4) is not None
+        assert tiles.product(mx.ones((9, 128)), Owner(), q, s, b, 32, 6) is not None
         K.set_max_isa("avx2")

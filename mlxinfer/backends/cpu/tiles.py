@@ -34,9 +34,10 @@ TILE = 32  # outputs a tile
 _on = False
 _keep = 0  # inside kept(): set_on(False) keeps the tiles
 _owners: list[weakref.ref] = []  # what keeps tiles, to drop them when the plan is set off
-# Up to this many rows the AVX2 path (one row a pass) beats the float kernel: 4- and 8-bit 1.2-1.35x
-# at 8 rows, 5-bit 0.86x (docs/performance.md); a prompt's rows there keep the caller's path.
-AVX2_ROWS = 8
+# Without AVX-512 VNNI, up to how many rows each width's tiles (AVX2: one row a pass) beat the
+# float kernel (docs/performance.md: 4- and 8-bit 1.3x at 8 rows, 5-bit 1.03x at 4 and 0.82x
+# at 8, 6-bit 0.93x at one); beyond, the caller's path (a prompt's rows: the float kernel).
+AVX2_ROWS = {4: 8, 5: 4, 6: 0, 8: 8}
 # Left free after a layer's tiles: a request's KV cache, a prefill chunk's activations, logits.
 RESERVE = 1 << 30
 skipped_bytes = 0  # layers' tiles not made for want of memory (their float kernel runs)
@@ -141,6 +142,8 @@ def of(
     the first call and kept on ``owner`` while its codes are the same array."""
     if not _on or biases is None or not fits(w, bits, group_size):
         return None
+    if bits == 6 and not kernels.load().vnni_available():
+        return None  # AVX2's 6-bit tiles lose to the float kernel even at one row
     kept = owner.__dict__.get("_cpu_tiles")
     if kept is not None and kept[0] is w and kept[1] is scales and kept[2] is biases:
         return kept[3]
@@ -176,10 +179,11 @@ def product(
 ) -> mx.array | None:
     """``x @ dequantize(w, scales, biases).T`` through ``owner``'s tiles (``K.quantized_matvec``
     takes them), in the dtype MLX's arrays would give; None where the plan is off or they do
-    not fit, or for more than ``AVX2_ROWS`` rows without AVX-512 VNNI (the caller's own path)."""
+    not fit, or for more than ``AVX2_ROWS[bits]`` rows without AVX-512 VNNI (the caller's path)."""
     k = kernels.load()
-    if _on and x.size > AVX2_ROWS * x.shape[-1] and not k.vnni_available():
-        return None  # a prompt's rows on AVX2: the float kernel or the BLAS
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    if _on and rows > 4 and rows > AVX2_ROWS.get(bits, 0) and not k.vnni_available():
+        return None  # a prompt's rows on AVX2: the float kernel
     tiled = of(owner, w, scales, biases, gs, bits)
     if tiled is None:
         return None
