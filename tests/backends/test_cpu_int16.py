@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hf_models import add_tokenizer, make_tiny
-from int16_definition import definition
+from int16_definition import assert_within_bound, definition, outlier_rows, random_tiled
 from kernel_calls import CountedKernels
 
 from mlxinfer import backends
@@ -269,21 +269,12 @@ def test_tiled_products_are_the_int16_tiles_products(bits, group_size, half):
     bound of the float64 definition, and bit for bit ``quantized_matmul_i16``'s (the same
     arithmetic on tiles it lays out per product) where that takes its tiles (over 4 rows)."""
     rng = np.random.default_rng(bits * 100 + group_size)
-    N, Kd = 96, 384
-    w = mx.array(rng.normal(size=(N, Kd)).astype(np.float32) * 0.05)
-    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
-    if half:
-        s, b = s.astype(mx.float16), b.astype(mx.float16)
-    t = tiles.layout(q, s, b, bits, group_size)
+    q, s, b, t = random_tiled(rng, bits, group_size, half)
     assert t[1].dtype == (mx.float16 if half else mx.float32)
     for M in (1, 2, 5, 8, 9, 17):
-        x = rng.normal(size=(M, Kd)).astype(np.float32)
-        x[0, 5] = 30.0  # an outlier in its block
-        y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits), np.float64)
-        exact, bound = definition(
-            x, q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits
-        )
-        assert (np.abs(y - exact) <= bound).all(), (M, np.abs(y - exact).max())
+        x = outlier_rows(rng, M)
+        y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))
+        assert_within_bound(y, x, q, s, b, group_size, bits)
         if M > 4:
             assert (
                 y == np.array(K.quantized_matmul_i16(mx.array(x), q, s, b, group_size, bits))

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hf_models import add_tokenizer, make_tiny
-from int16_definition import definition
+from int16_definition import assert_within_bound, outlier_rows, random_tiled
 
 from mlxinfer import backends
 from mlxinfer.backends import kernels
@@ -62,20 +62,11 @@ def test_avx2_tiles_are_the_avx512_tiles_products(bits, group_size, half, at_avx
     """1, 2, 5 and 9 rows (the AVX2 path takes one row a pass): within the bound of the int16
     rounding, and equal to the AVX-512 path's outputs where this CPU runs it."""
     rng = np.random.default_rng(bits * 100 + group_size + half)
-    N, Kd = 96, 384
-    w = mx.array(rng.normal(size=(N, Kd)).astype(np.float32) * 0.05)
-    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
-    if half:
-        s, b = s.astype(mx.float16), b.astype(mx.float16)
-    t = tiles.layout(q, s, b, bits, group_size)
+    q, s, b, t = random_tiled(rng, bits, group_size, half)
     for M in (1, 2, 5, 9):
-        x = rng.normal(size=(M, Kd)).astype(np.float32)
-        x[0, 5] = 30.0  # an outlier in its block
-        y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits), np.float64)
-        exact, bound = definition(
-            x, q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits
-        )
-        assert (np.abs(y - exact) <= bound).all(), (M, np.abs(y - exact).max())
+        x = outlier_rows(rng, M)
+        y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))
+        assert_within_bound(y, x, q, s, b, group_size, bits)
         if at_avx2:  # this CPU has AVX-512 VNNI too: the same outputs, bit for bit
             K.set_max_isa("best")
             assert (y == np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))).all()

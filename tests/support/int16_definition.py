@@ -19,3 +19,28 @@ def definition(x, q, s, b, group_size, bits):
     per_block = np.abs(sq).reshape(sq.shape[0], Kd // 32, 32).sum(-1)  # (N, blocks)
     bound = scale @ per_block.T / 2 + 1e-6 * (np.abs(x64) @ np.abs(w).T)
     return x64 @ w.T, bound
+
+
+def random_tiled(rng, bits, group_size, half, N=96, K=384):
+    """A random (N, K) layer quantized (scales and biases float16 with ``half``) and its tiles
+    (``tiles.layout``): (q, s, b, tiles)."""
+    from mlxinfer.backends.cpu import tiles
+
+    w = mx.array(rng.normal(size=(N, K)).astype(np.float32) * 0.05)
+    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    if half:
+        s, b = s.astype(mx.float16), b.astype(mx.float16)
+    return q, s, b, tiles.layout(q, s, b, bits, group_size)
+
+
+def outlier_rows(rng, M, K=384):
+    """M rows of x, the first with an outlier in its block (30.0 at input 5)."""
+    x = rng.normal(size=(M, K)).astype(np.float32)
+    x[0, 5] = 30.0
+    return x
+
+
+def assert_within_bound(y, x, q, s, b, group_size, bits):
+    """y within :func:`definition`'s bound of the float64 product."""
+    exact, bound = definition(x, q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits)
+    assert (np.abs(np.array(y, np.float64) - exact) <= bound).all(), len(x)
