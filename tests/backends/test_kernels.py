@@ -672,3 +672,22 @@ def test_dequantize_bad_arguments_are_value_errors(k):
         k.dequantize(wq, s[:, :1], b, 32, 4)
     with pytest.raises(ValueError, match="w: expected a 2-D uint32 array"):
         k.dequantize(wq.astype(mx.int32), s, b, 32, 4)
+
+
+def test_the_isa_setting_caps_the_kernels_and_a_bad_value_is_one_line(k, fresh):
+    """MLXINFER_KERNELS_ISA: a level below the CPU's runs that level's paths (kernels.describe
+    names it); another architecture's or an unknown name is a ConfigError (the CLI's one-line
+    error, exit 1) naming the setting and the accepted names, the kernels' level left as it was."""
+    from mlxinfer.errors import ConfigError
+
+    fresh.setenv(kernels.ENV_ISA, "scalar")
+    try:
+        assert kernels.load().isa() == k.isa() == "scalar"  # one library's setting
+        assert kernels.describe().startswith("kernels: scalar on")
+    finally:
+        k.set_max_isa("best")
+    fresh.setattr(kernels, "_loaded", None)
+    fresh.setenv(kernels.ENV_ISA, "sse")
+    with pytest.raises(ConfigError, match=r"^MLXINFER_KERNELS_ISA='sse': expected 'scalar'"):
+        kernels.load()
+    assert k.isa() == k.best_isa
