@@ -5,8 +5,8 @@
 // the same arithmetic with the work laid out for registers, for up to four query heads of
 // one KV head at a time (grouped-query attention), so each key and value vector is loaded
 // once for the group:
-// - scores: four keys a pass, each a chain of D / 16 fused multiply-adds per head, the four
-//   keys' lane sums in one reduction tree;
+// - scores: four keys a pass (two with AVX2's or NEON's registers), each a chain of D / 16
+//   fused multiply-adds per head, the four keys' lane sums in one reduction tree;
 // - softmax weights: max, exp and total over 16 scores a vector (exp_neg16);
 // - values: each head's output held in registers while the visible keys' values stream past.
 // Measured (tools/bench_paged_attention.py; docs/performance.md): the auto-vectorised loops
@@ -38,6 +38,12 @@ MLXINFER_INLINE void store16(float* p, vf16 v) {
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
+// The native vector outside AVX-512 (paged_scores16): NEON's 128 bits, AVX2's 256.
+#if defined(__aarch64__)
+typedef vf4 vpart;
+#else
+typedef vf8 vpart;
+#endif
 
 // v's two halves added: 8 lanes.
 MLXINFER_INLINE vf8 fold16(vf16 v) {
@@ -139,71 +145,129 @@ MLXINFER_INLINE void sum16x4(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float* out) {
   std::memcpy(out, &r, sizeof(r));
 }
 
-// R query heads' scores against the keys of n blocks (q already scaled): four keys a pass,
-// each key's vectors loaded once for the R heads.
-template <int R>
+// A 16-float vector as H native vectors V of 16 / H floats: AVX-512's one (vf16), AVX2's two
+// (vf8), NEON's four (vf4). GCC keeps a 64-byte vf16 outside AVX-512 in memory, moving it in
+// 8-byte pieces (the kernel's accumulators then lived on the stack), so the hot loops below
+// hold native vectors: lane for lane the same arithmetic, so the same results on every path.
+template <typename V>
+constexpr int kParts = 64 / sizeof(V);
+
+template <typename V>
+MLXINFER_INLINE V load_v(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// fold16 of the vf16 whose parts are a[0 .. H-1] (lanes i + i + 8), then sum16's tree.
+template <typename V>
+MLXINFER_INLINE float sum_parts(const V (&a)[kParts<V>]) {
+  if constexpr (kParts<V> == 1) {
+    return sum16(a[0]);
+  } else {
+    vf8 f;
+    if constexpr (kParts<V> == 2) {
+      f = a[0] + a[1];
+    } else {
+      f = __builtin_shufflevector(a[0] + a[2], a[1] + a[3], 0, 1, 2, 3, 4, 5, 6, 7);
+    }
+    const vf4 b = __builtin_shufflevector(f, f, 0, 1, 2, 3) + __builtin_shufflevector(f, f, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+  }
+}
+
+// R query heads' scores against the keys of n blocks (q already scaled): KEYS keys a pass,
+// each key's vectors loaded once for the R heads. The R x KEYS totals stay in registers: four
+// heads by four keys with AVX-512's 32 (16 of them), two by two with AVX2's 16 or NEON's 32
+// 128-bit ones (V: a 16-float vector's part): four by four there spilled to the stack (with
+// the vf16 parts' moves, Gemma-3-270M's 512-token prompt on the Xeon VM capped at AVX2 spent
+// 47 % of its samples in this attention). Each score is the same chain and lane sum.
+template <int R, int KEYS, typename V>
 MLXINFER_INLINE void paged_scores16(const float* q, const float* K, const uint32_t* table, int n,
                                     int block, int D, int T, float* scores) {
+  static_assert(KEYS == 2 || KEYS == 4);
+  constexpr int H = kParts<V>, W = 16 / H;
   const int cd = D / 16;
   for (int i = 0; i < n; ++i) {
     const float* kb = K + static_cast<size_t>(table[i]) * block * D;
-    // The next block's keys, 4 rows a pass (prefetch_rows): the blocks lie anywhere in the pool.
+    // The next block's keys, KEYS rows a pass (prefetch_rows): the blocks lie anywhere in the pool.
     const float* next = i + 1 < n ? K + static_cast<size_t>(table[i + 1]) * block * D : nullptr;
     int t = 0;
-    for (; t + 4 <= block; t += 4) {
+    for (; t + KEYS <= block; t += KEYS) {
       const float* k0 = kb + static_cast<size_t>(t) * D;
       if (next != nullptr) {
-        prefetch_rows(next + static_cast<size_t>(t) * D, 4 * D);
+        prefetch_rows(next + static_cast<size_t>(t) * D, KEYS * D);
       }
-      vf16 a[R][4];
+      V a[R][KEYS][H];
       for (int j = 0; j < R; ++j) {
-        a[j][0] = a[j][1] = a[j][2] = a[j][3] = vf16{};
+        for (int u = 0; u < KEYS; ++u) {
+          for (int h = 0; h < H; ++h) {
+            a[j][u][h] = V{};
+          }
+        }
       }
       for (int c = 0; c < cd; ++c) {
-        const vf16 x0 = load16(k0 + 16 * c), x1 = load16(k0 + D + 16 * c),
-                   x2 = load16(k0 + 2 * D + 16 * c), x3 = load16(k0 + 3 * D + 16 * c);
+        V x[KEYS][H];
+        for (int u = 0; u < KEYS; ++u) {
+          for (int h = 0; h < H; ++h) {
+            x[u][h] = load_v<V>(k0 + static_cast<size_t>(u) * D + 16 * c + W * h);
+          }
+        }
         for (int j = 0; j < R; ++j) {
-          const vf16 qv = load16(q + static_cast<size_t>(j) * D + 16 * c);
-          a[j][0] += qv * x0;
-          a[j][1] += qv * x1;
-          a[j][2] += qv * x2;
-          a[j][3] += qv * x3;
+          for (int h = 0; h < H; ++h) {
+            const V qv = load_v<V>(q + static_cast<size_t>(j) * D + 16 * c + W * h);
+            for (int u = 0; u < KEYS; ++u) {
+              a[j][u][h] += qv * x[u][h];
+            }
+          }
         }
       }
       for (int j = 0; j < R; ++j) {
-        sum16x4(a[j][0], a[j][1], a[j][2], a[j][3],
-                scores + static_cast<size_t>(j) * T + static_cast<size_t>(i) * block + t);
+        float* out = scores + static_cast<size_t>(j) * T + static_cast<size_t>(i) * block + t;
+        if constexpr (KEYS == 4 && H == 1) {
+          sum16x4(a[j][0][0], a[j][1][0], a[j][2][0], a[j][3][0], out);
+        } else {
+          for (int u = 0; u < KEYS; ++u) {
+            out[u] = sum_parts<V>(a[j][u]);
+          }
+        }
       }
     }
     for (; t < block; ++t) {
       const float* kr = kb + static_cast<size_t>(t) * D;
       for (int j = 0; j < R; ++j) {
-        vf16 a{};
+        V a[H] = {};
         for (int c = 0; c < cd; ++c) {
-          a += load16(q + static_cast<size_t>(j) * D + 16 * c) * load16(kr + 16 * c);
+          for (int h = 0; h < H; ++h) {
+            a[h] += load_v<V>(q + static_cast<size_t>(j) * D + 16 * c + W * h) *
+                load_v<V>(kr + 16 * c + W * h);
+          }
         }
-        scores[static_cast<size_t>(j) * T + static_cast<size_t>(i) * block + t] = sum16(a);
+        scores[static_cast<size_t>(j) * T + static_cast<size_t>(i) * block + t] = sum_parts<V>(a);
       }
     }
   }
 }
 
 // y (NC vectors from column 16 * c0, for each of R heads) = the visible keys' weights times
-// their values, times inv[j]: each value vector loaded once for the R heads.
-template <int R, int NC>
-MLXINFER_INLINE void paged_values16(const float* V, const uint32_t* table, const bool* seen,
+// their values, times inv[j]: each value vector loaded once for the R heads (in parts V).
+template <int R, int NC, typename V>
+MLXINFER_INLINE void paged_values16(const float* Vs, const uint32_t* table, const bool* seen,
                                     const float* s, int n, int block, int T, int Dv, int c0,
                                     const float* inv, float* y) {
-  vf16 acc[R][NC];
+  constexpr int H = kParts<V>, W = 16 / H;
+  V acc[R][NC][H];
   for (int j = 0; j < R; ++j) {
     for (int u = 0; u < NC; ++u) {
-      acc[j][u] = vf16{};
+      for (int h = 0; h < H; ++h) {
+        acc[j][u][h] = V{};
+      }
     }
   }
   for (int i = 0; i < n; ++i) {
-    const float* vb = V + static_cast<size_t>(table[i]) * block * Dv + 16 * c0;
+    const float* vb = Vs + static_cast<size_t>(table[i]) * block * Dv + 16 * c0;
     const float* next =
-        i + 1 < n ? V + static_cast<size_t>(table[i + 1]) * block * Dv + 16 * c0 : nullptr;
+        i + 1 < n ? Vs + static_cast<size_t>(table[i + 1]) * block * Dv + 16 * c0 : nullptr;
     const size_t at0 = static_cast<size_t>(i) * block;
     for (int t = 0; t < block; ++t) {
       if (next != nullptr) { // the next block's row t: the columns this pass reads
@@ -213,43 +277,50 @@ MLXINFER_INLINE void paged_values16(const float* V, const uint32_t* table, const
         continue; // a hidden slot's values are never read
       }
       const float* vr = vb + static_cast<size_t>(t) * Dv;
-      vf16 v[NC];
+      V v[NC][H];
       for (int u = 0; u < NC; ++u) {
-        v[u] = load16(vr + 16 * u);
+        for (int h = 0; h < H; ++h) {
+          v[u][h] = load_v<V>(vr + 16 * u + W * h);
+        }
       }
       for (int j = 0; j < R; ++j) {
-        const vf16 p = vf16{} + s[static_cast<size_t>(j) * T + at0 + t];
+        const V p = V{} + s[static_cast<size_t>(j) * T + at0 + t];
         for (int u = 0; u < NC; ++u) {
-          acc[j][u] += p * v[u];
+          for (int h = 0; h < H; ++h) {
+            acc[j][u][h] += p * v[u][h];
+          }
         }
       }
     }
   }
   for (int j = 0; j < R; ++j) {
     for (int u = 0; u < NC; ++u) {
-      store16(y + static_cast<size_t>(j) * Dv + 16 * (c0 + u), acc[j][u] * inv[j]);
+      for (int h = 0; h < H; ++h) {
+        const V out = acc[j][u][h] * inv[j];
+        std::memcpy(y + static_cast<size_t>(j) * Dv + 16 * (c0 + u) + W * h, &out, sizeof(out));
+      }
     }
   }
 }
 
-template <int R, int NC>
-MLXINFER_INLINE void paged_values_cols(const float* V, const uint32_t* table, const bool* seen,
+template <int R, int NC, typename V>
+MLXINFER_INLINE void paged_values_cols(const float* Vs, const uint32_t* table, const bool* seen,
                                        const float* s, int n, int block, int T, int Dv,
                                        const float* inv, float* y) {
   const int cv = Dv / 16;
   int c = 0;
   for (; c + NC <= cv; c += NC) {
-    paged_values16<R, NC>(V, table, seen, s, n, block, T, Dv, c, inv, y);
+    paged_values16<R, NC, V>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
   }
   switch (cv - c) {
     case 3:
-      paged_values16<R, 3>(V, table, seen, s, n, block, T, Dv, c, inv, y);
+      paged_values16<R, 3, V>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
       break;
     case 2:
-      paged_values16<R, 2>(V, table, seen, s, n, block, T, Dv, c, inv, y);
+      paged_values16<R, 2, V>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
       break;
     case 1:
-      paged_values16<R, 1>(V, table, seen, s, n, block, T, Dv, c, inv, y);
+      paged_values16<R, 1, V>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
       break;
     default:
       break;
@@ -262,17 +333,30 @@ MLXINFER_INLINE void paged_group_f32x16(const float* q, const float* K, const fl
                                         const uint32_t* table, const bool* seen, int n, int block,
                                         int D, int Dv, float* scores, float* y) {
   const int T = n * block;
-  paged_scores16<R>(q, K, table, n, block, D, T, scores);
+  if constexpr (WIDE) {
+    paged_scores16<R, 4, vf16>(q, K, table, n, block, D, T, scores);
+  } else { // two heads by two keys, in native parts (paged_scores16)
+    for (int j = 0; j + 2 <= R; j += 2) {
+      paged_scores16<2, 2, vpart>(q + static_cast<size_t>(j) * D, K, table, n, block, D, T,
+                                  scores + static_cast<size_t>(j) * T);
+    }
+    if constexpr (R % 2 == 1) {
+      paged_scores16<1, 2, vpart>(q + static_cast<size_t>(R - 1) * D, K, table, n, block, D, T,
+                                  scores + static_cast<size_t>(R - 1) * T);
+    }
+  }
   float inv[R];
   for (int j = 0; j < R; ++j) {
     inv[j] = softmax_weights16(scores + static_cast<size_t>(j) * T, seen, T);
   }
-  // Four value vectors (64 columns) a pass for up to two heads, two for three or four, or
-  // four with 32 registers (AVX-512, WIDE): the totals stay in registers.
-  if constexpr (R <= 2 || WIDE) {
-    paged_values_cols<R, 4>(V, table, seen, scores, n, block, T, Dv, inv, y);
+  // Value vectors a pass, each loaded once for the R heads, the R x NC totals in registers:
+  // with AVX-512's 32 (WIDE) four (64 columns); else two for up to two heads, one for more.
+  if constexpr (WIDE) {
+    paged_values_cols<R, 4, vf16>(V, table, seen, scores, n, block, T, Dv, inv, y);
+  } else if constexpr (R <= 2) {
+    paged_values_cols<R, 2, vpart>(V, table, seen, scores, n, block, T, Dv, inv, y);
   } else {
-    paged_values_cols<R, 2>(V, table, seen, scores, n, block, T, Dv, inv, y);
+    paged_values_cols<R, 1, vpart>(V, table, seen, scores, n, block, T, Dv, inv, y);
   }
 }
 
