@@ -135,6 +135,10 @@ NB_MODULE(_mlxinfer_kernels, m) {
         "Whether tiled layers run here (tiles.cpp: quantized_matvec and the fused blocks take a "
         "4-, 5-, 6- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F, BW, VNNI and "
         "VBMI, or else AVX2 (the same outputs), at the kernels' ISA level.");
+  m.def("avx_vnni_available", &mlxinfer::avx_vnni_available,
+        "Whether the AVX2 tiles sum their int16 products with AVX-VNNI's 256-bit vpdpwssd (the "
+        "same int32 sums as vpmaddwd and vpaddd): the CPU has it, the level is AVX2, and the cap "
+        "is not 'avx2' (set_max_isa('avxvnni') or a CPU whose best level is AVX2).");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");
@@ -357,12 +361,15 @@ NB_MODULE(_mlxinfer_kernels, m) {
         }
 #else
         } else if (name == "avx2") {
-          mlxinfer::set_max_isa(mlxinfer::kAvx2);
+          mlxinfer::set_max_isa(mlxinfer::kAvx2, false);
+        } else if (name == "avxvnni") {
+          mlxinfer::set_max_isa(mlxinfer::kAvx2, true);
         } else if (name == "avx512" || name == "best") {
           mlxinfer::set_max_isa(mlxinfer::kAvx512);
         } else {
-          throw std::invalid_argument(
-              "set_max_isa: expected 'scalar', 'avx2', 'avx512' or 'best', found '" + name + "'");
+          throw std::invalid_argument("set_max_isa: expected 'scalar', 'avx2', 'avxvnni', "
+                                      "'avx512' or 'best', found '" +
+                                      name + "'");
         }
 #endif
       },

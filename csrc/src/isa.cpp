@@ -40,6 +40,18 @@ bool detect_f16c() {
 
 const bool g_f16c = detect_f16c();
 
+bool detect_avx_vnni() {
+#if defined(MLXINFER_X86)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avxvnni");
+#else
+  return false;
+#endif
+}
+
+const bool g_avx_vnni = detect_avx_vnni();
+std::atomic<bool> g_avx_vnni_on{true}; // set_max_isa: off at the "avx2" cap, on above it
+
 } // namespace
 
 Isa best_isa() {
@@ -55,8 +67,13 @@ Isa current_isa() {
 #endif
 }
 
-void set_max_isa(Isa isa) {
+void set_max_isa(Isa isa, bool avx_vnni) {
   g_max.store(isa);
+  g_avx_vnni_on.store(avx_vnni);
+}
+
+bool avx_vnni_available() {
+  return g_avx_vnni && g_avx_vnni_on.load(std::memory_order_relaxed) && current_isa() == kAvx2;
 }
 
 const char* isa_name(Isa isa) {

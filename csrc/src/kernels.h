@@ -13,8 +13,12 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 // The best level this CPU has, and the level in use (the best unless capped).
 Isa best_isa();
 Isa current_isa();
-// Tests and benchmarks cap the level to check each path against the others.
-void set_max_isa(Isa isa);
+// Tests and benchmarks cap the level to check each path against the others; `avx_vnni` false
+// also keeps the AVX2 paths off AVX-VNNI (the "avx2" cap: a client core before Alder Lake).
+void set_max_isa(Isa isa, bool avx_vnni = true);
+// Whether the AVX2 paths run AVX-VNNI's 256-bit vpdpwssd (Intel's client cores since Alder Lake):
+// the CPU has it, the level is AVX2 and the cap allows it.
+bool avx_vnni_available();
 const char* isa_name(Isa isa);
 // Whether the CPU has F16C (the float kernels' vector paths are compiled with it).
 bool has_f16c();

@@ -180,10 +180,25 @@ MLXINFER_VNNI void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int 
 }
 
 // The same products in 256-bit vectors, for CPUs without AVX-512 (AVX2: Intel's client cores,
-// AMD's before Zen 4): one row a pass, each pair's codes widened to four vectors of 8 outputs
+// AMD's before Zen 4): kPassRows rows a pass, each pair's codes widened to four vectors of 8 outputs
 // x 2 inputs, vpmaddwd against x's pair and vpaddd (the exact int32 sums of vpdpwssd: |x| <=
 // 32767, codes <= 255), then tile_pass's scaling in its order, so the outputs are bit for bit
-// the AVX-512 path's. Accumulator v holds outputs 8 v .. 8 v + 7.
+// the AVX-512 path's. Accumulator v holds outputs 8 v .. 8 v + 7. Where the CPU has AVX-VNNI
+// (VNNI: Intel's client cores since Alder Lake) the two are one 256-bit vpdpwssd, the same sums.
+#ifndef MLXINFER_AVX2_PASS_ROWS
+#define MLXINFER_AVX2_PASS_ROWS 2
+#endif
+constexpr int kPassRows = MLXINFER_AVX2_PASS_ROWS;
+// From how many rows a tile's codes are widened once (expand_tile_avx2), not once a pass: 5-
+// and 6-bit codes take 12-20 instructions a pair to widen, so from 4 rows (5-bit products
+// 1.3-1.6x faster at 8-128 rows, 6-bit 1.5-2x); 4-bit codes' 6 instructions cost less than
+// storing and loading the words (never), 8-bit from 256 rows (1.1-1.2x at 512; the Xeon VM
+// capped at AVX2, docs/performance.md).
+template <int BITS>
+constexpr int expand_rows() {
+  return BITS == 5 || BITS == 6 ? 4 : BITS == 8 ? 256 : 1 << 30;
+}
+
 template <typename S>
 MLXINFER_I16_AVX2 inline __m256 load8(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
@@ -202,95 +217,192 @@ MLXINFER_I16_AVX2 inline __m256i mask_words(__m256i mask, __m256i route, __m256i
   return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, select), add);
 }
 
-template <int BITS, typename S>
-MLXINFER_I16_AVX2 void tile_row_avx2(const Problem& p, const Tiles<S>& tl, int t, int m, bool next) {
+// acc + the int32 sums of x's and w's int16 pairs: vpdpwssd in its VEX form (AVX-VNNI; as an
+// instruction, since this file's AVX2 functions are not compiled for it), else vpmaddwd + vpaddd.
+template <bool VNNI>
+MLXINFER_I16_AVX2 inline __m256i dot_pairs(__m256i acc, __m256i x, __m256i w) {
+  if constexpr (VNNI) {
+    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(x), "x"(w));
+    return acc;
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w));
+  }
+}
+
+// A pair's codes widened to words: w[v] holds outputs 8 v .. 8 v + 7 (x 2 inputs).
+template <int BITS>
+struct Unpack {
+  __m256i low, select, route[2];
+
+  MLXINFER_I16_AVX2 Unpack() {
+    low = _mm256_set1_epi16(15);
+    select = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128, -128, 1, 1, 2,
+                              2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128, -128);
+    route[0] = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1,
+                                1, 1, 1, 1, 1, 1, 1, 1, 1);
+    route[1] = _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3,
+                                3, 3, 3, 3, 3, 3, 3, 3, 3);
+  }
+
+  MLXINFER_I16_AVX2 inline void operator()(const uint8_t* pw, __m256i (&w)[4]) const {
+    if constexpr (BITS != 8) {
+      const __m256i z0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw)));
+      const __m256i z1 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 16)));
+      w[0] = _mm256_and_si256(z0, low);
+      w[1] = _mm256_and_si256(z1, low);
+      w[2] = _mm256_srli_epi16(z0, 4);
+      w[3] = _mm256_srli_epi16(z1, 4);
+      for (int i = 0; i < BITS - 4; ++i) { // bit 4 + i: masks of outputs 0-15 and 16-31
+        int32_t m0, m1;
+        std::memcpy(&m0, pw + 32 + 8 * i, 4);
+        std::memcpy(&m1, pw + 36 + 8 * i, 4);
+        const __m256i b0 = _mm256_set1_epi32(m0), b1 = _mm256_set1_epi32(m1);
+        const __m256i add = _mm256_set1_epi16(static_cast<int16_t>(16 << i));
+        w[0] = _mm256_add_epi16(w[0], mask_words(b0, route[0], select, add));
+        w[1] = _mm256_add_epi16(w[1], mask_words(b0, route[1], select, add));
+        w[2] = _mm256_add_epi16(w[2], mask_words(b1, route[0], select, add));
+        w[3] = _mm256_add_epi16(w[3], mask_words(b1, route[1], select, add));
+      }
+    } else {
+      for (int v = 0; v < 4; ++v) {
+        w[v] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 16 * v)));
+      }
+    }
+  }
+};
+
+// Rows m .. m + R - 1 of tile t. `words`: the tile's codes already widened (expand_tile_avx2,
+// a prompt's many rows), else nullptr: each pair's widened here.
+template <int BITS, typename S, bool VNNI, int R>
+MLXINFER_I16_AVX2 void tile_rows_avx2(const Problem& p, const Tiles<S>& tl, int t, int m, bool next,
+                                      const int16_t* words) {
   constexpr size_t kPair = 8 * BITS;
   const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
   const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
   const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
   const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
   const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
-  const __m256i low = _mm256_set1_epi16(15);
-  const __m256i select = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128,
-                                          -128, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64,
-                                          -128, -128);
-  const __m256i route[2] = {
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                       1, 1, 1, 1, 1, 1),
-      _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
-                       3, 3, 3, 3, 3, 3)};
-  __m256 C[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const Unpack<BITS> unpack;
+  __m256 C[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) {
+      C[r][v] = _mm256_setzero_ps();
+    }
+  }
   for (int b = 0; b < blocks; ++b) {
-    __m256i A[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                    _mm256_setzero_si256()};
+    __m256i A[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < 4; ++v) {
+        A[r][v] = _mm256_setzero_si256();
+      }
+    }
     const uint8_t* wb = tile + static_cast<size_t>(b) * 16 * kPair;
-    if (m == 0 && next) { // the next tile's block, as tile_pass
+    if (m == 0 && next && words == nullptr) { // the next tile's block, as tile_pass
       for (size_t o = 0; o < 16 * kPair; o += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(wb + tile_bytes + o), _MM_HINT_T0);
       }
     }
     const int16_t* xb = p.xq + static_cast<size_t>(m) * p.K + b * kBlock;
     for (int pair = 0; pair < 16; ++pair) {
-      const uint8_t* pw = wb + pair * kPair;
       __m256i w[4]; // outputs 0-7, 8-15, 16-23, 24-31
-      if constexpr (BITS != 8) {
-        const __m256i z0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw)));
-        const __m256i z1 =
-            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 16)));
-        w[0] = _mm256_and_si256(z0, low);
-        w[1] = _mm256_and_si256(z1, low);
-        w[2] = _mm256_srli_epi16(z0, 4);
-        w[3] = _mm256_srli_epi16(z1, 4);
-        for (int i = 0; i < BITS - 4; ++i) { // bit 4 + i: masks of outputs 0-15 and 16-31
-          int32_t m0, m1;
-          std::memcpy(&m0, pw + 32 + 8 * i, 4);
-          std::memcpy(&m1, pw + 36 + 8 * i, 4);
-          const __m256i b0 = _mm256_set1_epi32(m0), b1 = _mm256_set1_epi32(m1);
-          const __m256i add = _mm256_set1_epi16(static_cast<int16_t>(16 << i));
-          w[0] = _mm256_add_epi16(w[0], mask_words(b0, route[0], select, add));
-          w[1] = _mm256_add_epi16(w[1], mask_words(b0, route[1], select, add));
-          w[2] = _mm256_add_epi16(w[2], mask_words(b1, route[0], select, add));
-          w[3] = _mm256_add_epi16(w[3], mask_words(b1, route[1], select, add));
+      if (words != nullptr) {
+        const int16_t* pw = words + (static_cast<size_t>(b) * 16 + pair) * 64;
+        for (int v = 0; v < 4; ++v) {
+          w[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(pw + 16 * v));
         }
       } else {
-        for (int v = 0; v < 4; ++v) {
-          w[v] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + 16 * v)));
-        }
+        unpack(wb + pair * kPair, w);
       }
-      int32_t two;
-      std::memcpy(&two, xb + 2 * pair, 4);
-      const __m256i xv = _mm256_set1_epi32(two);
-      for (int v = 0; v < 4; ++v) {
-        A[v] = _mm256_add_epi32(A[v], _mm256_madd_epi16(xv, w[v]));
+      for (int r = 0; r < R; ++r) {
+        int32_t two;
+        std::memcpy(&two, xb + static_cast<size_t>(r) * p.K + 2 * pair, 4);
+        const __m256i xv = _mm256_set1_epi32(two);
+        for (int v = 0; v < 4; ++v) {
+          A[r][v] = dot_pairs<VNNI>(A[r][v], xv, w[v]);
+        }
       }
     }
     const int g = b / per_group;
-    const __m256 sx = _mm256_set1_ps(p.xscale[static_cast<size_t>(m) * blocks + b]);
-    for (int v = 0; v < 4; ++v) {
-      const __m256 s = load8(ts + g * kTileRows + 8 * v);
-      C[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[v]), _mm256_mul_ps(s, sx), C[v]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sx = _mm256_set1_ps(p.xscale[static_cast<size_t>(m + r) * blocks + b]);
+      for (int v = 0; v < 4; ++v) {
+        const __m256 s = load8(ts + g * kTileRows + 8 * v);
+        C[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[r][v]), _mm256_mul_ps(s, sx), C[r][v]);
+      }
     }
     if (b % per_group == per_group - 1) { // the group's biases times its sum of x
-      const __m256 xs = _mm256_set1_ps(p.xsum[static_cast<size_t>(m) * G + g]);
-      for (int v = 0; v < 4; ++v) {
-        C[v] = _mm256_fmadd_ps(load8(tb + g * kTileRows + 8 * v), xs, C[v]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xs = _mm256_set1_ps(p.xsum[static_cast<size_t>(m + r) * G + g]);
+        for (int v = 0; v < 4; ++v) {
+          C[r][v] = _mm256_fmadd_ps(load8(tb + g * kTileRows + 8 * v), xs, C[r][v]);
+        }
       }
     }
   }
-  float* yr = p.y + static_cast<size_t>(m) * p.N + static_cast<size_t>(t) * kTileRows;
-  for (int v = 0; v < 4; ++v) {
-    _mm256_storeu_ps(yr + 8 * v, C[v]);
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + static_cast<size_t>(m + r) * p.N + static_cast<size_t>(t) * kTileRows;
+    for (int v = 0; v < 4; ++v) {
+      _mm256_storeu_ps(yr + 8 * v, C[r][v]);
+    }
   }
 }
 
+// Tile t's codes widened once, [block][pair][32 outputs x 2 inputs] as words (K x 64 bytes), for
+// a product of many rows: each pass then loads them instead of widening a pair per pass.
 template <int BITS, typename S>
-MLXINFER_I16_AVX2 void tiles_span_avx2(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
-  const int t1 = n1 / kTileRows;
-  for (int t = n0 / kTileRows; t < t1; ++t) {
-    for (int m = 0; m < p.M; ++m) {
-      tile_row_avx2<BITS, S>(p, tl, t, m, t + 1 < t1);
+MLXINFER_I16_AVX2 void expand_tile_avx2(const Problem& p, const Tiles<S>& tl, int t, int16_t* out) {
+  constexpr size_t kPair = 8 * BITS;
+  const int pairs = p.K / 2;
+  const uint8_t* tile = tl.codes + static_cast<size_t>(t) * pairs * kPair;
+  const Unpack<BITS> unpack;
+  for (int i = 0; i < pairs; ++i) {
+    __m256i w[4];
+    unpack(tile + i * kPair, w);
+    for (int v = 0; v < 4; ++v) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + static_cast<size_t>(i) * 64 + 16 * v), w[v]);
     }
   }
+}
+
+template <int BITS, typename S, bool VNNI>
+MLXINFER_I16_AVX2 void tiles_span_avx2(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
+  const int t1 = n1 / kTileRows;
+  aligned_vector<int16_t> words(p.M >= expand_rows<BITS>() ? static_cast<size_t>(p.K) * 32 : 0);
+  for (int t = n0 / kTileRows; t < t1; ++t) {
+    const int16_t* wx = nullptr;
+    if (!words.empty()) {
+      expand_tile_avx2<BITS, S>(p, tl, t, words.data());
+      wx = words.data();
+    }
+    int m = 0;
+    for (; m + kPassRows <= p.M; m += kPassRows) {
+      tile_rows_avx2<BITS, S, VNNI, kPassRows>(p, tl, t, m, t + 1 < t1, wx);
+    }
+    for (; m < p.M; ++m) {
+      tile_rows_avx2<BITS, S, VNNI, 1>(p, tl, t, m, t + 1 < t1, wx);
+    }
+  }
+}
+
+// The span function for a width: AVX-512 VNNI's tile_pass (`wide`), else AVX2's rows, with
+// AVX-VNNI's vpdpwssd where the CPU has it (`avx_vnni`).
+template <typename S>
+using SpanFn = void (*)(const Problem&, const Tiles<S>&, int, int);
+
+template <typename S, int BITS>
+SpanFn<S> span_fn_bits(bool wide, bool avx_vnni) {
+  return wide       ? tiles_span<BITS, S>
+      : avx_vnni    ? tiles_span_avx2<BITS, S, true>
+                    : tiles_span_avx2<BITS, S, false>;
+}
+
+template <typename S>
+SpanFn<S> span_fn(bool wide, bool avx_vnni, int bits) {
+  return bits == 4   ? span_fn_bits<S, 4>(wide, avx_vnni)
+      : bits == 5    ? span_fn_bits<S, 5>(wide, avx_vnni)
+      : bits == 6    ? span_fn_bits<S, 6>(wide, avx_vnni)
+                     : span_fn_bits<S, 8>(wide, avx_vnni);
 }
 
 #endif // MLXINFER_X86
@@ -473,25 +585,11 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
   if (sc.dtype() == mx::float32) {
     const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(), bi.data<float>()};
-    const auto fn = !wide     ? (bits == 4 ? tiles_span_avx2<4, float>
-                                 : bits == 5 ? tiles_span_avx2<5, float>
-                                 : bits == 6 ? tiles_span_avx2<6, float>
-                                             : tiles_span_avx2<8, float>)
-        : bits == 4           ? tiles_span<4, float>
-        : bits == 5           ? tiles_span<5, float>
-        : bits == 6           ? tiles_span<6, float>
-                              : tiles_span<8, float>;
+    const auto fn = span_fn<float>(wide, avx_vnni_available(), bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   } else {
     const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(), bi.data<mx::float16_t>()};
-    const auto fn = !wide     ? (bits == 4 ? tiles_span_avx2<4, mx::float16_t>
-                                 : bits == 5 ? tiles_span_avx2<5, mx::float16_t>
-                                 : bits == 6 ? tiles_span_avx2<6, mx::float16_t>
-                                             : tiles_span_avx2<8, mx::float16_t>)
-        : bits == 4           ? tiles_span<4, mx::float16_t>
-        : bits == 5           ? tiles_span<5, mx::float16_t>
-        : bits == 6           ? tiles_span<6, mx::float16_t>
-                              : tiles_span<8, mx::float16_t>;
+    const auto fn = span_fn<mx::float16_t>(wide, avx_vnni_available(), bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   }
 #else

@@ -14,7 +14,7 @@ from int16_definition import assert_within_bound, outlier_rows, random_tiled
 
 from mlxinfer import backends
 from mlxinfer.backends import kernels
-from mlxinfer.backends.cpu import blocks, compiled, kinds, tiles
+from mlxinfer.backends.cpu import blocks, compiled, kinds, quantized, tiles
 from mlxinfer.backends.cpu import plans as cpu_plans
 from mlxinfer.generation import generate_step
 from mlxinfer.loading.convert import convert
@@ -42,10 +42,19 @@ pytestmark = [
 ]
 
 
+def _avx_vnni() -> bool:
+    """Whether this CPU runs the AVX2 tiles with AVX-VNNI's vpdpwssd (``set_max_isa("avxvnni")``)."""
+    K.set_max_isa("avxvnni")
+    try:
+        return K.avx_vnni_available()
+    finally:
+        K.set_max_isa("avx2")
+
+
 @pytest.fixture
 def at_avx2():
-    """The kernels held at AVX2 for the test; yields whether this CPU also runs AVX-512 VNNI
-    (then the tests compare with that path)."""
+    """The kernels held at AVX2 (without AVX-VNNI) for the test; yields whether this CPU also
+    runs AVX-512 VNNI (then the tests compare with that path)."""
     K.set_max_isa("best")
     wide = K.vnni_available()
     K.set_max_isa("avx2")
@@ -59,14 +68,21 @@ def at_avx2():
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("half", [False, True])
 def test_avx2_tiles_are_the_avx512_tiles_products(bits, group_size, half, at_avx2):
-    """1, 2, 5 and 9 rows (the AVX2 path takes one row a pass): within the bound of the int16
-    rounding, and equal to the AVX-512 path's outputs where this CPU runs it."""
+    """1, 2, 5 and 9 rows (two a pass, 5- and 6-bit codes widened once a tile from 4): within the bound of the int16
+    rounding, and equal to the AVX-512 path's outputs where this CPU runs it, and to AVX-VNNI's
+    (vpdpwssd for vpmaddwd + vpaddd) where it has that."""
     rng = np.random.default_rng(bits * 100 + group_size + half)
     q, s, b, t = random_tiled(rng, bits, group_size, half)
-    for M in (1, 2, 5, 9):
+    assert not K.avx_vnni_available()  # the "avx2" cap: a client core before AVX-VNNI
+    avx_vnni = _avx_vnni()
+    for M in (1, 2, 5, 9) + ((257,) if bits == 8 else ()):  # 8-bit codes widened once from 256
         x = outlier_rows(rng, M)
         y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))
         assert_within_bound(y, x, q, s, b, group_size, bits)
+        if avx_vnni:
+            K.set_max_isa("avxvnni")
+            assert (y == np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))).all()
+            K.set_max_isa("avx2")
         if at_avx2:  # this CPU has AVX-512 VNNI too: the same outputs, bit for bit
             K.set_max_isa("best")
             assert (y == np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))).all()
@@ -87,8 +103,10 @@ def test_a_non_finite_row_is_nan_and_leaves_the_others(at_avx2):
 
 def test_the_int16_decode_plan_on_avx2_gives_mlxs_logits_and_tokens(tmp_path, monkeypatch, at_avx2):
     """A tiny 4-bit Llama with a tied 8-bit head: the plan is offered on AVX2 (its tiles; the
-    few-row int16 path needs VNNI), each decode step's logits within 1e-3 of the largest of
-    MLX's quantized path's, the greedy tokens the same, alone and as the engine's 3 rows."""
+    few-row int16 path needs VNNI), a 40-token prompt's products on the tiles (none through the
+    dequantized weight) and each position's logits, then each decode step's, within 1e-3 of
+    the largest of MLX's quantized path's, the greedy tokens the same, alone and as the
+    engine's 3 rows."""
     path, _ = make_tiny(
         tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=True
     )
@@ -101,10 +119,19 @@ def test_the_int16_decode_plan_on_avx2_gives_mlxs_logits_and_tokens(tmp_path, mo
     cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
     assert compiled.int16_decode_fits(model)
     kinds.set_plan(model, "int16_decode", "int16")
-    p = [(7 + 13 * i) % 256 for i in range(11)]
+    dequantized = []  # a prompt's products through the dequantized weight and BLAS
+    many_rows = quantized.CPUQuantizedLinear._many_rows
+    monkeypatch.setattr(
+        quantized.CPUQuantizedLinear,
+        "_many_rows",
+        lambda layer, x: dequantized.append(x.shape) or many_rows(layer, x),
+    )
+    p = [(7 + 13 * i) % 256 for i in range(41)]  # 40 prompt rows: the tiles' (AVX2_ROWS)
     cache, plain_cache = model.make_cache(), plain.make_cache()
-    model(mx.array([p[:-1]]), cache=cache)
-    plain(mx.array([p[:-1]]), cache=plain_cache)
+    got = np.array(model(mx.array([p[:-1]]), cache=cache)[0])
+    want = np.array(plain(mx.array([p[:-1]]), cache=plain_cache)[0])
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+    assert dequantized == []
     for token in p[-1:] + [3, 90, 17]:
         got = np.array(model(mx.array([[token]]), cache=cache)[0, -1])
         want = np.array(plain(mx.array([[token]]), cache=plain_cache)[0, -1])
@@ -122,25 +149,31 @@ def test_the_int16_decode_plan_on_avx2_gives_mlxs_logits_and_tokens(tmp_path, mo
     assert any("_cpu_tiles" in m.__dict__ and "scales" in m for m in model.modules())
 
 
-def test_a_prompts_rows_keep_the_float_kernel_on_avx2(at_avx2):
-    """One row a pass pays up to ``tiles.AVX2_ROWS[bits]`` rows (docs/performance.md: 5-bit
-    tiles 0.82x the float kernel at 8 rows, 6-bit 0.93x at one): beyond, and for 6-bit layers
-    at all, the tiles are not used on AVX2 (None: the caller's path); where AVX-512 VNNI runs,
-    every row count takes them."""
+def test_the_tiles_take_the_rows_they_win_at_on_avx2(at_avx2):
+    """On AVX2 the tiles pay up to ``tiles.AVX2_ROWS[bits]`` rows, ``AVX_VNNI_ROWS`` with AVX-VNNI
+    (docs/performance.md: against the float kernel below 32 rows, the dequantized weight and
+    BLAS from there): beyond, the tiles are not used (None: the caller's path); where AVX-512
+    VNNI runs, every row count takes them and a prompt's rows are the int16_rows plan's."""
 
     class Owner:
         pass
 
     compiled.set_int16_decode(True)
-    for bits in (4, 5, 8):
-        q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=bits)
-        rows = tiles.AVX2_ROWS[bits]
-        assert tiles.product(mx.ones((rows, 128)), Owner(), q, s, b, 32, bits) is not None
-        assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, bits) is None
-    q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=6)
-    assert tiles.of(Owner(), q, s, b, 32, 6) is None
-    assert tiles.product(mx.ones((1, 128)), Owner(), q, s, b, 32, 6) is None
-    if at_avx2:  # AVX-512 VNNI here: every width and row count takes the tiles
+    levels = [("avx2", tiles.AVX2_ROWS)] + (
+        [("avxvnni", tiles.AVX_VNNI_ROWS)] if _avx_vnni() else []
+    )
+    for level, table in levels:
+        K.set_max_isa(level)
+        for bits in (4, 5, 6, 8):
+            q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=bits)
+            rows = table[bits]
+            assert tiles.product(mx.ones((rows, 128)), Owner(), q, s, b, 32, bits) is not None
+            assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, bits) is None
+            assert tiles.takes_prompt(rows, bits) and not tiles.takes_prompt(rows + 1, bits)
+    K.set_max_isa("avx2")
+    if at_avx2:  # AVX-512 VNNI here: every row count takes the tiles
         K.set_max_isa("best")
-        assert tiles.product(mx.ones((9, 128)), Owner(), q, s, b, 32, 6) is not None
+        q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=6)
+        assert tiles.product(mx.ones((600, 128)), Owner(), q, s, b, 32, 6) is not None
+        assert not tiles.takes_prompt(64, 4)  # there the int16_rows plan decides
         K.set_max_isa("avx2")

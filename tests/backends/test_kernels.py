@@ -468,7 +468,9 @@ def test_shape_mismatches_are_value_errors(k):
 
 def test_version_recorded(k):
     assert k.mlx_version == mx.__version__.split(".dev")[0]
-    assert kernels.describe().startswith(f"kernels: {k.isa()} on {k.num_threads()} threads")
+    assert kernels.describe().startswith(
+        f"kernels: {kernels.level(k)} on {k.num_threads()} threads"
+    )
 
 
 # Loading: what load() and reason() say where the module is absent, off or refuses this MLX.
@@ -691,3 +693,25 @@ def test_the_isa_setting_caps_the_kernels_and_a_bad_value_is_one_line(k, fresh):
     with pytest.raises(ConfigError, match=r"^MLXINFER_KERNELS_ISA='sse': expected 'scalar'"):
         kernels.load()
     assert k.isa() == k.best_isa
+
+
+def test_the_avx2_cap_keeps_avx_vnni_off_and_avxvnni_names_it(k, fresh):
+    """``avx2`` is a client core before AVX-VNNI: its paths without vpdpwssd; ``avxvnni`` (on a
+    CPU that has it) the same level with it, which describe names and the plans' key tells
+    apart (a plan timed without it is not another's)."""
+    from mlxinfer.backends.cpu import compiled
+
+    if k.best_isa == "neon":
+        pytest.skip("x86's levels (this CPU is arm64)")
+    try:
+        k.set_max_isa("avx2")
+        assert not k.avx_vnni_available()
+        assert kernels.describe().startswith("kernels: avx2 on")
+        plain = compiled.key()
+        k.set_max_isa("avxvnni")
+        if not k.avx_vnni_available():
+            pytest.skip("this CPU has no AVX-VNNI (avxvnni in /proc/cpuinfo)")
+        assert k.isa() == "avx2" and kernels.describe().startswith("kernels: avx2+avxvnni on")
+        assert compiled.key() != plain
+    finally:
+        k.set_max_isa("best")

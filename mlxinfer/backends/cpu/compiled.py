@@ -261,6 +261,6 @@ def set_int16_decode(on: bool) -> None:
 
 def key() -> list | None:
     """What the plans cache is keyed on about the kernels: None without them, else the
-    instruction set, the usable CPUs and the MLX they were built for."""
+    instruction set (with AVX-VNNI or not), the usable CPUs and the MLX they were built for."""
     k = kernels.load()
-    return None if k is None else [k.isa(), k.available_cpus(), k.mlx_version]
+    return None if k is None else [kernels.level(k), k.available_cpus(), k.mlx_version]

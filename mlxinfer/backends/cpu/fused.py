@@ -143,6 +143,19 @@ class QuantizedGroup:
             and k.vnni_available()
         )
 
+    def tiled_prompt(self, rows: int) -> bool:
+        """Whether a prompt's ``rows`` take the stacked product's tiles (``tiles.takes_prompt``:
+        AVX2), which it has (made here where they fit the machine)."""
+        if self.mode != "affine" or "biases" not in self.arrays:
+            return False
+        if not tiles.takes_prompt(rows, self.bits):
+            return False
+        a = self.arrays
+        return (
+            tiles.of(self, a["weight"], a["scales"], a["biases"], self.group_size, self.bits)
+            is not None
+        )
+
     def output(self, x: mx.array, index: int, *, int16: bool = False) -> mx.array:
         """Sibling ``index``'s columns of the stacked product with ``x``: the few-row kernel's,
         or with ``int16`` the int16 kernel's (a prompt's rows, evaluated in a stepwise prefill)."""
@@ -183,6 +196,8 @@ class CPUFusedQuantizedSibling:
             return group.output(x, index, int16=True)  # a prompt's rows: one int16 product
         if group.on and self.cpu_kernel is not None and rows < self.MIN_ROWS:
             return group.output(x, index)
+        if group.on and rows >= self.MIN_ROWS and group.tiled_prompt(rows):
+            return group.output(x, index)  # AVX2: a prompt's rows on the group's tiles
         return super().__call__(x)
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import compiled, parallel
+from . import compiled, parallel, tiles
 
 
 def dequantize(
@@ -159,6 +159,8 @@ def slices_mlp(x: mx.array, gate: nn.Module, up: nn.Module, down: nn.Module) -> 
     if all(isinstance(layer, CPUQuantizedLinear) for layer in (gate, up, down)):
         if all(rows >= m.cpu_int16_rows and compiled.int16_fits(m) for m in (gate, up, down)):
             return False  # the int16 products hold no dequantized weight: nothing to slice
+        if all(tiles.takes_prompt(rows, m.bits) for m in (gate, up, down)):
+            return False  # nor do the tiles (AVX2)
         return all(MLP_SLICE % max(layer.group_size, 32) == 0 for layer in (gate, up, down))
     return all(isinstance(layer, nn.Linear) for layer in (gate, up)) and isinstance(
         down, (nn.Linear, parallel.TransposedLinear)
@@ -292,7 +294,25 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
             if kernel is not None:
                 return kernel(x, self)
             return self._few_rows(x)
+        if tiles.takes_prompt(rows, self.bits):  # AVX2: up to tiles.AVX2_ROWS, the tiles
+            y = self._tiled_rows(x)
+            if y is not None:
+                return y
         return self._many_rows(x)
+
+    def _tiled_rows(self, x: mx.array) -> mx.array | None:
+        """A prompt's rows through the layer's tiles (``tiles.takes_prompt``: on AVX2 they beat
+        the dequantized weight and BLAS up to some hundred rows), or None where it has none."""
+        if getattr(self, "mode", "affine") != "affine" or "biases" not in self:
+            return None
+        arrays = (self["weight"], self["scales"], self["biases"])
+        y = tiles.product(x, self, *arrays, self.group_size, self.bits)
+        if y is None:
+            return None
+        y = y + self["bias"] if "bias" in self else y
+        if _stepwise.get():
+            mx.eval(y)
+        return y
 
     def _int16_rows(self, x: mx.array) -> mx.array:
         """Prefill through the int16 kernel: no dequantized weight, x rounded to int16."""

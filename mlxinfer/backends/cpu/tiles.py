@@ -2,7 +2,9 @@
 products (csrc/src/tiles.cpp), so decode's few rows run as 32-output tiles with no per-product
 layout and no float dequantizing: the ``int16_decode`` plan's ``int16`` option. A CPU with AVX2
 but not AVX-512 VNNI (Intel's client cores, AMD's before Zen 4) runs the same tiles in 256-bit
-vectors (``vpmaddwd``), the outputs bit for bit the same.
+vectors (``vpmaddwd``, or AVX-VNNI's ``vpdpwssd`` where the CPU has it), two rows a pass, the
+outputs bit for bit the same; there they also take a prompt's rows up to ``AVX2_ROWS`` (the
+dequantized weight and BLAS beyond: ``quantized.CPUQuantizedLinear``).
 
 A layer's tiles are made the first time a product asks for them while the plan is on, kept on
 the layer (or on its fused group) beside MLX's arrays, which every other path still reads, and
@@ -34,10 +36,14 @@ TILE = 32  # outputs a tile
 _on = False
 _keep = 0  # inside kept(): set_on(False) keeps the tiles
 _owners: list[weakref.ref] = []  # what keeps tiles, to drop them when the plan is set off
-# Without AVX-512 VNNI, up to how many rows each width's tiles (AVX2: one row a pass) beat the
-# float kernel (docs/performance.md: 4- and 8-bit 1.3x at 8 rows, 5-bit 1.03x at 4 and 0.82x
-# at 8, 6-bit 0.93x at one); beyond, the caller's path (a prompt's rows: the float kernel).
-AVX2_ROWS = {4: 8, 5: 4, 6: 0, 8: 8}
+# Without AVX-512 VNNI, up to how many rows each width's tiles (two rows a pass; 5- and 6-bit
+# codes widened once a tile from 4 rows) beat the caller's path: the float kernel below
+# ``CPUQuantizedLinear.MIN_ROWS``, the dequantized weight and BLAS from there (docs/performance.md,
+# the Xeon VM capped at AVX2: 1.4-2.6x the float kernel at 2-31 rows, 6-bit 0.97x at one; 1.15-
+# 1.6x the BLAS at 128 rows, 0.72-0.85x at 512 but 8-bit's 1.15x). With AVX-VNNI's ``vpdpwssd``
+# every width 1.03-1.54x the BLAS at 512 rows, a prefill chunk's most (4-bit's 1.03x a tie).
+AVX2_ROWS = {4: 128, 5: 256, 6: 128, 8: 256}
+AVX_VNNI_ROWS = {4: 256, 5: 512, 6: 512, 8: 512}
 # Left free after a layer's tiles: a request's KV cache, a prefill chunk's activations, logits.
 RESERVE = 1 << 30
 skipped_bytes = 0  # layers' tiles not made for want of memory (their float kernel runs)
@@ -48,6 +54,27 @@ def available() -> bool:
     (256-bit ``vpmaddwd``, the same outputs bit for bit; tiles.cpp)."""
     k = kernels.load()
     return k is not None and hasattr(k, "tiles_available") and k.tiles_available()
+
+
+def takes(rows: int, bits: int) -> bool:
+    """Whether a product of ``rows`` rows of a ``bits``-bit layer runs on its tiles here while
+    the plan is on: any rows with AVX-512 VNNI (its callers choose: decode's, and a prompt's
+    under the ``int16_rows`` plan), else up to ``AVX2_ROWS`` (``AVX_VNNI_ROWS``) rows."""
+    if not _on:
+        return False
+    k = kernels.load()
+    if k.vnni_available():
+        return True
+    avx_vnni = getattr(k, "avx_vnni_available", None)
+    limits = AVX_VNNI_ROWS if avx_vnni is not None and avx_vnni() else AVX2_ROWS
+    return rows <= limits.get(bits, 0)
+
+
+def takes_prompt(rows: int, bits: int) -> bool:
+    """Whether a prompt's ``rows`` (from ``CPUQuantizedLinear.MIN_ROWS``) take the tiles rather
+    than the dequantized weight and BLAS: on AVX2 alone, within :func:`takes`' rows; with
+    AVX-512 VNNI the ``int16_rows`` plan decides (``compiled.int16_product``)."""
+    return _on and not kernels.load().vnni_available() and takes(rows, bits)
 
 
 def set_on(on: bool) -> None:
@@ -142,8 +169,8 @@ def of(
     the first call and kept on ``owner`` while its codes are the same array."""
     if not _on or biases is None or not fits(w, bits, group_size):
         return None
-    if bits == 6 and not kernels.load().vnni_available():
-        return None  # AVX2's 6-bit tiles lose to the float kernel even at one row
+    if not takes(1, bits):
+        return None
     kept = owner.__dict__.get("_cpu_tiles")
     if kept is not None and kept[0] is w and kept[1] is scales and kept[2] is biases:
         return kept[3]
@@ -179,15 +206,14 @@ def product(
 ) -> mx.array | None:
     """``x @ dequantize(w, scales, biases).T`` through ``owner``'s tiles (``K.quantized_matvec``
     takes them), in the dtype MLX's arrays would give; None where the plan is off or they do
-    not fit, or for more than ``AVX2_ROWS[bits]`` rows without AVX-512 VNNI (the caller's path)."""
-    k = kernels.load()
+    not fit, or for more rows than :func:`takes` (the caller's path)."""
     rows = x.size // x.shape[-1] if x.ndim else 0
-    if _on and rows > 4 and rows > AVX2_ROWS.get(bits, 0) and not k.vnni_available():
-        return None  # a prompt's rows on AVX2: the float kernel
+    if not takes(rows, bits):
+        return None  # on AVX2, more rows than the tiles win at: the caller's path
     tiled = of(owner, w, scales, biases, gs, bits)
     if tiled is None:
         return None
-    y = k.quantized_matvec(x, *tiled, gs, bits)
+    y = kernels.load().quantized_matvec(x, *tiled, gs, bits)
     # MLX's promotion of two float dtypes: the same one, else float32 (float16 with bfloat16 too)
     dtype = x.dtype if x.dtype == scales.dtype else mx.float32
     return y if y.dtype == dtype else y.astype(dtype)

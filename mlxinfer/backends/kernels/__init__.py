@@ -27,7 +27,8 @@ from ...errors import ConfigError
 
 ENV = "MLXINFER_KERNELS"  # "0": never use the kernels
 ENV_DIR = "MLXINFER_KERNELS_DIR"  # a folder holding _mlxinfer_kernels*.so
-ENV_ISA = "MLXINFER_KERNELS_ISA"  # cap the instruction set: scalar, avx2, avx512, neon, best
+# cap the instruction set: scalar, avx2, avxvnni (AVX2 with AVX-VNNI), avx512, neon, best
+ENV_ISA = "MLXINFER_KERNELS_ISA"
 NAME = "_mlxinfer_kernels"
 NOT_BUILT = NAME + ".not-built"  # an install's one line saying why it did not build them
 
@@ -107,11 +108,18 @@ def _load() -> tuple[ModuleType | None, str | None]:
     return module, None
 
 
+def level(k: ModuleType) -> str:
+    """The kernels' instruction set now: ``k.isa()``, with ``+avxvnni`` where the AVX2 paths
+    also run AVX-VNNI (``k.avx_vnni_available``: Intel's client cores since Alder Lake)."""
+    avx_vnni = getattr(k, "avx_vnni_available", None)
+    return k.isa() + ("+avxvnni" if avx_vnni is not None and avx_vnni() else "")
+
+
 def describe() -> str:
     """One line for ``--verbose``: the kernels in use (instruction set, threads) or why not."""
     k = load()
     if k is None:
         return reason()
     return (
-        f"kernels: {k.isa()} on {k.num_threads()} threads (MLX {k.mlx_version}, {mx.__version__})"
+        f"kernels: {level(k)} on {k.num_threads()} threads (MLX {k.mlx_version}, {mx.__version__})"
     )
