@@ -39,9 +39,9 @@ _owners: list[weakref.ref] = []  # what keeps tiles, to drop them when the plan 
 # Without AVX-512 VNNI, up to how many rows each width's tiles (two rows a pass; 5- and 6-bit
 # codes widened once a tile from 4 rows) beat the caller's path: the float kernel below
 # ``CPUQuantizedLinear.MIN_ROWS``, the dequantized weight and BLAS from there (docs/performance.md,
-# the Xeon VM capped at AVX2: 1.4-2.6x the float kernel at 2-31 rows, 6-bit 0.97x at one; 1.15-
-# 1.6x the BLAS at 128 rows, 0.72-0.85x at 512 but 8-bit's 1.15x). With AVX-VNNI's ``vpdpwssd``
-# every width 1.03-1.54x the BLAS at 512 rows, a prefill chunk's most (4-bit's 1.03x a tie).
+# the Xeon VM capped at AVX2: 1.1-2.7x the float kernel at 1-31 rows, 6-bit 0.97-1.14x at one;
+# 1.0-2.1x the BLAS at 128 rows, 0.75-0.87x at 512, 8-bit's up to 1.15x). With AVX-VNNI's
+# ``vpdpwssd`` 1.04-1.54x the BLAS at 512 rows, a prefill chunk's most (4-bit's 1.03-1.07x a tie).
 AVX2_ROWS = {4: 128, 5: 256, 6: 128, 8: 256}
 AVX_VNNI_ROWS = {4: 256, 5: 512, 6: 512, 8: 512}
 # Left free after a layer's tiles: a request's KV cache, a prefill chunk's activations, logits.
