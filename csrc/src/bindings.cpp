@@ -139,6 +139,9 @@ NB_MODULE(_mlxinfer_kernels, m) {
         "Whether the AVX2 tiles sum their int16 products with AVX-VNNI's 256-bit vpdpwssd (the "
         "same int32 sums as vpmaddwd and vpaddd): the CPU has it, the level is AVX2, and the cap "
         "is not 'avx2' (set_max_isa('avxvnni') or a CPU whose best level is AVX2).");
+  m.def("tiles_wide_available", &mlxinfer::tiles_wide_available,
+        "Whether tiled layers run their 512-bit path (AVX-512 F, BW and VNNI; no VBMI needed: "
+        "Cascade Lake too), else the AVX2 one; at the kernels' ISA level.");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");
@@ -364,11 +367,13 @@ NB_MODULE(_mlxinfer_kernels, m) {
           mlxinfer::set_max_isa(mlxinfer::kAvx2, false);
         } else if (name == "avxvnni") {
           mlxinfer::set_max_isa(mlxinfer::kAvx2, true);
+        } else if (name == "avx512vnni") {
+          mlxinfer::set_max_isa(mlxinfer::kAvx512, true, false);
         } else if (name == "avx512" || name == "best") {
           mlxinfer::set_max_isa(mlxinfer::kAvx512);
         } else {
           throw std::invalid_argument("set_max_isa: expected 'scalar', 'avx2', 'avxvnni', "
-                                      "'avx512' or 'best', found '" +
+                                      "'avx512vnni', 'avx512' or 'best', found '" +
                                       name + "'");
         }
 #endif

@@ -52,6 +52,19 @@ bool detect_avx_vnni() {
 const bool g_avx_vnni = detect_avx_vnni();
 std::atomic<bool> g_avx_vnni_on{true}; // set_max_isa: off at the "avx2" cap, on above it
 
+bool detect_avx512_vnni() {
+#if defined(MLXINFER_X86)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+const bool g_avx512_vnni = detect_avx512_vnni();
+std::atomic<bool> g_vbmi_on{true}; // set_max_isa: off at the "avx512vnni" cap (Cascade Lake's)
+
 } // namespace
 
 Isa best_isa() {
@@ -67,9 +80,18 @@ Isa current_isa() {
 #endif
 }
 
-void set_max_isa(Isa isa, bool avx_vnni) {
+void set_max_isa(Isa isa, bool avx_vnni, bool vbmi) {
   g_max.store(isa);
   g_avx_vnni_on.store(avx_vnni);
+  g_vbmi_on.store(vbmi);
+}
+
+bool vbmi_allowed() {
+  return g_vbmi_on.load(std::memory_order_relaxed);
+}
+
+bool avx512_vnni_cpu() {
+  return g_avx512_vnni;
 }
 
 bool avx_vnni_available() {

@@ -502,7 +502,7 @@ std::atomic<int> g_int16_decode_rows{0};
 } // namespace
 
 bool vnni_available() {
-  return g_vnni && current_isa() == kAvx512;
+  return g_vnni && current_isa() == kAvx512 && vbmi_allowed();
 }
 
 void set_int16_decode_rows(int rows) {

@@ -60,7 +60,7 @@ struct Tiles {
 };
 
 template <typename S>
-MLXINFER_VNNI inline __m512 load16(const S* p) {
+MLXINFER_VNNI_TILES inline __m512 load16(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
     return _mm512_loadu_ps(p);
   } else {
@@ -70,14 +70,14 @@ MLXINFER_VNNI inline __m512 load16(const S* p) {
 
 // acc += the pairwise products of a and b (vpdpwssd), in place: GCC's intrinsic copies each
 // accumulator through another register (two moves a product in tile_pass, 8 rows spilled).
-MLXINFER_VNNI inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
+MLXINFER_VNNI_TILES inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
 
 // Rows m0..m0+R of x against tile t's 32 outputs.
 // `next`: whether tile t + 1 follows in this thread's span (the first pass asks for its lines).
 template <int BITS, int R, typename S>
-MLXINFER_VNNI void tile_pass(const Problem& p, const Tiles<S>& tl, int t, int m0, bool next) {
+MLXINFER_VNNI_TILES void tile_pass(const Problem& p, const Tiles<S>& tl, int t, int m0, bool next) {
   constexpr size_t kPair = 8 * BITS; // bytes a pair: 64 codes
   const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
   const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2; // blocks to groups, no idiv
@@ -168,7 +168,7 @@ constexpr auto pass_table(std::index_sequence<R...>) {
 }
 
 template <int BITS, typename S>
-MLXINFER_VNNI void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
+MLXINFER_VNNI_TILES void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
   static constexpr auto kPass = pass_table<BITS, S>(std::make_index_sequence<kRows>{});
   const int t1 = n1 / kTileRows;
   for (int t = n0 / kTileRows; t < t1; ++t) {
@@ -517,6 +517,10 @@ bool tiles_available() {
 #endif
 }
 
+bool tiles_wide_available() {
+  return avx512_vnni_cpu() && current_isa() == kAvx512;
+}
+
 bool is_tiled(const mx::array& w) {
   return w.dtype() == mx::uint8;
 }
@@ -552,7 +556,7 @@ int64_t check_tiled(const std::string& op, const mx::array& w, const mx::array& 
 void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array& sc,
                       const mx::array& bi, int gs, int bits, float* y) {
 #if defined(MLXINFER_X86)
-  const bool wide = vnni_available(); // else the AVX2 path: the same outputs
+  const bool wide = tiles_wide_available(); // else the AVX2 path: the same outputs
   if (!tiles_available()) {
     throw std::runtime_error("[mlxinfer tiled product] needs AVX2 at the kernels' ISA level "
                              "(a tiled layer is made only where it is)");

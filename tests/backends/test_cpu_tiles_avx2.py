@@ -74,13 +74,17 @@ def test_avx2_tiles_are_the_avx512_tiles_products(bits, group_size, half, at_avx
     rng = np.random.default_rng(bits * 100 + group_size + half)
     q, s, b, t = random_tiled(rng, bits, group_size, half)
     assert not K.avx_vnni_available()  # the "avx2" cap: a client core before AVX-VNNI
-    avx_vnni = _avx_vnni()
+    avx_vnni, cascade_lake = _avx_vnni(), _cascade_lake()
     for M in (1, 2, 5, 9) + ((257,) if bits == 8 else ()):  # 8-bit codes widened once from 256
         x = outlier_rows(rng, M)
         y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))
         assert_within_bound(y, x, q, s, b, group_size, bits)
         if avx_vnni:
             K.set_max_isa("avxvnni")
+            assert (y == np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))).all()
+            K.set_max_isa("avx2")
+        if cascade_lake:  # the 512-bit tiles without VBMI: AVX-512's outputs
+            K.set_max_isa("avx512vnni")
             assert (y == np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))).all()
             K.set_max_isa("avx2")
         if at_avx2:  # this CPU has AVX-512 VNNI too: the same outputs, bit for bit
@@ -101,12 +105,28 @@ def test_a_non_finite_row_is_nan_and_leaves_the_others(at_avx2):
     assert (y[0] == y[2]).all()
 
 
-def test_the_int16_decode_plan_on_avx2_gives_mlxs_logits_and_tokens(tmp_path, monkeypatch, at_avx2):
-    """A tiny 4-bit Llama with a tied 8-bit head: the plan is offered on AVX2 (its tiles; the
-    few-row int16 path needs VNNI), a 40-token prompt's products on the tiles (none through the
-    dequantized weight) and each position's logits, then each decode step's, within 1e-3 of
-    the largest of MLX's quantized path's, the greedy tokens the same, alone and as the
-    engine's 3 rows."""
+def _cascade_lake() -> bool:
+    """Whether this CPU runs the tiles' 512-bit path without VBMI (``set_max_isa("avx512vnni")``)."""
+    K.set_max_isa("avx512vnni")
+    try:
+        return K.tiles_wide_available() and not K.vnni_available()
+    finally:
+        K.set_max_isa("avx2")
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
+def test_the_int16_decode_plan_without_vbmi_gives_mlxs_logits_and_tokens(
+    tmp_path, monkeypatch, at_avx2, level
+):
+    """A tiny 4-bit Llama with a tied 8-bit head, on AVX2 and on AVX-512 VNNI without VBMI
+    (Cascade Lake: the tiles' 512-bit path): the plan is offered (its tiles; the few-row int16
+    path needs VBMI), a 40-token prompt's products on the tiles (none through the dequantized
+    weight) and each position's logits, then each decode step's, within 1e-3 of the largest of
+    MLX's quantized path's, the greedy tokens the same, alone and as the engine's 3 rows."""
+    if level == "avx512vnni":
+        if not _cascade_lake():
+            pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni in /proc/cpuinfo)")
+        K.set_max_isa(level)
     path, _ = make_tiny(
         tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=True
     )
@@ -153,7 +173,8 @@ def test_the_tiles_take_the_rows_they_win_at_on_avx2(at_avx2):
     """On AVX2 the tiles pay up to ``tiles.AVX2_ROWS[bits]`` rows, ``AVX_VNNI_ROWS`` with AVX-VNNI
     (docs/performance.md: against the float kernel below 32 rows, the dequantized weight and
     BLAS from there): beyond, the tiles are not used (None: the caller's path); where AVX-512
-    VNNI runs, every row count takes them and a prompt's rows are the int16_rows plan's."""
+    VNNI runs, every row count takes them, and a prompt's rows are the int16_rows plan's (with
+    VBMI) or the tiles' (without: Cascade Lake)."""
 
     class Owner:
         pass
@@ -171,6 +192,10 @@ def test_the_tiles_take_the_rows_they_win_at_on_avx2(at_avx2):
             assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, bits) is None
             assert tiles.takes_prompt(rows, bits) and not tiles.takes_prompt(rows + 1, bits)
     K.set_max_isa("avx2")
+    if _cascade_lake():  # AVX-512 VNNI without VBMI: the 512-bit tiles take every prompt
+        K.set_max_isa("avx512vnni")
+        assert tiles.wide() and tiles.takes_prompt(600, 5)
+        K.set_max_isa("avx2")
     if at_avx2:  # AVX-512 VNNI here: every row count takes the tiles
         K.set_max_isa("best")
         q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=6)

@@ -715,3 +715,20 @@ def test_the_avx2_cap_keeps_avx_vnni_off_and_avxvnni_names_it(k, fresh):
         assert compiled.key() != plain
     finally:
         k.set_max_isa("best")
+
+
+def test_the_avx512vnni_cap_is_cascade_lake(k, fresh):
+    """``avx512vnni``: AVX-512 with VNNI but without VBMI's paths (the int16 kernel's), the
+    tiles' 512-bit path on; describe names it and the plans' key tells it from ``avx512``."""
+    from mlxinfer.backends.cpu import compiled
+
+    if k.best_isa != "avx512" or not k.vnni_available():
+        pytest.skip("needs AVX-512 VNNI and VBMI (this CPU's best paths) to cap them")
+    try:
+        full = compiled.key()
+        k.set_max_isa("avx512vnni")
+        assert k.isa() == "avx512" and not k.vnni_available() and k.tiles_wide_available()
+        assert kernels.describe().startswith("kernels: avx512vnni on")
+        assert compiled.key() != full
+    finally:
+        k.set_max_isa("best")

@@ -234,11 +234,11 @@ def set_threads(option: str) -> None:
 def int16_decode_fits(model: nn.Module) -> bool:
     """Whether the ``int16_decode`` plan acts on ``model``: the kernels' few-row int16 path is
     built and runs here (AVX-512 VNNI and VBMI), and some layer's products are affine codes it
-    takes; or, on a CPU with AVX2 only, some layer can be tiled (``tiles``: their AVX2 path)."""
+    takes; or, without VBMI (AVX2, or Cascade Lake's AVX-512 VNNI), some layer can be tiled."""
     k = kernels.load()
     if k is None or not hasattr(k, "set_int16_decode_rows"):
         return False
-    if not k.vnni_available():  # the few-row path needs VNNI; the tiles run on AVX2
+    if not k.vnni_available():  # the few-row path needs VBMI; the tiles run without
         return tiles.available() and tiles.model_fits(model)
     return any(
         "scales" in m and quantized_fits(m) and getattr(m, "mode", "affine") == "affine"

@@ -56,15 +56,23 @@ def available() -> bool:
     return k is not None and hasattr(k, "tiles_available") and k.tiles_available()
 
 
+def wide() -> bool:
+    """Whether the tiles run their 512-bit path here (AVX-512 F, BW and VNNI: Cascade Lake and
+    later), else the AVX2 one."""
+    k = kernels.load()
+    return k is not None and getattr(k, "tiles_wide_available", k.vnni_available)()
+
+
 def takes(rows: int, bits: int) -> bool:
     """Whether a product of ``rows`` rows of a ``bits``-bit layer runs on its tiles here while
-    the plan is on: any rows with AVX-512 VNNI (its callers choose: decode's, and a prompt's
-    under the ``int16_rows`` plan), else up to ``AVX2_ROWS`` (``AVX_VNNI_ROWS``) rows."""
+    the plan is on: any rows on the 512-bit path (its callers choose: decode's, and a prompt's
+    under the ``int16_rows`` plan or, without VBMI, all), else up to ``AVX2_ROWS``
+    (``AVX_VNNI_ROWS``) rows."""
     if not _on:
         return False
-    k = kernels.load()
-    if k.vnni_available():
+    if wide():
         return True
+    k = kernels.load()
     avx_vnni = getattr(k, "avx_vnni_available", None)
     limits = AVX_VNNI_ROWS if avx_vnni is not None and avx_vnni() else AVX2_ROWS
     return rows <= limits.get(bits, 0)
@@ -72,8 +80,9 @@ def takes(rows: int, bits: int) -> bool:
 
 def takes_prompt(rows: int, bits: int) -> bool:
     """Whether a prompt's ``rows`` (from ``CPUQuantizedLinear.MIN_ROWS``) take the tiles rather
-    than the dequantized weight and BLAS: on AVX2 alone, within :func:`takes`' rows; with
-    AVX-512 VNNI the ``int16_rows`` plan decides (``compiled.int16_product``)."""
+    than the dequantized weight and BLAS: on AVX2 within :func:`takes`' rows, on AVX-512 VNNI
+    without VBMI (Cascade Lake) all; with VBMI the ``int16_rows`` plan decides
+    (``compiled.int16_product``)."""
     return _on and not kernels.load().vnni_available() and takes(rows, bits)
 
 
