@@ -44,6 +44,7 @@ _owners: list[weakref.ref] = []  # what keeps tiles, to drop them when the plan 
 # ``vpdpwssd`` 1.04-1.54x the BLAS at 512 rows, a prefill chunk's most (4-bit's 1.03-1.07x a tie).
 AVX2_ROWS = {4: 128, 5: 256, 6: 128, 8: 256}
 AVX_VNNI_ROWS = {4: 256, 5: 512, 6: 512, 8: 512}
+DECODE_ROWS = 8  # every path's tiles take this many rows (each table's least is 128)
 # Left free after a layer's tiles: a request's KV cache, a prefill chunk's activations, logits.
 RESERVE = 1 << 30
 skipped_bytes = 0  # layers' tiles not made for want of memory (their float kernel runs)
@@ -70,7 +71,7 @@ def takes(rows: int, bits: int) -> bool:
     (``AVX_VNNI_ROWS``) rows."""
     if not _on:
         return False
-    if wide():
+    if rows <= DECODE_ROWS or wide():  # a decode's rows: asked once a product, no lookups
         return True
     k = kernels.load()
     avx_vnni = getattr(k, "avx_vnni_available", None)
