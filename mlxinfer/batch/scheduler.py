@@ -39,7 +39,8 @@ verifies the drafts in the batch's one forward and rewinds the rejected ones, in
 The rows' parts are the scheduler's members, each given what it needs when the engine is made:
 ``pools`` (a forward's views, a row's blocks in every pool), ``recurrent`` (the states of a
 model with recurrent layers, or None), ``verification`` (drafting rows' steps), ``flights``
-(micro-batched decode across pipeline ranks), ``turns`` (one process's, or the ranks').
+(micro-batched decode across pipeline ranks), ``ahead`` (in one process, a step of plain rows
+queued before the last one's tokens are read), ``turns`` (one process's, or the ranks').
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import mlx.core as mx
 
 from ..generation.results import Step
 from ..platform.threads import release_at_thread_exit
+from . import ahead as ahead_mod
 from . import rows as rows_mod
 from .config import EngineConfig
 from .draft_pool import DraftPool
@@ -63,6 +65,7 @@ from .parts import Parts
 from .prefill import Prefill
 from .recurrent import RecurrentRows, state_arrays
 from .requests import POLL_S, EngineError, _Request
+from .turns import LocalTurns
 from .verification import Verification
 
 
@@ -114,6 +117,18 @@ class Scheduler:
             emit=self._emit_rows,
             retire=self._retire,
         )
+        # Plain steps queued ahead of their tokens' landing (ahead.py): in one process, for a
+        # model without recurrent layers or length regimes.
+        self.ahead = None
+        if (
+            ahead_mod.ON
+            and isinstance(turns, LocalTurns)
+            and not parts.recurrent
+            and self.regime is None
+        ):
+            self.ahead = ahead_mod.Ahead(
+                model, pools, self.counters, attention=config.attention, retire=self._retire
+            )
 
     def _shrink(self) -> None:
         """Every ``shrink_every`` seconds: give back the store's tail that the busiest moment
@@ -266,8 +281,11 @@ class Scheduler:
             request.out.put(error)
 
     def _decode(self) -> None:
-        rows = [r for r in self._running if r.pending is not None]
         t0 = time.perf_counter()
+        if self.ahead is not None and self.flights.micro is None:  # (ahead.py)
+            rows = self.ahead.decode(self._running)  # the rows it leaves to the plain step
+        else:
+            rows = [r for r in self._running if r.pending is not None]
         micro = self.flights.micro
         if micro is not None and (rows or micro.flying()):  # (flights.py)
             rows = self.flights.decode(rows)
