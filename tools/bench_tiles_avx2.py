@@ -6,7 +6,7 @@ Random layers of four shapes (4-bit 1536 x 576 and 5-, 6-bit 2048 x 640, 16 or 1
 turn so their codes come from memory; SmolLM2's 8-bit 49152 x 576 head), group size 32, scales
 rounded to float16 as a GGUF import's are. For --rows: the float kernel held at AVX2 against the
 tiles at AVX2 (``vpmaddwd`` + ``vpaddd``) and, on a CPU with AVX-VNNI, at ``avxvnni``
-(``vpdpwssd``). For --prompt-rows: the prompt path the tiles replace on AVX2 (the compiled
+(``vpdpwssd``), or at the ``--levels`` given (``avx512bw``: the 512-bit tiles without VNNI). For --prompt-rows: the prompt path the tiles replace on AVX2 (the compiled
 dequantize, then the BLAS product) against the same tiles. Milliseconds per pass over the
 matrices, best of --rounds; prints the CPU and the load average (docs/performance.md).
 """
@@ -57,12 +57,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 8, 31])
     parser.add_argument("--prompt-rows", type=int, nargs="*", default=[32, 128, 512])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--levels",
+        nargs="*",
+        help="the tiles' levels to time (default: avx2, and avxvnni where the CPU has it); "
+        "e.g. avx2 avx512bw avx512vnni: the 512-bit tiles without and with VNNI",
+    )
     args = parser.parse_args()
     K = kernels.load()
     if K is None or not hasattr(K, "avx_vnni_available"):
         raise SystemExit(f"needs the compiled kernels of this checkout: {kernels.reason()}")
     K.set_max_isa("avxvnni")
     levels = [("avx2", "avx2")] + ([("avxvnni", "avxvnni")] if K.avx_vnni_available() else [])
+    if args.levels:
+        levels = [(level, level) for level in args.levels]
     K.set_max_isa("avx2")
     if not K.tiles_available():
         raise SystemExit("needs an x86 CPU with AVX2")

@@ -133,15 +133,18 @@ NB_MODULE(_mlxinfer_kernels, m) {
         "else float32.");
   m.def("tiles_available", &mlxinfer::tiles_available,
         "Whether tiled layers run here (tiles.cpp: quantized_matvec and the fused blocks take a "
-        "4-, 5-, 6- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F, BW, VNNI and "
-        "VBMI, or else AVX2 (the same outputs), at the kernels' ISA level.");
+        "4-, 5-, 6- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F and BW, or else "
+        "AVX2 (the same outputs), at the kernels' ISA level.");
   m.def("avx_vnni_available", &mlxinfer::avx_vnni_available,
         "Whether the AVX2 tiles sum their int16 products with AVX-VNNI's 256-bit vpdpwssd (the "
         "same int32 sums as vpmaddwd and vpaddd): the CPU has it, the level is AVX2, and the cap "
         "is not 'avx2' (set_max_isa('avxvnni') or a CPU whose best level is AVX2).");
   m.def("tiles_wide_available", &mlxinfer::tiles_wide_available,
-        "Whether tiled layers run their 512-bit path (AVX-512 F, BW and VNNI; no VBMI needed: "
-        "Cascade Lake too), else the AVX2 one; at the kernels' ISA level.");
+        "Whether tiled layers run their 512-bit path (AVX-512 F and BW; no VBMI needed: Cascade "
+        "Lake and Skylake-SP too), else the AVX2 one; at the kernels' ISA level.");
+  m.def("tiles_wide_vnni", &mlxinfer::tiles_wide_vnni,
+        "Whether the 512-bit tiles sum with AVX-512 VNNI's vpdpwssd (else vpmaddwd and vpaddd, "
+        "the same sums: Skylake-SP, or the 'avx512bw' cap).");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");
@@ -369,11 +372,13 @@ NB_MODULE(_mlxinfer_kernels, m) {
           mlxinfer::set_max_isa(mlxinfer::kAvx2, true);
         } else if (name == "avx512vnni") {
           mlxinfer::set_max_isa(mlxinfer::kAvx512, true, false);
+        } else if (name == "avx512bw") {
+          mlxinfer::set_max_isa(mlxinfer::kAvx512, false, false, false);
         } else if (name == "avx512" || name == "best") {
           mlxinfer::set_max_isa(mlxinfer::kAvx512);
         } else {
           throw std::invalid_argument("set_max_isa: expected 'scalar', 'avx2', 'avxvnni', "
-                                      "'avx512vnni', 'avx512' or 'best', found '" +
+                                      "'avx512bw', 'avx512vnni', 'avx512' or 'best', found '" +
                                       name + "'");
         }
 #endif

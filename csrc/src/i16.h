@@ -17,8 +17,9 @@ constexpr int kBlock = 32; // inputs per x scale (and per int32 sum)
 #include <immintrin.h>
 
 #define MLXINFER_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma")))
-// Without VBMI (the tiles and prepare_row: Cascade Lake has AVX-512 VNNI but not VBMI).
-#define MLXINFER_VNNI_TILES __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+// The tiles' 512-bit path and prepare_row: AVX-512 F and BW only (Skylake-SP; VNNI's
+// vpdpwssd is emitted as an instruction where the CPU has it, tiles.cpp), no VBMI (Cascade Lake).
+#define MLXINFER_WIDE_TILES __attribute__((target("avx512f,avx512bw,avx2,fma")))
 
 namespace mlxinfer::i16 {
 
@@ -35,7 +36,7 @@ struct Problem {
 };
 
 // Row m of x as int16 per block of 32 (round to nearest), the blocks' scales and the groups' sums.
-MLXINFER_VNNI_TILES inline void prepare_row(const Problem& p, int m, int16_t* xq, float* xscale, float* xsum) {
+MLXINFER_WIDE_TILES inline void prepare_row(const Problem& p, int m, int16_t* xq, float* xscale, float* xsum) {
   const float* xr = p.x + static_cast<size_t>(m) * p.K;
   const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
   for (int b = 0; b < blocks; ++b) {

@@ -64,6 +64,18 @@ bool detect_avx512_vnni() {
 
 const bool g_avx512_vnni = detect_avx512_vnni();
 std::atomic<bool> g_vbmi_on{true}; // set_max_isa: off at the "avx512vnni" cap (Cascade Lake's)
+std::atomic<bool> g_vnni512_on{true}; // set_max_isa: off at the "avx512bw" cap (Skylake-SP's)
+
+bool detect_avx512_bw() {
+#if defined(MLXINFER_X86)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+const bool g_avx512_bw = detect_avx512_bw();
 
 } // namespace
 
@@ -80,18 +92,23 @@ Isa current_isa() {
 #endif
 }
 
-void set_max_isa(Isa isa, bool avx_vnni, bool vbmi) {
+void set_max_isa(Isa isa, bool avx_vnni, bool vbmi, bool vnni512) {
   g_max.store(isa);
   g_avx_vnni_on.store(avx_vnni);
   g_vbmi_on.store(vbmi);
+  g_vnni512_on.store(vnni512);
 }
 
 bool vbmi_allowed() {
   return g_vbmi_on.load(std::memory_order_relaxed);
 }
 
+bool avx512_bw_cpu() {
+  return g_avx512_bw;
+}
+
 bool avx512_vnni_cpu() {
-  return g_avx512_vnni;
+  return g_avx512_vnni && g_vnni512_on.load(std::memory_order_relaxed);
 }
 
 bool avx_vnni_available() {

@@ -15,10 +15,13 @@ Isa best_isa();
 Isa current_isa();
 // Tests and benchmarks cap the level to check each path against the others; `avx_vnni` false
 // also keeps the AVX2 paths off AVX-VNNI (the "avx2" cap: a client core before Alder Lake).
-// `vbmi` false keeps the paths that need AVX-512 VBMI off (the "avx512vnni" cap: Cascade Lake).
-void set_max_isa(Isa isa, bool avx_vnni = true, bool vbmi = true);
+// `vbmi` false keeps the paths that need AVX-512 VBMI off (the "avx512vnni" cap: Cascade Lake);
+// `vnni512` false keeps the 512-bit tiles off AVX-512 VNNI too (the "avx512bw" cap: Skylake-SP).
+void set_max_isa(Isa isa, bool avx_vnni = true, bool vbmi = true, bool vnni512 = true);
 bool vbmi_allowed();
-// Whether the CPU has AVX-512 F, BW and VNNI (the tiles' 512-bit path; tiles.cpp).
+// Whether the CPU has AVX-512 F and BW (the tiles' 512-bit path; tiles.cpp).
+bool avx512_bw_cpu();
+// Whether it has VNNI too and the cap allows it (that path's vpdpwssd).
 bool avx512_vnni_cpu();
 // Whether the AVX2 paths run AVX-VNNI's 256-bit vpdpwssd (Intel's client cores since Alder Lake):
 // the CPU has it, the level is AVX2 and the cap allows it.

@@ -62,11 +62,14 @@ bool int16_decode(const float* x, int M, const mx::array& w, const mx::array& sc
 // of 32, its scales and biases float32 in the tiles' order. quantized_matvec and the fused
 // blocks take one in place of MLX's arrays and run it with x rounded to int16 per block of 32.
 bool is_tiled(const mx::array& w);
-// Whether tiled layers run here: AVX-512 VNNI's path (tiles_wide_available()), else AVX2's (the
+// Whether tiled layers run here: AVX-512's path (tiles_wide_available()), else AVX2's (the
 // same outputs, 256-bit vpmaddwd or vpdpwssd), at the kernels' ISA level.
 bool tiles_available();
-// Whether they run AVX-512 VNNI's 512-bit path (F, BW, VNNI: no VBMI needed), else AVX2's.
+// Whether they run the 512-bit path (AVX-512 F and BW: vpdpwssd with VNNI, else vpmaddwd and
+// vpaddd; no VBMI needed), else AVX2's.
 bool tiles_wide_available();
+// Whether that path sums with VNNI's vpdpwssd (Cascade Lake and later; not Skylake-SP).
+bool tiles_wide_vnni();
 // MLX's affine arrays (evaluated here) laid out as a tiled layer; scales and biases float16
 // with `half` (the caller checks that every value is one), else float32.
 std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,

@@ -19,6 +19,7 @@
 // (4-bit: vpmovzxbw, then the low and high nibbles; 8-bit: two vpmovzxbw), each one vpdpwssd
 // against x's pair broadcast: 32 products an instruction and no float dequantizing, where the
 // float kernel spends 16 fused multiply-adds and about 7 more operations on 32 weights of a row.
+// Without VNNI (Skylake-SP: AVX-512 F and BW) vpmaddwd and vpaddd give the same sums.
 //
 // x is rounded to int16 per block of 32 as in every int16 product (i16.h); the arithmetic is
 // prefill_i16.cpp's tile_rows', so the bound is its: |y - y_f32| <= sum_k |s_g q_k| x_scale_b / 2.
@@ -60,7 +61,7 @@ struct Tiles {
 };
 
 template <typename S>
-MLXINFER_VNNI_TILES inline __m512 load16(const S* p) {
+MLXINFER_WIDE_TILES inline __m512 load16(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
     return _mm512_loadu_ps(p);
   } else {
@@ -68,16 +69,24 @@ MLXINFER_VNNI_TILES inline __m512 load16(const S* p) {
   }
 }
 
-// acc += the pairwise products of a and b (vpdpwssd), in place: GCC's intrinsic copies each
-// accumulator through another register (two moves a product in tile_pass, 8 rows spilled).
-MLXINFER_VNNI_TILES inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+// acc += the pairwise products of a and b: with VNNI one vpdpwssd, in place (GCC's intrinsic
+// copies each accumulator through another register: two moves a product in tile_pass, 8 rows
+// spilled; as an instruction it needs no VNNI target, so the file compiles for AVX-512 BW).
+// Without VNNI (Skylake-SP) vpmaddwd and vpaddd: the same int32 sums (codes <= 255, |x| <=
+// 32767: no pair overflows), so the same outputs bit for bit.
+template <bool VNNI>
+MLXINFER_WIDE_TILES inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
+  if constexpr (VNNI) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  } else {
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+  }
 }
 
 // Rows m0..m0+R of x against tile t's 32 outputs.
 // `next`: whether tile t + 1 follows in this thread's span (the first pass asks for its lines).
-template <int BITS, int R, typename S>
-MLXINFER_VNNI_TILES void tile_pass(const Problem& p, const Tiles<S>& tl, int t, int m0, bool next) {
+template <int BITS, int R, typename S, bool VNNI>
+MLXINFER_WIDE_TILES void tile_pass(const Problem& p, const Tiles<S>& tl, int t, int m0, bool next) {
   constexpr size_t kPair = 8 * BITS; // bytes a pair: 64 codes
   const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
   const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2; // blocks to groups, no idiv
@@ -134,8 +143,8 @@ MLXINFER_VNNI_TILES void tile_pass(const Problem& p, const Tiles<S>& tl, int t, 
         int32_t two;
         std::memcpy(&two, xb + static_cast<size_t>(r) * p.K + 2 * pair, 4);
         const __m512i xv = _mm512_set1_epi32(two);
-        dpwssd(A[r][0], xv, w0);
-        dpwssd(A[r][1], xv, w1);
+        dpwssd<VNNI>(A[r][0], xv, w0);
+        dpwssd<VNNI>(A[r][1], xv, w1);
       }
     }
     const int g = b >> shift;
@@ -161,15 +170,15 @@ MLXINFER_VNNI_TILES void tile_pass(const Problem& p, const Tiles<S>& tl, int t, 
   }
 }
 
-template <int BITS, typename S, size_t... R>
+template <int BITS, typename S, bool VNNI, size_t... R>
 constexpr auto pass_table(std::index_sequence<R...>) {
   return std::array<void (*)(const Problem&, const Tiles<S>&, int, int, bool), sizeof...(R)>{
-      tile_pass<BITS, static_cast<int>(R) + 1, S>...};
+      tile_pass<BITS, static_cast<int>(R) + 1, S, VNNI>...};
 }
 
-template <int BITS, typename S>
-MLXINFER_VNNI_TILES void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
-  static constexpr auto kPass = pass_table<BITS, S>(std::make_index_sequence<kRows>{});
+template <int BITS, typename S, bool VNNI>
+MLXINFER_WIDE_TILES void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
+  static constexpr auto kPass = pass_table<BITS, S, VNNI>(std::make_index_sequence<kRows>{});
   const int t1 = n1 / kTileRows;
   for (int t = n0 / kTileRows; t < t1; ++t) {
     const bool next = t + 1 < t1;
@@ -385,24 +394,25 @@ MLXINFER_I16_AVX2 void tiles_span_avx2(const Problem& p, const Tiles<S>& tl, int
   }
 }
 
-// The span function for a width: AVX-512 VNNI's tile_pass (`wide`), else AVX2's rows, with
-// AVX-VNNI's vpdpwssd where the CPU has it (`avx_vnni`).
+// The span function for a width: AVX-512's tile_pass (`wide`), else AVX2's rows, each with
+// its width's vpdpwssd where the CPU has it (`vnni`: AVX-512 VNNI, or AVX-VNNI).
 template <typename S>
 using SpanFn = void (*)(const Problem&, const Tiles<S>&, int, int);
 
 template <typename S, int BITS>
-SpanFn<S> span_fn_bits(bool wide, bool avx_vnni) {
-  return wide       ? tiles_span<BITS, S>
-      : avx_vnni    ? tiles_span_avx2<BITS, S, true>
-                    : tiles_span_avx2<BITS, S, false>;
+SpanFn<S> span_fn_bits(bool wide, bool vnni) {
+  if (wide) {
+    return vnni ? tiles_span<BITS, S, true> : tiles_span<BITS, S, false>;
+  }
+  return vnni ? tiles_span_avx2<BITS, S, true> : tiles_span_avx2<BITS, S, false>;
 }
 
 template <typename S>
-SpanFn<S> span_fn(bool wide, bool avx_vnni, int bits) {
-  return bits == 4   ? span_fn_bits<S, 4>(wide, avx_vnni)
-      : bits == 5    ? span_fn_bits<S, 5>(wide, avx_vnni)
-      : bits == 6    ? span_fn_bits<S, 6>(wide, avx_vnni)
-                     : span_fn_bits<S, 8>(wide, avx_vnni);
+SpanFn<S> span_fn(bool wide, bool vnni, int bits) {
+  return bits == 4   ? span_fn_bits<S, 4>(wide, vnni)
+      : bits == 5    ? span_fn_bits<S, 5>(wide, vnni)
+      : bits == 6    ? span_fn_bits<S, 6>(wide, vnni)
+                     : span_fn_bits<S, 8>(wide, vnni);
 }
 
 #endif // MLXINFER_X86
@@ -518,7 +528,11 @@ bool tiles_available() {
 }
 
 bool tiles_wide_available() {
-  return avx512_vnni_cpu() && current_isa() == kAvx512;
+  return avx512_bw_cpu() && current_isa() == kAvx512;
+}
+
+bool tiles_wide_vnni() {
+  return tiles_wide_available() && avx512_vnni_cpu();
 }
 
 bool is_tiled(const mx::array& w) {
@@ -557,6 +571,7 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
                       const mx::array& bi, int gs, int bits, float* y) {
 #if defined(MLXINFER_X86)
   const bool wide = tiles_wide_available(); // else the AVX2 path: the same outputs
+  const bool vnni = wide ? avx512_vnni_cpu() : avx_vnni_available();
   if (!tiles_available()) {
     throw std::runtime_error("[mlxinfer tiled product] needs AVX2 at the kernels' ISA level "
                              "(a tiled layer is made only where it is)");
@@ -589,11 +604,11 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
   if (sc.dtype() == mx::float32) {
     const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(), bi.data<float>()};
-    const auto fn = span_fn<float>(wide, avx_vnni_available(), bits);
+    const auto fn = span_fn<float>(wide, vnni, bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   } else {
     const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(), bi.data<mx::float16_t>()};
-    const auto fn = span_fn<mx::float16_t>(wide, avx_vnni_available(), bits);
+    const auto fn = span_fn<mx::float16_t>(wide, vnni, bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   }
 #else

@@ -74,7 +74,7 @@ def test_avx2_tiles_are_the_avx512_tiles_products(bits, group_size, half, at_avx
     rng = np.random.default_rng(bits * 100 + group_size + half)
     q, s, b, t = random_tiled(rng, bits, group_size, half)
     assert not K.avx_vnni_available()  # the "avx2" cap: a client core before AVX-VNNI
-    avx_vnni, cascade_lake = _avx_vnni(), _cascade_lake()
+    avx_vnni, cascade_lake, skylake = _avx_vnni(), _cascade_lake(), _skylake()
     for M in (1, 2, 5, 9) + ((257,) if bits == 8 else ()):  # 8-bit codes widened once from 256
         x = outlier_rows(rng, M)
         y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))
@@ -85,6 +85,10 @@ def test_avx2_tiles_are_the_avx512_tiles_products(bits, group_size, half, at_avx
             K.set_max_isa("avx2")
         if cascade_lake:  # the 512-bit tiles without VBMI: AVX-512's outputs
             K.set_max_isa("avx512vnni")
+            assert (y == np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))).all()
+            K.set_max_isa("avx2")
+        if skylake:  # and without VNNI (vpmaddwd + vpaddd): the same outputs
+            K.set_max_isa("avx512bw")
             assert (y == np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits))).all()
             K.set_max_isa("avx2")
         if at_avx2:  # this CPU has AVX-512 VNNI too: the same outputs, bit for bit
@@ -105,6 +109,16 @@ def test_a_non_finite_row_is_nan_and_leaves_the_others(at_avx2):
     assert (y[0] == y[2]).all()
 
 
+def _skylake() -> bool:
+    """Whether this CPU runs the tiles' 512-bit path without VNNI (``set_max_isa("avx512bw")``:
+    AVX-512 F and BW, Skylake-SP's)."""
+    K.set_max_isa("avx512bw")
+    try:
+        return K.tiles_wide_available() and not K.tiles_wide_vnni() and not K.vnni_available()
+    finally:
+        K.set_max_isa("avx2")
+
+
 def _cascade_lake() -> bool:
     """Whether this CPU runs the tiles' 512-bit path without VBMI (``set_max_isa("avx512vnni")``)."""
     K.set_max_isa("avx512vnni")
@@ -114,7 +128,7 @@ def _cascade_lake() -> bool:
         K.set_max_isa("avx2")
 
 
-@pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("level", ["avx2", "avx512bw", "avx512vnni"])
 def test_the_int16_decode_plan_without_vbmi_gives_mlxs_logits_and_tokens(
     tmp_path, monkeypatch, at_avx2, level
 ):
@@ -123,10 +137,11 @@ def test_the_int16_decode_plan_without_vbmi_gives_mlxs_logits_and_tokens(
     path needs VBMI), a 40-token prompt's products on the tiles (none through the dequantized
     weight) and each position's logits, then each decode step's, within 1e-3 of the largest of
     MLX's quantized path's, the greedy tokens the same, alone and as the engine's 3 rows."""
-    if level == "avx512vnni":
-        if not _cascade_lake():
-            pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni in /proc/cpuinfo)")
-        K.set_max_isa(level)
+    if level == "avx512vnni" and not _cascade_lake():
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni in /proc/cpuinfo)")
+    if level == "avx512bw" and not _skylake():
+        pytest.skip("this CPU has no AVX-512 BW (avx512bw in /proc/cpuinfo)")
+    K.set_max_isa(level)
     path, _ = make_tiny(
         tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=True
     )
@@ -192,10 +207,11 @@ def test_the_tiles_take_the_rows_they_win_at_on_avx2(at_avx2):
             assert tiles.product(mx.ones((rows + 1, 128)), Owner(), q, s, b, 32, bits) is None
             assert tiles.takes_prompt(rows, bits) and not tiles.takes_prompt(rows + 1, bits)
     K.set_max_isa("avx2")
-    if _cascade_lake():  # AVX-512 VNNI without VBMI: the 512-bit tiles take every prompt
-        K.set_max_isa("avx512vnni")
-        assert tiles.wide() and tiles.takes_prompt(600, 5)
-        K.set_max_isa("avx2")
+    for level, there in (("avx512vnni", _cascade_lake()), ("avx512bw", _skylake())):
+        if there:  # AVX-512 without VBMI (or VNNI): the 512-bit tiles take every prompt
+            K.set_max_isa(level)
+            assert tiles.wide() and tiles.takes_prompt(600, 5)
+            K.set_max_isa("avx2")
     if at_avx2:  # AVX-512 VNNI here: every row count takes the tiles
         K.set_max_isa("best")
         q, s, b = mx.quantize(mx.ones((64, 128)), group_size=32, bits=6)

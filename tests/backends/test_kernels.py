@@ -717,6 +717,26 @@ def test_the_avx2_cap_keeps_avx_vnni_off_and_avxvnni_names_it(k, fresh):
         k.set_max_isa("best")
 
 
+def test_the_avx512bw_cap_is_skylake_sp(k, fresh):
+    """``avx512bw``: AVX-512 F and BW without VNNI's or VBMI's paths, the tiles' 512-bit path on
+    (``vpmaddwd`` + ``vpaddd``); describe names it and the plans' key tells it from the others."""
+    from mlxinfer.backends.cpu import compiled
+
+    if k.best_isa != "avx512" or not k.vnni_available():
+        pytest.skip("needs AVX-512 VNNI and VBMI (this CPU's best paths) to cap them")
+    try:
+        full = compiled.key()
+        k.set_max_isa("avx512vnni")
+        cascade = compiled.key()
+        k.set_max_isa("avx512bw")
+        assert k.isa() == "avx512" and not k.vnni_available() and k.tiles_wide_available()
+        assert not k.tiles_wide_vnni()
+        assert kernels.describe().startswith("kernels: avx512bw on")
+        assert compiled.key() not in (full, cascade)
+    finally:
+        k.set_max_isa("best")
+
+
 def test_the_avx512vnni_cap_is_cascade_lake(k, fresh):
     """``avx512vnni``: AVX-512 with VNNI but without VBMI's paths (the int16 kernel's), the
     tiles' 512-bit path on; describe names it and the plans' key tells it from ``avx512``."""

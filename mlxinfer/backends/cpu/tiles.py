@@ -51,15 +51,15 @@ skipped_bytes = 0  # layers' tiles not made for want of memory (their float kern
 
 
 def available() -> bool:
-    """Whether the kernels run tiled layers here: AVX-512 F, BW, VNNI and VBMI, or else AVX2
-    (256-bit ``vpmaddwd``, the same outputs bit for bit; tiles.cpp)."""
+    """Whether the kernels run tiled layers here: AVX-512 F and BW, or else AVX2 (256-bit
+    ``vpmaddwd`` or AVX-VNNI's ``vpdpwssd``, the same outputs bit for bit; tiles.cpp)."""
     k = kernels.load()
     return k is not None and hasattr(k, "tiles_available") and k.tiles_available()
 
 
 def wide() -> bool:
-    """Whether the tiles run their 512-bit path here (AVX-512 F, BW and VNNI: Cascade Lake and
-    later), else the AVX2 one."""
+    """Whether the tiles run their 512-bit path here (AVX-512 F and BW: Skylake-SP and later;
+    VNNI's ``vpdpwssd`` where the CPU has it), else the AVX2 one."""
     k = kernels.load()
     return k is not None and getattr(k, "tiles_wide_available", k.vnni_available)()
 
@@ -81,8 +81,9 @@ def takes(rows: int, bits: int) -> bool:
 
 def takes_prompt(rows: int, bits: int) -> bool:
     """Whether a prompt's ``rows`` (from ``CPUQuantizedLinear.MIN_ROWS``) take the tiles rather
-    than the dequantized weight and BLAS: on AVX2 within :func:`takes`' rows, on AVX-512 VNNI
-    without VBMI (Cascade Lake) all; with VBMI the ``int16_rows`` plan decides
+    than the dequantized weight and BLAS: on AVX2 within :func:`takes`' rows, on AVX-512
+    without VBMI (Cascade Lake; Skylake-SP, without VNNI too) all; with VBMI the ``int16_rows``
+    plan decides
     (``compiled.int16_product``)."""
     return _on and not kernels.load().vnni_available() and takes(rows, bits)
 

@@ -27,8 +27,9 @@ from ...errors import ConfigError
 
 ENV = "MLXINFER_KERNELS"  # "0": never use the kernels
 ENV_DIR = "MLXINFER_KERNELS_DIR"  # a folder holding _mlxinfer_kernels*.so
-# cap the instruction set: scalar, avx2, avxvnni (AVX2 with AVX-VNNI), avx512vnni (AVX-512 with
-# VNNI, without VBMI: Cascade Lake), avx512, neon, best
+# cap the instruction set: scalar, avx2, avxvnni (AVX2 with AVX-VNNI), avx512bw (AVX-512 F/BW,
+# without VNNI: Skylake-SP), avx512vnni (AVX-512 with VNNI, without VBMI: Cascade Lake), avx512,
+# neon, best
 ENV_ISA = "MLXINFER_KERNELS_ISA"
 NAME = "_mlxinfer_kernels"
 NOT_BUILT = NAME + ".not-built"  # an install's one line saying why it did not build them
@@ -113,13 +114,15 @@ def level(k: ModuleType) -> str:
     """The kernels' instruction set now: ``k.isa()``, with ``+avxvnni`` where the AVX2 paths
     also run AVX-VNNI (``k.avx_vnni_available``: Intel's client cores since Alder Lake), or
     ``avx512vnni`` where AVX-512 runs with VNNI but not VBMI (Cascade Lake: the tiles' 512-bit
-    path, not the int16 kernel's)."""
+    path, not the int16 kernel's), ``avx512bw`` where it runs without VNNI (Skylake-SP: the
+    512-bit tiles with ``vpmaddwd`` and ``vpaddd``)."""
     avx_vnni = getattr(k, "avx_vnni_available", None)
     if avx_vnni is not None and avx_vnni():
         return k.isa() + "+avxvnni"
     wide = getattr(k, "tiles_wide_available", None)
     if k.isa() == "avx512" and wide is not None and wide() and not k.vnni_available():
-        return "avx512vnni"
+        wide_vnni = getattr(k, "tiles_wide_vnni", None)
+        return "avx512vnni" if wide_vnni is None or wide_vnni() else "avx512bw"
     return k.isa()
 
 
