@@ -81,9 +81,14 @@ class Ahead:
             ]
         rows = go_on + ready
         if rows and all(_plain(r) for r in rows):
-            self.queued = self._queue(go_on, ready, before)
+            queued = self.queued = self._queue(go_on, ready, before)
             if before is not None:
-                self._land(before, self.queued)
+                self._land(before, queued)
+            if len(queued.gone) == len(queued.rows):  # every row it fed has ended
+                # Wait for it rather than leave it running: a process that exits while MLX
+                # runs a step can hang in OpenBLAS's shutdown (docs/blas.md).
+                mx.eval(queued.picked)
+                self.queued = None
             return []
         self.land()
         return [r for r in running if r.pending is not None]

@@ -10,6 +10,8 @@ continues one hits them), never by the placeholders fed ahead of them.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from hf_models import make_tiny
@@ -82,6 +84,12 @@ def test_rows_ending_at_eos_in_any_step_decode_as_alone(name, request, monkeypat
         got = [list(h.steps()) for h in handles]
         assert engine.stats().blocks_in_use == 0
         assert spy.ahead > 6 and spy.plain == 0
+        # The step queued for the last row's EOS is waited for, not left running (an exit
+        # meanwhile can hang in OpenBLAS's shutdown, docs/blas.md): nothing stays queued.
+        deadline = time.monotonic() + 5
+        while engine.ahead.queued is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.ahead.queued is None
         for steps, reference, k in zip(got, alone, ends):
             assert [s.token for s in steps] == [t for t, _ in reference[: k + 1]]
             for s, (_, lp) in zip(steps, reference):
