@@ -321,12 +321,16 @@ def _seeded_tokens_in(engine, prompts, n) -> list[list[int]]:
 
 
 def _lookup(model, prompts, n):
-    """Each prompt's tokens through an engine drafting by prompt lookup, and the drafts kept."""
+    """Each prompt's tokens through an engine drafting by prompt lookup, and the drafts kept.
+    Two drafts a step: left to choose, one process's k follows its timings, which could find
+    drafting not worth it (0 kept: seen when other tests' modules were loaded first)."""
     from mlxinfer.batch import Engine
     from mlxinfer.generation.drafts import PromptLookup
 
     with Engine(model) as engine:
-        handles = [engine.submit(p, max_tokens=n, draft=PromptLookup()) for p in prompts]
+        handles = [
+            engine.submit(p, max_tokens=n, draft=PromptLookup(), num_draft=2) for p in prompts
+        ]
         steps = [list(h.steps()) for h in handles]
     return [[s.token for s in row] for row in steps], sum(s.from_draft for r in steps for s in r)
 
