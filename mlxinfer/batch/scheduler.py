@@ -65,7 +65,6 @@ from .parts import Parts
 from .prefill import Prefill
 from .recurrent import RecurrentRows, state_arrays
 from .requests import POLL_S, EngineError, _Request
-from .turns import LocalTurns
 from .verification import Verification
 
 
@@ -120,12 +119,8 @@ class Scheduler:
         # Plain steps queued ahead of their tokens' landing (ahead.py): in one process, for a
         # model without recurrent layers or length regimes.
         self.ahead = None
-        if (
-            ahead_mod.ON
-            and isinstance(turns, LocalTurns)
-            and not parts.recurrent
-            and self.regime is None
-        ):
+        alone = getattr(turns, "alone", False)  # no peer (LocalTurns), as verification reads it
+        if ahead_mod.ON and alone and not parts.recurrent and self.regime is None:
             self.ahead = ahead_mod.Ahead(
                 model, pools, self.counters, attention=config.attention, retire=self._retire
             )
