@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "attention_math.h"
+#include "simd.h"
 
 namespace mlxinfer {
 
@@ -176,27 +177,188 @@ MLXINFER_INLINE float sum_parts(const V (&a)[kParts<V>]) {
   }
 }
 
+// Where a block's rows lie and how a row's W-float parts are read (W = 16 / kParts<V>): the
+// loops below are written once over a policy. F32Rows: float32 rows, loaded as they are;
+// QuantRows: MLX's affine codes (mx.quantize: 4 or 8 bits, low bits first), each part
+// dequantized as it is loaded (code * scale + bias, its group's), so the arithmetic after the
+// load is the float32 path's.
+struct F32Rows {
+  using Row = const float*;
+  const float* base;
+  int width; // floats a row
+
+  MLXINFER_INLINE Row at(uint32_t blk, int block, int t) const {
+    return base + (static_cast<size_t>(blk) * block + t) * width;
+  }
+  template <typename V>
+  MLXINFER_INLINE V load(Row r, int col) const {
+    return load_v<V>(r + col);
+  }
+  // Ask for n floats' worth of rows from (blk, t) at column col (prefetch_rows).
+  MLXINFER_INLINE void prefetch(uint32_t blk, int block, int t, int col, int n) const {
+    prefetch_rows(at(blk, block, t) + col, n);
+  }
+};
+
+typedef uint8_t vu8x16 __attribute__((vector_size(16)));
+typedef uint8_t vu8x8 __attribute__((vector_size(8)));
+typedef uint8_t vu8x4 __attribute__((vector_size(4)));
+typedef uint8_t vu8x2 __attribute__((vector_size(2)));
+
+template <typename B>
+MLXINFER_INLINE B load_bytes(const uint8_t* p) {
+  B b;
+  std::memcpy(&b, p, sizeof(b));
+  return b;
+}
+
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+typedef int32_t vi2 __attribute__((vector_size(8)));
+
+// Bytes widened to 32-bit lanes. GCC 12 spells a byte vector's __builtin_convertvector out
+// byte by byte (movzbl, vpinsrd: a third of the quantized attention's time), so the x86 paths
+// take vpmovzxbd, each in its own instruction set (WIDEN: 2 AVX-512, 1 AVX2, 0 the
+// vector extensions, as on arm64 and x86 below AVX2).
+enum Widen { kWidenPlain = 0, kWidenAvx2 = 1, kWidenAvx512 = 2 };
+
+#if defined(MLXINFER_X86)
+MLXINFER_AVX512 inline vi16 widen16_avx512(const uint8_t* p) {
+  // The zero-masked form: the plain one's _mm512_undefined_epi32 warns under GCC 12.
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vi16>(_mm512_maskz_cvtepu8_epi32(0xFFFF, b));
+}
+
+MLXINFER_AVX2 inline vi8 widen8_avx2(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vi8>(_mm256_cvtepu8_epi32(b));
+}
+#endif
+
+template <typename I, typename B, int WIDEN>
+MLXINFER_INLINE I widen(const uint8_t* p) {
+#if defined(MLXINFER_X86)
+  if constexpr (WIDEN == kWidenAvx512 && sizeof(I) == 64) {
+    return widen16_avx512(p);
+  } else if constexpr (WIDEN >= kWidenAvx2 && sizeof(I) == 32) {
+    return widen8_avx2(p);
+  }
+#endif
+  return __builtin_convertvector(load_bytes<B>(p), I);
+}
+
+// W codes from column col of a row of BITS-bit codes, as floats (W = V's lanes: 16, 8 or 4).
+// 4 bits: two codes a byte, the low nibble first: W / 2 bytes widened to 32-bit lanes, their
+// low and high nibbles interleaved by one permute (a byte vector's per-lane shift has no
+// instruction either).
+template <typename V, int BITS, int WIDEN>
+MLXINFER_INLINE V codes_to_float(const uint8_t* c, int col) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  static_assert(BITS == 8 || BITS == 4);
+  if constexpr (W == 16) {
+    if constexpr (BITS == 8) {
+      return __builtin_convertvector(widen<vi16, vu8x16, WIDEN>(c + col), V);
+    } else {
+      const vi8 x = widen<vi8, vu8x8, WIDEN>(c + col / 2);
+      const vi8 lo = x & 15, hi = x >> 4;
+      const vi16 v =
+          __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+      return __builtin_convertvector(v, V);
+    }
+  } else if constexpr (W == 8) {
+    if constexpr (BITS == 8) {
+      return __builtin_convertvector(widen<vi8, vu8x8, WIDEN>(c + col), V);
+    } else {
+      const vi4 x = widen<vi4, vu8x4, WIDEN>(c + col / 2);
+      const vi4 lo = x & 15, hi = x >> 4;
+      return __builtin_convertvector(__builtin_shufflevector(lo, hi, 0, 4, 1, 5, 2, 6, 3, 7), V);
+    }
+  } else {
+    static_assert(W == 4);
+    if constexpr (BITS == 8) {
+      return __builtin_convertvector(widen<vi4, vu8x4, WIDEN>(c + col), V);
+    } else {
+      const vi2 x = widen<vi2, vu8x2, WIDEN>(c + col / 2);
+      const vi2 lo = x & 15, hi = x >> 4;
+      return __builtin_convertvector(__builtin_shufflevector(lo, hi, 0, 2, 1, 3), V);
+    }
+  }
+}
+
+// One side (keys or values) of a quantized pool: codes, a scale and a bias a group of a row.
+struct QuantSide {
+  const uint8_t* codes;
+  const float* scales;
+  const float* biases;
+  int width; // values a row
+  int group_shift; // log2 of the group size, 16 or more: a part lies in one group
+  int groups; // width >> group_shift
+};
+
+template <int BITS, int WIDEN>
+struct QuantRows {
+  struct Row {
+    const uint8_t* codes;
+    const float* scales;
+    const float* biases;
+  };
+  QuantSide side;
+
+  MLXINFER_INLINE Row at(uint32_t blk, int block, int t) const {
+    const size_t r = static_cast<size_t>(blk) * block + t;
+    return {side.codes + r * side.width * BITS / 8, side.scales + r * side.groups,
+            side.biases + r * side.groups};
+  }
+  template <typename V>
+  MLXINFER_INLINE V load(const Row& r, int col) const {
+    const int g = col >> side.group_shift;
+    return codes_to_float<V, BITS, WIDEN>(r.codes, col) * r.scales[g] + r.biases[g];
+  }
+  MLXINFER_INLINE void prefetch(uint32_t blk, int block, int t, int col, int n) const {
+    const Row r = at(blk, block, t);
+    const char* c = reinterpret_cast<const char*>(r.codes) + col * BITS / 8;
+    for (int at = 0; at < n * BITS / 8; at += 64) {
+      __builtin_prefetch(c + at, 0, 3);
+    }
+    __builtin_prefetch(r.scales, 0, 3);
+    __builtin_prefetch(r.biases, 0, 3);
+  }
+};
+
 // R query heads' scores against the keys of n blocks (q already scaled): KEYS keys a pass,
 // each key's vectors loaded once for the R heads. The R x KEYS totals stay in registers: four
 // heads by four keys with AVX-512's 32 (16 of them), two by two with AVX2's 16 or NEON's 32
 // 128-bit ones (V: a 16-float vector's part): four by four there spilled to the stack (with
 // the vf16 parts' moves, Gemma-3-270M's 512-token prompt on the Xeon VM capped at AVX2 spent
-// 47 % of its samples in this attention). Each score is the same chain and lane sum.
-template <int R, int KEYS, typename V>
-MLXINFER_INLINE void paged_scores16(const float* q, const float* K, const uint32_t* table, int n,
-                                    int block, int D, int T, float* scores) {
+// 47 % of its samples in this attention). Each score is the same chain and lane sum. Keys
+// no row sees (a last block's padding, a plain cache's room past its tokens) are skipped: the
+// softmax never reads their scores.
+template <int R, int KEYS, typename V, typename Rows>
+MLXINFER_INLINE void paged_scores16(const float* q, const Rows& K, const uint32_t* table,
+                                    const bool* seen, int n, int block, int D, int T,
+                                    float* scores) {
   static_assert(KEYS == 2 || KEYS == 4);
   constexpr int H = kParts<V>, W = 16 / H;
   const int cd = D / 16;
   for (int i = 0; i < n; ++i) {
-    const float* kb = K + static_cast<size_t>(table[i]) * block * D;
+    const uint32_t blk = table[i];
     // The next block's keys, KEYS rows a pass (prefetch_rows): the blocks lie anywhere in the pool.
-    const float* next = i + 1 < n ? K + static_cast<size_t>(table[i + 1]) * block * D : nullptr;
+    const bool ahead = i + 1 < n;
     int t = 0;
     for (; t + KEYS <= block; t += KEYS) {
-      const float* k0 = kb + static_cast<size_t>(t) * D;
-      if (next != nullptr) {
-        prefetch_rows(next + static_cast<size_t>(t) * D, KEYS * D);
+      if (ahead) {
+        K.prefetch(table[i + 1], block, t, 0, KEYS * D);
+      }
+      bool any = false;
+      for (int u = 0; u < KEYS; ++u) {
+        any |= seen[static_cast<size_t>(i) * block + t + u];
+      }
+      if (!any) {
+        continue;
+      }
+      typename Rows::Row k[KEYS];
+      for (int u = 0; u < KEYS; ++u) {
+        k[u] = K.at(blk, block, t + u);
       }
       V a[R][KEYS][H];
       for (int j = 0; j < R; ++j) {
@@ -210,7 +372,7 @@ MLXINFER_INLINE void paged_scores16(const float* q, const float* K, const uint32
         V x[KEYS][H];
         for (int u = 0; u < KEYS; ++u) {
           for (int h = 0; h < H; ++h) {
-            x[u][h] = load_v<V>(k0 + static_cast<size_t>(u) * D + 16 * c + W * h);
+            x[u][h] = K.template load<V>(k[u], 16 * c + W * h);
           }
         }
         for (int j = 0; j < R; ++j) {
@@ -234,13 +396,16 @@ MLXINFER_INLINE void paged_scores16(const float* q, const float* K, const uint32
       }
     }
     for (; t < block; ++t) {
-      const float* kr = kb + static_cast<size_t>(t) * D;
+      if (!seen[static_cast<size_t>(i) * block + t]) {
+        continue;
+      }
+      const typename Rows::Row kr = K.at(blk, block, t);
       for (int j = 0; j < R; ++j) {
         V a[H] = {};
         for (int c = 0; c < cd; ++c) {
           for (int h = 0; h < H; ++h) {
             a[h] += load_v<V>(q + static_cast<size_t>(j) * D + 16 * c + W * h) *
-                load_v<V>(kr + 16 * c + W * h);
+                K.template load<V>(kr, 16 * c + W * h);
           }
         }
         scores[static_cast<size_t>(j) * T + static_cast<size_t>(i) * block + t] = sum_parts<V>(a);
@@ -251,8 +416,8 @@ MLXINFER_INLINE void paged_scores16(const float* q, const float* K, const uint32
 
 // y (NC vectors from column 16 * c0, for each of R heads) = the visible keys' weights times
 // their values, times inv[j]: each value vector loaded once for the R heads (in parts V).
-template <int R, int NC, typename V>
-MLXINFER_INLINE void paged_values16(const float* Vs, const uint32_t* table, const bool* seen,
+template <int R, int NC, typename V, typename Rows>
+MLXINFER_INLINE void paged_values16(const Rows& Vs, const uint32_t* table, const bool* seen,
                                     const float* s, int n, int block, int T, int Dv, int c0,
                                     const float* inv, float* y) {
   constexpr int H = kParts<V>, W = 16 / H;
@@ -265,22 +430,21 @@ MLXINFER_INLINE void paged_values16(const float* Vs, const uint32_t* table, cons
     }
   }
   for (int i = 0; i < n; ++i) {
-    const float* vb = Vs + static_cast<size_t>(table[i]) * block * Dv + 16 * c0;
-    const float* next =
-        i + 1 < n ? Vs + static_cast<size_t>(table[i + 1]) * block * Dv + 16 * c0 : nullptr;
+    const uint32_t blk = table[i];
+    const bool ahead = i + 1 < n;
     const size_t at0 = static_cast<size_t>(i) * block;
     for (int t = 0; t < block; ++t) {
-      if (next != nullptr) { // the next block's row t: the columns this pass reads
-        prefetch_rows(next + static_cast<size_t>(t) * Dv, 16 * NC);
+      if (ahead) { // the next block's row t: the columns this pass reads
+        Vs.prefetch(table[i + 1], block, t, 16 * c0, 16 * NC);
       }
       if (!seen[at0 + t]) {
         continue; // a hidden slot's values are never read
       }
-      const float* vr = vb + static_cast<size_t>(t) * Dv;
+      const typename Rows::Row vr = Vs.at(blk, block, t);
       V v[NC][H];
       for (int u = 0; u < NC; ++u) {
         for (int h = 0; h < H; ++h) {
-          v[u][h] = load_v<V>(vr + 16 * u + W * h);
+          v[u][h] = Vs.template load<V>(vr, 16 * (c0 + u) + W * h);
         }
       }
       for (int j = 0; j < R; ++j) {
@@ -303,24 +467,24 @@ MLXINFER_INLINE void paged_values16(const float* Vs, const uint32_t* table, cons
   }
 }
 
-template <int R, int NC, typename V>
-MLXINFER_INLINE void paged_values_cols(const float* Vs, const uint32_t* table, const bool* seen,
+template <int R, int NC, typename V, typename Rows>
+MLXINFER_INLINE void paged_values_cols(const Rows& Vs, const uint32_t* table, const bool* seen,
                                        const float* s, int n, int block, int T, int Dv,
                                        const float* inv, float* y) {
   const int cv = Dv / 16;
   int c = 0;
   for (; c + NC <= cv; c += NC) {
-    paged_values16<R, NC, V>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
+    paged_values16<R, NC, V, Rows>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
   }
   switch (cv - c) {
     case 3:
-      paged_values16<R, 3, V>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
+      paged_values16<R, 3, V, Rows>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
       break;
     case 2:
-      paged_values16<R, 2, V>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
+      paged_values16<R, 2, V, Rows>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
       break;
     case 1:
-      paged_values16<R, 1, V>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
+      paged_values16<R, 1, V, Rows>(Vs, table, seen, s, n, block, T, Dv, c, inv, y);
       break;
     default:
       break;
@@ -328,21 +492,21 @@ MLXINFER_INLINE void paged_values_cols(const float* Vs, const uint32_t* table, c
 }
 
 // R query heads sharing one KV head: scores, softmax weights, values.
-template <int R, bool WIDE>
-MLXINFER_INLINE void paged_group_f32x16(const float* q, const float* K, const float* V,
-                                        const uint32_t* table, const bool* seen, int n, int block,
-                                        int D, int Dv, float* scores, float* y) {
+template <int R, bool WIDE, typename KRows, typename VRows>
+MLXINFER_INLINE void paged_group16(const float* q, const KRows& K, const VRows& V,
+                                   const uint32_t* table, const bool* seen, int n, int block,
+                                   int D, int Dv, float* scores, float* y) {
   const int T = n * block;
   if constexpr (WIDE) {
-    paged_scores16<R, 4, vf16>(q, K, table, n, block, D, T, scores);
+    paged_scores16<R, 4, vf16>(q, K, table, seen, n, block, D, T, scores);
   } else { // two heads by two keys, in native parts (paged_scores16)
     for (int j = 0; j + 2 <= R; j += 2) {
-      paged_scores16<2, 2, vpart>(q + static_cast<size_t>(j) * D, K, table, n, block, D, T,
+      paged_scores16<2, 2, vpart>(q + static_cast<size_t>(j) * D, K, table, seen, n, block, D, T,
                                   scores + static_cast<size_t>(j) * T);
     }
     if constexpr (R % 2 == 1) {
-      paged_scores16<1, 2, vpart>(q + static_cast<size_t>(R - 1) * D, K, table, n, block, D, T,
-                                  scores + static_cast<size_t>(R - 1) * T);
+      paged_scores16<1, 2, vpart>(q + static_cast<size_t>(R - 1) * D, K, table, seen, n, block, D,
+                                  T, scores + static_cast<size_t>(R - 1) * T);
     }
   }
   float inv[R];
@@ -360,13 +524,13 @@ MLXINFER_INLINE void paged_group_f32x16(const float* q, const float* K, const fl
   }
 }
 
-// paged_head_impl for float32 keys and values, D and Dv multiples of 16 (q already scaled):
-// the reps query heads of one KV head, up to four at a time. WIDE: 32 vector registers of 16
-// floats (AVX-512).
-template <bool WIDE>
-MLXINFER_INLINE void paged_head_f32x16(const float* q, const float* K, const float* V,
-                                       const uint32_t* table, const bool* seen, int reps, int n,
-                                       int block, int D, int Dv, float* scores, float* y) {
+// paged_head_impl for keys and values read through the row policies, D and Dv multiples of
+// 16 (q already scaled): the reps query heads of one KV head, up to four at a time. WIDE: 32
+// vector registers of 16 floats (AVX-512).
+template <bool WIDE, typename KRows, typename VRows>
+MLXINFER_INLINE void paged_head16(const float* q, const KRows& K, const VRows& V,
+                                  const uint32_t* table, const bool* seen, int reps, int n,
+                                  int block, int D, int Dv, float* scores, float* y) {
   const size_t T = static_cast<size_t>(n) * block;
   for (int j = 0; j < reps; j += 4) {
     const float* qj = q + static_cast<size_t>(j) * D;
@@ -374,19 +538,28 @@ MLXINFER_INLINE void paged_head_f32x16(const float* q, const float* K, const flo
     float* yj = y + static_cast<size_t>(j) * Dv;
     switch (std::min(4, reps - j)) {
       case 4:
-        paged_group_f32x16<4, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        paged_group16<4, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
         break;
       case 3:
-        paged_group_f32x16<3, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        paged_group16<3, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
         break;
       case 2:
-        paged_group_f32x16<2, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        paged_group16<2, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
         break;
       default:
-        paged_group_f32x16<1, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        paged_group16<1, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
         break;
     }
   }
+}
+
+// paged_head16 over float32 keys and values.
+template <bool WIDE>
+MLXINFER_INLINE void paged_head_f32x16(const float* q, const float* K, const float* V,
+                                       const uint32_t* table, const bool* seen, int reps, int n,
+                                       int block, int D, int Dv, float* scores, float* y) {
+  paged_head16<WIDE>(q, F32Rows{K, D}, F32Rows{V, Dv}, table, seen, reps, n, block, D, Dv, scores,
+                     y);
 }
 
 // paged_head_f32x16 on the best vector path this CPU has (paged.cpp). False where it does not

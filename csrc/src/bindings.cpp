@@ -250,6 +250,19 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "block, D); blocks (B, n_kv, n) uint32 (block * n_kv + head); visible (B, 1, n, 1, block) "
       "bool. -> (B, n_q, 1, Dv). reference: MLX's own ops.");
   m.def(
+      "paged_attention_quantized",
+      [](const mx::array& q, const std::vector<mx::array>& keys,
+         const std::vector<mx::array>& values, const mx::array& blocks, const mx::array& visible,
+         float scale, int group_size, int bits, mx::StreamOrDevice s) {
+        return mlxinfer::paged_attention_quantized(q, keys, values, blocks, visible, scale,
+                                                   group_size, bits, s);
+      },
+      "q"_a, "keys"_a, "values"_a, "blocks"_a, "visible"_a, nb::kw_only(), "scale"_a,
+      "group_size"_a, "bits"_a, "stream"_a = nb::none(),
+      "paged_attention over a quantized pool: keys/values each [packed uint32 (n_blocks, n_kv, "
+      "block, width * bits / 32), float32 scales, biases (..., width / group_size)] as "
+      "mx.quantize makes them (4 or 8 bits); float32 q (B, n_q, 1, D) -> (B, n_q, 1, Dv).");
+  m.def(
       "norm_products",
       [](const mx::array& x, const mx::array& norm, float eps, const std::vector<Layer>& layers,
          const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm,

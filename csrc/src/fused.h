@@ -68,6 +68,16 @@ mx::array paged_attention(const mx::array& q, const mx::array& keys, const mx::a
 void attend_decode(const AttentionShape& a, std::vector<float>& qr, const mx::array& keys,
                    const mx::array& values, std::vector<float>& y);
 
+// paged_attention over a quantized pool (paged.cpp): keys and values each [packed uint32
+// (n_blocks, n_kv, block, width * bits / 32), float32 scales and biases (..., width /
+// group_size)] as mx.quantize makes them (4 or 8 bits, group_size a power of two >= 16), each part
+// dequantized as it is read; float32 q (B, n_q, 1, D) -> (B, n_q, 1, Dv) float32. GPU streams:
+// MLX's ops over the gathered, dequantized blocks.
+mx::array paged_attention_quantized(const mx::array& q, const std::vector<mx::array>& keys,
+                                    const std::vector<mx::array>& values, const mx::array& blocks,
+                                    const mx::array& visible, float scale, int group_size,
+                                    int bits, mx::StreamOrDevice s = {});
+
 // paged_attention's argument checks (paged.cpp), shared with block.cpp's engine step: two
 // (n_blocks, n_kv, block, head_dim) float pools of one dtype; B rows' block tables (B, n_kv, n)
 // uint32 and visibility (B, 1, n, 1, block) bool. One-line errors naming `op`.
@@ -193,6 +203,27 @@ class DecodeAttention : public mx::UnaryPrimitive {
 
  private:
   AttentionShape a_;
+};
+
+class PagedQuantizedAttention : public mx::UnaryPrimitive {
+ public:
+  PagedQuantizedAttention(mx::Stream stream, float scale, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), scale_(scale), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxinferPagedQuantizedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const PagedQuantizedAttention&>(other);
+    return scale_ == o.scale_ && group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  int group_size_;
+  int bits_;
 };
 
 class PagedAttention : public mx::UnaryPrimitive {

@@ -29,6 +29,46 @@ MLXINFER_AVX2 void paged_f32_avx2(const float* q, const float* K, const float* V
 }
 #endif
 
+// paged_head16 over quantized keys and values (QuantRows), per instruction set.
+template <int BITS, bool WIDE, int WIDEN>
+MLXINFER_INLINE void paged_quantized_head(const float* q, const QuantSide& K, const QuantSide& V,
+                                          const uint32_t* table, const bool* seen, int reps, int n,
+                                          int block, float* scores, float* y) {
+  paged_head16<WIDE>(q, QuantRows<BITS, WIDEN>{K}, QuantRows<BITS, WIDEN>{V}, table, seen, reps,
+                     n, block, K.width, V.width, scores, y);
+}
+
+#if defined(MLXINFER_X86)
+template <int BITS>
+MLXINFER_AVX512 void paged_quantized_avx512(const float* q, const QuantSide& K, const QuantSide& V,
+                                            const uint32_t* table, const bool* seen, int reps,
+                                            int n, int block, float* scores, float* y) {
+  paged_quantized_head<BITS, true, kWidenAvx512>(q, K, V, table, seen, reps, n, block, scores, y);
+}
+
+template <int BITS>
+MLXINFER_AVX2 void paged_quantized_avx2(const float* q, const QuantSide& K, const QuantSide& V,
+                                        const uint32_t* table, const bool* seen, int reps, int n,
+                                        int block, float* scores, float* y) {
+  paged_quantized_head<BITS, false, kWidenAvx2>(q, K, V, table, seen, reps, n, block, scores, y);
+}
+#endif
+
+// The best path this CPU has; below AVX2 (x86) the same loops in the baseline's vectors.
+template <int BITS>
+void paged_quantized(const float* q, const QuantSide& K, const QuantSide& V, const uint32_t* table,
+                     const bool* seen, int reps, int n, int block, float* scores, float* y) {
+#if defined(MLXINFER_X86)
+  if (current_isa() >= kAvx512) {
+    return paged_quantized_avx512<BITS>(q, K, V, table, seen, reps, n, block, scores, y);
+  }
+  if (current_isa() >= kAvx2) {
+    return paged_quantized_avx2<BITS>(q, K, V, table, seen, reps, n, block, scores, y);
+  }
+#endif
+  paged_quantized_head<BITS, false, kWidenPlain>(q, K, V, table, seen, reps, n, block, scores, y);
+}
+
 } // namespace
 
 // attention_simd.h's declaration: false where the float32 path does not apply.
@@ -198,6 +238,171 @@ void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array&
   } else {
     pool.run(B * n_kv, task);
   }
+}
+
+namespace {
+
+// One (n_blocks, n_kv, block, width) side of a quantized pool: packed uint32 codes, float32
+// scales and biases per group. Its width; one-line errors naming `op` and the side.
+int check_quantized_side(const char* op, const char* side, const std::vector<mx::array>& parts,
+                         int group_size, int bits) {
+  if (parts.size() != 3) {
+    fail(op, std::string(side) + ": expected [packed, scales, biases], found " +
+                 std::to_string(parts.size()) + " arrays");
+  }
+  const auto& w = parts[0];
+  if (w.ndim() != 4 || w.dtype() != mx::uint32) {
+    fail(op, std::string(side) + ": expected (n_blocks, n_kv, block, words) uint32 codes, found " +
+                 shape_str(w.shape()));
+  }
+  const int width = w.shape(3) * 32 / bits;
+  const mx::Shape groups{w.shape(0), w.shape(1), w.shape(2), width / group_size};
+  for (int i = 1; i < 3; ++i) {
+    if (parts[i].shape() != groups || parts[i].dtype() != mx::float32) {
+      fail(op, std::string(side) + ": expected float32 " + (i == 1 ? "scales " : "biases ") +
+                   shape_str(groups) + ", found " + shape_str(parts[i].shape()));
+    }
+  }
+  return width;
+}
+
+} // namespace
+
+mx::array paged_attention_quantized(const mx::array& q, const std::vector<mx::array>& keys,
+                                    const std::vector<mx::array>& values, const mx::array& blocks,
+                                    const mx::array& visible, float scale, int group_size,
+                                    int bits, mx::StreamOrDevice s) {
+  const char* op = "paged_attention_quantized";
+  if (bits != 4 && bits != 8) {
+    fail(op, "bits: expected 4 or 8, found " + std::to_string(bits));
+  }
+  if (group_size < 16 || (group_size & (group_size - 1)) != 0) {
+    fail(op, "group_size: expected a power of two of 16 or more, found " +
+                 std::to_string(group_size));
+  }
+  const int D = check_quantized_side(op, "keys", keys, group_size, bits);
+  const int Dv = check_quantized_side(op, "values", values, group_size, bits);
+  if (D % group_size != 0 || Dv % group_size != 0) {
+    fail(op, "keys/values: widths " + std::to_string(D) + " and " + std::to_string(Dv) +
+                 " must be whole groups of " + std::to_string(group_size));
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (values[i].shape(0) != keys[i].shape(0) || values[i].shape(1) != keys[i].shape(1) ||
+        values[i].shape(2) != keys[i].shape(2)) {
+      fail(op, "values: expected the keys' (n_blocks, n_kv, block), found " +
+                   shape_str(values[i].shape()));
+    }
+  }
+  const int n_kv = keys[0].shape(1), block = keys[0].shape(2);
+  if (q.ndim() != 4 || q.shape(2) != 1 || q.shape(3) != D || q.shape(1) % n_kv != 0 ||
+      q.dtype() != mx::float32) {
+    fail(op, "q: expected float32 (B, n_q, 1, " + std::to_string(D) +
+                 ") with n_q a multiple of " + std::to_string(n_kv) + ", found " +
+                 shape_str(q.shape()));
+  }
+  const int B = q.shape(0);
+  check_pages(op, blocks, visible, B, n_kv, block);
+  auto stream = mx::to_stream(s);
+  if (stream.device == mx::Device::gpu) { // MLX's own ops: the blocks gathered, dequantized
+    const int nb = keys[0].shape(0), n = blocks.shape(2);
+    auto gathered = [&](const std::vector<mx::array>& side) {
+      auto index = mx::reshape(blocks, {B * n_kv * n}, stream);
+      std::vector<mx::array> rows;
+      for (const auto& a : side) {
+        auto flat = mx::reshape(a, {nb * n_kv, block, a.shape(3)}, stream);
+        rows.push_back(mx::reshape(mx::take(flat, index, 0, stream),
+                                   {B, n_kv, n * block, a.shape(3)}, stream));
+      }
+      return mx::dequantize(rows[0], rows[1], rows[2], group_size, bits, "affine",
+                            std::nullopt, std::nullopt, stream);
+    };
+    auto mask = mx::reshape(visible, {B, 1, 1, n * block}, stream);
+    return mx::fast::scaled_dot_product_attention(q, gathered(keys), gathered(values), scale, "",
+                                                  mask, {}, false, stream);
+  }
+  std::vector<mx::array> inputs{q};
+  inputs.insert(inputs.end(), keys.begin(), keys.end());
+  inputs.insert(inputs.end(), values.begin(), values.end());
+  inputs.push_back(blocks);
+  inputs.push_back(visible);
+  return mx::array({B, q.shape(1), 1, Dv}, mx::float32,
+                   std::make_shared<PagedQuantizedAttention>(stream, scale, group_size, bits),
+                   std::move(inputs));
+}
+
+std::vector<mx::Shape> PagedQuantizedAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1), 1, inputs[4].shape(3) * 32 / bits_}};
+}
+
+void PagedQuantizedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[mlxinfer paged_attention_quantized] has no GPU kernel (the op hands "
+                           "GPU streams to MLX's own ops)");
+}
+
+void PagedQuantizedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = encoder_for(stream(), inputs, out);
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) {
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_,
+                    group_size = group_size_, bits = bits_]() mutable {
+    const auto& q = in[0];
+    const auto& blocks = in[7];
+    const int B = q.shape(0), n_q = q.shape(1), n_kv = in[1].shape(1), block = in[1].shape(2);
+    const int n = blocks.shape(2), reps = n_q / n_kv;
+    const int D = in[1].shape(3) * 32 / bits, Dv = in[4].shape(3) * 32 / bits;
+    std::vector<float> qf(q.size());
+    to_f32(q, qf.data());
+    for (auto& x : qf) {
+      x *= scale;
+    }
+    std::vector<std::vector<char>> copies(in.size());
+    std::vector<const char*> p(in.size());
+    for (size_t i = 1; i < in.size(); ++i) {
+      p[i] = contiguous_bytes(in[i], copies[i]);
+    }
+    const int shift = __builtin_ctz(static_cast<unsigned>(group_size));
+    auto side = [&](int at, int width) {
+      return QuantSide{reinterpret_cast<const uint8_t*>(p[at]),
+                       reinterpret_cast<const float*>(p[at + 1]),
+                       reinterpret_cast<const float*>(p[at + 2]), width, shift,
+                       width / group_size};
+    };
+    const QuantSide K = side(1, D), V = side(4, Dv);
+    const auto* table = reinterpret_cast<const uint32_t*>(p[7]);
+    const auto* seen = reinterpret_cast<const bool*>(p[8]);
+    const size_t kv_slots = static_cast<size_t>(in[1].shape(0)) * n_kv;
+    std::vector<float> y(static_cast<size_t>(B) * n_q * Dv);
+    auto task = [&](int i) { // one (row, kv head)
+      const int b = i / n_kv, h = i % n_kv;
+      std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n,
+                                 table + static_cast<size_t>(i + 1) * n);
+      for (auto& r : rows) {
+        r = r < kv_slots ? r : 0; // out of the pool: a masked padding block (the op's contract)
+      }
+      std::vector<float> scores(static_cast<size_t>(reps) * n * block);
+      const float* qh = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
+      float* yh = y.data() + (static_cast<size_t>(b) * n_q + h * reps) * Dv;
+      const bool* sb = seen + static_cast<size_t>(b) * n * block;
+      if (bits == 8) {
+        paged_quantized<8>(qh, K, V, rows.data(), sb, reps, n, block, scores.data(), yh);
+      } else {
+        paged_quantized<4>(qh, K, V, rows.data(), sb, reps, n, block, scores.data(), yh);
+      }
+    };
+    auto& pool = ThreadPool::instance();
+    const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
+    if (pool.size() <= 1 || work < (1 << 17)) {
+      for (int i = 0; i < B * n_kv; ++i) {
+        task(i);
+      }
+    } else {
+      pool.run(B * n_kv, task);
+    }
+    write_out(y.data(), out);
+  });
 }
 
 } // namespace mlxinfer

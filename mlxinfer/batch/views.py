@@ -122,7 +122,10 @@ class StepBatch:
             visible = self._visible_keys(window, slots, n_blocks * bs)[:, 0]  # (B, T), one query
             self._visible[key] = mx.array(visible.reshape(self.n_rows, 1, n_blocks, 1, bs))
         keys, values = slots.pool.keys[layer], slots.pool.values[layer]
-        return Pages(keys, values, *slots.index[kv_heads], self._visible[key])
+        shape = slots.pool.layers[layer]
+        return Pages(
+            keys, values, *slots.index[kv_heads], self._visible[key], shape.bits, shape.group_size
+        )
 
     def views(self) -> list[LayerView | RowStates]:
         """One cache per model layer: a view of a pool for an attention layer (the pool holds
@@ -291,18 +294,14 @@ class LayerView:
         in a decode step of the ``"pages"`` form whose ``mask`` is this cache's own (a layer
         that made its own, ALiBi's say, reads the gathered keys)."""
         if not self.reads_pages(mask):
-            return None  # (a quantized pool's layers read the gathered triples)
+            return None
         kv_heads = self.slots.pool.layers[self.layer].kv_heads
         return self.batch.pages(self.slots, self.window, kv_heads, self.layer)
 
     def reads_pages(self, mask: Mask) -> bool:
         """Whether attention under ``mask`` reads this layer's pages (:meth:`pages`)."""
         batch = self.batch
-        return (
-            batch.form == "pages"
-            and not self.quantized
-            and mask is batch.mask_for(self.window, self.slots)
-        )
+        return batch.form == "pages" and mask is batch.mask_for(self.window, self.slots)
 
     def is_trimmable(self) -> bool:
         return False

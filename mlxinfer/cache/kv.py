@@ -74,14 +74,17 @@ LayerCache = Cache | StateCache
 class Pages(NamedTuple):
     """A paged cache's keys and values as its blocks, for attention over them in place
     (``models.layers.attention.paged_attention``); a paged cache offers them through
-    ``cache.pages(mask)`` (None where it does not)."""
+    ``cache.pages(mask)`` (None where it does not). In a quantized pool (``bits`` set) keys
+    and values are each [packed, scales, biases] as ``mx.quantize`` makes them."""
 
-    keys: mx.array  # (n_blocks, kv_heads, block_size, key_dim): the whole store
-    values: mx.array  # (n_blocks, kv_heads, block_size, value_dim)
+    keys: Any  # (n_blocks, kv_heads, block_size, key_dim): the whole store (or its triple)
+    values: Any  # (n_blocks, kv_heads, block_size, value_dim)
     blocks: mx.array  # (B, kv_heads, n) uint32: block * kv_heads + head, each row's blocks in order
     queries: mx.array  # (B, kv_heads, n) uint32: row * kv_heads + head
     order: mx.array  # (B, kv_heads, n) uint32: 0, 1, 2, ... (the probabilities' own matrices)
     visible: mx.array  # (B, 1, n, 1, block_size) bool: the row's keys, not padding or slid out
+    bits: int | None = None  # a quantized pool's bits and groups
+    group_size: int = 64
 
 
 def _grow(buf: mx.array | None, used: int, needed: int, step: int, like: mx.array) -> mx.array:

@@ -404,3 +404,149 @@ def test_the_batching_engine_decodes_over_pages_with_the_kernel(family, tmp_path
         steps = engine.steps_run
     assert got == expected
     assert 0 < counter.calls["paged_attention"] <= steps * SHAPES["num_hidden_layers"]
+
+
+def unpack(words: np.ndarray, bits: int) -> np.ndarray:
+    """mx.quantize's packed uint32 words as their codes, low bits first (its definition)."""
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    codes = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    return codes.reshape(*words.shape[:-1], -1).astype(np.float64)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    "shape",  # B, n_q, n_kv, D, block, n, group_size
+    [(3, 9, 3, 64, 16, 5, 64), (2, 8, 2, 128, 8, 4, 32), (2, 6, 3, 64, 7, 3, 32)],
+)
+def test_quantized_paged_attention_matches_its_definition(bits, shape):
+    """A quantized pool's pages (kv_bits: mx.quantize's codes, scales and biases) read by the
+    kernel, each part dequantized as it is loaded: rows over blocks in any order, each seeing
+    its own keys, against the definition in float64 (the codes unpacked from their words) and
+    the model path's gather_qmm, on every instruction-set path. The hidden slots' scales and
+    biases are NaN: never read into y."""
+    from mlxinfer.batch.views import _page_index
+    from mlxinfer.cache.kv import Pages
+    from mlxinfer.models.layers.attention import paged_attention as model_paged_attention
+
+    B, n_q, n_kv, D, block, n, gs = shape
+    n_blocks = B * n + 2
+    sides = [mx.quantize(rand(n_blocks, n_kv, block, D), group_size=gs, bits=bits) for _ in "kv"]
+    q = rand(B, n_q, 1, D)
+    order = RNG.permutation(n_blocks)[: B * n].reshape(B, n)
+    table = np.stack([order * n_kv + h for h in range(n_kv)], axis=1).astype(np.uint32)
+    seen = np.zeros((B, n * block), bool)
+    for b in range(B):
+        seen[b, : max(1, n * block - 5 * b - 2)] = True
+    visible = mx.array(seen.reshape(B, 1, n, 1, block))
+    deq = [  # (n_blocks, n_kv, block, D) float64
+        unpack(np.array(w), bits) * np.repeat(np.array(s, np.float64), gs, -1)
+        + np.repeat(np.array(c, np.float64), gs, -1)
+        for w, s, c in sides
+    ]
+    want = np.zeros((B, n_q, 1, D))
+    for b in range(B):
+        for j in range(n_q):
+            h = j // (n_q // n_kv)
+            K_ = np.concatenate([deq[0][i, h] for i in order[b]])[seen[b]]
+            V_ = np.concatenate([deq[1][i, h] for i in order[b]])[seen[b]]
+            s = (np.array(q, np.float64)[b, j, 0] * D**-0.5) @ K_.T
+            p = np.exp(s - s.max())
+            want[b, j, 0] = (p / p.sum()) @ V_
+    hidden = []  # NaN scales and biases in every slot no row sees
+    mask = np.ones((n_blocks, block), bool)
+    for b in range(B):
+        mask[order[b]] &= ~seen[b].reshape(n, block)
+    for w, s, c in sides:
+        s, c = (np.where(mask[:, None, :, None], np.nan, np.array(a)) for a in (s, c))
+        hidden.append([w, mx.array(s.astype(np.float32)), mx.array(c.astype(np.float32))])
+    tol = 1e-5 * np.abs(want).max()
+    pages = Pages(*sides, *_page_index(order, n_kv), visible, bits, gs)
+    plain = f32(model_paged_attention(q, pages, scale=D**-0.5))
+    assert np.abs(plain - want).max() <= tol
+    try:
+        for level in isa_levels(K):
+            K.set_max_isa(level)
+            for kv in (sides, hidden):
+                ours = f32(
+                    K.paged_attention_quantized(
+                        q, *kv, mx.array(table), visible, scale=D**-0.5, group_size=gs, bits=bits
+                    )
+                )
+                assert np.abs(ours - want).max() <= tol, level
+    finally:
+        K.set_max_isa("best")
+
+
+def test_quantized_paged_attention_refuses_what_it_cannot_read():
+    keys = list(mx.quantize(rand(4, 2, 8, 64), group_size=64, bits=8))
+    args = (
+        rand(1, 4, 1, 64),
+        keys,
+        keys,
+        mx.zeros((1, 2, 1), mx.uint32),
+        mx.ones((1, 1, 1, 1, 8), mx.bool_),
+    )
+    with pytest.raises(ValueError, match="bits: expected 4 or 8, found 3"):
+        K.paged_attention_quantized(*args, scale=1.0, group_size=64, bits=3)
+    with pytest.raises(
+        ValueError, match="group_size: expected a power of two of 16 or more, found 48"
+    ):
+        K.paged_attention_quantized(*args, scale=1.0, group_size=48, bits=8)
+    half = [keys[0], keys[1].astype(mx.float16), keys[2]]
+    with pytest.raises(ValueError, match="keys: expected float32 scales"):
+        K.paged_attention_quantized(
+            args[0], half, keys, *args[3:], scale=1.0, group_size=64, bits=8
+        )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_batching_engine_reads_a_quantized_pool_with_the_kernel(bits, tmp_path, monkeypatch):
+    """``Engine(kv_bits=)`` with the decode plan on: its decode steps read the quantized pages
+    with the kernel, and each row's tokens and log-probs are the single-request loop's over a
+    ``QuantizedKVCache`` (the model path, which quantizes keys and values the same way), 1e-4."""
+    from mlxinfer.cache.prompt import PromptCache
+
+    path, _ = make_tiny(tmp_path / "m", perturb_vectors=True, head_dim=64, **SHAPES)
+    model, _ = load_model(path)
+    prompts = [[(3 + 17 * i + 5 * n) % 512 for i in range(n)] for n in (5, 40, 19)]
+    kinds.set_plan(model, "decode", "ops")
+    alone = []
+    for p in prompts:
+        cache = PromptCache(model.make_cache(kv_bits=bits))
+        alone.append(list(generate_step(p, model, prompt_cache=cache, max_tokens=6)))
+    counter = CountedKernels(K, ("paged_attention_quantized",))
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    kinds.set_plan(model, "decode", "kernel")
+    with Engine(model, max_batch=4, block_size=16, kv_bits=bits) as engine:
+        handles = [engine.submit(p, max_tokens=6) for p in prompts]
+        got = [list(h.steps(timeout=60)) for h in handles]
+        steps = engine.steps_run
+    for a, b in zip(alone, got):
+        assert [t for t, _ in a] == [s.token for s in b]
+        for (_, x), s in zip(a, b):
+            np.testing.assert_allclose(np.array(x), np.array(s.logprobs), atol=1e-4)
+    calls = counter.calls["paged_attention_quantized"]
+    assert 0 < calls <= steps * SHAPES["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_over_a_quantized_cache_reads_it_with_the_kernel(bits, tmp_path, monkeypatch):
+    """``--kv-bits``: a ``QuantizedKVCache``'s decode tokens read by the quantized pages' kernel
+    (the cache's buffers as one block per KV head, past its tokens hidden), under the decode
+    plan: every token's logits those of the model path (MLX's quantized matmul over the same
+    codes), 1e-4, with the kernel called once a layer and token."""
+    path, _ = make_tiny(tmp_path / "m", perturb_vectors=True, head_dim=64, **SHAPES)
+    model, _ = load_model(path)
+    counter = CountedKernels(K, ("paged_attention_quantized",))
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    rows = {}
+    for option in ("kernel", "ops"):
+        kinds.set_plan(model, "decode", option)
+        cache = model.make_cache(kv_bits=bits)
+        first = model(mx.array([IDS[:7]]), cache)  # a prompt, then a token a step
+        rows[option] = [np.array(first[0, -1])] + [
+            np.array(model(mx.array([[t]]), cache)[0, -1]) for t in IDS[7:]
+        ]
+    assert np.abs(np.stack(rows["kernel"]) - np.stack(rows["ops"])).max() <= 1e-4
+    calls = counter.calls["paged_attention_quantized"]
+    assert calls == (len(IDS) - 7) * SHAPES["num_hidden_layers"]

@@ -14,11 +14,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from ...cache.kv import KVCache
+from ...cache.kv import KVCache, Pages
+from ...cache.quantized import QuantizedKVCache
 from ...cache.rotating import RotatingKVCache
 from ...models import layers as model_layers
+from ...models.layers import attention as model_attention
 from .. import kernels
+from . import ops
 from .compiled import family
 
 
@@ -174,7 +178,82 @@ def paged_decode_attention(layer: nn.Module, x: mx.array, mask, cache) -> mx.arr
 
 def paged_attention(q: mx.array, pages, scale: float) -> mx.array:
     """Decode attention of (B, n_heads, 1, D) queries over a batch's pool pages (``Pages``) as
-    one kernel call, instead of ``layers.attention.paged_attention``'s ~20 primitives."""
-    return kernels.load().paged_attention(
-        q, pages.keys, pages.values, pages.blocks, pages.visible, scale=scale
+    one kernel call, instead of ``layers.attention.paged_attention``'s ~20 primitives. A
+    quantized pool's blocks are dequantized as the kernel reads them where they fit
+    (:func:`quantized_pages_fit`), else they take the model path's ``gather_qmm``."""
+    k_ = kernels.load()
+    if pages.bits is None:
+        return k_.paged_attention(
+            q, pages.keys, pages.values, pages.blocks, pages.visible, scale=scale
+        )
+    if not quantized_pages_fit(q, pages):
+        return model_attention.paged_attention(q, pages, scale=scale, exp=ops.exp)
+    return k_.paged_attention_quantized(
+        q,
+        pages.keys,
+        pages.values,
+        pages.blocks,
+        pages.visible,
+        scale=scale,
+        group_size=pages.group_size,
+        bits=pages.bits,
+    )
+
+
+def quantized_decode_attention(q: mx.array, cache: Any, scale: float, mask: Any) -> mx.array | None:
+    """Decode attention of (B, n_heads, 1, D) queries over a ``QuantizedKVCache`` (``--kv-bits``)
+    with the quantized pages' kernel, instead of MLX's quantized matmul (a scalar loop on the
+    CPU: 3-4x slower than float keys, measured): the cache's buffers are one block per (row,
+    KV head), its tokens the visible slots. None where that does not apply (a mask: several
+    query tokens or padded rows; another cache; what the kernel does not read)."""
+    if (
+        type(cache) is not QuantizedKVCache
+        or mask is not None
+        or q.shape[2] != 1
+        or cache.keys is None
+        or cache.values is None
+    ):
+        return None
+    B, _, cap, _ = cache.keys[0].shape
+    n_kv = cache.keys[0].shape[1]
+    pages = cache_pages(cache.keys, cache.values, B, n_kv, cap, cache.offset, cache)
+    if not quantized_pages_fit(q, pages):
+        return None
+    return paged_attention(q, pages, scale)
+
+
+_PLAIN_PAGES: dict[tuple[int, int, int, int], tuple[mx.array, mx.array]] = {}
+
+
+def cache_pages(keys, values, B: int, n_kv: int, cap: int, offset: int, cache: Any) -> Pages:
+    """A plain cache's (B, n_kv, cap, ...) buffers as pool pages: block b · n_kv + h is row b's
+    head h, all ``cap`` slots of it, the first ``offset`` visible (the tables kept per shape:
+    every layer of a step asks for the same)."""
+    key = (B, n_kv, cap, offset)
+    tables = _PLAIN_PAGES.get(key)
+    if tables is None:
+        if len(_PLAIN_PAGES) > 64:
+            _PLAIN_PAGES.clear()
+        blocks = np.arange(B * n_kv, dtype=np.uint32).reshape(B, n_kv, 1)
+        visible = np.broadcast_to(np.arange(cap) < offset, (B, 1, 1, 1, cap))
+        tables = _PLAIN_PAGES[key] = (mx.array(blocks), mx.array(np.ascontiguousarray(visible)))
+    blocks, visible = tables
+    return Pages(keys, values, blocks, blocks, blocks, visible, cache.bits, cache.group_size)
+
+
+def quantized_pages_fit(q: mx.array, pages) -> bool:
+    """Whether ``paged_attention_quantized`` takes these queries and quantized pages: float32
+    queries, scales and biases, 4- or 8-bit codes in groups of a power of two from 16, head
+    widths of whole groups (a kernel built before it: no)."""
+    k_ = kernels.load()
+    if not hasattr(k_, "paged_attention_quantized") or pages.bits not in (4, 8):
+        return False
+    gs = pages.group_size
+    widths = [side[0].shape[-1] * 32 // pages.bits for side in (pages.keys, pages.values)]
+    return (
+        q.dtype == mx.float32
+        and all(side[i].dtype == mx.float32 for side in (pages.keys, pages.values) for i in (1, 2))
+        and gs >= 16
+        and gs & (gs - 1) == 0
+        and all(w % gs == 0 for w in widths)
     )

@@ -140,6 +140,7 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
     write_with = getattr(cache, "write_rows_with", None)
     if (
         write_with is None
+        or cache.quantized  # pool_write stores floats: the block's own forward quantizes them
         or x.ndim != 3
         or x.shape[1] != 1
         or x.shape[0] > compiled.MAX_ROWS

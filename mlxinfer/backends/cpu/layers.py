@@ -139,6 +139,10 @@ class CPUAttention:
         if sinks is not None:  # attention sinks (gpt-oss): the model's own path, mx.fast's kernel
             return super().attend_keys(q, k, v, scale=scale, mask=mask, cache=cache, sinks=sinks)
         if cache is not None and cache.quantized:
+            if self.cpu_decode_kernel:  # the ``decode`` plan: a decode token's, read packed
+                y = attention_kernels.quantized_decode_attention(q, cache, scale, mask)
+                if y is not None:
+                    return y
             rows = getattr(self, "cpu_dequantized_attention_rows", ops.DEQUANTIZED_ATTENTION_ROWS)
             if q.shape[2] < rows:  # the crossover ``plans`` measured (dequantized_attention)
                 return super().attend_keys(q, k, v, scale=scale, mask=mask, cache=cache)

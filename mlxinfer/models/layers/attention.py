@@ -95,13 +95,38 @@ def paged_attention(
     lie: ``mx.gather_mm`` multiplies each row's query heads with each of its blocks' (block_size,
     D) key matrices, the softmax spans all of a row's blocks, and a second ``gather_mm`` takes
     the values the same way. No per-step copy of the keys (docs/batching.md). ``sinks``
-    (n_heads,): a logit per head that joins the softmax's sum with no value (gpt-oss)."""
+    (n_heads,): a logit per head that joins the softmax's sum with no value (gpt-oss). A
+    quantized pool's blocks are multiplied packed (``mx.gather_qmm``), as a quantized cache's
+    keys are (:func:`quantized_attention`)."""
     B, n_q, L, D = q.shape
-    n_blocks, n_kv, block, _ = pages.keys.shape
-    keys = pages.keys.reshape(n_blocks * n_kv, block, -1).swapaxes(-1, -2)
-    values = pages.values.reshape(n_blocks * n_kv, block, -1)
+    quantized = pages.bits is not None
+    first = pages.keys[0] if quantized else pages.keys
+    n_blocks, n_kv, block, _ = first.shape
+
+    def flat(side: Any) -> Any:  # (n_blocks · n_kv, block, width) each
+        if quantized:
+            return [a.reshape(n_blocks * n_kv, block, -1) for a in side]
+        return side.reshape(n_blocks * n_kv, block, -1)
+
+    def product(x: mx.array, side: Any, lhs: mx.array, transpose: bool) -> mx.array:
+        if quantized:
+            packed, scales, biases = side
+            return mx.gather_qmm(
+                x,
+                packed,
+                scales,
+                biases,
+                lhs_indices=lhs,
+                rhs_indices=pages.blocks,
+                transpose=transpose,
+                group_size=pages.group_size,
+                bits=pages.bits,
+            )
+        return mx.gather_mm(x, side.swapaxes(-1, -2) if transpose else side, lhs, pages.blocks)
+
+    keys, values = flat(pages.keys), flat(pages.values)
     q = (q * scale).reshape(B * n_kv, (n_q // n_kv) * L, D)
-    scores = mx.gather_mm(q, keys, pages.queries, pages.blocks)  # (B, n_kv, n, reps, block)
+    scores = product(q, keys, pages.queries, True)  # (B, n_kv, n, reps, block)
     scores = mx.where(pages.visible, scores.astype(mx.float32), -mx.inf)
     top = scores.max(axis=(2, 4), keepdims=True)  # (B, n_kv, 1, reps, 1)
     if sinks is not None:
@@ -112,9 +137,10 @@ def paged_attention(
     if sinks is not None:
         total = total + exp(sink - top)[:, :, 0]
     n = pages.blocks.shape[-1]
-    e = e.astype(values.dtype).reshape(B * n_kv * n, n_q // n_kv, block)
-    out = mx.gather_mm(e, values, pages.order, pages.blocks).sum(axis=2)  # (B, n_kv, reps, Dv)
-    return (out / total).astype(values.dtype).reshape(B, n_q, L, -1)
+    dtype = values[1].dtype if quantized else values.dtype  # a quantized pool's: its scales'
+    e = e.astype(dtype).reshape(B * n_kv * n, n_q // n_kv, block)
+    out = product(e, values, pages.order, False).sum(axis=2)  # (B, n_kv, reps, Dv)
+    return (out / total).astype(dtype).reshape(B, n_q, L, -1)
 
 
 class Attention(nn.Module):
