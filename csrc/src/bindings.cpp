@@ -25,6 +25,15 @@ namespace {
 
 // A quantized layer from Python: (w, scales, biases, group_size, bits).
 using Layer = std::tuple<mx::array, mx::array, mx::array, int, int>;
+// A pool's side: one float array, or a quantized pool's [codes, scales, biases].
+using Side = std::variant<mx::array, std::vector<mx::array>>;
+
+std::vector<mx::array> side_of(const Side& s) {
+  if (const auto* a = std::get_if<mx::array>(&s)) {
+    return {*a};
+  }
+  return std::get<std::vector<mx::array>>(s);
+}
 
 mlxinfer::QuantLayer layer_of(const Layer& t) {
   return {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)};
@@ -309,26 +318,36 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "float32 h; CPU only.");
   m.def(
       "pool_write",
-      &mlxinfer::pool_write,
+      [](const mx::array& pool, const mx::array& qkv, const mx::array& rows, const mx::array& cos,
+         const mx::array& sin, int start, int dims, bool traditional, int part, int group_size,
+         int bits, mx::StreamOrDevice s) {
+        return mlxinfer::pool_write(pool, qkv, rows, cos, sin, start, dims, traditional,
+                                    {part, group_size, bits}, s);
+      },
       "pool"_a, "qkv"_a, "rows"_a, "cos"_a, "sin"_a, nb::kw_only(), "start"_a, "dims"_a = 0,
-      "traditional"_a = false, "stream"_a = nb::none(),
+      "traditional"_a = false, "part"_a = -1, "group_size"_a = 64, "bits"_a = 0,
+      "stream"_a = nb::none(),
       "One layer's (n_blocks, n_kv, block, head_dim) pool with each row's n_kv * head_dim values "
       "of qkv (B, 1, N) from element start (its k or v), rotated by the row's (B, dims/2) "
       "cos/sin where dims > 0, written at the flat rows (B * n_kv uint32); in place where MLX "
-      "may donate the pool. CPU only.");
+      "may donate the pool. A quantized pool: part 0, 1 or 2 (its codes, scales or biases) of "
+      "each row quantized as mx.quantize does (bits 4 or 8, group_size). CPU only.");
   m.def(
       "paged_attention_output",
-      [](const mx::array& x, const mx::array& qkv, const mx::array& keys, const mx::array& values,
+      [](const mx::array& x, const mx::array& qkv, const Side& keys, const Side& values,
          const mx::array& blocks, const mx::array& visible, const mx::array& cos,
          const mx::array& sin, const Layer& o, int n_q, float scale, int dims, bool traditional,
-         const std::optional<mx::array>& post_norm, float post_eps, mx::StreamOrDevice s) {
-        return mlxinfer::paged_attention_output(x, qkv, keys, values, blocks, visible, cos, sin,
-                                                layer_of(o), n_q, scale, dims, traditional,
-                                                post_norm, post_eps, s);
+         const std::optional<mx::array>& post_norm, float post_eps, int kv_group_size,
+         int kv_bits, mx::StreamOrDevice s) {
+        return mlxinfer::paged_attention_output(x, qkv, side_of(keys), side_of(values), blocks,
+                                                visible, cos, sin, layer_of(o), n_q, scale, dims,
+                                                traditional, post_norm, post_eps,
+                                                {kv_group_size, kv_bits}, s);
       },
       "x"_a, "qkv"_a, "keys"_a, "values"_a, "blocks"_a, "visible"_a, "cos"_a, "sin"_a, "o"_a,
       nb::kw_only(), "n_q"_a, "scale"_a, "dims"_a, "traditional"_a = false,
-      "post_norm"_a = nb::none(), "post_eps"_a = 0.0f, "stream"_a = nb::none(),
+      "post_norm"_a = nb::none(), "post_eps"_a = 0.0f, "kv_group_size"_a = 64, "kv_bits"_a = 0,
+      "stream"_a = nb::none(),
       "x + [rms_norm(., post_norm)](o(paged_attention(rope(q)))) for B float32 rows, each "
       "query (qkv's first n_q heads) rotated by its row's (B, dims/2) cos/sin. CPU only.");
   m.def(

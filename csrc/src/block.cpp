@@ -357,16 +357,28 @@ void write_pool_row(mx::array& out, size_t row, const float* v, int D) {
 
 mx::array pool_write(const mx::array& pool, const mx::array& qkv, const mx::array& rows,
                      const mx::array& cos, const mx::array& sin, int start, int dims,
-                     bool traditional, mx::StreamOrDevice s) {
+                     bool traditional, PoolQuant kv, mx::StreamOrDevice s) {
   const char* op = "pool_write";
   auto stream = mx::to_stream(s);
   check_gpu(op, stream);
-  if (pool.ndim() != 4 || !is_float(pool.dtype())) {
-    fail(op, "pool: expected a (n_blocks, n_kv, block, head_dim) float array, found " +
-                 shape_str(pool.shape()));
+  int D = pool.ndim() == 4 ? pool.shape(3) : 0;
+  if (kv.part < 0) {
+    if (pool.ndim() != 4 || !is_float(pool.dtype())) {
+      fail(op, "pool: expected a (n_blocks, n_kv, block, head_dim) float array, found " +
+                   shape_str(pool.shape()));
+    }
+  } else {
+    check_quantized_format(op, kv.group_size, kv.bits);
+    const auto want = kv.part == 0 ? mx::uint32 : mx::float32;
+    if (kv.part > 2 || pool.ndim() != 4 || pool.dtype() != want) {
+      fail(op, "pool: expected part 0 (uint32 codes), 1 or 2 (float32 scales, biases) of a "
+               "quantized pool, (n_blocks, n_kv, block, width), found part " +
+                   std::to_string(kv.part) + " " + shape_str(pool.shape()));
+    }
+    D = kv.part == 0 ? D * 32 / kv.bits : D * kv.group_size;
   }
   check_x(op, qkv, "qkv");
-  const int n_kv = pool.shape(1), D = pool.shape(3), B = rows_of(qkv);
+  const int n_kv = pool.shape(1), B = rows_of(qkv);
   if (start < 0 || start + n_kv * D > qkv.shape(-1)) {
     fail(op, "qkv: expected " + std::to_string(n_kv) + " x " + std::to_string(D) +
                  " values a row from element " + std::to_string(start) + ", found " +
@@ -378,7 +390,7 @@ mx::array pool_write(const mx::array& pool, const mx::array& qkv, const mx::arra
   }
   check_rows_rope(op, cos, sin, B, dims, D);
   return mx::array(pool.shape(), pool.dtype(),
-                   std::make_shared<PoolWrite>(stream, PoolRope{start, dims, traditional}),
+                   std::make_shared<PoolWrite>(stream, PoolRope{start, dims, traditional}, kv),
                    {pool, qkv, rows, cos, sin});
 }
 
@@ -394,11 +406,15 @@ void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     rows = mx::array::unsafe_weak_copy(inputs[2]),
                     cos = mx::array::unsafe_weak_copy(inputs[3]),
                     sin = mx::array::unsafe_weak_copy(inputs[4]),
-                    out = mx::array::unsafe_weak_copy(out), copy, r = r_]() mutable {
+                    out = mx::array::unsafe_weak_copy(out), copy, r = r_, kv = kv_]() mutable {
     if (copy) {
       copy_elements(pool, out.data<char>());
     }
-    const int n_kv = out.shape(1), D = out.shape(3), N = qkv.shape(-1), B = rows_of(qkv);
+    const int width = out.shape(3); // a row's elements in this array
+    const int D = kv.part < 0 ? width
+        : kv.part == 0        ? width * 32 / kv.bits
+                              : width * kv.group_size;
+    const int n_kv = out.shape(1), N = qkv.shape(-1), B = rows_of(qkv);
     const size_t n_rows = static_cast<size_t>(out.shape(0)) * n_kv * out.shape(2);
     const auto x = f32_of(qkv);
     std::vector<uint32_t> where(rows.size());
@@ -422,6 +438,20 @@ void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
           rotate(v.data(), 1, D, r.dims, r.traditional, c.data() + b * half,
                  sn.data() + b * half);
         }
+        if (kv.part >= 0) { // quantized as mx.quantize does; this array's part of the row
+          const int groups = D / kv.group_size;
+          std::vector<uint32_t> codes(static_cast<size_t>(D) * kv.bits / 32);
+          std::vector<float> scales(groups), biases(groups);
+          quantize_row(v.data(), D, kv.group_size, kv.bits, codes.data(), scales.data(),
+                       biases.data());
+          if (kv.part == 0) {
+            std::copy_n(codes.data(), width, out.data<uint32_t>() + row * width);
+          } else {
+            std::copy_n((kv.part == 1 ? scales : biases).data(), width,
+                        out.data<float>() + row * width);
+          }
+          continue;
+        }
         switch (out.dtype()) {
           case mx::float32:
             write_pool_row<float>(out, row, v.data(), D);
@@ -440,13 +470,14 @@ void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   });
 }
 
-mx::array paged_attention_output(const mx::array& x, const mx::array& qkv, const mx::array& keys,
-                                 const mx::array& values, const mx::array& blocks,
+mx::array paged_attention_output(const mx::array& x, const mx::array& qkv,
+                                 const std::vector<mx::array>& keys,
+                                 const std::vector<mx::array>& values, const mx::array& blocks,
                                  const mx::array& visible, const mx::array& cos,
                                  const mx::array& sin, const QuantLayer& o, int n_q, float scale,
                                  int dims, bool traditional,
                                  const std::optional<mx::array>& post_norm, float post_eps,
-                                 mx::StreamOrDevice s) {
+                                 QuantFormat kv, mx::StreamOrDevice s) {
   const char* op = "paged_attention_output";
   auto stream = mx::to_stream(s);
   check_gpu(op, stream);
@@ -457,8 +488,27 @@ mx::array paged_attention_output(const mx::array& x, const mx::array& qkv, const
     fail(op, "qkv: expected " + std::to_string(B) + " rows as x, found " +
                  shape_str(qkv.shape()));
   }
-  check_pool(op, keys, values);
-  const int n_kv = keys.shape(1), block = keys.shape(2), D = keys.shape(3), Dv = values.shape(3);
+  int D, Dv;
+  if (kv.bits == 0) {
+    if (keys.size() != 1 || values.size() != 1) {
+      fail(op, "keys/values: expected one float pool each, found " + std::to_string(keys.size()) +
+                   " and " + std::to_string(values.size()) + " arrays");
+    }
+    check_pool(op, keys[0], values[0]);
+    D = keys[0].shape(3);
+    Dv = values[0].shape(3);
+  } else {
+    check_quantized_format(op, kv.group_size, kv.bits);
+    D = check_quantized_side(op, "keys", keys, kv.group_size, kv.bits);
+    Dv = check_quantized_side(op, "values", values, kv.group_size, kv.bits);
+    if (D % kv.group_size != 0 || Dv % kv.group_size != 0 ||
+        values[0].shape(0) != keys[0].shape(0) || values[0].shape(1) != keys[0].shape(1) ||
+        values[0].shape(2) != keys[0].shape(2)) {
+      fail(op, "keys/values: expected one (n_blocks, n_kv, block) of whole groups, found " +
+                   shape_str(keys[0].shape()) + " and " + shape_str(values[0].shape()));
+    }
+  }
+  const int n_kv = keys[0].shape(1), block = keys[0].shape(2);
   if (n_q < 1 || n_q % n_kv != 0 || qkv.shape(-1) < n_q * D) {
     fail(op, "n_q: expected a multiple of n_kv " + std::to_string(n_kv) +
                  " whose heads qkv holds, found " + std::to_string(n_q) + " and " +
@@ -470,16 +520,19 @@ mx::array paged_attention_output(const mx::array& x, const mx::array& qkv, const
     fail(op, "o w: expected " + std::to_string(H) + " output rows, found " +
                  shape_str(o.w.shape()));
   }
-  std::vector<mx::array> inputs = {x,   qkv, keys,     values,   blocks, visible,
-                                   cos, sin, o.w, o.scales, o.biases};
+  std::vector<mx::array> inputs = {x,   qkv, keys[0], values[0], blocks, visible,
+                                   cos, sin, o.w,     o.scales,  o.biases};
   if (post_norm) {
     check_norm(op, *post_norm, H, "post_norm");
     inputs.push_back(*post_norm);
   }
+  if (kv.bits != 0) { // the scales and biases last
+    inputs.insert(inputs.end(), {keys[1], keys[2], values[1], values[2]});
+  }
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<PagedAttentionOutput>(
                        stream, n_q, scale, PoolRope{0, dims, traditional},
-                       QuantFormat{o.group_size, o.bits}, post_norm.has_value(), post_eps),
+                       QuantFormat{o.group_size, o.bits}, post_norm.has_value(), post_eps, kv),
                    std::move(inputs));
 }
 
@@ -489,11 +542,13 @@ void PagedAttentionOutput::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void PagedAttentionOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   dispatch(stream(), inputs, out,
-           [n_q = n_q_, scale = scale_, r = r_, of = o_, post = post_,
-            post_eps = post_eps_](std::vector<mx::array>& in, mx::array& out) {
+           [n_q = n_q_, scale = scale_, r = r_, of = o_, post = post_, post_eps = post_eps_,
+            kv = kv_](std::vector<mx::array>& in, mx::array& out) {
              const auto &x = in[0], &qkv = in[1], &keys = in[2], &values = in[3];
              const int B = rows_of(x), H = x.shape(-1), N = qkv.shape(-1);
-             const int D = keys.shape(3), Dv = values.shape(3), half = r.dims / 2;
+             const int unpack = kv.bits == 0 ? 1 : 32 / kv.bits; // values a word
+             const int D = keys.shape(3) * unpack, Dv = values.shape(3) * unpack;
+             const int half = r.dims / 2;
              const auto row = f32_of(qkv);
              std::vector<float> qf(static_cast<size_t>(B) * n_q * D);
              for (int b = 0; b < B; ++b) {
@@ -511,7 +566,14 @@ void PagedAttentionOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::ar
                v *= scale;
              }
              std::vector<float> y(static_cast<size_t>(B) * n_q * Dv);
-             paged_attend(qf, B, n_q, keys, values, in[4], in[5], y);
+             if (kv.bits == 0) {
+               paged_attend(qf, B, n_q, keys, values, in[4], in[5], y);
+             } else {
+               const size_t at = in.size() - 4; // the scales and biases
+               paged_attend_quantized(qf, B, n_q, {keys, in[at], in[at + 1]},
+                                      {values, in[at + 2], in[at + 3]}, in[4], in[5],
+                                      kv.group_size, kv.bits, y);
+             }
              aligned_vector<float> ya(y.begin(), y.end());
              std::vector<float> o(static_cast<size_t>(B) * H);
              product(ya.data(), B, in, 8, of, o.data());

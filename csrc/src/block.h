@@ -67,17 +67,29 @@ mx::array attention_output(const mx::array& x, const mx::array& qkv, const mx::a
 //   + within), in place where MLX may donate the pool;
 // - paged_attention_output: x + [post_norm](o(paged_attention(rope(q)))) for B rows, each
 //   query rotated at its own position (cos/sin (B, ..., dims/2)).
+// A quantized pool (kv_bits) holds each side as mx.quantize's [codes, scales, biases]: with
+// `kv` set (bits 4 or 8), pool_write's `pool` is part `part` of one (0 the uint32 codes, 1 the
+// float32 scales, 2 the biases), each row quantized as mx.quantize does (bit for bit), and
+// paged_attention_output's keys and values are the triples.
+struct PoolQuant {
+  int part = -1; // -1: a float pool
+  int group_size = 64;
+  int bits = 0;
+  bool operator==(const PoolQuant&) const = default;
+};
+
 mx::array pool_write(const mx::array& pool, const mx::array& qkv, const mx::array& rows,
                      const mx::array& cos, const mx::array& sin, int start, int dims,
-                     bool traditional, mx::StreamOrDevice s = {});
+                     bool traditional, PoolQuant kv = {}, mx::StreamOrDevice s = {});
 
-mx::array paged_attention_output(const mx::array& x, const mx::array& qkv, const mx::array& keys,
-                                 const mx::array& values, const mx::array& blocks,
+mx::array paged_attention_output(const mx::array& x, const mx::array& qkv,
+                                 const std::vector<mx::array>& keys,
+                                 const std::vector<mx::array>& values, const mx::array& blocks,
                                  const mx::array& visible, const mx::array& cos,
                                  const mx::array& sin, const QuantLayer& o, int n_q, float scale,
                                  int dims, bool traditional,
                                  const std::optional<mx::array>& post_norm, float post_eps,
-                                 mx::StreamOrDevice s = {});
+                                 QuantFormat kv = {64, 0}, mx::StreamOrDevice s = {});
 
 // act: 0 silu, 1 GELU's tanh approximation.
 mx::array mlp_output(const mx::array& h, const mx::array& norm, float eps,
@@ -138,14 +150,16 @@ struct PoolRope {
 
 class PoolWrite : public mx::UnaryPrimitive {
  public:
-  PoolWrite(mx::Stream stream, PoolRope r) : mx::UnaryPrimitive(stream), r_(r) {}
+  PoolWrite(mx::Stream stream, PoolRope r, PoolQuant kv)
+      : mx::UnaryPrimitive(stream), r_(r), kv_(kv) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
     return "MlxinferPoolWrite";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return r_ == static_cast<const PoolWrite&>(other).r_;
+    const auto& o = static_cast<const PoolWrite&>(other);
+    return r_ == o.r_ && kv_ == o.kv_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
@@ -153,14 +167,15 @@ class PoolWrite : public mx::UnaryPrimitive {
 
  private:
   PoolRope r_;
+  PoolQuant kv_;
 };
 
 class PagedAttentionOutput : public mx::UnaryPrimitive {
  public:
   PagedAttentionOutput(mx::Stream stream, int n_q, float scale, PoolRope r, QuantFormat o,
-                       bool post, float post_eps)
+                       bool post, float post_eps, QuantFormat kv)
       : mx::UnaryPrimitive(stream), n_q_(n_q), scale_(scale), r_(r), o_(o), post_(post),
-        post_eps_(post_eps) {}
+        post_eps_(post_eps), kv_(kv) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -169,7 +184,7 @@ class PagedAttentionOutput : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedAttentionOutput&>(other);
     return n_q_ == o.n_q_ && scale_ == o.scale_ && r_ == o.r_ && o_ == o.o_ &&
-        post_ == o.post_ && post_eps_ == o.post_eps_;
+        post_ == o.post_ && post_eps_ == o.post_eps_ && kv_ == o.kv_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
@@ -182,6 +197,7 @@ class PagedAttentionOutput : public mx::UnaryPrimitive {
   QuantFormat o_;
   bool post_;
   float post_eps_;
+  QuantFormat kv_; // bits 0: float keys and values
 };
 
 class MlpOutput : public mx::UnaryPrimitive {

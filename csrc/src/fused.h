@@ -91,6 +91,23 @@ void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array&
                   const mx::array& values, const mx::array& blocks, const mx::array& visible,
                   std::vector<float>& y);
 
+// paged_attend over a quantized pool's sides ([codes, scales, biases] each, float32 scales).
+void paged_attend_quantized(const std::vector<float>& qf, int B, int n_q,
+                            const std::vector<mx::array>& keys,
+                            const std::vector<mx::array>& values, const mx::array& blocks,
+                            const mx::array& visible, int group_size, int bits,
+                            std::vector<float>& y);
+
+// One row of D floats quantized as mx.quantize (affine) does, bit for bit: codes packed low
+// bits first into D * bits / 32 words, a float32 scale and bias a group.
+void quantize_row(const float* v, int D, int group_size, int bits, uint32_t* codes,
+                  float* scales, float* biases);
+
+// paged_attention_quantized's checks of one side; its width.
+int check_quantized_side(const char* op, const char* side, const std::vector<mx::array>& parts,
+                         int group_size, int bits);
+void check_quantized_format(const char* op, int group_size, int bits);
+
 // How many times cache_write (or block.cpp's pool_write) copied a buffer it could not update
 // in place.
 int64_t attention_buffer_copies();

@@ -1,6 +1,8 @@
 // Decode attention over the batching engine's pool pages (fused.h: paged_attention).
 #include "fused.h"
 
+#include <limits>
+
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/fast.h"
 
@@ -240,8 +242,6 @@ void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array&
   }
 }
 
-namespace {
-
 // One (n_blocks, n_kv, block, width) side of a quantized pool: packed uint32 codes, float32
 // scales and biases per group. Its width; one-line errors naming `op` and the side.
 int check_quantized_side(const char* op, const char* side, const std::vector<mx::array>& parts,
@@ -266,13 +266,7 @@ int check_quantized_side(const char* op, const char* side, const std::vector<mx:
   return width;
 }
 
-} // namespace
-
-mx::array paged_attention_quantized(const mx::array& q, const std::vector<mx::array>& keys,
-                                    const std::vector<mx::array>& values, const mx::array& blocks,
-                                    const mx::array& visible, float scale, int group_size,
-                                    int bits, mx::StreamOrDevice s) {
-  const char* op = "paged_attention_quantized";
+void check_quantized_format(const char* op, int group_size, int bits) {
   if (bits != 4 && bits != 8) {
     fail(op, "bits: expected 4 or 8, found " + std::to_string(bits));
   }
@@ -280,6 +274,51 @@ mx::array paged_attention_quantized(const mx::array& q, const std::vector<mx::ar
     fail(op, "group_size: expected a power of two of 16 or more, found " +
                  std::to_string(group_size));
   }
+}
+
+void quantize_row(const float* v, int D, int group_size, int bits, uint32_t* codes,
+                  float* scales, float* biases) {
+  // mlx/backend/cpu/quantized.cpp's quantize, for float32 and 4 or 8 bits.
+  const float n_bins = static_cast<float>((1 << bits) - 1);
+  const float eps = 1e-7f;
+  const int per_word = 32 / bits;
+  for (int g = 0; g < D / group_size; ++g) {
+    const float* w = v + static_cast<size_t>(g) * group_size;
+    float w_min = std::numeric_limits<float>::infinity(), w_max = -w_min;
+    for (int j = 0; j < group_size; ++j) {
+      w_max = std::max(w_max, w[j]);
+      w_min = std::min(w_min, w[j]);
+    }
+    const bool mask = std::abs(w_min) > std::abs(w_max);
+    float scale = std::max((w_max - w_min) / n_bins, eps);
+    scale = mask ? scale : -scale;
+    const float edge = mask ? w_min : w_max;
+    const float q0 = std::rint(edge / scale);
+    float bias = 0;
+    if (q0 != 0) {
+      scale = edge / q0;
+      bias = edge;
+    }
+    for (int j = 0; j < group_size / per_word; ++j) {
+      uint32_t word = 0;
+      for (int k = 0; k < per_word; ++k) {
+        float e = std::rint((w[j * per_word + k] - bias) / scale);
+        e = std::min(std::max(e, 0.0f), n_bins);
+        word |= static_cast<uint32_t>(e) << (k * bits);
+      }
+      codes[static_cast<size_t>(g) * group_size / per_word + j] = word;
+    }
+    scales[g] = scale;
+    biases[g] = bias;
+  }
+}
+
+mx::array paged_attention_quantized(const mx::array& q, const std::vector<mx::array>& keys,
+                                    const std::vector<mx::array>& values, const mx::array& blocks,
+                                    const mx::array& visible, float scale, int group_size,
+                                    int bits, mx::StreamOrDevice s) {
+  const char* op = "paged_attention_quantized";
+  check_quantized_format(op, group_size, bits);
   const int D = check_quantized_side(op, "keys", keys, group_size, bits);
   const int Dv = check_quantized_side(op, "values", values, group_size, bits);
   if (D % group_size != 0 || Dv % group_size != 0) {
@@ -349,60 +388,66 @@ void PagedQuantizedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx:
   encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_,
                     group_size = group_size_, bits = bits_]() mutable {
     const auto& q = in[0];
-    const auto& blocks = in[7];
-    const int B = q.shape(0), n_q = q.shape(1), n_kv = in[1].shape(1), block = in[1].shape(2);
-    const int n = blocks.shape(2), reps = n_q / n_kv;
-    const int D = in[1].shape(3) * 32 / bits, Dv = in[4].shape(3) * 32 / bits;
+    const int B = q.shape(0), n_q = q.shape(1), Dv = in[4].shape(3) * 32 / bits;
     std::vector<float> qf(q.size());
     to_f32(q, qf.data());
     for (auto& x : qf) {
       x *= scale;
     }
-    std::vector<std::vector<char>> copies(in.size());
-    std::vector<const char*> p(in.size());
-    for (size_t i = 1; i < in.size(); ++i) {
-      p[i] = contiguous_bytes(in[i], copies[i]);
-    }
-    const int shift = __builtin_ctz(static_cast<unsigned>(group_size));
-    auto side = [&](int at, int width) {
-      return QuantSide{reinterpret_cast<const uint8_t*>(p[at]),
-                       reinterpret_cast<const float*>(p[at + 1]),
-                       reinterpret_cast<const float*>(p[at + 2]), width, shift,
-                       width / group_size};
-    };
-    const QuantSide K = side(1, D), V = side(4, Dv);
-    const auto* table = reinterpret_cast<const uint32_t*>(p[7]);
-    const auto* seen = reinterpret_cast<const bool*>(p[8]);
-    const size_t kv_slots = static_cast<size_t>(in[1].shape(0)) * n_kv;
     std::vector<float> y(static_cast<size_t>(B) * n_q * Dv);
-    auto task = [&](int i) { // one (row, kv head)
-      const int b = i / n_kv, h = i % n_kv;
-      std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n,
-                                 table + static_cast<size_t>(i + 1) * n);
-      for (auto& r : rows) {
-        r = r < kv_slots ? r : 0; // out of the pool: a masked padding block (the op's contract)
-      }
-      std::vector<float> scores(static_cast<size_t>(reps) * n * block);
-      const float* qh = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
-      float* yh = y.data() + (static_cast<size_t>(b) * n_q + h * reps) * Dv;
-      const bool* sb = seen + static_cast<size_t>(b) * n * block;
-      if (bits == 8) {
-        paged_quantized<8>(qh, K, V, rows.data(), sb, reps, n, block, scores.data(), yh);
-      } else {
-        paged_quantized<4>(qh, K, V, rows.data(), sb, reps, n, block, scores.data(), yh);
-      }
-    };
-    auto& pool = ThreadPool::instance();
-    const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
-    if (pool.size() <= 1 || work < (1 << 17)) {
-      for (int i = 0; i < B * n_kv; ++i) {
-        task(i);
-      }
-    } else {
-      pool.run(B * n_kv, task);
-    }
+    paged_attend_quantized(qf, B, n_q, {in[1], in[2], in[3]}, {in[4], in[5], in[6]}, in[7], in[8],
+                           group_size, bits, y);
     write_out(y.data(), out);
   });
+}
+
+void paged_attend_quantized(const std::vector<float>& qf, int B, int n_q,
+                            const std::vector<mx::array>& keys,
+                            const std::vector<mx::array>& values, const mx::array& blocks,
+                            const mx::array& visible, int group_size, int bits,
+                            std::vector<float>& y) {
+  const int n_kv = keys[0].shape(1), block = keys[0].shape(2);
+  const int n = blocks.shape(2), reps = n_q / n_kv;
+  const int D = keys[0].shape(3) * 32 / bits, Dv = values[0].shape(3) * 32 / bits;
+  std::vector<std::vector<char>> copies(8);
+  auto bytes = [&](const mx::array& a, int i) { return contiguous_bytes(a, copies[i]); };
+  const int shift = __builtin_ctz(static_cast<unsigned>(group_size));
+  auto side = [&](const std::vector<mx::array>& parts, int at, int width) {
+    return QuantSide{reinterpret_cast<const uint8_t*>(bytes(parts[0], at)),
+                     reinterpret_cast<const float*>(bytes(parts[1], at + 1)),
+                     reinterpret_cast<const float*>(bytes(parts[2], at + 2)), width, shift,
+                     width / group_size};
+  };
+  const QuantSide K = side(keys, 0, D), V = side(values, 3, Dv);
+  const auto* table = reinterpret_cast<const uint32_t*>(bytes(blocks, 6));
+  const auto* seen = reinterpret_cast<const bool*>(bytes(visible, 7));
+  const size_t kv_slots = static_cast<size_t>(keys[0].shape(0)) * n_kv;
+  auto task = [&](int i) { // one (row, kv head)
+    const int b = i / n_kv, h = i % n_kv;
+    std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n,
+                               table + static_cast<size_t>(i + 1) * n);
+    for (auto& r : rows) {
+      r = r < kv_slots ? r : 0; // out of the pool: a masked padding block (the op's contract)
+    }
+    std::vector<float> scores(static_cast<size_t>(reps) * n * block);
+    const float* qh = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
+    float* yh = y.data() + (static_cast<size_t>(b) * n_q + h * reps) * Dv;
+    const bool* sb = seen + static_cast<size_t>(b) * n * block;
+    if (bits == 8) {
+      paged_quantized<8>(qh, K, V, rows.data(), sb, reps, n, block, scores.data(), yh);
+    } else {
+      paged_quantized<4>(qh, K, V, rows.data(), sb, reps, n, block, scores.data(), yh);
+    }
+  };
+  auto& pool = ThreadPool::instance();
+  const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
+  if (pool.size() <= 1 || work < (1 << 17)) {
+    for (int i = 0; i < B * n_kv; ++i) {
+      task(i);
+    }
+  } else {
+    pool.run(B * n_kv, task);
+  }
 }
 
 } // namespace mlxinfer

@@ -50,6 +50,16 @@ class QuantizedKVCache(Reserving):
     snapshot = KVCache.snapshot
     restore = KVCache.restore
 
+    def make_room(self) -> None:
+        """Room in the buffers for one more token (a decode step's writer fills it in place:
+        the CPU backend's fused blocks), grown as :meth:`update_and_fetch` grows them."""
+        assert self.keys is not None and self.values is not None  # after the first tokens
+        if self.offset < self.keys[0].shape[2]:
+            return
+        needed, step = self._growth(self.offset + 1, self.keys[0])
+        for bufs in (self.keys, self.values):
+            bufs[:] = [_grow(a, self.offset, needed, step, a) for a in bufs]
+
     def grow(self, n_tokens: int) -> None:
         """As :meth:`KVCache.grow`, for each of the packed, scales and biases buffers."""
         self.reserve(n_tokens)

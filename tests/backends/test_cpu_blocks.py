@@ -270,3 +270,73 @@ def test_bad_arguments_are_one_line_value_errors():
         K.paged_attention_output(
             x2, qkv2, pool, pool, blocks, visible, cos, cos, o, n_q=3, scale=1.0, dims=0
         )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_batching_engine_runs_fused_blocks_over_a_quantized_pool(bits, tmp_path, monkeypatch):
+    """``Engine(kv_bits=)``: the fused blocks write each row's keys and values into the pool's
+    codes, scales and biases (``pool_write``, each part quantized as mx.quantize does) and read
+    them packed (``paged_attention_output``): each row's tokens and log-probs those of MLX's own
+    path, the single-request loop over a ``QuantizedKVCache`` (1e-4 relative), every block fused, the
+    pool written in place; the same for that loop itself on the kernels (``--kv-bits``: the
+    cache's buffers written and read the same way); and pool_write's parts are mx.quantize's
+    bit for bit."""
+    from mlxinfer.cache.prompt import PromptCache
+
+    path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, head_dim=64)
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
+    prompts = [[(3 + 17 * i + 5 * n) % 256 for i in range(n)] for n in (5, 40, 19)]
+    monkeypatch.setenv(backends.ENV, "0")
+    plain, _ = load_model(tmp_path / "q")
+    monkeypatch.delenv(backends.ENV)
+    expected = []
+    for p in prompts:
+        cache = PromptCache(plain.make_cache(kv_bits=bits))
+        expected.append(list(generate_step(p, plain, prompt_cache=cache, max_tokens=6)))
+    counter = Counting(K, ENGINE_CALLS)
+    monkeypatch.setattr(kernels, "load", lambda: counter)
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
+    copies = K.attention_buffer_copies()
+    with Engine(model, max_batch=4, block_size=16, kv_bits=bits) as engine:
+        handles = [engine.submit(p, max_tokens=6) for p in prompts]
+        got = [list(h.steps(timeout=60)) for h in handles]
+    for want, rows in zip(expected, got):
+        assert [t for t, _ in want] == [s.token for s in rows]
+        for (_, x), s in zip(want, rows):
+            # the products' int16 kernels against MLX's quantized matmul: float32 rounding
+            np.testing.assert_allclose(np.array(x), np.array(s.logprobs), rtol=1e-4, atol=1e-4)
+    assert K.attention_buffer_copies() == copies
+    calls = counter.calls
+    assert calls["pool_write"] == 6 * calls["paged_attention_output"]  # 3 parts of k and v
+    assert 5 * len(model.layers) <= calls["paged_attention_output"] <= 15 * len(model.layers)
+
+    counter.calls = dict.fromkeys(ENGINE_CALLS, 0)  # generate --kv-bits: one row, its own cache
+    for p, want in zip(prompts, expected):
+        cache = PromptCache(model.make_cache(kv_bits=bits))
+        ours = list(generate_step(p, model, prompt_cache=cache, max_tokens=6))
+        assert [t for t, _ in want] == [t for t, _ in ours]
+        for (_, x), (_, y) in zip(want, ours):
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-4, atol=1e-4)
+    assert K.attention_buffer_copies() == copies  # the cache's buffers written in place
+    # each prompt's one-token forwards, every layer fused: its last token (generate_step's
+    # prompt ends in a one-token step) and 5 of the 6 tokens (the last is not fed)
+    calls = counter.calls
+    assert calls["paged_attention_output"] == 3 * 6 * len(model.layers)
+    assert calls["pool_write"] == 6 * calls["paged_attention_output"]
+
+    rng = np.random.default_rng(1)  # the write's quantization against mx.quantize
+    qkv = mx.array(rng.standard_normal((3, 1, 7 * 64)).astype(np.float32))
+    pool = [mx.zeros(a.shape, a.dtype) for a in mx.quantize(mx.zeros((5, 2, 4, 64)), bits=bits)]
+    rows = mx.array(np.array([3, 8, 17, 22, 30, 39], np.uint32))  # (block · 2 + head) · 4 + slot
+    empty = mx.zeros((3, 0))
+    written = [
+        K.pool_write(a, qkv, rows, empty, empty, start=5 * 64, part=i, group_size=64, bits=bits)
+        for i, a in enumerate(pool)
+    ]
+    want = mx.quantize(qkv[:, 0, 5 * 64 :].reshape(6, 64), group_size=64, bits=bits)
+    for got_part, want_part in zip(written, want):
+        flat = np.array(got_part).reshape(40, -1)
+        assert np.array_equal(flat[np.array(rows)], np.array(want_part))
+        assert not np.delete(flat, np.array(rows), axis=0).any()

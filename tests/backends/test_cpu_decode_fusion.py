@@ -492,41 +492,14 @@ def test_quantized_paged_attention_refuses_what_it_cannot_read():
         ValueError, match="group_size: expected a power of two of 16 or more, found 48"
     ):
         K.paged_attention_quantized(*args, scale=1.0, group_size=48, bits=8)
+    qkv, rows, empty = rand(1, 1, 6 * 64), mx.zeros((2,), mx.uint32), mx.zeros((1, 0))
+    with pytest.raises(ValueError, match=r"pool: expected part 0 \(uint32 codes\)"):
+        K.pool_write(keys[1], qkv, rows, empty, empty, start=0, part=0, group_size=64, bits=8)
     half = [keys[0], keys[1].astype(mx.float16), keys[2]]
     with pytest.raises(ValueError, match="keys: expected float32 scales"):
         K.paged_attention_quantized(
             args[0], half, keys, *args[3:], scale=1.0, group_size=64, bits=8
         )
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-def test_the_batching_engine_reads_a_quantized_pool_with_the_kernel(bits, tmp_path, monkeypatch):
-    """``Engine(kv_bits=)`` with the decode plan on: its decode steps read the quantized pages
-    with the kernel, and each row's tokens and log-probs are the single-request loop's over a
-    ``QuantizedKVCache`` (the model path, which quantizes keys and values the same way), 1e-4."""
-    from mlxinfer.cache.prompt import PromptCache
-
-    path, _ = make_tiny(tmp_path / "m", perturb_vectors=True, head_dim=64, **SHAPES)
-    model, _ = load_model(path)
-    prompts = [[(3 + 17 * i + 5 * n) % 512 for i in range(n)] for n in (5, 40, 19)]
-    kinds.set_plan(model, "decode", "ops")
-    alone = []
-    for p in prompts:
-        cache = PromptCache(model.make_cache(kv_bits=bits))
-        alone.append(list(generate_step(p, model, prompt_cache=cache, max_tokens=6)))
-    counter = CountedKernels(K, ("paged_attention_quantized",))
-    monkeypatch.setattr(kernels, "load", lambda: counter)
-    kinds.set_plan(model, "decode", "kernel")
-    with Engine(model, max_batch=4, block_size=16, kv_bits=bits) as engine:
-        handles = [engine.submit(p, max_tokens=6) for p in prompts]
-        got = [list(h.steps(timeout=60)) for h in handles]
-        steps = engine.steps_run
-    for a, b in zip(alone, got):
-        assert [t for t, _ in a] == [s.token for s in b]
-        for (_, x), s in zip(a, b):
-            np.testing.assert_allclose(np.array(x), np.array(s.logprobs), atol=1e-4)
-    calls = counter.calls["paged_attention_quantized"]
-    assert 0 < calls <= steps * SHAPES["num_hidden_layers"]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...cache.kv import KVCache
+from ...cache.quantized import QuantizedKVCache
 from ...cache.rotating import RotatingKVCache
 from ...models import gemma, gemma2, llama, qwen2
 from ...models import layers as model_layers
@@ -85,7 +86,7 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
         mask is not None
         or x.shape[:2] != (1, 1)
         or x.dtype != mx.float32
-        or type(cache) not in (KVCache, RotatingKVCache)
+        or type(cache) not in (KVCache, RotatingKVCache, QuantizedKVCache)
         or cache.keys is None
         or kernels.load() is None
     ):
@@ -93,6 +94,8 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
     parts = _parts(block)
     if parts is None:
         return None
+    if type(cache) is QuantizedKVCache:
+        return _decode_quantized(x, cache, parts)
     attn, qkv_layers, o, gate_up, down, act, norms, head_norms = parts
     k_ = kernels.load()
     n_q, n_kv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -130,6 +133,82 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
     return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
 
 
+def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array | None:
+    """:func:`decode_block` over a ``QuantizedKVCache`` (``--kv-bits``): the token's key and
+    value quantized into the buffers' next slot as the cache's own write would (``pool_write``
+    on each of codes, scales and biases, the buffers read as one block per KV head) and read
+    packed by ``paged_attention_output``; None where the kernels do not read the cache."""
+    attn, qkv_layers, o, gate_up, down, act, norms, head_norms = parts
+    if not _quantized_fits(cache.keys[1].dtype, cache.group_size, cache.bits):
+        return None
+    k_ = kernels.load()
+    n_q, n_kv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
+    qkv = k_.norm_products(x, w1, eps1, qkv_layers, **_head_options(attn, head_norms))
+    offset, rope = cache.offset, attn.rope
+    cos, sin = rope.table(offset, 1, rope.base_at(offset, 1))
+    cache.make_room()
+    cap = cache.keys[0].shape[2]
+    rows = _slot_rows(n_kv, cap, offset)
+    kv = dict(group_size=cache.group_size, bits=cache.bits)
+    for bufs, rope_args in (
+        (cache.keys, dict(start=n_q * D, dims=rope.dims, traditional=rope.traditional)),
+        (cache.values, dict(start=(n_q + n_kv) * D)),
+    ):
+        bufs[:] = [
+            k_.pool_write(a, qkv, rows, cos, sin, part=i, **rope_args, **kv)
+            for i, a in enumerate(bufs)
+        ]
+    cache.offset = offset + 1
+    pages = attention_kernels.cache_pages(cache.keys, cache.values, 1, n_kv, cap, offset + 1, cache)
+    h = k_.paged_attention_output(
+        x,
+        qkv,
+        pages.keys,
+        pages.values,
+        pages.blocks,
+        pages.visible,
+        cos,
+        sin,
+        o,
+        n_q=n_q,
+        scale=attn.scale,
+        dims=rope.dims,
+        traditional=rope.traditional,
+        **_post(post_attn),
+        kv_group_size=cache.group_size,
+        kv_bits=cache.bits,
+    )
+    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+
+
+_SLOT_ROWS: dict[tuple[int, int, int], mx.array] = {}
+
+
+def _slot_rows(n_kv: int, cap: int, offset: int) -> mx.array:
+    """The flat rows of slot ``offset`` of each KV head in a (1, n_kv, cap, ...) buffer."""
+    key = (n_kv, cap, offset)
+    rows = _SLOT_ROWS.get(key)
+    if rows is None:
+        if len(_SLOT_ROWS) > 64:
+            _SLOT_ROWS.clear()
+        rows = _SLOT_ROWS[key] = mx.array([h * cap + offset for h in range(n_kv)], mx.uint32)
+    return rows
+
+
+def _quantized_fits(scales_dtype: mx.Dtype, group_size: int, bits: int) -> bool:
+    """Whether the kernels write and read quantized keys and values of this format: float32
+    scales, 4 or 8 bits in groups of a power of two from 16 (head widths of whole groups: the
+    caches' own check), and a module built with the quantized pool ops."""
+    return (
+        hasattr(kernels.load(), "paged_attention_quantized")
+        and bits in (4, 8)
+        and group_size >= 16
+        and group_size & (group_size - 1) == 0
+        and scales_dtype == mx.float32
+    )
+
+
 def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
     """``block(x, mask, cache)`` for the batching engine's decode step (one float32 token in
     each of up to ``compiled.MAX_ROWS`` rows over its pool's pages) as five kernel calls: the
@@ -140,7 +219,6 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
     write_with = getattr(cache, "write_rows_with", None)
     if (
         write_with is None
-        or cache.quantized  # pool_write stores floats: the block's own forward quantizes them
         or x.ndim != 3
         or x.shape[1] != 1
         or x.shape[0] > compiled.MAX_ROWS
@@ -156,6 +234,12 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
     offsets, rope = cache.offset, attn.rope
     if rope.dynamic is not None and isinstance(offsets, mx.array):
         return None
+    kv = {}  # a quantized pool: each side [codes, scales, biases], written and read packed
+    if cache.quantized:
+        scales = cache.slots.pool.keys[cache.layer][1]
+        if not _quantized_fits(scales.dtype, cache.group_size, cache.bits):
+            return None
+        kv = dict(group_size=cache.group_size, bits=cache.bits)
     k_ = kernels.load()
     B, n_q, n_kv, D = x.shape[0], attn.n_heads, attn.n_kv_heads, attn.head_dim
     (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
@@ -165,12 +249,16 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
         cos, sin = (mx.broadcast_to(t.reshape(1, -1), (B, rope.dims // 2)) for t in (cos, sin))
     dims, traditional = rope.dims, rope.traditional
 
-    def write(pool: mx.array, rows: mx.array, side: str) -> mx.array:
-        if side == "keys":
-            return k_.pool_write(
-                pool, qkv, rows, cos, sin, start=n_q * D, dims=dims, traditional=traditional
-            )
-        return k_.pool_write(pool, qkv, rows, cos, sin, start=(n_q + n_kv) * D)
+    def write(pool: Any, rows: mx.array, side: str) -> Any:
+        rope = dict(start=n_q * D, dims=dims, traditional=traditional)
+        if side == "values":
+            rope = dict(start=(n_q + n_kv) * D)
+        if kv:
+            return [
+                k_.pool_write(a, qkv, rows, cos, sin, part=i, **rope, **kv)
+                for i, a in enumerate(pool)
+            ]
+        return k_.pool_write(pool, qkv, rows, cos, sin, **rope)
 
     write_with(write)
     pages = cache.pages(mask)
@@ -189,6 +277,7 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
         dims=dims,
         traditional=traditional,
         **_post(post_attn),
+        **{f"kv_{k}": v for k, v in kv.items()},
     )
     return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
 
