@@ -13,6 +13,9 @@ definition. Two more rows need no peer run:
   left-padded cache as mlx-lm's ``BatchGenerator`` keeps it (B × the longest
   sequence, grown in 256-token steps) — computed from the same bytes per token;
 - a newcomer's time to first token while B others decode, against alone.
+
+``--kv-bits`` quantizes every engine's pool (``Engine(kv_bits=)``), and the KV-bytes row counts
+its packed bytes; mlx-lm's batch benchmark has no KV quantization (a note says so).
 """
 
 from __future__ import annotations
@@ -39,12 +42,16 @@ def _summary(runs: list[Run]) -> dict:
     return out
 
 
-def time_batch(model, prompts: list[list[int]], max_tokens: int) -> Run:
+def _options(kv_bits: int | None) -> dict:
+    return {} if kv_bits is None else {"kv_bits": kv_bits}
+
+
+def time_batch(model, prompts: list[list[int]], max_tokens: int, kv_bits: int | None = None) -> Run:
     """One run of every prompt through a fresh engine; the batch's aggregate rates."""
     mx.synchronize()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    with Engine(model, max_batch=max(len(prompts), 1)) as engine:
+    with Engine(model, max_batch=max(len(prompts), 1), **_options(kv_bits)) as engine:
         handles = [engine.submit(p, max_tokens=max_tokens) for p in prompts]
         firsts = []
         for h in handles:
@@ -65,10 +72,12 @@ def time_batch(model, prompts: list[list[int]], max_tokens: int) -> Run:
     )
 
 
-def kv_bytes_row(model, max_tokens: int, lengths: tuple[int, ...] = MIX) -> dict:
+def kv_bytes_row(
+    model, max_tokens: int, lengths: tuple[int, ...] = MIX, kv_bits: int | None = None
+) -> dict:
     """The pool's bytes for ``lengths`` (+ ``max_tokens`` each) against a dense left-padded
     cache of the same bytes per token."""
-    with Engine(model, max_batch=len(lengths)) as engine:
+    with Engine(model, max_batch=len(lengths), **_options(kv_bits)) as engine:
         pool = engine.pool
         blocks = sum(pool.blocks_for(n + max_tokens) for n in lengths)
         per_token = pool.bytes_per_block // pool.block_size
@@ -85,14 +94,16 @@ def kv_bytes_row(model, max_tokens: int, lengths: tuple[int, ...] = MIX) -> dict
     }
 
 
-def newcomer_ttft(model, others: int, prompt_tokens: int, vocab: int) -> dict:
+def newcomer_ttft(
+    model, others: int, prompt_tokens: int, vocab: int, kv_bits: int | None = None
+) -> dict:
     """Time to first token of a request joining ``others`` running ones, against alone."""
     prompt = prompt_ids(prompt_tokens, vocab, seed=999)
-    with Engine(model) as engine:
+    with Engine(model, **_options(kv_bits)) as engine:
         t0 = time.perf_counter()
         next(engine.submit(prompt, max_tokens=1).steps(STEP_TIMEOUT_S))
         alone = time.perf_counter() - t0
-    with Engine(model, max_batch=others + 1) as engine:
+    with Engine(model, max_batch=others + 1, **_options(kv_bits)) as engine:
         running = [
             engine.submit(
                 prompt_ids(prompt_tokens, vocab, seed=i), max_tokens=NEWCOMER_OTHERS_TOKENS
@@ -109,12 +120,18 @@ def newcomer_ttft(model, others: int, prompt_tokens: int, vocab: int) -> dict:
     return {"others": others, "prompt_tokens": prompt_tokens, "alone_s": alone, "joined_s": joined}
 
 
-def prefix_ttft(model, vocab: int, prefix_tokens: int = 1000, suffix_tokens: int = 16) -> dict:
+def prefix_ttft(
+    model,
+    vocab: int,
+    prefix_tokens: int = 1000,
+    suffix_tokens: int = 16,
+    kv_bits: int | None = None,
+) -> dict:
     """Time to first token of two requests sharing a ``prefix_tokens`` system prompt: the first
     computes it, the second finds its blocks in the pool."""
     system = prompt_ids(prefix_tokens, vocab, seed=2024)
     times, cached = [], []
-    with Engine(model) as engine:
+    with Engine(model, **_options(kv_bits)) as engine:
         for seed in (1, 2):
             t0 = time.perf_counter()
             handle = engine.submit(system + prompt_ids(suffix_tokens, vocab, seed), max_tokens=1)
@@ -139,6 +156,7 @@ def run_batch_benchmark(
     reps: int,
     compare: str | None,
     log: Log,
+    kv_bits: int | None = None,
 ) -> dict:
     from .bandwidth import environment, measure_bandwidth
     from .peer import run_mlx_lm
@@ -150,10 +168,10 @@ def run_batch_benchmark(
     for B in sizes:
         prompts = [prompt_ids(prompt_tokens, vocab, seed=i) for i in range(B)]
         log(f"batch {B}: mlxinfer warm-up")
-        time_batch(model, prompts, max_tokens)
+        time_batch(model, prompts, max_tokens, kv_bits)
         runs = []
         for r in range(reps):
-            runs.append(time_batch(model, prompts, max_tokens))
+            runs.append(time_batch(model, prompts, max_tokens, kv_bits))
             log(
                 f"batch {B}: mlxinfer {r + 1}/{reps}  decode {runs[-1].decode_tps:.1f} tok/s "
                 f"(aggregate)  total {runs[-1].total_s:.1f} s"
@@ -170,10 +188,11 @@ def run_batch_benchmark(
         "bandwidth": {"gb_per_s": bandwidth[0], "probe": bandwidth[1]},
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
+        "kv_bits": kv_bits,
         "batches": results,
-        "kv_bytes": kv_bytes_row(model, max_tokens),
-        "newcomer": newcomer_ttft(model, 8, prompt_tokens, vocab),
-        "prefix": prefix_ttft(model, vocab),
+        "kv_bytes": kv_bytes_row(model, max_tokens, kv_bits=kv_bits),
+        "newcomer": newcomer_ttft(model, 8, prompt_tokens, vocab, kv_bits),
+        "prefix": prefix_ttft(model, vocab, kv_bits=kv_bits),
     }
 
 
@@ -181,8 +200,11 @@ def batch_tables(result: dict) -> str:
     rows = result["batches"]
     one = next((r for r in rows if r["batch"] == 1), None)
     env, bw = result["environment"], result["bandwidth"]
+    kv_bits = result.get("kv_bits")
+    keys = f", mlxinfer's keys and values {kv_bits}-bit" if kv_bits else ""
     lines = [
-        f"{result['prompt_tokens']}-token prompts, {result['max_tokens']} tokens each, greedy — "
+        f"{result['prompt_tokens']}-token prompts, {result['max_tokens']} tokens each{keys}, "
+        "greedy — "
         f"MLX {env['mlx']} on {env['device']}, {env['blas']}; {env.get('cpu', 'CPU')} × "
         f"{env['cpus']}, memory bandwidth {bw['gb_per_s']:.1f} GB/s ({bw['probe']}), "
         f"1-min load average {env['load_average_1min'] or 0:.1f}",
@@ -208,6 +230,8 @@ def batch_tables(result: dict) -> str:
     ]
     if ratios:
         lines.append("\nmlxinfer / mlx-lm aggregate decode: " + ", ".join(ratios))
+        if kv_bits:
+            lines.append("(mlx-lm's batch benchmark has no KV quantization: its cache is float)")
     kv = result["kv_bytes"]
     lines.append(
         f"\nKV held for prompts of {kv['lengths']} (+{kv['max_tokens']} tokens each): paged "

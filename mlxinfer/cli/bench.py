@@ -123,7 +123,15 @@ def bench(
     llm, _ = _load(str(model_dir), verbose=True)
     if batch_sizes is not None:
         return _bench_batch(
-            llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare, json_path
+            llm,
+            model_dir,
+            batch_sizes,
+            lengths,
+            max_tokens,
+            reps,
+            compare,
+            json_path,
+            int(kv_bits) if kv_bits else None,
         )
     result = b.run_benchmark(
         llm,
@@ -143,13 +151,15 @@ def bench(
         _log(f"wrote {report.write_plot(result, plot)}")
 
 
-def _bench_batch(llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare, json_path):
+def _bench_batch(
+    llm, model_dir, batch_sizes, lengths, max_tokens, reps, compare, json_path, kv_bits=None
+):
     from ..bench import batch, report
 
     if len(lengths) != 1:
         raise click.UsageError("--batch takes one prompt length (-p P)")
     result = batch.run_batch_benchmark(
-        llm, model_dir, batch_sizes, lengths[0], max_tokens, reps, compare, _log
+        llm, model_dir, batch_sizes, lengths[0], max_tokens, reps, compare, _log, kv_bits
     )
     click.echo(batch.batch_tables(result))
     if json_path:

@@ -413,6 +413,23 @@ def test_batch_bench_rows_and_derived_kv_bytes(model_dir, tmp_path):
     assert f"memory bandwidth {data['bandwidth']['gb_per_s']:.1f} GB/s" in result.output
 
 
+def test_batch_bench_quantizes_the_pool_with_kv_bits(model_dir, tmp_path):
+    """``bench --batch --kv-bits 8``: every engine's pool 8-bit, so the KV-bytes row counts a
+    token's packed bytes (per layer, side and KV head: 64 codes of a byte, a float32 scale and
+    bias per group of 64), and the table says so."""
+    out = tmp_path / "batch.json"
+    args = ["bench", "-m", str(model_dir), "--batch", "2", "-p", "8", "-n", str(N), "--reps", "1"]
+    result = CliRunner().invoke(cli, [*args, "--kv-bits", "8", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["kv_bits"] == 8 and data["batches"][0]["mlxinfer"]["median"]["decode_tps"] > 0
+    config = json.loads((model_dir / "config.json").read_text())
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * (64 + 2 * 4)
+    kv = data["kv_bytes"]
+    assert kv["paged_bytes"] == sum(-(-(n + N) // 16) for n in kv["lengths"]) * 16 * per_token
+    assert "tokens each, mlxinfer's keys and values 8-bit" in result.output
+
+
 def test_batch_bench_takes_one_prompt_length(model_dir):
     result = CliRunner().invoke(cli, ["bench", "-m", str(model_dir), "--batch", "2", "-p", "8,16"])
     assert result.exit_code == 2 and "--batch takes one prompt length" in result.output
