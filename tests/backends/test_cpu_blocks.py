@@ -270,6 +270,17 @@ def test_bad_arguments_are_one_line_value_errors():
         K.paged_attention_output(
             x2, qkv2, pool, pool, blocks, visible, cos, cos, o, n_q=3, scale=1.0, dims=0
         )
+    packed = list(mx.quantize(mx.zeros((4, 2, 8, 64)), group_size=64, bits=8))
+    with pytest.raises(ValueError, match=r"keys: expected \[packed, scales, biases\], found 1"):
+        K.paged_attention_output(  # kv_bits with a float pool
+            x2, qkv2, pool, pool, blocks, visible, cos, cos, o, n_q=4, scale=1.0, dims=0, kv_bits=8
+        )
+    with pytest.raises(ValueError, match=r"keys/values: expected one float pool each, found 3"):
+        K.paged_attention_output(  # a quantized pool without kv_bits
+            x2, qkv2, packed, packed, blocks, visible, cos, cos, o, n_q=4, scale=1.0, dims=0
+        )
+    with pytest.raises(ValueError, match=r"pool_write\] pool: expected part 0 \(uint32 codes\)"):
+        K.pool_write(packed[1], qkv2, rows, cos, cos, start=0, part=0, group_size=64, bits=8)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
