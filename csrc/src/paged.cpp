@@ -189,6 +189,40 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
 }
 
 
+namespace {
+
+// The tasks of a paged attention, one a (row, KV head) i: its n blocks from the table (an entry
+// out of the pool reads block 0, masked: the op's contract), a scores buffer for its reps query
+// heads, its queries' offset in (B, n_q, D) and its outputs' in (B, n_q, Dv); on the kernels'
+// threads where the work is large enough.
+template <typename Head>
+void each_head(int B, int n_q, int n_kv, int n, int block, int D, int Dv, const uint32_t* table,
+               size_t kv_slots, const Head& head) {
+  const int reps = n_q / n_kv;
+  auto task = [&](int i) {
+    const int b = i / n_kv, h = i % n_kv;
+    std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n,
+                               table + static_cast<size_t>(i + 1) * n);
+    for (auto& r : rows) {
+      r = r < kv_slots ? r : 0;
+    }
+    std::vector<float> scores(static_cast<size_t>(reps) * n * block);
+    const size_t first = static_cast<size_t>(b) * n_q + h * reps; // the group's first query head
+    head(b, rows.data(), scores.data(), first * D, first * Dv);
+  };
+  auto& pool = ThreadPool::instance();
+  const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
+  if (pool.size() <= 1 || work < (1 << 17)) {
+    for (int i = 0; i < B * n_kv; ++i) {
+      task(i);
+    }
+  } else {
+    pool.run(B * n_kv, task);
+  }
+}
+
+} // namespace
+
 void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array& keys,
                   const mx::array& values, const mx::array& blocks, const mx::array& visible,
                   std::vector<float>& y) {
@@ -201,45 +235,31 @@ void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array&
   const auto* seen = reinterpret_cast<const bool*>(contiguous_bytes(visible, mcopy));
   const bool round_probs = keys.dtype() != mx::float32;
   const size_t kv_slots = static_cast<size_t>(keys.shape(0)) * n_kv;
-  auto task = [&](int i) { // one (row, kv head)
-    const int b = i / n_kv, h = i % n_kv;
-    std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n, table + static_cast<size_t>(i + 1) * n);
-    for (auto& r : rows) {
-      r = r < kv_slots ? r : 0; // out of the pool: a masked padding block (the op's contract)
-    }
-    std::vector<float> scores(static_cast<size_t>(reps) * n * block);
-    const float* qh = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
-    float* yh = y.data() + (static_cast<size_t>(b) * n_q + h * reps) * Dv;
+  each_head(B, n_q, n_kv, n, block, D, Dv, table, kv_slots,
+            [&](int b, const uint32_t* rows, float* scores, size_t q_at, size_t y_at) {
+    const float* qh = qf.data() + q_at;
+    float* yh = y.data() + y_at;
     const bool* sb = seen + static_cast<size_t>(b) * n * block;
     switch (keys.dtype()) {
       case mx::float32:
         if (attention_f32x16(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
-                      rows.data(), sb, reps, n, block, D, Dv, scores.data(), yh)) {
+                      rows, sb, reps, n, block, D, Dv, scores, yh)) {
           return;
         }
         return paged_head(qh, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
-                          rows.data(), sb, reps, n, block, D, Dv, round_probs, scores.data(), yh);
+                          rows, sb, reps, n, block, D, Dv, round_probs, scores, yh);
       case mx::float16:
         return paged_head(qh, reinterpret_cast<const mx::float16_t*>(kp),
-                          reinterpret_cast<const mx::float16_t*>(vp), rows.data(), sb, reps, n,
-                          block, D, Dv, round_probs, scores.data(), yh);
+                          reinterpret_cast<const mx::float16_t*>(vp), rows, sb, reps, n,
+                          block, D, Dv, round_probs, scores, yh);
       case mx::bfloat16:
         return paged_head(qh, reinterpret_cast<const mx::bfloat16_t*>(kp),
-                          reinterpret_cast<const mx::bfloat16_t*>(vp), rows.data(), sb, reps, n,
-                          block, D, Dv, round_probs, scores.data(), yh);
+                          reinterpret_cast<const mx::bfloat16_t*>(vp), rows, sb, reps, n,
+                          block, D, Dv, round_probs, scores, yh);
       default:
         return;
     }
-  };
-  auto& pool = ThreadPool::instance();
-  const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
-  if (pool.size() <= 1 || work < (1 << 17)) {
-    for (int i = 0; i < B * n_kv; ++i) {
-      task(i);
-    }
-  } else {
-    pool.run(B * n_kv, task);
-  }
+  });
 }
 
 // One (n_blocks, n_kv, block, width) side of a quantized pool: packed uint32 codes, float32
@@ -422,32 +442,15 @@ void paged_attend_quantized(const std::vector<float>& qf, int B, int n_q,
   const auto* table = reinterpret_cast<const uint32_t*>(bytes(blocks, 6));
   const auto* seen = reinterpret_cast<const bool*>(bytes(visible, 7));
   const size_t kv_slots = static_cast<size_t>(keys[0].shape(0)) * n_kv;
-  auto task = [&](int i) { // one (row, kv head)
-    const int b = i / n_kv, h = i % n_kv;
-    std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n,
-                               table + static_cast<size_t>(i + 1) * n);
-    for (auto& r : rows) {
-      r = r < kv_slots ? r : 0; // out of the pool: a masked padding block (the op's contract)
-    }
-    std::vector<float> scores(static_cast<size_t>(reps) * n * block);
-    const float* qh = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
-    float* yh = y.data() + (static_cast<size_t>(b) * n_q + h * reps) * Dv;
+  each_head(B, n_q, n_kv, n, block, D, Dv, table, kv_slots,
+            [&](int b, const uint32_t* rows, float* scores, size_t q_at, size_t y_at) {
     const bool* sb = seen + static_cast<size_t>(b) * n * block;
     if (bits == 8) {
-      paged_quantized<8>(qh, K, V, rows.data(), sb, reps, n, block, scores.data(), yh);
+      paged_quantized<8>(qf.data() + q_at, K, V, rows, sb, reps, n, block, scores, y.data() + y_at);
     } else {
-      paged_quantized<4>(qh, K, V, rows.data(), sb, reps, n, block, scores.data(), yh);
+      paged_quantized<4>(qf.data() + q_at, K, V, rows, sb, reps, n, block, scores, y.data() + y_at);
     }
-  };
-  auto& pool = ThreadPool::instance();
-  const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
-  if (pool.size() <= 1 || work < (1 << 17)) {
-    for (int i = 0; i < B * n_kv; ++i) {
-      task(i);
-    }
-  } else {
-    pool.run(B * n_kv, task);
-  }
+  });
 }
 
 } // namespace mlxinfer

@@ -161,24 +161,7 @@ def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array |
         ]
     cache.offset = offset + 1
     pages = attention_kernels.cache_pages(cache.keys, cache.values, 1, n_kv, cap, offset + 1, cache)
-    h = k_.paged_attention_output(
-        x,
-        qkv,
-        pages.keys,
-        pages.values,
-        pages.blocks,
-        pages.visible,
-        cos,
-        sin,
-        o,
-        n_q=n_q,
-        scale=attn.scale,
-        dims=rope.dims,
-        traditional=rope.traditional,
-        **_post(post_attn),
-        kv_group_size=cache.group_size,
-        kv_bits=cache.bits,
-    )
+    h = _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv)
     return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
 
 
@@ -261,8 +244,14 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
         return k_.pool_write(pool, qkv, rows, cos, sin, **rope)
 
     write_with(write)
-    pages = cache.pages(mask)
-    h = k_.paged_attention_output(
+    h = _attention_output(x, qkv, cache.pages(mask), cos, sin, attn, o, post_attn, kv)
+    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+
+
+def _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv: dict) -> mx.array:
+    """``paged_attention_output`` over ``pages`` (float, or a quantized pool's triples with
+    ``kv``'s group_size and bits), queries rotated by the rows' cos/sin."""
+    return kernels.load().paged_attention_output(
         x,
         qkv,
         pages.keys,
@@ -272,14 +261,13 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
         cos,
         sin,
         o,
-        n_q=n_q,
+        n_q=attn.n_heads,
         scale=attn.scale,
-        dims=dims,
-        traditional=traditional,
+        dims=attn.rope.dims,
+        traditional=attn.rope.traditional,
         **_post(post_attn),
         **{f"kv_{k}": v for k, v in kv.items()},
     )
-    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
 
 
 def _head_options(attn: nn.Module, head_norms) -> dict[str, Any]:
