@@ -222,38 +222,62 @@ def quantized_decode_attention(q: mx.array, cache: Any, scale: float, mask: Any)
     return paged_attention(q, pages, scale)
 
 
-_PLAIN_PAGES: dict[tuple[int, int, int, int], tuple[mx.array, mx.array]] = {}
+_PLAIN: dict[tuple, Any] = {}  # cache_pages' tables and slot_rows' rows, per shape and offset
+
+
+def _kept(key: tuple, make: Any) -> Any:
+    value = _PLAIN.get(key)
+    if value is None:
+        if len(_PLAIN) > 128:
+            _PLAIN.clear()
+        value = _PLAIN[key] = make()
+    return value
 
 
 def cache_pages(keys, values, B: int, n_kv: int, cap: int, offset: int, cache: Any) -> Pages:
     """A plain cache's (B, n_kv, cap, ...) buffers as pool pages: block b · n_kv + h is row b's
     head h, all ``cap`` slots of it, the first ``offset`` visible (the tables kept per shape:
     every layer of a step asks for the same)."""
-    key = (B, n_kv, cap, offset)
-    tables = _PLAIN_PAGES.get(key)
-    if tables is None:
-        if len(_PLAIN_PAGES) > 64:
-            _PLAIN_PAGES.clear()
+
+    def tables() -> tuple[mx.array, mx.array]:
         blocks = np.arange(B * n_kv, dtype=np.uint32).reshape(B, n_kv, 1)
         visible = np.broadcast_to(np.arange(cap) < offset, (B, 1, 1, 1, cap))
-        tables = _PLAIN_PAGES[key] = (mx.array(blocks), mx.array(np.ascontiguousarray(visible)))
-    blocks, visible = tables
+        return mx.array(blocks), mx.array(np.ascontiguousarray(visible))
+
+    blocks, visible = _kept(("pages", B, n_kv, cap, offset), tables)
     return Pages(keys, values, blocks, blocks, blocks, visible, cache.bits, cache.group_size)
+
+
+def slot_rows(n_kv: int, cap: int, offset: int) -> mx.array:
+    """The flat rows (``pool_write``'s) of slot ``offset`` of each KV head in a (1, n_kv, cap,
+    ...) buffer read as :func:`cache_pages`."""
+    return _kept(
+        ("rows", n_kv, cap, offset),
+        lambda: mx.array([h * cap + offset for h in range(n_kv)], mx.uint32),
+    )
+
+
+def quantized_fits(scales_dtype: mx.Dtype, group_size: int, bits: int) -> bool:
+    """Whether the kernels write and read quantized keys and values of this format: float32
+    scales, 4 or 8 bits in groups of a power of two from 16, and a module built with the
+    quantized pool ops."""
+    return (
+        hasattr(kernels.load(), "paged_attention_quantized")
+        and bits in (4, 8)
+        and group_size >= 16
+        and group_size & (group_size - 1) == 0
+        and scales_dtype == mx.float32
+    )
 
 
 def quantized_pages_fit(q: mx.array, pages) -> bool:
     """Whether ``paged_attention_quantized`` takes these queries and quantized pages: float32
-    queries, scales and biases, 4- or 8-bit codes in groups of a power of two from 16, head
-    widths of whole groups (a kernel built before it: no)."""
-    k_ = kernels.load()
-    if not hasattr(k_, "paged_attention_quantized") or pages.bits not in (4, 8):
-        return False
-    gs = pages.group_size
-    widths = [side[0].shape[-1] * 32 // pages.bits for side in (pages.keys, pages.values)]
+    queries, a format :func:`quantized_fits` takes, head widths of whole groups."""
+    gs, bits = pages.group_size, pages.bits
+    sides = (pages.keys, pages.values)
     return (
         q.dtype == mx.float32
-        and all(side[i].dtype == mx.float32 for side in (pages.keys, pages.values) for i in (1, 2))
-        and gs >= 16
-        and gs & (gs - 1) == 0
-        and all(w % gs == 0 for w in widths)
+        and all(quantized_fits(side[1].dtype, gs, bits) for side in sides)
+        and all(side[2].dtype == mx.float32 for side in sides)
+        and all(side[0].shape[-1] * 32 // bits % gs == 0 for side in sides)
     )

@@ -139,7 +139,7 @@ def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array |
     on each of codes, scales and biases, the buffers read as one block per KV head) and read
     packed by ``paged_attention_output``; None where the kernels do not read the cache."""
     attn, qkv_layers, o, gate_up, down, act, norms, head_norms = parts
-    if not _quantized_fits(cache.keys[1].dtype, cache.group_size, cache.bits):
+    if not attention_kernels.quantized_fits(cache.keys[1].dtype, cache.group_size, cache.bits):
         return None
     k_ = kernels.load()
     n_q, n_kv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -149,7 +149,7 @@ def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array |
     cos, sin = rope.table(offset, 1, rope.base_at(offset, 1))
     cache.make_room()
     cap = cache.keys[0].shape[2]
-    rows = _slot_rows(n_kv, cap, offset)
+    rows = attention_kernels.slot_rows(n_kv, cap, offset)
     kv = dict(group_size=cache.group_size, bits=cache.bits)
     for bufs, rope_args in (
         (cache.keys, dict(start=n_q * D, dims=rope.dims, traditional=rope.traditional)),
@@ -163,33 +163,6 @@ def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array |
     pages = attention_kernels.cache_pages(cache.keys, cache.values, 1, n_kv, cap, offset + 1, cache)
     h = _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv)
     return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
-
-
-_SLOT_ROWS: dict[tuple[int, int, int], mx.array] = {}
-
-
-def _slot_rows(n_kv: int, cap: int, offset: int) -> mx.array:
-    """The flat rows of slot ``offset`` of each KV head in a (1, n_kv, cap, ...) buffer."""
-    key = (n_kv, cap, offset)
-    rows = _SLOT_ROWS.get(key)
-    if rows is None:
-        if len(_SLOT_ROWS) > 64:
-            _SLOT_ROWS.clear()
-        rows = _SLOT_ROWS[key] = mx.array([h * cap + offset for h in range(n_kv)], mx.uint32)
-    return rows
-
-
-def _quantized_fits(scales_dtype: mx.Dtype, group_size: int, bits: int) -> bool:
-    """Whether the kernels write and read quantized keys and values of this format: float32
-    scales, 4 or 8 bits in groups of a power of two from 16 (head widths of whole groups: the
-    caches' own check), and a module built with the quantized pool ops."""
-    return (
-        hasattr(kernels.load(), "paged_attention_quantized")
-        and bits in (4, 8)
-        and group_size >= 16
-        and group_size & (group_size - 1) == 0
-        and scales_dtype == mx.float32
-    )
 
 
 def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
@@ -220,7 +193,7 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
     kv = {}  # a quantized pool: each side [codes, scales, biases], written and read packed
     if cache.quantized:
         scales = cache.slots.pool.keys[cache.layer][1]
-        if not _quantized_fits(scales.dtype, cache.group_size, cache.bits):
+        if not attention_kernels.quantized_fits(scales.dtype, cache.group_size, cache.bits):
             return None
         kv = dict(group_size=cache.group_size, bits=cache.bits)
     k_ = kernels.load()
