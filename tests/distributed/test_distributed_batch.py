@@ -207,6 +207,35 @@ def test_generate_batch_across_two_ranks_from_the_cli(reference, tmp_path):
         assert done.stdout == one.stdout and len(done.stdout.splitlines()) == 2
 
 
+def test_a_quantized_pool_across_two_ranks_matches_one_process(tmp_path):
+    """``kv_bits=8`` over the pipeline: each rank's pool holds its layers' keys as 8-bit codes
+    (64-wide heads, one group), read where they lie (``gather_qmm`` over the pages: the plain
+    path the suite runs); both ranks' ``batch_generate`` texts and an engine's tokens are one
+    process's, whose single-request loop over a ``QuantizedKVCache`` gives the same tokens."""
+    from test_distributed import _checkpoint
+
+    import mlxinfer
+    from mlxinfer.cache.prompt import PromptCache
+    from mlxinfer.generation import generate_step
+
+    path, _ = _checkpoint(tmp_path / "llama", head_dim=64)
+    model, tokenizer = mlxinfer.load(path)
+    prompts = _prompts()
+    texts = mlxinfer.batch_generate(model, tokenizer, prompts, max_tokens=N_TOKENS, kv_bits=8)
+    tokens = []
+    for p in prompts:
+        cache = PromptCache(model.make_cache(kv_bits=8))
+        tokens.append(
+            [t for t, _ in generate_step(p, model, prompt_cache=cache, max_tokens=N_TOKENS)]
+        )
+    assert texts == [tokenizer.decode(t) for t in tokens]
+    job = {"prompts": prompts, "n": N_TOKENS, "stop": "", "more": False, "kv_bits": 8}
+    results, log = _run_ranks(tmp_path, path, "pipeline", job)
+    assert "runs layers 0-1 of 3" in log and "falls back" not in log, log
+    for result in results:
+        assert result["texts"] == texts and result["tokens"] == tokens
+
+
 @SLOW
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -401,12 +430,13 @@ def _rank_main() -> None:
         model_dir, distributed=mode, log=lambda m: print(m, file=sys.stderr)
     )
     print("batch_generate: started", file=sys.stderr, flush=True)
-    result = {"texts": mlxinfer.batch_generate(model, tokenizer, prompts, max_tokens=n)}
+    kv = {"kv_bits": job["kv_bits"]} if job.get("kv_bits") else {}  # a quantized pool
+    result = {"texts": mlxinfer.batch_generate(model, tokenizer, prompts, max_tokens=n, **kv)}
     # An engine whose requests reach the ranks at other times (rank 1's later, one by one),
     # one of which rank 0 alone cancels after its second token: rank 0 decides for all.
     rank = model.ranks.rank
     before = model.ranks.steps
-    with Engine(model) as engine:
+    with Engine(model, **kv) as engine:
         handles = []
         cancel = job.get("cancel")
         for i, p in enumerate(prompts):
