@@ -318,20 +318,22 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "float32 h; CPU only.");
   m.def(
       "pool_write",
-      [](const mx::array& pool, const mx::array& qkv, const mx::array& rows, const mx::array& cos,
-         const mx::array& sin, int start, int dims, bool traditional, int part, int group_size,
-         int bits, mx::StreamOrDevice s) {
-        return mlxinfer::pool_write(pool, qkv, rows, cos, sin, start, dims, traditional,
-                                    {part, group_size, bits}, s);
+      [](const Side& keys, const Side& values, const mx::array& qkv, const mx::array& rows,
+         const mx::array& cos, const mx::array& sin, int k_start, int v_start, int dims,
+         bool traditional, int group_size, int bits, mx::StreamOrDevice s) {
+        return mlxinfer::pool_write(side_of(keys), side_of(values), qkv, rows, cos, sin, k_start,
+                                    v_start, dims, traditional, {group_size, bits}, s);
       },
-      "pool"_a, "qkv"_a, "rows"_a, "cos"_a, "sin"_a, nb::kw_only(), "start"_a, "dims"_a = 0,
-      "traditional"_a = false, "part"_a = -1, "group_size"_a = 64, "bits"_a = 0,
+      "keys"_a, "values"_a, "qkv"_a, "rows"_a, "cos"_a, "sin"_a, nb::kw_only(), "k_start"_a,
+      "v_start"_a, "dims"_a = 0, "traditional"_a = false, "group_size"_a = 64, "bits"_a = 0,
       "stream"_a = nb::none(),
-      "One layer's (n_blocks, n_kv, block, head_dim) pool with each row's n_kv * head_dim values "
-      "of qkv (B, 1, N) from element start (its k or v), rotated by the row's (B, dims/2) "
-      "cos/sin where dims > 0, written at the flat rows (B * n_kv uint32); in place where MLX "
-      "may donate the pool. A quantized pool: part 0, 1 or 2 (its codes, scales or biases) of "
-      "each row quantized as mx.quantize does (bits 4 or 8, group_size). CPU only.");
+      "One layer's (n_blocks, n_kv, block, head_dim) keys and values with each row's k (the "
+      "n_kv * head_dim values of qkv (B, 1, N) from element k_start, rotated by the row's (B, "
+      "dims/2) cos/sin where dims > 0) and v (from v_start) written at the flat rows (B * n_kv "
+      "uint32), as one call: [keys', values'] (a quantized pool's sides [codes, scales, biases] "
+      "each: [k codes, k scales, k biases, v codes, v scales, v biases]); in place where nothing "
+      "else holds the pools. A quantized pool (bits 4 or 8, group_size): each row quantized as "
+      "mx.quantize does. CPU only.");
   m.def(
       "paged_attention_output",
       [](const mx::array& x, const mx::array& qkv, const Side& keys, const Side& values,

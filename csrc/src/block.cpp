@@ -1,5 +1,6 @@
 #include "block.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -353,69 +354,138 @@ void write_pool_row(mx::array& out, size_t row, const float* v, int D) {
   }
 }
 
+// The widths (D, Dv) of one layer's keys and values: one float pool a side, or with kv.bits set
+// a quantized pool's [codes, scales, biases] a side; one-line errors naming `op`.
+std::pair<int, int> pool_sides(const char* op, const std::vector<mx::array>& keys,
+                               const std::vector<mx::array>& values, QuantFormat kv) {
+  if (kv.bits == 0) {
+    if (keys.size() != 1 || values.size() != 1) {
+      fail(op, "keys/values: expected one float pool each, found " + std::to_string(keys.size()) +
+                   " and " + std::to_string(values.size()) + " arrays");
+    }
+    check_pool(op, keys[0], values[0]);
+    return {keys[0].shape(3), values[0].shape(3)};
+  }
+  check_quantized_format(op, kv.group_size, kv.bits);
+  const int D = check_quantized_side(op, "keys", keys, kv.group_size, kv.bits);
+  const int Dv = check_quantized_side(op, "values", values, kv.group_size, kv.bits);
+  if (D % kv.group_size != 0 || Dv % kv.group_size != 0 ||
+      values[0].shape(0) != keys[0].shape(0) || values[0].shape(1) != keys[0].shape(1) ||
+      values[0].shape(2) != keys[0].shape(2)) {
+    fail(op, "keys/values: expected one (n_blocks, n_kv, block) of whole groups, found " +
+                 shape_str(keys[0].shape()) + " and " + shape_str(values[0].shape()));
+  }
+  return {D, Dv};
+}
+
 } // namespace
 
-mx::array pool_write(const mx::array& pool, const mx::array& qkv, const mx::array& rows,
-                     const mx::array& cos, const mx::array& sin, int start, int dims,
-                     bool traditional, PoolQuant kv, mx::StreamOrDevice s) {
+std::vector<mx::array> pool_write(const std::vector<mx::array>& keys,
+                                  const std::vector<mx::array>& values, const mx::array& qkv,
+                                  const mx::array& rows, const mx::array& cos,
+                                  const mx::array& sin, int k_start, int v_start, int dims,
+                                  bool traditional, QuantFormat kv, mx::StreamOrDevice s) {
   const char* op = "pool_write";
   auto stream = mx::to_stream(s);
   check_gpu(op, stream);
-  int D = pool.ndim() == 4 ? pool.shape(3) : 0;
-  if (kv.part < 0) {
-    if (pool.ndim() != 4 || !is_float(pool.dtype())) {
-      fail(op, "pool: expected a (n_blocks, n_kv, block, head_dim) float array, found " +
-                   shape_str(pool.shape()));
-    }
-  } else {
-    check_quantized_format(op, kv.group_size, kv.bits);
-    const auto want = kv.part == 0 ? mx::uint32 : mx::float32;
-    if (kv.part > 2 || pool.ndim() != 4 || pool.dtype() != want) {
-      fail(op, "pool: expected part 0 (uint32 codes), 1 or 2 (float32 scales, biases) of a "
-               "quantized pool, (n_blocks, n_kv, block, width), found part " +
-                   std::to_string(kv.part) + " " + shape_str(pool.shape()));
-    }
-    D = kv.part == 0 ? D * 32 / kv.bits : D * kv.group_size;
-  }
+  const auto [D, Dv] = pool_sides(op, keys, values, kv);
   check_x(op, qkv, "qkv");
-  const int n_kv = pool.shape(1), B = rows_of(qkv);
-  if (start < 0 || start + n_kv * D > qkv.shape(-1)) {
-    fail(op, "qkv: expected " + std::to_string(n_kv) + " x " + std::to_string(D) +
-                 " values a row from element " + std::to_string(start) + ", found " +
-                 shape_str(qkv.shape()));
+  const int n_kv = keys[0].shape(1), B = rows_of(qkv), N = qkv.shape(-1);
+  for (const auto& [side, start, width] : {std::tuple{"k", k_start, D}, {"v", v_start, Dv}}) {
+    if (start < 0 || start + n_kv * width > N) {
+      fail(op, std::string(side) + "_start: expected " + std::to_string(n_kv) + " x " +
+                   std::to_string(width) + " values a row of qkv from it, found " +
+                   std::to_string(start) + " and " + shape_str(qkv.shape()));
+    }
   }
   if (rows.dtype() != mx::uint32 || rows.size() != static_cast<size_t>(B) * n_kv) {
     fail(op, "rows: expected " + std::to_string(B * n_kv) + " uint32 flat rows, found " +
                  shape_str(rows.shape()));
   }
   check_rows_rope(op, cos, sin, B, dims, D);
-  return mx::array(pool.shape(), pool.dtype(),
-                   std::make_shared<PoolWrite>(stream, PoolRope{start, dims, traditional}, kv),
-                   {pool, qkv, rows, cos, sin});
+  std::vector<mx::array> inputs = keys;
+  inputs.insert(inputs.end(), values.begin(), values.end());
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (const auto& a : inputs) {
+    shapes.push_back(a.shape());
+    dtypes.push_back(a.dtype());
+  }
+  inputs.insert(inputs.end(), {qkv, rows, cos, sin});
+  return mx::array::make_arrays(
+      std::move(shapes), dtypes,
+      std::make_shared<PoolWrite>(stream, PoolRope{k_start, dims, traditional}, v_start, kv),
+      inputs);
 }
 
-void PoolWrite::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("[mlxinfer pool_write] has no GPU kernel");
-}
+namespace {
 
-void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const bool copy = take_buffer(inputs[0], out);
-  auto& encoder = encoder_for(stream(), inputs, out);
-  encoder.dispatch([pool = mx::array::unsafe_weak_copy(inputs[0]),
-                    qkv = mx::array::unsafe_weak_copy(inputs[1]),
-                    rows = mx::array::unsafe_weak_copy(inputs[2]),
-                    cos = mx::array::unsafe_weak_copy(inputs[3]),
-                    sin = mx::array::unsafe_weak_copy(inputs[4]),
-                    out = mx::array::unsafe_weak_copy(out), copy, r = r_, kv = kv_]() mutable {
-    if (copy) {
-      copy_elements(pool, out.data<char>());
+// Each output takes its input's buffer (the pool array it updates) where nothing else holds
+// it, else a copy (counted by attention_buffer_copies); whether each was copied. MLX gives each
+// output of a primitive its own list of the inputs, so where there are several no input is
+// donatable by MLX's count (the previous attempt copied the cache every step): the other
+// outputs' lists are dropped first, as MLX's detach() does right after this evaluation.
+std::vector<bool> take_buffers(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  const bool traced = std::any_of(outputs.begin(), outputs.end(),
+                                  [](const mx::array& o) { return o.is_tracer(); });
+  if (!traced) {
+    for (auto& o : outputs) {
+      if (&o.inputs() != &inputs) {
+        o.inputs().clear();
+      }
     }
-    const int width = out.shape(3); // a row's elements in this array
-    const int D = kv.part < 0 ? width
-        : kv.part == 0        ? width * 32 / kv.bits
-                              : width * kv.group_size;
-    const int n_kv = out.shape(1), N = qkv.shape(-1), B = rows_of(qkv);
-    const size_t n_rows = static_cast<size_t>(out.shape(0)) * n_kv * out.shape(2);
+  }
+  std::vector<bool> copied;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    copied.push_back(take_buffer(inputs[i], outputs[i]));
+  }
+  return copied;
+}
+
+// One row's values written at `row` of a float pool.
+void write_float_row(mx::array& out, size_t row, const float* v, int D) {
+  switch (out.dtype()) {
+    case mx::float32:
+      return write_pool_row<float>(out, row, v, D);
+    case mx::float16:
+      return write_pool_row<mx::float16_t>(out, row, v, D);
+    case mx::bfloat16:
+      return write_pool_row<mx::bfloat16_t>(out, row, v, D);
+    default:
+      return; // the op accepts float pools only
+  }
+}
+
+} // namespace
+
+void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto copied = take_buffers(inputs, outputs);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  std::vector<mx::array> pools, outs;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    encoder.set_output_array(outputs[i]);
+    pools.push_back(mx::array::unsafe_weak_copy(inputs[i]));
+    outs.push_back(mx::array::unsafe_weak_copy(outputs[i]));
+  }
+  const size_t n = outputs.size();
+  encoder.dispatch([pools = std::move(pools), outs = std::move(outs), copied,
+                    qkv = mx::array::unsafe_weak_copy(inputs[n]),
+                    rows = mx::array::unsafe_weak_copy(inputs[n + 1]),
+                    cos = mx::array::unsafe_weak_copy(inputs[n + 2]),
+                    sin = mx::array::unsafe_weak_copy(inputs[n + 3]), r = r_, v_start = v_start_,
+                    kv = kv_]() mutable {
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (copied[i]) {
+        copy_elements(pools[i], outs[i].data<char>());
+      }
+    }
+    const size_t parts = outs.size() / 2; // a side's arrays: 1 float pool, or 3
+    const int n_kv = outs[0].shape(1), N = qkv.shape(-1), B = rows_of(qkv);
+    const size_t n_rows = static_cast<size_t>(outs[0].shape(0)) * n_kv * outs[0].shape(2);
     const auto x = f32_of(qkv);
     std::vector<uint32_t> where(rows.size());
     std::vector<char> rcopy;
@@ -426,48 +496,42 @@ void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       sn = f32_of(sin);
     }
     const int half = r.dims / 2;
-    std::vector<float> v(D);
-    for (int b = 0; b < B; ++b) {
-      for (int h = 0; h < n_kv; ++h) {
-        const size_t row = where[static_cast<size_t>(b) * n_kv + h];
-        if (row >= n_rows) {
-          continue; // outside the pool: nothing written (the engine never asks it)
-        }
-        std::copy_n(x.data() + static_cast<size_t>(b) * N + r.start + h * D, D, v.data());
-        if (r.dims > 0) {
-          rotate(v.data(), 1, D, r.dims, r.traditional, c.data() + b * half,
-                 sn.data() + b * half);
-        }
-        if (kv.part >= 0) { // quantized as mx.quantize does; this array's part of the row
-          const int groups = D / kv.group_size;
-          std::vector<uint32_t> codes(static_cast<size_t>(D) * kv.bits / 32);
-          std::vector<float> scales(groups), biases(groups);
+    for (size_t side = 0; side < 2; ++side) {
+      mx::array* out = outs.data() + side * parts;
+      const int D = kv.bits == 0 ? out[0].shape(3) : out[0].shape(3) * 32 / kv.bits;
+      const int start = side == 0 ? r.start : v_start;
+      const int groups = kv.bits == 0 ? 0 : D / kv.group_size;
+      std::vector<float> v(D), scales(groups), biases(groups);
+      std::vector<uint32_t> codes(kv.bits == 0 ? 0 : static_cast<size_t>(D) * kv.bits / 32);
+      for (int b = 0; b < B; ++b) {
+        for (int h = 0; h < n_kv; ++h) {
+          const size_t row = where[static_cast<size_t>(b) * n_kv + h];
+          if (row >= n_rows) {
+            continue; // outside the pool: nothing written (the engine never asks it)
+          }
+          std::copy_n(x.data() + static_cast<size_t>(b) * N + start + h * D, D, v.data());
+          if (side == 0 && r.dims > 0) {
+            rotate(v.data(), 1, D, r.dims, r.traditional, c.data() + b * half,
+                   sn.data() + b * half);
+          }
+          if (kv.bits == 0) {
+            write_float_row(out[0], row, v.data(), D);
+            continue;
+          }
+          // quantized as mx.quantize does, into the codes, scales and biases
           quantize_row(v.data(), D, kv.group_size, kv.bits, codes.data(), scales.data(),
                        biases.data());
-          if (kv.part == 0) {
-            std::copy_n(codes.data(), width, out.data<uint32_t>() + row * width);
-          } else {
-            std::copy_n((kv.part == 1 ? scales : biases).data(), width,
-                        out.data<float>() + row * width);
-          }
-          continue;
-        }
-        switch (out.dtype()) {
-          case mx::float32:
-            write_pool_row<float>(out, row, v.data(), D);
-            break;
-          case mx::float16:
-            write_pool_row<mx::float16_t>(out, row, v.data(), D);
-            break;
-          case mx::bfloat16:
-            write_pool_row<mx::bfloat16_t>(out, row, v.data(), D);
-            break;
-          default:
-            return; // the op accepts float pools only
+          std::copy_n(codes.data(), codes.size(), out[0].data<uint32_t>() + row * codes.size());
+          std::copy_n(scales.data(), groups, out[1].data<float>() + row * groups);
+          std::copy_n(biases.data(), groups, out[2].data<float>() + row * groups);
         }
       }
     }
   });
+}
+
+void PoolWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxinfer pool_write] has no GPU kernel");
 }
 
 mx::array paged_attention_output(const mx::array& x, const mx::array& qkv,
@@ -488,26 +552,7 @@ mx::array paged_attention_output(const mx::array& x, const mx::array& qkv,
     fail(op, "qkv: expected " + std::to_string(B) + " rows as x, found " +
                  shape_str(qkv.shape()));
   }
-  int D, Dv;
-  if (kv.bits == 0) {
-    if (keys.size() != 1 || values.size() != 1) {
-      fail(op, "keys/values: expected one float pool each, found " + std::to_string(keys.size()) +
-                   " and " + std::to_string(values.size()) + " arrays");
-    }
-    check_pool(op, keys[0], values[0]);
-    D = keys[0].shape(3);
-    Dv = values[0].shape(3);
-  } else {
-    check_quantized_format(op, kv.group_size, kv.bits);
-    D = check_quantized_side(op, "keys", keys, kv.group_size, kv.bits);
-    Dv = check_quantized_side(op, "values", values, kv.group_size, kv.bits);
-    if (D % kv.group_size != 0 || Dv % kv.group_size != 0 ||
-        values[0].shape(0) != keys[0].shape(0) || values[0].shape(1) != keys[0].shape(1) ||
-        values[0].shape(2) != keys[0].shape(2)) {
-      fail(op, "keys/values: expected one (n_blocks, n_kv, block) of whole groups, found " +
-                   shape_str(keys[0].shape()) + " and " + shape_str(values[0].shape()));
-    }
-  }
+  const auto [D, Dv] = pool_sides(op, keys, values, kv);
   const int n_kv = keys[0].shape(1), block = keys[0].shape(2);
   if (n_q < 1 || n_q % n_kv != 0 || qkv.shape(-1) < n_q * D) {
     fail(op, "n_q: expected a multiple of n_kv " + std::to_string(n_kv) +

@@ -60,27 +60,24 @@ mx::array attention_output(const mx::array& x, const mx::array& qkv, const mx::a
                            const std::optional<mx::array>& post_norm, float post_eps,
                            mx::StreamOrDevice s = {});
 
-// The batching engine's step (one token a row over its paged pool):
-// - pool_write: one layer's pool array (n_blocks, n_kv, block, D) with each row's k or v (the
-//   n_kv * D values of its q | k | v row from `start`, rotated by the row's own cos/sin where
-//   dims > 0) written at the flat rows `rows` (B * n_kv uint32: (block * n_kv + head) * block
-//   + within), in place where MLX may donate the pool;
+// The batching engine's step (one token a row over its paged pool), and one row's over a plain
+// cache's buffers read as one block per KV head:
+// - pool_write: one layer's keys and values (n_blocks, n_kv, block, D) with each row's k and v
+//   (the n_kv * D values of its q | k | v row from k_start, rotated by the row's own cos/sin
+//   where dims > 0, and from v_start) written at the flat rows `rows` (B * n_kv uint32: (block
+//   * n_kv + head) * block + within), in place where nothing else holds the pools; the
+//   updated keys' arrays, then the values';
 // - paged_attention_output: x + [post_norm](o(paged_attention(rope(q)))) for B rows, each
 //   query rotated at its own position (cos/sin (B, ..., dims/2)).
 // A quantized pool (kv_bits) holds each side as mx.quantize's [codes, scales, biases]: with
-// `kv` set (bits 4 or 8), pool_write's `pool` is part `part` of one (0 the uint32 codes, 1 the
-// float32 scales, 2 the biases), each row quantized as mx.quantize does (bit for bit), and
-// paged_attention_output's keys and values are the triples.
-struct PoolQuant {
-  int part = -1; // -1: a float pool
-  int group_size = 64;
-  int bits = 0;
-  bool operator==(const PoolQuant&) const = default;
-};
-
-mx::array pool_write(const mx::array& pool, const mx::array& qkv, const mx::array& rows,
-                     const mx::array& cos, const mx::array& sin, int start, int dims,
-                     bool traditional, PoolQuant kv = {}, mx::StreamOrDevice s = {});
+// `kv.bits` set (4 or 8) each row is quantized as mx.quantize does (bit for bit) into the three,
+// and paged_attention_output reads them.
+std::vector<mx::array> pool_write(const std::vector<mx::array>& keys,
+                                  const std::vector<mx::array>& values, const mx::array& qkv,
+                                  const mx::array& rows, const mx::array& cos,
+                                  const mx::array& sin, int k_start, int v_start, int dims,
+                                  bool traditional, QuantFormat kv = {64, 0},
+                                  mx::StreamOrDevice s = {});
 
 mx::array paged_attention_output(const mx::array& x, const mx::array& qkv,
                                  const std::vector<mx::array>& keys,
@@ -148,26 +145,31 @@ struct PoolRope {
   bool operator==(const PoolRope&) const = default;
 };
 
-class PoolWrite : public mx::UnaryPrimitive {
+class PoolWrite : public mx::Primitive {
  public:
-  PoolWrite(mx::Stream stream, PoolRope r, PoolQuant kv)
-      : mx::UnaryPrimitive(stream), r_(r), kv_(kv) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  PoolWrite(mx::Stream stream, PoolRope r, int v_start, QuantFormat kv)
+      : mx::Primitive(stream), r_(r), v_start_(v_start), kv_(kv) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
     return "MlxinferPoolWrite";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PoolWrite&>(other);
-    return r_ == o.r_ && kv_ == o.kv_;
+    return r_ == o.r_ && v_start_ == o.v_start_ && kv_ == o.kv_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    std::vector<mx::Shape> shapes;
+    for (size_t i = 0; i + 4 < inputs.size(); ++i) {
+      shapes.push_back(inputs[i].shape());
+    }
+    return shapes;
   }
 
  private:
   PoolRope r_;
-  PoolQuant kv_;
+  int v_start_;
+  QuantFormat kv_;
 };
 
 class PagedAttentionOutput : public mx::UnaryPrimitive {

@@ -275,16 +275,16 @@ class LayerView:
         heads = slots.pool.layers[self.layer].kv_heads
         slots.pool.write(self.layer, slots.write_rows[heads], keys, values)
 
-    def write_rows_with(self, write: Callable[[mx.array, mx.array, str], mx.array]) -> None:
-        """Store the step's keys and values as ``write(array, rows, side)`` gives them: this
-        layer's pool array (``side`` "keys" or "values") with them written at ``rows``, the
-        places :meth:`write_rows` writes (the CPU backend's fused block writes them from its
-        q | k | v row, keys rotated, in one kernel call each)."""
+    def write_rows_with(self, write: Callable[[Any, Any, mx.array], tuple[Any, Any]]) -> None:
+        """Store the step's keys and values as ``write(keys, values, rows)`` gives them: this
+        layer's pool arrays (each a float array, or a quantized pool's [codes, scales,
+        biases]) with them written at ``rows``, the places :meth:`write_rows` writes (the CPU
+        backend's fused block writes both from its q | k | v row, keys rotated, in one kernel
+        call)."""
         slots = self.slots
         store, layer = slots.pool, self.layer
         rows = slots.write_rows[store.layers[layer].kv_heads]
-        store.keys[layer] = write(store.keys[layer], rows, "keys")
-        store.values[layer] = write(store.values[layer], rows, "values")
+        store.keys[layer], store.values[layer] = write(store.keys[layer], store.values[layer], rows)
 
     def make_mask(self, n_queries: int) -> Mask:
         return self.batch.mask_for(self.window, self.slots)

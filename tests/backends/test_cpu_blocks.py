@@ -57,7 +57,7 @@ FAMILIES = {
 IDS = [(5 + 37 * i) % 256 for i in range(20)]
 
 
-NAMES = ("norm_products", "attention_output", "mlp_output")  # the fused blocks' calls
+NAMES = ("norm_products", "pool_write", "attention_output", "mlp_output")  # the fused calls
 
 
 def Counting(module, names=NAMES) -> CountedKernels:
@@ -120,8 +120,10 @@ def test_fused_blocks_give_the_separate_kernels_logits(family, tmp_path, monkeyp
     out = {}
     for on in (True, False):
         monkeypatch.setattr(blocks, "ON", on)
+        copies = K.attention_buffer_copies()
         out[on] = step_logits(model)
         assert greedy(model) == reference_greedy, on
+        assert K.attention_buffer_copies() == copies  # the caches written in place
         calls, counter.calls = counter.calls, dict.fromkeys(NAMES, 0)
         # the tokens a step, then generate_step's: its prompt's 1-token chunk and 10 steps
         steps = len(IDS) - 3 + 1 + 10
@@ -179,7 +181,7 @@ def test_the_batching_engine_runs_fused_blocks_over_its_pages(family, tmp_path, 
     """The engine's decode steps (rows of mixed lengths joined mid-batch; Gemma's sliding
     layers over a window pool): each row's greedy tokens MLX's own quantized path's for its
     prompt alone, the same with the fused blocks off, and every block of every decode step
-    fused (its keys and values written into the pool by ``pool_write``, twice a layer)."""
+    fused (its keys and values written into the pool by one ``pool_write`` a layer)."""
     path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, **FAMILIES[family])
     add_tokenizer(path)
     convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
@@ -205,7 +207,7 @@ def test_the_batching_engine_runs_fused_blocks_over_its_pages(family, tmp_path, 
         assert got == expected, on
         assert K.attention_buffer_copies() == copies  # the pool written in place, never copied
         calls = counter.calls
-        assert calls["pool_write"] == 2 * calls["paged_attention_output"], on
+        assert calls["pool_write"] == calls["paged_attention_output"], on
         assert calls["mlp_output"] == calls["paged_attention_output"], on
         # a decode step of every row: each prompt's 5 tokens after its first, in steps of up to
         # 3 rows, so at least 5 steps and at most 15, each of every layer
@@ -255,10 +257,14 @@ def test_bad_arguments_are_one_line_value_errors():
     rows = mx.zeros((4,), dtype=mx.uint32)
     with pytest.raises(ValueError, match=r"\[mlxinfer pool_write\] rows: expected 4 uint32"):
         K.pool_write(
-            pool, mx.zeros((2, 1, 128)), mx.zeros((3,), dtype=mx.uint32), cos, cos, start=64
-        )
+            pool, pool, mx.zeros((2, 1, 128)), mx.zeros((3,), mx.uint32), cos, cos, k_start=64,
+            v_start=96,
+        )  # fmt: skip
     with pytest.raises(ValueError, match=r"pool_write\] rope: expected an even dims <= 16"):
-        K.pool_write(pool, mx.zeros((2, 1, 128)), rows, cos, cos, start=64, dims=16)
+        K.pool_write(pool, pool, mx.zeros((2, 1, 128)), rows, cos, cos, k_start=64, v_start=96,
+                     dims=16)  # fmt: skip
+    with pytest.raises(ValueError, match=r"pool_write\] v_start: expected 2 x 16 values a row"):
+        K.pool_write(pool, pool, mx.zeros((2, 1, 128)), rows, cos, cos, k_start=64, v_start=100)
     blocks = mx.zeros((2, 2, 3), dtype=mx.uint32)
     visible = mx.zeros((2, 1, 3, 1, 8), dtype=mx.bool_)
     x2, qkv2 = mx.zeros((2, 1, 64)), mx.zeros((2, 1, 128))
@@ -279,19 +285,22 @@ def test_bad_arguments_are_one_line_value_errors():
         K.paged_attention_output(  # a quantized pool without kv_bits
             x2, qkv2, packed, packed, blocks, visible, cos, cos, o, n_q=4, scale=1.0, dims=0
         )
-    with pytest.raises(ValueError, match=r"pool_write\] pool: expected part 0 \(uint32 codes\)"):
-        K.pool_write(packed[1], qkv2, rows, cos, cos, start=0, part=0, group_size=64, bits=8)
+    with pytest.raises(ValueError, match=r"pool_write\] keys: expected \(n_blocks, n_kv, block, w"):
+        K.pool_write(packed[1:] + packed[:1], packed, qkv2, rows, cos, cos, k_start=0,
+                     v_start=0, bits=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"pool_write\] keys/values: expected one float pool each"):
+        K.pool_write(packed, packed, qkv2, rows, cos, cos, k_start=0, v_start=0)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_batching_engine_runs_fused_blocks_over_a_quantized_pool(bits, tmp_path, monkeypatch):
     """``Engine(kv_bits=)``: the fused blocks write each row's keys and values into the pool's
-    codes, scales and biases (``pool_write``, each part quantized as mx.quantize does) and read
+    codes, scales and biases (``pool_write``, each row quantized as mx.quantize does) and read
     them packed (``paged_attention_output``): each row's tokens and log-probs those of MLX's own
     path, the single-request loop over a ``QuantizedKVCache`` (1e-4 relative), every block fused, the
     pool written in place; the same for that loop itself on the kernels (``--kv-bits``: the
-    cache's buffers written and read the same way); and pool_write's parts are mx.quantize's
-    bit for bit."""
+    cache's buffers written and read the same way); pool_write's codes, scales and biases
+    mx.quantize's bit for bit, and arrays held elsewhere copied, not written in place."""
     from mlxinfer.cache.prompt import PromptCache
 
     path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, head_dim=64)
@@ -320,7 +329,7 @@ def test_the_batching_engine_runs_fused_blocks_over_a_quantized_pool(bits, tmp_p
             np.testing.assert_allclose(np.array(x), np.array(s.logprobs), rtol=1e-4, atol=1e-4)
     assert K.attention_buffer_copies() == copies
     calls = counter.calls
-    assert calls["pool_write"] == 6 * calls["paged_attention_output"]  # 3 parts of k and v
+    assert calls["pool_write"] == calls["paged_attention_output"]  # k and v's 3 parts: 1 call
     assert 5 * len(model.layers) <= calls["paged_attention_output"] <= 15 * len(model.layers)
 
     counter.calls = dict.fromkeys(ENGINE_CALLS, 0)  # generate --kv-bits: one row, its own cache
@@ -335,19 +344,30 @@ def test_the_batching_engine_runs_fused_blocks_over_a_quantized_pool(bits, tmp_p
     # prompt ends in a one-token step) and 5 of the 6 tokens (the last is not fed)
     calls = counter.calls
     assert calls["paged_attention_output"] == 3 * 6 * len(model.layers)
-    assert calls["pool_write"] == 6 * calls["paged_attention_output"]
+    assert calls["pool_write"] == calls["paged_attention_output"]
 
     rng = np.random.default_rng(1)  # the write's quantization against mx.quantize
     qkv = mx.array(rng.standard_normal((3, 1, 7 * 64)).astype(np.float32))
-    pool = [mx.zeros(a.shape, a.dtype) for a in mx.quantize(mx.zeros((5, 2, 4, 64)), bits=bits)]
+    sides = [
+        [mx.zeros(a.shape, a.dtype) for a in mx.quantize(mx.zeros((5, 2, 4, 64)), bits=bits)]
+        for _ in range(2)
+    ]
     rows = mx.array(np.array([3, 8, 17, 22, 30, 39], np.uint32))  # (block · 2 + head) · 4 + slot
     empty = mx.zeros((3, 0))
-    written = [
-        K.pool_write(a, qkv, rows, empty, empty, start=5 * 64, part=i, group_size=64, bits=bits)
-        for i, a in enumerate(pool)
-    ]
-    want = mx.quantize(qkv[:, 0, 5 * 64 :].reshape(6, 64), group_size=64, bits=bits)
-    for got_part, want_part in zip(written, want):
-        flat = np.array(got_part).reshape(40, -1)
-        assert np.array_equal(flat[np.array(rows)], np.array(want_part))
-        assert not np.delete(flat, np.array(rows), axis=0).any()
+    written = K.pool_write(
+        *sides, qkv, rows, empty, empty, k_start=5 * 64, v_start=3 * 64, group_size=64, bits=bits
+    )
+    for got, start in ((written[:3], 5 * 64), (written[3:], 3 * 64)):
+        want = mx.quantize(qkv[:, 0, start : start + 128].reshape(6, 64), group_size=64, bits=bits)
+        for got_part, want_part in zip(got, want):
+            flat = np.array(got_part).reshape(40, -1)
+            assert np.array_equal(flat[np.array(rows)], np.array(want_part))
+            assert not np.delete(flat, np.array(rows), axis=0).any()
+    # held elsewhere, the arrays are not written in place: a copy, the held ones unchanged
+    copies = K.attention_buffer_copies()
+    held = [mx.zeros(a.shape, a.dtype) for a in sides[0]]
+    mx.eval(held)
+    mx.eval(K.pool_write(held, list(sides[1]), qkv, rows, empty, empty, k_start=0, v_start=0,
+                         group_size=64, bits=bits))  # fmt: skip
+    assert not any(np.array(a).any() for a in held)
+    assert K.attention_buffer_copies() == copies + 3 + 3  # sides[1] is still held too

@@ -493,8 +493,11 @@ def test_quantized_paged_attention_refuses_what_it_cannot_read():
     ):
         K.paged_attention_quantized(*args, scale=1.0, group_size=48, bits=8)
     qkv, rows, empty = rand(1, 1, 6 * 64), mx.zeros((2,), mx.uint32), mx.zeros((1, 0))
-    with pytest.raises(ValueError, match=r"pool: expected part 0 \(uint32 codes\)"):
-        K.pool_write(keys[1], qkv, rows, empty, empty, start=0, part=0, group_size=64, bits=8)
+    with pytest.raises(
+        ValueError, match=r"values: expected float32 scales \(4, 2, 8, 1\), found \(4, 1"
+    ):
+        K.pool_write(keys, [keys[0], keys[1][:, :1], keys[2]], qkv, rows, empty, empty,
+                     k_start=0, v_start=0, group_size=64, bits=8)  # fmt: skip
     half = [keys[0], keys[1].astype(mx.float16), keys[2]]
     with pytest.raises(ValueError, match="keys: expected float32 scales"):
         K.paged_attention_quantized(

@@ -1,4 +1,4 @@
-"""A decode step's whole block as five kernel calls, where there were about fifteen.
+"""A decode step's whole block as four kernel calls, where there were about fifteen.
 
 SmolLM2-135M's decode step was 471 MLX primitives, each ~3 µs of MLX's scheduling on the
 CPU (docs/performance.md): ~1.4 ms of a ~9.5 ms token, 15 primitives a block. Under the
@@ -6,10 +6,11 @@ CPU (docs/performance.md): ~1.4 ms of a ~9.5 ms token, 15 primitives a block. Un
 
 1. ``norm_products``: the input norm and the q | k | v products in one row (each head's q
    and k normalised too where the family has ``q_norm``/``k_norm``);
-2. and 3. ``cache_write`` of the token's k (rotated) and v, read from that row;
-4. ``attention_output``: attention, ``o_proj`` (and Gemma's post-attention norm) and the
+2. ``pool_write`` of the token's k (rotated) and v, read from that row, into the cache's
+   slot (its buffers read as one block per KV head; both sides in one call);
+3. ``attention_output``: attention, ``o_proj`` (and Gemma's post-attention norm) and the
    residual add;
-5. ``mlp_output``: the MLP's norm, gate | up, the gated activation, ``down_proj`` (and
+4. ``mlp_output``: the MLP's norm, gate | up, the gated activation, ``down_proj`` (and
    Gemma's post-MLP norm) and the residual add
 
 (csrc/src/block.h). Each kernel does the separate kernels' steps in their order and float
@@ -98,23 +99,16 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
         return _decode_quantized(x, cache, parts)
     attn, qkv_layers, o, gate_up, down, act, norms, head_norms = parts
     k_ = kernels.load()
-    n_q, n_kv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    n_q, n_kv = attn.n_heads, attn.n_kv_heads
     (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
     qkv = k_.norm_products(x, w1, eps1, qkv_layers, **_head_options(attn, head_norms))
     like = _like(attn, cache)
     slot, seen, cos, sin = attention_kernels.decode_position(attn, cache, like, like)
     rope = attn.rope
-    cache.keys = k_.cache_write(
-        cache.keys,
-        qkv,
-        cos,
-        sin,
-        offset=slot,
-        dims=rope.dims,
-        traditional=rope.traditional,
-        start=n_q * D,
+    rows = attention_kernels.slot_rows(n_kv, cache.keys.shape[2], slot)
+    (cache.keys,), (cache.values,) = _write(
+        k_, [cache.keys], [cache.values], qkv, rows, cos, sin, attn
     )
-    cache.values = k_.cache_write(cache.values, qkv, cos, sin, offset=slot, start=(n_q + n_kv) * D)
     h = k_.attention_output(
         x,
         qkv,
@@ -135,14 +129,15 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
 
 def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array | None:
     """:func:`decode_block` over a ``QuantizedKVCache`` (``--kv-bits``): the token's key and
-    value quantized into the buffers' next slot as the cache's own write would (``pool_write``
-    on each of codes, scales and biases, the buffers read as one block per KV head) and read
-    packed by ``paged_attention_output``; None where the kernels do not read the cache."""
+    value quantized into the buffers' next slot as the cache's own write would (one
+    ``pool_write`` into both sides' codes, scales and biases, the buffers read as one block per
+    KV head) and read packed by ``paged_attention_output``; None where the kernels do not read
+    the cache."""
     attn, qkv_layers, o, gate_up, down, act, norms, head_norms = parts
     if not attention_kernels.quantized_fits(cache.keys[1].dtype, cache.group_size, cache.bits):
         return None
     k_ = kernels.load()
-    n_q, n_kv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    n_kv = attn.n_kv_heads
     (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
     qkv = k_.norm_products(x, w1, eps1, qkv_layers, **_head_options(attn, head_norms))
     offset, rope = cache.offset, attn.rope
@@ -151,14 +146,7 @@ def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array |
     cap = cache.keys[0].shape[2]
     rows = attention_kernels.slot_rows(n_kv, cap, offset)
     kv = dict(group_size=cache.group_size, bits=cache.bits)
-    for bufs, rope_args in (
-        (cache.keys, dict(start=n_q * D, dims=rope.dims, traditional=rope.traditional)),
-        (cache.values, dict(start=(n_q + n_kv) * D)),
-    ):
-        bufs[:] = [
-            k_.pool_write(a, qkv, rows, cos, sin, part=i, **rope_args, **kv)
-            for i, a in enumerate(bufs)
-        ]
+    cache.keys, cache.values = _write(k_, cache.keys, cache.values, qkv, rows, cos, sin, attn, kv)
     cache.offset = offset + 1
     pages = attention_kernels.cache_pages(cache.keys, cache.values, 1, n_kv, cap, offset + 1, cache)
     h = _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv)
@@ -167,11 +155,12 @@ def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array |
 
 def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
     """``block(x, mask, cache)`` for the batching engine's decode step (one float32 token in
-    each of up to ``compiled.MAX_ROWS`` rows over its pool's pages) as five kernel calls: the
+    each of up to ``compiled.MAX_ROWS`` rows over its pool's pages) as four kernel calls: the
     rows' q | k | v, their keys (rotated at each row's position) and values written into the
     pool (``pool_write``), attention over the pages with ``o_proj`` and the residual
     (``paged_attention_output``), the MLP; None where it does not apply (another cache, a
-    quantized pool, a mask of the layer's own, dynamic NTK's per-length frequencies)."""
+    quantized pool of a format the kernels do not read, a mask of the layer's own, dynamic
+    NTK's per-length frequencies)."""
     write_with = getattr(cache, "write_rows_with", None)
     if (
         write_with is None
@@ -197,28 +186,45 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
             return None
         kv = dict(group_size=cache.group_size, bits=cache.bits)
     k_ = kernels.load()
-    B, n_q, n_kv, D = x.shape[0], attn.n_heads, attn.n_kv_heads, attn.head_dim
+    B = x.shape[0]
     (w1, eps1), post_attn, (w2, eps2), post_mlp = norms
     qkv = k_.norm_products(x, w1, eps1, qkv_layers, **_head_options(attn, head_norms))
     cos, sin = rope.table(offsets, 1, rope.base_at(offsets, 1))
     if cos.size != B * (rope.dims // 2):  # one offset for every row
         cos, sin = (mx.broadcast_to(t.reshape(1, -1), (B, rope.dims // 2)) for t in (cos, sin))
-    dims, traditional = rope.dims, rope.traditional
 
-    def write(pool: Any, rows: mx.array, side: str) -> Any:
-        rope = dict(start=n_q * D, dims=dims, traditional=traditional)
-        if side == "values":
-            rope = dict(start=(n_q + n_kv) * D)
+    def write(keys: Any, values: Any, rows: mx.array) -> tuple[Any, Any]:
         if kv:
-            return [
-                k_.pool_write(a, qkv, rows, cos, sin, part=i, **rope, **kv)
-                for i, a in enumerate(pool)
-            ]
-        return k_.pool_write(pool, qkv, rows, cos, sin, **rope)
+            return _write(k_, keys, values, qkv, rows, cos, sin, attn, kv)
+        (k,), (v,) = _write(k_, [keys], [values], qkv, rows, cos, sin, attn)
+        return k, v
 
     write_with(write)
     h = _attention_output(x, qkv, cache.pages(mask), cos, sin, attn, o, post_attn, kv)
     return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+
+
+def _write(k_, keys, values, qkv, rows, cos, sin, attn, kv: dict | None = None) -> tuple:
+    """``pool_write``: the rows' k (rotated) and v from their q | k | v rows written at
+    ``rows`` of ``keys`` and ``values`` (lists: a float pool each, or a quantized pool's
+    [codes, scales, biases] with ``kv``'s group_size and bits) in one call; the two updated
+    lists."""
+    n_q, n_kv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    out = k_.pool_write(
+        keys,
+        values,
+        qkv,
+        rows,
+        cos,
+        sin,
+        k_start=n_q * D,
+        v_start=(n_q + n_kv) * D,
+        dims=attn.rope.dims,
+        traditional=attn.rope.traditional,
+        **(kv or {}),
+    )
+    half = len(out) // 2
+    return out[:half], out[half:]
 
 
 def _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv: dict) -> mx.array:
