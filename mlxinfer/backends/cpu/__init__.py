@@ -17,7 +17,7 @@ plans by timing them on this machine (``plans``). The modules:
 - ``plans``: which of those pay here, measured (``timing`` for the decode steps, ``choices``
   for the thresholds' crossovers, over the ``kinds`` of plan) and cached;
 - ``layers``: the mixins that put all of it into the model's own classes;
-- ``blocks``: a decode step's whole block as five kernel calls.
+- ``blocks``: a decode step's whole block as four kernel calls.
 """
 
 from __future__ import annotations
