@@ -334,6 +334,12 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "each: [k codes, k scales, k biases, v codes, v scales, v biases]); in place where nothing "
       "else holds the pools. A quantized pool (bits 4 or 8, group_size): each row quantized as "
       "mx.quantize does. CPU only.");
+  m.def("fuse", &mlxinfer::fuse, "outputs"_a,
+        "The arrays `outputs` with the graph of the block primitives (norm_products, "
+        "pool_write, attention_output, paged_attention_output, mlp_output; at most 16 calls) "
+        "that makes them as one primitive: one node of MLX's graph, the calls run in order in "
+        "one evaluation with the same outputs bit for bit; the calls' other outputs "
+        "temporaries, any other array an input. CPU only.");
   m.def(
       "paged_attention_output",
       [](const mx::array& x, const mx::array& qkv, const Side& keys, const Side& values,

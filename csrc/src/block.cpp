@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
+#include <unordered_map>
+#include <unordered_set>
 #include <string>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -105,18 +108,32 @@ void product(const float* x, int M, const std::vector<mx::array>& inputs, size_t
                        kAffine, y);
 }
 
-// Runs `body` on the encoder with weak copies of the inputs and output.
-template <typename F>
-void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, F body) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = encoder_for(stream, inputs, out);
-  std::vector<mx::array> in;
+// Runs the work of `outputs`' primitive (a Runnable) on the encoder with weak copies of the
+// inputs and outputs, the primitive held until it has run.
+void dispatch_run(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto prim = outputs[0].primitive_ptr();
+  auto& encoder = mx::cpu::get_command_encoder(prim->stream());
+  std::vector<mx::array> in, out;
   in.reserve(inputs.size());
   for (const auto& a : inputs) {
+    encoder.set_input_array(a);
     in.push_back(mx::array::unsafe_weak_copy(a));
   }
-  encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out),
-                    body = std::move(body)]() mutable { body(in, out); });
+  for (auto& a : outputs) {
+    encoder.set_output_array(a);
+    out.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  const auto* work = dynamic_cast<const Runnable*>(prim.get());
+  encoder.dispatch([prim = std::move(prim), work, in = std::move(in), out = std::move(out)]() mutable {
+    work->run(in, out);
+  });
+}
+
+// A one-output primitive's dispatch_run, its output allocated.
+void dispatch(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  std::vector<mx::array> outputs{out};
+  dispatch_run(inputs, outputs);
 }
 
 } // namespace
@@ -183,47 +200,51 @@ void NormProducts::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 void NormProducts::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  dispatch(stream(), inputs, out,
-           [eps = eps_, layers = layers_, heads = heads_](std::vector<mx::array>& in,
-                                                         mx::array& out) {
-             const int K = in[0].shape(-1), M = static_cast<int>(in[0].size() / K);
-             const int total = out.shape(-1);
-             aligned_vector<float> h(in[0].size());
-             to_f32(in[0], h.data());
-             const auto w = f32_of(in[1]);
-             for (int r = 0; r < M; ++r) {
-               norm_row(h.data() + static_cast<size_t>(r) * K, K, w.data(), eps, in[0].dtype());
-             }
-             float* y = out.data<float>();
-             std::vector<float> part;
-             int col = 0;
-             for (size_t i = 0; i < layers.size(); ++i) {
-               const int N = in[2 + 3 * i].shape(0);
-               if (M == 1) {
-                 product(h.data(), 1, in, 2 + 3 * i, layers[i], y + col);
-               } else {
-                 part.resize(static_cast<size_t>(M) * N);
-                 product(h.data(), M, in, 2 + 3 * i, layers[i], part.data());
-                 for (int r = 0; r < M; ++r) {
-                   std::copy_n(part.data() + static_cast<size_t>(r) * N, N,
-                               y + static_cast<size_t>(r) * total + col);
-                 }
-               }
-               col += N;
-             }
-             if (heads.head_dim > 0) {
-               const size_t at = 2 + 3 * layers.size();
-               const auto qn = f32_of(in[at]), kn = f32_of(in[at + 1]);
-               const int D = heads.head_dim;
-               for (int r = 0; r < M; ++r) {
-                 float* row = y + static_cast<size_t>(r) * total;
-                 for (int j = 0; j < heads.n_q + heads.n_kv; ++j) {
-                   norm_row(row + static_cast<size_t>(j) * D, D,
-                            (j < heads.n_q ? qn : kn).data(), heads.eps, mx::float32);
-                 }
-               }
-             }
-           });
+  dispatch(inputs, out);
+}
+
+void NormProducts::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) const {
+  const float eps = eps_;
+  const auto& layers = layers_;
+  const auto& heads = heads_;
+  auto& out = outs[0];
+  const int K = in[0].shape(-1), M = static_cast<int>(in[0].size() / K);
+  const int total = out.shape(-1);
+  aligned_vector<float> h(in[0].size());
+  to_f32(in[0], h.data());
+  const auto w = f32_of(in[1]);
+  for (int r = 0; r < M; ++r) {
+    norm_row(h.data() + static_cast<size_t>(r) * K, K, w.data(), eps, in[0].dtype());
+  }
+  float* y = out.data<float>();
+  std::vector<float> part;
+  int col = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const int N = in[2 + 3 * i].shape(0);
+    if (M == 1) {
+      product(h.data(), 1, in, 2 + 3 * i, layers[i], y + col);
+    } else {
+      part.resize(static_cast<size_t>(M) * N);
+      product(h.data(), M, in, 2 + 3 * i, layers[i], part.data());
+      for (int r = 0; r < M; ++r) {
+        std::copy_n(part.data() + static_cast<size_t>(r) * N, N,
+                    y + static_cast<size_t>(r) * total + col);
+      }
+    }
+    col += N;
+  }
+  if (heads.head_dim > 0) {
+    const size_t at = 2 + 3 * layers.size();
+    const auto qn = f32_of(in[at]), kn = f32_of(in[at + 1]);
+    const int D = heads.head_dim;
+    for (int r = 0; r < M; ++r) {
+      float* row = y + static_cast<size_t>(r) * total;
+      for (int j = 0; j < heads.n_q + heads.n_kv; ++j) {
+        norm_row(row + static_cast<size_t>(j) * D, D,
+                 (j < heads.n_q ? qn : kn).data(), heads.eps, mx::float32);
+      }
+    }
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -290,36 +311,41 @@ void AttentionOutput::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 void AttentionOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  dispatch(stream(), inputs, out,
-           [a = a_, of = o_, post = post_, post_eps = post_eps_](std::vector<mx::array>& in,
-                                                               mx::array& out) {
-             const auto &x = in[0], &qkv = in[1], &keys = in[2], &values = in[3];
-             const int H = x.shape(-1), D = keys.shape(3), Dv = values.shape(3);
-             // decode_attention's steps: q rotated and scaled in its dtype (float32 here).
-             const auto row = f32_of(qkv);
-             std::vector<float> qr(row.begin(), row.begin() + static_cast<size_t>(a.n_q) * D);
-             if (a.dims > 0) {
-               const auto c = f32_of(in[4]), s = f32_of(in[5]);
-               rotate(qr.data(), a.n_q, D, a.dims, a.traditional, c.data(), s.data());
-             }
-             for (auto& v : qr) {
-               v *= a.scale;
-             }
-             std::vector<float> y(static_cast<size_t>(a.n_q) * Dv);
-             attend_decode(a, qr, keys, values, y);
-             aligned_vector<float> ya(y.begin(), y.end());
-             std::vector<float> o(H);
-             product(ya.data(), 1, in, 6, of, o.data());
-             if (post) {
-               const auto w = f32_of(in[9]);
-               norm_row(o.data(), H, w.data(), post_eps, mx::float32);
-             }
-             const auto xf = f32_of(x);
-             float* dst = out.data<float>();
-             for (int i = 0; i < H; ++i) {
-               dst[i] = xf[i] + o[i];
-             }
-           });
+  dispatch(inputs, out);
+}
+
+void AttentionOutput::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) const {
+  const auto& a = a_;
+  const auto& of = o_;
+  const bool post = post_;
+  const float post_eps = post_eps_;
+  auto& out = outs[0];
+  const auto &x = in[0], &qkv = in[1], &keys = in[2], &values = in[3];
+  const int H = x.shape(-1), D = keys.shape(3), Dv = values.shape(3);
+  // decode_attention's steps: q rotated and scaled in its dtype (float32 here).
+  const auto row = f32_of(qkv);
+  std::vector<float> qr(row.begin(), row.begin() + static_cast<size_t>(a.n_q) * D);
+  if (a.dims > 0) {
+    const auto c = f32_of(in[4]), s = f32_of(in[5]);
+    rotate(qr.data(), a.n_q, D, a.dims, a.traditional, c.data(), s.data());
+  }
+  for (auto& v : qr) {
+    v *= a.scale;
+  }
+  std::vector<float> y(static_cast<size_t>(a.n_q) * Dv);
+  attend_decode(a, qr, keys, values, y);
+  aligned_vector<float> ya(y.begin(), y.end());
+  std::vector<float> o(H);
+  product(ya.data(), 1, in, 6, of, o.data());
+  if (post) {
+    const auto w = f32_of(in[9]);
+    norm_row(o.data(), H, w.data(), post_eps, mx::float32);
+  }
+  const auto xf = f32_of(x);
+  float* dst = out.data<float>();
+  for (int i = 0; i < H; ++i) {
+    dst[i] = xf[i] + o[i];
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -420,13 +446,14 @@ std::vector<mx::array> pool_write(const std::vector<mx::array>& keys,
 
 namespace {
 
-// Each output takes its input's buffer (the pool array it updates) where nothing else holds
-// it, else a copy (counted by attention_buffer_copies); whether each was copied. MLX gives each
-// output of a primitive its own list of the inputs, so where there are several no input is
-// donatable by MLX's count (the previous attempt copied the cache every step): the other
-// outputs' lists are dropped first, as MLX's detach() does right after this evaluation.
-std::vector<bool> take_buffers(const std::vector<mx::array>& inputs,
-                               std::vector<mx::array>& outputs) {
+// Output j takes the buffer of input donors[j] (an array it updates) where nothing else holds
+// that, else a fresh one (the work fills it from the input first, and counts the copy:
+// attention_buffer_copies); an output without a donor is allocated. MLX gives each output of a primitive its own
+// list of the inputs, so where there are several no input is donatable by MLX's count (an
+// earlier attempt copied the cache every step): the other outputs' lists are dropped first, as
+// MLX's detach() does right after this evaluation.
+void take_buffers(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                  const std::vector<int>& donors) {
   const bool traced = std::any_of(outputs.begin(), outputs.end(),
                                   [](const mx::array& o) { return o.is_tracer(); });
   if (!traced) {
@@ -436,11 +463,13 @@ std::vector<bool> take_buffers(const std::vector<mx::array>& inputs,
       }
     }
   }
-  std::vector<bool> copied;
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    copied.push_back(take_buffer(inputs[i], outputs[i]));
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    if (donors[j] >= 0) {
+      take_buffer(inputs[donors[j]], outputs[j], /*count=*/false);
+    } else {
+      outputs[j].set_data(mx::allocator::malloc(outputs[j].nbytes()));
+    }
   }
-  return copied;
 }
 
 // One row's values written at `row` of a float pool.
@@ -460,74 +489,68 @@ void write_float_row(mx::array& out, size_t row, const float* v, int D) {
 } // namespace
 
 void PoolWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const auto copied = take_buffers(inputs, outputs);
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  std::vector<mx::array> pools, outs;
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    encoder.set_output_array(outputs[i]);
-    pools.push_back(mx::array::unsafe_weak_copy(inputs[i]));
-    outs.push_back(mx::array::unsafe_weak_copy(outputs[i]));
-  }
-  const size_t n = outputs.size();
-  encoder.dispatch([pools = std::move(pools), outs = std::move(outs), copied,
-                    qkv = mx::array::unsafe_weak_copy(inputs[n]),
-                    rows = mx::array::unsafe_weak_copy(inputs[n + 1]),
-                    cos = mx::array::unsafe_weak_copy(inputs[n + 2]),
-                    sin = mx::array::unsafe_weak_copy(inputs[n + 3]), r = r_, v_start = v_start_,
-                    kv = kv_]() mutable {
-    for (size_t i = 0; i < outs.size(); ++i) {
-      if (copied[i]) {
-        copy_elements(pools[i], outs[i].data<char>());
-      }
+  std::vector<int> donors(outputs.size());
+  std::iota(donors.begin(), donors.end(), 0);
+  take_buffers(inputs, outputs, donors);
+  dispatch_run(inputs, outputs);
+}
+
+void PoolWrite::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) const {
+  const auto& r = r_;
+  const int v_start = v_start_;
+  const auto& kv = kv_;
+  const size_t n = outs.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (outs[i].data<char>() != in[i].data<char>()) { // not updated in place: a copy first
+      copy_elements(in[i], outs[i].data<char>());
+      note_buffer_copy();
     }
-    const size_t parts = outs.size() / 2; // a side's arrays: 1 float pool, or 3
-    const int n_kv = outs[0].shape(1), N = qkv.shape(-1), B = rows_of(qkv);
-    const size_t n_rows = static_cast<size_t>(outs[0].shape(0)) * n_kv * outs[0].shape(2);
-    const auto x = f32_of(qkv);
-    std::vector<uint32_t> where(rows.size());
-    std::vector<char> rcopy;
-    std::memcpy(where.data(), contiguous_bytes(rows, rcopy), rows.nbytes());
-    std::vector<float> c, sn;
-    if (r.dims > 0) {
-      c = f32_of(cos);
-      sn = f32_of(sin);
-    }
-    const int half = r.dims / 2;
-    for (size_t side = 0; side < 2; ++side) {
-      mx::array* out = outs.data() + side * parts;
-      const int D = kv.bits == 0 ? out[0].shape(3) : out[0].shape(3) * 32 / kv.bits;
-      const int start = side == 0 ? r.start : v_start;
-      const int groups = kv.bits == 0 ? 0 : D / kv.group_size;
-      std::vector<float> v(D), scales(groups), biases(groups);
-      std::vector<uint32_t> codes(kv.bits == 0 ? 0 : static_cast<size_t>(D) * kv.bits / 32);
-      for (int b = 0; b < B; ++b) {
-        for (int h = 0; h < n_kv; ++h) {
-          const size_t row = where[static_cast<size_t>(b) * n_kv + h];
-          if (row >= n_rows) {
-            continue; // outside the pool: nothing written (the engine never asks it)
-          }
-          std::copy_n(x.data() + static_cast<size_t>(b) * N + start + h * D, D, v.data());
-          if (side == 0 && r.dims > 0) {
-            rotate(v.data(), 1, D, r.dims, r.traditional, c.data() + b * half,
-                   sn.data() + b * half);
-          }
-          if (kv.bits == 0) {
-            write_float_row(out[0], row, v.data(), D);
-            continue;
-          }
-          // quantized as mx.quantize does, into the codes, scales and biases
-          quantize_row(v.data(), D, kv.group_size, kv.bits, codes.data(), scales.data(),
-                       biases.data());
-          std::copy_n(codes.data(), codes.size(), out[0].data<uint32_t>() + row * codes.size());
-          std::copy_n(scales.data(), groups, out[1].data<float>() + row * groups);
-          std::copy_n(biases.data(), groups, out[2].data<float>() + row * groups);
+  }
+  const auto &qkv = in[n], &rows = in[n + 1], &cos = in[n + 2], &sin = in[n + 3];
+  const size_t parts = outs.size() / 2; // a side's arrays: 1 float pool, or 3
+  const int n_kv = outs[0].shape(1), N = qkv.shape(-1), B = rows_of(qkv);
+  const size_t n_rows = static_cast<size_t>(outs[0].shape(0)) * n_kv * outs[0].shape(2);
+  const auto x = f32_of(qkv);
+  std::vector<uint32_t> where(rows.size());
+  std::vector<char> rcopy;
+  std::memcpy(where.data(), contiguous_bytes(rows, rcopy), rows.nbytes());
+  std::vector<float> c, sn;
+  if (r.dims > 0) {
+    c = f32_of(cos);
+    sn = f32_of(sin);
+  }
+  const int half = r.dims / 2;
+  for (size_t side = 0; side < 2; ++side) {
+    mx::array* out = outs.data() + side * parts;
+    const int D = kv.bits == 0 ? out[0].shape(3) : out[0].shape(3) * 32 / kv.bits;
+    const int start = side == 0 ? r.start : v_start;
+    const int groups = kv.bits == 0 ? 0 : D / kv.group_size;
+    std::vector<float> v(D), scales(groups), biases(groups);
+    std::vector<uint32_t> codes(kv.bits == 0 ? 0 : static_cast<size_t>(D) * kv.bits / 32);
+    for (int b = 0; b < B; ++b) {
+      for (int h = 0; h < n_kv; ++h) {
+        const size_t row = where[static_cast<size_t>(b) * n_kv + h];
+        if (row >= n_rows) {
+          continue; // outside the pool: nothing written (the engine never asks it)
         }
+        std::copy_n(x.data() + static_cast<size_t>(b) * N + start + h * D, D, v.data());
+        if (side == 0 && r.dims > 0) {
+          rotate(v.data(), 1, D, r.dims, r.traditional, c.data() + b * half,
+                 sn.data() + b * half);
+        }
+        if (kv.bits == 0) {
+          write_float_row(out[0], row, v.data(), D);
+          continue;
+        }
+        // quantized as mx.quantize does, into the codes, scales and biases
+        quantize_row(v.data(), D, kv.group_size, kv.bits, codes.data(), scales.data(),
+                     biases.data());
+        std::copy_n(codes.data(), codes.size(), out[0].data<uint32_t>() + row * codes.size());
+        std::copy_n(scales.data(), groups, out[1].data<float>() + row * groups);
+        std::copy_n(biases.data(), groups, out[2].data<float>() + row * groups);
       }
     }
-  });
+  }
 }
 
 void PoolWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -586,55 +609,63 @@ void PagedAttentionOutput::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 void PagedAttentionOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  dispatch(stream(), inputs, out,
-           [n_q = n_q_, scale = scale_, r = r_, of = o_, post = post_, post_eps = post_eps_,
-            kv = kv_](std::vector<mx::array>& in, mx::array& out) {
-             const auto &x = in[0], &qkv = in[1], &keys = in[2], &values = in[3];
-             const int B = rows_of(x), H = x.shape(-1), N = qkv.shape(-1);
-             const int unpack = kv.bits == 0 ? 1 : 32 / kv.bits; // values a word
-             const int D = keys.shape(3) * unpack, Dv = values.shape(3) * unpack;
-             const int half = r.dims / 2;
-             const auto row = f32_of(qkv);
-             std::vector<float> qf(static_cast<size_t>(B) * n_q * D);
-             for (int b = 0; b < B; ++b) {
-               std::copy_n(row.data() + static_cast<size_t>(b) * N, n_q * D,
-                           qf.data() + static_cast<size_t>(b) * n_q * D);
-             }
-             if (r.dims > 0) {
-               const auto c = f32_of(in[6]), s = f32_of(in[7]);
-               for (int b = 0; b < B; ++b) {
-                 rotate(qf.data() + static_cast<size_t>(b) * n_q * D, n_q, D, r.dims,
-                        r.traditional, c.data() + b * half, s.data() + b * half);
-               }
-             }
-             for (auto& v : qf) {
-               v *= scale;
-             }
-             std::vector<float> y(static_cast<size_t>(B) * n_q * Dv);
-             if (kv.bits == 0) {
-               paged_attend(qf, B, n_q, keys, values, in[4], in[5], y);
-             } else {
-               const size_t at = in.size() - 4; // the scales and biases
-               paged_attend_quantized(qf, B, n_q, {keys, in[at], in[at + 1]},
-                                      {values, in[at + 2], in[at + 3]}, in[4], in[5],
-                                      kv.group_size, kv.bits, y);
-             }
-             aligned_vector<float> ya(y.begin(), y.end());
-             std::vector<float> o(static_cast<size_t>(B) * H);
-             product(ya.data(), B, in, 8, of, o.data());
-             if (post) {
-               const auto w = f32_of(in[11]);
-               for (int b = 0; b < B; ++b) {
-                 norm_row(o.data() + static_cast<size_t>(b) * H, H, w.data(), post_eps,
-                          mx::float32);
-               }
-             }
-             const auto xf = f32_of(x);
-             float* dst = out.data<float>();
-             for (size_t i = 0; i < o.size(); ++i) {
-               dst[i] = xf[i] + o[i];
-             }
-           });
+  dispatch(inputs, out);
+}
+
+void PagedAttentionOutput::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) const {
+  const int n_q = n_q_;
+  const float scale = scale_;
+  const auto& r = r_;
+  const auto& of = o_;
+  const bool post = post_;
+  const float post_eps = post_eps_;
+  const auto& kv = kv_;
+  auto& out = outs[0];
+  const auto &x = in[0], &qkv = in[1], &keys = in[2], &values = in[3];
+  const int B = rows_of(x), H = x.shape(-1), N = qkv.shape(-1);
+  const int unpack = kv.bits == 0 ? 1 : 32 / kv.bits; // values a word
+  const int D = keys.shape(3) * unpack, Dv = values.shape(3) * unpack;
+  const int half = r.dims / 2;
+  const auto row = f32_of(qkv);
+  std::vector<float> qf(static_cast<size_t>(B) * n_q * D);
+  for (int b = 0; b < B; ++b) {
+    std::copy_n(row.data() + static_cast<size_t>(b) * N, n_q * D,
+                qf.data() + static_cast<size_t>(b) * n_q * D);
+  }
+  if (r.dims > 0) {
+    const auto c = f32_of(in[6]), s = f32_of(in[7]);
+    for (int b = 0; b < B; ++b) {
+      rotate(qf.data() + static_cast<size_t>(b) * n_q * D, n_q, D, r.dims,
+             r.traditional, c.data() + b * half, s.data() + b * half);
+    }
+  }
+  for (auto& v : qf) {
+    v *= scale;
+  }
+  std::vector<float> y(static_cast<size_t>(B) * n_q * Dv);
+  if (kv.bits == 0) {
+    paged_attend(qf, B, n_q, keys, values, in[4], in[5], y);
+  } else {
+    const size_t at = in.size() - 4; // the scales and biases
+    paged_attend_quantized(qf, B, n_q, {keys, in[at], in[at + 1]},
+                           {values, in[at + 2], in[at + 3]}, in[4], in[5],
+                           kv.group_size, kv.bits, y);
+  }
+  aligned_vector<float> ya(y.begin(), y.end());
+  std::vector<float> o(static_cast<size_t>(B) * H);
+  product(ya.data(), B, in, 8, of, o.data());
+  if (post) {
+    const auto w = f32_of(in[11]);
+    for (int b = 0; b < B; ++b) {
+      norm_row(o.data() + static_cast<size_t>(b) * H, H, w.data(), post_eps,
+               mx::float32);
+    }
+  }
+  const auto xf = f32_of(x);
+  float* dst = out.data<float>();
+  for (size_t i = 0; i < o.size(); ++i) {
+    dst[i] = xf[i] + o[i];
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -694,57 +725,239 @@ void MlpOutput::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 void MlpOutput::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  dispatch(stream(), inputs, out,
-           [eps = eps_, gate_up = gate_up_, down = down_, act = act_, post = post_,
-            post_eps = post_eps_](std::vector<mx::array>& in, mx::array& out) {
-             const int K = in[0].shape(-1), M = static_cast<int>(in[0].size() / K);
-             aligned_vector<float> h(in[0].size());
-             to_f32(in[0], h.data());
-             const auto w = f32_of(in[1]);
-             for (int r = 0; r < M; ++r) {
-               norm_row(h.data() + static_cast<size_t>(r) * K, K, w.data(), eps, in[0].dtype());
-             }
-             int N = 0;
-             for (size_t i = 0; i < gate_up.size(); ++i) {
-               N += in[2 + 3 * i].shape(0);
-             }
-             const int I = N / 2;
-             // gate | up of each row; two layers: gate's rows, then up's
-             std::vector<float> gu(static_cast<size_t>(M) * N);
-             if (gate_up.size() == 1) {
-               product(h.data(), M, in, 2, gate_up[0], gu.data());
-             } else {
-               std::vector<float> g(static_cast<size_t>(M) * I), u(g.size());
-               product(h.data(), M, in, 2, gate_up[0], g.data());
-               product(h.data(), M, in, 5, gate_up[1], u.data());
-               for (int r = 0; r < M; ++r) {
-                 std::copy_n(g.data() + static_cast<size_t>(r) * I, I,
-                             gu.data() + static_cast<size_t>(r) * N);
-                 std::copy_n(u.data() + static_cast<size_t>(r) * I, I,
-                             gu.data() + static_cast<size_t>(r) * N + I);
-               }
-             }
-             aligned_vector<float> m(static_cast<size_t>(M) * I);
-             for (int r = 0; r < M; ++r) {
-               const float* row = gu.data() + static_cast<size_t>(r) * N;
-               gated_span(act, row, row + I, m.data() + static_cast<size_t>(r) * I, I);
-             }
-             const size_t at = 2 + 3 * gate_up.size();
-             std::vector<float> d(static_cast<size_t>(M) * K);
-             product(m.data(), M, in, at, down, d.data());
-             if (post) {
-               const auto pw = f32_of(in[at + 3]);
-               for (int r = 0; r < M; ++r) {
-                 norm_row(d.data() + static_cast<size_t>(r) * K, K, pw.data(), post_eps,
-                          mx::float32);
-               }
-             }
-             const auto hf = f32_of(in[0]);
-             float* dst = out.data<float>();
-             for (size_t i = 0; i < d.size(); ++i) {
-               dst[i] = hf[i] + d[i];
-             }
-           });
+  dispatch(inputs, out);
+}
+
+void MlpOutput::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) const {
+  const float eps = eps_;
+  const auto& gate_up = gate_up_;
+  const auto& down = down_;
+  const int act = act_;
+  const bool post = post_;
+  const float post_eps = post_eps_;
+  auto& out = outs[0];
+  const int K = in[0].shape(-1), M = static_cast<int>(in[0].size() / K);
+  aligned_vector<float> h(in[0].size());
+  to_f32(in[0], h.data());
+  const auto w = f32_of(in[1]);
+  for (int r = 0; r < M; ++r) {
+    norm_row(h.data() + static_cast<size_t>(r) * K, K, w.data(), eps, in[0].dtype());
+  }
+  int N = 0;
+  for (size_t i = 0; i < gate_up.size(); ++i) {
+    N += in[2 + 3 * i].shape(0);
+  }
+  const int I = N / 2;
+  // gate | up of each row; two layers: gate's rows, then up's
+  std::vector<float> gu(static_cast<size_t>(M) * N);
+  if (gate_up.size() == 1) {
+    product(h.data(), M, in, 2, gate_up[0], gu.data());
+  } else {
+    std::vector<float> g(static_cast<size_t>(M) * I), u(g.size());
+    product(h.data(), M, in, 2, gate_up[0], g.data());
+    product(h.data(), M, in, 5, gate_up[1], u.data());
+    for (int r = 0; r < M; ++r) {
+      std::copy_n(g.data() + static_cast<size_t>(r) * I, I,
+                  gu.data() + static_cast<size_t>(r) * N);
+      std::copy_n(u.data() + static_cast<size_t>(r) * I, I,
+                  gu.data() + static_cast<size_t>(r) * N + I);
+    }
+  }
+  aligned_vector<float> m(static_cast<size_t>(M) * I);
+  for (int r = 0; r < M; ++r) {
+    const float* row = gu.data() + static_cast<size_t>(r) * N;
+    gated_span(act, row, row + I, m.data() + static_cast<size_t>(r) * I, I);
+  }
+  const size_t at = 2 + 3 * gate_up.size();
+  std::vector<float> d(static_cast<size_t>(M) * K);
+  product(m.data(), M, in, at, down, d.data());
+  if (post) {
+    const auto pw = f32_of(in[at + 3]);
+    for (int r = 0; r < M; ++r) {
+      norm_row(d.data() + static_cast<size_t>(r) * K, K, pw.data(), post_eps,
+               mx::float32);
+    }
+  }
+  const auto hf = f32_of(in[0]);
+  float* dst = out.data<float>();
+  for (size_t i = 0; i < d.size(); ++i) {
+    dst[i] = hf[i] + d[i];
+  }
+}
+
+// ----------------------------------------------------------------------------
+// fuse: several of the primitives above as one node of MLX's graph
+// ----------------------------------------------------------------------------
+
+namespace {
+
+const Runnable* runnable(const mx::array& a) {
+  return a.has_primitive() ? dynamic_cast<const Runnable*>(&a.primitive()) : nullptr;
+}
+
+constexpr size_t kMaxFusedCalls = 16;
+
+} // namespace
+
+std::vector<mx::array> fuse(const std::vector<mx::array>& outputs) {
+  const char* op = "fuse";
+  if (outputs.empty()) {
+    fail(op, "outputs: expected at least one array, found none");
+  }
+  // The calls that make the outputs, each before those that read it: a walk back through
+  // arrays made by the primitives above, stopping at any other array (an input).
+  std::vector<mx::array> order; // one output of each call
+  std::unordered_set<const mx::Primitive*> seen;
+  std::vector<std::pair<mx::array, bool>> stack;
+  for (const auto& a : outputs) {
+    if (runnable(a) == nullptr) {
+      fail(op, "outputs: expected arrays made by the block primitives, found one made by " +
+                   std::string(a.has_primitive() ? a.primitive().name() : "no primitive"));
+    }
+    stack.emplace_back(a, false);
+  }
+  while (!stack.empty()) {
+    auto [a, expanded] = stack.back();
+    stack.pop_back();
+    if (expanded) {
+      order.push_back(a);
+      continue;
+    }
+    if (runnable(a) == nullptr || !seen.insert(&a.primitive()).second) {
+      continue;
+    }
+    if (seen.size() > kMaxFusedCalls) {
+      fail(op, "outputs: expected the graph of at most " + std::to_string(kMaxFusedCalls) +
+                   " calls, found more");
+    }
+    stack.emplace_back(a, true);
+    for (const auto& in : a.inputs()) {
+      if (runnable(in) != nullptr && seen.count(&in.primitive()) == 0) {
+        stack.emplace_back(in, false);
+      }
+    }
+  }
+  std::unordered_map<std::uintptr_t, int> wanted; // an output's id: its place
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    wanted.emplace(outputs[j].id(), static_cast<int>(j));
+  }
+  std::unordered_map<std::uintptr_t, FusedSource> made; // an array a call makes: where it goes
+  std::unordered_map<std::uintptr_t, int> input_at;     // an input's id: its place
+  std::vector<mx::array> inputs;
+  std::vector<FusedCall> calls;
+  std::vector<mx::Shape> temp_shapes;
+  std::vector<mx::Dtype> temp_dtypes;
+  for (const auto& a : order) {
+    FusedCall call{a.primitive_ptr(), {}, {}};
+    for (const auto& in : a.inputs()) {
+      if (auto it = made.find(in.id()); it != made.end()) {
+        call.in.push_back(it->second);
+        continue;
+      }
+      auto [it, added] = input_at.emplace(in.id(), static_cast<int>(inputs.size()));
+      if (added) {
+        inputs.push_back(in);
+      }
+      call.in.push_back({FusedSource::kInput, it->second});
+    }
+    for (const auto& o : a.outputs()) {
+      FusedSource to{FusedSource::kTemp, static_cast<int>(temp_shapes.size())};
+      if (auto it = wanted.find(o.id()); it != wanted.end()) {
+        to = {FusedSource::kOutput, it->second};
+      } else {
+        temp_shapes.push_back(o.shape());
+        temp_dtypes.push_back(o.dtype());
+      }
+      made.emplace(o.id(), to);
+      call.out.push_back(to);
+    }
+    calls.push_back(std::move(call));
+  }
+  // An output that updates an input in place takes its buffer; no other call may read that
+  // input (it would read it written).
+  std::unordered_map<int, int> reads; // an input's place: how many calls' arguments it is
+  for (const auto& call : calls) {
+    for (const auto& src : call.in) {
+      reads[src.kind == FusedSource::kInput ? src.index : -1] += 1;
+    }
+  }
+  std::vector<int> donors(outputs.size(), -1);
+  for (const auto& call : calls) {
+    const auto* work = dynamic_cast<const Runnable*>(call.primitive.get());
+    for (size_t i = 0; i < call.out.size(); ++i) {
+      const int from = work->updates(static_cast<int>(i));
+      if (from < 0 || call.in[from].kind != FusedSource::kInput) {
+        continue; // nothing updated, or a temporary: filled from it in a fresh buffer
+      }
+      if (reads[call.in[from].index] != 1) {
+        fail(op, "outputs: expected each array a call updates read by that call only, found "
+                 "one read by another");
+      }
+      if (call.out[i].kind == FusedSource::kOutput) {
+        donors[call.out[i].index] = call.in[from].index;
+      }
+    }
+  }
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (const auto& a : outputs) {
+    shapes.push_back(a.shape());
+    dtypes.push_back(a.dtype());
+  }
+  auto stream = outputs[0].primitive().stream();
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<Fused>(stream, std::move(calls),
+                                                        std::move(temp_shapes),
+                                                        std::move(temp_dtypes), donors),
+                                inputs);
+}
+
+void Fused::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  take_buffers(inputs, outputs, donors_);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::vector<mx::array> in, out;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& a : outputs) {
+    encoder.set_output_array(a);
+    out.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.dispatch([prim = outputs[0].primitive_ptr(), in = std::move(in),
+                    out = std::move(out)]() mutable {
+    const auto& self = static_cast<const Fused&>(*prim);
+    std::vector<mx::array> temps;
+    for (size_t t = 0; t < self.temp_shapes_.size(); ++t) {
+      temps.emplace_back(self.temp_shapes_[t], self.temp_dtypes_[t], nullptr,
+                         std::vector<mx::array>{});
+      temps.back().set_data(mx::allocator::malloc(temps.back().nbytes()));
+    }
+    auto pick = [&](const FusedSource& src) -> mx::array& {
+      switch (src.kind) {
+        case FusedSource::kInput:
+          return in[src.index];
+        case FusedSource::kTemp:
+          return temps[src.index];
+        default:
+          return out[src.index];
+      }
+    };
+    for (const auto& call : self.calls_) {
+      std::vector<mx::array> call_in, call_out;
+      for (const auto& src : call.in) {
+        call_in.push_back(pick(src));
+      }
+      for (const auto& src : call.out) {
+        call_out.push_back(pick(src));
+      }
+      dynamic_cast<const Runnable&>(*call.primitive).run(call_in, call_out);
+    }
+  });
+}
+
+void Fused::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxinfer fuse] has no GPU kernel");
 }
 
 } // namespace mlxinfer

@@ -1,4 +1,4 @@
-// A decode step's pre-norm block in five primitives instead of ~15 (SmolLM2-135M: 471 a
+// A decode step's pre-norm block in four primitives, fused into one (fuse), instead of ~15 (SmolLM2-135M: 471 a
 // token, ~3 us each of MLX's scheduling): the steps between two residual adds done in one
 // eval, on the kernels' threads, in the order and float arithmetic of the separate kernels
 // (RMSNorm, the quantized products, RoPE, attention, the gated activation), so the output is
@@ -94,12 +94,33 @@ mx::array mlp_output(const mx::array& h, const mx::array& norm, float eps,
                      const std::optional<mx::array>& post_norm, float post_eps,
                      mx::StreamOrDevice s = {});
 
-class NormProducts : public mx::UnaryPrimitive {
+// The arrays `outputs` with the graph of the primitives above that makes them (up to 16 calls:
+// a block's four) as one primitive, Fused: one node of MLX's graph, its calls run in order in
+// one evaluation, the same work and arithmetic (the same outputs bit for bit). MLX's scheduling
+// costs each node ~4-15 us on the CPU (a decode step of SmolLM2's 30 blocks had 120). The
+// calls' other outputs become temporaries of the evaluation; arrays made otherwise are its
+// inputs. A pool_write's outputs update their inputs in place where nothing else holds them.
+std::vector<mx::array> fuse(const std::vector<mx::array>& outputs);
+
+// The work of one of the primitives below, run where it is called: each output allocated, or
+// (updates()) sharing the buffer of the input it updates or to be filled from it first.
+class Runnable {
+ public:
+  virtual ~Runnable() = default;
+  virtual void run(std::vector<mx::array>& in, std::vector<mx::array>& out) const = 0;
+  // The input whose buffer output i updates, or -1.
+  virtual int updates(int /*output*/) const {
+    return -1;
+  }
+};
+
+class NormProducts : public mx::UnaryPrimitive, public Runnable {
  public:
   NormProducts(mx::Stream stream, float eps, std::vector<QuantFormat> layers, HeadNorms heads)
       : mx::UnaryPrimitive(stream), eps_(eps), layers_(std::move(layers)), heads_(heads) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void run(std::vector<mx::array>& in, std::vector<mx::array>& out) const override;
   const char* name() const override {
     return "MlxinferNormProducts";
   }
@@ -115,12 +136,13 @@ class NormProducts : public mx::UnaryPrimitive {
   HeadNorms heads_;
 };
 
-class AttentionOutput : public mx::UnaryPrimitive {
+class AttentionOutput : public mx::UnaryPrimitive, public Runnable {
  public:
   AttentionOutput(mx::Stream stream, AttentionShape a, QuantFormat o, bool post, float post_eps)
       : mx::UnaryPrimitive(stream), a_(a), o_(o), post_(post), post_eps_(post_eps) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void run(std::vector<mx::array>& in, std::vector<mx::array>& out) const override;
   const char* name() const override {
     return "MlxinferAttentionOutput";
   }
@@ -145,12 +167,16 @@ struct PoolRope {
   bool operator==(const PoolRope&) const = default;
 };
 
-class PoolWrite : public mx::Primitive {
+class PoolWrite : public mx::Primitive, public Runnable {
  public:
   PoolWrite(mx::Stream stream, PoolRope r, int v_start, QuantFormat kv)
       : mx::Primitive(stream), r_(r), v_start_(v_start), kv_(kv) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void run(std::vector<mx::array>& in, std::vector<mx::array>& out) const override;
+  int updates(int output) const override {
+    return output; // the pools, in order
+  }
   const char* name() const override {
     return "MlxinferPoolWrite";
   }
@@ -172,7 +198,7 @@ class PoolWrite : public mx::Primitive {
   QuantFormat kv_;
 };
 
-class PagedAttentionOutput : public mx::UnaryPrimitive {
+class PagedAttentionOutput : public mx::UnaryPrimitive, public Runnable {
  public:
   PagedAttentionOutput(mx::Stream stream, int n_q, float scale, PoolRope r, QuantFormat o,
                        bool post, float post_eps, QuantFormat kv)
@@ -180,6 +206,7 @@ class PagedAttentionOutput : public mx::UnaryPrimitive {
         post_eps_(post_eps), kv_(kv) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void run(std::vector<mx::array>& in, std::vector<mx::array>& out) const override;
   const char* name() const override {
     return "MlxinferPagedAttentionOutput";
   }
@@ -202,7 +229,7 @@ class PagedAttentionOutput : public mx::UnaryPrimitive {
   QuantFormat kv_; // bits 0: float keys and values
 };
 
-class MlpOutput : public mx::UnaryPrimitive {
+class MlpOutput : public mx::UnaryPrimitive, public Runnable {
  public:
   MlpOutput(mx::Stream stream, float eps, std::vector<QuantFormat> gate_up, QuantFormat down,
             int act, bool post, float post_eps)
@@ -210,6 +237,7 @@ class MlpOutput : public mx::UnaryPrimitive {
         act_(act), post_(post), post_eps_(post_eps) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void run(std::vector<mx::array>& in, std::vector<mx::array>& out) const override;
   const char* name() const override {
     return "MlxinferMlpOutput";
   }
@@ -229,6 +257,40 @@ class MlpOutput : public mx::UnaryPrimitive {
   int act_;
   bool post_;
   float post_eps_;
+};
+
+// Where an input of a fused call comes from: the Fused primitive's inputs, a temporary of its
+// evaluation (an earlier call's output no one else reads), or its outputs.
+struct FusedSource {
+  enum Kind { kInput, kTemp, kOutput } kind;
+  int index;
+};
+
+struct FusedCall {
+  std::shared_ptr<mx::Primitive> primitive; // a Runnable
+  std::vector<FusedSource> in, out;
+};
+
+class Fused : public mx::Primitive {
+ public:
+  Fused(mx::Stream stream, std::vector<FusedCall> calls, std::vector<mx::Shape> temp_shapes,
+        std::vector<mx::Dtype> temp_dtypes, std::vector<int> donors)
+      : mx::Primitive(stream), calls_(std::move(calls)), temp_shapes_(std::move(temp_shapes)),
+        temp_dtypes_(std::move(temp_dtypes)), donors_(std::move(donors)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "MlxinferFused";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return this == &other;
+  }
+
+ private:
+  std::vector<FusedCall> calls_;
+  std::vector<mx::Shape> temp_shapes_;
+  std::vector<mx::Dtype> temp_dtypes_;
+  std::vector<int> donors_; // per output: the input whose buffer it updates, or -1
 };
 
 } // namespace mlxinfer

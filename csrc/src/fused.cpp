@@ -86,13 +86,19 @@ int64_t attention_buffer_copies() {
   return buffer_copies.load();
 }
 
-bool take_buffer(const mx::array& in, mx::array& out) {
+void note_buffer_copy() {
+  buffer_copies.fetch_add(1);
+}
+
+bool take_buffer(const mx::array& in, mx::array& out, bool count) {
   if (in.is_donatable() && in.flags().row_contiguous) {
     out.copy_shared_buffer(in);
     return false;
   }
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  buffer_copies.fetch_add(1);
+  if (count) {
+    note_buffer_copy();
+  }
   return true;
 }
 

@@ -112,9 +112,11 @@ void check_quantized_format(const char* op, int group_size, int bits);
 // in place.
 int64_t attention_buffer_copies();
 // An in-place writer's output: `in`'s buffer taken over where MLX may donate it (nothing else
-// holds it: the check slice_update uses), else a fresh one (counted); true when the caller must
-// copy `in` into it first.
-bool take_buffer(const mx::array& in, mx::array& out);
+// holds it: the check slice_update uses), else a fresh one (counted unless `count` is false: the
+// writer then counts the copy it makes, note_buffer_copy); true when the caller must copy `in`
+// into it first.
+bool take_buffer(const mx::array& in, mx::array& out, bool count = true);
+void note_buffer_copy();
 
 mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s = {});
 

@@ -57,7 +57,7 @@ FAMILIES = {
 IDS = [(5 + 37 * i) % 256 for i in range(20)]
 
 
-NAMES = ("norm_products", "pool_write", "attention_output", "mlp_output")  # the fused calls
+NAMES = ("norm_products", "pool_write", "attention_output", "mlp_output", "fuse")  # a block's
 
 
 def Counting(module, names=NAMES) -> CountedKernels:
@@ -129,6 +129,10 @@ def test_fused_blocks_give_the_separate_kernels_logits(family, tmp_path, monkeyp
         steps = len(IDS) - 3 + 1 + 10
         assert calls == dict.fromkeys(NAMES, steps * layers * on), on
     assert np.array_equal(out[True], out[False])  # the same arithmetic, bit for bit
+    monkeypatch.setattr(blocks, "ON", True)
+    monkeypatch.setattr(blocks, "FUSE", False)  # the four calls as four nodes, not one
+    assert np.array_equal(step_logits(model), out[True])
+    monkeypatch.setattr(blocks, "FUSE", True)
     bound = 1e-4 * np.abs(reference).max()  # the kernels' products against MLX's
     assert np.abs(out[True] - reference).max() <= bound
     if family == "llama-mixed":  # 4-, 5- and 8-bit products: each instruction-set path too
@@ -371,3 +375,60 @@ def test_the_batching_engine_runs_fused_blocks_over_a_quantized_pool(bits, tmp_p
                          group_size=64, bits=bits))  # fmt: skip
     assert not any(np.array(a).any() for a in held)
     assert K.attention_buffer_copies() == copies + 3 + 3  # sides[1] is still held too
+
+
+def test_fuse_gives_a_blocks_outputs_as_one_node_and_writes_the_cache_in_place():
+    """``K.fuse``: a block's four calls (the one-row cache's, ``pool_write`` into its buffers)
+    as one primitive give the calls' outputs bit for bit; the buffers are written in place
+    where nothing else holds them, copied (the held arrays unchanged) where something does;
+    what it refuses."""
+    rng = np.random.default_rng(3)
+
+    def r(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    def q(n, k):
+        return (*mx.quantize(r(n, k) * 0.2, group_size=32, bits=4), 32, 4)
+
+    x, norm, cos, sin = r(1, 1, 64), r(64), r(1, 8), r(1, 8)
+    qkv_layer, o, gate_up, down = q(128, 64), q(64, 64), q(256, 64), q(64, 128)
+    rows = mx.array([h * 8 + 3 for h in range(2)], mx.uint32)  # slot 3 of 2 heads x 8
+
+    def block(keys, values, attend=None):
+        qkv = K.norm_products(x, norm, 1e-5, [qkv_layer])
+        k, v = K.pool_write([keys], [values], qkv, rows, cos, sin, k_start=64, v_start=96, dims=16)
+        h = K.attention_output(
+            x,
+            qkv,
+            k if attend is None else attend,
+            v,
+            cos,
+            sin,
+            o,
+            n_q=4,
+            offset=3,
+            scale=0.25,
+            dims=16,
+        )
+        return [K.mlp_output(h, norm, 1e-5, [gate_up], down), k, v]
+
+    cache = [rng.standard_normal((1, 2, 8, 16)).astype(np.float32) for _ in range(2)]
+    want = [np.array(a) for a in block(*map(mx.array, cache))]
+    copies = K.attention_buffer_copies()
+    got = K.fuse(block(*map(mx.array, cache)))
+    assert all(np.array_equal(np.array(a), b) for a, b in zip(got, want))
+    assert K.attention_buffer_copies() == copies  # nothing else held them: written in place
+    held = mx.array(cache[0])
+    got = K.fuse(block(held, mx.array(cache[1])))
+    assert all(np.array_equal(np.array(a), b) for a, b in zip(got, want))
+    assert np.array_equal(np.array(held), cache[0])
+    assert K.attention_buffer_copies() == copies + 1
+    with pytest.raises(ValueError, match=r"fuse\] outputs: expected arrays made by the block"):
+        K.fuse([x])
+    with pytest.raises(ValueError, match=r"fuse\] outputs: expected each array a call updates"):
+        K.fuse(block(held, mx.array(cache[1]), attend=held)[:1])  # reads k before the write
+    h = x
+    for _ in range(17):
+        h = K.mlp_output(h, norm, 1e-5, [gate_up], down)
+    with pytest.raises(ValueError, match=r"fuse\] outputs: expected the graph of at most 16"):
+        K.fuse([h])

@@ -15,6 +15,9 @@ CPU (docs/performance.md): ~1.4 ms of a ~9.5 ms token, 15 primitives a block. Un
 
 (csrc/src/block.h). Each kernel does the separate kernels' steps in their order and float
 arithmetic, so a block's output is theirs bit for bit (tests/backends/test_cpu_blocks.py).
+Over a single request's cache the four are then one node of MLX's graph (``fuse``: run in
+order in one evaluation; MLX's scheduling costs each node several µs on the CPU); the
+batching engine's rows keep four nodes, where one measured slower (docs/performance.md).
 
 Which blocks: those whose forward is one of :data:`FORMS` (Llama/Mistral/SmolLM, Qwen2/3,
 Gemma 1's pre-norm block, Gemma 2/3's block with post-norms), whose attention the decode
@@ -52,6 +55,7 @@ FORMS = {
 }
 ACTS = {nn.silu: 0, nn.gelu_approx: 1}  # the kernels' act codes
 ON = True  # off: every block its own forward (benchmarks compare the two in one process)
+FUSE = True  # off: a block's four kernel calls four nodes of MLX's graph, not one (``fuse``)
 
 
 class CPUDecodeBlock:
@@ -106,14 +110,12 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
     slot, seen, cos, sin = attention_kernels.decode_position(attn, cache, like, like)
     rope = attn.rope
     rows = attention_kernels.slot_rows(n_kv, cache.keys.shape[2], slot)
-    (cache.keys,), (cache.values,) = _write(
-        k_, [cache.keys], [cache.values], qkv, rows, cos, sin, attn
-    )
+    keys, values = _write(k_, [cache.keys], [cache.values], qkv, rows, cos, sin, attn)
     h = k_.attention_output(
         x,
         qkv,
-        cache.keys,
-        cache.values,
+        keys[0],
+        values[0],
         cos,
         sin,
         o,
@@ -124,7 +126,9 @@ def decode_block(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
         traditional=rope.traditional,
         **_post(post_attn),
     )
-    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+    y = k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+    y, (cache.keys,), (cache.values,) = _fused(k_, y, keys, values)
+    return y
 
 
 def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array | None:
@@ -146,11 +150,13 @@ def _decode_quantized(x: mx.array, cache: QuantizedKVCache, parts) -> mx.array |
     cap = cache.keys[0].shape[2]
     rows = attention_kernels.slot_rows(n_kv, cap, offset)
     kv = dict(group_size=cache.group_size, bits=cache.bits)
-    cache.keys, cache.values = _write(k_, cache.keys, cache.values, qkv, rows, cos, sin, attn, kv)
+    keys, values = _write(k_, cache.keys, cache.values, qkv, rows, cos, sin, attn, kv)
     cache.offset = offset + 1
-    pages = attention_kernels.cache_pages(cache.keys, cache.values, 1, n_kv, cap, offset + 1, cache)
+    pages = attention_kernels.cache_pages(keys, values, 1, n_kv, cap, offset + 1, cache)
     h = _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv)
-    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+    y = k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+    y, cache.keys, cache.values = _fused(k_, y, keys, values)
+    return y
 
 
 def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
@@ -199,6 +205,8 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
         (k,), (v,) = _write(k_, [keys], [values], qkv, rows, cos, sin, attn)
         return k, v
 
+    # Four nodes of MLX's graph, not fused: one node a block measured 0.9-0.95x here (the
+    # engine builds a step while the last evaluates; fuse's walk adds to the building).
     write_with(write)
     h = _attention_output(x, qkv, cache.pages(mask), cos, sin, attn, o, post_attn, kv)
     return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
@@ -225,6 +233,17 @@ def _write(k_, keys, values, qkv, rows, cos, sin, attn, kv: dict | None = None) 
     )
     half = len(out) // 2
     return out[:half], out[half:]
+
+
+def _fused(k_, y: mx.array, keys: list, values: list) -> tuple[mx.array, list, list]:
+    """The block's kernel calls that make ``y`` and the updated ``keys`` and ``values`` (lists)
+    as one node of MLX's graph (``fuse``: MLX's scheduling costs each node several µs on the
+    CPU, a step of 30 blocks 120 of them); the same three back."""
+    if not FUSE:
+        return y, keys, values
+    out = k_.fuse([y, *keys, *values])
+    n = len(keys)
+    return out[0], out[1 : 1 + n], out[1 + n :]
 
 
 def _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv: dict) -> mx.array:
