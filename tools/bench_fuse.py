@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import time
 
 import mlxinfer  # noqa: F401  (before mlx: the fast BLAS)
@@ -25,12 +24,7 @@ from mlxinfer import load
 from mlxinfer.backends.cpu import blocks
 from mlxinfer.cache.prompt import PromptCache
 from mlxinfer.generation import generate_step
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    names = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")]
-    return names[0] if names else "unknown CPU"
+from mlxinfer.platform.machine import cpu_name
 
 
 def decode_rate(model, prompt: list[int], n: int, bits: int | None) -> float:

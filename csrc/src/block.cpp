@@ -791,8 +791,13 @@ void MlpOutput::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) co
 
 namespace {
 
+// The work of `a`'s primitive where fuse may take it in: a block primitive's, not a fused node
+// (its outputs, a cache's buffers among them, would become temporaries).
 const Runnable* runnable(const mx::array& a) {
-  return a.has_primitive() ? dynamic_cast<const Runnable*>(&a.primitive()) : nullptr;
+  if (!a.has_primitive() || dynamic_cast<const Fused*>(&a.primitive()) != nullptr) {
+    return nullptr;
+  }
+  return dynamic_cast<const Runnable*>(&a.primitive());
 }
 
 constexpr size_t kMaxFusedCalls = 16;
@@ -914,46 +919,35 @@ std::vector<mx::array> fuse(const std::vector<mx::array>& outputs) {
 
 void Fused::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   take_buffers(inputs, outputs, donors_);
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> in, out;
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-    in.push_back(mx::array::unsafe_weak_copy(a));
+  dispatch_run(inputs, outputs);
+}
+
+void Fused::run(std::vector<mx::array>& in, std::vector<mx::array>& out) const {
+  std::vector<mx::array> temps;
+  for (size_t t = 0; t < temp_shapes_.size(); ++t) {
+    temps.emplace_back(temp_shapes_[t], temp_dtypes_[t], nullptr, std::vector<mx::array>{});
+    temps.back().set_data(mx::allocator::malloc(temps.back().nbytes()));
   }
-  for (auto& a : outputs) {
-    encoder.set_output_array(a);
-    out.push_back(mx::array::unsafe_weak_copy(a));
+  auto pick = [&](const FusedSource& src) -> mx::array& {
+    switch (src.kind) {
+      case FusedSource::kInput:
+        return in[src.index];
+      case FusedSource::kTemp:
+        return temps[src.index];
+      default:
+        return out[src.index];
+    }
+  };
+  for (const auto& call : calls_) {
+    std::vector<mx::array> call_in, call_out;
+    for (const auto& src : call.in) {
+      call_in.push_back(pick(src));
+    }
+    for (const auto& src : call.out) {
+      call_out.push_back(pick(src));
+    }
+    dynamic_cast<const Runnable&>(*call.primitive).run(call_in, call_out);
   }
-  encoder.dispatch([prim = outputs[0].primitive_ptr(), in = std::move(in),
-                    out = std::move(out)]() mutable {
-    const auto& self = static_cast<const Fused&>(*prim);
-    std::vector<mx::array> temps;
-    for (size_t t = 0; t < self.temp_shapes_.size(); ++t) {
-      temps.emplace_back(self.temp_shapes_[t], self.temp_dtypes_[t], nullptr,
-                         std::vector<mx::array>{});
-      temps.back().set_data(mx::allocator::malloc(temps.back().nbytes()));
-    }
-    auto pick = [&](const FusedSource& src) -> mx::array& {
-      switch (src.kind) {
-        case FusedSource::kInput:
-          return in[src.index];
-        case FusedSource::kTemp:
-          return temps[src.index];
-        default:
-          return out[src.index];
-      }
-    };
-    for (const auto& call : self.calls_) {
-      std::vector<mx::array> call_in, call_out;
-      for (const auto& src : call.in) {
-        call_in.push_back(pick(src));
-      }
-      for (const auto& src : call.out) {
-        call_out.push_back(pick(src));
-      }
-      dynamic_cast<const Runnable&>(*call.primitive).run(call_in, call_out);
-    }
-  });
 }
 
 void Fused::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

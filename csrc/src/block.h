@@ -271,7 +271,7 @@ struct FusedCall {
   std::vector<FusedSource> in, out;
 };
 
-class Fused : public mx::Primitive {
+class Fused : public mx::Primitive, public Runnable {
  public:
   Fused(mx::Stream stream, std::vector<FusedCall> calls, std::vector<mx::Shape> temp_shapes,
         std::vector<mx::Dtype> temp_dtypes, std::vector<int> donors)
@@ -279,6 +279,7 @@ class Fused : public mx::Primitive {
         temp_dtypes_(std::move(temp_dtypes)), donors_(std::move(donors)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void run(std::vector<mx::array>& in, std::vector<mx::array>& out) const override;
   const char* name() const override {
     return "MlxinferFused";
   }

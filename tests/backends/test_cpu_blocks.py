@@ -427,6 +427,14 @@ def test_fuse_gives_a_blocks_outputs_as_one_node_and_writes_the_cache_in_place()
         K.fuse([x])
     with pytest.raises(ValueError, match=r"fuse\] outputs: expected each array a call updates"):
         K.fuse(block(held, mx.array(cache[1]), attend=held)[:1])  # reads k before the write
+    y = x  # a fused node is an input of the next fuse, not taken in: 5 blocks of 4 calls each
+    for _ in range(5):
+        qkv = K.norm_products(y, norm, 1e-5, [qkv_layer])
+        k, v = K.pool_write([mx.array(cache[0])], [mx.array(cache[1])], qkv, rows, cos, sin,
+                            k_start=64, v_start=96, dims=16)  # fmt: skip
+        a = K.attention_output(y, qkv, k, v, cos, sin, o, n_q=4, offset=3, scale=0.25, dims=16)
+        y = K.fuse([K.mlp_output(a, norm, 1e-5, [gate_up], down), k, v])[0]
+    mx.eval(y)
     h = x
     for _ in range(17):
         h = K.mlp_output(h, norm, 1e-5, [gate_up], down)
