@@ -4,8 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
-#include <unordered_map>
-#include <unordered_set>
 #include <string>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -811,8 +809,12 @@ std::vector<mx::array> fuse(const std::vector<mx::array>& outputs) {
   }
   // The calls that make the outputs, each before those that read it: a walk back through
   // arrays made by the primitives above, stopping at any other array (an input).
+  // (A block's graph is small: linear searches, no hash tables; this runs every layer.)
   std::vector<mx::array> order; // one output of each call
-  std::unordered_set<const mx::Primitive*> seen;
+  std::vector<const mx::Primitive*> seen;
+  auto was_seen = [&](const mx::array& a) {
+    return std::find(seen.begin(), seen.end(), &a.primitive()) != seen.end();
+  };
   std::vector<std::pair<mx::array, bool>> stack;
   for (const auto& a : outputs) {
     if (runnable(a) == nullptr) {
@@ -828,26 +830,23 @@ std::vector<mx::array> fuse(const std::vector<mx::array>& outputs) {
       order.push_back(a);
       continue;
     }
-    if (runnable(a) == nullptr || !seen.insert(&a.primitive()).second) {
+    if (runnable(a) == nullptr || was_seen(a)) {
       continue;
     }
+    seen.push_back(&a.primitive());
     if (seen.size() > kMaxFusedCalls) {
       fail(op, "outputs: expected the graph of at most " + std::to_string(kMaxFusedCalls) +
                    " calls, found more");
     }
     stack.emplace_back(a, true);
     for (const auto& in : a.inputs()) {
-      if (runnable(in) != nullptr && seen.count(&in.primitive()) == 0) {
+      if (runnable(in) != nullptr && !was_seen(in)) {
         stack.emplace_back(in, false);
       }
     }
   }
-  std::unordered_map<std::uintptr_t, int> wanted; // an output's id: its place
-  for (size_t j = 0; j < outputs.size(); ++j) {
-    wanted.emplace(outputs[j].id(), static_cast<int>(j));
-  }
-  std::unordered_map<std::uintptr_t, FusedSource> made; // an array a call makes: where it goes
-  std::unordered_map<std::uintptr_t, int> input_at;     // an input's id: its place
+  std::vector<std::pair<std::uintptr_t, FusedSource>> made; // an array a call makes: where
+  std::vector<std::uintptr_t> input_ids;                     // the inputs' ids, in order
   std::vector<mx::array> inputs;
   std::vector<FusedCall> calls;
   std::vector<mx::Shape> temp_shapes;
@@ -855,35 +854,42 @@ std::vector<mx::array> fuse(const std::vector<mx::array>& outputs) {
   for (const auto& a : order) {
     FusedCall call{a.primitive_ptr(), {}, {}};
     for (const auto& in : a.inputs()) {
-      if (auto it = made.find(in.id()); it != made.end()) {
-        call.in.push_back(it->second);
+      const auto id = in.id();
+      auto m = std::find_if(made.begin(), made.end(), [&](const auto& e) { return e.first == id; });
+      if (m != made.end()) {
+        call.in.push_back(m->second);
         continue;
       }
-      auto [it, added] = input_at.emplace(in.id(), static_cast<int>(inputs.size()));
-      if (added) {
+      const auto at = std::find(input_ids.begin(), input_ids.end(), id) - input_ids.begin();
+      if (at == static_cast<std::ptrdiff_t>(inputs.size())) {
         inputs.push_back(in);
+        input_ids.push_back(id);
       }
-      call.in.push_back({FusedSource::kInput, it->second});
+      call.in.push_back({FusedSource::kInput, static_cast<int>(at)});
     }
     for (const auto& o : a.outputs()) {
-      FusedSource to{FusedSource::kTemp, static_cast<int>(temp_shapes.size())};
-      if (auto it = wanted.find(o.id()); it != wanted.end()) {
-        to = {FusedSource::kOutput, it->second};
-      } else {
+      const auto id = o.id();
+      auto w = std::find_if(outputs.begin(), outputs.end(),
+                            [&](const mx::array& x) { return x.id() == id; });
+      FusedSource to{FusedSource::kOutput, static_cast<int>(w - outputs.begin())};
+      if (w == outputs.end()) {
+        to = {FusedSource::kTemp, static_cast<int>(temp_shapes.size())};
         temp_shapes.push_back(o.shape());
         temp_dtypes.push_back(o.dtype());
       }
-      made.emplace(o.id(), to);
+      made.emplace_back(id, to);
       call.out.push_back(to);
     }
     calls.push_back(std::move(call));
   }
   // An output that updates an input in place takes its buffer; no other call may read that
   // input (it would read it written).
-  std::unordered_map<int, int> reads; // an input's place: how many calls' arguments it is
+  std::vector<int> reads(inputs.size()); // an input's place: how many calls' arguments it is
   for (const auto& call : calls) {
     for (const auto& src : call.in) {
-      reads[src.kind == FusedSource::kInput ? src.index : -1] += 1;
+      if (src.kind == FusedSource::kInput) {
+        reads[src.index] += 1;
+      }
     }
   }
   std::vector<int> donors(outputs.size(), -1);
