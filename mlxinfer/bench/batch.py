@@ -14,6 +14,10 @@ definition. Two more rows need no peer run:
   sequence, grown in 256-token steps) — computed from the same bytes per token;
 - a newcomer's time to first token while B others decode, against alone.
 
+Each batch's aggregate is also given against one ``generate`` stream (``generate_step`` over
+its own cache, the same prompt length and tokens, as ``mlxinfer bench`` times it): what a user
+compares when deciding whether to batch.
+
 ``--kv-bits`` quantizes every engine's pool (``Engine(kv_bits=)``), and the KV-bytes row counts
 its packed bytes; mlx-lm's batch benchmark has no KV quantization (a note says so).
 """
@@ -27,7 +31,7 @@ import mlx.core as mx
 
 from ..batch import Engine
 from .common import Log, Run
-from .runs import prompt_ids, summarize
+from .runs import prompt_ids, summarize, time_run
 
 MIX = (40, 300, 1200, 90, 650, 20, 2000, 150)  # prompt lengths of the KV-bytes row
 DENSE_STEP = 256
@@ -183,6 +187,13 @@ def run_batch_benchmark(
                 run_mlx_lm(model_dir, prompt_tokens, max_tokens, reps, batch_size=B)
             )
         results.append(row)
+    prompt = prompt_ids(prompt_tokens, vocab, seed=0)
+    log("one generate stream: warm-up")
+    time_run(model, prompt, max_tokens, kv_bits)
+    streams = []
+    for r in range(reps):
+        streams.append(time_run(model, prompt, max_tokens, kv_bits)[0])
+        log(f"one generate stream {r + 1}/{reps}  decode {streams[-1].decode_tps:.1f} tok/s")
     return {
         "environment": environment(compare),
         "bandwidth": {"gb_per_s": bandwidth[0], "probe": bandwidth[1]},
@@ -190,6 +201,7 @@ def run_batch_benchmark(
         "max_tokens": max_tokens,
         "kv_bits": kv_bits,
         "batches": results,
+        "generate": summarize(streams),
         "kv_bytes": kv_bytes_row(model, max_tokens, kv_bits=kv_bits),
         "newcomer": newcomer_ttft(model, 8, prompt_tokens, vocab, kv_bits),
         "prefix": prefix_ttft(model, vocab, kv_bits=kv_bits),
@@ -209,9 +221,11 @@ def batch_tables(result: dict) -> str:
         f"{env['cpus']}, memory bandwidth {bw['gb_per_s']:.1f} GB/s ({bw['probe']}), "
         f"1-min load average {env['load_average_1min'] or 0:.1f}",
         "",
-        "| batch | engine | decode tok/s (aggregate) ↑ | × batch 1 | total s ↓ | peak MB ↓ |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| batch | engine | decode tok/s (aggregate) ↑ | × batch 1 | × one `generate` | total s ↓ "
+        "| peak MB ↓ |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
+    stream = result["generate"]["median"]["decode_tps"] if "generate" in result else None
     for r in rows:
         for engine in ("mlxinfer", "mlx-lm"):
             if engine not in r:
@@ -219,10 +233,17 @@ def batch_tables(result: dict) -> str:
             m = r[engine]["median"]
             base = one[engine]["median"]["decode_tps"] if one and engine in one else None
             scale = f"{m['decode_tps'] / base:.2f}×" if base else "—"
+            ours = engine == "mlxinfer" and stream
+            streams = f"{m['decode_tps'] / stream:.2f}×" if ours else "—"
             lines.append(
-                f"| {r['batch']} | {engine} | {m['decode_tps']:.1f} | {scale} | "
+                f"| {r['batch']} | {engine} | {m['decode_tps']:.1f} | {scale} | {streams} | "
                 f"{m['total_s']:.1f} | {m['peak_memory_gb'] * 1000:.0f} |"
             )
+    if stream:
+        lines.append(
+            f"\none `generate` stream (the same prompt length and tokens, its own cache): "
+            f"{stream:.1f} tok/s decode"
+        )
     ratios = [
         f"batch {r['batch']}: {r['mlxinfer']['median']['decode_tps'] / r['mlx-lm']['median']['decode_tps']:.2f}×"
         for r in rows

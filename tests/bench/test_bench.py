@@ -388,9 +388,10 @@ def test_written_files_get_ordinary_permissions(tmp_path):
 
 
 def test_batch_bench_rows_and_derived_kv_bytes(model_dir, tmp_path):
-    """``bench --batch``: a row per batch size for both engines, the KV-bytes row derived from the
-    config (blocks of 16 tokens against 8 × the longest in 256-token steps), the prefix's hits;
-    the machine (CPU, bandwidth probe) named in the JSON and above the table."""
+    """``bench --batch``: a row per batch size for both engines, each of ours also against one
+    ``generate`` stream's decode, the KV-bytes row derived from the config (blocks of 16 tokens
+    against 8 × the longest in 256-token steps), the prefix's hits; the machine (CPU, bandwidth
+    probe) named in the JSON and above the table."""
     out = tmp_path / "batch.json"
     args = ["bench", "-m", str(model_dir), "--batch", "1,2", "-p", "8", "-n", str(N), "--reps", "1"]
     result = CliRunner().invoke(cli, [*args, "--compare", "mlx-lm", "--json", str(out)])
@@ -409,6 +410,14 @@ def test_batch_bench_rows_and_derived_kv_bytes(model_dir, tmp_path):
     assert kv["dense_left_padded_bytes"] == len(kv["lengths"]) * longest * per_token
     assert data["prefix"]["second_cached_tokens"] == 1000 // 16 * 16
     assert "mlxinfer / mlx-lm aggregate decode: batch 1:" in result.output
+    stream = data["generate"]["median"]["decode_tps"]  # one generate stream, the user's baseline
+    two = data["batches"][1]["mlxinfer"]["median"]["decode_tps"]
+    assert stream > 0 and f"| 2 | mlxinfer | {two:.1f} |" in result.output
+    assert f"| {two / stream:.2f}× |" in result.output
+    assert (
+        f"one `generate` stream (the same prompt length and tokens, its own cache): {stream:.1f}"
+        in result.output
+    )
     assert data["environment"]["cpus"] == os.cpu_count() and data["bandwidth"]["gb_per_s"] > 0
     assert f"memory bandwidth {data['bandwidth']['gb_per_s']:.1f} GB/s" in result.output
 
