@@ -5,8 +5,8 @@
 
 For each prompt length and KV setting, each round runs both settings in turn (the order
 swapped every round) on one seeded random prompt, ``generate_step`` over its own cache, and
-prints each setting's decode tok/s per round (the tokens after the first over their wall
-time), their medians and ratio, the CPU (lscpu's model name) and the load average.
+prints each setting's decode tok/s per round (``mlxinfer bench``'s: ``bench.runs.time_run``),
+their medians and ratio, the CPU's model name and the load average.
 """
 
 # ruff: noqa: I001  (mlxinfer before mlx: it loads the fast BLAS, which must come first)
@@ -15,27 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import mlxinfer  # noqa: F401  (before mlx: the fast BLAS)
 import numpy as np
 
 from mlxinfer import load
 from mlxinfer.backends.cpu import blocks
-from mlxinfer.cache.prompt import PromptCache
-from mlxinfer.generation import generate_step
+from mlxinfer.bench.runs import time_run
 from mlxinfer.platform.machine import cpu_name
-
-
-def decode_rate(model, prompt: list[int], n: int, bits: int | None) -> float:
-    cache = PromptCache(model.make_cache(kv_bits=bits))
-    start, count = None, 0
-    for _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=n):
-        if start is None:
-            start = time.perf_counter()  # after the prompt and the first token
-        else:
-            count += 1
-    return count / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -59,7 +46,7 @@ def main() -> None:
             for k in range(args.rounds):
                 for fuse in (True, False) if k % 2 == 0 else (False, True):
                     blocks.FUSE = fuse
-                    rates[fuse].append(decode_rate(model, prompt, args.max_tokens, bits))
+                    rates[fuse].append(time_run(model, prompt, args.max_tokens, bits)[0].decode_tps)
             one, four = (statistics.median(rates[f]) for f in (True, False))
             print(
                 f"prompt {p:>5}, kv {kv:>4}: one node {one:.1f} tok/s "
