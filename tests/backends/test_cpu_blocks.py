@@ -177,7 +177,7 @@ def test_replaced_weights_and_plans_are_seen_at_the_next_step(tmp_path, monkeypa
     assert counter.calls == dict.fromkeys(NAMES, 0)
 
 
-ENGINE_CALLS = ("norm_products", "pool_write", "paged_attention_output", "mlp_output")
+ENGINE_CALLS = ("norm_products", "pool_write", "paged_attention_output", "mlp_output", "fuse")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -217,6 +217,15 @@ def test_the_batching_engine_runs_fused_blocks_over_its_pages(family, tmp_path, 
         # 3 rows, so at least 5 steps and at most 15, each of every layer
         assert 5 * layers * on <= calls["paged_attention_output"] <= 15 * layers * on, on
         assert calls["paged_attention_output"] % layers == 0, on
+    counter.calls = dict.fromkeys(ENGINE_CALLS, 0)  # a lone row: each block one graph node
+    monkeypatch.setattr(blocks, "ON", True)
+    with Engine(model, max_batch=4, block_size=16) as engine:
+        got = [s.token for s in engine.submit(prompts[1], max_tokens=6).steps(timeout=60)]
+    assert got == expected[1]
+    assert K.attention_buffer_copies() == copies  # the pool written in place by the fused node
+    calls = counter.calls
+    # 5 decode steps after the first token (6 where the prompt's last token is one too)
+    assert calls["fuse"] == calls["paged_attention_output"] in (5 * layers, 6 * layers)
 
 
 def test_a_block_outside_the_fused_forms_keeps_its_own_forward(tmp_path, monkeypatch):
