@@ -16,8 +16,9 @@ CPU (docs/performance.md): ~1.4 ms of a ~9.5 ms token, 15 primitives a block. Un
 (csrc/src/block.h). Each kernel does the separate kernels' steps in their order and float
 arithmetic, so a block's output is theirs bit for bit (tests/backends/test_cpu_blocks.py).
 Over a single request's cache the four are then one node of MLX's graph (``fuse``: run in
-order in one evaluation; MLX's scheduling costs each node several µs on the CPU); the
-batching engine's rows keep four nodes, where one measured slower (docs/performance.md).
+order in one evaluation; MLX's scheduling costs each node several µs on the CPU), and so
+over the batching engine's pool for a lone row; several rows keep four nodes, where one
+measured slower (docs/performance.md).
 
 Which blocks: those whose forward is one of :data:`FORMS` (Llama/Mistral/SmolLM, Qwen2/3,
 Gemma 1's pre-norm block, Gemma 2/3's block with post-norms), whose attention the decode
