@@ -74,6 +74,10 @@ NB_MODULE(_mlxinfer_kernels, m) {
             .c_str());
   }
   m.attr("mlx_version") = built_for;
+  // The bindings' version: raised whenever a function's name or arguments change (the Python
+  // side, mlxinfer.backends.kernels.API, refuses another: a module left from an older
+  // checkout would otherwise fail mid-decode). 1: pool_write of both sides, fuse.
+  m.attr("api") = 1;
   m.attr("best_isa") = mlxinfer::isa_name(mlxinfer::best_isa());
   // quantized_matvec's modes (a module built before mxfp4 lacks the attribute: affine only).
   m.attr("quantized_modes") = nb::make_tuple("affine", "mxfp4", "nvfp4", "mxfp8");

@@ -289,6 +289,30 @@ def test_without_the_kernels_nothing_changes(tiny, monkeypatch):
     assert np.abs(out - torch_logits(torch_model, IDS[:12])).max() <= 1e-3
 
 
+def test_a_module_from_another_checkout_is_refused_at_load(monkeypatch):
+    """A kernels module whose bindings' version is not the package's (left from an older
+    checkout: its functions' arguments differ) is not used: load() gives None and reason()
+    names the file, both versions and the rebuild, so decode runs MLX's ops instead of failing
+    mid-step."""
+    import types
+
+    path = kernels._find()
+    if path is None:
+        pytest.skip(kernels.reason() or "kernels not built")
+    for stale in (types.SimpleNamespace(), types.SimpleNamespace(api=kernels.API + 1)):
+        monkeypatch.setattr(kernels, "_import", lambda p, stale=stale: stale)
+        monkeypatch.setattr(kernels, "_loaded", None)
+        assert kernels.load() is None
+        found = getattr(stale, "api", 0)
+        assert kernels.reason() == (
+            f"kernels at {path} are another version's (bindings {found}, this mlxinfer calls "
+            f"{kernels.API}): rebuild them (pip install -e . or python3 tools/build_kernels.py); "
+            "MLX's own ops are used"
+        )
+    monkeypatch.undo()
+    assert kernels.load() is not None and kernels.load().api == kernels.API  # this build's
+
+
 def test_the_plan_timing_keeps_the_kernel_only_where_it_wins(tiny, counting, monkeypatch):
     """``measure`` on fake timings: a kernel that makes the blocks faster is kept, and its
     thread count is then timed (one thread faster: kept); a kernel that loses is refused and

@@ -4,7 +4,8 @@ vectorised (AVX-512 / AVX2+FMA, chosen at run time) and threaded, as MLX primiti
 Optional: a machine without a C++ compiler and CMake runs without them, on MLX's own
 ops. :func:`load` finds the extension module (``_mlxinfer_kernels``) and imports it once;
 where it is missing, or was built against another MLX (its import refuses), it returns
-``None`` and :func:`reason` says why in one line. The CPU backend (``backends.cpu``) calls
+``None`` and :func:`reason` says why in one line; so where it is another checkout's (its
+bindings' version, ``api``, is not :data:`API`). The CPU backend (``backends.cpu``) calls
 them; model modules never import this package.
 
 Where the module is looked for, in order: ``$MLXINFER_KERNELS_DIR``; this package's own
@@ -32,6 +33,9 @@ ENV_DIR = "MLXINFER_KERNELS_DIR"  # a folder holding _mlxinfer_kernels*.so
 # neon, best
 ENV_ISA = "MLXINFER_KERNELS_ISA"
 NAME = "_mlxinfer_kernels"
+# The bindings' version this package calls (csrc/src/bindings.cpp's ``api``): a module built from
+# another checkout is refused at load, not met mid-decode by a missing function
+API = 1
 NOT_BUILT = NAME + ".not-built"  # an install's one line saying why it did not build them
 
 _loaded: tuple[ModuleType | None, str | None] | None = None
@@ -101,6 +105,13 @@ def _load() -> tuple[ModuleType | None, str | None]:
         )
     except OSError as e:
         return None, f"kernels at {path} did not load: {e}; MLX's own ops are used"
+    if getattr(module, "api", None) != API:
+        return (
+            None,
+            f"kernels at {path} are another version's (bindings {getattr(module, 'api', 0)}, "
+            f"this mlxinfer calls {API}): rebuild them (pip install -e . or python3 "
+            "tools/build_kernels.py); MLX's own ops are used",
+        )
     cap = os.environ.get(ENV_ISA, "")
     if cap:  # a lower instruction set than the CPU's: another machine's paths, here
         try:
