@@ -200,28 +200,26 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
     if cos.size != B * (rope.dims // 2):  # one offset for every row
         cos, sin = (mx.broadcast_to(t.reshape(1, -1), (B, rope.dims // 2)) for t in (cos, sin))
 
-    # A lone row's block is one node of MLX's graph (1.04-1.06x, SmolLM2); several rows keep
-    # four (one node measured 0.94x at 8 rows, 0.96x at 4: docs/performance.md).
-    one_node = FUSE and B == 1
-    tables = cache.pages(mask) if one_node else None  # the keys and values then the write's
+    # The block built where the pool's arrays are written: its pages are this step's tables with
+    # the write's keys and values. A lone row's block is then one node of MLX's graph (1.04-1.07x,
+    # SmolLM2); several rows keep four (one node measured 0.94x at 8 rows, 0.96x at 4:
+    # docs/performance.md).
+    tables = cache.pages(mask)
     out = []
 
     def write(keys: Any, values: Any, rows: mx.array) -> tuple[Any, Any]:
         ks, vs = _write(k_, keys if kv else [keys], values if kv else [values], qkv, rows, cos,
                         sin, attn, kv)  # fmt: skip
-        if tables is not None:  # the whole block here, its keys and values the fused node's
-            h = _attention_output(x, qkv, tables._replace(keys=ks, values=vs), cos, sin, attn,
-                                  o, post_attn, kv)  # fmt: skip
-            y = k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+        pages = tables._replace(keys=ks, values=vs)
+        h = _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv)
+        y = k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+        if B == 1:
             y, ks, vs = _fused(k_, y, ks, vs)
-            out.append(y)
+        out.append(y)
         return (ks, vs) if kv else (ks[0], vs[0])
 
     write_with(write)
-    if out:
-        return out[0]
-    h = _attention_output(x, qkv, cache.pages(mask), cos, sin, attn, o, post_attn, kv)
-    return k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
+    return out[0]
 
 
 def _write(k_, keys, values, qkv, rows, cos, sin, attn, kv: dict | None = None) -> tuple:
