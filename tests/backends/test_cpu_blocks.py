@@ -449,3 +449,43 @@ def test_fuse_gives_a_blocks_outputs_as_one_node_and_writes_the_cache_in_place()
         h = K.mlp_output(h, norm, 1e-5, [gate_up], down)
     with pytest.raises(ValueError, match=r"fuse\] outputs: expected the graph of at most 16"):
         K.fuse([h])
+
+
+def test_a_write_queued_behind_a_running_one_still_updates_in_place():
+    """The batching engine queues step n + 1 before step n has run (batch/ahead.py). MLX's CPU
+    tasks hold what a several-output primitive wrote (its siblings) until they run, so step
+    n + 1's ``pool_write`` found step n's pool not donatable and copied it, every layer every
+    step (found in a 300-token run: 29 copies a step at one row). Now the write waits for the
+    evaluation that is still running and takes the buffer over: the values those of the two
+    writes in turn, no copy; two writes in one evaluation still finish (the wait is only for an
+    earlier evaluation's)."""
+    rng = np.random.default_rng(5)
+    pool = [rng.standard_normal((4, 2, 8, 16)).astype(np.float32) for _ in range(2)]
+    qkv = [mx.array(rng.standard_normal((2, 1, 128)).astype(np.float32)) for _ in range(2)]
+    rows = [mx.array([1, 9, 20, 28], mx.uint32), mx.array([2, 10, 21, 29], mx.uint32)]
+    cos = sin = mx.zeros((2, 8))
+    kw = dict(k_start=64, v_start=96, dims=16)
+
+    def write(keys, values, i, after=None):
+        x = qkv[i] if after is None else qkv[i] + 0 * mx.sum(after)
+        return K.pool_write([keys], [values], x, rows[i], cos, sin, **kw)
+
+    k, v = write(*map(mx.array, pool), 0)
+    want = [np.array(a) for a in write(k, v, 1)]
+    big = mx.array(rng.standard_normal((768, 768)).astype(np.float32)) / 30
+    slow = big
+    for _ in range(12):  # step n's work, still running when step n + 1 is queued
+        slow = slow @ big
+    copies = K.attention_buffer_copies()
+    k, v = write(*map(mx.array, pool), 0, after=slow)
+    mx.async_eval(k, v)
+    k2, v2 = write(k, v, 1)
+    del k, v  # the engine's pool holds step n + 1's arrays only
+    mx.async_eval(k2, v2)
+    assert all(np.array_equal(np.array(a), b) for a, b in zip((k2, v2), want))
+    assert K.attention_buffer_copies() == copies  # fails where step n's pool is copied
+    k, v = write(*map(mx.array, pool), 0, after=slow)
+    k2, v2 = write(k, v, 1)
+    del k, v
+    mx.async_eval(k2, v2)  # both writes in one evaluation: no wait on its own event
+    assert all(np.array_equal(np.array(a), b) for a, b in zip((k2, v2), want))
