@@ -185,7 +185,8 @@ def test_the_batching_engine_runs_fused_blocks_over_its_pages(family, tmp_path, 
     """The engine's decode steps (rows of mixed lengths joined mid-batch; Gemma's sliding
     layers over a window pool): each row's greedy tokens MLX's own quantized path's for its
     prompt alone, the same with the fused blocks off, and every block of every decode step
-    fused (its keys and values written into the pool by one ``pool_write`` a layer)."""
+    fused (its keys and values written into the pool by one ``pool_write`` a layer, the block
+    one node of MLX's graph)."""
     path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, **FAMILIES[family])
     add_tokenizer(path)
     convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
@@ -213,6 +214,7 @@ def test_the_batching_engine_runs_fused_blocks_over_its_pages(family, tmp_path, 
         calls = counter.calls
         assert calls["pool_write"] == calls["paged_attention_output"], on
         assert calls["mlp_output"] == calls["paged_attention_output"], on
+        assert calls["fuse"] == calls["paged_attention_output"], on  # each block one node
         # a decode step of every row: each prompt's 5 tokens after its first, in steps of up to
         # 3 rows, so at least 5 steps and at most 15, each of every layer
         assert 5 * layers * on <= calls["paged_attention_output"] <= 15 * layers * on, on

@@ -17,8 +17,7 @@ CPU (docs/performance.md): ~1.4 ms of a ~9.5 ms token, 15 primitives a block. Un
 arithmetic, so a block's output is theirs bit for bit (tests/backends/test_cpu_blocks.py).
 Over a single request's cache the four are then one node of MLX's graph (``fuse``: run in
 order in one evaluation; MLX's scheduling costs each node several µs on the CPU), and so
-over the batching engine's pool for a lone row; several rows keep four nodes, where one
-measured slower (docs/performance.md).
+over the batching engine's pool, its rows' blocks.
 
 Which blocks: those whose forward is one of :data:`FORMS` (Llama/Mistral/SmolLM, Qwen2/3,
 Gemma 1's pre-norm block, Gemma 2/3's block with post-norms), whose attention the decode
@@ -201,9 +200,8 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
         cos, sin = (mx.broadcast_to(t.reshape(1, -1), (B, rope.dims // 2)) for t in (cos, sin))
 
     # The block built where the pool's arrays are written: its pages are this step's tables with
-    # the write's keys and values. A lone row's block is then one node of MLX's graph (1.04-1.07x,
-    # SmolLM2); several rows keep four (one node measured 0.94x at 8 rows, 0.96x at 4:
-    # docs/performance.md).
+    # the write's keys and values; then one node of MLX's graph (SmolLM2: 1.07x a lone row,
+    # 1.03x at 4 rows, 1.065x at 8; docs/performance.md).
     tables = cache.pages(mask)
     out = []
 
@@ -213,8 +211,7 @@ def decode_rows(block: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arra
         pages = tables._replace(keys=ks, values=vs)
         h = _attention_output(x, qkv, pages, cos, sin, attn, o, post_attn, kv)
         y = k_.mlp_output(h, w2, eps2, gate_up, down, act=act, **_post(post_mlp))
-        if B == 1:
-            y, ks, vs = _fused(k_, y, ks, vs)
+        y, ks, vs = _fused(k_, y, ks, vs)
         out.append(y)
         return (ks, vs) if kv else (ks[0], vs[0])
 
