@@ -16,9 +16,13 @@ minimum and the median over the rounds, in milliseconds:
 - ``wait``: the rest of the loop's step, almost all of it ``.item()`` waiting for the token;
 - ``detok``, ``stop``: the streaming detokenizer and the stop-string matcher;
 - ``other``: ``stream_generate``'s remaining per-token work (results, stats, the generators);
-- engine: ``build`` (step start to its ``mx.eval``), ``sample`` (``rows.sample_rows``, in
-  build), ``eval`` (the ``mx.eval``), ``emit`` (tokens to the rows' queues, retiring), and
-  ``bookkeeping``: the rest of a scheduler turn (admission, prefill checks, pool, counters).
+- engine (its plain steps go ahead, ``batch/ahead.py``: step n + 1 queued before step n's
+  tokens are read): ``step`` (one step's period at the full batch), ``build`` (from the step's
+  start to its ``mx.async_eval``: the rows' views, the forward, sampling), ``forward`` and
+  ``sample`` (``sample_rows``) its parts, ``submit`` (the ``mx.async_eval``: MLX's submission,
+  which waits while ten tasks are in flight, so mostly the step before still running),
+  ``land`` (step n's tokens read and handed to the rows' queues, retiring), and
+  ``bookkeeping``: the rest of a scheduler turn (admission, prefill checks, counters).
 
 Nothing in the package changes for this: the probes wrap functions for the run (the model's
 class ``__call__``, ``mx.async_eval``/``mx.eval``, the detokenizer's and stop matcher's
@@ -50,7 +54,7 @@ from pathlib import Path
 import mlxinfer
 import mlx.core as mx
 
-from mlxinfer.batch import scheduler as scheduler_mod
+from mlxinfer.batch import ahead as ahead_mod
 from mlxinfer.generation import loop, sampling
 from mlxinfer.generation import request as request_mod
 from mlxinfer.tokenization.detokenizer import StreamingDetokenizer
@@ -80,9 +84,8 @@ class Probes:
         self.step_start: float | None = None
         self._saved: list[tuple[object, str, object]] = []
         self._engine_step: float | None = None
-        self._engine_eval = False
+        self._engine_queue = False  # inside the engine's Ahead._queue
         self._engine_thread: int | None = None
-        self._eval_end = 0.0
         probe = self
 
         def patch(owner, name, make):
@@ -106,6 +109,11 @@ class Probes:
         def async_eval(original):
             def timed(*args):
                 t = now()
+                if probe._engine_queue and threading.get_ident() == probe._engine_thread:
+                    probe.times["e_build"].append(t - probe._engine_step)
+                    out = original(*args)
+                    probe.times["e_submit"].append(now() - t)
+                    return out
                 if probe.step_start is not None:
                     probe.times["build"].append(t - probe.step_start)
                     probe.step_start = None
@@ -113,31 +121,19 @@ class Probes:
 
             return timed
 
-        def engine_eval(original):
-            def timed(*args, **kwargs):
-                if not probe._engine_eval or threading.get_ident() != probe._engine_thread:
-                    return original(*args, **kwargs)
-                t = now()
-                probe.times["e_build"].append(t - probe._engine_step)
-                out = original(*args, **kwargs)
-                probe._eval_end = now()
-                probe.times["e_eval"].append(probe._eval_end - t)
-                probe._engine_eval = False
-                return out
-
-            return timed
-
-        def decode_rows(original):
-            def timed(sched, rows):
+        def queue(original):  # Ahead._queue: one step built and queued
+            def timed(ahead, go_on, ready, before):
                 t = now()
                 if probe._engine_step is not None:
                     probe.times["e_period"].append(t - probe._engine_step)
-                    probe.times["e_rows"].append(len(rows))
-                probe._engine_step, probe._engine_eval = t, True
+                    probe.times["e_rows"].append(len(go_on) + len(ready))
+                probe._engine_step, probe._engine_queue = t, True
                 probe._engine_thread = threading.get_ident()
-                out = original(sched, rows)
-                probe.times["e_emit"].append(now() - probe._eval_end)
-                return out
+                try:
+                    return original(ahead, go_on, ready, before)
+                finally:
+                    probe._engine_queue = False
+                    probe.times["e_queue"].append(now() - t)
 
             return timed
 
@@ -196,9 +192,9 @@ class Probes:
 
         patch(type(model), "__call__", forward)
         patch(mx, "async_eval", async_eval)
-        patch(mx, "eval", engine_eval)
-        patch(scheduler_mod.Scheduler, "_decode_rows", decode_rows)
-        patch(scheduler_mod.rows_mod, "sample_rows", sample_rows)
+        patch(ahead_mod.Ahead, "_queue", queue)
+        patch(ahead_mod.Ahead, "_land", method("e_land"))
+        patch(ahead_mod, "sample_rows", sample_rows)
         patch(sampling, "make_sampler", make_sampler)
         patch(loop, "make_sampler", make_sampler)
         patch(StreamingDetokenizer, "add_token", method("detok"))
@@ -312,7 +308,7 @@ def run_engine(model, tokenizer, n_tokens: int, batch: int, probes: Probes) -> d
         total = now() - t
     times = probes.take()
     full = [p for p, rows in zip(times["e_period"], times["e_rows"]) if rows == batch]
-    steps = len(times["e_build"])
+    steps = len(times["e_queue"])
     ms = 1000 / max(steps, 1)
     out = {
         "tok_s": tokens / total,
@@ -320,11 +316,12 @@ def run_engine(model, tokenizer, n_tokens: int, batch: int, probes: Probes) -> d
         "build": sum(times["e_build"]) * ms,
         "forward": sum(times["forward"]) * ms,
         "sample": sum(times["e_sample"]) * ms,
-        "eval": sum(times["e_eval"]) * ms,
-        "emit": sum(times["e_emit"]) * ms,
+        "submit": sum(times["e_submit"]) * ms,
+        "land": sum(times["e_land"]) * ms,
     }
-    busy = [b + e + m for b, e, m in zip(times["e_build"], times["e_eval"], times["e_emit"])]
-    gaps = [p - b for p, b in zip(times["e_period"], busy[:-1])]
+    # a turn: its queue, the step before's landing, and the rest (between one queue and the next)
+    busy = [q + land for q, land in zip(times["e_queue"], times["e_land"])]
+    gaps = [p - b for p, b in zip(times["e_period"], busy)]
     out["bookkeeping"] = statistics.median(gaps) * 1000 if gaps else float("nan")
     return out
 
