@@ -92,34 +92,33 @@ void note_buffer_copy() {
 
 namespace {
 
-// Whether `in` was written by an earlier asynchronous evaluation on `out`'s stream that may
-// still run, and that stream has now been waited for. MLX's CPU tasks hold the buffers of the
+// Waits for `out`'s stream where `in` was written by an earlier asynchronous evaluation on it
+// that may still run. MLX's CPU tasks hold the buffers of the
 // arrays their primitive wrote beside its first output (its siblings: cpu::eval) until they
 // run, so what a several-output primitive (pool_write, a fused block) wrote is not donatable
 // while that evaluation runs: the batching engine queues step n + 1 before step n has run
 // (batch/ahead.py), and each layer's pool was copied every step. Waiting costs little there:
-// the submission waits for step n anyway (MLX keeps at most ten tasks of a hundred calls in
+// the submission waits for step n anyway (MLX keeps at most ten tasks, of ten calls each, in
 // flight). An input's event still attached here is one MLX found unsignalled just before
 // (eval_impl detaches signalled ones); this evaluation's own (the output's) is signalled only
 // after its submission, so it is never waited for. (MLX exports no Event methods: the stream
 // is waited for, as mx.synchronize does.)
-bool waited_for_writer(const mx::array& in, const mx::array& out) {
+void wait_for_writer(const mx::array& in, const mx::array& out) {
   const auto& e = in.event();
   const auto& mine = out.event();
   const auto stream = out.primitive().stream();
   if (!e.valid() || e.stream() != stream ||
       (mine.valid() && &mine.cast<char>() == &e.cast<char>())) {
-    return false;
+    return;
   }
   mx::synchronize(stream);
-  return true;
 }
 
 } // namespace
 
 bool take_buffer(const mx::array& in, mx::array& out, bool count) {
   if (!in.is_donatable() && in.flags().row_contiguous) {
-    waited_for_writer(in, out);
+    wait_for_writer(in, out);
   }
   if (in.is_donatable() && in.flags().row_contiguous) {
     out.copy_shared_buffer(in);
