@@ -2,9 +2,10 @@
 
 The lines come from a blocking iterator over the engine's results (one request). Each line is
 read in a worker thread of the app's generation work (``limits.Work``); between two lines the
-client's connection is checked, and while a line is slow to come (a request waiting for room
-in the batch, a long prefill) a keep-alive is sent every ``every`` seconds, so proxies and
-clients with read timeouts do not hang up.
+client's connection is checked (at most every ``CHECK_S`` while lines come quickly: each check
+is a receive under a cancel scope, and it was most of the event loop's work a token), and while
+a line is slow to come (a request waiting for room in the batch, a long prefill) a keep-alive is
+sent every ``every`` seconds, so proxies and clients with read timeouts do not hang up.
 When the client is gone the iterator is closed, which cancels the request in the engine and
 frees its blocks. (uvicorn drops writes to a closed connection without an error, so without
 the check the request would run to its end.)
@@ -23,6 +24,7 @@ from starlette.background import BackgroundTask
 from .limits import in_worker
 
 KEEP_ALIVE_S = 15.0
+CHECK_S = 0.2  # while lines come quickly, the connection checked at most this often
 COMMENT = ": keep-alive\n\n"  # an SSE comment: clients skip it
 _END = object()
 
@@ -52,6 +54,8 @@ async def _lines(
     on_close: Callable[[], None] | None,
 ) -> AsyncIterator[str]:
     pending = None
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
     try:
         while True:
             pending = asyncio.ensure_future(in_worker(request, next, lines, _END))
@@ -60,8 +64,12 @@ async def _lines(
                     return
                 yield keep_alive
             line, pending = pending.result(), None
-            if line is _END or await request.is_disconnected():
+            if line is _END:
                 return
+            if loop.time() - checked >= CHECK_S:
+                if await request.is_disconnected():
+                    return
+                checked = loop.time()
             yield line
     finally:
         with anyio.CancelScope(shield=True):
