@@ -84,7 +84,7 @@ MLXINFER_INLINE vi16 seen16(const bool* seen) {
 
 // Scores to probabilities times their total's inverse left to the caller: s[at] becomes
 // exp(s[at] - max over the visible) where seen, else 0; returns 1 / the total (0 if none).
-MLXINFER_INLINE float softmax_weights16(float* s, const bool* seen, int T) {
+MLXINFER_INLINE float softmax_weights16(float* s, const bool* seen, int T, float* top_out = nullptr) {
   const vf16 ninf = vf16{} - INFINITY;
   vf16 top16 = ninf;
   int at = 0;
@@ -99,6 +99,9 @@ MLXINFER_INLINE float softmax_weights16(float* s, const bool* seen, int T) {
   }
   for (int t = at; t < T; ++t) {
     top = seen[t] ? std::max(top, s[t]) : top;
+  }
+  if (top_out != nullptr) {
+    *top_out = top;
   }
   vf16 total16{};
   for (at = 0; at + 16 <= T; at += 16) {
@@ -491,11 +494,13 @@ MLXINFER_INLINE void paged_values_cols(const Rows& Vs, const uint32_t* table, co
   }
 }
 
-// R query heads sharing one KV head: scores, softmax weights, values.
+// R query heads sharing one KV head: scores, softmax weights, values. `stats` (or null): each
+// head's largest visible score and its weights' total, (top, total) pairs, so that parts of the
+// keys attended apart can be joined (attention_parts).
 template <int R, bool WIDE, typename KRows, typename VRows>
 MLXINFER_INLINE void paged_group16(const float* q, const KRows& K, const VRows& V,
                                    const uint32_t* table, const bool* seen, int n, int block,
-                                   int D, int Dv, float* scores, float* y) {
+                                   int D, int Dv, float* scores, float* y, float* stats) {
   const int T = n * block;
   if constexpr (WIDE) {
     paged_scores16<R, 4, vf16>(q, K, table, seen, n, block, D, T, scores);
@@ -511,7 +516,11 @@ MLXINFER_INLINE void paged_group16(const float* q, const KRows& K, const VRows& 
   }
   float inv[R];
   for (int j = 0; j < R; ++j) {
-    inv[j] = softmax_weights16(scores + static_cast<size_t>(j) * T, seen, T);
+    inv[j] = softmax_weights16(scores + static_cast<size_t>(j) * T, seen, T,
+                               stats != nullptr ? stats + 2 * j : nullptr);
+    if (stats != nullptr) {
+      stats[2 * j + 1] = inv[j] > 0 ? 1.0f / inv[j] : 0.0f;
+    }
   }
   // Value vectors a pass, each loaded once for the R heads, the R x NC totals in registers:
   // with AVX-512's 32 (WIDE) four (64 columns); else two for up to two heads, one for more.
@@ -530,24 +539,26 @@ MLXINFER_INLINE void paged_group16(const float* q, const KRows& K, const VRows& 
 template <bool WIDE, typename KRows, typename VRows>
 MLXINFER_INLINE void paged_head16(const float* q, const KRows& K, const VRows& V,
                                   const uint32_t* table, const bool* seen, int reps, int n,
-                                  int block, int D, int Dv, float* scores, float* y) {
+                                  int block, int D, int Dv, float* scores, float* y,
+                                  float* stats = nullptr) {
   const size_t T = static_cast<size_t>(n) * block;
   for (int j = 0; j < reps; j += 4) {
     const float* qj = q + static_cast<size_t>(j) * D;
     float* sj = scores + static_cast<size_t>(j) * T;
     float* yj = y + static_cast<size_t>(j) * Dv;
+    float* st = stats != nullptr ? stats + 2 * j : nullptr;
     switch (std::min(4, reps - j)) {
       case 4:
-        paged_group16<4, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        paged_group16<4, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj, st);
         break;
       case 3:
-        paged_group16<3, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        paged_group16<3, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj, st);
         break;
       case 2:
-        paged_group16<2, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        paged_group16<2, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj, st);
         break;
       default:
-        paged_group16<1, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj);
+        paged_group16<1, WIDE>(qj, K, V, table, seen, n, block, D, Dv, sj, yj, st);
         break;
     }
   }
@@ -557,16 +568,52 @@ MLXINFER_INLINE void paged_head16(const float* q, const KRows& K, const VRows& V
 template <bool WIDE>
 MLXINFER_INLINE void paged_head_f32x16(const float* q, const float* K, const float* V,
                                        const uint32_t* table, const bool* seen, int reps, int n,
-                                       int block, int D, int Dv, float* scores, float* y) {
+                                       int block, int D, int Dv, float* scores, float* y,
+                                       float* stats = nullptr) {
   paged_head16<WIDE>(q, F32Rows{K, D}, F32Rows{V, Dv}, table, seen, reps, n, block, D, Dv, scores,
-                     y);
+                     y, stats);
 }
 
 // paged_head_f32x16 on the best vector path this CPU has (paged.cpp). False where it does not
 // apply: head dims not multiples of 16, or an x86 CPU below AVX2 (attention_math.h's loops run
-// there as well). Also one query head over a plain cache's T tokens: one block of T.
+// there as well). Also one query head over a plain cache's T tokens: one block of T. `stats`
+// (or null): each query head's (top score, weights' total), as paged_group16's.
 bool attention_f32x16(const float* q, const float* K, const float* V, const uint32_t* table,
                       const bool* seen, int reps, int n, int block, int D, int Dv, float* scores,
-                      float* y);
+                      float* y, float* stats = nullptr);
+
+// Joins `parts` attentions of the same `reps` query heads over disjoint parts of their keys,
+// each normalised over its own part (y: parts x reps x Dv; stats: parts x reps x (top, total)),
+// into the attention over all of them (out: reps x Dv): each part weighted by its total scaled
+// to the largest top. A part that saw nothing (total 0) weighs nothing; none: zeros.
+inline void join_attention_parts(const float* y, const float* stats, int parts, int reps, int Dv,
+                                 float* out) {
+  for (int j = 0; j < reps; ++j) {
+    float top = -INFINITY;
+    for (int c = 0; c < parts; ++c) {
+      const float* st = stats + (static_cast<size_t>(c) * reps + j) * 2;
+      top = st[1] > 0 ? std::max(top, st[0]) : top;
+    }
+    float* o = out + static_cast<size_t>(j) * Dv;
+    std::fill(o, o + Dv, 0.0f);
+    float total = 0;
+    for (int c = 0; c < parts; ++c) {
+      const float* st = stats + (static_cast<size_t>(c) * reps + j) * 2;
+      if (st[1] <= 0) {
+        continue;
+      }
+      const float w = st[1] * std::exp(st[0] - top);
+      total += w;
+      const float* yc = y + (static_cast<size_t>(c) * reps + j) * Dv;
+      for (int d = 0; d < Dv; ++d) {
+        o[d] += w * yc[d];
+      }
+    }
+    const float inv = total > 0 ? 1.0f / total : 0.0f;
+    for (int d = 0; d < Dv; ++d) {
+      o[d] *= inv;
+    }
+  }
+}
 
 } // namespace mlxinfer

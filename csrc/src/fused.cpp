@@ -42,6 +42,42 @@ void attend_cpu(const AttentionShape& a, std::vector<float>& q, const C* K, cons
   auto& pool = ThreadPool::instance();
   const int64_t work = static_cast<int64_t>(T) * a.n_q * (D + Dv);
   const int threads = pool.size() <= 1 || work < (1 << 17) ? 1 : pool.size();
+  if constexpr (std::is_same_v<C, float>) {
+    // Fewer KV heads than twice the threads (SmolLM2's 3, Gemma-3's 1 on 2): each KV head's
+    // keys attended in parts on the threads and joined (paged.cpp's attend_in_parts), so each
+    // key is read once and the threads share them; splitting the query heads read them twice.
+    const int parts = threads > 1 && a.n_kv < 2 * threads && vectors
+                          ? std::min((2 * threads + a.n_kv - 1) / a.n_kv, T / 16)
+                          : 1;
+    if (parts > 1) {
+      std::vector<float> ys(static_cast<size_t>(a.n_kv) * parts * reps * Dv);
+      std::vector<float> stats(static_cast<size_t>(a.n_kv) * parts * reps * 2);
+      std::atomic<bool> ok{true};
+      pool.run(a.n_kv * parts, [&](int t) {
+        const int h = t / parts, c = t % parts;
+        const int t0 = static_cast<int>(static_cast<int64_t>(T) * c / parts);
+        const int t1 = static_cast<int>(static_cast<int64_t>(T) * (c + 1) / parts);
+        std::vector<float> scores(static_cast<size_t>(reps) * (t1 - t0));
+        const uint32_t first = 0;
+        const size_t at = static_cast<size_t>(t) * reps;
+        if (!attention_f32x16(q.data() + static_cast<size_t>(h) * reps * D,
+                              K + (static_cast<size_t>(h) * cap + t0) * D,
+                              V + (static_cast<size_t>(h) * cap + t0) * Dv, &first,
+                              reinterpret_cast<const bool*>(all_seen.data()), reps, 1, t1 - t0,
+                              D, Dv, scores.data(), ys.data() + at * Dv, stats.data() + at * 2)) {
+          ok = false;
+        }
+      });
+      if (ok) {
+        for (int h = 0; h < a.n_kv; ++h) {
+          const size_t at = static_cast<size_t>(h) * parts * reps;
+          join_attention_parts(ys.data() + at * Dv, stats.data() + at * 2, parts, reps, Dv,
+                               y.data() + static_cast<size_t>(h) * reps * Dv);
+        }
+        return;
+      }
+    }
+  }
   // Tasks: each KV head's query heads in `split` parts, enough parts for the threads.
   const int split = std::min(reps, std::max(1, (threads + a.n_kv - 1) / a.n_kv));
   const int per = (reps + split - 1) / split;

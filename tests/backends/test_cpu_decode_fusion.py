@@ -323,6 +323,10 @@ def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch)
         (2, 4, 4, 16, 8, 1),
         (2, 6, 3, 40, 8, 3),
         (2, 12, 2, 48, 6, 3),  # 6 heads a KV head (4 + 2), blocks of 6: the vector tails
+        # one row over few KV heads: each head's blocks attended in parts on the threads, joined
+        (1, 9, 3, 64, 16, 24),
+        (1, 4, 1, 64, 16, 40),
+        (1, 4, 1, 64, 16, 40, 100),  # 100 tokens seen of 640: the later parts see none
     ],
 )
 def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
@@ -330,7 +334,7 @@ def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
     partly, padding blocks not at all), against the definition and MLX's ops, on every
     instruction-set path (float32 head dims that are multiples of 16 take the vector path of
     attention_simd.h; 40 the generic loops). The hidden slots hold NaN: never read into y."""
-    B, n_q, n_kv, D, block, n = shape
+    B, n_q, n_kv, D, block, n, *seen_only = shape
     n_blocks = B * n + 3
     keys, values = (
         rand(n_blocks, n_kv, block, D, dtype=dtype),
@@ -339,6 +343,7 @@ def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
     q = rand(B, n_q, 1, D, dtype=dtype)
     order = RNG.permutation(n_blocks)[: B * n].reshape(B, n)
     lengths = [max(1, n * block - 3 * b - (block // 2) * (b % 2)) for b in range(B)]
+    lengths = [seen_only[0]] * B if seen_only else lengths
     table = np.stack([order * n_kv + h for h in range(n_kv)], axis=1).astype(
         np.uint32
     )  # (B, n_kv, n)
