@@ -1,6 +1,7 @@
 // Decode attention over the batching engine's pool pages (fused.h: paged_attention).
 #include "fused.h"
 
+#include <atomic>
 #include <limits>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -37,40 +38,45 @@ MLXINFER_AVX2 void paged_f32_avx2(const float* q, const float* K, const float* V
 template <int BITS, bool WIDE, int WIDEN>
 MLXINFER_INLINE void paged_quantized_head(const float* q, const QuantSide& K, const QuantSide& V,
                                           const uint32_t* table, const bool* seen, int reps, int n,
-                                          int block, float* scores, float* y) {
+                                          int block, float* scores, float* y, float* stats) {
   paged_head16<WIDE>(q, QuantRows<BITS, WIDEN>{K}, QuantRows<BITS, WIDEN>{V}, table, seen, reps,
-                     n, block, K.width, V.width, scores, y);
+                     n, block, K.width, V.width, scores, y, stats);
 }
 
 #if defined(MLXINFER_X86)
 template <int BITS>
 MLXINFER_AVX512 void paged_quantized_avx512(const float* q, const QuantSide& K, const QuantSide& V,
                                             const uint32_t* table, const bool* seen, int reps,
-                                            int n, int block, float* scores, float* y) {
-  paged_quantized_head<BITS, true, kWidenAvx512>(q, K, V, table, seen, reps, n, block, scores, y);
+                                            int n, int block, float* scores, float* y,
+                                            float* stats) {
+  paged_quantized_head<BITS, true, kWidenAvx512>(q, K, V, table, seen, reps, n, block, scores, y,
+                                                 stats);
 }
 
 template <int BITS>
 MLXINFER_AVX2 void paged_quantized_avx2(const float* q, const QuantSide& K, const QuantSide& V,
                                         const uint32_t* table, const bool* seen, int reps, int n,
-                                        int block, float* scores, float* y) {
-  paged_quantized_head<BITS, false, kWidenAvx2>(q, K, V, table, seen, reps, n, block, scores, y);
+                                        int block, float* scores, float* y, float* stats) {
+  paged_quantized_head<BITS, false, kWidenAvx2>(q, K, V, table, seen, reps, n, block, scores, y,
+                                                stats);
 }
 #endif
 
 // The best path this CPU has; below AVX2 (x86) the same loops in the baseline's vectors.
 template <int BITS>
 void paged_quantized(const float* q, const QuantSide& K, const QuantSide& V, const uint32_t* table,
-                     const bool* seen, int reps, int n, int block, float* scores, float* y) {
+                     const bool* seen, int reps, int n, int block, float* scores, float* y,
+                     float* stats = nullptr) {
 #if defined(MLXINFER_X86)
   if (current_isa() >= kAvx512) {
-    return paged_quantized_avx512<BITS>(q, K, V, table, seen, reps, n, block, scores, y);
+    return paged_quantized_avx512<BITS>(q, K, V, table, seen, reps, n, block, scores, y, stats);
   }
   if (current_isa() >= kAvx2) {
-    return paged_quantized_avx2<BITS>(q, K, V, table, seen, reps, n, block, scores, y);
+    return paged_quantized_avx2<BITS>(q, K, V, table, seen, reps, n, block, scores, y, stats);
   }
 #endif
-  paged_quantized_head<BITS, false, kWidenPlain>(q, K, V, table, seen, reps, n, block, scores, y);
+  paged_quantized_head<BITS, false, kWidenPlain>(q, K, V, table, seen, reps, n, block, scores, y,
+                                                 stats);
 }
 
 } // namespace
@@ -230,9 +236,14 @@ void each_head(int B, int n_q, int n_kv, int n, int block, int D, int Dv, const 
 // One row, the same bytes of keys and values over and over (Xeon VM, 2 threads): 3 KV heads
 // read 22.0-22.7 GB/s and 1 KV head 13.6-14.0, where 2 or 4 heads read 25.5-29.6; in parts
 // 35.5-46.9.
-bool attend_in_parts(const std::vector<float>& qf, int B, int n_q, int n_kv, int n, int block,
-                     int D, int Dv, const uint32_t* table, const bool* seen, size_t kv_slots,
-                     const float* K, const float* V, std::vector<float>& y) {
+// `part(b, h, rows, seen, n_c, block, scores, y, stats)`: row b's KV head h over n_c blocks of
+// `block` keys, each query head normalised over them, its (top, total) in stats; false where it
+// cannot. Fewer blocks than parts (a plain cache read as one block a head: --kv-bits) are cut
+// into sub-blocks, block k·j + i the i-th of block j's k.
+template <typename Part>
+bool attend_in_parts(int B, int n_q, int n_kv, int n, int block, int D, int Dv,
+                     const uint32_t* table, const bool* seen, size_t kv_slots,
+                     std::vector<float>& y, const Part& part) {
   auto& pool = ThreadPool::instance();
   const int threads = pool.size(), pairs = B * n_kv, reps = n_q / n_kv;
   const int64_t work = static_cast<int64_t>(B) * n_q * n * block * (D + Dv);
@@ -240,27 +251,34 @@ bool attend_in_parts(const std::vector<float>& qf, int B, int n_q, int n_kv, int
       Dv % 16 != 0) {
     return false;
   }
-  const int parts = std::min(n, (2 * threads + pairs - 1) / pairs);
+  const int wanted = (2 * threads + pairs - 1) / pairs;
+  int k = 1; // sub-blocks a block: the least from what is wanted that divides it (a cache's
+             // capacity can be any length: 2,067 = 3 x 689), else none
+  if (n < wanted) {
+    for (int c = (wanted + n - 1) / n; c <= 4 * wanted && k == 1; ++c) {
+      k = block % c == 0 ? c : 1;
+    }
+  }
+  const int nb = n * k, sb = block / k, parts = k > 1 ? nb : std::min(n, wanted);
   if (parts <= 1) {
     return false;
   }
   std::vector<float> ys(static_cast<size_t>(pairs) * parts * reps * Dv);
   std::vector<float> stats(static_cast<size_t>(pairs) * parts * reps * 2);
-  bool ok = true;
+  std::atomic<bool> ok{true};
   pool.run(pairs * parts, [&](int t) {
     const int i = t / parts, c = t % parts, b = i / n_kv, h = i % n_kv;
-    const int c0 = static_cast<int>(static_cast<int64_t>(n) * c / parts);
-    const int c1 = static_cast<int>(static_cast<int64_t>(n) * (c + 1) / parts);
-    std::vector<uint32_t> rows(table + static_cast<size_t>(i) * n + c0,
-                               table + static_cast<size_t>(i) * n + c1);
-    for (auto& r : rows) {
-      r = r < kv_slots ? r : 0;
+    const int c0 = static_cast<int>(static_cast<int64_t>(nb) * c / parts);
+    const int c1 = static_cast<int>(static_cast<int64_t>(nb) * (c + 1) / parts);
+    std::vector<uint32_t> rows(c1 - c0);
+    for (int u = c0; u < c1; ++u) {
+      const uint32_t r = table[static_cast<size_t>(i) * n + u / k];
+      rows[u - c0] = (r < kv_slots ? r : 0) * k + u % k;
     }
-    std::vector<float> scores(static_cast<size_t>(reps) * (c1 - c0) * block);
-    const size_t first = static_cast<size_t>(b) * n_q + h * reps, at = static_cast<size_t>(t) * reps;
-    if (!attention_f32x16(qf.data() + first * D, K, V, rows.data(),
-                          seen + (static_cast<size_t>(b) * n + c0) * block, reps, c1 - c0, block,
-                          D, Dv, scores.data(), ys.data() + at * Dv, stats.data() + at * 2)) {
+    std::vector<float> scores(static_cast<size_t>(reps) * (c1 - c0) * sb);
+    const size_t at = static_cast<size_t>(t) * reps;
+    if (!part(b, h, rows.data(), seen + (static_cast<size_t>(b) * nb + c0) * sb, c1 - c0, sb,
+              scores.data(), ys.data() + at * Dv, stats.data() + at * 2)) {
       ok = false;
     }
   });
@@ -291,8 +309,15 @@ void paged_attend(const std::vector<float>& qf, int B, int n_q, const mx::array&
   const bool round_probs = keys.dtype() != mx::float32;
   const size_t kv_slots = static_cast<size_t>(keys.shape(0)) * n_kv;
   if (keys.dtype() == mx::float32 &&
-      attend_in_parts(qf, B, n_q, n_kv, n, block, D, Dv, table, seen, kv_slots,
-                      reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp), y)) {
+      attend_in_parts(B, n_q, n_kv, n, block, D, Dv, table, seen, kv_slots, y,
+                      [&](int b, int h, const uint32_t* rows, const bool* sb, int n_c, int blk,
+                          float* scores, float* yp, float* stats) {
+                        const size_t first = static_cast<size_t>(b) * n_q + h * reps;
+                        return attention_f32x16(qf.data() + first * D,
+                                                reinterpret_cast<const float*>(kp),
+                                                reinterpret_cast<const float*>(vp), rows, sb, reps,
+                                                n_c, blk, D, Dv, scores, yp, stats);
+                      })) {
     return;
   }
   each_head(B, n_q, n_kv, n, block, D, Dv, table, kv_slots,
@@ -502,6 +527,19 @@ void paged_attend_quantized(const std::vector<float>& qf, int B, int n_q,
   const auto* table = reinterpret_cast<const uint32_t*>(bytes(blocks, 6));
   const auto* seen = reinterpret_cast<const bool*>(bytes(visible, 7));
   const size_t kv_slots = static_cast<size_t>(keys[0].shape(0)) * n_kv;
+  if (attend_in_parts(B, n_q, n_kv, n, block, D, Dv, table, seen, kv_slots, y,
+                      [&](int b, int h, const uint32_t* rows, const bool* sb, int n_c, int blk,
+                          float* scores, float* yp, float* stats) {
+                        const float* q = qf.data() + (static_cast<size_t>(b) * n_q + h * reps) * D;
+                        if (bits == 8) {
+                          paged_quantized<8>(q, K, V, rows, sb, reps, n_c, blk, scores, yp, stats);
+                        } else {
+                          paged_quantized<4>(q, K, V, rows, sb, reps, n_c, blk, scores, yp, stats);
+                        }
+                        return true;
+                      })) {
+    return;
+  }
   each_head(B, n_q, n_kv, n, block, D, Dv, table, kv_slots,
             [&](int b, const uint32_t* rows, float* scores, size_t q_at, size_t y_at) {
     const bool* sb = seen + static_cast<size_t>(b) * n * block;

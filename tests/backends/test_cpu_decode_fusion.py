@@ -327,6 +327,8 @@ def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch)
         (1, 9, 3, 64, 16, 24),
         (1, 4, 1, 64, 16, 40),
         (1, 4, 1, 64, 16, 40, 100),  # 100 tokens seen of 640: the later parts see none
+        (1, 4, 1, 64, 512, 1, 300),  # one block a head (a plain cache): cut into sub-blocks
+        (1, 4, 1, 64, 525, 1, 500),  # a capacity of any length: 5 sub-blocks of 105
     ],
 )
 def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
@@ -421,7 +423,14 @@ def unpack(words: np.ndarray, bits: int) -> np.ndarray:
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(
     "shape",  # B, n_q, n_kv, D, block, n, group_size
-    [(3, 9, 3, 64, 16, 5, 64), (2, 8, 2, 128, 8, 4, 32), (2, 6, 3, 64, 7, 3, 32)],
+    [
+        (3, 9, 3, 64, 16, 5, 64),
+        (2, 8, 2, 128, 8, 4, 32),
+        (2, 6, 3, 64, 7, 3, 32),
+        (1, 9, 3, 64, 16, 24, 32),  # one row of few KV heads: its blocks attended in parts
+        (1, 4, 1, 64, 16, 40, 64),
+        (1, 4, 1, 64, 512, 1, 64),  # a plain cache's one block a head: cut into sub-blocks
+    ],
 )
 def test_quantized_paged_attention_matches_its_definition(bits, shape):
     """A quantized pool's pages (kv_bits: mx.quantize's codes, scales and biases) read by the
