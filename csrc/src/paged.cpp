@@ -232,7 +232,8 @@ void each_head(int B, int n_q, int n_kv, int n, int block, int D, int Dv, const 
 // Fewer (row, KV head) pairs than twice the threads (one row of SmolLM2's 3 KV heads: 3 tasks
 // on 2 threads; of Gemma-3's one: 1, so one thread): each pair's blocks attended in parts on
 // the threads, each part normalised over its own keys, then joined (join_attention_parts), so
-// the threads share the keys' bytes; float32 vector path only. False where it does not apply.
+// the threads share the keys' bytes; the float32 and quantized pools' vector paths (the callers'
+// `part`). False where it does not apply.
 // One row, the same bytes of keys and values over and over (Xeon VM, 2 threads): 3 KV heads
 // read 22.0-22.7 GB/s and 1 KV head 13.6-14.0, where 2 or 4 heads read 25.5-29.6; in parts
 // 35.5-46.9.
