@@ -329,6 +329,7 @@ def test_the_decode_plan_is_offered_only_with_the_kernels(tmp_path, monkeypatch)
         (1, 4, 1, 64, 16, 40, 100),  # 100 tokens seen of 640: the later parts see none
         (1, 4, 1, 64, 512, 1, 300),  # one block a head (a plain cache): cut into sub-blocks
         (1, 4, 1, 64, 525, 1, 500),  # a capacity of any length: 5 sub-blocks of 105
+        (2, 4, 1, 64, 16, 12),  # two rows of one KV head: each row's parts, its own keys seen
     ],
 )
 def test_paged_attention_matches_its_definition_and_mlx_ops(shape, dtype):
@@ -430,6 +431,7 @@ def unpack(words: np.ndarray, bits: int) -> np.ndarray:
         (1, 9, 3, 64, 16, 24, 32),  # one row of few KV heads: its blocks attended in parts
         (1, 4, 1, 64, 16, 40, 64),
         (1, 4, 1, 64, 512, 1, 64),  # a plain cache's one block a head: cut into sub-blocks
+        (2, 4, 1, 64, 16, 12, 64),  # two rows of one KV head, in parts
     ],
 )
 def test_quantized_paged_attention_matches_its_definition(bits, shape):
