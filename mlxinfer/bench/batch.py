@@ -16,7 +16,8 @@ definition. Two more rows need no peer run:
 
 Each batch's aggregate is also given against one ``generate`` stream (``generate_step`` over
 its own cache, the same prompt length and tokens, as ``mlxinfer bench`` times it): what a user
-compares when deciding whether to batch.
+compares when deciding whether to batch. The repetitions go in rounds, each every batch size
+and then one stream, so that other work on a shared machine weighs on every column alike.
 
 ``--kv-bits`` quantizes every engine's pool (``Engine(kv_bits=)``), and the KV-bytes row counts
 its packed bytes; mlx-lm's batch benchmark has no KV quantization (a note says so).
@@ -168,32 +169,35 @@ def run_batch_benchmark(
     log("measuring memory bandwidth …")
     bandwidth = measure_bandwidth()  # named with the figures: machines differ
     vocab = model.args.vocab_size
+    prompts = {B: [prompt_ids(prompt_tokens, vocab, seed=i) for i in range(B)] for B in sizes}
+    prompt = prompt_ids(prompt_tokens, vocab, seed=0)
+    for B in sizes:
+        log(f"batch {B}: mlxinfer warm-up")
+        time_batch(model, prompts[B], max_tokens, kv_bits)
+    log("one generate stream: warm-up")
+    time_run(model, prompt, max_tokens, kv_bits)
+    # Rounds in turn (each: every batch size, then one generate stream), so that other work on
+    # the machine falls on every column alike: the columns are compared with each other.
+    runs: dict[int, list[Run]] = {B: [] for B in sizes}
+    streams = []
+    for r in range(reps):
+        for B in sizes:
+            runs[B].append(time_batch(model, prompts[B], max_tokens, kv_bits))
+            log(
+                f"batch {B}: mlxinfer {r + 1}/{reps}  decode {runs[B][-1].decode_tps:.1f} tok/s "
+                f"(aggregate)  total {runs[B][-1].total_s:.1f} s"
+            )
+        streams.append(time_run(model, prompt, max_tokens, kv_bits)[0])
+        log(f"one generate stream {r + 1}/{reps}  decode {streams[-1].decode_tps:.1f} tok/s")
     results = []
     for B in sizes:
-        prompts = [prompt_ids(prompt_tokens, vocab, seed=i) for i in range(B)]
-        log(f"batch {B}: mlxinfer warm-up")
-        time_batch(model, prompts, max_tokens, kv_bits)
-        runs = []
-        for r in range(reps):
-            runs.append(time_batch(model, prompts, max_tokens, kv_bits))
-            log(
-                f"batch {B}: mlxinfer {r + 1}/{reps}  decode {runs[-1].decode_tps:.1f} tok/s "
-                f"(aggregate)  total {runs[-1].total_s:.1f} s"
-            )
-        row = {"batch": B, "mlxinfer": _summary(runs)}
+        row = {"batch": B, "mlxinfer": _summary(runs[B])}
         if compare == "mlx-lm":
             log(f"batch {B}: mlx-lm (mlx_lm.benchmark --batch-size {B}) …")
             row["mlx-lm"] = _summary(
                 run_mlx_lm(model_dir, prompt_tokens, max_tokens, reps, batch_size=B)
             )
         results.append(row)
-    prompt = prompt_ids(prompt_tokens, vocab, seed=0)
-    log("one generate stream: warm-up")
-    time_run(model, prompt, max_tokens, kv_bits)
-    streams = []
-    for r in range(reps):
-        streams.append(time_run(model, prompt, max_tokens, kv_bits)[0])
-        log(f"one generate stream {r + 1}/{reps}  decode {streams[-1].decode_tps:.1f} tok/s")
     return {
         "environment": environment(compare),
         "bandwidth": {"gb_per_s": bandwidth[0], "probe": bandwidth[1]},

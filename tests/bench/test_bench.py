@@ -422,6 +422,46 @@ def test_batch_bench_rows_and_derived_kv_bytes(model_dir, tmp_path):
     assert f"memory bandwidth {data['bandwidth']['gb_per_s']:.1f} GB/s" in result.output
 
 
+def test_batch_bench_takes_its_columns_in_rounds(monkeypatch):
+    """``bench --batch``'s repetitions go in rounds, each every batch size then one ``generate``
+    stream (after one warm-up of each), so that other work on a shared machine weighs on every
+    column alike; each column's figures are its own runs'."""
+    from mlxinfer.bench import batch as bench_batch
+    from mlxinfer.bench.common import Run
+
+    order = []
+
+    def run(rate: float) -> Run:
+        return Run(ttft_s=0.1, prefill_tps=1.0, decode_tps=rate, peak_memory_gb=0.0, total_s=1.0)
+
+    def time_batch(model, prompts, max_tokens, kv_bits=None):
+        order.append(f"batch {len(prompts)}")
+        return run(10.0 * len(prompts) + len(order))
+
+    def time_run(model, ids, max_tokens, kv_bits, prefill_step=None):
+        order.append("stream")
+        return run(1.0 + len(order)), None
+
+    monkeypatch.setattr(bench_batch, "time_batch", time_batch)
+    monkeypatch.setattr(bench_batch, "time_run", time_run)
+    for name in ("kv_bytes_row", "newcomer_ttft", "prefix_ttft"):
+        monkeypatch.setattr(bench_batch, name, lambda *a, **k: {})
+    monkeypatch.setattr("mlxinfer.bench.bandwidth.measure_bandwidth", lambda: (1.0, "probe"))
+
+    class Model:
+        class args:
+            vocab_size = 64
+
+    result = bench_batch.run_batch_benchmark(
+        Model(), Path("."), [1, 8], 4, 2, reps=3, compare=None, log=lambda *a: None
+    )
+    rounds = ["batch 1", "batch 8", "stream"]
+    assert order == rounds * 4  # the warm-ups, then three rounds
+    # batch 8's runs were calls 5, 8 and 11 (rates 85, 88, 91), the stream's 6, 9, 12
+    assert result["batches"][1]["mlxinfer"]["median"]["decode_tps"] == 88.0
+    assert result["generate"]["median"]["decode_tps"] == 10.0
+
+
 def test_batch_bench_quantizes_the_pool_with_kv_bits(model_dir, tmp_path):
     """``bench --batch --kv-bits 8``: every engine's pool 8-bit, so the KV-bytes row counts a
     token's packed bytes (per layer, side and KV head: 64 codes of a byte, a float32 scale and
