@@ -41,7 +41,11 @@ Build llama-cpp-python from source in its own venv first:
         llama-cpp-python llama-cpp-python
 
 On a CPU that reports AMX but whose VM faults on it (segfault in the first decode), leave
-AMX out: docs/performance.md ("llama.cpp side by side") gives the CMAKE_ARGS.
+AMX out: docs/performance.md ("llama.cpp side by side") gives the CMAKE_ARGS. A second build
+with other CMAKE_ARGS (llama.cpp for AVX2 only: ``-DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_AVX512=OFF``) needs ``--no-cache-dir`` too: pip otherwise installs the wheel it built and
+cached the first time, CMAKE_ARGS unread. The run's JSON keeps llama.cpp's own system info
+(``info.llama.system_info``): an AVX2 build lists no AVX512.
 
 Usage:
 
