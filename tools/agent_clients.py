@@ -2,6 +2,7 @@
 
     python tools/agent_clients.py [--clients claude,codex] [--model smollm2|gemma]
                                   [--timeout 1200] [--json OUT]
+    python tools/agent_clients.py --install-only    # step 1 only (CI)
 
 1. Installs the pinned clients from npm (``@anthropic-ai/claude-code`` 2.1.197 and
    ``@openai/codex`` 0.171.0) into the user cache (``$MLXINFER_CACHE/agents/...``), once.
@@ -469,6 +470,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per client turn")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here too")
+    ap.add_argument(
+        "--install-only",
+        action="store_true",
+        help="install the pinned clients into the user cache and stop (CI: the tests that run "
+        "a client then run rather than skip)",
+    )
     args = ap.parse_args(argv)
     # SIGTERM (a timeout, a CI job cancelled) unwinds like Ctrl-C: the servers, in sessions of
     # their own, are stopped by the `finally` blocks instead of being left running.
@@ -477,6 +484,9 @@ def main(argv=None) -> int:
     if unknown := [n for n in names if n not in RUNNERS]:
         ap.error(f"--clients: unknown {', '.join(unknown)} (expected claude, codex)")
     try:
+        if args.install_only:
+            print(f"clients in {clients_dir()}", flush=True)
+            return 0
         rows = check(names, args.timeout, args.model)
     except CannotRun as e:
         print(f"SKIP: {e}", flush=True)
