@@ -28,6 +28,10 @@ KV cache is left out.
 When ``--threads`` is below the CPUs this process may use, every engine is pinned to that
 many CPUs (mlxinfer's kernels use all the CPUs they may), so the thread counts match.
 
+``--int8`` adds a third engine to every round (each engine first in turn): mlxinfer again with
+``MLXINFER_INT8_ACTIVATIONS=1`` (x rounded to int8 per block of 32 in the tiled products, as
+llama.cpp's own Q8 activations; docs/performance.md), without mlx-lm.
+
 Other work on the machine skews every figure, llama.cpp's most: its threads spin at a barrier
 after each op, so with 2 threads on 2 busy CPUs a decode step can take many times longer.
 Each run records the load average before and after and the CPUs the other processes kept
@@ -213,14 +217,27 @@ def run_llama(args, ids: list[int]) -> dict:
     return {**json.loads(line), **machine}
 
 
-def run_mlxinfer(args, model: Path, out: Path) -> dict:
+def run_mlxinfer(args, model: Path, out: Path, int8: bool = False) -> dict:
+    """``mlxinfer bench`` in a child; ``int8``: with MLXINFER_INT8_ACTIVATIONS=1 (no mlx-lm)."""
     cmd = [sys.executable, "-m", "mlxinfer", "bench", "-m", str(model)]
     cmd += ["-p", str(args.prompt), "-n", str(args.tokens), "--reps", str(args.reps)]
-    cmd += ["--json", str(out)] + (["--compare", "mlx-lm"] if args.compare else [])
-    text, machine = run_child(args, cmd, dict(os.environ, PYTHONPATH=str(ROOT)))
+    cmd += ["--json", str(out)] + (["--compare", "mlx-lm"] if args.compare and not int8 else [])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MLXINFER_INT8_ACTIVATIONS="1" if int8 else "0")
+    text, machine = run_child(args, cmd, env)
     result = {**json.loads(out.read_text()), **machine}
     result["kernels"] = [ln.strip() for ln in text.splitlines() if "kernels:" in ln]
     return result
+
+
+INT8 = "mlxinfer int8"  # --int8's engine: MLXINFER_INT8_ACTIVATIONS=1
+
+
+def _round_line(r: int, engine: str, d: dict, res: dict) -> str:
+    return (
+        f"| {r + 1} | {engine} | {d['decode_tps']:.1f} | {d['prefill_tps']:.1f} "
+        f"| {res['load'][0]:.2f} -> {res['load'][1]:.2f} | {res['others_cpus']:.2f} "
+        f"| {res['waited_s']:.0f} |"
+    )
 
 
 def main() -> None:
@@ -238,6 +255,11 @@ def main() -> None:
     parser.add_argument("-n", "--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=1, help="timed runs per engine per round")
     parser.add_argument("--no-compare", dest="compare", action="store_false", help="no mlx-lm")
+    parser.add_argument(
+        "--int8",
+        action="store_true",
+        help="a third engine in every round: mlxinfer with MLXINFER_INT8_ACTIVATIONS=1",
+    )
     parser.add_argument("--json", type=Path, help="write every run here")
     parser.add_argument(
         "--quiet-below",
@@ -259,10 +281,15 @@ def main() -> None:
     mlxinfer_model = model_dir if args.compare else args.gguf
 
     runs: dict[str, list[dict]] = {"llama.cpp": [], "mlxinfer": [], "mlx-lm": []}
+    engines = ["llama.cpp", "mlxinfer"]
+    if args.int8:
+        runs[INT8] = []
+        engines.append(INT8)
     loads, others, per_round, bandwidths, weights, info = [], [], [], [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = ("llama.cpp", "mlxinfer") if r % 2 == 0 else ("mlxinfer", "llama.cpp")
+            # each engine first in turn (two: alternating)
+            order = engines[r % len(engines) :] + engines[: r % len(engines)]
             for engine in order:
                 if engine == "llama.cpp":
                     res = run_llama(args, ids)
@@ -273,8 +300,19 @@ def main() -> None:
                         runs["llama.cpp"].append({**x, **machine(res), "round": r + 1})
                     d = res["runs"][-1]
                 else:
-                    res = run_mlxinfer(args, mlxinfer_model, Path(tmp) / "out.json")
+                    int8 = engine == INT8
+                    res = run_mlxinfer(args, mlxinfer_model, Path(tmp) / "out.json", int8)
                     entry = res["results"][0]
+                    if int8:
+                        for x in entry["engines"]["mlxinfer"]["runs"]:
+                            runs[INT8].append({**x, **machine(res), "round": r + 1})
+                        info["kernels_int8"] = res["kernels"]
+                        d = entry["engines"]["mlxinfer"]["median"]
+                        loads += list(res["load"])
+                        others.append(res["others_cpus"])
+                        per_round.append(_round_line(r, engine, d, res))
+                        print(per_round[-1], file=sys.stderr, flush=True)
+                        continue
                     info["environment"], info["kernels"] = res["environment"], res["kernels"]
                     info["plans"] = res["engine"].get("cpu_plans")
                     weights["mlxinfer"] = entry["roofline"]["weight_bytes"]
@@ -286,17 +324,13 @@ def main() -> None:
                     d = entry["engines"]["mlxinfer"]["median"]
                 loads += list(res["load"])
                 others.append(res["others_cpus"])
-                line = (
-                    f"| {r + 1} | {engine} | {d['decode_tps']:.1f} | {d['prefill_tps']:.1f} "
-                    f"| {res['load'][0]:.2f} -> {res['load'][1]:.2f} | {res['others_cpus']:.2f} "
-                    f"| {res['waited_s']:.0f} |"
-                )
-                per_round.append(line)
-                print(line, file=sys.stderr, flush=True)
+                per_round.append(_round_line(r, engine, d, res))
+                print(per_round[-1], file=sys.stderr, flush=True)
 
     bw = max(bandwidths)  # other work only ever lowers a probe
     weights["llama.cpp"] = gguf_read
     weights["mlx-lm"] = weights["mlxinfer"]  # mlx-lm loads the same import, same layout
+    weights[INT8] = weights["mlxinfer"]
     env = info["environment"]
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(
@@ -312,6 +346,7 @@ def main() -> None:
         f"GGUF {args.gguf.name}: {gguf_total / 1e6:.1f} MB of tensors, {gguf_read / 1e6:.1f} MB "
         f"read per decoded token\nllama.cpp: {info['llama']['system_info']}\n"
         f"mlxinfer: {'; '.join(info['kernels'])}\n"
+        + (f"mlxinfer int8: {'; '.join(info['kernels_int8'])}\n" if args.int8 else "")
     )
     print(
         "| engine | decode tok/s | (min-max) | prefill tok/s | weight MB/token "
@@ -362,7 +397,9 @@ def main() -> None:
             "threads": args.threads,
             "gguf": str(args.gguf),
             "model_dir": str(model_dir),
-            "settings": {k: getattr(args, k) for k in ("prompt", "tokens", "rounds", "reps")},
+            "settings": {
+                k: getattr(args, k) for k in ("prompt", "tokens", "rounds", "reps", "int8")
+            },
             "bandwidth_gb_s": bw,
             "bandwidths": bandwidths,
             "info": info,

@@ -77,7 +77,7 @@ NB_MODULE(_mlxinfer_kernels, m) {
   // The bindings' version: raised whenever a function's name or arguments change (the Python
   // side, mlxinfer.backends.kernels.API, refuses another: a module left from an older
   // checkout would otherwise fail mid-decode). 1: pool_write of both sides, fuse.
-  m.attr("api") = 1;
+  m.attr("api") = 2;
   m.attr("best_isa") = mlxinfer::isa_name(mlxinfer::best_isa());
   // quantized_matvec's modes (a module built before mxfp4 lacks the attribute: affine only).
   m.attr("quantized_modes") = nb::make_tuple("affine", "mxfp4", "nvfp4", "mxfp8");
@@ -158,6 +158,15 @@ NB_MODULE(_mlxinfer_kernels, m) {
   m.def("tiles_wide_vnni", &mlxinfer::tiles_wide_vnni,
         "Whether the 512-bit tiles sum with AVX-512 VNNI's vpdpwssd (else vpmaddwd and vpaddd, "
         "the same sums: Skylake-SP, or the 'avx512bw' cap).");
+  m.def("set_int8_activations", &mlxinfer::set_int8_activations, "on"_a,
+        "Int8 activations in the tiled products (opt-in, an accuracy trade: x rounded to int8 per "
+        "block of 32, as llama.cpp's Q8_0 activations; MLXINFER_INT8_ACTIVATIONS=1 at load). "
+        "Runs for tiled layers where tiles_int8_available(); elsewhere int16 as before.");
+  m.def("int8_activations", &mlxinfer::int8_activations,
+        "Whether set_int8_activations(True) is in effect.");
+  m.def("tiles_int8_available", &mlxinfer::tiles_int8_available,
+        "Whether the int8 tiled products run here: the 512-bit tiles with AVX-512 VNNI "
+        "(vpdpbusd), at the kernels' ISA level.");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");

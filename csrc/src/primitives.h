@@ -70,6 +70,12 @@ bool tiles_available();
 bool tiles_wide_available();
 // Whether that path sums with VNNI's vpdpwssd (Cascade Lake and later; not Skylake-SP).
 bool tiles_wide_vnni();
+// Int8 activations in the tiled products (opt-in; MLXINFER_INT8_ACTIVATIONS=1 sets it at load):
+// x rounded to int8 per block of 32 and summed with vpdpbusd, for every tiled layer where
+// tiles_int8_available() (AVX-512 VNNI); elsewhere int16 as before.
+void set_int8_activations(bool on);
+bool int8_activations();
+bool tiles_int8_available();
 // MLX's affine arrays (evaluated here) laid out as a tiled layer; scales and biases float16
 // with `half` (the caller checks that every value is one), else float32.
 std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,

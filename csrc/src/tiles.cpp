@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -179,6 +180,146 @@ constexpr auto pass_table(std::index_sequence<R...>) {
 template <int BITS, typename S, bool VNNI>
 MLXINFER_WIDE_TILES void tiles_span(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
   static constexpr auto kPass = pass_table<BITS, S, VNNI>(std::make_index_sequence<kRows>{});
+  const int t1 = n1 / kTileRows;
+  for (int t = n0 / kTileRows; t < t1; ++t) {
+    const bool next = t + 1 < t1;
+    for (int m = 0; m < p.M; m += kRows) {
+      kPass[std::min(kRows, p.M - m) - 1](p, tl, t, m, next);
+    }
+  }
+}
+
+// Int8 activations (opt-in: set_int8_activations, MLXINFER_INT8_ACTIVATIONS=1; AVX-512 VNNI):
+// x rounded to int8 per block of 32 (amax / 127, as llama.cpp's Q8 activations) and each 4
+// inputs of an output one byte lane of `vpdpbusd` (the codes unsigned, x signed: 64 products an
+// instruction, twice vpdpwssd's 32) on the same tiled layout. Two pairs' low nibbles (64 bytes),
+// one vpermw putting pair 2 q's word j beside pair 2 q + 1's, hold inputs 4 q .. 4 q + 3 of
+// output j in lane j (the low nibbles outputs 0-15, the high ones 16-31); 5-, 6-bit: each plane's
+// two masks spread to those bytes (pdep) and added where set; 8-bit: vpermt2w over the two pairs'
+// 128 bytes, each half 16 outputs. The scaling is tile_pass's, but the groups' sums of x are of
+// the rounded x (prepare_row_i8), so the bound is |y - y_f32| <= sum_k |s_g q_k + b_g| x_scale_b
+// / 2 with x's scale amax / 127 (int16's: 1/65534 of a block's largest |x|, this 1/254).
+MLXINFER_I8 inline void dpbusd(__m512i& acc, __m512i w, __m512i x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+}
+
+template <int BITS, int R, typename S>
+MLXINFER_I8 void tile_pass_i8(const Problem& p, const Tiles<S>& tl, int t, int m0, bool next) {
+  constexpr size_t kPair = 8 * BITS;
+  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;
+  const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
+  const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
+  const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
+  const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
+  alignas(64) static constexpr uint16_t kBeside[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                       21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                     53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                     27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i beside = _mm512_load_si512(kBeside), lo_idx = _mm512_load_si512(kLow),
+                hi_idx = _mm512_load_si512(kHigh);
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 C[R][2];
+  for (int r = 0; r < R; ++r) {
+    C[r][0] = C[r][1] = _mm512_setzero_ps();
+  }
+  for (int b = 0; b < blocks; ++b) {
+    __m512i A[R][2];
+    for (int r = 0; r < R; ++r) {
+      A[r][0] = A[r][1] = _mm512_setzero_si512();
+    }
+    const uint8_t* wb = tile + static_cast<size_t>(b) * 16 * kPair;
+    if (m0 == 0 && next) { // as tile_pass
+      for (size_t o = 0; o < 16 * kPair; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + tile_bytes + o), _MM_HINT_T0);
+      }
+      if ((b & (per_group - 1)) == 0) {
+        const size_t at = static_cast<size_t>(G + (b >> shift)) * kTileRows;
+        for (size_t o = 0; o < kTileRows * sizeof(S); o += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(ts + at) + o, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(tb + at) + o, _MM_HINT_T0);
+        }
+      }
+    }
+    const int8_t* xb = p.x8 + static_cast<size_t>(m0) * p.K + b * kBlock;
+    for (int q = 0; q < 8; ++q) { // inputs 4 q .. 4 q + 3 of the block
+      __m512i w0, w1;
+      if constexpr (BITS == 4) {
+        const __m512i z = _mm512_permutexvar_epi16(beside, _mm512_loadu_si512(wb + q * 2 * kPair));
+        w0 = _mm512_and_si512(z, low);
+        w1 = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+      } else if constexpr (BITS != 8) { // 5-, 6-bit: the low nibbles as 4-bit, then each plane
+        const uint8_t* pa = wb + q * 2 * kPair;
+        const uint8_t* pb = pa + kPair;
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pa))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)), 1);
+        const __m512i z = _mm512_permutexvar_epi16(beside, both);
+        w0 = _mm512_and_si512(z, low);
+        w1 = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+        for (int i = 0; i < BITS - 4; ++i) { // bit 2 j + e of a pair's mask: byte 4 j + e (pair
+          uint32_t a0, a1, b0, b1; //           2 q) or 4 j + 2 + e (pair 2 q + 1) of the lanes
+          std::memcpy(&a0, pa + 32 + 8 * i, 4);
+          std::memcpy(&a1, pa + 36 + 8 * i, 4);
+          std::memcpy(&b0, pb + 32 + 8 * i, 4);
+          std::memcpy(&b1, pb + 36 + 8 * i, 4);
+          const __mmask64 k0 = _pdep_u64(a0, 0x3333333333333333ull) | _pdep_u64(b0, 0xCCCCCCCCCCCCCCCCull);
+          const __mmask64 k1 = _pdep_u64(a1, 0x3333333333333333ull) | _pdep_u64(b1, 0xCCCCCCCCCCCCCCCCull);
+          const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << i));
+          w0 = _mm512_mask_add_epi8(w0, k0, w0, add);
+          w1 = _mm512_mask_add_epi8(w1, k1, w1, add);
+        }
+      } else {
+        const __m512i a = _mm512_loadu_si512(wb + q * 2 * kPair);
+        const __m512i c = _mm512_loadu_si512(wb + q * 2 * kPair + kPair);
+        w0 = _mm512_permutex2var_epi16(a, lo_idx, c);
+        w1 = _mm512_permutex2var_epi16(a, hi_idx, c);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xb + static_cast<size_t>(r) * p.K + 4 * q, 4);
+        const __m512i xv = _mm512_set1_epi32(four);
+        dpbusd(A[r][0], w0, xv);
+        dpbusd(A[r][1], w1, xv);
+      }
+    }
+    const int g = b >> shift;
+    const __m512 s0 = load16(ts + g * kTileRows), s1 = load16(ts + g * kTileRows + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(p.xscale[static_cast<size_t>(m0 + r) * blocks + b]);
+      C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
+      C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
+    }
+    if ((b & (per_group - 1)) == per_group - 1) {
+      const __m512 b0 = load16(tb + g * kTileRows), b1 = load16(tb + g * kTileRows + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
+        C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);
+        C[r][1] = _mm512_fmadd_ps(b1, xs, C[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + static_cast<size_t>(m0 + r) * p.N + static_cast<size_t>(t) * kTileRows;
+    _mm512_storeu_ps(yr, C[r][0]);
+    _mm512_storeu_ps(yr + 16, C[r][1]);
+  }
+}
+
+template <int BITS, typename S, size_t... R>
+constexpr auto pass_table_i8(std::index_sequence<R...>) {
+  return std::array<void (*)(const Problem&, const Tiles<S>&, int, int, bool), sizeof...(R)>{
+      tile_pass_i8<BITS, static_cast<int>(R) + 1, S>...};
+}
+
+template <int BITS, typename S>
+MLXINFER_I8 void tiles_span_i8(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
+  static constexpr auto kPass = pass_table_i8<BITS, S>(std::make_index_sequence<kRows>{});
   const int t1 = n1 / kTileRows;
   for (int t = n0 / kTileRows; t < t1; ++t) {
     const bool next = t + 1 < t1;
@@ -408,6 +549,14 @@ SpanFn<S> span_fn_bits(bool wide, bool vnni) {
 }
 
 template <typename S>
+SpanFn<S> span_fn_i8(int bits) {
+  return bits == 4   ? tiles_span_i8<4, S>
+      : bits == 5    ? tiles_span_i8<5, S>
+      : bits == 6    ? tiles_span_i8<6, S>
+                     : tiles_span_i8<8, S>;
+}
+
+template <typename S>
 SpanFn<S> span_fn(bool wide, bool vnni, int bits) {
   return bits == 4   ? span_fn_bits<S, 4>(wide, vnni)
       : bits == 5    ? span_fn_bits<S, 5>(wide, vnni)
@@ -424,7 +573,21 @@ int code_at(const uint8_t* row, size_t row_bytes, int k, int bits) {
   return (two >> (bit % 8)) & ((1 << bits) - 1);
 }
 
+std::atomic<bool> g_int8_activations{false};
+
 } // namespace
+
+void set_int8_activations(bool on) {
+  g_int8_activations.store(on);
+}
+
+bool int8_activations() {
+  return g_int8_activations.load();
+}
+
+bool tiles_int8_available() {
+  return tiles_wide_vnni();
+}
 
 std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
                                                        const mx::array& scales,
@@ -591,24 +754,33 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
     return;
   }
   const int blocks = p.K / kBlock, G = p.K / gs;
-  aligned_vector<int16_t> xq(static_cast<size_t>(M) * p.K);
+  // int8 activations where asked (AVX-512 VNNI's vpdpbusd)
+  const bool i8 = int8_activations() && wide && vnni;
+  aligned_vector<int16_t> xq(i8 ? 0 : static_cast<size_t>(M) * p.K);
+  aligned_vector<int8_t> x8(i8 ? static_cast<size_t>(M) * p.K : 0);
   std::vector<float> xscale(static_cast<size_t>(M) * blocks), xsum(static_cast<size_t>(M) * G);
   for (int m = 0; m < M; ++m) {
-    (wide ? i16::prepare_row : i16::prepare_row_avx2)(p, m, xq.data() + static_cast<size_t>(m) * p.K,
-                                                     xscale.data() + static_cast<size_t>(m) * blocks,
-                                                     xsum.data() + static_cast<size_t>(m) * G);
+    float* xs = xscale.data() + static_cast<size_t>(m) * blocks;
+    float* sums = xsum.data() + static_cast<size_t>(m) * G;
+    if (i8) {
+      i16::prepare_row_i8(p, m, x8.data() + static_cast<size_t>(m) * p.K, xs, sums);
+    } else {
+      (wide ? i16::prepare_row : i16::prepare_row_avx2)(
+          p, m, xq.data() + static_cast<size_t>(m) * p.K, xs, sums);
+    }
   }
   p.xq = xq.data();
+  p.x8 = x8.data();
   p.xscale = xscale.data();
   p.xsum = xsum.data();
   const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
   if (sc.dtype() == mx::float32) {
     const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(), bi.data<float>()};
-    const auto fn = span_fn<float>(wide, vnni, bits);
+    const auto fn = i8 ? span_fn_i8<float>(bits) : span_fn<float>(wide, vnni, bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   } else {
     const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(), bi.data<mx::float16_t>()};
-    const auto fn = span_fn<mx::float16_t>(wide, vnni, bits);
+    const auto fn = i8 ? span_fn_i8<mx::float16_t>(bits) : span_fn<mx::float16_t>(wide, vnni, bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   }
 #else

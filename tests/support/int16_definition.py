@@ -1,4 +1,5 @@
-"""The int16 products' definition (csrc/src/prefill_i16.cpp, tiles.cpp), for their tests."""
+"""The int16 products' definition (csrc/src/prefill_i16.cpp, tiles.cpp), and the int8
+activations' (tiles.cpp, opt-in), for their tests."""
 
 import mlx.core as mx
 import numpy as np
@@ -44,3 +45,17 @@ def assert_within_bound(y, x, q, s, b, group_size, bits):
     """y within :func:`definition`'s bound of the float64 product."""
     exact, bound = definition(x, q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits)
     assert (np.abs(np.array(y, np.float64) - exact) <= bound).all(), len(x)
+
+
+def definition_int8(x, q, s, b, group_size, bits):
+    """(float64 y, the bound) for int8 activations: x rounded to int8 per block of 32 (scale
+    amax / 127, to nearest: each x off by at most half its block's scale), and the biases' term
+    from the rounded x too, so y is the layer's exact product with the rounded x and
+    |y - y_exact| <= sum_k |s q_k + b| scale_b / 2, plus float32's rounding as above."""
+    x64 = np.array(x, np.float64)
+    w = np.array(mx.dequantize(q, s, b, group_size=group_size, bits=bits), np.float64)
+    M, Kd = x64.shape
+    scale = np.abs(x64).reshape(M, Kd // 32, 32).max(-1) / 127  # (M, blocks)
+    per_block = np.abs(w).reshape(w.shape[0], Kd // 32, 32).sum(-1)  # (N, blocks)
+    bound = scale @ per_block.T / 2 + 1e-6 * (np.abs(x64) @ np.abs(w).T)
+    return x64 @ w.T, bound

@@ -261,6 +261,11 @@ def set_int16_decode(on: bool) -> None:
 
 def key() -> list | None:
     """What the plans cache is keyed on about the kernels: None without them, else the
-    instruction set (with AVX-VNNI or not), the usable CPUs and the MLX they were built for."""
+    instruction set (with AVX-VNNI or not), the usable CPUs and the MLX they were built for,
+    and ``int8`` where int8 activations run (MLXINFER_INT8_ACTIVATIONS=1: other products, so
+    plans timed with them are not the default's)."""
     k = kernels.load()
-    return None if k is None else [kernels.level(k), k.available_cpus(), k.mlx_version]
+    if k is None:
+        return None
+    int8 = ["int8"] if k.int8_activations() and k.tiles_int8_available() else []
+    return [kernels.level(k), k.available_cpus(), k.mlx_version, *int8]

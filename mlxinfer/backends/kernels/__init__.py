@@ -32,10 +32,13 @@ ENV_DIR = "MLXINFER_KERNELS_DIR"  # a folder holding _mlxinfer_kernels*.so
 # without VNNI: Skylake-SP), avx512vnni (AVX-512 with VNNI, without VBMI: Cascade Lake), avx512,
 # neon, best
 ENV_ISA = "MLXINFER_KERNELS_ISA"
+# "1": int8 activations in the tiled products on AVX-512 VNNI (an accuracy trade,
+# off by default: docs/performance.md)
+ENV_INT8 = "MLXINFER_INT8_ACTIVATIONS"
 NAME = "_mlxinfer_kernels"
 # The bindings' version this package calls (csrc/src/bindings.cpp's ``api``): a module built from
 # another checkout is refused at load, not met mid-decode by a missing function
-API = 1
+API = 2
 NOT_BUILT = NAME + ".not-built"  # an install's one line saying why it did not build them
 
 _loaded: tuple[ModuleType | None, str | None] | None = None
@@ -118,6 +121,10 @@ def _load() -> tuple[ModuleType | None, str | None]:
             module.set_max_isa(cap)
         except ValueError as e:
             raise ConfigError(f"{ENV_ISA}={cap!r}: {str(e).split(': ', 1)[-1]}") from None
+    int8 = os.environ.get(ENV_INT8, "").strip()
+    if int8 not in ("", "0", "1"):
+        raise ConfigError(f"{ENV_INT8}={int8!r}: expected 0 or 1")
+    module.set_int8_activations(int8 == "1")
     return module, None
 
 
@@ -142,6 +149,8 @@ def describe() -> str:
     k = load()
     if k is None:
         return reason()
+    int8 = ", int8 activations" if k.int8_activations() and k.tiles_int8_available() else ""
     return (
-        f"kernels: {level(k)} on {k.num_threads()} threads (MLX {k.mlx_version}, {mx.__version__})"
+        f"kernels: {level(k)}{int8} on {k.num_threads()} threads "
+        f"(MLX {k.mlx_version}, {mx.__version__})"
     )
