@@ -161,7 +161,8 @@ NB_MODULE(_mlxinfer_kernels, m) {
   m.def("set_int8_activations", &mlxinfer::set_int8_activations, "on"_a,
         "Int8 activations in the tiled products (opt-in, an accuracy trade: x rounded to int8 per "
         "block of 32, as llama.cpp's Q8_0 activations; MLXINFER_INT8_ACTIVATIONS=1 at load). "
-        "Runs for tiled layers where tiles_int8_available(); elsewhere int16 as before.");
+        "Runs in the tiled products where tiles_int8_available() and in quantized_matmul_i16; "
+        "elsewhere int16 as before.");
   m.def("int8_activations", &mlxinfer::int8_activations,
         "Whether set_int8_activations(True) is in effect.");
   m.def("tiles_int8_available", &mlxinfer::tiles_int8_available,

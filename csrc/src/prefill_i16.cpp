@@ -18,6 +18,11 @@
 // Gemma-3-270M at one row, two threads of the Xeon VM: 7.6-8.6 ms against the float32 kernel's
 // 10.7-11.8 (which stays compute-bound there: prefetching its rows did not help it).
 //
+// With int8 activations on (set_int8_activations, opt-in; tiles.cpp's comment) x is rounded to
+// int8 per block of 32 and its groups' sums are of the rounded x; the codes go as bytes (tiles of
+// [block][quad][32 outputs][4], or each output row's in order for a few rows) to vpdpbusd, 64
+// products an instruction; the bound is sum_k |s q_k + b| x_scale_b / 2 with x's scale amax / 127.
+//
 // It runs where the CPU has AVX-512 F, BW, VNNI and VBMI (vnni_available()); the caller checks
 // (backends/cpu/quantized.py: the ``int16_rows`` plan). Measured on the AMD EPYC VM (2 vCPUs):
 // 128 x 640 by 2,048 rows of 5-bit codes 0.97 ms against OpenBLAS's float32 product of the
@@ -132,6 +137,67 @@ CodesFn codes_fn(int bits) {
   }
 }
 
+// row_codes's codes as bytes (int8 activations: vpdpbusd reads them unsigned): K bytes, and
+// zeros up to the next multiple of 64 (`out` has room for them).
+template <int BITS>
+MLXINFER_VNNI void row_codes8(const uint8_t* __restrict src, uint8_t* __restrict out, int K) {
+  alignas(64) static constexpr auto kSpread = [] {
+    std::array<uint8_t, 64> t{};
+    for (int u = 0; u < 8; ++u) {
+      for (int i = 0; i < 8; ++i) {
+        t[8 * u + i] = static_cast<uint8_t>(u * BITS + i);
+      }
+    }
+    return t;
+  }();
+  alignas(64) static constexpr auto kShift = [] {
+    std::array<uint8_t, 64> t{};
+    for (int i = 0; i < 64; ++i) {
+      t[i] = static_cast<uint8_t>((i % 8) * BITS);
+    }
+    return t;
+  }();
+  const __m512i spread = _mm512_load_si512(kSpread.data());
+  const __m512i shift = _mm512_load_si512(kShift.data());
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1));
+  for (int k = 0; k < K; k += 64) {
+    const int n = std::min(64, K - k);
+    const uint8_t* unit = src + static_cast<size_t>(k) / 8 * BITS;
+    __m512i v;
+    if constexpr (BITS == 8) {
+      v = _mm512_maskz_loadu_epi8(n == 64 ? ~__mmask64{0} : 0xFFFFFFFFull, unit);
+    } else {
+      const __mmask64 bytes = (__mmask64{1} << (n / 8 * BITS)) - 1;
+      v = _mm512_maskz_loadu_epi8(bytes, unit);
+      v = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, _mm512_permutexvar_epi8(spread, v)),
+                           mask);
+      if (n < 64) {
+        v = _mm512_maskz_mov_epi8(0xFFFFFFFFull, v);
+      }
+    }
+    _mm512_storeu_si512(out + k, v);
+  }
+}
+
+using Codes8Fn = void (*)(const uint8_t*, uint8_t*, int);
+
+Codes8Fn codes8_fn(int bits) {
+  switch (bits) {
+    case 2:
+      return row_codes8<2>;
+    case 3:
+      return row_codes8<3>;
+    case 4:
+      return row_codes8<4>;
+    case 5:
+      return row_codes8<5>;
+    case 6:
+      return row_codes8<6>;
+    default:
+      return row_codes8<8>;
+  }
+}
+
 // The 16 x 16 32-bit elements r[0..16) (rows) transposed in place (r[c]: column c), in three
 // steps: 32-bit then 64-bit interleaves within 128-bit lanes, then the lanes.
 MLXINFER_VNNI inline void transpose16(__m512i (&r)[16]) {
@@ -243,6 +309,203 @@ MLXINFER_VNNI void lay_tile(const Problem& p, int n0, int16_t* tile, float* ts, 
   }
 }
 
+// ss[r][b] = the group's scale of output row n + r times x's block scale xs[b], for R rows.
+template <int R>
+MLXINFER_VNNI inline void block_scales(const Problem& p, int n, const float* xs, float* ss) {
+  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  for (int r = 0; r < R; ++r) {
+    const float* sr = p.scales + static_cast<size_t>(n + r) * G;
+    float* out = ss + static_cast<size_t>(r) * blocks;
+    if (per_group == 1) {
+      for (int b = 0; b < blocks; b += 16) {
+        const __mmask16 k = blocks - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (blocks - b)) - 1);
+        _mm512_mask_storeu_ps(out + b, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + b),
+                                                        _mm512_maskz_loadu_ps(k, xs + b)));
+      }
+    } else {
+      for (int b = 0; b < blocks; ++b) {
+        out[b] = sr[b / per_group] * xs[b];
+      }
+    }
+  }
+}
+
+// Int8 activations (set_int8_activations; tiles.cpp's comment): the tile as bytes [block][quad
+// of inputs][32 outputs][4] (K x 32 bytes), one vpdpbusd a quad and half, rows of x in int8.
+template <int R>
+MLXINFER_VNNI void tile_rows_i8(const Problem& p, const uint8_t* tile, const float* ts,
+                                const float* tb, int m0, int n0) {
+  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  __m512 C[R][2];
+  for (int r = 0; r < R; ++r) {
+    C[r][0] = C[r][1] = _mm512_setzero_ps();
+  }
+  for (int b = 0; b < blocks; ++b) {
+    __m512i A[R][2];
+    for (int r = 0; r < R; ++r) {
+      A[r][0] = A[r][1] = _mm512_setzero_si512();
+    }
+    const uint8_t* wb = tile + static_cast<size_t>(b) * 8 * 4 * kTile;
+    for (int q = 0; q < 8; ++q) {
+      const __m512i w0 = _mm512_load_si512(wb + q * 4 * kTile);
+      const __m512i w1 = _mm512_load_si512(wb + q * 4 * kTile + 2 * kTile);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, p.x8 + static_cast<size_t>(m0 + r) * p.K + b * kBlock + 4 * q, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        A[r][0] = _mm512_dpbusd_epi32(A[r][0], w0, xb);
+        A[r][1] = _mm512_dpbusd_epi32(A[r][1], w1, xb);
+      }
+    }
+    const int g = b / per_group;
+    const __m512 s0 = _mm512_load_ps(ts + g * kTile), s1 = _mm512_load_ps(ts + g * kTile + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(p.xscale[static_cast<size_t>(m0 + r) * blocks + b]);
+      C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
+      C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
+    }
+    if (b % per_group == per_group - 1) {
+      const __m512 b0 = _mm512_load_ps(tb + g * kTile), b1 = _mm512_load_ps(tb + g * kTile + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
+        C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);
+        C[r][1] = _mm512_fmadd_ps(b1, xs, C[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + static_cast<size_t>(m0 + r) * p.N + n0;
+    _mm512_storeu_ps(yr, C[r][0]);
+    _mm512_storeu_ps(yr + 16, C[r][1]);
+  }
+}
+
+// Round K up to a multiple of 64: the byte rows' stride (row_codes8 writes whole 64s).
+inline int padded64(int K) {
+  return (K + 63) / 64 * 64;
+}
+
+// lay_tile for int8 activations: the 32 rows' codes as bytes to `rows` (32 x padded64(K)), then
+// each half's 16 rows transposed by quads (4 bytes: one int32) 16 at a time, so vector c holds
+// quad c of the 16 outputs; `tile` holds padded64(K) / 4 quads (the last ones' zeros unread).
+MLXINFER_VNNI void lay_tile_i8(const Problem& p, int n0, uint8_t* tile, float* ts, float* tb,
+                               uint8_t* rows) {
+  const Codes8Fn codes = codes8_fn(p.bits);
+  const size_t row_bytes = static_cast<size_t>(p.K) * p.bits / 8;
+  const int G = p.K / p.gs, stride = padded64(p.K);
+  const auto* w = reinterpret_cast<const uint8_t*>(p.w);
+  for (int j = 0; j < kTile; ++j) {
+    codes(w + (n0 + j) * row_bytes, rows + static_cast<size_t>(j) * stride, p.K);
+    for (int g = 0; g < G; ++g) {
+      ts[g * kTile + j] = p.scales[static_cast<size_t>(n0 + j) * G + g];
+      tb[g * kTile + j] = p.biases[static_cast<size_t>(n0 + j) * G + g];
+    }
+  }
+  for (int Q0 = 0; Q0 < stride / 4; Q0 += 16) {
+    for (int half = 0; half < 2; ++half) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        r[j] = _mm512_loadu_si512(rows + static_cast<size_t>(16 * half + j) * stride + 4 * Q0);
+      }
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) {
+        _mm512_store_si512(tile + (static_cast<size_t>(Q0 + c) * 2 + half) * 2 * kTile, r[c]);
+      }
+    }
+  }
+}
+
+// Blocks blk and blk + 1 (`two`: else blk alone) of R output rows (their codes as bytes, 64 a
+// load) against x's int8: one vpdpbusd, lanes 0-7 the first block's sums, 8-15 the second's,
+// each scaled by its block's ss.
+template <int R>
+MLXINFER_VNNI inline void few_step_i8(const uint8_t* codes, size_t stride, const float* ss,
+                                      const int8_t* x8, int blocks, int blk, bool two,
+                                      __m512 (&t)[R]) {
+  const __mmask64 k = two ? ~__mmask64{0} : 0xFFFFFFFFull;
+  const __m512i xv = _mm512_maskz_loadu_epi8(k, x8 + blk * kBlock);
+  for (int r = 0; r < R; ++r) {
+    const __m512i c = _mm512_maskz_loadu_epi8(k, codes + r * stride + blk * kBlock);
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
+    const float* sr = ss + r * blocks + blk;
+    const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sr[0]),
+                                           _mm512_set1_ps(two ? sr[1] : 0.0f));
+    t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, t[r]);
+  }
+}
+
+// few_rows for int8 activations: each output row's codes as bytes (8-bit: read in place), two
+// blocks a vpdpbusd, then the biases' term from the rounded x's sums.
+template <int BITS, int R>
+MLXINFER_VNNI void few_rows_i8(const Problem& p, int n, uint8_t* codes, float* ss) {
+  const int blocks = p.K / kBlock, G = p.K / p.gs;
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const auto* w = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * row_bytes;
+  const uint8_t* rows = w;
+  size_t stride = row_bytes;
+  if constexpr (BITS != 8) {
+    stride = padded64(p.K);
+    for (int r = 0; r < R; ++r) {
+      row_codes8<BITS>(w + r * row_bytes, codes + static_cast<size_t>(r) * stride, p.K);
+    }
+    rows = codes;
+  }
+  const int ahead = std::max(R, static_cast<int>(kAheadBytes / row_bytes));
+  if (n + ahead + R <= p.N) { // as few_rows
+    const size_t at = static_cast<size_t>(n + ahead) * G, bytes = static_cast<size_t>(R) * G * 4;
+    for (size_t o = 0; o < bytes; o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + o, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + o, _MM_HINT_T0);
+    }
+  }
+  for (int m = 0; m < p.M; ++m) {
+    const int8_t* x8 = p.x8 + static_cast<size_t>(m) * p.K;
+    const float* xs = p.xscale + static_cast<size_t>(m) * blocks;
+    block_scales<R>(p, n, xs, ss);
+    __m512 t0[R], t1[R];
+    for (int r = 0; r < R; ++r) {
+      t0[r] = t1[r] = _mm512_setzero_ps();
+    }
+    const auto* next = reinterpret_cast<const char*>(w) + static_cast<size_t>(ahead) * row_bytes;
+    const bool fetch = m == 0 && n + ahead + R <= p.N;
+    int b = 0;
+    for (; b + 4 <= blocks; b += 4) {
+      if (fetch) {
+        for (int r = 0; r < R; ++r) {
+          _mm_prefetch(next + r * row_bytes + static_cast<size_t>(b) * kBlock * BITS / 8, _MM_HINT_T0);
+          _mm_prefetch(next + r * row_bytes + static_cast<size_t>(b + 2) * kBlock * BITS / 8,
+                       _MM_HINT_T0);
+        }
+      }
+      few_step_i8<R>(rows, stride, ss, x8, blocks, b, true, t0);
+      few_step_i8<R>(rows, stride, ss, x8, blocks, b + 2, true, t1);
+    }
+    for (; b < blocks; b += 2) {
+      few_step_i8<R>(rows, stride, ss, x8, blocks, b, b + 2 <= blocks, t0);
+    }
+    const float* xsum = p.xsum + static_cast<size_t>(m) * G;
+    for (int r = 0; r < R; ++r) {
+      const float* br = p.biases + static_cast<size_t>(n + r) * G;
+      p.y[static_cast<size_t>(m) * p.N + n + r] =
+          _mm512_reduce_add_ps(_mm512_add_ps(t0[r], t1[r])) + dot_f32_avx512(br, xsum, G);
+    }
+  }
+}
+
+template <int BITS>
+MLXINFER_VNNI void few_rows_span_i8(const Problem& p, int n0, int n1) {
+  constexpr int R = 4;
+  aligned_vector<uint8_t> codes(BITS == 8 ? 0 : static_cast<size_t>(R) * padded64(p.K));
+  std::vector<float> ss(static_cast<size_t>(R) * (p.K / kBlock));
+  int n = n0;
+  for (; n + R <= n1; n += R) {
+    few_rows_i8<BITS, R>(p, n, codes.data(), ss.data());
+  }
+  for (; n < n1; ++n) {
+    few_rows_i8<BITS, 1>(p, n, codes.data(), ss.data());
+  }
+}
+
 // Block `blk` of R output rows against x's block: t[r] += float(codes . xq) * ss[r][blk].
 template <int BITS, int R>
 MLXINFER_VNNI inline void few_step(const Problem& p, const uint8_t* w, size_t row_bytes,
@@ -269,7 +532,7 @@ MLXINFER_VNNI inline void few_step(const Problem& p, const uint8_t* w, size_t ro
 // row; then the biases' term as in tile_rows. R output rows a pass for independent chains.
 template <int BITS, int R>
 MLXINFER_VNNI void few_rows(const Problem& p, int n, int16_t* codes, float* ss) {
-  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  const int blocks = p.K / kBlock, G = p.K / p.gs;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const auto* w = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * row_bytes;
   if constexpr (BITS != 8) {
@@ -292,21 +555,7 @@ MLXINFER_VNNI void few_rows(const Problem& p, int n, int16_t* codes, float* ss) 
   for (int m = 0; m < p.M; ++m) {
     const int16_t* xq = p.xq + static_cast<size_t>(m) * p.K;
     const float* xs = p.xscale + static_cast<size_t>(m) * blocks;
-    for (int r = 0; r < R; ++r) {
-      const float* sr = p.scales + static_cast<size_t>(n + r) * G;
-      float* out = ss + static_cast<size_t>(r) * blocks;
-      if (per_group == 1) {
-        for (int b = 0; b < blocks; b += 16) {
-          const __mmask16 k = blocks - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (blocks - b)) - 1);
-          _mm512_mask_storeu_ps(out + b, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + b),
-                                                          _mm512_maskz_loadu_ps(k, xs + b)));
-        }
-      } else {
-        for (int b = 0; b < blocks; ++b) {
-          out[b] = sr[b / per_group] * xs[b];
-        }
-      }
-    }
+    block_scales<R>(p, n, xs, ss);
     __m512 t0[R], t1[R];
     for (int r = 0; r < R; ++r) {
       t0[r] = t1[r] = _mm512_setzero_ps();
@@ -351,19 +600,59 @@ MLXINFER_VNNI void few_rows_span(const Problem& p, int n0, int n1) {
 
 void run_few(const Problem& p) {
   using Fn = void (*)(const Problem&, int, int);
-  Fn fn = p.bits == 2 ? few_rows_span<2>
-      : p.bits == 3   ? few_rows_span<3>
-      : p.bits == 4   ? few_rows_span<4>
-      : p.bits == 5   ? few_rows_span<5>
-      : p.bits == 6   ? few_rows_span<6>
-                      : few_rows_span<8>;
+  Fn fn = p.x8 != nullptr
+      ? (p.bits == 2   ? few_rows_span_i8<2>
+             : p.bits == 3 ? few_rows_span_i8<3>
+             : p.bits == 4 ? few_rows_span_i8<4>
+             : p.bits == 5 ? few_rows_span_i8<5>
+             : p.bits == 6 ? few_rows_span_i8<6>
+                           : few_rows_span_i8<8>)
+      : p.bits == 2 ? few_rows_span<2>
+      : p.bits == 3 ? few_rows_span<3>
+      : p.bits == 4 ? few_rows_span<4>
+      : p.bits == 5 ? few_rows_span<5>
+      : p.bits == 6 ? few_rows_span<6>
+                    : few_rows_span<8>;
   const size_t bytes = static_cast<size_t>(p.N) * p.K * p.bits / 8;
   parallel_rows(p.N, 8, bytes, [&](int n0, int n1) { fn(p, n0, n1); });
+}
+
+void run_i8(const Problem& p) {
+  const size_t bytes = static_cast<size_t>(p.N) * p.K * p.bits / 8;
+  parallel_rows(p.N, kTile, bytes, [&](int n0, int n1) {
+    const int G = p.K / p.gs, stride = padded64(p.K);
+    aligned_vector<uint8_t> tile(static_cast<size_t>(stride) * kTile);
+    aligned_vector<float> ts(static_cast<size_t>(G) * kTile), tb(ts.size());
+    aligned_vector<uint8_t> rows(static_cast<size_t>(stride) * kTile);
+    for (int n = n0; n < n1; n += kTile) {
+      lay_tile_i8(p, n, tile.data(), ts.data(), tb.data(), rows.data());
+      int m = 0;
+      for (; m + 4 <= p.M; m += 4) {
+        tile_rows_i8<4>(p, tile.data(), ts.data(), tb.data(), m, n);
+      }
+      switch (p.M - m) {
+        case 3:
+          tile_rows_i8<3>(p, tile.data(), ts.data(), tb.data(), m, n);
+          break;
+        case 2:
+          tile_rows_i8<2>(p, tile.data(), ts.data(), tb.data(), m, n);
+          break;
+        case 1:
+          tile_rows_i8<1>(p, tile.data(), ts.data(), tb.data(), m, n);
+          break;
+        default:
+          break;
+      }
+    }
+  });
 }
 
 void run(const Problem& p) {
   if (p.M <= kFewRows) {
     return run_few(p);
+  }
+  if (p.x8 != nullptr) {
+    return run_i8(p);
   }
   const size_t bytes = static_cast<size_t>(p.N) * p.K * p.bits / 8;
   parallel_rows(p.N, kTile, bytes, [&](int n0, int n1) {
@@ -401,6 +690,7 @@ struct Operands {
   std::vector<float> sf, bf;
   std::vector<uint32_t> wcopy;
   aligned_vector<int16_t> xq;
+  aligned_vector<int8_t> x8;
   std::vector<float> xscale, xsum;
 
   void prepare(Problem& p, const mx::array& w, const mx::array& sc, const mx::array& bi) {
@@ -416,14 +706,24 @@ struct Operands {
     p.scales = in_place ? sc.data<float>() : sf.data();
     p.biases = in_place ? bi.data<float>() : bf.data();
     const int blocks = p.K / kBlock, G = p.K / p.gs;
-    xq.resize(static_cast<size_t>(p.M) * p.K);
+    const bool i8 = int8_activations(); // x in int8 (set_int8_activations), else int16
+    if (i8) {
+      x8.resize(static_cast<size_t>(p.M) * p.K);
+    } else {
+      xq.resize(static_cast<size_t>(p.M) * p.K);
+    }
     xscale.resize(static_cast<size_t>(p.M) * blocks);
     xsum.resize(static_cast<size_t>(p.M) * G);
     for (int m = 0; m < p.M; ++m) {
-      prepare_row(p, m, xq.data() + static_cast<size_t>(m) * p.K,
-                  xscale.data() + static_cast<size_t>(m) * blocks,
-                  xsum.data() + static_cast<size_t>(m) * G);
+      float* xs = xscale.data() + static_cast<size_t>(m) * blocks;
+      float* sums = xsum.data() + static_cast<size_t>(m) * G;
+      if (i8) {
+        i16::prepare_row_i8(p, m, x8.data() + static_cast<size_t>(m) * p.K, xs, sums);
+      } else {
+        prepare_row(p, m, xq.data() + static_cast<size_t>(m) * p.K, xs, sums);
+      }
     }
+    p.x8 = i8 ? x8.data() : nullptr;
     p.xq = xq.data();
     p.xscale = xscale.data();
     p.xsum = xsum.data();

@@ -70,9 +70,10 @@ bool tiles_available();
 bool tiles_wide_available();
 // Whether that path sums with VNNI's vpdpwssd (Cascade Lake and later; not Skylake-SP).
 bool tiles_wide_vnni();
-// Int8 activations in the tiled products (opt-in; MLXINFER_INT8_ACTIVATIONS=1 sets it at load):
-// x rounded to int8 per block of 32 and summed with vpdpbusd, for every tiled layer where
-// tiles_int8_available() (AVX-512 VNNI); elsewhere int16 as before.
+// Int8 activations (opt-in; MLXINFER_INT8_ACTIVATIONS=1 sets it at load): x rounded to int8 per
+// block of 32 and summed with vpdpbusd in every int16 product — the tiled layers' where
+// tiles_int8_available() (AVX-512 VNNI), quantized_matmul_i16's (its few-row path too); elsewhere
+// int16 as before.
 void set_int8_activations(bool on);
 bool int8_activations();
 bool tiles_int8_available();

@@ -1,8 +1,8 @@
-"""Int8 activations in the tiled products (csrc/src/tiles.cpp; opt-in: MLXINFER_INT8_ACTIVATIONS=1,
-issue 47): x rounded to int8 per block of 32 inputs and AVX-512 VNNI's ``vpdpbusd``. Each output
-against the float64 definition within int8's rounding bound (derived in
+"""Int8 activations in the int16 products (csrc/src/tiles.cpp, prefill_i16.cpp; opt-in:
+MLXINFER_INT8_ACTIVATIONS=1, issue 47): x rounded to int8 per block of 32 inputs and AVX-512 VNNI's
+``vpdpbusd``. Each output against the float64 definition within int8's rounding bound (derived in
 ``int16_definition.definition_int8``) and, somewhere, outside int16's (so the int8 path ran), for
-every width, group size, scale dtype and tail of rows; the setting read at load (off by default,
+every width, group size, scale dtype and tail of rows, tiled or not; the setting read at load (off by default,
 a bad value a one-line error, ``describe`` naming it); the real SmolLM2's decode choosing the
 int16 path's greedy token (the default, tested against MLX's own in test_cpu_int16.py) wherever
 that path's top two are apart."""
@@ -56,6 +56,29 @@ def test_int8_products_are_within_their_rounding_bound(bits, group_size, half, i
         assert not (np.abs(y - exact) <= bound16).all(), M
         if M > 2:
             assert (y[2] == 0).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_the_int16_products_round_x_to_int8_when_set(bits, group_size, int8):
+    """``quantized_matmul_i16`` (the untiled layers' and the tied head's products: up to 4 rows
+    each output row's codes as bytes, more through byte tiles): within int8's bound, outside
+    int16's somewhere; inputs with a 32 tail past a multiple of 64 (the byte rows' padding)."""
+    if not K.vnni_available():
+        pytest.skip("quantized_matmul_i16 needs AVX-512 F, BW, VNNI and VBMI")
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    for M, N, Kd in [(1, 32, 128), (3, 64, 416), (4, 32, 640), (5, 96, 416), (9, 64, 384)]:
+        if Kd % group_size:
+            continue
+        w = mx.array(rng.normal(size=(N, Kd)).astype(np.float32) * 0.05)
+        q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+        x = rng.normal(size=(M, Kd)).astype(np.float32)
+        x[0, 3] = 40.0
+        y = np.array(K.quantized_matmul_i16(mx.array(x), q, s, b, group_size, bits), np.float64)
+        exact, bound = definition_int8(x, q, s, b, group_size, bits)
+        _, bound16 = definition(x, q, s, b, group_size, bits)
+        assert (np.abs(y - exact) <= bound).all(), (M, Kd, (np.abs(y - exact) / bound).max())
+        assert not (np.abs(y - exact) <= bound16).all(), (M, Kd)
 
 
 def test_a_non_finite_row_gives_nans_in_its_row_only(int8):
