@@ -166,8 +166,8 @@ NB_MODULE(_mlxinfer_kernels, m) {
   m.def("int8_activations", &mlxinfer::int8_activations,
         "Whether set_int8_activations(True) is in effect.");
   m.def("tiles_int8_available", &mlxinfer::tiles_int8_available,
-        "Whether the int8 tiled products run here: the 512-bit tiles with AVX-512 VNNI "
-        "(vpdpbusd), at the kernels' ISA level.");
+        "Whether int8 tiled products run here, at the kernels' ISA level: the 512-bit tiles "
+        "with AVX-512 VNNI (every width), or the AVX2 tiles (4-bit layers).");
   m.def("vnni_available", &mlxinfer::vnni_available,
         "Whether quantized_matmul_i16 runs here: AVX-512 F, BW, VNNI and VBMI, at the kernels' ISA "
         "level (set_max_isa).");

@@ -3,6 +3,7 @@
 // and each group's exact sum, and the target attribute their AVX-512 VNNI code is compiled with.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -123,6 +124,43 @@ MLXINFER_I16_AVX2 inline void prepare_row_avx2(const Problem& p, int m, int16_t*
     const __m128 s6 = _mm_add_ps(_mm256_extractf128_ps(s3, 1), _mm256_castps256_ps128(s3));
     const __m128 s8 = _mm_add_ps(s6, _mm_shuffle_ps(s6, s6, _MM_SHUFFLE(1, 0, 3, 2)));
     const float s = _mm_cvtss_f32(s8) + _mm_cvtss_f32(_mm_shuffle_ps(s8, s8, _MM_SHUFFLE(1, 1, 1, 1)));
+    xsum[b / per_group] = b % per_group == 0 ? s : xsum[b / per_group] + s;
+  }
+}
+
+// prepare_row_i8 without AVX-512 (tiles.cpp's AVX2 int8 path): the same codes, scales and sums
+// bit for bit (the block's max is exact in any order; x * (127 / amax) rounded to nearest even
+// in float32 as cvtps does; the codes' sum exact), one value at a time past the max.
+MLXINFER_I16_AVX2 inline void prepare_row_i8_avx2(const Problem& p, int m, int8_t* xq, float* xscale,
+                                                  float* xsum) {
+  const float* xr = p.x + static_cast<size_t>(m) * p.K;
+  const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int b = 0; b < blocks; ++b) {
+    const float* at = xr + b * kBlock;
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(at + 8 * i)));
+    }
+    const __m128 h = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+    const __m128 h2 = _mm_max_ps(h, _mm_shuffle_ps(h, h, _MM_SHUFFLE(1, 0, 3, 2)));
+    const float amax = _mm_cvtss_f32(_mm_max_ps(h2, _mm_shuffle_ps(h2, h2, _MM_SHUFFLE(0, 1, 0, 1))));
+    // a NaN in the block: _mm256_max_ps may drop it, so the block is checked as prepare_row_i8's
+    bool finite = std::isfinite(amax);
+    for (int i = 0; i < kBlock && finite; ++i) {
+      finite = std::isfinite(at[i]);
+    }
+    const float scale = !finite ? std::nanf("") : amax > 0.0f ? amax / 127.0f : 0.0f;
+    const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    int isum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const float v = std::nearbyint(at[i] * inv);
+      const int q = finite ? static_cast<int>(std::clamp(v, -128.0f, 127.0f)) : 0;
+      xq[b * kBlock + i] = static_cast<int8_t>(q);
+      isum += q;
+    }
+    xscale[b] = scale;
+    const float s = scale * static_cast<float>(isum);
     xsum[b / per_group] = b % per_group == 0 ? s : xsum[b / per_group] + s;
   }
 }

@@ -71,9 +71,9 @@ bool tiles_wide_available();
 // Whether that path sums with VNNI's vpdpwssd (Cascade Lake and later; not Skylake-SP).
 bool tiles_wide_vnni();
 // Int8 activations (opt-in; MLXINFER_INT8_ACTIVATIONS=1 sets it at load): x rounded to int8 per
-// block of 32 and summed with vpdpbusd in every int16 product — the tiled layers' where
-// tiles_int8_available() (AVX-512 VNNI), quantized_matmul_i16's (its few-row path too); elsewhere
-// int16 as before.
+// block of 32 and summed with vpdpbusd in every int16 product — the tiled layers' on AVX-512
+// VNNI, the 4-bit tiled layers' on AVX2 (vpmaddubsw, or AVX-VNNI's vpdpbusd), quantized_matmul_i16's
+// (its few-row path too); elsewhere int16 as before. tiles_int8_available(): a tiled path has it.
 void set_int8_activations(bool on);
 bool int8_activations();
 bool tiles_int8_available();

@@ -498,6 +498,116 @@ MLXINFER_I16_AVX2 void tile_rows_avx2(const Problem& p, const Tiles<S>& tl, int 
   }
 }
 
+// Int8 activations on AVX2 (4-bit layers; 5-, 6- and 8-bit stay int16 there): two pairs' 64
+// bytes interleaved by words (vpunpcklwd/hwd, then the 128-bit lanes put in order) hold inputs
+// 4 q .. 4 q + 3 of 8 outputs a 32-bit lane, the low nibbles outputs 0-15, the high ones 16-31.
+// With AVX-VNNI one vpdpbusd a vector (32 products: its VEX form, as an instruction as dot_pairs'
+// is); else vpmaddubsw (the codes unsigned, x
+// signed: pairs of products summed in int16, |15 * 127 * 2| = 3,810) added in int16 over the
+// block's 8 quads (at most 30,480: no wrap) and widened once a block by vpmaddwd with ones.
+// The same int32 sums as the AVX-512 path, so the same outputs bit for bit.
+MLXINFER_I16_AVX2 inline __m256i dot_quads(__m256i acc, __m256i w, __m256i x) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+  return acc;
+}
+
+template <typename S, bool VNNI, int R>
+MLXINFER_I16_AVX2 void tile_rows_avx2_i8(const Problem& p, const Tiles<S>& tl, int t, int m, bool next) {
+  constexpr size_t kPair = 32; // 4-bit
+  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
+  const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
+  const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
+  const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 C[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) {
+      C[r][v] = _mm256_setzero_ps();
+    }
+  }
+  for (int b = 0; b < blocks; ++b) {
+    __m256i A[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < 4; ++v) {
+        A[r][v] = _mm256_setzero_si256();
+      }
+    }
+    const uint8_t* wb = tile + static_cast<size_t>(b) * 16 * kPair;
+    if (m == 0 && next) {
+      for (size_t o = 0; o < 16 * kPair; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + tile_bytes + o), _MM_HINT_T0);
+      }
+    }
+    const int8_t* xb = p.x8 + static_cast<size_t>(m) * p.K + b * kBlock;
+    for (int q = 0; q < 8; ++q) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + q * 2 * kPair));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + q * 2 * kPair + kPair));
+      const __m256i lo = _mm256_unpacklo_epi16(a, c), hi = _mm256_unpackhi_epi16(a, c);
+      const __m256i w07 = _mm256_permute2x128_si256(lo, hi, 0x20); // outputs 0-7 (and 16-23)
+      const __m256i w815 = _mm256_permute2x128_si256(lo, hi, 0x31); // outputs 8-15 (and 24-31)
+      const __m256i w[4] = {_mm256_and_si256(w07, low), _mm256_and_si256(w815, low),
+                            _mm256_and_si256(_mm256_srli_epi16(w07, 4), low),
+                            _mm256_and_si256(_mm256_srli_epi16(w815, 4), low)};
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xb + static_cast<size_t>(r) * p.K + 4 * q, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+        for (int v = 0; v < 4; ++v) {
+          if constexpr (VNNI) {
+            A[r][v] = dot_quads(A[r][v], w[v], xv);
+          } else { // int16 sums of the block (widened below)
+            A[r][v] = _mm256_add_epi16(A[r][v], _mm256_maddubs_epi16(w[v], xv));
+          }
+        }
+      }
+    }
+    if constexpr (!VNNI) {
+      for (int r = 0; r < R; ++r) {
+        for (int v = 0; v < 4; ++v) {
+          A[r][v] = _mm256_madd_epi16(A[r][v], ones);
+        }
+      }
+    }
+    const int g = b / per_group;
+    for (int r = 0; r < R; ++r) {
+      const __m256 sx = _mm256_set1_ps(p.xscale[static_cast<size_t>(m + r) * blocks + b]);
+      for (int v = 0; v < 4; ++v) {
+        const __m256 s = load8(ts + g * kTileRows + 8 * v);
+        C[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[r][v]), _mm256_mul_ps(s, sx), C[r][v]);
+      }
+    }
+    if (b % per_group == per_group - 1) {
+      for (int r = 0; r < R; ++r) {
+        const __m256 xs = _mm256_set1_ps(p.xsum[static_cast<size_t>(m + r) * G + g]);
+        for (int v = 0; v < 4; ++v) {
+          C[r][v] = _mm256_fmadd_ps(load8(tb + g * kTileRows + 8 * v), xs, C[r][v]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + static_cast<size_t>(m + r) * p.N + static_cast<size_t>(t) * kTileRows;
+    for (int v = 0; v < 4; ++v) {
+      _mm256_storeu_ps(yr + 8 * v, C[r][v]);
+    }
+  }
+}
+
+template <typename S, bool VNNI>
+MLXINFER_I16_AVX2 void tiles_span_avx2_i8(const Problem& p, const Tiles<S>& tl, int n0, int n1) {
+  const int t1 = n1 / kTileRows;
+  for (int t = n0 / kTileRows; t < t1; ++t) {
+    int m = 0;
+    for (; m + kPassRows <= p.M; m += kPassRows) {
+      tile_rows_avx2_i8<S, VNNI, kPassRows>(p, tl, t, m, t + 1 < t1);
+    }
+    for (; m < p.M; ++m) {
+      tile_rows_avx2_i8<S, VNNI, 1>(p, tl, t, m, t + 1 < t1);
+    }
+  }
+}
+
 // Tile t's codes widened once, [block][pair][32 outputs x 2 inputs] as words (K x 64 bytes), for
 // a product of many rows: each pass then loads them instead of widening a pair per pass.
 template <int BITS, typename S>
@@ -549,7 +659,10 @@ SpanFn<S> span_fn_bits(bool wide, bool vnni) {
 }
 
 template <typename S>
-SpanFn<S> span_fn_i8(int bits) {
+SpanFn<S> span_fn_i8(bool wide, bool vnni, int bits) {
+  if (!wide) { // AVX2: 4-bit only (int8_takes)
+    return vnni ? tiles_span_avx2_i8<S, true> : tiles_span_avx2_i8<S, false>;
+  }
   return bits == 4   ? tiles_span_i8<4, S>
       : bits == 5    ? tiles_span_i8<5, S>
       : bits == 6    ? tiles_span_i8<6, S>
@@ -575,6 +688,12 @@ int code_at(const uint8_t* row, size_t row_bytes, int k, int bits) {
 
 std::atomic<bool> g_int8_activations{false};
 
+// Whether a tiled product of `bits` takes int8 activations on this path: AVX-512 with VNNI
+// (every width), AVX2 (4-bit: the 5-/6-bit planes and 8-bit codes stay int16 there).
+bool int8_takes(bool wide, bool vnni, int bits) {
+  return wide ? vnni : bits == 4;
+}
+
 } // namespace
 
 void set_int8_activations(bool on) {
@@ -586,7 +705,7 @@ bool int8_activations() {
 }
 
 bool tiles_int8_available() {
-  return tiles_wide_vnni();
+  return tiles_wide_vnni() || (tiles_available() && !tiles_wide_available());
 }
 
 std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
@@ -754,8 +873,8 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
     return;
   }
   const int blocks = p.K / kBlock, G = p.K / gs;
-  // int8 activations where asked (AVX-512 VNNI's vpdpbusd)
-  const bool i8 = int8_activations() && wide && vnni;
+  // int8 activations where asked and the path has them (int8_takes)
+  const bool i8 = int8_activations() && int8_takes(wide, vnni, bits);
   aligned_vector<int16_t> xq(i8 ? 0 : static_cast<size_t>(M) * p.K);
   aligned_vector<int8_t> x8(i8 ? static_cast<size_t>(M) * p.K : 0);
   std::vector<float> xscale(static_cast<size_t>(M) * blocks), xsum(static_cast<size_t>(M) * G);
@@ -763,7 +882,8 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
     float* xs = xscale.data() + static_cast<size_t>(m) * blocks;
     float* sums = xsum.data() + static_cast<size_t>(m) * G;
     if (i8) {
-      i16::prepare_row_i8(p, m, x8.data() + static_cast<size_t>(m) * p.K, xs, sums);
+      (wide ? i16::prepare_row_i8 : i16::prepare_row_i8_avx2)(
+          p, m, x8.data() + static_cast<size_t>(m) * p.K, xs, sums);
     } else {
       (wide ? i16::prepare_row : i16::prepare_row_avx2)(
           p, m, xq.data() + static_cast<size_t>(m) * p.K, xs, sums);
@@ -776,11 +896,12 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
   if (sc.dtype() == mx::float32) {
     const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(), bi.data<float>()};
-    const auto fn = i8 ? span_fn_i8<float>(bits) : span_fn<float>(wide, vnni, bits);
+    const auto fn = i8 ? span_fn_i8<float>(wide, vnni, bits) : span_fn<float>(wide, vnni, bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   } else {
     const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(), bi.data<mx::float16_t>()};
-    const auto fn = i8 ? span_fn_i8<mx::float16_t>(bits) : span_fn<mx::float16_t>(wide, vnni, bits);
+    const auto fn = i8 ? span_fn_i8<mx::float16_t>(wide, vnni, bits)
+                       : span_fn<mx::float16_t>(wide, vnni, bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   }
 #else

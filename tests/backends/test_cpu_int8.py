@@ -23,7 +23,7 @@ pytestmark = [
     ),
     pytest.mark.skipif(
         K is not None and not K.tiles_int8_available(),
-        reason="int8 activations need the 512-bit tiles with AVX-512 VNNI (this CPU lacks one)",
+        reason="int8 activations need the tiles: AVX-512 with VNNI, or AVX2 (this CPU has neither)",
     ),
 ]
 
@@ -42,6 +42,8 @@ def int8():
 def test_int8_products_are_within_their_rounding_bound(bits, group_size, half, int8):
     """1-17 rows (a pass is 8) against the float64 product: within int8's bound everywhere,
     outside int16's somewhere (the int8 path ran, not the default's); a zero row gives zeros."""
+    if bits != 4 and not K.tiles_wide_vnni():
+        pytest.skip("the AVX2 tiles take int8 at 4 bits only (this CPU has no AVX-512 VNNI)")
     rng = np.random.default_rng(bits * 100 + group_size + half)
     q, s, b, t = random_tiled(rng, bits, group_size, half)
     s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
@@ -79,6 +81,37 @@ def test_the_int16_products_round_x_to_int8_when_set(bits, group_size, int8):
         _, bound16 = definition(x, q, s, b, group_size, bits)
         assert (np.abs(y - exact) <= bound).all(), (M, Kd, (np.abs(y - exact) / bound).max())
         assert not (np.abs(y - exact) <= bound16).all(), (M, Kd)
+
+
+@pytest.mark.parametrize("cap", ["avx2", "avxvnni"])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_the_avx2_tiles_take_int8_at_4_bits_as_the_512_bit_path(cap, bits, int8):
+    """Held at AVX2 (vpmaddubsw summed in int16 over a block; with AVX-VNNI, vpdpbusd): 4-bit
+    layers give the 512-bit int8 path's outputs bit for bit (the same int32 sums and scaling);
+    5-, 6- and 8-bit layers stay int16 there, the int16 path's outputs bit for bit."""
+    if K.isa() != "avx512":
+        pytest.skip("compares with the 512-bit path (this CPU's level is below AVX-512)")
+    rng = np.random.default_rng(bits)
+    try:
+        K.set_max_isa(cap)
+        if cap == "avxvnni" and not K.avx_vnni_available():
+            pytest.skip("this CPU has no AVX-VNNI (avxvnni in /proc/cpuinfo)")
+        assert K.tiles_int8_available() and not K.tiles_wide_available()
+        for group_size, half in [(32, True), (64, False), (128, True)]:
+            q, s, b, t = random_tiled(rng, bits, group_size, half)
+            for M in (1, 2, 3, 9):
+                x = mx.array(outlier_rows(rng, M))
+                K.set_max_isa(cap)
+                avx2 = np.array(K.quantized_matvec(x, *t, group_size, bits))
+                if bits == 4:
+                    K.set_max_isa("best")
+                else:
+                    K.set_int8_activations(False)
+                want = np.array(K.quantized_matvec(x, *t, group_size, bits))
+                K.set_int8_activations(True)
+                assert (avx2 == want).all(), (group_size, M)
+    finally:
+        K.set_max_isa("best")
 
 
 def test_a_non_finite_row_gives_nans_in_its_row_only(int8):
