@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -37,8 +38,17 @@ struct Problem {
   float* y = nullptr; // (M, N)
 };
 
-// Row m of x as int16 per block of 32 (round to nearest), the blocks' scales and the groups' sums.
-MLXINFER_WIDE_TILES inline void prepare_row(const Problem& p, int m, int16_t* xq, float* xscale, float* xsum) {
+// Row m of x rounded to T per block of 32 (to nearest, saturated), the blocks' scales and the
+// groups' sums. int16: scale amax / 32767, the sums of x itself. int8 (tiles.cpp's int8
+// activations, opt-in): scale amax / 127, and the sums of the rounded x (scale times its codes'
+// exact sum): the biases then meet the same x as the codes, so an output's error is that of the
+// dequantized weights times x's rounding, sum_k |s q_k + b| (not |s q_k|: an affine layer's
+// codes are uncentered, its biases about -8 s at 4 bits) x_scale_b / 2; with x's own sums the
+// codes' share of the error stood alone (SmolLM2: perplexity +1.68 % against +0.41 %).
+template <typename T>
+MLXINFER_WIDE_TILES inline void prepare_row_as(const Problem& p, int m, T* xq, float* xscale,
+                                               float* xsum) {
+  constexpr float kLevels = std::is_same_v<T, int8_t> ? 127.0f : 32767.0f;
   const float* xr = p.x + static_cast<size_t>(m) * p.K;
   const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
   for (int b = 0; b < blocks; ++b) {
@@ -46,48 +56,85 @@ MLXINFER_WIDE_TILES inline void prepare_row(const Problem& p, int m, int16_t* xq
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
     // A non-finite x makes its block's scale NaN, so its rows' outputs are NaN (not wrapped ints).
     const bool finite = std::isfinite(amax);
-    const float scale = !finite ? std::nanf("") : amax > 0.0f ? amax / 32767.0f : 0.0f;
-    const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 32767.0f / amax : 0.0f);
+    const float scale = !finite ? std::nanf("") : amax > 0.0f ? amax / kLevels : 0.0f;
+    const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? kLevels / amax : 0.0f);
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
     const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock), _mm512_cvtsepi32_epi16(qa));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock + 16),
-                        _mm512_cvtsepi32_epi16(qc));
+    float s;
+    if constexpr (std::is_same_v<T, int8_t>) {
+      const __m128i ba = _mm512_cvtsepi32_epi8(qa), bc = _mm512_cvtsepi32_epi8(qc);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), ba);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), bc);
+      s = scale * static_cast<float>(_mm512_reduce_add_epi32(
+                      _mm512_add_epi32(_mm512_cvtepi8_epi32(ba), _mm512_cvtepi8_epi32(bc))));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock), _mm512_cvtsepi32_epi16(qa));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock + 16),
+                          _mm512_cvtsepi32_epi16(qc));
+      s = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+    }
     xscale[b] = scale;
-    const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
     xsum[b / per_group] = b % per_group == 0 ? s : xsum[b / per_group] + s;
   }
 }
 
-// prepare_row with int8 codes (amax / 127 a block; tiles.cpp's int8 activations, opt-in): the
-// same rounding, saturation and non-finite rule; each group's sum is of the rounded x (below).
-#define MLXINFER_I8 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,bmi2")))
-MLXINFER_I8 inline void prepare_row_i8(const Problem& p, int m, int8_t* xq, float* xscale, float* xsum) {
-  const float* xr = p.x + static_cast<size_t>(m) * p.K;
-  const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
-  for (int b = 0; b < blocks; ++b) {
-    const __m512 a = _mm512_loadu_ps(xr + b * kBlock), c = _mm512_loadu_ps(xr + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-    const bool finite = std::isfinite(amax);
-    const float scale = !finite ? std::nanf("") : amax > 0.0f ? amax / 127.0f : 0.0f;
-    const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
-    const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
-    const __m128i ba = _mm512_cvtsepi32_epi8(qa), bc = _mm512_cvtsepi32_epi8(qc);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), ba);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), bc);
-    xscale[b] = scale;
-    // The sum of the rounded x (scale times its codes' exact sum), not of x: the biases then
-    // meet the same x as the codes, so an output's error is that of the dequantized weights
-    // times x's rounding, sum_k |s q_k + b| (not |s q_k|: an affine layer's codes are
-    // uncentered, its biases about -8 s at 4 bits) x_scale_b / 2; with x's own sum the codes'
-    // share of the error stood alone (SmolLM2: perplexity +1.7 % against +0.x %).
-    const int isum = _mm512_reduce_add_epi32(
-        _mm512_add_epi32(_mm512_cvtepi8_epi32(ba), _mm512_cvtepi8_epi32(bc)));
-    const float s = scale * static_cast<float>(isum);
-    xsum[b / per_group] = b % per_group == 0 ? s : xsum[b / per_group] + s;
+MLXINFER_WIDE_TILES inline void prepare_row(const Problem& p, int m, int16_t* xq, float* xscale,
+                                            float* xsum) {
+  prepare_row_as<int16_t>(p, m, xq, xscale, xsum);
+}
+
+MLXINFER_WIDE_TILES inline void prepare_row_i8(const Problem& p, int m, int8_t* xq, float* xscale,
+                                               float* xsum) {
+  prepare_row_as<int8_t>(p, m, xq, xscale, xsum);
+}
+
+// 16 scales or biases as float32: float32 ones, or float16 ones (any 2-byte S) converted.
+template <typename S>
+MLXINFER_WIDE_TILES inline __m512 load16(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 }
+
+// The int16 and int8 products' epilogue of a block b of 32 inputs: rows m0.. m0 + R - 1's int32
+// sums A (32 outputs, two vectors) into C, times the group g's scales (ts: a tile's [group][32])
+// and the row's block scale; at the group's `last` block, its biases (tb) times the row's group
+// sum of x.
+template <int R, typename S>
+MLXINFER_WIDE_TILES inline void scale_block(const Problem& p, const S* ts, const S* tb, int m0,
+                                            int b, int g, bool last, const __m512i (&A)[R][2],
+                                            __m512 (&C)[R][2]) {
+  const int blocks = p.K / kBlock, G = p.K / p.gs;
+  const __m512 s0 = load16(ts + g * 32), s1 = load16(ts + g * 32 + 16);
+  for (int r = 0; r < R; ++r) {
+    const __m512 sx = _mm512_set1_ps(p.xscale[static_cast<size_t>(m0 + r) * blocks + b]);
+    C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
+    C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
+  }
+  if (last) {
+    const __m512 b0 = load16(tb + g * 32), b1 = load16(tb + g * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
+      C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);
+      C[r][1] = _mm512_fmadd_ps(b1, xs, C[r][1]);
+    }
+  }
+}
+
+// C's R rows to y's outputs n0 .. n0 + 31.
+template <int R>
+MLXINFER_WIDE_TILES inline void store_rows(const Problem& p, int m0, size_t n0, const __m512 (&C)[R][2]) {
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + static_cast<size_t>(m0 + r) * p.N + n0;
+    _mm512_storeu_ps(yr, C[r][0]);
+    _mm512_storeu_ps(yr + 16, C[r][1]);
+  }
+}
+
+// The int8 products' target (tiles.cpp, AVX-512 VNNI's vpdpbusd; pdep for the 5-/6-bit planes).
+#define MLXINFER_I8 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,bmi2")))
 
 #define MLXINFER_I16_AVX2 __attribute__((target("avx2,fma,f16c")))
 

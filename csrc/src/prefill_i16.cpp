@@ -36,6 +36,7 @@
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 
 #include "mlx/backend/cpu/encoder.h"
 
@@ -75,11 +76,13 @@ const bool g_vnni = detect_vnni();
 using i16::prepare_row;
 using i16::Problem;
 
-// Row n's K codes from MLX's little-endian bit stream (8 codes in BITS bytes), as int16, 64 at a
-// time: the 8 units' bytes spread one unit a 64-bit lane (vpermb), each lane's 8 codes cut out
-// as bytes (vpmultishiftqb: code j is the 8 bits from bit j * BITS, masked), then widened.
-template <int BITS>
-MLXINFER_VNNI void row_codes(const uint8_t* __restrict src, int16_t* __restrict out, int K) {
+// Row n's K codes from MLX's little-endian bit stream (8 codes in BITS bytes), as int16 (T), 64
+// at a time: the 8 units' bytes spread one unit a 64-bit lane (vpermb), each lane's 8 codes cut
+// out as bytes (vpmultishiftqb: code j is the 8 bits from bit j * BITS, masked), then widened;
+// or as bytes (T uint8_t: int8 activations' vpdpbusd reads them unsigned), whole 64s written (a
+// row's last 32 with 32 zeros after them: `out` has room up to padded64(K)).
+template <int BITS, typename T = int16_t>
+MLXINFER_VNNI void row_codes(const uint8_t* __restrict src, T* __restrict out, int K) {
   alignas(64) static constexpr auto kSpread = [] {
     std::array<uint8_t, 64> t{};
     for (int u = 0; u < 8; ++u) {
@@ -111,90 +114,36 @@ MLXINFER_VNNI void row_codes(const uint8_t* __restrict src, int16_t* __restrict 
       v = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, _mm512_permutexvar_epi8(spread, v)),
                            mask);
     }
-    _mm512_storeu_si512(out + k, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v)));
-    if (n == 64) {
-      _mm512_storeu_si512(out + k + 32, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1)));
-    }
-  }
-}
-
-using CodesFn = void (*)(const uint8_t*, int16_t*, int);
-
-CodesFn codes_fn(int bits) {
-  switch (bits) {
-    case 2:
-      return row_codes<2>;
-    case 3:
-      return row_codes<3>;
-    case 4:
-      return row_codes<4>;
-    case 5:
-      return row_codes<5>;
-    case 6:
-      return row_codes<6>;
-    default:
-      return row_codes<8>;
-  }
-}
-
-// row_codes's codes as bytes (int8 activations: vpdpbusd reads them unsigned): K bytes, and
-// zeros up to the next multiple of 64 (`out` has room for them).
-template <int BITS>
-MLXINFER_VNNI void row_codes8(const uint8_t* __restrict src, uint8_t* __restrict out, int K) {
-  alignas(64) static constexpr auto kSpread = [] {
-    std::array<uint8_t, 64> t{};
-    for (int u = 0; u < 8; ++u) {
-      for (int i = 0; i < 8; ++i) {
-        t[8 * u + i] = static_cast<uint8_t>(u * BITS + i);
-      }
-    }
-    return t;
-  }();
-  alignas(64) static constexpr auto kShift = [] {
-    std::array<uint8_t, 64> t{};
-    for (int i = 0; i < 64; ++i) {
-      t[i] = static_cast<uint8_t>((i % 8) * BITS);
-    }
-    return t;
-  }();
-  const __m512i spread = _mm512_load_si512(kSpread.data());
-  const __m512i shift = _mm512_load_si512(kShift.data());
-  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1));
-  for (int k = 0; k < K; k += 64) {
-    const int n = std::min(64, K - k);
-    const uint8_t* unit = src + static_cast<size_t>(k) / 8 * BITS;
-    __m512i v;
-    if constexpr (BITS == 8) {
-      v = _mm512_maskz_loadu_epi8(n == 64 ? ~__mmask64{0} : 0xFFFFFFFFull, unit);
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      _mm512_storeu_si512(out + k, v); // past n: zeros (the masked load's)
     } else {
-      const __mmask64 bytes = (__mmask64{1} << (n / 8 * BITS)) - 1;
-      v = _mm512_maskz_loadu_epi8(bytes, unit);
-      v = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, _mm512_permutexvar_epi8(spread, v)),
-                           mask);
-      if (n < 64) {
-        v = _mm512_maskz_mov_epi8(0xFFFFFFFFull, v);
+      _mm512_storeu_si512(out + k, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v)));
+      if (n == 64) {
+        _mm512_storeu_si512(out + k + 32, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1)));
       }
     }
-    _mm512_storeu_si512(out + k, v);
   }
 }
 
-using Codes8Fn = void (*)(const uint8_t*, uint8_t*, int);
+template <typename T>
+using CodesFn = void (*)(const uint8_t*, T*, int);
 
-Codes8Fn codes8_fn(int bits) {
+// row_codes for a width, as int16 (T) or bytes.
+template <typename T = int16_t>
+CodesFn<T> codes_fn(int bits) {
   switch (bits) {
     case 2:
-      return row_codes8<2>;
+      return row_codes<2, T>;
     case 3:
-      return row_codes8<3>;
+      return row_codes<3, T>;
     case 4:
-      return row_codes8<4>;
+      return row_codes<4, T>;
     case 5:
-      return row_codes8<5>;
+      return row_codes<5, T>;
     case 6:
-      return row_codes8<6>;
+      return row_codes<6, T>;
     default:
-      return row_codes8<8>;
+      return row_codes<8, T>;
   }
 }
 
@@ -233,7 +182,7 @@ MLXINFER_VNNI inline void transpose16(__m512i (&r)[16]) {
 template <int R>
 MLXINFER_VNNI void tile_rows(const Problem& p, const int16_t* tile, const float* ts,
                              const float* tb, int m0, int n0) {
-  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
   __m512 C[R][2];
   for (int r = 0; r < R; ++r) {
     C[r][0] = C[r][1] = _mm512_setzero_ps();
@@ -255,34 +204,16 @@ MLXINFER_VNNI void tile_rows(const Problem& p, const int16_t* tile, const float*
         A[r][1] = _mm512_dpwssd_epi32(A[r][1], xb, w1);
       }
     }
-    const int g = b / per_group;
-    const __m512 s0 = _mm512_load_ps(ts + g * kTile), s1 = _mm512_load_ps(ts + g * kTile + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 sx = _mm512_set1_ps(p.xscale[static_cast<size_t>(m0 + r) * blocks + b]);
-      C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
-      C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
-    }
-    if (b % per_group == per_group - 1) { // the group's biases times its sum of x
-      const __m512 b0 = _mm512_load_ps(tb + g * kTile), b1 = _mm512_load_ps(tb + g * kTile + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
-        C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);
-        C[r][1] = _mm512_fmadd_ps(b1, xs, C[r][1]);
-      }
-    }
+    i16::scale_block<R>(p, ts, tb, m0, b, b / per_group, b % per_group == per_group - 1, A, C);
   }
-  for (int r = 0; r < R; ++r) {
-    float* yr = p.y + static_cast<size_t>(m0 + r) * p.N + n0;
-    _mm512_storeu_ps(yr, C[r][0]);
-    _mm512_storeu_ps(yr + 16, C[r][1]);
-  }
+  i16::store_rows<R>(p, m0, n0, C);
 }
 
 // Outputs [n0, n0 + 32): codes as int16 [block][pair][32 outputs][2], scales and biases
 // [group][32 outputs]. The 32 rows' codes go to `rows` (32 x K), then are transposed by pairs.
 MLXINFER_VNNI void lay_tile(const Problem& p, int n0, int16_t* tile, float* ts, float* tb,
                             int16_t* rows) {
-  const CodesFn codes = codes_fn(p.bits);
+  const CodesFn<int16_t> codes = codes_fn(p.bits);
   const size_t row_bytes = static_cast<size_t>(p.K) * p.bits / 8;
   const int G = p.K / p.gs;
   const auto* w = reinterpret_cast<const uint8_t*>(p.w);
@@ -333,9 +264,9 @@ MLXINFER_VNNI inline void block_scales(const Problem& p, int n, const float* xs,
 // Int8 activations (set_int8_activations; tiles.cpp's comment): the tile as bytes [block][quad
 // of inputs][32 outputs][4] (K x 32 bytes), one vpdpbusd a quad and half, rows of x in int8.
 template <int R>
-MLXINFER_VNNI void tile_rows_i8(const Problem& p, const uint8_t* tile, const float* ts,
+MLXINFER_VNNI void tile_rows(const Problem& p, const uint8_t* tile, const float* ts,
                                 const float* tb, int m0, int n0) {
-  const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
+  const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
   __m512 C[R][2];
   for (int r = 0; r < R; ++r) {
     C[r][0] = C[r][1] = _mm512_setzero_ps();
@@ -357,40 +288,22 @@ MLXINFER_VNNI void tile_rows_i8(const Problem& p, const uint8_t* tile, const flo
         A[r][1] = _mm512_dpbusd_epi32(A[r][1], w1, xb);
       }
     }
-    const int g = b / per_group;
-    const __m512 s0 = _mm512_load_ps(ts + g * kTile), s1 = _mm512_load_ps(ts + g * kTile + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 sx = _mm512_set1_ps(p.xscale[static_cast<size_t>(m0 + r) * blocks + b]);
-      C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
-      C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
-    }
-    if (b % per_group == per_group - 1) {
-      const __m512 b0 = _mm512_load_ps(tb + g * kTile), b1 = _mm512_load_ps(tb + g * kTile + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
-        C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);
-        C[r][1] = _mm512_fmadd_ps(b1, xs, C[r][1]);
-      }
-    }
+    i16::scale_block<R>(p, ts, tb, m0, b, b / per_group, b % per_group == per_group - 1, A, C);
   }
-  for (int r = 0; r < R; ++r) {
-    float* yr = p.y + static_cast<size_t>(m0 + r) * p.N + n0;
-    _mm512_storeu_ps(yr, C[r][0]);
-    _mm512_storeu_ps(yr + 16, C[r][1]);
-  }
+  i16::store_rows<R>(p, m0, n0, C);
 }
 
-// Round K up to a multiple of 64: the byte rows' stride (row_codes8 writes whole 64s).
+// Round K up to a multiple of 64: the byte rows' stride (row_codes writes whole 64s).
 inline int padded64(int K) {
   return (K + 63) / 64 * 64;
 }
 
-// lay_tile for int8 activations: the 32 rows' codes as bytes to `rows` (32 x padded64(K)), then
+// lay_tile for int8 activations (bytes): the 32 rows' codes as bytes to `rows` (32 x padded64(K)), then
 // each half's 16 rows transposed by quads (4 bytes: one int32) 16 at a time, so vector c holds
 // quad c of the 16 outputs; `tile` holds padded64(K) / 4 quads (the last ones' zeros unread).
-MLXINFER_VNNI void lay_tile_i8(const Problem& p, int n0, uint8_t* tile, float* ts, float* tb,
+MLXINFER_VNNI void lay_tile(const Problem& p, int n0, uint8_t* tile, float* ts, float* tb,
                                uint8_t* rows) {
-  const Codes8Fn codes = codes8_fn(p.bits);
+  const CodesFn<uint8_t> codes = codes_fn<uint8_t>(p.bits);
   const size_t row_bytes = static_cast<size_t>(p.K) * p.bits / 8;
   const int G = p.K / p.gs, stride = padded64(p.K);
   const auto* w = reinterpret_cast<const uint8_t*>(p.w);
@@ -446,7 +359,7 @@ MLXINFER_VNNI void few_rows_i8(const Problem& p, int n, uint8_t* codes, float* s
   if constexpr (BITS != 8) {
     stride = padded64(p.K);
     for (int r = 0; r < R; ++r) {
-      row_codes8<BITS>(w + r * row_bytes, codes + static_cast<size_t>(r) * stride, p.K);
+      row_codes<BITS, uint8_t>(w + r * row_bytes, codes + static_cast<size_t>(r) * stride, p.K);
     }
     rows = codes;
   }
@@ -617,49 +530,14 @@ void run_few(const Problem& p) {
   parallel_rows(p.N, 8, bytes, [&](int n0, int n1) { fn(p, n0, n1); });
 }
 
-void run_i8(const Problem& p) {
+// Many rows through tiles laid per product: int16 codes (x in int16) or bytes (int8 x).
+template <typename T>
+void run_tiles(const Problem& p) {
   const size_t bytes = static_cast<size_t>(p.N) * p.K * p.bits / 8;
   parallel_rows(p.N, kTile, bytes, [&](int n0, int n1) {
-    const int G = p.K / p.gs, stride = padded64(p.K);
-    aligned_vector<uint8_t> tile(static_cast<size_t>(stride) * kTile);
+    const int G = p.K / p.gs, stride = std::is_same_v<T, uint8_t> ? padded64(p.K) : p.K;
+    aligned_vector<T> tile(static_cast<size_t>(stride) * kTile), rows(tile.size());
     aligned_vector<float> ts(static_cast<size_t>(G) * kTile), tb(ts.size());
-    aligned_vector<uint8_t> rows(static_cast<size_t>(stride) * kTile);
-    for (int n = n0; n < n1; n += kTile) {
-      lay_tile_i8(p, n, tile.data(), ts.data(), tb.data(), rows.data());
-      int m = 0;
-      for (; m + 4 <= p.M; m += 4) {
-        tile_rows_i8<4>(p, tile.data(), ts.data(), tb.data(), m, n);
-      }
-      switch (p.M - m) {
-        case 3:
-          tile_rows_i8<3>(p, tile.data(), ts.data(), tb.data(), m, n);
-          break;
-        case 2:
-          tile_rows_i8<2>(p, tile.data(), ts.data(), tb.data(), m, n);
-          break;
-        case 1:
-          tile_rows_i8<1>(p, tile.data(), ts.data(), tb.data(), m, n);
-          break;
-        default:
-          break;
-      }
-    }
-  });
-}
-
-void run(const Problem& p) {
-  if (p.M <= kFewRows) {
-    return run_few(p);
-  }
-  if (p.x8 != nullptr) {
-    return run_i8(p);
-  }
-  const size_t bytes = static_cast<size_t>(p.N) * p.K * p.bits / 8;
-  parallel_rows(p.N, kTile, bytes, [&](int n0, int n1) {
-    const int G = p.K / p.gs;
-    aligned_vector<int16_t> tile(static_cast<size_t>(p.K) * kTile);
-    aligned_vector<float> ts(static_cast<size_t>(G) * kTile), tb(ts.size());
-    aligned_vector<int16_t> rows(static_cast<size_t>(p.K) * kTile);
     for (int n = n0; n < n1; n += kTile) {
       lay_tile(p, n, tile.data(), ts.data(), tb.data(), rows.data());
       int m = 0;
@@ -681,6 +559,16 @@ void run(const Problem& p) {
       }
     }
   });
+}
+
+void run(const Problem& p) {
+  if (p.M <= kFewRows) {
+    return run_few(p);
+  }
+  if (p.x8 != nullptr) {
+    return run_tiles<uint8_t>(p);
+  }
+  run_tiles<int16_t>(p);
 }
 
 // What a product reads besides x: the codes (contiguous), the scales and biases as f32 (read in

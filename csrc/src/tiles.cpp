@@ -61,12 +61,25 @@ struct Tiles {
   const S* biases;
 };
 
+using i16::load16;
+using i16::scale_block;
+using i16::store_rows;
+
+// Ahead of block b of tile t (the next tile's, `tile_bytes` on): its codes, and at a group's
+// first block the group's scales and biases, so they stream from memory meanwhile.
 template <typename S>
-MLXINFER_WIDE_TILES inline __m512 load16(const S* p) {
-  if constexpr (std::is_same_v<S, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+MLXINFER_WIDE_TILES inline void prefetch_next(const uint8_t* wb, size_t tile_bytes,
+                                              size_t block_bytes, const S* ts, const S* tb, int G,
+                                              int b, int per_group, int shift) {
+  for (size_t o = 0; o < block_bytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + tile_bytes + o), _MM_HINT_T0);
+  }
+  if ((b & (per_group - 1)) == 0) {
+    const size_t at = static_cast<size_t>(G + (b >> shift)) * kTileRows;
+    for (size_t o = 0; o < kTileRows * sizeof(S); o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ts + at) + o, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(tb + at) + o, _MM_HINT_T0);
+    }
   }
 }
 
@@ -107,16 +120,7 @@ MLXINFER_WIDE_TILES void tile_pass(const Problem& p, const Tiles<S>& tl, int t, 
     }
     const uint8_t* wb = tile + static_cast<size_t>(b) * 16 * kPair;
     if (m0 == 0 && next) { // the next tile's block: its codes stream from memory meanwhile
-      for (size_t o = 0; o < 16 * kPair; o += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(wb + tile_bytes + o), _MM_HINT_T0);
-      }
-      if ((b & (per_group - 1)) == 0) {
-        const size_t at = static_cast<size_t>(G + (b >> shift)) * kTileRows;
-        for (size_t o = 0; o < kTileRows * sizeof(S); o += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(ts + at) + o, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(tb + at) + o, _MM_HINT_T0);
-        }
-      }
+      prefetch_next(wb, tile_bytes, 16 * kPair, ts, tb, G, b, per_group, shift);
     }
     const int16_t* xb = p.xq + static_cast<size_t>(m0) * p.K + b * kBlock;
     for (int pair = 0; pair < 16; ++pair) {
@@ -148,27 +152,9 @@ MLXINFER_WIDE_TILES void tile_pass(const Problem& p, const Tiles<S>& tl, int t, 
         dpwssd<VNNI>(A[r][1], xv, w1);
       }
     }
-    const int g = b >> shift;
-    const __m512 s0 = load16(ts + g * kTileRows), s1 = load16(ts + g * kTileRows + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 sx = _mm512_set1_ps(p.xscale[static_cast<size_t>(m0 + r) * blocks + b]);
-      C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
-      C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
-    }
-    if ((b & (per_group - 1)) == per_group - 1) { // the group's biases times its sum of x
-      const __m512 b0 = load16(tb + g * kTileRows), b1 = load16(tb + g * kTileRows + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
-        C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);
-        C[r][1] = _mm512_fmadd_ps(b1, xs, C[r][1]);
-      }
-    }
+    scale_block<R>(p, ts, tb, m0, b, b >> shift, (b & (per_group - 1)) == per_group - 1, A, C);
   }
-  for (int r = 0; r < R; ++r) {
-    float* yr = p.y + static_cast<size_t>(m0 + r) * p.N + static_cast<size_t>(t) * kTileRows;
-    _mm512_storeu_ps(yr, C[r][0]);
-    _mm512_storeu_ps(yr + 16, C[r][1]);
-  }
+  store_rows<R>(p, m0, static_cast<size_t>(t) * kTileRows, C);
 }
 
 template <int BITS, typename S, bool VNNI, size_t... R>
@@ -235,16 +221,7 @@ MLXINFER_I8 void tile_pass_i8(const Problem& p, const Tiles<S>& tl, int t, int m
     }
     const uint8_t* wb = tile + static_cast<size_t>(b) * 16 * kPair;
     if (m0 == 0 && next) { // as tile_pass
-      for (size_t o = 0; o < 16 * kPair; o += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(wb + tile_bytes + o), _MM_HINT_T0);
-      }
-      if ((b & (per_group - 1)) == 0) {
-        const size_t at = static_cast<size_t>(G + (b >> shift)) * kTileRows;
-        for (size_t o = 0; o < kTileRows * sizeof(S); o += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(ts + at) + o, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(tb + at) + o, _MM_HINT_T0);
-        }
-      }
+      prefetch_next(wb, tile_bytes, 16 * kPair, ts, tb, G, b, per_group, shift);
     }
     const int8_t* xb = p.x8 + static_cast<size_t>(m0) * p.K + b * kBlock;
     for (int q = 0; q < 8; ++q) { // inputs 4 q .. 4 q + 3 of the block
@@ -288,27 +265,9 @@ MLXINFER_I8 void tile_pass_i8(const Problem& p, const Tiles<S>& tl, int t, int m
         dpbusd(A[r][1], w1, xv);
       }
     }
-    const int g = b >> shift;
-    const __m512 s0 = load16(ts + g * kTileRows), s1 = load16(ts + g * kTileRows + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 sx = _mm512_set1_ps(p.xscale[static_cast<size_t>(m0 + r) * blocks + b]);
-      C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
-      C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
-    }
-    if ((b & (per_group - 1)) == per_group - 1) {
-      const __m512 b0 = load16(tb + g * kTileRows), b1 = load16(tb + g * kTileRows + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
-        C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);
-        C[r][1] = _mm512_fmadd_ps(b1, xs, C[r][1]);
-      }
-    }
+    scale_block<R>(p, ts, tb, m0, b, b >> shift, (b & (per_group - 1)) == per_group - 1, A, C);
   }
-  for (int r = 0; r < R; ++r) {
-    float* yr = p.y + static_cast<size_t>(m0 + r) * p.N + static_cast<size_t>(t) * kTileRows;
-    _mm512_storeu_ps(yr, C[r][0]);
-    _mm512_storeu_ps(yr + 16, C[r][1]);
-  }
+  store_rows<R>(p, m0, static_cast<size_t>(t) * kTileRows, C);
 }
 
 template <int BITS, typename S, size_t... R>
@@ -355,6 +314,41 @@ MLXINFER_I16_AVX2 inline __m256 load8(const S* p) {
     return _mm256_loadu_ps(p);
   } else {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// scale_block (i16.h) in 256-bit vectors: accumulator v holds outputs 8 v .. 8 v + 7, scaled
+// in the same order, so the outputs are the 512-bit path's bit for bit.
+template <int R, typename S>
+MLXINFER_I16_AVX2 inline void scale_block_avx2(const Problem& p, const S* ts, const S* tb, int m,
+                                               int b, int g, bool last, const __m256i (&A)[R][4],
+                                               __m256 (&C)[R][4]) {
+  const int blocks = p.K / kBlock, G = p.K / p.gs;
+  for (int r = 0; r < R; ++r) {
+    const __m256 sx = _mm256_set1_ps(p.xscale[static_cast<size_t>(m + r) * blocks + b]);
+    for (int v = 0; v < 4; ++v) {
+      const __m256 s = load8(ts + g * kTileRows + 8 * v);
+      C[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[r][v]), _mm256_mul_ps(s, sx), C[r][v]);
+    }
+  }
+  if (last) { // the group's biases times its sum of x
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_set1_ps(p.xsum[static_cast<size_t>(m + r) * G + g]);
+      for (int v = 0; v < 4; ++v) {
+        C[r][v] = _mm256_fmadd_ps(load8(tb + g * kTileRows + 8 * v), xs, C[r][v]);
+      }
+    }
+  }
+}
+
+template <int R>
+MLXINFER_I16_AVX2 inline void store_rows_avx2(const Problem& p, int m, size_t n0,
+                                              const __m256 (&C)[R][4]) {
+  for (int r = 0; r < R; ++r) {
+    float* yr = p.y + static_cast<size_t>(m + r) * p.N + n0;
+    for (int v = 0; v < 4; ++v) {
+      _mm256_storeu_ps(yr + 8 * v, C[r][v]);
+    }
   }
 }
 
@@ -473,29 +467,9 @@ MLXINFER_I16_AVX2 void tile_rows_avx2(const Problem& p, const Tiles<S>& tl, int 
         }
       }
     }
-    const int g = b / per_group;
-    for (int r = 0; r < R; ++r) {
-      const __m256 sx = _mm256_set1_ps(p.xscale[static_cast<size_t>(m + r) * blocks + b]);
-      for (int v = 0; v < 4; ++v) {
-        const __m256 s = load8(ts + g * kTileRows + 8 * v);
-        C[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[r][v]), _mm256_mul_ps(s, sx), C[r][v]);
-      }
-    }
-    if (b % per_group == per_group - 1) { // the group's biases times its sum of x
-      for (int r = 0; r < R; ++r) {
-        const __m256 xs = _mm256_set1_ps(p.xsum[static_cast<size_t>(m + r) * G + g]);
-        for (int v = 0; v < 4; ++v) {
-          C[r][v] = _mm256_fmadd_ps(load8(tb + g * kTileRows + 8 * v), xs, C[r][v]);
-        }
-      }
-    }
+    scale_block_avx2<R>(p, ts, tb, m, b, b / per_group, b % per_group == per_group - 1, A, C);
   }
-  for (int r = 0; r < R; ++r) {
-    float* yr = p.y + static_cast<size_t>(m + r) * p.N + static_cast<size_t>(t) * kTileRows;
-    for (int v = 0; v < 4; ++v) {
-      _mm256_storeu_ps(yr + 8 * v, C[r][v]);
-    }
-  }
+  store_rows_avx2<R>(p, m, static_cast<size_t>(t) * kTileRows, C);
 }
 
 // Int8 activations on AVX2 (4-bit layers; 5-, 6- and 8-bit stay int16 there): two pairs' 64
@@ -569,29 +543,9 @@ MLXINFER_I16_AVX2 void tile_rows_avx2_i8(const Problem& p, const Tiles<S>& tl, i
         }
       }
     }
-    const int g = b / per_group;
-    for (int r = 0; r < R; ++r) {
-      const __m256 sx = _mm256_set1_ps(p.xscale[static_cast<size_t>(m + r) * blocks + b]);
-      for (int v = 0; v < 4; ++v) {
-        const __m256 s = load8(ts + g * kTileRows + 8 * v);
-        C[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[r][v]), _mm256_mul_ps(s, sx), C[r][v]);
-      }
-    }
-    if (b % per_group == per_group - 1) {
-      for (int r = 0; r < R; ++r) {
-        const __m256 xs = _mm256_set1_ps(p.xsum[static_cast<size_t>(m + r) * G + g]);
-        for (int v = 0; v < 4; ++v) {
-          C[r][v] = _mm256_fmadd_ps(load8(tb + g * kTileRows + 8 * v), xs, C[r][v]);
-        }
-      }
-    }
+    scale_block_avx2<R>(p, ts, tb, m, b, b / per_group, b % per_group == per_group - 1, A, C);
   }
-  for (int r = 0; r < R; ++r) {
-    float* yr = p.y + static_cast<size_t>(m + r) * p.N + static_cast<size_t>(t) * kTileRows;
-    for (int v = 0; v < 4; ++v) {
-      _mm256_storeu_ps(yr + 8 * v, C[r][v]);
-    }
-  }
+  store_rows_avx2<R>(p, m, static_cast<size_t>(t) * kTileRows, C);
 }
 
 template <typename S, bool VNNI>
