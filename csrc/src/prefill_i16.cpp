@@ -178,10 +178,16 @@ MLXINFER_VNNI inline void transpose16(__m512i (&r)[16]) {
 #if defined(MLXINFER_X86)
 
 // Rows m0..m0+R of x against the tile's 32 outputs n0..n0+32 (tile: its codes laid out by
-// lay_tile, ts/tb: its scales and biases [group][32]).
-template <int R>
-MLXINFER_VNNI void tile_rows(const Problem& p, const int16_t* tile, const float* ts,
-                             const float* tb, int m0, int n0) {
+// lay_tile, ts/tb: its scales and biases [group][32]). int16 codes (T): [block][pair][32 outputs]
+// [2], a pair's two vectors each one vpdpwssd against x's int16 pair; bytes (int8 activations):
+// [block][quad][32 outputs][4], a quad's two vectors each one vpdpbusd against x's 4 int8 values.
+// Either way a step of the block is 128 bytes, two vectors of 16 outputs.
+template <int R, typename T>
+MLXINFER_VNNI void tile_rows(const Problem& p, const T* tile, const float* ts, const float* tb,
+                             int m0, int n0) {
+  constexpr bool kBytes = std::is_same_v<T, uint8_t>;
+  constexpr int kSteps = kBytes ? 8 : 16; // steps a block of 32 inputs
+  constexpr int kStep = 128 / sizeof(T), kHalf = kStep / 2; // elements a step, a vector
   const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
   __m512 C[R][2];
   for (int r = 0; r < R; ++r) {
@@ -192,16 +198,22 @@ MLXINFER_VNNI void tile_rows(const Problem& p, const int16_t* tile, const float*
     for (int r = 0; r < R; ++r) {
       A[r][0] = A[r][1] = _mm512_setzero_si512();
     }
-    const int16_t* wb = tile + static_cast<size_t>(b) * 16 * 2 * kTile;
-    for (int pair = 0; pair < 16; ++pair) {
-      const __m512i w0 = _mm512_load_si512(wb + pair * 2 * kTile);
-      const __m512i w1 = _mm512_load_si512(wb + pair * 2 * kTile + kTile);
+    const T* wb = tile + static_cast<size_t>(b) * kSteps * kStep;
+    for (int i = 0; i < kSteps; ++i) {
+      const __m512i w0 = _mm512_load_si512(wb + i * kStep);
+      const __m512i w1 = _mm512_load_si512(wb + i * kStep + kHalf);
       for (int r = 0; r < R; ++r) {
-        int32_t two;
-        std::memcpy(&two, p.xq + static_cast<size_t>(m0 + r) * p.K + b * kBlock + 2 * pair, 4);
-        const __m512i xb = _mm512_set1_epi32(two);
-        A[r][0] = _mm512_dpwssd_epi32(A[r][0], xb, w0);
-        A[r][1] = _mm512_dpwssd_epi32(A[r][1], xb, w1);
+        const size_t at = static_cast<size_t>(m0 + r) * p.K + b * kBlock + i * (kBlock / kSteps);
+        int32_t x4; // two int16 or four int8 values of x
+        std::memcpy(&x4, kBytes ? static_cast<const void*>(p.x8 + at) : p.xq + at, 4);
+        const __m512i xb = _mm512_set1_epi32(x4);
+        if constexpr (kBytes) {
+          A[r][0] = _mm512_dpbusd_epi32(A[r][0], w0, xb);
+          A[r][1] = _mm512_dpbusd_epi32(A[r][1], w1, xb);
+        } else {
+          A[r][0] = _mm512_dpwssd_epi32(A[r][0], xb, w0);
+          A[r][1] = _mm512_dpwssd_epi32(A[r][1], xb, w1);
+        }
       }
     }
     i16::scale_block<R>(p, ts, tb, m0, b, b / per_group, b % per_group == per_group - 1, A, C);
@@ -259,38 +271,6 @@ MLXINFER_VNNI inline void block_scales(const Problem& p, int n, const float* xs,
       }
     }
   }
-}
-
-// Int8 activations (set_int8_activations; tiles.cpp's comment): the tile as bytes [block][quad
-// of inputs][32 outputs][4] (K x 32 bytes), one vpdpbusd a quad and half, rows of x in int8.
-template <int R>
-MLXINFER_VNNI void tile_rows(const Problem& p, const uint8_t* tile, const float* ts,
-                                const float* tb, int m0, int n0) {
-  const int blocks = p.K / kBlock, per_group = p.gs / kBlock;
-  __m512 C[R][2];
-  for (int r = 0; r < R; ++r) {
-    C[r][0] = C[r][1] = _mm512_setzero_ps();
-  }
-  for (int b = 0; b < blocks; ++b) {
-    __m512i A[R][2];
-    for (int r = 0; r < R; ++r) {
-      A[r][0] = A[r][1] = _mm512_setzero_si512();
-    }
-    const uint8_t* wb = tile + static_cast<size_t>(b) * 8 * 4 * kTile;
-    for (int q = 0; q < 8; ++q) {
-      const __m512i w0 = _mm512_load_si512(wb + q * 4 * kTile);
-      const __m512i w1 = _mm512_load_si512(wb + q * 4 * kTile + 2 * kTile);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, p.x8 + static_cast<size_t>(m0 + r) * p.K + b * kBlock + 4 * q, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
-        A[r][0] = _mm512_dpbusd_epi32(A[r][0], w0, xb);
-        A[r][1] = _mm512_dpbusd_epi32(A[r][1], w1, xb);
-      }
-    }
-    i16::scale_block<R>(p, ts, tb, m0, b, b / per_group, b % per_group == per_group - 1, A, C);
-  }
-  i16::store_rows<R>(p, m0, n0, C);
 }
 
 // Round K up to a multiple of 64: the byte rows' stride (row_codes writes whole 64s).
@@ -542,17 +522,17 @@ void run_tiles(const Problem& p) {
       lay_tile(p, n, tile.data(), ts.data(), tb.data(), rows.data());
       int m = 0;
       for (; m + 4 <= p.M; m += 4) {
-        tile_rows<4>(p, tile.data(), ts.data(), tb.data(), m, n);
+        tile_rows<4, T>(p, tile.data(), ts.data(), tb.data(), m, n);
       }
       switch (p.M - m) {
         case 3:
-          tile_rows<3>(p, tile.data(), ts.data(), tb.data(), m, n);
+          tile_rows<3, T>(p, tile.data(), ts.data(), tb.data(), m, n);
           break;
         case 2:
-          tile_rows<2>(p, tile.data(), ts.data(), tb.data(), m, n);
+          tile_rows<2, T>(p, tile.data(), ts.data(), tb.data(), m, n);
           break;
         case 1:
-          tile_rows<1>(p, tile.data(), ts.data(), tb.data(), m, n);
+          tile_rows<1, T>(p, tile.data(), ts.data(), tb.data(), m, n);
           break;
         default:
           break;
