@@ -252,6 +252,39 @@ MLXINFER_VNNI void lay_tile(const Problem& p, int n0, int16_t* tile, float* ts, 
   }
 }
 
+// The few-row paths' lines of the rows about kAheadBytes of codes on (codes, scales, biases;
+// each R rows' contiguous): decode streams the weights from memory once, and one core of the Xeon
+// VM keeps too few lines in flight by its hardware prefetchers alone (the 262,144 x 640 8-bit
+// head, two threads: 12.1 ms without these, 7.6-8.4 with; the float kernel 10.7-11.3 either
+// way). Here the scales' and biases'; returns how many rows ahead (the codes' own, in the loop).
+template <int R>
+MLXINFER_VNNI inline int fetch_scales_ahead(const Problem& p, int n, size_t row_bytes) {
+  const int G = p.K / p.gs;
+  const int ahead = std::max(R, static_cast<int>(kAheadBytes / row_bytes));
+  if (n + ahead + R <= p.N) {
+    const size_t at = static_cast<size_t>(n + ahead) * G, bytes = static_cast<size_t>(R) * G * 4;
+    for (size_t o = 0; o < bytes; o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + o, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + o, _MM_HINT_T0);
+    }
+  }
+  return ahead;
+}
+
+// The few-row paths' outputs n .. n + R - 1 of row m: the two accumulators' lanes summed, plus
+// the biases times x's group sums.
+template <int R>
+MLXINFER_VNNI inline void few_outputs(const Problem& p, int m, int n, const __m512 (&t0)[R],
+                                      const __m512 (&t1)[R]) {
+  const int G = p.K / p.gs;
+  const float* xsum = p.xsum + static_cast<size_t>(m) * G;
+  for (int r = 0; r < R; ++r) {
+    const float* br = p.biases + static_cast<size_t>(n + r) * G;
+    p.y[static_cast<size_t>(m) * p.N + n + r] =
+        _mm512_reduce_add_ps(_mm512_add_ps(t0[r], t1[r])) + dot_f32_avx512(br, xsum, G);
+  }
+}
+
 // ss[r][b] = the group's scale of output row n + r times x's block scale xs[b], for R rows.
 template <int R>
 MLXINFER_VNNI inline void block_scales(const Problem& p, int n, const float* xs, float* ss) {
@@ -331,7 +364,7 @@ MLXINFER_VNNI inline void few_step_i8(const uint8_t* codes, size_t stride, const
 // blocks a vpdpbusd, then the biases' term from the rounded x's sums.
 template <int BITS, int R>
 MLXINFER_VNNI void few_rows_i8(const Problem& p, int n, uint8_t* codes, float* ss) {
-  const int blocks = p.K / kBlock, G = p.K / p.gs;
+  const int blocks = p.K / kBlock;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const auto* w = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * row_bytes;
   const uint8_t* rows = w;
@@ -343,14 +376,7 @@ MLXINFER_VNNI void few_rows_i8(const Problem& p, int n, uint8_t* codes, float* s
     }
     rows = codes;
   }
-  const int ahead = std::max(R, static_cast<int>(kAheadBytes / row_bytes));
-  if (n + ahead + R <= p.N) { // as few_rows
-    const size_t at = static_cast<size_t>(n + ahead) * G, bytes = static_cast<size_t>(R) * G * 4;
-    for (size_t o = 0; o < bytes; o += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + o, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + o, _MM_HINT_T0);
-    }
-  }
+  const int ahead = fetch_scales_ahead<R>(p, n, row_bytes); // as few_rows
   for (int m = 0; m < p.M; ++m) {
     const int8_t* x8 = p.x8 + static_cast<size_t>(m) * p.K;
     const float* xs = p.xscale + static_cast<size_t>(m) * blocks;
@@ -376,12 +402,7 @@ MLXINFER_VNNI void few_rows_i8(const Problem& p, int n, uint8_t* codes, float* s
     for (; b < blocks; b += 2) {
       few_step_i8<R>(rows, stride, ss, x8, blocks, b, b + 2 <= blocks, t0);
     }
-    const float* xsum = p.xsum + static_cast<size_t>(m) * G;
-    for (int r = 0; r < R; ++r) {
-      const float* br = p.biases + static_cast<size_t>(n + r) * G;
-      p.y[static_cast<size_t>(m) * p.N + n + r] =
-          _mm512_reduce_add_ps(_mm512_add_ps(t0[r], t1[r])) + dot_f32_avx512(br, xsum, G);
-    }
+    few_outputs<R>(p, m, n, t0, t1);
   }
 }
 
@@ -425,7 +446,7 @@ MLXINFER_VNNI inline void few_step(const Problem& p, const uint8_t* w, size_t ro
 // row; then the biases' term as in tile_rows. R output rows a pass for independent chains.
 template <int BITS, int R>
 MLXINFER_VNNI void few_rows(const Problem& p, int n, int16_t* codes, float* ss) {
-  const int blocks = p.K / kBlock, G = p.K / p.gs;
+  const int blocks = p.K / kBlock;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const auto* w = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * row_bytes;
   if constexpr (BITS != 8) {
@@ -433,18 +454,7 @@ MLXINFER_VNNI void few_rows(const Problem& p, int n, int16_t* codes, float* ss) 
       row_codes<BITS>(w + r * row_bytes, codes + static_cast<size_t>(r) * p.K, p.K);
     }
   }
-  // The lines of the rows about kAheadBytes of codes on (codes, scales, biases; each R rows'
-  // contiguous): decode streams the weights from memory once, and one core of the Xeon VM keeps
-  // too few lines in flight by its hardware prefetchers alone (the 262,144 x 640 8-bit head, two
-  // threads: 12.1 ms without these, 7.6-8.4 with; the float kernel 10.7-11.3 either way).
-  const int ahead = std::max(R, static_cast<int>(kAheadBytes / row_bytes));
-  if (n + ahead + R <= p.N) {
-    const size_t at = static_cast<size_t>(n + ahead) * G, bytes = static_cast<size_t>(R) * G * 4;
-    for (size_t o = 0; o < bytes; o += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + o, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + o, _MM_HINT_T0);
-    }
-  }
+  const int ahead = fetch_scales_ahead<R>(p, n, row_bytes);
   for (int m = 0; m < p.M; ++m) {
     const int16_t* xq = p.xq + static_cast<size_t>(m) * p.K;
     const float* xs = p.xscale + static_cast<size_t>(m) * blocks;
@@ -468,12 +478,7 @@ MLXINFER_VNNI void few_rows(const Problem& p, int n, int16_t* codes, float* ss) 
     if (b < blocks) {
       few_step<BITS, R>(p, w, row_bytes, codes, ss, xq, blocks, b, t0);
     }
-    const float* xsum = p.xsum + static_cast<size_t>(m) * G;
-    for (int r = 0; r < R; ++r) {
-      const float* br = p.biases + static_cast<size_t>(n + r) * G;
-      p.y[static_cast<size_t>(m) * p.N + n + r] =
-          _mm512_reduce_add_ps(_mm512_add_ps(t0[r], t1[r])) + dot_f32_avx512(br, xsum, G);
-    }
+    few_outputs<R>(p, m, n, t0, t1);
   }
 }
 
