@@ -1,7 +1,7 @@
 """Int8 activations in the int16 products (csrc/src/tiles.cpp, prefill_i16.cpp; opt-in:
 MLXINFER_INT8_ACTIVATIONS=1, issue 47): x rounded to int8 per block of 32 inputs and AVX-512 VNNI's
 ``vpdpbusd``. Each output against the float64 definition within int8's rounding bound (derived in
-``int16_definition.definition_int8``) and, somewhere, outside int16's (so the int8 path ran), for
+``int16_definition.definition``) and, somewhere, outside int16's (so the int8 path ran), for
 every width, group size, scale dtype and tail of rows, tiled or not; the setting read at load (off by default,
 a bad value a one-line error, ``describe`` naming it); the real SmolLM2's decode choosing the
 int16 path's greedy token (the default, tested against MLX's own in test_cpu_int16.py) wherever
@@ -10,7 +10,7 @@ that path's top two are apart."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from int16_definition import definition, definition_int8, outlier_rows, random_tiled
+from int16_definition import definition, outlier_rows, random_tiled
 
 from mlxinfer.backends import kernels
 from mlxinfer.errors import ConfigError
@@ -52,7 +52,7 @@ def test_int8_products_are_within_their_rounding_bound(bits, group_size, half, i
         if M > 2:
             x[2] = 0.0
         y = np.array(K.quantized_matvec(mx.array(x), *t, group_size, bits), np.float64)
-        exact, bound = definition_int8(x, q, s32, b32, group_size, bits)
+        exact, bound = definition(x, q, s32, b32, group_size, bits, int8=True)
         _, bound16 = definition(x, q, s32, b32, group_size, bits)
         assert (np.abs(y - exact) <= bound).all(), (M, (np.abs(y - exact) / bound).max())
         assert not (np.abs(y - exact) <= bound16).all(), M
@@ -77,7 +77,7 @@ def test_the_int16_products_round_x_to_int8_when_set(bits, group_size, int8):
         x = rng.normal(size=(M, Kd)).astype(np.float32)
         x[0, 3] = 40.0
         y = np.array(K.quantized_matmul_i16(mx.array(x), q, s, b, group_size, bits), np.float64)
-        exact, bound = definition_int8(x, q, s, b, group_size, bits)
+        exact, bound = definition(x, q, s, b, group_size, bits, int8=True)
         _, bound16 = definition(x, q, s, b, group_size, bits)
         assert (np.abs(y - exact) <= bound).all(), (M, Kd, (np.abs(y - exact) / bound).max())
         assert not (np.abs(y - exact) <= bound16).all(), (M, Kd)
@@ -200,3 +200,34 @@ def test_smollm2_decodes_with_int8_activations_as_the_int16_path_outside_near_ti
         top = np.sort(want)[::-1]
         if top[0] - top[1] > 1.0:
             assert np.argmax(got) == np.argmax(want)
+
+
+def test_the_engine_gives_each_prompt_its_tokens_alone_with_int8_activations(tmp_path, int8):
+    """A tiny 4-bit Llama, its layers tiled (``int16_decode``) and a prompt's rows through them
+    (``int16_rows``): with int8 activations each row's x is rounded by itself, so the batching
+    engine's steps of 3 rows (prompts of 9, 23 and 14 tokens) give each prompt the tokens
+    ``generate`` gives it alone, under the same setting."""
+    from hf_models import add_tokenizer, make_tiny
+
+    from mlxinfer.backends.cpu import compiled
+    from mlxinfer.backends.cpu import plans as cpu_plans
+    from mlxinfer.batch import Engine
+    from mlxinfer.generation import generate_step
+    from mlxinfer.loading.convert import convert
+    from mlxinfer.loading.loader import load_model
+
+    path, _ = make_tiny(tmp_path / "hf", perturb_vectors=True, model_type="llama")
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
+    model, _ = load_model(tmp_path / "q")
+    plans = {**cpu_plans.forced_plans("kernels"), "int16_decode": "int16", "int16_rows": 8}
+    cpu_plans.set_plans(model, plans)
+    try:
+        prompts = [[(3 + 17 * i + 5 * n) % 256 for i in range(n)] for n in (9, 23, 14)]
+        alone = [[t for t, _ in generate_step(p, model, max_tokens=6)] for p in prompts]
+        with Engine(model, max_batch=4, prefill_step=64) as engine:
+            handles = [engine.submit(p, max_tokens=6) for p in prompts]
+            assert [[s.token for s in h.steps()] for h in handles] == alone
+        assert any("_cpu_tiles" in m.__dict__ for m in model.modules())  # the tiles ran
+    finally:
+        compiled.set_int16_decode(False)  # process-wide: never left on for later tests

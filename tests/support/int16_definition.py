@@ -5,19 +5,20 @@ import mlx.core as mx
 import numpy as np
 
 
-def definition(x, q, s, b, group_size, bits):
-    """(float64 y, the bound): y = x (s q + b)^T exactly; the kernel rounds x to int16 per block
-    of 32 (scale amax / 32767, to nearest: each x off by at most half its block's scale), and
-    adds the biases' term from x itself, so |y - y_exact| <= sum_k |s q_k| scale_b / 2, plus
-    float32's own rounding of the sums (1e-6 of sum |x w|: K <= 640 terms)."""
+def definition(x, q, s, b, group_size, bits, int8=False):
+    """(float64 y, the bound): y = x (s q + b)^T exactly. The kernel rounds x per block of 32 to
+    int16 (scale amax / 32767) or, with ``int8``, to int8 (amax / 127), to nearest: each x off by
+    at most half its block's scale. int16 adds the biases' term from x itself, so |y - y_exact|
+    <= sum_k |s q_k| scale_b / 2; int8 from the rounded x, so y is the layer's exact product with
+    the rounded x and the bound is sum_k |s q_k + b| scale_b / 2. Plus float32's own rounding of
+    the sums (1e-6 of sum |x w|: K <= 640 terms)."""
     x64 = np.array(x, np.float64)
-    sq = np.array(
-        mx.dequantize(q, s, mx.zeros_like(b), group_size=group_size, bits=bits), np.float64
-    )
     w = np.array(mx.dequantize(q, s, b, group_size=group_size, bits=bits), np.float64)
+    rounded = w if int8 else mx.dequantize(q, s, mx.zeros_like(b), group_size=group_size, bits=bits)
+    rounded = np.array(rounded, np.float64)
     M, Kd = x64.shape
-    scale = np.abs(x64).reshape(M, Kd // 32, 32).max(-1) / 32767  # (M, blocks)
-    per_block = np.abs(sq).reshape(sq.shape[0], Kd // 32, 32).sum(-1)  # (N, blocks)
+    scale = np.abs(x64).reshape(M, Kd // 32, 32).max(-1) / (127 if int8 else 32767)  # (M, blocks)
+    per_block = np.abs(rounded).reshape(w.shape[0], Kd // 32, 32).sum(-1)  # (N, blocks)
     bound = scale @ per_block.T / 2 + 1e-6 * (np.abs(x64) @ np.abs(w).T)
     return x64 @ w.T, bound
 
@@ -45,17 +46,3 @@ def assert_within_bound(y, x, q, s, b, group_size, bits):
     """y within :func:`definition`'s bound of the float64 product."""
     exact, bound = definition(x, q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits)
     assert (np.abs(np.array(y, np.float64) - exact) <= bound).all(), len(x)
-
-
-def definition_int8(x, q, s, b, group_size, bits):
-    """(float64 y, the bound) for int8 activations: x rounded to int8 per block of 32 (scale
-    amax / 127, to nearest: each x off by at most half its block's scale), and the biases' term
-    from the rounded x too, so y is the layer's exact product with the rounded x and
-    |y - y_exact| <= sum_k |s q_k + b| scale_b / 2, plus float32's rounding as above."""
-    x64 = np.array(x, np.float64)
-    w = np.array(mx.dequantize(q, s, b, group_size=group_size, bits=bits), np.float64)
-    M, Kd = x64.shape
-    scale = np.abs(x64).reshape(M, Kd // 32, 32).max(-1) / 127  # (M, blocks)
-    per_block = np.abs(w).reshape(w.shape[0], Kd // 32, 32).sum(-1)  # (N, blocks)
-    bound = scale @ per_block.T / 2 + 1e-6 * (np.abs(x64) @ np.abs(w).T)
-    return x64 @ w.T, bound

@@ -267,5 +267,5 @@ def key() -> list | None:
     k = kernels.load()
     if k is None:
         return None
-    int8 = ["int8"] if k.int8_activations() and k.tiles_int8_available() else []
+    int8 = ["int8"] if kernels.int8_on(k) else []
     return [kernels.level(k), k.available_cpus(), k.mlx_version, *int8]

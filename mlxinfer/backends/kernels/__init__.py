@@ -32,8 +32,8 @@ ENV_DIR = "MLXINFER_KERNELS_DIR"  # a folder holding _mlxinfer_kernels*.so
 # without VNNI: Skylake-SP), avx512vnni (AVX-512 with VNNI, without VBMI: Cascade Lake), avx512,
 # neon, best
 ENV_ISA = "MLXINFER_KERNELS_ISA"
-# "1": int8 activations in the tiled products on AVX-512 VNNI (an accuracy trade,
-# off by default: docs/performance.md)
+# "1": int8 activations in the int16 products where the kernels have them (an accuracy trade,
+# off by default: docs/configuration.md, docs/performance.md)
 ENV_INT8 = "MLXINFER_INT8_ACTIVATIONS"
 NAME = "_mlxinfer_kernels"
 # The bindings' version this package calls (csrc/src/bindings.cpp's ``api``): a module built from
@@ -144,12 +144,18 @@ def level(k: ModuleType) -> str:
     return k.isa()
 
 
+def int8_on(k: ModuleType) -> bool:
+    """Whether int8 activations run: asked for (MLXINFER_INT8_ACTIVATIONS=1) and a tiled path
+    has them here (``k.tiles_int8_available``)."""
+    return bool(k.int8_activations() and k.tiles_int8_available())
+
+
 def describe() -> str:
     """One line for ``--verbose``: the kernels in use (instruction set, threads) or why not."""
     k = load()
     if k is None:
         return reason()
-    int8 = ", int8 activations" if k.int8_activations() and k.tiles_int8_available() else ""
+    int8 = ", int8 activations" if int8_on(k) else ""
     return (
         f"kernels: {level(k)}{int8} on {k.num_threads()} threads "
         f"(MLX {k.mlx_version}, {mx.__version__})"
