@@ -77,7 +77,7 @@ NB_MODULE(_mlxinfer_kernels, m) {
   // The bindings' version: raised whenever a function's name or arguments change (the Python
   // side, mlxinfer.backends.kernels.API, refuses another: a module left from an older
   // checkout would otherwise fail mid-decode). 1: pool_write of both sides, fuse.
-  m.attr("api") = 2;
+  m.attr("api") = 3;
   m.attr("best_isa") = mlxinfer::isa_name(mlxinfer::best_isa());
   // quantized_matvec's modes (a module built before mxfp4 lacks the attribute: affine only).
   m.attr("quantized_modes") = nb::make_tuple("affine", "mxfp4", "nvfp4", "mxfp8");
@@ -139,11 +139,13 @@ NB_MODULE(_mlxinfer_kernels, m) {
   m.def("int16_decode_rows", &mlxinfer::int16_decode_rows,
         "What set_int16_decode_rows last set (0 at import).");
   m.def("tile_layer", &mlxinfer::tile_layer, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, "half"_a,
+        "bits"_a, "half"_a, "drop_symmetric"_a = true,
         "A 4-, 5-, 6- or 8-bit affine layer's (codes, scales, biases) laid out as a tiled layer "
         "(tiles.cpp): uint8 codes (N, K * bits / 8) in [tile][block][pair] order, scales and "
         "biases [tile][group][32] in float16 with `half` (exact only where every value is one), "
-        "else float32.");
+        "else float32; with `drop_symmetric`, biases of shape (0,) where every one is "
+        "-2^(bits - 1) times its scale (GGUF's Q4_0, Q5_0, Q8_0): the products take them from "
+        "the scales.");
   m.def("tiles_available", &mlxinfer::tiles_available,
         "Whether tiled layers run here (tiles.cpp: quantized_matvec and the fused blocks take a "
         "4-, 5-, 6- or 8-bit affine layer's codes as a tiled uint8 array): AVX-512 F and BW, or else "

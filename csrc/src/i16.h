@@ -100,8 +100,8 @@ MLXINFER_WIDE_TILES inline __m512 load16(const S* p) {
 
 // The int16 and int8 products' epilogue of a block b of 32 inputs: rows m0.. m0 + R - 1's int32
 // sums A (32 outputs, two vectors) into C, times the group g's scales (ts: a tile's [group][32])
-// and the row's block scale; at the group's `last` block, its biases (tb) times the row's group
-// sum of x.
+// and the row's block scale; at the group's `last` block, its biases (tb; nullptr: a tiled
+// symmetric layer's, tiles.cpp) times the row's group sum of x.
 template <int R, typename S>
 MLXINFER_WIDE_TILES inline void scale_block(const Problem& p, const S* ts, const S* tb, int m0,
                                             int b, int g, bool last, const __m512i (&A)[R][2],
@@ -113,8 +113,10 @@ MLXINFER_WIDE_TILES inline void scale_block(const Problem& p, const S* ts, const
     C[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][0]), _mm512_mul_ps(s0, sx), C[r][0]);
     C[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r][1]), _mm512_mul_ps(s1, sx), C[r][1]);
   }
-  if (last) {
-    const __m512 b0 = load16(tb + g * 32), b1 = load16(tb + g * 32 + 16);
+  if (last) { // tb nullptr: a symmetric layer's biases, -2^(bits - 1) times its scales (exact)
+    const __m512 sym = _mm512_set1_ps(-static_cast<float>(1 << (p.bits - 1)));
+    const __m512 b0 = tb != nullptr ? load16(tb + g * 32) : _mm512_mul_ps(s0, sym);
+    const __m512 b1 = tb != nullptr ? load16(tb + g * 32 + 16) : _mm512_mul_ps(s1, sym);
     for (int r = 0; r < R; ++r) {
       const __m512 xs = _mm512_set1_ps(p.xsum[static_cast<size_t>(m0 + r) * G + g]);
       C[r][0] = _mm512_fmadd_ps(b0, xs, C[r][0]);

@@ -82,7 +82,8 @@ bool tiles_int8_available();
 std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
                                                        const mx::array& scales,
                                                        const mx::array& biases, int group_size,
-                                                       int bits, bool half);
+                                                       int bits, bool half,
+                                                       bool drop_symmetric);
 // K, or std::invalid_argument naming the array that is not a tiled layer's (`op`: the prefix).
 int64_t check_tiled(const std::string& op, const mx::array& w, const mx::array& scales,
                     const mx::array& biases, int group_size, int bits);

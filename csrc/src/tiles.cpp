@@ -15,7 +15,11 @@
 //
 // in the order [t][b][p], a uint8 array of MLX's shape in bytes (N, K * bits / 8), so the
 // codes take the same bytes as MLX's packing. Scales and biases [t][g][32] (arrays of shape
-// (N, K / group_size)), float16 where the layer's are (exact), else float32. One pair widens to two vectors of 16 outputs x 2 inputs as int16
+// (N, K / group_size)), float16 where the layer's are (exact), else float32. A symmetric
+// layer's biases are dropped (an array of shape (0,)): where every bias is -2^(bits - 1) times
+// its scale (GGUF's Q4_0, Q5_0 and Q8_0 imported exactly: w = d (q - 2^(bits - 1))) the
+// products take it from the scale, exactly, and read 2 bytes a group less (Q8_0's 8-bit head:
+// 8.5 bits a weight, not 9, as llama.cpp reads it). One pair widens to two vectors of 16 outputs x 2 inputs as int16
 // (4-bit: vpmovzxbw, then the low and high nibbles; 8-bit: two vpmovzxbw), each one vpdpwssd
 // against x's pair broadcast: 32 products an instruction and no float dequantizing, where the
 // float kernel spends 16 fused multiply-adds and about 7 more operations on 32 weights of a row.
@@ -58,7 +62,13 @@ template <typename S>
 struct Tiles {
   const uint8_t* codes; // [t][b][p] pairs
   const S* scales;
-  const S* biases;
+  const S* biases; // nullptr: a symmetric layer's, -2^(bits - 1) times the scales
+
+  // Tile t's [g][32] scales and biases (nullptr where dropped).
+  const S* tile_scales(int t, int G) const { return scales + static_cast<size_t>(t) * G * 32; }
+  const S* tile_biases(int t, int G) const {
+    return biases ? biases + static_cast<size_t>(t) * G * 32 : nullptr;
+  }
 };
 
 using i16::load16;
@@ -78,7 +88,9 @@ MLXINFER_WIDE_TILES inline void prefetch_next(const uint8_t* wb, size_t tile_byt
     const size_t at = static_cast<size_t>(G + (b >> shift)) * kTileRows;
     for (size_t o = 0; o < kTileRows * sizeof(S); o += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(ts + at) + o, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(tb + at) + o, _MM_HINT_T0);
+      if (tb != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(tb + at) + o, _MM_HINT_T0);
+      }
     }
   }
 }
@@ -106,8 +118,8 @@ MLXINFER_WIDE_TILES void tile_pass(const Problem& p, const Tiles<S>& tl, int t, 
   const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2; // blocks to groups, no idiv
   const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
   const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
-  const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
-  const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
+  const S* ts = tl.tile_scales(t, G);
+  const S* tb = tl.tile_biases(t, G);
   const __m512i low = _mm512_set1_epi16(15);
   __m512 C[R][2];
   for (int r = 0; r < R; ++r) {
@@ -196,8 +208,8 @@ MLXINFER_I8 void tile_pass_i8(const Problem& p, const Tiles<S>& tl, int t, int m
   const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;
   const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
   const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
-  const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
-  const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
+  const S* ts = tl.tile_scales(t, G);
+  const S* tb = tl.tile_biases(t, G);
   alignas(64) static constexpr uint16_t kBeside[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
                                                        21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                                        11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -331,11 +343,17 @@ MLXINFER_I16_AVX2 inline void scale_block_avx2(const Problem& p, const S* ts, co
       C[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[r][v]), _mm256_mul_ps(s, sx), C[r][v]);
     }
   }
-  if (last) { // the group's biases times its sum of x
+  if (last) { // the group's biases (or -2^(bits - 1) times its scales) times its sum of x
+    __m256 bv[4];
+    const __m256 sym = _mm256_set1_ps(-static_cast<float>(1 << (p.bits - 1)));
+    for (int v = 0; v < 4; ++v) {
+      bv[v] = tb != nullptr ? load8(tb + g * kTileRows + 8 * v)
+                            : _mm256_mul_ps(load8(ts + g * kTileRows + 8 * v), sym);
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 xs = _mm256_set1_ps(p.xsum[static_cast<size_t>(m + r) * G + g]);
       for (int v = 0; v < 4; ++v) {
-        C[r][v] = _mm256_fmadd_ps(load8(tb + g * kTileRows + 8 * v), xs, C[r][v]);
+        C[r][v] = _mm256_fmadd_ps(bv[v], xs, C[r][v]);
       }
     }
   }
@@ -425,8 +443,8 @@ MLXINFER_I16_AVX2 void tile_rows_avx2(const Problem& p, const Tiles<S>& tl, int 
   const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
   const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
   const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
-  const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
-  const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
+  const S* ts = tl.tile_scales(t, G);
+  const S* tb = tl.tile_biases(t, G);
   const Unpack<BITS> unpack;
   __m256 C[R][4];
   for (int r = 0; r < R; ++r) {
@@ -491,8 +509,8 @@ MLXINFER_I16_AVX2 void tile_rows_avx2_i8(const Problem& p, const Tiles<S>& tl, i
   const int blocks = p.K / kBlock, G = p.K / p.gs, per_group = p.gs / kBlock;
   const size_t tile_bytes = static_cast<size_t>(blocks) * 16 * kPair;
   const uint8_t* tile = tl.codes + static_cast<size_t>(t) * tile_bytes;
-  const S* ts = tl.scales + static_cast<size_t>(t) * G * kTileRows;
-  const S* tb = tl.biases + static_cast<size_t>(t) * G * kTileRows;
+  const S* ts = tl.tile_scales(t, G);
+  const S* tb = tl.tile_biases(t, G);
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 C[R][4];
   for (int r = 0; r < R; ++r) {
@@ -665,7 +683,7 @@ bool tiles_int8_available() {
 std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
                                                        const mx::array& scales,
                                                        const mx::array& biases, int group_size,
-                                                       int bits, bool half) {
+                                                       int bits, bool half, bool drop_symmetric) {
   const std::string op = "[mlxinfer tile_layer] ";
   const int64_t K = check_affine(op, w, scales, biases, group_size, bits);
   if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
@@ -685,9 +703,15 @@ std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
   std::vector<float> sf(scales.size()), bf(biases.size());
   to_f32(scales, sf.data());
   to_f32(biases, bf.data());
+  // every bias -2^(bits - 1) times its scale, exactly (a power of two: no rounding either way)
+  const float sym = -static_cast<float>(1 << (bits - 1));
+  bool symmetric = drop_symmetric;
+  for (size_t i = 0; symmetric && i < sf.size(); ++i) {
+    symmetric = bf[i] == sf[i] * sym;
+  }
   const size_t sb_bytes = static_cast<size_t>(N) * G * (half ? 2 : 4);
   auto* ts = new uint8_t[sb_bytes];
-  auto* tb = new uint8_t[sb_bytes];
+  auto* tb = new uint8_t[symmetric ? 1 : sb_bytes];
   parallel_rows(N, kTileRows, static_cast<size_t>(N) * row_bytes, [&](int n0, int n1) {
     for (int t = n0 / kTileRows; t < n1 / kTileRows; ++t) {
       const uint8_t* rows = src + static_cast<size_t>(t) * kTileRows * row_bytes;
@@ -739,9 +763,15 @@ std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
           const size_t to = (static_cast<size_t>(t) * G + g) * kTileRows + j;
           if (half) {
             reinterpret_cast<mx::float16_t*>(ts)[to] = static_cast<mx::float16_t>(sf[from]);
-            reinterpret_cast<mx::float16_t*>(tb)[to] = static_cast<mx::float16_t>(bf[from]);
           } else {
             reinterpret_cast<float*>(ts)[to] = sf[from];
+          }
+          if (symmetric) {
+            continue;
+          }
+          if (half) {
+            reinterpret_cast<mx::float16_t*>(tb)[to] = static_cast<mx::float16_t>(bf[from]);
+          } else {
             reinterpret_cast<float*>(tb)[to] = bf[from];
           }
         }
@@ -752,7 +782,8 @@ std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
   const mx::Shape sshape = {N, G};
   const mx::Dtype sdtype = half ? mx::float16 : mx::float32;
   return {mx::array(codes, {N, static_cast<int>(row_bytes)}, mx::uint8, free),
-          mx::array(ts, sshape, sdtype, free), mx::array(tb, sshape, sdtype, free)};
+          mx::array(ts, sshape, sdtype, free),
+          mx::array(tb, symmetric ? mx::Shape{0} : sshape, sdtype, free)};
 }
 
 bool tiles_available() {
@@ -793,12 +824,14 @@ int64_t check_tiled(const std::string& op, const mx::array& w, const mx::array& 
   }
   const int64_t K = static_cast<int64_t>(w.shape(1)) * 8 / bits;
   const mx::Shape sshape = {w.shape(0), static_cast<int>(K / group_size)};
-  if (scales.shape() != sshape || biases.shape() != sshape || scales.dtype() != biases.dtype() ||
+  const bool dropped = biases.shape() == mx::Shape{0}; // a symmetric layer's (tile_layer)
+  if (scales.shape() != sshape || (biases.shape() != sshape && !dropped) ||
+      scales.dtype() != biases.dtype() ||
       (scales.dtype() != mx::float32 && scales.dtype() != mx::float16)) {
     throw std::invalid_argument(op + "scales/biases: a tiled layer's are both float32 or both "
                                 "float16, of shape " +
-                                shape_str(sshape) + ", found " + shape_str(scales.shape()) +
-                                " and " + shape_str(biases.shape()));
+                                shape_str(sshape) + " (biases (0,) where dropped), found " +
+                                shape_str(scales.shape()) + " and " + shape_str(biases.shape()));
   }
   return K;
 }
@@ -812,7 +845,9 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
     throw std::runtime_error("[mlxinfer tiled product] needs AVX2 at the kernels' ISA level "
                              "(a tiled layer is made only where it is)");
   }
-  if (!w.flags().row_contiguous || !sc.flags().row_contiguous || !bi.flags().row_contiguous) {
+  const bool dropped = bi.size() == 0; // a symmetric layer's biases (tile_layer)
+  if (!w.flags().row_contiguous || !sc.flags().row_contiguous ||
+      (!dropped && !bi.flags().row_contiguous)) {
     throw std::runtime_error("[mlxinfer tiled product] the tiles must be row-contiguous");
   }
   Problem p;
@@ -849,11 +884,13 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   p.xsum = xsum.data();
   const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
   if (sc.dtype() == mx::float32) {
-    const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(), bi.data<float>()};
+    const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(),
+                          dropped ? nullptr : bi.data<float>()};
     const auto fn = i8 ? span_fn_i8<float>(wide, vnni, bits) : span_fn<float>(wide, vnni, bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
   } else {
-    const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(), bi.data<mx::float16_t>()};
+    const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(),
+                                  dropped ? nullptr : bi.data<mx::float16_t>()};
     const auto fn = i8 ? span_fn_i8<mx::float16_t>(wide, vnni, bits)
                        : span_fn<mx::float16_t>(wide, vnni, bits);
     parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });

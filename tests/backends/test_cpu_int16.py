@@ -281,6 +281,44 @@ def test_tiled_products_are_the_int16_tiles_products(bits, group_size, half):
             ).all()
 
 
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("half", [False, True])
+def test_a_symmetric_layers_tiles_drop_its_biases_and_give_the_same_outputs(bits, half):
+    """Where every bias is -2^(bits - 1) times its scale (GGUF's Q4_0, Q5_0 and Q8_0 imported
+    exactly), the tiles hold no biases (shape (0,)) and the products take them from the scales:
+    the outputs bit for bit those of the same tiles with the biases kept, on every path this CPU
+    has (AVX-512, AVX2; int16 and int8 activations), and within the float64 definition's bound.
+    One bias off by one float16 step keeps them all."""
+    rng = np.random.default_rng(bits + 10 * half)
+    N, Kd, gs = 96, 384, 32
+    q, s, _ = mx.quantize(mx.array(rng.normal(size=(N, Kd)).astype(np.float32) * 0.05), gs, bits)
+    s = s.astype(mx.float16) if half else s
+    b = s * -(2 ** (bits - 1))
+    dropped = tiles.layout(q, s, b, bits, gs)
+    kept = K.tile_layer(q, s, b, gs, bits, half, False)
+    assert dropped[2].shape == (0,) and kept[2].shape == s.shape
+    assert (np.array(dropped[1]) == np.array(kept[1])).all()
+    off = np.array(b)
+    off[3, 1] = np.nextafter(off[3, 1], np.float16(0) if half else np.float32(0))
+    assert tiles.layout(q, s, mx.array(off), bits, gs)[2].shape == s.shape
+    paths = [("best", False), ("best", True), ("avx2", False), ("avx2", True)]
+    try:
+        for isa, int8 in paths:
+            K.set_max_isa(isa)
+            K.set_int8_activations(int8)
+            if not K.tiles_available():
+                continue
+            for M in (1, 3, 8, 17):
+                x = mx.array(outlier_rows(rng, M))
+                y = np.array(K.quantized_matvec(x, *dropped, gs, bits))
+                assert (y == np.array(K.quantized_matvec(x, *kept, gs, bits))).all(), (isa, int8, M)
+                if not int8:
+                    assert_within_bound(y, np.array(x), q, s, b, gs, bits)
+    finally:
+        K.set_max_isa("best")
+        K.set_int8_activations(False)
+
+
 def test_bad_tiled_arrays_are_one_line_errors():
     q, s, b = mx.quantize(mx.zeros((64, 128)), group_size=32, bits=4)
     codes, ts, tb = tiles.layout(q, s, b, 4, 32)
@@ -298,6 +336,8 @@ def test_bad_tiled_arrays_are_one_line_errors():
         K.quantized_matvec(x, codes[:48], ts[:48], tb[:48], 32, 4)
     with pytest.raises(ValueError, match="scales/biases: a tiled layer's are both float32 or both"):
         K.quantized_matvec(x, codes, ts, tb.astype(mx.float16), 32, 4)
+    with pytest.raises(ValueError, match=r"\(biases \(0,\) where dropped\), found .* and \(3,\)"):
+        K.quantized_matvec(x, codes, ts, tb.reshape(-1)[:3], 32, 4)
     with pytest.raises(ValueError, match=r"x: expected a float array of shape \(\.\.\., 128\)"):
         K.quantized_matvec(mx.zeros((1, 64)), codes, ts, tb, 32, 4)
 

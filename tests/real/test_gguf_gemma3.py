@@ -188,6 +188,7 @@ def test_real_gemma3_greedy_output_matches_transformers(gemma3):
     from fixtures import gemma3_reference
 
     import mlxinfer
+    from mlxinfer.backends.cpu import compiled, tiles
     from mlxinfer.backends.cpu import plans as cpu_plans
     from mlxinfer.generation import generate_step
 
@@ -195,7 +196,8 @@ def test_real_gemma3_greedy_output_matches_transformers(gemma3):
     # float32 activations: on the CPU, MLX's float16 kernels are ~50x slower, and Gemma's
     # activations overflow float16 anyway; the float16 scales widen exactly.
     model, tok = mlxinfer.load(mlx_dir, dtype=mx.float32)
-    if getattr(model, "backend", None) == "cpu":  # as a user runs it: the compiled kernels
+    cpu = getattr(model, "backend", None) == "cpu"
+    if cpu:  # as a user runs it: the compiled kernels
         # (~9x MLX's loop over its 5-bit layers; the plain path: tests/models/test_families.py)
         cpu_plans.set_plans(model, cpu_plans.forced_plans("kernels"))
     assert not tok.has_chat_template  # a base model: the file carries none
@@ -213,6 +215,20 @@ def test_real_gemma3_greedy_output_matches_transformers(gemma3):
     for name, ids in prompts.items():
         ours = [t for t, _ in generate_step(ids, model, max_tokens=16)]
         assert ours[: len(reference[name])] == reference[name], (name, tok.decode(ours))
+    if cpu and tiles.available():  # decode through tiles, as a machine's plans may choose: the
+        # Q5_0 and Q8_0 layers (the 262k-row head among them) symmetric, their biases dropped
+        plans = {**cpu_plans.forced_plans("kernels"), "int16_decode": "int16"}
+        try:
+            cpu_plans.set_plans(model, plans)
+            ours = [t for t, _ in generate_step(prompts["qa"], model, max_tokens=16)]
+            assert ours[: len(reference["qa"])] == reference["qa"], tok.decode(ours)
+            made = [
+                m.__dict__["_cpu_tiles"][3] for m in model.modules() if "_cpu_tiles" in m.__dict__
+            ]
+            dropped = sum(t is not None and t[2].shape == (0,) for t in made)
+            assert dropped == 91, (dropped, len(made))  # 81 Q5_0 + 10 Q8_0 tensors in the file
+        finally:
+            compiled.set_int16_decode(False)
     answer = mlxinfer.generate(model, tok, GEMMA3_PROMPTS["qa"], max_tokens=4, chat_template=False)
     assert answer.strip().startswith("Paris")
 

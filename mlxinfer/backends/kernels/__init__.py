@@ -38,7 +38,7 @@ ENV_INT8 = "MLXINFER_INT8_ACTIVATIONS"
 NAME = "_mlxinfer_kernels"
 # The bindings' version this package calls (csrc/src/bindings.cpp's ``api``): a module built from
 # another checkout is refused at load, not met mid-decode by a missing function
-API = 2
+API = 3
 NOT_BUILT = NAME + ".not-built"  # an install's one line saying why it did not build them
 
 _loaded: tuple[ModuleType | None, str | None] | None = None
