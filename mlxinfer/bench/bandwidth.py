@@ -26,9 +26,13 @@ def weight_bytes_per_token(model: nn.Module) -> int:
 
     Every parameter is read once, except embedding tables that are only
     gathered: one row per token. The token embedding is read whole when it is
-    also the LM head (tied); position tables (GPT-2's ``wpe``) never are.
+    also the LM head (tied); position tables (GPT-2's ``wpe``) never are. Where
+    the CPU backend's products read tiles (made at the first decode step), their
+    bytes count instead of the arrays' (``tiles.bytes_not_read``).
     """
-    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    from ..backends.cpu import tiles
+
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters())) - tiles.bytes_not_read(model)
     # GPT-2's args carry no flag: its head is always the token embedding.
     tied = getattr(model.args, "tie_word_embeddings", True)
     for _, module in model.named_modules():

@@ -166,13 +166,13 @@ def run_benchmark(
     if bandwidth is None:
         log("measuring memory bandwidth …")
         bandwidth = measure_bandwidth()
-    weights = weight_bytes_per_token(model)
     notes = comparison_notes(model, model_dir, kv_bits) if compare else []
     results = []
     for p in prompt_lengths:
         ids = prompt_ids(p, model.args.vocab_size)
         log(f"p={p}: mlxinfer warm-up")
         _, cache_bytes, cached = time_run(model, ids, max_tokens, kv_bits, prefill_step)
+        weights = weight_bytes_per_token(model)  # after a decode: the CPU's tiles made
         runs = []
         for rep in range(reps):
             run, _, _ = time_run(model, ids, max_tokens, kv_bits, prefill_step)

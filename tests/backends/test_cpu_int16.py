@@ -417,6 +417,54 @@ def test_the_int16_decode_plan_gives_mlxs_logits_and_tokens(
     assert not any("_cpu_tiles" in m.__dict__ for m in tiled)
 
 
+def test_a_symmetric_models_decode_reads_each_layer_once_as_its_tiles(tmp_path, int16_decode_off):
+    """A tiny 4-bit Llama whose every bias is -8 times its float16 scale (as a Q4_0 GGUF imports),
+    decoded under ``int16``: every quantized layer and the tied head tiled once (a fused group's
+    siblings as the group, not each again), and ``bench``'s bytes a decode step reads are the
+    parameters' with each layer's scales and biases (float32 as loaded) counted as its tiles
+    hold them: float16 scales (N x G x 2 bytes), no biases; the codes the same bytes."""
+    from mlx.utils import tree_flatten
+
+    from mlxinfer.bench.bandwidth import weight_bytes_per_token
+
+    path, _ = make_tiny(
+        tmp_path / "hf", perturb_vectors=True, model_type="llama", tie_word_embeddings=True
+    )
+    add_tokenizer(path)
+    convert(path, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float32")
+    weights = mx.load(str(tmp_path / "q" / "model.safetensors"))
+    for name in [n for n in weights if n.endswith(".scales")]:
+        scale = weights[name].astype(mx.float16)
+        weights[name] = scale
+        weights[name[: -len("scales")] + "biases"] = scale * -8
+    mx.save_safetensors(str(tmp_path / "q" / "model.safetensors"), weights)
+    (tmp_path / "q" / "mlxinfer-manifest.json").unlink()  # its sizes were the converter's
+    model, _ = load_model(tmp_path / "q")
+    cpu_plans.set_plans(model, {**cpu_plans.forced_plans("kernels"), "int16_decode": "int16"})
+    list(generate_step(IDS[:9], model, max_tokens=3))
+    quantized_layers = [m for m in model.modules() if "scales" in m]
+    held = [m.__dict__["_cpu_tiles"][3] for m in model.modules() if "_cpu_tiles" in m.__dict__]
+    held += [
+        g.__dict__["_cpu_tiles"][3]
+        for g in {
+            id(m.cpu_fused[0]): m.cpu_fused[0] for m in model.modules() if "cpu_fused" in m.__dict__
+        }.values()
+        if "_cpu_tiles" in g.__dict__
+    ]
+    if not tiles.available():
+        pytest.skip(
+            "tiled layers need AVX2 or AVX-512 (this CPU has neither at the kernels' level)"
+        )
+    codes = sum(t[0].size for t in held)
+    assert codes == sum(m.weight.nbytes for m in quantized_layers)  # each layer's codes once
+    assert all(t[2].shape == (0,) and t[1].dtype == mx.float16 for t in held)
+    params = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    want = params - sum(
+        m.scales.nbytes + m.biases.nbytes - m.scales.size * 2 for m in quantized_layers
+    )
+    assert weight_bytes_per_token(model) == want
+
+
 def test_the_plans_timing_makes_each_layers_tiles_once(int16_decode_off):
     """Inside ``tiles.kept()`` (the plans' timing switches ``int16_decode`` on and off each
     round) a layer's tiles stay when the plan is set off, so each layout is made once; at its

@@ -374,9 +374,9 @@ def _read_parts(block: nn.Module, reads: _Reads):
     return attn, qkv_layers, o, gate_up, down, ACTS[mlp.act], norms, head_norms
 
 
-def _layer(layer: nn.Module, reads: _Reads) -> tuple | None:
+def _layer(layer: nn.Module, reads: _Reads, tile: bool = True) -> tuple | None:
     """(w, scales, biases, group_size, bits) of an affine quantized layer on the kernel with no
-    bias, else None."""
+    bias (its tiles' arrays where they are made: ``tile``), else None."""
     if (
         not isinstance(layer, quantized.CPUQuantizedLinear)
         or layer.__dict__.get("cpu_kernel") is None
@@ -387,8 +387,9 @@ def _layer(layer: nn.Module, reads: _Reads) -> tuple | None:
     ):
         return None
     arrays = [reads.get(layer, key) for key in ("weight", "scales", "biases")]
+    tiled = tiles.of(layer, *arrays, layer.group_size, layer.bits) if tile else None
     return (
-        *(tiles.of(layer, *arrays, layer.group_size, layer.bits) or arrays),
+        *(tiled or arrays),
         layer.group_size,
         layer.bits,
     )
@@ -398,7 +399,9 @@ def _siblings(module: nn.Module, names: tuple[str, ...], reads: _Reads) -> list[
     """The siblings as the kernels take them: their stacked arrays where they are one
     :class:`fused.QuantizedGroup` (one product), else each layer's."""
     modules = [reads.get(module, name) for name in names]
-    found = [_layer(layer, reads) for layer in modules]
+    # each one's arrays read (a block is made again when one changes), its tiles not yet: where
+    # the group's product runs, its tiles are the ones read (each layer's would be a copy, unread)
+    found = [_layer(layer, reads, tile=False) for layer in modules]
     if any(layer is None for layer in found):
         return None
     group = modules[0].__dict__.get("cpu_fused", (None, 0))[0]
@@ -414,7 +417,7 @@ def _siblings(module: nn.Module, names: tuple[str, ...], reads: _Reads) -> list[
         arrays = (a["weight"], a["scales"], a["biases"])
         tiled = tiles.of(group, *arrays, group.group_size, group.bits)
         return [(*(tiled or arrays), group.group_size, group.bits)]
-    return found  # type: ignore[return-value]
+    return [_layer(layer, reads) for layer in modules]  # type: ignore[misc]
 
 
 def _norm(norm: nn.Module, reads: _Reads) -> tuple[mx.array, float] | None:

@@ -9,8 +9,10 @@ dequantized weight and BLAS beyond: ``quantized.CPUQuantizedLinear``).
 A layer's tiles are made the first time a product asks for them while the plan is on, kept on
 the layer (or on its fused group) beside MLX's arrays, which every other path still reads, and
 dropped when the plan is set off. They take the codes' bytes again (a 4-bit layer's 0.5 bytes a
-weight) and the scales and biases (float16 where every value is one, else float32):
-SmolLM2-135M 98 MB, Gemma-3-270M 218 MB (its 262,144-row head's 189 MB among them).
+weight) and the scales and biases (float16 where every value is one, else float32; no biases
+where each is -2^(bits - 1) times its scale, GGUF's Q4_0, Q5_0 and Q8_0): SmolLM2-135M 96 MB,
+Gemma-3-270M 252 MB (its 262,144-row head's 178 MB among them). A fused group's siblings are
+tiled once, as the group (blocks.py).
 
 A second copy must not push the machine into paging: a layer is tiled only while what the
 machine can still give (``platform.memory.available``: MemAvailable, a cgroup's room) stays above
@@ -192,6 +194,23 @@ def of(
         _owners.append(weakref.ref(owner))
     object.__setattr__(owner, "_cpu_tiles", (w, scales, biases, tiles))
     return tiles
+
+
+def bytes_not_read(model: nn.Module) -> int:
+    """How many fewer bytes a decode step of ``model`` reads than its parameters hold, where its
+    products read tiles: each tiled layer's, fused group's or tied head's arrays (scales and
+    biases widened to float32 at load) less its tiles' (float16 where exact, a symmetric layer's
+    biases dropped). 0 where nothing is tiled (the plan off, or before the first decode step)."""
+    saved, seen = 0, set()
+    for module in model.modules():
+        group = module.__dict__.get("cpu_fused", (None,))[0]
+        for owner in (module, group):
+            kept = None if owner is None else owner.__dict__.get("_cpu_tiles")
+            if kept is None or kept[3] is None or id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            saved += sum(a.nbytes for a in kept[:3]) - sum(a.nbytes for a in kept[3])
+    return saved
 
 
 def room_for(w: mx.array, scales: mx.array) -> bool:
