@@ -27,6 +27,7 @@ from ..models.base import embedding_rows, language_model_weights
 from ..models.config import read_config, without_tower
 from ..models.layers.mtp import HEAD_FILE
 from ..platform.machine import user_cache_dir
+from ..platform.memory import release_free_heap
 from ..platform.progress import Progress
 from ..platform.threads import release_at_thread_exit
 from ..quant.transform import apply_quantization, quantization_record
@@ -339,7 +340,9 @@ def load(
         model, _ = load_model(
             model_dir, dtype=dtype, log=log, progress=progress, force=force, kv_budget=kv_budget
         )
-        return model, check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
+        tokenizer = check_vocabulary(model, Tokenizer.from_dir(model_dir), log=log)
+        release_free_heap()  # the tokenizer's parse, freed but held by the C heap
+        return model, tokenizer
 
     return open_model(path_or_repo, load_dir, log=log)
 

@@ -18,6 +18,30 @@ class Capacity:
     source: str
 
 
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing): parsing a large tokenizer.json leaves its transient tree freed but held, e.g. 194 MB
+    of Gemma-3's 262k-token vocabulary's 290 MB (docs/performance.md). A no-op where glibc is
+    absent or refuses."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim():
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
+
+
 def available() -> Capacity | None:
     """The smallest of MemAvailable, the cgroup's room and psutil's available memory; None if
     none of them can be read."""
