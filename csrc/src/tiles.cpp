@@ -703,11 +703,13 @@ std::tuple<mx::array, mx::array, mx::array> tile_layer(const mx::array& w,
   std::vector<float> sf(scales.size()), bf(biases.size());
   to_f32(scales, sf.data());
   to_f32(biases, bf.data());
-  // every bias -2^(bits - 1) times its scale, exactly (a power of two: no rounding either way)
+  // every bias -2^(bits - 1) times its scale, bit for bit (a power of two: no rounding; the
+  // bits compared, so a zero's sign is the product's too)
   const float sym = -static_cast<float>(1 << (bits - 1));
   bool symmetric = drop_symmetric;
   for (size_t i = 0; symmetric && i < sf.size(); ++i) {
-    symmetric = bf[i] == sf[i] * sym;
+    const float b = sf[i] * sym;
+    symmetric = std::memcmp(&b, &bf[i], sizeof b) == 0;
   }
   const size_t sb_bytes = static_cast<size_t>(N) * G * (half ? 2 : 4);
   auto* ts = new uint8_t[sb_bytes];

@@ -288,7 +288,8 @@ def test_a_symmetric_layers_tiles_drop_its_biases_and_give_the_same_outputs(bits
     exactly), the tiles hold no biases (shape (0,)) and the products take them from the scales:
     the outputs bit for bit those of the same tiles with the biases kept, on every path this CPU
     has (AVX-512, AVX2; int16 and int8 activations), and within the float64 definition's bound.
-    One bias off by one float16 step keeps them all."""
+    One bias off by one float16 step keeps them all, as does a zero scale's bias of the other
+    sign (compared bit for bit)."""
     rng = np.random.default_rng(bits + 10 * half)
     N, Kd, gs = 96, 384, 32
     q, s, _ = mx.quantize(mx.array(rng.normal(size=(N, Kd)).astype(np.float32) * 0.05), gs, bits)
@@ -301,6 +302,11 @@ def test_a_symmetric_layers_tiles_drop_its_biases_and_give_the_same_outputs(bits
     off = np.array(b)
     off[3, 1] = np.nextafter(off[3, 1], np.float16(0) if half else np.float32(0))
     assert tiles.layout(q, s, mx.array(off), bits, gs)[2].shape == s.shape
+    zero_s, zero_b = np.array(s), np.array(b)  # a zero scale: its bias -0.0, not +0.0
+    zero_s[2, 0], zero_b[2, 0] = 0.0, 0.0
+    assert tiles.layout(q, mx.array(zero_s), mx.array(zero_b), bits, gs)[2].shape == s.shape
+    zero_b[2, 0] = -0.0
+    assert tiles.layout(q, mx.array(zero_s), mx.array(zero_b), bits, gs)[2].shape == (0,)
     paths = [("best", False), ("best", True), ("avx2", False), ("avx2", True)]
     try:
         for isa, int8 in paths:
