@@ -1,11 +1,14 @@
 """What the machine can still give without paging (no MLX here: importable below the backends):
 ``MemAvailable`` (``/proc/meminfo``), or a container's cgroup limit less its usage when
 smaller, or psutil's figure elsewhere. ``loading.memory`` weighs models against it (and a Mac's
-GPU working set); the CPU backend's tiled layers ask it before making a second copy."""
+GPU working set); the CPU backend's tiled layers ask it before making a second copy. And the C
+heap's free pages given back after a load (:func:`release_free_heap`)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +31,6 @@ def release_free_heap() -> None:
 
 
 def _find_malloc_trim():
-    import ctypes
-    import platform
-
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
