@@ -386,13 +386,18 @@ def _layer(layer: nn.Module, reads: _Reads, tile: bool = True) -> tuple | None:
         or layer.group_size not in compiled.GROUP_SIZES
     ):
         return None
-    arrays = [reads.get(layer, key) for key in ("weight", "scales", "biases")]
-    tiled = tiles.of(layer, *arrays, layer.group_size, layer.bits) if tile else None
+    arrays = (*(reads.get(layer, key) for key in ("weight", "scales", "biases")),)
     return (
-        *(tiled or arrays),
-        layer.group_size,
-        layer.bits,
+        _tiled(layer, arrays, layer.group_size, layer.bits)
+        if tile
+        else (*arrays, layer.group_size, layer.bits)
     )
+
+
+def _tiled(owner: Any, arrays: tuple, group_size: int, bits: int) -> tuple:
+    """(w, scales, biases, group_size, bits) as the kernels take them: ``owner``'s tiles where
+    they are made (``tiles.of``), else the arrays."""
+    return (*(tiles.of(owner, *arrays, group_size, bits) or arrays), group_size, bits)
 
 
 def _siblings(module: nn.Module, names: tuple[str, ...], reads: _Reads) -> list[tuple] | None:
@@ -414,10 +419,10 @@ def _siblings(module: nn.Module, names: tuple[str, ...], reads: _Reads) -> list[
         and "bias" not in group.arrays
     ):
         a = group.arrays
-        arrays = (a["weight"], a["scales"], a["biases"])
-        tiled = tiles.of(group, *arrays, group.group_size, group.bits)
-        return [(*(tiled or arrays), group.group_size, group.bits)]
-    return [_layer(layer, reads) for layer in modules]  # type: ignore[misc]
+        return [
+            _tiled(group, (a["weight"], a["scales"], a["biases"]), group.group_size, group.bits)
+        ]
+    return [_tiled(m, f[:3], *f[3:]) for m, f in zip(modules, found)]  # type: ignore[index]
 
 
 def _norm(norm: nn.Module, reads: _Reads) -> tuple[mx.array, float] | None:
