@@ -893,17 +893,24 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   p.xscale = xscale.data();
   p.xsum = xsum.data();
   const size_t bytes = static_cast<size_t>(p.N) * p.K * bits / 8;
+  // A decode step's few rows (one pass over each tile): tasks of about 1 MB of codes, at least
+  // one a thread, not four a thread: a small product's eight tasks of 2-3 tiles each began
+  // with a claim on the shared counter and lines not prefetched (AMD EPYC VM, SmolLM2's shapes
+  // alternated in one process, 1 and 8 rows: 576 x 1536 1.27-1.29x and 1.11x, 960 x 576 and
+  // 576 x 576 1.04-1.09x, 3072 x 576 and the head level; docs/performance.md). A prompt's
+  // rows keep four a thread: their tasks are long, and balance matters more.
+  const size_t task_bytes = M <= kRows ? size_t{1} << 20 : 0;
   if (sc.dtype() == mx::float32) {
     const Tiles<float> tl{w.data<uint8_t>(), sc.data<float>(),
                           dropped ? nullptr : bi.data<float>()};
     const auto fn = i8 ? span_fn_i8<float>(wide, vnni, bits) : span_fn<float>(wide, vnni, bits);
-    parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
+    parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); }, task_bytes);
   } else {
     const Tiles<mx::float16_t> tl{w.data<uint8_t>(), sc.data<mx::float16_t>(),
                                   dropped ? nullptr : bi.data<mx::float16_t>()};
     const auto fn = i8 ? span_fn_i8<mx::float16_t>(wide, vnni, bits)
                        : span_fn<mx::float16_t>(wide, vnni, bits);
-    parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); });
+    parallel_rows(p.N, kTileRows, bytes, [&](int n0, int n1) { fn(p, tl, n0, n1); }, task_bytes);
   }
 #else
   (void)x, (void)M, (void)w, (void)sc, (void)bi, (void)gs, (void)bits, (void)y;

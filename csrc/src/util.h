@@ -165,14 +165,20 @@ inline void write_out(const float* y, mx::array& out) {
 }
 
 // Splits [0, N) into tasks of whole blocks of `align` rows, about four per thread (so a
-// thread that starts late or is preempted leaves its share to the others).
+// thread that starts late or is preempted leaves its share to the others). `task_bytes`, where
+// nonzero: fewer tasks where the weights are few, about that many bytes each, at least one a
+// thread (each task's start costs its claim and its first lines from memory: tiles.cpp).
 template <typename F>
-void parallel_rows(int N, int align, size_t bytes, F&& f) {
+void parallel_rows(int N, int align, size_t bytes, F&& f, size_t task_bytes = 0) {
   auto& pool = ThreadPool::instance();
   const int blocks = (N + align - 1) / align;
   // Below ~64 KiB of weights a fan-out costs more than it saves.
   const int nt = bytes < (64u << 10) ? 1 : pool.size();
-  const int tasks = std::min(blocks, 4 * nt);
+  int tasks = std::min(blocks, 4 * nt);
+  if (task_bytes != 0) {
+    const int by_bytes = static_cast<int>(std::min<size_t>(bytes / task_bytes, tasks));
+    tasks = std::min(tasks, std::max(nt, by_bytes));
+  }
   if (nt <= 1 || tasks <= 1) {
     f(0, N);
     return;
