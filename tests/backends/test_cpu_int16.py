@@ -281,6 +281,28 @@ def test_tiled_products_are_the_int16_tiles_products(bits, group_size, half):
             ).all()
 
 
+@pytest.mark.parametrize(("bits", "N", "Kin"), [(4, 32 * 37, 1536), (8, 32 * 131, 1024)])
+def test_a_tiled_products_tasks_on_the_threads_leave_no_output_out(bits, N, Kin):
+    """Products large enough to share out (909 KB and 4.3 MB of codes, a prime number of tiles):
+    a decode step's rows (1, 8: tasks of about 1 MB, at least one a thread) and a prompt's (9:
+    four a thread) are within the rounding bound of the float64 definition, every output, and
+    the same bits on one thread as on two (each output is one thread's whole sum)."""
+    rng = np.random.default_rng(bits + N)
+    q, s, b, t = random_tiled(rng, bits, 32, True, N=N, K=Kin)
+    before = K.num_threads()
+    try:
+        for M in (1, 8, 9):
+            x = outlier_rows(rng, M, K=Kin)
+            K.set_num_threads(2)
+            y2 = np.array(K.quantized_matvec(mx.array(x), *t, 32, bits))
+            K.set_num_threads(1)
+            y1 = np.array(K.quantized_matvec(mx.array(x), *t, 32, bits))
+            assert_within_bound(y2, x, q, s, b, 32, bits)
+            assert (y1 == y2).all(), M
+    finally:
+        K.set_num_threads(before)
+
+
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("half", [False, True])
 def test_a_symmetric_layers_tiles_drop_its_biases_and_give_the_same_outputs(bits, half):
