@@ -30,43 +30,37 @@ static double now(void) {
 }
 
 #define DP(A, X, W) asm("vpdpwssd %2, %1, %0" : "+v"(A) : "v"(X), "v"(W))
-#define DPZ(A) asm volatile("vpdpwssd %1, %2, %0" : "+v"(A) : "v"(w0), "v"(w1))
 #define DPY(A) asm volatile("vpdpwssd %1, %2, %0" : "+v"(A) : "v"(v0), "v"(v1))
-#define DPB(A) asm volatile("vpdpbusd %1, %2, %0" : "+v"(A) : "v"(w0), "v"(w1))
 
-static double peak_zmm(long n, int* keep) {
-  __m512i a0 = _mm512_set1_epi32(1), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-          a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
-  const __m512i w0 = _mm512_set1_epi16(3), w1 = _mm512_set1_epi16(5);
-  const double t = now();
-  for (long k = 0; k < n; ++k) {
-    DPZ(a0); DPZ(a1); DPZ(a2); DPZ(a3); DPZ(a4); DPZ(a5);
-    DPZ(a6); DPZ(a7); DPZ(a8); DPZ(a9); DPZ(a10); DPZ(a11);
+// A 512-bit dot product instruction's rate: INSN ("vpdpwssd", or the int8 path's "vpdpbusd")
+// on 12 independent accumulators.
+#define PEAK512(NAME, INSN)                                                                    \
+  static double NAME(long n, int* keep) {                                                    \
+    __m512i a0 = _mm512_set1_epi32(1), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, \
+            a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;                                  \
+    const __m512i w0 = _mm512_set1_epi16(3), w1 = _mm512_set1_epi16(5);                      \
+    const double t = now();                                                                  \
+    for (long k = 0; k < n; ++k) {                                                           \
+      asm volatile(INSN " %12, %13, %0\n\t" INSN " %12, %13, %1\n\t"                      \
+                   INSN " %12, %13, %2\n\t" INSN " %12, %13, %3\n\t"                      \
+                   INSN " %12, %13, %4\n\t" INSN " %12, %13, %5\n\t"                      \
+                   INSN " %12, %13, %6\n\t" INSN " %12, %13, %7\n\t"                      \
+                   INSN " %12, %13, %8\n\t" INSN " %12, %13, %9\n\t"                      \
+                   INSN " %12, %13, %10\n\t" INSN " %12, %13, %11"                          \
+                   : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),  \
+                     "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11)                     \
+                   : "v"(w0), "v"(w1));                                                     \
+    }                                                                                        \
+    const double dt = now() - t;                                                             \
+    __m512i s = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));        \
+    s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));   \
+    s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11))); \
+    *keep += _mm512_reduce_add_epi32(s);                                                     \
+    return 12.0 * n / dt;                                                                    \
   }
-  const double dt = now() - t;
-  __m512i s = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
-  s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
-  s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11)));
-  *keep += _mm512_reduce_add_epi32(s);
-  return 12.0 * n / dt;
-}
 
-static double peak_bytes(long n, int* keep) { // int8 activations' vpdpbusd, 512-bit
-  __m512i a0 = _mm512_set1_epi32(1), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-          a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
-  const __m512i w0 = _mm512_set1_epi8(3), w1 = _mm512_set1_epi8(5);
-  const double t = now();
-  for (long k = 0; k < n; ++k) {
-    DPB(a0); DPB(a1); DPB(a2); DPB(a3); DPB(a4); DPB(a5);
-    DPB(a6); DPB(a7); DPB(a8); DPB(a9); DPB(a10); DPB(a11);
-  }
-  const double dt = now() - t;
-  __m512i s = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
-  s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
-  s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11)));
-  *keep += _mm512_reduce_add_epi32(s);
-  return 12.0 * n / dt;
-}
+PEAK512(peak_zmm, "vpdpwssd")
+PEAK512(peak_bytes, "vpdpbusd")
 
 static double peak_ymm(long n, int* keep) {
   __m256i b0 = _mm256_set1_epi32(1), b1 = b0, b2 = b0, b3 = b0, b4 = b0, b5 = b0, b6 = b0,
