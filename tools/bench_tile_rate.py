@@ -35,6 +35,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
+    if min(args.rows + args.threads + [args.rounds]) < 1:
+        ap.error(
+            f"--rows, --threads and --rounds: expected positive integers, found "
+            f"{args.rows}, {args.threads}, {args.rounds}"
+        )
     K = kernels.load()
     if K is None or not K.tiles_wide_vnni():
         raise SystemExit("needs the compiled kernels on a CPU with AVX-512 VNNI")
