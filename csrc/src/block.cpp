@@ -34,10 +34,21 @@ void norm_row(float* row, int K, const float* w, float eps, mx::Dtype dtype) {
   }
 }
 
-std::vector<float> f32_of(const mx::array& a) {
-  std::vector<float> v(a.size());
+aligned_vector<float> f32_of(const mx::array& a) {
+  aligned_vector<float> v(a.size()); // not zeroed: to_f32 writes every value
   to_f32(a, v.data());
   return v;
+}
+
+// a's values as float32: its own data where it is float32 and row-contiguous (no copy), else
+// converted into `buf`.
+const float* f32_data(const mx::array& a, aligned_vector<float>& buf) {
+  if (a.dtype() == mx::float32 && a.flags().row_contiguous) {
+    return a.data<float>();
+  }
+  buf.resize(a.size());
+  to_f32(a, buf.data());
+  return buf.data();
 }
 
 void check_gpu(const char* op, mx::Stream stream) {
@@ -210,12 +221,13 @@ void NormProducts::run(std::vector<mx::array>& in, std::vector<mx::array>& outs)
   const int total = out.shape(-1);
   aligned_vector<float> h(in[0].size());
   to_f32(in[0], h.data());
-  const auto w = f32_of(in[1]);
+  aligned_vector<float> wbuf;
+  const float* w = f32_data(in[1], wbuf);
   for (int r = 0; r < M; ++r) {
-    norm_row(h.data() + static_cast<size_t>(r) * K, K, w.data(), eps, in[0].dtype());
+    norm_row(h.data() + static_cast<size_t>(r) * K, K, w, eps, in[0].dtype());
   }
   float* y = out.data<float>();
-  std::vector<float> part;
+  aligned_vector<float> part; // not zeroed: each product writes every output
   int col = 0;
   for (size_t i = 0; i < layers.size(); ++i) {
     const int N = in[2 + 3 * i].shape(0);
@@ -508,11 +520,12 @@ void PoolWrite::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) co
   const size_t parts = outs.size() / 2; // a side's arrays: 1 float pool, or 3
   const int n_kv = outs[0].shape(1), N = qkv.shape(-1), B = rows_of(qkv);
   const size_t n_rows = static_cast<size_t>(outs[0].shape(0)) * n_kv * outs[0].shape(2);
-  const auto x = f32_of(qkv);
+  aligned_vector<float> xbuf;
+  const float* x = f32_data(qkv, xbuf);
   std::vector<uint32_t> where(rows.size());
   std::vector<char> rcopy;
   std::memcpy(where.data(), contiguous_bytes(rows, rcopy), rows.nbytes());
-  std::vector<float> c, sn;
+  aligned_vector<float> c, sn;
   if (r.dims > 0) {
     c = f32_of(cos);
     sn = f32_of(sin);
@@ -531,7 +544,7 @@ void PoolWrite::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) co
         if (row >= n_rows) {
           continue; // outside the pool: nothing written (the engine never asks it)
         }
-        std::copy_n(x.data() + static_cast<size_t>(b) * N + start + h * D, D, v.data());
+        std::copy_n(x + static_cast<size_t>(b) * N + start + h * D, D, v.data());
         if (side == 0 && r.dims > 0) {
           rotate(v.data(), 1, D, r.dims, r.traditional, c.data() + b * half,
                  sn.data() + b * half);
@@ -624,10 +637,11 @@ void PagedAttentionOutput::run(std::vector<mx::array>& in, std::vector<mx::array
   const int unpack = kv.bits == 0 ? 1 : 32 / kv.bits; // values a word
   const int D = keys.shape(3) * unpack, Dv = values.shape(3) * unpack;
   const int half = r.dims / 2;
-  const auto row = f32_of(qkv);
+  aligned_vector<float> rowbuf;
+  const float* row = f32_data(qkv, rowbuf);
   std::vector<float> qf(static_cast<size_t>(B) * n_q * D);
   for (int b = 0; b < B; ++b) {
-    std::copy_n(row.data() + static_cast<size_t>(b) * N, n_q * D,
+    std::copy_n(row + static_cast<size_t>(b) * N, n_q * D,
                 qf.data() + static_cast<size_t>(b) * n_q * D);
   }
   if (r.dims > 0) {
@@ -650,7 +664,7 @@ void PagedAttentionOutput::run(std::vector<mx::array>& in, std::vector<mx::array
                            kv.group_size, kv.bits, y);
   }
   aligned_vector<float> ya(y.begin(), y.end());
-  std::vector<float> o(static_cast<size_t>(B) * H);
+  aligned_vector<float> o(static_cast<size_t>(B) * H); // not zeroed: the product writes it all
   product(ya.data(), B, in, 8, of, o.data());
   if (post) {
     const auto w = f32_of(in[11]);
@@ -659,7 +673,8 @@ void PagedAttentionOutput::run(std::vector<mx::array>& in, std::vector<mx::array
                mx::float32);
     }
   }
-  const auto xf = f32_of(x);
+  aligned_vector<float> xbuf;
+  const float* xf = f32_data(x, xbuf);
   float* dst = out.data<float>();
   for (size_t i = 0; i < o.size(); ++i) {
     dst[i] = xf[i] + o[i];
@@ -737,21 +752,23 @@ void MlpOutput::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) co
   const int K = in[0].shape(-1), M = static_cast<int>(in[0].size() / K);
   aligned_vector<float> h(in[0].size());
   to_f32(in[0], h.data());
-  const auto w = f32_of(in[1]);
+  aligned_vector<float> wbuf;
+  const float* w = f32_data(in[1], wbuf);
   for (int r = 0; r < M; ++r) {
-    norm_row(h.data() + static_cast<size_t>(r) * K, K, w.data(), eps, in[0].dtype());
+    norm_row(h.data() + static_cast<size_t>(r) * K, K, w, eps, in[0].dtype());
   }
   int N = 0;
   for (size_t i = 0; i < gate_up.size(); ++i) {
     N += in[2 + 3 * i].shape(0);
   }
   const int I = N / 2;
-  // gate | up of each row; two layers: gate's rows, then up's
-  std::vector<float> gu(static_cast<size_t>(M) * N);
+  // gate | up of each row; two layers: gate's rows, then up's (the buffers not zeroed: each
+  // product writes every output)
+  aligned_vector<float> gu(static_cast<size_t>(M) * N);
   if (gate_up.size() == 1) {
     product(h.data(), M, in, 2, gate_up[0], gu.data());
   } else {
-    std::vector<float> g(static_cast<size_t>(M) * I), u(g.size());
+    aligned_vector<float> g(static_cast<size_t>(M) * I), u(g.size());
     product(h.data(), M, in, 2, gate_up[0], g.data());
     product(h.data(), M, in, 5, gate_up[1], u.data());
     for (int r = 0; r < M; ++r) {
@@ -767,7 +784,7 @@ void MlpOutput::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) co
     gated_span(act, row, row + I, m.data() + static_cast<size_t>(r) * I, I);
   }
   const size_t at = 2 + 3 * gate_up.size();
-  std::vector<float> d(static_cast<size_t>(M) * K);
+  aligned_vector<float> d(static_cast<size_t>(M) * K);
   product(m.data(), M, in, at, down, d.data());
   if (post) {
     const auto pw = f32_of(in[at + 3]);
@@ -776,7 +793,8 @@ void MlpOutput::run(std::vector<mx::array>& in, std::vector<mx::array>& outs) co
                mx::float32);
     }
   }
-  const auto hf = f32_of(in[0]);
+  aligned_vector<float> hbuf;
+  const float* hf = f32_data(in[0], hbuf);
   float* dst = out.data<float>();
   for (size_t i = 0; i < d.size(); ++i) {
     dst[i] = hf[i] + d[i];

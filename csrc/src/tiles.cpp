@@ -876,7 +876,8 @@ void tiled_matvec_f32(const float* x, int M, const mx::array& w, const mx::array
   const bool i8 = int8_activations() && int8_takes(wide, vnni, bits);
   aligned_vector<int16_t> xq(i8 ? 0 : static_cast<size_t>(M) * p.K);
   aligned_vector<int8_t> x8(i8 ? static_cast<size_t>(M) * p.K : 0);
-  std::vector<float> xscale(static_cast<size_t>(M) * blocks), xsum(static_cast<size_t>(M) * G);
+  // not zeroed: prepare_row writes every row's block scales and group sums
+  aligned_vector<float> xscale(static_cast<size_t>(M) * blocks), xsum(static_cast<size_t>(M) * G);
   for (int m = 0; m < M; ++m) {
     float* xs = xscale.data() + static_cast<size_t>(m) * blocks;
     float* sums = xsum.data() + static_cast<size_t>(m) * G;
