@@ -214,6 +214,15 @@ NB_MODULE(_mlxinfer_kernels, m) {
       "x - logsumexp(x) over the last axis, in float32 (a vectorised exp, relative error "
       "~1.5e-7).");
   m.def(
+      "log_softmax_argmax",
+      &mlxinfer::log_softmax_argmax,
+      "x"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "[log_softmax(x), argmax(x, -1)] in one pass over the rows on the kernels' threads: "
+      "the argmax uint32 as mx.argmax gives it (the first NaN where a row has one, else the "
+      "first of its largest values).");
+  m.def(
       "swiglu",
       &mlxinfer::swiglu,
       "gate"_a,

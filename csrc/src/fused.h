@@ -119,6 +119,27 @@ bool take_buffer(const mx::array& in, mx::array& out, bool count = true);
 void note_buffer_copy();
 
 mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s = {});
+// log_softmax(x) and each row's argmax (uint32, as mx.argmax and numpy's: the first NaN where a
+// row has one, else the first of its largest values) in one pass over the rows on the kernels'
+// threads: a greedy batch's token and log-probs (MLX's argmax runs its rows on one thread).
+std::vector<mx::array> log_softmax_argmax(const mx::array& x, mx::StreamOrDevice s = {});
+
+class LogSoftmaxArgmax : public mx::Primitive {
+ public:
+  explicit LogSoftmaxArgmax(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "MlxinferLogSoftmaxArgmax";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& shape = inputs[0].shape();
+    return {shape, mx::Shape(shape.begin(), shape.end() - 1)};
+  }
+};
 
 class LogSoftmax : public mx::UnaryPrimitive {
  public:

@@ -77,15 +77,64 @@ void log_softmax_row(const float* x, float* y, int V) {
   log_softmax_row_impl(x, y, V);
 }
 
+// mx.argmax's index over one row (as numpy's: the first NaN where there is one, else the first
+// of the largest values). Two passes the compiler vectorises: the largest value and whether a
+// NaN is there, then the first index of the one looked for.
+uint32_t argmax_row(const float* x, int V) {
+  float top = x[0];
+  bool nan = false;
+  for (int i = 0; i < V; ++i) {
+    top = x[i] > top ? x[i] : top; // a NaN compares false: left out of the largest
+    nan |= x[i] != x[i];
+  }
+  for (int i = 0; i < V; ++i) {
+    if (nan ? x[i] != x[i] : x[i] == top) {
+      return static_cast<uint32_t>(i);
+    }
+  }
+  return 0;
+}
+
+// The rows of x (float32 row-contiguous ones read in place, others converted into y first)
+// normalised into y, each row's argmax into `index` when given; on the kernels' threads.
+void log_softmax_rows(const mx::array& x, float* y, uint32_t* index) {
+  const int V = x.shape(-1);
+  const int rows = static_cast<int>(x.size() / V);
+  const bool direct = x.dtype() == mx::float32 && x.flags().row_contiguous;
+  if (!direct) {
+    to_f32(x, y);
+  }
+  const float* src = direct ? x.data<float>() : y;
+  auto task = [&](int r) {
+    const size_t at = static_cast<size_t>(r) * V;
+    if (index != nullptr) { // before the row is normalised: y may be src
+      index[r] = argmax_row(src + at, V);
+    }
+    log_softmax_row(src + at, y + at, V);
+  };
+  auto& pool = ThreadPool::instance();
+  if (pool.size() <= 1 || rows == 1) {
+    for (int r = 0; r < rows; ++r) {
+      task(r);
+    }
+  } else {
+    pool.run(rows, task);
+  }
+}
+
+void check_logits(const char* op, const mx::array& x) {
+  if (x.ndim() < 1 || x.shape(-1) < 1 || !is_float(x.dtype())) {
+    throw std::invalid_argument(std::string("[mlxinfer ") + op +
+                                "] x: expected a float array with a last axis, found shape " +
+                                shape_str(x.shape()));
+  }
+}
+
 } // namespace
 
 mx::array log_softmax(const mx::array& x, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (x.ndim() < 1 || x.shape(-1) < 1 || !is_float(x.dtype())) {
-    throw std::invalid_argument(
-        "[mlxinfer log_softmax] x: expected a float array with a last axis, found shape " +
-        shape_str(x.shape()));
-  }
+  check_logits("log_softmax", x);
   if (stream.device == mx::Device::gpu) {
     auto xf = mx::astype(x, mx::float32, stream);
     return mx::subtract(xf, mx::logsumexp(xf, -1, true, stream), stream);
@@ -103,28 +152,42 @@ void LogSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   auto& encoder = encoder_for(stream(), inputs, out);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
                     out = mx::array::unsafe_weak_copy(out)]() mutable {
-    const int V = x.shape(-1);
-    const int rows = static_cast<int>(x.size() / V);
-    float* y = out.data<float>();
-    // float32 rows in place are read as they are; others are converted into out first and
-    // normalised there.
-    const bool direct = x.dtype() == mx::float32 && x.flags().row_contiguous;
-    if (!direct) {
-      to_f32(x, y);
-    }
-    const float* src = direct ? x.data<float>() : y;
-    auto task = [&](int r) {
-      const size_t at = static_cast<size_t>(r) * V;
-      log_softmax_row(src + at, y + at, V);
-    };
-    auto& pool = ThreadPool::instance();
-    if (pool.size() <= 1 || rows == 1) {
-      for (int r = 0; r < rows; ++r) {
-        task(r);
-      }
-    } else {
-      pool.run(rows, task);
-    }
+    log_softmax_rows(x, out.data<float>(), nullptr);
+  });
+}
+
+std::vector<mx::array> log_softmax_argmax(const mx::array& x, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  check_logits("log_softmax_argmax", x);
+  if (stream.device == mx::Device::gpu) {
+    auto xf = mx::astype(x, mx::float32, stream);
+    return {mx::subtract(xf, mx::logsumexp(xf, -1, true, stream), stream),
+            mx::argmax(x, -1, false, stream)};
+  }
+  mx::Shape rows(x.shape().begin(), x.shape().end() - 1);
+  return mx::array::make_arrays({x.shape(), rows}, {mx::float32, mx::uint32},
+                                std::make_shared<LogSoftmaxArgmax>(stream), {x});
+}
+
+void LogSoftmaxArgmax::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxinfer log_softmax_argmax] has no GPU kernel (the op hands GPU "
+                           "streams to MLX's own ops)");
+}
+
+void LogSoftmaxArgmax::eval_cpu(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(inputs[0]);
+  for (auto& o : outputs) {
+    encoder.set_output_array(o);
+  }
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+                    y = mx::array::unsafe_weak_copy(outputs[0]),
+                    index = mx::array::unsafe_weak_copy(outputs[1])]() mutable {
+    log_softmax_rows(x, y.data<float>(), index.data<uint32_t>());
   });
 }
 

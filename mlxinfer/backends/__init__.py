@@ -61,6 +61,18 @@ def planning_layers(model: nn.Module) -> AbstractContextManager:
     return layers.math_layers(model)
 
 
+def log_probs_argmax(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """``log_probs(logits)`` and ``mx.argmax(logits, axis=-1)``: on the CPU backend one kernel
+    call over the rows (``cpu.compiled.log_softmax_argmax``), else MLX's ops."""
+    if name() == "cpu":
+        from .cpu import compiled
+
+        out = compiled.log_softmax_argmax(logits)
+        if out is not None:
+            return out
+    return log_probs(logits), mx.argmax(logits, axis=-1)
+
+
 def log_probs(logits: mx.array) -> mx.array:
     """``logits - logsumexp(logits)`` over the last axis: on the CPU backend one compiled
     kernel where the kernels are built (``cpu.compiled.log_softmax``), else MLX's ops."""

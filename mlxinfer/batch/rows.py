@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from ..backends import log_probs
+from ..backends import log_probs, log_probs_argmax
 from ..generation.draft_length import DraftLength, nominal_costs
 from ..generation.drafts import Draft, DraftModel, PromptLookup
 from ..generation.mtp_drafts import MTP
@@ -210,7 +210,8 @@ def sample_rows(rows: list[_Request], logits: mx.array) -> tuple[mx.array, list[
                 row = process(r.history, row)
             processed.append(row)
         logits = mx.concatenate(processed)
-    picked = mx.argmax(logits, axis=-1).astype(mx.int32)
+    normalised, picked = log_probs_argmax(logits)  # one pass over the rows for both
+    picked = picked.astype(mx.int32)
     if not all(r.sampler.params.greedy for r in rows):
         picked = mx.concatenate(
             [
@@ -220,5 +221,4 @@ def sample_rows(rows: list[_Request], logits: mx.array) -> tuple[mx.array, list[
                 for b, r in enumerate(rows)
             ]
         )
-    normalised = log_probs(logits)
     return picked, [normalised[b] for b in range(len(rows))]

@@ -624,6 +624,50 @@ def test_log_softmax_matches_float64(k):
         k.set_max_isa("best")
 
 
+def test_log_softmax_argmax_gives_mlxs_argmax_and_the_same_log_probs(k):
+    """``K.log_softmax_argmax`` (the batching engine's greedy token and log-probs in one pass):
+    the index ``mx.argmax`` and ``np.argmax`` give (ties to the first, the first NaN where a row
+    has one) on ties, NaNs, infinities, 8 vocabulary-sized rows on two threads, bf16 and a
+    transposed view; its log-probs the same bits as ``K.log_softmax``."""
+    import numpy as np
+
+    def rule(x):
+        return np.argmax(np.asarray(x.astype(mx.float32)), axis=-1).tolist()
+
+    nan, inf = float("nan"), float("inf")
+    mx.random.seed(11)
+    cases = [
+        mx.random.normal((8, 49152)) * 8,
+        mx.array([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0]]),  # ties: the first
+        mx.array([[nan, 1.0, 9.0], [0.0, nan, 9.0], [-inf, -inf, -inf], [-inf, nan, -inf]]),
+        mx.array([[inf, 1.0, inf], [-1.0, -inf, -0.5], [nan, nan, 2.0]]),
+        mx.random.normal((3, 100)).astype(mx.bfloat16),
+        mx.random.normal((40, 3)).T,
+    ]
+    before = k.num_threads()
+    try:
+        k.set_num_threads(2)
+        for level in paths(k):
+            k.set_max_isa(level)
+            for x in cases:
+                normalised, index = k.log_softmax_argmax(x)
+                assert index.dtype == mx.uint32 and index.shape == x.shape[:-1]
+                assert index.tolist() == mx.argmax(x, axis=-1).tolist() == rule(x), (level, x)
+                plain = np.asarray(k.log_softmax(x))
+                assert np.array_equal(np.asarray(normalised), plain, equal_nan=True), level
+    finally:
+        k.set_max_isa("best")
+        k.set_num_threads(before)
+
+
+def test_log_softmax_argmax_refuses_what_is_not_logits(k):
+    """Not a float array with a last axis: one line naming the op and what it found."""
+    with pytest.raises(ValueError, match=r"\[mlxinfer log_softmax_argmax\] x: expected a float"):
+        k.log_softmax_argmax(mx.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"found shape \(\)"):
+        k.log_softmax_argmax(mx.array(1.0))
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_dequantize_matches_mlx(k, bits):
     """``K.dequantize`` (the CPU backend's prefill: a quantized layer's weight as floats for

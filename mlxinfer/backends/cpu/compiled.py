@@ -188,6 +188,17 @@ def log_softmax(logits: mx.array) -> mx.array | None:
     return k.log_softmax(logits)
 
 
+def log_softmax_argmax(logits: mx.array) -> tuple[mx.array, mx.array] | None:
+    """``log_softmax`` and each row's ``mx.argmax`` (uint32, the same index) in one kernel call
+    over the rows on the kernels' threads (MLX's argmax runs a batch's rows on one thread); None
+    where ``log_softmax`` is, or from a module built before this kernel."""
+    k = kernels.load()
+    if k is None or logits.dtype != mx.float32 or not hasattr(k, "log_softmax_argmax"):
+        return None
+    normalised, index = k.log_softmax_argmax(logits)
+    return normalised, index
+
+
 def sample(
     logits: mx.array, key: mx.array, temperature: float, top_k: int, top_p: float, min_p: float
 ) -> mx.array | None:
