@@ -19,7 +19,7 @@ medians over the rounds:
 
 The stream is held by memory bandwidth and the step by the kernels' arithmetic, so a machine
 whose neighbours take bandwidth slows the stream more than the step: compare rounds whose stream
-is at its quiet rate. The CPU (lscpu's model name), its CPUs and the load average are printed.
+is at its quiet rate. The CPU (its model name, `platform.machine.cpu_name`), its CPUs and the load average are printed.
 """
 
 # ruff: noqa: I001  (mlxinfer before mlx: it loads the fast BLAS, which must come first)
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,19 +40,12 @@ from mlxinfer.backends import kernels
 from mlxinfer.batch import ahead, scheduler
 from mlxinfer.bench.batch import time_batch
 from mlxinfer.bench.runs import prompt_ids, time_run
+from mlxinfer.platform.machine import cpu_name
 
 
 def machine() -> str:
-    name = "unknown CPU"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        name = next(
-            (ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), name
-        )
-    except OSError:
-        pass
     load_avg = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{name}, {os.cpu_count()} CPUs, load average {load_avg}"
+    return f"{cpu_name()}, {os.cpu_count()} CPUs, load average {load_avg}"
 
 
 class _TimedEval:

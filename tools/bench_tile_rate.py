@@ -8,7 +8,7 @@ tiles (``tiles.layout``). For each product: milliseconds a pass (best of --round
 a pair of inputs for 32 outputs on each thread (16 ``vpdpwssd`` at 8 rows), and G int16 products
 a second. The probe's loop runs a pair in 16 instructions' time (4.37 ns at 3.65 G a second on
 the AMD EPYC VM); what the whole product adds is its epilogue, x's rounding and the threads'
-sharing. Prints the CPU (lscpu's model name) and the load average (docs/performance.md).
+sharing. Prints the CPU (its model name) and the load average (docs/performance.md).
 """
 
 # ruff: noqa: I001  (mlxinfer before mlx: it loads the fast BLAS, which must come first)
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import time
 
 import mlxinfer  # noqa: F401  (before mlx: the fast BLAS)
@@ -25,6 +24,7 @@ import numpy as np
 
 from mlxinfer.backends import kernels
 from mlxinfer.backends.cpu import tiles
+from mlxinfer.platform.machine import cpu_name
 
 SHAPES = ((4, 1536, 576, 16), (4, 576, 1536, 16), (8, 49152, 576, 1))
 
@@ -43,9 +43,7 @@ def main() -> None:
     K = kernels.load()
     if K is None or not K.tiles_wide_vnni():
         raise SystemExit("needs the compiled kernels on a CPU with AVX-512 VNNI")
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "?")
-    print(f"CPU: {cpu}, {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}")
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}")
     rng = np.random.default_rng(0)
     before = K.num_threads()
     try:
