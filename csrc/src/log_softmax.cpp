@@ -16,26 +16,65 @@ namespace mlxinfer {
 
 namespace {
 
-// Max and sum over 16 lanes (vectorised without reassociating a single running value).
-MLXINFER_INLINE void log_softmax_row_impl(const float* x, float* y, int V) {
+// The first index of a row's NaNs where `nan`, else of its value `top` (the largest): 16
+// values a step tested together (vectorised), then the step that holds it one by one.
+MLXINFER_INLINE uint32_t first_index(const float* x, int V, bool nan, float top) {
+  constexpr int W = 16;
+  int i = 0;
+  for (; i + W <= V; i += W) {
+    bool any = false;
+    for (int j = 0; j < W; ++j) {
+      any |= nan ? x[i + j] != x[i + j] : x[i + j] == top;
+    }
+    if (any) {
+      break;
+    }
+  }
+  for (; i < V; ++i) {
+    if (nan ? x[i] != x[i] : x[i] == top) {
+      return static_cast<uint32_t>(i);
+    }
+  }
+  return 0;
+}
+
+// Max and sum over 16 lanes (vectorised without reassociating a single running value). The max
+// leaves NaNs out (std::max keeps its first operand); with `index`, the row's mx.argmax (as
+// numpy's: the first NaN where there is one, else the first of the largest values) from the same
+// pass over the row, before y (which may be x) is written.
+template <bool ARGMAX>
+MLXINFER_INLINE void log_softmax_row_impl(const float* x, float* y, int V, uint32_t* index) {
   constexpr int W = 16;
   float top_lanes[W], sum_lanes[W];
+  bool nan_lanes[W];
   for (int j = 0; j < W; ++j) {
     top_lanes[j] = -INFINITY;
     sum_lanes[j] = 0.0f;
+    nan_lanes[j] = false;
   }
   int i = 0;
   for (; i + W <= V; i += W) {
     for (int j = 0; j < W; ++j) {
       top_lanes[j] = std::max(top_lanes[j], x[i + j]);
     }
+    if constexpr (ARGMAX) {
+      for (int j = 0; j < W; ++j) {
+        nan_lanes[j] |= x[i + j] != x[i + j];
+      }
+    }
   }
   float top = -INFINITY;
+  bool nan = false;
   for (int j = 0; j < W; ++j) {
     top = std::max(top, top_lanes[j]);
+    nan |= nan_lanes[j];
   }
   for (int k = i; k < V; ++k) {
     top = std::max(top, x[k]);
+    nan |= x[k] != x[k];
+  }
+  if constexpr (ARGMAX) {
+    *index = first_index(x, V, nan, top);
   }
   for (i = 0; i + W <= V; i += W) {
     for (int j = 0; j < W; ++j) {
@@ -56,43 +95,28 @@ MLXINFER_INLINE void log_softmax_row_impl(const float* x, float* y, int V) {
 }
 
 #if defined(MLXINFER_X86)
-MLXINFER_AVX512 void log_softmax_row_avx512(const float* x, float* y, int V) {
-  log_softmax_row_impl(x, y, V);
+MLXINFER_AVX512 void log_softmax_row_avx512(const float* x, float* y, int V, uint32_t* index) {
+  index != nullptr ? log_softmax_row_impl<true>(x, y, V, index)
+                   : log_softmax_row_impl<false>(x, y, V, index);
 }
-MLXINFER_AVX2 void log_softmax_row_avx2(const float* x, float* y, int V) {
-  log_softmax_row_impl(x, y, V);
+MLXINFER_AVX2 void log_softmax_row_avx2(const float* x, float* y, int V, uint32_t* index) {
+  index != nullptr ? log_softmax_row_impl<true>(x, y, V, index)
+                   : log_softmax_row_impl<false>(x, y, V, index);
 }
 #endif
 
-// y = x - logsumexp(x) for one row (y may be x).
-void log_softmax_row(const float* x, float* y, int V) {
+// y = x - logsumexp(x) for one row (y may be x); with `index`, the row's argmax.
+void log_softmax_row(const float* x, float* y, int V, uint32_t* index) {
 #if defined(MLXINFER_X86)
   if (current_isa() == kAvx512) {
-    return log_softmax_row_avx512(x, y, V);
+    return log_softmax_row_avx512(x, y, V, index);
   }
   if (current_isa() >= kAvx2) {
-    return log_softmax_row_avx2(x, y, V);
+    return log_softmax_row_avx2(x, y, V, index);
   }
 #endif
-  log_softmax_row_impl(x, y, V);
-}
-
-// mx.argmax's index over one row (as numpy's: the first NaN where there is one, else the first
-// of the largest values). Two passes the compiler vectorises: the largest value and whether a
-// NaN is there, then the first index of the one looked for.
-uint32_t argmax_row(const float* x, int V) {
-  float top = x[0];
-  bool nan = false;
-  for (int i = 0; i < V; ++i) {
-    top = x[i] > top ? x[i] : top; // a NaN compares false: left out of the largest
-    nan |= x[i] != x[i];
-  }
-  for (int i = 0; i < V; ++i) {
-    if (nan ? x[i] != x[i] : x[i] == top) {
-      return static_cast<uint32_t>(i);
-    }
-  }
-  return 0;
+  index != nullptr ? log_softmax_row_impl<true>(x, y, V, index)
+                   : log_softmax_row_impl<false>(x, y, V, index);
 }
 
 // The rows of x (float32 row-contiguous ones read in place, others converted into y first)
@@ -107,10 +131,7 @@ void log_softmax_rows(const mx::array& x, float* y, uint32_t* index) {
   const float* src = direct ? x.data<float>() : y;
   auto task = [&](int r) {
     const size_t at = static_cast<size_t>(r) * V;
-    if (index != nullptr) { // before the row is normalised: y may be src
-      index[r] = argmax_row(src + at, V);
-    }
-    log_softmax_row(src + at, y + at, V);
+    log_softmax_row(src + at, y + at, V, index != nullptr ? index + r : nullptr);
   };
   auto& pool = ThreadPool::instance();
   if (pool.size() <= 1 || rows == 1) {

@@ -636,6 +636,11 @@ def test_log_softmax_argmax_gives_mlxs_argmax_and_the_same_log_probs(k):
 
     nan, inf = float("nan"), float("inf")
     mx.random.seed(11)
+    rows = np.random.default_rng(11).normal(size=(2, 1000)).astype(np.float32)
+    rows[0, [700, 900]] = nan
+    rows[0, 950] = 60.0  # the largest after the NaNs: a scan for it would pass them
+    rows[1, [37, 600]] = 50.0
+    long_rows = mx.array(rows)
     cases = [
         mx.random.normal((8, 49152)) * 8,
         mx.array([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0]]),  # ties: the first
@@ -643,6 +648,7 @@ def test_log_softmax_argmax_gives_mlxs_argmax_and_the_same_log_probs(k):
         mx.array([[inf, 1.0, inf], [-1.0, -inf, -0.5], [nan, nan, 2.0]]),
         mx.random.normal((3, 100)).astype(mx.bfloat16),
         mx.random.normal((40, 3)).T,
+        long_rows,  # a NaN and a tie past the first 16-value steps
     ]
     before = k.num_threads()
     try:
